@@ -1,0 +1,199 @@
+#include "backend/cpu/ops.h"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "util/error.h"
+
+namespace talon::cpu {
+
+namespace {
+
+typedef float v8 __attribute__((vector_size(32)));
+
+inline v8 load8(const float* p) {
+  v8 r;
+  std::memcpy(&r, p, sizeof r);
+  return r;
+}
+
+// Fixed-order horizontal sum: the same for every tile shape.
+inline float hsum(v8 a) {
+  return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
+}
+
+// A TT x OO tile of dot products: out[t, o] = x[t, :] . w[o, :].
+template <int TT, int OO>
+void tile(float* out, int64_t ldo, const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t K,
+          const float* bias) {
+  v8 acc[TT][OO] = {};
+  const int64_t K8 = K & ~int64_t(7);
+  for (int64_t k = 0; k < K8; k += 8) {
+    v8 wv[OO];
+    for (int o = 0; o < OO; ++o) wv[o] = load8(w + o * ldw + k);
+    for (int t = 0; t < TT; ++t) {
+      v8 xv = load8(x + t * ldx + k);
+      for (int o = 0; o < OO; ++o) acc[t][o] += xv * wv[o];
+    }
+  }
+  for (int t = 0; t < TT; ++t)
+    for (int o = 0; o < OO; ++o) {
+      float s = hsum(acc[t][o]);
+      for (int64_t k = K8; k < K; ++k) s += x[t * ldx + k] * w[o * ldw + k];
+      if (bias) s += bias[o];
+      out[t * ldo + o] = s;
+    }
+}
+
+using TileFn = void (*)(float*, int64_t, const float*, int64_t, const float*, int64_t, int64_t, const float*);
+constexpr int kTT = 4, kOO = 3;
+template <int TT>
+constexpr TileFn row_fns[kOO + 1] = {nullptr, tile<TT, 1>, tile<TT, 2>, tile<TT, 3>};
+constexpr const TileFn* tile_fns[kTT + 1] = {nullptr, row_fns<1>, row_fns<2>, row_fns<3>, row_fns<4>};
+
+}  // namespace
+
+void matmul_forward(float* out, const float* in, const void* w, DType w_dtype, const float* bias, int64_t N,
+                    int64_t K, int64_t O) {
+  TALON_CHECK(w_dtype == DType::F32 || w_dtype == DType::BF16 || w_dtype == DType::F16,
+              "matmul: unsupported weight dtype {}", dtype_name(w_dtype));
+  constexpr int64_t kTokBlock = 128;  // rows of `in` kept hot in L2
+  constexpr int64_t kOutChunk = 15;   // weight rows per task (a multiple of kOO)
+  const int64_t n_chunks = (O + kOutChunk - 1) / kOutChunk;
+  const bool widen = w_dtype != DType::F32;
+  for (int64_t t0 = 0; t0 < N; t0 += kTokBlock) {
+    const int64_t t1 = std::min(N, t0 + kTokBlock);
+#pragma omp parallel
+    {
+      std::vector<float> scratch(widen ? size_t(kOutChunk * K) : 0);
+#pragma omp for schedule(static)
+      for (int64_t c = 0; c < n_chunks; ++c) {
+        const int64_t o0 = c * kOutChunk, o1 = std::min(O, o0 + kOutChunk);
+        const float* wrows;
+        if (widen) {
+          const size_t esz = dtype_size(w_dtype);
+          convert_to_f32(w_dtype, static_cast<const uint8_t*>(w) + size_t(o0 * K) * esz, scratch.data(),
+                         size_t((o1 - o0) * K));
+          wrows = scratch.data();
+        } else {
+          wrows = static_cast<const float*>(w) + o0 * K;
+        }
+        for (int64_t t = t0; t < t1; t += kTT) {
+          const int tt = int(std::min<int64_t>(kTT, t1 - t));
+          for (int64_t o = o0; o < o1; o += kOO) {
+            const int oo = int(std::min<int64_t>(kOO, o1 - o));
+            tile_fns[tt][oo](out + t * O + o, O, in + t * K, K, wrows + (o - o0) * K, K, K, bias ? bias + o : nullptr);
+          }
+        }
+      }
+    }
+  }
+}
+
+void rmsnorm_forward(float* out, const float* in, const float* weight, int64_t N, int64_t C, float eps) {
+#pragma omp parallel for schedule(static)
+  for (int64_t n = 0; n < N; ++n) {
+    const float* x = in + n * C;
+    float* y = out + n * C;
+    double ss = 0;  // the sum of squares in fp64: cheap here and removes one source of drift
+    for (int64_t c = 0; c < C; ++c) ss += double(x[c]) * x[c];
+    const float r = float(1.0 / std::sqrt(ss / double(C) + double(eps)));
+    for (int64_t c = 0; c < C; ++c) y[c] = weight[c] * (x[c] * r);
+  }
+}
+
+void embedding_forward(float* out, const int32_t* ids, const void* table, DType t_dtype, int64_t N, int64_t C,
+                       int64_t V) {
+  const size_t esz = dtype_size(t_dtype);
+  for (int64_t n = 0; n < N; ++n) {
+    TALON_CHECK(ids[n] >= 0 && ids[n] < V, "token id {} at position {} is outside the vocabulary [0, {})", ids[n], n, V);
+    convert_to_f32(t_dtype, static_cast<const uint8_t*>(table) + size_t(ids[n]) * size_t(C) * esz, out + n * C,
+                   size_t(C));
+  }
+}
+
+void rope_forward(float* x, const int32_t* pos, const float* inv_freq, int64_t N, int64_t n_heads, int64_t head_dim) {
+  const int64_t half = head_dim / 2;
+#pragma omp parallel for schedule(static)
+  for (int64_t n = 0; n < N; ++n) {
+    for (int64_t i = 0; i < half; ++i) {
+      // As transformers: the angle is an fp32 product, its cos/sin rounded to fp32.
+      const float ang = float(pos[n]) * inv_freq[i];
+      const float c = float(std::cos(double(ang))), s = float(std::sin(double(ang)));
+      for (int64_t h = 0; h < n_heads; ++h) {
+        float* p = x + (n * n_heads + h) * head_dim;
+        const float a = p[i], b = p[i + half];
+        p[i] = a * c - b * s;
+        p[i + half] = b * c + a * s;
+      }
+    }
+  }
+}
+
+void attention_forward(float* out, const float* q, const float* k, const float* v, const int64_t* seq_start,
+                       int64_t n_seqs, int64_t nh, int64_t nkv, int64_t hd, int64_t window) {
+  const int64_t group = nh / nkv;
+  const float scale = 1.0f / std::sqrt(float(hd));
+  const int64_t N = seq_start[n_seqs];
+  const int64_t qw = nh * hd, kw = nkv * hd;
+  // One task per (query row, head); rows know their sequence through `seq_of`.
+  std::vector<int64_t> seq_of(static_cast<size_t>(N));
+  for (int64_t s = 0; s < n_seqs; ++s)
+    for (int64_t r = seq_start[s]; r < seq_start[s + 1]; ++r) seq_of[size_t(r)] = s;
+#pragma omp parallel
+  {
+    std::vector<float> p;
+    std::vector<double> acc(static_cast<size_t>(hd));
+#pragma omp for schedule(dynamic, 16) collapse(2)
+    for (int64_t r = 0; r < N; ++r) {
+      for (int64_t h = 0; h < nh; ++h) {
+        const int64_t s0 = seq_start[seq_of[size_t(r)]];
+        const int64_t lo = window > 0 ? std::max(s0, r - window + 1) : s0;
+        const float* qr = q + r * qw + h * hd;
+        const int64_t kh = h / group;
+        p.resize(size_t(r - lo + 1));
+        float mx = -INFINITY;
+        for (int64_t j = lo; j <= r; ++j) {
+          const float* kr = k + j * kw + kh * hd;
+          float d = 0;
+          for (int64_t i = 0; i < hd; ++i) d += qr[i] * kr[i];
+          d *= scale;
+          p[size_t(j - lo)] = d;
+          mx = std::max(mx, d);
+        }
+        double den = 0;
+        for (auto& e : p) {
+          e = std::exp(e - mx);
+          den += e;
+        }
+        std::fill(acc.begin(), acc.end(), 0.0);
+        for (int64_t j = lo; j <= r; ++j) {
+          const float* vr = v + j * kw + kh * hd;
+          const double w = p[size_t(j - lo)];
+          for (int64_t i = 0; i < hd; ++i) acc[size_t(i)] += w * vr[i];
+        }
+        float* o = out + r * qw + h * hd;
+        for (int64_t i = 0; i < hd; ++i) o[i] = float(acc[size_t(i)] / den);
+      }
+    }
+  }
+}
+
+void swiglu_forward(float* out, const float* gate, const float* up, int64_t n) {
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < n; ++i) {
+    const float g = gate[i];
+    out[i] = g / (1.0f + std::exp(-g)) * up[i];
+  }
+}
+
+void residual_forward(float* out, const float* in, int64_t n) {
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < n; ++i) out[i] += in[i];
+}
+
+}  // namespace talon::cpu

@@ -1,0 +1,78 @@
+// talon: command-line entry point. The only place that turns errors into exit codes.
+#include <CLI/CLI.hpp>
+#include <iostream>
+
+#include "cli/commands/inspect.h"
+#include "data/extract.h"
+#include "util/error.h"
+#include "util/log.h"
+#include "util/signals.h"
+
+using namespace talon;
+
+int main(int argc, char** argv) {
+  CLI::App app{"talon: EAGLE-3 draft-model toolkit (extract, inspect)"};
+  app.require_subcommand(1);
+  std::string log_level = "info";
+  app.add_option("--log-level", log_level, "trace|debug|info|warn|error|off")->capture_default_str();
+  app.set_version_flag("--version", std::string("talon ") + TALON_VERSION);
+
+  ExtractOptions ex;
+  auto* cmd_ex = app.add_subcommand("extract", "Run the target model over tokenized samples and write EAGLE-3 features");
+  cmd_ex->add_option("--model", ex.model, "HF model directory or .gguf file")->required();
+  cmd_ex->add_option("--data", ex.data, "Tokenized samples (JSONL with input_ids, loss_mask)")->required();
+  cmd_ex->add_option("--out", ex.out, "Output dataset directory (rerun on an unfinished one to resume)")->required();
+  cmd_ex->add_option("--layers", ex.layers, "Aux layer ids a,b,c (input-of-layer convention; default 2,L/2,L-3)");
+  cmd_ex->add_option("--device", ex.device, "cpu|cuda")->capture_default_str();
+  cmd_ex->add_flag("--fp32", ex.fp32, "Store features as F32 instead of BF16");
+  cmd_ex->add_option("--shard-tokens", ex.shard_tokens, "Tokens per shard (default: ~512 MiB of features)");
+  cmd_ex->add_option("--max-batch-tokens", ex.max_batch_tokens, "Token budget of one forward batch")->capture_default_str();
+  cmd_ex->add_option("--threads", ex.threads, "CPU threads (default: all cores)");
+  cmd_ex->add_option("--stop-after-shards", ex.stop_after_shards, "Testing: stop as if interrupted after N shards")
+      ->group("");
+
+  fs::path inspect_target;
+  bool quick = false;
+  int show_sample = -1;
+  auto* cmd_in = app.add_subcommand("inspect", "Summarise and verify a feature dataset, model or safetensors file");
+  cmd_in->add_option("path", inspect_target, "Dataset directory, model directory, .gguf or .safetensors")->required();
+  cmd_in->add_flag("--quick", quick, "Check sizes only, skip checksums");
+  cmd_in->add_option("--sample", show_sample, "Print sample N's tokens with its loss mask");
+
+  CLI11_PARSE(app, argc, argv);
+  try {
+    init_logging(log_level);
+  } catch (const Error& e) {
+    std::cerr << "error: " << e.what() << "\n";
+    return 2;
+  }
+  install_stop_handlers();
+  try {
+    if (*cmd_ex) {
+      ExtractReport r = run_extract(ex);
+      if (r.status == ExtractStatus::Interrupted) {
+        std::string cmd;
+        for (int i = 0; i < argc; ++i) cmd += (i ? " " : "") + std::string(argv[i]);
+        tlog::warn("stopped by signal after {} finished shards; finished work is on disk", r.shards);
+        std::cerr << "resume with: " << cmd << "\n";
+        return 128 + (stop_signal() ? stop_signal() : 15);
+      }
+      std::cout << fmt::format("extract {}: {} samples, {} tokens ({} loss tokens) in {} shards\n",
+                               r.status == ExtractStatus::AlreadyComplete ? "already complete" : "complete", r.samples,
+                               r.tokens, r.loss_tokens, r.shards);
+      std::cout << fmt::format("  layers: aux {} + final {} (input-of-layer)\n", fmt::join(r.aux_layers, ","),
+                               r.final_layer);
+      std::cout << fmt::format("  output: {}\n", r.manifest.parent_path().string());
+      return 0;
+    }
+    if (*cmd_in) return inspect_path(inspect_target, quick, show_sample);
+  } catch (const Error& e) {
+    tlog::error("{}", e.what());
+    std::cerr << "error: " << e.what() << "\n";
+    return 1;
+  } catch (const std::exception& e) {
+    std::cerr << "error: " << e.what() << "\n";
+    return 1;
+  }
+  return 0;
+}

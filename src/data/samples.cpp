@@ -1,0 +1,88 @@
+#include "data/samples.h"
+
+#include <nlohmann/json.hpp>
+
+#include "util/error.h"
+
+namespace talon {
+
+using json = nlohmann::json;
+
+namespace {
+
+class TokenJsonl final : public SampleSource {
+ public:
+  explicit TokenJsonl(const fs::path& p) : path_(p.string()) {
+    MappedFile m(p);
+    sha_ = sha256_hex(m.data(), m.size());
+    const char* s = reinterpret_cast<const char*>(m.data());
+    const size_t n = m.size();
+    size_t i = 0;
+    int64_t line = 0;
+    while (i < n) {
+      size_t j = i;
+      while (j < n && s[j] != '\n') ++j;
+      ++line;
+      std::string_view text(s + i, j - i);
+      if (!text.empty() && text.back() == '\r') text.remove_suffix(1);
+      if (text.find_first_not_of(" \t") != std::string_view::npos) parse_line(text, line);
+      i = j + 1;
+    }
+    if (samples_.empty()) fail("{}: no samples (the file is empty)", path_);
+  }
+
+  size_t size() const override { return samples_.size(); }
+  const Sample& at(size_t i) const override { return samples_.at(i); }
+  std::string path() const override { return path_; }
+  std::string sha256() const override { return sha_; }
+  std::string format() const override { return "token-jsonl"; }
+
+ private:
+  void parse_line(std::string_view text, int64_t line) {
+    const std::string where = path_ + ":" + std::to_string(line);
+    json j = json::parse(text.begin(), text.end(), nullptr, false);
+    if (j.is_discarded()) fail("{}: not valid JSON", where);
+    if (!j.is_object()) fail("{}: expected a JSON object, got {}", where, j.type_name());
+    Sample smp;
+    smp.line = line;
+    if (auto it = j.find("id"); it != j.end() && !it->is_null())
+      smp.id = it->is_string() ? it->get<std::string>() : it->dump();
+    else
+      smp.id = "line:" + std::to_string(line);
+    auto ids = j.find("input_ids");
+    if (ids == j.end()) fail("{}: missing field 'input_ids'", where);
+    if (!ids->is_array()) fail("{}: 'input_ids' must be an array of token ids, got {}", where, ids->type_name());
+    if (ids->empty()) fail("{}: 'input_ids' is empty", where);
+    smp.input_ids.reserve(ids->size());
+    for (size_t k = 0; k < ids->size(); ++k) {
+      const json& v = (*ids)[k];
+      if (!v.is_number_integer() || v.get<int64_t>() < 0 || v.get<int64_t>() > INT32_MAX)
+        fail("{}: input_ids[{}] = {} is not a token id (expected an integer in [0, 2^31))", where, k, v.dump());
+      smp.input_ids.push_back(int32_t(v.get<int64_t>()));
+    }
+    auto mask = j.find("loss_mask");
+    if (mask == j.end()) fail("{}: missing field 'loss_mask'", where);
+    if (!mask->is_array()) fail("{}: 'loss_mask' must be an array of 0/1, got {}", where, mask->type_name());
+    if (mask->size() != ids->size())
+      fail("{}: 'loss_mask' has {} entries but 'input_ids' has {}", where, mask->size(), ids->size());
+    smp.loss_mask.reserve(mask->size());
+    for (size_t k = 0; k < mask->size(); ++k) {
+      const json& v = (*mask)[k];
+      int64_t x = -1;
+      if (v.is_boolean()) x = v.get<bool>();
+      else if (v.is_number_integer()) x = v.get<int64_t>();
+      if (x != 0 && x != 1) fail("{}: loss_mask[{}] = {} (expected 0 or 1)", where, k, v.dump());
+      smp.loss_mask.push_back(uint8_t(x));
+    }
+    samples_.push_back(std::move(smp));
+  }
+
+  std::string path_, sha_;
+  std::vector<Sample> samples_;
+};
+
+}  // namespace
+
+std::unique_ptr<SampleSource> open_token_jsonl(const fs::path& path) { return std::make_unique<TokenJsonl>(path); }
+
+}  // namespace talon

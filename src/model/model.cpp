@@ -1,0 +1,86 @@
+#include "model/model.h"
+
+#include <cmath>
+#include <numbers>
+
+#include "util/error.h"
+
+namespace talon {
+
+std::vector<int> default_aux_layers(int64_t L) {
+  TALON_CHECK(L >= 4, "default aux layers [2, L/2, L-3] need at least 4 layers, model has {}; pass --layers", L);
+  return {2, int(L / 2), int(L - 3)};
+}
+
+std::vector<int> parse_layer_ids(const std::string& spec, int64_t L) {
+  std::vector<int> ids;
+  size_t i = 0;
+  while (i <= spec.size()) {
+    size_t j = spec.find(',', i);
+    if (j == std::string::npos) j = spec.size();
+    std::string tok = spec.substr(i, j - i);
+    while (!tok.empty() && tok.front() == ' ') tok.erase(tok.begin());
+    while (!tok.empty() && tok.back() == ' ') tok.pop_back();
+    TALON_CHECK(!tok.empty(), "--layers '{}': empty entry (expected comma-separated integers)", spec);
+    size_t used = 0;
+    long v = 0;
+    try {
+      v = std::stol(tok, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    TALON_CHECK(used == tok.size() && used > 0, "--layers '{}': '{}' is not an integer", spec, tok);
+    TALON_CHECK(v >= 0 && v <= L, "--layers '{}': id {} outside [0, {}] (the model has L = {} layers; ids use the "
+                "input-of-layer convention, h[0] = embeddings, h[L] = last layer output)", spec, v, L, L);
+    TALON_CHECK(ids.empty() || v > ids.back(), "--layers '{}': ids must be strictly increasing", spec);
+    ids.push_back(int(v));
+    i = j + 1;
+  }
+  TALON_CHECK(ids.size() == 3, "--layers '{}': EAGLE-3 needs exactly 3 aux layer ids, got {}", spec, ids.size());
+  return ids;
+}
+
+void Batch::add(const int32_t* ids, int64_t n) {
+  if (seq_start.empty()) seq_start.push_back(0);
+  tokens.insert(tokens.end(), ids, ids + n);
+  seq_start.push_back(int64_t(tokens.size()));
+}
+
+void Batch::clear() {
+  tokens.clear();
+  seq_start.assign(1, 0);
+}
+
+std::vector<float> rope_inv_freq(const RopeConfig& r, int64_t hd) {
+  const int64_t half = hd / 2;
+  std::vector<float> f(static_cast<size_t>(half));
+  for (int64_t i = 0; i < half; ++i) {
+    // As transformers: exponent 2i/d in fp32, base^e and its reciprocal in fp32.
+    const float e = float(2 * i) / float(hd);
+    f[size_t(i)] = 1.0f / std::pow(float(r.theta), e);
+  }
+  if (r.type == "linear") {
+    for (auto& x : f) x = x / float(r.factor);
+  } else if (r.type == "llama3") {
+    const double old_ctx = double(r.original_max_position);
+    const double low_wl = old_ctx / r.low_freq_factor, high_wl = old_ctx / r.high_freq_factor;
+    for (auto& x : f) {
+      const double wl = 2 * std::numbers::pi / x;
+      if (wl < high_wl) continue;  // high frequency: unchanged
+      if (wl > low_wl) {           // low frequency: scaled
+        x = float(x / r.factor);
+        continue;
+      }
+      const double smooth = (old_ctx / wl - r.low_freq_factor) / (r.high_freq_factor - r.low_freq_factor);
+      x = float((1 - smooth) * x / r.factor + smooth * x);
+    }
+  }
+  if (!r.freq_factors.empty()) {
+    TALON_CHECK(int64_t(r.freq_factors.size()) == half, "rope freq_factors: expected {} values, got {}", half,
+                r.freq_factors.size());
+    for (int64_t i = 0; i < half; ++i) f[size_t(i)] /= r.freq_factors[size_t(i)];
+  }
+  return f;
+}
+
+}  // namespace talon

@@ -1,0 +1,58 @@
+// The model interface every backend implements, and the conventions it follows.
+//
+// Hidden-state ids use the "input of layer k" convention (SPEC-EAGLE3 section 1):
+//   h[k] = the residual-stream state entering decoder layer k,
+//   h[0] = token embeddings, h[L] = output of the last layer BEFORE the final norm.
+// Note HF's output_hidden_states[L] is after the final norm; h[L] here is not.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "model/checkpoint.h"
+#include "model/config.h"
+
+namespace talon {
+
+inline constexpr const char* kLayerConvention = "input-of-layer";
+inline constexpr const char* kLayerConventionText =
+    "h[k] is the residual stream entering decoder layer k; h[0] = token embeddings; "
+    "h[L] = output of the last decoder layer before the final norm";
+
+// Default EAGLE-3 aux ids: [2, L/2, L-3].
+std::vector<int> default_aux_layers(int64_t n_layers);
+// Parses "a,b,c" and validates each id against L (0 <= id <= L, strictly increasing).
+std::vector<int> parse_layer_ids(const std::string& spec, int64_t n_layers);
+
+// Independent sequences packed back to back; positions restart at 0 in each.
+struct Batch {
+  std::vector<int32_t> tokens;     // [N]
+  std::vector<int64_t> seq_start;  // [S+1]; sequence s is tokens[seq_start[s] .. seq_start[s+1])
+  int64_t n_tokens() const { return int64_t(tokens.size()); }
+  int64_t n_seqs() const { return int64_t(seq_start.size()) - 1; }
+  void add(const int32_t* ids, int64_t n);
+  void clear();
+};
+
+// Hidden states to copy out during a forward: h[layers[i]] -> out[i], each [N, H] fp32.
+struct Capture {
+  std::vector<int> layers;
+  std::vector<float*> out;
+};
+
+class Model {
+ public:
+  virtual ~Model() = default;
+  virtual const ModelConfig& config() const = 0;
+  virtual std::string backend() const = 0;
+  // logits may be null; otherwise [N, V] fp32.
+  virtual void forward(const Batch& batch, const Capture& capture, float* logits) = 0;
+};
+
+// RoPE inverse frequencies [head_dim/2] for the config's scaling rule.
+std::vector<float> rope_inv_freq(const RopeConfig& rope, int64_t head_dim);
+
+std::unique_ptr<Model> make_cpu_model(const Checkpoint& ckpt);
+
+}  // namespace talon

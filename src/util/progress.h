@@ -1,0 +1,29 @@
+// Progress reporting for long work: a redrawn bar on a terminal, periodic log lines
+// otherwise; both show done/total, tokens/s and ETA.
+#pragma once
+#include <chrono>
+#include <cstdint>
+#include <string>
+
+namespace talon {
+
+class Progress {
+ public:
+  // total_units: e.g. tokens; `unit` names them.
+  Progress(std::string label, int64_t total_units, std::string unit, int64_t already_done = 0);
+  ~Progress();
+  void advance(int64_t units);
+  void finish();
+
+ private:
+  void draw(bool final);
+  std::string label_, unit_;
+  int64_t total_, done_, start_done_;
+  std::chrono::steady_clock::time_point t0_, last_;
+  bool tty_, finished_ = false;
+};
+
+std::string format_duration(double seconds);
+std::string format_count(double v);  // 12.3k, 4.5M
+
+}  // namespace talon

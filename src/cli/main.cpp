@@ -67,7 +67,7 @@ int main(int argc, char** argv) {
     }
     if (*cmd_in) return inspect_path(inspect_target, quick, show_sample);
   } catch (const Error& e) {
-    tlog::error("{}", e.what());
+    spdlog::default_logger()->flush();
     std::cerr << "error: " << e.what() << "\n";
     return 1;
   } catch (const std::exception& e) {

@@ -11,6 +11,7 @@
 #include "io/gguf.h"
 
 #include <algorithm>
+#include <bit>
 #include <cstring>
 #include <limits>
 
@@ -603,14 +604,13 @@ File::File(const fs::path& path) : map_(path) {
     if (!a->is_int())
       fail("{}: metadata 'general.alignment': expected an unsigned integer (u32), found {}", p,
            Value::kind_name(a->kind));
-    uint64_t al = 0;
-    if (const auto* u = std::get_if<uint64_t>(&a->v)) al = *u;
-    else if (std::get<int64_t>(a->v) > 0) al = uint64_t(std::get<int64_t>(a->v));
+    // Negative signed values are rejected below as "not a power of two".
+    const auto* u = std::get_if<uint64_t>(&a->v);
+    const int64_t sv = u ? 0 : std::get<int64_t>(a->v);
+    const uint64_t al = u ? *u : (sv > 0 ? uint64_t(sv) : 0);
     if (al == 0 || (al & (al - 1)) != 0)
       fail("{}: metadata 'general.alignment': expected a nonzero power of two, found {}", p,
-           a->is_int() && std::holds_alternative<int64_t>(a->v)
-               ? fmt::format("{}", std::get<int64_t>(a->v))
-               : fmt::format("{}", al));
+           u ? fmt::format("{}", *u) : fmt::format("{}", sv));
     alignment_ = al;
   }
 

@@ -71,9 +71,9 @@ DenseWeights bind_dense_weights(const Checkpoint& ckpt) {
   if (!problems.empty()) {
     std::string msg = fmt::format("{}: {} problem(s) binding {} weights:", ckpt.source(), problems.size(),
                                   arch_name(ckpt.config().arch));
-    const size_t shown = std::min<size_t>(problems.size(), 20);
-    for (size_t i = 0; i < shown; ++i) msg += "\n  " + problems[i];
-    if (shown < problems.size()) msg += fmt::format("\n  ... and {} more", problems.size() - shown);
+    const size_t shown = std::min<size_t>(problems.size(), 10);
+    for (size_t i = 0; i < shown; ++i) msg += (i ? "; " : " ") + problems[i];
+    if (shown < problems.size()) msg += fmt::format("; ... and {} more", problems.size() - shown);
     throw Error(msg);
   }
   if (ckpt.config().tied_embeddings) w.lm_head = w.embed;

@@ -9,7 +9,11 @@ namespace talon {
 
 std::vector<int> default_aux_layers(int64_t L) {
   TALON_CHECK(L >= 4, "default aux layers [2, L/2, L-3] need at least 4 layers, model has {}; pass --layers", L);
-  return {2, int(L / 2), int(L - 3)};
+  std::vector<int> ids = {2, int(L / 2), int(L - 3)};
+  TALON_CHECK(ids[0] < ids[1] && ids[1] < ids[2],
+              "default aux layers [2, L/2, L-3] = [{}, {}, {}] are not distinct for L = {}; pass --layers a,b,c",
+              ids[0], ids[1], ids[2], L);
+  return ids;
 }
 
 std::vector<int> parse_layer_ids(const std::string& spec, int64_t L) {

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Installs what Talon needs to build and test on Debian/Ubuntu (run as root or with sudo),
+# and fetches the embedded default model. Idempotent.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+pkgs=(cmake g++ make pkg-config nlohmann-json3-dev libcli11-dev libspdlog-dev libfmt-dev libgtest-dev
+      libssl-dev clang libclang-rt-dev python3 python3-pip unzip)
+missing=()
+for p in "${pkgs[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
+if [ ${#missing[@]} -gt 0 ]; then
+  SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO=sudo
+  echo "setup: installing ${missing[*]}"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
+fi
+scripts/fetch_model.sh

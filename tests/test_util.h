@@ -1,0 +1,39 @@
+#pragma once
+#include <cmath>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "io/safetensors.h"
+#include "util/dtype.h"
+
+namespace talon::testing {
+
+inline std::string source_dir() { return TALON_SOURCE_DIR; }
+
+inline std::vector<float> read_f32(const st::File& f, const std::string& name) {
+  const auto& t = f.get(name);
+  std::vector<float> v(static_cast<size_t>(t.numel()));
+  convert_to_f32(t.dtype, t.data, v.data(), v.size());
+  return v;
+}
+
+inline std::vector<int64_t> read_i64(const st::File& f, const std::string& name) {
+  const auto& t = f.get(name);
+  std::vector<int64_t> v(static_cast<size_t>(t.numel()));
+  std::memcpy(v.data(), t.data, t.nbytes);
+  return v;
+}
+
+// max|a-b| / max(1, max|b|); NaN anywhere -> +inf.
+inline double rel_err(const float* a, const float* b, size_t n) {
+  double num = 0, den = 1;
+  for (size_t i = 0; i < n; ++i) {
+    if (std::isnan(a[i]) || std::isnan(b[i])) return INFINITY;
+    num = std::max(num, double(std::fabs(a[i] - b[i])));
+    den = std::max(den, double(std::fabs(b[i])));
+  }
+  return num / den;
+}
+
+}  // namespace talon::testing

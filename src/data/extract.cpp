@@ -15,6 +15,7 @@
 #include "util/dtype.h"
 #include "util/error.h"
 #include "util/log.h"
+#include "util/mem.h"
 #include "util/progress.h"
 #include "util/signals.h"
 
@@ -114,6 +115,7 @@ ExtractReport run_extract(const ExtractOptions& opt) {
   rep.load_seconds = std::chrono::duration<double>(Clock::now() - t_start).count();
   tlog::info("model {} ({}, L={}, H={}, V={}) loaded in {:.2f}s on {} with {} threads", opt.model.string(),
              arch_name(cfg.arch), L, H, cfg.vocab, rep.load_seconds, model->backend(), omp_get_max_threads());
+  tlog::info("memory after load: {}", format_mem(mem_usage()));
   tlog::info("layers: aux h{} + final h[{}] ({}: {})", fmt::format("{}", fmt::join(aux, ",")), L,
              kLayerConvention, kLayerConventionText);
 
@@ -346,8 +348,8 @@ ExtractReport run_extract(const ExtractOptions& opt) {
   rep.tokens_this_run = written_this_run;
   rep.seconds = std::chrono::duration<double>(Clock::now() - t_start).count();
   const double run_s = std::chrono::duration<double>(Clock::now() - t_run).count();
-  tlog::info("extract: {} tokens in {:.2f}s ({:.0f} tok/s)", written_this_run, run_s,
-             run_s > 0 ? double(written_this_run) / run_s : 0.0);
+  tlog::info("extract: {} tokens in {:.2f}s ({:.0f} tok/s); {}", written_this_run, run_s,
+             run_s > 0 ? double(written_this_run) / run_s : 0.0, format_mem(mem_usage()));
   return rep;
 }
 

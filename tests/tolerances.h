@@ -18,4 +18,13 @@ inline constexpr double kRealLogitsAbs = 2e-3;  // logits are O(10-30)
 // Op tests: fp32 ops vs fp64 references.
 inline constexpr double kOpRel = 1e-5;
 
+// CUDA ops write bf16: one rounding is a relative error of at most 2^-9 of the value;
+// against the tensor's max magnitude plus fp32 summation-order noise, 8e-3 holds.
+inline constexpr double kCudaBf16Out = 8e-3;
+// Whole CUDA models (bf16 weights and activations, fp32 residual) vs transformers fp32:
+// bf16 rounding of weights (2^-9) compounds over layers; 5e-2 of the tensor's max.
+inline constexpr double kCudaModelRel = 5e-2;
+// Greedy agreement is only required where the fp32 top-2 logit gap exceeds this.
+inline constexpr double kCudaGreedyMargin = 0.5;
+
 }  // namespace talon::tol

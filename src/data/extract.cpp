@@ -92,9 +92,21 @@ const char* kPinned[] = {"format_version", "model_config_sha256", "model_weights
 ExtractReport run_extract(const ExtractOptions& opt) {
   ExtractReport rep;
   const auto t_start = Clock::now();
-  if (opt.device != "cpu" && opt.device != "cuda")
-    fail("--device '{}': expected cpu or cuda", opt.device);
-  if (opt.device == "cuda") fail("--device cuda: this build has no CUDA backend; use --device cpu");
+  int cuda_device = -1;
+  if (opt.device == "cuda") cuda_device = 0;
+  else if (opt.device.rfind("cuda:", 0) == 0) {
+    try {
+      size_t used = 0;
+      cuda_device = std::stoi(opt.device.substr(5), &used);
+      if (used != opt.device.size() - 5) cuda_device = -2;
+    } catch (const std::exception&) {
+      cuda_device = -2;
+    }
+  }
+  if (opt.device != "cpu" && cuda_device < 0) fail("--device '{}': expected cpu, cuda or cuda:N", opt.device);
+  if (cuda_device >= 0 && !cuda_backend_built())
+    fail("--device {}: this build has no CUDA backend (nvcc was not found when it was configured); use --device cpu",
+         opt.device);
   TALON_CHECK(opt.max_batch_tokens > 0, "--max-batch-tokens must be positive, got {}", opt.max_batch_tokens);
   TALON_CHECK(opt.shard_tokens >= 0, "--shard-tokens must be >= 0, got {}", opt.shard_tokens);
   if (opt.threads > 0) omp_set_num_threads(opt.threads);
@@ -111,7 +123,7 @@ ExtractReport run_extract(const ExtractOptions& opt) {
       TALON_CHECK(s.input_ids[k] < cfg.vocab, "{}:{}: input_ids[{}] = {} outside the model's vocabulary [0, {})",
                   src->path(), s.line, k, s.input_ids[k], cfg.vocab);
   }
-  auto model = make_cpu_model(*ckpt);
+  auto model = cuda_device >= 0 ? make_cuda_model(*ckpt, cuda_device) : make_cpu_model(*ckpt);
   rep.load_seconds = std::chrono::duration<double>(Clock::now() - t_start).count();
   tlog::info("model {} ({}, L={}, H={}, V={}) loaded in {:.2f}s on {} with {} threads", opt.model.string(),
              arch_name(cfg.arch), L, H, cfg.vocab, rep.load_seconds, model->backend(), omp_get_max_threads());

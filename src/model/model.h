@@ -54,5 +54,8 @@ class Model {
 std::vector<float> rope_inv_freq(const RopeConfig& rope, int64_t head_dim);
 
 std::unique_ptr<Model> make_cpu_model(const Checkpoint& ckpt);
+// Throws when the build has no CUDA backend or no device is present.
+std::unique_ptr<Model> make_cuda_model(const Checkpoint& ckpt, int device);
+bool cuda_backend_built();
 
 }  // namespace talon

@@ -1,0 +1,317 @@
+#include <cublasLt.h>
+
+#include <cfloat>
+#include <cstdlib>
+#include <map>
+#include <string>
+#include <tuple>
+
+#include "backend/cuda/check.h"
+#include "backend/cuda/ops.h"
+
+namespace talon::cuda {
+
+bool debug_sync() {
+  static const bool on = [] {
+    const char* e = std::getenv("TALON_CUDA_SYNC");
+    return e && e[0] == '1';
+  }();
+  return on;
+}
+
+namespace {
+
+constexpr int kWarp = 32;
+
+__device__ __forceinline__ float warp_sum(float v) {
+  for (int o = kWarp / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// Sum over a block of up to 1024 threads; every thread gets the result.
+__device__ float block_sum(float v) {
+  __shared__ float part[32];
+  const int lane = threadIdx.x % kWarp, wid = threadIdx.x / kWarp;
+  v = warp_sum(v);
+  if (lane == 0) part[wid] = v;
+  __syncthreads();
+  const int nw = (blockDim.x + kWarp - 1) / kWarp;
+  v = threadIdx.x < nw ? part[threadIdx.x] : 0.f;
+  if (wid == 0) v = warp_sum(v);
+  if (threadIdx.x == 0) part[0] = v;
+  __syncthreads();
+  v = part[0];
+  __syncthreads();
+  return v;
+}
+
+__global__ void embedding_kernel(float* out, const int32_t* ids, const bf16* table, int64_t C, int64_t V) {
+  const int64_t n = blockIdx.x;
+  const int32_t id = ids[n];
+  for (int64_t c = threadIdx.x; c < C; c += blockDim.x)
+    out[n * C + c] = (id >= 0 && id < V) ? __bfloat162float(table[int64_t(id) * C + c]) : NAN;
+}
+
+__global__ void add_rmsnorm_kernel(bf16* out, float* x, const bf16* add, const bf16* w, int64_t C, float eps) {
+  const int64_t n = blockIdx.x;
+  float* xr = x + n * C;
+  float ss = 0.f;
+  for (int64_t c = threadIdx.x; c < C; c += blockDim.x) {
+    float v = xr[c];
+    if (add) {
+      v += __bfloat162float(add[n * C + c]);
+      xr[c] = v;
+    }
+    ss += v * v;
+  }
+  ss = block_sum(ss);
+  const float r = rsqrtf(ss / float(C) + eps);
+  for (int64_t c = threadIdx.x; c < C; c += blockDim.x)
+    out[n * C + c] = __float2bfloat16(xr[c] * r * __bfloat162float(w[c]));
+}
+
+// One warp per (row, head).
+__global__ void head_rmsnorm_kernel(bf16* x, int64_t ld, const bf16* w, int64_t N, int64_t nh, int64_t hd,
+                                    float eps) {
+  const int64_t task = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / kWarp;
+  const int lane = threadIdx.x % kWarp;
+  if (task >= N * nh) return;
+  bf16* p = x + (task / nh) * ld + (task % nh) * hd;
+  float ss = 0.f;
+  for (int64_t i = lane; i < hd; i += kWarp) {
+    const float v = __bfloat162float(p[i]);
+    ss += v * v;
+  }
+  ss = warp_sum(ss);
+  const float r = rsqrtf(ss / float(hd) + eps);
+  for (int64_t i = lane; i < hd; i += kWarp) p[i] = __float2bfloat16(__bfloat162float(p[i]) * r * __bfloat162float(w[i]));
+}
+
+__global__ void rope_kernel(bf16* x, int64_t ld, const int32_t* pos, const float* inv_freq, int64_t N, int64_t nh,
+                            int64_t hd) {
+  const int64_t half = hd / 2;
+  const int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (idx >= N * nh * half) return;
+  const int64_t i = idx % half, h = (idx / half) % nh, n = idx / (half * nh);
+  const float ang = float(pos[n]) * inv_freq[i];
+  float sn, cs;
+  sincosf(ang, &sn, &cs);
+  bf16* p = x + n * ld + h * hd;
+  const float a = __bfloat162float(p[i]), b = __bfloat162float(p[i + half]);
+  p[i] = __float2bfloat16(a * cs - b * sn);
+  p[i + half] = __float2bfloat16(b * cs + a * sn);
+}
+
+__global__ void bias_kernel(bf16* y, int64_t ld, const bf16* b, int64_t N, int64_t O) {
+  const int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (idx >= N * O) return;
+  const int64_t n = idx / O, o = idx % O;
+  y[n * ld + o] = __float2bfloat16(__bfloat162float(y[n * ld + o]) + __bfloat162float(b[o]));
+}
+
+__global__ void swiglu_kernel(bf16* out, const bf16* gu, int64_t N, int64_t I) {
+  const int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (idx >= N * I) return;
+  const int64_t n = idx / I, i = idx % I;
+  const float g = __bfloat162float(gu[n * 2 * I + i]), u = __bfloat162float(gu[n * 2 * I + I + i]);
+  out[idx] = __float2bfloat16(g / (1.f + __expf(-g)) * u);
+}
+
+// One warp per (query row, head); each lane owns E strided elements of head_dim.
+// Online softmax over the keys of the row's sequence, in the exp2 domain.
+template <int E>
+__global__ void attention_kernel(bf16* out, const bf16* qkv, int64_t ld, const int64_t* seq_start,
+                                 const int32_t* row_seq, int64_t N, int64_t nh, int64_t nkv, int64_t hd,
+                                 int64_t window) {
+  const int64_t task = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / kWarp;
+  const int lane = threadIdx.x % kWarp;
+  if (task >= N * nh) return;
+  const int64_t r = task / nh, h = task % nh, kh = h / (nh / nkv);
+  const int64_t s0 = seq_start[row_seq[r]];
+  const int64_t lo = window > 0 ? max(s0, r - window + 1) : s0;
+  const float scale = rsqrtf(float(hd)) * 1.4426950408889634f;  // 1/sqrt(d) * log2(e)
+  const bf16* qp = qkv + r * ld + h * hd;
+  const bf16* kbase = qkv + nh * hd + kh * hd;
+  const bf16* vbase = qkv + (nh + nkv) * hd + kh * hd;
+  float q[E], acc[E];
+#pragma unroll
+  for (int e = 0; e < E; ++e) {
+    const int64_t i = lane + e * kWarp;
+    q[e] = i < hd ? __bfloat162float(qp[i]) * scale : 0.f;
+    acc[e] = 0.f;
+  }
+  float m = -FLT_MAX, l = 0.f;
+  for (int64_t j = lo; j <= r; ++j) {
+    const bf16* kp = kbase + j * ld;
+    float d = 0.f;
+#pragma unroll
+    for (int e = 0; e < E; ++e) {
+      const int64_t i = lane + e * kWarp;
+      if (i < hd) d += q[e] * __bfloat162float(kp[i]);
+    }
+    d = warp_sum(d);
+    const float m_new = fmaxf(m, d);
+    const float corr = exp2f(m - m_new), p = exp2f(d - m_new);
+    l = l * corr + p;
+    const bf16* vp = vbase + j * ld;
+#pragma unroll
+    for (int e = 0; e < E; ++e) {
+      const int64_t i = lane + e * kWarp;
+      acc[e] = acc[e] * corr + (i < hd ? p * __bfloat162float(vp[i]) : 0.f);
+    }
+    m = m_new;
+  }
+  bf16* op = out + r * nh * hd + h * hd;
+#pragma unroll
+  for (int e = 0; e < E; ++e) {
+    const int64_t i = lane + e * kWarp;
+    if (i < hd) op[i] = __float2bfloat16(acc[e] / l);
+  }
+}
+
+__global__ void f32_to_bf16_kernel(bf16* out, const float* in, int64_t n) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < n) out[i] = __float2bfloat16(in[i]);
+}
+
+__global__ void bf16_to_f32_kernel(float* out, const bf16* in, int64_t n) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < n) out[i] = __bfloat162float(in[i]);
+}
+
+unsigned blocks(int64_t n, int per) { return unsigned((n + per - 1) / per); }
+
+}  // namespace
+
+void embedding_forward(float* out, const int32_t* ids, const bf16* table, int64_t N, int64_t C, int64_t V,
+                       cudaStream_t s) {
+  if (N == 0) return;
+  embedding_kernel<<<unsigned(N), 256, 0, s>>>(out, ids, table, C, V);
+  CUDA_LAUNCH_CHECK();
+}
+
+void add_rmsnorm_forward(bf16* out, float* x, const bf16* add, const bf16* w, int64_t N, int64_t C, float eps,
+                         cudaStream_t s) {
+  if (N == 0) return;
+  add_rmsnorm_kernel<<<unsigned(N), 256, 0, s>>>(out, x, add, w, C, eps);
+  CUDA_LAUNCH_CHECK();
+}
+
+void head_rmsnorm_forward(bf16* x, int64_t ld, const bf16* w, int64_t N, int64_t nh, int64_t hd, float eps,
+                          cudaStream_t s) {
+  if (N == 0) return;
+  head_rmsnorm_kernel<<<blocks(N * nh * kWarp, 256), 256, 0, s>>>(x, ld, w, N, nh, hd, eps);
+  CUDA_LAUNCH_CHECK();
+}
+
+void rope_forward(bf16* x, int64_t ld, const int32_t* pos, const float* inv_freq, int64_t N, int64_t nh, int64_t hd,
+                  cudaStream_t s) {
+  if (N == 0) return;
+  rope_kernel<<<blocks(N * nh * (hd / 2), 256), 256, 0, s>>>(x, ld, pos, inv_freq, N, nh, hd);
+  CUDA_LAUNCH_CHECK();
+}
+
+void bias_forward(bf16* y, int64_t ld, const bf16* b, int64_t N, int64_t O, cudaStream_t s) {
+  if (N == 0) return;
+  bias_kernel<<<blocks(N * O, 256), 256, 0, s>>>(y, ld, b, N, O);
+  CUDA_LAUNCH_CHECK();
+}
+
+void swiglu_forward(bf16* out, const bf16* gu, int64_t N, int64_t I, cudaStream_t s) {
+  if (N == 0) return;
+  swiglu_kernel<<<blocks(N * I, 256), 256, 0, s>>>(out, gu, N, I);
+  CUDA_LAUNCH_CHECK();
+}
+
+void attention_forward(bf16* out, const bf16* qkv, int64_t ld, const int64_t* seq_start, const int32_t* row_seq,
+                       int64_t N, int64_t nh, int64_t nkv, int64_t hd, int64_t window, cudaStream_t s) {
+  if (N == 0) return;
+  if (hd > 8 * kWarp) fail_msg("attention: head_dim " + std::to_string(hd) + " > 256 unsupported");
+  const unsigned g = blocks(N * nh * kWarp, 128);
+  if (hd <= 32) attention_kernel<1><<<g, 128, 0, s>>>(out, qkv, ld, seq_start, row_seq, N, nh, nkv, hd, window);
+  else if (hd <= 64) attention_kernel<2><<<g, 128, 0, s>>>(out, qkv, ld, seq_start, row_seq, N, nh, nkv, hd, window);
+  else if (hd <= 128) attention_kernel<4><<<g, 128, 0, s>>>(out, qkv, ld, seq_start, row_seq, N, nh, nkv, hd, window);
+  else attention_kernel<8><<<g, 128, 0, s>>>(out, qkv, ld, seq_start, row_seq, N, nh, nkv, hd, window);
+  CUDA_LAUNCH_CHECK();
+}
+
+void f32_to_bf16(bf16* out, const float* in, int64_t n, cudaStream_t s) {
+  if (n == 0) return;
+  f32_to_bf16_kernel<<<blocks(n, 256), 256, 0, s>>>(out, in, n);
+  CUDA_LAUNCH_CHECK();
+}
+
+void bf16_to_f32(float* out, const bf16* in, int64_t n, cudaStream_t s) {
+  if (n == 0) return;
+  bf16_to_f32_kernel<<<blocks(n, 256), 256, 0, s>>>(out, in, n);
+  CUDA_LAUNCH_CHECK();
+}
+
+// ------------------------------------------------------------------ cuBLASLt GEMM
+struct Gemm::Impl {
+  cublasLtHandle_t lt = nullptr;
+  void* workspace = nullptr;
+  size_t ws_size = 64ull << 20;
+  struct Plan {
+    cublasLtMatmulDesc_t op = nullptr;
+    cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
+    cublasLtMatmulAlgo_t algo{};
+  };
+  std::map<std::tuple<int64_t, int64_t, int64_t>, Plan> plans;
+
+  // Row-major out[N,O] = in[N,K] @ w[O,K]^T is column-major D[O,N] = op(A)[O,K] B[K,N]
+  // with A = w stored [K,O] (ld K) transposed, B = in stored [K,N] (ld K).
+  Plan& plan(int64_t N, int64_t K, int64_t O) {
+    auto key = std::make_tuple(N, K, O);
+    auto it = plans.find(key);
+    if (it != plans.end()) return it->second;
+    Plan p;
+    CUBLAS_CHECK(cublasLtMatmulDescCreate(&p.op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+    cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
+    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta));
+    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb));
+    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.a, CUDA_R_16BF, uint64_t(K), uint64_t(O), K));
+    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.b, CUDA_R_16BF, uint64_t(K), uint64_t(N), K));
+    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.c, CUDA_R_16BF, uint64_t(O), uint64_t(N), O));
+    cublasLtMatmulPreference_t pref;
+    CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
+    CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws_size,
+                                                      sizeof ws_size));
+    cublasLtMatmulHeuristicResult_t res{};
+    int found = 0;
+    CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(lt, p.op, p.a, p.b, p.c, p.c, pref, 1, &res, &found));
+    cublasLtMatmulPreferenceDestroy(pref);
+    if (found == 0)
+      fail_msg("cuBLASLt: no algorithm for bf16 GEMM N=" + std::to_string(N) + " K=" + std::to_string(K) +
+               " O=" + std::to_string(O));
+    p.algo = res.algo;
+    return plans.emplace(key, p).first->second;
+  }
+};
+
+Gemm::Gemm() : impl_(std::make_unique<Impl>()) {
+  CUBLAS_CHECK(cublasLtCreate(&impl_->lt));
+  CUDA_CHECK(cudaMalloc(&impl_->workspace, impl_->ws_size));
+}
+
+Gemm::~Gemm() {
+  for (auto& [k, p] : impl_->plans) {
+    cublasLtMatrixLayoutDestroy(p.a);
+    cublasLtMatrixLayoutDestroy(p.b);
+    cublasLtMatrixLayoutDestroy(p.c);
+    cublasLtMatmulDescDestroy(p.op);
+  }
+  cudaFree(impl_->workspace);
+  cublasLtDestroy(impl_->lt);
+}
+
+void Gemm::forward(bf16* out, const bf16* in, const bf16* w, int64_t N, int64_t K, int64_t O, cudaStream_t s) {
+  if (N == 0) return;
+  auto& p = impl_->plan(N, K, O);
+  const float alpha = 1.f, beta = 0.f;
+  CUBLAS_CHECK(cublasLtMatmul(impl_->lt, p.op, &alpha, w, p.a, in, p.b, &beta, out, p.c, out, p.c, &p.algo,
+                              impl_->workspace, impl_->ws_size, s));
+  if (debug_sync()) CUDA_CHECK(cudaStreamSynchronize(s));
+}
+
+}  // namespace talon::cuda

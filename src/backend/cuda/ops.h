@@ -1,0 +1,64 @@
+// CUDA ops for the dense decoder family: bf16 activations and weights, fp32 accumulation,
+// fp32 residual stream. Each op has a CPU twin in src/backend/cpu/ops.h and is tested
+// against it by tests/backend/test_cuda_ops.cpp. Launchers return after enqueueing on
+// `stream`; arguments are outputs, inputs, then sizes. Row strides (`ld*`) are in
+// elements, so fused projections (q|k|v, gate|up) are consumed in place.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <memory>
+
+namespace talon::cuda {
+
+using bf16 = __nv_bfloat16;
+
+// out[N, C] (fp32) = table[ids[n], :] (bf16 [V, C]). Out-of-range ids write NaN rows
+// (ids are validated on the host before they get here).
+void embedding_forward(float* out, const int32_t* ids, const bf16* table, int64_t N, int64_t C, int64_t V,
+                       cudaStream_t s);
+
+// Optionally x[N, C] += add[N, C] (fp32 += bf16; add may be null), then
+// out[N, C] (bf16) = x / rms(x) * w. One block per row.
+void add_rmsnorm_forward(bf16* out, float* x, const bf16* add, const bf16* w, int64_t N, int64_t C, float eps,
+                         cudaStream_t s);
+
+// In place on rows of width `n_heads*hd` at stride `ld`: RMSNorm over each head's hd
+// values (qwen3 q/k norm), w[hd].
+void head_rmsnorm_forward(bf16* x, int64_t ld, const bf16* w, int64_t N, int64_t n_heads, int64_t hd, float eps,
+                          cudaStream_t s);
+
+// In place: rotate pairs (i, i + hd/2) of each head by pos[n] * inv_freq[i].
+void rope_forward(bf16* x, int64_t ld, const int32_t* pos, const float* inv_freq, int64_t N, int64_t n_heads,
+                  int64_t hd, cudaStream_t s);
+
+// y[n, o] += b[o] for rows at stride ld.
+void bias_forward(bf16* y, int64_t ld, const bf16* b, int64_t N, int64_t O, cudaStream_t s);
+
+// out[N, I] = silu(gu[n, 0:I]) * gu[n, I:2I] (gu is the fused gate|up projection [N, 2I]).
+void swiglu_forward(bf16* out, const bf16* gu, int64_t N, int64_t I, cudaStream_t s);
+
+// Causal GQA attention over packed sequences, online softmax in fp32 (no T x T matrix).
+// q/k/v rows at stride ld (fused qkv: q at column 0, k at nh*hd, v at (nh+nkv)*hd).
+// seq_start[S+1] and the row -> sequence map are device arrays. out[N, nh*hd].
+void attention_forward(bf16* out, const bf16* qkv, int64_t ld, const int64_t* seq_start, const int32_t* row_seq,
+                       int64_t N, int64_t nh, int64_t nkv, int64_t hd, int64_t window, cudaStream_t s);
+
+// fp32 -> bf16 and bf16 -> fp32 conversions.
+void f32_to_bf16(bf16* out, const float* in, int64_t n, cudaStream_t s);
+void bf16_to_f32(float* out, const bf16* in, int64_t n, cudaStream_t s);
+
+// out[N, O] (bf16) = in[N, K] (bf16) @ w[O, K]^T, fp32 accumulation, through cuBLASLt.
+class Gemm {
+ public:
+  Gemm();
+  ~Gemm();
+  void forward(bf16* out, const bf16* in, const bf16* w, int64_t N, int64_t K, int64_t O, cudaStream_t s);
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace talon::cuda

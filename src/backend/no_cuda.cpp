@@ -1,0 +1,10 @@
+// Linked when the build has no CUDA compiler.
+#include "model/model.h"
+#include "util/error.h"
+
+namespace talon {
+bool cuda_backend_built() { return false; }
+std::unique_ptr<Model> make_cuda_model(const Checkpoint&, int) {
+  fail("this build has no CUDA backend (nvcc was not found when it was configured)");
+}
+}  // namespace talon

@@ -1,0 +1,69 @@
+// Internal: tokens and AST shared by the parser (jinja.cpp) and evaluator (jinja_eval.cpp).
+#pragma once
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "text/jinja.h"
+
+namespace talon::text::jinja {
+
+enum class T { Data, VarBegin, VarEnd, BlockBegin, BlockEnd, Name, String, Int, Float, Op, Eof };
+struct Tok {
+  T type;
+  std::string val;
+  int line;
+  int64_t ival;
+  double fval;
+};
+
+enum class EK { Lit, Name, Attr, Item, Slice, Call, Filter, Test, Neg, Pos, Not, And, Or, Bin, Cmp, Cond,
+                ListLit, TupleLit, DictLit };
+struct Expr;
+using ExprP = std::unique_ptr<Expr>;
+// Children layout by kind:
+//   Attr: a[0] . name          Item: a[0][a[1]]           Slice: a[0][a[1]:a[2]:a[3]] (nullable)
+//   Call: a[0](a[1..], kw)     Filter: a[0]|name(a[1..], kw) (a[0] null in filter/set blocks)
+//   Test: a[0] is [not] name(a[1..])   Bin: a[0] name a[1]   Cmp: a[0] ops[0] a[1] ops[1] a[2] ...
+//   Cond: a[1] if a[0] else a[2]       DictLit: key, value, key, value ...
+struct Expr {
+  EK k;
+  int line = 0;
+  Value lit;
+  std::string name;
+  bool negated = false;
+  std::vector<ExprP> a;
+  std::vector<std::pair<std::string, ExprP>> kw;
+  std::vector<std::string> ops;
+};
+
+enum class SK { Data, Print, If, For, Set, SetAttr, SetBlock, Macro, Break, Continue, Generation, FilterBlock };
+struct Stmt;
+using StmtP = std::unique_ptr<Stmt>;
+using Body = std::vector<StmtP>;
+// If: conds[i] -> bodies[i], bodies[conds.size()] = else.  For: targets in e [if cond] bodies[0] [else bodies[1]]
+// Set: targets = e.  SetAttr: targets[0].targets[1] = e.  SetBlock: targets[0] = bodies[0] (| cond filters)
+// Macro: text(targets = defaults) bodies[0].  FilterBlock: cond = filter chain over bodies[0].
+struct Stmt {
+  SK k;
+  int line = 0;
+  std::string text;
+  ExprP e, cond;
+  std::vector<std::string> targets;
+  std::vector<ExprP> defaults;
+  std::vector<ExprP> conds;
+  std::vector<Body> bodies;
+};
+
+struct Template::Impl {
+  std::string name;
+  Options opts;
+  Body body;
+};
+
+std::string render_impl(const Template::Impl& t, const Dict& context);
+bool filter_known(const std::string& name);
+bool filter_jinja_builtin(const std::string& name);
+bool test_known(const std::string& name);
+
+}  // namespace talon::text::jinja

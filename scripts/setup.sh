@@ -5,7 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 pkgs=(cmake g++ make pkg-config nlohmann-json3-dev libcli11-dev libspdlog-dev libfmt-dev libgtest-dev
-      libssl-dev clang libclang-rt-dev libomp-dev python3 python3-pip unzip)
+      libssl-dev libpcre2-dev libutf8proc-dev clang libclang-rt-dev libomp-dev python3 python3-pip unzip)
 missing=()
 for p in "${pkgs[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
 if [ ${#missing[@]} -gt 0 ]; then
@@ -13,5 +13,10 @@ if [ ${#missing[@]} -gt 0 ]; then
   echo "setup: installing ${missing[*]}"
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
+fi
+# Test oracles (reference tokenizers) from PyPI.
+if ! python3 -c "import tokenizers, sentencepiece, google.protobuf, gguf, transformers" 2>/dev/null; then
+  echo "setup: installing Python test oracles"
+  python3 -m pip install --quiet tokenizers sentencepiece protobuf gguf transformers numpy safetensors
 fi
 scripts/fetch_model.sh

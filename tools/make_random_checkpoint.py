@@ -17,6 +17,7 @@ SHAPES = {
     "llama3-8b": ("llama", 32, 4096, 14336, 32, 8, 128256, False,
                   {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                    "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
+    "smollm2-135m": ("llama", 30, 576, 1536, 9, 3, 49152, True, {"rope_type": "default", "rope_theta": 100000.0}),
     "llama3-1b": ("llama", 16, 2048, 8192, 32, 8, 128256, True,
                   {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
                    "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
@@ -73,7 +74,20 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--shard-gb", type=float, default=4.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--torch", action="store_true", help="generate on a CUDA device with torch (much faster)")
     a = ap.parse_args()
+    if a.torch:
+        import torch
+        gen = torch.Generator(device="cuda").manual_seed(a.seed)
+
+        def fast(shape, rng, norm):
+            if norm:
+                t = torch.ones(shape, dtype=torch.bfloat16, device="cuda")
+            else:
+                t = (torch.randn(shape, generator=gen, device="cuda") * 0.02).to(torch.bfloat16)
+            return t.view(torch.int16).cpu().numpy().view(np.uint16).reshape(-1)
+        global bf16_random
+        bf16_random = fast
     mt, L, H, I, nh, nkv, V, tied, rope = SHAPES[a.shape]
     os.makedirs(a.out, exist_ok=True)
     cfg = {"architectures": ["LlamaForCausalLM"], "model_type": mt, "num_hidden_layers": L, "hidden_size": H,

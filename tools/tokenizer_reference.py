@@ -63,7 +63,10 @@ def main():
         if raw_spm:
             import sentencepiece as spm
             import re
+            from tokenizers import decoders
             sp = spm.SentencePieceProcessor(model_file=tok_path)
+            dec = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
             # Unknown/control pieces are matched whole in the text first (as HF's
             # added tokens and Meta's Llama-2 tokenizer.json do); sentencepiece encodes the rest.
             added = {sp.id_to_piece(i): i for i in range(sp.get_piece_size())
@@ -79,7 +82,9 @@ def main():
                     pos = m.end()
                 if pos < len(text):
                     ids += sp.encode(text[pos:])
-                out.write(json.dumps({"ids": ids, "decoded": sp.decode(ids)}, ensure_ascii=False) + "\n")
+                # Decode as HF's Llama decoder chain does (control pieces kept as text).
+                pieces = [sp.id_to_piece(i) for i in ids]
+                out.write(json.dumps({"ids": ids, "decoded": dec.decode(pieces)}, ensure_ascii=False) + "\n")
             return
         tok = load_hf(tok_path)
         if export:

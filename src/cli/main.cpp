@@ -3,6 +3,8 @@
 #include <iostream>
 
 #include "cli/commands/inspect.h"
+#include "cli/commands/template.h"
+#include "cli/commands/tokenize.h"
 #include "data/extract.h"
 #include "util/error.h"
 #include "util/log.h"
@@ -11,7 +13,7 @@
 using namespace talon;
 
 int main(int argc, char** argv) {
-  CLI::App app{"talon: EAGLE-3 draft-model toolkit (extract, inspect)"};
+  CLI::App app{"talon: EAGLE-3 draft-model toolkit"};
   app.require_subcommand(1);
   std::string log_level = "info";
   app.add_option("--log-level", log_level, "trace|debug|info|warn|error|off")->capture_default_str();
@@ -38,6 +40,22 @@ int main(int argc, char** argv) {
   cmd_in->add_option("path", inspect_target, "Dataset directory, model directory, .gguf or .safetensors")->required();
   cmd_in->add_flag("--quick", quick, "Check sizes only, skip checksums");
   cmd_in->add_option("--sample", show_sample, "Print sample N's tokens with its loss mask");
+
+  fs::path tpl_path, tpl_in, tpl_out;
+  auto* cmd_tp = app.add_subcommand("template", "Render chat templates like transformers' apply_chat_template");
+  cmd_tp->add_option("--template", tpl_path, ".jinja, tokenizer_config.json, model directory or .gguf")->required();
+  cmd_tp->add_option("--input", tpl_in, "JSONL: {messages, add_generation_prompt, bos_token, eos_token, kwargs}")
+      ->required();
+  cmd_tp->add_option("--output", tpl_out, "Output JSONL (default: stdout)");
+
+  fs::path tk_tok, tk_in, tk_out;
+  int tk_threads = 0;
+  auto* cmd_tk = app.add_subcommand("tokenize", "Tokenize JSONL {\"text\"} lines exactly as HF tokenizers (adds \"ids\")");
+  cmd_tk->add_option("--tokenizer", tk_tok, "tokenizer.json, model directory, .gguf or SentencePiece .model")->required();
+  cmd_tk->add_option("--input", tk_in, "JSONL input")->required();
+  cmd_tk->add_option("--output", tk_out, "JSONL output (default: stdout)");
+  cmd_tk->add_option("--threads", tk_threads, "Threads (default: all cores)");
+
 
   CLI11_PARSE(app, argc, argv);
   try {
@@ -66,6 +84,8 @@ int main(int argc, char** argv) {
       return 0;
     }
     if (*cmd_in) return inspect_path(inspect_target, quick, show_sample);
+    if (*cmd_tp) return run_template(tpl_path, tpl_in, tpl_out);
+    if (*cmd_tk) return run_tokenize(tk_tok, tk_in, tk_out, tk_threads);
   } catch (const Error& e) {
     spdlog::default_logger()->flush();
     std::cerr << "error: " << e.what() << "\n";

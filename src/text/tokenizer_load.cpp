@@ -28,7 +28,7 @@ struct J {
   const json& need(const json& o, const char* key, const std::string& at) const {
     if (!o.is_object()) bad(at, "expected an object");
     auto it = o.find(key);
-    if (it == o.end()) bad(at + "." + key, "missing");
+    if (it == o.end()) bad(at == "(root)" ? std::string(key) : at + "." + key, "missing");
     return *it;
   }
   std::string str(const json& o, const char* key, const std::string& at) const {

@@ -1,0 +1,184 @@
+#!/usr/bin/env python3
+"""GPU extraction benchmark: talon extract --device cuda vs HF transformers bf16 + sdpa
+with output_hidden_states (the EAGLE/SpecForge HF-backend way), same model files, same
+samples, one run, one GPU. Prints talon, peer (best batch size), the bf16 GEMM ceiling
+and each side's % of roofline. Checks features agree before timing.
+
+  python3 bench/extract_gpu.py --model DIR|FILE.gguf [--samples 256 --min-len 128 --max-len 2048]
+"""
+import argparse
+import json
+import os
+import random
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+import torch
+
+
+def make_data(path, n, lo, hi, vocab, seed=0):
+    r = random.Random(seed)
+    lens = []
+    with open(path, "w") as f:
+        for i in range(n):
+            t = r.randint(lo, hi)
+            ids = [r.randrange(vocab) for _ in range(t)]
+            f.write(json.dumps({"id": i, "input_ids": ids, "loss_mask": [1] * t}) + "\n")
+            lens.append(t)
+    return lens
+
+
+def run_talon(a, data, out, extra=()):
+    shutil.rmtree(out, ignore_errors=True)
+    cmd = [a.talon, "extract", "--model", a.model, "--data", data, "--out", out, "--device", "cuda",
+           "--max-batch-tokens", str(a.max_batch_tokens), *extra]
+    p = subprocess.run(cmd, capture_output=True, text=True)
+    if p.returncode != 0:
+        sys.exit(f"talon failed ({p.returncode}): {p.stderr[-3000:]}")
+    tok, secs = re.search(r"extract: (\d+) tokens in ([\d.]+)s", p.stderr).groups()
+    load = float(re.search(r"loaded in ([\d.]+)s", p.stderr).group(1))
+    return int(tok), float(secs), load, p.stderr
+
+
+def load_peer(model_path):
+    from transformers import AutoModelForCausalLM
+    t = time.perf_counter()
+    if model_path.endswith(".gguf"):
+        d, f = os.path.split(os.path.abspath(model_path))
+        m = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32).to(torch.bfloat16)
+    else:
+        m = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16, attn_implementation="sdpa")
+    m = m.cuda().eval()
+    torch.cuda.synchronize()
+    return m, time.perf_counter() - t
+
+
+def peer_extract(model, samples, layers, bs, keep=False):
+    last = model.model.layers[-1]
+    pre = []
+    hook = last.register_forward_hook(lambda mod, i, o: pre.append(o[0] if isinstance(o, tuple) else o))
+    order = sorted(range(len(samples)), key=lambda i: len(samples[i]))
+    out = {}
+    with torch.inference_mode():
+        for s in range(0, len(order), bs):
+            idx = order[s:s + bs]
+            T = max(len(samples[i]) for i in idx)
+            ids = torch.zeros(len(idx), T, dtype=torch.long)
+            att = torch.zeros(len(idx), T, dtype=torch.long)
+            for r, i in enumerate(idx):
+                ids[r, :len(samples[i])] = torch.tensor(samples[i])
+                att[r, :len(samples[i])] = 1
+            pre.clear()
+            o = model.model(input_ids=ids.cuda(), attention_mask=att.cuda(), output_hidden_states=True)
+            aux = torch.cat([o.hidden_states[k] for k in layers], dim=-1).cpu()
+            fin = pre[0].cpu()
+            if keep:
+                for r, i in enumerate(idx):
+                    n = len(samples[i])
+                    out[i] = (aux[r, :n].float().numpy(), fin[r, :n].float().numpy())
+    torch.cuda.synchronize()
+    hook.remove()
+    return out
+
+
+def ceiling():
+    n = 8192
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(10):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record(); a @ b; e.record(); torch.cuda.synchronize()
+        ts.append(s.elapsed_time(e) / 1e3)
+    return 2 * n**3 / statistics.median(ts)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--talon", default="build/talon")
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--samples", type=int, default=256)
+    ap.add_argument("--min-len", type=int, default=128)
+    ap.add_argument("--max-len", type=int, default=2048)
+    ap.add_argument("--max-batch-tokens", type=int, default=16384)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--peer-batches", default="1,4,16")
+    a = ap.parse_args()
+    tmp = tempfile.mkdtemp(prefix="talon-gbench-")
+    peer, peer_load = load_peer(a.model)
+    cfg = peer.config
+    V, L, H = cfg.vocab_size, cfg.num_hidden_layers, cfg.hidden_size
+    data = os.path.join(tmp, "data.jsonl")
+    lens = make_data(data, a.samples, a.min_len, a.max_len, V)
+    samples = [json.loads(l)["input_ids"] for l in open(data)]
+    n_tok = sum(lens)
+
+    # Correctness on the first 8 samples: talon (fp32 features) vs the peer (bf16).
+    small = os.path.join(tmp, "small.jsonl")
+    with open(data) as f, open(small, "w") as g:
+        for _ in range(8):
+            g.write(f.readline())
+    out = os.path.join(tmp, "feat")
+    run_talon(a, small, out, ["--fp32"])
+    man = json.load(open(os.path.join(out, "manifest.json")))
+    layers = man["aux_layer_ids"]
+    from safetensors.numpy import load_file
+    t = load_file(os.path.join(out, man["shards"][0]["file"]))
+    ref = peer_extract(peer, samples[:8], layers, 1, keep=True)
+    off, worst = t["sample_offsets"], 0.0
+    for j in range(8):
+        for x, y in ((t["aux_hidden_states"][off[j]:off[j + 1]], ref[j][0]), (t["hidden_states"][off[j]:off[j + 1]], ref[j][1])):
+            err = np.abs(x - y).max(axis=1) / np.maximum(1, np.abs(y).max(axis=1))
+            worst = max(worst, float(np.median(err)))
+    print(f"correctness: median per-row relative difference talon vs transformers bf16 = {worst:.2e}")
+
+    talon_ts, loads = [], []
+    for _ in range(a.repeats):
+        tok, secs, load, log = run_talon(a, data, out)
+        talon_ts.append(secs)
+        loads.append(load)
+    peer_t = {}
+    for bs in map(int, a.peer_batches.split(",")):
+        try:
+            peer_extract(peer, samples[: max(bs, 8)], layers, bs)
+            ts = []
+            for _ in range(a.repeats):
+                t0 = time.perf_counter()
+                peer_extract(peer, samples, layers, bs)
+                ts.append(time.perf_counter() - t0)
+            peer_t[bs] = statistics.median(ts)
+        except torch.cuda.OutOfMemoryError:
+            print(f"peer batch {bs}: out of memory")
+            torch.cuda.empty_cache()
+    best = min(peer_t, key=peer_t.get)
+    ceil = ceiling()
+    n_mm = sum(p.numel() for n, p in peer.named_parameters() if p.dim() == 2 and "embed" not in n and "lm_head" not in n)
+    T_avg = n_tok / len(samples)
+    flops = (2 * n_mm + 4 * L * T_avg * H) * n_tok
+    roof = flops / ceil
+    tt = statistics.median(talon_ts)
+    print()
+    print(f"model {a.model}: L={L} H={H} V={V}, {len(samples)} samples, {n_tok} tokens (len {a.min_len}-{a.max_len}), "
+          f"median of {a.repeats}, {torch.cuda.get_device_name()}")
+    print("| what | tokens/s | seconds | % of roofline |")
+    print("|---|---|---|---|")
+    print(f"| talon extract --device cuda (bf16 features written to disk) | {n_tok / tt:,.0f} | {tt:.3f} | {100 * roof / tt:.1f}% |")
+    for bs, s in sorted(peer_t.items()):
+        print(f"| transformers bf16 sdpa, batch {bs}{' (best)' if bs == best else ''}, features to host | {n_tok / s:,.0f} | {s:.3f} | {100 * roof / s:.1f}% |")
+    print(f"| ceiling: cuBLAS bf16 8192^3 | {ceil / 1e12:.0f} TFLOP/s | roofline {roof:.3f} | 100% |")
+    print(f"talon / peer(best) = {peer_t[best] / tt:.2f}x; model load: talon {statistics.median(loads):.2f}s, "
+          f"transformers {peer_load:.2f}s")
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Packs the headers and static C libraries Talon builds against into .deps/, so the
+# project can be built on a machine without the Debian -dev packages (e.g. a GPU host
+# with only CUDA, CMake and a compiler): cmake -DTALON_DEPS_DIR=$PWD/.deps ...
+set -euo pipefail
+cd "$(dirname "$0")/.."
+d=.deps
+rm -rf "$d"; mkdir -p "$d/include" "$d/lib"
+for h in nlohmann CLI spdlog fmt openssl pcre2.h utf8proc.h; do cp -r "/usr/include/$h" "$d/include/"; done
+cp /usr/include/x86_64-linux-gnu/openssl/*.h "$d/include/openssl/"
+for l in libcrypto.a libpcre2-8.a libutf8proc.a; do cp "/usr/lib/x86_64-linux-gnu/$l" "$d/lib/"; done
+cp -r /usr/src/googletest "$d/googletest"
+du -sh "$d"

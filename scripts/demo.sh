@@ -7,7 +7,10 @@ scripts/setup.sh > /dev/null
 cmake -S . -B build -DCMAKE_BUILD_TYPE=Release > /dev/null
 cmake --build build -j"$(nproc)" --target talon > /dev/null
 model=$(scripts/fetch_model.sh)
-out=${1:-out/demo-features}
-build/talon extract --model "$model" --data examples/demo_tokens.jsonl --out "$out" --device cpu
-build/talon inspect "$out" --sample 0
-echo "demo: features are in $out (read them with the Python snippet in README.md)"
+out=${1:-out/demo}
+rm -rf "$out/tokens"   # prepare is cheap; extract below resumes or is a no-op if already done
+build/talon prepare --model "$model" --data examples/demo_chats.jsonl --out "$out/tokens"
+build/talon inspect "$out/tokens" --sample 0
+build/talon extract --model "$model" --data "$out/tokens" --out "$out/features" --device cpu
+build/talon inspect "$out/features"
+echo "demo: tokens in $out/tokens, features in $out/features (read them with the Python snippet in README.md)"

@@ -3,6 +3,7 @@
 #include <iostream>
 
 #include "cli/commands/inspect.h"
+#include "cli/commands/prepare.h"
 #include "cli/commands/template.h"
 #include "cli/commands/tokenize.h"
 #include "data/extract.h"
@@ -56,6 +57,8 @@ int main(int argc, char** argv) {
   cmd_tk->add_option("--output", tk_out, "JSONL output (default: stdout)");
   cmd_tk->add_option("--threads", tk_threads, "Threads (default: all cores)");
 
+  PrepareOptions prep;
+  auto* cmd_pr = add_prepare_subcommand(app, prep);
 
   CLI11_PARSE(app, argc, argv);
   try {
@@ -83,9 +86,12 @@ int main(int argc, char** argv) {
       std::cout << fmt::format("  output: {}\n", r.manifest.parent_path().string());
       return 0;
     }
-    if (*cmd_in) return inspect_path(inspect_target, quick, show_sample);
+    if (*cmd_in)
+      return is_tokens_dir(inspect_target) ? inspect_tokens(inspect_target, show_sample)
+                                           : inspect_path(inspect_target, quick, show_sample);
     if (*cmd_tp) return run_template(tpl_path, tpl_in, tpl_out);
     if (*cmd_tk) return run_tokenize(tk_tok, tk_in, tk_out, tk_threads);
+    if (*cmd_pr) return run_prepare_command(prep);
   } catch (const Error& e) {
     spdlog::default_logger()->flush();
     std::cerr << "error: " << e.what() << "\n";

@@ -6,6 +6,11 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <map>
+#include <mutex>
+#include <thread>
 #include <nlohmann/json.hpp>
 
 #include "data/features.h"
@@ -116,7 +121,7 @@ ExtractReport run_extract(const ExtractOptions& opt) {
   const ModelConfig& cfg = ckpt->config();
   const int64_t L = cfg.n_layers, H = cfg.hidden;
   std::vector<int> aux = opt.layers.empty() ? default_aux_layers(L) : parse_layer_ids(opt.layers, L);
-  auto src = open_token_jsonl(opt.data);
+  auto src = open_samples(opt.data);
   for (size_t i = 0; i < src->size(); ++i) {
     const Sample& s = src->at(i);
     for (size_t k = 0; k < s.input_ids.size(); ++k)
@@ -228,117 +233,181 @@ ExtractReport run_extract(const ExtractOptions& opt) {
   Progress progress("extract", total_tokens, "tok", done_tokens);
   std::vector<int> cap_layers = aux;
   cap_layers.push_back(int(L));
+  const int64_t esz = int64_t(dtype_size(feat_dt));
   Batch batch;
-  std::vector<std::vector<float>> cap_buf(cap_layers.size());
   int64_t written_this_run = 0;
   const auto t_run = Clock::now();
 
-  for (int64_t si = done_shards; si < int64_t(plan.size()); ++si) {
-    const ShardPlan& sp = plan[size_t(si)];
+  // Shards are written by a small pool of threads (hash + write + fsync) while the
+  // model computes the next ones; at most `max_inflight` finished shards wait in
+  // memory (back-pressure). The manifest only ever lists a contiguous prefix of
+  // finished shards, so a resume recomputes exactly the ones not listed.
+  struct ShardJob {
+    int64_t index;
+    ShardPlan plan;
     std::vector<int32_t> ids;
     std::vector<uint8_t> mask;
-    std::vector<int64_t> offsets{0}, index;
-    std::vector<uint16_t> aux16, fin16;
-    std::vector<float> aux32, fin32;
-    const size_t T = size_t(sp.tokens);
-    ids.reserve(T);
-    mask.reserve(T);
-    if (f32) {
-      aux32.resize(T * size_t(3 * H));
-      fin32.resize(T * size_t(H));
-    } else {
-      aux16.resize(T * size_t(3 * H));
-      fin16.resize(T * size_t(H));
-    }
-    int64_t s = sp.first;
-    const int64_t s_end = sp.first + sp.count;
-    while (s < s_end) {
-      if (stop_requested()) {
-        progress.finish();
-        rep.status = ExtractStatus::Interrupted;
-        rep.shards = si;
-        rep.tokens_this_run = written_this_run;
-        rep.seconds = std::chrono::duration<double>(Clock::now() - t_start).count();
-        return rep;
-      }
-      // Pack whole samples up to the token budget (a longer sample runs alone).
-      batch.clear();
-      const int64_t first_in_batch = s;
-      while (s < s_end) {
-        const Sample& smp = src->at(size_t(s));
-        if (batch.n_tokens() > 0 && batch.n_tokens() + int64_t(smp.input_ids.size()) > opt.max_batch_tokens) break;
-        batch.add(smp.input_ids.data(), int64_t(smp.input_ids.size()));
-        ++s;
-      }
-      const int64_t N = batch.n_tokens();
-      Capture cap;
-      cap.layers = cap_layers;
-      for (size_t i = 0; i < cap_layers.size(); ++i) {
-        cap_buf[i].resize(size_t(N * H));
-        cap.out.push_back(cap_buf[i].data());
-      }
-      model->forward(batch, cap, nullptr);
-      // Scatter into the shard: aux = concat(h[a0], h[a1], h[a2]) per token.
-      const size_t base = ids.size();
-      for (int64_t r = 0; r < N; ++r) {
-        for (int a = 0; a < 3; ++a) {
-          const float* srcp = cap_buf[size_t(a)].data() + r * H;
-          const size_t dst = (base + size_t(r)) * size_t(3 * H) + size_t(a * H);
-          if (f32) std::copy(srcp, srcp + H, aux32.data() + dst);
-          else for (int64_t c = 0; c < H; ++c) aux16[dst + size_t(c)] = f32_to_bf16(srcp[c]);
-        }
-        const float* fp = cap_buf[3].data() + r * H;
-        const size_t fd = (base + size_t(r)) * size_t(H);
-        if (f32) std::copy(fp, fp + H, fin32.data() + fd);
-        else for (int64_t c = 0; c < H; ++c) fin16[fd + size_t(c)] = f32_to_bf16(fp[c]);
-      }
-      for (int64_t k = first_in_batch; k < s; ++k) {
-        const Sample& smp = src->at(size_t(k));
-        ids.insert(ids.end(), smp.input_ids.begin(), smp.input_ids.end());
-        mask.insert(mask.end(), smp.loss_mask.begin(), smp.loss_mask.end());
-        offsets.push_back(int64_t(ids.size()));
-        index.push_back(k);
-      }
-      progress.advance(N);
-    }
-    // Write the shard atomically, then record it in the manifest (also atomically).
+    std::vector<int64_t> offsets, sample_index;
+    std::vector<uint8_t> aux, fin;  // [T, 3H], [T, H] in feat_dt
+  };
+  std::mutex mu;
+  std::condition_variable cv;
+  std::deque<std::unique_ptr<ShardJob>> queue;
+  std::map<int64_t, json> finished;  // shard index -> manifest record, not yet in the manifest
+  std::exception_ptr writer_error;
+  int64_t next_to_record = done_shards, inflight = 0;
+  const int64_t n_writers = std::max<int64_t>(1, std::min<int64_t>(4, int64_t(plan.size()) - done_shards));
+  const int64_t max_inflight = n_writers + 1;
+  bool closing = false;
+
+  auto write_shard = [&](ShardJob& j) {
+    const int64_t T = j.plan.tokens, n = j.plan.count;
     st::Writer w;
-    const int64_t Ti = int64_t(T), n = sp.count;
-    w.add(shard_tensors::input_ids, DType::I32, {Ti}, ids.data(), T * 4);
-    w.add(shard_tensors::loss_mask, DType::U8, {Ti}, mask.data(), T);
-    if (f32) {
-      w.add(shard_tensors::aux_hidden, DType::F32, {Ti, 3 * H}, aux32.data(), aux32.size() * 4);
-      w.add(shard_tensors::hidden, DType::F32, {Ti, H}, fin32.data(), fin32.size() * 4);
-    } else {
-      w.add(shard_tensors::aux_hidden, DType::BF16, {Ti, 3 * H}, aux16.data(), aux16.size() * 2);
-      w.add(shard_tensors::hidden, DType::BF16, {Ti, H}, fin16.data(), fin16.size() * 2);
-    }
-    w.add(shard_tensors::sample_offsets, DType::I64, {n + 1}, offsets.data(), offsets.size() * 8);
-    w.add(shard_tensors::sample_index, DType::I64, {n}, index.data(), index.size() * 8);
+    w.add(shard_tensors::input_ids, DType::I32, {T}, j.ids.data(), j.ids.size() * 4);
+    w.add(shard_tensors::loss_mask, DType::U8, {T}, j.mask.data(), j.mask.size());
+    w.add(shard_tensors::aux_hidden, feat_dt, {T, 3 * H}, j.aux.data(), j.aux.size());
+    w.add(shard_tensors::hidden, feat_dt, {T, H}, j.fin.data(), j.fin.size());
+    w.add(shard_tensors::sample_offsets, DType::I64, {n + 1}, j.offsets.data(), j.offsets.size() * 8);
+    w.add(shard_tensors::sample_index, DType::I64, {n}, j.sample_index.data(), j.sample_index.size() * 8);
     w.set_metadata("format", kFeaturesFormat);
     w.set_metadata("format_version", std::to_string(kFeaturesVersion));
     w.set_metadata("convention", kLayerConvention);
     w.set_metadata("aux_layer_ids", json(aux).dump());
     w.set_metadata("final_layer_id", std::to_string(L));
     size_t bytes = 0;
-    const std::string fname = shard_file_name(si);
+    const std::string fname = shard_file_name(j.index);
     const std::string sha = w.write(opt.out / fname, &bytes);
     int64_t lt = 0;
-    for (auto m : mask) lt += m;
-    manifest["shards"].push_back({{"file", fname},
-                                  {"first_sample", sp.first},
-                                  {"samples", sp.count},
-                                  {"tokens", sp.tokens},
-                                  {"loss_tokens", lt},
-                                  {"bytes", bytes},
-                                  {"sha256", sha}});
-    write_file_atomic(mpath, manifest.dump(2) + "\n");
-    written_this_run += sp.tokens;
-    tlog::debug("wrote {} ({} samples, {} tokens, {} bytes)", fname, sp.count, sp.tokens, bytes);
-    if (opt.stop_after_shards >= 0 && ++rep.shards >= opt.stop_after_shards && si + 1 < int64_t(plan.size()))
-      request_stop_for_test();
+    for (auto m : j.mask) lt += m;
+    return json{{"file", fname}, {"first_sample", j.plan.first}, {"samples", n}, {"tokens", T},
+                {"loss_tokens", lt}, {"bytes", bytes}, {"sha256", sha}};
+  };
+  auto writer_main = [&](int id) {
+    set_thread_log_tag("writer " + std::to_string(id));
+    for (;;) {
+      std::unique_ptr<ShardJob> job;
+      {
+        std::unique_lock lk(mu);
+        cv.wait(lk, [&] { return !queue.empty() || closing; });
+        if (queue.empty()) return;
+        job = std::move(queue.front());
+        queue.pop_front();
+      }
+      try {
+        json rec = write_shard(*job);
+        tlog::debug("wrote {} ({} samples, {} tokens)", rec["file"].get<std::string>(), job->plan.count, job->plan.tokens);
+        std::unique_lock lk(mu);
+        finished[job->index] = std::move(rec);
+        // Record the contiguous prefix of finished shards.
+        bool advanced = false;
+        while (finished.count(next_to_record)) {
+          manifest["shards"].push_back(std::move(finished[next_to_record]));
+          finished.erase(next_to_record++);
+          advanced = true;
+        }
+        if (advanced) write_file_atomic(mpath, manifest.dump(2) + "\n");
+      } catch (...) {
+        std::unique_lock lk(mu);
+        if (!writer_error) writer_error = std::current_exception();
+      }
+      {
+        std::unique_lock lk(mu);
+        --inflight;
+      }
+      cv.notify_all();
+    }
+  };
+  std::vector<std::thread> writers;
+  for (int64_t i = 0; i < n_writers; ++i) writers.emplace_back(writer_main, int(i));
+  auto close_writers = [&] {
+    {
+      std::unique_lock lk(mu);
+      closing = true;
+    }
+    cv.notify_all();
+    for (auto& t : writers) t.join();
+    writers.clear();
+    if (writer_error) std::rethrow_exception(writer_error);
+  };
+
+  bool interrupted = false;
+  try {
+    for (int64_t si = done_shards; si < int64_t(plan.size()) && !interrupted; ++si) {
+      auto job = std::make_unique<ShardJob>();
+      job->index = si;
+      job->plan = plan[size_t(si)];
+      const size_t T = size_t(job->plan.tokens);
+      job->ids.reserve(T);
+      job->mask.reserve(T);
+      job->offsets.push_back(0);
+      job->aux.resize(T * size_t(3 * H * esz));
+      job->fin.resize(T * size_t(H * esz));
+      int64_t s = job->plan.first;
+      const int64_t s_end = job->plan.first + job->plan.count;
+      while (s < s_end) {
+        if (stop_requested()) {
+          interrupted = true;
+          break;
+        }
+        // Pack whole samples up to the token budget (a longer sample runs alone).
+        batch.clear();
+        const int64_t first_in_batch = s;
+        while (s < s_end) {
+          const Sample& smp = src->at(size_t(s));
+          if (batch.n_tokens() > 0 && batch.n_tokens() + int64_t(smp.input_ids.size()) > opt.max_batch_tokens) break;
+          batch.add(smp.input_ids.data(), int64_t(smp.input_ids.size()));
+          ++s;
+        }
+        // Captures land directly in the shard: aux = concat(h[a0], h[a1], h[a2]) per row.
+        const size_t base = job->ids.size();
+        Capture cap;
+        cap.layers = cap_layers;
+        cap.dtype = feat_dt;
+        for (int a = 0; a < 3; ++a) {
+          cap.out.push_back(job->aux.data() + (base * size_t(3 * H) + size_t(a * H)) * size_t(esz));
+          cap.ld.push_back(3 * H);
+        }
+        cap.out.push_back(job->fin.data() + base * size_t(H * esz));
+        cap.ld.push_back(H);
+        model->forward(batch, cap, nullptr);
+        for (int64_t k = first_in_batch; k < s; ++k) {
+          const Sample& smp = src->at(size_t(k));
+          job->ids.insert(job->ids.end(), smp.input_ids.begin(), smp.input_ids.end());
+          job->mask.insert(job->mask.end(), smp.loss_mask.begin(), smp.loss_mask.end());
+          job->offsets.push_back(int64_t(job->ids.size()));
+          job->sample_index.push_back(k);
+        }
+        progress.advance(batch.n_tokens());
+      }
+      if (interrupted) break;  // the unfinished shard is dropped; a resume recomputes it
+      {
+        std::unique_lock lk(mu);
+        cv.wait(lk, [&] { return inflight < max_inflight || writer_error; });
+        if (writer_error) break;
+        ++inflight;
+        queue.push_back(std::move(job));
+      }
+      cv.notify_all();
+      written_this_run += plan[size_t(si)].tokens;
+      if (opt.stop_after_shards >= 0 && si + 1 - done_shards >= opt.stop_after_shards && si + 1 < int64_t(plan.size()))
+        request_stop_for_test();
+    }
+  } catch (...) {
+    try {
+      close_writers();
+    } catch (...) {
+    }
+    throw;
   }
+  close_writers();  // drains: every finished shard is written and recorded
   progress.finish();
+  if (interrupted) {
+    rep.status = ExtractStatus::Interrupted;
+    rep.shards = int64_t(manifest["shards"].size());
+    rep.tokens_this_run = written_this_run;
+    rep.seconds = std::chrono::duration<double>(Clock::now() - t_start).count();
+    return rep;
+  }
 
   int64_t ns = 0, nt = 0, nl = 0;
   for (auto& s : manifest["shards"]) {

@@ -12,7 +12,8 @@ namespace {
 
 class TokenJsonl final : public SampleSource {
  public:
-  explicit TokenJsonl(const fs::path& p) : path_(p.string()) {
+  explicit TokenJsonl(const fs::path& p, std::string format = "token-jsonl")
+      : path_(p.string()), format_(std::move(format)) {
     MappedFile m(p);
     sha_ = sha256_hex(m.data(), m.size());
     const char* s = reinterpret_cast<const char*>(m.data());
@@ -35,7 +36,7 @@ class TokenJsonl final : public SampleSource {
   const Sample& at(size_t i) const override { return samples_.at(i); }
   std::string path() const override { return path_; }
   std::string sha256() const override { return sha_; }
-  std::string format() const override { return "token-jsonl"; }
+  std::string format() const override { return format_; }
 
  private:
   void parse_line(std::string_view text, int64_t line) {
@@ -77,12 +78,33 @@ class TokenJsonl final : public SampleSource {
     samples_.push_back(std::move(smp));
   }
 
-  std::string path_, sha_;
+  std::string path_, sha_, format_;
   std::vector<Sample> samples_;
 };
 
 }  // namespace
 
 std::unique_ptr<SampleSource> open_token_jsonl(const fs::path& path) { return std::make_unique<TokenJsonl>(path); }
+
+std::unique_ptr<SampleSource> open_samples(const fs::path& path) {
+  fs::path dir;
+  if (fs::is_directory(path)) dir = path;
+  else if (path.filename() == "tokens.jsonl" && fs::exists(path.parent_path() / "manifest.json")) dir = path.parent_path();
+  if (dir.empty()) return open_token_jsonl(path);
+  const fs::path mpath = dir / "manifest.json";
+  TALON_CHECK(fs::exists(mpath), "{}: not a prepared dataset (no manifest.json)", dir.string());
+  json m = json::parse(read_text_file(mpath), nullptr, false);
+  TALON_CHECK(!m.is_discarded() && m.is_object(), "{}: not valid JSON", mpath.string());
+  TALON_CHECK(m.value("format", std::string()) == "talon.tokens", "{}: field 'format' is {}, expected \"talon.tokens\"",
+              mpath.string(), m.value("format", json()).dump());
+  TALON_CHECK(m.value("format_version", json()) == json(1), "{}: format_version {} is not supported (this talon reads 1)",
+              mpath.string(), m.value("format_version", json()).dump());
+  const fs::path tpath = dir / m.value("tokens_file", std::string("tokens.jsonl"));
+  auto src = std::make_unique<TokenJsonl>(tpath, "talon.tokens");
+  const std::string want = m.value("tokens_sha256", std::string());
+  TALON_CHECK(src->sha256() == want, "{}: sha256 {} does not match manifest.json's tokens_sha256 {} (modified or "
+              "partially written)", tpath.string(), src->sha256(), want);
+  return src;
+}
 
 }  // namespace talon

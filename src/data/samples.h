@@ -31,4 +31,8 @@ class SampleSource {
 // Blank lines are skipped; anything else malformed fails naming file:line and the field.
 std::unique_ptr<SampleSource> open_token_jsonl(const fs::path& path);
 
+// A `talon prepare` output directory (manifest.json format "talon.tokens" + tokens.jsonl, whose
+// sha256 must match the manifest's), its tokens.jsonl, or any token JSONL file.
+std::unique_ptr<SampleSource> open_samples(const fs::path& path);
+
 }  // namespace talon

@@ -12,6 +12,7 @@
 
 #include "model/checkpoint.h"
 #include "model/config.h"
+#include "util/dtype.h"
 
 namespace talon {
 
@@ -35,10 +36,17 @@ struct Batch {
   void clear();
 };
 
-// Hidden states to copy out during a forward: h[layers[i]] -> out[i], each [N, H] fp32.
+// Hidden states to copy out during a forward: h[layers[i]] -> out[i], N rows of H
+// values at a row stride of ld[i] elements (ld empty: H), as fp32 (dtype F32, out[i]
+// is a float*) or bf16 (dtype BF16, out[i] points at uint16_t). Host memory.
 struct Capture {
   std::vector<int> layers;
-  std::vector<float*> out;
+  std::vector<void*> out;
+  DType dtype = DType::F32;
+  std::vector<int64_t> ld;
+  int64_t stride(size_t i, int64_t H) const { return ld.empty() ? H : ld[i]; }
+  Capture() = default;
+  Capture(std::vector<int> l, std::vector<float*> o) : layers(std::move(l)), out(o.begin(), o.end()) {}
 };
 
 class Model {

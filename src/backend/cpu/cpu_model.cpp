@@ -91,9 +91,24 @@ class CpuDenseModel final : public Model {
 
     std::vector<float> x(size_t(N * H)), xn(size_t(N * H)), q(size_t(N * qd)), k(size_t(N * kvd)),
         v(size_t(N * kvd)), att(size_t(N * qd)), tmp(size_t(N * H)), g(size_t(N * I)), u(size_t(N * I));
+    TALON_CHECK(cap.ld.empty() || cap.ld.size() == cap.out.size(), "capture: {} strides for {} outputs", cap.ld.size(),
+                cap.out.size());
+    TALON_CHECK(cap.dtype == DType::F32 || cap.dtype == DType::BF16, "capture: dtype {} unsupported",
+                dtype_name(cap.dtype));
     auto capture = [&](int64_t layer_id) {
-      for (size_t i = 0; i < cap.layers.size(); ++i)
-        if (cap.layers[i] == layer_id) std::copy(x.begin(), x.end(), cap.out[i]);
+      for (size_t i = 0; i < cap.layers.size(); ++i) {
+        if (cap.layers[i] != layer_id) continue;
+        const int64_t ld = cap.stride(i, H);
+        for (int64_t r = 0; r < N; ++r) {
+          const float* src = x.data() + r * H;
+          if (cap.dtype == DType::F32) {
+            std::copy(src, src + H, static_cast<float*>(cap.out[i]) + r * ld);
+          } else {
+            uint16_t* dst = static_cast<uint16_t*>(cap.out[i]) + r * ld;
+            for (int64_t c = 0; c < H; ++c) dst[c] = f32_to_bf16(src[c]);
+          }
+        }
+      }
     };
     auto mm = [&](float* out, const float* in, const Mat& w, const std::vector<float>& bias, int64_t K, int64_t O) {
       cpu::matmul_forward(out, in, w.data, w.dtype, bias.empty() ? nullptr : bias.data(), N, K, O);

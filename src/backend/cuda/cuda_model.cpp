@@ -136,10 +136,24 @@ class CudaDenseModel final : public Model {
     CUDA_CHECK(cudaMemcpyAsync(a.row_seq, row_seq.data(), size_t(N) * 4, cudaMemcpyHostToDevice, stream_));
     CUDA_CHECK(cudaMemcpyAsync(a.seq_start, b.seq_start.data(), b.seq_start.size() * 8, cudaMemcpyHostToDevice, stream_));
 
+    TALON_CHECK(cap.ld.empty() || cap.ld.size() == cap.out.size(), "capture: {} strides for {} outputs", cap.ld.size(),
+                cap.out.size());
+    TALON_CHECK(cap.dtype == DType::F32 || cap.dtype == DType::BF16, "capture: dtype {} unsupported",
+                dtype_name(cap.dtype));
+    // bf16 captures are converted on the device, so only half the bytes cross PCIe.
     auto capture = [&](int64_t layer_id) {
-      for (size_t i = 0; i < cap.layers.size(); ++i)
-        if (cap.layers[i] == layer_id)
-          CUDA_CHECK(cudaMemcpyAsync(cap.out[i], a.x, size_t(N * H) * 4, cudaMemcpyDeviceToHost, stream_));
+      for (size_t i = 0; i < cap.layers.size(); ++i) {
+        if (cap.layers[i] != layer_id) continue;
+        const int64_t ld = cap.stride(i, H);
+        if (cap.dtype == DType::F32) {
+          CUDA_CHECK(cudaMemcpy2DAsync(cap.out[i], size_t(ld) * 4, a.x, size_t(H) * 4, size_t(H) * 4, size_t(N),
+                                       cudaMemcpyDeviceToHost, stream_));
+        } else {
+          cuda::f32_to_bf16(a.cap16, a.x, N * H, stream_);
+          CUDA_CHECK(cudaMemcpy2DAsync(cap.out[i], size_t(ld) * 2, a.cap16, size_t(H) * 2, size_t(H) * 2, size_t(N),
+                                       cudaMemcpyDeviceToHost, stream_));
+        }
+      }
     };
     cuda::embedding_forward(a.x, a.ids, embed_, N, H, V, stream_);
     const bf16* pending = nullptr;  // residual branch output not yet added to x
@@ -186,7 +200,7 @@ class CudaDenseModel final : public Model {
     int64_t cap_tokens = 0, cap_seqs = 0;
     bool has_logits = false;
     float *x, *logits32 = nullptr, *dummy = nullptr;
-    bf16 *xn, *qkv, *att, *tmp, *gu, *act, *logits = nullptr;
+    bf16 *xn, *qkv, *att, *tmp, *gu, *act, *cap16, *logits = nullptr;
     int32_t *ids, *pos, *row_seq;
     int64_t* seq_start;
   };
@@ -207,6 +221,7 @@ class CudaDenseModel final : public Model {
     a->tmp = a->arena.alloc<bf16>(size_t(n * c.hidden));
     a->gu = a->arena.alloc<bf16>(size_t(n * 2 * c.intermediate));
     a->act = a->arena.alloc<bf16>(size_t(n * c.intermediate));
+    a->cap16 = a->arena.alloc<bf16>(size_t(n * c.hidden));
     if (lg) {
       a->logits = a->arena.alloc<bf16>(size_t(n * c.vocab));
       a->logits32 = a->arena.alloc<float>(size_t(n * c.vocab));

@@ -3,7 +3,12 @@
 // q|k|v and gate|up are fused into one GEMM each.
 #include <cuda_runtime.h>
 
+#include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cstring>
+#include <mutex>
+#include <thread>
 
 #include "backend/cuda/check.h"
 #include "backend/cuda/ops.h"
@@ -70,13 +75,28 @@ class CudaDenseModel final : public Model {
     CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
     gemm_ = std::make_unique<cuda::Gemm>();
     DenseWeights w = bind_dense_weights(ckpt);
-    auto up = [&](std::initializer_list<const WeightRef*> parts) {
-      std::vector<uint16_t> host;
-      for (auto* p : parts)
-        if (p->data) append_bf16(host, *p);
-      if (host.empty()) return static_cast<bf16*>(nullptr);
-      bf16* d = arena_.alloc<bf16>(host.size());
-      CUDA_CHECK(cudaMemcpy(d, host.data(), host.size() * 2, cudaMemcpyHostToDevice));
+    // Plan every upload first (fused q|k|v and gate|up are adjacent parts of one
+    // allocation), then copy with a pool of threads straight from the mapped file:
+    // bf16 tensors are never copied on the host; others are converted once.
+    struct Part {
+      bf16* dst;
+      const WeightRef* src;
+    };
+    std::vector<Part> parts;
+    int64_t total_bytes = 0;
+    auto up = [&](std::initializer_list<const WeightRef*> refs) {
+      int64_t n = 0;
+      for (auto* p : refs)
+        if (p->data) n += numel(*p);
+      if (n == 0) return static_cast<bf16*>(nullptr);
+      bf16* d = arena_.alloc<bf16>(size_t(n));
+      int64_t off = 0;
+      for (auto* p : refs)
+        if (p->data) {
+          parts.push_back({d + off, p});
+          off += numel(*p);
+        }
+      total_bytes += n * 2;
       return d;
     };
     embed_ = up({&w.embed});
@@ -97,6 +117,38 @@ class CudaDenseModel final : public Model {
       L.wdown = up({&l.w_down});
       layers_.push_back(L);
     }
+    const auto t0 = std::chrono::steady_clock::now();
+    std::atomic<size_t> next{0};
+    std::exception_ptr err;
+    std::mutex err_mu;
+    auto worker = [&] {
+      try {
+        CUDA_CHECK(cudaSetDevice(device_));
+        std::vector<uint16_t> host;
+        for (size_t i; (i = next++) < parts.size();) {
+          const WeightRef& r = *parts[i].src;
+          const size_t n = size_t(numel(r));
+          if (r.dtype == DType::BF16) {
+            CUDA_CHECK(cudaMemcpy(parts[i].dst, r.data, n * 2, cudaMemcpyHostToDevice));
+          } else {
+            host.clear();
+            append_bf16(host, r);
+            CUDA_CHECK(cudaMemcpy(parts[i].dst, host.data(), n * 2, cudaMemcpyHostToDevice));
+          }
+        }
+      } catch (...) {
+        std::lock_guard lk(err_mu);
+        if (!err) err = std::current_exception();
+      }
+    };
+    const int n_threads = int(std::clamp<unsigned>(std::thread::hardware_concurrency(), 1, 8));
+    std::vector<std::thread> pool;
+    for (int i = 0; i < n_threads; ++i) pool.emplace_back(worker);
+    for (auto& t : pool) t.join();
+    if (err) std::rethrow_exception(err);
+    const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    tlog::info("cuda:{}: uploaded {:.2f} GB of bf16 weights in {:.2f}s ({:.1f} GB/s, {} threads)", device_,
+               double(total_bytes) / 1e9, secs, secs > 0 ? double(total_bytes) / 1e9 / secs : 0.0, n_threads);
     auto inv = rope_inv_freq(cfg_.rope, cfg_.head_dim);
     inv_freq_ = arena_.alloc<float>(inv.size());
     CUDA_CHECK(cudaMemcpy(inv_freq_, inv.data(), inv.size() * 4, cudaMemcpyHostToDevice));

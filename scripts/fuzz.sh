@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 secs=${1:-smoke}
 [ "$secs" = smoke ] && secs=20
 CC=clang CXX=clang++ cmake -S . -B build-fuzz -DCMAKE_BUILD_TYPE=RelWithDebInfo -DTALON_FUZZ=ON -DTALON_TESTS=OFF \
-  -DTALON_NATIVE=OFF > /dev/null
+  -DTALON_NATIVE=OFF -DTALON_CUDA=OFF > /dev/null
 cmake --build build-fuzz -j"$(nproc)" --target fuzz_gguf fuzz_safetensors fuzz_json > /dev/null
 mkdir -p build-fuzz/crashes build-fuzz/corpus/{gguf,safetensors,json}
 cp tests/fixtures/gguf/*.gguf build-fuzz/corpus/gguf/ 2>/dev/null || true

@@ -15,12 +15,24 @@ For each conversation ({"id", "messages"} JSONL) this computes, with transformer
 The rule is the one docs/tokens-format.md states; this is a second implementation of it on top
 of transformers' own template renderer, tokenizer and offsets (no torch needed).
 
+--method qwen3-find (Qwen3's template, which strips <think> blocks from assistant turns before the
+last user query, so prefix renderings are not prefixes of the whole): an independent method that
+knows what Qwen3 writes for each assistant turn: body = the answer after its </think> (turns
+before the last user query) or "<think>\nR\n</think>\n\n" + answer (the last turns), and finds
+"<|im_start|>assistant\n" + body + "<|im_end|>" in the final rendering with str.find from a running
+cursor. The span is body + "<|im_end|>", less the part of the generation prompt past the header
+that the body begins with ("<think>\n\n</think>\n\n" with enable_thinking=false).
+
 Usage:
   python tools/prepare_reference.py expected --gguf .cache/models/SmolLM2-135M-Instruct.Q4_1.gguf \
       --input tests/fixtures/prepare/chats_openai.jsonl --output tests/fixtures/prepare/expected_smollm2.jsonl
   python tools/prepare_reference.py expected --tokenizer-json ../shared/data/tokenizers/hf/qwen2/tokenizer.json.gz \
       --template ../shared/data/tokenizers/chat_templates/qwen2.5-instruct.jinja \
       --input tests/fixtures/prepare/chats_openai.jsonl --output tests/fixtures/prepare/expected_qwen25.jsonl
+  python tools/prepare_reference.py expected --tokenizer-json ../shared/data/tokenizers/hf/qwen2/tokenizer.json.gz \
+      --template ../shared/data/tokenizers/chat_templates/qwen3.jinja --method qwen3-find \
+      [--kwargs '{"enable_thinking": false}'] --input tests/fixtures/prepare/chats_qwen3.jsonl \
+      --output tests/fixtures/prepare/expected_qwen3.jsonl   (expected_qwen3_nothink.jsonl)
   python tools/prepare_reference.py demo-chats   # examples/demo_chats.jsonl from the shared data
 """
 import argparse
@@ -51,8 +63,44 @@ def load_tokenizer(args):
     return tok
 
 
+KWARGS = {}
+
+
 def render(tok, messages, gen):
-    return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen)
+    return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen, **KWARGS)
+
+
+def qwen3_spans(messages, text):
+    header, eot = "<|im_start|>assistant\n", "<|im_end|>"
+    extra = "<think>\n\n</think>\n\n" if KWARGS.get("enable_thinking") is False else ""
+    last_query = len(messages) - 1
+    for k in range(len(messages) - 1, -1, -1):
+        c = messages[k]["content"]
+        if messages[k]["role"] == "user" and not (c.startswith("<tool_response>") and c.endswith("</tool_response>")):
+            last_query = k
+            break
+    spans, cursor = [], 0
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        content, reasoning = m["content"], ""
+        if "</think>" in content:
+            reasoning = content.split("</think>")[0].rstrip("\n").split("<think>")[-1].lstrip("\n")
+            content = content.split("</think>")[-1].lstrip("\n")
+        if i > last_query and (i == len(messages) - 1 or reasoning):
+            body = "<think>\n" + reasoning.strip("\n") + "\n</think>\n\n" + content.lstrip("\n")
+        else:
+            body = content
+        h = text.find(header + body + eot, cursor)
+        assert h >= 0, f"assistant turn {i} not found after byte {cursor}"
+        lead = 0
+        while lead < min(len(body), len(extra)) and body[lead] == extra[lead]:
+            lead += 1
+        begin = h + len(header) + lead
+        end = h + len(header) + len(body) + len(eot)
+        spans.append((begin, end))
+        cursor = end
+    return spans
 
 
 def spans_of(tok, messages, text):
@@ -91,12 +139,18 @@ def expected(tok, messages):
     text = render(tok, messages, False)
     enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
     ids, offs = enc["input_ids"], enc["offset_mapping"]
-    spans = spans_of(tok, messages, text)
+    spans = qwen3_spans(messages, text) if METHOD == "qwen3-find" else spans_of(tok, messages, text)
     mask = [int(e > s and any(s < se and e > sb for sb, se in spans)) for s, e in offs]
     return ids, mask, text
 
 
+METHOD = "prefix"
+
+
 def cmd_expected(args):
+    global METHOD
+    METHOD = args.method
+    KWARGS.update(json.loads(args.kwargs))
     tok = load_tokenizer(args)
     rows = []
     for line in open(args.input, encoding="utf-8"):
@@ -150,6 +204,9 @@ def main():
     e.add_argument("--template", help="chat template (.jinja) for --tokenizer-json")
     e.add_argument("--input", required=True)
     e.add_argument("--output", required=True)
+    e.add_argument("--method", choices=["prefix", "qwen3-find"], default="prefix",
+                   help="prefix: the documented prefix rule; qwen3-find: str.find of each Qwen3 turn")
+    e.add_argument("--kwargs", default="{}", help="template kwargs (JSON object), as --template-kwargs")
     d = sub.add_parser("demo-chats")
     d.add_argument("--output", default=os.path.join(ROOT, "examples", "demo_chats.jsonl"))
     args = ap.parse_args()

@@ -208,6 +208,82 @@ bool is_space(char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r'; 
 //           turn only when messages are present, or fail on an empty list) by the sentinel rule:
 //           render messages[0..i] twice with turn i's content replaced by two different strings;
 //           their common prefix ends where the turn's content begins.
+// When that prefix rule cannot locate turn i (the template renders turn i differently once later
+// turns exist: Qwen3 drops the <think> blocks of assistant turns before the last user query), the
+// turn is located in the final rendering instead (locate_in_final).
+namespace {
+
+size_t common_prefix(const std::string& a, const std::string& b) {
+  size_t n = 0;
+  while (n < a.size() && n < b.size() && a[n] == b[n]) ++n;
+  return n;
+}
+size_t common_suffix(const std::string& a, const std::string& b) {
+  size_t n = 0;
+  while (n < a.size() && n < b.size() && a[a.size() - 1 - n] == b[b.size() - 1 - n]) ++n;
+  return n;
+}
+
+// messages (all of them, or [0..upto]) with messages[i].content replaced by `probe`.
+ojson with_probe(const ojson& messages, size_t i, size_t upto, const char* probe) {
+  ojson m = ojson::array();
+  for (size_t k = 0; k <= upto && k < messages.size(); ++k) m.push_back(messages[k]);
+  m[i]["content"] = probe;
+  return m;
+}
+
+// Turn i located in `full` itself:
+//   content: render the whole conversation twice with turn i's content replaced by the two
+//            sentinels (which differ in their first and last bytes); the bytes of `full` that
+//            differ from both probe renderings ([longest common prefix, length - longest common
+//            suffix)) are what the template made of turn i's content (for Qwen3 turns before the
+//            last user query: the answer with its <think> block stripped);
+//   tail:    the end of turn i as the template writes it when turn i is the last message
+//            (render messages[0..i] with the two sentinels: what follows the sentinel, trailing
+//            whitespace cut; ChatML: "<|im_end|>", tool calls included) must follow the content
+//            in `full`; the span ends after it.
+// Nothing of a turn is masked that is not in the final rendering: reasoning the template drops is
+// not trained on.
+TurnSpan locate_in_final(const text::ChatTemplate& tpl, const ojson& messages, const ojson& kwargs,
+                         const std::string& full, size_t i, size_t floor) {
+  std::string fa, fb, ta, tb;
+  try {
+    fa = tpl.render(with_probe(messages, i, messages.size(), kSentinelA), false, kwargs);
+    fb = tpl.render(with_probe(messages, i, messages.size(), kSentinelB), false, kwargs);
+    ta = tpl.render(with_probe(messages, i, i, kSentinelA), false, kwargs);
+    tb = tpl.render(with_probe(messages, i, i, kSentinelB), false, kwargs);
+  } catch (const std::exception& e) {
+    throw RecordError("template_error", fmt::format("rendering the conversation with a probe content in message {}: {}",
+                                                    i, e.what()));
+  }
+  auto fail = [&](const std::string& why) {
+    return RecordError("unlocatable_turn",
+                       fmt::format("assistant turn (message {}): the template renders it differently once later "
+                                   "turns exist, and it cannot be located in the whole conversation's rendering: {}",
+                                   i, why));
+  };
+  if (fa == fb) throw fail("its content does not appear in the rendering (the template drops the turn)");
+  const size_t begin = std::min(common_prefix(full, fa), common_prefix(full, fb));
+  const size_t suffix = std::min(common_suffix(full, fa), common_suffix(full, fb));
+  if (begin < floor || begin + suffix > full.size())
+    throw fail("the probe renderings differ from it outside the turn");
+  const size_t content_end = full.size() - suffix;
+  // the turn's tail as written when it is the last message (the sentinels differ in their last
+  // byte, so the common suffix of the two probe renderings starts right after the content)
+  std::string tail = ta.substr(ta.size() - common_suffix(ta, tb));
+  while (!tail.empty() && is_space(tail.back())) tail.pop_back();
+  if (full.compare(content_end, tail.size(), tail) != 0)
+    throw fail(fmt::format("the turn's end {} does not follow its content",
+                           json(tail).dump(-1, ' ', false, json::error_handler_t::replace)));
+  size_t end = content_end + tail.size();
+  while (end > begin && is_space(full[end - 1])) --end;
+  TurnSpan s{i, begin, end, false};
+  s.in_final = true;
+  return s;
+}
+
+}  // namespace
+
 std::vector<TurnSpan> locate_assistant_turns(const text::ChatTemplate& tpl, const ojson& messages,
                                              const ojson& kwargs, const std::string& full) {
   std::vector<TurnSpan> spans;
@@ -217,17 +293,17 @@ std::vector<TurnSpan> locate_assistant_turns(const text::ChatTemplate& tpl, cons
   for (size_t i = 0; i < messages.size(); ++i) {
     const ojson& m = messages[i];
     if (!m.is_object() || m.value("role", std::string()) != "assistant") continue;
+    const size_t floor = spans.empty() ? 0 : spans.back().end;
     std::string through;
     try {
       through = tpl.render_prefix(messages, i + 1, false, kwargs);
     } catch (const std::exception& e) {
       throw RecordError("template_error", fmt::format("rendering messages[0..{}]: {}", i, e.what()));
     }
-    if (!is_prefix_of(full, through))
-      throw RecordError("unlocatable_turn",
-                        fmt::format("assistant turn (message {}): rendering messages[0..{}] is not a prefix of the "
-                                    "whole conversation's rendering (the template rewrites earlier turns)",
-                                    i, i));
+    if (!is_prefix_of(full, through)) {
+      spans.push_back(locate_in_final(tpl, messages, kwargs, full, i, floor));
+      continue;
+    }
     size_t begin = std::string::npos;
     bool by_sentinel = false;
     try {
@@ -236,13 +312,7 @@ std::vector<TurnSpan> locate_assistant_turns(const text::ChatTemplate& tpl, cons
     } catch (const std::exception&) {
     }
     if (begin == std::string::npos) {
-      ojson a = ojson::array(), b = ojson::array();
-      for (size_t k = 0; k <= i; ++k) {
-        a.push_back(messages[k]);
-        b.push_back(messages[k]);
-      }
-      a[i]["content"] = kSentinelA;
-      b[i]["content"] = kSentinelB;
+      ojson a = with_probe(messages, i, i, kSentinelA), b = with_probe(messages, i, i, kSentinelB);
       std::string ra, rb;
       try {
         ra = tpl.render(a, false, kwargs);
@@ -251,13 +321,13 @@ std::vector<TurnSpan> locate_assistant_turns(const text::ChatTemplate& tpl, cons
         throw RecordError("template_error", fmt::format("rendering messages[0..{}] with a probe content: {}", i,
                                                         e.what()));
       }
-      size_t cp = 0;
-      while (cp < ra.size() && cp < rb.size() && ra[cp] == rb[cp]) ++cp;
-      if (cp > through.size() || through.compare(0, cp, ra, 0, cp) != 0)
-        throw RecordError("unlocatable_turn",
-                          fmt::format("assistant turn (message {}): neither the generation prompt nor a probe "
-                                      "rendering locates where the turn begins",
-                                      i));
+      size_t cp = common_prefix(ra, rb);
+      if (cp > through.size() || through.compare(0, cp, ra, 0, cp) != 0) {
+        // the template renders the turn's own header differently for the probes (Qwen3 with
+        // enable_thinking=false and a <think> block in the last turn): locate it in `full`
+        spans.push_back(locate_in_final(tpl, messages, kwargs, full, i, floor));
+        continue;
+      }
       begin = cp;
       by_sentinel = true;
     }

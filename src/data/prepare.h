@@ -71,11 +71,15 @@ class TokenBytes {
 struct TurnSpan {
   size_t message_index;
   size_t begin, end;  // bytes of the rendering; end is after the end-of-turn token (trailing whitespace cut)
-  bool by_sentinel;   // located by the fallback (see prepare.cpp)
+  bool by_sentinel;   // begin located by the probe rule (see prepare.cpp)
+  bool in_final = false;  // located in the final rendering: the template rewrites this turn once
+                          // later turns exist (Qwen3's dropped <think> blocks; see prepare.cpp)
 };
 
 // Byte spans of every assistant turn of `messages` in `full` (= render(messages, false)).
-// Throws RecordError("unlocatable_turn") when a turn cannot be located.
+// Turns the prefix renderings cannot locate (the template rewrites them once later turns exist)
+// are located in `full` itself by content probes. Throws RecordError("unlocatable_turn") when a
+// turn cannot be located either way (e.g. the template drops it entirely).
 std::vector<TurnSpan> locate_assistant_turns(const text::ChatTemplate& tpl, const ojson& messages,
                                              const ojson& kwargs, const std::string& full);
 

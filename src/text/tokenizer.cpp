@@ -1,6 +1,7 @@
 // The BPE pipeline: added-token splitting, normalizers, pre-tokenizers, BPE merges, post-processor
 // and decoders, each following the behaviour of the Hugging Face `tokenizers` component it names.
 #define PCRE2_CODE_UNIT_WIDTH 8
+#include <atomic>
 #include <pcre2.h>
 
 #include <algorithm>
@@ -520,10 +521,18 @@ class BpeTokenizer final : public Tokenizer {
     }
   }
 
+  // Per-thread cache of pre-token -> ids. Keyed by a process-unique instance id, not
+  // by `this`: a new tokenizer can be allocated where a destroyed one lived, and a
+  // pointer key would then serve the old tokenizer's ids.
   struct Cache {
-    const void* owner = nullptr;
+    uint64_t owner = 0;
     std::unordered_map<std::string, std::vector<int32_t>> map;
   };
+  static uint64_t next_instance_id() {
+    static std::atomic<uint64_t> n{0};
+    return ++n;
+  }
+  const uint64_t instance_id_ = next_instance_id();
 
   void tokenize_word(const std::string& w, std::vector<int32_t>& ids) const {
     if (w.empty()) return;
@@ -537,9 +546,9 @@ class BpeTokenizer final : public Tokenizer {
     thread_local Cache cache;
     const bool use_cache = w.size() < 256;
     if (use_cache) {
-      if (cache.owner != this) {
+      if (cache.owner != instance_id_) {
         cache.map.clear();
-        cache.owner = this;
+        cache.owner = instance_id_;
       }
       auto it = cache.map.find(w);
       if (it != cache.map.end()) {

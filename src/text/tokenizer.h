@@ -5,6 +5,9 @@
 // Sources: a tokenizer.json (or a directory holding one, else a tokenizer.model), a .gguf
 // (tokenizer.ggml.*, built the way transformers' GGUF loader builds it), or a SentencePiece
 // .model (ModelProto, converted the way transformers' LlamaTokenizer converts it).
+// Or a tiktoken BPE file ("<base64 bytes> <rank>" lines, e.g. Meta's Llama-3 tokenizer.model;
+// detected by content), built as transformers' TikTokenConverter builds it, with Meta's Llama-3
+// special tokens and <|begin_of_text|> prefix when it has Llama-3's 128000 ranks.
 //
 // Pipeline (as HF): added tokens split the raw text (non-normalized ones first, then the
 // normalizer runs on the remaining pieces and normalized added tokens split those), the

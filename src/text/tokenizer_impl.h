@@ -98,6 +98,9 @@ std::unique_ptr<Tokenizer> build(Config cfg);
 Config config_from_json(std::string_view json, const std::string& origin);
 Config config_from_gguf(const fs::path& path);
 Config config_from_spm(const fs::path& path);
+// tiktoken BPE ("<base64 bytes> <rank>" lines): detected by content, not by name.
+bool is_tiktoken_file(const fs::path& path);
+Config config_from_tiktoken(const fs::path& path);
 
 // GPT-2's pre-tokenizer regex (HF ByteLevel use_regex).
 extern const char* const kGpt2Regex;

@@ -10,6 +10,7 @@
 #include "text/tokenizer_impl.h"
 #include "text/unicode.h"
 #include "util/error.h"
+#include "util/log.h"
 
 namespace talon::text {
 namespace detail {
@@ -558,6 +559,177 @@ const char* gguf_split_for(const std::string& pre) {
 }
 }  // namespace
 
+// ---------------------------------------------------------------------------------------------
+// tiktoken BPE files ("<base64 token bytes> <rank>" per line, e.g. Meta's Llama-3 tokenizer.model)
+
+namespace {
+const char* const kCl100kSplit =
+    R"((?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+)";
+
+int b64_value(unsigned char ch) {
+  if (ch >= 'A' && ch <= 'Z') return ch - 'A';
+  if (ch >= 'a' && ch <= 'z') return ch - 'a' + 26;
+  if (ch >= '0' && ch <= '9') return ch - '0' + 52;
+  if (ch == '+') return 62;
+  if (ch == '/') return 63;
+  return -1;
+}
+
+// Strict standard base64 (padding required). False when malformed.
+bool b64_decode(std::string_view s, std::string& out) {
+  out.clear();
+  if (s.empty() || s.size() % 4 != 0) return false;
+  for (size_t i = 0; i < s.size(); i += 4) {
+    int v[4];
+    int pad = 0;
+    for (int k = 0; k < 4; ++k) {
+      unsigned char ch = static_cast<unsigned char>(s[i + size_t(k)]);
+      if (ch == '=' && i + 4 == s.size() && k >= 2) {
+        v[k] = 0;
+        ++pad;
+      } else {
+        if (pad) return false;
+        v[k] = b64_value(ch);
+        if (v[k] < 0) return false;
+      }
+    }
+    uint32_t n = (uint32_t(v[0]) << 18) | (uint32_t(v[1]) << 12) | (uint32_t(v[2]) << 6) | uint32_t(v[3]);
+    out.push_back(char((n >> 16) & 0xFF));
+    if (pad < 2) out.push_back(char((n >> 8) & 0xFF));
+    if (pad < 1) out.push_back(char(n & 0xFF));
+  }
+  return true;
+}
+
+// "<base64> <decimal>" (a trailing '\r' allowed).
+bool tiktoken_line_shape(std::string_view line) {
+  if (!line.empty() && line.back() == '\r') line.remove_suffix(1);
+  size_t sp = line.find(' ');
+  if (sp == 0 || sp == std::string_view::npos || sp + 1 >= line.size()) return false;
+  for (size_t i = 0; i < sp; ++i)
+    if (b64_value(static_cast<unsigned char>(line[i])) < 0 && line[i] != '=') return false;
+  for (size_t i = sp + 1; i < line.size(); ++i)
+    if (line[i] < '0' || line[i] > '9') return false;
+  return true;
+}
+
+// Meta's Llama-3 special tokens (llama3/tokenizer.py), ranks 128000..128255.
+std::vector<std::string> llama3_special_tokens() {
+  std::vector<std::string> s = {"<|begin_of_text|>", "<|end_of_text|>", "<|reserved_special_token_0|>",
+                                "<|reserved_special_token_1|>", "<|reserved_special_token_2|>",
+                                "<|reserved_special_token_3|>", "<|start_header_id|>", "<|end_header_id|>",
+                                "<|reserved_special_token_4|>", "<|eot_id|>"};
+  for (int i = 5; i < 251; ++i) s.push_back(fmt::format("<|reserved_special_token_{}|>", i));
+  return s;
+}
+}  // namespace
+
+bool is_tiktoken_file(const fs::path& path) {
+  std::ifstream f(path, std::ios::binary);
+  if (!f) return false;
+  std::string line;
+  if (!std::getline(f, line)) return false;
+  return tiktoken_line_shape(line);
+}
+
+Config config_from_tiktoken(const fs::path& path) {
+  std::string origin = path.string();
+  std::string text = read_text_file(path);
+  Config c;
+  c.origin = origin;
+  c.kind = "bpe-bytelevel";
+  // rank -> raw bytes
+  std::vector<std::string> by_rank;
+  std::unordered_map<std::string, int32_t> raw;  // raw bytes -> rank
+  raw.reserve(200000);
+  std::string bytes;
+  size_t lineno = 0;
+  for (size_t pos = 0; pos < text.size();) {
+    size_t nl = text.find('\n', pos);
+    if (nl == std::string::npos) nl = text.size();
+    std::string_view line(text.data() + pos, nl - pos);
+    pos = nl + 1;
+    ++lineno;
+    if (!line.empty() && line.back() == '\r') line.remove_suffix(1);
+    if (line.empty()) continue;
+    size_t sp = line.find(' ');
+    if (sp == std::string_view::npos || line.find(' ', sp + 1) != std::string_view::npos)
+      fail("{}:{}: expected \"<base64 token> <rank>\", got {:?}", origin, lineno, std::string(line.substr(0, 80)));
+    std::string_view b64 = line.substr(0, sp), num = line.substr(sp + 1);
+    if (!b64_decode(b64, bytes))
+      fail("{}:{}: {:?} is not valid base64", origin, lineno, std::string(b64.substr(0, 80)));
+    if (num.empty() || num.size() > 9 || !std::all_of(num.begin(), num.end(), [](char ch) { return ch >= '0' && ch <= '9'; }))
+      fail("{}:{}: rank {:?} is not a non-negative integer", origin, lineno, std::string(num.substr(0, 80)));
+    int32_t rank = int32_t(std::stol(std::string(num)));
+    if (!raw.emplace(bytes, rank).second) fail("{}:{}: token {:?} appears twice", origin, lineno, bytes);
+    if (size_t(rank) >= by_rank.size()) by_rank.resize(size_t(rank) + 1);
+    if (!by_rank[size_t(rank)].empty())
+      fail("{}:{}: rank {} appears twice", origin, lineno, rank);
+    by_rank[size_t(rank)] = bytes;
+  }
+  if (raw.empty()) fail("{}: no tokens", origin);
+  for (auto& [b, r] : raw) c.vocab.emplace(bytes_to_bytelevel(b), r);
+  finish_vocab(c);
+  // Merges as transformers' TikTokenConverter derives them (equal to Meta's Llama-3
+  // tokenizer.json): for each token by rank, every split into two tokens, ordered by
+  // (rank of left, rank of right); the merged token's rank orders the groups. With
+  // ignore_merges, this is tiktoken's lowest-rank-first byte-pair merging.
+  struct Split { int32_t l, r; };
+  std::vector<Split> local;
+  int32_t next = 0;
+  c.merges.reserve(raw.size() * 3);
+  for (size_t r = 0; r < by_rank.size(); ++r) {
+    const std::string& t = by_rank[r];
+    if (t.size() < 2) continue;
+    local.clear();
+    for (size_t k = 1; k < t.size(); ++k) {
+      auto il = raw.find(t.substr(0, k));
+      if (il == raw.end()) continue;
+      auto ir = raw.find(t.substr(k));
+      if (ir == raw.end()) continue;
+      local.push_back({il->second, ir->second});
+    }
+    std::sort(local.begin(), local.end(), [](const Split& a, const Split& b) { return a.l != b.l ? a.l < b.l : a.r < b.r; });
+    for (auto& s : local) {
+      uint64_t key = (uint64_t(uint32_t(s.l)) << 32) | uint32_t(s.r);
+      c.merges.try_emplace(key, next++, int32_t(r));
+    }
+  }
+  c.ignore_merges = true;
+  // Pre-tokenizer: the file carries no regex. Llama-3 (128000 ranks) uses its own pattern.
+  const bool llama3 = raw.size() == 128000 && by_rank.size() == 128000;
+  PreOp sp{PreOp::Split};
+  sp.re = std::make_shared<Regex>(llama3 ? kLlama3Split : kCl100kSplit, origin);
+  sp.behavior = SplitBehavior::Isolated;
+  PreOp bl{PreOp::ByteLevel};
+  bl.add_prefix_space = false;
+  c.pre = {sp, bl};
+  c.has_decoder = true;
+  c.decoder = {DecOp{DecOp::ByteLevel}};
+  if (llama3) {
+    // Meta's special tokens follow the ranks; as Meta's HF tokenizer.json, <|begin_of_text|> is
+    // prepended when special tokens are added (TemplateProcessing "<|begin_of_text|> $A").
+    auto names = llama3_special_tokens();
+    for (size_t i = 0; i < names.size(); ++i) {
+      AddedToken a;
+      a.content = names[i];
+      a.id = int32_t(128000 + i);
+      a.special = true;
+      c.added.push_back(a);
+    }
+    c.bos = 128000;
+    c.eos = 128001;
+    c.has_post = true;
+    c.post_single = {{false, {128000}}, {true, {}}};
+    tlog::debug("{}: tiktoken file with 128000 ranks: Llama-3 pre-tokenizer and special tokens", origin);
+  } else {
+    tlog::warn("{}: tiktoken file with {} ranks is not Llama-3's; using the cl100k_base pre-tokenizer pattern "
+               "and no special tokens",
+               origin, raw.size());
+  }
+  return c;
+}
+
 Config config_from_gguf(const fs::path& path) {
   gguf::File g(path);
   std::string origin = path.string();
@@ -772,7 +944,8 @@ std::unique_ptr<Tokenizer> Tokenizer::load(const fs::path& path) {
     return detail::build(std::move(c));
   }
   if (static_cast<unsigned char>(head[0]) == 0x0A) return detail::build(detail::config_from_spm(p));
-  fail("{}: not a tokenizer.json, GGUF or SentencePiece model", p.string());
+  if (detail::is_tiktoken_file(p)) return detail::build(detail::config_from_tiktoken(p));
+  fail("{}: not a tokenizer.json, GGUF or SentencePiece model (nor a tiktoken BPE file)", p.string());
 }
 
 }  // namespace talon::text

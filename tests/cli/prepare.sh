@@ -6,6 +6,7 @@ FX=$SRC/tests/fixtures/prepare
 GGUF=$SRC/.cache/models/SmolLM2-135M-Instruct.Q4_1.gguf
 SHARED=$SRC/../shared/data
 QWEN_TPL=$SHARED/tokenizers/chat_templates/qwen2.5-instruct.jinja
+QWEN3_TPL=$SHARED/tokenizers/chat_templates/qwen3.jinja
 
 # same_as OUT EXPECTED NAME: tokens.jsonl of OUT equals EXPECTED on id, input_ids, loss_mask, line by line.
 same_as() {
@@ -45,6 +46,18 @@ if [ -f "$SHARED/tokenizers/hf/qwen2/tokenizer.json.gz" ]; then
        r=$(same_as "$WORK/q" "$FX/expected_qwen25.jsonl" 2>&1); then
       ok "qwen2.5 $f parity with transformers (NFC-normalizing tokenizer): $r"
     else bad "qwen2.5 $f parity: ${r:-$(cat "$WORK/stderr")}"; fi
+  done
+  # Qwen3 multi-turn: the template strips <think> blocks from turns before the last user query, so
+  # earlier turns are located in the final rendering; expected outputs from tools/prepare_reference.py
+  # --method qwen3-find (str.find of each rendered turn), thinking on (default) and off
+  for kw in default nothink; do
+    rm -rf "$WORK/q3"
+    if [ $kw = nothink ]; then args=(--template-kwargs '{"enable_thinking": false}'); exp=expected_qwen3_nothink.jsonl
+    else args=(); exp=expected_qwen3.jsonl; fi
+    if run prepare --tokenizer "$WORK/qwen2.json" --template "$QWEN3_TPL" "${args[@]}" --data "$FX/chats_qwen3.jsonl" --out "$WORK/q3" &&
+       r=$(same_as "$WORK/q3" "$FX/$exp" 2>&1); then
+      ok "qwen3 multi-turn ($kw) parity with the str.find oracle: $r"
+    else bad "qwen3 multi-turn ($kw) parity: ${r:-$(cat "$WORK/stderr")}"; fi
   done
   # no template and no fallback: refused; with --fallback-template chatml: loud warning, recorded
   rm -rf "$WORK/q"

@@ -76,7 +76,8 @@ family() {
   local name=$1 tok=$2
   shift 2
   if [ ! -e "$tok" ]; then bad "$name: $tok missing"; return; fi
-  if ! python3 "$REF" "$@" "$tok" "$WORK/corpus.jsonl" "$WORK/$name.ref.jsonl" 2>"$WORK/$name.ref.err"; then
+  # REF_TOK (optional): the reference's tokenizer when it differs from talon's (tiktoken).
+  if ! python3 "$REF" "$@" "${REF_TOK:-$tok}" "$WORK/corpus.jsonl" "$WORK/$name.ref.jsonl" 2>"$WORK/$name.ref.err"; then
     bad "$name: reference failed: $(tail -3 "$WORK/$name.ref.err")"; return
   fi
   if ! "$TALON" tokenize --tokenizer "$tok" --input "$WORK/corpus.jsonl" --output "$WORK/$name.out.jsonl" \
@@ -129,6 +130,16 @@ family qwen2 "$WORK/hf-qwen2/tokenizer.json"
 llamacpp qwen2 "$WORK/hf-qwen2/tokenizer.json" qwen2
 family llama3 "$WORK/hf-llama3/tokenizer.json"
 llamacpp llama3 "$WORK/hf-llama3/tokenizer.json" llama-bpe
+# Meta's tiktoken tokenizer.model for Llama-3; reference = the HF llama3 tokenizer.json plus Meta's
+# 256 special tokens and "<|begin_of_text|> $A" (as meta-llama/Meta-Llama-3-8B's tokenizer.json).
+mkdir -p "$WORK/llama3-tiktoken-ref"
+if python3 "$SRC/tools/make_tiktoken_fixtures.py" --reference-json "$WORK/hf-llama3/tokenizer.json" \
+    "$WORK/llama3-tiktoken-ref/tokenizer.json" 2>"$WORK/llama3-tiktoken-ref.err"; then
+  REF_TOK="$WORK/llama3-tiktoken-ref/tokenizer.json" family llama3-tiktoken "$TOK/files/llama3_tiktoken/tokenizer.model"
+  llamacpp llama3-tiktoken "$TOK/files/llama3_tiktoken/tokenizer.model" llama-bpe
+else
+  bad "llama3-tiktoken: reference failed: $(tail -3 "$WORK/llama3-tiktoken-ref.err")"
+fi
 family gpt-neox "$TOK/files/gpt-neox-20b/tokenizer.json"
 
 GGUF="$SRC/.cache/models/SmolLM2-135M-Instruct.Q4_1.gguf"

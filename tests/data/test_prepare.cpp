@@ -209,6 +209,54 @@ TEST(Prepare, LocateTurnsRewritingTemplateFails) {
   EXPECT_EQ(reason_of([&] { locate_assistant_turns(tpl, msgs, ojson::object(), full); }), "unlocatable_turn");
 }
 
+TEST(Prepare, LocateTurnsInFinalRendering) {
+  // Strips reasoning ("R|" before the answer) from assistant turns but the last (like Qwen3):
+  // the prefix rule fails for turn 1, which is located in the final rendering: answer + EOT only.
+  const char* src =
+      "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+      "{% if m['role'] == 'assistant' and not loop.last and '|' in m['content'] %}{{ m['content'].split('|')[-1] }}"
+      "{% else %}{{ m['content'] }}{% endif %}<|im_end|>\n{% endfor %}"
+      "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
+  text::ChatTemplate tpl(src, "stripper");
+  ojson msgs = J(R"([{"role":"user","content":"q"},{"role":"assistant","content":"R1|A1"},{"role":"user","content":"q"},)"
+                 R"({"role":"assistant","content":""},{"role":"user","content":"r"},{"role":"assistant","content":"R3|A3"}])");
+  const std::string full = tpl.render(msgs, false);
+  auto spans = locate_assistant_turns(tpl, msgs, ojson::object(), full);
+  ASSERT_EQ(spans.size(), 3u);
+  auto text = [&](const TurnSpan& s) { return full.substr(s.begin, s.end - s.begin); };
+  EXPECT_EQ(text(spans[0]), "A1<|im_end|>");
+  EXPECT_TRUE(spans[0].in_final);
+  EXPECT_EQ(text(spans[1]), "<|im_end|>");  // not rewritten: the prefix rule
+  EXPECT_FALSE(spans[1].in_final);
+  EXPECT_EQ(text(spans[2]), "R3|A3<|im_end|>");  // the last turn keeps its reasoning
+  EXPECT_FALSE(spans[2].in_final);
+}
+
+TEST(Prepare, LocateTurnsQwen3) {
+  const fs::path p = fs::path(source_dir()) / "../shared/data/tokenizers/chat_templates/qwen3.jinja";
+  if (!fs::exists(p)) GTEST_SKIP() << p << " missing";
+  auto tpl = text::ChatTemplate::from_path(p);
+  ojson msgs = J(R"([{"role":"system","content":"s"},{"role":"user","content":"q1"},)"
+                 R"({"role":"assistant","content":"<think>\nr1\n</think>\n\nA1"},{"role":"user","content":"q2"},)"
+                 R"({"role":"assistant","content":"A2"},{"role":"user","content":"q3"},)"
+                 R"({"role":"assistant","content":"<think>\nr3\n</think>\n\nA3"}])");
+  for (bool thinking : {true, false}) {
+    ojson kw = thinking ? ojson::object() : J(R"({"enable_thinking": false})");
+    const std::string full = tpl.render(msgs, false, kw);
+    auto spans = locate_assistant_turns(tpl, msgs, kw, full);
+    ASSERT_EQ(spans.size(), 3u);
+    auto text = [&](const TurnSpan& s) { return full.substr(s.begin, s.end - s.begin); };
+    EXPECT_EQ(text(spans[0]), "A1<|im_end|>");  // r1 is not in the rendering: not trained on
+    EXPECT_TRUE(spans[0].in_final);
+    EXPECT_EQ(text(spans[1]), "A2<|im_end|>");
+    EXPECT_TRUE(spans[1].in_final);
+    // the last turn: its <think> block is part of it (with enable_thinking=false the turn departs
+    // from the generation prompt "<think>\n\n</think>\n\n" after "<think>\n")
+    EXPECT_EQ(text(spans[2]), thinking ? "<think>\nr3\n</think>\n\nA3<|im_end|>" : "r3\n</think>\n\nA3<|im_end|>");
+    EXPECT_EQ(full.substr(spans[2].end), "\n");
+  }
+}
+
 TEST(Prepare, TokenOffsetsSmolLM2) {
   const fs::path gguf = fs::path(source_dir()) / ".cache/models/SmolLM2-135M-Instruct.Q4_1.gguf";
   if (!fs::exists(gguf)) GTEST_SKIP() << gguf << " missing; run scripts/fetch_model.sh";

@@ -10,6 +10,7 @@
 #include <cstring>
 #include <fstream>
 #include <sstream>
+#include <vector>
 
 #include "util/error.h"
 
@@ -141,9 +142,26 @@ std::string sha256_hex(const void* data, size_t n) {
   return h.hex();
 }
 
+// Streams the file through a fixed buffer, so hashing a large file costs no memory
+// (a mapping would leave the whole file resident in this process).
 std::string sha256_file_hex(const fs::path& path) {
-  MappedFile m(path);
-  return sha256_hex(m.data(), m.size());
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) fail("{}: cannot open: {}", path.string(), std::strerror(errno));
+  Sha256 h;
+  std::vector<char> buf(1 << 20);
+  for (;;) {
+    ssize_t n = ::read(fd, buf.data(), buf.size());
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      int e = errno;
+      ::close(fd);
+      fail("{}: read error: {}", path.string(), std::strerror(e));
+    }
+    if (n == 0) break;
+    h.update(buf.data(), size_t(n));
+  }
+  ::close(fd);
+  return h.hex();
 }
 
 }  // namespace talon

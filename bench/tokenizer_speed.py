@@ -2,7 +2,7 @@
 """Tokenizer throughput: talon vs HF `tokenizers` on the same corpus (every string in
 ../shared/data/{train,dev}), single-threaded and with N threads, in one run.
 
-    python3 bench/tokenize.py --talon build/talon --tokenizer PATH/tokenizer.json [--threads N] [--repeat R]
+    python3 bench/tokenizer_speed.py --talon build/talon --tokenizer PATH/tokenizer.json [--threads N] [--repeat R]
 
 talon's time is the whole `talon tokenize` process (load + JSONL parse + encode + write), so it
 is a conservative measure; HF's is encode only (single: encode_batch with RAYON_NUM_THREADS=1 in

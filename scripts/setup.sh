@@ -17,6 +17,8 @@ fi
 # Test oracles (reference tokenizers) from PyPI.
 if ! python3 -c "import tokenizers, sentencepiece, google.protobuf, gguf, transformers" 2>/dev/null; then
   echo "setup: installing Python test oracles"
-  python3 -m pip install --quiet tokenizers sentencepiece protobuf gguf transformers numpy safetensors
+  pkgs_py=(tokenizers sentencepiece protobuf gguf transformers numpy safetensors)
+  python3 -m pip install --quiet "${pkgs_py[@]}" ||
+    python3 -m pip install --quiet --break-system-packages "${pkgs_py[@]}"
 fi
 scripts/fetch_model.sh

@@ -44,6 +44,13 @@ std::vector<int> parse_layer_ids(const std::string& spec, int64_t L) {
   return ids;
 }
 
+void Capture::validate(int64_t n_layers) const {
+  TALON_CHECK(layers.size() == out.size(), "capture: {} layer ids but {} outputs", layers.size(), out.size());
+  TALON_CHECK(ld.empty() || ld.size() == out.size(), "capture: {} strides for {} outputs", ld.size(), out.size());
+  TALON_CHECK(dtype == DType::F32 || dtype == DType::BF16, "capture: dtype {} unsupported", dtype_name(dtype));
+  for (int k : layers) TALON_CHECK(k >= 0 && k <= n_layers, "capture: layer id {} outside [0, {}]", k, n_layers);
+}
+
 void Batch::add(const int32_t* ids, int64_t n) {
   if (seq_start.empty()) seq_start.push_back(0);
   tokens.insert(tokens.end(), ids, ids + n);

@@ -45,6 +45,8 @@ struct Capture {
   DType dtype = DType::F32;
   std::vector<int64_t> ld;
   int64_t stride(size_t i, int64_t H) const { return ld.empty() ? H : ld[i]; }
+  // Throws unless layer ids are in [0, n_layers], sizes agree and the dtype is F32/BF16.
+  void validate(int64_t n_layers) const;
   Capture() = default;
   Capture(std::vector<int> l, std::vector<float*> o) : layers(std::move(l)), out(o.begin(), o.end()) {}
 };

@@ -80,9 +80,7 @@ class CpuDenseModel final : public Model {
     const int64_t N = b.n_tokens(), H = c.hidden, I = c.intermediate, hd = c.head_dim;
     const int64_t nh = c.n_heads, nkv = c.n_kv_heads, qd = nh * hd, kvd = nkv * hd;
     const float eps = float(c.rms_eps);
-    TALON_CHECK(cap.layers.size() == cap.out.size(), "capture: {} layer ids but {} outputs", cap.layers.size(),
-                cap.out.size());
-    for (int k : cap.layers) TALON_CHECK(k >= 0 && k <= c.n_layers, "capture: layer id {} outside [0, {}]", k, c.n_layers);
+    cap.validate(c.n_layers);
 
     std::vector<int32_t> pos(static_cast<size_t>(N));
     for (int64_t s = 0; s < b.n_seqs(); ++s)
@@ -91,10 +89,6 @@ class CpuDenseModel final : public Model {
 
     std::vector<float> x(size_t(N * H)), xn(size_t(N * H)), q(size_t(N * qd)), k(size_t(N * kvd)),
         v(size_t(N * kvd)), att(size_t(N * qd)), tmp(size_t(N * H)), g(size_t(N * I)), u(size_t(N * I));
-    TALON_CHECK(cap.ld.empty() || cap.ld.size() == cap.out.size(), "capture: {} strides for {} outputs", cap.ld.size(),
-                cap.out.size());
-    TALON_CHECK(cap.dtype == DType::F32 || cap.dtype == DType::BF16, "capture: dtype {} unsupported",
-                dtype_name(cap.dtype));
     auto capture = [&](int64_t layer_id) {
       for (size_t i = 0; i < cap.layers.size(); ++i) {
         if (cap.layers[i] != layer_id) continue;

@@ -170,7 +170,7 @@ class CudaDenseModel final : public Model {
     const int64_t N = b.n_tokens(), H = c.hidden, I = c.intermediate, hd = c.head_dim, V = c.vocab;
     const int64_t nh = c.n_heads, nkv = c.n_kv_heads, qd = nh * hd, kvd = nkv * hd, ldqkv = qd + 2 * kvd;
     const float eps = float(c.rms_eps);
-    for (int k : cap.layers) TALON_CHECK(k >= 0 && k <= c.n_layers, "capture: layer id {} outside [0, {}]", k, c.n_layers);
+    cap.validate(c.n_layers);
     for (int64_t i = 0; i < N; ++i)
       TALON_CHECK(b.tokens[size_t(i)] >= 0 && b.tokens[size_t(i)] < V, "token id {} at position {} is outside the vocabulary [0, {})",
                   b.tokens[size_t(i)], i, V);
@@ -188,10 +188,6 @@ class CudaDenseModel final : public Model {
     CUDA_CHECK(cudaMemcpyAsync(a.row_seq, row_seq.data(), size_t(N) * 4, cudaMemcpyHostToDevice, stream_));
     CUDA_CHECK(cudaMemcpyAsync(a.seq_start, b.seq_start.data(), b.seq_start.size() * 8, cudaMemcpyHostToDevice, stream_));
 
-    TALON_CHECK(cap.ld.empty() || cap.ld.size() == cap.out.size(), "capture: {} strides for {} outputs", cap.ld.size(),
-                cap.out.size());
-    TALON_CHECK(cap.dtype == DType::F32 || cap.dtype == DType::BF16, "capture: dtype {} unsupported",
-                dtype_name(cap.dtype));
     // bf16 captures are converted on the device, so only half the bytes cross PCIe.
     auto capture = [&](int64_t layer_id) {
       for (size_t i = 0; i < cap.layers.size(); ++i) {

@@ -5,6 +5,11 @@ samples, one run, one GPU. Prints talon, peer (best batch size), the bf16 GEMM c
 and each side's % of roofline. Checks features agree before timing.
 
   python3 bench/extract_gpu.py --model DIR|FILE.gguf [--samples 256 --min-len 128 --max-len 2048]
+      [--lengths bench/data/sharegpt_1k.smollm2.lengths] [--dp-devices 0,1]
+
+--lengths takes sample lengths from a file (one per line; the committed one holds the
+token counts of ../shared/data/train/sharegpt_1k prepared with SmolLM2's chat template).
+Peak GPU memory is sampled with nvidia-smi while each side runs.
 """
 import argparse
 import json
@@ -22,21 +27,50 @@ import numpy as np
 import torch
 
 
-def make_data(path, n, lo, hi, vocab, seed=0):
+class PeakMemory:
+    """Samples nvidia-smi's memory.used (MiB) on the given GPUs every 50 ms."""
+
+    def __init__(self, gpus):
+        import threading
+        self.gpus, self.peak, self.stop = gpus, {g: 0 for g in gpus}, threading.Event()
+        self.t = threading.Thread(target=self.run, daemon=True)
+
+    def run(self):
+        q = ["nvidia-smi", "--query-gpu=index,memory.used", "--format=csv,noheader,nounits"]
+        while not self.stop.is_set():
+            try:
+                for line in subprocess.run(q, capture_output=True, text=True).stdout.splitlines():
+                    i, m = (int(x) for x in line.split(","))
+                    if i in self.peak:
+                        self.peak[i] = max(self.peak[i], m)
+            except Exception:
+                pass
+            self.stop.wait(0.05)
+
+    def __enter__(self):
+        self.t.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.t.join()
+
+
+def make_data(path, n, lo, hi, vocab, seed=0, lengths=None):
     r = random.Random(seed)
     lens = []
     with open(path, "w") as f:
         for i in range(n):
-            t = r.randint(lo, hi)
+            t = r.randint(lo, hi) if lengths is None else min(hi, lengths[i % len(lengths)])
             ids = [r.randrange(vocab) for _ in range(t)]
             f.write(json.dumps({"id": i, "input_ids": ids, "loss_mask": [1] * t}) + "\n")
             lens.append(t)
     return lens
 
 
-def run_talon(a, data, out, extra=()):
+def run_talon(a, data, out, extra=(), device="cuda:0"):
     shutil.rmtree(out, ignore_errors=True)
-    cmd = [a.talon, "extract", "--model", a.model, "--data", data, "--out", out, "--device", "cuda",
+    cmd = [a.talon, "extract", "--model", a.model, "--data", data, "--out", out, "--device", device,
            "--max-batch-tokens", str(a.max_batch_tokens), *extra]
     p = subprocess.run(cmd, capture_output=True, text=True)
     if p.returncode != 0:
@@ -112,13 +146,16 @@ def main():
     ap.add_argument("--max-batch-tokens", type=int, default=16384)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--peer-batches", default="1,4,16")
+    ap.add_argument("--lengths", help="file of sample lengths, one per line")
+    ap.add_argument("--dp-devices", help="also run talon data parallel on these GPUs, e.g. 0,1")
     a = ap.parse_args()
+    file_lengths = [int(x) for x in open(a.lengths).read().split()] if a.lengths else None
     tmp = tempfile.mkdtemp(prefix="talon-gbench-")
     peer, peer_load = load_peer(a.model)
     cfg = peer.config
     V, L, H = cfg.vocab_size, cfg.num_hidden_layers, cfg.hidden_size
     data = os.path.join(tmp, "data.jsonl")
-    lens = make_data(data, a.samples, a.min_len, a.max_len, V)
+    lens = make_data(data, a.samples, a.min_len, a.max_len, V, lengths=file_lengths)
     samples = [json.loads(l)["input_ids"] for l in open(data)]
     n_tok = sum(lens)
 
@@ -142,23 +179,35 @@ def main():
     print(f"correctness: median per-row relative difference talon vs transformers bf16 = {worst:.2e}")
 
     talon_ts, loads = [], []
-    for _ in range(a.repeats):
-        tok, secs, load, log = run_talon(a, data, out)
-        talon_ts.append(secs)
-        loads.append(load)
+    base_mib = PeakMemory([0])
+    with base_mib:
+        time.sleep(0.2)
+    with PeakMemory([0]) as talon_mem:
+        for _ in range(a.repeats):
+            tok, secs, load, log = run_talon(a, data, out)
+            talon_ts.append(secs)
+            loads.append(load)
+    dp_ts, dp_n = [], 0
+    if a.dp_devices:
+        dp_n = len(a.dp_devices.split(","))
+        for _ in range(a.repeats):
+            tok, secs, _, _ = run_talon(a, data, out, device="cuda:" + a.dp_devices)
+            dp_ts.append(secs)
     peer_t = {}
-    for bs in map(int, a.peer_batches.split(",")):
-        try:
-            peer_extract(peer, samples[: max(bs, 8)], layers, bs)
-            ts = []
-            for _ in range(a.repeats):
-                t0 = time.perf_counter()
-                peer_extract(peer, samples, layers, bs)
-                ts.append(time.perf_counter() - t0)
-            peer_t[bs] = statistics.median(ts)
-        except torch.cuda.OutOfMemoryError:
-            print(f"peer batch {bs}: out of memory")
-            torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    with PeakMemory([0]) as peer_mem:
+        for bs in map(int, a.peer_batches.split(",")):
+            try:
+                peer_extract(peer, samples[: max(bs, 8)], layers, bs)
+                ts = []
+                for _ in range(a.repeats):
+                    t0 = time.perf_counter()
+                    peer_extract(peer, samples, layers, bs)
+                    ts.append(time.perf_counter() - t0)
+                peer_t[bs] = statistics.median(ts)
+            except torch.cuda.OutOfMemoryError:
+                print(f"peer batch {bs}: out of memory")
+                torch.cuda.empty_cache()
     best = min(peer_t, key=peer_t.get)
     ceil = ceiling()
     n_mm = sum(p.numel() for n, p in peer.named_parameters() if p.dim() == 2 and "embed" not in n and "lm_head" not in n)
@@ -167,16 +216,26 @@ def main():
     roof = flops / ceil
     tt = statistics.median(talon_ts)
     print()
-    print(f"model {a.model}: L={L} H={H} V={V}, {len(samples)} samples, {n_tok} tokens (len {a.min_len}-{a.max_len}), "
+    src = f"lengths from {a.lengths}" if a.lengths else f"uniform {a.min_len}-{a.max_len}"
+    print(f"model {a.model}: L={L} H={H} V={V}, {len(samples)} samples, {n_tok} tokens "
+          f"(mean {T_avg:.0f}, {src}, max {a.max_len}), "
           f"median of {a.repeats}, {torch.cuda.get_device_name()}")
     print("| what | tokens/s | seconds | % of roofline |")
     print("|---|---|---|---|")
-    print(f"| talon extract --device cuda (bf16 features written to disk) | {n_tok / tt:,.0f} | {tt:.3f} | {100 * roof / tt:.1f}% |")
+    print(f"| talon extract --device cuda:0 (bf16 features written to disk) | {n_tok / tt:,.0f} | {tt:.3f} | {100 * roof / tt:.1f}% |")
+    if dp_ts:
+        dt = statistics.median(dp_ts)
+        print(f"| talon extract --device cuda:{a.dp_devices} (data parallel x{dp_n}) | {n_tok / dt:,.0f} | {dt:.3f} | "
+              f"{100 * roof / dt / dp_n:.1f}% per GPU; {tt / dt:.2f}x one GPU |")
     for bs, s in sorted(peer_t.items()):
         print(f"| transformers bf16 sdpa, batch {bs}{' (best)' if bs == best else ''}, features to host | {n_tok / s:,.0f} | {s:.3f} | {100 * roof / s:.1f}% |")
     print(f"| ceiling: cuBLAS bf16 8192^3 | {ceil / 1e12:.0f} TFLOP/s | roofline {roof:.3f} | 100% |")
     print(f"talon / peer(best) = {peer_t[best] / tt:.2f}x; model load: talon {statistics.median(loads):.2f}s, "
           f"transformers {peer_load:.2f}s")
+    b0 = base_mib.peak[0]
+    print(f"peak GPU memory used (nvidia-smi, above the {b0} MiB held before): talon {talon_mem.peak[0] - b0} MiB "
+          f"(--max-batch-tokens {a.max_batch_tokens}); transformers {peer_mem.peak[0] - b0} MiB "
+          f"(torch max reserved {torch.cuda.max_memory_reserved() >> 20} MiB)")
     shutil.rmtree(tmp, ignore_errors=True)
 
 

@@ -18,6 +18,7 @@ SHAPES = {
                   {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                    "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
     "smollm2-135m": ("llama", 30, 576, 1536, 9, 3, 49152, True, {"rope_type": "default", "rope_theta": 100000.0}),
+    "qwen3-8b": ("qwen3", 36, 4096, 12288, 32, 8, 151936, False, {"rope_type": "default", "rope_theta": 1000000.0}),
     "llama3-1b": ("llama", 16, 2048, 8192, 32, 8, 128256, True,
                   {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
                    "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
@@ -25,7 +26,7 @@ SHAPES = {
 
 
 def tensors(model_type, L, H, I, nh, nkv, V, tied):
-    hd = H // nh
+    hd = H // nh  # all shapes here have head_dim = hidden / heads (128 for the 8B ones)
     yield "model.embed_tokens.weight", (V, H)
     for l in range(L):
         p = f"model.layers.{l}."
@@ -34,6 +35,9 @@ def tensors(model_type, L, H, I, nh, nkv, V, tied):
         yield p + "self_attn.k_proj.weight", (nkv * hd, H)
         yield p + "self_attn.v_proj.weight", (nkv * hd, H)
         yield p + "self_attn.o_proj.weight", (H, nh * hd)
+        if model_type == "qwen3":
+            yield p + "self_attn.q_norm.weight", (hd,)
+            yield p + "self_attn.k_norm.weight", (hd,)
         yield p + "post_attention_layernorm.weight", (H,)
         yield p + "mlp.gate_proj.weight", (I, H)
         yield p + "mlp.up_proj.weight", (I, H)
@@ -90,9 +94,10 @@ def main():
         bf16_random = fast
     mt, L, H, I, nh, nkv, V, tied, rope = SHAPES[a.shape]
     os.makedirs(a.out, exist_ok=True)
-    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": mt, "num_hidden_layers": L, "hidden_size": H,
+    arch = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}[mt]
+    cfg = {"architectures": [arch], "model_type": mt, "head_dim": H // nh, "num_hidden_layers": L, "hidden_size": H,
            "intermediate_size": I, "num_attention_heads": nh, "num_key_value_heads": nkv, "vocab_size": V,
-           "rms_norm_eps": 1e-5, "tie_word_embeddings": tied, "max_position_embeddings": 131072,
+           "rms_norm_eps": 1e-6 if mt == "qwen3" else 1e-5, "tie_word_embeddings": tied, "max_position_embeddings": 131072,
            "rope_parameters": rope, "torch_dtype": "bfloat16"}
     json.dump(cfg, open(os.path.join(a.out, "config.json"), "w"), indent=2)
     rng = np.random.default_rng(a.seed)

@@ -7,4 +7,8 @@ bool cuda_backend_built() { return false; }
 std::unique_ptr<Model> make_cuda_model(const Checkpoint&, int) {
   fail("this build has no CUDA backend (nvcc was not found when it was configured)");
 }
+std::unique_ptr<Model> make_cuda_model(const Checkpoint&, const GpuOptions&) {
+  fail("this build has no CUDA backend (nvcc was not found when it was configured)");
+}
+std::vector<GpuInfo> list_gpus() { return {}; }
 }  // namespace talon

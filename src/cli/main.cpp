@@ -3,6 +3,7 @@
 #include <iostream>
 
 #include "cli/commands/inspect.h"
+#include "cli/commands/runs.h"
 #include "cli/commands/prepare.h"
 #include "cli/commands/template.h"
 #include "cli/commands/tokenize.h"
@@ -26,7 +27,9 @@ int main(int argc, char** argv) {
   cmd_ex->add_option("--data", ex.data, "Tokenized samples (JSONL with input_ids, loss_mask)")->required();
   cmd_ex->add_option("--out", ex.out, "Output dataset directory (rerun on an unfinished one to resume)")->required();
   cmd_ex->add_option("--layers", ex.layers, "Aux layer ids a,b,c (input-of-layer convention; default 2,L/2,L-3)");
-  cmd_ex->add_option("--device", ex.device, "cpu|cuda")->capture_default_str();
+  cmd_ex->add_option("--device", ex.device, "cpu | cuda (all visible GPUs) | cuda:N[,M...]")->capture_default_str();
+  cmd_ex->add_option("--tp", ex.tp, "Tensor-parallel degree: GPUs per model replica (NCCL)")->capture_default_str();
+  cmd_ex->add_option("--dp", ex.dp, "Data-parallel replicas (default: all the listed GPUs allow)");
   cmd_ex->add_flag("--fp32", ex.fp32, "Store features as F32 instead of BF16");
   cmd_ex->add_option("--shard-tokens", ex.shard_tokens, "Tokens per shard (default: ~512 MiB of features)");
   cmd_ex->add_option("--max-batch-tokens", ex.max_batch_tokens, "Token budget of one forward batch")->capture_default_str();
@@ -56,6 +59,13 @@ int main(int argc, char** argv) {
   cmd_tk->add_option("--input", tk_in, "JSONL input")->required();
   cmd_tk->add_option("--output", tk_out, "JSONL output (default: stdout)");
   cmd_tk->add_option("--threads", tk_threads, "Threads (default: all cores)");
+
+  auto* cmd_gpus = app.add_subcommand("gpus", "Show each GPU's memory and the talon runs holding it");
+  fs::path stop_dir;
+  double stop_wait = 30;
+  auto* cmd_stop = app.add_subcommand("stop", "Stop the talon run writing a directory (SIGTERM to the PID it recorded)");
+  cmd_stop->add_option("run", stop_dir, "The run's output directory")->required();
+  cmd_stop->add_option("--wait", stop_wait, "Seconds to wait for it to finish draining")->capture_default_str();
 
   PrepareOptions prep;
   auto* cmd_pr = add_prepare_subcommand(app, prep);
@@ -92,6 +102,8 @@ int main(int argc, char** argv) {
     if (*cmd_tp) return run_template(tpl_path, tpl_in, tpl_out);
     if (*cmd_tk) return run_tokenize(tk_tok, tk_in, tk_out, tk_threads);
     if (*cmd_pr) return run_prepare_command(prep);
+    if (*cmd_gpus) return run_gpus();
+    if (*cmd_stop) return run_stop(stop_dir, stop_wait);
   } catch (const Error& e) {
     spdlog::default_logger()->flush();
     std::cerr << "error: " << e.what() << "\n";

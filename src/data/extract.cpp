@@ -5,6 +5,8 @@
 #include <sys/file.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <deque>
@@ -22,6 +24,7 @@
 #include "util/log.h"
 #include "util/mem.h"
 #include "util/progress.h"
+#include "util/runs.h"
 #include "util/signals.h"
 
 namespace talon {
@@ -31,27 +34,33 @@ using Clock = std::chrono::steady_clock;
 
 namespace {
 
-// Holds an exclusive lock on <out>/.talon.lock for the life of the run; records our PID.
+// Holds an exclusive lock on <out>/.talon.lock for the life of the run; records the
+// run (PID, host, command, GPUs) as JSON, which `talon gpus` and `talon stop` read.
 class DirLock {
  public:
-  explicit DirLock(const fs::path& dir) {
+  DirLock(const fs::path& dir, const json& record) {
     const fs::path p = dir / ".talon.lock";
     fd_ = ::open(p.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
     if (fd_ < 0) fail("{}: cannot create lock file", p.string());
     if (::flock(fd_, LOCK_EX | LOCK_NB) != 0) {
-      char buf[32] = {};
-      ssize_t n = ::pread(fd_, buf, sizeof buf - 1, 0);
+      std::string buf(4096, '\0');
+      ssize_t n = ::pread(fd_, buf.data(), buf.size(), 0);
       ::close(fd_);
-      fail("{}: another talon run (pid {}) is writing this directory", dir.string(),
-           n > 0 ? std::string(buf, size_t(n)) : "?");
+      buf.resize(n > 0 ? size_t(n) : 0);
+      json j = json::parse(buf, nullptr, false);
+      const std::string who = j.is_object() ? fmt::format("pid {} on {}", j.value("pid", 0), j.value("host", "?")) : buf;
+      fail("{}: another talon run ({}) is writing this directory; stop it with `talon stop {}`", dir.string(), who,
+           dir.string());
     }
-    std::string pid = std::to_string(::getpid());
+    const std::string text = record.dump() + "\n";
     if (::ftruncate(fd_, 0) == 0) {
-      ssize_t w = ::pwrite(fd_, pid.data(), pid.size(), 0);
+      ssize_t w = ::pwrite(fd_, text.data(), text.size(), 0);
       (void)w;
     }
+    register_run(dir);
   }
   ~DirLock() {
+    unregister_run();
     if (fd_ >= 0) ::close(fd_);
   }
 
@@ -97,21 +106,12 @@ const char* kPinned[] = {"format_version", "model_config_sha256", "model_weights
 ExtractReport run_extract(const ExtractOptions& opt) {
   ExtractReport rep;
   const auto t_start = Clock::now();
-  int cuda_device = -1;
-  if (opt.device == "cuda") cuda_device = 0;
-  else if (opt.device.rfind("cuda:", 0) == 0) {
-    try {
-      size_t used = 0;
-      cuda_device = std::stoi(opt.device.substr(5), &used);
-      if (used != opt.device.size() - 5) cuda_device = -2;
-    } catch (const std::exception&) {
-      cuda_device = -2;
-    }
-  }
-  if (opt.device != "cpu" && cuda_device < 0) fail("--device '{}': expected cpu, cuda or cuda:N", opt.device);
-  if (cuda_device >= 0 && !cuda_backend_built())
+  const DeviceSpec dev = parse_device(opt.device);
+  if (dev.cuda && !cuda_backend_built())
     fail("--device {}: this build has no CUDA backend (nvcc was not found when it was configured); use --device cpu",
          opt.device);
+  TALON_CHECK(opt.tp >= 1 && opt.dp >= 0, "--tp must be >= 1 and --dp >= 0 (got {} and {})", opt.tp, opt.dp);
+  TALON_CHECK(dev.cuda || (opt.tp == 1 && opt.dp <= 1), "--tp/--dp need --device cuda");
   TALON_CHECK(opt.max_batch_tokens > 0, "--max-batch-tokens must be positive, got {}", opt.max_batch_tokens);
   TALON_CHECK(opt.shard_tokens >= 0, "--shard-tokens must be >= 0, got {}", opt.shard_tokens);
   if (opt.threads > 0) omp_set_num_threads(opt.threads);
@@ -128,10 +128,57 @@ ExtractReport run_extract(const ExtractOptions& opt) {
       TALON_CHECK(s.input_ids[k] < cfg.vocab, "{}:{}: input_ids[{}] = {} outside the model's vocabulary [0, {})",
                   src->path(), s.line, k, s.input_ids[k], cfg.vocab);
   }
-  auto model = cuda_device >= 0 ? make_cuda_model(*ckpt, cuda_device) : make_cpu_model(*ckpt);
+  // Model replicas: data parallel groups of tp devices each, loaded concurrently.
+  std::vector<std::vector<int>> groups;
+  if (dev.cuda) {
+    std::vector<int> devs = dev.devices;
+    if (devs.empty()) {
+      const auto gpus = list_gpus();
+      TALON_CHECK(!gpus.empty(), "--device {}: no CUDA device available", opt.device);
+      for (auto& g : gpus) devs.push_back(g.index);
+    }
+    const int per = opt.tp;
+    int dp = opt.dp > 0 ? opt.dp : int(devs.size()) / per;
+    TALON_CHECK(dp >= 1 && int64_t(dp) * per <= int64_t(devs.size()),
+                "--tp {} x --dp {} needs {} GPUs but --device {} gives {}", per, std::max(dp, 1), std::max(dp, 1) * per,
+                opt.device, devs.size());
+    for (int g = 0; g < dp; ++g) groups.emplace_back(devs.begin() + g * per, devs.begin() + (g + 1) * per);
+  } else {
+    groups.push_back({});
+  }
+  std::vector<std::unique_ptr<Model>> models(groups.size());
+  {
+    std::vector<std::exception_ptr> errs(groups.size());
+    std::vector<std::thread> loaders;
+    for (size_t g = 0; g < groups.size(); ++g)
+      loaders.emplace_back([&, g] {
+        try {
+          if (!dev.cuda) {
+            models[g] = make_cpu_model(*ckpt);
+            return;
+          }
+          set_thread_log_tag(fmt::format("gpu {}", groups[g][0]));
+          GpuOptions go;
+          go.devices = groups[g];
+          go.tp = opt.tp;
+          go.max_tokens = opt.max_batch_tokens;
+          go.n_capture = int64_t(aux.size()) + 1;
+          go.capture_dtype = opt.fp32 ? DType::F32 : DType::BF16;
+          models[g] = make_cuda_model(*ckpt, go);
+        } catch (...) {
+          errs[g] = std::current_exception();
+        }
+      });
+    for (auto& t : loaders) t.join();
+    for (auto& e : errs)
+      if (e) std::rethrow_exception(e);
+  }
+  Model* model = models[0].get();
   rep.load_seconds = std::chrono::duration<double>(Clock::now() - t_start).count();
-  tlog::info("model {} ({}, L={}, H={}, V={}) loaded in {:.2f}s on {} with {} threads", opt.model.string(),
-             arch_name(cfg.arch), L, H, cfg.vocab, rep.load_seconds, model->backend(), omp_get_max_threads());
+  tlog::info("model {} ({}, L={}, H={}, V={}) loaded in {:.2f}s on {}{}", opt.model.string(), arch_name(cfg.arch), L, H,
+             cfg.vocab, rep.load_seconds, model->backend(),
+             dev.cuda ? fmt::format(" x {} data-parallel replica(s)", models.size())
+                      : fmt::format(" with {} threads", omp_get_max_threads()));
   tlog::info("memory after load: {}", format_mem(mem_usage()));
   tlog::info("layers: aux h{} + final h[{}] ({}: {})", fmt::format("{}", fmt::join(aux, ",")), L,
              kLayerConvention, kLayerConventionText);
@@ -168,7 +215,9 @@ ExtractReport run_extract(const ExtractOptions& opt) {
 
   // Output directory: new, or a run of the same job to resume.
   fs::create_directories(opt.out);
-  DirLock lock(opt.out);
+  std::vector<int> all_gpus;
+  for (auto& g : groups) all_gpus.insert(all_gpus.end(), g.begin(), g.end());
+  DirLock lock(opt.out, run_record("extract", all_gpus));
   json manifest;
   const fs::path mpath = opt.out / kManifestName;
   if (fs::exists(mpath)) {
@@ -234,39 +283,49 @@ ExtractReport run_extract(const ExtractOptions& opt) {
   std::vector<int> cap_layers = aux;
   cap_layers.push_back(int(L));
   const int64_t esz = int64_t(dtype_size(feat_dt));
-  Batch batch;
-  int64_t written_this_run = 0;
+  std::atomic<int64_t> written_this_run{0}, n_batches{0}, batch_tokens{0};
   const auto t_run = Clock::now();
 
-  // Shards are written by a small pool of threads (hash + write + fsync) while the
-  // model computes the next ones; at most `max_inflight` finished shards wait in
-  // memory (back-pressure). The manifest only ever lists a contiguous prefix of
-  // finished shards, so a resume recomputes exactly the ones not listed.
+  // Pipeline: one compute thread per model replica takes the next unfinished shard,
+  // runs its samples in length-sorted batches and leaves the features in a shard
+  // buffer (page-locked on GPUs: the device copies into it asynchronously while it
+  // computes). A small pool of writer threads hashes, writes and fsyncs finished
+  // shards. Buffers come from a fixed pool, so a slow disk stalls compute instead of
+  // growing memory (back-pressure). The manifest only ever lists a contiguous prefix
+  // of finished shards, so a resume recomputes exactly the ones not listed.
   struct ShardJob {
     int64_t index;
     ShardPlan plan;
     std::vector<int32_t> ids;
     std::vector<uint8_t> mask;
     std::vector<int64_t> offsets, sample_index;
-    std::vector<uint8_t> aux, fin;  // [T, 3H], [T, H] in feat_dt
+    std::shared_ptr<uint8_t> buf;  // aux [T, 3H] then final [T, H], in feat_dt
+    uint8_t *aux = nullptr, *fin = nullptr;
   };
+  int64_t max_shard_tokens = 0;
+  for (auto& p : plan) max_shard_tokens = std::max(max_shard_tokens, p.tokens);
+  const size_t buf_bytes = size_t(max_shard_tokens) * size_t(4 * H * esz);
   std::mutex mu;
   std::condition_variable cv;
   std::deque<std::unique_ptr<ShardJob>> queue;
+  std::vector<std::shared_ptr<uint8_t>> free_bufs;
+  int64_t bufs_made = 0;
   std::map<int64_t, json> finished;  // shard index -> manifest record, not yet in the manifest
-  std::exception_ptr writer_error;
-  int64_t next_to_record = done_shards, inflight = 0;
+  std::exception_ptr failure;
+  int64_t next_to_record = done_shards;
   const int64_t n_writers = std::max<int64_t>(1, std::min<int64_t>(4, int64_t(plan.size()) - done_shards));
-  const int64_t max_inflight = n_writers + 1;
+  const int64_t max_bufs = n_writers + 2 * int64_t(models.size());
   bool closing = false;
+  std::atomic<int64_t> next_shard{done_shards};
+  std::atomic<bool> interrupted{false};
 
   auto write_shard = [&](ShardJob& j) {
     const int64_t T = j.plan.tokens, n = j.plan.count;
     st::Writer w;
     w.add(shard_tensors::input_ids, DType::I32, {T}, j.ids.data(), j.ids.size() * 4);
     w.add(shard_tensors::loss_mask, DType::U8, {T}, j.mask.data(), j.mask.size());
-    w.add(shard_tensors::aux_hidden, feat_dt, {T, 3 * H}, j.aux.data(), j.aux.size());
-    w.add(shard_tensors::hidden, feat_dt, {T, H}, j.fin.data(), j.fin.size());
+    w.add(shard_tensors::aux_hidden, feat_dt, {T, 3 * H}, j.aux, size_t(T * 3 * H * esz));
+    w.add(shard_tensors::hidden, feat_dt, {T, H}, j.fin, size_t(T * H * esz));
     w.add(shard_tensors::sample_offsets, DType::I64, {n + 1}, j.offsets.data(), j.offsets.size() * 8);
     w.add(shard_tensors::sample_index, DType::I64, {n}, j.sample_index.data(), j.sample_index.size() * 8);
     w.set_metadata("format", kFeaturesFormat);
@@ -308,99 +367,140 @@ ExtractReport run_extract(const ExtractOptions& opt) {
         if (advanced) write_file_atomic(mpath, manifest.dump(2) + "\n");
       } catch (...) {
         std::unique_lock lk(mu);
-        if (!writer_error) writer_error = std::current_exception();
+        if (!failure) failure = std::current_exception();
       }
       {
         std::unique_lock lk(mu);
-        --inflight;
+        free_bufs.push_back(std::move(job->buf));
       }
       cv.notify_all();
     }
   };
-  std::vector<std::thread> writers;
-  for (int64_t i = 0; i < n_writers; ++i) writers.emplace_back(writer_main, int(i));
-  auto close_writers = [&] {
-    {
-      std::unique_lock lk(mu);
-      closing = true;
-    }
-    cv.notify_all();
-    for (auto& t : writers) t.join();
-    writers.clear();
-    if (writer_error) std::rethrow_exception(writer_error);
-  };
 
-  bool interrupted = false;
-  try {
-    for (int64_t si = done_shards; si < int64_t(plan.size()) && !interrupted; ++si) {
+  // Batches within a shard: samples sorted by length (longest first), each batch
+  // filled first-fit up to the token budget; a sample longer than the budget runs
+  // alone. Batches are packed without padding; captures are scattered back to the
+  // samples' places in the shard.
+  auto compute_main = [&](size_t g) {
+    Model& m = *models[g];
+    if (!groups[g].empty()) set_thread_log_tag(fmt::format("gpu {}", groups[g][0]));
+    Batch batch;
+    for (;;) {
+      if (stop_requested()) {
+        interrupted = true;
+        return;
+      }
+      const int64_t si = next_shard++;
+      if (si >= int64_t(plan.size())) return;
       auto job = std::make_unique<ShardJob>();
       job->index = si;
       job->plan = plan[size_t(si)];
-      const size_t T = size_t(job->plan.tokens);
-      job->ids.reserve(T);
-      job->mask.reserve(T);
-      job->offsets.push_back(0);
-      job->aux.resize(T * size_t(3 * H * esz));
-      job->fin.resize(T * size_t(H * esz));
-      int64_t s = job->plan.first;
-      const int64_t s_end = job->plan.first + job->plan.count;
-      while (s < s_end) {
+      {
+        std::unique_lock lk(mu);
+        cv.wait(lk, [&] { return !free_bufs.empty() || bufs_made < max_bufs || failure; });
+        if (failure) return;
+        if (!free_bufs.empty()) {
+          job->buf = std::move(free_bufs.back());
+          free_bufs.pop_back();
+        } else {
+          ++bufs_made;
+          lk.unlock();
+          job->buf = m.host_buffer(buf_bytes);
+        }
+      }
+      const int64_t T = job->plan.tokens, first = job->plan.first, n = job->plan.count;
+      job->aux = job->buf.get();
+      job->fin = job->buf.get() + size_t(T * 3 * H * esz);
+      job->offsets.assign(1, 0);
+      for (int64_t k = first; k < first + n; ++k) {
+        const Sample& smp = src->at(size_t(k));
+        job->ids.insert(job->ids.end(), smp.input_ids.begin(), smp.input_ids.end());
+        job->mask.insert(job->mask.end(), smp.loss_mask.begin(), smp.loss_mask.end());
+        job->offsets.push_back(int64_t(job->ids.size()));
+        job->sample_index.push_back(k);
+      }
+      std::vector<int64_t> order(static_cast<size_t>(n));
+      for (int64_t k = 0; k < n; ++k) order[size_t(k)] = k;
+      auto len = [&](int64_t k) { return job->offsets[size_t(k + 1)] - job->offsets[size_t(k)]; };
+      std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return len(a) > len(b); });
+      std::vector<bool> taken(static_cast<size_t>(n), false);
+      size_t head = 0;
+      bool stopped = false;
+      while (head < order.size()) {
         if (stop_requested()) {
-          interrupted = true;
+          stopped = true;
           break;
         }
-        // Pack whole samples up to the token budget (a longer sample runs alone).
         batch.clear();
-        const int64_t first_in_batch = s;
-        while (s < s_end) {
-          const Sample& smp = src->at(size_t(s));
-          if (batch.n_tokens() > 0 && batch.n_tokens() + int64_t(smp.input_ids.size()) > opt.max_batch_tokens) break;
-          batch.add(smp.input_ids.data(), int64_t(smp.input_ids.size()));
-          ++s;
-        }
-        // Captures land directly in the shard: aux = concat(h[a0], h[a1], h[a2]) per row.
-        const size_t base = job->ids.size();
         Capture cap;
         cap.layers = cap_layers;
         cap.dtype = feat_dt;
         for (int a = 0; a < 3; ++a) {
-          cap.out.push_back(job->aux.data() + (base * size_t(3 * H) + size_t(a * H)) * size_t(esz));
+          cap.out.push_back(job->aux + size_t(a * H * esz));
           cap.ld.push_back(3 * H);
         }
-        cap.out.push_back(job->fin.data() + base * size_t(H * esz));
+        cap.out.push_back(job->fin);
         cap.ld.push_back(H);
-        model->forward(batch, cap, nullptr);
-        for (int64_t k = first_in_batch; k < s; ++k) {
-          const Sample& smp = src->at(size_t(k));
-          job->ids.insert(job->ids.end(), smp.input_ids.begin(), smp.input_ids.end());
-          job->mask.insert(job->mask.end(), smp.loss_mask.begin(), smp.loss_mask.end());
-          job->offsets.push_back(int64_t(job->ids.size()));
-          job->sample_index.push_back(k);
+        for (size_t i = head; i < order.size(); ++i) {
+          const int64_t k = order[i];
+          if (taken[size_t(k)]) continue;
+          if (batch.n_tokens() > 0 && batch.n_tokens() + len(k) > opt.max_batch_tokens) continue;
+          const Sample& smp = src->at(size_t(first + k));
+          batch.add(smp.input_ids.data(), len(k));
+          cap.seq_dst.push_back(job->offsets[size_t(k)]);
+          taken[size_t(k)] = true;
+          if (batch.n_tokens() >= opt.max_batch_tokens) break;
         }
+        while (head < order.size() && taken[size_t(order[head])]) ++head;
+        m.forward(batch, cap, nullptr);
+        n_batches++;
+        batch_tokens += batch.n_tokens();
         progress.advance(batch.n_tokens());
       }
-      if (interrupted) break;  // the unfinished shard is dropped; a resume recomputes it
+      if (stopped) {  // the unfinished shard is dropped; a resume recomputes it
+        interrupted = true;
+        std::unique_lock lk(mu);
+        free_bufs.push_back(std::move(job->buf));
+        cv.notify_all();
+        return;
+      }
       {
         std::unique_lock lk(mu);
-        cv.wait(lk, [&] { return inflight < max_inflight || writer_error; });
-        if (writer_error) break;
-        ++inflight;
         queue.push_back(std::move(job));
       }
       cv.notify_all();
-      written_this_run += plan[size_t(si)].tokens;
+      written_this_run += T;
       if (opt.stop_after_shards >= 0 && si + 1 - done_shards >= opt.stop_after_shards && si + 1 < int64_t(plan.size()))
         request_stop_for_test();
     }
-  } catch (...) {
-    try {
-      close_writers();
-    } catch (...) {
-    }
-    throw;
+  };
+
+  std::vector<std::thread> writers, computers;
+  for (int64_t i = 0; i < n_writers; ++i) writers.emplace_back(writer_main, int(i));
+  for (size_t g = 0; g < models.size(); ++g)
+    computers.emplace_back([&, g] {
+      try {
+        compute_main(g);
+      } catch (...) {
+        std::unique_lock lk(mu);
+        if (!failure) failure = std::current_exception();
+        cv.notify_all();
+      }
+    });
+  for (auto& t : computers) t.join();
+  {
+    std::unique_lock lk(mu);
+    closing = true;
   }
-  close_writers();  // drains: every finished shard is written and recorded
+  cv.notify_all();
+  for (auto& t : writers) t.join();  // drains: every finished shard is written and recorded
+  if (failure) std::rethrow_exception(failure);
   progress.finish();
+  if (n_batches > 0)
+    tlog::info("batches: {} of mean {:.0f} tokens ({:.1f}% of --max-batch-tokens {}; packed, no padding)",
+               n_batches.load(), double(batch_tokens) / double(n_batches.load()),
+               100.0 * double(batch_tokens) / double(n_batches.load()) / double(opt.max_batch_tokens),
+               opt.max_batch_tokens);
   if (interrupted) {
     rep.status = ExtractStatus::Interrupted;
     rep.shards = int64_t(manifest["shards"].size());

@@ -17,7 +17,9 @@ struct ExtractOptions {
   fs::path data;
   fs::path out;
   std::string layers;            // "a,b,c" or empty for the default [2, L/2, L-3]
-  std::string device = "cpu";    // cpu | cuda
+  std::string device = "cpu";    // cpu | cuda | cuda:N[,M...]
+  int tp = 1;                    // tensor-parallel degree (GPUs per model replica)
+  int dp = 0;                    // data-parallel replicas (0: as many as the devices allow)
   bool fp32 = false;             // store features as F32 instead of BF16
   int64_t shard_tokens = 0;      // 0: about 512 MiB of features per shard
   int64_t max_batch_tokens = 4096;

@@ -38,15 +38,22 @@ struct Batch {
 
 // Hidden states to copy out during a forward: h[layers[i]] -> out[i], N rows of H
 // values at a row stride of ld[i] elements (ld empty: H), as fp32 (dtype F32, out[i]
-// is a float*) or bf16 (dtype BF16, out[i] points at uint16_t). Host memory.
+// is a float*) or bf16 (dtype BF16, out[i] points at uint16_t). Host memory; when it
+// comes from Model::host_buffer() a GPU backend copies into it asynchronously.
+// seq_dst (optional, one entry per batch sequence) scatters: the rows of sequence s
+// land at out rows seq_dst[s] ... (batches sorted by length fill shards in sample order).
 struct Capture {
   std::vector<int> layers;
   std::vector<void*> out;
   DType dtype = DType::F32;
   std::vector<int64_t> ld;
+  std::vector<int64_t> seq_dst;
   int64_t stride(size_t i, int64_t H) const { return ld.empty() ? H : ld[i]; }
+  // Output row of batch row r in sequence s.
+  int64_t dst_row(const Batch& b, int64_t s, int64_t r) const;
   // Throws unless layer ids are in [0, n_layers], sizes agree and the dtype is F32/BF16.
   void validate(int64_t n_layers) const;
+  void validate(int64_t n_layers, const Batch& b) const;
   Capture() = default;
   Capture(std::vector<int> l, std::vector<float*> o) : layers(std::move(l)), out(o.begin(), o.end()) {}
 };
@@ -58,14 +65,53 @@ class Model {
   virtual std::string backend() const = 0;
   // logits may be null; otherwise [N, V] fp32.
   virtual void forward(const Batch& batch, const Capture& capture, float* logits) = 0;
+  // Host memory for capture outputs (page-locked on GPU backends, so device-to-host
+  // copies run asynchronously at full bus speed). Freed when the pointer dies.
+  virtual std::shared_ptr<uint8_t> host_buffer(size_t bytes);
 };
 
 // RoPE inverse frequencies [head_dim/2] for the config's scaling rule.
 std::vector<float> rope_inv_freq(const RopeConfig& rope, int64_t head_dim);
 
 std::unique_ptr<Model> make_cpu_model(const Checkpoint& ckpt);
-// Throws when the build has no CUDA backend or no device is present.
+
+// A CUDA model on one GPU, or tensor parallel over several (one thread per GPU, NCCL
+// all-reduce after the attention output and MLP down projections).
+struct GpuOptions {
+  std::vector<int> devices{0};  // tp > 1: one device per rank
+  int tp = 1;
+  int64_t max_tokens = 0;       // tokens per forward to plan for (0: grown on demand)
+  int64_t n_capture = 0;        // captured layers per forward
+  DType capture_dtype = DType::BF16;
+};
+
+// What a CUDA model needs on each GPU, computed before anything is loaded.
+struct GpuMemoryPlan {
+  int64_t weights = 0, activations = 0, captures = 0, reserve = 0;
+  int64_t per_token = 0;  // activation + capture bytes per token of --max-batch-tokens
+  int64_t total() const { return weights + activations + captures + reserve; }
+};
+GpuMemoryPlan plan_gpu_memory(const ModelConfig& c, const GpuOptions& o);
+
+// Throws when the build has no CUDA backend, no device is present, or the plan does not
+// fit (naming the numbers and a --max-batch-tokens / --tp that would).
+std::unique_ptr<Model> make_cuda_model(const Checkpoint& ckpt, const GpuOptions& opt);
 std::unique_ptr<Model> make_cuda_model(const Checkpoint& ckpt, int device);
 bool cuda_backend_built();
+
+// --device: "cpu", "cuda" (every visible GPU), "cuda:N" or "cuda:N,M,...".
+struct DeviceSpec {
+  bool cuda = false;
+  std::vector<int> devices;  // empty with cuda: all visible
+};
+DeviceSpec parse_device(const std::string& spec);
+
+// One line per visible GPU: index, name, memory used/total (empty without CUDA).
+struct GpuInfo {
+  int index;
+  std::string name;
+  int64_t total_bytes, free_bytes;
+};
+std::vector<GpuInfo> list_gpus();
 
 }  // namespace talon

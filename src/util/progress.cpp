@@ -30,6 +30,7 @@ Progress::~Progress() {
 }
 
 void Progress::advance(int64_t units) {
+  std::lock_guard lk(mu_);
   done_ += units;
   auto now = std::chrono::steady_clock::now();
   const double since = std::chrono::duration<double>(now - last_).count();

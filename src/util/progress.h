@@ -3,6 +3,7 @@
 #pragma once
 #include <chrono>
 #include <cstdint>
+#include <mutex>
 #include <string>
 
 namespace talon {
@@ -21,6 +22,7 @@ class Progress {
   int64_t total_, done_, start_done_;
   std::chrono::steady_clock::time_point t0_, last_;
   bool tty_, finished_ = false;
+  std::mutex mu_;  // advance() may be called from several worker threads
 };
 
 std::string format_duration(double seconds);

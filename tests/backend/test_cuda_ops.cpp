@@ -13,6 +13,7 @@
 #include "backend/cuda/ops.h"
 #include "model/model.h"
 #include "tests/test_util.h"
+#include "util/error.h"
 #include "tests/tolerances.h"
 
 using namespace talon;
@@ -243,12 +244,32 @@ TEST_P(CudaAttention, MatchesCpu) {
   EXPECT_TRUE(all_finite(y));
   EXPECT_TRUE(dout.guards_intact());
   EXPECT_LE(rel_err(y.data(), ref.data(), y.size()), tol::kCudaBf16Out);
+  if (!cuda::flash_attention_supported(c.hd)) return;
+  // The tensor-core kernel on the same inputs (P is rounded to bf16 before P V).
+  auto tiles = cuda::attention_tiles(starts.data(), int64_t(c.lens.size()));
+  ASSERT_LE(int64_t(tiles.size() / 2), cuda::attention_max_tiles(N, int64_t(c.lens.size())));
+  Guarded<int32_t> dtiles(tiles.size());
+  dtiles.upload(tiles);
+  Guarded<bf16> dflash(static_cast<size_t>(N * qd));
+  cuda::flash_attention_forward(dflash.ptr(), dqkv.ptr(), ld, dst.ptr(), dtiles.ptr(), int64_t(tiles.size() / 2), c.nh,
+                                c.nkv, c.hd, c.window, nullptr);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  auto f = to_f32(dflash.download());
+  EXPECT_TRUE(all_finite(f));
+  EXPECT_TRUE(dflash.guards_intact());
+  EXPECT_LE(rel_err(f.data(), ref.data(), f.size()), tol::kCudaFlashOut);
 }
 INSTANTIATE_TEST_SUITE_P(Cases, CudaAttention,
                          ::testing::Values(AttnCase{{1}, 1, 1, 8, 0}, AttnCase{{13, 1, 40}, 5, 1, 8, 0},
                                            AttnCase{{77}, 9, 3, 64, 0}, AttnCase{{300, 5}, 4, 2, 128, 0},
                                            AttnCase{{64}, 4, 4, 256, 0}, AttnCase{{50}, 6, 2, 16, 9},
-                                           AttnCase{{9, 33}, 4, 2, 10, 0}));
+                                           AttnCase{{9, 33}, 4, 2, 10, 0},
+                                           // tile edges (63/64/65 rows), long rows, GQA 4:1, windows
+                                           AttnCase{{700, 130, 1}, 8, 2, 128, 0},
+                                           AttnCase{{65, 64, 63, 129, 2}, 6, 3, 64, 0},
+                                           AttnCase{{300}, 4, 4, 64, 100},
+                                           AttnCase{{1000, 17}, 2, 1, 128, 70},
+                                           AttnCase{{2048}, 4, 1, 64, 0}));
 
 // Whole models: CUDA (bf16) against transformers fp32 goldens.
 class CudaGolden : public ::testing::TestWithParam<std::string> {};
@@ -281,6 +302,109 @@ TEST_P(CudaGolden, HiddenStatesAndLogitsWithinBf16Tolerance) {
 }
 INSTANTIATE_TEST_SUITE_P(Archs, CudaGolden,
                          ::testing::Values("llama_gqa", "llama_tied", "llama_cfg4x", "mistral", "qwen2", "qwen3"));
+
+// Runs a golden model with every layer captured (scattered: sequences in reverse order)
+// and returns the captures and logits.
+struct ModelRun {
+  std::vector<std::vector<float>> hs;
+  std::vector<float> logits;
+};
+ModelRun run_golden(Model& model, const fs::path& dir, bool reverse_scatter) {
+  const ModelConfig& c = model.config();
+  st::File g(dir / "golden.safetensors");
+  auto ids64 = talon::testing::read_i64(g, "input_ids");
+  std::vector<int32_t> ids(ids64.begin(), ids64.end());
+  const int64_t T = int64_t(ids.size()), H = c.hidden, L = c.n_layers;
+  // Two copies of the sequence and a 5-token prefix: three packed sequences.
+  Batch b;
+  b.add(ids.data(), T);
+  b.add(ids.data(), 5);
+  b.add(ids.data(), T);
+  const int64_t N = b.n_tokens();
+  Capture cap;
+  if (reverse_scatter) cap.seq_dst = {N - T, N - T - 5, 0};
+  ModelRun r;
+  r.hs.assign(static_cast<size_t>(L + 1), std::vector<float>(static_cast<size_t>(N * H)));
+  for (int k = 0; k <= L; ++k) {
+    cap.layers.push_back(k);
+    cap.out.push_back(r.hs[static_cast<size_t>(k)].data());
+  }
+  r.logits.resize(static_cast<size_t>(N * c.vocab));
+  model.forward(b, cap, r.logits.data());
+  if (reverse_scatter)  // back into batch order, so runs compare row by row
+    for (auto& h : r.hs) {
+      std::vector<float> o(h.size());
+      std::copy_n(h.begin() + (N - T) * H, T * H, o.begin());
+      std::copy_n(h.begin() + (N - T - 5) * H, 5 * H, o.begin() + T * H);
+      std::copy_n(h.begin(), T * H, o.begin() + (T + 5) * H);
+      h = std::move(o);
+    }
+  return r;
+}
+
+// Captures scattered to per-sequence destinations equal the CPU reference's scatter of
+// the same batch, and packed copies of a sequence agree with each other.
+TEST(CudaModel, ScatteredCapturesMatchCpu) {
+  REQUIRE_GPU();
+  const fs::path dir = fs::path(talon::testing::source_dir()) / "tests/fixtures/golden/qwen3";
+  auto ck = open_checkpoint(dir);
+  auto gpu = make_cuda_model(*ck, 0);
+  auto cpu = make_cpu_model(*ck);
+  ModelRun a = run_golden(*gpu, dir, true), b = run_golden(*cpu, dir, true);
+  for (size_t k = 0; k < a.hs.size(); ++k)
+    EXPECT_LE(rel_err(a.hs[k].data(), b.hs[k].data(), a.hs[k].size()), tol::kCudaModelRel) << "h[" << k << "]";
+}
+
+// Tensor parallel over 2 GPUs equals one GPU within bf16 tolerance (every layer, logits).
+class CudaTensorParallel : public ::testing::TestWithParam<std::string> {};
+TEST_P(CudaTensorParallel, Tp2MatchesTp1) {
+  REQUIRE_GPU();
+  int n = 0;
+  cudaGetDeviceCount(&n);
+  if (n < 2) GTEST_SKIP() << "needs 2 GPUs, found " << n;
+  const fs::path dir = fs::path(talon::testing::source_dir()) / "tests/fixtures/golden" / GetParam();
+  auto ck = open_checkpoint(dir);
+  ModelRun one, two;
+  {
+    auto m = make_cuda_model(*ck, 0);
+    one = run_golden(*m, dir, false);
+  }
+  {
+    GpuOptions go;
+    go.devices = {0, 1};
+    go.tp = 2;
+    auto m = make_cuda_model(*ck, go);
+    EXPECT_NE(m->backend().find("tp 2"), std::string::npos) << m->backend();
+    two = run_golden(*m, dir, true);
+  }
+  for (size_t k = 0; k < one.hs.size(); ++k)
+    EXPECT_LE(rel_err(two.hs[k].data(), one.hs[k].data(), one.hs[k].size()), tol::kCudaTpRel) << "h[" << k << "]";
+  EXPECT_LE(rel_err(two.logits.data(), one.logits.data(), one.logits.size()), tol::kCudaTpRel);
+}
+INSTANTIATE_TEST_SUITE_P(Archs, CudaTensorParallel, ::testing::Values("llama_tied", "mistral", "qwen2", "qwen3"));
+
+// A plan that cannot fit is refused before any upload, naming a budget that fits; that
+// budget then loads.
+TEST(CudaModel, MemoryPlanRefusesAndSuggests) {
+  REQUIRE_GPU();
+  const fs::path dir = fs::path(talon::testing::source_dir()) / "tests/fixtures/golden/qwen3";
+  auto ck = open_checkpoint(dir);
+  GpuOptions go;
+  go.max_tokens = int64_t(1) << 31;
+  go.n_capture = 4;
+  std::string msg;
+  try {
+    make_cuda_model(*ck, go);
+  } catch (const Error& e) {
+    msg = e.what();
+  }
+  ASSERT_NE(msg.find("try --max-batch-tokens "), std::string::npos) << msg;
+  const int64_t suggested = std::stoll(msg.substr(msg.find("try --max-batch-tokens ") + 23));
+  EXPECT_GT(suggested, 0);
+  EXPECT_LT(suggested, go.max_tokens);
+  go.max_tokens = std::min<int64_t>(suggested, 1 << 20);  // keep the test light
+  EXPECT_NO_THROW(make_cuda_model(*ck, go));
+}
 
 TEST(CudaSmolLM2, MatchesTransformersWithinBf16) {
   REQUIRE_GPU();

@@ -78,6 +78,9 @@ expect layers-text "--layers 'a,b,c'.*'a' is not an integer" -- "${D[@]}" --laye
 expect layers-order "--layers '3,1,2'.*strictly increasing" -- "${D[@]}" --layers 3,1,2
 expect layers-range "--layers '1,2,9'.*id 9 outside \[0, 4\]" -- "${D[@]}" --layers 1,2,9
 expect layers-default-small "default aux layers.*not distinct for L = 4" -- "${D[@]}"
-expect device "--device 'tpu': expected cpu, cuda or cuda:N" -- "${D[@]}" --layers 1,2,3 --device tpu
+expect device "--device 'tpu': expected cpu, cuda, cuda:N or cuda:N,M" -- "${D[@]}" --layers 1,2,3 --device tpu
+expect device-list "--device 'cuda:0,x': expected" -- "${D[@]}" --layers 1,2,3 --device cuda:0,x
+expect device-twice "--device 'cuda:1,1': cuda:1 is listed twice" -- "${D[@]}" --layers 1,2,3 --device cuda:1,1
+expect tp-on-cpu "--tp/--dp need --device cuda" -- "${D[@]}" --layers 1,2,3 --tp 2
 expect log-level "--log-level 'loud'" -- --log-level loud "${D[@]}" --layers 1,2,3
 finish

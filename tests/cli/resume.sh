@@ -74,4 +74,39 @@ f=$(ls "$WORK"/corrupt/shard-*.safetensors | head -2 | tail -1)
 printf '\x01' | dd of="$f" bs=1 seek=$(( $(stat -c %s "$f") - 10 )) conv=notrunc 2>/dev/null
 "$TALON" inspect "$WORK/corrupt" > "$WORK/c.out" 2>&1
 [ $? -ne 0 ] && grep -q "SHA-256 .* does not match" "$WORK/c.out" && ok "inspect catches a flipped byte" || bad "inspect missed corruption: $(tail -3 "$WORK/c.out")"
+# 6) Run lifecycle: the lock records the run; a second run on the same --out is refused;
+# `talon gpus` lists the run; `talon stop DIR` signals exactly the recorded PID, which
+# drains and exits with a resume hint; the rerun completes identically.
+export TALON_RUNS_DIR="$WORK/runs"
+"$TALON" extract "${args[@]}" --out "$WORK/stop" > /dev/null 2> "$WORK/stop.err" &
+pid=$!
+for i in $(seq 1 600); do
+  n=$(grep -c '"sha256"' "$WORK/stop/manifest.json" 2>/dev/null || true)
+  [ "${n:-0}" -ge 1 ] && break
+  sleep 0.05
+done
+python3 - "$WORK/stop/.talon.lock" "$pid" <<'PY' && ok "lock file records pid, host, command" || bad "lock file: $(cat "$WORK/stop/.talon.lock")"
+import json, socket, sys
+j = json.load(open(sys.argv[1]))
+assert j["pid"] == int(sys.argv[2]) and j["command"] == "extract" and j["host"] == socket.gethostname(), j
+assert "extract" in j["cmdline"] and j["gpus"] == [], j
+PY
+"$TALON" extract "${args[@]}" --out "$WORK/stop" > /dev/null 2> "$WORK/second.err"
+[ $? -ne 0 ] && grep -q "another talon run (pid $pid on .*) is writing this directory; stop it with .talon stop" "$WORK/second.err" \
+  && ok "a second run on the same --out is refused, naming pid $pid" || bad "second run: $(cat "$WORK/second.err")"
+"$TALON" gpus > "$WORK/gpus.out" 2>&1
+grep -q "talon extract (pid $pid, $WORK/stop)" "$WORK/gpus.out" && ok "talon gpus lists the active run" || bad "talon gpus: $(cat "$WORK/gpus.out")"
+"$TALON" stop "$WORK/stop" --wait 20 > "$WORK/stop.out" 2>&1
+src=$?
+wait $pid; rc=$?
+if [ $src -eq 0 ] && grep -q "sent SIGTERM to pid $pid" "$WORK/stop.out" && { [ $rc -eq 143 ] || [ $rc -eq 0 ]; }; then
+  ok "talon stop: pid $pid exited $rc"
+else bad "talon stop: stop rc $src, run rc $rc: $(cat "$WORK/stop.out")"; fi
+[ $rc -eq 0 ] || grep -q "resume with:" "$WORK/stop.err" && ok "stopped run printed a resume hint" || bad "no resume hint: $(tail -2 "$WORK/stop.err")"
+"$TALON" gpus > "$WORK/gpus2.out" 2>&1
+grep -q "0 active" "$WORK/gpus2.out" && ok "the run left the registry" || bad "registry still lists it: $(cat "$WORK/gpus2.out")"
+"$TALON" stop "$WORK/stop" > "$WORK/stop2.out" 2>&1
+grep -q "no run is active" "$WORK/stop2.out" && ok "talon stop on an idle directory signals nothing" || bad "$(cat "$WORK/stop2.out")"
+"$TALON" extract "${args[@]}" --out "$WORK/stop" > /dev/null 2>&1
+same_as_ref "$WORK/stop" && ok "talon stop + resume == uninterrupted" || bad "differs after talon stop: $(head -3 "$WORK/diff")"
 finish

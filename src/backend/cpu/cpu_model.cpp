@@ -80,12 +80,15 @@ class CpuDenseModel final : public Model {
     const int64_t N = b.n_tokens(), H = c.hidden, I = c.intermediate, hd = c.head_dim;
     const int64_t nh = c.n_heads, nkv = c.n_kv_heads, qd = nh * hd, kvd = nkv * hd;
     const float eps = float(c.rms_eps);
-    cap.validate(c.n_layers);
+    cap.validate(c.n_layers, b);
 
     std::vector<int32_t> pos(static_cast<size_t>(N));
+    std::vector<int64_t> dst(static_cast<size_t>(N));
     for (int64_t s = 0; s < b.n_seqs(); ++s)
-      for (int64_t r = b.seq_start[size_t(s)]; r < b.seq_start[size_t(s + 1)]; ++r)
+      for (int64_t r = b.seq_start[size_t(s)]; r < b.seq_start[size_t(s + 1)]; ++r) {
         pos[size_t(r)] = int32_t(r - b.seq_start[size_t(s)]);
+        dst[size_t(r)] = cap.dst_row(b, s, r);
+      }
 
     std::vector<float> x(size_t(N * H)), xn(size_t(N * H)), q(size_t(N * qd)), k(size_t(N * kvd)),
         v(size_t(N * kvd)), att(size_t(N * qd)), tmp(size_t(N * H)), g(size_t(N * I)), u(size_t(N * I));
@@ -96,10 +99,10 @@ class CpuDenseModel final : public Model {
         for (int64_t r = 0; r < N; ++r) {
           const float* src = x.data() + r * H;
           if (cap.dtype == DType::F32) {
-            std::copy(src, src + H, static_cast<float*>(cap.out[i]) + r * ld);
+            std::copy(src, src + H, static_cast<float*>(cap.out[i]) + dst[size_t(r)] * ld);
           } else {
-            uint16_t* dst = static_cast<uint16_t*>(cap.out[i]) + r * ld;
-            for (int64_t c = 0; c < H; ++c) dst[c] = f32_to_bf16(src[c]);
+            uint16_t* d = static_cast<uint16_t*>(cap.out[i]) + dst[size_t(r)] * ld;
+            for (int64_t c = 0; c < H; ++c) d[c] = f32_to_bf16(src[c]);
           }
         }
       }

@@ -1,6 +1,15 @@
 // The CUDA forward for the dense decoder family: same steps as the CPU reference
 // (src/backend/cpu/cpu_model.cpp), bf16 weights/activations, fp32 residual stream.
-// q|k|v and gate|up are fused into one GEMM each.
+// q|k|v and gate|up are fused into one GEMM each. Under tensor parallelism each rank
+// holds a slice of the heads and of the MLP width (Megatron layout) and the partial
+// outputs of o_proj and down_proj are summed across ranks by the all-reduce callback.
+//
+// Captures: at each captured layer the residual stream is converted into a per-layer
+// device buffer on the compute stream; a second stream copies it to the host while
+// later layers compute (page-locked destinations from host_buffer() make this truly
+// asynchronous), scattering each sequence to its destination rows.
+#include "backend/cuda/cuda_model.h"
+
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -13,7 +22,6 @@
 #include "backend/cuda/check.h"
 #include "backend/cuda/ops.h"
 #include "model/dense.h"
-#include "model/model.h"
 #include "util/error.h"
 #include "util/log.h"
 
@@ -45,23 +53,39 @@ class DeviceArena {
   size_t bytes_ = 0;
 };
 
-int64_t numel(const WeightRef& w) {
-  int64_t n = 1;
-  for (auto d : w.shape) n *= d;
-  return n;
-}
+// A rectangular block [row0, row0 + rows) x [col0, col0 + cols) of a weight viewed as
+// [R, C] (1-D weights are [1, n]), copied to contiguous device memory.
+struct Part {
+  bf16* dst;
+  const WeightRef* src;
+  int64_t row0, rows, col0, cols;
+};
 
-// Host bf16 copy of a weight (a straight copy when it is stored as bf16).
-void append_bf16(std::vector<uint16_t>& dst, const WeightRef& w) {
-  const size_t n = size_t(numel(w)), base = dst.size();
-  dst.resize(base + n);
-  if (w.dtype == DType::BF16) {
-    std::memcpy(dst.data() + base, w.data, n * 2);
+int64_t dim_r(const WeightRef& w) { return w.shape.size() == 2 ? w.shape[0] : 1; }
+int64_t dim_c(const WeightRef& w) { return w.shape.empty() ? 0 : w.shape.back(); }
+
+void upload_part(const Part& p, std::vector<float>& f32, std::vector<uint16_t>& b16) {
+  const WeightRef& r = *p.src;
+  const int64_t C = dim_c(r);
+  if (r.dtype == DType::BF16) {
+    const auto* base = static_cast<const uint16_t*>(r.data) + p.row0 * C + p.col0;
+    if (p.cols == C)
+      CUDA_CHECK(cudaMemcpy(p.dst, base, size_t(p.rows * p.cols) * 2, cudaMemcpyHostToDevice));
+    else
+      CUDA_CHECK(cudaMemcpy2D(p.dst, size_t(p.cols) * 2, base, size_t(C) * 2, size_t(p.cols) * 2, size_t(p.rows),
+                              cudaMemcpyHostToDevice));
     return;
   }
-  std::vector<float> f(n);
-  convert_to_f32(w.dtype, w.data, f.data(), n);
-  for (size_t i = 0; i < n; ++i) dst[base + i] = f32_to_bf16(f[i]);
+  // Other stored types: convert one row at a time on the host.
+  const size_t esz = dtype_size(r.dtype);
+  b16.resize(size_t(p.rows * p.cols));
+  f32.resize(size_t(p.cols));
+  for (int64_t i = 0; i < p.rows; ++i) {
+    const auto* row = static_cast<const uint8_t*>(r.data) + size_t((p.row0 + i) * C + p.col0) * esz;
+    convert_to_f32(r.dtype, row, f32.data(), size_t(p.cols));
+    for (int64_t j = 0; j < p.cols; ++j) b16[size_t(i * p.cols + j)] = f32_to_bf16(f32[size_t(j)]);
+  }
+  CUDA_CHECK(cudaMemcpy(p.dst, b16.data(), b16.size() * 2, cudaMemcpyHostToDevice));
 }
 
 struct Layer {
@@ -70,51 +94,62 @@ struct Layer {
 
 class CudaDenseModel final : public Model {
  public:
-  CudaDenseModel(const Checkpoint& ckpt, int device) : cfg_(ckpt.config()), device_(device) {
+  CudaDenseModel(const Checkpoint& ckpt, const cuda::RankOptions& ro, const GpuOptions& go)
+      : cfg_(ckpt.config()), ro_(ro), device_(ro.device) {
+    const ModelConfig& c = cfg_;
+    const int tp = ro_.size, rk = ro_.rank;
     CUDA_CHECK(cudaSetDevice(device_));
     CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+    CUDA_CHECK(cudaStreamCreateWithFlags(&copy_, cudaStreamNonBlocking));
     gemm_ = std::make_unique<cuda::Gemm>();
+    nh_ = c.n_heads / tp;
+    nkv_ = c.n_kv_heads / tp;
+    inter_ = c.intermediate / tp;
     DenseWeights w = bind_dense_weights(ckpt);
     // Plan every upload first (fused q|k|v and gate|up are adjacent parts of one
-    // allocation), then copy with a pool of threads straight from the mapped file:
-    // bf16 tensors are never copied on the host; others are converted once.
-    struct Part {
-      bf16* dst;
-      const WeightRef* src;
-    };
+    // allocation; tensor-parallel slices are row or column blocks), then copy with a
+    // pool of threads straight from the mapped file.
     std::vector<Part> parts;
     int64_t total_bytes = 0;
-    auto up = [&](std::initializer_list<const WeightRef*> refs) {
+    struct Piece {
+      const WeightRef* w;
+      int64_t row0, rows, col0, cols;
+    };
+    auto up = [&](std::initializer_list<Piece> pieces) {
       int64_t n = 0;
-      for (auto* p : refs)
-        if (p->data) n += numel(*p);
+      for (auto& p : pieces)
+        if (p.w->data) n += p.rows * p.cols;
       if (n == 0) return static_cast<bf16*>(nullptr);
       bf16* d = arena_.alloc<bf16>(size_t(n));
       int64_t off = 0;
-      for (auto* p : refs)
-        if (p->data) {
-          parts.push_back({d + off, p});
-          off += numel(*p);
+      for (auto& p : pieces)
+        if (p.w->data) {
+          parts.push_back({d + off, p.w, p.row0, p.rows, p.col0, p.cols});
+          off += p.rows * p.cols;
         }
       total_bytes += n * 2;
       return d;
     };
-    embed_ = up({&w.embed});
-    lm_head_ = cfg_.tied_embeddings ? embed_ : up({&w.lm_head});
-    final_norm_ = up({&w.final_norm});
+    auto whole = [](const WeightRef& r) { return Piece{&r, 0, dim_r(r), 0, dim_c(r)}; };
+    auto rows = [&](const WeightRef& r, int64_t per) { return Piece{&r, rk * per, per, 0, dim_c(r)}; };
+    auto cols = [&](const WeightRef& r, int64_t per) { return Piece{&r, 0, dim_r(r), rk * per, per}; };
+    const int64_t hd = c.head_dim, qd = nh_ * hd, kvd = nkv_ * hd;
+    embed_ = up({whole(w.embed)});
+    lm_head_ = c.tied_embeddings ? embed_ : up({whole(w.lm_head)});
+    final_norm_ = up({whole(w.final_norm)});
     for (auto& l : w.layers) {
       Layer L;
-      L.attn_norm = up({&l.attn_norm});
-      L.mlp_norm = up({&l.mlp_norm});
-      L.wqkv = up({&l.wq, &l.wk, &l.wv});
-      if (cfg_.qkv_bias) L.bqkv = up({&l.bq, &l.bk, &l.bv});
-      if (cfg_.qk_norm) {
-        L.q_norm = up({&l.q_norm});
-        L.k_norm = up({&l.k_norm});
+      L.attn_norm = up({whole(l.attn_norm)});
+      L.mlp_norm = up({whole(l.mlp_norm)});
+      L.wqkv = up({rows(l.wq, qd), rows(l.wk, kvd), rows(l.wv, kvd)});
+      if (c.qkv_bias) L.bqkv = up({cols(l.bq, qd), cols(l.bk, kvd), cols(l.bv, kvd)});
+      if (c.qk_norm) {
+        L.q_norm = up({whole(l.q_norm)});
+        L.k_norm = up({whole(l.k_norm)});
       }
-      L.wo = up({&l.wo});
-      L.wgu = up({&l.w_gate, &l.w_up});
-      L.wdown = up({&l.w_down});
+      L.wo = up({cols(l.wo, qd)});
+      L.wgu = up({rows(l.w_gate, inter_), rows(l.w_up, inter_)});
+      L.wdown = up({cols(l.w_down, inter_)});
       layers_.push_back(L);
     }
     const auto t0 = std::chrono::steady_clock::now();
@@ -124,57 +159,73 @@ class CudaDenseModel final : public Model {
     auto worker = [&] {
       try {
         CUDA_CHECK(cudaSetDevice(device_));
-        std::vector<uint16_t> host;
-        for (size_t i; (i = next++) < parts.size();) {
-          const WeightRef& r = *parts[i].src;
-          const size_t n = size_t(numel(r));
-          if (r.dtype == DType::BF16) {
-            CUDA_CHECK(cudaMemcpy(parts[i].dst, r.data, n * 2, cudaMemcpyHostToDevice));
-          } else {
-            host.clear();
-            append_bf16(host, r);
-            CUDA_CHECK(cudaMemcpy(parts[i].dst, host.data(), n * 2, cudaMemcpyHostToDevice));
-          }
-        }
+        std::vector<float> f32;
+        std::vector<uint16_t> b16;
+        for (size_t i; (i = next++) < parts.size();) upload_part(parts[i], f32, b16);
       } catch (...) {
         std::lock_guard lk(err_mu);
         if (!err) err = std::current_exception();
       }
     };
-    const int n_threads = int(std::clamp<unsigned>(std::thread::hardware_concurrency(), 1, 8));
+    const int n_threads = int(std::clamp<unsigned>(std::thread::hardware_concurrency() / unsigned(tp), 1, 8));
     std::vector<std::thread> pool;
     for (int i = 0; i < n_threads; ++i) pool.emplace_back(worker);
     for (auto& t : pool) t.join();
     if (err) std::rethrow_exception(err);
     const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    tlog::info("cuda:{}: uploaded {:.2f} GB of bf16 weights in {:.2f}s ({:.1f} GB/s, {} threads)", device_,
-               double(total_bytes) / 1e9, secs, secs > 0 ? double(total_bytes) / 1e9 / secs : 0.0, n_threads);
-    auto inv = rope_inv_freq(cfg_.rope, cfg_.head_dim);
+    tlog::info("cuda:{}: uploaded {:.2f} GB of bf16 weights{} in {:.2f}s ({:.1f} GB/s, {} threads)", device_,
+               double(total_bytes) / 1e9, tp > 1 ? fmt::format(" (tp rank {}/{})", rk, tp) : "", secs,
+               secs > 0 ? double(total_bytes) / 1e9 / secs : 0.0, n_threads);
+    auto inv = rope_inv_freq(c.rope, c.head_dim);
     inv_freq_ = arena_.alloc<float>(inv.size());
     CUDA_CHECK(cudaMemcpy(inv_freq_, inv.data(), inv.size() * 4, cudaMemcpyHostToDevice));
-    tlog::debug("cuda:{} weights: {:.1f} MiB", device_, double(arena_.bytes()) / (1 << 20));
+    // Everything the planned batch size needs is allocated now, so a run cannot hit
+    // an out-of-memory error halfway.
+    if (go.max_tokens > 0) {
+      ensure_activations(go.max_tokens, go.max_tokens, false);
+      if (rk == 0) ensure_capture_buffers(go.n_capture, dtype_size(go.capture_dtype), go.max_tokens);
+    }
+    size_t free_b = 0, total_b = 0;
+    CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
+    tlog::debug("cuda:{}: weights {:.1f} MiB; {:.1f} of {:.1f} GiB free after planning", device_,
+                double(arena_.bytes()) / (1 << 20), double(free_b) / (1 << 30), double(total_b) / (1 << 30));
   }
 
   ~CudaDenseModel() override {
+    cudaSetDevice(device_);
+    if (stream_) cudaStreamSynchronize(stream_);
+    if (copy_) cudaStreamSynchronize(copy_);
+    for (auto e : events_) cudaEventDestroy(e);
+    caps_.reset();
     acts_.reset();
     gemm_.reset();
     if (stream_) cudaStreamDestroy(stream_);
+    if (copy_) cudaStreamDestroy(copy_);
   }
 
   const ModelConfig& config() const override { return cfg_; }
   std::string backend() const override { return "cuda:" + std::to_string(device_); }
 
+  std::shared_ptr<uint8_t> host_buffer(size_t bytes) override {
+    CUDA_CHECK(cudaSetDevice(device_));
+    void* p = nullptr;
+    CUDA_CHECK(cudaHostAlloc(&p, std::max<size_t>(bytes, 1), cudaHostAllocPortable));
+    return std::shared_ptr<uint8_t>(static_cast<uint8_t*>(p), [](uint8_t* q) { cudaFreeHost(q); });
+  }
+
   void forward(const Batch& b, const Capture& cap, float* logits) override {
     CUDA_CHECK(cudaSetDevice(device_));
     const ModelConfig& c = cfg_;
-    const int64_t N = b.n_tokens(), H = c.hidden, I = c.intermediate, hd = c.head_dim, V = c.vocab;
-    const int64_t nh = c.n_heads, nkv = c.n_kv_heads, qd = nh * hd, kvd = nkv * hd, ldqkv = qd + 2 * kvd;
+    const int64_t N = b.n_tokens(), H = c.hidden, I = inter_, hd = c.head_dim, V = c.vocab;
+    const int64_t nh = nh_, nkv = nkv_, qd = nh * hd, kvd = nkv * hd, ldqkv = qd + 2 * kvd;
     const float eps = float(c.rms_eps);
-    cap.validate(c.n_layers);
+    cap.validate(c.n_layers, b);
     for (int64_t i = 0; i < N; ++i)
       TALON_CHECK(b.tokens[size_t(i)] >= 0 && b.tokens[size_t(i)] < V, "token id {} at position {} is outside the vocabulary [0, {})",
                   b.tokens[size_t(i)], i, V);
     ensure_activations(N, b.n_seqs(), logits != nullptr);
+    const size_t esz = dtype_size(cap.dtype);
+    ensure_capture_buffers(int64_t(cap.layers.size()), esz, N);
     Acts& a = *acts_;
 
     std::vector<int32_t> pos(static_cast<size_t>(N)), row_seq(static_cast<size_t>(N));
@@ -183,24 +234,41 @@ class CudaDenseModel final : public Model {
         pos[size_t(r)] = int32_t(r - b.seq_start[size_t(s)]);
         row_seq[size_t(r)] = int32_t(s);
       }
+    const bool flash = cuda::flash_attention_supported(hd);
+    const std::vector<int32_t> tiles = flash ? cuda::attention_tiles(b.seq_start.data(), b.n_seqs()) : std::vector<int32_t>{};
     CUDA_CHECK(cudaMemcpyAsync(a.ids, b.tokens.data(), size_t(N) * 4, cudaMemcpyHostToDevice, stream_));
     CUDA_CHECK(cudaMemcpyAsync(a.pos, pos.data(), size_t(N) * 4, cudaMemcpyHostToDevice, stream_));
     CUDA_CHECK(cudaMemcpyAsync(a.row_seq, row_seq.data(), size_t(N) * 4, cudaMemcpyHostToDevice, stream_));
     CUDA_CHECK(cudaMemcpyAsync(a.seq_start, b.seq_start.data(), b.seq_start.size() * 8, cudaMemcpyHostToDevice, stream_));
+    if (flash) CUDA_CHECK(cudaMemcpyAsync(a.tiles, tiles.data(), tiles.size() * 4, cudaMemcpyHostToDevice, stream_));
 
-    // bf16 captures are converted on the device, so only half the bytes cross PCIe.
+    // Copy segments: runs of sequences whose destination rows are consecutive.
+    struct Seg {
+      int64_t src, dst, rows;
+    };
+    std::vector<Seg> segs;
+    for (int64_t s = 0; s < b.n_seqs(); ++s) {
+      const int64_t r0 = b.seq_start[size_t(s)], n = b.seq_start[size_t(s + 1)] - r0, d = cap.dst_row(b, s, r0);
+      if (!segs.empty() && segs.back().src + segs.back().rows == r0 && segs.back().dst + segs.back().rows == d)
+        segs.back().rows += n;
+      else if (n > 0)
+        segs.push_back({r0, d, n});
+    }
     auto capture = [&](int64_t layer_id) {
       for (size_t i = 0; i < cap.layers.size(); ++i) {
         if (cap.layers[i] != layer_id) continue;
+        void* buf = caps_->bufs[i];
+        if (cap.dtype == DType::F32)
+          CUDA_CHECK(cudaMemcpyAsync(buf, a.x, size_t(N * H) * 4, cudaMemcpyDeviceToDevice, stream_));
+        else
+          cuda::f32_to_bf16(static_cast<bf16*>(buf), a.x, N * H, stream_);
+        CUDA_CHECK(cudaEventRecord(events_[i], stream_));
+        CUDA_CHECK(cudaStreamWaitEvent(copy_, events_[i], 0));
         const int64_t ld = cap.stride(i, H);
-        if (cap.dtype == DType::F32) {
-          CUDA_CHECK(cudaMemcpy2DAsync(cap.out[i], size_t(ld) * 4, a.x, size_t(H) * 4, size_t(H) * 4, size_t(N),
-                                       cudaMemcpyDeviceToHost, stream_));
-        } else {
-          cuda::f32_to_bf16(a.cap16, a.x, N * H, stream_);
-          CUDA_CHECK(cudaMemcpy2DAsync(cap.out[i], size_t(ld) * 2, a.cap16, size_t(H) * 2, size_t(H) * 2, size_t(N),
-                                       cudaMemcpyDeviceToHost, stream_));
-        }
+        for (const Seg& g : segs)
+          CUDA_CHECK(cudaMemcpy2DAsync(static_cast<uint8_t*>(cap.out[i]) + size_t(g.dst * ld) * esz, size_t(ld) * esz,
+                                       static_cast<const uint8_t*>(buf) + size_t(g.src * H) * esz, size_t(H) * esz,
+                                       size_t(H) * esz, size_t(g.rows), cudaMemcpyDeviceToHost, copy_));
       }
     };
     cuda::embedding_forward(a.x, a.ids, embed_, N, H, V, stream_);
@@ -223,12 +291,19 @@ class CudaDenseModel final : public Model {
       }
       cuda::rope_forward(a.qkv, ldqkv, a.pos, inv_freq_, N, nh, hd, stream_);
       cuda::rope_forward(a.qkv + qd, ldqkv, a.pos, inv_freq_, N, nkv, hd, stream_);
-      cuda::attention_forward(a.att, a.qkv, ldqkv, a.seq_start, a.row_seq, N, nh, nkv, hd, c.sliding_window, stream_);
+      if (flash)
+        cuda::flash_attention_forward(a.att, a.qkv, ldqkv, a.seq_start, a.tiles, int64_t(tiles.size() / 2), nh, nkv,
+                                      hd, c.sliding_window, stream_);
+      else
+        cuda::attention_forward(a.att, a.qkv, ldqkv, a.seq_start, a.row_seq, N, nh, nkv, hd, c.sliding_window,
+                                stream_);
       gemm_->forward(a.tmp, a.att, L.wo, N, qd, H, stream_);
+      if (ro_.allreduce) ro_.allreduce(a.tmp, N * H, stream_);
       cuda::add_rmsnorm_forward(a.xn, a.x, a.tmp, L.mlp_norm, N, H, eps, stream_);
       gemm_->forward(a.gu, a.xn, L.wgu, N, H, 2 * I, stream_);
       cuda::swiglu_forward(a.act, a.gu, N, I, stream_);
       gemm_->forward(a.tmp, a.act, L.wdown, N, I, H, stream_);
+      if (ro_.allreduce) ro_.allreduce(a.tmp, N * H, stream_);
       pending = a.tmp;
     }
     // h[L] = x + last MLP output; the final norm follows (only needed for logits).
@@ -240,6 +315,7 @@ class CudaDenseModel final : public Model {
       CUDA_CHECK(cudaMemcpyAsync(logits, a.logits32, size_t(N * V) * 4, cudaMemcpyDeviceToHost, stream_));
     }
     CUDA_CHECK(cudaStreamSynchronize(stream_));
+    CUDA_CHECK(cudaStreamSynchronize(copy_));
   }
 
  private:
@@ -247,11 +323,35 @@ class CudaDenseModel final : public Model {
     DeviceArena arena;
     int64_t cap_tokens = 0, cap_seqs = 0;
     bool has_logits = false;
-    float *x, *logits32 = nullptr, *dummy = nullptr;
-    bf16 *xn, *qkv, *att, *tmp, *gu, *act, *cap16, *logits = nullptr;
-    int32_t *ids, *pos, *row_seq;
+    float *x, *logits32 = nullptr;
+    bf16 *xn, *qkv, *att, *tmp, *gu, *act, *logits = nullptr;
+    int32_t *ids, *pos, *row_seq, *tiles;
     int64_t* seq_start;
   };
+  struct CapBufs {
+    DeviceArena arena;
+    int64_t n = 0, tokens = 0;
+    size_t esz = 0;
+    std::vector<void*> bufs;
+  };
+
+  void ensure_capture_buffers(int64_t n, size_t esz, int64_t tokens) {
+    while (int64_t(events_.size()) < n) {
+      cudaEvent_t e;
+      CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+      events_.push_back(e);
+    }
+    if (n == 0 || (caps_ && caps_->n >= n && caps_->esz >= esz && caps_->tokens >= tokens)) return;
+    const int64_t nn = std::max<int64_t>(n, caps_ ? caps_->n : 0), tk = std::max<int64_t>(tokens, caps_ ? caps_->tokens : 0);
+    const size_t e = std::max(esz, caps_ ? caps_->esz : 0);
+    caps_.reset();
+    auto c = std::make_unique<CapBufs>();
+    for (int64_t i = 0; i < nn; ++i) c->bufs.push_back(c->arena.alloc<uint8_t>(size_t(tk * cfg_.hidden) * e));
+    c->n = nn;
+    c->tokens = tk;
+    c->esz = e;
+    caps_ = std::move(c);
+  }
 
   void ensure_activations(int64_t N, int64_t S, bool want_logits) {
     if (acts_ && acts_->cap_tokens >= N && acts_->cap_seqs >= S && (acts_->has_logits || !want_logits)) return;
@@ -261,15 +361,14 @@ class CudaDenseModel final : public Model {
     const bool lg = want_logits || (acts_ && acts_->has_logits);
     acts_.reset();
     auto a = std::make_unique<Acts>();
-    const int64_t qd = c.n_heads * c.head_dim, ld = qd + 2 * c.n_kv_heads * c.head_dim;
+    const int64_t qd = nh_ * c.head_dim, ld = qd + 2 * nkv_ * c.head_dim;
     a->x = a->arena.alloc<float>(size_t(n * c.hidden));
     a->xn = a->arena.alloc<bf16>(size_t(n * c.hidden));
     a->qkv = a->arena.alloc<bf16>(size_t(n * ld));
     a->att = a->arena.alloc<bf16>(size_t(n * qd));
     a->tmp = a->arena.alloc<bf16>(size_t(n * c.hidden));
-    a->gu = a->arena.alloc<bf16>(size_t(n * 2 * c.intermediate));
-    a->act = a->arena.alloc<bf16>(size_t(n * c.intermediate));
-    a->cap16 = a->arena.alloc<bf16>(size_t(n * c.hidden));
+    a->gu = a->arena.alloc<bf16>(size_t(n * 2 * inter_));
+    a->act = a->arena.alloc<bf16>(size_t(n * inter_));
     if (lg) {
       a->logits = a->arena.alloc<bf16>(size_t(n * c.vocab));
       a->logits32 = a->arena.alloc<float>(size_t(n * c.vocab));
@@ -277,6 +376,7 @@ class CudaDenseModel final : public Model {
     a->ids = a->arena.alloc<int32_t>(size_t(n));
     a->pos = a->arena.alloc<int32_t>(size_t(n));
     a->row_seq = a->arena.alloc<int32_t>(size_t(n));
+    a->tiles = a->arena.alloc<int32_t>(size_t(2 * cuda::attention_max_tiles(n, s)));
     a->seq_start = a->arena.alloc<int64_t>(size_t(s + 1));
     a->cap_tokens = n;
     a->cap_seqs = s;
@@ -285,25 +385,78 @@ class CudaDenseModel final : public Model {
   }
 
   ModelConfig cfg_;
+  cuda::RankOptions ro_;
   int device_;
-  cudaStream_t stream_ = nullptr;
+  int64_t nh_ = 0, nkv_ = 0, inter_ = 0;
+  cudaStream_t stream_ = nullptr, copy_ = nullptr;
   DeviceArena arena_;
   std::unique_ptr<cuda::Gemm> gemm_;
   bf16 *embed_, *lm_head_, *final_norm_;
   float* inv_freq_;
   std::vector<Layer> layers_;
   std::unique_ptr<Acts> acts_;
+  std::unique_ptr<CapBufs> caps_;
+  std::vector<cudaEvent_t> events_;
 };
+
+std::string gib(int64_t b) { return fmt::format("{:.2f} GiB", double(b) / double(1ll << 30)); }
 
 }  // namespace
 
-std::unique_ptr<Model> make_cuda_model(const Checkpoint& ckpt, int device) {
+namespace cuda {
+
+std::unique_ptr<Model> make_rank_model(const Checkpoint& ckpt, const RankOptions& ro, const GpuOptions& go) {
+  return std::make_unique<CudaDenseModel>(ckpt, ro, go);
+}
+
+void check_memory_plan(const ModelConfig& cfg, const GpuOptions& o) {
+  const GpuMemoryPlan p = plan_gpu_memory(cfg, o);
+  for (int d : o.devices) {
+    CUDA_CHECK(cudaSetDevice(d));
+    size_t free_b = 0, total_b = 0;
+    CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
+    const int64_t fr = int64_t(free_b);
+    tlog::info("cuda:{}: memory plan: weights {} + activations {} + captures {} ({} tokens) + reserve {} = {}; {} of "
+               "{} free",
+               d, gib(p.weights), gib(p.activations), gib(p.captures), o.max_tokens, gib(p.reserve), gib(p.total()),
+               gib(fr), gib(int64_t(total_b)));
+    if (p.total() <= fr) continue;
+    std::string hint;
+    const int64_t room = fr - p.weights - p.reserve;
+    const int64_t fit_tokens = room > 0 ? room / std::max<int64_t>(1, p.per_token) : 0;
+    if (fit_tokens >= 256) hint = fmt::format("--max-batch-tokens {}", (fit_tokens / 256) * 256);
+    // The smallest tensor-parallel degree whose per-GPU share fits with the same budget.
+    for (int tp = o.tp * 2; tp <= 64; tp *= 2) {
+      GpuOptions t = o;
+      t.tp = tp;
+      if (cfg.n_heads % tp || cfg.n_kv_heads % tp || cfg.intermediate % tp) break;
+      if (plan_gpu_memory(cfg, t).total() <= fr) {
+        hint += fmt::format("{}--tp {} (on {} GPUs)", hint.empty() ? "" : " or ", tp, tp);
+        break;
+      }
+    }
+    fail("cuda:{}: the run needs {} (weights {} + activations {} + capture buffers {} for --max-batch-tokens {} + "
+         "reserve {}) but only {} of {} is free; {}",
+         d, gib(p.total()), gib(p.weights), gib(p.activations), gib(p.captures), o.max_tokens, gib(p.reserve),
+         gib(fr), gib(int64_t(total_b)), hint.empty() ? "it does not fit on this GPU" : "try " + hint);
+  }
+}
+
+}  // namespace cuda
+
+std::vector<GpuInfo> list_gpus() {
+  std::vector<GpuInfo> out;
   int n = 0;
-  cudaError_t e = cudaGetDeviceCount(&n);
-  if (e != cudaSuccess || n == 0)
-    fail("--device cuda: no CUDA device available ({})", e != cudaSuccess ? cudaGetErrorString(e) : "0 devices");
-  TALON_CHECK(device >= 0 && device < n, "--device cuda:{}: only {} device(s) present", device, n);
-  return std::make_unique<CudaDenseModel>(ckpt, device);
+  if (cudaGetDeviceCount(&n) != cudaSuccess) return out;
+  for (int d = 0; d < n; ++d) {
+    cudaDeviceProp p{};
+    size_t fr = 0, tot = 0;
+    if (cudaGetDeviceProperties(&p, d) != cudaSuccess || cudaSetDevice(d) != cudaSuccess ||
+        cudaMemGetInfo(&fr, &tot) != cudaSuccess)
+      continue;
+    out.push_back({d, p.name, int64_t(tot), int64_t(fr)});
+  }
+  return out;
 }
 
 }  // namespace talon

@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <vector>
 
 namespace talon::cuda {
 
@@ -44,6 +45,14 @@ void swiglu_forward(bf16* out, const bf16* gu, int64_t N, int64_t I, cudaStream_
 // seq_start[S+1] and the row -> sequence map are device arrays. out[N, nh*hd].
 void attention_forward(bf16* out, const bf16* qkv, int64_t ld, const int64_t* seq_start, const int32_t* row_seq,
                        int64_t N, int64_t nh, int64_t nkv, int64_t hd, int64_t window, cudaStream_t s);
+
+// The same on tensor cores (src/backend/cuda/attention.cu) for head_dim 64 and 128:
+// 64-row query tiles listed by attention_tiles() as (sequence, first row) pairs.
+bool flash_attention_supported(int64_t hd);
+std::vector<int32_t> attention_tiles(const int64_t* host_seq_start, int64_t n_seqs);
+int64_t attention_max_tiles(int64_t n_tokens, int64_t n_seqs);
+void flash_attention_forward(bf16* out, const bf16* qkv, int64_t ld, const int64_t* seq_start, const int32_t* tiles,
+                             int64_t n_tiles, int64_t nh, int64_t nkv, int64_t hd, int64_t window, cudaStream_t s);
 
 // fp32 -> bf16 and bf16 -> fp32 conversions.
 void f32_to_bf16(bf16* out, const float* in, int64_t n, cudaStream_t s);

@@ -1,0 +1,27 @@
+// Internal to the CUDA backend: one rank's model, and the memory-plan check that runs
+// before any weight is loaded.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <functional>
+#include <memory>
+
+#include "backend/cuda/ops.h"
+#include "model/model.h"
+
+namespace talon::cuda {
+
+struct RankOptions {
+  int device = 0;
+  int rank = 0, size = 1;  // tensor-parallel rank and degree
+  // Sums n bf16 values across the tensor-parallel group in place (null when size == 1).
+  std::function<void(bf16*, int64_t, cudaStream_t)> allreduce;
+};
+
+std::unique_ptr<Model> make_rank_model(const Checkpoint& ckpt, const RankOptions& ro, const GpuOptions& go);
+
+// Fails (before anything is loaded) when the plan does not fit in a device's free memory,
+// with the numbers and a --max-batch-tokens or --tp that would fit.
+void check_memory_plan(const ModelConfig& cfg, const GpuOptions& o);
+
+}  // namespace talon::cuda

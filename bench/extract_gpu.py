@@ -169,9 +169,13 @@ def main():
     man = json.load(open(os.path.join(out, "manifest.json")))
     layers = man["aux_layer_ids"]
     from safetensors.numpy import load_file
-    t = load_file(os.path.join(out, man["shards"][0]["file"]))
+    parts = [load_file(os.path.join(out, s["file"])) for s in man["shards"]]
+    t = {k: np.concatenate([p[k] for p in parts]) for k in ("aux_hidden_states", "hidden_states")}
+    off = np.concatenate([[0], np.cumsum([len(p["input_ids"]) for p in parts])])
+    off = np.concatenate([o + p["sample_offsets"][1:] for o, p in zip(off, parts)])
+    off = np.concatenate([[0], off])
     ref = peer_extract(peer, samples[:8], layers, 1, keep=True)
-    off, worst = t["sample_offsets"], 0.0
+    worst = 0.0
     for j in range(8):
         for x, y in ((t["aux_hidden_states"][off[j]:off[j + 1]], ref[j][0]), (t["hidden_states"][off[j]:off[j + 1]], ref[j][1])):
             err = np.abs(x - y).max(axis=1) / np.maximum(1, np.abs(y).max(axis=1))

@@ -33,7 +33,9 @@ for sa, sb in zip(a["shards"], b["shards"]):
             p, q = x[k][:, j * H:(j + 1) * H], y[k][:, j * H:(j + 1) * H]
             assert np.isfinite(q).all(), k
             err = float(np.abs(p - q).max() / max(1.0, np.abs(p).max()))
-            print(f"{sa['file']} {k}[{j}]: max rel err {err:.2e} (limit {tol})")
+            row = np.abs(p - q).max(axis=1) / np.maximum(1.0, np.abs(p).max(axis=1))
+            print(f"{sa['file']} {k}[{j}]: max rel err {err:.2e} (limit {tol}); per row: median {np.median(row):.2e}, "
+                  f"max {row.max():.2e}; |h| max {np.abs(p).max():.1f}")
             assert err <= tol, (k, j, err)
 PY
 

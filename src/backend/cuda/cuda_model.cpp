@@ -88,6 +88,8 @@ void upload_part(const Part& p, std::vector<float>& f32, std::vector<uint16_t>& 
   CUDA_CHECK(cudaMemcpy(p.dst, b16.data(), b16.size() * 2, cudaMemcpyHostToDevice));
 }
 
+bool force_warp_attention();
+
 struct Layer {
   bf16 *attn_norm, *mlp_norm, *wqkv, *bqkv = nullptr, *q_norm = nullptr, *k_norm = nullptr, *wo, *wgu, *wdown;
 };
@@ -234,7 +236,7 @@ class CudaDenseModel final : public Model {
         pos[size_t(r)] = int32_t(r - b.seq_start[size_t(s)]);
         row_seq[size_t(r)] = int32_t(s);
       }
-    const bool flash = cuda::flash_attention_supported(hd);
+    const bool flash = cuda::flash_attention_supported(hd) && !force_warp_attention();
     const std::vector<int32_t> tiles = flash ? cuda::attention_tiles(b.seq_start.data(), b.n_seqs()) : std::vector<int32_t>{};
     CUDA_CHECK(cudaMemcpyAsync(a.ids, b.tokens.data(), size_t(N) * 4, cudaMemcpyHostToDevice, stream_));
     CUDA_CHECK(cudaMemcpyAsync(a.pos, pos.data(), size_t(N) * 4, cudaMemcpyHostToDevice, stream_));
@@ -398,6 +400,16 @@ class CudaDenseModel final : public Model {
   std::unique_ptr<CapBufs> caps_;
   std::vector<cudaEvent_t> events_;
 };
+
+// TALON_ATTENTION=warp selects the one-warp-per-row kernel even where the tensor-core one
+// applies (for comparisons and benchmarks).
+bool force_warp_attention() {
+  static const bool on = [] {
+    const char* e = std::getenv("TALON_ATTENTION");
+    return e && std::string(e) == "warp";
+  }();
+  return on;
+}
 
 std::string gib(int64_t b) { return fmt::format("{:.2f} GiB", double(b) / double(1ll << 30)); }
 

@@ -148,39 +148,55 @@ def main():
     ap.add_argument("--peer-batches", default="1,4,16")
     ap.add_argument("--lengths", help="file of sample lengths, one per line")
     ap.add_argument("--dp-devices", help="also run talon data parallel on these GPUs, e.g. 0,1")
+    ap.add_argument("--tp-devices", help="also run talon tensor parallel over these GPUs, e.g. 0,1")
+    ap.add_argument("--tmp", help="directory for the data and talon's output (default: the system temp dir)")
+    ap.add_argument("--talon-only", action="store_true", help="skip transformers (and the correctness check)")
     a = ap.parse_args()
     file_lengths = [int(x) for x in open(a.lengths).read().split()] if a.lengths else None
-    tmp = tempfile.mkdtemp(prefix="talon-gbench-")
-    peer, peer_load = load_peer(a.model)
-    cfg = peer.config
-    V, L, H = cfg.vocab_size, cfg.num_hidden_layers, cfg.hidden_size
+    tmp = tempfile.mkdtemp(prefix="talon-gbench-", dir=a.tmp)
+    if a.talon_only:
+        peer, peer_load = None, 0.0
+        cfg = json.load(open(os.path.join(a.model, "config.json")))
+        V, L, H = cfg["vocab_size"], cfg["num_hidden_layers"], cfg["hidden_size"]
+        I = cfg["intermediate_size"]
+        nh, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+        hd = cfg.get("head_dim") or H // nh
+        n_mm = L * (H * (nh + 2 * nkv) * hd + nh * hd * H + 3 * H * I)
+    else:
+        peer, peer_load = load_peer(a.model)
+        cfg = peer.config
+        V, L, H = cfg.vocab_size, cfg.num_hidden_layers, cfg.hidden_size
+        n_mm = sum(p.numel() for n, p in peer.named_parameters() if p.dim() == 2 and "embed" not in n and "lm_head" not in n)
     data = os.path.join(tmp, "data.jsonl")
     lens = make_data(data, a.samples, a.min_len, a.max_len, V, lengths=file_lengths)
     samples = [json.loads(l)["input_ids"] for l in open(data)]
     n_tok = sum(lens)
 
-    # Correctness on the first 8 samples: talon (fp32 features) vs the peer (bf16).
-    small = os.path.join(tmp, "small.jsonl")
-    with open(data) as f, open(small, "w") as g:
-        for _ in range(8):
-            g.write(f.readline())
     out = os.path.join(tmp, "feat")
-    run_talon(a, small, out, ["--fp32"])
-    man = json.load(open(os.path.join(out, "manifest.json")))
-    layers = man["aux_layer_ids"]
-    from safetensors.numpy import load_file
-    parts = [load_file(os.path.join(out, s["file"])) for s in man["shards"]]
-    t = {k: np.concatenate([p[k] for p in parts]) for k in ("aux_hidden_states", "hidden_states")}
-    off = np.concatenate([[0], np.cumsum([len(p["input_ids"]) for p in parts])])
-    off = np.concatenate([o + p["sample_offsets"][1:] for o, p in zip(off, parts)])
-    off = np.concatenate([[0], off])
-    ref = peer_extract(peer, samples[:8], layers, 1, keep=True)
-    worst = 0.0
-    for j in range(8):
-        for x, y in ((t["aux_hidden_states"][off[j]:off[j + 1]], ref[j][0]), (t["hidden_states"][off[j]:off[j + 1]], ref[j][1])):
-            err = np.abs(x - y).max(axis=1) / np.maximum(1, np.abs(y).max(axis=1))
-            worst = max(worst, float(np.median(err)))
-    print(f"correctness: median per-row relative difference talon vs transformers bf16 = {worst:.2e}")
+    # Correctness on the first 8 samples: talon (fp32 features) vs the peer (bf16).
+    layers = None
+    if not a.talon_only:
+        small = os.path.join(tmp, "small.jsonl")
+        with open(data) as f, open(small, "w") as g:
+            for _ in range(8):
+                g.write(f.readline())
+        out = os.path.join(tmp, "feat")
+        run_talon(a, small, out, ["--fp32"])
+        man = json.load(open(os.path.join(out, "manifest.json")))
+        layers = man["aux_layer_ids"]
+        from safetensors.numpy import load_file
+        parts = [load_file(os.path.join(out, s["file"])) for s in man["shards"]]
+        t = {k: np.concatenate([p[k] for p in parts]) for k in ("aux_hidden_states", "hidden_states")}
+        off = np.concatenate([[0], np.cumsum([len(p["input_ids"]) for p in parts])])
+        off = np.concatenate([o + p["sample_offsets"][1:] for o, p in zip(off, parts)])
+        off = np.concatenate([[0], off])
+        ref = peer_extract(peer, samples[:8], layers, 1, keep=True)
+        worst = 0.0
+        for j in range(8):
+            for x, y in ((t["aux_hidden_states"][off[j]:off[j + 1]], ref[j][0]), (t["hidden_states"][off[j]:off[j + 1]], ref[j][1])):
+                err = np.abs(x - y).max(axis=1) / np.maximum(1, np.abs(y).max(axis=1))
+                worst = max(worst, float(np.median(err)))
+        print(f"correctness: median per-row relative difference talon vs transformers bf16 = {worst:.2e}")
 
     talon_ts, loads = [], []
     base_mib = PeakMemory([0])
@@ -191,6 +207,12 @@ def main():
             tok, secs, load, log = run_talon(a, data, out)
             talon_ts.append(secs)
             loads.append(load)
+    tp_ts = []
+    if a.tp_devices:
+        for _ in range(a.repeats):
+            tok, secs, _, _ = run_talon(a, data, out, ["--tp", str(len(a.tp_devices.split(",")))],
+                                        device="cuda:" + a.tp_devices)
+            tp_ts.append(secs)
     dp_ts, dp_n = [], 0
     if a.dp_devices:
         dp_n = len(a.dp_devices.split(","))
@@ -200,7 +222,7 @@ def main():
     peer_t = {}
     torch.cuda.reset_peak_memory_stats()
     with PeakMemory([0]) as peer_mem:
-        for bs in map(int, a.peer_batches.split(",")):
+        for bs in ([] if a.talon_only else map(int, a.peer_batches.split(","))):
             try:
                 peer_extract(peer, samples[: max(bs, 8)], layers, bs)
                 ts = []
@@ -212,9 +234,8 @@ def main():
             except torch.cuda.OutOfMemoryError:
                 print(f"peer batch {bs}: out of memory")
                 torch.cuda.empty_cache()
-    best = min(peer_t, key=peer_t.get)
+    best = min(peer_t, key=peer_t.get) if peer_t else None
     ceil = ceiling()
-    n_mm = sum(p.numel() for n, p in peer.named_parameters() if p.dim() == 2 and "embed" not in n and "lm_head" not in n)
     T_avg = n_tok / len(samples)
     flops = (2 * n_mm + 4 * L * T_avg * H) * n_tok
     roof = flops / ceil
@@ -227,6 +248,10 @@ def main():
     print("| what | tokens/s | seconds | % of roofline |")
     print("|---|---|---|---|")
     print(f"| talon extract --device cuda:0 (bf16 features written to disk) | {n_tok / tt:,.0f} | {tt:.3f} | {100 * roof / tt:.1f}% |")
+    if tp_ts:
+        t2 = statistics.median(tp_ts)
+        print(f"| talon extract --device cuda:{a.tp_devices} --tp {len(a.tp_devices.split(','))} | {n_tok / t2:,.0f} | "
+              f"{t2:.3f} | {100 * roof / t2 / len(a.tp_devices.split(',')):.1f}% per GPU |")
     if dp_ts:
         dt = statistics.median(dp_ts)
         print(f"| talon extract --device cuda:{a.dp_devices} (data parallel x{dp_n}) | {n_tok / dt:,.0f} | {dt:.3f} | "
@@ -234,8 +259,13 @@ def main():
     for bs, s in sorted(peer_t.items()):
         print(f"| transformers bf16 sdpa, batch {bs}{' (best)' if bs == best else ''}, features to host | {n_tok / s:,.0f} | {s:.3f} | {100 * roof / s:.1f}% |")
     print(f"| ceiling: cuBLAS bf16 8192^3 | {ceil / 1e12:.0f} TFLOP/s | roofline {roof:.3f} | 100% |")
-    print(f"talon / peer(best) = {peer_t[best] / tt:.2f}x; model load: talon {statistics.median(loads):.2f}s, "
-          f"transformers {peer_load:.2f}s")
+    if best is not None:
+        print(f"talon / peer(best) = {peer_t[best] / tt:.2f}x; model load: talon {statistics.median(loads):.2f}s, "
+              f"transformers {peer_load:.2f}s")
+    else:
+        print(f"model load: talon {statistics.median(loads):.2f}s")
+    print("talon's own account (last run): " + " | ".join(
+        l.split("] ", 1)[-1] for l in log.splitlines() if "forward " in l or "writers:" in l or "batches:" in l))
     b0 = base_mib.peak[0]
     print(f"peak GPU memory used (nvidia-smi, above the {b0} MiB held before): talon {talon_mem.peak[0] - b0} MiB "
           f"(--max-batch-tokens {a.max_batch_tokens}); transformers {peer_mem.peak[0] - b0} MiB "

@@ -21,9 +21,9 @@ inline constexpr double kOpRel = 1e-5;
 // CUDA ops write bf16: one rounding is a relative error of at most 2^-9 of the value;
 // against the tensor's max magnitude plus fp32 summation-order noise, 8e-3 holds.
 inline constexpr double kCudaBf16Out = 8e-3;
-// Tensor-core attention also rounds the softmax weights P to bf16 before P V (as
-// FlashAttention does); that adds at most another 2^-9 relative per weight.
-inline constexpr double kCudaFlashOut = 1.2e-2;
+// Tensor-core attention: q, k, v are bf16 like the reference's inputs; P is kept as a
+// sum of two bf16 terms, so the output has the same single bf16 rounding.
+inline constexpr double kCudaFlashOut = 8e-3;
 // Whole CUDA models (bf16 weights and activations, fp32 residual) vs transformers fp32:
 // bf16 rounding of weights (2^-9) compounds over layers; 5e-2 of the tensor's max.
 inline constexpr double kCudaModelRel = 5e-2;

@@ -319,6 +319,11 @@ ExtractReport run_extract(const ExtractOptions& opt) {
   std::atomic<int64_t> next_shard{done_shards};
   std::atomic<bool> interrupted{false};
 
+  // Where the time goes, per replica: forward passes vs waiting for a free shard buffer
+  // (i.e. for the writers); and the writers' busy time.
+  std::vector<double> t_forward(models.size(), 0.0), t_wait(models.size(), 0.0);
+  std::atomic<int64_t> writer_us{0};
+  auto secs_since = [](Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); };
   auto write_shard = [&](ShardJob& j) {
     const int64_t T = j.plan.tokens, n = j.plan.count;
     st::Writer w;
@@ -353,7 +358,9 @@ ExtractReport run_extract(const ExtractOptions& opt) {
         queue.pop_front();
       }
       try {
+        const auto tw = Clock::now();
         json rec = write_shard(*job);
+        writer_us += int64_t(secs_since(tw) * 1e6);
         tlog::debug("wrote {} ({} samples, {} tokens)", rec["file"].get<std::string>(), job->plan.count, job->plan.tokens);
         std::unique_lock lk(mu);
         finished[job->index] = std::move(rec);
@@ -396,8 +403,10 @@ ExtractReport run_extract(const ExtractOptions& opt) {
       job->index = si;
       job->plan = plan[size_t(si)];
       {
+        const auto tw = Clock::now();
         std::unique_lock lk(mu);
         cv.wait(lk, [&] { return !free_bufs.empty() || bufs_made < max_bufs || failure; });
+        t_wait[g] += secs_since(tw);
         if (failure) return;
         if (!free_bufs.empty()) {
           job->buf = std::move(free_bufs.back());
@@ -452,7 +461,9 @@ ExtractReport run_extract(const ExtractOptions& opt) {
           if (batch.n_tokens() >= opt.max_batch_tokens) break;
         }
         while (head < order.size() && taken[size_t(order[head])]) ++head;
+        const auto tf = Clock::now();
         m.forward(batch, cap, nullptr);
+        t_forward[g] += secs_since(tf);
         n_batches++;
         batch_tokens += batch.n_tokens();
         progress.advance(batch.n_tokens());
@@ -501,6 +512,11 @@ ExtractReport run_extract(const ExtractOptions& opt) {
                n_batches.load(), double(batch_tokens) / double(n_batches.load()),
                100.0 * double(batch_tokens) / double(n_batches.load()) / double(opt.max_batch_tokens),
                opt.max_batch_tokens);
+  const double wall = secs_since(t_run);
+  for (size_t g = 0; g < models.size(); ++g)
+    tlog::info("{}: forward {:.2f}s, waited {:.2f}s for writers, of {:.2f}s", models[g]->backend(), t_forward[g],
+               t_wait[g], wall);
+  tlog::info("writers: {} threads busy {:.2f}s in total (hash + write + fsync)", n_writers, double(writer_us) / 1e6);
   if (interrupted) {
     rep.status = ExtractStatus::Interrupted;
     rep.shards = int64_t(manifest["shards"].size());

@@ -6,7 +6,8 @@
 // accumulators; softmax is online (running max and sum per row, exp2 domain), so no
 // T x T matrix exists anywhere. P goes from the S accumulators straight into the A
 // operand of the P V product (the accumulator layout of two adjacent 8-column tiles
-// is the A layout of one 16-wide k slice), so it never touches shared memory.
+// is the A layout of one 16-wide k slice), so it never touches shared memory. P is
+// carried as a sum of two bf16 terms, so the softmax weights keep fp32-like precision.
 // Tiles never span sequences: the host lists (sequence, first row) for every tile.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -152,17 +153,23 @@ __global__ void __launch_bounds__(kThreads) flash_attention_kernel(bf16* out, co
       m_run[r] = m_new;
       l_run[r] *= corr[r];
     }
-    uint32_t pf[kTileN / 16][4];
+    // P = P_hi + P_lo, both bf16: two P V products keep P to ~16 mantissa bits (one
+    // bf16 rounding of P would add up to 2^-9 relative error per weight), for a few
+    // percent more attention work.
+    uint32_t pf[kTileN / 16][4], pl[kTileN / 16][4];
 #pragma unroll
     for (int nt = 0; nt < kTileN / 8; ++nt) {
-      float p[4];
+      float p[4], lo[4];
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         p[e] = exp2f(s[nt][e] - m_run[e / 2]);  // masked entries: exp2(-inf) = 0
         l_run[e / 2] += p[e];
+        lo[e] = p[e] - __bfloat162float(__float2bfloat16(p[e]));
       }
       pf[nt / 2][(nt % 2) * 2 + 0] = pack_bf16(p[0], p[1]);
       pf[nt / 2][(nt % 2) * 2 + 1] = pack_bf16(p[2], p[3]);
+      pl[nt / 2][(nt % 2) * 2 + 0] = pack_bf16(lo[0], lo[1]);
+      pl[nt / 2][(nt % 2) * 2 + 1] = pack_bf16(lo[2], lo[3]);
     }
 #pragma unroll
     for (int dt = 0; dt < D / 8; ++dt) {
@@ -176,12 +183,15 @@ __global__ void __launch_bounds__(kThreads) flash_attention_kernel(bf16* out, co
 #pragma unroll
     for (int kc = 0; kc < kTileN / 16; ++kc) {
       const uint32_t a[4] = {pf[kc][0], pf[kc][1], pf[kc][2], pf[kc][3]};
+      const uint32_t al[4] = {pl[kc][0], pl[kc][1], pl[kc][2], pl[kc][3]};
 #pragma unroll
       for (int dp = 0; dp < D / 16; ++dp) {
         uint32_t b0, b1, b2, b3;
         ldmatrix_x4_trans(b0, b1, b2, b3, &vs[kc * 16 + (lane % 8) + 8 * ((lane / 8) % 2)][dp * 16 + 8 * (lane / 16)]);
         mma_bf16(o[2 * dp], a, b0, b1);
         mma_bf16(o[2 * dp + 1], a, b2, b3);
+        mma_bf16(o[2 * dp], al, b0, b1);
+        mma_bf16(o[2 * dp + 1], al, b2, b3);
       }
     }
     __syncthreads();

@@ -10,6 +10,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <deque>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <thread>
@@ -286,25 +287,51 @@ ExtractReport run_extract(const ExtractOptions& opt) {
   std::atomic<int64_t> written_this_run{0}, n_batches{0}, batch_tokens{0};
   const auto t_run = Clock::now();
 
-  // Pipeline: one compute thread per model replica takes the next unfinished shard,
-  // runs its samples in length-sorted batches and leaves the features in a shard
-  // buffer (page-locked on GPUs: the device copies into it asynchronously while it
-  // computes). A small pool of writer threads hashes, writes and fsyncs finished
+  // Pipeline: one compute thread per model replica takes the next work unit (a run of
+  // shards), runs its samples in length-sorted batches and leaves the features in the
+  // unit's buffer (page-locked on GPUs: the device copies into it asynchronously while
+  // it computes). A small pool of writer threads hashes, writes and fsyncs the unit's
   // shards. Buffers come from a fixed pool, so a slow disk stalls compute instead of
   // growing memory (back-pressure). The manifest only ever lists a contiguous prefix
   // of finished shards, so a resume recomputes exactly the ones not listed.
+  struct UnitBuf {
+    std::shared_ptr<uint8_t> mem;
+    std::function<void(std::shared_ptr<uint8_t>)> back;
+    UnitBuf(std::shared_ptr<uint8_t> m, std::function<void(std::shared_ptr<uint8_t>)> b)
+        : mem(std::move(m)), back(std::move(b)) {}
+    ~UnitBuf() {
+      if (mem) back(std::move(mem));
+    }
+  };
   struct ShardJob {
     int64_t index;
     ShardPlan plan;
     std::vector<int32_t> ids;
     std::vector<uint8_t> mask;
     std::vector<int64_t> offsets, sample_index;
-    std::shared_ptr<uint8_t> buf;  // aux [T, 3H] then final [T, H], in feat_dt
-    uint8_t *aux = nullptr, *fin = nullptr;
+    std::shared_ptr<UnitBuf> unit;  // holds the memory aux/fin point into
+    uint8_t *aux = nullptr, *fin = nullptr;  // [T, 3H] and [T, H] rows in feat_dt
   };
-  int64_t max_shard_tokens = 0;
-  for (auto& p : plan) max_shard_tokens = std::max(max_shard_tokens, p.tokens);
-  const size_t buf_bytes = size_t(max_shard_tokens) * size_t(4 * H * esz);
+  std::vector<std::pair<int64_t, int64_t>> units;  // [first shard, end shard)
+  {
+    const int64_t target = 4 * opt.max_batch_tokens;
+    int64_t b = 0, tok = 0;
+    for (int64_t si = 0; si < int64_t(plan.size()); ++si) {
+      tok += plan[size_t(si)].tokens;
+      if (tok >= target || si + 1 == int64_t(plan.size())) {
+        if (si >= done_shards) units.push_back({b, si + 1});
+        b = si + 1;
+        tok = 0;
+      }
+    }
+  }
+  int64_t max_unit_tokens = 0;
+  for (auto& u : units) {
+    int64_t t = 0;
+    for (int64_t si = u.first; si < u.second; ++si) t += plan[size_t(si)].tokens;
+    max_unit_tokens = std::max(max_unit_tokens, t);
+  }
+  const size_t buf_bytes = size_t(max_unit_tokens) * size_t(4 * H * esz);
   std::mutex mu;
   std::condition_variable cv;
   std::deque<std::unique_ptr<ShardJob>> queue;
@@ -314,9 +341,17 @@ ExtractReport run_extract(const ExtractOptions& opt) {
   std::exception_ptr failure;
   int64_t next_to_record = done_shards;
   const int64_t n_writers = std::max<int64_t>(1, std::min<int64_t>(4, int64_t(plan.size()) - done_shards));
-  const int64_t max_bufs = n_writers + 2 * int64_t(models.size());
+  const int64_t max_bufs = 2 * int64_t(models.size()) + 1;
   bool closing = false;
-  std::atomic<int64_t> next_shard{done_shards};
+  std::atomic<int64_t> next_unit{0};
+  // A unit's buffer goes back to the pool when its last shard is written (or dropped).
+  std::function<void(std::shared_ptr<uint8_t>)> give_back = [&](std::shared_ptr<uint8_t> mem) {
+    {
+      std::unique_lock lk(mu);
+      free_bufs.push_back(std::move(mem));
+    }
+    cv.notify_all();
+  };
   std::atomic<bool> interrupted{false};
 
   // Where the time goes, per replica: forward passes vs waiting for a free shard buffer
@@ -376,10 +411,7 @@ ExtractReport run_extract(const ExtractOptions& opt) {
         std::unique_lock lk(mu);
         if (!failure) failure = std::current_exception();
       }
-      {
-        std::unique_lock lk(mu);
-        free_bufs.push_back(std::move(job->buf));
-      }
+      job.reset();  // may hand the unit's buffer back (takes the lock itself)
       cv.notify_all();
     }
   };
@@ -388,6 +420,12 @@ ExtractReport run_extract(const ExtractOptions& opt) {
   // filled first-fit up to the token budget; a sample longer than the budget runs
   // alone. Batches are packed without padding; captures are scattered back to the
   // samples' places in the shard.
+  // Work units: runs of consecutive shards holding at least 4 batches' worth of tokens,
+  // so batches fill the token budget even when shards are small. Unit boundaries are
+  // fixed by the plan alone (never by where a resume starts), so every unit is always
+  // computed in the same batches and a resumed dataset is byte-identical; a resume
+  // recomputes the unit holding the first unrecorded shard but writes only the
+  // unrecorded shards.
   auto compute_main = [&](size_t g) {
     Model& m = *models[g];
     if (!groups[g].empty()) set_thread_log_tag(fmt::format("gpu {}", groups[g][0]));
@@ -397,40 +435,40 @@ ExtractReport run_extract(const ExtractOptions& opt) {
         interrupted = true;
         return;
       }
-      const int64_t si = next_shard++;
-      if (si >= int64_t(plan.size())) return;
-      auto job = std::make_unique<ShardJob>();
-      job->index = si;
-      job->plan = plan[size_t(si)];
+      const int64_t ui = next_unit++;
+      if (ui >= int64_t(units.size())) return;
+      const int64_t s_begin = units[size_t(ui)].first, s_end = units[size_t(ui)].second;
+      std::shared_ptr<UnitBuf> ub;
       {
         const auto tw = Clock::now();
         std::unique_lock lk(mu);
         cv.wait(lk, [&] { return !free_bufs.empty() || bufs_made < max_bufs || failure; });
         t_wait[g] += secs_since(tw);
         if (failure) return;
+        std::shared_ptr<uint8_t> mem;
         if (!free_bufs.empty()) {
-          job->buf = std::move(free_bufs.back());
+          mem = std::move(free_bufs.back());
           free_bufs.pop_back();
         } else {
           ++bufs_made;
           lk.unlock();
-          job->buf = m.host_buffer(buf_bytes);
+          mem = m.host_buffer(buf_bytes);
         }
+        ub = std::make_shared<UnitBuf>(std::move(mem), give_back);
       }
-      const int64_t T = job->plan.tokens, first = job->plan.first, n = job->plan.count;
-      job->aux = job->buf.get();
-      job->fin = job->buf.get() + size_t(T * 3 * H * esz);
-      job->offsets.assign(1, 0);
-      for (int64_t k = first; k < first + n; ++k) {
-        const Sample& smp = src->at(size_t(k));
-        job->ids.insert(job->ids.end(), smp.input_ids.begin(), smp.input_ids.end());
-        job->mask.insert(job->mask.end(), smp.loss_mask.begin(), smp.loss_mask.end());
-        job->offsets.push_back(int64_t(job->ids.size()));
-        job->sample_index.push_back(k);
-      }
+      const int64_t first = plan[size_t(s_begin)].first;
+      const int64_t last = plan[size_t(s_end - 1)].first + plan[size_t(s_end - 1)].count;
+      int64_t T = 0;
+      for (int64_t si = s_begin; si < s_end; ++si) T += plan[size_t(si)].tokens;
+      uint8_t* aux_base = ub->mem.get();
+      uint8_t* fin_base = aux_base + size_t(T * 3 * H * esz);
+      // Unit-wide token offsets of every sample.
+      const int64_t n = last - first;
+      std::vector<int64_t> off(static_cast<size_t>(n + 1), 0);
+      for (int64_t k = 0; k < n; ++k) off[size_t(k + 1)] = off[size_t(k)] + int64_t(src->at(size_t(first + k)).input_ids.size());
       std::vector<int64_t> order(static_cast<size_t>(n));
       for (int64_t k = 0; k < n; ++k) order[size_t(k)] = k;
-      auto len = [&](int64_t k) { return job->offsets[size_t(k + 1)] - job->offsets[size_t(k)]; };
+      auto len = [&](int64_t k) { return off[size_t(k + 1)] - off[size_t(k)]; };
       std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return len(a) > len(b); });
       std::vector<bool> taken(static_cast<size_t>(n), false);
       size_t head = 0;
@@ -445,18 +483,17 @@ ExtractReport run_extract(const ExtractOptions& opt) {
         cap.layers = cap_layers;
         cap.dtype = feat_dt;
         for (int a = 0; a < 3; ++a) {
-          cap.out.push_back(job->aux + size_t(a * H * esz));
+          cap.out.push_back(aux_base + size_t(a * H * esz));
           cap.ld.push_back(3 * H);
         }
-        cap.out.push_back(job->fin);
+        cap.out.push_back(fin_base);
         cap.ld.push_back(H);
         for (size_t i = head; i < order.size(); ++i) {
           const int64_t k = order[i];
           if (taken[size_t(k)]) continue;
           if (batch.n_tokens() > 0 && batch.n_tokens() + len(k) > opt.max_batch_tokens) continue;
-          const Sample& smp = src->at(size_t(first + k));
-          batch.add(smp.input_ids.data(), len(k));
-          cap.seq_dst.push_back(job->offsets[size_t(k)]);
+          batch.add(src->at(size_t(first + k)).input_ids.data(), len(k));
+          cap.seq_dst.push_back(off[size_t(k)]);
           taken[size_t(k)] = true;
           if (batch.n_tokens() >= opt.max_batch_tokens) break;
         }
@@ -468,20 +505,40 @@ ExtractReport run_extract(const ExtractOptions& opt) {
         batch_tokens += batch.n_tokens();
         progress.advance(batch.n_tokens());
       }
-      if (stopped) {  // the unfinished shard is dropped; a resume recomputes it
+      if (stopped) {  // the unfinished unit is dropped (its buffer goes back); a resume recomputes it
         interrupted = true;
-        std::unique_lock lk(mu);
-        free_bufs.push_back(std::move(job->buf));
-        cv.notify_all();
         return;
       }
+      // One writer job per shard of the unit not recorded yet.
+      std::vector<std::unique_ptr<ShardJob>> jobs;
+      for (int64_t si = s_begin; si < s_end; ++si) {
+        const ShardPlan& sp = plan[size_t(si)];
+        if (si < done_shards) continue;
+        auto job = std::make_unique<ShardJob>();
+        job->index = si;
+        job->plan = sp;
+        job->unit = ub;
+        const int64_t r0 = off[size_t(sp.first - first)];
+        job->aux = aux_base + size_t(r0 * 3 * H * esz);
+        job->fin = fin_base + size_t(r0 * H * esz);
+        job->offsets.assign(1, 0);
+        for (int64_t k = sp.first; k < sp.first + sp.count; ++k) {
+          const Sample& smp = src->at(size_t(k));
+          job->ids.insert(job->ids.end(), smp.input_ids.begin(), smp.input_ids.end());
+          job->mask.insert(job->mask.end(), smp.loss_mask.begin(), smp.loss_mask.end());
+          job->offsets.push_back(int64_t(job->ids.size()));
+          job->sample_index.push_back(k);
+        }
+        written_this_run += sp.tokens;
+        jobs.push_back(std::move(job));
+      }
+      ub.reset();  // the jobs hold the buffer now
       {
         std::unique_lock lk(mu);
-        queue.push_back(std::move(job));
+        for (auto& j : jobs) queue.push_back(std::move(j));
       }
       cv.notify_all();
-      written_this_run += T;
-      if (opt.stop_after_shards >= 0 && si + 1 - done_shards >= opt.stop_after_shards && si + 1 < int64_t(plan.size()))
+      if (opt.stop_after_shards >= 0 && s_end - done_shards >= opt.stop_after_shards && s_end < int64_t(plan.size()))
         request_stop_for_test();
     }
   };

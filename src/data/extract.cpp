@@ -336,7 +336,6 @@ ExtractReport run_extract(const ExtractOptions& opt) {
   std::condition_variable cv;
   std::deque<std::unique_ptr<ShardJob>> queue;
   std::vector<std::shared_ptr<uint8_t>> free_bufs;
-  int64_t bufs_made = 0;
   std::map<int64_t, json> finished;  // shard index -> manifest record, not yet in the manifest
   std::exception_ptr failure;
   int64_t next_to_record = done_shards;
@@ -442,18 +441,12 @@ ExtractReport run_extract(const ExtractOptions& opt) {
       {
         const auto tw = Clock::now();
         std::unique_lock lk(mu);
-        cv.wait(lk, [&] { return !free_bufs.empty() || bufs_made < max_bufs || failure; });
+        cv.wait(lk, [&] { return !free_bufs.empty() || failure; });
         t_wait[g] += secs_since(tw);
         if (failure) return;
-        std::shared_ptr<uint8_t> mem;
-        if (!free_bufs.empty()) {
-          mem = std::move(free_bufs.back());
-          free_bufs.pop_back();
-        } else {
-          ++bufs_made;
-          lk.unlock();
-          mem = m.host_buffer(buf_bytes);
-        }
+        std::shared_ptr<uint8_t> mem = std::move(free_bufs.back());
+        free_bufs.pop_back();
+        lk.unlock();
         ub = std::make_shared<UnitBuf>(std::move(mem), give_back);
       }
       const int64_t first = plan[size_t(s_begin)].first;
@@ -543,6 +536,25 @@ ExtractReport run_extract(const ExtractOptions& opt) {
     }
   };
 
+  // Page-locked buffers take ~0.3 s per GB to allocate: one thread makes them while
+  // the first units compute, instead of the compute threads stalling on each.
+  std::thread allocator([&] {
+    try {
+      for (int64_t i = 0; i < max_bufs && !units.empty(); ++i) {
+        auto mem = models[size_t(i) % models.size()]->host_buffer(buf_bytes);
+        {
+          std::unique_lock lk(mu);
+          if (failure) break;
+          free_bufs.push_back(std::move(mem));
+        }
+        cv.notify_all();
+      }
+    } catch (...) {
+      std::unique_lock lk(mu);
+      if (!failure) failure = std::current_exception();
+      cv.notify_all();
+    }
+  });
   std::vector<std::thread> writers, computers;
   for (int64_t i = 0; i < n_writers; ++i) writers.emplace_back(writer_main, int(i));
   for (size_t g = 0; g < models.size(); ++g)
@@ -556,6 +568,7 @@ ExtractReport run_extract(const ExtractOptions& opt) {
       }
     });
   for (auto& t : computers) t.join();
+  allocator.join();
   {
     std::unique_lock lk(mu);
     closing = true;

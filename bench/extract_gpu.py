@@ -217,7 +217,7 @@ def main():
     if a.dp_devices:
         dp_n = len(a.dp_devices.split(","))
         for _ in range(a.repeats):
-            tok, secs, _, _ = run_talon(a, data, out, device="cuda:" + a.dp_devices)
+            tok, secs, _, dp_log = run_talon(a, data, out, device="cuda:" + a.dp_devices)
             dp_ts.append(secs)
     peer_t = {}
     torch.cuda.reset_peak_memory_stats()
@@ -264,8 +264,12 @@ def main():
               f"transformers {peer_load:.2f}s")
     else:
         print(f"model load: talon {statistics.median(loads):.2f}s")
-    print("talon's own account (last run): " + " | ".join(
-        l.split("] ", 1)[-1] for l in log.splitlines() if "forward " in l or "writers:" in l or "batches:" in l))
+    def account(lg):
+        return " | ".join(l.split("] ", 1)[-1] for l in lg.splitlines()
+                          if "forward " in l or "writers:" in l or "batches:" in l)
+    print("talon's own account (last one-GPU run): " + account(log))
+    if dp_ts:
+        print("talon's own account (last data-parallel run): " + account(dp_log))
     b0 = base_mib.peak[0]
     print(f"peak GPU memory used (nvidia-smi, above the {b0} MiB held before): talon {talon_mem.peak[0] - b0} MiB "
           f"(--max-batch-tokens {a.max_batch_tokens}); transformers {peer_mem.peak[0] - b0} MiB "

@@ -34,6 +34,8 @@ int main(int argc, char** argv) {
   cmd_ex->add_option("--shard-tokens", ex.shard_tokens, "Tokens per shard (default: ~512 MiB of features)");
   cmd_ex->add_option("--max-batch-tokens", ex.max_batch_tokens, "Token budget of one forward batch")->capture_default_str();
   cmd_ex->add_option("--threads", ex.threads, "CPU threads (default: all cores)");
+  cmd_ex->add_option("--rank", ex.rank, "This process's rank when several share --out (default: launcher variables)");
+  cmd_ex->add_option("--world", ex.world, "Number of ranks sharing --out");
   cmd_ex->add_option("--stop-after-shards", ex.stop_after_shards, "Testing: stop as if interrupted after N shards")
       ->group("");
 
@@ -87,6 +89,11 @@ int main(int argc, char** argv) {
         tlog::warn("stopped by signal after {} finished shards; finished work is on disk", r.shards);
         std::cerr << "resume with: " << cmd << "\n";
         return 128 + (stop_signal() ? stop_signal() : 15);
+      }
+      if (r.status == ExtractStatus::RankDone) {
+        std::cout << fmt::format("extract: this rank's work is written ({} shards, {} tokens); rank 0 writes the "
+                                 "manifest when every rank is done\n", r.shards, r.tokens_this_run);
+        return 0;
       }
       std::cout << fmt::format("extract {}: {} samples, {} tokens ({} loss tokens) in {} shards\n",
                                r.status == ExtractStatus::AlreadyComplete ? "already complete" : "complete", r.samples,

@@ -39,8 +39,8 @@ namespace {
 // run (PID, host, command, GPUs) as JSON, which `talon gpus` and `talon stop` read.
 class DirLock {
  public:
-  DirLock(const fs::path& dir, const json& record) {
-    const fs::path p = dir / ".talon.lock";
+  DirLock(const fs::path& dir, const json& record, const std::string& name) {
+    const fs::path p = dir / name;
     fd_ = ::open(p.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
     if (fd_ < 0) fail("{}: cannot create lock file", p.string());
     if (::flock(fd_, LOCK_EX | LOCK_NB) != 0) {
@@ -58,7 +58,7 @@ class DirLock {
       ssize_t w = ::pwrite(fd_, text.data(), text.size(), 0);
       (void)w;
     }
-    register_run(dir);
+    register_run(dir, name);
   }
   ~DirLock() {
     unregister_run();
@@ -103,6 +103,37 @@ const char* kPinned[] = {"format_version", "model_config_sha256", "model_weights
                          "aux_layer_ids", "final_layer_id", "dtype", "shard_tokens", "hidden_size"};
 
 }  // namespace
+
+RankInfo resolve_rank(int flag_rank, int flag_world) {
+  RankInfo r;
+  auto check = [](RankInfo x, const std::string& what) {
+    TALON_CHECK(x.world >= 1 && x.rank >= 0 && x.rank < x.world, "{}: rank {} is outside a world of {} (need 0 <= rank < world)",
+                what, x.rank, x.world);
+    x.source = what;
+    return x;
+  };
+  if (flag_rank >= 0 || flag_world >= 0) {
+    TALON_CHECK(flag_rank >= 0 && flag_world >= 1, "--rank and --world go together (got --rank {} --world {})", flag_rank,
+                flag_world);
+    return check({flag_rank, flag_world, ""}, "--rank/--world");
+  }
+  static const char* kVars[][2] = {{"SLURM_PROCID", "SLURM_NTASKS"},
+                                   {"OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"},
+                                   {"PMI_RANK", "PMI_SIZE"},
+                                   {"RANK", "WORLD_SIZE"}};
+  auto num = [](const char* var, const char* v) {
+    const std::string t(v);
+    TALON_CHECK(!t.empty() && t.size() < 8 && t.find_first_not_of("0123456789") == std::string::npos,
+                "environment variable {}='{}' is not a non-negative integer", var, t);
+    return std::stoi(t);
+  };
+  for (auto& pr : kVars) {
+    const char *rv = std::getenv(pr[0]), *wv = std::getenv(pr[1]);
+    if (!rv || !wv) continue;
+    return check({num(pr[0], rv), num(pr[1], wv), ""}, fmt::format("{}/{}", pr[0], pr[1]));
+  }
+  return r;
+}
 
 ExtractReport run_extract(const ExtractOptions& opt) {
   ExtractReport rep;
@@ -214,15 +245,29 @@ ExtractReport run_extract(const ExtractOptions& opt) {
                {"backend", model->backend()},
                {"talon_version", TALON_VERSION}};
 
-  // Output directory: new, or a run of the same job to resume.
+  // Output directory: new, or a run of the same job to resume. With several ranks
+  // (processes, usually one per node, sharing the directory), every rank records its finished shards in progress.rank-R.json, and rank
+  // 0 folds them into the manifest once the whole plan is covered.
+  const RankInfo rk = resolve_rank(opt.rank, opt.world);
+  const bool multi = rk.world > 1;
+  const std::string tag_prefix = multi ? fmt::format("rank {} ", rk.rank) : "";
+  if (multi) {
+    set_thread_log_tag(fmt::format("rank {}", rk.rank));
+    tlog::info("rank {} of {} ({}); this rank computes work units u with u % {} == {}", rk.rank, rk.world, rk.source,
+               rk.world, rk.rank);
+  }
+  const std::string lock_name = multi ? fmt::format(".talon.rank-{}.lock", rk.rank) : ".talon.lock";
+  const fs::path my_progress = opt.out / fmt::format("progress.rank-{}.json", rk.rank);
   fs::create_directories(opt.out);
   std::vector<int> all_gpus;
   for (auto& g : groups) all_gpus.insert(all_gpus.end(), g.begin(), g.end());
-  DirLock lock(opt.out, run_record("extract", all_gpus));
+  json rec = run_record("extract", all_gpus);
+  rec["rank"] = rk.rank;
+  rec["world"] = rk.world;
+  DirLock lock(opt.out, rec, lock_name);
   json manifest;
   const fs::path mpath = opt.out / kManifestName;
-  if (fs::exists(mpath)) {
-    manifest = read_manifest(opt.out);
+  auto check_pinned = [&] {
     std::vector<std::string> diffs;
     for (const char* k : kPinned)
       if (manifest.value(k, json()) != want[k])
@@ -230,34 +275,86 @@ ExtractReport run_extract(const ExtractOptions& opt) {
     if (!diffs.empty())
       fail("{}: holds a different extraction ({}); use another --out or delete it", opt.out.string(),
            fmt::format("{}", fmt::join(diffs, "; ")));
+  };
+  auto ours = [](const std::string& n) {  // files a run of this job may leave besides shards
+    return n.rfind(".talon", 0) == 0 || n.find(".tmp-") != std::string::npos || n.rfind("progress.rank-", 0) == 0;
+  };
+  if (fs::exists(mpath)) {
+    manifest = read_manifest(opt.out);
+    check_pinned();
   } else {
-    for (auto& e : fs::directory_iterator(opt.out)) {
-      const std::string n = e.path().filename().string();
-      if (n != ".talon.lock" && n.find(".tmp-") == std::string::npos)
+    // Any rank may create it (ranks start in any order); concurrent creators write the
+    // same pinned fields, atomically.
+    for (auto& e : fs::directory_iterator(opt.out))
+      if (!ours(e.path().filename().string()))
         fail("{}: directory is not empty and has no {}; refusing to write into it", opt.out.string(), kManifestName);
-    }
     manifest = want;
     manifest["status"] = "in_progress";
     manifest["shards"] = json::array();
     write_file_atomic(mpath, manifest.dump(2) + "\n");
   }
-  // Leftovers of a killed run: temp files and shards written after the last manifest update.
+  // Temp files of a killed run. With several ranks only this rank's own progress file
+  // (other ranks may be writing theirs); a stale shard temp is overwritten when redone.
   for (auto& e : fs::directory_iterator(opt.out)) {
     const std::string n = e.path().filename().string();
-    if (n.find(".tmp-") != std::string::npos) fs::remove(e.path());
+    if (n.find(".tmp-") != std::string::npos && (!multi || n.rfind(my_progress.filename().string(), 0) == 0))
+      fs::remove(e.path());
   }
-  int64_t done_shards = int64_t(manifest["shards"].size());
-  TALON_CHECK(done_shards <= int64_t(plan.size()), "{}: manifest lists {} shards but the plan has {}", mpath.string(),
-              done_shards, plan.size());
-  for (int64_t i = 0; i < done_shards; ++i) {
-    const json& s = manifest["shards"][size_t(i)];
-    const fs::path p = opt.out / s.at("file").get<std::string>();
-    TALON_CHECK(s.at("file") == shard_file_name(i) && s.at("first_sample") == plan[size_t(i)].first &&
-                    s.at("samples") == plan[size_t(i)].count,
-                "{}: shard {} does not match the plan; the dataset is inconsistent, use a fresh --out", mpath.string(), i);
-    TALON_CHECK(fs::exists(p) && int64_t(fs::file_size(p)) == s.at("bytes").get<int64_t>(),
-                "{}: missing or wrong size although the manifest lists it; run `talon inspect {}`", p.string(),
-                opt.out.string());
+  std::map<int64_t, int64_t> index_of_first;  // first sample -> shard index
+  for (size_t i = 0; i < plan.size(); ++i) index_of_first[plan[i].first] = int64_t(i);
+  // Finished shards: the manifest's records (strict: they must match the plan and the
+  // files) and the records of every rank's progress file (used when they check out).
+  std::map<int64_t, json> done;
+  {
+    const json& ms = manifest["shards"];
+    TALON_CHECK(ms.size() <= plan.size(), "{}: manifest lists {} shards but the plan has {}", mpath.string(), ms.size(),
+                plan.size());
+    for (size_t i = 0; i < ms.size(); ++i) {
+      const json& s = ms[i];
+      const fs::path p = opt.out / s.at("file").get<std::string>();
+      TALON_CHECK(s.at("file") == shard_file_name(int64_t(i)) && s.at("first_sample") == plan[i].first &&
+                      s.at("samples") == plan[i].count,
+                  "{}: shard {} does not match the plan; the dataset is inconsistent, use a fresh --out", mpath.string(),
+                  i);
+      TALON_CHECK(fs::exists(p) && int64_t(fs::file_size(p)) == s.at("bytes").get<int64_t>(),
+                  "{}: missing or wrong size although the manifest lists it; run `talon inspect {}`", p.string(),
+                  opt.out.string());
+      done[int64_t(i)] = s;
+    }
+  }
+  auto read_progress = [&](std::map<int64_t, json>& into) {
+    for (auto& e : fs::directory_iterator(opt.out)) {
+      const std::string n = e.path().filename().string();
+      if (n.rfind("progress.rank-", 0) != 0 || e.path().extension() != ".json" || n.find(".tmp-") != std::string::npos)
+        continue;
+      json j = json::parse(read_text_file(e.path()), nullptr, false);
+      if (!j.is_object() || !j.contains("shards") || !j["shards"].is_array()) {
+        tlog::warn("{}: not a progress file; ignored", e.path().string());
+        continue;
+      }
+      for (auto& r : j["shards"]) {
+        if (!r.is_object() || !r.contains("first_sample") || !r["first_sample"].is_number_integer()) continue;
+        auto it = index_of_first.find(r["first_sample"].get<int64_t>());
+        if (it == index_of_first.end()) continue;
+        const int64_t i = it->second;
+        std::error_code ec;
+        const fs::path p = opt.out / shard_file_name(i);
+        if (r.value("file", "") == shard_file_name(i) && r.value("samples", int64_t(-1)) == plan[size_t(i)].count &&
+            r.contains("bytes") && r["bytes"].is_number_integer() && fs::exists(p, ec) &&
+            int64_t(fs::file_size(p, ec)) == r["bytes"].get<int64_t>())
+          into.emplace(i, r);
+      }
+    }
+  };
+  read_progress(done);
+  json my_records = json::array();  // this rank's progress file content
+  if (multi && fs::exists(my_progress)) {
+    json j = json::parse(read_text_file(my_progress), nullptr, false);
+    if (j.is_object() && j.contains("shards") && j["shards"].is_array())
+      for (auto& r : j["shards"])
+        if (r.is_object() && r.contains("first_sample") && index_of_first.count(r.value("first_sample", int64_t(-1))) &&
+            done.count(index_of_first[r.value("first_sample", int64_t(-1))]))
+          my_records.push_back(r);
   }
   rep.aux_layers = aux;
   rep.final_layer = int(L);
@@ -267,20 +364,46 @@ ExtractReport run_extract(const ExtractOptions& opt) {
     rep.samples = manifest.value("num_samples", 0);
     rep.tokens = manifest.value("num_tokens", 0);
     rep.loss_tokens = manifest.value("num_loss_tokens", 0);
-    rep.shards = done_shards;
+    rep.shards = int64_t(done.size());
     tlog::info("{} is already complete ({} samples); nothing to do", opt.out.string(), rep.samples);
     return rep;
   }
+  const int64_t done_shards = int64_t(done.size());
 
-  int64_t total_tokens = 0, done_tokens = 0;
+  // Work units: runs of consecutive shards holding at least 4 batches' worth of tokens,
+  // so batches fill the token budget even when shards are small. Unit boundaries are
+  // fixed by the plan alone (never by where a resume starts or by the number of ranks),
+  // so every unit is always computed in the same batches and a resumed dataset is
+  // byte-identical; a unit with some shards already written is recomputed, but only its
+  // missing shards are written.
+  std::vector<std::pair<int64_t, int64_t>> units;  // [first shard, end shard) this rank computes
+  int64_t total_tokens = 0, done_tokens = 0, my_tokens = 0;
+  {
+    const int64_t target = 4 * opt.max_batch_tokens;
+    int64_t b = 0, tok = 0, u = 0;
+    for (int64_t si = 0; si < int64_t(plan.size()); ++si) {
+      tok += plan[size_t(si)].tokens;
+      if (tok >= target || si + 1 == int64_t(plan.size())) {
+        bool missing = false;
+        for (int64_t k = b; k <= si; ++k) missing |= !done.count(k);
+        if (missing && u % rk.world == rk.rank) {
+          units.push_back({b, si + 1});
+          my_tokens += tok;
+        }
+        b = si + 1;
+        tok = 0;
+        ++u;
+      }
+    }
+  }
   for (size_t i = 0; i < plan.size(); ++i) {
     total_tokens += plan[i].tokens;
-    if (int64_t(i) < done_shards) done_tokens += plan[i].tokens;
+    if (done.count(int64_t(i))) done_tokens += plan[i].tokens;
   }
   if (done_shards > 0)
     tlog::info("resuming: {} of {} shards already written ({} tokens)", done_shards, plan.size(), done_tokens);
 
-  Progress progress("extract", total_tokens, "tok", done_tokens);
+  Progress progress("extract", multi ? my_tokens : total_tokens, "tok", multi ? 0 : total_tokens - my_tokens);
   std::vector<int> cap_layers = aux;
   cap_layers.push_back(int(L));
   const int64_t esz = int64_t(dtype_size(feat_dt));
@@ -312,19 +435,6 @@ ExtractReport run_extract(const ExtractOptions& opt) {
     std::shared_ptr<UnitBuf> unit;  // holds the memory aux/fin point into
     uint8_t *aux = nullptr, *fin = nullptr;  // [T, 3H] and [T, H] rows in feat_dt
   };
-  std::vector<std::pair<int64_t, int64_t>> units;  // [first shard, end shard)
-  {
-    const int64_t target = 4 * opt.max_batch_tokens;
-    int64_t b = 0, tok = 0;
-    for (int64_t si = 0; si < int64_t(plan.size()); ++si) {
-      tok += plan[size_t(si)].tokens;
-      if (tok >= target || si + 1 == int64_t(plan.size())) {
-        if (si >= done_shards) units.push_back({b, si + 1});
-        b = si + 1;
-        tok = 0;
-      }
-    }
-  }
   int64_t max_unit_tokens = 0;
   for (auto& u : units) {
     int64_t t = 0;
@@ -338,11 +448,11 @@ ExtractReport run_extract(const ExtractOptions& opt) {
   std::vector<std::shared_ptr<uint8_t>> free_bufs;
   std::map<int64_t, json> finished;  // shard index -> manifest record, not yet in the manifest
   std::exception_ptr failure;
-  int64_t next_to_record = done_shards;
+  int64_t next_to_record = int64_t(manifest["shards"].size());
   const int64_t n_writers = std::max<int64_t>(1, std::min<int64_t>(4, int64_t(plan.size()) - done_shards));
   const int64_t max_bufs = 2 * int64_t(models.size()) + 1;
   bool closing = false;
-  std::atomic<int64_t> next_unit{0};
+  std::atomic<int64_t> next_unit{0}, shards_queued{0};
   // A unit's buffer goes back to the pool when its last shard is written (or dropped).
   std::function<void(std::shared_ptr<uint8_t>)> give_back = [&](std::shared_ptr<uint8_t> mem) {
     {
@@ -381,7 +491,7 @@ ExtractReport run_extract(const ExtractOptions& opt) {
                 {"loss_tokens", lt}, {"bytes", bytes}, {"sha256", sha}};
   };
   auto writer_main = [&](int id) {
-    set_thread_log_tag("writer " + std::to_string(id));
+    set_thread_log_tag(tag_prefix + "writer " + std::to_string(id));
     for (;;) {
       std::unique_ptr<ShardJob> job;
       {
@@ -397,15 +507,31 @@ ExtractReport run_extract(const ExtractOptions& opt) {
         writer_us += int64_t(secs_since(tw) * 1e6);
         tlog::debug("wrote {} ({} samples, {} tokens)", rec["file"].get<std::string>(), job->plan.count, job->plan.tokens);
         std::unique_lock lk(mu);
-        finished[job->index] = std::move(rec);
-        // Record the contiguous prefix of finished shards.
-        bool advanced = false;
-        while (finished.count(next_to_record)) {
-          manifest["shards"].push_back(std::move(finished[next_to_record]));
-          finished.erase(next_to_record++);
-          advanced = true;
+        if (multi) {
+          // This rank's own record of finished shards; rank 0 merges them at the end.
+          my_records.push_back(rec);
+          done[job->index] = std::move(rec);
+          write_file_atomic(my_progress,
+                            json{{"rank", rk.rank}, {"world", rk.world}, {"shards", my_records}}.dump(1) + "\n");
+        } else {
+          finished[job->index] = std::move(rec);
+          // Record the contiguous prefix of finished shards (some may be done already,
+          // from the progress files of an earlier multi-rank run).
+          bool advanced = false;
+          for (;;) {
+            auto it = finished.find(next_to_record);
+            auto dt = done.find(next_to_record);
+            if (it == finished.end() && dt == done.end()) break;
+            manifest["shards"].push_back(it != finished.end() ? it->second : dt->second);
+            if (it != finished.end()) {
+              done[next_to_record] = it->second;
+              finished.erase(it);
+            }
+            ++next_to_record;
+            advanced = true;
+          }
+          if (advanced) write_file_atomic(mpath, manifest.dump(2) + "\n");
         }
-        if (advanced) write_file_atomic(mpath, manifest.dump(2) + "\n");
       } catch (...) {
         std::unique_lock lk(mu);
         if (!failure) failure = std::current_exception();
@@ -427,7 +553,7 @@ ExtractReport run_extract(const ExtractOptions& opt) {
   // unrecorded shards.
   auto compute_main = [&](size_t g) {
     Model& m = *models[g];
-    if (!groups[g].empty()) set_thread_log_tag(fmt::format("gpu {}", groups[g][0]));
+    set_thread_log_tag(tag_prefix + (groups[g].empty() ? std::string("compute") : fmt::format("gpu {}", groups[g][0])));
     Batch batch;
     for (;;) {
       if (stop_requested()) {
@@ -504,9 +630,14 @@ ExtractReport run_extract(const ExtractOptions& opt) {
       }
       // One writer job per shard of the unit not recorded yet.
       std::vector<std::unique_ptr<ShardJob>> jobs;
-      for (int64_t si = s_begin; si < s_end; ++si) {
+      std::vector<int64_t> missing;
+      {
+        std::unique_lock lk(mu);
+        for (int64_t si = s_begin; si < s_end; ++si)
+          if (!done.count(si)) missing.push_back(si);
+      }
+      for (int64_t si : missing) {
         const ShardPlan& sp = plan[size_t(si)];
-        if (si < done_shards) continue;
         auto job = std::make_unique<ShardJob>();
         job->index = si;
         job->plan = sp;
@@ -531,7 +662,8 @@ ExtractReport run_extract(const ExtractOptions& opt) {
         for (auto& j : jobs) queue.push_back(std::move(j));
       }
       cv.notify_all();
-      if (opt.stop_after_shards >= 0 && s_end - done_shards >= opt.stop_after_shards && s_end < int64_t(plan.size()))
+      shards_queued += int64_t(missing.size());
+      if (opt.stop_after_shards >= 0 && shards_queued >= opt.stop_after_shards && ui + 1 < int64_t(units.size()))
         request_stop_for_test();
     }
   };
@@ -587,13 +719,48 @@ ExtractReport run_extract(const ExtractOptions& opt) {
     tlog::info("{}: forward {:.2f}s, waited {:.2f}s for writers, of {:.2f}s", models[g]->backend(), t_forward[g],
                t_wait[g], wall);
   tlog::info("writers: {} threads busy {:.2f}s in total (hash + write + fsync)", n_writers, double(writer_us) / 1e6);
-  if (interrupted) {
+  auto interrupted_report = [&] {
     rep.status = ExtractStatus::Interrupted;
-    rep.shards = int64_t(manifest["shards"].size());
+    rep.shards = int64_t(done.size());
     rep.tokens_this_run = written_this_run;
     rep.seconds = std::chrono::duration<double>(Clock::now() - t_start).count();
     return rep;
+  };
+  if (interrupted) return interrupted_report();
+  if (multi && rk.rank != 0) {
+    rep.status = ExtractStatus::RankDone;
+    rep.shards = int64_t(my_records.size());
+    rep.tokens_this_run = written_this_run;
+    rep.seconds = std::chrono::duration<double>(Clock::now() - t_start).count();
+    tlog::info("rank {}: all its work units are written ({} tokens this run); rank 0 completes the manifest", rk.rank,
+               int64_t(written_this_run));
+    return rep;
   }
+  if (multi) {
+    // Rank 0: wait until the ranks' progress files cover the whole plan, then fold them
+    // into the manifest in shard order.
+    const auto tw = Clock::now();
+    double last_note = -1;
+    for (;;) {
+      std::map<int64_t, json> all = done;
+      read_progress(all);
+      if (all.size() == plan.size()) {
+        done = std::move(all);
+        break;
+      }
+      if (stop_requested()) return interrupted_report();
+      const double waited = secs_since(tw);
+      if (waited - last_note >= 30 || last_note < 0) {
+        tlog::info("waiting for the other ranks: {} of {} shards written", all.size(), plan.size());
+        last_note = waited;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    }
+    manifest["shards"] = json::array();
+    for (auto& [i, r] : done) manifest["shards"].push_back(r);
+  }
+  TALON_CHECK(manifest["shards"].size() == plan.size(), "{}: {} of {} shards recorded at the end (internal error)",
+              mpath.string(), manifest["shards"].size(), plan.size());
 
   int64_t ns = 0, nt = 0, nl = 0;
   for (auto& s : manifest["shards"]) {
@@ -607,6 +774,10 @@ ExtractReport run_extract(const ExtractOptions& opt) {
   manifest["num_loss_tokens"] = nl;
   manifest["num_shards"] = manifest["shards"].size();
   write_file_atomic(mpath, manifest.dump(2) + "\n");
+  for (auto& e : fs::directory_iterator(opt.out)) {  // folded into the manifest now
+    const std::string n = e.path().filename().string();
+    if (n.rfind("progress.rank-", 0) == 0) fs::remove(e.path());
+  }
   rep.status = ExtractStatus::Complete;
   rep.samples = ns;
   rep.tokens = nt;

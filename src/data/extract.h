@@ -24,11 +24,22 @@ struct ExtractOptions {
   int64_t shard_tokens = 0;      // 0: about 512 MiB of features per shard
   int64_t max_batch_tokens = 4096;
   int threads = 0;               // 0: all cores
+  // Several processes (usually one per node) sharing --out: rank and world size from
+  // these flags, else from SLURM_PROCID/SLURM_NTASKS, OMPI_COMM_WORLD_RANK/_SIZE,
+  // PMI_RANK/PMI_SIZE or RANK/WORLD_SIZE (torchrun); -1: not given.
+  int rank = -1, world = -1;
   // Test hook: stop (as if signalled) after this many shards were written this run.
   int64_t stop_after_shards = -1;
 };
 
-enum class ExtractStatus { Complete, AlreadyComplete, Interrupted };
+enum class ExtractStatus { Complete, AlreadyComplete, Interrupted, RankDone };
+
+struct RankInfo {
+  int rank = 0, world = 1;
+  std::string source = "single process";
+};
+// Flags first, then the launchers' environment variables; fails naming a malformed one.
+RankInfo resolve_rank(int flag_rank, int flag_world);
 
 struct ExtractReport {
   ExtractStatus status = ExtractStatus::Complete;

@@ -44,12 +44,12 @@ fs::path run_registry_dir() {
   return fs::path("/tmp") / ("talon-runs-" + std::to_string(getuid()));
 }
 
-void register_run(const fs::path& run_dir) {
+void register_run(const fs::path& run_dir, const std::string& lock_name) {
   try {
     const fs::path reg = run_registry_dir();
     fs::create_directories(reg);
     const fs::path p = reg / (std::to_string(getpid()) + ".json");
-    write_file_atomic(p, json{{"dir", fs::absolute(run_dir).string()}}.dump() + "\n");
+    write_file_atomic(p, json{{"dir", fs::absolute(run_dir).string()}, {"lock", lock_name}}.dump() + "\n");
     g_registered = p;
   } catch (const std::exception& e) {
     // Not fatal: the run works without it; only `talon gpus` loses track of it.
@@ -64,8 +64,8 @@ void unregister_run() {
   g_registered.clear();
 }
 
-std::optional<RunInfo> read_run(const fs::path& dir) {
-  const fs::path p = dir / ".talon.lock";
+std::optional<RunInfo> read_run(const fs::path& dir, const std::string& lock_name) {
+  const fs::path p = dir / lock_name;
   const int fd = ::open(p.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) return std::nullopt;
   RunInfo r;
@@ -86,6 +86,17 @@ std::optional<RunInfo> read_run(const fs::path& dir) {
   return r;
 }
 
+std::vector<RunInfo> read_runs(const fs::path& dir) {
+  std::vector<RunInfo> out;
+  std::error_code ec;
+  for (auto& e : fs::directory_iterator(dir, ec)) {
+    const std::string n = e.path().filename().string();
+    if (n.rfind(".talon", 0) == 0 && e.path().extension() == ".lock")
+      if (auto r = read_run(dir, n)) out.push_back(*r);
+  }
+  return out;
+}
+
 std::vector<RunInfo> list_active_runs() {
   std::vector<RunInfo> out;
   const fs::path reg = run_registry_dir();
@@ -95,7 +106,8 @@ std::vector<RunInfo> list_active_runs() {
     if (e.path().extension() != ".json") continue;
     json j = json::parse(read_text_file(e.path()), nullptr, false);
     std::optional<RunInfo> r;
-    if (j.is_object() && j.contains("dir") && j["dir"].is_string()) r = read_run(j["dir"].get<std::string>());
+    if (j.is_object() && j.contains("dir") && j["dir"].is_string())
+      r = read_run(j["dir"].get<std::string>(), j.value("lock", std::string(".talon.lock")));
     const std::string stem = e.path().stem().string();
     if (r && r->active && std::to_string(r->pid()) == stem) {
       out.push_back(*r);

@@ -18,7 +18,7 @@ nlohmann::json run_record(const std::string& command, const std::vector<int>& gp
 // Registry of live runs: $TALON_RUNS_DIR, else $XDG_RUNTIME_DIR/talon-runs, else
 // /tmp/talon-runs-<uid>. One file per run, named by PID, holding the run directory.
 fs::path run_registry_dir();
-void register_run(const fs::path& run_dir);
+void register_run(const fs::path& run_dir, const std::string& lock_name = ".talon.lock");
 void unregister_run();
 
 struct RunInfo {
@@ -28,8 +28,11 @@ struct RunInfo {
   int pid() const { return record.value("pid", 0); }
 };
 
-// Reads <dir>/.talon.lock; nullopt when there is none.
-std::optional<RunInfo> read_run(const fs::path& dir);
+// Reads a run's lock file (<dir>/.talon.lock, or a rank's .talon.rank-R.lock); nullopt
+// when there is none.
+std::optional<RunInfo> read_run(const fs::path& dir, const std::string& lock_name = ".talon.lock");
+// Every lock file in a run directory.
+std::vector<RunInfo> read_runs(const fs::path& dir);
 // Every registered run whose lock is still held (stale entries are removed).
 std::vector<RunInfo> list_active_runs();
 

@@ -1,12 +1,14 @@
 #include "cli/commands/runs.h"
 
 #include <signal.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <cstdio>
 #include <iostream>
 #include <map>
 #include <sstream>
+#include <cstring>
 #include <thread>
 
 #include "model/model.h"
@@ -110,26 +112,42 @@ int run_gpus() {
 }
 
 int run_stop(const fs::path& dir, double wait_seconds) {
-  auto r = read_run(dir);
-  if (!r) fail("{}: no .talon.lock here; not a talon run directory", dir.string());
-  if (!r->active) {
-    std::cout << fmt::format("{}: no run is active (last: pid {})\n", dir.string(), r->pid());
+  if (!fs::is_directory(dir)) fail("{}: not a directory", dir.string());
+  const auto runs = read_runs(dir);
+  if (runs.empty()) fail("{}: no .talon*.lock here; not a talon run directory", dir.string());
+  char host[256] = {};
+  gethostname(host, sizeof host - 1);
+  std::vector<RunInfo> targets;
+  for (auto& r : runs) {
+    if (!r.active) continue;
+    if (r.record.value("host", "") != host) {
+      std::cout << fmt::format("pid {} runs on host {}; run `talon stop` there\n", r.pid(), r.record.value("host", "?"));
+      continue;
+    }
+    targets.push_back(r);
+  }
+  if (targets.empty()) {
+    std::cout << fmt::format("{}: no run is active on this host (last: pid {})\n", dir.string(), runs[0].pid());
     return 0;
   }
-  const int pid = r->pid();
-  if (pid <= 1) fail("{}/.talon.lock: no valid pid recorded", dir.string());
-  if (::kill(pid, SIGTERM) != 0) fail("cannot signal pid {}: {}", pid, std::strerror(errno));
-  std::cout << fmt::format("sent SIGTERM to pid {} ({}); waiting for it to drain\n", pid, r->record.value("cmdline", ""));
+  for (auto& r : targets) {
+    const int pid = r.pid();
+    if (pid <= 1) fail("{}: no valid pid recorded", (dir / ".talon.lock").string());
+    if (::kill(pid, SIGTERM) != 0) fail("cannot signal pid {}: {}", pid, std::strerror(errno));
+    std::cout << fmt::format("sent SIGTERM to pid {} ({}); waiting for it to drain\n", pid,
+                             r.record.value("cmdline", ""));
+  }
   const auto t0 = std::chrono::steady_clock::now();
   while (std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() < wait_seconds) {
-    auto now = read_run(dir);
-    if (!now || !now->active) {
+    bool any = false;
+    for (auto& r : read_runs(dir)) any |= r.active && r.record.value("host", "") == host;
+    if (!any) {
       std::cout << "stopped; rerun the same command to resume\n";
       return 0;
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
   }
-  std::cout << fmt::format("pid {} still running after {:.0f}s\n", pid, wait_seconds);
+  std::cout << fmt::format("still running after {:.0f}s\n", wait_seconds);
   return 1;
 }
 

@@ -34,4 +34,9 @@ inline constexpr double kCudaTpRel = 2e-2;
 // Greedy agreement is only required where the fp32 top-2 logit gap exceeds this.
 inline constexpr double kCudaGreedyMargin = 0.5;
 
+// EAGLE-3 TTT forward (fp64 accumulation over fp32 weights) vs the PyTorch fp64 oracle:
+// only the RoPE frequencies differ (fp32 here, as transformers computes them, fp64 there).
+inline constexpr double kTttLogitsRel = 1e-5;
+inline constexpr double kTttLossRel = 1e-6;
+
 }  // namespace talon::tol

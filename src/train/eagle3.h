@@ -1,0 +1,76 @@
+// The EAGLE-3 draft model and its training-time-test (TTT) objective on the CPU:
+// the reference the trainer's fast paths are checked against (SPEC-EAGLE3 sections 2-4).
+//
+// Pinned conventions: the draft vocabulary keeps the Vd most frequent loss-masked target
+// tokens (ties towards the lower id), pads with the lowest unused ids and is sorted
+// ascending; d2t[i] = kept[i] - i, t2d[j] = (j is kept). A position counts at step k when
+// its target position t+1+k is inside the sample, loss-masked, and the target's
+// full-vocabulary argmax lies in the draft vocabulary; loss_k is normalised by the number
+// of positions that count at step k; the total is sum_k decay^k loss_k.
+#pragma once
+#include <cstdint>
+#include <vector>
+
+#include "model/config.h"
+
+namespace talon::eagle3 {
+
+struct DraftVocab {
+  std::vector<int64_t> kept;  // [Vd] target ids, ascending
+  std::vector<int64_t> d2t;   // [Vd] target_id = draft_id + d2t[draft_id]
+  std::vector<uint8_t> t2d;   // [V]  1 where the target id is in the draft vocabulary
+};
+// counts[V]: loss-masked occurrences of each target token. Fails unless 1 <= Vd <= V.
+DraftVocab build_draft_vocab(const std::vector<int64_t>& counts, int64_t vd);
+
+struct DraftConfig {
+  int64_t H = 0, I = 0, n_heads = 0, n_kv_heads = 0, head_dim = 0, V = 0, Vd = 0;
+  double rms_eps = 1e-5;
+  RopeConfig rope;
+  bool norm_before_residual = false;
+  int ttt_steps = 7;
+  double step_decay = 0.8;
+};
+
+// fp32, row-major [out, in] like PyTorch.
+struct DraftWeights {
+  std::vector<float> fc;                     // [H, 3H]
+  std::vector<float> in_ln, hidden_norm;     // [H]
+  std::vector<float> wq, wk, wv;             // [nh*hd, 2H], [nkv*hd, 2H] x2
+  std::vector<float> wo;                     // [H, nh*hd]
+  std::vector<float> post_ln;                // [H]
+  std::vector<float> gate, up, down;         // [I, H], [I, H], [H, I]
+  std::vector<float> norm;                   // [H]
+  std::vector<float> lm_head;                // [Vd, H]
+};
+
+// The frozen parts of the target the draft uses: embeddings, and the final norm and
+// lm_head that turn h[L] into the target distribution.
+struct TargetHead {
+  const float* embed = nullptr;       // [V, H]
+  const float* final_norm = nullptr;  // [H]
+  const float* lm_head = nullptr;     // [V, H]
+  double rms_eps = 1e-5;
+};
+
+struct Sample {
+  const int32_t* ids = nullptr;   // [T]
+  const uint8_t* mask = nullptr;  // [T]
+  const float* aux = nullptr;     // [T, 3H] concat(h[a0], h[a1], h[a2])
+  const float* hidden = nullptr;  // [T, H]  h[L]
+  int64_t T = 0;
+};
+
+struct TttResult {
+  std::vector<double> loss_k, acc_k, cond_acc_k;
+  std::vector<int64_t> n_k;  // positions that count at each step
+  double loss = 0;           // sum_k decay^k loss_k
+  double accept_len = 0;     // simulated acceptance length 1 + sum_k prod_{j<=k} acc_j
+  std::vector<std::vector<float>> logits;  // [K][T, Vd] when requested
+};
+
+// Forward of all K steps over one sample, loss and metrics.
+TttResult ttt_forward(const DraftConfig& c, const DraftWeights& w, const TargetHead& tgt, const DraftVocab& vocab,
+                      const Sample& s, bool keep_logits = false);
+
+}  // namespace talon::eagle3

@@ -1,0 +1,116 @@
+// The CPU draft model and TTT objective against the PyTorch fp64 oracle written from
+// SPEC-EAGLE3 (tools/eagle3_oracle.py -> tests/fixtures/eagle3): draft vocabulary, every
+// step's logits, per-step losses, accuracies, conditional accuracies and the total loss.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <map>
+
+#include "io/safetensors.h"
+#include "tests/test_util.h"
+#include "tests/tolerances.h"
+#include "train/eagle3.h"
+#include "util/error.h"
+
+using namespace talon;
+using namespace talon::eagle3;
+
+namespace {
+
+template <typename T>
+std::vector<T> read(const st::File& f, const std::string& name) {
+  const auto* t = f.find(name);
+  EXPECT_NE(t, nullptr) << name;
+  if (!t) return {};
+  EXPECT_EQ(t->nbytes, size_t(t->numel()) * sizeof(T)) << name;
+  const T* p = reinterpret_cast<const T*>(t->data);
+  return std::vector<T>(p, p + t->numel());
+}
+
+class Ttt : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(Ttt, MatchesTorchOracle) {
+  st::File f(fs::path(talon::testing::source_dir()) / "tests/fixtures/eagle3" / ("ttt_" + GetParam() + ".safetensors"));
+  auto meta = [&](const std::string& k) { return f.metadata().at(k); };
+  DraftConfig c;
+  c.H = std::stoll(meta("H"));
+  c.I = std::stoll(meta("I"));
+  c.n_heads = std::stoll(meta("nh"));
+  c.n_kv_heads = std::stoll(meta("nkv"));
+  c.head_dim = std::stoll(meta("hd"));
+  c.V = std::stoll(meta("V"));
+  c.Vd = std::stoll(meta("Vd"));
+  c.rms_eps = std::stod(meta("eps"));
+  c.rope.theta = std::stod(meta("theta"));
+  c.norm_before_residual = meta("norm_before_residual") == "True";
+  c.ttt_steps = std::stoi(meta("K"));
+  c.step_decay = std::stod(meta("decay"));
+  const int64_t T = std::stoll(meta("T"));
+
+  // Draft vocabulary from the loss-masked counts.
+  const auto counts = read<int64_t>(f, "counts");
+  const DraftVocab dv = build_draft_vocab(counts, c.Vd);
+  EXPECT_EQ(dv.kept, read<int64_t>(f, "kept"));
+  EXPECT_EQ(dv.d2t, read<int64_t>(f, "d2t"));
+  EXPECT_EQ(dv.t2d, read<uint8_t>(f, "t2d"));
+
+  DraftWeights w;
+  w.fc = read<float>(f, "w.fc");
+  w.in_ln = read<float>(f, "w.in_ln");
+  w.hidden_norm = read<float>(f, "w.hidden_norm");
+  w.wq = read<float>(f, "w.wq");
+  w.wk = read<float>(f, "w.wk");
+  w.wv = read<float>(f, "w.wv");
+  w.wo = read<float>(f, "w.wo");
+  w.post_ln = read<float>(f, "w.post_ln");
+  w.gate = read<float>(f, "w.gate");
+  w.up = read<float>(f, "w.up");
+  w.down = read<float>(f, "w.down");
+  w.norm = read<float>(f, "w.norm");
+  w.lm_head = read<float>(f, "w.lm_head");
+  const auto embed = read<float>(f, "target.embed"), fnorm = read<float>(f, "target.final_norm"),
+             head = read<float>(f, "target.lm_head");
+  TargetHead tg{embed.data(), fnorm.data(), head.data(), c.rms_eps};
+  const auto ids = read<int32_t>(f, "input_ids");
+  const auto mask = read<uint8_t>(f, "loss_mask");
+  const auto aux = read<float>(f, "aux"), hid = read<float>(f, "hidden");
+  Sample s{ids.data(), mask.data(), aux.data(), hid.data(), T};
+
+  const TttResult r = ttt_forward(c, w, tg, dv, s, true);
+  const auto loss_k = read<double>(f, "loss_k"), acc_k = read<double>(f, "acc_k"), cond = read<double>(f, "cond_acc_k"),
+             n_k = read<double>(f, "n_k"), loss = read<double>(f, "loss");
+  const auto logits = read<float>(f, "logits");
+  ASSERT_EQ(int64_t(r.loss_k.size()), c.ttt_steps);
+  for (int k = 0; k < c.ttt_steps; ++k) {
+    const float* want = logits.data() + size_t(k) * size_t(T * c.Vd);
+    EXPECT_LE(talon::testing::rel_err(r.logits[size_t(k)].data(), want, size_t(T * c.Vd)), tol::kTttLogitsRel)
+        << "step " << k;
+    EXPECT_NEAR(r.loss_k[size_t(k)], loss_k[size_t(k)], tol::kTttLossRel * std::max(1.0, std::abs(loss_k[size_t(k)])))
+        << "step " << k;
+    EXPECT_EQ(double(r.n_k[size_t(k)]), n_k[size_t(k)]) << "step " << k;
+    EXPECT_DOUBLE_EQ(r.acc_k[size_t(k)], acc_k[size_t(k)]) << "step " << k;
+    EXPECT_DOUBLE_EQ(r.cond_acc_k[size_t(k)], cond[size_t(k)]) << "step " << k;
+  }
+  EXPECT_NEAR(r.loss, loss[0], tol::kTttLossRel * std::max(1.0, std::abs(loss[0])));
+  double want_len = 1, prod = 1;
+  for (double a : acc_k) want_len += (prod *= a);
+  EXPECT_DOUBLE_EQ(r.accept_len, want_len);
+}
+INSTANTIATE_TEST_SUITE_P(Fixtures, Ttt, ::testing::Values("gqa", "nbr"));
+
+TEST(DraftVocab, KeepsMostFrequentTiesLowPadsLowSorted) {
+  // Hand-checked against SPEC-EAGLE3 section 3: counts over ids 0..7.
+  const std::vector<int64_t> counts{0, 5, 2, 5, 0, 9, 2, 0};
+  // Vd = 4: 5 (9), 1 and 3 (5 each), then 2 (2, lower id than 6); sorted -> 1 2 3 5.
+  DraftVocab a = build_draft_vocab(counts, 4);
+  EXPECT_EQ(a.kept, (std::vector<int64_t>{1, 2, 3, 5}));
+  EXPECT_EQ(a.d2t, (std::vector<int64_t>{1, 1, 1, 2}));
+  EXPECT_EQ(a.t2d, (std::vector<uint8_t>{0, 1, 1, 1, 0, 1, 0, 0}));
+  // Vd = 7: the five seen ids, padded with the lowest unused ids 0 and 4.
+  DraftVocab b = build_draft_vocab(counts, 7);
+  EXPECT_EQ(b.kept, (std::vector<int64_t>{0, 1, 2, 3, 4, 5, 6}));
+  EXPECT_THROW(build_draft_vocab(counts, 9), Error);
+  EXPECT_THROW(build_draft_vocab(counts, 0), Error);
+}
+
+}  // namespace

@@ -38,5 +38,10 @@ inline constexpr double kCudaGreedyMargin = 0.5;
 // only the RoPE frequencies differ (fp32 here, as transformers computes them, fp64 there).
 inline constexpr double kTttLogitsRel = 1e-5;
 inline constexpr double kTttLossRel = 1e-6;
+// Hand-written gradients vs autograd (both fp64, fp32 weights): max |diff| / max |grad|.
+inline constexpr double kTttGradRel = 1e-6;
+// vs central differences with a 1e-3 step on fp32 weights: O(h^2) truncation.
+inline constexpr double kTttFiniteDiffAbs = 1e-5;
+inline constexpr double kTttFiniteDiffRel = 1e-3;
 
 }  // namespace talon::tol

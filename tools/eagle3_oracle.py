@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """Test oracle for the EAGLE-3 draft model and training-time test (SPEC-EAGLE3 sections
 2-4), written from the spec in PyTorch, fp64. Writes a fixture of random small weights,
-inputs and the expected outputs (per-step logits, losses, accuracies), which the C++
-tests compare against: tests/fixtures/eagle3/ttt_<name>.safetensors.
+inputs and the expected outputs (per-step logits, losses, accuracies, and autograd's
+gradients of the total loss for every draft weight), which the C++ tests compare
+against: tests/fixtures/eagle3/ttt_<name>.safetensors.
 
   tools/eagle3_oracle.py --out tests/fixtures/eagle3
 
@@ -150,8 +151,16 @@ def main():
             if m[i]:
                 counts[x[i]] += 1
         kept, d2t, t2d = draft_vocab(counts, Vd)
+        for v in W.values():
+            v.requires_grad_(True)
         out, total = ttt(c, W, tgt, x, m, A, hL, kept, t2d)
+        total.backward()
+        grads = {f"grad.{k}": v.grad.detach().clone() for k, v in W.items()}
+        W = {k: v.detach() for k, v in W.items()}
+        out = {k: [t.detach() for t in v] for k, v in out.items()}
+        total = total.detach()
         f = {f"w.{k}": v.float().contiguous() for k, v in W.items()}
+        f.update(grads)  # fp64 gradients of the total loss
         f.update({f"target.{k}": v.float().contiguous() for k, v in tgt.items()})
         f.update({"input_ids": x.to(torch.int32), "loss_mask": m.to(torch.uint8), "aux": A.float(), "hidden": hL.float(),
                   "counts": counts, "kept": kept, "d2t": d2t, "t2d": t2d.to(torch.uint8),

@@ -67,10 +67,52 @@ void rope(double* x, int64_t heads, int64_t hd, int64_t pos, const std::vector<f
   }
 }
 
+// dx[n, k] += sum_o dy[n, o] * w[o, k];  dw[o, k] += sum_n dy[n, o] * x[n, k]
+void linear_backward(Vec* dx, std::vector<double>* dw, const Vec& dy, const Vec& x, const std::vector<float>& w,
+                     int64_t N, int64_t K, int64_t O) {
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t o = 0; o < O; ++o) {
+      const double d = dy[size_t(n * O + o)];
+      if (d == 0) continue;
+      const float* wr = w.data() + o * K;
+      const double* xr = x.data() + n * K;
+      if (dx)
+        for (int64_t k = 0; k < K; ++k) (*dx)[size_t(n * K + k)] += d * double(wr[k]);
+      if (dw)
+        for (int64_t k = 0; k < K; ++k) (*dw)[size_t(o * K + k)] += d * xr[k];
+    }
+}
+
+// out = x * r * w, r = (mean(x^2) + eps)^-1/2: dx += r*w*dout - x * r^3 / C * sum(w*dout*x); dw += dout*x*r
+void rmsnorm_backward(double* dx, std::vector<double>* dw, const double* dout, const double* x, const float* w,
+                      int64_t C, double eps) {
+  double ss = 0, dot = 0;
+  for (int64_t c = 0; c < C; ++c) {
+    ss += x[c] * x[c];
+    dot += double(w[c]) * dout[c] * x[c];
+  }
+  const double r = 1.0 / std::sqrt(ss / double(C) + eps);
+  for (int64_t c = 0; c < C; ++c) {
+    if (dx) dx[c] += r * double(w[c]) * dout[c] - x[c] * r * r * r / double(C) * dot;
+    if (dw) (*dw)[size_t(c)] += dout[c] * x[c] * r;
+  }
+}
+
 }  // namespace
 
+DraftGrads::DraftGrads(const DraftWeights& w)
+    : fc(w.fc.size()), in_ln(w.in_ln.size()), hidden_norm(w.hidden_norm.size()), wq(w.wq.size()), wk(w.wk.size()),
+      wv(w.wv.size()), wo(w.wo.size()), post_ln(w.post_ln.size()), gate(w.gate.size()), up(w.up.size()),
+      down(w.down.size()), norm(w.norm.size()), lm_head(w.lm_head.size()) {}
+
+std::vector<std::pair<const char*, std::vector<double>*>> DraftGrads::named() {
+  return {{"fc", &fc}, {"in_ln", &in_ln}, {"hidden_norm", &hidden_norm}, {"wq", &wq},   {"wk", &wk},
+          {"wv", &wv}, {"wo", &wo},       {"post_ln", &post_ln},         {"gate", &gate}, {"up", &up},
+          {"down", &down}, {"norm", &norm}, {"lm_head", &lm_head}};
+}
+
 TttResult ttt_forward(const DraftConfig& c, const DraftWeights& w, const TargetHead& tgt, const DraftVocab& vocab,
-                      const Sample& s, bool keep_logits) {
+                      const Sample& s, bool keep_logits, DraftGrads* grads) {
   const int64_t T = s.T, H = c.H, I = c.I, nh = c.n_heads, nkv = c.n_kv_heads, hd = c.head_dim, V = c.V, Vd = c.Vd;
   TALON_CHECK(nh > 0 && nkv > 0 && nh % nkv == 0, "draft: {} heads not a multiple of {} kv heads", nh, nkv);
   TALON_CHECK(int64_t(vocab.kept.size()) == Vd && int64_t(vocab.t2d.size()) == V, "draft vocabulary has {} of {} ids",
@@ -111,18 +153,23 @@ TttResult ttt_forward(const DraftConfig& c, const DraftWeights& w, const TargetH
   Vec A(s.aux, s.aux + T * 3 * H), g;
   linear(g, A, w.fc, T, 3 * H, H);
   std::vector<Vec> keys, vals;  // per step: [T, kvd]
+  // What the backward pass needs from each step.
+  struct Saved {
+    Vec e, g, xin, q, att, g1, hm, ga, up, act, g2, fn, dlogits;
+  };
+  std::vector<Saved> saved;
   std::vector<uint8_t> right(static_cast<size_t>(T), 1);
   double prod = 1;
   r.accept_len = 1;
   for (int64_t k = 0; k < K; ++k) {
     // Inputs: token x[t+1+k] (teacher forcing) and the hidden state g.
-    Vec xin(static_cast<size_t>(T * 2 * H)), tmp(static_cast<size_t>(H));
+    Vec xin(static_cast<size_t>(T * 2 * H)), tmp(static_cast<size_t>(H)), E(static_cast<size_t>(T * H));
     for (int64_t t = 0; t < T; ++t) {
       const int64_t tp = t + 1 + k;
       const int32_t tok = tp < T ? s.ids[tp] : 0;
       TALON_CHECK(tok >= 0 && tok < V, "draft: token id {} outside the vocabulary", tok);
-      Vec e(tgt.embed + int64_t(tok) * H, tgt.embed + (int64_t(tok) + 1) * H);
-      rmsnorm(xin.data() + t * 2 * H, e.data(), w.in_ln.data(), H, c.rms_eps);
+      std::copy(tgt.embed + int64_t(tok) * H, tgt.embed + (int64_t(tok) + 1) * H, E.begin() + t * H);
+      rmsnorm(xin.data() + t * 2 * H, E.data() + t * H, w.in_ln.data(), H, c.rms_eps);
       rmsnorm(xin.data() + t * 2 * H + H, g.data() + t * H, w.hidden_norm.data(), H, c.rms_eps);
     }
     Vec q, kk, vv;
@@ -172,11 +219,12 @@ TttResult ttt_forward(const DraftConfig& c, const DraftWeights& w, const TargetH
         g1[size_t(t * H + i)] = (c.norm_before_residual ? tmp[size_t(i)] : g[size_t(t * H + i)]) + o[size_t(t * H + i)];
       rmsnorm(hm.data() + t * H, g1.data() + t * H, w.post_ln.data(), H, c.rms_eps);
     }
-    Vec ga, up, down;
+    Vec ga, up, down, act;
     linear(ga, hm, w.gate, T, H, I);
     linear(up, hm, w.up, T, H, I);
-    for (size_t i = 0; i < ga.size(); ++i) ga[i] = ga[i] / (1.0 + std::exp(-ga[i])) * up[i];
-    linear(down, ga, w.down, T, I, H);
+    act.resize(ga.size());
+    for (size_t i = 0; i < ga.size(); ++i) act[i] = ga[i] / (1.0 + std::exp(-ga[i])) * up[i];
+    linear(down, act, w.down, T, I, H);
     Vec g2(static_cast<size_t>(T * H)), fn(static_cast<size_t>(T * H));
     for (int64_t i = 0; i < T * H; ++i) g2[size_t(i)] = g1[size_t(i)] + down[size_t(i)];
     for (int64_t t = 0; t < T; ++t) rmsnorm(fn.data() + t * H, g2.data() + t * H, w.norm.data(), H, c.rms_eps);
@@ -186,6 +234,7 @@ TttResult ttt_forward(const DraftConfig& c, const DraftWeights& w, const TargetH
     // Loss and metrics over the positions that count at this step.
     double loss = 0;
     int64_t n = 0, hits = 0, cond_n = 0, cond_hits = 0;
+    Vec dlogits(grads ? size_t(T * Vd) : 0, 0.0);  // d(sum of CE) / d logits, scaled below
     for (int64_t t = 0; t < T; ++t) {
       const int64_t tp = t + 1 + k;
       const double* lg = logits.data() + t * Vd;
@@ -200,6 +249,8 @@ TttResult ttt_forward(const DraftConfig& c, const DraftWeights& w, const TargetH
         double ce = 0;
         for (int64_t d = 0; d < Vd; ++d) ce -= P[size_t(tp * Vd + d)] * (lg[d] - lz);
         loss += ce;
+        if (grads)
+          for (int64_t d = 0; d < Vd; ++d) dlogits[size_t(t * Vd + d)] = std::exp(lg[d] - lz) - P[size_t(tp * Vd + d)];
         ++n;
         hits += hit;
         if (right[size_t(t)]) {
@@ -217,7 +268,120 @@ TttResult ttt_forward(const DraftConfig& c, const DraftWeights& w, const TargetH
     prod *= r.acc_k.back();
     r.accept_len += prod;
     if (keep_logits) r.logits.emplace_back(logits.begin(), logits.end());
+    if (grads) {
+      const double scale_k = n ? std::pow(c.step_decay, double(k)) / double(n) : 0.0;
+      for (auto& d : dlogits) d *= scale_k;
+      saved.push_back({std::move(E), g, std::move(xin), q, std::move(att), std::move(g1), std::move(hm), std::move(ga),
+                       std::move(up), std::move(act), g2, std::move(fn), std::move(dlogits)});
+    }
     g = std::move(g2);
+  }
+  if (!grads) return r;
+
+  // Backward, last step first. Step k's keys and values receive gradient from the
+  // queries of steps k..K-1, all processed before step k itself.
+  DraftGrads& G = *grads;
+  std::vector<Vec> dK(static_cast<size_t>(K), Vec(static_cast<size_t>(T * kvd), 0.0)),
+      dV(static_cast<size_t>(K), Vec(static_cast<size_t>(T * kvd), 0.0));
+  Vec dg_next(static_cast<size_t>(T * H), 0.0);  // gradient into step k's output g2 from step k+1
+  const double scale = 1.0 / std::sqrt(double(hd));
+  for (int64_t k = K - 1; k >= 0; --k) {
+    Saved& S = saved[size_t(k)];
+    // logits = lm_head(norm(g2))
+    Vec dfn(static_cast<size_t>(T * H), 0.0);
+    linear_backward(&dfn, &G.lm_head, S.dlogits, S.fn, w.lm_head, T, H, Vd);
+    Vec dg2 = dg_next;
+    for (int64_t t = 0; t < T; ++t)
+      rmsnorm_backward(dg2.data() + t * H, &G.norm, dfn.data() + t * H, S.g2.data() + t * H, w.norm.data(), H, c.rms_eps);
+    // g2 = g1 + down(silu(gate(hm)) * up(hm)), hm = post_ln(g1)
+    Vec dact(static_cast<size_t>(T * I), 0.0);
+    linear_backward(&dact, &G.down, dg2, S.act, w.down, T, I, H);
+    Vec dga(static_cast<size_t>(T * I)), dup(static_cast<size_t>(T * I));
+    for (size_t i = 0; i < dact.size(); ++i) {
+      const double x = S.ga[i], sg = 1.0 / (1.0 + std::exp(-x)), silu = x * sg;
+      dup[i] = dact[i] * silu;
+      dga[i] = dact[i] * S.up[i] * sg * (1.0 + x * (1.0 - sg));
+    }
+    Vec dhm(static_cast<size_t>(T * H), 0.0);
+    linear_backward(&dhm, &G.gate, dga, S.hm, w.gate, T, H, I);
+    linear_backward(&dhm, &G.up, dup, S.hm, w.up, T, H, I);
+    Vec dg1 = dg2;
+    for (int64_t t = 0; t < T; ++t)
+      rmsnorm_backward(dg1.data() + t * H, &G.post_ln, dhm.data() + t * H, S.g1.data() + t * H, w.post_ln.data(), H,
+                       c.rms_eps);
+    // g1 = r + o_proj(att)
+    Vec datt(static_cast<size_t>(T * qd), 0.0);
+    linear_backward(&datt, &G.wo, dg1, S.att, w.wo, T, qd, H);
+    // Attention (scores recomputed): keys/values of step 0 at positions <= t, step j at t.
+    Vec dq(static_cast<size_t>(T * qd), 0.0);
+    std::vector<double> sc, dp;
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t h = 0; h < nh; ++h) {
+        const int64_t kh = h / grp;
+        const double* qp = S.q.data() + t * qd + h * hd;
+        const double* da = datt.data() + t * qd + h * hd;
+        std::vector<std::pair<int64_t, int64_t>> at;  // (step, position) of each key
+        for (int64_t p = 0; p <= t; ++p) at.push_back({0, p});
+        for (int64_t j = 1; j <= k; ++j) at.push_back({j, t});
+        sc.assign(at.size(), 0.0);
+        dp.assign(at.size(), 0.0);
+        for (size_t i = 0; i < at.size(); ++i) {
+          const double* kp = keys[size_t(at[i].first)].data() + at[i].second * kvd + kh * hd;
+          for (int64_t d = 0; d < hd; ++d) sc[i] += qp[d] * kp[d];
+          sc[i] *= scale;
+        }
+        const double mx = *std::max_element(sc.begin(), sc.end());
+        double z = 0;
+        for (auto& x : sc) z += (x = std::exp(x - mx));
+        double sum_pdp = 0;
+        for (size_t i = 0; i < at.size(); ++i) {
+          sc[i] /= z;
+          const double* vp = vals[size_t(at[i].first)].data() + at[i].second * kvd + kh * hd;
+          double* dvp = dV[size_t(at[i].first)].data() + at[i].second * kvd + kh * hd;
+          for (int64_t d = 0; d < hd; ++d) {
+            dp[i] += da[d] * vp[d];
+            dvp[d] += sc[i] * da[d];
+          }
+          sum_pdp += sc[i] * dp[i];
+        }
+        double* dqp = dq.data() + t * qd + h * hd;
+        for (size_t i = 0; i < at.size(); ++i) {
+          const double ds = sc[i] * (dp[i] - sum_pdp) * scale;
+          const double* kp = keys[size_t(at[i].first)].data() + at[i].second * kvd + kh * hd;
+          double* dkp = dK[size_t(at[i].first)].data() + at[i].second * kvd + kh * hd;
+          for (int64_t d = 0; d < hd; ++d) {
+            dqp[d] += ds * kp[d];
+            dkp[d] += ds * qp[d];
+          }
+        }
+      }
+    // RoPE is a rotation: its backward rotates by the negative angle.
+    Vec& dKk = dK[size_t(k)];
+    for (int64_t t = 0; t < T; ++t) {
+      rope(dq.data() + t * qd, nh, hd, -(t + k), inv);
+      rope(dKk.data() + t * kvd, nkv, hd, -(t + k), inv);
+    }
+    Vec dxin(static_cast<size_t>(T * 2 * H), 0.0);
+    linear_backward(&dxin, &G.wq, dq, S.xin, w.wq, T, 2 * H, qd);
+    linear_backward(&dxin, &G.wk, dKk, S.xin, w.wk, T, 2 * H, kvd);
+    linear_backward(&dxin, &G.wv, dV[size_t(k)], S.xin, w.wv, T, 2 * H, kvd);
+    // xin = [in_ln(e), hidden_norm(g)] (the embedding is frozen); r = g or hidden_norm(g).
+    Vec dg(static_cast<size_t>(T * H), 0.0);
+    for (int64_t t = 0; t < T; ++t) {
+      rmsnorm_backward(nullptr, &G.in_ln, dxin.data() + t * 2 * H, S.e.data() + t * H, w.in_ln.data(), H, c.rms_eps);
+      rmsnorm_backward(dg.data() + t * H, &G.hidden_norm, dxin.data() + t * 2 * H + H, S.g.data() + t * H,
+                       w.hidden_norm.data(), H, c.rms_eps);
+      if (c.norm_before_residual)
+        rmsnorm_backward(dg.data() + t * H, &G.hidden_norm, dg1.data() + t * H, S.g.data() + t * H,
+                         w.hidden_norm.data(), H, c.rms_eps);
+      else
+        for (int64_t i = 0; i < H; ++i) dg[size_t(t * H + i)] += dg1[size_t(t * H + i)];
+    }
+    if (k > 0) {
+      dg_next = std::move(dg);
+    } else {
+      linear_backward(nullptr, &G.fc, dg, A, w.fc, T, 3 * H, H);  // g0 = fc(aux)
+    }
   }
   return r;
 }

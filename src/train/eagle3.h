@@ -69,8 +69,16 @@ struct TttResult {
   std::vector<std::vector<float>> logits;  // [K][T, Vd] when requested
 };
 
-// Forward of all K steps over one sample, loss and metrics.
+// Gradients of the total loss, same layout as DraftWeights, fp64; accumulated (+=).
+struct DraftGrads {
+  std::vector<double> fc, in_ln, hidden_norm, wq, wk, wv, wo, post_ln, gate, up, down, norm, lm_head;
+  explicit DraftGrads(const DraftWeights& w);
+  std::vector<std::pair<const char*, std::vector<double>*>> named();
+};
+
+// Forward of all K steps over one sample, loss and metrics; with `grads`, also the
+// backward pass (written by hand, op by op) of the total loss into grads.
 TttResult ttt_forward(const DraftConfig& c, const DraftWeights& w, const TargetHead& tgt, const DraftVocab& vocab,
-                      const Sample& s, bool keep_logits = false);
+                      const Sample& s, bool keep_logits = false, DraftGrads* grads = nullptr);
 
 }  // namespace talon::eagle3

@@ -76,7 +76,40 @@ TEST_P(Ttt, MatchesTorchOracle) {
   const auto aux = read<float>(f, "aux"), hid = read<float>(f, "hidden");
   Sample s{ids.data(), mask.data(), aux.data(), hid.data(), T};
 
-  const TttResult r = ttt_forward(c, w, tg, dv, s, true);
+  DraftGrads grads(w);
+  const TttResult r = ttt_forward(c, w, tg, dv, s, true, &grads);
+  // Hand-written backward vs autograd, every weight.
+  for (auto& [name, g] : grads.named()) {
+    const auto want = read<double>(f, std::string("grad.") + name);
+    ASSERT_EQ(want.size(), g->size()) << name;
+    double md = 0, mw = 0;
+    for (size_t i = 0; i < want.size(); ++i) {
+      md = std::max(md, std::abs((*g)[i] - want[i]));
+      mw = std::max(mw, std::abs(want[i]));
+    }
+    EXPECT_LE(md / std::max(mw, 1e-12), tol::kTttGradRel) << "grad of " << name << " (max |grad| " << mw << ")";
+  }
+  // And against central finite differences of the loss itself, a few entries per weight.
+  for (auto& [name, g] : grads.named()) {
+    std::vector<float>* wt = nullptr;
+    for (auto& [n2, p] : std::vector<std::pair<std::string, std::vector<float>*>>{
+             {"fc", &w.fc}, {"in_ln", &w.in_ln}, {"hidden_norm", &w.hidden_norm}, {"wq", &w.wq}, {"wk", &w.wk},
+             {"wv", &w.wv}, {"wo", &w.wo}, {"post_ln", &w.post_ln}, {"gate", &w.gate}, {"up", &w.up},
+             {"down", &w.down}, {"norm", &w.norm}, {"lm_head", &w.lm_head}})
+      if (n2 == name) wt = p;
+    ASSERT_NE(wt, nullptr);
+    for (size_t i = 0; i < wt->size(); i += std::max<size_t>(1, wt->size() / 5)) {
+      const float orig = (*wt)[i];
+      const float hi = orig + 1e-3f, lo = orig - 1e-3f;
+      (*wt)[i] = hi;
+      const double lp = ttt_forward(c, w, tg, dv, s).loss;
+      (*wt)[i] = lo;
+      const double lm = ttt_forward(c, w, tg, dv, s).loss;
+      (*wt)[i] = orig;
+      const double fd = (lp - lm) / (double(hi) - double(lo));
+      EXPECT_NEAR((*g)[i], fd, tol::kTttFiniteDiffAbs + tol::kTttFiniteDiffRel * std::abs(fd)) << name << "[" << i << "]";
+    }
+  }
   const auto loss_k = read<double>(f, "loss_k"), acc_k = read<double>(f, "acc_k"), cond = read<double>(f, "cond_acc_k"),
              n_k = read<double>(f, "n_k"), loss = read<double>(f, "loss");
   const auto logits = read<float>(f, "logits");

@@ -119,6 +119,38 @@ def ttt(c, W, tgt, x, m, A, hL, kept, t2d):
     return out, total
 
 
+NORMS = ("in_ln", "hidden_norm", "post_ln", "norm")
+TRAIN = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01, warmup=3, total=20, min_lr_ratio=0.1, clip=0.5)
+
+
+def lr_lambda(s):
+    import math
+    w, n, lo = TRAIN["warmup"], TRAIN["total"], TRAIN["min_lr_ratio"]
+    if s < w:
+        return (s + 1) / w
+    p = min(1.0, (s - w) / (n - w))
+    return lo + (1 - lo) * 0.5 * (1 + math.cos(math.pi * p))
+
+
+def train_curve(c, W, tgt, x, m, A, hL, kept, t2d):
+    """TRAIN["total"] AdamW steps (fp32 master weights, fp64 compute) on one sample."""
+    params = {k: torch.nn.Parameter(v.detach().float().clone()) for k, v in W.items()}
+    groups = [{"params": [p for k, p in params.items() if k not in NORMS], "weight_decay": TRAIN["weight_decay"]},
+              {"params": [p for k, p in params.items() if k in NORMS], "weight_decay": 0.0}]
+    opt = torch.optim.AdamW(groups, lr=TRAIN["lr"], betas=TRAIN["betas"], eps=TRAIN["eps"], foreach=False)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
+    losses, norms = [], []
+    for _ in range(TRAIN["total"]):
+        opt.zero_grad()
+        _, total = ttt(c, {k: p.double() for k, p in params.items()}, tgt, x, m, A, hL, kept, t2d)
+        total.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(list(params.values()), TRAIN["clip"])))
+        losses.append(float(total.detach()))
+        opt.step()
+        sched.step()
+    return torch.tensor(losses), torch.tensor(norms), {k: p.detach().clone() for k, p in params.items()}
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -167,7 +199,13 @@ def main():
                   "loss_k": torch.stack(out["loss"]), "acc_k": torch.stack(out["acc"]),
                   "cond_acc_k": torch.stack(out["cond"]), "n_k": torch.stack(out["n"]), "loss": total.reshape(1),
                   "logits": torch.stack(out["logits"]).float()})
+        if name == "gqa":
+            cl, cn, final = train_curve(c, W, tgt, x, m, A, hL, kept, t2d)
+            f.update({"train.loss": cl, "train.grad_norm": cn, "train.final.fc": final["fc"],
+                      "train.final.norm": final["norm"]})
+            print(name, "train loss", [round(float(v), 3) for v in cl])
         meta = {k: str(v) for k, v in c.items()}
+        meta.update({f"train.{k}": str(v) for k, v in TRAIN.items()})
         save_file(f, os.path.join(a.out, f"ttt_{name}.safetensors"), metadata=meta)
         print(name, "loss", float(total), "acc", [round(float(v), 3) for v in out["acc"]])
 

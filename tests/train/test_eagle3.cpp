@@ -10,6 +10,7 @@
 #include "tests/test_util.h"
 #include "tests/tolerances.h"
 #include "train/eagle3.h"
+#include "train/optim.h"
 #include "util/error.h"
 
 using namespace talon;
@@ -130,6 +131,116 @@ TEST_P(Ttt, MatchesTorchOracle) {
   EXPECT_DOUBLE_EQ(r.accept_len, want_len);
 }
 INSTANTIATE_TEST_SUITE_P(Fixtures, Ttt, ::testing::Values("gqa", "nbr"));
+
+// 20 AdamW steps (warm-up + cosine, weight decay on matrices, global-norm clipping) on
+// the gqa fixture: the loss curve, gradient norms and final weights match PyTorch's
+// torch.optim.AdamW + LambdaLR + clip_grad_norm_ run by the oracle.
+TEST(TttTraining, LossCurveMatchesTorchAdamW) {
+  st::File f(fs::path(talon::testing::source_dir()) / "tests/fixtures/eagle3/ttt_gqa.safetensors");
+  auto meta = [&](const std::string& k) { return f.metadata().at(k); };
+  DraftConfig c;
+  c.H = std::stoll(meta("H"));
+  c.I = std::stoll(meta("I"));
+  c.n_heads = std::stoll(meta("nh"));
+  c.n_kv_heads = std::stoll(meta("nkv"));
+  c.head_dim = std::stoll(meta("hd"));
+  c.V = std::stoll(meta("V"));
+  c.Vd = std::stoll(meta("Vd"));
+  c.rms_eps = std::stod(meta("eps"));
+  c.rope.theta = std::stod(meta("theta"));
+  c.ttt_steps = std::stoi(meta("K"));
+  c.step_decay = std::stod(meta("decay"));
+  const int64_t T = std::stoll(meta("T"));
+  train::OptimConfig oc;
+  oc.lr = std::stod(meta("train.lr"));
+  oc.weight_decay = std::stod(meta("train.weight_decay"));
+  oc.eps = std::stod(meta("train.eps"));
+  oc.warmup_steps = std::stoll(meta("train.warmup"));
+  oc.total_steps = std::stoll(meta("train.total"));
+  oc.min_lr_ratio = std::stod(meta("train.min_lr_ratio"));
+  oc.clip_norm = std::stod(meta("train.clip"));
+  oc.schedule = "cosine";
+  ASSERT_EQ(meta("train.betas"), "(0.9, 0.95)");
+  const DraftVocab dv = build_draft_vocab(read<int64_t>(f, "counts"), c.Vd);
+  DraftWeights w;
+  std::vector<train::Param> ps;
+  DraftGrads g(w);
+  auto bind = [&](const char* name, std::vector<float>& dst) {
+    dst = read<float>(f, std::string("w.") + name);
+  };
+  bind("fc", w.fc);
+  bind("in_ln", w.in_ln);
+  bind("hidden_norm", w.hidden_norm);
+  bind("wq", w.wq);
+  bind("wk", w.wk);
+  bind("wv", w.wv);
+  bind("wo", w.wo);
+  bind("post_ln", w.post_ln);
+  bind("gate", w.gate);
+  bind("up", w.up);
+  bind("down", w.down);
+  bind("norm", w.norm);
+  bind("lm_head", w.lm_head);
+  g = DraftGrads(w);
+  for (auto& [name, gv] : g.named()) {
+    std::vector<float>* wt = nullptr;
+    const std::string n(name);
+    if (n == "fc") wt = &w.fc;
+    if (n == "in_ln") wt = &w.in_ln;
+    if (n == "hidden_norm") wt = &w.hidden_norm;
+    if (n == "wq") wt = &w.wq;
+    if (n == "wk") wt = &w.wk;
+    if (n == "wv") wt = &w.wv;
+    if (n == "wo") wt = &w.wo;
+    if (n == "post_ln") wt = &w.post_ln;
+    if (n == "gate") wt = &w.gate;
+    if (n == "up") wt = &w.up;
+    if (n == "down") wt = &w.down;
+    if (n == "norm") wt = &w.norm;
+    if (n == "lm_head") wt = &w.lm_head;
+    ps.push_back({name, wt, gv, n.find("norm") == std::string::npos && n.find("_ln") == std::string::npos});
+  }
+  const auto embed = read<float>(f, "target.embed"), fnorm = read<float>(f, "target.final_norm"),
+             head = read<float>(f, "target.lm_head");
+  TargetHead tg{embed.data(), fnorm.data(), head.data(), c.rms_eps};
+  const auto ids = read<int32_t>(f, "input_ids");
+  const auto mask = read<uint8_t>(f, "loss_mask");
+  const auto aux = read<float>(f, "aux"), hid = read<float>(f, "hidden");
+  Sample s{ids.data(), mask.data(), aux.data(), hid.data(), T};
+  const auto want_loss = read<double>(f, "train.loss"), want_norm = read<double>(f, "train.grad_norm");
+  train::AdamW opt(oc);
+  for (int64_t step = 0; step < oc.total_steps; ++step) {
+    for (auto& p : ps) std::fill(p.g->begin(), p.g->end(), 0.0);
+    const double loss = ttt_forward(c, w, tg, dv, s, false, &g).loss;
+    const double norm = train::clip_grad_norm(ps, oc.clip_norm);
+    opt.step(ps);
+    EXPECT_NEAR(loss, want_loss[size_t(step)], tol::kTrainCurveRel * std::abs(want_loss[size_t(step)])) << "step " << step;
+    EXPECT_NEAR(norm, want_norm[size_t(step)], tol::kTrainCurveRel * std::abs(want_norm[size_t(step)])) << "step " << step;
+  }
+  EXPECT_LT(want_loss.back(), 0.5 * want_loss.front());  // the fixture really trains
+  const auto fc = read<float>(f, "train.final.fc"), nm = read<float>(f, "train.final.norm");
+  EXPECT_LE(talon::testing::rel_err(w.fc.data(), fc.data(), fc.size()), tol::kTrainCurveRel);
+  EXPECT_LE(talon::testing::rel_err(w.norm.data(), nm.data(), nm.size()), tol::kTrainCurveRel);
+}
+
+TEST(TttTraining, ScheduleWarmupCosineLinearConstant) {
+  train::OptimConfig c;
+  c.lr = 1.0;
+  c.warmup_steps = 4;
+  c.total_steps = 14;
+  c.min_lr_ratio = 0.0;
+  EXPECT_DOUBLE_EQ(train::lr_at(c, 0), 0.25);  // warm-up: (step + 1) / warmup
+  EXPECT_DOUBLE_EQ(train::lr_at(c, 3), 1.0);
+  EXPECT_NEAR(train::lr_at(c, 9), 0.5, 1e-12);   // half way through the decay: cos(pi/2)
+  EXPECT_NEAR(train::lr_at(c, 14), 0.0, 1e-12);
+  c.schedule = "linear";
+  EXPECT_NEAR(train::lr_at(c, 9), 0.5, 1e-12);
+  EXPECT_NEAR(train::lr_at(c, 6), 0.8, 1e-12);
+  c.schedule = "constant";
+  EXPECT_DOUBLE_EQ(train::lr_at(c, 9), 1.0);
+  c.schedule = "bogus";
+  EXPECT_THROW(train::lr_at(c, 9), Error);
+}
 
 TEST(DraftVocab, KeepsMostFrequentTiesLowPadsLowSorted) {
   // Hand-checked against SPEC-EAGLE3 section 3: counts over ids 0..7.

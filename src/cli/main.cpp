@@ -8,6 +8,7 @@
 #include "cli/commands/template.h"
 #include "cli/commands/tokenize.h"
 #include "data/extract.h"
+#include "train/trainer.h"
 #include "util/error.h"
 #include "util/log.h"
 #include "util/signals.h"
@@ -69,6 +70,30 @@ int main(int argc, char** argv) {
   cmd_stop->add_option("run", stop_dir, "The run's output directory")->required();
   cmd_stop->add_option("--wait", stop_wait, "Seconds to wait for it to finish draining")->capture_default_str();
 
+  train::TrainOptions tr;
+  auto* cmd_tr = app.add_subcommand("train", "Train an EAGLE-3 draft model from an extract dataset (CPU reference)");
+  cmd_tr->add_option("--data", tr.data, "Feature dataset written by `talon extract`")->required();
+  cmd_tr->add_option("--model", tr.model, "The target model the features came from")->required();
+  cmd_tr->add_option("--out", tr.out, "Run directory (checkpoint.safetensors, metrics.jsonl); rerun to resume")->required();
+  cmd_tr->add_option("--draft-vocab", tr.draft_vocab, "Draft vocabulary size (capped at the target's)")->capture_default_str();
+  cmd_tr->add_option("--ttt-steps", tr.ttt_steps, "Training-time-test steps K")->capture_default_str();
+  cmd_tr->add_option("--step-decay", tr.step_decay, "Loss weight decay per TTT step")->capture_default_str();
+  cmd_tr->add_flag("--norm-before-residual", tr.norm_before_residual, "Residual from hidden_norm(g) instead of g");
+  cmd_tr->add_option("--lr", tr.optim.lr, "Peak learning rate")->capture_default_str();
+  cmd_tr->add_option("--warmup-steps", tr.optim.warmup_steps, "Linear warm-up steps")->capture_default_str();
+  cmd_tr->add_option("--schedule", tr.optim.schedule, "cosine | linear | constant")->capture_default_str();
+  cmd_tr->add_option("--min-lr-ratio", tr.optim.min_lr_ratio, "Final lr as a fraction of the peak")->capture_default_str();
+  cmd_tr->add_option("--weight-decay", tr.optim.weight_decay, "AdamW weight decay (matrices only)")->capture_default_str();
+  cmd_tr->add_option("--clip", tr.optim.clip_norm, "Global gradient-norm clip (0: off)")->capture_default_str();
+  cmd_tr->add_option("--batch-samples", tr.batch_samples, "Samples per optimizer step")->capture_default_str();
+  cmd_tr->add_option("--max-length", tr.max_length, "Truncate samples to this many tokens")->capture_default_str();
+  cmd_tr->add_option("--epochs", tr.epochs, "Passes over the data")->capture_default_str();
+  cmd_tr->add_option("--max-steps", tr.max_steps, "Stop after this many optimizer steps (0: epochs decide)");
+  cmd_tr->add_option("--save-every", tr.save_every, "Checkpoint every N optimizer steps")->capture_default_str();
+  cmd_tr->add_option("--seed", tr.seed, "Seed of the initial weights and the sample order")->capture_default_str();
+  cmd_tr->add_option("--threads", tr.threads, "CPU threads (default: all cores)");
+  cmd_tr->add_option("--stop-after-steps", tr.stop_after_steps, "Testing: stop as if interrupted")->group("");
+
   PrepareOptions prep;
   auto* cmd_pr = add_prepare_subcommand(app, prep);
 
@@ -110,6 +135,19 @@ int main(int argc, char** argv) {
     if (*cmd_tk) return run_tokenize(tk_tok, tk_in, tk_out, tk_threads);
     if (*cmd_pr) return run_prepare_command(prep);
     if (*cmd_gpus) return run_gpus();
+    if (*cmd_tr) {
+      auto r = train::run_train(tr);
+      if (r.status == train::TrainStatus::Interrupted) {
+        std::string cmd;
+        for (int i = 0; i < argc; ++i) cmd += (i ? " " : "") + std::string(argv[i]);
+        tlog::warn("stopped by signal at step {} of {}; checkpoint written", r.steps, r.total_steps);
+        std::cerr << "resume with: " << cmd << "\n";
+        return 128 + (stop_signal() ? stop_signal() : 15);
+      }
+      std::cout << fmt::format("train complete: {} steps, last loss {:.4f}\n  output: {}\n", r.steps, r.last_loss,
+                               tr.out.string());
+      return 0;
+    }
     if (*cmd_stop) return run_stop(stop_dir, stop_wait);
   } catch (const Error& e) {
     spdlog::default_logger()->flush();

@@ -35,17 +35,25 @@ namespace {
 
 using Vec = std::vector<double>;
 
-// y[n, o] = sum_k x[n, k] * w[o, k]
+// sum_k x[k] * w[k] with 8 interleaved partial sums combined in a fixed order: the
+// compiler can vectorise it, and the result does not depend on anything but the inputs.
+inline double dot(const double* x, const float* w, int64_t K) {
+  double p[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t k = 0;
+  for (; k + 8 <= K; k += 8)
+    for (int j = 0; j < 8; ++j) p[j] += x[k + j] * double(w[k + j]);
+  double acc = ((p[0] + p[1]) + (p[2] + p[3])) + ((p[4] + p[5]) + (p[6] + p[7]));
+  for (; k < K; ++k) acc += x[k] * double(w[k]);
+  return acc;
+}
+
+// y[n, o] = sum_k x[n, k] * w[o, k]. Threads split rows; each output element has one
+// fixed summation order, so results do not depend on the thread count.
 void linear(Vec& y, const Vec& x, const std::vector<float>& w, int64_t N, int64_t K, int64_t O) {
   y.assign(size_t(N * O), 0.0);
+#pragma omp parallel for schedule(static) if (N * O * K > (1 << 16))
   for (int64_t n = 0; n < N; ++n)
-    for (int64_t o = 0; o < O; ++o) {
-      double acc = 0;
-      const float* wr = w.data() + o * K;
-      const double* xr = x.data() + n * K;
-      for (int64_t k = 0; k < K; ++k) acc += xr[k] * double(wr[k]);
-      y[size_t(n * O + o)] = acc;
-    }
+    for (int64_t o = 0; o < O; ++o) y[size_t(n * O + o)] = dot(x.data() + n * K, w.data() + o * K, K);
 }
 
 void rmsnorm(double* out, const double* x, const float* w, int64_t C, double eps) {
@@ -68,19 +76,32 @@ void rope(double* x, int64_t heads, int64_t hd, int64_t pos, const std::vector<f
 }
 
 // dx[n, k] += sum_o dy[n, o] * w[o, k];  dw[o, k] += sum_n dy[n, o] * x[n, k]
+// (threads split rows of dx, then rows of dw: fixed summation order per element).
 void linear_backward(Vec* dx, std::vector<double>* dw, const Vec& dy, const Vec& x, const std::vector<float>& w,
                      int64_t N, int64_t K, int64_t O) {
-  for (int64_t n = 0; n < N; ++n)
-    for (int64_t o = 0; o < O; ++o) {
-      const double d = dy[size_t(n * O + o)];
-      if (d == 0) continue;
-      const float* wr = w.data() + o * K;
-      const double* xr = x.data() + n * K;
-      if (dx)
-        for (int64_t k = 0; k < K; ++k) (*dx)[size_t(n * K + k)] += d * double(wr[k]);
-      if (dw)
-        for (int64_t k = 0; k < K; ++k) (*dw)[size_t(o * K + k)] += d * xr[k];
-    }
+  const bool par = N * O * K > (1 << 16);
+  if (dx) {
+#pragma omp parallel for schedule(static) if (par)
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t o = 0; o < O; ++o) {
+        const double d = dy[size_t(n * O + o)];
+        if (d == 0) continue;
+        const float* wr = w.data() + o * K;
+        double* xr = dx->data() + n * K;
+        for (int64_t k = 0; k < K; ++k) xr[k] += d * double(wr[k]);
+      }
+  }
+  if (dw) {
+#pragma omp parallel for schedule(static) if (par)
+    for (int64_t o = 0; o < O; ++o)
+      for (int64_t n = 0; n < N; ++n) {
+        const double d = dy[size_t(n * O + o)];
+        if (d == 0) continue;
+        const double* xr = x.data() + n * K;
+        double* wr = dw->data() + o * K;
+        for (int64_t k = 0; k < K; ++k) wr[k] += d * xr[k];
+      }
+  }
 }
 
 // out = x * r * w, r = (mean(x^2) + eps)^-1/2: dx += r*w*dout - x * r^3 / C * sum(w*dout*x); dw += dout*x*r
@@ -126,15 +147,12 @@ TttResult ttt_forward(const DraftConfig& c, const DraftWeights& w, const TargetH
   std::vector<int64_t> tgt_arg(static_cast<size_t>(T));
   std::vector<uint8_t> in_vocab(static_cast<size_t>(T));
   {
-    Vec hn(static_cast<size_t>(H)), full(static_cast<size_t>(V));
+#pragma omp parallel for schedule(static)
     for (int64_t t = 0; t < T; ++t) {
+      Vec hn(static_cast<size_t>(H)), full(static_cast<size_t>(V));
       Vec h(s.hidden + t * H, s.hidden + (t + 1) * H);
       rmsnorm(hn.data(), h.data(), tgt.final_norm, H, tgt.rms_eps);
-      for (int64_t v = 0; v < V; ++v) {
-        double acc = 0;
-        for (int64_t k = 0; k < H; ++k) acc += hn[size_t(k)] * double(tgt.lm_head[v * H + k]);
-        full[size_t(v)] = acc;
-      }
+      for (int64_t v = 0; v < V; ++v) full[size_t(v)] = dot(hn.data(), tgt.lm_head + v * H, H);
       in_vocab[size_t(t)] = vocab.t2d[size_t(std::max_element(full.begin(), full.end()) - full.begin())];
       double mx = -INFINITY;
       for (int64_t d = 0; d < Vd; ++d) mx = std::max(mx, full[size_t(vocab.kept[size_t(d)])]);

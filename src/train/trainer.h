@@ -1,0 +1,45 @@
+// `talon train` (CPU reference): trains an EAGLE-3 draft offline from an `extract`
+// dataset with training-time test, AdamW, periodic checkpoints and exact resume.
+//
+// Determinism: the sample order is a seeded permutation per epoch; every sum has a
+// fixed order (independent of the thread count), so a run resumed from a checkpoint
+// logs the same losses, bit for bit, as one that was never interrupted.
+#pragma once
+#include <cstdint>
+#include <string>
+
+#include "train/optim.h"
+#include "util/file.h"
+
+namespace talon::train {
+
+struct TrainOptions {
+  fs::path data;   // extract output directory
+  fs::path model;  // the target checkpoint (embeddings, final norm, lm_head)
+  fs::path out;    // run directory: checkpoint.safetensors, metrics.jsonl
+  int64_t draft_vocab = 32000;  // capped at the target vocabulary
+  int ttt_steps = 7;
+  double step_decay = 0.8;
+  bool norm_before_residual = false;
+  OptimConfig optim;
+  int64_t batch_samples = 1;  // samples per optimizer step (gradients averaged)
+  int64_t max_length = 2048;  // longer samples are truncated
+  int64_t epochs = 1;
+  int64_t max_steps = 0;      // 0: as many as the epochs give
+  int64_t save_every = 100;   // optimizer steps between checkpoints (and at the end)
+  uint64_t seed = 0;
+  int threads = 0;
+  int64_t stop_after_steps = -1;  // test hook: stop as if signalled after this many steps
+};
+
+enum class TrainStatus { Complete, Interrupted };
+
+struct TrainReport {
+  TrainStatus status = TrainStatus::Complete;
+  int64_t steps = 0, total_steps = 0;
+  double last_loss = 0;
+};
+
+TrainReport run_train(const TrainOptions& opt);
+
+}  // namespace talon::train

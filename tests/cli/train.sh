@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# talon train (CPU reference) end to end on SmolLM2 features of the demo chats: metrics
+# are written per step; a run stopped (test hook) or killed with -9 and rerun logs the
+# same losses, bit for bit, as an uninterrupted run; mismatched inputs are refused.
+source "$(dirname "$0")/lib.sh"
+GGUF=${TALON_SMOLLM2_GGUF:-$SRC/.cache/models/SmolLM2-135M-Instruct.Q4_1.gguf}
+[ -f "$GGUF" ] || { echo "missing $GGUF (run scripts/fetch_model.sh)"; exit 1; }
+"$TALON" prepare --model "$GGUF" --data "$SRC/examples/demo_chats.jsonl" --out "$WORK/tok" > /dev/null 2>&1 || bad "prepare"
+"$TALON" extract --model "$GGUF" --data "$WORK/tok" --out "$WORK/feat" > /dev/null 2>&1 && ok "features extracted" || bad "extract"
+base=(--data "$WORK/feat" --model "$GGUF" --draft-vocab 256 --max-length 128 --ttt-steps 3 --max-steps 8 --epochs 2
+      --save-every 2 --lr 1e-3 --warmup-steps 2 --batch-samples 2)
+args=("${base[@]}" --seed 5)
+losses() { python3 -c "import json,sys; print(' '.join(json.loads(l)['loss_exact'] for l in open(sys.argv[1])))" "$1"; }
+
+"$TALON" train "${args[@]}" --out "$WORK/ref" > "$WORK/ref.out" 2> "$WORK/ref.err" && ok "uninterrupted run" || bad "train: $(tail -3 "$WORK/ref.err")"
+python3 - "$WORK/ref/metrics.jsonl" <<'PY' && ok "8 metric lines: finite loss, acc per TTT step, lr schedule, grad norm" || bad "metrics: $(head -2 "$WORK/ref/metrics.jsonl")"
+import json, math, sys
+rows = [json.loads(l) for l in open(sys.argv[1])]
+assert [r["step"] for r in rows] == list(range(8)), rows
+for r in rows:
+    assert math.isfinite(r["loss"]) and len(r["acc"]) == 3 and r["grad_norm"] >= 0 and r["sim_accept_len"] >= 1, r
+assert abs(rows[0]["lr"] - 0.5e-3) < 1e-12 and abs(rows[1]["lr"] - 1e-3) < 1e-12, rows[:2]  # warm-up
+assert any(r["loss"] > 0 for r in rows)
+PY
+ref=$(losses "$WORK/ref/metrics.jsonl")
+
+# Stop at a step boundary (as a signal would), then resume.
+"$TALON" train "${args[@]}" --out "$WORK/hook" --stop-after-steps 3 > /dev/null 2> "$WORK/hook.err"
+rc=$?
+[ $rc -ne 0 ] && grep -q "resume with: .*train" "$WORK/hook.err" && ok "stopped run exits $rc with a resume hint" || bad "stop: rc $rc $(tail -2 "$WORK/hook.err")"
+"$TALON" train "${args[@]}" --out "$WORK/hook" > /dev/null 2> "$WORK/hook2.err"
+grep -q "resuming from .* at step 3 of 8" "$WORK/hook2.err" && ok "resumed at step 3" || bad "$(grep -i resum "$WORK/hook2.err")"
+[ "$(losses "$WORK/hook/metrics.jsonl")" = "$ref" ] && ok "stop + resume: identical losses" || bad "losses differ: $(losses "$WORK/hook/metrics.jsonl") vs $ref"
+
+# kill -9 after the first checkpoint.
+"$TALON" train "${args[@]}" --out "$WORK/k9" > /dev/null 2>&1 &
+pid=$!
+for i in $(seq 1 1200); do [ -f "$WORK/k9/checkpoint.safetensors" ] && break; sleep 0.05; done
+kill -9 $pid 2>/dev/null; wait $pid 2>/dev/null
+n=$(wc -l < "$WORK/k9/metrics.jsonl")
+"$TALON" train "${args[@]}" --out "$WORK/k9" > /dev/null 2>&1
+[ "$(losses "$WORK/k9/metrics.jsonl")" = "$ref" ] && ok "kill -9 (at $n logged steps) + resume: identical losses" \
+  || bad "after kill -9: $(losses "$WORK/k9/metrics.jsonl") vs $ref"
+
+# Refusals.
+"$TALON" train "${base[@]}" --out "$WORK/k9" --seed 6 > /dev/null 2> "$WORK/e1"
+[ $? -ne 0 ] && grep -q "belongs to a different training job (.*seed" "$WORK/e1" && ok "checkpoint of another job refused" || bad "$(cat "$WORK/e1")"
+"$TALON" train --data "$WORK/feat" --model "$SRC/tests/fixtures/golden/llama_gqa" --out "$WORK/x" > /dev/null 2> "$WORK/e2"
+[ $? -ne 0 ] && grep -q "features were extracted from a model with config sha256" "$WORK/e2" && ok "features of another target refused" || bad "$(cat "$WORK/e2")"
+finish

@@ -126,6 +126,16 @@ DraftGrads::DraftGrads(const DraftWeights& w)
       wv(w.wv.size()), wo(w.wo.size()), post_ln(w.post_ln.size()), gate(w.gate.size()), up(w.up.size()),
       down(w.down.size()), norm(w.norm.size()), lm_head(w.lm_head.size()) {}
 
+std::vector<std::pair<const char*, std::vector<float>*>> DraftWeights::named() {
+  return {{"fc", &fc}, {"in_ln", &in_ln}, {"hidden_norm", &hidden_norm}, {"wq", &wq},   {"wk", &wk},
+          {"wv", &wv}, {"wo", &wo},       {"post_ln", &post_ln},         {"gate", &gate}, {"up", &up},
+          {"down", &down}, {"norm", &norm}, {"lm_head", &lm_head}};
+}
+
+bool is_norm_weight(const std::string& name) {
+  return name.find("norm") != std::string::npos || name.find("_ln") != std::string::npos;
+}
+
 std::vector<std::pair<const char*, std::vector<double>*>> DraftGrads::named() {
   return {{"fc", &fc}, {"in_ln", &in_ln}, {"hidden_norm", &hidden_norm}, {"wq", &wq},   {"wk", &wk},
           {"wv", &wv}, {"wo", &wo},       {"post_ln", &post_ln},         {"gate", &gate}, {"up", &up},

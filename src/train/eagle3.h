@@ -9,6 +9,7 @@
 // of positions that count at step k; the total is sum_k decay^k loss_k.
 #pragma once
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "model/config.h"
@@ -42,7 +43,12 @@ struct DraftWeights {
   std::vector<float> gate, up, down;         // [I, H], [I, H], [H, I]
   std::vector<float> norm;                   // [H]
   std::vector<float> lm_head;                // [Vd, H]
+  // Every tensor with its name, in the one order DraftGrads::named() also uses.
+  std::vector<std::pair<const char*, std::vector<float>*>> named();
 };
+
+// RMSNorm weights (no weight decay); the rest are matrices.
+bool is_norm_weight(const std::string& name);
 
 // The frozen parts of the target the draft uses: embeddings, and the final norm and
 // lm_head that turn h[L] into the target distribution.

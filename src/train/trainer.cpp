@@ -15,7 +15,6 @@
 #include "model/checkpoint.h"
 #include "model/dense.h"
 #include "model/model.h"
-#include "train/eagle3.h"
 #include "util/dtype.h"
 #include "util/error.h"
 #include "util/log.h"
@@ -78,13 +77,15 @@ std::vector<float> weight_f32(const WeightRef& w) {
   return out;
 }
 
-std::vector<std::pair<const char*, std::vector<float>*>> named_weights(DraftWeights& w) {
-  return {{"fc", &w.fc}, {"in_ln", &w.in_ln}, {"hidden_norm", &w.hidden_norm}, {"wq", &w.wq},   {"wk", &w.wk},
-          {"wv", &w.wv}, {"wo", &w.wo},       {"post_ln", &w.post_ln},         {"gate", &w.gate}, {"up", &w.up},
-          {"down", &w.down}, {"norm", &w.norm}, {"lm_head", &w.lm_head}};
-}
-
 }  // namespace
+
+std::vector<Param> draft_params(DraftWeights& w, DraftGrads& g) {
+  auto nw = w.named();
+  auto ng = g.named();
+  std::vector<Param> ps;
+  for (size_t i = 0; i < nw.size(); ++i) ps.push_back({nw[i].first, nw[i].second, ng[i].second, !is_norm_weight(nw[i].first)});
+  return ps;
+}
 
 TrainReport run_train(const TrainOptions& opt) {
   if (opt.threads > 0) omp_set_num_threads(opt.threads);
@@ -178,20 +179,12 @@ TrainReport run_train(const TrainOptions& opt) {
     for (auto* v : {&w.in_ln, &w.hidden_norm, &w.post_ln, &w.norm}) v->assign(size_t(H), 1.0f);
   }
   DraftGrads grads(w);
-  std::vector<Param> params;
-  {
-    auto nw = named_weights(w);
-    auto ng = grads.named();
-    for (size_t i = 0; i < nw.size(); ++i) {
-      const std::string n = nw[i].first;
-      params.push_back({nw[i].first, nw[i].second, ng[i].second, n.find("norm") == std::string::npos && n.find("_ln") == std::string::npos});
-    }
-  }
+  const std::vector<Param> params = draft_params(w, grads);
   AdamW adam(oc);
 
   // Identity of the job: a checkpoint from another job is refused.
-  const json job = {{"data_manifest_sha256", sha256_hex(read_text_file(opt.data / kManifestName).data(),
-                                                        read_text_file(opt.data / kManifestName).size())},
+  const std::string man_text = read_text_file(opt.data / kManifestName);
+  const json job = {{"data_manifest_sha256", sha256_hex(man_text.data(), man_text.size())},
                     {"target_config_sha256", tc.hash()},
                     {"draft_vocab", c.Vd},
                     {"ttt_steps", c.ttt_steps},
@@ -220,19 +213,20 @@ TrainReport run_train(const TrainOptions& opt) {
       fail("{}: belongs to a different training job ({}); use another --out", cpath.string(),
            fmt::format("{}", fmt::join(diffs, "; ")));
     step = st.at("step").get<int64_t>();
-    for (auto& [name, v] : named_weights(w)) {
-      const auto& t = f.get(std::string("w.") + name, DType::F32, {int64_t(v->size())});
-      std::memcpy(v->data(), t.data, t.nbytes);
+    for (auto& p : params) {
+      const auto& t = f.get(std::string("w.") + p.name, DType::F32, {int64_t(p.w->size())});
+      std::memcpy(p.w->data(), t.data, t.nbytes);
     }
     adam.set_step_count(step);
     if (step > 0) {
       auto& M = adam.m();
       auto& Vv = adam.v();
-      for (auto& [name, v] : named_weights(w)) {
-        const auto& tm = f.get(std::string("m.") + name, DType::F32, {int64_t(v->size())});
-        const auto& tv = f.get(std::string("v.") + name, DType::F32, {int64_t(v->size())});
-        M.emplace_back(reinterpret_cast<const float*>(tm.data), reinterpret_cast<const float*>(tm.data) + v->size());
-        Vv.emplace_back(reinterpret_cast<const float*>(tv.data), reinterpret_cast<const float*>(tv.data) + v->size());
+      for (auto& p : params) {
+        const size_t n = p.w->size();
+        const auto& tm = f.get(std::string("m.") + p.name, DType::F32, {int64_t(n)});
+        const auto& tv = f.get(std::string("v.") + p.name, DType::F32, {int64_t(n)});
+        M.emplace_back(reinterpret_cast<const float*>(tm.data), reinterpret_cast<const float*>(tm.data) + n);
+        Vv.emplace_back(reinterpret_cast<const float*>(tv.data), reinterpret_cast<const float*>(tv.data) + n);
       }
     }
     // Metrics logged after the checkpoint are recomputed: drop them.
@@ -252,9 +246,9 @@ TrainReport run_train(const TrainOptions& opt) {
 
   auto save = [&] {
     st::Writer wr;
-    for (auto& [name, v] : named_weights(w)) wr.add(std::string("w.") + name, DType::F32, {int64_t(v->size())}, v->data(), v->size() * 4);
+    for (auto& p : params) wr.add(std::string("w.") + p.name, DType::F32, {int64_t(p.w->size())}, p.w->data(), p.w->size() * 4);
     for (size_t i = 0; i < adam.m().size(); ++i) {
-      auto nm = named_weights(w)[i].first;
+      const char* nm = params[i].name;
       wr.add(std::string("m.") + nm, DType::F32, {int64_t(adam.m()[i].size())}, adam.m()[i].data(), adam.m()[i].size() * 4);
       wr.add(std::string("v.") + nm, DType::F32, {int64_t(adam.v()[i].size())}, adam.v()[i].data(), adam.v()[i].size() * 4);
     }

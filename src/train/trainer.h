@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <string>
 
+#include "train/eagle3.h"
 #include "train/optim.h"
 #include "util/file.h"
 
@@ -41,5 +42,9 @@ struct TrainReport {
 };
 
 TrainReport run_train(const TrainOptions& opt);
+
+// The optimizer's view of a draft: each weight with its gradient; weight decay applies
+// to the matrices, not to the RMSNorm weights.
+std::vector<Param> draft_params(eagle3::DraftWeights& w, eagle3::DraftGrads& g);
 
 }  // namespace talon::train

@@ -11,6 +11,7 @@
 #include "tests/tolerances.h"
 #include "train/eagle3.h"
 #include "train/optim.h"
+#include "train/trainer.h"
 #include "util/error.h"
 
 using namespace talon;
@@ -28,25 +29,53 @@ std::vector<T> read(const st::File& f, const std::string& name) {
   return std::vector<T>(p, p + t->numel());
 }
 
+// One oracle fixture: the draft config, weights, target head and sample it was made with.
+struct OracleCase {
+  st::File f;
+  DraftConfig c;
+  int64_t T;
+  DraftWeights w;
+  std::vector<float> embed, fnorm, head, aux, hid;
+  std::vector<int32_t> ids;
+  std::vector<uint8_t> mask;
+
+  explicit OracleCase(const std::string& name)
+      : f(fs::path(talon::testing::source_dir()) / "tests/fixtures/eagle3" / ("ttt_" + name + ".safetensors")) {
+    c.H = std::stoll(meta("H"));
+    c.I = std::stoll(meta("I"));
+    c.n_heads = std::stoll(meta("nh"));
+    c.n_kv_heads = std::stoll(meta("nkv"));
+    c.head_dim = std::stoll(meta("hd"));
+    c.V = std::stoll(meta("V"));
+    c.Vd = std::stoll(meta("Vd"));
+    c.rms_eps = std::stod(meta("eps"));
+    c.rope.theta = std::stod(meta("theta"));
+    c.norm_before_residual = meta("norm_before_residual") == "True";
+    c.ttt_steps = std::stoi(meta("K"));
+    c.step_decay = std::stod(meta("decay"));
+    T = std::stoll(meta("T"));
+    for (auto& [n, v] : w.named()) *v = read<float>(f, std::string("w.") + n);
+    embed = read<float>(f, "target.embed");
+    fnorm = read<float>(f, "target.final_norm");
+    head = read<float>(f, "target.lm_head");
+    ids = read<int32_t>(f, "input_ids");
+    mask = read<uint8_t>(f, "loss_mask");
+    aux = read<float>(f, "aux");
+    hid = read<float>(f, "hidden");
+  }
+  const std::string& meta(const std::string& k) const { return f.metadata().at(k); }
+  TargetHead target() const { return {embed.data(), fnorm.data(), head.data(), c.rms_eps}; }
+  Sample sample() const { return {ids.data(), mask.data(), aux.data(), hid.data(), T}; }
+};
+
 class Ttt : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(Ttt, MatchesTorchOracle) {
-  st::File f(fs::path(talon::testing::source_dir()) / "tests/fixtures/eagle3" / ("ttt_" + GetParam() + ".safetensors"));
-  auto meta = [&](const std::string& k) { return f.metadata().at(k); };
-  DraftConfig c;
-  c.H = std::stoll(meta("H"));
-  c.I = std::stoll(meta("I"));
-  c.n_heads = std::stoll(meta("nh"));
-  c.n_kv_heads = std::stoll(meta("nkv"));
-  c.head_dim = std::stoll(meta("hd"));
-  c.V = std::stoll(meta("V"));
-  c.Vd = std::stoll(meta("Vd"));
-  c.rms_eps = std::stod(meta("eps"));
-  c.rope.theta = std::stod(meta("theta"));
-  c.norm_before_residual = meta("norm_before_residual") == "True";
-  c.ttt_steps = std::stoi(meta("K"));
-  c.step_decay = std::stod(meta("decay"));
-  const int64_t T = std::stoll(meta("T"));
+  OracleCase oc(GetParam());
+  const st::File& f = oc.f;
+  const DraftConfig& c = oc.c;
+  const int64_t T = oc.T;
+  DraftWeights& w = oc.w;
 
   // Draft vocabulary from the loss-masked counts.
   const auto counts = read<int64_t>(f, "counts");
@@ -55,28 +84,8 @@ TEST_P(Ttt, MatchesTorchOracle) {
   EXPECT_EQ(dv.d2t, read<int64_t>(f, "d2t"));
   EXPECT_EQ(dv.t2d, read<uint8_t>(f, "t2d"));
 
-  DraftWeights w;
-  w.fc = read<float>(f, "w.fc");
-  w.in_ln = read<float>(f, "w.in_ln");
-  w.hidden_norm = read<float>(f, "w.hidden_norm");
-  w.wq = read<float>(f, "w.wq");
-  w.wk = read<float>(f, "w.wk");
-  w.wv = read<float>(f, "w.wv");
-  w.wo = read<float>(f, "w.wo");
-  w.post_ln = read<float>(f, "w.post_ln");
-  w.gate = read<float>(f, "w.gate");
-  w.up = read<float>(f, "w.up");
-  w.down = read<float>(f, "w.down");
-  w.norm = read<float>(f, "w.norm");
-  w.lm_head = read<float>(f, "w.lm_head");
-  const auto embed = read<float>(f, "target.embed"), fnorm = read<float>(f, "target.final_norm"),
-             head = read<float>(f, "target.lm_head");
-  TargetHead tg{embed.data(), fnorm.data(), head.data(), c.rms_eps};
-  const auto ids = read<int32_t>(f, "input_ids");
-  const auto mask = read<uint8_t>(f, "loss_mask");
-  const auto aux = read<float>(f, "aux"), hid = read<float>(f, "hidden");
-  Sample s{ids.data(), mask.data(), aux.data(), hid.data(), T};
-
+  const TargetHead tg = oc.target();
+  const Sample s = oc.sample();
   DraftGrads grads(w);
   const TttResult r = ttt_forward(c, w, tg, dv, s, true, &grads);
   // Hand-written backward vs autograd, every weight.
@@ -91,14 +100,10 @@ TEST_P(Ttt, MatchesTorchOracle) {
     EXPECT_LE(md / std::max(mw, 1e-12), tol::kTttGradRel) << "grad of " << name << " (max |grad| " << mw << ")";
   }
   // And against central finite differences of the loss itself, a few entries per weight.
-  for (auto& [name, g] : grads.named()) {
-    std::vector<float>* wt = nullptr;
-    for (auto& [n2, p] : std::vector<std::pair<std::string, std::vector<float>*>>{
-             {"fc", &w.fc}, {"in_ln", &w.in_ln}, {"hidden_norm", &w.hidden_norm}, {"wq", &w.wq}, {"wk", &w.wk},
-             {"wv", &w.wv}, {"wo", &w.wo}, {"post_ln", &w.post_ln}, {"gate", &w.gate}, {"up", &w.up},
-             {"down", &w.down}, {"norm", &w.norm}, {"lm_head", &w.lm_head}})
-      if (n2 == name) wt = p;
-    ASSERT_NE(wt, nullptr);
+  for (const train::Param& p : train::draft_params(w, grads)) {
+    std::vector<float>* wt = p.w;
+    const char* name = p.name;
+    const std::vector<double>* g = p.g;
     for (size_t i = 0; i < wt->size(); i += std::max<size_t>(1, wt->size() / 5)) {
       const float orig = (*wt)[i];
       const float hi = orig + 1e-3f, lo = orig - 1e-3f;
@@ -136,21 +141,10 @@ INSTANTIATE_TEST_SUITE_P(Fixtures, Ttt, ::testing::Values("gqa", "nbr"));
 // the gqa fixture: the loss curve, gradient norms and final weights match PyTorch's
 // torch.optim.AdamW + LambdaLR + clip_grad_norm_ run by the oracle.
 TEST(TttTraining, LossCurveMatchesTorchAdamW) {
-  st::File f(fs::path(talon::testing::source_dir()) / "tests/fixtures/eagle3/ttt_gqa.safetensors");
-  auto meta = [&](const std::string& k) { return f.metadata().at(k); };
-  DraftConfig c;
-  c.H = std::stoll(meta("H"));
-  c.I = std::stoll(meta("I"));
-  c.n_heads = std::stoll(meta("nh"));
-  c.n_kv_heads = std::stoll(meta("nkv"));
-  c.head_dim = std::stoll(meta("hd"));
-  c.V = std::stoll(meta("V"));
-  c.Vd = std::stoll(meta("Vd"));
-  c.rms_eps = std::stod(meta("eps"));
-  c.rope.theta = std::stod(meta("theta"));
-  c.ttt_steps = std::stoi(meta("K"));
-  c.step_decay = std::stod(meta("decay"));
-  const int64_t T = std::stoll(meta("T"));
+  OracleCase fx("gqa");
+  const st::File& f = fx.f;
+  const DraftConfig& c = fx.c;
+  auto meta = [&](const std::string& k) { return fx.meta(k); };
   train::OptimConfig oc;
   oc.lr = std::stod(meta("train.lr"));
   oc.weight_decay = std::stod(meta("train.weight_decay"));
@@ -162,51 +156,11 @@ TEST(TttTraining, LossCurveMatchesTorchAdamW) {
   oc.schedule = "cosine";
   ASSERT_EQ(meta("train.betas"), "(0.9, 0.95)");
   const DraftVocab dv = build_draft_vocab(read<int64_t>(f, "counts"), c.Vd);
-  DraftWeights w;
-  std::vector<train::Param> ps;
+  DraftWeights& w = fx.w;
   DraftGrads g(w);
-  auto bind = [&](const char* name, std::vector<float>& dst) {
-    dst = read<float>(f, std::string("w.") + name);
-  };
-  bind("fc", w.fc);
-  bind("in_ln", w.in_ln);
-  bind("hidden_norm", w.hidden_norm);
-  bind("wq", w.wq);
-  bind("wk", w.wk);
-  bind("wv", w.wv);
-  bind("wo", w.wo);
-  bind("post_ln", w.post_ln);
-  bind("gate", w.gate);
-  bind("up", w.up);
-  bind("down", w.down);
-  bind("norm", w.norm);
-  bind("lm_head", w.lm_head);
-  g = DraftGrads(w);
-  for (auto& [name, gv] : g.named()) {
-    std::vector<float>* wt = nullptr;
-    const std::string n(name);
-    if (n == "fc") wt = &w.fc;
-    if (n == "in_ln") wt = &w.in_ln;
-    if (n == "hidden_norm") wt = &w.hidden_norm;
-    if (n == "wq") wt = &w.wq;
-    if (n == "wk") wt = &w.wk;
-    if (n == "wv") wt = &w.wv;
-    if (n == "wo") wt = &w.wo;
-    if (n == "post_ln") wt = &w.post_ln;
-    if (n == "gate") wt = &w.gate;
-    if (n == "up") wt = &w.up;
-    if (n == "down") wt = &w.down;
-    if (n == "norm") wt = &w.norm;
-    if (n == "lm_head") wt = &w.lm_head;
-    ps.push_back({name, wt, gv, n.find("norm") == std::string::npos && n.find("_ln") == std::string::npos});
-  }
-  const auto embed = read<float>(f, "target.embed"), fnorm = read<float>(f, "target.final_norm"),
-             head = read<float>(f, "target.lm_head");
-  TargetHead tg{embed.data(), fnorm.data(), head.data(), c.rms_eps};
-  const auto ids = read<int32_t>(f, "input_ids");
-  const auto mask = read<uint8_t>(f, "loss_mask");
-  const auto aux = read<float>(f, "aux"), hid = read<float>(f, "hidden");
-  Sample s{ids.data(), mask.data(), aux.data(), hid.data(), T};
+  const std::vector<train::Param> ps = train::draft_params(w, g);
+  const TargetHead tg = fx.target();
+  const Sample s = fx.sample();
   const auto want_loss = read<double>(f, "train.loss"), want_norm = read<double>(f, "train.grad_norm");
   train::AdamW opt(oc);
   for (int64_t step = 0; step < oc.total_steps; ++step) {

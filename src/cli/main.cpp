@@ -15,6 +15,17 @@
 
 using namespace talon;
 
+namespace {
+// After a graceful stop: print the command that resumes the run; the exit status says
+// which signal stopped it (SIGTERM when it was the test hook).
+int resume_hint(int argc, char** argv) {
+  std::string cmd;
+  for (int i = 0; i < argc; ++i) cmd += (i ? " " : "") + std::string(argv[i]);
+  std::cerr << "resume with: " << cmd << "\n";
+  return 128 + (stop_signal() ? stop_signal() : 15);
+}
+}  // namespace
+
 int main(int argc, char** argv) {
   CLI::App app{"talon: EAGLE-3 draft-model toolkit"};
   app.require_subcommand(1);
@@ -109,11 +120,8 @@ int main(int argc, char** argv) {
     if (*cmd_ex) {
       ExtractReport r = run_extract(ex);
       if (r.status == ExtractStatus::Interrupted) {
-        std::string cmd;
-        for (int i = 0; i < argc; ++i) cmd += (i ? " " : "") + std::string(argv[i]);
         tlog::warn("stopped by signal after {} finished shards; finished work is on disk", r.shards);
-        std::cerr << "resume with: " << cmd << "\n";
-        return 128 + (stop_signal() ? stop_signal() : 15);
+        return resume_hint(argc, argv);
       }
       if (r.status == ExtractStatus::RankDone) {
         std::cout << fmt::format("extract: this rank's work is written ({} shards, {} tokens); rank 0 writes the "
@@ -138,11 +146,8 @@ int main(int argc, char** argv) {
     if (*cmd_tr) {
       auto r = train::run_train(tr);
       if (r.status == train::TrainStatus::Interrupted) {
-        std::string cmd;
-        for (int i = 0; i < argc; ++i) cmd += (i ? " " : "") + std::string(argv[i]);
         tlog::warn("stopped by signal at step {} of {}; checkpoint written", r.steps, r.total_steps);
-        std::cerr << "resume with: " << cmd << "\n";
-        return 128 + (stop_signal() ? stop_signal() : 15);
+        return resume_hint(argc, argv);
       }
       std::cout << fmt::format("train complete: {} steps, last loss {:.4f}\n  output: {}\n", r.steps, r.last_loss,
                                tr.out.string());

@@ -322,7 +322,9 @@ ExtractReport run_extract(const ExtractOptions& opt) {
       done[int64_t(i)] = s;
     }
   }
-  auto read_progress = [&](std::map<int64_t, json>& into) {
+  // Valid records of every rank's progress file go into `into`; those of this rank's
+  // own file also into `mine` when given.
+  auto read_progress = [&](std::map<int64_t, json>& into, json* mine) {
     for (auto& e : fs::directory_iterator(opt.out)) {
       const std::string n = e.path().filename().string();
       if (n.rfind("progress.rank-", 0) != 0 || e.path().extension() != ".json" || n.find(".tmp-") != std::string::npos)
@@ -341,21 +343,15 @@ ExtractReport run_extract(const ExtractOptions& opt) {
         const fs::path p = opt.out / shard_file_name(i);
         if (r.value("file", "") == shard_file_name(i) && r.value("samples", int64_t(-1)) == plan[size_t(i)].count &&
             r.contains("bytes") && r["bytes"].is_number_integer() && fs::exists(p, ec) &&
-            int64_t(fs::file_size(p, ec)) == r["bytes"].get<int64_t>())
+            int64_t(fs::file_size(p, ec)) == r["bytes"].get<int64_t>()) {
           into.emplace(i, r);
+          if (mine && e.path().filename() == my_progress.filename()) mine->push_back(r);
+        }
       }
     }
   };
-  read_progress(done);
   json my_records = json::array();  // this rank's progress file content
-  if (multi && fs::exists(my_progress)) {
-    json j = json::parse(read_text_file(my_progress), nullptr, false);
-    if (j.is_object() && j.contains("shards") && j["shards"].is_array())
-      for (auto& r : j["shards"])
-        if (r.is_object() && r.contains("first_sample") && index_of_first.count(r.value("first_sample", int64_t(-1))) &&
-            done.count(index_of_first[r.value("first_sample", int64_t(-1))]))
-          my_records.push_back(r);
-  }
+  read_progress(done, multi ? &my_records : nullptr);
   rep.aux_layers = aux;
   rep.final_layer = int(L);
   rep.manifest = mpath;
@@ -743,7 +739,7 @@ ExtractReport run_extract(const ExtractOptions& opt) {
     double last_note = -1;
     for (;;) {
       std::map<int64_t, json> all = done;
-      read_progress(all);
+      read_progress(all, nullptr);
       if (all.size() == plan.size()) {
         done = std::move(all);
         break;

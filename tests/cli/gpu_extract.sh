@@ -59,11 +59,7 @@ if [ "$NGPU" -ge 2 ]; then
 else echo "skip - data parallel (1 GPU)"; fi
 "$TALON" --log-level debug extract "${args[@]}" --device cuda:0 --out "$WORK/int" > /dev/null 2> "$WORK/int.err" &
 pid=$!
-for i in $(seq 1 1200); do
-  n=$(grep -c '"sha256"' "$WORK/int/manifest.json" 2>/dev/null || true)
-  [ "${n:-0}" -ge 1 ] && break
-  sleep 0.02
-done
+wait_recorded "$WORK/int/manifest.json" 1 1200 0.02
 "$TALON" gpus > "$WORK/gpus.out" 2>&1
 grep -qE "pid +$pid +[0-9]+ MiB +talon extract" "$WORK/gpus.out" && ok "talon gpus shows pid $pid holding GPU memory" \
   || echo "note - talon gpus did not attribute memory (container PID namespace?): $(cat "$WORK/gpus.out")"

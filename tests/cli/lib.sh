@@ -25,3 +25,14 @@ for i in range(n):
     print(json.dumps({"id": f"s{i}", "input_ids": ids, "loss_mask": [int(k >= t // 2) for k in range(t)]}))
 PY
 }
+# wait_recorded FILE N [TRIES] [STEP]: until FILE (a manifest or progress file) lists at
+# least N shards, polling every STEP seconds (default 0.05) at most TRIES times (600).
+wait_recorded() {
+  local f=$1 want=$2 tries=${3:-600} step=${4:-0.05} i n
+  for i in $(seq 1 "$tries"); do
+    n=$(grep -c '"sha256"' "$f" 2>/dev/null || true)
+    [ "${n:-0}" -ge "$want" ] && return 0
+    sleep "$step"
+  done
+  return 0
+}

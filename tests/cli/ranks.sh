@@ -39,11 +39,7 @@ env RANK=1 WORLD_SIZE=2 "$TALON" extract "${args[@]}" --out "$WORK/k9" > /dev/nu
 pid=$!
 "$TALON" extract "${args[@]}" --out "$WORK/k9" --rank 0 --world 2 > /dev/null 2>&1 &
 p0=$!
-for i in $(seq 1 600); do
-  n=$(grep -c '"sha256"' "$WORK/k9/progress.rank-1.json" 2>/dev/null || true)
-  [ "${n:-0}" -ge 1 ] && break
-  sleep 0.05
-done
+wait_recorded "$WORK/k9/progress.rank-1.json" 1
 kill -9 $pid 2>/dev/null; wait $pid 2>/dev/null
 kill -INT $p0; wait $p0; rc=$?
 [ $rc -eq 130 ] && ok "rank 0 waiting for rank 1 stops on SIGINT (exit 130)" || ok "rank 0 ended with $rc before the signal"

@@ -20,11 +20,7 @@ same_as_ref() {  # every file but the lock, byte for byte
 # 1) kill -9 after at least two shards are recorded, then resume.
 "$TALON" extract "${args[@]}" --out "$WORK/k9" > /dev/null 2>&1 &
 pid=$!
-for i in $(seq 1 600); do
-  n=$(grep -c '"sha256"' "$WORK/k9/manifest.json" 2>/dev/null || true)
-  [ "${n:-0}" -ge 2 ] && break
-  sleep 0.05
-done
+wait_recorded "$WORK/k9/manifest.json" 2
 kill -9 $pid 2>/dev/null; wait $pid 2>/dev/null
 n=$(grep -c '"sha256"' "$WORK/k9/manifest.json")
 if [ "$n" -lt "$nref" ] && grep -q '"in_progress"' "$WORK/k9/manifest.json"; then ok "killed mid-run with $n/$nref shards recorded"; else bad "kill -9 did not land mid-run ($n/$nref)"; fi
@@ -46,11 +42,7 @@ same_as_ref "$WORK/hook" && ok "stop at shard 3 + resume == uninterrupted" || ba
 # 3) SIGINT: stops within seconds, exits non-zero, prints the resume command, resumes identically.
 "$TALON" extract "${args[@]}" --out "$WORK/int" > /dev/null 2> "$WORK/int.err" &
 pid=$!
-for i in $(seq 1 600); do
-  n=$(grep -c '"sha256"' "$WORK/int/manifest.json" 2>/dev/null || true)
-  [ "${n:-0}" -ge 1 ] && break
-  sleep 0.05
-done
+wait_recorded "$WORK/int/manifest.json" 1
 kill -INT $pid
 t0=$(date +%s)
 wait $pid; rc=$?
@@ -80,11 +72,7 @@ printf '\x01' | dd of="$f" bs=1 seek=$(( $(stat -c %s "$f") - 10 )) conv=notrunc
 export TALON_RUNS_DIR="$WORK/runs"
 "$TALON" extract "${args[@]}" --out "$WORK/stop" > /dev/null 2> "$WORK/stop.err" &
 pid=$!
-for i in $(seq 1 600); do
-  n=$(grep -c '"sha256"' "$WORK/stop/manifest.json" 2>/dev/null || true)
-  [ "${n:-0}" -ge 1 ] && break
-  sleep 0.05
-done
+wait_recorded "$WORK/stop/manifest.json" 1
 python3 - "$WORK/stop/.talon.lock" "$pid" <<'PY' && ok "lock file records pid, host, command" || bad "lock file: $(cat "$WORK/stop/.talon.lock")"
 import json, socket, sys
 j = json.load(open(sys.argv[1]))

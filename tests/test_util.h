@@ -1,11 +1,13 @@
 #pragma once
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <string>
 #include <vector>
 
 #include "io/safetensors.h"
 #include "util/dtype.h"
+#include "util/error.h"
 
 namespace talon::testing {
 
@@ -34,6 +36,16 @@ inline double rel_err(const float* a, const float* b, size_t n) {
     den = std::max(den, double(std::fabs(b[i])));
   }
   return num / den;
+}
+
+// The message of the talon::Error that fn throws, or "(no error)".
+inline std::string error_of(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const talon::Error& e) {
+    return e.what();
+  }
+  return "(no error)";
 }
 
 }  // namespace talon::testing

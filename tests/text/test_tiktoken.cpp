@@ -18,17 +18,10 @@ namespace fs = std::filesystem;
 
 namespace {
 
+using talon::testing::error_of;
+
 std::string llama3_model() {
   return talon::testing::source_dir() + "/../shared/data/tokenizers/files/llama3_tiktoken/tokenizer.model";
-}
-
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const talon::Error& e) {
-    return e.what();
-  }
-  return "(no error)";
 }
 
 fs::path write_temp(const std::string& name, const std::string& content) {

@@ -18,6 +18,8 @@ using talon::text::Tokenizer;
 
 namespace {
 
+using talon::testing::error_of;
+
 std::string fixture(const std::string& name) {
   return talon::testing::source_dir() + "/tests/fixtures/tokenizers/" + name;
 }
@@ -25,15 +27,6 @@ std::string fixture(const std::string& name) {
 nlohmann::json load_json(const std::string& path) {
   std::ifstream f(path);
   return nlohmann::json::parse(f);
-}
-
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const talon::Error& e) {
-    return e.what();
-  }
-  return "(no error)";
 }
 
 std::string from_hex(const std::string& h) {

@@ -47,4 +47,16 @@ inline constexpr double kTttFiniteDiffRel = 1e-3;
 // a different operation order; the loss curves agree to float rounding.
 inline constexpr double kTrainCurveRel = 1e-4;
 
+// GPU draft trainer (fp32 storage and accumulation, fp32 exp/rsqrt, cuBLAS fp32) vs the
+// fp64 CPU reference on the same weights and packed samples.
+inline constexpr double kGpuTttLossRel = 1e-5;
+inline constexpr double kGpuTttGradRel = 1e-4;  // max |diff| / max |grad| per tensor
+// After 5 AdamW steps: Adam divides by sqrt(v), so an element whose gradient is near zero
+// moves by up to lr on rounding noise alone; require that at most this fraction of
+// weights differ by more than 1% of lr.
+inline constexpr double kGpuTttWeightOffFraction = 1e-2;
+// bf16 tensor-core products: inputs rounded to 2^-9, through K steps of the draft.
+inline constexpr double kGpuTttBf16LossRel = 2e-2;
+inline constexpr double kGpuTttBf16GradRel = 5e-2;
+
 }  // namespace talon::tol

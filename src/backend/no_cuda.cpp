@@ -1,5 +1,6 @@
 // Linked when the build has no CUDA compiler.
 #include "model/model.h"
+#include "train/draft_gpu.h"
 #include "util/error.h"
 
 namespace talon {
@@ -12,3 +13,10 @@ std::unique_ptr<Model> make_cuda_model(const Checkpoint&, const GpuOptions&) {
 }
 std::vector<GpuInfo> list_gpus() { return {}; }
 }  // namespace talon
+
+namespace talon::eagle3 {
+std::unique_ptr<GpuDraftTrainer> make_gpu_draft_trainer(const DraftConfig&, const TargetHead&, const DraftVocab&, int,
+                                                        GpuMath, int64_t) {
+  fail("this build has no CUDA backend (nvcc was not found when it was configured): train with --device cpu");
+}
+}  // namespace talon::eagle3

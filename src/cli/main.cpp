@@ -82,7 +82,7 @@ int main(int argc, char** argv) {
   cmd_stop->add_option("--wait", stop_wait, "Seconds to wait for it to finish draining")->capture_default_str();
 
   train::TrainOptions tr;
-  auto* cmd_tr = app.add_subcommand("train", "Train an EAGLE-3 draft model from an extract dataset (CPU reference)");
+  auto* cmd_tr = app.add_subcommand("train", "Train an EAGLE-3 draft model from an extract dataset (CPU or one GPU)");
   cmd_tr->add_option("--data", tr.data, "Feature dataset written by `talon extract`")->required();
   cmd_tr->add_option("--model", tr.model, "The target model the features came from")->required();
   cmd_tr->add_option("--out", tr.out, "Run directory (checkpoint.safetensors, metrics.jsonl); rerun to resume")->required();
@@ -103,6 +103,16 @@ int main(int argc, char** argv) {
   cmd_tr->add_option("--save-every", tr.save_every, "Checkpoint every N optimizer steps")->capture_default_str();
   cmd_tr->add_option("--seed", tr.seed, "Seed of the initial weights and the sample order")->capture_default_str();
   cmd_tr->add_option("--threads", tr.threads, "CPU threads (default: all cores)");
+  cmd_tr->add_option("--device", tr.device, "cpu, cuda or cuda:N")->capture_default_str();
+  cmd_tr->add_option("--gpu-math", tr.gpu_math, "Matrix products on the GPU: f32, tf32 or bf16")->capture_default_str();
+  cmd_tr->add_option("--max-batch-tokens", tr.max_batch_tokens,
+                     "GPU: tokens per packed micro-batch; a step's samples beyond it accumulate gradients")
+      ->capture_default_str();
+  cmd_tr->add_option("--noise", tr.noise, "Uniform noise amplitude added to the aux hidden states")->capture_default_str();
+  cmd_tr->add_option("--eval-fraction", tr.eval_fraction, "Fraction of samples held back for evaluation")
+      ->capture_default_str();
+  cmd_tr->add_option("--eval-every", tr.eval_every, "Evaluate every N optimizer steps (0: at the end only)")
+      ->capture_default_str();
   cmd_tr->add_option("--stop-after-steps", tr.stop_after_steps, "Testing: stop as if interrupted")->group("");
 
   PrepareOptions prep;

@@ -15,6 +15,7 @@
 #include "model/checkpoint.h"
 #include "model/dense.h"
 #include "model/model.h"
+#include "train/draft_gpu.h"
 #include "util/dtype.h"
 #include "util/error.h"
 #include "util/log.h"
@@ -77,6 +78,44 @@ std::vector<float> weight_f32(const WeightRef& w) {
   return out;
 }
 
+// --device: -1 for the CPU, else the GPU index.
+int parse_train_device(const std::string& d) {
+  if (d == "cpu") return -1;
+  if (d == "cuda") return 0;
+  if (d.rfind("cuda:", 0) == 0) {
+    const std::string n = d.substr(5);
+    if (!n.empty() && n.size() < 4 && n.find_first_not_of("0123456789") == std::string::npos) return std::stoi(n);
+  }
+  fail("--device '{}': expected cpu, cuda or cuda:N (training uses one GPU)", d);
+}
+
+// Mean of per-sample results (the batch's metrics).
+struct Summary {
+  double loss = 0, accept_len = 0;
+  std::vector<double> acc, cond_acc;
+};
+Summary summarize(const std::vector<TttResult>& res, int K) {
+  Summary m;
+  m.acc.assign(size_t(K), 0.0);
+  m.cond_acc.assign(size_t(K), 0.0);
+  const double inv = res.empty() ? 0.0 : 1.0 / double(res.size());
+  for (auto& r : res) {
+    m.loss += r.loss * inv;
+    m.accept_len += r.accept_len * inv;
+    for (int k = 0; k < K; ++k) {
+      m.acc[size_t(k)] += r.acc_k[size_t(k)] * inv;
+      m.cond_acc[size_t(k)] += r.cond_acc_k[size_t(k)] * inv;
+    }
+  }
+  return m;
+}
+
+std::string exact(double x) {
+  char b[64];
+  std::snprintf(b, sizeof b, "%.17g", x);
+  return b;
+}
+
 }  // namespace
 
 std::vector<Param> draft_params(DraftWeights& w, DraftGrads& g) {
@@ -91,6 +130,11 @@ TrainReport run_train(const TrainOptions& opt) {
   if (opt.threads > 0) omp_set_num_threads(opt.threads);
   TALON_CHECK(opt.batch_samples >= 1 && opt.max_length >= 2 && opt.epochs >= 1 && opt.ttt_steps >= 1,
               "train: --batch-samples, --epochs and --ttt-steps must be >= 1 and --max-length >= 2");
+  TALON_CHECK(opt.eval_fraction >= 0 && opt.eval_fraction < 1, "--eval-fraction {}: expected a value in [0, 1)",
+              opt.eval_fraction);
+  TALON_CHECK(opt.noise >= 0, "--noise {}: expected >= 0", opt.noise);
+  const int gpu = parse_train_device(opt.device);
+  const GpuMath gpu_math = parse_gpu_math(opt.gpu_math);
   // Dataset and target must agree: the features were made by this very model.
   const json man = read_manifest(opt.data);
   TALON_CHECK(man.value("status", "") == "complete", "{}: the extraction is not complete (status {}); finish it first",
@@ -105,9 +149,8 @@ TrainReport run_train(const TrainOptions& opt) {
   TALON_CHECK(man.value("hidden_size", int64_t(0)) == H, "{}: hidden_size {} but the model has {}", opt.data.string(),
               man.value("hidden_size", int64_t(0)), H);
 
-  // Samples (truncated to --max-length) and the loss-masked token counts.
-  std::vector<TrainSample> samples;
-  std::vector<int64_t> counts(static_cast<size_t>(V), 0);
+  // Samples (truncated to --max-length).
+  std::vector<TrainSample> all;
   for (auto& s : man.at("shards")) {
     st::File f(opt.data / s.at("file").get<std::string>());
     const auto& ids = f.get(shard_tensors::input_ids);
@@ -125,12 +168,26 @@ TrainReport run_train(const TrainOptions& opt) {
       ts.mask.assign(mask.data + a, mask.data + a + T);
       ts.aux = to_f32(aux, size_t(a * 3 * H), size_t(T * 3 * H));
       ts.hidden = to_f32(hid, size_t(a * H), size_t(T * H));
-      for (int64_t t = 0; t < T; ++t)
-        if (ts.mask[size_t(t)]) counts[size_t(ts.ids[size_t(t)])]++;
-      samples.push_back(std::move(ts));
+      all.push_back(std::move(ts));
     }
   }
-  TALON_CHECK(!samples.empty(), "{}: no samples of at least 2 tokens", opt.data.string());
+  TALON_CHECK(!all.empty(), "{}: no samples of at least 2 tokens", opt.data.string());
+  // The held-back evaluation split: a seeded choice of samples, never trained on.
+  std::vector<TrainSample> samples, eval;
+  {
+    int64_t n_eval = int64_t(std::llround(opt.eval_fraction * double(all.size())));
+    if (opt.eval_fraction > 0 && all.size() >= 2) n_eval = std::clamp<int64_t>(n_eval, 1, int64_t(all.size()) - 1);
+    else n_eval = 0;
+    const auto pick = epoch_order(int64_t(all.size()), opt.seed ^ 0x5eed5eedull, -1);
+    std::vector<uint8_t> is_eval(all.size(), 0);
+    for (int64_t i = 0; i < n_eval; ++i) is_eval[size_t(pick[size_t(i)])] = 1;
+    for (size_t i = 0; i < all.size(); ++i) (is_eval[i] ? eval : samples).push_back(std::move(all[i]));
+  }
+  // The draft vocabulary comes from the training split's loss-masked tokens.
+  std::vector<int64_t> counts(static_cast<size_t>(V), 0);
+  for (auto& ts : samples)
+    for (size_t t = 0; t < ts.ids.size(); ++t)
+      if (ts.mask[t]) counts[size_t(ts.ids[t])]++;
 
   DenseWeights tw = bind_dense_weights(*ckpt);
   const std::vector<float> embed = weight_f32(tw.embed), fnorm = weight_f32(tw.final_norm),
@@ -198,7 +255,9 @@ TrainReport run_train(const TrainOptions& opt) {
                     {"warmup_steps", oc.warmup_steps},
                     {"total_steps", oc.total_steps},
                     {"weight_decay", oc.weight_decay},
-                    {"clip_norm", oc.clip_norm}};
+                    {"clip_norm", oc.clip_norm},
+                    {"noise", opt.noise},
+                    {"eval_fraction", opt.eval_fraction}};
   fs::create_directories(opt.out);
   const fs::path cpath = opt.out / kCheckpointName, mpath = opt.out / kMetricsName;
   int64_t step = 0;
@@ -229,13 +288,16 @@ TrainReport run_train(const TrainOptions& opt) {
         Vv.emplace_back(reinterpret_cast<const float*>(tv.data), reinterpret_cast<const float*>(tv.data) + n);
       }
     }
-    // Metrics logged after the checkpoint are recomputed: drop them.
+    // Metrics logged after the checkpoint are recomputed: drop them (an evaluation at
+    // the checkpoint's own step ran before it was saved, so it stays).
     std::string kept;
     if (fs::exists(mpath)) {
       std::istringstream in(read_text_file(mpath));
       for (std::string line; std::getline(in, line);) {
         json j = json::parse(line, nullptr, false);
-        if (j.is_object() && j.value("step", int64_t(1) << 60) < step) kept += line + "\n";
+        if (!j.is_object()) continue;
+        const int64_t s = j.value("step", int64_t(1) << 60);
+        if (s < step || (j.value("split", "") == "eval" && s <= step)) kept += line + "\n";
       }
     }
     write_file_atomic(mpath, kept);
@@ -244,7 +306,55 @@ TrainReport run_train(const TrainOptions& opt) {
     write_file_atomic(mpath, "");
   }
 
+  // The GPU trainer holds the weights and moments between checkpoints.
+  std::unique_ptr<GpuDraftTrainer> dev;
+  if (gpu >= 0) {
+    int64_t longest = 0;
+    for (auto* set : {&samples, &eval})
+      for (auto& ts : *set) longest = std::max(longest, int64_t(ts.ids.size()));
+    dev = make_gpu_draft_trainer(c, tgt, dv, gpu, gpu_math, std::max(opt.max_batch_tokens, longest));
+    dev->set_weights(w);
+    if (step > 0) dev->set_moments(adam.m(), adam.v());
+    tlog::info("train on cuda:{} ({} matrix products), {:.2f} GiB of device buffers for {} tokens per micro-batch", gpu,
+               opt.gpu_math, double(dev->device_bytes()) / double(1 << 30), dev->max_rows());
+  }
+  // Forward (and backward when `weight` > 0) of a list of samples: packed micro-batches
+  // on the GPU, one sample at a time on the CPU.
+  auto run_samples = [&](const std::vector<Sample>& batch, double weight, bool backward) {
+    std::vector<TttResult> res;
+    if (dev) {
+      std::vector<Sample> micro;
+      int64_t tok = 0;
+      bool first = true;
+      auto flush = [&] {
+        if (micro.empty()) return;
+        for (auto& r : dev->run(micro, weight, backward, first)) res.push_back(std::move(r));
+        first = false;
+        micro.clear();
+        tok = 0;
+      };
+      for (auto& s : batch) {
+        if (tok + s.T > dev->max_rows()) flush();
+        micro.push_back(s);
+        tok += s.T;
+      }
+      flush();
+    } else {
+      for (auto& s : batch) {
+        res.push_back(ttt_forward(c, w, tgt, dv, s, false, backward ? &grads : nullptr));
+      }
+      if (backward)
+        for (auto& p : params)
+          for (auto& g : *p.g) g *= weight;
+    }
+    return res;
+  };
+
   auto save = [&] {
+    if (dev) {
+      dev->get_weights(w);
+      if (step > 0) dev->get_moments(adam.m(), adam.v());
+    }
     st::Writer wr;
     for (auto& p : params) wr.add(std::string("w.") + p.name, DType::F32, {int64_t(p.w->size())}, p.w->data(), p.w->size() * 4);
     for (size_t i = 0; i < adam.m().size(); ++i) {
@@ -266,14 +376,30 @@ TrainReport run_train(const TrainOptions& opt) {
     wr.write(cpath);
   };
 
-  tlog::info("train: {} samples, draft vocab {} of {}, K={} steps, {} optimizer steps of {} sample(s), lr {}", samples.size(),
-             c.Vd, V, c.ttt_steps, total_steps, opt.batch_samples, oc.lr);
   std::ofstream metrics(mpath, std::ios::app);
+  // Forward over the held-back split; logged with "split": "eval" after `done` updates.
+  auto evaluate = [&](int64_t done) {
+    if (eval.empty()) return;
+    std::vector<Sample> es;
+    for (auto& ts : eval) es.push_back({ts.ids.data(), ts.mask.data(), ts.aux.data(), ts.hidden.data(), int64_t(ts.ids.size())});
+    const Summary m = summarize(run_samples(es, 0.0, false), c.ttt_steps);
+    metrics << json{{"split", "eval"}, {"step", done}, {"samples", es.size()}, {"loss", m.loss}, {"loss_exact", exact(m.loss)},
+                    {"acc", m.acc}, {"cond_acc", m.cond_acc}, {"sim_accept_len", m.accept_len}}.dump()
+            << "\n";
+    metrics.flush();
+    tlog::info("eval after {} steps: loss {:.4f} acc0 {:.3f} simulated acceptance length {:.3f} ({} samples)", done,
+               m.loss, m.acc[0], m.accept_len, es.size());
+  };
+
+  tlog::info("train: {} samples (+{} held back for eval), draft vocab {} of {}, K={} steps, {} optimizer steps of {} "
+             "sample(s), lr {}, on {}",
+             samples.size(), eval.size(), c.Vd, V, c.ttt_steps, total_steps, opt.batch_samples, oc.lr, opt.device);
   Progress progress("train", total_steps, "step", step);
   TrainReport rep;
   rep.total_steps = total_steps;
   const auto t0 = std::chrono::steady_clock::now();
   int64_t tokens = 0;
+  std::vector<std::vector<float>> noisy;  // aux states with noise, for this step's samples
   while (step < total_steps) {
     if (stop_requested()) {
       save();
@@ -283,43 +409,50 @@ TrainReport run_train(const TrainOptions& opt) {
     }
     const int64_t epoch = step / steps_per_epoch, in_epoch = step % steps_per_epoch;
     const auto order = epoch_order(int64_t(samples.size()), opt.seed, epoch);
-    for (auto& p : params) std::fill(p.g->begin(), p.g->end(), 0.0);
-    // The batch's samples; gradients are averaged.
-    std::vector<TttResult> res;
+    if (!dev)
+      for (auto& p : params) std::fill(p.g->begin(), p.g->end(), 0.0);
+    std::vector<Sample> batch;
+    noisy.clear();
     for (int64_t b = 0; b < opt.batch_samples; ++b) {
       const int64_t k = in_epoch * opt.batch_samples + b;
       if (k >= int64_t(samples.size())) break;
       const TrainSample& ts = samples[size_t(order[size_t(k)])];
       Sample s{ts.ids.data(), ts.mask.data(), ts.aux.data(), ts.hidden.data(), int64_t(ts.ids.size())};
-      res.push_back(ttt_forward(c, w, tgt, dv, s, false, &grads));
+      if (opt.noise > 0) {  // seeded by (seed, step, slot): the same after a resume
+        Rng r{opt.seed * 0x9e3779b97f4a7c15ull + uint64_t(step) * 1315423911ull + uint64_t(b) + 3};
+        noisy.push_back(ts.aux);
+        for (auto& x : noisy.back()) x += float(opt.noise * (2.0 * r.uniform() - 1.0));
+        s.aux = noisy.back().data();
+      }
+      batch.push_back(s);
       tokens += s.T;
     }
-    const double inv_b = 1.0 / double(res.size());
-    for (auto& p : params)
-      for (auto& g : *p.g) g *= inv_b;
-    const double gnorm = clip_grad_norm(params, oc.clip_norm);
+    const double inv_b = 1.0 / double(batch.size());
+    const std::vector<TttResult> res = run_samples(batch, inv_b, true);
+    const double gnorm = dev ? dev->clip_grad_norm(oc.clip_norm) : clip_grad_norm(params, oc.clip_norm);
     const double lr = lr_at(oc, step);
-    adam.step(params);
-    double loss = 0;
-    std::vector<double> acc(size_t(c.ttt_steps), 0.0);
-    double alen = 0;
-    for (auto& r : res) {
-      loss += r.loss * inv_b;
-      alen += r.accept_len * inv_b;
-      for (int k = 0; k < c.ttt_steps; ++k) acc[size_t(k)] += r.acc_k[size_t(k)] * inv_b;
+    if (dev) {
+      dev->adamw_step(oc, step);
+      adam.set_step_count(step + 1);
+    } else {
+      adam.step(params);
     }
+    const Summary m = summarize(res, c.ttt_steps);
     const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    char lbuf[64];
-    std::snprintf(lbuf, sizeof lbuf, "%.17g", loss);  // exact, for resume comparisons
-    metrics << json{{"step", step}, {"epoch", epoch}, {"loss", loss}, {"loss_exact", lbuf}, {"acc", acc},
-                    {"sim_accept_len", alen}, {"lr", lr}, {"grad_norm", gnorm},
-                    {"tokens_per_s", secs > 0 ? double(tokens) / secs : 0.0}}.dump()
+    const double tps = secs > 0 ? double(tokens) / secs : 0.0;
+    metrics << json{{"step", step}, {"epoch", epoch}, {"loss", m.loss}, {"loss_exact", exact(m.loss)}, {"acc", m.acc},
+                    {"cond_acc", m.cond_acc}, {"sim_accept_len", m.accept_len}, {"lr", lr}, {"grad_norm", gnorm},
+                    {"tokens_per_s", tps}}.dump()
             << "\n";
     metrics.flush();
-    tlog::debug("step {} loss {:.4f} acc0 {:.3f} accept {:.3f} lr {:.3g} |g| {:.3g}", step, loss, acc[0], alen, lr, gnorm);
-    rep.last_loss = loss;
+    progress.set_note(fmt::format("loss {:.4f} acc0 {:.3f} accept {:.2f} | {} tok/s", m.loss, m.acc[0], m.accept_len,
+                                  format_count(tps)));
+    tlog::debug("step {} loss {:.4f} acc0 {:.3f} accept {:.3f} lr {:.3g} |g| {:.3g}", step, m.loss, m.acc[0],
+                m.accept_len, lr, gnorm);
+    rep.last_loss = m.loss;
     ++step;
     progress.advance(1);
+    if ((opt.eval_every > 0 && step % opt.eval_every == 0) || step == total_steps) evaluate(step);
     if (step % opt.save_every == 0 || step == total_steps) save();
     if (opt.stop_after_steps >= 0 && step >= opt.stop_after_steps && step < total_steps) request_stop_for_test();
   }
@@ -329,3 +462,14 @@ TrainReport run_train(const TrainOptions& opt) {
 }
 
 }  // namespace talon::train
+
+namespace talon::eagle3 {
+
+GpuMath parse_gpu_math(const std::string& s) {
+  if (s == "f32") return GpuMath::F32;
+  if (s == "tf32") return GpuMath::TF32;
+  if (s == "bf16") return GpuMath::BF16;
+  fail("--gpu-math '{}': expected f32, tf32 or bf16", s);
+}
+
+}  // namespace talon::eagle3

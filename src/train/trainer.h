@@ -30,6 +30,12 @@ struct TrainOptions {
   int64_t save_every = 100;   // optimizer steps between checkpoints (and at the end)
   uint64_t seed = 0;
   int threads = 0;
+  double noise = 0;             // uniform noise in [-noise, noise] added to the aux states (0: off)
+  double eval_fraction = 0.05;  // samples held back for evaluation (none when the data has < 2 samples)
+  int64_t eval_every = 0;       // optimizer steps between evaluations (0: only at the end)
+  std::string device = "cpu";   // cpu | cuda | cuda:N
+  std::string gpu_math = "bf16";  // f32 | tf32 | bf16 (matrix products on the GPU)
+  int64_t max_batch_tokens = 16384;  // GPU: tokens per packed micro-batch (gradients accumulate)
   int64_t stop_after_steps = -1;  // test hook: stop as if signalled after this many steps
 };
 

@@ -40,6 +40,11 @@ void Progress::advance(int64_t units) {
   }
 }
 
+void Progress::set_note(std::string note) {
+  std::lock_guard lk(mu_);
+  note_ = std::move(note);
+}
+
 void Progress::finish() {
   if (finished_) return;
   draw(true);
@@ -54,6 +59,7 @@ void Progress::draw(bool final) {
   std::string line = fmt::format("{} {:5.1f}% {}/{} {} | {} {}/s | elapsed {} | ETA {}", label_, 100 * frac,
                                  format_count(double(done_)), format_count(double(total_)), unit_,
                                  format_count(rate), unit_, format_duration(el), format_duration(final ? 0 : eta));
+  if (!note_.empty()) line += " | " + note_;
   if (tty_) {
     const int width = 24;
     const int fill = int(frac * width);

@@ -14,11 +14,13 @@ class Progress {
   Progress(std::string label, int64_t total_units, std::string unit, int64_t already_done = 0);
   ~Progress();
   void advance(int64_t units);
+  // A short status shown after the counts (e.g. the latest loss); thread-safe.
+  void set_note(std::string note);
   void finish();
 
  private:
   void draw(bool final);
-  std::string label_, unit_;
+  std::string label_, unit_, note_;
   int64_t total_, done_, start_done_;
   std::chrono::steady_clock::time_point t0_, last_;
   bool tty_, finished_ = false;

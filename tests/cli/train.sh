@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# talon train (CPU reference) end to end on SmolLM2 features of the demo chats: metrics
+# talon train (CPU) end to end on SmolLM2 features of the demo chats: metrics
 # are written per step; a run stopped (test hook) or killed with -9 and rerun logs the
 # same losses, bit for bit, as an uninterrupted run; mismatched inputs are refused.
 source "$(dirname "$0")/lib.sh"
@@ -13,12 +13,18 @@ args=("${base[@]}" --seed 5)
 losses() { python3 -c "import json,sys; print(' '.join(json.loads(l)['loss_exact'] for l in open(sys.argv[1])))" "$1"; }
 
 "$TALON" train "${args[@]}" --out "$WORK/ref" > "$WORK/ref.out" 2> "$WORK/ref.err" && ok "uninterrupted run" || bad "train: $(tail -3 "$WORK/ref.err")"
-python3 - "$WORK/ref/metrics.jsonl" <<'PY' && ok "8 metric lines: finite loss, acc per TTT step, lr schedule, grad norm" || bad "metrics: $(head -2 "$WORK/ref/metrics.jsonl")"
+python3 - "$WORK/ref/metrics.jsonl" <<'PY' && ok "8 train metric lines (loss, acc and cond_acc per TTT step, lr schedule, grad norm) and one eval line on the held-back split" || bad "metrics: $(head -2 "$WORK/ref/metrics.jsonl")"
 import json, math, sys
-rows = [json.loads(l) for l in open(sys.argv[1])]
+lines = [json.loads(l) for l in open(sys.argv[1])]
+rows = [r for r in lines if "split" not in r]
+ev = [r for r in lines if r.get("split") == "eval"]
 assert [r["step"] for r in rows] == list(range(8)), rows
+assert len(ev) == 1 and ev[0]["step"] == 8 and ev[0]["samples"] >= 1 and len(ev[0]["cond_acc"]) == 3, ev
+assert lines[-1] is ev[0] or lines[-1] == ev[0], "the evaluation follows the last step"
+for r in rows + ev:
+    assert math.isfinite(r["loss"]) and len(r["acc"]) == 3 and len(r["cond_acc"]) == 3 and r["sim_accept_len"] >= 1, r
 for r in rows:
-    assert math.isfinite(r["loss"]) and len(r["acc"]) == 3 and r["grad_norm"] >= 0 and r["sim_accept_len"] >= 1, r
+    assert r["grad_norm"] >= 0, r
 assert abs(rows[0]["lr"] - 0.5e-3) < 1e-12 and abs(rows[1]["lr"] - 1e-3) < 1e-12, rows[:2]  # warm-up
 assert any(r["loss"] > 0 for r in rows)
 PY

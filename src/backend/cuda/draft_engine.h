@@ -1,0 +1,85 @@
+// The EAGLE-3 draft's training-time-test forward and hand-written backward on one GPU,
+// plus gradient clipping and AdamW on device: the CUDA twin of eagle3::ttt_forward
+// (src/train/eagle3.cpp), op for op, tested against it by tests/train/test_draft_gpu.cpp.
+//
+// Plain types only (this header is compiled by nvcc). Rows of a batch are samples packed
+// back to back; every per-row quantity the host needs (cross-entropy, hit, whether the
+// row counts) comes back per row, so per-sample losses are summed on the host in the
+// CPU reference's order. Every reduction on the device has a fixed order: the same
+// inputs give the same bits on every run, which exact resume relies on.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+namespace talon::cuda {
+
+struct DraftDims {
+  int64_t H = 0, I = 0, nh = 0, nkv = 0, hd = 0, V = 0, Vd = 0;
+  float eps = 1e-5f;         // the draft's RMSNorms
+  float target_eps = 1e-5f;  // the target's final norm
+  int K = 7;                 // TTT steps
+  bool norm_before_residual = false;
+};
+
+// Matrix products: exact fp32, TF32 tensor cores, or bf16 tensor cores (fp32 storage and
+// accumulation, inputs rounded to bf16 inside cuBLAS).
+enum class DraftMath { F32, TF32, BF16 };
+
+// The 13 draft tensors in eagle3::DraftWeights::named() order, and their sizes.
+constexpr int kDraftTensors = 13;
+std::vector<int64_t> draft_tensor_sizes(const DraftDims& d);
+
+struct DraftBatch {  // host pointers, N packed rows
+  int64_t N = 0;
+  const int32_t* ids = nullptr;
+  const uint8_t* mask = nullptr;
+  const float* aux = nullptr;     // [N, 3H]
+  const float* hidden = nullptr;  // [N, H] h[L]
+  const int32_t* pos = nullptr;   // each row's position in its sample
+  const int32_t* len = nullptr;   // each row's sample length
+};
+
+struct DraftRowStats {            // [K * N], step-major
+  std::vector<float> ce;          // cross-entropy of rows that count (0 elsewhere)
+  std::vector<uint8_t> hit, counts;
+};
+
+class DraftEngine {
+ public:
+  // embed, lm_head [V, H], final_norm [H], kept [Vd] target ids, t2d [V], inv_freq [hd/2]:
+  // host arrays, copied. max_rows bounds N of every batch (buffers are allocated here).
+  DraftEngine(int device, const DraftDims& d, DraftMath math, const float* embed, const float* final_norm,
+              const float* lm_head, const int64_t* kept, const uint8_t* t2d, const float* inv_freq, int64_t max_rows);
+  ~DraftEngine();
+  DraftEngine(const DraftEngine&) = delete;
+  DraftEngine& operator=(const DraftEngine&) = delete;
+
+  void set_weights(const std::vector<const float*>& w);
+  void get_weights(const std::vector<float*>& w);
+  void get_grads(const std::vector<float*>& g);
+  void set_moments(const std::vector<const float*>& m, const std::vector<const float*>& v);
+  void get_moments(const std::vector<float*>& m, const std::vector<float*>& v);
+
+  // Uploads a batch and computes the target side (distribution over the draft vocab,
+  // its argmax, whether the full-vocab argmax is a draft token). Returns in_vocab [N].
+  std::vector<uint8_t> prepare(const DraftBatch& b);
+  // All K steps over the prepared batch. With backward, also adds the gradient of
+  // sum_rows row_scale[k*N + n] * ce_k[n] to the gradients (zeroed first when asked).
+  void run(const std::vector<float>& row_scale, bool backward, bool zero_grads, DraftRowStats& out);
+  // Global L2 norm of the gradients; scales them to max_norm when larger (max_norm > 0).
+  double clip_grad_norm(double max_norm);
+  // One AdamW update as train::AdamW::step; decay[i]: weight decay applies to tensor i;
+  // t_after: the update's 1-based count (for the bias corrections).
+  void adamw(double lr, double beta1, double beta2, double eps, double weight_decay, const std::vector<uint8_t>& decay,
+             int64_t t_after);
+  size_t device_bytes() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> p_;
+};
+
+}  // namespace talon::cuda

@@ -1,0 +1,233 @@
+#include <cmath>
+
+#include "backend/cuda/draft_engine.h"
+#include "model/model.h"
+#include "train/draft_gpu.h"
+#include "util/error.h"
+
+namespace talon::eagle3 {
+
+namespace {
+
+class CudaDraftTrainer final : public GpuDraftTrainer {
+ public:
+  CudaDraftTrainer(const DraftConfig& c, const TargetHead& tgt, const DraftVocab& vocab, int device, GpuMath math,
+                   int64_t max_rows)
+      : c_(c), max_rows_(max_rows) {
+    TALON_CHECK(max_rows >= 2, "draft on GPU: the batch budget must be at least 2 tokens, got {}", max_rows);
+    TALON_CHECK(int64_t(vocab.kept.size()) == c.Vd && int64_t(vocab.t2d.size()) == c.V,
+                "draft vocabulary has {} of {} ids", vocab.kept.size(), c.Vd);
+    cuda::DraftDims d;
+    d.H = c.H;
+    d.I = c.I;
+    d.nh = c.n_heads;
+    d.nkv = c.n_kv_heads;
+    d.hd = c.head_dim;
+    d.V = c.V;
+    d.Vd = c.Vd;
+    d.eps = float(c.rms_eps);
+    d.target_eps = float(tgt.rms_eps);
+    d.K = c.ttt_steps;
+    d.norm_before_residual = c.norm_before_residual;
+    const auto m = math == GpuMath::F32 ? cuda::DraftMath::F32
+                   : math == GpuMath::TF32 ? cuda::DraftMath::TF32
+                                           : cuda::DraftMath::BF16;
+    const std::vector<float> inv = rope_inv_freq(c.rope, c.head_dim);
+    eng_ = std::make_unique<cuda::DraftEngine>(device, d, m, tgt.embed, tgt.final_norm, tgt.lm_head, vocab.kept.data(),
+                                               vocab.t2d.data(), inv.data(), max_rows);
+    DraftWeights probe;
+    for (auto& [name, v] : probe.named()) decay_.push_back(is_norm_weight(name) ? 0 : 1);
+  }
+
+  void set_weights(DraftWeights& w) override {
+    std::vector<const float*> p;
+    check_sizes(w);
+    for (auto& [n, v] : w.named()) p.push_back(v->data());
+    eng_->set_weights(p);
+  }
+  void get_weights(DraftWeights& w) override {
+    std::vector<float*> p;
+    resize(w);
+    for (auto& [n, v] : w.named()) p.push_back(v->data());
+    eng_->get_weights(p);
+  }
+  void get_grads(DraftGrads& g) override {
+    DraftWeights tmp;
+    resize(tmp);
+    std::vector<float*> p;
+    for (auto& [n, v] : tmp.named()) p.push_back(v->data());
+    eng_->get_grads(p);
+    auto ng = g.named();
+    auto nw = tmp.named();
+    for (size_t i = 0; i < ng.size(); ++i) ng[i].second->assign(nw[i].second->begin(), nw[i].second->end());
+  }
+  void set_moments(const std::vector<std::vector<float>>& m, const std::vector<std::vector<float>>& v) override {
+    const auto sizes = cuda::draft_tensor_sizes(dims());
+    TALON_CHECK(m.size() == sizes.size() && v.size() == sizes.size(), "optimizer state: {} tensors, expected {}",
+                m.size(), sizes.size());
+    std::vector<const float*> pm, pv;
+    for (size_t i = 0; i < sizes.size(); ++i) {
+      TALON_CHECK(int64_t(m[i].size()) == sizes[i] && int64_t(v[i].size()) == sizes[i],
+                  "optimizer state: tensor {} has {} values, expected {}", i, m[i].size(), sizes[i]);
+      pm.push_back(m[i].data());
+      pv.push_back(v[i].data());
+    }
+    eng_->set_moments(pm, pv);
+  }
+  void get_moments(std::vector<std::vector<float>>& m, std::vector<std::vector<float>>& v) override {
+    const auto sizes = cuda::draft_tensor_sizes(dims());
+    m.assign(sizes.size(), {});
+    v.assign(sizes.size(), {});
+    std::vector<float*> pm, pv;
+    for (size_t i = 0; i < sizes.size(); ++i) {
+      m[i].resize(size_t(sizes[i]));
+      v[i].resize(size_t(sizes[i]));
+      pm.push_back(m[i].data());
+      pv.push_back(v[i].data());
+    }
+    eng_->get_moments(pm, pv);
+  }
+
+  std::vector<TttResult> run(const std::vector<Sample>& batch, double weight, bool backward,
+                             bool zero_grads) override {
+    const int64_t K = c_.ttt_steps, H = c_.H;
+    int64_t N = 0;
+    for (auto& s : batch) N += s.T;
+    TALON_CHECK(N >= 1 && N <= max_rows_, "draft on GPU: {} tokens in one batch, the budget is {}", N, max_rows_);
+    ids_.resize(size_t(N));
+    mask_.resize(size_t(N));
+    pos_.resize(size_t(N));
+    len_.resize(size_t(N));
+    aux_.resize(size_t(N * 3 * H));
+    hid_.resize(size_t(N * H));
+    int64_t r = 0;
+    for (auto& s : batch) {
+      for (int64_t t = 0; t < s.T; ++t) {
+        TALON_CHECK(s.ids[t] >= 0 && s.ids[t] < c_.V, "draft: token id {} outside the vocabulary", s.ids[t]);
+        ids_[size_t(r + t)] = s.ids[t];
+        mask_[size_t(r + t)] = s.mask[t];
+        pos_[size_t(r + t)] = int32_t(t);
+        len_[size_t(r + t)] = int32_t(s.T);
+      }
+      std::copy(s.aux, s.aux + s.T * 3 * H, aux_.begin() + r * 3 * H);
+      std::copy(s.hidden, s.hidden + s.T * H, hid_.begin() + r * H);
+      r += s.T;
+    }
+    cuda::DraftBatch b{N, ids_.data(), mask_.data(), aux_.data(), hid_.data(), pos_.data(), len_.data()};
+    const std::vector<uint8_t> in_vocab = eng_->prepare(b);
+
+    // Which rows count at each step, per-sample counts, and each row's weight in the
+    // objective: weight * decay^k / n_k(sample), as the CPU reference normalises.
+    std::vector<uint8_t> counts(size_t(K * N), 0);
+    std::vector<float> scale(size_t(K * N), 0.f);
+    std::vector<std::vector<int64_t>> nk(batch.size(), std::vector<int64_t>(size_t(K), 0));
+    r = 0;
+    for (size_t i = 0; i < batch.size(); ++i) {
+      const Sample& s = batch[i];
+      for (int64_t k = 0; k < K; ++k)
+        for (int64_t t = 0; t < s.T; ++t) {
+          const int64_t tp = t + 1 + k;
+          const bool c = tp < s.T && s.mask[tp] && in_vocab[size_t(r + tp)];
+          counts[size_t(k * N + r + t)] = c;
+          nk[i][size_t(k)] += c;
+        }
+      for (int64_t k = 0; k < K; ++k)
+        if (nk[i][size_t(k)] > 0)
+          for (int64_t t = 0; t < s.T; ++t)
+            if (counts[size_t(k * N + r + t)])
+              scale[size_t(k * N + r + t)] =
+                  float(weight * std::pow(c_.step_decay, double(k)) / double(nk[i][size_t(k)]));
+      r += s.T;
+    }
+    cuda::DraftRowStats st;
+    eng_->run(scale, backward, zero_grads, st);
+    TALON_CHECK(st.counts == counts, "draft on GPU: the device's positions that count disagree with the host's");
+
+    std::vector<TttResult> out(batch.size());
+    r = 0;
+    for (size_t i = 0; i < batch.size(); ++i) {
+      const Sample& s = batch[i];
+      TttResult& res = out[i];
+      std::vector<uint8_t> right(size_t(s.T), 1);
+      double prod = 1;
+      res.accept_len = 1;
+      for (int64_t k = 0; k < K; ++k) {
+        double loss = 0;
+        int64_t n = 0, hits = 0, cond_n = 0, cond_hits = 0;
+        for (int64_t t = 0; t < s.T; ++t) {
+          const size_t j = size_t(k * N + r + t);
+          const bool hit = st.hit[j];
+          if (st.counts[j]) {
+            loss += double(st.ce[j]);
+            ++n;
+            hits += hit;
+            if (right[size_t(t)]) {
+              ++cond_n;
+              cond_hits += hit;
+            }
+          }
+          right[size_t(t)] = right[size_t(t)] && hit;
+        }
+        res.loss_k.push_back(n ? loss / double(n) : 0.0);
+        res.acc_k.push_back(n ? double(hits) / double(n) : 0.0);
+        res.cond_acc_k.push_back(cond_n ? double(cond_hits) / double(cond_n) : 0.0);
+        res.n_k.push_back(n);
+        res.loss += std::pow(c_.step_decay, double(k)) * res.loss_k.back();
+        prod *= res.acc_k.back();
+        res.accept_len += prod;
+      }
+      r += s.T;
+    }
+    return out;
+  }
+
+  double clip_grad_norm(double max_norm) override { return eng_->clip_grad_norm(max_norm); }
+  void adamw_step(const train::OptimConfig& c, int64_t t_before) override {
+    eng_->adamw(train::lr_at(c, t_before), c.beta1, c.beta2, c.eps, c.weight_decay, decay_, t_before + 1);
+  }
+  int64_t max_rows() const override { return max_rows_; }
+  size_t device_bytes() const override { return eng_->device_bytes(); }
+
+ private:
+  cuda::DraftDims dims() const {
+    cuda::DraftDims d;
+    d.H = c_.H;
+    d.I = c_.I;
+    d.nh = c_.n_heads;
+    d.nkv = c_.n_kv_heads;
+    d.hd = c_.head_dim;
+    d.V = c_.V;
+    d.Vd = c_.Vd;
+    return d;
+  }
+  void resize(DraftWeights& w) const {
+    const auto sizes = cuda::draft_tensor_sizes(dims());
+    auto nw = w.named();
+    for (size_t i = 0; i < nw.size(); ++i) nw[i].second->resize(size_t(sizes[i]));
+  }
+  void check_sizes(DraftWeights& w) const {
+    const auto sizes = cuda::draft_tensor_sizes(dims());
+    auto nw = w.named();
+    for (size_t i = 0; i < nw.size(); ++i)
+      TALON_CHECK(int64_t(nw[i].second->size()) == sizes[i], "draft weight {}: {} values, expected {}", nw[i].first,
+                  nw[i].second->size(), sizes[i]);
+  }
+
+  DraftConfig c_;
+  int64_t max_rows_;
+  std::unique_ptr<cuda::DraftEngine> eng_;
+  std::vector<uint8_t> decay_;
+  std::vector<int32_t> ids_, pos_, len_;
+  std::vector<uint8_t> mask_;
+  std::vector<float> aux_, hid_;
+};
+
+}  // namespace
+
+std::unique_ptr<GpuDraftTrainer> make_gpu_draft_trainer(const DraftConfig& c, const TargetHead& tgt,
+                                                        const DraftVocab& vocab, int device, GpuMath math,
+                                                        int64_t max_rows) {
+  return std::make_unique<CudaDraftTrainer>(c, tgt, vocab, device, math, max_rows);
+}
+
+}  // namespace talon::eagle3

@@ -1,0 +1,883 @@
+#include <cublas_v2.h>
+
+#include <cmath>
+#include <string>
+
+#include "backend/cuda/check.h"
+#include "backend/cuda/draft_engine.h"
+
+#define CUBLASV2_CHECK(expr)                                                                          \
+  do {                                                                                                \
+    cublasStatus_t s_ = (expr);                                                                       \
+    if (s_ != CUBLAS_STATUS_SUCCESS)                                                                  \
+      ::talon::cuda::fail_cuda("cuBLAS", int(s_), cublasGetStatusString(s_), #expr, __FILE__, __LINE__); \
+  } while (0)
+
+namespace talon::cuda {
+
+std::vector<int64_t> draft_tensor_sizes(const DraftDims& d) {
+  const int64_t qd = d.nh * d.hd, kvd = d.nkv * d.hd, H = d.H;
+  // fc, in_ln, hidden_norm, wq, wk, wv, wo, post_ln, gate, up, down, norm, lm_head
+  return {H * 3 * H, H, H, qd * 2 * H, kvd * 2 * H, kvd * 2 * H, H * qd, H, d.I * H, d.I * H, H * d.I, H, d.Vd * H};
+}
+
+namespace {
+
+enum T : int { FC, IN_LN, HNORM, WQ, WK, WV, WO, POST_LN, GATE, UP, DOWN, NORM, LM };
+
+unsigned nblocks(int64_t n, int per) { return unsigned((n + per - 1) / per); }
+
+__device__ __forceinline__ float warp_sum(float v) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// Sum over the block (blockDim a multiple of 32), the same order every time.
+__device__ float block_sum(float v, float* sh) {
+  v = warp_sum(v);
+  const int w = threadIdx.x >> 5, l = threadIdx.x & 31, nw = blockDim.x >> 5;
+  __syncthreads();
+  if (l == 0) sh[w] = v;
+  __syncthreads();
+  if (w == 0) {
+    float x = l < nw ? sh[l] : 0.f;
+    x = warp_sum(x);
+    if (l == 0) sh[32] = x;
+  }
+  __syncthreads();
+  return sh[32];
+}
+
+// Max with the lowest index among equal maxima (std::max_element's choice).
+__device__ void block_argmax(float& v, int64_t& i, float* shv, int64_t* shi) {
+  for (int o = 16; o > 0; o >>= 1) {
+    const float ov = __shfl_xor_sync(0xffffffffu, v, o);
+    const int64_t oi = __shfl_xor_sync(0xffffffffu, i, o);
+    if (ov > v || (ov == v && oi < i)) v = ov, i = oi;
+  }
+  const int w = threadIdx.x >> 5, l = threadIdx.x & 31, nw = blockDim.x >> 5;
+  __syncthreads();
+  if (l == 0) shv[w] = v, shi[w] = i;
+  __syncthreads();
+  if (w == 0) {
+    v = l < nw ? shv[l] : -INFINITY;
+    i = l < nw ? shi[l] : INT64_MAX;
+    for (int o = 16; o > 0; o >>= 1) {
+      const float ov = __shfl_xor_sync(0xffffffffu, v, o);
+      const int64_t oi = __shfl_xor_sync(0xffffffffu, i, o);
+      if (ov > v || (ov == v && oi < i)) v = ov, i = oi;
+    }
+    if (l == 0) shv[32] = v, shi[32] = i;
+  }
+  __syncthreads();
+  v = shv[32];
+  i = shi[32];
+}
+
+// ---------------------------------------------------------------- row ops
+// out[n, :] = x[n, :] / rms * w (row strides ldo, ldx).
+__global__ void rmsnorm_kernel(float* out, int64_t ldo, const float* x, int64_t ldx, const float* w, int64_t C,
+                               float eps) {
+  __shared__ float sh[33];
+  const float* xr = x + blockIdx.x * ldx;
+  float* o = out + blockIdx.x * ldo;
+  float ss = 0;
+  for (int64_t c = threadIdx.x; c < C; c += blockDim.x) ss += xr[c] * xr[c];
+  ss = block_sum(ss, sh);
+  const float r = rsqrtf(ss / float(C) + eps);
+  for (int64_t c = threadIdx.x; c < C; c += blockDim.x) o[c] = xr[c] * r * w[c];
+}
+
+// dx[n, :] += r*w*dout - x*r^3/C*sum(w*dout*x) (dx may be null); wrow[n, :] = dout*x*r,
+// summed over rows by colsum_kernel for the weight gradient.
+__global__ void rmsnorm_backward_kernel(float* dx, int64_t lddx, float* wrow, const float* dout, int64_t ldd,
+                                        const float* x, int64_t ldx, const float* w, int64_t C, float eps) {
+  __shared__ float sh[33];
+  const float* xr = x + blockIdx.x * ldx;
+  const float* dr = dout + blockIdx.x * ldd;
+  float ss = 0, dot = 0;
+  for (int64_t c = threadIdx.x; c < C; c += blockDim.x) {
+    ss += xr[c] * xr[c];
+    dot += w[c] * dr[c] * xr[c];
+  }
+  ss = block_sum(ss, sh);
+  dot = block_sum(dot, sh);
+  const float r = rsqrtf(ss / float(C) + eps);
+  const float k3 = r * r * r / float(C) * dot;
+  for (int64_t c = threadIdx.x; c < C; c += blockDim.x) {
+    if (dx) dx[blockIdx.x * lddx + c] += r * w[c] * dr[c] - xr[c] * k3;
+    wrow[blockIdx.x * C + c] = dr[c] * xr[c] * r;
+  }
+}
+
+// dw[c] += sum_n rows[n, c], rows in order (fp64 accumulator).
+__global__ void colsum_kernel(float* dw, const float* rows, int64_t N, int64_t C) {
+  const int64_t c = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (c >= C) return;
+  double s = 0;
+  for (int64_t n = 0; n < N; ++n) s += double(rows[n * C + c]);
+  dw[c] += float(s);
+}
+
+// E[n, :] = embed[token fed at step k]: x[t+1+k] of the row's own sample, 0 past its end.
+__global__ void gather_kernel(float* E, const float* embed, const int32_t* ids, const int32_t* pos,
+                              const int32_t* len, int64_t H, int k) {
+  const int64_t n = blockIdx.x;
+  const int tp = pos[n] + 1 + k;
+  const int64_t tok = tp < len[n] ? ids[n + 1 + k] : 0;
+  for (int64_t c = threadIdx.x; c < H; c += blockDim.x) E[n * H + c] = embed[tok * H + c];
+}
+
+// Rotate pairs (i, i + hd/2) of every head by sign * (pos[n] + k) * inv[i] (fp64 angle).
+__global__ void rope_kernel(float* x, int64_t N, int64_t heads, int64_t hd, const int32_t* pos, int k,
+                            const float* inv, double sign) {
+  const int64_t half = hd / 2;
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= N * heads * half) return;
+  const int64_t n = i / (heads * half), h = (i / half) % heads, j = i % half;
+  double s, c;
+  sincos(sign * double(pos[n] + k) * double(inv[j]), &s, &c);
+  float* p = x + n * heads * hd + h * hd;
+  const double a = p[j], b = p[j + half];
+  p[j] = float(a * c - b * s);
+  p[j + half] = float(b * c + a * s);
+}
+
+// out = a (row stride lda) + b
+__global__ void add_kernel(float* out, const float* a, int64_t lda, const float* b, int64_t N, int64_t C) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= N * C) return;
+  out[i] = a[(i / C) * lda + i % C] + b[i];
+}
+
+__global__ void swiglu_kernel(float* act, const float* ga, const float* up, int64_t n) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  const float x = ga[i];
+  act[i] = x / (1.f + expf(-x)) * up[i];
+}
+
+__global__ void swiglu_backward_kernel(float* dga, float* dup, const float* dact, const float* ga, const float* up,
+                                       int64_t n) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  const float x = ga[i], sg = 1.f / (1.f + expf(-x));
+  dup[i] = dact[i] * x * sg;
+  dga[i] = dact[i] * up[i] * sg * (1.f + x * (1.f - sg));
+}
+
+// ---------------------------------------------------------------- attention
+// Step k: a query at row n sees step-0 keys of its sample at positions <= its own, and
+// the key at row n of each step 1..k. One warp per (row, head); online softmax.
+constexpr int kMaxHdPerLane = 8;  // head_dim <= 256
+
+struct AttnArgs {
+  const float* q;     // [N, nh*hd] this step's queries (after RoPE)
+  const float* keys;  // [K, N, nkv*hd]
+  const float* vals;
+  int64_t N, step_stride;  // step_stride = N*nkv*hd (of the buffers: max_rows*kvd)
+  int nh, nkv, hd, k;
+  float scale;
+  const int32_t* pos;
+  const int32_t* len;
+};
+
+__global__ void attn_forward_kernel(float* out, float* lse, AttnArgs a) {
+  const int64_t gw = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
+  const int lane = threadIdx.x & 31;
+  if (gw >= a.N * a.nh) return;
+  const int64_t n = gw / a.nh;
+  const int h = int(gw % a.nh), kh = h / (a.nh / a.nkv);
+  const int64_t qd = int64_t(a.nh) * a.hd, kvd = int64_t(a.nkv) * a.hd;
+  float qv[kMaxHdPerLane], acc[kMaxHdPerLane];
+  for (int i = 0; i < kMaxHdPerLane; ++i) {
+    const int d = lane + 32 * i;
+    qv[i] = d < a.hd ? a.q[n * qd + h * a.hd + d] : 0.f;
+    acc[i] = 0.f;
+  }
+  float m = -INFINITY, l = 0.f;
+  auto visit = [&](const float* kp, const float* vp) {
+    float s = 0;
+    for (int i = 0; i < kMaxHdPerLane; ++i) {
+      const int d = lane + 32 * i;
+      if (d < a.hd) s += qv[i] * kp[d];
+    }
+    s = warp_sum(s) * a.scale;
+    const float mn = fmaxf(m, s), corr = expf(m - mn), pe = expf(s - mn);
+    l = l * corr + pe;
+    for (int i = 0; i < kMaxHdPerLane; ++i) {
+      const int d = lane + 32 * i;
+      if (d < a.hd) acc[i] = acc[i] * corr + pe * vp[d];
+    }
+    m = mn;
+  };
+  const int64_t p0 = n - a.pos[n];
+  for (int64_t p = p0; p <= n; ++p) visit(a.keys + p * kvd + kh * a.hd, a.vals + p * kvd + kh * a.hd);
+  for (int j = 1; j <= a.k; ++j)
+    visit(a.keys + j * a.step_stride + n * kvd + kh * a.hd, a.vals + j * a.step_stride + n * kvd + kh * a.hd);
+  for (int i = 0; i < kMaxHdPerLane; ++i) {
+    const int d = lane + 32 * i;
+    if (d < a.hd) out[n * qd + h * a.hd + d] = acc[i] / l;
+  }
+  if (lane == 0) lse[n * a.nh + h] = m + logf(l);
+}
+
+// D[n, h] = dot(dO, O) per head.
+__global__ void attn_delta_kernel(float* D, const float* dO, const float* O, int64_t N, int nh, int hd) {
+  const int64_t gw = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
+  const int lane = threadIdx.x & 31;
+  if (gw >= N * nh) return;
+  float s = 0;
+  for (int d = lane; d < hd; d += 32) s += dO[gw * hd + d] * O[gw * hd + d];
+  s = warp_sum(s);
+  if (lane == 0) D[gw] = s;
+}
+
+// dq for every (row, head): sum over its keys of ds * k, ds = p * (dO.v - D) * scale.
+__global__ void attn_dq_kernel(float* dq, const float* dO, const float* lse, const float* D, AttnArgs a) {
+  const int64_t gw = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
+  const int lane = threadIdx.x & 31;
+  if (gw >= a.N * a.nh) return;
+  const int64_t n = gw / a.nh;
+  const int h = int(gw % a.nh), kh = h / (a.nh / a.nkv);
+  const int64_t qd = int64_t(a.nh) * a.hd, kvd = int64_t(a.nkv) * a.hd;
+  float qv[kMaxHdPerLane], go[kMaxHdPerLane], acc[kMaxHdPerLane];
+  for (int i = 0; i < kMaxHdPerLane; ++i) {
+    const int d = lane + 32 * i;
+    qv[i] = d < a.hd ? a.q[n * qd + h * a.hd + d] : 0.f;
+    go[i] = d < a.hd ? dO[n * qd + h * a.hd + d] : 0.f;
+    acc[i] = 0.f;
+  }
+  const float L = lse[gw], Dv = D[gw];
+  auto visit = [&](const float* kp, const float* vp) {
+    float s = 0, dp = 0;
+    for (int i = 0; i < kMaxHdPerLane; ++i) {
+      const int d = lane + 32 * i;
+      if (d < a.hd) s += qv[i] * kp[d], dp += go[i] * vp[d];
+    }
+    s = warp_sum(s) * a.scale;
+    dp = warp_sum(dp);
+    const float ds = expf(s - L) * (dp - Dv) * a.scale;
+    for (int i = 0; i < kMaxHdPerLane; ++i) {
+      const int d = lane + 32 * i;
+      if (d < a.hd) acc[i] += ds * kp[d];
+    }
+  };
+  const int64_t p0 = n - a.pos[n];
+  for (int64_t p = p0; p <= n; ++p) visit(a.keys + p * kvd + kh * a.hd, a.vals + p * kvd + kh * a.hd);
+  for (int j = 1; j <= a.k; ++j)
+    visit(a.keys + j * a.step_stride + n * kvd + kh * a.hd, a.vals + j * a.step_stride + n * kvd + kh * a.hd);
+  for (int i = 0; i < kMaxHdPerLane; ++i) {
+    const int d = lane + 32 * i;
+    if (d < a.hd) dq[n * qd + h * a.hd + d] = acc[i];
+  }
+}
+
+// dK/dV of one key (step j's key at row p; j = 0: queried by rows p.. of its sample,
+// j >= 1: by row p only), summed over the queries of this step and the heads sharing it.
+// One warp per (key row, kv head[, j]); adds into dK, dV.
+__global__ void attn_dkv_kernel(float* dK, float* dV, const float* dO, const float* lse, const float* D, AttnArgs a,
+                                bool diagonal) {
+  const int64_t gw = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
+  const int lane = threadIdx.x & 31;
+  const int64_t per_step = a.N * a.nkv;
+  if (gw >= (diagonal ? a.k : 1) * per_step) return;
+  const int j = diagonal ? 1 + int(gw / per_step) : 0;
+  const int64_t p = (gw % per_step) / a.nkv;
+  const int kh = int(gw % a.nkv), grp = a.nh / a.nkv;
+  const int64_t qd = int64_t(a.nh) * a.hd, kvd = int64_t(a.nkv) * a.hd;
+  const float* kp = a.keys + j * a.step_stride + p * kvd + kh * a.hd;
+  const float* vp = a.vals + j * a.step_stride + p * kvd + kh * a.hd;
+  float kv[kMaxHdPerLane], vv[kMaxHdPerLane], dk[kMaxHdPerLane], dv[kMaxHdPerLane];
+  for (int i = 0; i < kMaxHdPerLane; ++i) {
+    const int d = lane + 32 * i;
+    kv[i] = d < a.hd ? kp[d] : 0.f;
+    vv[i] = d < a.hd ? vp[d] : 0.f;
+    dk[i] = dv[i] = 0.f;
+  }
+  const int64_t t_end = diagonal ? p + 1 : p - a.pos[p] + a.len[p];
+  for (int64_t t = p; t < t_end; ++t)
+    for (int h = kh * grp; h < (kh + 1) * grp; ++h) {
+      const float* qp = a.q + t * qd + h * a.hd;
+      const float* gp = dO + t * qd + h * a.hd;
+      float s = 0, dp = 0;
+      for (int i = 0; i < kMaxHdPerLane; ++i) {
+        const int d = lane + 32 * i;
+        if (d < a.hd) s += qp[d] * kv[i], dp += gp[d] * vv[i];
+      }
+      s = warp_sum(s) * a.scale;
+      dp = warp_sum(dp);
+      const float pr = expf(s - lse[t * a.nh + h]);
+      const float ds = pr * (dp - D[t * a.nh + h]) * a.scale;
+      for (int i = 0; i < kMaxHdPerLane; ++i) {
+        const int d = lane + 32 * i;
+        if (d < a.hd) dv[i] += pr * gp[d], dk[i] += ds * qp[d];
+      }
+    }
+  float* dkp = dK + j * a.step_stride + p * kvd + kh * a.hd;
+  float* dvp = dV + j * a.step_stride + p * kvd + kh * a.hd;
+  for (int i = 0; i < kMaxHdPerLane; ++i) {
+    const int d = lane + 32 * i;
+    if (d < a.hd) dkp[d] += dk[i], dvp[d] += dv[i];
+  }
+}
+
+// ---------------------------------------------------------------- target side and loss
+// One block per row of full target logits: the full-vocab argmax decides in_vocab; the
+// distribution over the kept ids is P (renormalised), its argmax tgt_arg.
+__global__ void target_row_kernel(float* P, int32_t* tgt_arg, uint8_t* in_vocab, const float* full, const int64_t* kept,
+                                  const uint8_t* t2d, int64_t V, int64_t Vd) {
+  __shared__ float shv[33];
+  __shared__ int64_t shi[33];
+  const float* f = full + blockIdx.x * V;
+  float v = -INFINITY;
+  int64_t i = INT64_MAX;
+  for (int64_t c = threadIdx.x; c < V; c += blockDim.x)
+    if (f[c] > v) v = f[c], i = c;
+  block_argmax(v, i, shv, shi);
+  if (threadIdx.x == 0) in_vocab[blockIdx.x] = t2d[i];
+  float mv = -INFINITY;
+  int64_t mi = INT64_MAX;
+  for (int64_t d = threadIdx.x; d < Vd; d += blockDim.x)
+    if (f[kept[d]] > mv) mv = f[kept[d]], mi = d;
+  block_argmax(mv, mi, shv, shi);
+  float z = 0;
+  for (int64_t d = threadIdx.x; d < Vd; d += blockDim.x) z += expf(f[kept[d]] - mv);
+  z = block_sum(z, shv);
+  float* pr = P + blockIdx.x * Vd;
+  for (int64_t d = threadIdx.x; d < Vd; d += blockDim.x) pr[d] = expf(f[kept[d]] - mv) / z;
+  if (threadIdx.x == 0) tgt_arg[blockIdx.x] = int32_t(mi);
+}
+
+// Step k, row n (target row n+1+k): cross-entropy against P, hit, counts; with scale,
+// logits become d(objective)/d(logits) in place.
+__global__ void loss_kernel(float* logits, const float* P, const int32_t* tgt_arg, const uint8_t* in_vocab,
+                            const uint8_t* mask, const int32_t* pos, const int32_t* len, int64_t Vd, int k,
+                            const float* row_scale, float* ce, uint8_t* hit, uint8_t* counts) {
+  __shared__ float shv[33];
+  __shared__ int64_t shi[33];
+  const int64_t n = blockIdx.x, tr = n + 1 + k;
+  const bool cnt = pos[n] + 1 + k < len[n] && mask[tr] && in_vocab[tr];
+  float* lg = logits + n * Vd;
+  float mx = -INFINITY;
+  int64_t arg = INT64_MAX;
+  for (int64_t d = threadIdx.x; d < Vd; d += blockDim.x)
+    if (lg[d] > mx) mx = lg[d], arg = d;
+  block_argmax(mx, arg, shv, shi);
+  float z = 0;
+  for (int64_t d = threadIdx.x; d < Vd; d += blockDim.x) z += expf(lg[d] - mx);
+  z = block_sum(z, shv);
+  const float lz = mx + logf(z);
+  float c = 0;
+  if (cnt) {
+    const float* pr = P + tr * Vd;
+    for (int64_t d = threadIdx.x; d < Vd; d += blockDim.x) c -= pr[d] * (lg[d] - lz);
+  }
+  c = block_sum(c, shv);
+  if (threadIdx.x == 0) {
+    ce[n] = cnt ? c : 0.f;
+    counts[n] = cnt;
+    hit[n] = cnt && arg == tgt_arg[tr];
+  }
+  if (row_scale) {
+    const float sc = row_scale[n];
+    const float* pr = P + (cnt ? tr : 0) * Vd;
+    for (int64_t d = threadIdx.x; d < Vd; d += blockDim.x) lg[d] = cnt ? (expf(lg[d] - lz) - pr[d]) * sc : 0.f;
+  }
+}
+
+// ---------------------------------------------------------------- optimizer
+constexpr int kNormBlocks = 240;
+
+__global__ void sumsq_kernel(double* partial, const float* g, int64_t n) {
+  __shared__ double sh[256];
+  double s = 0;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+    s += double(g[i]) * double(g[i]);
+  sh[threadIdx.x] = s;
+  __syncthreads();
+  for (int o = blockDim.x / 2; o > 0; o >>= 1) {
+    if (threadIdx.x < o) sh[threadIdx.x] += sh[threadIdx.x + o];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) partial[blockIdx.x] = sh[0];
+}
+
+__global__ void scale_kernel(float* x, float s, int64_t n) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < n) x[i] *= s;
+}
+
+__global__ void adamw_kernel(float* w, float* m, float* v, const float* g, int64_t n, float decay, float step,
+                             float sbc2, float b1, float b2, float eps) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  const float gj = g[i];
+  float wj = w[i] * decay;
+  const float mj = b1 * m[i] + (1.0f - b1) * gj;
+  const float vj = b2 * v[i] + (1.0f - b2) * gj * gj;
+  wj -= step * mj / (sqrtf(vj) / sbc2 + eps);
+  w[i] = wj;
+  m[i] = mj;
+  v[i] = vj;
+}
+
+template <class X>
+X* dalloc(size_t n, size_t& total) {
+  X* p = nullptr;
+  if (n == 0) n = 1;
+  CUDA_CHECK(cudaMalloc(&p, n * sizeof(X)));
+  CUDA_CHECK(cudaMemset(p, 0, n * sizeof(X)));
+  total += n * sizeof(X);
+  return p;
+}
+
+}  // namespace
+
+struct DraftEngine::Impl {
+  int device = 0;
+  DraftDims d;
+  DraftMath math;
+  int64_t R = 0, N = 0, qd = 0, kvd = 0, chunk = 0;
+  size_t bytes = 0;
+  cudaStream_t s = nullptr;
+  cublasHandle_t blas = nullptr;
+  std::vector<void*> owned;
+  std::vector<int64_t> sizes, offs;
+  // Target.
+  float *embed, *fnorm, *lm, *inv;
+  int64_t* kept;
+  uint8_t* t2d;
+  // Parameters, gradients, moments: one buffer each, tensors at offs[i].
+  float *W, *G, *M, *Vm;
+  double* partial;
+  // Batch.
+  int32_t *ids, *pos, *len, *tgt_arg;
+  uint8_t *mask, *in_vocab, *hit, *cnt;
+  float *aux, *hidden, *P, *hn, *full, *rs, *ce;
+  // Per step (K copies; gs has K + 1).
+  std::vector<float*> gs, xin, q, att, lse, g1, hm, ga, up, fn;
+  float *keys, *vals, *dK, *dV;
+  // Scratch.
+  float *E, *tmp, *act, *logits, *dfn, *dg2, *dact, *dga, *dup, *dhm, *dg1, *datt, *D, *dq, *dxin, *dg, *dgn, *wrow;
+
+  template <class X>
+  X* alloc(size_t n) {
+    X* p = dalloc<X>(n, bytes);
+    owned.push_back(p);
+    return p;
+  }
+  float* w(int t) { return W + offs[size_t(t)]; }
+  float* g(int t) { return G + offs[size_t(t)]; }
+
+  cublasComputeType_t compute() const {
+    return math == DraftMath::F32 ? CUBLAS_COMPUTE_32F
+           : math == DraftMath::TF32 ? CUBLAS_COMPUTE_32F_FAST_TF32
+                                     : CUBLAS_COMPUTE_32F_FAST_16BF;
+  }
+  // Row-major y[N, O] (ld ldy) = beta*y + x[N, K] (ld ldx) @ w[O, K]^T
+  void linear(float* y, int64_t ldy, const float* x, int64_t ldx, const float* wt, int64_t n, int64_t K, int64_t O,
+              float beta = 0.f) {
+    const float alpha = 1.f;
+    CUBLASV2_CHECK(cublasGemmEx(blas, CUBLAS_OP_T, CUBLAS_OP_N, int(O), int(n), int(K), &alpha, wt, CUDA_R_32F, int(K),
+                                x, CUDA_R_32F, int(ldx), &beta, y, CUDA_R_32F, int(ldy), compute(), CUBLAS_GEMM_DEFAULT));
+  }
+  // dx[N, K] (ld lddx) = beta*dx + dy[N, O] @ w[O, K]
+  void linear_dx(float* dx, int64_t lddx, const float* dy, const float* wt, int64_t n, int64_t K, int64_t O,
+                 float beta) {
+    const float alpha = 1.f;
+    CUBLASV2_CHECK(cublasGemmEx(blas, CUBLAS_OP_N, CUBLAS_OP_N, int(K), int(n), int(O), &alpha, wt, CUDA_R_32F, int(K),
+                                dy, CUDA_R_32F, int(O), &beta, dx, CUDA_R_32F, int(lddx), compute(),
+                                CUBLAS_GEMM_DEFAULT));
+  }
+  // dw[O, K] += dy[N, O]^T @ x[N, K] (ld ldx)
+  void linear_dw(float* dw, const float* dy, const float* x, int64_t ldx, int64_t n, int64_t K, int64_t O) {
+    const float alpha = 1.f, beta = 1.f;
+    CUBLASV2_CHECK(cublasGemmEx(blas, CUBLAS_OP_N, CUBLAS_OP_T, int(K), int(O), int(n), &alpha, x, CUDA_R_32F, int(ldx),
+                                dy, CUDA_R_32F, int(O), &beta, dw, CUDA_R_32F, int(K), compute(), CUBLAS_GEMM_DEFAULT));
+  }
+  void rmsnorm(float* out, int64_t ldo, const float* x, int64_t ldx, const float* wt, int64_t C, float eps,
+               int64_t n) {
+    if (n == 0) return;
+    rmsnorm_kernel<<<unsigned(n), 256, 0, s>>>(out, ldo, x, ldx, wt, C, eps);
+    CUDA_LAUNCH_CHECK();
+  }
+  // dx += ..., and the weight gradient dw += ... (dx may be null).
+  void rmsnorm_backward(float* dx, int64_t lddx, float* dw, const float* dout, int64_t ldd, const float* x,
+                        int64_t ldx, const float* wt, int64_t C) {
+    rmsnorm_backward_kernel<<<unsigned(N), 256, 0, s>>>(dx, lddx, wrow, dout, ldd, x, ldx, wt, C, d.eps);
+    CUDA_LAUNCH_CHECK();
+    colsum_kernel<<<nblocks(C, 128), 128, 0, s>>>(dw, wrow, N, C);
+    CUDA_LAUNCH_CHECK();
+  }
+  void rope(float* x, int64_t heads, int k, double sign) {
+    rope_kernel<<<nblocks(N * heads * (d.hd / 2), 256), 256, 0, s>>>(x, N, heads, d.hd, pos, k, inv, sign);
+    CUDA_LAUNCH_CHECK();
+  }
+  AttnArgs attn_args(int k) const {
+    return AttnArgs{q[size_t(k)], keys, vals, N, R * kvd, int(d.nh), int(d.nkv), int(d.hd), k,
+                    float(1.0 / std::sqrt(double(d.hd))), pos, len};
+  }
+  void logits_of(int k) { linear(logits, d.Vd, fn[size_t(k)], d.H, w(LM), N, d.H, d.Vd); }
+};
+
+DraftEngine::DraftEngine(int device, const DraftDims& dd, DraftMath math, const float* embed, const float* final_norm,
+                         const float* lm_head, const int64_t* kept, const uint8_t* t2d, const float* inv_freq,
+                         int64_t max_rows)
+    : p_(std::make_unique<Impl>()) {
+  Impl& I = *p_;
+  I.device = device;
+  I.d = dd;
+  I.math = math;
+  I.R = max_rows;
+  I.qd = dd.nh * dd.hd;
+  I.kvd = dd.nkv * dd.hd;
+  if (dd.hd > 32 * kMaxHdPerLane || dd.hd % 2 != 0)
+    fail_msg("draft on GPU: head_dim " + std::to_string(dd.hd) + " is not supported (even, at most 256)");
+  if (dd.nkv <= 0 || dd.nh % dd.nkv != 0) fail_msg("draft on GPU: heads must be a multiple of kv heads");
+  CUDA_CHECK(cudaSetDevice(device));
+  CUDA_CHECK(cudaStreamCreateWithFlags(&I.s, cudaStreamNonBlocking));
+  CUBLASV2_CHECK(cublasCreate(&I.blas));
+  CUBLASV2_CHECK(cublasSetStream(I.blas, I.s));
+  const int64_t H = dd.H, V = dd.V, Vd = dd.Vd, R = max_rows, K = dd.K;
+  auto up = [&](float* dst, const float* src, int64_t n) {
+    CUDA_CHECK(cudaMemcpy(dst, src, size_t(n) * 4, cudaMemcpyHostToDevice));
+  };
+  I.embed = I.alloc<float>(size_t(V * H));
+  up(I.embed, embed, V * H);
+  I.lm = I.alloc<float>(size_t(V * H));
+  up(I.lm, lm_head, V * H);
+  I.fnorm = I.alloc<float>(size_t(H));
+  up(I.fnorm, final_norm, H);
+  I.inv = I.alloc<float>(size_t(dd.hd / 2));
+  up(I.inv, inv_freq, dd.hd / 2);
+  I.kept = I.alloc<int64_t>(size_t(Vd));
+  CUDA_CHECK(cudaMemcpy(I.kept, kept, size_t(Vd) * 8, cudaMemcpyHostToDevice));
+  I.t2d = I.alloc<uint8_t>(size_t(V));
+  CUDA_CHECK(cudaMemcpy(I.t2d, t2d, size_t(V), cudaMemcpyHostToDevice));
+
+  I.sizes = draft_tensor_sizes(dd);
+  int64_t total = 0;
+  for (auto n : I.sizes) {
+    I.offs.push_back(total);
+    total += (n + 63) / 64 * 64;
+  }
+  I.W = I.alloc<float>(size_t(total));
+  I.G = I.alloc<float>(size_t(total));
+  I.M = I.alloc<float>(size_t(total));
+  I.Vm = I.alloc<float>(size_t(total));
+  I.partial = I.alloc<double>(size_t(kDraftTensors * kNormBlocks));
+
+  const int64_t Idim = dd.I, qd = I.qd, kvd = I.kvd;
+  I.ids = I.alloc<int32_t>(size_t(R));
+  I.pos = I.alloc<int32_t>(size_t(R));
+  I.len = I.alloc<int32_t>(size_t(R));
+  I.tgt_arg = I.alloc<int32_t>(size_t(R));
+  I.mask = I.alloc<uint8_t>(size_t(R));
+  I.in_vocab = I.alloc<uint8_t>(size_t(R));
+  I.hit = I.alloc<uint8_t>(size_t(K * R));
+  I.cnt = I.alloc<uint8_t>(size_t(K * R));
+  I.ce = I.alloc<float>(size_t(K * R));
+  I.rs = I.alloc<float>(size_t(K * R));
+  I.aux = I.alloc<float>(size_t(R * 3 * H));
+  I.hidden = I.alloc<float>(size_t(R * H));
+  I.P = I.alloc<float>(size_t(R * Vd));
+  I.chunk = std::max<int64_t>(1, std::min<int64_t>(R, (int64_t(256) << 20) / (V * 4)));
+  I.hn = I.alloc<float>(size_t(I.chunk * H));
+  I.full = I.alloc<float>(size_t(I.chunk * V));
+  for (int64_t k = 0; k <= K; ++k) I.gs.push_back(I.alloc<float>(size_t(R * H)));
+  for (int64_t k = 0; k < K; ++k) {
+    I.xin.push_back(I.alloc<float>(size_t(R * 2 * H)));
+    I.q.push_back(I.alloc<float>(size_t(R * qd)));
+    I.att.push_back(I.alloc<float>(size_t(R * qd)));
+    I.lse.push_back(I.alloc<float>(size_t(R * dd.nh)));
+    I.g1.push_back(I.alloc<float>(size_t(R * H)));
+    I.hm.push_back(I.alloc<float>(size_t(R * H)));
+    I.ga.push_back(I.alloc<float>(size_t(R * Idim)));
+    I.up.push_back(I.alloc<float>(size_t(R * Idim)));
+    I.fn.push_back(I.alloc<float>(size_t(R * H)));
+  }
+  I.keys = I.alloc<float>(size_t(K * R * kvd));
+  I.vals = I.alloc<float>(size_t(K * R * kvd));
+  I.dK = I.alloc<float>(size_t(K * R * kvd));
+  I.dV = I.alloc<float>(size_t(K * R * kvd));
+  I.E = I.alloc<float>(size_t(R * H));
+  I.tmp = I.alloc<float>(size_t(R * H));
+  I.act = I.alloc<float>(size_t(R * Idim));
+  I.logits = I.alloc<float>(size_t(R * Vd));
+  I.dfn = I.alloc<float>(size_t(R * H));
+  I.dg2 = I.alloc<float>(size_t(R * H));
+  I.dact = I.alloc<float>(size_t(R * Idim));
+  I.dga = I.alloc<float>(size_t(R * Idim));
+  I.dup = I.alloc<float>(size_t(R * Idim));
+  I.dhm = I.alloc<float>(size_t(R * H));
+  I.dg1 = I.alloc<float>(size_t(R * H));
+  I.datt = I.alloc<float>(size_t(R * qd));
+  I.D = I.alloc<float>(size_t(R * dd.nh));
+  I.dq = I.alloc<float>(size_t(R * qd));
+  I.dxin = I.alloc<float>(size_t(R * 2 * H));
+  I.dg = I.alloc<float>(size_t(R * H));
+  I.dgn = I.alloc<float>(size_t(R * H));
+  I.wrow = I.alloc<float>(size_t(R * std::max<int64_t>(H, 1)));
+}
+
+DraftEngine::~DraftEngine() {
+  if (!p_) return;
+  cudaSetDevice(p_->device);
+  if (p_->s) cudaStreamSynchronize(p_->s);
+  for (void* x : p_->owned) cudaFree(x);
+  if (p_->blas) cublasDestroy(p_->blas);
+  if (p_->s) cudaStreamDestroy(p_->s);
+}
+
+size_t DraftEngine::device_bytes() const { return p_->bytes; }
+
+static void copy_tensors(float* base, const std::vector<int64_t>& offs, const std::vector<int64_t>& sizes,
+                         const std::vector<float*>& host, bool to_host) {
+  if (host.size() != sizes.size()) fail_msg("draft on GPU: expected 13 tensors");
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    if (to_host)
+      CUDA_CHECK(cudaMemcpy(host[i], base + offs[i], size_t(sizes[i]) * 4, cudaMemcpyDeviceToHost));
+    else
+      CUDA_CHECK(cudaMemcpy(base + offs[i], host[i], size_t(sizes[i]) * 4, cudaMemcpyHostToDevice));
+  }
+}
+
+static std::vector<float*> unconst(const std::vector<const float*>& v) {
+  std::vector<float*> o;
+  for (auto* p : v) o.push_back(const_cast<float*>(p));
+  return o;
+}
+
+void DraftEngine::set_weights(const std::vector<const float*>& w) {
+  CUDA_CHECK(cudaSetDevice(p_->device));
+  copy_tensors(p_->W, p_->offs, p_->sizes, unconst(w), false);
+}
+void DraftEngine::get_weights(const std::vector<float*>& w) {
+  CUDA_CHECK(cudaSetDevice(p_->device));
+  CUDA_CHECK(cudaStreamSynchronize(p_->s));
+  copy_tensors(p_->W, p_->offs, p_->sizes, w, true);
+}
+void DraftEngine::get_grads(const std::vector<float*>& g) {
+  CUDA_CHECK(cudaSetDevice(p_->device));
+  CUDA_CHECK(cudaStreamSynchronize(p_->s));
+  copy_tensors(p_->G, p_->offs, p_->sizes, g, true);
+}
+void DraftEngine::set_moments(const std::vector<const float*>& m, const std::vector<const float*>& v) {
+  CUDA_CHECK(cudaSetDevice(p_->device));
+  copy_tensors(p_->M, p_->offs, p_->sizes, unconst(m), false);
+  copy_tensors(p_->Vm, p_->offs, p_->sizes, unconst(v), false);
+}
+void DraftEngine::get_moments(const std::vector<float*>& m, const std::vector<float*>& v) {
+  CUDA_CHECK(cudaSetDevice(p_->device));
+  CUDA_CHECK(cudaStreamSynchronize(p_->s));
+  copy_tensors(p_->M, p_->offs, p_->sizes, m, true);
+  copy_tensors(p_->Vm, p_->offs, p_->sizes, v, true);
+}
+
+std::vector<uint8_t> DraftEngine::prepare(const DraftBatch& b) {
+  Impl& I = *p_;
+  CUDA_CHECK(cudaSetDevice(I.device));
+  if (b.N > I.R || b.N <= 0)
+    fail_msg("draft on GPU: batch of " + std::to_string(b.N) + " rows, buffers hold " + std::to_string(I.R));
+  I.N = b.N;
+  const int64_t N = b.N, H = I.d.H, V = I.d.V;
+  auto cp = [&](void* dst, const void* src, size_t n) {
+    CUDA_CHECK(cudaMemcpyAsync(dst, src, n, cudaMemcpyHostToDevice, I.s));
+  };
+  cp(I.ids, b.ids, size_t(N) * 4);
+  cp(I.pos, b.pos, size_t(N) * 4);
+  cp(I.len, b.len, size_t(N) * 4);
+  cp(I.mask, b.mask, size_t(N));
+  cp(I.aux, b.aux, size_t(N * 3 * H) * 4);
+  cp(I.hidden, b.hidden, size_t(N * H) * 4);
+  for (int64_t r0 = 0; r0 < N; r0 += I.chunk) {
+    const int64_t n = std::min(I.chunk, N - r0);
+    I.rmsnorm(I.hn, H, I.hidden + r0 * H, H, I.fnorm, H, I.d.target_eps, n);
+    I.linear(I.full, V, I.hn, H, I.lm, n, H, V);
+    target_row_kernel<<<unsigned(n), 512, 0, I.s>>>(I.P + r0 * I.d.Vd, I.tgt_arg + r0, I.in_vocab + r0, I.full,
+                                                     I.kept, I.t2d, V, I.d.Vd);
+    CUDA_LAUNCH_CHECK();
+  }
+  std::vector<uint8_t> iv(static_cast<size_t>(N));
+  CUDA_CHECK(cudaMemcpyAsync(iv.data(), I.in_vocab, size_t(N), cudaMemcpyDeviceToHost, I.s));
+  CUDA_CHECK(cudaStreamSynchronize(I.s));
+  return iv;
+}
+
+void DraftEngine::run(const std::vector<float>& row_scale, bool backward, bool zero_grads, DraftRowStats& out) {
+  Impl& I = *p_;
+  CUDA_CHECK(cudaSetDevice(I.device));
+  const DraftDims& d = I.d;
+  const int64_t N = I.N, H = d.H, Id = d.I, qd = I.qd, kvd = I.kvd, K = d.K, Vd = d.Vd;
+  const cudaStream_t s = I.s;
+  if (backward && int64_t(row_scale.size()) != K * N) fail_msg("draft on GPU: row_scale must have K*N entries");
+  if (backward)
+    CUDA_CHECK(cudaMemcpyAsync(I.rs, row_scale.data(), size_t(K * N) * 4, cudaMemcpyHostToDevice, s));
+  const unsigned warps_blocks = nblocks(N * d.nh * 32, 256);
+
+  // Forward.
+  I.linear(I.gs[0], H, I.aux, 3 * H, I.w(FC), N, 3 * H, H);
+  for (int k = 0; k < K; ++k) {
+    float* xin = I.xin[size_t(k)];
+    gather_kernel<<<unsigned(N), 256, 0, s>>>(I.E, I.embed, I.ids, I.pos, I.len, H, k);
+    CUDA_LAUNCH_CHECK();
+    I.rmsnorm(xin, 2 * H, I.E, H, I.w(IN_LN), H, d.eps, N);
+    I.rmsnorm(xin + H, 2 * H, I.gs[size_t(k)], H, I.w(HNORM), H, d.eps, N);
+    float* kk = I.keys + k * I.R * kvd;
+    float* vv = I.vals + k * I.R * kvd;
+    I.linear(I.q[size_t(k)], qd, xin, 2 * H, I.w(WQ), N, 2 * H, qd);
+    I.linear(kk, kvd, xin, 2 * H, I.w(WK), N, 2 * H, kvd);
+    I.linear(vv, kvd, xin, 2 * H, I.w(WV), N, 2 * H, kvd);
+    I.rope(I.q[size_t(k)], d.nh, k, 1.0);
+    I.rope(kk, d.nkv, k, 1.0);
+    attn_forward_kernel<<<warps_blocks, 256, 0, s>>>(I.att[size_t(k)], I.lse[size_t(k)], I.attn_args(k));
+    CUDA_LAUNCH_CHECK();
+    I.linear(I.tmp, H, I.att[size_t(k)], qd, I.w(WO), N, qd, H);
+    if (d.norm_before_residual)
+      add_kernel<<<nblocks(N * H, 256), 256, 0, s>>>(I.g1[size_t(k)], xin + H, 2 * H, I.tmp, N, H);
+    else
+      add_kernel<<<nblocks(N * H, 256), 256, 0, s>>>(I.g1[size_t(k)], I.gs[size_t(k)], H, I.tmp, N, H);
+    CUDA_LAUNCH_CHECK();
+    I.rmsnorm(I.hm[size_t(k)], H, I.g1[size_t(k)], H, I.w(POST_LN), H, d.eps, N);
+    I.linear(I.ga[size_t(k)], Id, I.hm[size_t(k)], H, I.w(GATE), N, H, Id);
+    I.linear(I.up[size_t(k)], Id, I.hm[size_t(k)], H, I.w(UP), N, H, Id);
+    swiglu_kernel<<<nblocks(N * Id, 256), 256, 0, s>>>(I.act, I.ga[size_t(k)], I.up[size_t(k)], N * Id);
+    CUDA_LAUNCH_CHECK();
+    I.linear(I.tmp, H, I.act, Id, I.w(DOWN), N, Id, H);
+    add_kernel<<<nblocks(N * H, 256), 256, 0, s>>>(I.gs[size_t(k) + 1], I.g1[size_t(k)], H, I.tmp, N, H);
+    CUDA_LAUNCH_CHECK();
+    I.rmsnorm(I.fn[size_t(k)], H, I.gs[size_t(k) + 1], H, I.w(NORM), H, d.eps, N);
+    I.logits_of(k);
+    loss_kernel<<<unsigned(N), 512, 0, s>>>(I.logits, I.P, I.tgt_arg, I.in_vocab, I.mask, I.pos, I.len, Vd, k,
+                                             nullptr, I.ce + k * N, I.hit + k * N, I.cnt + k * N);
+    CUDA_LAUNCH_CHECK();
+  }
+  out.ce.resize(size_t(K * N));
+  out.hit.resize(size_t(K * N));
+  out.counts.resize(size_t(K * N));
+  CUDA_CHECK(cudaMemcpyAsync(out.ce.data(), I.ce, size_t(K * N) * 4, cudaMemcpyDeviceToHost, s));
+  CUDA_CHECK(cudaMemcpyAsync(out.hit.data(), I.hit, size_t(K * N), cudaMemcpyDeviceToHost, s));
+  CUDA_CHECK(cudaMemcpyAsync(out.counts.data(), I.cnt, size_t(K * N), cudaMemcpyDeviceToHost, s));
+  if (!backward) {
+    CUDA_CHECK(cudaStreamSynchronize(s));
+    return;
+  }
+
+  // Backward, last step first (as the CPU reference).
+  const int64_t total = I.offs.back() + (I.sizes.back() + 63) / 64 * 64;
+  if (zero_grads) CUDA_CHECK(cudaMemsetAsync(I.G, 0, size_t(total) * 4, s));
+  CUDA_CHECK(cudaMemsetAsync(I.dK, 0, size_t(K * I.R * kvd) * 4, s));
+  CUDA_CHECK(cudaMemsetAsync(I.dV, 0, size_t(K * I.R * kvd) * 4, s));
+  CUDA_CHECK(cudaMemsetAsync(I.dgn, 0, size_t(N * H) * 4, s));
+  for (int k = int(K) - 1; k >= 0; --k) {
+    const size_t ks = size_t(k);
+    float* xin = I.xin[ks];
+    I.logits_of(k);
+    loss_kernel<<<unsigned(N), 512, 0, s>>>(I.logits, I.P, I.tgt_arg, I.in_vocab, I.mask, I.pos, I.len, Vd, k,
+                                             I.rs + k * N, I.ce + k * N, I.hit + k * N, I.cnt + k * N);
+    CUDA_LAUNCH_CHECK();
+    // logits = lm_head(norm(g2))
+    I.linear_dx(I.dfn, H, I.logits, I.w(LM), N, H, Vd, 0.f);
+    I.linear_dw(I.g(LM), I.logits, I.fn[ks], H, N, H, Vd);
+    CUDA_CHECK(cudaMemcpyAsync(I.dg2, I.dgn, size_t(N * H) * 4, cudaMemcpyDeviceToDevice, s));
+    I.rmsnorm_backward(I.dg2, H, I.g(NORM), I.dfn, H, I.gs[ks + 1], H, I.w(NORM), H);
+    // g2 = g1 + down(silu(gate(hm)) * up(hm))
+    swiglu_kernel<<<nblocks(N * Id, 256), 256, 0, s>>>(I.act, I.ga[ks], I.up[ks], N * Id);
+    CUDA_LAUNCH_CHECK();
+    I.linear_dx(I.dact, Id, I.dg2, I.w(DOWN), N, Id, H, 0.f);
+    I.linear_dw(I.g(DOWN), I.dg2, I.act, Id, N, Id, H);
+    swiglu_backward_kernel<<<nblocks(N * Id, 256), 256, 0, s>>>(I.dga, I.dup, I.dact, I.ga[ks], I.up[ks], N * Id);
+    CUDA_LAUNCH_CHECK();
+    I.linear_dx(I.dhm, H, I.dga, I.w(GATE), N, H, Id, 0.f);
+    I.linear_dx(I.dhm, H, I.dup, I.w(UP), N, H, Id, 1.f);
+    I.linear_dw(I.g(GATE), I.dga, I.hm[ks], H, N, H, Id);
+    I.linear_dw(I.g(UP), I.dup, I.hm[ks], H, N, H, Id);
+    CUDA_CHECK(cudaMemcpyAsync(I.dg1, I.dg2, size_t(N * H) * 4, cudaMemcpyDeviceToDevice, s));
+    I.rmsnorm_backward(I.dg1, H, I.g(POST_LN), I.dhm, H, I.g1[ks], H, I.w(POST_LN), H);
+    // g1 = r + o_proj(att)
+    I.linear_dx(I.datt, qd, I.dg1, I.w(WO), N, qd, H, 0.f);
+    I.linear_dw(I.g(WO), I.dg1, I.att[ks], qd, N, qd, H);
+    const AttnArgs a = I.attn_args(k);
+    attn_delta_kernel<<<warps_blocks, 256, 0, s>>>(I.D, I.datt, I.att[ks], N, int(d.nh), int(d.hd));
+    CUDA_LAUNCH_CHECK();
+    attn_dq_kernel<<<warps_blocks, 256, 0, s>>>(I.dq, I.datt, I.lse[ks], I.D, a);
+    CUDA_LAUNCH_CHECK();
+    attn_dkv_kernel<<<nblocks(N * d.nkv * 32, 256), 256, 0, s>>>(I.dK, I.dV, I.datt, I.lse[ks], I.D, a, false);
+    CUDA_LAUNCH_CHECK();
+    if (k > 0) {
+      attn_dkv_kernel<<<nblocks(int64_t(k) * N * d.nkv * 32, 256), 256, 0, s>>>(I.dK, I.dV, I.datt, I.lse[ks], I.D, a,
+                                                                                true);
+      CUDA_LAUNCH_CHECK();
+    }
+    float* dKk = I.dK + k * I.R * kvd;
+    float* dVk = I.dV + k * I.R * kvd;
+    I.rope(I.dq, d.nh, k, -1.0);
+    I.rope(dKk, d.nkv, k, -1.0);
+    I.linear_dx(I.dxin, 2 * H, I.dq, I.w(WQ), N, 2 * H, qd, 0.f);
+    I.linear_dx(I.dxin, 2 * H, dKk, I.w(WK), N, 2 * H, kvd, 1.f);
+    I.linear_dx(I.dxin, 2 * H, dVk, I.w(WV), N, 2 * H, kvd, 1.f);
+    I.linear_dw(I.g(WQ), I.dq, xin, 2 * H, N, 2 * H, qd);
+    I.linear_dw(I.g(WK), dKk, xin, 2 * H, N, 2 * H, kvd);
+    I.linear_dw(I.g(WV), dVk, xin, 2 * H, N, 2 * H, kvd);
+    // xin = [in_ln(e), hidden_norm(g)]; r = g or hidden_norm(g).
+    gather_kernel<<<unsigned(N), 256, 0, s>>>(I.E, I.embed, I.ids, I.pos, I.len, H, k);
+    CUDA_LAUNCH_CHECK();
+    I.rmsnorm_backward(nullptr, 0, I.g(IN_LN), I.dxin, 2 * H, I.E, H, I.w(IN_LN), H);
+    CUDA_CHECK(cudaMemsetAsync(I.dg, 0, size_t(N * H) * 4, s));
+    I.rmsnorm_backward(I.dg, H, I.g(HNORM), I.dxin + H, 2 * H, I.gs[ks], H, I.w(HNORM), H);
+    if (d.norm_before_residual) {
+      I.rmsnorm_backward(I.dg, H, I.g(HNORM), I.dg1, H, I.gs[ks], H, I.w(HNORM), H);
+    } else {
+      add_kernel<<<nblocks(N * H, 256), 256, 0, s>>>(I.dg, I.dg, H, I.dg1, N, H);
+      CUDA_LAUNCH_CHECK();
+    }
+    if (k > 0)
+      std::swap(I.dg, I.dgn);
+    else
+      I.linear_dw(I.g(FC), I.dg, I.aux, 3 * H, N, 3 * H, H);
+  }
+  CUDA_CHECK(cudaStreamSynchronize(s));
+}
+
+double DraftEngine::clip_grad_norm(double max_norm) {
+  Impl& I = *p_;
+  CUDA_CHECK(cudaSetDevice(I.device));
+  for (int t = 0; t < kDraftTensors; ++t) {
+    sumsq_kernel<<<kNormBlocks, 256, 0, I.s>>>(I.partial + t * kNormBlocks, I.g(t), I.sizes[size_t(t)]);
+    CUDA_LAUNCH_CHECK();
+  }
+  std::vector<double> part(size_t(kDraftTensors * kNormBlocks));
+  CUDA_CHECK(cudaMemcpyAsync(part.data(), I.partial, part.size() * 8, cudaMemcpyDeviceToHost, I.s));
+  CUDA_CHECK(cudaStreamSynchronize(I.s));
+  double ss = 0;
+  for (double x : part) ss += x;
+  const double norm = std::sqrt(ss);
+  if (max_norm > 0) {
+    const double coef = max_norm / (norm + 1e-6);
+    if (coef < 1.0)
+      for (int t = 0; t < kDraftTensors; ++t) {
+        scale_kernel<<<nblocks(I.sizes[size_t(t)], 256), 256, 0, I.s>>>(I.g(t), float(coef), I.sizes[size_t(t)]);
+        CUDA_LAUNCH_CHECK();
+      }
+  }
+  return norm;
+}
+
+void DraftEngine::adamw(double lr, double beta1, double beta2, double eps, double weight_decay,
+                        const std::vector<uint8_t>& decay_on, int64_t t_after) {
+  Impl& I = *p_;
+  if (decay_on.size() != size_t(kDraftTensors)) fail_msg("draft on GPU: expected 13 weight-decay flags");
+  CUDA_CHECK(cudaSetDevice(I.device));
+  const double bc1 = 1.0 - std::pow(beta1, double(t_after)), bc2 = 1.0 - std::pow(beta2, double(t_after));
+  for (int t = 0; t < kDraftTensors; ++t) {
+    const float decay = decay_on[size_t(t)] ? float(1.0 - lr * weight_decay) : 1.0f;
+    const int64_t n = I.sizes[size_t(t)], o = I.offs[size_t(t)];
+    adamw_kernel<<<nblocks(n, 256), 256, 0, I.s>>>(I.W + o, I.M + o, I.Vm + o, I.G + o, n, decay, float(lr / bc1),
+                                                   float(std::sqrt(bc2)), float(beta1), float(beta2), float(eps));
+    CUDA_LAUNCH_CHECK();
+  }
+  CUDA_CHECK(cudaStreamSynchronize(I.s));
+}
+
+}  // namespace talon::cuda

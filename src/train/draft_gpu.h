@@ -1,0 +1,44 @@
+// The EAGLE-3 draft trainer on a GPU: the same objective, gradients and AdamW update as
+// the CPU reference (eagle3::ttt_forward, train::AdamW), with samples packed into one
+// batch per call. Built only with the CUDA backend; elsewhere the factory fails clearly.
+#pragma once
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "train/eagle3.h"
+#include "train/optim.h"
+
+namespace talon::eagle3 {
+
+// Matrix products in exact fp32, TF32, or bf16 on tensor cores (fp32 storage and
+// accumulation either way).
+enum class GpuMath { F32, TF32, BF16 };
+GpuMath parse_gpu_math(const std::string& s);
+
+class GpuDraftTrainer {
+ public:
+  virtual ~GpuDraftTrainer() = default;
+  virtual void set_weights(DraftWeights& w) = 0;
+  virtual void get_weights(DraftWeights& w) = 0;
+  virtual void get_grads(DraftGrads& g) = 0;
+  virtual void set_moments(const std::vector<std::vector<float>>& m, const std::vector<std::vector<float>>& v) = 0;
+  virtual void get_moments(std::vector<std::vector<float>>& m, std::vector<std::vector<float>>& v) = 0;
+  // Forward of every sample (packed into one batch); with backward, adds
+  // weight * d(loss_i)/d(weights) for each sample i to the gradients (zeroed first when
+  // asked). Per-sample results as ttt_forward's (logits are not kept).
+  virtual std::vector<TttResult> run(const std::vector<Sample>& batch, double weight, bool backward,
+                                     bool zero_grads) = 0;
+  // As train::clip_grad_norm and train::AdamW::step (t_before: updates already applied).
+  virtual double clip_grad_norm(double max_norm) = 0;
+  virtual void adamw_step(const train::OptimConfig& c, int64_t t_before) = 0;
+  virtual int64_t max_rows() const = 0;
+  virtual size_t device_bytes() const = 0;
+};
+
+// max_rows: the most tokens one run() may pack (device buffers are sized for it).
+std::unique_ptr<GpuDraftTrainer> make_gpu_draft_trainer(const DraftConfig& c, const TargetHead& tgt,
+                                                        const DraftVocab& vocab, int device, GpuMath math,
+                                                        int64_t max_rows);
+
+}  // namespace talon::eagle3

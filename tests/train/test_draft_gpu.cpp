@@ -1,0 +1,240 @@
+// The GPU draft trainer against the CPU reference (eagle3::ttt_forward, train::AdamW),
+// which is itself checked against the PyTorch oracle: several samples of different
+// lengths packed into one batch, GQA, both residual conventions; per-sample losses and
+// accuracies, every gradient, five optimizer steps, and run-to-run determinism.
+#ifdef TALON_HAVE_CUDA
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <random>
+
+#include "tests/tolerances.h"
+#include "train/draft_gpu.h"
+#include "train/eagle3.h"
+#include "train/optim.h"
+#include "train/trainer.h"
+#include "util/error.h"
+
+using namespace talon;
+using namespace talon::eagle3;
+
+namespace {
+
+bool have_gpu() {
+  int n = 0;
+  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
+}
+
+struct Case {
+  DraftConfig c;
+  DraftWeights w;
+  DraftVocab dv;
+  std::vector<float> embed, fnorm, head;
+  struct S {
+    std::vector<int32_t> ids;
+    std::vector<uint8_t> mask;
+    std::vector<float> aux, hid;
+  };
+  std::vector<S> samples;
+
+  Case(bool nbr, uint32_t seed) {
+    std::mt19937 rng(seed);
+    std::normal_distribution<float> nd(0.f, 1.f);
+    c.H = 64;
+    c.I = 96;
+    c.n_heads = 4;
+    c.n_kv_heads = 2;
+    c.head_dim = 16;
+    c.V = 211;
+    c.Vd = 60;
+    c.rms_eps = 1e-5;
+    c.rope.theta = 10000;
+    c.norm_before_residual = nbr;
+    c.ttt_steps = 4;
+    c.step_decay = 0.8;
+    auto fill = [&](std::vector<float>& v, size_t n, float sd) {
+      v.resize(n);
+      for (auto& x : v) x = sd * nd(rng);
+    };
+    const size_t H = size_t(c.H), qd = size_t(c.n_heads * c.head_dim), kvd = size_t(c.n_kv_heads * c.head_dim);
+    fill(w.fc, H * 3 * H, 0.1f);
+    fill(w.wq, qd * 2 * H, 0.15f);
+    fill(w.wk, kvd * 2 * H, 0.15f);
+    fill(w.wv, kvd * 2 * H, 0.15f);
+    fill(w.wo, H * qd, 0.1f);
+    fill(w.gate, size_t(c.I) * H, 0.1f);
+    fill(w.up, size_t(c.I) * H, 0.1f);
+    fill(w.down, H * size_t(c.I), 0.1f);
+    fill(w.lm_head, size_t(c.Vd) * H, 0.2f);
+    for (auto* v : {&w.in_ln, &w.hidden_norm, &w.post_ln, &w.norm}) {
+      v->resize(H);
+      for (auto& x : *v) x = 1.f + 0.1f * nd(rng);
+    }
+    fill(embed, size_t(c.V) * H, 1.f);
+    fill(head, size_t(c.V) * H, 0.3f);
+    fnorm.resize(H);
+    for (auto& x : fnorm) x = 1.f + 0.1f * nd(rng);
+    std::vector<int64_t> counts(size_t(c.V), 0);
+    for (int T : {13, 7, 22, 2}) {
+      S s;
+      for (int t = 0; t < T; ++t) {
+        s.ids.push_back(int32_t(rng() % uint32_t(c.V)));
+        s.mask.push_back(uint8_t(rng() % 5 != 0));
+        if (s.mask.back()) counts[size_t(s.ids.back())]++;
+      }
+      fill(s.aux, size_t(T) * 3 * H, 1.f);
+      fill(s.hid, size_t(T) * H, 1.f);
+      samples.push_back(std::move(s));
+    }
+    // Also count the target's own favourite tokens, so most positions count.
+    dv = build_draft_vocab(counts, c.Vd);
+  }
+  TargetHead target() const { return {embed.data(), fnorm.data(), head.data(), 1e-5}; }
+  std::vector<Sample> batch() const {
+    std::vector<Sample> b;
+    for (auto& s : samples) b.push_back({s.ids.data(), s.mask.data(), s.aux.data(), s.hid.data(), int64_t(s.ids.size())});
+    return b;
+  }
+};
+
+double rel_diff(const std::vector<double>& a, const std::vector<double>& b) {
+  double mx = 0, mb = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    mx = std::max(mx, std::abs(a[i] - b[i]));
+    mb = std::max(mb, std::abs(b[i]));
+  }
+  return mx / std::max(mb, 1e-30);
+}
+
+class GpuDraft : public ::testing::TestWithParam<bool> {};
+
+void check_against_cpu(bool nbr, GpuMath math, double loss_tol, double grad_tol) {
+  Case cs(nbr, 1234);
+  const auto batch = cs.batch();
+  const double weight = 1.0 / double(batch.size());
+  // CPU reference: per-sample forward + backward, gradients scaled by the batch weight.
+  DraftGrads cpu_g(cs.w);
+  std::vector<TttResult> cpu;
+  for (auto& s : batch) cpu.push_back(ttt_forward(cs.c, cs.w, cs.target(), cs.dv, s, false, &cpu_g));
+  for (auto& [n, g] : cpu_g.named())
+    for (auto& x : *g) x *= weight;
+
+  auto gpu = make_gpu_draft_trainer(cs.c, cs.target(), cs.dv, 0, math, 64);
+  gpu->set_weights(cs.w);
+  const auto res = gpu->run(batch, weight, true, true);
+  ASSERT_EQ(res.size(), cpu.size());
+  int64_t counted = 0;
+  for (size_t i = 0; i < res.size(); ++i) {
+    ASSERT_EQ(res[i].n_k, cpu[i].n_k) << "sample " << i;
+    for (auto n : cpu[i].n_k) counted += n;
+    EXPECT_NEAR(res[i].loss, cpu[i].loss, loss_tol * std::max(1.0, std::abs(cpu[i].loss))) << "sample " << i;
+    for (size_t k = 0; k < cpu[i].loss_k.size(); ++k)
+      EXPECT_NEAR(res[i].loss_k[k], cpu[i].loss_k[k], loss_tol * std::max(1.0, cpu[i].loss_k[k])) << i << " step " << k;
+    if (math == GpuMath::F32) {
+      EXPECT_EQ(res[i].acc_k, cpu[i].acc_k) << "sample " << i;
+      EXPECT_EQ(res[i].cond_acc_k, cpu[i].cond_acc_k) << "sample " << i;
+    }
+  }
+  EXPECT_GT(counted, 20) << "too few positions count for the test to mean much";
+  DraftGrads gpu_g(cs.w);
+  gpu->get_grads(gpu_g);
+  auto a = gpu_g.named();
+  auto b = cpu_g.named();
+  for (size_t i = 0; i < a.size(); ++i) {
+    double mb = 0;
+    for (double x : *b[i].second) mb = std::max(mb, std::abs(x));
+    EXPECT_GT(mb, 0.0) << b[i].first << ": the reference gradient is zero";
+    EXPECT_LE(rel_diff(*a[i].second, *b[i].second), grad_tol) << a[i].first;
+  }
+}
+
+TEST_P(GpuDraft, ForwardBackwardMatchesCpuReference) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device on this machine";
+  check_against_cpu(GetParam(), GpuMath::F32, tol::kGpuTttLossRel, tol::kGpuTttGradRel);
+}
+
+TEST_P(GpuDraft, Bf16TensorCoresStayClose) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device on this machine";
+  check_against_cpu(GetParam(), GpuMath::BF16, tol::kGpuTttBf16LossRel, tol::kGpuTttBf16GradRel);
+}
+
+TEST_P(GpuDraft, AdamWStepsMatchCpuAndAreDeterministic) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device on this machine";
+  Case cs(GetParam(), 99);
+  const auto batch = cs.batch();
+  train::OptimConfig oc;
+  oc.lr = 1e-3;
+  oc.weight_decay = 0.1;
+  oc.warmup_steps = 2;
+  oc.total_steps = 5;
+  oc.clip_norm = 0.05;  // small enough to clip: the clipping path is exercised
+  DraftWeights cw = cs.w;
+  DraftGrads cg(cw);
+  auto params = train::draft_params(cw, cg);
+  train::AdamW adam(oc);
+  std::vector<std::unique_ptr<GpuDraftTrainer>> gpus;
+  for (int r = 0; r < 2; ++r) {
+    gpus.push_back(make_gpu_draft_trainer(cs.c, cs.target(), cs.dv, 0, GpuMath::F32, 40));
+    gpus.back()->set_weights(cs.w);
+  }
+  for (int step = 0; step < 5; ++step) {
+    for (auto& p : params) std::fill(p.g->begin(), p.g->end(), 0.0);
+    double cpu_loss = 0;
+    for (auto& s : batch) cpu_loss += ttt_forward(cs.c, cw, cs.target(), cs.dv, s, false, &cg).loss / 4.0;
+    for (auto& p : params)
+      for (auto& g : *p.g) g *= 0.25;
+    const double cn = train::clip_grad_norm(params, oc.clip_norm);
+    adam.step(params);
+    for (auto& gpu : gpus) {
+      // Two micro-batches (budget 40 tokens): gradients accumulate across them.
+      std::vector<Sample> m1(batch.begin(), batch.begin() + 2), m2(batch.begin() + 2, batch.end());
+      double loss = 0;
+      for (auto& r : gpu->run(m1, 0.25, true, true)) loss += r.loss / 4.0;
+      for (auto& r : gpu->run(m2, 0.25, true, false)) loss += r.loss / 4.0;
+      EXPECT_NEAR(loss, cpu_loss, tol::kGpuTttLossRel * std::max(1.0, cpu_loss)) << "step " << step;
+      const double gn = gpu->clip_grad_norm(oc.clip_norm);
+      EXPECT_NEAR(gn, cn, tol::kGpuTttGradRel * cn) << "step " << step;
+      gpu->adamw_step(oc, step);
+    }
+  }
+  DraftWeights g0, g1;
+  gpus[0]->get_weights(g0);
+  gpus[1]->get_weights(g1);
+  auto a = g0.named(), b = g1.named(), c = cw.named(), init = cs.w.named();
+  for (size_t i = 0; i < a.size(); ++i) {
+    EXPECT_EQ(*a[i].second, *b[i].second) << a[i].first << ": two runs on the same inputs differ";
+    double moved = 0;
+    size_t off = 0;
+    for (size_t j = 0; j < c[i].second->size(); ++j) {
+      moved = std::max(moved, double(std::abs((*c[i].second)[j] - (*init[i].second)[j])));
+      off += std::abs((*a[i].second)[j] - (*c[i].second)[j]) > 0.01 * oc.lr;
+    }
+    EXPECT_GT(moved, 1e-4) << c[i].first << " did not train";
+    EXPECT_LE(double(off), tol::kGpuTttWeightOffFraction * double(c[i].second->size())) << a[i].first;
+  }
+  std::vector<std::vector<float>> m, v;
+  gpus[0]->get_moments(m, v);
+  for (size_t i = 0; i < m.size(); ++i) {
+    double d = 0, mx = 0;
+    for (size_t j = 0; j < m[i].size(); ++j) {
+      d = std::max(d, double(std::abs(m[i][j] - adam.m()[i][j])));
+      mx = std::max(mx, double(std::abs(adam.m()[i][j])));
+    }
+    EXPECT_LE(d, tol::kGpuTttGradRel * mx) << "first moment of tensor " << i;
+  }
+}
+
+TEST(GpuDraftBudget, RefusesBatchOverBudget) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device on this machine";
+  Case cs(false, 7);
+  auto gpu = make_gpu_draft_trainer(cs.c, cs.target(), cs.dv, 0, GpuMath::F32, 16);
+  gpu->set_weights(cs.w);
+  EXPECT_THROW(gpu->run(cs.batch(), 1.0, true, true), Error);
+}
+
+INSTANTIATE_TEST_SUITE_P(Residual, GpuDraft, ::testing::Values(false, true),
+                         [](const auto& i) { return i.param ? std::string("NormBeforeResidual") : std::string("Plain"); });
+
+}  // namespace
+#endif  // TALON_HAVE_CUDA

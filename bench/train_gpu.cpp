@@ -1,0 +1,121 @@
+// Draft-training throughput on one GPU for a target shape (random weights and features):
+// optimizer steps of packed samples through the same GpuDraftTrainer `talon train
+// --device cuda` uses; reports tokens/s, the share of the FLOP roofline and device memory.
+//   talon_bench_train [--shape llama3-8b|smollm2] [--seq 2048] [--samples 2] [--steps 6]
+//                     [--math bf16|tf32|f32] [--ttt 7] [--draft-vocab 32000] [--peak-tflops 779]
+#include <cuda_runtime.h>
+
+#include <CLI/CLI.hpp>
+#include <chrono>
+#include <cstdio>
+#include <random>
+
+#include "train/draft_gpu.h"
+#include "train/trainer.h"
+#include "util/error.h"
+
+using namespace talon;
+using namespace talon::eagle3;
+
+int main(int argc, char** argv) {
+  CLI::App app{"EAGLE-3 draft training throughput on one GPU (random weights and features)"};
+  std::string shape = "llama3-8b", math = "bf16";
+  int64_t seq = 2048, samples = 2, steps = 6, vd = 32000;
+  int ttt = 7;
+  double peak = 779;
+  app.add_option("--shape", shape)->capture_default_str();
+  app.add_option("--seq", seq)->capture_default_str();
+  app.add_option("--samples", samples, "samples per optimizer step")->capture_default_str();
+  app.add_option("--steps", steps)->capture_default_str();
+  app.add_option("--math", math)->capture_default_str();
+  app.add_option("--ttt", ttt)->capture_default_str();
+  app.add_option("--draft-vocab", vd)->capture_default_str();
+  app.add_option("--peak-tflops", peak, "dense bf16 peak of the GPU")->capture_default_str();
+  CLI11_PARSE(app, argc, argv);
+  try {
+    DraftConfig c;
+    if (shape == "llama3-8b") {
+      c.H = 4096, c.I = 14336, c.n_heads = 32, c.n_kv_heads = 8, c.head_dim = 128, c.V = 128256;
+      c.rope.theta = 500000;
+    } else if (shape == "smollm2") {
+      c.H = 576, c.I = 1536, c.n_heads = 9, c.n_kv_heads = 3, c.head_dim = 64, c.V = 49152;
+      c.rope.theta = 100000;
+    } else {
+      fail("--shape {}: expected llama3-8b or smollm2", shape);
+    }
+    c.Vd = std::min(vd, c.V);
+    c.ttt_steps = ttt;
+    std::mt19937 rng(1);
+    std::normal_distribution<float> nd(0.f, 1.f);
+    auto fill = [&](std::vector<float>& v, size_t n, float sd) {
+      v.resize(n);
+      for (auto& x : v) x = sd * nd(rng);
+    };
+    const size_t H = size_t(c.H);
+    std::vector<float> embed, head, fnorm(H, 1.f);
+    fill(embed, size_t(c.V) * H, 0.02f);
+    fill(head, size_t(c.V) * H, 0.02f);
+    std::vector<int64_t> counts(size_t(c.V), 0);
+    const int64_t N = seq * samples;
+    std::vector<int32_t> ids(static_cast<size_t>(N));
+    std::vector<uint8_t> mask(static_cast<size_t>(N), 1);
+    for (auto& x : ids) {
+      x = int32_t(rng() % uint32_t(c.V));
+      counts[size_t(x)]++;
+    }
+    std::vector<float> aux, hid;
+    fill(aux, size_t(N) * 3 * H, 1.f);
+    fill(hid, size_t(N) * H, 1.f);
+    const DraftVocab dv = build_draft_vocab(counts, c.Vd);
+    DraftWeights w;
+    const size_t qd = size_t(c.n_heads * c.head_dim), kvd = size_t(c.n_kv_heads * c.head_dim);
+    fill(w.fc, H * 3 * H, 0.02f);
+    fill(w.wq, qd * 2 * H, 0.02f);
+    fill(w.wk, kvd * 2 * H, 0.02f);
+    fill(w.wv, kvd * 2 * H, 0.02f);
+    fill(w.wo, H * qd, 0.02f);
+    fill(w.gate, size_t(c.I) * H, 0.02f);
+    fill(w.up, size_t(c.I) * H, 0.02f);
+    fill(w.down, H * size_t(c.I), 0.02f);
+    fill(w.lm_head, size_t(c.Vd) * H, 0.02f);
+    for (auto* v : {&w.in_ln, &w.hidden_norm, &w.post_ln, &w.norm}) v->assign(H, 1.f);
+    size_t free0 = 0, total = 0;
+    cudaMemGetInfo(&free0, &total);
+    auto gpu = make_gpu_draft_trainer(c, {embed.data(), fnorm.data(), head.data(), 1e-5}, dv, 0, parse_gpu_math(math), N);
+    gpu->set_weights(w);
+    std::vector<Sample> batch;
+    for (int64_t s = 0; s < samples; ++s)
+      batch.push_back({ids.data() + s * seq, mask.data() + s * seq, aux.data() + s * seq * 3 * c.H,
+                       hid.data() + s * seq * c.H, seq});
+    train::OptimConfig oc;
+    double secs = 0;
+    for (int64_t st = 0; st < steps; ++st) {
+      cudaDeviceSynchronize();
+      const auto t0 = std::chrono::steady_clock::now();
+      const auto res = gpu->run(batch, 1.0 / double(samples), true, true);
+      gpu->clip_grad_norm(0.5);
+      gpu->adamw_step(oc, st);
+      const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      if (st > 0) secs += dt;  // the first step warms up cuBLAS
+      std::printf("step %lld: %.3f s, loss %.4f\n", (long long)st, dt, res[0].loss);
+    }
+    size_t free1 = 0;
+    cudaMemGetInfo(&free1, &total);
+    // FLOPs per token: each TTT step runs the layer (q,k,v,o, gate/up/down, lm_head) forward
+    // (2 flop per weight), backward (4 flop per weight), and the logits again for the loss
+    // gradient; plus fc once and the target head (V x H) once; attention excluded.
+    const double layer = double(qd * 2 * H + 2 * kvd * 2 * H + H * qd + 3 * size_t(c.I) * H);
+    const double lm = double(size_t(c.Vd) * H);
+    const double per_tok = double(c.ttt_steps) * (6 * layer + 8 * lm) + 6 * double(H * 3 * H) + 2 * double(size_t(c.V) * H);
+    const double tps = double(N) * double(steps - 1) / secs;
+    std::printf("shape %s seq %lld x %lld samples, K=%d, math %s: %.0f tokens/s, %.1f GFLOP/token (no attention), "
+                "%.1f%% of %.0f TFLOP/s; device memory %.1f GiB (buffers %.1f GiB)\n",
+                shape.c_str(), (long long)seq, (long long)samples, c.ttt_steps, math.c_str(), tps, per_tok / 1e9,
+                100 * tps * per_tok / (peak * 1e12), peak, double(free0 - free1) / double(1 << 30),
+                double(gpu->device_bytes()) / double(1 << 30));
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "error: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}

@@ -81,7 +81,7 @@ void write_ckpt(const CkptSpec& s, const fs::path& file) {
   w.write(file);
 }
 
-struct ExportTest : ::testing::Test {
+struct train_export : ::testing::Test {
   fs::path dir;
   void SetUp() override {
     dir = fs::temp_directory_path() /
@@ -125,7 +125,7 @@ json read_json(const fs::path& p) { return json::parse(read_text_file(p)); }
 
 }  // namespace
 
-TEST_F(ExportTest, SpeculatorsFp32RoundTripIsBitExact) {
+TEST_F(train_export, SpeculatorsFp32RoundTripIsBitExact) {
   const CkptSpec s = make_spec();
   write_ckpt(s, dir / "run/checkpoint.safetensors");
   run_export(opts(dir / "run", "spec", ExportFormat::Speculators, DType::F32));
@@ -214,7 +214,7 @@ TEST_F(ExportTest, SpeculatorsFp32RoundTripIsBitExact) {
   for (int64_t i = 0; i < VD; ++i) EXPECT_EQ(e.vocab.kept[size_t(i)], 3 + 4 * i + (i % 3));
 }
 
-TEST_F(ExportTest, SGLangBf16RoundTripIsNearestBf16) {
+TEST_F(train_export, SGLangBf16RoundTripIsNearestBf16) {
   const CkptSpec s = make_spec();
   write_ckpt(s, dir / "run/checkpoint.safetensors");
   run_export(opts(dir / "run/checkpoint.safetensors", "sg", ExportFormat::SGLang, DType::BF16));
@@ -259,7 +259,7 @@ TEST_F(ExportTest, SGLangBf16RoundTripIsNearestBf16) {
   EXPECT_EQ(e.vocab.t2d, s.t2d);
 }
 
-TEST_F(ExportTest, RefusalsNameTheFieldAndWriteNothing) {
+TEST_F(train_export, RefusalsNameTheFieldAndWriteNothing) {
   struct Case {
     const char* what;
     std::function<void(CkptSpec&)> mutate;
@@ -316,7 +316,7 @@ TEST_F(ExportTest, RefusalsNameTheFieldAndWriteNothing) {
     EXPECT_EQ(p.path().filename().string().find(".tmp-"), std::string::npos) << p.path();
 }
 
-TEST_F(ExportTest, LoadExportedDraftRejectsTamperedDirectories) {
+TEST_F(train_export, LoadExportedDraftRejectsTamperedDirectories) {
   write_ckpt(make_spec(), dir / "run/checkpoint.safetensors");
   run_export(opts(dir / "run", "spec", ExportFormat::Speculators, DType::F32));
   const fs::path cpath = dir / "spec/config.json";
@@ -364,7 +364,7 @@ std::string train_line(int step, double loss) {
 }
 }  // namespace
 
-TEST(Report, OneChartPerMetricWithOnePointPerRecord) {
+TEST(train_report, OneChartPerMetricWithOnePointPerRecord) {
   std::string text;
   for (int i = 0; i < 5; ++i) text += train_line(i, 3.0 - 0.1 * i);
   const auto rs = parse_metrics(text, "m.jsonl");
@@ -384,7 +384,7 @@ TEST(Report, OneChartPerMetricWithOnePointPerRecord) {
   EXPECT_NE(html.find("<td>loss</td><td>2.6</td><td>2.6</td><td>4</td>"), std::string::npos);
 }
 
-TEST(Report, EvalRecordsAreTheirOwnSeries) {
+TEST(train_report, EvalRecordsAreTheirOwnSeries) {
   std::string text;
   for (int i = 0; i < 4; ++i) text += train_line(i, 2.0);
   text += json{{"split", "eval"}, {"step", 1}, {"loss", 2.5}, {"acc", {0.4, 0.2}}, {"cond_acc", {0.4, 0.5}},
@@ -403,7 +403,7 @@ TEST(Report, EvalRecordsAreTheirOwnSeries) {
   EXPECT_EQ(count(html, "<svg"), 7u);
 }
 
-TEST(Report, BadMetricsNameTheLine) {
+TEST(train_report, BadMetricsNameTheLine) {
   const std::string ok = train_line(0, 1.0);
   EXPECT_NE(error_of([&] { parse_metrics(ok + ok + "{not json\n", "run/metrics.jsonl"); }).find("run/metrics.jsonl:3: not a JSON object"),
             std::string::npos);

@@ -348,6 +348,12 @@ ExportReport run_export(const ExportOptions& opt) {
                   where, id);
   }
 
+  if (opt.format == ExportFormat::Speculators)
+    for (auto id : d.aux_layer_ids)
+      if (id == 0 || id == tc.n_layers)
+        tlog::warn("export: aux layer id {} is {}; vLLM's decoder loops capture the input of layers 1..L-1 only", id,
+                   id == 0 ? "the embeddings" : "the last layer's output");
+
   // Output location: a fresh or empty directory, assembled under a temporary name.
   const fs::path out = fs::absolute(opt.out).lexically_normal();
   TALON_CHECK(!out.filename().empty(), "export: --out {} must name a directory", opt.out.string());

@@ -259,6 +259,39 @@ TEST_F(train_export, SGLangBf16RoundTripIsNearestBf16) {
   EXPECT_EQ(e.vocab.t2d, s.t2d);
 }
 
+TEST_F(train_export, BothFormatsReadBackAsTheCheckpoint) {
+  write_ckpt(make_spec(), dir / "run/checkpoint.safetensors");
+  auto tc = open_checkpoint(target_dir());
+  TrainedDraft t = load_trained_draft(dir / "run", tc->config(), "target");
+  for (ExportFormat f : {ExportFormat::Speculators, ExportFormat::SGLang}) {
+    const std::string name = export_format_name(f);
+    run_export(opts(dir / "run", name, f, DType::F32));
+    ExportedDraft e = load_exported_draft(dir / name);
+    EXPECT_EQ(e.format, f);
+    auto a = t.weights.named(), b = e.weights.named();
+    for (size_t i = 0; i < a.size(); ++i) EXPECT_EQ(*a[i].second, *b[i].second) << name << " " << a[i].first;
+    EXPECT_EQ(e.vocab.kept, t.vocab.kept) << name;
+    EXPECT_EQ(e.vocab.d2t, t.vocab.d2t) << name;
+    EXPECT_EQ(e.vocab.t2d, t.vocab.t2d) << name;
+    EXPECT_EQ(e.aux_layer_ids, t.aux_layer_ids) << name;
+    EXPECT_EQ(e.config.H, t.config.H);
+    EXPECT_EQ(e.config.I, t.config.I);
+    EXPECT_EQ(e.config.n_heads, t.config.n_heads);
+    EXPECT_EQ(e.config.n_kv_heads, t.config.n_kv_heads);
+    EXPECT_EQ(e.config.head_dim, t.config.head_dim);
+    EXPECT_EQ(e.config.V, t.config.V);
+    EXPECT_EQ(e.config.Vd, t.config.Vd);
+    EXPECT_EQ(e.config.rms_eps, t.config.rms_eps);
+    EXPECT_EQ(e.config.norm_before_residual, t.config.norm_before_residual);
+    EXPECT_EQ(e.config.rope.type, t.config.rope.type);
+    EXPECT_EQ(e.config.rope.theta, t.config.rope.theta);
+    EXPECT_EQ(e.config.rope.factor, t.config.rope.factor);
+    EXPECT_EQ(e.config.rope.low_freq_factor, t.config.rope.low_freq_factor);
+    EXPECT_EQ(e.config.rope.high_freq_factor, t.config.rope.high_freq_factor);
+    EXPECT_EQ(e.config.rope.original_max_position, t.config.rope.original_max_position);
+  }
+}
+
 TEST_F(train_export, RefusalsNameTheFieldAndWriteNothing) {
   struct Case {
     const char* what;

@@ -21,4 +21,10 @@ if ! python3 -c "import tokenizers, sentencepiece, google.protobuf, gguf, transf
   python3 -m pip install --quiet "${pkgs_py[@]}" ||
     python3 -m pip install --quiet --break-system-packages "${pkgs_py[@]}"
 fi
+# PyTorch (CPU wheel) for the export test's bf16 oracle (tests/cli/check_export.py).
+if ! python3 -c "import torch" 2>/dev/null; then
+  echo "setup: installing PyTorch (CPU)"
+  python3 -m pip install --quiet torch --index-url https://download.pytorch.org/whl/cpu ||
+    python3 -m pip install --quiet --break-system-packages torch --index-url https://download.pytorch.org/whl/cpu
+fi
 scripts/fetch_model.sh

@@ -8,6 +8,8 @@
 #include "cli/commands/template.h"
 #include "cli/commands/tokenize.h"
 #include "data/extract.h"
+#include "train/export.h"
+#include "train/report.h"
 #include "train/trainer.h"
 #include "util/error.h"
 #include "util/log.h"
@@ -115,6 +117,23 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   cmd_tr->add_option("--stop-after-steps", tr.stop_after_steps, "Testing: stop as if interrupted")->group("");
 
+  train::ExportOptions exo;
+  std::string ex_format, ex_dtype = "bf16";
+  auto* cmd_exp = app.add_subcommand("export", "Write a trained draft as a vLLM (speculators) or SGLang model directory");
+  cmd_exp->add_option("--checkpoint", exo.checkpoint, "`talon train` run directory or its checkpoint.safetensors")->required();
+  cmd_exp->add_option("--model", exo.model, "The target model the draft was trained for")->required();
+  cmd_exp->add_option("--format", ex_format, "speculators (vLLM) | sglang (SpecForge layout)")->required();
+  cmd_exp->add_option("--out", exo.out, "Output directory (must not exist, or be empty)")->required();
+  cmd_exp->add_option("--speculative-tokens", exo.speculative_tokens, "Draft tokens per step in the speculators config")
+      ->capture_default_str();
+  cmd_exp->add_option("--dtype", ex_dtype, "bf16 | fp32 for the weights")->capture_default_str();
+  cmd_exp->add_option("--verifier", exo.verifier, "Verifier name_or_path written in the config (default: --model)");
+
+  train::ReportOptions rpo;
+  auto* cmd_rep = app.add_subcommand("report", "Render a training run's metrics.jsonl as one HTML page of charts");
+  cmd_rep->add_option("--run", rpo.run, "`talon train` output directory (or its metrics.jsonl)")->required();
+  cmd_rep->add_option("--out", rpo.out, "HTML file to write")->required();
+
   PrepareOptions prep;
   auto* cmd_pr = add_prepare_subcommand(app, prep);
 
@@ -164,6 +183,19 @@ int main(int argc, char** argv) {
       return 0;
     }
     if (*cmd_stop) return run_stop(stop_dir, stop_wait);
+    if (*cmd_exp) {
+      exo.format = train::parse_export_format(ex_format);
+      TALON_CHECK(ex_dtype == "bf16" || ex_dtype == "fp32", "export: --dtype must be bf16 or fp32, got '{}'", ex_dtype);
+      exo.dtype = ex_dtype == "bf16" ? DType::BF16 : DType::F32;
+      auto r = train::run_export(exo);
+      std::cout << fmt::format("export complete: {} tensors, {} bytes\n  output: {}\n", r.tensors, r.bytes, r.out.string());
+      return 0;
+    }
+    if (*cmd_rep) {
+      auto r = train::run_report(rpo);
+      std::cout << fmt::format("report: {} records, {} charts\n  output: {}\n", r.records, r.charts, rpo.out.string());
+      return 0;
+    }
   } catch (const Error& e) {
     spdlog::default_logger()->flush();
     std::cerr << "error: " << e.what() << "\n";

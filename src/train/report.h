@@ -1,0 +1,60 @@
+// `talon report`: one self-contained HTML page (inline SVG line charts, no scripts) from
+// a training run's metrics.jsonl.
+//
+// Records are JSON objects, one a line. A record without "split" (or with "split":
+// "train") is a training step: step, epoch, loss, acc [K], sim_accept_len, lr, grad_norm,
+// tokens_per_s. Any other split (e.g. "eval") is its own series: step, loss, acc, cond_acc,
+// sim_accept_len. Every chart draws each split that has the metric as its own line.
+#pragma once
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "util/file.h"
+
+namespace talon::train {
+
+struct MetricRecord {
+  std::string split = "train";
+  int64_t step = 0;
+  // Scalars present in the record (loss, sim_accept_len, lr, grad_norm, tokens_per_s, epoch).
+  std::map<std::string, double> scalars;
+  // Per-TTT-step arrays present in the record (acc, cond_acc).
+  std::map<std::string, std::vector<double>> arrays;
+  int64_t line = 0;  // 1-based line in the file
+};
+
+// Parses metrics.jsonl text; `source` names the file in errors ("<file>:<line>: ...").
+// Fails on a line that is not a JSON object, lacks an integer "step", or holds a known
+// field of the wrong type, and when there is no record at all.
+std::vector<MetricRecord> parse_metrics(const std::string& text, const std::string& source);
+
+// One chart: a title and one line per (series name, points).
+struct ChartSeries {
+  std::string name;
+  std::vector<std::pair<double, double>> points;  // (step, value)
+};
+struct Chart {
+  std::string id, title, y_label;
+  std::vector<ChartSeries> series;
+};
+
+// The charts a report draws: loss, acc_k (one line per k and split), cond_acc_k when
+// present, sim_accept_len, lr, grad_norm, tokens_per_s; a chart without points is left out.
+std::vector<Chart> build_charts(const std::vector<MetricRecord>& records);
+
+std::string render_report_html(const std::vector<MetricRecord>& records, const std::string& title);
+
+struct ReportOptions {
+  fs::path run;  // a `talon train` output directory (metrics.jsonl), or the file itself
+  fs::path out;  // the HTML file to write
+};
+struct ReportSummary {
+  int64_t records = 0;
+  int64_t charts = 0;
+};
+ReportSummary run_report(const ReportOptions& opt);
+
+}  // namespace talon::train

@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# talon export and talon report end to end: a short `talon train` run on SmolLM2 features
+# of the demo chats is exported to both engine formats in fp32 and bf16 and checked
+# against the checkpoint by an independent reader (check_export.py: safetensors + json);
+# refusals exit non-zero and leave nothing behind; the report has one chart per metric
+# with one point per logged step.
+source "$(dirname "$0")/lib.sh"
+GGUF=${TALON_SMOLLM2_GGUF:-$SRC/.cache/models/SmolLM2-135M-Instruct.Q4_1.gguf}
+[ -f "$GGUF" ] || { echo "missing $GGUF (run scripts/fetch_model.sh)"; exit 1; }
+CHECK="$SRC/tests/cli/check_export.py"
+"$TALON" prepare --model "$GGUF" --data "$SRC/examples/demo_chats.jsonl" --out "$WORK/tok" > /dev/null 2>&1 || bad "prepare"
+"$TALON" extract --model "$GGUF" --data "$WORK/tok" --out "$WORK/feat" > /dev/null 2>&1 || bad "extract"
+train=(--data "$WORK/feat" --model "$GGUF" --draft-vocab 256 --max-length 64 --ttt-steps 2 --lr 1e-3)
+"$TALON" train "${train[@]}" --max-steps 3 --out "$WORK/run" > /dev/null 2> "$WORK/train.err" && ok "trained 3 steps" \
+  || bad "train: $(tail -3 "$WORK/train.err")"
+
+for fmt in speculators sglang; do
+  for dt in fp32 bf16; do
+    out="$WORK/export-$fmt-$dt"
+    if "$TALON" export --checkpoint "$WORK/run" --model "$GGUF" --format $fmt --dtype $dt --speculative-tokens 5 \
+         --out "$out" > "$WORK/e.out" 2> "$WORK/e.err"; then
+      msg=$(python3 "$CHECK" "$WORK/run/checkpoint.safetensors" "$out" $fmt $dt 5 2>&1) && ok "$msg" || bad "$fmt $dt: $msg"
+    else
+      bad "export $fmt $dt: $(tail -3 "$WORK/e.err")"
+    fi
+  done
+done
+
+# Refusals.
+"$TALON" export --checkpoint "$WORK/run" --model "$GGUF" --format sglang --out "$WORK/export-sglang-fp32" > /dev/null 2> "$WORK/r1"
+[ $? -ne 0 ] && grep -q "already exists and is not an empty directory" "$WORK/r1" && ok "existing output refused" || bad "$(cat "$WORK/r1")"
+"$TALON" export --checkpoint "$WORK/run" --model "$SRC/tests/fixtures/golden/llama_gqa" --format speculators --out "$WORK/x1" > /dev/null 2> "$WORK/r2"
+[ $? -ne 0 ] && grep -q "target_config_sha256 is .* but --model .* has config sha256" "$WORK/r2" && [ ! -e "$WORK/x1" ] \
+  && ok "checkpoint of another target refused" || bad "$(cat "$WORK/r2")"
+"$TALON" export --checkpoint "$WORK/run" --model "$GGUF" --format onnx --out "$WORK/x2" > /dev/null 2> "$WORK/r3"
+[ $? -ne 0 ] && grep -q "unknown export format 'onnx'" "$WORK/r3" && ok "unknown format refused" || bad "$(cat "$WORK/r3")"
+"$TALON" train "${train[@]}" --max-steps 1 --norm-before-residual --out "$WORK/nbr" > /dev/null 2>&1 || bad "train nbr"
+"$TALON" export --checkpoint "$WORK/nbr" --model "$GGUF" --format sglang --out "$WORK/x3" > /dev/null 2> "$WORK/r4"
+[ $? -ne 0 ] && grep -q "norm_before_residual = true, which SGLang" "$WORK/r4" && [ ! -e "$WORK/x3" ] \
+  && ok "norm_before_residual refused for SGLang" || bad "$(cat "$WORK/r4")"
+"$TALON" export --checkpoint "$WORK/nbr" --model "$GGUF" --format speculators --dtype fp32 --speculative-tokens 3 --out "$WORK/x4" > /dev/null 2>&1 \
+  && python3 "$CHECK" "$WORK/nbr/checkpoint.safetensors" "$WORK/x4" speculators fp32 3 > /dev/null 2>&1 \
+  && python3 -c "import json,sys; assert json.load(open(sys.argv[1]))['norm_before_residual'] is True" "$WORK/x4/config.json" \
+  && ok "norm_before_residual = true exported explicitly for vLLM" || bad "nbr speculators export"
+ls -a "$WORK" | grep -q "\.tmp-" && bad "temporary directories left: $(ls -a "$WORK")" || ok "no temporary directories left"
+
+# Report.
+"$TALON" report --run "$WORK/run" --out "$WORK/report.html" > /dev/null 2> "$WORK/rep.err" || bad "report: $(cat "$WORK/rep.err")"
+python3 - "$WORK/report.html" "$WORK/run/metrics.jsonl" <<'PY' && ok "report: one SVG per metric, one point per step" || bad "report content"
+import json, re, sys
+html = open(sys.argv[1]).read()
+rows = [json.loads(l) for l in open(sys.argv[2]) if l.strip()]
+charts = re.findall(r'<svg [^>]*data-chart="([^"]+)"', html)
+assert charts == ["loss", "acc", "sim_accept_len", "lr", "grad_norm", "tokens_per_s"], charts
+assert "<script" not in html
+def points(chart, series):
+    block = html[html.index(f'data-chart="{chart}"'):]
+    block = block[:block.index("</svg>")]
+    m = re.search(rf'<polyline data-series="{re.escape(series)}" data-points="(\d+)"[^>]* points="([^"]*)"', block)
+    assert m, (chart, series)
+    assert len(m.group(2).split()) == int(m.group(1)), (chart, series)
+    return int(m.group(1))
+assert points("loss", "train") == len(rows)
+for k in range(len(rows[0]["acc"])):
+    assert points("acc", f"k={k}") == len(rows)
+assert points("tokens_per_s", "train") == len(rows)
+PY
+printf '%s\n%s\n' "$(head -1 "$WORK/run/metrics.jsonl")" '{"step": "two"}' > "$WORK/bad.jsonl"
+"$TALON" report --run "$WORK/bad.jsonl" --out "$WORK/bad.html" > /dev/null 2> "$WORK/rep2.err"
+[ $? -ne 0 ] && grep -q "bad.jsonl:2: field 'step' must be an integer" "$WORK/rep2.err" && [ ! -e "$WORK/bad.html" ] \
+  && ok "bad metrics line named" || bad "$(cat "$WORK/rep2.err")"
+"$TALON" report --run "$WORK/nothing" --out "$WORK/n.html" > /dev/null 2> "$WORK/rep3.err"
+[ $? -ne 0 ] && grep -q "nothing: missing" "$WORK/rep3.err" && ok "missing metrics refused" || bad "$(cat "$WORK/rep3.err")"
+finish

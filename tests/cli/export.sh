@@ -49,9 +49,11 @@ ls -a "$WORK" | grep -q "\.tmp-" && bad "temporary directories left: $(ls -a "$W
 python3 - "$WORK/report.html" "$WORK/run/metrics.jsonl" <<'PY' && ok "report: one SVG per metric, one point per step" || bad "report content"
 import json, re, sys
 html = open(sys.argv[1]).read()
-rows = [json.loads(l) for l in open(sys.argv[2]) if l.strip()]
+lines = [json.loads(l) for l in open(sys.argv[2]) if l.strip()]
+rows = [r for r in lines if "split" not in r]
+evals = [r for r in lines if r.get("split") == "eval"]
 charts = re.findall(r'<svg [^>]*data-chart="([^"]+)"', html)
-assert charts == ["loss", "acc", "sim_accept_len", "lr", "grad_norm", "tokens_per_s"], charts
+assert charts == ["loss", "acc", "cond_acc", "sim_accept_len", "lr", "grad_norm", "tokens_per_s"], charts
 assert "<script" not in html
 def points(chart, series):
     block = html[html.index(f'data-chart="{chart}"'):]
@@ -62,8 +64,9 @@ def points(chart, series):
     return int(m.group(1))
 assert points("loss", "train") == len(rows)
 for k in range(len(rows[0]["acc"])):
-    assert points("acc", f"k={k}") == len(rows)
+    assert points("acc", f"train k={k}") == len(rows) and points("acc", f"eval k={k}") == len(evals)
 assert points("tokens_per_s", "train") == len(rows)
+assert evals and points("loss", "eval") == len(evals), "the held-back split is its own series"
 PY
 printf '%s\n%s\n' "$(head -1 "$WORK/run/metrics.jsonl")" '{"step": "two"}' > "$WORK/bad.jsonl"
 "$TALON" report --run "$WORK/bad.jsonl" --out "$WORK/bad.html" > /dev/null 2> "$WORK/rep2.err"

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The main job on the embedded default model: set up, build, fetch SmolLM2-135M-Instruct,
-# extract EAGLE-3 features for the built-in demo conversations, and summarise them.
+# extract EAGLE-3 features for the built-in demo conversations, train a draft on them
+# (a short CPU run when there is no GPU), export it for vLLM and SGLang, and render the
+# training report.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh > /dev/null
@@ -11,6 +13,20 @@ out=${1:-out/demo}
 rm -rf "$out/tokens"   # prepare is cheap; extract below resumes or is a no-op if already done
 build/talon prepare --model "$model" --data examples/demo_chats.jsonl --out "$out/tokens"
 build/talon inspect "$out/tokens" --sample 0
-build/talon extract --model "$model" --data "$out/tokens" --out "$out/features" --device cpu
+dev=cpu
+if build/talon gpus > /dev/null 2>&1 && nvidia-smi -L > /dev/null 2>&1; then dev=cuda; fi
+build/talon extract --model "$model" --data "$out/tokens" --out "$out/features" --device "$dev"
 build/talon inspect "$out/features"
-echo "demo: tokens in $out/tokens, features in $out/features (read them with the Python snippet in README.md)"
+if [ "$dev" = cuda ]; then
+  train=(--device cuda --draft-vocab 8192 --max-length 2048 --ttt-steps 7 --epochs 20 --batch-samples 2 --lr 1e-3)
+else  # a short run: the CPU reference trains at tens of tokens/s
+  train=(--device cpu --draft-vocab 2048 --max-length 128 --ttt-steps 3 --epochs 2 --batch-samples 2 --lr 1e-3)
+fi
+build/talon train --model "$model" --data "$out/features" --out "$out/train" "${train[@]}" --warmup-steps 2 \
+  --eval-fraction 0.25
+rm -rf "$out/export-vllm" "$out/export-sglang"
+build/talon export --checkpoint "$out/train" --model "$model" --format speculators --out "$out/export-vllm"
+build/talon export --checkpoint "$out/train" --model "$model" --format sglang --out "$out/export-sglang"
+build/talon report --run "$out/train" --out "$out/train/report.html"
+echo "demo: tokens in $out/tokens, features in $out/features, draft in $out/train," \
+  "exports in $out/export-vllm and $out/export-sglang, report $out/train/report.html"

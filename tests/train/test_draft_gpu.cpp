@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <random>
 
 #include "tests/tolerances.h"
@@ -152,6 +153,15 @@ void check_against_cpu(bool nbr, GpuMath math, double loss_tol, double grad_tol)
 TEST_P(GpuDraft, ForwardBackwardMatchesCpuReference) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device on this machine";
   check_against_cpu(GetParam(), GpuMath::F32, tol::kGpuTttLossRel, tol::kGpuTttGradRel);
+}
+
+// The fp32 loop kernels (TALON_DRAFT_ATTENTION=loop) are a second, independent attention
+// implementation: they must match the reference as well.
+TEST_P(GpuDraft, LoopAttentionMatchesCpuReference) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device on this machine";
+  setenv("TALON_DRAFT_ATTENTION", "loop", 1);
+  check_against_cpu(GetParam(), GpuMath::F32, tol::kGpuTttLossRel, tol::kGpuTttGradRel);
+  unsetenv("TALON_DRAFT_ATTENTION");
 }
 
 TEST_P(GpuDraft, Bf16TensorCoresStayClose) {

@@ -1,6 +1,7 @@
 #include <cublas_v2.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <string>
 
 #include "backend/cuda/check.h"
@@ -322,6 +323,140 @@ __global__ void attn_dkv_kernel(float* dK, float* dV, const float* dO, const flo
   }
 }
 
+// ---------------------------------------------------------------- attention on tensor cores
+// Per sample of T rows, step k and group member g (heads h = kh*grp + g, one per kv head),
+// S_kh = scale * Q_h K0_kh^T is computed by cuBLAS (row t: query t against the sample's
+// step-0 keys, T x T); the diagonal keys of steps 1..k are K extra scores per (row, head)
+// in sd[(n*nh + h)*K + j]. P V, dP = dO V^T, dQ = dS K, dK += dS^T Q and dV += P^T dO are
+// cuBLAS products too; masking, softmax and the diagonal terms are the kernels below.
+
+// sd[n, h, j] = scale * q_{n,h} . k^j_{n,kh} for j = 1..k; one warp per (row, head).
+__global__ void diag_scores_kernel(float* sd, AttnArgs a, int K) {
+  const int64_t gw = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
+  const int lane = threadIdx.x & 31;
+  if (gw >= a.N * a.nh) return;
+  const int64_t n = gw / a.nh;
+  const int h = int(gw % a.nh), kh = h / (a.nh / a.nkv);
+  const int64_t qd = int64_t(a.nh) * a.hd, kvd = int64_t(a.nkv) * a.hd;
+  for (int j = 1; j <= a.k; ++j) {
+    const float* kp = a.keys + j * a.step_stride + n * kvd + kh * a.hd;
+    float s = 0;
+    for (int d = lane; d < a.hd; d += 32) s += a.q[n * qd + h * a.hd + d] * kp[d];
+    s = warp_sum(s);
+    if (lane == 0) sd[gw * K + j] = s * a.scale;
+  }
+}
+
+// One block per (query t of the sample, head): softmax over S_h[t, 0..t] and the diagonal
+// scores. With lse_in null it computes and stores lse; either way S becomes P in place
+// (0 above the diagonal, so P V needs no mask) and sd becomes the diagonal probabilities.
+__global__ void tc_softmax_kernel(float* S, float* sd, float* lse, const float* lse_in, int64_t r0, int64_t T, int nh,
+                                  int grp, int g, int k, int K) {
+  __shared__ float sh[33];
+  const int64_t t = blockIdx.x;
+  const int h = int(blockIdx.y) * grp + g;
+  float* row = S + (int64_t(blockIdx.y) * T + t) * T;
+  float* dg = sd + ((r0 + t) * nh + h) * K;
+  float L;
+  if (lse_in) {
+    L = lse_in[(r0 + t) * nh + h];
+  } else {
+    float m = -INFINITY;
+    for (int64_t p = threadIdx.x; p <= t; p += blockDim.x) m = fmaxf(m, row[p]);
+    for (int j = 1 + threadIdx.x; j <= k; j += blockDim.x) m = fmaxf(m, dg[j]);
+    // block max
+    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+    const int w = threadIdx.x >> 5, l = threadIdx.x & 31, nw = blockDim.x >> 5;
+    if (l == 0) sh[w] = m;
+    __syncthreads();
+    if (w == 0) {
+      float x = l < nw ? sh[l] : -INFINITY;
+      for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
+      if (l == 0) sh[32] = x;
+    }
+    __syncthreads();
+    m = sh[32];
+    float z = 0;
+    for (int64_t p = threadIdx.x; p <= t; p += blockDim.x) z += expf(row[p] - m);
+    for (int j = 1 + threadIdx.x; j <= k; j += blockDim.x) z += expf(dg[j] - m);
+    z = block_sum(z, sh);
+    L = m + logf(z);
+    if (threadIdx.x == 0) lse[(r0 + t) * nh + h] = L;
+  }
+  for (int64_t p = threadIdx.x; p < T; p += blockDim.x) row[p] = p <= t ? expf(row[p] - L) : 0.f;
+  __syncthreads();
+  for (int j = 1 + threadIdx.x; j <= k; j += blockDim.x) dg[j] = expf(dg[j] - L);
+}
+
+// out[n, h, :] += sum_j pd[n, h, j] * v^j[n, kh, :]  (mode 0), or
+// dq[n, h, :] += sum_j dsd[n, h, j] * k^j[n, kh, :]    (mode 1, same loop over keys).
+__global__ void diag_accumulate_kernel(float* out, const float* pd, AttnArgs a, int K, bool use_keys) {
+  const int64_t gw = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
+  const int lane = threadIdx.x & 31;
+  if (gw >= a.N * a.nh || a.k == 0) return;
+  const int64_t n = gw / a.nh;
+  const int h = int(gw % a.nh), kh = h / (a.nh / a.nkv);
+  const int64_t qd = int64_t(a.nh) * a.hd, kvd = int64_t(a.nkv) * a.hd;
+  const float* src = use_keys ? a.keys : a.vals;
+  for (int d = lane; d < a.hd; d += 32) {
+    float acc = out[n * qd + h * a.hd + d];
+    for (int j = 1; j <= a.k; ++j) acc += pd[gw * K + j] * src[j * a.step_stride + n * kvd + kh * a.hd + d];
+    out[n * qd + h * a.hd + d] = acc;
+  }
+}
+
+// dpd[n, h, j] = dO_{n,h} . v^j_{n,kh}; then dS in place: dP -> P * (dP - D) * scale for
+// the sample's rows (0 above the diagonal), and the diagonal dsd = pd * (dpd - D) * scale.
+__global__ void diag_dp_kernel(float* dsd, const float* pd, const float* dO, const float* D, AttnArgs a, int K) {
+  const int64_t gw = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
+  const int lane = threadIdx.x & 31;
+  if (gw >= a.N * a.nh) return;
+  const int64_t n = gw / a.nh;
+  const int h = int(gw % a.nh), kh = h / (a.nh / a.nkv);
+  const int64_t qd = int64_t(a.nh) * a.hd, kvd = int64_t(a.nkv) * a.hd;
+  for (int j = 1; j <= a.k; ++j) {
+    const float* vp = a.vals + j * a.step_stride + n * kvd + kh * a.hd;
+    float s = 0;
+    for (int d = lane; d < a.hd; d += 32) s += dO[n * qd + h * a.hd + d] * vp[d];
+    s = warp_sum(s);
+    if (lane == 0) dsd[gw * K + j] = pd[gw * K + j] * (s - D[gw]) * a.scale;
+  }
+}
+
+__global__ void tc_ds_kernel(float* dP, const float* P, const float* D, int64_t r0, int64_t T, int nh, int grp, int g,
+                             float scale) {
+  const int64_t t = blockIdx.x;
+  const int h = int(blockIdx.y) * grp + g;
+  const int64_t off = (int64_t(blockIdx.y) * T + t) * T;
+  const float Dv = D[(r0 + t) * nh + h];
+  for (int64_t p = threadIdx.x; p < T; p += blockDim.x)
+    dP[off + p] = p <= t ? P[off + p] * (dP[off + p] - Dv) * scale : 0.f;
+}
+
+// dK^j[n, kh, :] += sum_{h in group} dsd[n,h,j] q_{n,h};  dV^j[n, kh, :] += sum_h pd[n,h,j] dO_{n,h}
+// for j = 1..k; one warp per (row, kv head, j).
+__global__ void diag_dkv_kernel(float* dK, float* dV, const float* dsd, const float* pd, const float* dO, AttnArgs a,
+                                int K) {
+  const int64_t gw = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
+  const int lane = threadIdx.x & 31;
+  const int64_t per_step = a.N * a.nkv;
+  if (gw >= int64_t(a.k) * per_step) return;
+  const int j = 1 + int(gw / per_step);
+  const int64_t n = (gw % per_step) / a.nkv;
+  const int kh = int(gw % a.nkv), grp = a.nh / a.nkv;
+  const int64_t qd = int64_t(a.nh) * a.hd, kvd = int64_t(a.nkv) * a.hd;
+  for (int d = lane; d < a.hd; d += 32) {
+    float dk = 0, dv = 0;
+    for (int h = kh * grp; h < (kh + 1) * grp; ++h) {
+      const int64_t w = (n * a.nh + h) * K + j;
+      dk += dsd[w] * a.q[n * qd + h * a.hd + d];
+      dv += pd[w] * dO[n * qd + h * a.hd + d];
+    }
+    dK[j * a.step_stride + n * kvd + kh * a.hd + d] += dk;
+    dV[j * a.step_stride + n * kvd + kh * a.hd + d] += dv;
+  }
+}
+
 // ---------------------------------------------------------------- target side and loss
 // One block per row of full target logits: the full-vocab argmax decides in_vocab; the
 // distribution over the kept ids is P (renormalised), its argmax tgt_arg.
@@ -460,6 +595,12 @@ struct DraftEngine::Impl {
   float *keys, *vals, *dK, *dV;
   // Scratch.
   float *E, *tmp, *act, *logits, *dfn, *dg2, *dact, *dga, *dup, *dhm, *dg1, *datt, *D, *dq, *dxin, *dg, *dgn, *wrow;
+  // Attention: per-sample score matrices [nkv, T, T] (grown to the longest sample), the
+  // diagonal scores/probabilities and their gradients [R, nh, K], the samples' rows.
+  float *Sb = nullptr, *dPb = nullptr, *sd = nullptr, *dsd = nullptr;
+  int64_t s_cap = 0;
+  bool loop_attention = false;  // TALON_DRAFT_ATTENTION=loop: the fp32 warp kernels
+  std::vector<std::pair<int64_t, int64_t>> seqs;  // (first row, length)
 
   template <class X>
   X* alloc(size_t n) {
@@ -519,6 +660,92 @@ struct DraftEngine::Impl {
                     float(1.0 / std::sqrt(double(d.hd))), pos, len};
   }
   void logits_of(int k) { linear(logits, d.Vd, fn[size_t(k)], d.H, w(LM), N, d.H, d.Vd); }
+
+  // Column-major strided-batched C = alpha op(A) op(B) + beta C (cuBLAS conventions).
+  void gemm_sb(cublasOperation_t ta, cublasOperation_t tb, int64_t m, int64_t n, int64_t k, float alpha,
+               const float* A, int64_t lda, int64_t sA, const float* B, int64_t ldb, int64_t sB, float beta, float* C,
+               int64_t ldc, int64_t sC, int64_t batch) {
+    CUBLASV2_CHECK(cublasGemmStridedBatchedEx(blas, ta, tb, int(m), int(n), int(k), &alpha, A, CUDA_R_32F, int(lda),
+                                              sA, B, CUDA_R_32F, int(ldb), sB, &beta, C, CUDA_R_32F, int(ldc), sC,
+                                              int(batch), compute(), CUBLAS_GEMM_DEFAULT));
+  }
+  void ensure_scores(int64_t T) {
+    const int64_t need = d.nkv * T * T;
+    if (need <= s_cap) return;
+    CUDA_CHECK(cudaStreamSynchronize(s));
+    for (float* p : {Sb, dPb})
+      if (p) {
+        cudaFree(p);
+        bytes -= size_t(s_cap) * 4;
+      }
+    Sb = dalloc<float>(size_t(need), bytes);
+    dPb = dalloc<float>(size_t(need), bytes);
+    s_cap = need;
+  }
+  // S_kh (for heads kh*grp + g of the sample at rows r0..r0+T) = scale * Q K0^T, or, with
+  // values, dP = dO V0^T (dO in place of Q).
+  void scores(float* out, const float* qrows, const float* kvrows, int64_t T, int g, float alpha) {
+    const int64_t grp = d.nh / d.nkv;
+    gemm_sb(CUBLAS_OP_T, CUBLAS_OP_N, T, T, d.hd, alpha, kvrows, kvd, d.hd, qrows + g * d.hd, qd, grp * d.hd, 0.f,
+            out, T, T * T, d.nkv);
+  }
+  void attention_forward(int k, float* out_att, float* out_lse) {
+    const AttnArgs a = attn_args(k);
+    const int64_t grp = d.nh / d.nkv, K = d.K;
+    const unsigned wb = nblocks(N * d.nh * 32, 256);
+    diag_scores_kernel<<<wb, 256, 0, s>>>(sd, a, int(K));
+    CUDA_LAUNCH_CHECK();
+    for (auto [r0, T] : seqs) {
+      ensure_scores(T);
+      for (int g = 0; g < grp; ++g) {
+        scores(Sb, q[size_t(k)] + r0 * qd, keys + r0 * kvd, T, g, a.scale);
+        tc_softmax_kernel<<<dim3(unsigned(T), unsigned(d.nkv)), 256, 0, s>>>(Sb, sd, out_lse, nullptr, r0, T,
+                                                                             int(d.nh), int(grp), g, k, int(K));
+        CUDA_LAUNCH_CHECK();
+        // O rows (heads kh*grp + g) = P V0
+        gemm_sb(CUBLAS_OP_N, CUBLAS_OP_N, d.hd, T, T, 1.f, vals + r0 * kvd, kvd, d.hd, Sb, T, T * T, 0.f,
+                out_att + r0 * qd + g * d.hd, qd, grp * d.hd, d.nkv);
+      }
+    }
+    diag_accumulate_kernel<<<wb, 256, 0, s>>>(out_att, sd, a, int(K), false);
+    CUDA_LAUNCH_CHECK();
+  }
+  // Given dO = datt and D, writes dq and adds into dK/dV of steps 0..k.
+  void attention_backward(int k) {
+    const AttnArgs a = attn_args(k);
+    const int64_t grp = d.nh / d.nkv, K = d.K;
+    const unsigned wb = nblocks(N * d.nh * 32, 256);
+    diag_scores_kernel<<<wb, 256, 0, s>>>(sd, a, int(K));
+    CUDA_LAUNCH_CHECK();
+    for (auto [r0, T] : seqs) {
+      ensure_scores(T);
+      for (int g = 0; g < grp; ++g) {
+        scores(Sb, q[size_t(k)] + r0 * qd, keys + r0 * kvd, T, g, a.scale);
+        tc_softmax_kernel<<<dim3(unsigned(T), unsigned(d.nkv)), 256, 0, s>>>(Sb, sd, nullptr, lse[size_t(k)], r0, T,
+                                                                             int(d.nh), int(grp), g, k, int(K));
+        CUDA_LAUNCH_CHECK();
+        scores(dPb, datt + r0 * qd, vals + r0 * kvd, T, g, 1.f);
+        tc_ds_kernel<<<dim3(unsigned(T), unsigned(d.nkv)), 256, 0, s>>>(dPb, Sb, D, r0, T, int(d.nh), int(grp), g,
+                                                                        a.scale);
+        CUDA_LAUNCH_CHECK();
+        // dQ rows = dS K0;  dK0 += dS^T Q;  dV0 += P^T dO
+        gemm_sb(CUBLAS_OP_N, CUBLAS_OP_N, d.hd, T, T, 1.f, keys + r0 * kvd, kvd, d.hd, dPb, T, T * T, 0.f,
+                dq + r0 * qd + g * d.hd, qd, grp * d.hd, d.nkv);
+        gemm_sb(CUBLAS_OP_N, CUBLAS_OP_T, d.hd, T, T, 1.f, q[size_t(k)] + r0 * qd + g * d.hd, qd, grp * d.hd, dPb, T,
+                T * T, 1.f, dK + r0 * kvd, kvd, d.hd, d.nkv);
+        gemm_sb(CUBLAS_OP_N, CUBLAS_OP_T, d.hd, T, T, 1.f, datt + r0 * qd + g * d.hd, qd, grp * d.hd, Sb, T, T * T, 1.f,
+                dV + r0 * kvd, kvd, d.hd, d.nkv);
+      }
+    }
+    if (k > 0) {
+      diag_dp_kernel<<<wb, 256, 0, s>>>(dsd, sd, datt, D, a, int(K));
+      CUDA_LAUNCH_CHECK();
+      diag_accumulate_kernel<<<wb, 256, 0, s>>>(dq, dsd, a, int(K), true);
+      CUDA_LAUNCH_CHECK();
+      diag_dkv_kernel<<<nblocks(int64_t(k) * N * d.nkv * 32, 256), 256, 0, s>>>(dK, dV, dsd, sd, datt, a, int(K));
+      CUDA_LAUNCH_CHECK();
+    }
+  }
 };
 
 DraftEngine::DraftEngine(int device, const DraftDims& dd, DraftMath math, const float* embed, const float* final_norm,
@@ -619,6 +846,10 @@ DraftEngine::DraftEngine(int device, const DraftDims& dd, DraftMath math, const 
   I.dg = I.alloc<float>(size_t(R * H));
   I.dgn = I.alloc<float>(size_t(R * H));
   I.wrow = I.alloc<float>(size_t(R * std::max<int64_t>(H, 1)));
+  I.sd = I.alloc<float>(size_t(R * dd.nh * K));
+  I.dsd = I.alloc<float>(size_t(R * dd.nh * K));
+  const char* att = std::getenv("TALON_DRAFT_ATTENTION");
+  I.loop_attention = att && std::string(att) == "loop";
 }
 
 DraftEngine::~DraftEngine() {
@@ -626,6 +857,8 @@ DraftEngine::~DraftEngine() {
   cudaSetDevice(p_->device);
   if (p_->s) cudaStreamSynchronize(p_->s);
   for (void* x : p_->owned) cudaFree(x);
+  if (p_->Sb) cudaFree(p_->Sb);
+  if (p_->dPb) cudaFree(p_->dPb);
   if (p_->blas) cublasDestroy(p_->blas);
   if (p_->s) cudaStreamDestroy(p_->s);
 }
@@ -682,6 +915,11 @@ std::vector<uint8_t> DraftEngine::prepare(const DraftBatch& b) {
     fail_msg("draft on GPU: batch of " + std::to_string(b.N) + " rows, buffers hold " + std::to_string(I.R));
   I.N = b.N;
   const int64_t N = b.N, H = I.d.H, V = I.d.V;
+  I.seqs.clear();
+  for (int64_t n = 0; n < N; n += b.len[n]) {
+    if (b.pos[n] != 0 || b.len[n] <= 0 || n + b.len[n] > N) fail_msg("draft on GPU: batch rows are not whole samples");
+    I.seqs.push_back({n, b.len[n]});
+  }
   auto cp = [&](void* dst, const void* src, size_t n) {
     CUDA_CHECK(cudaMemcpyAsync(dst, src, n, cudaMemcpyHostToDevice, I.s));
   };
@@ -731,8 +969,12 @@ void DraftEngine::run(const std::vector<float>& row_scale, bool backward, bool z
     I.linear(vv, kvd, xin, 2 * H, I.w(WV), N, 2 * H, kvd);
     I.rope(I.q[size_t(k)], d.nh, k, 1.0);
     I.rope(kk, d.nkv, k, 1.0);
-    attn_forward_kernel<<<warps_blocks, 256, 0, s>>>(I.att[size_t(k)], I.lse[size_t(k)], I.attn_args(k));
-    CUDA_LAUNCH_CHECK();
+    if (I.loop_attention) {
+      attn_forward_kernel<<<warps_blocks, 256, 0, s>>>(I.att[size_t(k)], I.lse[size_t(k)], I.attn_args(k));
+      CUDA_LAUNCH_CHECK();
+    } else {
+      I.attention_forward(k, I.att[size_t(k)], I.lse[size_t(k)]);
+    }
     I.linear(I.tmp, H, I.att[size_t(k)], qd, I.w(WO), N, qd, H);
     if (d.norm_before_residual)
       add_kernel<<<nblocks(N * H, 256), 256, 0, s>>>(I.g1[size_t(k)], xin + H, 2 * H, I.tmp, N, H);
@@ -801,14 +1043,18 @@ void DraftEngine::run(const std::vector<float>& row_scale, bool backward, bool z
     const AttnArgs a = I.attn_args(k);
     attn_delta_kernel<<<warps_blocks, 256, 0, s>>>(I.D, I.datt, I.att[ks], N, int(d.nh), int(d.hd));
     CUDA_LAUNCH_CHECK();
-    attn_dq_kernel<<<warps_blocks, 256, 0, s>>>(I.dq, I.datt, I.lse[ks], I.D, a);
-    CUDA_LAUNCH_CHECK();
-    attn_dkv_kernel<<<nblocks(N * d.nkv * 32, 256), 256, 0, s>>>(I.dK, I.dV, I.datt, I.lse[ks], I.D, a, false);
-    CUDA_LAUNCH_CHECK();
-    if (k > 0) {
-      attn_dkv_kernel<<<nblocks(int64_t(k) * N * d.nkv * 32, 256), 256, 0, s>>>(I.dK, I.dV, I.datt, I.lse[ks], I.D, a,
-                                                                                true);
+    if (!I.loop_attention) {
+      I.attention_backward(k);
+    } else {
+      attn_dq_kernel<<<warps_blocks, 256, 0, s>>>(I.dq, I.datt, I.lse[ks], I.D, a);
       CUDA_LAUNCH_CHECK();
+      attn_dkv_kernel<<<nblocks(N * d.nkv * 32, 256), 256, 0, s>>>(I.dK, I.dV, I.datt, I.lse[ks], I.D, a, false);
+      CUDA_LAUNCH_CHECK();
+      if (k > 0) {
+        attn_dkv_kernel<<<nblocks(int64_t(k) * N * d.nkv * 32, 256), 256, 0, s>>>(I.dK, I.dV, I.datt, I.lse[ks], I.D,
+                                                                                  a, true);
+        CUDA_LAUNCH_CHECK();
+      }
     }
     float* dKk = I.dK + k * I.R * kvd;
     float* dVk = I.dV + k * I.R * kvd;

@@ -85,7 +85,10 @@ int main(int argc, char** argv) {
 
   train::TrainOptions tr;
   auto* cmd_tr = app.add_subcommand("train", "Train an EAGLE-3 draft model from an extract dataset (CPU or one GPU)");
-  cmd_tr->add_option("--data", tr.data, "Feature dataset written by `talon extract`")->required();
+  cmd_tr->add_option("--data", tr.data, "Feature dataset written by `talon extract` (with --online: `talon prepare` output)")
+      ->required();
+  cmd_tr->add_flag("--online", tr.online, "Run the target in-process to make each batch's features (no disk)");
+  cmd_tr->add_option("--layers", tr.layers, "--online: aux layer ids a,b,c (input-of-layer; default 2,L/2,L-3)");
   cmd_tr->add_option("--model", tr.model, "The target model the features came from")->required();
   cmd_tr->add_option("--out", tr.out, "Run directory (checkpoint.safetensors, metrics.jsonl); rerun to resume")->required();
   cmd_tr->add_option("--draft-vocab", tr.draft_vocab, "Draft vocabulary size (capped at the target's)")->capture_default_str();

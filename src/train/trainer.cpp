@@ -15,6 +15,7 @@
 #include "model/checkpoint.h"
 #include "model/dense.h"
 #include "model/model.h"
+#include "data/samples.h"
 #include "train/draft_gpu.h"
 #include "util/dtype.h"
 #include "util/error.h"
@@ -135,40 +136,72 @@ TrainReport run_train(const TrainOptions& opt) {
   TALON_CHECK(opt.noise >= 0, "--noise {}: expected >= 0", opt.noise);
   const int gpu = parse_train_device(opt.device);
   const GpuMath gpu_math = parse_gpu_math(opt.gpu_math);
-  // Dataset and target must agree: the features were made by this very model.
-  const json man = read_manifest(opt.data);
-  TALON_CHECK(man.value("status", "") == "complete", "{}: the extraction is not complete (status {}); finish it first",
-              opt.data.string(), man.value("status", json()).dump());
   auto ckpt = open_checkpoint(opt.model);
   const ModelConfig& tc = ckpt->config();
-  TALON_CHECK(man.value("model_config_sha256", "") == tc.hash(),
-              "{}: features were extracted from a model with config sha256 {}, but --model {} has {}; train with the "
-              "target that made them",
-              opt.data.string(), man.value("model_config_sha256", ""), opt.model.string(), tc.hash());
-  const int64_t H = tc.hidden, V = tc.vocab;
-  TALON_CHECK(man.value("hidden_size", int64_t(0)) == H, "{}: hidden_size {} but the model has {}", opt.data.string(),
-              man.value("hidden_size", int64_t(0)), H);
+  const int64_t H = tc.hidden, V = tc.vocab, L = tc.n_layers;
 
-  // Samples (truncated to --max-length).
+  // Samples (truncated to --max-length). Offline: tokens and features from an extract
+  // dataset made by this very target. Online: tokens from a prepare dataset; the target
+  // runs in-process and makes each batch's features when it is needed.
   std::vector<TrainSample> all;
-  for (auto& s : man.at("shards")) {
-    st::File f(opt.data / s.at("file").get<std::string>());
-    const auto& ids = f.get(shard_tensors::input_ids);
-    const auto& mask = f.get(shard_tensors::loss_mask);
-    const auto& aux = f.get(shard_tensors::aux_hidden);
-    const auto& hid = f.get(shard_tensors::hidden);
-    const auto& off = f.get(shard_tensors::sample_offsets);
-    const auto* o = reinterpret_cast<const int64_t*>(off.data);
-    const auto* ip = reinterpret_cast<const int32_t*>(ids.data);
-    for (int64_t i = 0; i + 1 < off.numel(); ++i) {
-      const int64_t a = o[i], T = std::min(o[i + 1] - o[i], opt.max_length);
+  json aux_ids, final_id, convention;
+  std::string data_sha;
+  if (opt.online) {
+    auto src = open_samples(opt.data);
+    data_sha = src->sha256();
+    const std::vector<int> aux = opt.layers.empty() ? default_aux_layers(L) : parse_layer_ids(opt.layers, L);
+    TALON_CHECK(aux.size() == 3, "--layers '{}': EAGLE-3 takes exactly 3 aux layers", opt.layers);
+    aux_ids = aux;
+    final_id = L;
+    convention = kLayerConvention;
+    for (size_t i = 0; i < src->size(); ++i) {
+      const talon::Sample& sm = src->at(i);
+      const int64_t T = std::min(int64_t(sm.input_ids.size()), opt.max_length);
       if (T < 2) continue;
       TrainSample ts;
-      ts.ids.assign(ip + a, ip + a + T);
-      ts.mask.assign(mask.data + a, mask.data + a + T);
-      ts.aux = to_f32(aux, size_t(a * 3 * H), size_t(T * 3 * H));
-      ts.hidden = to_f32(hid, size_t(a * H), size_t(T * H));
+      ts.ids.assign(sm.input_ids.begin(), sm.input_ids.begin() + T);
+      ts.mask.assign(sm.loss_mask.begin(), sm.loss_mask.begin() + T);
+      for (int32_t id : ts.ids)
+        TALON_CHECK(id >= 0 && id < V, "{}: sample {} (line {}) has token id {}, outside the vocabulary of {} ({})",
+                    src->path(), sm.id, sm.line, id, opt.model.string(), V);
       all.push_back(std::move(ts));
+    }
+  } else {
+    TALON_CHECK(opt.layers.empty(), "--layers applies to --online training; an extract dataset has its layers");
+    const json man = read_manifest(opt.data);
+    TALON_CHECK(man.value("status", "") == "complete",
+                "{}: the extraction is not complete (status {}); finish it first", opt.data.string(),
+                man.value("status", json()).dump());
+    TALON_CHECK(man.value("model_config_sha256", "") == tc.hash(),
+                "{}: features were extracted from a model with config sha256 {}, but --model {} has {}; train with "
+                "the target that made them",
+                opt.data.string(), man.value("model_config_sha256", ""), opt.model.string(), tc.hash());
+    TALON_CHECK(man.value("hidden_size", int64_t(0)) == H, "{}: hidden_size {} but the model has {}",
+                opt.data.string(), man.value("hidden_size", int64_t(0)), H);
+    aux_ids = man.at("aux_layer_ids");
+    final_id = man.at("final_layer_id");
+    convention = man.at("convention");
+    const std::string man_text = read_text_file(opt.data / kManifestName);
+    data_sha = sha256_hex(man_text.data(), man_text.size());
+    for (auto& s : man.at("shards")) {
+      st::File f(opt.data / s.at("file").get<std::string>());
+      const auto& ids = f.get(shard_tensors::input_ids);
+      const auto& mask = f.get(shard_tensors::loss_mask);
+      const auto& aux = f.get(shard_tensors::aux_hidden);
+      const auto& hid = f.get(shard_tensors::hidden);
+      const auto& off = f.get(shard_tensors::sample_offsets);
+      const auto* o = reinterpret_cast<const int64_t*>(off.data);
+      const auto* ip = reinterpret_cast<const int32_t*>(ids.data);
+      for (int64_t i = 0; i + 1 < off.numel(); ++i) {
+        const int64_t a = o[i], T = std::min(o[i + 1] - o[i], opt.max_length);
+        if (T < 2) continue;
+        TrainSample ts;
+        ts.ids.assign(ip + a, ip + a + T);
+        ts.mask.assign(mask.data + a, mask.data + a + T);
+        ts.aux = to_f32(aux, size_t(a * 3 * H), size_t(T * 3 * H));
+        ts.hidden = to_f32(hid, size_t(a * H), size_t(T * H));
+        all.push_back(std::move(ts));
+      }
     }
   }
   TALON_CHECK(!all.empty(), "{}: no samples of at least 2 tokens", opt.data.string());
@@ -240,8 +273,7 @@ TrainReport run_train(const TrainOptions& opt) {
   AdamW adam(oc);
 
   // Identity of the job: a checkpoint from another job is refused.
-  const std::string man_text = read_text_file(opt.data / kManifestName);
-  const json job = {{"data_manifest_sha256", sha256_hex(man_text.data(), man_text.size())},
+  json job = {{"data_manifest_sha256", data_sha},
                     {"target_config_sha256", tc.hash()},
                     {"draft_vocab", c.Vd},
                     {"ttt_steps", c.ttt_steps},
@@ -258,6 +290,10 @@ TrainReport run_train(const TrainOptions& opt) {
                     {"clip_norm", oc.clip_norm},
                     {"noise", opt.noise},
                     {"eval_fraction", opt.eval_fraction}};
+  if (opt.online) {  // (offline jobs keep the keys they had)
+    job["online"] = true;
+    job["aux_layer_ids"] = aux_ids;
+  }
   fs::create_directories(opt.out);
   const fs::path cpath = opt.out / kCheckpointName, mpath = opt.out / kMetricsName;
   int64_t step = 0;
@@ -318,12 +354,75 @@ TrainReport run_train(const TrainOptions& opt) {
     tlog::info("train on cuda:{} ({} matrix products), {:.2f} GiB of device buffers for {} tokens per micro-batch", gpu,
                opt.gpu_math, double(dev->device_bytes()) / double(1 << 30), dev->max_rows());
   }
+  // Online: the target in-process. Features of a batch are made just before it is used
+  // (bf16, as extract stores them by default, then fp32) and dropped after.
+  std::unique_ptr<Model> target;
+  if (opt.online) {
+    if (gpu >= 0) {
+      GpuOptions go;
+      go.devices = {gpu};
+      go.max_tokens = std::max(opt.max_batch_tokens, opt.max_length);
+      go.n_capture = 4;
+      go.capture_dtype = DType::BF16;
+      target = make_cuda_model(*ckpt, go);
+    } else {
+      target = make_cpu_model(*ckpt);
+    }
+    tlog::info("online: target {} on {} feeds the trainer, aux layers {} + final {} ({})", opt.model.string(),
+               target->backend(), aux_ids.dump(), L, kLayerConvention);
+  }
+  const std::vector<int> cap_layers = [&] {
+    std::vector<int> v = aux_ids.get<std::vector<int>>();
+    v.push_back(final_id.get<int>());
+    return v;
+  }();
+  auto featurize = [&](const std::vector<TrainSample*>& need) {
+    const int64_t budget = std::max(opt.max_batch_tokens, opt.max_length);
+    for (size_t i = 0; i < need.size();) {
+      Batch b;
+      std::vector<TrainSample*> part;
+      for (; i < need.size() && (part.empty() || b.n_tokens() + int64_t(need[i]->ids.size()) <= budget); ++i) {
+        b.add(need[i]->ids.data(), int64_t(need[i]->ids.size()));
+        part.push_back(need[i]);
+      }
+      const int64_t N = b.n_tokens();
+      auto aux_buf = target->host_buffer(size_t(N * 3 * H) * 2);
+      auto fin_buf = target->host_buffer(size_t(N * H) * 2);
+      Capture cap;
+      cap.layers = cap_layers;
+      cap.dtype = DType::BF16;
+      for (int a = 0; a < 3; ++a) {
+        cap.out.push_back(aux_buf.get() + size_t(a * H) * 2);
+        cap.ld.push_back(3 * H);
+      }
+      cap.out.push_back(fin_buf.get());
+      cap.ld.push_back(H);
+      target->forward(b, cap, nullptr);
+      int64_t r = 0;
+      for (TrainSample* ts : part) {
+        const int64_t T = int64_t(ts->ids.size());
+        ts->aux.resize(size_t(T * 3 * H));
+        ts->hidden.resize(size_t(T * H));
+        convert_to_f32(DType::BF16, aux_buf.get() + size_t(r * 3 * H) * 2, ts->aux.data(), size_t(T * 3 * H));
+        convert_to_f32(DType::BF16, fin_buf.get() + size_t(r * H) * 2, ts->hidden.data(), size_t(T * H));
+        r += T;
+      }
+    }
+  };
+  auto drop_features = [&](const std::vector<TrainSample*>& used) {
+    if (!opt.online) return;
+    for (TrainSample* ts : used) {
+      std::vector<float>().swap(ts->aux);
+      std::vector<float>().swap(ts->hidden);
+    }
+  };
+
   // Forward (and backward when `weight` > 0) of a list of samples: packed micro-batches
   // on the GPU, one sample at a time on the CPU.
-  auto run_samples = [&](const std::vector<Sample>& batch, double weight, bool backward) {
+  auto run_samples = [&](const std::vector<eagle3::Sample>& batch, double weight, bool backward) {
     std::vector<TttResult> res;
     if (dev) {
-      std::vector<Sample> micro;
+      std::vector<eagle3::Sample> micro;
       int64_t tok = 0;
       bool first = true;
       auto flush = [&] {
@@ -369,9 +468,10 @@ TrainReport run_train(const TrainOptions& opt) {
                {"draft", {{"hidden_size", c.H}, {"intermediate_size", c.I}, {"num_attention_heads", c.n_heads},
                           {"num_key_value_heads", c.n_kv_heads}, {"head_dim", c.head_dim}, {"vocab_size", c.V},
                           {"draft_vocab_size", c.Vd}, {"rms_norm_eps", c.rms_eps}, {"norm_before_residual", c.norm_before_residual}}},
-               {"aux_layer_ids", man.at("aux_layer_ids")},
-               {"final_layer_id", man.at("final_layer_id")},
-               {"convention", man.at("convention")}};
+               {"aux_layer_ids", aux_ids},
+               {"final_layer_id", final_id},
+               {"convention", convention},
+               {"online", opt.online}};
     wr.set_metadata("talon.train", st.dump());
     wr.write(cpath);
   };
@@ -380,9 +480,13 @@ TrainReport run_train(const TrainOptions& opt) {
   // Forward over the held-back split; logged with "split": "eval" after `done` updates.
   auto evaluate = [&](int64_t done) {
     if (eval.empty()) return;
-    std::vector<Sample> es;
+    std::vector<TrainSample*> ptrs;
+    for (auto& ts : eval) ptrs.push_back(&ts);
+    if (opt.online) featurize(ptrs);
+    std::vector<eagle3::Sample> es;
     for (auto& ts : eval) es.push_back({ts.ids.data(), ts.mask.data(), ts.aux.data(), ts.hidden.data(), int64_t(ts.ids.size())});
     const Summary m = summarize(run_samples(es, 0.0, false), c.ttt_steps);
+    drop_features(ptrs);
     metrics << json{{"split", "eval"}, {"step", done}, {"samples", es.size()}, {"loss", m.loss}, {"loss_exact", exact(m.loss)},
                     {"acc", m.acc}, {"cond_acc", m.cond_acc}, {"sim_accept_len", m.accept_len}}.dump()
             << "\n";
@@ -411,13 +515,18 @@ TrainReport run_train(const TrainOptions& opt) {
     const auto order = epoch_order(int64_t(samples.size()), opt.seed, epoch);
     if (!dev)
       for (auto& p : params) std::fill(p.g->begin(), p.g->end(), 0.0);
-    std::vector<Sample> batch;
-    noisy.clear();
+    std::vector<eagle3::Sample> batch;
+    std::vector<TrainSample*> picked;
     for (int64_t b = 0; b < opt.batch_samples; ++b) {
       const int64_t k = in_epoch * opt.batch_samples + b;
       if (k >= int64_t(samples.size())) break;
-      const TrainSample& ts = samples[size_t(order[size_t(k)])];
-      Sample s{ts.ids.data(), ts.mask.data(), ts.aux.data(), ts.hidden.data(), int64_t(ts.ids.size())};
+      picked.push_back(&samples[size_t(order[size_t(k)])]);
+    }
+    if (opt.online) featurize(picked);
+    noisy.clear();
+    for (int64_t b = 0; b < int64_t(picked.size()); ++b) {
+      const TrainSample& ts = *picked[size_t(b)];
+      eagle3::Sample s{ts.ids.data(), ts.mask.data(), ts.aux.data(), ts.hidden.data(), int64_t(ts.ids.size())};
       if (opt.noise > 0) {  // seeded by (seed, step, slot): the same after a resume
         Rng r{opt.seed * 0x9e3779b97f4a7c15ull + uint64_t(step) * 1315423911ull + uint64_t(b) + 3};
         noisy.push_back(ts.aux);
@@ -429,6 +538,7 @@ TrainReport run_train(const TrainOptions& opt) {
     }
     const double inv_b = 1.0 / double(batch.size());
     const std::vector<TttResult> res = run_samples(batch, inv_b, true);
+    drop_features(picked);
     const double gnorm = dev ? dev->clip_grad_norm(oc.clip_norm) : clip_grad_norm(params, oc.clip_norm);
     const double lr = lr_at(oc, step);
     if (dev) {

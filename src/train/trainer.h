@@ -15,7 +15,9 @@
 namespace talon::train {
 
 struct TrainOptions {
-  fs::path data;   // extract output directory
+  fs::path data;   // extract output directory, or (online) a prepare output / token JSONL
+  bool online = false;  // run the target in-process for features instead of reading them
+  std::string layers;   // online: aux layer ids "a,b,c" (default [2, L/2, L-3])
   fs::path model;  // the target checkpoint (embeddings, final norm, lm_head)
   fs::path out;    // run directory: checkpoint.safetensors, metrics.jsonl
   int64_t draft_vocab = 32000;  // capped at the target vocabulary

@@ -48,6 +48,19 @@ n=$(wc -l < "$WORK/k9/metrics.jsonl")
 [ "$(losses "$WORK/k9/metrics.jsonl")" = "$ref" ] && ok "kill -9 (at $n logged steps) + resume: identical losses" \
   || bad "after kill -9: $(losses "$WORK/k9/metrics.jsonl") vs $ref"
 
+# Online: the target runs in-process on the prepare output; the features it makes are the
+# ones extract wrote, so the losses are the same bits as training from disk.
+small=(--model "$GGUF" --draft-vocab 256 --max-length 128 --ttt-steps 3 --max-steps 3 --batch-samples 2 --lr 1e-3 --seed 5)
+"$TALON" train "${small[@]}" --online --data "$WORK/tok" --out "$WORK/online" > /dev/null 2> "$WORK/online.err" \
+  || bad "online: $(tail -3 "$WORK/online.err")"
+"$TALON" train "${small[@]}" --data "$WORK/feat" --out "$WORK/offline3" > /dev/null 2>&1 || bad "offline 3 steps"
+grep -q "online: target .* feeds the trainer, aux layers \[2,15,27\] + final 30" "$WORK/online.err" \
+  && [ "$(losses "$WORK/online/metrics.jsonl")" = "$(losses "$WORK/offline3/metrics.jsonl")" ] \
+  && ok "online training (target in-process, no features on disk) logs the offline run's losses" \
+  || bad "online vs offline: $(losses "$WORK/online/metrics.jsonl") vs $(losses "$WORK/offline3/metrics.jsonl")"
+"$TALON" train "${base[@]}" --out "$WORK/x" --layers 1,2,3 > /dev/null 2> "$WORK/e3"
+[ $? -ne 0 ] && grep -q "\-\-layers applies to \-\-online" "$WORK/e3" && ok "--layers without --online refused" || bad "$(cat "$WORK/e3")"
+
 # Refusals.
 "$TALON" train "${base[@]}" --out "$WORK/k9" --seed 6 > /dev/null 2> "$WORK/e1"
 [ $? -ne 0 ] && grep -q "belongs to a different training job (.*seed" "$WORK/e1" && ok "checkpoint of another job refused" || bad "$(cat "$WORK/e1")"

@@ -21,7 +21,7 @@ int main(int argc, char** argv) {
   CLI::App app{"EAGLE-3 draft training throughput on one GPU (random weights and features)"};
   std::string shape = "llama3-8b", math = "bf16";
   int64_t seq = 2048, samples = 2, steps = 6, vd = 32000;
-  int ttt = 7;
+  int ttt = 7, n_gpus = 1;
   double peak = 779;
   app.add_option("--shape", shape)->capture_default_str();
   app.add_option("--seq", seq)->capture_default_str();
@@ -31,6 +31,7 @@ int main(int argc, char** argv) {
   app.add_option("--ttt", ttt)->capture_default_str();
   app.add_option("--draft-vocab", vd)->capture_default_str();
   app.add_option("--peak-tflops", peak, "dense bf16 peak of the GPU")->capture_default_str();
+  app.add_option("--gpus", n_gpus, "data parallel over GPUs 0..n-1 (samples dealt in turn)")->capture_default_str();
   CLI11_PARSE(app, argc, argv);
   try {
     DraftConfig c;
@@ -79,9 +80,11 @@ int main(int argc, char** argv) {
     fill(w.down, H * size_t(c.I), 0.02f);
     fill(w.lm_head, size_t(c.Vd) * H, 0.02f);
     for (auto* v : {&w.in_ln, &w.hidden_norm, &w.post_ln, &w.norm}) v->assign(H, 1.f);
+    std::vector<int> devices;
+    for (int g = 0; g < n_gpus; ++g) devices.push_back(g);
     size_t free0 = 0, total = 0;
     cudaMemGetInfo(&free0, &total);
-    auto gpu = make_gpu_draft_trainer(c, {embed.data(), fnorm.data(), head.data(), 1e-5}, dv, 0, parse_gpu_math(math), N);
+    auto gpu = make_gpu_draft_trainer(c, {embed.data(), fnorm.data(), head.data(), 1e-5}, dv, devices, parse_gpu_math(math), N);
     gpu->set_weights(w);
     std::vector<Sample> batch;
     for (int64_t s = 0; s < samples; ++s)
@@ -108,10 +111,10 @@ int main(int argc, char** argv) {
     const double lm = double(size_t(c.Vd) * H);
     const double per_tok = double(c.ttt_steps) * (6 * layer + 8 * lm) + 6 * double(H * 3 * H) + 2 * double(size_t(c.V) * H);
     const double tps = double(N) * double(steps - 1) / secs;
-    std::printf("shape %s seq %lld x %lld samples, K=%d, math %s: %.0f tokens/s, %.1f GFLOP/token (no attention), "
-                "%.1f%% of %.0f TFLOP/s; device memory %.1f GiB (buffers %.1f GiB)\n",
-                shape.c_str(), (long long)seq, (long long)samples, c.ttt_steps, math.c_str(), tps, per_tok / 1e9,
-                100 * tps * per_tok / (peak * 1e12), peak, double(free0 - free1) / double(1 << 30),
+    std::printf("shape %s seq %lld x %lld samples, K=%d, math %s, %d GPU(s): %.0f tokens/s, %.1f GFLOP/token (no "
+                "attention), %.1f%% of %.0f TFLOP/s per GPU; device memory %.1f GiB (buffers %.1f GiB)\n",
+                shape.c_str(), (long long)seq, (long long)samples, c.ttt_steps, math.c_str(), n_gpus, tps, per_tok / 1e9,
+                100 * tps * per_tok / (peak * 1e12 * n_gpus), peak, double(free0 - free1) / double(1 << 30),
                 double(gpu->device_bytes()) / double(1 << 30));
   } catch (const std::exception& e) {
     std::fprintf(stderr, "error: %s\n", e.what());

@@ -15,8 +15,8 @@ std::vector<GpuInfo> list_gpus() { return {}; }
 }  // namespace talon
 
 namespace talon::eagle3 {
-std::unique_ptr<GpuDraftTrainer> make_gpu_draft_trainer(const DraftConfig&, const TargetHead&, const DraftVocab&, int,
-                                                        GpuMath, int64_t) {
+std::unique_ptr<GpuDraftTrainer> make_gpu_draft_trainer(const DraftConfig&, const TargetHead&, const DraftVocab&,
+                                                        const std::vector<int>&, GpuMath, int64_t) {
   fail("this build has no CUDA backend (nvcc was not found when it was configured): train with --device cpu");
 }
 }  // namespace talon::eagle3

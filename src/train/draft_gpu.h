@@ -32,13 +32,17 @@ class GpuDraftTrainer {
   // As train::clip_grad_norm and train::AdamW::step (t_before: updates already applied).
   virtual double clip_grad_norm(double max_norm) = 0;
   virtual void adamw_step(const train::OptimConfig& c, int64_t t_before) = 0;
+  virtual void zero_grads() = 0;
   virtual int64_t max_rows() const = 0;
   virtual size_t device_bytes() const = 0;
 };
 
-// max_rows: the most tokens one run() may pack (device buffers are sized for it).
+// max_rows: the most tokens one run() may pack (device buffers are sized for it, per GPU).
+// Several devices: data parallel, one thread per GPU. Each step's samples are dealt to the
+// GPUs in turn (sample i to GPU i mod n), gradients are summed with an NCCL all-reduce in
+// clip_grad_norm(), and every GPU applies the same update, so the weights stay identical.
 std::unique_ptr<GpuDraftTrainer> make_gpu_draft_trainer(const DraftConfig& c, const TargetHead& tgt,
-                                                        const DraftVocab& vocab, int device, GpuMath math,
-                                                        int64_t max_rows);
+                                                        const DraftVocab& vocab, const std::vector<int>& devices,
+                                                        GpuMath math, int64_t max_rows);
 
 }  // namespace talon::eagle3

@@ -79,15 +79,15 @@ std::vector<float> weight_f32(const WeightRef& w) {
   return out;
 }
 
-// --device: -1 for the CPU, else the GPU index.
-int parse_train_device(const std::string& d) {
-  if (d == "cpu") return -1;
-  if (d == "cuda") return 0;
-  if (d.rfind("cuda:", 0) == 0) {
-    const std::string n = d.substr(5);
-    if (!n.empty() && n.size() < 4 && n.find_first_not_of("0123456789") == std::string::npos) return std::stoi(n);
-  }
-  fail("--device '{}': expected cpu, cuda or cuda:N (training uses one GPU)", d);
+// --device: no GPUs for the CPU, else the GPUs to train on (data parallel when several).
+std::vector<int> parse_train_devices(const std::string& d) {
+  const DeviceSpec spec = parse_device(d);
+  if (!spec.cuda) return {};
+  if (!spec.devices.empty()) return spec.devices;
+  std::vector<int> all;
+  for (auto& g : list_gpus()) all.push_back(g.index);
+  TALON_CHECK(!all.empty(), "--device {}: no GPU is visible", d);
+  return all;
 }
 
 // Mean of per-sample results (the batch's metrics).
@@ -134,7 +134,8 @@ TrainReport run_train(const TrainOptions& opt) {
   TALON_CHECK(opt.eval_fraction >= 0 && opt.eval_fraction < 1, "--eval-fraction {}: expected a value in [0, 1)",
               opt.eval_fraction);
   TALON_CHECK(opt.noise >= 0, "--noise {}: expected >= 0", opt.noise);
-  const int gpu = parse_train_device(opt.device);
+  const std::vector<int> gpus = parse_train_devices(opt.device);
+  const int gpu = gpus.empty() ? -1 : gpus[0];
   const GpuMath gpu_math = parse_gpu_math(opt.gpu_math);
   auto ckpt = open_checkpoint(opt.model);
   const ModelConfig& tc = ckpt->config();
@@ -348,11 +349,13 @@ TrainReport run_train(const TrainOptions& opt) {
     int64_t longest = 0;
     for (auto* set : {&samples, &eval})
       for (auto& ts : *set) longest = std::max(longest, int64_t(ts.ids.size()));
-    dev = make_gpu_draft_trainer(c, tgt, dv, gpu, gpu_math, std::max(opt.max_batch_tokens, longest));
+    dev = make_gpu_draft_trainer(c, tgt, dv, gpus, gpu_math, std::max(opt.max_batch_tokens, longest));
     dev->set_weights(w);
     if (step > 0) dev->set_moments(adam.m(), adam.v());
-    tlog::info("train on cuda:{} ({} matrix products), {:.2f} GiB of device buffers for {} tokens per micro-batch", gpu,
-               opt.gpu_math, double(dev->device_bytes()) / double(1 << 30), dev->max_rows());
+    tlog::info("train on cuda:{} ({} matrix products{}), {:.2f} GiB of device buffers per GPU for {} tokens per "
+               "micro-batch",
+               fmt::join(gpus, ","), opt.gpu_math, gpus.size() > 1 ? ", data parallel" : "",
+               double(dev->device_bytes()) / double(1 << 30), dev->max_rows());
   }
   // Online: the target in-process. Features of a batch are made just before it is used
   // (bf16, as extract stores them by default, then fp32) and dropped after.

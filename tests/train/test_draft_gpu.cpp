@@ -121,7 +121,7 @@ void check_against_cpu(bool nbr, GpuMath math, double loss_tol, double grad_tol)
   for (auto& [n, g] : cpu_g.named())
     for (auto& x : *g) x *= weight;
 
-  auto gpu = make_gpu_draft_trainer(cs.c, cs.target(), cs.dv, 0, math, 64);
+  auto gpu = make_gpu_draft_trainer(cs.c, cs.target(), cs.dv, {0}, math, 64);
   gpu->set_weights(cs.w);
   const auto res = gpu->run(batch, weight, true, true);
   ASSERT_EQ(res.size(), cpu.size());
@@ -185,7 +185,7 @@ TEST_P(GpuDraft, AdamWStepsMatchCpuAndAreDeterministic) {
   train::AdamW adam(oc);
   std::vector<std::unique_ptr<GpuDraftTrainer>> gpus;
   for (int r = 0; r < 2; ++r) {
-    gpus.push_back(make_gpu_draft_trainer(cs.c, cs.target(), cs.dv, 0, GpuMath::F32, 40));
+    gpus.push_back(make_gpu_draft_trainer(cs.c, cs.target(), cs.dv, {0}, GpuMath::F32, 40));
     gpus.back()->set_weights(cs.w);
   }
   for (int step = 0; step < 5; ++step) {
@@ -238,9 +238,51 @@ TEST_P(GpuDraft, AdamWStepsMatchCpuAndAreDeterministic) {
 TEST(GpuDraftBudget, RefusesBatchOverBudget) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device on this machine";
   Case cs(false, 7);
-  auto gpu = make_gpu_draft_trainer(cs.c, cs.target(), cs.dv, 0, GpuMath::F32, 16);
+  auto gpu = make_gpu_draft_trainer(cs.c, cs.target(), cs.dv, {0}, GpuMath::F32, 16);
   gpu->set_weights(cs.w);
   EXPECT_THROW(gpu->run(cs.batch(), 1.0, true, true), Error);
+}
+
+// Data parallel over 2 GPUs against one GPU: per-sample results in batch order, the
+// same losses and gradient norms at every step, weights that track; two runs identical.
+TEST(GpuDraftDataParallel, TwoGpusMatchOneAndAreDeterministic) {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess || n < 2) GTEST_SKIP() << "needs 2 GPUs, found " << n;
+  Case cs(false, 321);
+  const auto batch = cs.batch();  // 4 samples: 2 per GPU
+  train::OptimConfig oc;
+  oc.lr = 1e-3;
+  oc.total_steps = 3;
+  auto one = make_gpu_draft_trainer(cs.c, cs.target(), cs.dv, {0}, GpuMath::F32, 64);
+  auto dp1 = make_gpu_draft_trainer(cs.c, cs.target(), cs.dv, {0, 1}, GpuMath::F32, 64);
+  auto dp2 = make_gpu_draft_trainer(cs.c, cs.target(), cs.dv, {1, 0}, GpuMath::F32, 64);
+  for (auto* t : {one.get(), dp1.get(), dp2.get()}) t->set_weights(cs.w);
+  for (int step = 0; step < 3; ++step) {
+    const auto r1 = one->run(batch, 0.25, true, true);
+    const auto ra = dp1->run(batch, 0.25, true, true);
+    const auto rb = dp2->run(batch, 0.25, true, true);
+    ASSERT_EQ(ra.size(), r1.size());
+    for (size_t i = 0; i < r1.size(); ++i) {
+      EXPECT_EQ(ra[i].n_k, r1[i].n_k) << "sample " << i << " came back out of order";
+      EXPECT_NEAR(ra[i].loss, r1[i].loss, tol::kGpuTttLossRel * std::max(1.0, r1[i].loss)) << "step " << step;
+      EXPECT_EQ(ra[i].loss, rb[i].loss) << "step " << step << ": two data-parallel runs differ";
+    }
+    const double g1 = one->clip_grad_norm(0.5), ga = dp1->clip_grad_norm(0.5), gb = dp2->clip_grad_norm(0.5);
+    EXPECT_NEAR(ga, g1, tol::kGpuTttGradRel * g1) << "step " << step;
+    EXPECT_EQ(ga, gb);
+    for (auto* t : {one.get(), dp1.get(), dp2.get()}) t->adamw_step(oc, step);
+  }
+  DraftWeights w1, wa, wb;
+  one->get_weights(w1);
+  dp1->get_weights(wa);
+  dp2->get_weights(wb);
+  auto a = wa.named(), b = wb.named(), c = w1.named();
+  for (size_t i = 0; i < a.size(); ++i) {
+    EXPECT_EQ(*a[i].second, *b[i].second) << a[i].first;
+    size_t off = 0;
+    for (size_t j = 0; j < a[i].second->size(); ++j) off += std::abs((*a[i].second)[j] - (*c[i].second)[j]) > 0.01 * oc.lr;
+    EXPECT_LE(double(off), tol::kGpuTttWeightOffFraction * double(a[i].second->size())) << a[i].first;
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Residual, GpuDraft, ::testing::Values(false, true),

@@ -76,6 +76,13 @@ class DraftEngine {
   void adamw(double lr, double beta1, double beta2, double eps, double weight_decay, const std::vector<uint8_t>& decay,
              int64_t t_after);
   size_t device_bytes() const;
+  // For data parallel: the gradient buffer (all tensors, padded), its length, the stream
+  // every operation runs on, and zeroing it.
+  float* grad_data();
+  int64_t grad_elems() const;
+  cudaStream_t stream() const;
+  int device() const;
+  void zero_grads();
 
  private:
   struct Impl;

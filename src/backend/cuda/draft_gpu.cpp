@@ -1,6 +1,11 @@
 #include <cmath>
 
+#include <thread>
+
+#include "backend/cuda/check.h"
 #include "backend/cuda/draft_engine.h"
+#include "backend/cuda/nccl_lib.h"
+#include "util/log.h"
 #include "model/model.h"
 #include "train/draft_gpu.h"
 #include "util/error.h"
@@ -185,6 +190,8 @@ class CudaDraftTrainer final : public GpuDraftTrainer {
   void adamw_step(const train::OptimConfig& c, int64_t t_before) override {
     eng_->adamw(train::lr_at(c, t_before), c.beta1, c.beta2, c.eps, c.weight_decay, decay_, t_before + 1);
   }
+  void zero_grads() override { eng_->zero_grads(); }
+  cuda::DraftEngine& engine() { return *eng_; }
   int64_t max_rows() const override { return max_rows_; }
   size_t device_bytes() const override { return eng_->device_bytes(); }
 
@@ -222,12 +229,118 @@ class CudaDraftTrainer final : public GpuDraftTrainer {
   std::vector<float> aux_, hid_;
 };
 
+
+#if TALON_HAVE_NCCL_H
+// Data parallel over several GPUs in this process: one CudaDraftTrainer per GPU, each
+// call fanned out to one thread per GPU.
+class DataParallelDraftTrainer final : public GpuDraftTrainer {
+ public:
+  DataParallelDraftTrainer(const DraftConfig& c, const TargetHead& tgt, const DraftVocab& vocab,
+                           const std::vector<int>& devices, GpuMath math, int64_t max_rows)
+      : devices_(devices) {
+    const Nccl& nc = Nccl::get();
+    const int n = int(devices.size());
+    ranks_.resize(size_t(n));
+    comms_.resize(size_t(n));
+    each([&](int r) {
+      ranks_[size_t(r)] = std::make_unique<CudaDraftTrainer>(c, tgt, vocab, devices_[size_t(r)], math, max_rows);
+    });
+    nc.check(nc.comm_init_all(comms_.data(), n, devices_.data()), "ncclCommInitAll");
+  }
+  ~DataParallelDraftTrainer() override {
+    for (auto c : comms_)
+      if (c) Nccl::get().comm_destroy(c);
+  }
+
+  void set_weights(DraftWeights& w) override {
+    each([&](int r) { ranks_[size_t(r)]->set_weights(w); });
+  }
+  void get_weights(DraftWeights& w) override { ranks_[0]->get_weights(w); }
+  void get_grads(DraftGrads& g) override { ranks_[0]->get_grads(g); }
+  void set_moments(const std::vector<std::vector<float>>& m, const std::vector<std::vector<float>>& v) override {
+    each([&](int r) { ranks_[size_t(r)]->set_moments(m, v); });
+  }
+  void get_moments(std::vector<std::vector<float>>& m, std::vector<std::vector<float>>& v) override {
+    ranks_[0]->get_moments(m, v);
+  }
+  std::vector<TttResult> run(const std::vector<Sample>& batch, double weight, bool backward,
+                             bool zero_grads) override {
+    const size_t n = ranks_.size();
+    std::vector<std::vector<Sample>> part(n);
+    for (size_t i = 0; i < batch.size(); ++i) part[i % n].push_back(batch[i]);
+    std::vector<std::vector<TttResult>> res(n);
+    each([&](int r) {
+      if (!part[size_t(r)].empty())
+        res[size_t(r)] = ranks_[size_t(r)]->run(part[size_t(r)], weight, backward, zero_grads);
+      else if (backward && zero_grads)
+        ranks_[size_t(r)]->zero_grads();
+    });
+    std::vector<TttResult> out(batch.size());
+    for (size_t i = 0; i < batch.size(); ++i) out[i] = std::move(res[i % n][i / n]);
+    return out;
+  }
+  double clip_grad_norm(double max_norm) override {
+    std::vector<double> norms(ranks_.size());
+    each([&](int r) {
+      cuda::DraftEngine& e = ranks_[size_t(r)]->engine();
+      const Nccl& x = Nccl::get();
+      x.check(x.all_reduce(e.grad_data(), e.grad_data(), size_t(e.grad_elems()), ncclFloat32, ncclSum,
+                           comms_[size_t(r)], e.stream()),
+              "all-reduce of the gradients");
+      norms[size_t(r)] = ranks_[size_t(r)]->clip_grad_norm(max_norm);
+    });
+    for (double v : norms)
+      TALON_CHECK(v == norms[0], "data parallel: the GPUs disagree on the gradient norm ({} vs {})", v, norms[0]);
+    return norms[0];
+  }
+  void adamw_step(const train::OptimConfig& c, int64_t t_before) override {
+    each([&](int r) { ranks_[size_t(r)]->adamw_step(c, t_before); });
+  }
+  void zero_grads() override {
+    each([&](int r) { ranks_[size_t(r)]->zero_grads(); });
+  }
+  int64_t max_rows() const override { return ranks_[0]->max_rows(); }
+  size_t device_bytes() const override { return ranks_[0]->device_bytes(); }
+
+ private:
+  // f(rank) on one thread per GPU, all at once; the first error is rethrown.
+  template <class F>
+  void each(F&& f) {
+    std::vector<std::exception_ptr> errs(devices_.size());
+    std::vector<std::thread> th;
+    for (int r = 0; r < int(devices_.size()); ++r)
+      th.emplace_back([&, r] {
+        set_thread_log_tag(fmt::format("gpu {}", devices_[size_t(r)]));
+        try {
+          CUDA_CHECK(cudaSetDevice(devices_[size_t(r)]));
+          f(r);
+        } catch (...) {
+          errs[size_t(r)] = std::current_exception();
+        }
+      });
+    for (auto& t : th) t.join();
+    for (auto& e : errs)
+      if (e) std::rethrow_exception(e);
+  }
+
+  std::vector<int> devices_;
+  std::vector<std::unique_ptr<CudaDraftTrainer>> ranks_;
+  std::vector<ncclComm_t> comms_;
+};
+#endif
+
 }  // namespace
 
 std::unique_ptr<GpuDraftTrainer> make_gpu_draft_trainer(const DraftConfig& c, const TargetHead& tgt,
-                                                        const DraftVocab& vocab, int device, GpuMath math,
-                                                        int64_t max_rows) {
-  return std::make_unique<CudaDraftTrainer>(c, tgt, vocab, device, math, max_rows);
+                                                        const DraftVocab& vocab, const std::vector<int>& devices,
+                                                        GpuMath math, int64_t max_rows) {
+  TALON_CHECK(!devices.empty(), "draft on GPU: no device given");
+  if (devices.size() == 1) return std::make_unique<CudaDraftTrainer>(c, tgt, vocab, devices[0], math, max_rows);
+#if TALON_HAVE_NCCL_H
+  return std::make_unique<DataParallelDraftTrainer>(c, tgt, vocab, devices, math, max_rows);
+#else
+  fail("training on {} GPUs needs NCCL, and this build found no nccl.h (set TALON_NCCL_DIR)", devices.size());
+#endif
 }
 
 }  // namespace talon::eagle3

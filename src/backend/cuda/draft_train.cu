@@ -864,6 +864,14 @@ DraftEngine::~DraftEngine() {
 }
 
 size_t DraftEngine::device_bytes() const { return p_->bytes; }
+float* DraftEngine::grad_data() { return p_->G; }
+int64_t DraftEngine::grad_elems() const { return p_->offs.back() + (p_->sizes.back() + 63) / 64 * 64; }
+cudaStream_t DraftEngine::stream() const { return p_->s; }
+int DraftEngine::device() const { return p_->device; }
+void DraftEngine::zero_grads() {
+  CUDA_CHECK(cudaSetDevice(p_->device));
+  CUDA_CHECK(cudaMemsetAsync(p_->G, 0, size_t(grad_elems()) * 4, p_->s));
+}
 
 static void copy_tensors(float* base, const std::vector<int64_t>& offs, const std::vector<int64_t>& sizes,
                          const std::vector<float*>& host, bool to_host) {

@@ -3,8 +3,6 @@
 //
 // NCCL is loaded at run time (dlopen of libnccl.so.2), so a build made where only the
 // headers exist still runs on machines without NCCL; only --tp > 1 needs it.
-#include <dlfcn.h>
-
 #include <atomic>
 #include <condition_variable>
 #include <mutex>
@@ -13,57 +11,14 @@
 #include "backend/cuda/check.h"
 #include "backend/cuda/cuda_model.h"
 #include "util/error.h"
+#include "backend/cuda/nccl_lib.h"
 #include "util/log.h"
-
-#if __has_include(<nccl.h>)
-#include <nccl.h>
-#define TALON_HAVE_NCCL_H 1
-#else
-#define TALON_HAVE_NCCL_H 0
-#endif
 
 namespace talon {
 
 namespace {
 
 #if TALON_HAVE_NCCL_H
-// The few NCCL entry points used here, resolved from the shared library.
-struct Nccl {
-  decltype(&ncclCommInitAll) comm_init_all = nullptr;
-  decltype(&ncclAllReduce) all_reduce = nullptr;
-  decltype(&ncclCommDestroy) comm_destroy = nullptr;
-  decltype(&ncclCommAbort) comm_abort = nullptr;
-  decltype(&ncclGetErrorString) error_string = nullptr;
-
-  static const Nccl& get() {
-    static const Nccl n = [] {
-      Nccl x;
-      void* h = nullptr;
-      for (const char* name : {"libnccl.so.2", "libnccl.so"})
-        if ((h = dlopen(name, RTLD_NOW | RTLD_GLOBAL))) break;
-      if (!h)
-        fail("--tp > 1 needs NCCL, but libnccl.so.2 could not be loaded ({}); install NCCL or add its lib directory "
-             "to LD_LIBRARY_PATH",
-             dlerror());
-      auto sym = [&](const char* s) {
-        void* p = dlsym(h, s);
-        if (!p) fail("libnccl.so.2 has no symbol {} (NCCL too old?)", s);
-        return p;
-      };
-      x.comm_init_all = reinterpret_cast<decltype(x.comm_init_all)>(sym("ncclCommInitAll"));
-      x.all_reduce = reinterpret_cast<decltype(x.all_reduce)>(sym("ncclAllReduce"));
-      x.comm_destroy = reinterpret_cast<decltype(x.comm_destroy)>(sym("ncclCommDestroy"));
-      x.comm_abort = reinterpret_cast<decltype(x.comm_abort)>(sym("ncclCommAbort"));
-      x.error_string = reinterpret_cast<decltype(x.error_string)>(sym("ncclGetErrorString"));
-      return x;
-    }();
-    return n;
-  }
-  void check(ncclResult_t r, const char* what) const {
-    if (r != ncclSuccess) fail("NCCL {} failed: {}", what, error_string(r));
-  }
-};
-
 // Tensor-parallel group: rank r runs on devices[r] in worker thread r.
 class TpModel final : public Model {
  public:

@@ -102,6 +102,10 @@ int main(int argc, char** argv) {
       if (st > 0) secs += dt;  // the first step warms up cuBLAS
       std::printf("step %lld: %.3f s, loss %.4f\n", (long long)st, dt, res[0].loss);
     }
+    double prof_total = 0;
+    for (auto& [name, ms] : gpu->profile()) prof_total += ms;
+    for (auto& [name, ms] : gpu->profile())
+      std::printf("  %-42s %9.1f ms  %5.1f%%\n", name.c_str(), ms, 100 * ms / prof_total);
     size_t free1 = 0;
     cudaMemGetInfo(&free1, &total);
     // FLOPs per token: each TTT step runs the layer (q,k,v,o, gate/up/down, lm_head) forward

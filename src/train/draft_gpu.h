@@ -33,6 +33,8 @@ class GpuDraftTrainer {
   virtual double clip_grad_norm(double max_norm) = 0;
   virtual void adamw_step(const train::OptimConfig& c, int64_t t_before) = 0;
   virtual void zero_grads() = 0;
+  // GPU milliseconds per phase (TALON_DRAFT_PROFILE=1), of the first GPU.
+  virtual std::vector<std::pair<std::string, double>> profile() const = 0;
   virtual int64_t max_rows() const = 0;
   virtual size_t device_bytes() const = 0;
 };

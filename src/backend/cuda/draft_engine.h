@@ -12,6 +12,8 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
+#include <utility>
 #include <vector>
 
 namespace talon::cuda {
@@ -83,6 +85,8 @@ class DraftEngine {
   cudaStream_t stream() const;
   int device() const;
   void zero_grads();
+  // With TALON_DRAFT_PROFILE set: milliseconds of GPU time per phase, summed over calls.
+  std::vector<std::pair<std::string, double>> profile() const;
 
  private:
   struct Impl;

@@ -191,6 +191,7 @@ class CudaDraftTrainer final : public GpuDraftTrainer {
     eng_->adamw(train::lr_at(c, t_before), c.beta1, c.beta2, c.eps, c.weight_decay, decay_, t_before + 1);
   }
   void zero_grads() override { eng_->zero_grads(); }
+  std::vector<std::pair<std::string, double>> profile() const override { return eng_->profile(); }
   cuda::DraftEngine& engine() { return *eng_; }
   int64_t max_rows() const override { return max_rows_; }
   size_t device_bytes() const override { return eng_->device_bytes(); }
@@ -300,6 +301,7 @@ class DataParallelDraftTrainer final : public GpuDraftTrainer {
     each([&](int r) { ranks_[size_t(r)]->zero_grads(); });
   }
   int64_t max_rows() const override { return ranks_[0]->max_rows(); }
+  std::vector<std::pair<std::string, double>> profile() const override { return ranks_[0]->profile(); }
   size_t device_bytes() const override { return ranks_[0]->device_bytes(); }
 
  private:

@@ -1,5 +1,6 @@
 #include <cublas_v2.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <string>
@@ -600,6 +601,29 @@ struct DraftEngine::Impl {
   float *Sb = nullptr, *dPb = nullptr, *sd = nullptr, *dsd = nullptr;
   int64_t s_cap = 0;
   bool loop_attention = false;  // TALON_DRAFT_ATTENTION=loop: the fp32 warp kernels
+  // TALON_DRAFT_PROFILE=1: GPU time per phase, from events between marks.
+  bool profiling = false;
+  std::vector<std::pair<std::string, cudaEvent_t>> marks;
+  std::vector<std::pair<std::string, double>> prof_ms;
+  void mark(const char* phase) {
+    if (!profiling) return;
+    cudaEvent_t e;
+    CUDA_CHECK(cudaEventCreate(&e));
+    CUDA_CHECK(cudaEventRecord(e, s));
+    marks.push_back({phase, e});
+  }
+  void collect() {  // after a stream sync
+    if (!profiling || marks.empty()) return;
+    for (size_t i = 0; i + 1 < marks.size(); ++i) {
+      float ms = 0;
+      CUDA_CHECK(cudaEventElapsedTime(&ms, marks[i].second, marks[i + 1].second));
+      auto it = std::find_if(prof_ms.begin(), prof_ms.end(), [&](auto& x) { return x.first == marks[i].first; });
+      if (it == prof_ms.end()) prof_ms.push_back({marks[i].first, double(ms)});
+      else it->second += double(ms);
+    }
+    for (auto& m : marks) cudaEventDestroy(m.second);
+    marks.clear();
+  }
   std::vector<std::pair<int64_t, int64_t>> seqs;  // (first row, length)
 
   template <class X>
@@ -850,6 +874,7 @@ DraftEngine::DraftEngine(int device, const DraftDims& dd, DraftMath math, const 
   I.dsd = I.alloc<float>(size_t(R * dd.nh * K));
   const char* att = std::getenv("TALON_DRAFT_ATTENTION");
   I.loop_attention = att && std::string(att) == "loop";
+  I.profiling = std::getenv("TALON_DRAFT_PROFILE") != nullptr;
 }
 
 DraftEngine::~DraftEngine() {
@@ -937,6 +962,7 @@ std::vector<uint8_t> DraftEngine::prepare(const DraftBatch& b) {
   cp(I.mask, b.mask, size_t(N));
   cp(I.aux, b.aux, size_t(N * 3 * H) * 4);
   cp(I.hidden, b.hidden, size_t(N * H) * 4);
+  I.mark("target distribution (full logits, P)");
   for (int64_t r0 = 0; r0 < N; r0 += I.chunk) {
     const int64_t n = std::min(I.chunk, N - r0);
     I.rmsnorm(I.hn, H, I.hidden + r0 * H, H, I.fnorm, H, I.d.target_eps, n);
@@ -945,9 +971,11 @@ std::vector<uint8_t> DraftEngine::prepare(const DraftBatch& b) {
                                                      I.kept, I.t2d, V, I.d.Vd);
     CUDA_LAUNCH_CHECK();
   }
+  I.mark("end");
   std::vector<uint8_t> iv(static_cast<size_t>(N));
   CUDA_CHECK(cudaMemcpyAsync(iv.data(), I.in_vocab, size_t(N), cudaMemcpyDeviceToHost, I.s));
   CUDA_CHECK(cudaStreamSynchronize(I.s));
+  I.collect();
   return iv;
 }
 
@@ -963,6 +991,7 @@ void DraftEngine::run(const std::vector<float>& row_scale, bool backward, bool z
   const unsigned warps_blocks = nblocks(N * d.nh * 32, 256);
 
   // Forward.
+  I.mark("forward: products and norms");
   I.linear(I.gs[0], H, I.aux, 3 * H, I.w(FC), N, 3 * H, H);
   for (int k = 0; k < K; ++k) {
     float* xin = I.xin[size_t(k)];
@@ -977,12 +1006,14 @@ void DraftEngine::run(const std::vector<float>& row_scale, bool backward, bool z
     I.linear(vv, kvd, xin, 2 * H, I.w(WV), N, 2 * H, kvd);
     I.rope(I.q[size_t(k)], d.nh, k, 1.0);
     I.rope(kk, d.nkv, k, 1.0);
+    I.mark("forward: attention");
     if (I.loop_attention) {
       attn_forward_kernel<<<warps_blocks, 256, 0, s>>>(I.att[size_t(k)], I.lse[size_t(k)], I.attn_args(k));
       CUDA_LAUNCH_CHECK();
     } else {
       I.attention_forward(k, I.att[size_t(k)], I.lse[size_t(k)]);
     }
+    I.mark("forward: products and norms");
     I.linear(I.tmp, H, I.att[size_t(k)], qd, I.w(WO), N, qd, H);
     if (d.norm_before_residual)
       add_kernel<<<nblocks(N * H, 256), 256, 0, s>>>(I.g1[size_t(k)], xin + H, 2 * H, I.tmp, N, H);
@@ -998,6 +1029,7 @@ void DraftEngine::run(const std::vector<float>& row_scale, bool backward, bool z
     add_kernel<<<nblocks(N * H, 256), 256, 0, s>>>(I.gs[size_t(k) + 1], I.g1[size_t(k)], H, I.tmp, N, H);
     CUDA_LAUNCH_CHECK();
     I.rmsnorm(I.fn[size_t(k)], H, I.gs[size_t(k) + 1], H, I.w(NORM), H, d.eps, N);
+    I.mark("forward: draft logits and loss");
     I.logits_of(k);
     loss_kernel<<<unsigned(N), 512, 0, s>>>(I.logits, I.P, I.tgt_arg, I.in_vocab, I.mask, I.pos, I.len, Vd, k,
                                              nullptr, I.ce + k * N, I.hit + k * N, I.cnt + k * N);
@@ -1010,7 +1042,9 @@ void DraftEngine::run(const std::vector<float>& row_scale, bool backward, bool z
   CUDA_CHECK(cudaMemcpyAsync(out.hit.data(), I.hit, size_t(K * N), cudaMemcpyDeviceToHost, s));
   CUDA_CHECK(cudaMemcpyAsync(out.counts.data(), I.cnt, size_t(K * N), cudaMemcpyDeviceToHost, s));
   if (!backward) {
+    I.mark("end");
     CUDA_CHECK(cudaStreamSynchronize(s));
+    I.collect();
     return;
   }
 
@@ -1023,11 +1057,13 @@ void DraftEngine::run(const std::vector<float>& row_scale, bool backward, bool z
   for (int k = int(K) - 1; k >= 0; --k) {
     const size_t ks = size_t(k);
     float* xin = I.xin[ks];
+    I.mark("backward: draft logits and loss gradient");
     I.logits_of(k);
     loss_kernel<<<unsigned(N), 512, 0, s>>>(I.logits, I.P, I.tgt_arg, I.in_vocab, I.mask, I.pos, I.len, Vd, k,
                                              I.rs + k * N, I.ce + k * N, I.hit + k * N, I.cnt + k * N);
     CUDA_LAUNCH_CHECK();
     // logits = lm_head(norm(g2))
+    I.mark("backward: products and norms");
     I.linear_dx(I.dfn, H, I.logits, I.w(LM), N, H, Vd, 0.f);
     I.linear_dw(I.g(LM), I.logits, I.fn[ks], H, N, H, Vd);
     CUDA_CHECK(cudaMemcpyAsync(I.dg2, I.dgn, size_t(N * H) * 4, cudaMemcpyDeviceToDevice, s));
@@ -1049,6 +1085,7 @@ void DraftEngine::run(const std::vector<float>& row_scale, bool backward, bool z
     I.linear_dx(I.datt, qd, I.dg1, I.w(WO), N, qd, H, 0.f);
     I.linear_dw(I.g(WO), I.dg1, I.att[ks], qd, N, qd, H);
     const AttnArgs a = I.attn_args(k);
+    I.mark("backward: attention");
     attn_delta_kernel<<<warps_blocks, 256, 0, s>>>(I.D, I.datt, I.att[ks], N, int(d.nh), int(d.hd));
     CUDA_LAUNCH_CHECK();
     if (!I.loop_attention) {
@@ -1064,6 +1101,7 @@ void DraftEngine::run(const std::vector<float>& row_scale, bool backward, bool z
         CUDA_LAUNCH_CHECK();
       }
     }
+    I.mark("backward: products and norms");
     float* dKk = I.dK + k * I.R * kvd;
     float* dVk = I.dV + k * I.R * kvd;
     I.rope(I.dq, d.nh, k, -1.0);
@@ -1091,8 +1129,12 @@ void DraftEngine::run(const std::vector<float>& row_scale, bool backward, bool z
     else
       I.linear_dw(I.g(FC), I.dg, I.aux, 3 * H, N, 3 * H, H);
   }
+  I.mark("end");
   CUDA_CHECK(cudaStreamSynchronize(s));
+  I.collect();
 }
+
+std::vector<std::pair<std::string, double>> DraftEngine::profile() const { return p_->prof_ms; }
 
 double DraftEngine::clip_grad_norm(double max_norm) {
   Impl& I = *p_;

@@ -112,13 +112,21 @@ __global__ void rmsnorm_backward_kernel(float* dx, int64_t lddx, float* wrow, co
   }
 }
 
-// dw[c] += sum_n rows[n, c], rows in order (fp64 accumulator).
+// dw[c] += sum_n rows[n, c]: 32 columns per block, 8 row lanes each summing every 8th row
+// (fp64), then the 8 partials in lane order; a fixed order for every element.
 __global__ void colsum_kernel(float* dw, const float* rows, int64_t N, int64_t C) {
-  const int64_t c = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (c >= C) return;
+  __shared__ double part[8][33];
+  const int64_t c = int64_t(blockIdx.x) * 32 + threadIdx.x;
   double s = 0;
-  for (int64_t n = 0; n < N; ++n) s += double(rows[n * C + c]);
-  dw[c] += float(s);
+  if (c < C)
+    for (int64_t n = threadIdx.y; n < N; n += 8) s += double(rows[n * C + c]);
+  part[threadIdx.y][threadIdx.x] = s;
+  __syncthreads();
+  if (threadIdx.y == 0 && c < C) {
+    double t = 0;
+    for (int y = 0; y < 8; ++y) t += part[y][threadIdx.x];
+    dw[c] += float(t);
+  }
 }
 
 // E[n, :] = embed[token fed at step k]: x[t+1+k] of the row's own sample, 0 past its end.
@@ -670,10 +678,12 @@ struct DraftEngine::Impl {
   // dx += ..., and the weight gradient dw += ... (dx may be null).
   void rmsnorm_backward(float* dx, int64_t lddx, float* dw, const float* dout, int64_t ldd, const float* x,
                         int64_t ldx, const float* wt, int64_t C) {
+    mark("backward: RMSNorm backward");
     rmsnorm_backward_kernel<<<unsigned(N), 256, 0, s>>>(dx, lddx, wrow, dout, ldd, x, ldx, wt, C, d.eps);
     CUDA_LAUNCH_CHECK();
-    colsum_kernel<<<nblocks(C, 128), 128, 0, s>>>(dw, wrow, N, C);
+    colsum_kernel<<<nblocks(C, 32), dim3(32, 8), 0, s>>>(dw, wrow, N, C);
     CUDA_LAUNCH_CHECK();
+    mark("backward: products and norms");
   }
   void rope(float* x, int64_t heads, int k, double sign) {
     rope_kernel<<<nblocks(N * heads * (d.hd / 2), 256), 256, 0, s>>>(x, N, heads, d.hd, pos, k, inv, sign);

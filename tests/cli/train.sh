@@ -61,6 +61,17 @@ grep -q "online: target .* feeds the trainer, aux layers \[2,15,27\] + final 30"
 "$TALON" train "${base[@]}" --out "$WORK/x" --layers 1,2,3 > /dev/null 2> "$WORK/e3"
 [ $? -ne 0 ] && grep -q "\-\-layers applies to \-\-online" "$WORK/e3" && ok "--layers without --online refused" || bad "$(cat "$WORK/e3")"
 
+# Hidden-state noise: seeded by (seed, step, slot), so it changes the losses but a stopped
+# and resumed run still logs the uninterrupted run's bits.
+noise=(--model "$GGUF" --data "$WORK/feat" --draft-vocab 256 --max-length 128 --ttt-steps 2 --max-steps 3 --batch-samples 2 --seed 5 --noise 0.5)
+"$TALON" train "${noise[@]}" --out "$WORK/noise" > /dev/null 2>&1 || bad "noise run"
+"$TALON" train "${noise[@]}" --out "$WORK/noise2" --stop-after-steps 1 > /dev/null 2>&1
+"$TALON" train "${noise[@]}" --out "$WORK/noise2" > /dev/null 2>&1 || bad "noise resume"
+"$TALON" train "${noise[@]:0:16}" --out "$WORK/quiet" > /dev/null 2>&1 || bad "no-noise run"
+n1=$(losses "$WORK/noise/metrics.jsonl"); n2=$(losses "$WORK/noise2/metrics.jsonl"); q=$(losses "$WORK/quiet/metrics.jsonl")
+[ "$n1" = "$n2" ] && [ "$n1" != "$q" ] && ok "--noise changes the losses; stop + resume with noise logs the same bits" \
+  || bad "noise: $n1 / resumed $n2 / without $q"
+
 # Refusals.
 "$TALON" train "${base[@]}" --out "$WORK/k9" --seed 6 > /dev/null 2> "$WORK/e1"
 [ $? -ne 0 ] && grep -q "belongs to a different training job (.*seed" "$WORK/e1" && ok "checkpoint of another job refused" || bad "$(cat "$WORK/e1")"

@@ -99,9 +99,14 @@ std::unique_ptr<SampleSource> open_samples(const fs::path& path) {
               mpath.string(), m.value("format", json()).dump());
   TALON_CHECK(m.value("format_version", json()) == json(1), "{}: format_version {} is not supported (this talon reads 1)",
               mpath.string(), m.value("format_version", json()).dump());
-  const fs::path tpath = dir / m.value("tokens_file", std::string("tokens.jsonl"));
+  auto tf = m.find("tokens_file");
+  auto ts = m.find("tokens_sha256");
+  TALON_CHECK(tf == m.end() || tf->is_string(), "{}: field 'tokens_file' must be a file name", mpath.string());
+  TALON_CHECK(ts != m.end() && ts->is_string(), "{}: field 'tokens_sha256' must be a SHA-256 string", mpath.string());
+  const fs::path tpath =
+      path_inside(dir, tf == m.end() ? std::string("tokens.jsonl") : tf->get<std::string>(), mpath.string() + ": tokens_file");
   auto src = std::make_unique<TokenJsonl>(tpath, "talon.tokens");
-  const std::string want = m.value("tokens_sha256", std::string());
+  const std::string want = ts->get<std::string>();
   TALON_CHECK(src->sha256() == want, "{}: sha256 {} does not match manifest.json's tokens_sha256 {} (modified or "
               "partially written)", tpath.string(), src->sha256(), want);
   return src;

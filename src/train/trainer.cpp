@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstring>
 #include <cmath>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -106,10 +107,17 @@ TrainReport run_train(const TrainOptions& opt) {
               man.value("hidden_size", int64_t(0)), H);
 
   // Samples (truncated to --max-length) and the loss-masked token counts.
+  // Every shard is checked against the manifest (size, SHA-256, tensor shapes, offsets)
+  // before any of it is used.
+  {
+    const DatasetCheck chk = check_dataset(opt.data, /*checksums=*/true);
+    if (!chk.ok) fail("{}: the dataset does not verify: {}", opt.data.string(), fmt::format("{}", fmt::join(chk.problems, "; ")));
+  }
   std::vector<TrainSample> samples;
   std::vector<int64_t> counts(static_cast<size_t>(V), 0);
+  size_t shard_i = 0;
   for (auto& s : man.at("shards")) {
-    st::File f(opt.data / s.at("file").get<std::string>());
+    st::File f(shard_path(opt.data, s, shard_i++));
     const auto& ids = f.get(shard_tensors::input_ids);
     const auto& mask = f.get(shard_tensors::loss_mask);
     const auto& aux = f.get(shard_tensors::aux_hidden);
@@ -125,8 +133,12 @@ TrainReport run_train(const TrainOptions& opt) {
       ts.mask.assign(mask.data + a, mask.data + a + T);
       ts.aux = to_f32(aux, size_t(a * 3 * H), size_t(T * 3 * H));
       ts.hidden = to_f32(hid, size_t(a * H), size_t(T * H));
-      for (int64_t t = 0; t < T; ++t)
+      for (int64_t t = 0; t < T; ++t) {
+        if (ts.ids[size_t(t)] < 0 || ts.ids[size_t(t)] >= V)
+          fail("{}: tensor '{}': token id {} at position {} is outside the target vocabulary of {}", f.path().string(),
+               shard_tensors::input_ids, ts.ids[size_t(t)], a + t, V);
         if (ts.mask[size_t(t)]) counts[size_t(ts.ids[size_t(t)])]++;
+      }
       samples.push_back(std::move(ts));
     }
   }
@@ -202,9 +214,13 @@ TrainReport run_train(const TrainOptions& opt) {
   fs::create_directories(opt.out);
   const fs::path cpath = opt.out / kCheckpointName, mpath = opt.out / kMetricsName;
   int64_t step = 0;
+  if (int n = remove_stale_temps(opt.out, {kCheckpointName, kMetricsName}))
+    tlog::info("{}: removed {} temporary file(s) of an interrupted run", opt.out.string(), n);
   if (fs::exists(cpath)) {
     st::File f(cpath);
-    const json st = json::parse(f.metadata().at("talon.train"), nullptr, false);
+    f.verify_checksum(/*required=*/true);
+    auto meta = f.metadata().find("talon.train");
+    const json st = meta == f.metadata().end() ? json() : json::parse(meta->second, nullptr, false);
     TALON_CHECK(st.is_object() && st.contains("job"), "{}: no talon.train metadata", cpath.string());
     std::vector<std::string> diffs;
     for (auto& [k, v] : job.items())
@@ -263,12 +279,14 @@ TrainReport run_train(const TrainOptions& opt) {
                {"final_layer_id", man.at("final_layer_id")},
                {"convention", man.at("convention")}};
     wr.set_metadata("talon.train", st.dump());
+    wr.set_checksum(true);
     wr.write(cpath);
   };
 
   tlog::info("train: {} samples, draft vocab {} of {}, K={} steps, {} optimizer steps of {} sample(s), lr {}", samples.size(),
              c.Vd, V, c.ttt_steps, total_steps, opt.batch_samples, oc.lr);
   std::ofstream metrics(mpath, std::ios::app);
+  if (!metrics) fail("{}: cannot open for appending: {}", mpath.string(), std::strerror(errno));
   Progress progress("train", total_steps, "step", step);
   TrainReport rep;
   rep.total_steps = total_steps;
@@ -316,6 +334,7 @@ TrainReport run_train(const TrainOptions& opt) {
                     {"tokens_per_s", secs > 0 ? double(tokens) / secs : 0.0}}.dump()
             << "\n";
     metrics.flush();
+    if (!metrics) fail("{}: write failed: {} (a checkpoint keeps the finished steps; rerun to resume)", mpath.string(), std::strerror(errno));
     tlog::debug("step {} loss {:.4f} acc0 {:.3f} accept {:.3f} lr {:.3g} |g| {:.3g}", step, loss, acc[0], alen, lr, gnorm);
     rep.last_loss = loss;
     ++step;

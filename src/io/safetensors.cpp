@@ -80,9 +80,8 @@ File::File(const fs::path& path) : map_(path) {
     uint64_t b = (*off)[0].get<uint64_t>(), e = (*off)[1].get<uint64_t>();
     if (b > e || e > data_size)
       fail("{}: tensor '{}': data_offsets [{}, {}] outside the data section of {} bytes", p, name, b, e, data_size);
-    if (numel > data_size / dtype_size(t.dtype))  // before multiplying: numel * size may wrap
-      fail("{}: tensor '{}': {} {} needs more bytes than the data section's {}", p, name, dtype_name(t.dtype),
-           shape_str(t.shape), data_size);
+    if (numel > ~uint64_t(0) / dtype_size(t.dtype))  // before multiplying: numel * size must not wrap
+      fail("{}: tensor '{}': shape {} of {} overflows", p, name, sh->dump(), dtype_name(t.dtype));
     uint64_t want = numel * dtype_size(t.dtype);
     if (e - b != want)
       fail("{}: tensor '{}': {} {} needs {} bytes, data_offsets give {}", p, name, dtype_name(t.dtype),

@@ -773,9 +773,21 @@ class Interp {
     if (l.is_number() && r.is_number()) {
       bool fl = l.is_float() || r.is_float();
       int64_t res = 0;
-      if (op == "+") return fl ? Value(l.as_float() + r.as_float()) : Value(checked(__builtin_add_overflow(l.as_int(), r.as_int(), &res), res));
-      if (op == "-") return fl ? Value(l.as_float() - r.as_float()) : Value(checked(__builtin_sub_overflow(l.as_int(), r.as_int(), &res), res));
-      if (op == "*") return fl ? Value(l.as_float() * r.as_float()) : Value(checked(__builtin_mul_overflow(l.as_int(), r.as_int(), &res), res));
+      if (op == "+") {
+        if (fl) return Value(l.as_float() + r.as_float());
+        checked(__builtin_add_overflow(l.as_int(), r.as_int(), &res), 0);
+        return Value(res);
+      }
+      if (op == "-") {
+        if (fl) return Value(l.as_float() - r.as_float());
+        checked(__builtin_sub_overflow(l.as_int(), r.as_int(), &res), 0);
+        return Value(res);
+      }
+      if (op == "*") {
+        if (fl) return Value(l.as_float() * r.as_float());
+        checked(__builtin_mul_overflow(l.as_int(), r.as_int(), &res), 0);
+        return Value(res);
+      }
       if (op == "/") {
         if (r.as_float() == 0) jfail("division by zero");
         return Value(l.as_float() / r.as_float());

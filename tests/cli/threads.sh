@@ -6,7 +6,7 @@
 source "$(dirname "$0")/lib.sh"
 MODEL=$SRC/tests/fixtures/golden/llama_gqa
 tokens 60 97 5 6 > "$WORK/t.jsonl"
-args=(--model "$MODEL" --data "$WORK/t.jsonl" --shard-tokens 24 --max-batch-tokens 16 --threads 2)
+args=(--model "$MODEL" --data "$WORK/t.jsonl" --layers 1,2,3 --shard-tokens 24 --max-batch-tokens 16 --threads 2)
 same() { diff -r -x '.talon*' -x 'progress.rank-*' "$WORK/ref" "$1" > "$WORK/diff" 2>&1; }
 
 "$TALON" extract "${args[@]}" --out "$WORK/ref" > /dev/null 2> "$WORK/e" && ok "extract: uninterrupted" || bad "extract: $(tail -2 "$WORK/e")"

@@ -7,6 +7,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
+#include "data/chat_formats.h"
 #include "data/features.h"
 #include "data/samples.h"
 #include "io/safetensors.h"
@@ -159,6 +160,24 @@ TEST(HostileSizes, TokenizerIdsAreBoundedBeforeTablesAreSized) {
   const std::string ok = R"({"model": {"type": "BPE", "vocab": {"a": 0, "b": 1}, "merges": []},
       "added_tokens": [{"id": 1000, "content": "<x>", "special": true}]})";
   EXPECT_NO_THROW(text::Tokenizer::from_json_text(ok, "t/tokenizer.json"));
+}
+
+TEST(HostileInputs, BrokenJsonArrayDatasetsEndWithAnError) {
+  // Found by fuzz_dataset: a '}' at the top level of an array made the reader return empty
+  // elements forever (count() and prepare never ended).
+  const fs::path d = fresh_dir("arrays");
+  for (const std::string body : {R"([{"question": "q", "answer": "a"}, }, {"x": 1}])", "[1,,2]", "[ } ]"}) {
+    put(d / "a.json", body);
+    (void)RecordReader::count(d / "a.json");  // terminates
+    RecordReader r(d / "a.json");
+    RecordReader::Item it;
+    int n = 0;
+    const std::string e = error_of([&] {
+      while (r.next(it)) ++n;
+    });
+    EXPECT_TRUE(has(e, "JSON array")) << body << ": " << e;
+    EXPECT_LE(n, 2) << body;
+  }
 }
 
 std::string render(const std::string& src, text::jinja::Options opt = {}) {

@@ -4,7 +4,8 @@
 #      per seed), then rerun: the outputs must be byte-identical to an uninterrupted run;
 #   2. a full disk (an LD_PRELOAD shim fails writes under the output directory with ENOSPC
 #      after a seeded byte budget): a clear error naming the file and "No space left",
-#      nothing truncated accepted, and a rerun with space completes identically;
+#      nothing truncated accepted, and a rerun with space completes identically; where
+#      mounting is allowed, the same on a real (small) tmpfs;
 #   3. a flipped byte in a shard, a checkpoint and a tokens file: caught by checksum on
 #      read, the error names the file;
 #   4. SIGTERM / SIGINT: the run stops within seconds with a resume hint, and resumes.
@@ -98,6 +99,9 @@ sweep extract "$T_EXTR" "${EXTR[@]}"
 sweep train "$T_TRAIN" "${TRAIN[@]}"
 
 # ---------------------------------------------------------------- 2. disk full
+tok_bytes=$(stat -c %s "$WORK/ref_tok/tokens.jsonl")
+shard_bytes=$(stat -c %s "$WORK/ref_feat/shard-00000.safetensors")
+ckpt_bytes=$(stat -c %s "$WORK/ref_run/checkpoint.safetensors")
 if [ -f "$SHIM" ]; then
   # enospc STAGE BYTES FILE_PATTERN: the run fails naming the file with "No space left",
   # leaves no temporaries and no unverifiable output; a rerun without the fault completes
@@ -142,9 +146,6 @@ PY
       || bad "$stage: rerun after freeing space: rc $rc, $(tail -2 "$WORK/nospc2.err")"
     rm -rf "$out"
   }
-  tok_bytes=$(stat -c %s "$WORK/ref_tok/tokens.jsonl")
-  shard_bytes=$(stat -c %s "$WORK/ref_feat/shard-00000.safetensors")
-  ckpt_bytes=$(stat -c %s "$WORK/ref_run/checkpoint.safetensors")
   RANDOM=$BASE
   enospc prepare $(( RANDOM % tok_bytes )) "tokens.jsonl" "${PREP[@]}"
   enospc extract $(( RANDOM % shard_bytes )) "shard-[0-9]+\.safetensors" "${EXTR[@]}"
@@ -153,6 +154,34 @@ PY
   enospc train $(( 2 * ckpt_bytes + RANDOM % ckpt_bytes )) "checkpoint.safetensors|metrics.jsonl" "${TRAIN[@]}"
 else
   bad "no ENOSPC shim at $SHIM (build the talon_enospc target)"
+fi
+
+# A real full file system where mounting is allowed (root, not forbidden by the container):
+# a small tmpfs. Extract fills it with shards; train's second checkpoint needs room for the
+# new file beside the old one. After the mount is made larger, the rerun completes.
+MNT="$WORK/mnt"
+mkdir -p "$MNT"
+if [ "$(id -u)" -eq 0 ] && mount -t tmpfs -o size=$(( shard_bytes * 5 / 2 )) tmpfs "$MNT" 2>/dev/null; then
+  trap 'umount "$MNT" 2>/dev/null; rm -rf "$WORK"' EXIT
+  for stage in extract train; do
+    if [ $stage = extract ]; then cmd=("${EXTR[@]}"); size=$(( shard_bytes * 5 / 2 )); else cmd=("${TRAIN[@]}"); size=$(( ckpt_bytes * 3 / 2 )); fi
+    mount -o remount,size=$size "$MNT"
+    rm -rf "${MNT:?}"/*
+    FAULTS=$((FAULTS + 1))
+    "$TALON" "${cmd[@]}" --out "$MNT/out" > /dev/null 2> "$WORK/tmpfs.err"
+    rc=$?
+    [ $rc -ne 0 ] && grep -q "No space left on device" "$WORK/tmpfs.err" \
+      && ok "$stage on a full tmpfs ($size bytes): rc $rc, $(grep -m1 -o 'error: [^:]*' "$WORK/tmpfs.err")" \
+      || bad "$stage on a full tmpfs: rc $rc, $(tail -2 "$WORK/tmpfs.err")"
+    no_temps "$MNT/out" && ok "$stage: no temporaries left on the full tmpfs" || bad "$stage: temporaries left: $(ls -a "$MNT/out")"
+    mount -o remount,size=$(( size * 4 )) "$MNT"
+    "$TALON" "${cmd[@]}" --out "$MNT/out" > /dev/null 2> "$WORK/tmpfs.err"
+    [ $? -eq 0 ] && "same_$stage" "$MNT/out" && ok "$stage: rerun after the tmpfs grew completes, identical" \
+      || bad "$stage: rerun on the grown tmpfs: $(tail -2 "$WORK/tmpfs.err")"
+  done
+  umount "$MNT"
+else
+  echo "skip - tmpfs disk-full test: mounting is not permitted here (the ENOSPC shim covers it)"
 fi
 
 # ---------------------------------------------------------------- 3. flipped bytes

@@ -6,8 +6,9 @@
 #         cli.threads, cli.resume and the reader unit tests. OpenMP loops run serially in
 #         this build (TALON_TSAN: libgomp is not instrumented).
 #   scripts/sanitize.sh [asan|tsan|all]     (default all)
-# Every process writes its sanitizer reports to build-*/reports/; any report fails the run,
-# even from a talon process whose failure a test expected (a bad-input test).
+# Sanitizer reports go to build-*/reports/ (ASan, TSan: log_path; UBSan, which GCC's
+# runtime prints to stderr only: copied there from every CLI test's captured output and from
+# the ctest log); any report fails the run, even from a run a test expected to fail.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 what=${1:-all}
@@ -38,12 +39,13 @@ if [ "$what" = asan ] || [ "$what" = all ]; then
   rm -rf build-asan/reports && mkdir -p build-asan/reports
   r=$PWD/build-asan/reports
   # detect_leaks: leaks count; the CLI scenarios run talon many times, each one checked.
-  ASAN_OPTIONS=detect_leaks=1:halt_on_error=1:log_path=$r/asan:strict_string_checks=1 \
+  TALON_SANITIZER_REPORTS=$r ASAN_OPTIONS=detect_leaks=1:halt_on_error=1:log_path=$r/asan:strict_string_checks=1 \
   UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1:log_path=$r/ubsan \
   FAULT_SEEDS=${FAULT_SEEDS:-2} \
     ctest --test-dir build-asan --output-on-failure -j"$jobs" -E "${SANITIZE_EXCLUDE:-cli.tokenizer_parity|cli.gpu_extract}" \
     > build-asan/ctest.log 2>&1 || { echo "sanitize: asan: tests failed"; grep -E "Failed|\*\*\*" build-asan/ctest.log | head -30; status=1; }
   grep -E "tests passed|tests failed" build-asan/ctest.log || true
+  grep -E "runtime error:|ERROR: (Address|Leak)Sanitizer" build-asan/ctest.log > "$r/from-ctest-log" || rm -f "$r/from-ctest-log"
   reports "$r" "ASan+UBSan"
   echo "sanitize: asan took $(( $(date +%s) - t0 )) s"
 fi
@@ -55,7 +57,7 @@ if [ "$what" = tsan ] || [ "$what" = all ]; then
     { tail -30 build-tsan.log; exit 1; }
   rm -rf build-tsan/reports && mkdir -p build-tsan/reports
   r=$PWD/build-tsan/reports
-  TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1:log_path=$r/tsan \
+  TALON_SANITIZER_REPORTS=$r TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1:log_path=$r/tsan \
     ctest --test-dir build-tsan --output-on-failure -j"$jobs" \
     -R "${TSAN_TESTS:-cli.threads|cli.resume|Safetensors|Gguf|Features|Prepare|PathInside|Checksum}" \
     > build-tsan/ctest.log 2>&1 || { echo "sanitize: tsan: tests failed"; grep -E "Failed|\*\*\*" build-tsan/ctest.log | head -30; status=1; }

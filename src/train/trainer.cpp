@@ -123,13 +123,15 @@ TrainReport run_train(const TrainOptions& opt) {
     const auto& aux = f.get(shard_tensors::aux_hidden);
     const auto& hid = f.get(shard_tensors::hidden);
     const auto& off = f.get(shard_tensors::sample_offsets);
-    const auto* o = reinterpret_cast<const int64_t*>(off.data);
-    const auto* ip = reinterpret_cast<const int32_t*>(ids.data);
+    // Tensors in a shard need not be aligned for their type (a U8 tensor precedes): copy.
+    std::vector<int64_t> o(static_cast<size_t>(off.numel()));
+    std::memcpy(o.data(), off.data, off.nbytes);
     for (int64_t i = 0; i + 1 < off.numel(); ++i) {
-      const int64_t a = o[i], T = std::min(o[i + 1] - o[i], opt.max_length);
+      const int64_t a = o[size_t(i)], T = std::min(o[size_t(i + 1)] - o[size_t(i)], opt.max_length);
       if (T < 2) continue;
       TrainSample ts;
-      ts.ids.assign(ip + a, ip + a + T);
+      ts.ids.resize(size_t(T));
+      std::memcpy(ts.ids.data(), ids.data + size_t(a) * 4, size_t(T) * 4);
       ts.mask.assign(mask.data + a, mask.data + a + T);
       ts.aux = to_f32(aux, size_t(a * 3 * H), size_t(T * 3 * H));
       ts.hidden = to_f32(hid, size_t(a * H), size_t(T * H));

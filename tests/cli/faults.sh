@@ -162,7 +162,7 @@ fi
 MNT="$WORK/mnt"
 mkdir -p "$MNT"
 if [ "$(id -u)" -eq 0 ] && mount -t tmpfs -o size=$(( shard_bytes * 5 / 2 )) tmpfs "$MNT" 2>/dev/null; then
-  trap 'umount "$MNT" 2>/dev/null; rm -rf "$WORK"' EXIT
+  trap 'umount "$MNT" 2>/dev/null; keep_reports; rm -rf "$WORK"' EXIT
   for stage in extract train; do
     if [ $stage = extract ]; then cmd=("${EXTR[@]}"); size=$(( shard_bytes * 5 / 2 )); else cmd=("${TRAIN[@]}"); size=$(( ckpt_bytes * 3 / 2 )); fi
     mount -o remount,size=$size "$MNT"

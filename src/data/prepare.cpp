@@ -569,6 +569,7 @@ PrepareReport run_prepare(const PrepareOptions& opt) {
     if (fs::exists(mpath)) {
       json m = json::parse(read_text_file(mpath), nullptr, false);
       std::vector<std::string> diffs;
+      try {
       if (!m.is_object() || m.value("format", "") != "talon.tokens") {
         diffs.push_back("manifest.json is not a talon.tokens manifest");
       } else {
@@ -589,6 +590,9 @@ PrepareReport run_prepare(const PrepareOptions& opt) {
                                 {"prompts", opt.prompts}};
         if (m.value("options", json()) != want_opts) diffs.push_back("options");
       }
+      } catch (const json::exception&) {  // a field of an unexpected type
+        diffs.push_back("manifest.json fields");
+      }
       if (!diffs.empty())
         fail("{}: holds a different finished prepare ({} differ); delete it or use another --out", opt.out.string(),
              fmt::format("{}", fmt::join(diffs, ", ")));
@@ -597,8 +601,11 @@ PrepareReport run_prepare(const PrepareOptions& opt) {
                  opt.out.string());
       rep.status = PrepareStatus::AlreadyComplete;
       rep.out = opt.out;
-      rep.records = m.at("counts").value("records", int64_t(0));
-      rep.samples = m.at("counts").value("samples", int64_t(0));
+      const json counts = m.value("counts", json::object());
+      if (counts.is_object() && counts.contains("records") && counts["records"].is_number_integer())
+        rep.records = counts["records"].get<int64_t>();
+      if (counts.is_object() && counts.contains("samples") && counts["samples"].is_number_integer())
+        rep.samples = counts["samples"].get<int64_t>();
       return rep;
     }
     std::vector<fs::path> leftovers;

@@ -95,10 +95,13 @@ std::unique_ptr<SampleSource> open_samples(const fs::path& path) {
   TALON_CHECK(fs::exists(mpath), "{}: not a prepared dataset (no manifest.json)", dir.string());
   json m = json::parse(read_text_file(mpath), nullptr, false);
   TALON_CHECK(!m.is_discarded() && m.is_object(), "{}: not valid JSON", mpath.string());
-  TALON_CHECK(m.value("format", std::string()) == "talon.tokens", "{}: field 'format' is {}, expected \"talon.tokens\"",
-              mpath.string(), m.value("format", json()).dump());
-  TALON_CHECK(m.value("format_version", json()) == json(1), "{}: format_version {} is not supported (this talon reads 1)",
-              mpath.string(), m.value("format_version", json()).dump());
+  // Field types are checked here: json::value() with a default of another type would throw.
+  const json format = m.contains("format") ? m["format"] : json();
+  TALON_CHECK(format == json("talon.tokens"), "{}: field 'format' is {}, expected \"talon.tokens\"", mpath.string(),
+              format.dump());
+  const json version = m.contains("format_version") ? m["format_version"] : json();
+  TALON_CHECK(version == json(1), "{}: format_version {} is not supported (this talon reads 1)", mpath.string(),
+              version.dump());
   auto tf = m.find("tokens_file");
   auto ts = m.find("tokens_sha256");
   TALON_CHECK(tf == m.end() || tf->is_string(), "{}: field 'tokens_file' must be a file name", mpath.string());

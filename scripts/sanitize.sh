@@ -4,10 +4,10 @@
 #         full-size model through extract many times (cli.resume, cli.ranks, cli.train: too slow under
 #         ASan; cli.threads and cli.faults drive the same code with a tiny / short input) and
 #         the Python-oracle and GPU ones (cli.tokenizer_parity, cli.gpu_extract)
-#   tsan  ThreadSanitizer (build-tsan): the threaded code (extract's loader / compute /
-#         writer threads, the tokenize pool, the safetensors and dataset readers) through
-#         cli.threads, cli.resume and the reader unit tests. OpenMP loops run serially in
-#         this build (TALON_TSAN: libgomp is not instrumented).
+#   tsan  ThreadSanitizer (build-tsan): the threaded code, through tests/cli/threads.sh:
+#         extract's loader / compute / allocator / writer threads over many shards (stopped,
+#         killed and resumed, two concurrent ranks) and the tokenize thread pool. OpenMP
+#         loops run serially in this build (TALON_TSAN: libgomp is not instrumented).
 #   scripts/sanitize.sh [asan|tsan|all]     (default all)
 # Sanitizer reports go to build-*/reports/ (ASan, TSan: log_path; UBSan, which GCC's
 # runtime prints to stderr only: copied there from every CLI test's captured output and from
@@ -56,15 +56,14 @@ fi
 if [ "$what" = tsan ] || [ "$what" = all ]; then
   t0=$(date +%s)
   cmake -S . -B build-tsan "${common[@]}" -DTALON_TSAN=ON > /dev/null
-  cmake --build build-tsan -j"$jobs" --target talon talon_tests > build-tsan.log 2>&1 ||
+  cmake --build build-tsan -j"$jobs" --target talon > build-tsan.log 2>&1 ||
     { tail -30 build-tsan.log; exit 1; }
   rm -rf build-tsan/reports && mkdir -p build-tsan/reports
   r=$PWD/build-tsan/reports
   TALON_SANITIZER_REPORTS=$r TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1:log_path=$r/tsan \
-    ctest --test-dir build-tsan --output-on-failure -j"$jobs" \
-    -R "${TSAN_TESTS:-cli.threads|cli.resume|Safetensors|Gguf|Features|Prepare|PathInside|Checksum}" \
-    > build-tsan/ctest.log 2>&1 || { echo "sanitize: tsan: tests failed"; grep -E "Failed|\*\*\*" build-tsan/ctest.log | head -30; status=1; }
-  grep -E "tests passed|tests failed" build-tsan/ctest.log || true
+    bash tests/cli/threads.sh build-tsan/talon "$PWD" > build-tsan/threads.log 2>&1 ||
+    { echo "sanitize: tsan: tests failed"; grep FAIL build-tsan/threads.log | head; status=1; }
+  tail -1 build-tsan/threads.log
   reports "$r" "TSan"
   echo "sanitize: tsan took $(( $(date +%s) - t0 )) s"
 fi

@@ -173,7 +173,10 @@ int main(int argc, char** argv) {
                                            : inspect_path(inspect_target, quick, show_sample);
     if (*cmd_tp) return run_template(tpl_path, tpl_in, tpl_out);
     if (*cmd_tk) return run_tokenize(tk_tok, tk_in, tk_out, tk_threads);
-    if (*cmd_pr) return run_prepare_command(prep);
+    if (*cmd_pr) {
+      const int rc = run_prepare_command(prep);
+      return rc > 128 ? resume_hint(argc, argv) : rc;
+    }
     if (*cmd_gpus) return run_gpus();
     if (*cmd_tr) {
       auto r = train::run_train(tr);

@@ -291,7 +291,11 @@ struct RecordReader::Impl {
       if (c == '"') in_str = true;
       else if (c == '{' || c == '[') ++depth;
       else if (c == '}' || c == ']') {
-        if (depth == 0) break;  // the array's closing bracket
+        if (depth == 0) {
+          if (c == '}')  // would end no element and advance nothing
+            throw RecordError("invalid_json", fmt::format("line {}: unexpected '}}' in the JSON array", map_line));
+          break;  // the array's closing bracket
+        }
         --depth;
       } else if (c == ',' && depth == 0) {
         break;
@@ -300,6 +304,7 @@ struct RecordReader::Impl {
     if (pos >= n) throw RecordError("invalid_json", fmt::format("line {}: the JSON array is not closed", at_line));
     e = pos;
     while (e > b && (s[e - 1] == ' ' || s[e - 1] == '\t' || s[e - 1] == '\r' || s[e - 1] == '\n')) --e;
+    if (e == b) throw RecordError("invalid_json", fmt::format("line {}: empty element in the JSON array", at_line));
     if (s[pos] == ',') ++pos;
     return true;
   }

@@ -319,6 +319,7 @@ ExtractReport run_extract(const ExtractOptions& opt) {
       TALON_CHECK(fs::exists(p) && int64_t(fs::file_size(p)) == s.at("bytes").get<int64_t>(),
                   "{}: missing or wrong size although the manifest lists it; run `talon inspect {}`", p.string(),
                   opt.out.string());
+      if (manifest.value("status", "") != "complete") verify_shard(opt.out, s, i);  // kept shards are checksummed
       done[int64_t(i)] = s;
     }
   }
@@ -444,6 +445,7 @@ ExtractReport run_extract(const ExtractOptions& opt) {
   std::vector<std::shared_ptr<uint8_t>> free_bufs;
   std::map<int64_t, json> finished;  // shard index -> manifest record, not yet in the manifest
   std::exception_ptr failure;
+  std::atomic<bool> failed{false};  // mirrors `failure` for the compute loop (read without the lock)
   int64_t next_to_record = int64_t(manifest["shards"].size());
   const int64_t n_writers = std::max<int64_t>(1, std::min<int64_t>(4, int64_t(plan.size()) - done_shards));
   const int64_t max_bufs = 2 * int64_t(models.size()) + 1;
@@ -531,6 +533,7 @@ ExtractReport run_extract(const ExtractOptions& opt) {
       } catch (...) {
         std::unique_lock lk(mu);
         if (!failure) failure = std::current_exception();
+        failed = true;
       }
       job.reset();  // may hand the unit's buffer back (takes the lock itself)
       cv.notify_all();
@@ -589,7 +592,7 @@ ExtractReport run_extract(const ExtractOptions& opt) {
       size_t head = 0;
       bool stopped = false;
       while (head < order.size()) {
-        if (stop_requested()) {
+        if (stop_requested() || failed) {  // a signal, or a writer failed (e.g. the disk is full)
           stopped = true;
           break;
         }
@@ -680,6 +683,7 @@ ExtractReport run_extract(const ExtractOptions& opt) {
     } catch (...) {
       std::unique_lock lk(mu);
       if (!failure) failure = std::current_exception();
+        failed = true;
       cv.notify_all();
     }
   });
@@ -692,6 +696,7 @@ ExtractReport run_extract(const ExtractOptions& opt) {
       } catch (...) {
         std::unique_lock lk(mu);
         if (!failure) failure = std::current_exception();
+        failed = true;
         cv.notify_all();
       }
     });

@@ -26,6 +26,31 @@ json read_manifest(const fs::path& dir) {
   return j;
 }
 
+fs::path shard_path(const fs::path& dir, const json& shard, size_t i) {
+  const std::string origin = fmt::format("{}: shards[{}].file", (dir / kManifestName).string(), i);
+  auto f = shard.find("file");
+  if (!shard.is_object() || f == shard.end() || !f->is_string()) fail("{}: expected a file name", origin);
+  return path_inside(dir, f->get<std::string>(), origin);
+}
+
+void verify_shard(const fs::path& dir, const json& shard, size_t i) {
+  const fs::path p = shard_path(dir, shard, i);
+  const std::string mp = (dir / kManifestName).string();
+  auto sha = shard.find("sha256");
+  auto bytes = shard.find("bytes");
+  if (sha == shard.end() || !sha->is_string() || bytes == shard.end() || !bytes->is_number_unsigned())
+    fail("{}: shards[{}]: expected fields 'sha256' (string) and 'bytes' (integer)", mp, i);
+  std::error_code ec;
+  const auto size = fs::file_size(p, ec);
+  if (ec) fail("{}: listed in {} but cannot be read: {}", p.string(), mp, ec.message());
+  if (size != bytes->get<uint64_t>())
+    fail("{}: size {} bytes, {} says {} (truncated or replaced)", p.string(), size, mp, bytes->get<uint64_t>());
+  const std::string got = sha256_file_hex(p);
+  if (got != sha->get<std::string>())
+    fail("{}: SHA-256 {} does not match the manifest's {} (the shard is corrupt)", p.string(), got,
+         sha->get<std::string>());
+}
+
 DatasetCheck check_dataset(const fs::path& dir, bool checksums) {
   DatasetCheck r;
   json m = read_manifest(dir);
@@ -40,9 +65,9 @@ DatasetCheck check_dataset(const fs::path& dir, bool checksums) {
     const DType dt = dtype == "bf16" ? DType::BF16 : DType::F32;
     const int64_t n_aux = int64_t(m.at("aux_layer_ids").size());
     int64_t expect_index = 0;
+    size_t si = 0;
     for (auto& s : m.at("shards")) {
-      const std::string f = s.at("file").get<std::string>();
-      const fs::path p = dir / f;
+      const fs::path p = shard_path(dir, s, si++);
       ++r.shards;
       if (!fs::exists(p)) {
         problem(fmt::format("{}: listed in the manifest but missing", p.string()));

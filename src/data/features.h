@@ -38,4 +38,10 @@ DatasetCheck check_dataset(const fs::path& dir, bool checksums);
 
 nlohmann::json read_manifest(const fs::path& dir);  // throws naming the file on bad JSON
 
+// The path of the manifest's shards[i] (its "file" must name a file inside `dir`).
+fs::path shard_path(const fs::path& dir, const nlohmann::json& shard, size_t i);
+
+// Checks a shard's size and SHA-256 against its manifest record; throws naming the file.
+void verify_shard(const fs::path& dir, const nlohmann::json& shard, size_t i);
+
 }  // namespace talon

@@ -1,13 +1,17 @@
 #include "data/prepare.h"
 
 #include <omp.h>
+#include <signal.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
+#include <cstdlib>
 #include <map>
 #include <nlohmann/json.hpp>
 
+#include "data/samples.h"
 #include "text/unicode.h"
 #include "util/error.h"
 #include "util/log.h"
@@ -554,13 +558,76 @@ PrepareReport run_prepare(const PrepareOptions& opt) {
   tlog::info("tokenizer {} ({}, vocab {}); chat template {} (sha256 {})", tok_path.string(), tok->kind(),
              tok->vocab_size(), tpl->name(), tpl_sha.substr(0, 16));
 
-  // Output directory: new or empty.
+  // Output directory: new, empty, or what an interrupted prepare left (no manifest.json:
+  // tokens.jsonl and its temporaries only), which is removed: prepare restarts from the
+  // first record. A finished one of the same job (same inputs, tokenizer, template and
+  // options) is left alone.
   OutGuard guard{opt.out};
   if (fs::exists(opt.out)) {
     TALON_CHECK(fs::is_directory(opt.out), "{}: exists and is not a directory", opt.out.string());
-    for (auto& e : fs::directory_iterator(opt.out))
-      fail("{}: directory is not empty (holds {}); delete it or use another --out", opt.out.string(),
-           e.path().filename().string());
+    const fs::path mpath = opt.out / "manifest.json";
+    if (fs::exists(mpath)) {
+      json m = json::parse(read_text_file(mpath), nullptr, false);
+      std::vector<std::string> diffs;
+      try {
+      if (!m.is_object() || m.value("format", "") != "talon.tokens") {
+        diffs.push_back("manifest.json is not a talon.tokens manifest");
+      } else {
+        json want_inputs = json::array();
+        for (auto& f : files) want_inputs.push_back(json{{"path", f.string()}, {"sha256", sha256_file_hex(f)}});
+        json have_inputs = json::array();
+        if (m.contains("inputs") && m["inputs"].is_array())
+          for (auto& i : m["inputs"])
+            if (i.is_object()) have_inputs.push_back(json{{"path", i.value("path", "")}, {"sha256", i.value("sha256", "")}});
+        if (have_inputs != want_inputs) diffs.push_back("inputs (paths or contents)");
+        const json tk = m.value("tokenizer", json::object()), ct = m.value("chat_template", json::object());
+        if (!tk.is_object() || tk.value("source", "") != tok_path.string() || tk.value("kind", "") != tok->kind() ||
+            tk.value("vocab_size", int64_t(-1)) != int64_t(tok->vocab_size()))
+          diffs.push_back("tokenizer");
+        if (!ct.is_object() || ct.value("sha256", "") != tpl_sha) diffs.push_back("chat template");
+        if (!ct.is_object() || ct.value("kwargs", json()) != json::parse(kwargs.dump())) diffs.push_back("--template-kwargs");
+        const json want_opts = {{"format", opt.format}, {"max_length", opt.max_length}, {"on_error", opt.on_error},
+                                {"prompts", opt.prompts}};
+        if (m.value("options", json()) != want_opts) diffs.push_back("options");
+      }
+      } catch (const json::exception&) {  // a field of an unexpected type
+        diffs.push_back("manifest.json fields");
+      }
+      if (!diffs.empty())
+        fail("{}: holds a different finished prepare ({} differ); delete it or use another --out", opt.out.string(),
+             fmt::format("{}", fmt::join(diffs, ", ")));
+      (void)open_samples(opt.out);  // tokens.jsonl must match the manifest's checksum
+      tlog::info("{} is already complete (same inputs, tokenizer, template and options); nothing to do",
+                 opt.out.string());
+      rep.status = PrepareStatus::AlreadyComplete;
+      rep.out = opt.out;
+      const json counts = m.value("counts", json::object());
+      if (counts.is_object() && counts.contains("records") && counts["records"].is_number_integer())
+        rep.records = counts["records"].get<int64_t>();
+      if (counts.is_object() && counts.contains("samples") && counts["samples"].is_number_integer())
+        rep.samples = counts["samples"].get<int64_t>();
+      return rep;
+    }
+    std::vector<fs::path> leftovers;
+    for (auto& e : fs::directory_iterator(opt.out)) {
+      const std::string n = e.path().filename().string();
+      const size_t t = n.find(".tmp-");
+      if (t != std::string::npos && (n.rfind("tokens.jsonl", 0) == 0 || n.rfind("manifest.json", 0) == 0)) {
+        const long pid = std::strtol(n.c_str() + t + 5, nullptr, 10);
+        if (pid > 0 && pid != long(::getpid()) && (::kill(pid_t(pid), 0) == 0 || errno == EPERM))
+          fail("{}: {} belongs to process {}, which is still running (another prepare on this --out?)", opt.out.string(),
+               n, pid);
+        leftovers.push_back(e.path());
+      } else if (n == "tokens.jsonl") {
+        leftovers.push_back(e.path());
+      } else {
+        fail("{}: directory is not empty (holds {}); delete it or use another --out", opt.out.string(), n);
+      }
+    }
+    if (!leftovers.empty())
+      tlog::warn("{}: removing {} file(s) of an interrupted prepare (no manifest.json); starting over", opt.out.string(),
+                 leftovers.size());
+    for (auto& f : leftovers) fs::remove(f);
   } else {
     fs::create_directories(opt.out);
     guard.created = true;

@@ -35,7 +35,7 @@ struct PrepareOptions {
   int64_t batch_records = 256;
 };
 
-enum class PrepareStatus { Complete, Interrupted };
+enum class PrepareStatus { Complete, Interrupted, AlreadyComplete };
 
 struct PrepareReport {
   PrepareStatus status = PrepareStatus::Complete;

@@ -95,13 +95,21 @@ std::unique_ptr<SampleSource> open_samples(const fs::path& path) {
   TALON_CHECK(fs::exists(mpath), "{}: not a prepared dataset (no manifest.json)", dir.string());
   json m = json::parse(read_text_file(mpath), nullptr, false);
   TALON_CHECK(!m.is_discarded() && m.is_object(), "{}: not valid JSON", mpath.string());
-  TALON_CHECK(m.value("format", std::string()) == "talon.tokens", "{}: field 'format' is {}, expected \"talon.tokens\"",
-              mpath.string(), m.value("format", json()).dump());
-  TALON_CHECK(m.value("format_version", json()) == json(1), "{}: format_version {} is not supported (this talon reads 1)",
-              mpath.string(), m.value("format_version", json()).dump());
-  const fs::path tpath = dir / m.value("tokens_file", std::string("tokens.jsonl"));
+  // Field types are checked here: json::value() with a default of another type would throw.
+  const json format = m.contains("format") ? m["format"] : json();
+  TALON_CHECK(format == json("talon.tokens"), "{}: field 'format' is {}, expected \"talon.tokens\"", mpath.string(),
+              format.dump());
+  const json version = m.contains("format_version") ? m["format_version"] : json();
+  TALON_CHECK(version == json(1), "{}: format_version {} is not supported (this talon reads 1)", mpath.string(),
+              version.dump());
+  auto tf = m.find("tokens_file");
+  auto ts = m.find("tokens_sha256");
+  TALON_CHECK(tf == m.end() || tf->is_string(), "{}: field 'tokens_file' must be a file name", mpath.string());
+  TALON_CHECK(ts != m.end() && ts->is_string(), "{}: field 'tokens_sha256' must be a SHA-256 string", mpath.string());
+  const fs::path tpath =
+      path_inside(dir, tf == m.end() ? std::string("tokens.jsonl") : tf->get<std::string>(), mpath.string() + ": tokens_file");
   auto src = std::make_unique<TokenJsonl>(tpath, "talon.tokens");
-  const std::string want = m.value("tokens_sha256", std::string());
+  const std::string want = ts->get<std::string>();
   TALON_CHECK(src->sha256() == want, "{}: sha256 {} does not match manifest.json's tokens_sha256 {} (modified or "
               "partially written)", tpath.string(), src->sha256(), want);
   return src;

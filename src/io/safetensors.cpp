@@ -80,6 +80,8 @@ File::File(const fs::path& path) : map_(path) {
     uint64_t b = (*off)[0].get<uint64_t>(), e = (*off)[1].get<uint64_t>();
     if (b > e || e > data_size)
       fail("{}: tensor '{}': data_offsets [{}, {}] outside the data section of {} bytes", p, name, b, e, data_size);
+    if (numel > ~uint64_t(0) / dtype_size(t.dtype))  // before multiplying: numel * size must not wrap
+      fail("{}: tensor '{}': shape {} of {} overflows", p, name, sh->dump(), dtype_name(t.dtype));
     uint64_t want = numel * dtype_size(t.dtype);
     if (e - b != want)
       fail("{}: tensor '{}': {} {} needs {} bytes, data_offsets give {}", p, name, dtype_name(t.dtype),
@@ -94,6 +96,37 @@ File::File(const fs::path& path) : map_(path) {
   for (size_t i = 1; i < spans.size(); ++i)
     if (spans[i].b < spans[i - 1].e && spans[i].e > spans[i].b)
       fail("{}: tensors '{}' and '{}' overlap", p, tensors_[spans[i - 1].i].name, tensors_[spans[i].i].name);
+}
+
+namespace {
+std::string content_sha(const std::vector<std::pair<const void*, size_t>>& data,
+                        const std::map<std::string, std::string>& meta) {
+  Sha256 h;
+  for (auto& [d, n] : data) h.update(d, n);
+  for (auto& [k, v] : meta) {
+    if (k == kChecksumKey) continue;
+    h.update(k.data(), k.size());
+    h.update("", 1);
+    h.update(v.data(), v.size());
+    h.update("", 1);
+  }
+  return h.hex();
+}
+}  // namespace
+
+void File::verify_checksum(bool required) const {
+  auto it = metadata_.find(kChecksumKey);
+  if (it == metadata_.end()) {
+    if (required) fail("{}: no checksum ('{}' in __metadata__); the file was not written by this talon", path().string(), kChecksumKey);
+    return;
+  }
+  uint64_t n = 0;
+  std::memcpy(&n, map_.data(), 8);
+  const uint8_t* base = map_.data() + 8 + n;
+  const std::string got = content_sha({{base, map_.size() - 8 - n}}, metadata_);
+  if (got != it->second)
+    fail("{}: checksum mismatch: content SHA-256 is {}, the header records {}; the file is corrupt", path().string(), got,
+         it->second);
 }
 
 const TensorView* File::find(const std::string& name) const {
@@ -133,7 +166,15 @@ std::string Writer::write(const fs::path& path, size_t* bytes_written) const {
     h[e.name] = {{"dtype", std::string(dtype_name(e.dtype))}, {"shape", e.shape}, {"data_offsets", {off, off + e.nbytes}}};
     off += e.nbytes;
   }
-  if (!metadata_.empty()) h["__metadata__"] = metadata_;
+  if (checksum_) {
+    std::vector<std::pair<const void*, size_t>> data;
+    for (auto& e : entries_) data.push_back({e.data, e.nbytes});
+    auto meta = metadata_;
+    meta[kChecksumKey] = content_sha(data, metadata_);
+    h["__metadata__"] = meta;
+  } else if (!metadata_.empty()) {
+    h["__metadata__"] = metadata_;
+  }
   std::string hs = h.dump();
   while ((hs.size() + 8) % 8 != 0) hs += ' ';  // keep the data section 8-byte aligned
   uint64_t n = hs.size();

@@ -12,6 +12,12 @@
 
 namespace talon::st {
 
+// Metadata key of the file's own checksum: the SHA-256 of the data section followed by
+// every other metadata entry as key, NUL, value, NUL in key order. It covers the tensor
+// bytes and the metadata; a flipped byte in the tensor table makes the header
+// inconsistent (offsets, sizes, dtypes) or renames a tensor, which readers reject.
+inline constexpr const char* kChecksumKey = "talon.sha256";
+
 struct TensorView {
   std::string name;
   DType dtype;
@@ -32,6 +38,9 @@ class File {
   const TensorView& get(const std::string& name) const;
   const std::map<std::string, std::string>& metadata() const { return metadata_; }
   size_t file_size() const { return map_.size(); }
+  // Recomputes the checksum a Writer with set_checksum() recorded (metadata kChecksumKey)
+  // and throws naming the file when it differs, or when it is absent and `required`.
+  void verify_checksum(bool required) const;
 
  private:
   MappedFile map_;
@@ -46,6 +55,7 @@ class Writer {
   void add(const std::string& name, DType dtype, std::vector<int64_t> shape, const void* data,
            size_t nbytes);
   void set_metadata(const std::string& key, const std::string& value) { metadata_[key] = value; }
+  void set_checksum(bool on) { checksum_ = on; }  // records kChecksumKey (File::verify_checksum)
   // Writes `path` atomically; returns the SHA-256 of the bytes written and their count.
   std::string write(const fs::path& path, size_t* bytes_written = nullptr) const;
 
@@ -59,6 +69,7 @@ class Writer {
   };
   std::vector<Entry> entries_;
   std::map<std::string, std::string> metadata_;
+  bool checksum_ = false;
 };
 
 std::string shape_str(const std::vector<int64_t>& shape);

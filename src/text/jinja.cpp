@@ -371,6 +371,29 @@ class Parser {
     return t;
   }
   [[noreturn]] void err(const std::string& m) const { throw SyntaxError(name_, cur().line, m); }
+  // Children go in through add()/grow(), which track the tree's height.
+  void grow(Expr* p, const ExprP& c) {
+    if (c && c->depth + 1 > p->depth) {
+      p->depth = c->depth + 1;
+      if (p->depth > kMaxExprDepth) err(fmt::format("expression nested deeper than {} levels", kMaxExprDepth));
+    }
+  }
+  void add(Expr* p, ExprP c) {
+    grow(p, c);
+    p->a.push_back(std::move(c));
+  }
+  // Bounds the parser's own recursion (parentheses, unary chains, nested blocks).
+  struct Nest {
+    int& n;
+    Nest(const Parser& p, int& counter, int limit, const char* what) : n(counter) {
+      if (++n > limit) {
+        --n;
+        p.err(fmt::format("{} nested deeper than {} levels", what, limit));
+      }
+    }
+    ~Nest() { --n; }
+  };
+  int expr_nest_ = 0, block_nest_ = 0;
   bool is_op(const char* o) const { return cur().type == T::Op && cur().val == o; }
   bool is_name(const char* n) const { return cur().type == T::Name && cur().val == n; }
   bool skip_op(const char* o) {
@@ -415,6 +438,7 @@ class Parser {
 
   // ---- statements
   Body subparse(const std::vector<std::string>& end_tokens) {
+    Nest guard(*this, block_nest_, kMaxBlockDepth, "blocks");
     Body body;
     while (true) {
       const Tok& t = cur();
@@ -569,15 +593,16 @@ class Parser {
     ExprP first = parse_expression(with_condexpr);
     if (!is_op(",")) return first;
     auto t = mk(EK::TupleLit, line);
-    t->a.push_back(std::move(first));
+    add(t.get(), std::move(first));
     while (skip_op(",")) {
       if (cur().type == T::VarEnd || cur().type == T::BlockEnd || is_op(")") || is_name("if")) break;
-      t->a.push_back(parse_expression(with_condexpr));
+      add(t.get(), parse_expression(with_condexpr));
     }
     return t;
   }
 
   ExprP parse_expression(bool with_condexpr) {
+    Nest guard(*this, expr_nest_, kMaxExprDepth, "expression");
     if (!with_condexpr) return parse_or();
     int line = cur().line;
     ExprP e = parse_or();
@@ -585,9 +610,9 @@ class Parser {
       auto c = mk(EK::Cond, line);
       ExprP test = parse_or();
       ExprP other = skip_name("else") ? parse_expression(true) : nullptr;
-      c->a.push_back(std::move(test));   // a[0] = test
-      c->a.push_back(std::move(e));      // a[1] = then
-      c->a.push_back(std::move(other));  // a[2] = else (may be null)
+      add(c.get(), std::move(test));   // a[0] = test
+      add(c.get(), std::move(e));      // a[1] = then
+      add(c.get(), std::move(other));  // a[2] = else (may be null)
       e = std::move(c);
     }
     return e;
@@ -598,8 +623,8 @@ class Parser {
     while (is_name("or")) {
       int line = next().line;
       auto o = mk(EK::Or, line);
-      o->a.push_back(std::move(l));
-      o->a.push_back(parse_and());
+      add(o.get(), std::move(l));
+      add(o.get(), parse_and());
       l = std::move(o);
     }
     return l;
@@ -609,8 +634,8 @@ class Parser {
     while (is_name("and")) {
       int line = next().line;
       auto o = mk(EK::And, line);
-      o->a.push_back(std::move(l));
-      o->a.push_back(parse_not());
+      add(o.get(), std::move(l));
+      add(o.get(), parse_not());
       l = std::move(o);
     }
     return l;
@@ -619,7 +644,7 @@ class Parser {
     if (is_name("not")) {
       int line = next().line;
       auto o = mk(EK::Not, line);
-      o->a.push_back(parse_not());
+      add(o.get(), parse_not());
       return o;
     }
     return parse_compare();
@@ -646,18 +671,18 @@ class Parser {
       }
       if (!cmp) {
         cmp = mk(EK::Cmp, line);
-        cmp->a.push_back(std::move(e));
+        add(cmp.get(), std::move(e));
       }
       cmp->ops.push_back(op);
-      cmp->a.push_back(parse_math1());
+      add(cmp.get(), parse_math1());
     }
     return cmp ? std::move(cmp) : std::move(e);
   }
   ExprP bin(const std::string& op, ExprP l, ExprP r, int line) {
     auto b = mk(EK::Bin, line);
     b->name = op;
-    b->a.push_back(std::move(l));
-    b->a.push_back(std::move(r));
+    add(b.get(), std::move(l));
+    add(b.get(), std::move(r));
     return b;
   }
   ExprP parse_math1() {
@@ -695,12 +720,13 @@ class Parser {
     return l;
   }
   ExprP parse_unary(bool with_filter) {
+    Nest guard(*this, expr_nest_, kMaxExprDepth, "expression");
     ExprP node;
     int line = cur().line;
     if (is_op("-") || is_op("+")) {
       bool neg = next().val == "-";
       node = mk(neg ? EK::Neg : EK::Pos, line);
-      node->a.push_back(parse_unary(false));
+      add(node.get(), parse_unary(false));
     } else {
       node = parse_primary();
     }
@@ -747,7 +773,7 @@ class Parser {
       while (!is_op("]")) {
         if (!l->a.empty()) expect_op(",");
         if (is_op("]")) break;
-        l->a.push_back(parse_expression(true));
+        add(l.get(), parse_expression(true));
       }
       expect_op("]");
       return l;
@@ -758,9 +784,9 @@ class Parser {
       while (!is_op("}")) {
         if (!d->a.empty()) expect_op(",");
         if (is_op("}")) break;
-        d->a.push_back(parse_expression(true));
+        add(d.get(), parse_expression(true));
         expect_op(":");
-        d->a.push_back(parse_expression(true));
+        add(d.get(), parse_expression(true));
       }
       expect_op("}");
       return d;
@@ -779,12 +805,12 @@ class Parser {
         if (cur().type == T::Name) {
           auto a = mk(EK::Attr, line);
           a->name = next().val;
-          a->a.push_back(std::move(node));
+          add(a.get(), std::move(node));
           node = std::move(a);
         } else if (cur().type == T::Int) {
           auto a = mk(EK::Item, line);
-          a->a.push_back(std::move(node));
-          a->a.push_back(lit(Value(next().ival), line));
+          add(a.get(), std::move(node));
+          add(a.get(), lit(Value(next().ival), line));
           node = std::move(a);
         } else {
           err("expected name or number");
@@ -812,13 +838,13 @@ class Parser {
     expect_op("]");
     if (!is_slice) {
       auto it = mk(EK::Item, line);
-      it->a.push_back(std::move(node));
-      it->a.push_back(std::move(parts[0]));
+      add(it.get(), std::move(node));
+      add(it.get(), std::move(parts[0]));
       return it;
     }
     auto s = mk(EK::Slice, line);
-    s->a.push_back(std::move(node));
-    for (auto& p : parts) s->a.push_back(std::move(p));
+    add(s.get(), std::move(node));
+    for (auto& p : parts) add(s.get(), std::move(p));
     return s;
   }
   void parse_args(Expr& call) {
@@ -832,17 +858,19 @@ class Parser {
       if (cur().type == T::Name && peek().type == T::Op && peek().val == "=") {
         std::string k = next().val;
         next();
-        call.kw.emplace_back(k, parse_expression(true));
+        ExprP v = parse_expression(true);
+        grow(&call, v);
+        call.kw.emplace_back(k, std::move(v));
       } else {
         if (!call.kw.empty()) err("invalid syntax for function call expression");
-        call.a.push_back(parse_expression(true));
+        add(&call, parse_expression(true));
       }
     }
     expect_op(")");
   }
   ExprP parse_call(ExprP node) {
     auto c = mk(EK::Call, cur().line);
-    c->a.push_back(std::move(node));
+    add(c.get(), std::move(node));
     parse_args(*c);
     return c;
   }
@@ -873,7 +901,7 @@ class Parser {
       check_filter(name);
       auto f = mk(EK::Filter, line);
       f->name = name;
-      f->a.push_back(std::move(subject));
+      add(f.get(), std::move(subject));
       if (is_op("(")) parse_args(*f);
       subject = std::move(f);
       if (single) break;
@@ -889,7 +917,7 @@ class Parser {
     auto t = mk(EK::Test, line);
     t->name = name;
     t->negated = negated;
-    t->a.push_back(std::move(node));
+    add(t.get(), std::move(node));
     if (is_op("(")) {
       parse_args(*t);
     } else if ((cur().type == T::Name || cur().type == T::String || cur().type == T::Int ||
@@ -898,7 +926,7 @@ class Parser {
       if (is_name("is")) err("You cannot chain multiple tests with is");
       ExprP arg = parse_primary();
       arg = parse_postfix(std::move(arg));
-      t->a.push_back(std::move(arg));
+      add(t.get(), std::move(arg));
     }
     return t;
   }

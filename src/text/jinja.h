@@ -142,10 +142,15 @@ struct SyntaxError : talon::Error {
   std::string msg_;
 };
 
+// The renderer is a sandbox: templates reach only the context they are given and the
+// built-ins (no file, environment or process access), and every render is bounded.
 struct Options {
   bool trim_blocks = true;
   bool lstrip_blocks = true;
   bool keep_trailing_newline = false;
+  size_t max_output = size_t(64) << 20;   // bytes of output, and of any one string or list built
+  int64_t max_steps = int64_t(1) << 24;   // statements executed + loop iterations + macro calls, per render
+  int max_macro_depth = 100;              // nested macro calls
 };
 
 class Template {

@@ -17,6 +17,13 @@ struct JErr : std::runtime_error {
 };
 [[noreturn]] void jfail(const std::string& m) { throw JErr(m); }
 
+// Strings that filters and methods build are bounded (the render's output has its own,
+// configurable bound): a hostile template cannot make one allocation run away.
+constexpr size_t kMaxBuilt = size_t(256) << 20;
+void built(size_t n) {
+  if (n > kMaxBuilt) jfail(fmt::format("a string of more than {} bytes would be built", kMaxBuilt));
+}
+
 // Operating on an undefined value fails with its hint (Jinja's UndefinedError).
 [[noreturn]] void undefined_fail(const Value& v) {
   jfail(v.hint().empty() ? std::string("value is undefined") : v.hint());
@@ -193,6 +200,7 @@ std::string py_replace(const std::string& s, const std::string& old, const std::
     for (size_t i = 0; i <= cps.size(); ++i) {
       if (count < 0 || done < count) {
         out += rep;
+        built(out.size());
         ++done;
       }
       if (i < cps.size()) utf8_append(out, cps[i]);
@@ -206,6 +214,7 @@ std::string py_replace(const std::string& s, const std::string& old, const std::
     if (f == std::string::npos) break;
     out.append(s, pos, f - pos);
     out += rep;
+    built(out.size());
     pos = f + old.size();
     ++done;
   }
@@ -394,8 +403,40 @@ class Interp {
     throw Located(fmt::format("template '{}' line {}: {}", t_.name, line, msg));
   }
 
+  // Sandbox bounds (Options): work, output size, nesting.
+  int64_t steps_ = 0;
+  int nest_ = 0;
+  void step() {
+    if (++steps_ > t_.opts.max_steps)
+      jfail(fmt::format("the template ran more than {} steps (statements, loop iterations, calls); a loop that "
+                        "does not end?", t_.opts.max_steps));
+  }
+  [[noreturn]] void too_big(const char* what) {
+    jfail(fmt::format("{} larger than the {} byte limit of a template render", what, t_.opts.max_output));
+  }
+  void check_out(const std::string& out) {
+    if (out.size() > t_.opts.max_output) too_big("output");
+  }
+  struct Nest {
+    int& n;
+    explicit Nest(int& c) : n(c) {
+      if (++n > kMaxRenderNesting) {
+        --n;
+        jfail(fmt::format("template nesting deeper than {} levels while rendering (recursion?)", kMaxRenderNesting));
+      }
+    }
+    ~Nest() { --n; }
+  };
+  static constexpr int kMaxRenderNesting = 1000;
+  static int64_t checked(bool overflow, int64_t v) {
+    if (overflow) jfail("integer overflow (talon's integers are 64-bit)");
+    return v;
+  }
+
   Flow exec(const Body& body, Scope& sc, std::string& out) {
+    Nest nest(nest_);
     for (const auto& s : body) {
+      step();
       Flow f;
       try {
         f = exec_stmt(*s, sc, out);
@@ -428,8 +469,8 @@ class Interp {
 
   Flow exec_stmt(const Stmt& s, Scope& sc, std::string& out) {
     switch (s.k) {
-      case SK::Data: out += s.text; return Flow::Normal;
-      case SK::Print: out += eval(*s.e, sc).to_str(); return Flow::Normal;
+      case SK::Data: out += s.text; check_out(out); return Flow::Normal;
+      case SK::Print: out += eval(*s.e, sc).to_str(); check_out(out); return Flow::Normal;
       case SK::If:
         for (size_t i = 0; i < s.conds.size(); ++i)
           if (eval(*s.conds[i], sc).truthy()) return exec(s.bodies[i], sc, out);
@@ -464,6 +505,7 @@ class Interp {
         std::string body;
         exec(s.bodies[0], sc, body);
         out += apply_filters(*s.cond, Value(std::move(body)), sc).to_str();
+        check_out(out);
         return Flow::Normal;
       }
       case SK::Macro: {
@@ -481,7 +523,8 @@ class Interp {
   }
 
   Value call_macro(const Stmt& def, Scope* defscope, const CallArgs& a) {
-    if (++depth_ > 200) jfail("maximum recursion depth exceeded in macro call");
+    step();
+    if (++depth_ > t_.opts.max_macro_depth) jfail("maximum recursion depth exceeded in macro call");
     Scope sc{defscope, {}};
     if (a.pos.size() > def.targets.size())
       jfail(fmt::format("macro '{}' takes not more than {} argument(s)", def.text, def.targets.size()));
@@ -518,6 +561,7 @@ class Interp {
     }
     int64_t n = int64_t(items.size());
     for (int64_t i = 0; i < n; ++i) {
+      step();
       Scope f{&sc, {}};
       assign(f, s.targets, items[size_t(i)]);
       Dict loop;
@@ -599,6 +643,7 @@ class Interp {
 
   // ---------------------------------------------------------------- expressions
   Value eval(const Expr& e, Scope& sc) {
+    Nest nest(nest_);
     switch (e.k) {
       case EK::Lit: return e.lit;
       case EK::Name: return lookup(e.name, sc);
@@ -630,7 +675,10 @@ class Interp {
       case EK::Neg: {
         Value v = eval(*e.a[0], sc);
         if (v.is_float()) return Value(-v.as_float());
-        if (v.is_int() || v.is_bool()) return Value(-v.as_int());
+        if (v.is_int() || v.is_bool()) {
+          if (v.as_int() == INT64_MIN) checked(true, 0);
+          return Value(-v.as_int());
+        }
         if (v.is_undefined()) undefined_fail(v);
         jfail(fmt::format("bad operand type for unary -: '{}'", v.type_name()));
       }
@@ -709,7 +757,9 @@ class Interp {
 
   Value binop(const std::string& op, const Value& l, const Value& r) {
     if (op == "~") {
-      return Value(l.to_str() + r.to_str());
+      std::string a = l.to_str(), b = r.to_str();
+      if (a.size() + b.size() > t_.opts.max_output) too_big("string");
+      return Value(std::move(a) + b);
     }
     if (l.is_undefined()) undefined_fail(l);
     if (r.is_undefined()) undefined_fail(r);
@@ -722,9 +772,22 @@ class Interp {
     };
     if (l.is_number() && r.is_number()) {
       bool fl = l.is_float() || r.is_float();
-      if (op == "+") return fl ? Value(l.as_float() + r.as_float()) : Value(l.as_int() + r.as_int());
-      if (op == "-") return fl ? Value(l.as_float() - r.as_float()) : Value(l.as_int() - r.as_int());
-      if (op == "*") return fl ? Value(l.as_float() * r.as_float()) : Value(l.as_int() * r.as_int());
+      int64_t res = 0;
+      if (op == "+") {
+        if (fl) return Value(l.as_float() + r.as_float());
+        checked(__builtin_add_overflow(l.as_int(), r.as_int(), &res), 0);
+        return Value(res);
+      }
+      if (op == "-") {
+        if (fl) return Value(l.as_float() - r.as_float());
+        checked(__builtin_sub_overflow(l.as_int(), r.as_int(), &res), 0);
+        return Value(res);
+      }
+      if (op == "*") {
+        if (fl) return Value(l.as_float() * r.as_float());
+        checked(__builtin_mul_overflow(l.as_int(), r.as_int(), &res), 0);
+        return Value(res);
+      }
       if (op == "/") {
         if (r.as_float() == 0) jfail("division by zero");
         return Value(l.as_float() / r.as_float());
@@ -740,6 +803,7 @@ class Interp {
         }
         int64_t a = l.as_int(), b = r.as_int();
         if (b == 0) jfail(op == "%" ? "integer modulo by zero" : "integer division or modulo by zero");
+        if (b == -1 && a == INT64_MIN) checked(true, 0);
         int64_t q = a / b, m = a % b;
         if (m != 0 && ((m < 0) != (b < 0))) {
           m += b;
@@ -749,17 +813,25 @@ class Interp {
       }
       if (op == "**") {
         if (!fl && r.as_int() >= 0) {
-          int64_t res = 1;
-          for (int64_t i = 0; i < r.as_int(); ++i) res *= l.as_int();
-          return Value(res);
+          int64_t p = 1, base = l.as_int(), e = r.as_int();  // by squaring: at most 63 rounds
+          while (e > 0) {
+            if (e & 1) checked(__builtin_mul_overflow(p, base, &p), 0);
+            e >>= 1;
+            if (e > 0) checked(__builtin_mul_overflow(base, base, &base), 0);
+          }
+          return Value(p);
         }
         return Value(std::pow(l.as_float(), r.as_float()));
       }
       return unsupported();
     }
     if (op == "+") {
-      if (l.is_string() && r.is_string()) return Value(l.str() + r.str());
+      if (l.is_string() && r.is_string()) {
+        if (l.str().size() + r.str().size() > t_.opts.max_output) too_big("string");
+        return Value(l.str() + r.str());
+      }
       if (l.is_list() && r.is_list() && l.is_tuple() == r.is_tuple()) {
+        if ((l.items().size() + r.items().size()) * sizeof(Value) > t_.opts.max_output) too_big("list");
         List out = l.items();
         out.insert(out.end(), r.items().begin(), r.items().end());
         return Value::list(std::move(out), l.is_tuple());
@@ -772,6 +844,8 @@ class Interp {
       if ((r.is_string() || r.is_list()) && (l.is_int() || l.is_bool())) seq = &r, cnt = &l;
       if (!seq) return unsupported();
       int64_t k = std::max<int64_t>(0, cnt->as_int());
+      const size_t unit = seq->is_string() ? seq->str().size() : seq->items().size() * sizeof(Value);
+      if (unit > 0 && uint64_t(k) > t_.opts.max_output / unit) too_big("repetition");
       if (seq->is_string()) {
         std::string o;
         for (int64_t i = 0; i < k; ++i) o += seq->str();
@@ -992,6 +1066,7 @@ class Interp {
           if (!first) out += s;
           first = false;
           out += v.str();
+          built(out.size());
         }
         return Value(std::move(out));
       });
@@ -1170,7 +1245,10 @@ class Interp {
       Value seps = arg_or(a, 2, "separators", kNone);
       Value sk = arg_or(a, 3, "sort_keys", Value(false));
       int indent = -1;
-      if (ind.is_int()) indent = int(std::max<int64_t>(0, ind.as_int()));
+      if (ind.is_int()) {
+        if (ind.as_int() > 1024) jfail("tojson indent above 1024 is not supported");
+        indent = int(std::max<int64_t>(0, ind.as_int()));
+      }
       else if (!ind.is_none()) jfail("tojson indent must be an int or None");
       std::string isep, ksep;
       if (!seps.is_none()) {
@@ -1201,7 +1279,10 @@ class Interp {
     }
     if (name == "abs") {
       if (v.is_float()) return Value(std::fabs(v.as_float()));
-      if (v.is_int() || v.is_bool()) return Value(int64_t(std::llabs(v.as_int())));
+      if (v.is_int() || v.is_bool()) {
+        if (v.as_int() == INT64_MIN) jfail("integer overflow (talon's integers are 64-bit)");
+        return Value(int64_t(std::llabs(v.as_int())));
+      }
       jfail(fmt::format("bad operand type for abs(): '{}'", v.type_name()));
     }
     if (name == "round") {
@@ -1306,15 +1387,22 @@ class Interp {
       Value w = arg_or(a, 0, "width", Value(int64_t(4)));
       bool first = arg_or(a, 1, "first", Value(false)).truthy();
       bool blank = arg_or(a, 2, "blank", Value(false)).truthy();
+      if (!w.is_string()) built(size_t(std::max<int64_t>(0, w.as_int())));
       std::string ind = w.is_string() ? w.str() : std::string(size_t(std::max<int64_t>(0, w.as_int())), ' ');
       std::string s = v.to_str() + "\n";
       auto lines = py_splitlines(s);
       std::string rv;
       if (blank) {
-        for (size_t i = 0; i < lines.size(); ++i) rv += (i ? "\n" + ind : "") + lines[i];
+        for (size_t i = 0; i < lines.size(); ++i) {
+          rv += (i ? "\n" + ind : "") + lines[i];
+          built(rv.size());
+        }
       } else {
         rv = lines.empty() ? "" : lines[0];
-        for (size_t i = 1; i < lines.size(); ++i) rv += "\n" + (lines[i].empty() ? "" : ind + lines[i]);
+        for (size_t i = 1; i < lines.size(); ++i) {
+          rv += "\n" + (lines[i].empty() ? "" : ind + lines[i]);
+          built(rv.size());
+        }
       }
       if (first) rv = ind + rv;
       return Value(std::move(rv));

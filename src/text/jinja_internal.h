@@ -8,6 +8,12 @@
 
 namespace talon::text::jinja {
 
+// Sandbox bounds of the parser: nesting of expressions and of statement blocks. Real chat
+// templates stay below 20 and 10; the bounds keep the parser's and the evaluator's
+// recursion (and the destruction of the tree) far from the stack's end.
+inline constexpr int kMaxExprDepth = 100;
+inline constexpr int kMaxBlockDepth = 100;
+
 enum class T { Data, VarBegin, VarEnd, BlockBegin, BlockEnd, Name, String, Int, Float, Op, Eof };
 struct Tok {
   T type;
@@ -29,6 +35,7 @@ using ExprP = std::unique_ptr<Expr>;
 struct Expr {
   EK k;
   int line = 0;
+  int depth = 1;  // height of this subtree (bounded by the parser: kMaxExprDepth)
   Value lit;
   std::string name;
   bool negated = false;

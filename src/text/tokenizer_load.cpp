@@ -259,9 +259,19 @@ void parse_post(const J& jj, Config& c, const json& n, const std::string& at) {
   }
 }
 
+// Token ids index tables, so hostile ids are refused before anything is sized by them:
+// below kMaxTokenId, and the table at most a few times the number of tokens.
+constexpr int64_t kMaxTokenId = int64_t(1) << 24;
+void check_token_id(const std::string& origin, const std::string& field, int64_t id, size_t count) {
+  if (id < 0 || id >= kMaxTokenId || size_t(id) > 4 * count + 65536)
+    fail("{}: field {}: token id {} is out of range (ids must be below {} and at most 4 x {} + 65536 for {} tokens)",
+         origin, field, id, kMaxTokenId, count, count);
+}
+
 void finish_vocab(Config& c) {
   int32_t max_id = -1;
   for (auto& [k, v] : c.vocab) max_id = std::max(max_id, v);
+  if (max_id >= 0) check_token_id(c.origin, "vocab", max_id, c.vocab.size());
   c.id_to_token.assign(size_t(max_id + 1), std::string());
   c.has_id.assign(size_t(max_id + 1), false);
   for (auto& [k, v] : c.vocab) {
@@ -293,6 +303,7 @@ Config config_from_json(std::string_view text, const std::string& origin) {
   c.vocab.reserve(vocab.size());
   for (auto it = vocab.begin(); it != vocab.end(); ++it) {
     if (!it.value().is_number_integer()) jj.bad("model.vocab", fmt::format("id of {:?} is not an integer", it.key()));
+    check_token_id(origin, fmt::format("model.vocab[{:?}]", it.key()), it.value().get<int64_t>(), vocab.size());
     c.vocab[it.key()] = it.value().get<int32_t>();
   }
   finish_vocab(c);
@@ -336,6 +347,7 @@ Config config_from_json(std::string_view text, const std::string& origin) {
       a.content = jj.str(at[i], "content", p);
       const json& id = jj.need(at[i], "id", p);
       if (!id.is_number_integer() || id.get<int64_t>() < 0) jj.bad(p + ".id", "expected a non-negative integer");
+      check_token_id(origin, p + ".id", id.get<int64_t>(), c.vocab.size() + at.size());
       a.id = id.get<int32_t>();
       a.single_word = jj.flag(at[i], "single_word", p, false);
       a.lstrip = jj.flag(at[i], "lstrip", p, false);
@@ -661,6 +673,7 @@ Config config_from_tiktoken(const fs::path& path) {
     if (num.empty() || num.size() > 9 || !std::all_of(num.begin(), num.end(), [](char ch) { return ch >= '0' && ch <= '9'; }))
       fail("{}:{}: rank {:?} is not a non-negative integer", origin, lineno, std::string(num.substr(0, 80)));
     int32_t rank = int32_t(std::stol(std::string(num)));
+    check_token_id(origin, fmt::format("line {} rank", lineno), rank, size_t(lineno));
     if (!raw.emplace(bytes, rank).second) fail("{}:{}: token {:?} appears twice", origin, lineno, bytes);
     if (size_t(rank) >= by_rank.size()) by_rank.resize(size_t(rank) + 1);
     if (!by_rank[size_t(rank)].empty())

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstring>
 #include <cmath>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -184,23 +185,37 @@ TrainReport run_train(const TrainOptions& opt) {
     convention = man.at("convention");
     const std::string man_text = read_text_file(opt.data / kManifestName);
     data_sha = sha256_hex(man_text.data(), man_text.size());
+    // Every shard is checked against the manifest (size, SHA-256, tensor shapes, offsets)
+    // before any of it is used.
+    {
+      const DatasetCheck chk = check_dataset(opt.data, /*checksums=*/true);
+      if (!chk.ok)
+        fail("{}: the dataset does not verify: {}", opt.data.string(), fmt::format("{}", fmt::join(chk.problems, "; ")));
+    }
+    size_t shard_i = 0;
     for (auto& s : man.at("shards")) {
-      st::File f(opt.data / s.at("file").get<std::string>());
+      st::File f(shard_path(opt.data, s, shard_i++));
       const auto& ids = f.get(shard_tensors::input_ids);
       const auto& mask = f.get(shard_tensors::loss_mask);
       const auto& aux = f.get(shard_tensors::aux_hidden);
       const auto& hid = f.get(shard_tensors::hidden);
       const auto& off = f.get(shard_tensors::sample_offsets);
-      const auto* o = reinterpret_cast<const int64_t*>(off.data);
-      const auto* ip = reinterpret_cast<const int32_t*>(ids.data);
+      // Tensors in a shard need not be aligned for their type (a U8 tensor precedes): copy.
+      std::vector<int64_t> o(static_cast<size_t>(off.numel()));
+      std::memcpy(o.data(), off.data, off.nbytes);
       for (int64_t i = 0; i + 1 < off.numel(); ++i) {
-        const int64_t a = o[i], T = std::min(o[i + 1] - o[i], opt.max_length);
+        const int64_t a = o[size_t(i)], T = std::min(o[size_t(i + 1)] - o[size_t(i)], opt.max_length);
         if (T < 2) continue;
         TrainSample ts;
-        ts.ids.assign(ip + a, ip + a + T);
+        ts.ids.resize(size_t(T));
+        std::memcpy(ts.ids.data(), ids.data + size_t(a) * 4, size_t(T) * 4);
         ts.mask.assign(mask.data + a, mask.data + a + T);
         ts.aux = to_f32(aux, size_t(a * 3 * H), size_t(T * 3 * H));
         ts.hidden = to_f32(hid, size_t(a * H), size_t(T * H));
+        for (int64_t t = 0; t < T; ++t)
+          if (ts.ids[size_t(t)] < 0 || ts.ids[size_t(t)] >= V)
+            fail("{}: tensor '{}': token id {} at position {} is outside the target vocabulary of {}",
+                 f.path().string(), shard_tensors::input_ids, ts.ids[size_t(t)], a + t, V);
         all.push_back(std::move(ts));
       }
     }
@@ -298,9 +313,13 @@ TrainReport run_train(const TrainOptions& opt) {
   fs::create_directories(opt.out);
   const fs::path cpath = opt.out / kCheckpointName, mpath = opt.out / kMetricsName;
   int64_t step = 0;
+  if (int n = remove_stale_temps(opt.out, {kCheckpointName, kMetricsName}))
+    tlog::info("{}: removed {} temporary file(s) of an interrupted run", opt.out.string(), n);
   if (fs::exists(cpath)) {
     st::File f(cpath);
-    const json st = json::parse(f.metadata().at("talon.train"), nullptr, false);
+    f.verify_checksum(/*required=*/true);
+    auto meta = f.metadata().find("talon.train");
+    const json st = meta == f.metadata().end() ? json() : json::parse(meta->second, nullptr, false);
     TALON_CHECK(st.is_object() && st.contains("job"), "{}: no talon.train metadata", cpath.string());
     std::vector<std::string> diffs;
     for (auto& [k, v] : job.items())
@@ -476,10 +495,12 @@ TrainReport run_train(const TrainOptions& opt) {
                {"convention", convention},
                {"online", opt.online}};
     wr.set_metadata("talon.train", st.dump());
+    wr.set_checksum(true);
     wr.write(cpath);
   };
 
   std::ofstream metrics(mpath, std::ios::app);
+  if (!metrics) fail("{}: cannot open for appending: {}", mpath.string(), std::strerror(errno));
   // Forward over the held-back split; logged with "split": "eval" after `done` updates.
   auto evaluate = [&](int64_t done) {
     if (eval.empty()) return;
@@ -494,6 +515,7 @@ TrainReport run_train(const TrainOptions& opt) {
                     {"acc", m.acc}, {"cond_acc", m.cond_acc}, {"sim_accept_len", m.accept_len}}.dump()
             << "\n";
     metrics.flush();
+    if (!metrics) fail("{}: write failed: {}", mpath.string(), std::strerror(errno));
     tlog::info("eval after {} steps: loss {:.4f} acc0 {:.3f} simulated acceptance length {:.3f} ({} samples)", done,
                m.loss, m.acc[0], m.accept_len, es.size());
   };
@@ -558,6 +580,9 @@ TrainReport run_train(const TrainOptions& opt) {
                     {"tokens_per_s", tps}}.dump()
             << "\n";
     metrics.flush();
+    if (!metrics)
+      fail("{}: write failed: {} (a checkpoint keeps the finished steps; rerun to resume)", mpath.string(),
+           std::strerror(errno));
     progress.set_note(fmt::format("loss {:.4f} acc0 {:.3f} accept {:.2f} | {} tok/s", m.loss, m.acc[0], m.accept_len,
                                   format_count(tps)));
     tlog::debug("step {} loss {:.4f} acc0 {:.3f} accept {:.3f} lr {:.3g} |g| {:.3g}", step, m.loss, m.acc[0],

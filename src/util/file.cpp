@@ -1,6 +1,7 @@
 #include "util/file.h"
 
 #include <fcntl.h>
+#include <signal.h>
 #include <openssl/evp.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -67,6 +68,48 @@ std::string read_text_file(const fs::path& path) {
   return ss.str();
 }
 
+fs::path path_inside(const fs::path& dir, const std::string& name, const std::string& origin) {
+  if (name.empty()) fail("{}: empty file name", origin);
+  if (name.find('\0') != std::string::npos) fail("{}: file name contains a NUL byte", origin);
+  const fs::path rel(name);
+  if (rel.is_absolute() || rel.has_root_name() || rel.has_root_directory())
+    fail("{}: '{}' is an absolute path; expected a file name inside {}", origin, name, dir.string());
+  for (const auto& part : rel)
+    if (part == "..") fail("{}: '{}' leaves its directory ('..'); expected a file name inside {}", origin, name, dir.string());
+  const fs::path p = dir / rel;
+  std::error_code ec;
+  if (fs::symlink_status(p, ec).type() != fs::file_type::not_found && !ec) {
+    const fs::path real = fs::canonical(p, ec);
+    if (ec) fail("{}: cannot resolve '{}': {}", origin, p.string(), ec.message());
+    const fs::path base = fs::canonical(dir.empty() ? fs::path(".") : dir, ec);
+    if (ec) fail("{}: cannot resolve the directory {}: {}", origin, dir.string(), ec.message());
+    auto b = base.begin();
+    auto r = real.begin();
+    for (; b != base.end() && r != real.end() && *b == *r; ++b, ++r) {}
+    if (b != base.end() || r == real.end())
+      fail("{}: '{}' resolves to {} (through a symbolic link), outside {}", origin, name, real.string(), base.string());
+  }
+  return p;
+}
+
+int remove_stale_temps(const fs::path& dir, std::initializer_list<std::string_view> names) {
+  int removed = 0;
+  std::error_code ec;
+  for (auto& e : fs::directory_iterator(dir, ec)) {
+    const std::string n = e.path().filename().string();
+    for (std::string_view base : names) {
+      const std::string prefix = std::string(base) + ".tmp-";
+      if (n.size() <= prefix.size() || n.compare(0, prefix.size(), prefix) != 0) continue;
+      const std::string pid_s = n.substr(prefix.size());
+      if (pid_s.find_first_not_of("0123456789") != std::string::npos || pid_s.size() > 9) continue;
+      const long pid = std::stol(pid_s);
+      if (pid == long(::getpid()) || ::kill(pid_t(pid), 0) == 0 || errno == EPERM) continue;  // alive
+      if (fs::remove(e.path(), ec)) ++removed;
+    }
+  }
+  return removed;
+}
+
 AtomicFile::AtomicFile(fs::path path) : path_(std::move(path)) {
   tmp_ = path_;
   tmp_ += ".tmp-" + std::to_string(::getpid());
@@ -85,7 +128,10 @@ void AtomicFile::write(const void* data, size_t n) {
     ssize_t w = ::write(fd_, p, n);
     if (w < 0) {
       if (errno == EINTR) continue;
-      fail("{}: write failed: {}", tmp_.string(), std::strerror(errno));
+      const int e = errno;
+      fail("{}: write failed: {}{} (writing the temporary {}; {} was not changed)", path_.string(), std::strerror(e),
+           e == ENOSPC || e == EDQUOT ? ": the disk is full, free space and rerun" : "", tmp_.filename().string(),
+           path_.filename().string());
     }
     p += w;
     n -= size_t(w);
@@ -93,9 +139,14 @@ void AtomicFile::write(const void* data, size_t n) {
 }
 
 void AtomicFile::commit() {
-  if (::fsync(fd_) != 0) fail("{}: fsync failed: {}", tmp_.string(), std::strerror(errno));
-  ::close(fd_);
+  if (::fsync(fd_) != 0) {
+    const int e = errno;
+    fail("{}: fsync failed: {}{} ({} was not changed)", path_.string(), std::strerror(e),
+         e == ENOSPC || e == EDQUOT ? ": the disk is full, free space and rerun" : "", path_.filename().string());
+  }
+  const int rc = ::close(fd_);
   fd_ = -1;
+  if (rc != 0) fail("{}: close failed: {} ({} was not changed)", path_.string(), std::strerror(errno), path_.filename().string());
   if (::rename(tmp_.c_str(), path_.c_str()) != 0)
     fail("{}: rename to {} failed: {}", tmp_.string(), path_.string(), std::strerror(errno));
   committed_ = true;

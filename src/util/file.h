@@ -3,6 +3,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <filesystem>
+#include <initializer_list>
 #include <string>
 #include <string_view>
 
@@ -33,6 +34,12 @@ class MappedFile {
 
 std::string read_text_file(const fs::path& path);
 
+// `dir / name` for a file name read from a file in `dir` (a manifest, an index): `name`
+// must be relative, non-empty and free of ".." components, and when the file exists its
+// real path (symlinks resolved) must lie inside `dir`'s real path. `origin` names the field
+// that held the name, for the error ("out/manifest.json: shards[3].file").
+fs::path path_inside(const fs::path& dir, const std::string& name, const std::string& origin);
+
 // Writes to "<path>.tmp-<pid>", fsyncs it, renames it over `path` and fsyncs the
 // directory, so `path` is either absent, the old content, or the whole new content.
 class AtomicFile {
@@ -51,6 +58,11 @@ class AtomicFile {
 };
 
 void write_file_atomic(const fs::path& path, std::string_view content);
+
+// Removes "<name>.tmp-<pid>" files in `dir` (the temporaries of AtomicFile) for each of
+// `names`, left by a run that was killed; a temporary of a process still alive is kept.
+// Returns how many were removed.
+int remove_stale_temps(const fs::path& dir, std::initializer_list<std::string_view> names);
 
 // Lower-case hex SHA-256.
 std::string sha256_hex(const void* data, size_t n);

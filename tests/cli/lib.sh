@@ -3,7 +3,15 @@ set -uo pipefail
 TALON=$1
 SRC=$2
 WORK=$(mktemp -d /tmp/talon-cli-XXXXXX)
-trap 'rm -rf "$WORK"' EXIT
+# Under scripts/sanitize.sh (TALON_SANITIZER_REPORTS set): sanitizer reports that reached a
+# file of this test (stderr captured to $WORK) are kept there before $WORK goes, so a report
+# from a run that was expected to fail is not lost (UBSan in GCC builds writes only to stderr).
+keep_reports() {
+  [ -n "${TALON_SANITIZER_REPORTS:-}" ] || return 0
+  grep -rlE "runtime error:|ERROR: (Address|Leak|Thread)Sanitizer|WARNING: ThreadSanitizer" "$WORK" 2>/dev/null |
+    while read -r f; do cp "$f" "$TALON_SANITIZER_REPORTS/$(basename "$0" .sh).$(basename "$f").$$"; done
+}
+trap 'keep_reports; rm -rf "$WORK"' EXIT
 FAILS=0
 PASSES=0
 ok() { PASSES=$((PASSES + 1)); echo "ok   - $*"; }

@@ -317,8 +317,27 @@ TEST(Prepare, RunAndInspectTokens) {
   EXPECT_EQ(rc, 0) << out;
   EXPECT_NE(out.find("checksum ok"), std::string::npos) << out;
   EXPECT_NE(out.find("[[7<|im_end|>]]"), std::string::npos) << out;  // system-multi's first answer
-  // a rerun into the same (now non-empty) directory is refused and leaves it intact
-  EXPECT_THROW(run_prepare(o), Error);
-  EXPECT_TRUE(is_tokens_dir(o.out));
+  // a rerun of the same job finds it complete and leaves it intact; another job is refused
+  const std::string tokens = read_text_file(o.out / "tokens.jsonl"), manifest = read_text_file(o.out / "manifest.json");
+  EXPECT_EQ(run_prepare(o).status, PrepareStatus::AlreadyComplete);
+  PrepareOptions other = o;
+  other.max_length = 16;
+  try {
+    run_prepare(other);
+    ADD_FAILURE() << "a different job in a finished directory was not refused";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("holds a different finished prepare (options differ)"), std::string::npos)
+        << e.what();
+  }
+  EXPECT_EQ(read_text_file(o.out / "tokens.jsonl"), tokens);
+  EXPECT_EQ(read_text_file(o.out / "manifest.json"), manifest);
+  // what a killed run leaves (no manifest, a partial tokens file, a dead process's
+  // temporary) is cleared by the rerun, which then matches the first run
+  fs::remove(o.out / "manifest.json");
+  { std::ofstream(o.out / "tokens.jsonl.tmp-999999999") << "{\"partial"; }
+  EXPECT_EQ(run_prepare(o).status, PrepareStatus::Complete);
+  EXPECT_EQ(read_text_file(o.out / "tokens.jsonl"), tokens);
+  EXPECT_EQ(read_text_file(o.out / "manifest.json"), manifest);
+  EXPECT_FALSE(fs::exists(o.out / "tokens.jsonl.tmp-999999999"));
   fs::remove_all(o.out);
 }

@@ -41,8 +41,13 @@ CLI::App* add_prepare_subcommand(CLI::App& app, PrepareOptions& o) {
 int run_prepare_command(const PrepareOptions& opt) {
   PrepareReport r = run_prepare(opt);
   if (r.status == PrepareStatus::Interrupted) {
-    std::cerr << "prepare interrupted; nothing was written\n";
+    std::cerr << "prepare interrupted; nothing was kept (rerunning starts over from the first record)\n";
     return 128 + (stop_signal() ? stop_signal() : 15);
+  }
+  if (r.status == PrepareStatus::AlreadyComplete) {
+    std::cout << fmt::format("prepare already complete: {} records -> {} samples\n  output: {}\n", r.records, r.samples,
+                             r.out.string());
+    return 0;
   }
   std::cout << fmt::format("prepare complete: {} records -> {} samples, {} tokens ({} masked), {} truncated, {} "
                            "skipped, {} prompts in {:.1f}s\n",

@@ -121,6 +121,17 @@ void rmsnorm_backward(double* dx, std::vector<double>* dw, const double* dout, c
 
 }  // namespace
 
+void add_step(TttResult& r, const StepTally& s, double decay_k) {
+  r.loss_k.push_back(s.n ? s.ce_sum / double(s.n) : 0.0);
+  r.acc_k.push_back(s.n ? double(s.hits) / double(s.n) : 0.0);
+  r.cond_acc_k.push_back(s.cond_n ? double(s.cond_hits) / double(s.cond_n) : 0.0);
+  r.n_k.push_back(s.n);
+  r.loss += decay_k * r.loss_k.back();
+  double prod = 1;
+  r.accept_len = 1;
+  for (double a : r.acc_k) r.accept_len += (prod *= a);
+}
+
 DraftGrads::DraftGrads(const DraftWeights& w)
     : fc(w.fc.size()), in_ln(w.in_ln.size()), hidden_norm(w.hidden_norm.size()), wq(w.wq.size()), wk(w.wk.size()),
       wv(w.wv.size()), wo(w.wo.size()), post_ln(w.post_ln.size()), gate(w.gate.size()), up(w.up.size()),
@@ -187,7 +198,6 @@ TttResult ttt_forward(const DraftConfig& c, const DraftWeights& w, const TargetH
   };
   std::vector<Saved> saved;
   std::vector<uint8_t> right(static_cast<size_t>(T), 1);
-  double prod = 1;
   r.accept_len = 1;
   for (int64_t k = 0; k < K; ++k) {
     // Inputs: token x[t+1+k] (teacher forcing) and the hidden state g.
@@ -260,8 +270,7 @@ TttResult ttt_forward(const DraftConfig& c, const DraftWeights& w, const TargetH
     linear(logits, fn, w.lm_head, T, H, Vd);
 
     // Loss and metrics over the positions that count at this step.
-    double loss = 0;
-    int64_t n = 0, hits = 0, cond_n = 0, cond_hits = 0;
+    StepTally tally;
     Vec dlogits(grads ? size_t(T * Vd) : 0, 0.0);  // d(sum of CE) / d logits, scaled below
     for (int64_t t = 0; t < T; ++t) {
       const int64_t tp = t + 1 + k;
@@ -269,32 +278,20 @@ TttResult ttt_forward(const DraftConfig& c, const DraftWeights& w, const TargetH
       const int64_t arg = std::max_element(lg, lg + Vd) - lg;
       const bool counts = tp < T && s.mask[tp] && in_vocab[size_t(tp)];
       const bool hit = counts && arg == tgt_arg[size_t(tp)];
+      double ce = 0;
       if (counts) {
         const double mx = *std::max_element(lg, lg + Vd);
         double z = 0;
         for (int64_t d = 0; d < Vd; ++d) z += std::exp(lg[d] - mx);
         const double lz = mx + std::log(z);
-        double ce = 0;
         for (int64_t d = 0; d < Vd; ++d) ce -= P[size_t(tp * Vd + d)] * (lg[d] - lz);
-        loss += ce;
         if (grads)
           for (int64_t d = 0; d < Vd; ++d) dlogits[size_t(t * Vd + d)] = std::exp(lg[d] - lz) - P[size_t(tp * Vd + d)];
-        ++n;
-        hits += hit;
-        if (right[size_t(t)]) {
-          ++cond_n;
-          cond_hits += hit;
-        }
       }
-      right[size_t(t)] = right[size_t(t)] && hit;
+      tally.add(counts, hit, ce, right[size_t(t)]);
     }
-    r.loss_k.push_back(n ? loss / double(n) : 0.0);
-    r.acc_k.push_back(n ? double(hits) / double(n) : 0.0);
-    r.cond_acc_k.push_back(cond_n ? double(cond_hits) / double(cond_n) : 0.0);
-    r.n_k.push_back(n);
-    r.loss += std::pow(c.step_decay, double(k)) * r.loss_k.back();
-    prod *= r.acc_k.back();
-    r.accept_len += prod;
+    const int64_t n = tally.n;
+    add_step(r, tally, std::pow(c.step_decay, double(k)));
     if (keep_logits) r.logits.emplace_back(logits.begin(), logits.end());
     if (grads) {
       const double scale_k = n ? std::pow(c.step_decay, double(k)) / double(n) : 0.0;

@@ -75,6 +75,28 @@ struct TttResult {
   std::vector<std::vector<float>> logits;  // [K][T, Vd] when requested
 };
 
+// One TTT step's tallies over a sample's positions; `right[t]` carries "every earlier step
+// was right at t" from step to step (for the conditional accuracy).
+struct StepTally {
+  double ce_sum = 0;
+  int64_t n = 0, hits = 0, cond_n = 0, cond_hits = 0;
+  void add(bool counts, bool hit, double ce, uint8_t& right) {
+    if (counts) {
+      ce_sum += ce;
+      ++n;
+      hits += hit;
+      if (right) {
+        ++cond_n;
+        cond_hits += hit;
+      }
+    }
+    right = right && hit;
+  }
+};
+// Appends a step's loss, accuracies and count to r; updates the weighted total (decay_k =
+// decay^k) and the simulated acceptance length.
+void add_step(TttResult& r, const StepTally& s, double decay_k);
+
 // Gradients of the total loss, same layout as DraftWeights, fp64; accumulated (+=).
 struct DraftGrads {
   std::vector<double> fc, in_ln, hidden_norm, wq, wk, wv, wo, post_ln, gate, up, down, norm, lm_head;

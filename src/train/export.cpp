@@ -10,6 +10,7 @@
 #include "io/safetensors.h"
 #include "model/checkpoint.h"
 #include "model/model.h"
+#include "train/trainer.h"
 #include "util/error.h"
 #include "util/log.h"
 
@@ -20,7 +21,6 @@ using namespace talon::eagle3;
 
 namespace {
 
-constexpr const char* kCheckpointName = "checkpoint.safetensors";
 constexpr const char* kConfigName = "config.json";
 constexpr const char* kWeightsName = "model.safetensors";
 // Written into speculators configs; vLLM does not read it (its speculators adapter keys

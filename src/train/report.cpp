@@ -6,6 +6,7 @@
 #include <set>
 #include <sstream>
 
+#include "train/trainer.h"
 #include "util/error.h"
 #include "util/log.h"
 
@@ -270,7 +271,7 @@ std::string render_report_html(const std::vector<MetricRecord>& rs, const std::s
 }
 
 ReportSummary run_report(const ReportOptions& opt) {
-  const fs::path mpath = fs::is_directory(opt.run) ? opt.run / "metrics.jsonl" : opt.run;
+  const fs::path mpath = fs::is_directory(opt.run) ? opt.run / kMetricsName : opt.run;
   TALON_CHECK(fs::exists(mpath), "{}: missing; expected a `talon train` output directory with metrics.jsonl",
               mpath.string());
   const auto rs = parse_metrics(read_text_file(mpath), mpath.string());

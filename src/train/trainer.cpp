@@ -31,8 +31,6 @@ using namespace talon::eagle3;
 
 namespace {
 
-constexpr const char* kCheckpointName = "checkpoint.safetensors";
-constexpr const char* kMetricsName = "metrics.jsonl";
 
 // splitmix64: a portable generator, so orders and initial weights are the same
 // everywhere for a given seed.

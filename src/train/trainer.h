@@ -14,6 +14,10 @@
 
 namespace talon::train {
 
+// The files of a training run directory.
+inline constexpr const char* kCheckpointName = "checkpoint.safetensors";
+inline constexpr const char* kMetricsName = "metrics.jsonl";
+
 struct TrainOptions {
   fs::path data;   // extract output directory, or (online) a prepare output / token JSONL
   bool online = false;  // run the target in-process for features instead of reading them

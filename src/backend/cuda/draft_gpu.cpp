@@ -22,18 +22,8 @@ class CudaDraftTrainer final : public GpuDraftTrainer {
     TALON_CHECK(max_rows >= 2, "draft on GPU: the batch budget must be at least 2 tokens, got {}", max_rows);
     TALON_CHECK(int64_t(vocab.kept.size()) == c.Vd && int64_t(vocab.t2d.size()) == c.V,
                 "draft vocabulary has {} of {} ids", vocab.kept.size(), c.Vd);
-    cuda::DraftDims d;
-    d.H = c.H;
-    d.I = c.I;
-    d.nh = c.n_heads;
-    d.nkv = c.n_kv_heads;
-    d.hd = c.head_dim;
-    d.V = c.V;
-    d.Vd = c.Vd;
-    d.eps = float(c.rms_eps);
+    cuda::DraftDims d = dims();
     d.target_eps = float(tgt.rms_eps);
-    d.K = c.ttt_steps;
-    d.norm_before_residual = c.norm_before_residual;
     const auto m = math == GpuMath::F32 ? cuda::DraftMath::F32
                    : math == GpuMath::TF32 ? cuda::DraftMath::TF32
                                            : cuda::DraftMath::BF16;
@@ -154,32 +144,14 @@ class CudaDraftTrainer final : public GpuDraftTrainer {
       const Sample& s = batch[i];
       TttResult& res = out[i];
       std::vector<uint8_t> right(size_t(s.T), 1);
-      double prod = 1;
       res.accept_len = 1;
       for (int64_t k = 0; k < K; ++k) {
-        double loss = 0;
-        int64_t n = 0, hits = 0, cond_n = 0, cond_hits = 0;
+        StepTally tally;
         for (int64_t t = 0; t < s.T; ++t) {
           const size_t j = size_t(k * N + r + t);
-          const bool hit = st.hit[j];
-          if (st.counts[j]) {
-            loss += double(st.ce[j]);
-            ++n;
-            hits += hit;
-            if (right[size_t(t)]) {
-              ++cond_n;
-              cond_hits += hit;
-            }
-          }
-          right[size_t(t)] = right[size_t(t)] && hit;
+          tally.add(st.counts[j], st.hit[j], double(st.ce[j]), right[size_t(t)]);
         }
-        res.loss_k.push_back(n ? loss / double(n) : 0.0);
-        res.acc_k.push_back(n ? double(hits) / double(n) : 0.0);
-        res.cond_acc_k.push_back(cond_n ? double(cond_hits) / double(cond_n) : 0.0);
-        res.n_k.push_back(n);
-        res.loss += std::pow(c_.step_decay, double(k)) * res.loss_k.back();
-        prod *= res.acc_k.back();
-        res.accept_len += prod;
+        add_step(res, tally, std::pow(c_.step_decay, double(k)));
       }
       r += s.T;
     }
@@ -206,6 +178,9 @@ class CudaDraftTrainer final : public GpuDraftTrainer {
     d.hd = c_.head_dim;
     d.V = c_.V;
     d.Vd = c_.Vd;
+    d.eps = float(c_.rms_eps);
+    d.K = c_.ttt_steps;
+    d.norm_before_residual = c_.norm_before_residual;
     return d;
   }
   void resize(DraftWeights& w) const {

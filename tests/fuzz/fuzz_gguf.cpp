@@ -8,25 +8,17 @@
 //          tests/fuzz/fuzz_gguf.cpp src/io/gguf.cpp src/util/dtype.cpp src/util/file.cpp \
 //          -lfmt -lcrypto -o fuzz_gguf
 // Run:   ./fuzz_gguf -max_len=65536 corpus/ tests/fixtures/gguf/
-#include <sys/mman.h>
-#include <unistd.h>
-
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
 #include <string>
 #include <vector>
 
+#include "fuzz_util.h"
 #include "io/gguf.h"
 #include "util/error.h"
 
 namespace {
-
-int make_fd() {
-  int fd = ::memfd_create("fuzz_gguf", MFD_CLOEXEC);
-  if (fd < 0) std::abort();
-  return fd;
-}
 
 // Touches every metadata value so the parsed tree is fully materialised.
 size_t walk(const talon::gguf::Value& v, int depth) {
@@ -47,15 +39,7 @@ size_t walk(const talon::gguf::Value& v, int depth) {
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
-  static const int fd = make_fd();
-  static const std::string path = "/proc/self/fd/" + std::to_string(fd);
-  if (::ftruncate(fd, 0) != 0) std::abort();
-  size_t done = 0;
-  while (done < size) {
-    ssize_t w = ::pwrite(fd, data + done, size - done, off_t(done));
-    if (w <= 0) std::abort();
-    done += size_t(w);
-  }
+  const std::string& path = talon::fuzz::as_file(data, size);
   try {
     talon::gguf::File f(path);
     volatile size_t sink = 0;

@@ -59,4 +59,8 @@ inline constexpr double kGpuTttWeightOffFraction = 1e-2;
 inline constexpr double kGpuTttBf16LossRel = 2e-2;
 inline constexpr double kGpuTttBf16GradRel = 5e-2;
 
+// Cached decoding vs a full forward of the same tokens (CPU): the same fp32 arithmetic
+// per row, so only the attention's key order differs (none for chains).
+inline constexpr double kDecodeRel = 1e-5;
+
 }  // namespace talon::tol

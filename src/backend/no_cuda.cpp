@@ -1,4 +1,5 @@
 // Linked when the build has no CUDA compiler.
+#include "model/decode.h"
 #include "model/model.h"
 #include "train/draft_gpu.h"
 #include "util/error.h"
@@ -10,6 +11,9 @@ std::unique_ptr<Model> make_cuda_model(const Checkpoint&, int) {
 }
 std::unique_ptr<Model> make_cuda_model(const Checkpoint&, const GpuOptions&) {
   fail("this build has no CUDA backend (nvcc was not found when it was configured)");
+}
+std::unique_ptr<Decoder> make_cuda_decoder(const Checkpoint&, int, int, int64_t) {
+  fail("this build has no CUDA backend (nvcc was not found when it was configured): use --device cpu");
 }
 std::vector<GpuInfo> list_gpus() { return {}; }
 }  // namespace talon

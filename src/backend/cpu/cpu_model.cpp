@@ -2,9 +2,12 @@
 // is the definition of what every other backend must compute.
 #include <omp.h>
 
+#include <algorithm>
 #include <cmath>
+#include <functional>
 
 #include "backend/cpu/ops.h"
+#include "model/decode.h"
 #include "model/dense.h"
 #include "model/model.h"
 #include "util/error.h"
@@ -44,13 +47,21 @@ struct Layer {
   Mat wq, wk, wv, wo, w_gate, w_up, w_down;
 };
 
-class CpuDenseModel final : public Model {
- public:
-  explicit CpuDenseModel(const Checkpoint& ckpt) : cfg_(ckpt.config()) {
+// The weights of a dense decoder, and the layer stack both the full forward and the
+// cached decoder run. Only attention differs between the two: `attend` gets layer l's
+// RoPE'd q [N, nh*hd], k and v [N, nkv*hd] and writes att [N, nh*hd].
+struct DenseStack {
+  ModelConfig cfg;
+  Mat embed, lm_head;
+  std::vector<float> final_norm;
+  std::vector<Layer> layers;
+  std::vector<float> inv_freq;
+
+  explicit DenseStack(const Checkpoint& ckpt) : cfg(ckpt.config()) {
     DenseWeights w = bind_dense_weights(ckpt);
-    embed_ = to_mat(w.embed);
-    lm_head_ = to_mat(w.lm_head);
-    final_norm_ = to_f32(w.final_norm);
+    embed = to_mat(w.embed);
+    lm_head = to_mat(w.lm_head);
+    final_norm = to_f32(w.final_norm);
     for (auto& l : w.layers) {
       Layer L;
       L.attn_norm = to_f32(l.attn_norm);
@@ -67,55 +78,32 @@ class CpuDenseModel final : public Model {
       L.w_gate = to_mat(l.w_gate);
       L.w_up = to_mat(l.w_up);
       L.w_down = to_mat(l.w_down);
-      layers_.push_back(std::move(L));
+      layers.push_back(std::move(L));
     }
-    inv_freq_ = rope_inv_freq(cfg_.rope, cfg_.head_dim);
+    inv_freq = rope_inv_freq(cfg.rope, cfg.head_dim);
   }
 
-  const ModelConfig& config() const override { return cfg_; }
-  std::string backend() const override { return "cpu"; }
-
-  void forward(const Batch& b, const Capture& cap, float* logits) override {
-    const ModelConfig& c = cfg_;
-    const int64_t N = b.n_tokens(), H = c.hidden, I = c.intermediate, hd = c.head_dim;
+  using Attend = std::function<void(int64_t layer, const float* q, const float* k, const float* v, float* att)>;
+  // capture(layer_id, x): x [N, H] is h[layer_id]. logits_rows: which rows get logits
+  // (empty: none; logits is [logits_rows.size(), V]).
+  void run(const int32_t* tokens, const int32_t* pos, int64_t N, const Attend& attend,
+           const std::function<void(int64_t, const float*)>& capture, const std::vector<int64_t>& logits_rows,
+           float* logits) const {
+    const ModelConfig& c = cfg;
+    const int64_t H = c.hidden, I = c.intermediate, hd = c.head_dim;
     const int64_t nh = c.n_heads, nkv = c.n_kv_heads, qd = nh * hd, kvd = nkv * hd;
     const float eps = float(c.rms_eps);
-    cap.validate(c.n_layers, b);
-
-    std::vector<int32_t> pos(static_cast<size_t>(N));
-    std::vector<int64_t> dst(static_cast<size_t>(N));
-    for (int64_t s = 0; s < b.n_seqs(); ++s)
-      for (int64_t r = b.seq_start[size_t(s)]; r < b.seq_start[size_t(s + 1)]; ++r) {
-        pos[size_t(r)] = int32_t(r - b.seq_start[size_t(s)]);
-        dst[size_t(r)] = cap.dst_row(b, s, r);
-      }
-
     std::vector<float> x(size_t(N * H)), xn(size_t(N * H)), q(size_t(N * qd)), k(size_t(N * kvd)),
         v(size_t(N * kvd)), att(size_t(N * qd)), tmp(size_t(N * H)), g(size_t(N * I)), u(size_t(N * I));
-    auto capture = [&](int64_t layer_id) {
-      for (size_t i = 0; i < cap.layers.size(); ++i) {
-        if (cap.layers[i] != layer_id) continue;
-        const int64_t ld = cap.stride(i, H);
-        for (int64_t r = 0; r < N; ++r) {
-          const float* src = x.data() + r * H;
-          if (cap.dtype == DType::F32) {
-            std::copy(src, src + H, static_cast<float*>(cap.out[i]) + dst[size_t(r)] * ld);
-          } else {
-            uint16_t* d = static_cast<uint16_t*>(cap.out[i]) + dst[size_t(r)] * ld;
-            for (int64_t c = 0; c < H; ++c) d[c] = f32_to_bf16(src[c]);
-          }
-        }
-      }
-    };
     auto mm = [&](float* out, const float* in, const Mat& w, const std::vector<float>& bias, int64_t K, int64_t O) {
       cpu::matmul_forward(out, in, w.data, w.dtype, bias.empty() ? nullptr : bias.data(), N, K, O);
     };
     static const std::vector<float> none;
 
-    cpu::embedding_forward(x.data(), b.tokens.data(), embed_.data, embed_.dtype, N, H, c.vocab);  // h[0]
+    cpu::embedding_forward(x.data(), tokens, embed.data, embed.dtype, N, H, c.vocab);  // h[0]
     for (int64_t l = 0; l < c.n_layers; ++l) {
-      capture(l);  // h[l]: the input of layer l
-      const Layer& L = layers_[size_t(l)];
+      capture(l, x.data());  // h[l]: the input of layer l
+      const Layer& L = layers[size_t(l)];
       // attention block
       cpu::rmsnorm_forward(xn.data(), x.data(), L.attn_norm.data(), N, H, eps);
       mm(q.data(), xn.data(), L.wq, L.bq, H, qd);
@@ -125,10 +113,9 @@ class CpuDenseModel final : public Model {
         cpu::rmsnorm_forward(q.data(), q.data(), L.q_norm.data(), N * nh, hd, eps);
         cpu::rmsnorm_forward(k.data(), k.data(), L.k_norm.data(), N * nkv, hd, eps);
       }
-      cpu::rope_forward(q.data(), pos.data(), inv_freq_.data(), N, nh, hd);
-      cpu::rope_forward(k.data(), pos.data(), inv_freq_.data(), N, nkv, hd);
-      cpu::attention_forward(att.data(), q.data(), k.data(), v.data(), b.seq_start.data(), b.n_seqs(), nh, nkv, hd,
-                             c.sliding_window);
+      cpu::rope_forward(q.data(), pos, inv_freq.data(), N, nh, hd);
+      cpu::rope_forward(k.data(), pos, inv_freq.data(), N, nkv, hd);
+      attend(l, q.data(), k.data(), v.data(), att.data());
       mm(tmp.data(), att.data(), L.wo, none, qd, H);
       cpu::residual_forward(x.data(), tmp.data(), N * H);
       // MLP block
@@ -139,23 +126,296 @@ class CpuDenseModel final : public Model {
       mm(tmp.data(), g.data(), L.w_down, none, I, H);
       cpu::residual_forward(x.data(), tmp.data(), N * H);
     }
-    capture(c.n_layers);  // h[L]: before the final norm
-    if (logits) {
-      cpu::rmsnorm_forward(xn.data(), x.data(), final_norm_.data(), N, H, eps);
-      cpu::matmul_forward(logits, xn.data(), lm_head_.data, lm_head_.dtype, nullptr, N, H, c.vocab);
+    capture(c.n_layers, x.data());  // h[L]: before the final norm
+    if (!logits_rows.empty()) {
+      const int64_t R = int64_t(logits_rows.size());
+      std::vector<float> sel(size_t(R * H));
+      for (int64_t i = 0; i < R; ++i)
+        std::copy_n(x.data() + logits_rows[size_t(i)] * H, H, sel.data() + i * H);
+      cpu::rmsnorm_forward(sel.data(), sel.data(), final_norm.data(), R, H, eps);
+      cpu::matmul_forward(logits, sel.data(), lm_head.data, lm_head.dtype, nullptr, R, H, c.vocab);
     }
+  }
+};
+
+// Copies rows of x [N, H] for every capture entry of `layer_id`; row r goes to dst[r].
+void copy_capture(const Capture& cap, int64_t layer_id, const float* x, int64_t N, int64_t H,
+                  const std::vector<int64_t>& dst) {
+  for (size_t i = 0; i < cap.layers.size(); ++i) {
+    if (cap.layers[i] != layer_id) continue;
+    const int64_t ld = cap.stride(i, H);
+    for (int64_t r = 0; r < N; ++r) {
+      const float* src = x + r * H;
+      if (cap.dtype == DType::F32) {
+        std::copy(src, src + H, static_cast<float*>(cap.out[i]) + dst[size_t(r)] * ld);
+      } else {
+        uint16_t* d = static_cast<uint16_t*>(cap.out[i]) + dst[size_t(r)] * ld;
+        for (int64_t c = 0; c < H; ++c) d[c] = f32_to_bf16(src[c]);
+      }
+    }
+  }
+}
+
+class CpuDenseModel final : public Model {
+ public:
+  explicit CpuDenseModel(const Checkpoint& ckpt) : w_(ckpt) {}
+
+  const ModelConfig& config() const override { return w_.cfg; }
+  std::string backend() const override { return "cpu"; }
+
+  void forward(const Batch& b, const Capture& cap, float* logits) override {
+    const ModelConfig& c = w_.cfg;
+    const int64_t N = b.n_tokens();
+    cap.validate(c.n_layers, b);
+    std::vector<int32_t> pos(static_cast<size_t>(N));
+    std::vector<int64_t> dst(static_cast<size_t>(N));
+    for (int64_t s = 0; s < b.n_seqs(); ++s)
+      for (int64_t r = b.seq_start[size_t(s)]; r < b.seq_start[size_t(s + 1)]; ++r) {
+        pos[size_t(r)] = int32_t(r - b.seq_start[size_t(s)]);
+        dst[size_t(r)] = cap.dst_row(b, s, r);
+      }
+    std::vector<int64_t> rows;
+    if (logits)
+      for (int64_t r = 0; r < N; ++r) rows.push_back(r);
+    w_.run(
+        b.tokens.data(), pos.data(), N,
+        [&](int64_t, const float* q, const float* k, const float* v, float* att) {
+          cpu::attention_forward(att, q, k, v, b.seq_start.data(), b.n_seqs(), c.n_heads, c.n_kv_heads, c.head_dim,
+                                 c.sliding_window);
+        },
+        [&](int64_t l, const float* x) { copy_capture(cap, l, x, N, c.hidden, dst); }, rows, logits);
   }
 
  private:
-  ModelConfig cfg_;
-  Mat embed_, lm_head_;
-  std::vector<float> final_norm_;
-  std::vector<Layer> layers_;
-  std::vector<float> inv_freq_;
+  DenseStack w_;
+};
+
+// The cached decoder: per slot and layer, keys and values [tokens, nkv*hd] in fp32; a
+// forward appends the new tokens' rows after the committed ones (pending), commit moves
+// the kept rows down to follow the prefix.
+class CpuDecoder final : public Decoder {
+ public:
+  CpuDecoder(const Checkpoint& ckpt, int n_slots, int64_t max_len) : w_(ckpt), max_len_(max_len) {
+    TALON_CHECK(n_slots > 0 && max_len > 0, "decoder: need at least one slot and one token (got {} x {})", n_slots,
+                max_len);
+    slots_.resize(size_t(n_slots));
+    for (auto& s : slots_) {
+      s.k.resize(size_t(w_.cfg.n_layers));
+      s.v.resize(size_t(w_.cfg.n_layers));
+    }
+    pending_.assign(size_t(n_slots), 0);
+  }
+  const ModelConfig& config() const override { return w_.cfg; }
+  std::string backend() const override { return "cpu"; }
+  int n_slots() const override { return int(slots_.size()); }
+  int64_t max_len() const override { return max_len_; }
+  int64_t length(int slot) const override { return at(slot).len; }
+
+  void forward(const std::vector<DecodeRequest>& reqs, const Capture& cap, float* logits) override {
+    const ModelConfig& c = w_.cfg;
+    const int64_t kvd = c.n_kv_heads * c.head_dim;
+    cap.validate(c.n_layers);
+    // Rows of the packed forward, and what each row attends to.
+    struct Row {
+      int slot;
+      int64_t first;  // the request's first row
+      int64_t index;  // index within the request
+    };
+    std::vector<Row> rows;
+    std::vector<int32_t> tokens, pos;
+    std::vector<std::vector<int32_t>> parents;  // per request
+    std::vector<int64_t> logit_rows;
+    std::vector<uint8_t> seen(slots_.size(), 0);
+    for (size_t ri = 0; ri < reqs.size(); ++ri) {
+      const DecodeRequest& r = reqs[ri];
+      Slot& s = at(r.slot);
+      TALON_CHECK(!seen[size_t(r.slot)], "decoder: slot {} appears twice in one forward", r.slot);
+      seen[size_t(r.slot)] = 1;
+      TALON_CHECK(pending_[size_t(r.slot)] == 0, "decoder: slot {} has {} uncommitted tokens from its last forward",
+                  r.slot, pending_[size_t(r.slot)]);
+      const int64_t n = int64_t(r.tokens.size());
+      TALON_CHECK(n > 0, "decoder: request for slot {} has no tokens", r.slot);
+      TALON_CHECK(s.len + n <= max_len_, "decoder: slot {} would hold {} tokens, more than max_len {}", r.slot,
+                  s.len + n, max_len_);
+      const std::vector<int32_t> depth = request_depths(r);
+      std::vector<int32_t> par(static_cast<size_t>(n));
+      for (int64_t i = 0; i < n; ++i) par[size_t(i)] = r.parents.empty() ? int32_t(i - 1) : r.parents[size_t(i)];
+      parents.push_back(std::move(par));
+      const int64_t first = int64_t(rows.size());
+      for (int64_t i = 0; i < n; ++i) {
+        rows.push_back({r.slot, first, i});
+        tokens.push_back(r.tokens[size_t(i)]);
+        pos.push_back(int32_t(s.len + depth[size_t(i)]));
+      }
+      if (r.all_logits)
+        for (int64_t i = 0; i < n; ++i) logit_rows.push_back(first + i);
+      else
+        logit_rows.push_back(first + n - 1);
+      for (int64_t l = 0; l < c.n_layers; ++l) {
+        s.k[size_t(l)].resize(size_t((s.len + n) * kvd));
+        s.v[size_t(l)].resize(size_t((s.len + n) * kvd));
+      }
+    }
+    const int64_t N = int64_t(rows.size());
+    std::vector<size_t> req_of(static_cast<size_t>(N));
+    for (size_t ri = 0, r0 = 0; ri < reqs.size(); r0 += reqs[ri].tokens.size(), ++ri)
+      for (size_t i = 0; i < reqs[ri].tokens.size(); ++i) req_of[r0 + i] = ri;
+    std::vector<int64_t> dst(static_cast<size_t>(N));
+    for (int64_t r = 0; r < N; ++r) dst[size_t(r)] = r;
+
+    const int64_t nh = c.n_heads, nkv = c.n_kv_heads, hd = c.head_dim, group = nh / nkv, qw = nh * hd;
+    const float scale = 1.0f / std::sqrt(float(hd));
+    auto attend = [&](int64_t l, const float* q, const float* k, const float* v, float* att) {
+      // Store the new keys and values as pending rows of their slots.
+      for (int64_t r = 0; r < N; ++r) {
+        Slot& s = slots_[size_t(rows[size_t(r)].slot)];
+        const int64_t dstrow = s.len + rows[size_t(r)].index;
+        std::copy_n(k + r * kvd, kvd, s.k[size_t(l)].data() + dstrow * kvd);
+        std::copy_n(v + r * kvd, kvd, s.v[size_t(l)].data() + dstrow * kvd);
+      }
+#pragma omp parallel
+      {
+        std::vector<int64_t> keys;  // cache rows this query attends to, ascending
+        std::vector<float> p;
+        std::vector<double> acc(static_cast<size_t>(hd));
+#pragma omp for schedule(dynamic, 4)
+        for (int64_t r = 0; r < N; ++r) {
+          const Row& row = rows[size_t(r)];
+          const Slot& s = slots_[size_t(row.slot)];
+          const std::vector<int32_t>& par = parents[req_of[size_t(r)]];
+          const int64_t qpos = pos[size_t(r)];
+          keys.clear();
+          const int64_t lo = c.sliding_window > 0 ? std::max<int64_t>(0, qpos - c.sliding_window + 1) : 0;
+          for (int64_t j = lo; j < s.len; ++j) keys.push_back(j);
+          // Pending ancestors and self, in index order (= position order along the path).
+          const size_t mark = keys.size();
+          for (int64_t a = row.index; a >= 0; a = par[size_t(a)])
+            if (c.sliding_window <= 0 || qpos - pos[size_t(row.first + a)] < c.sliding_window) keys.push_back(s.len + a);
+          std::reverse(keys.begin() + std::ptrdiff_t(mark), keys.end());
+          const float* K = s.k[size_t(l)].data();
+          const float* Vv = s.v[size_t(l)].data();
+          p.resize(keys.size());
+          for (int64_t h = 0; h < nh; ++h) {
+            const float* qr = q + r * qw + h * hd;
+            const int64_t kh = h / group;
+            float mx = -INFINITY;
+            for (size_t j = 0; j < keys.size(); ++j) {
+              const float* kr = K + keys[j] * kvd + kh * hd;
+              float d = 0;
+              for (int64_t i = 0; i < hd; ++i) d += qr[i] * kr[i];
+              d *= scale;
+              p[j] = d;
+              mx = std::max(mx, d);
+            }
+            double den = 0;
+            for (auto& e : p) {
+              e = std::exp(e - mx);
+              den += e;
+            }
+            std::fill(acc.begin(), acc.end(), 0.0);
+            for (size_t j = 0; j < keys.size(); ++j) {
+              const float* vr = Vv + keys[j] * kvd + kh * hd;
+              const double w = p[j];
+              for (int64_t i = 0; i < hd; ++i) acc[size_t(i)] += w * vr[i];
+            }
+            float* o = att + r * qw + h * hd;
+            for (int64_t i = 0; i < hd; ++i) o[i] = float(acc[size_t(i)] / den);
+          }
+        }
+      }
+    };
+    w_.run(tokens.data(), pos.data(), N, attend,
+           [&](int64_t l, const float* x) { copy_capture(cap, l, x, N, c.hidden, dst); },
+           logits ? logit_rows : std::vector<int64_t>{}, logits);
+    for (const auto& r : reqs) pending_[size_t(r.slot)] = int64_t(r.tokens.size());
+    for (size_t ri = 0; ri < reqs.size(); ++ri) at(reqs[ri].slot).parents = parents[ri];
+  }
+
+  void commit(int slot, const std::vector<int32_t>& keep) override {
+    Slot& s = at(slot);
+    const int64_t n = pending_[size_t(slot)];
+    const int64_t kvd = w_.cfg.n_kv_heads * w_.cfg.head_dim;
+    int32_t prev = -1;
+    for (size_t i = 0; i < keep.size(); ++i) {
+      const int32_t k = keep[i];
+      TALON_CHECK(k >= 0 && k < n && k > prev && s.parents[size_t(k)] == prev,
+                  "decoder: commit of slot {}: token {} (entry {}) does not continue the kept path", slot, k, i);
+      prev = k;
+    }
+    for (int64_t l = 0; l < w_.cfg.n_layers; ++l)
+      for (size_t i = 0; i < keep.size(); ++i) {
+        if (int64_t(keep[i]) == int64_t(i)) continue;
+        auto& K = s.k[size_t(l)];
+        auto& V = s.v[size_t(l)];
+        std::copy_n(K.data() + (s.len + keep[i]) * kvd, kvd, K.data() + (s.len + int64_t(i)) * kvd);
+        std::copy_n(V.data() + (s.len + keep[i]) * kvd, kvd, V.data() + (s.len + int64_t(i)) * kvd);
+      }
+    s.len += int64_t(keep.size());
+    for (int64_t l = 0; l < w_.cfg.n_layers; ++l) {
+      s.k[size_t(l)].resize(size_t(s.len * kvd));
+      s.v[size_t(l)].resize(size_t(s.len * kvd));
+    }
+    pending_[size_t(slot)] = 0;
+    s.parents.clear();
+  }
+
+  void reset(int slot) override {
+    Slot& s = at(slot);
+    s.len = 0;
+    for (auto& k : s.k) std::vector<float>().swap(k);
+    for (auto& v : s.v) std::vector<float>().swap(v);
+    s.parents.clear();
+    pending_[size_t(slot)] = 0;
+  }
+
+ private:
+  struct Slot {
+    int64_t len = 0;
+    std::vector<std::vector<float>> k, v;  // per layer [tokens, nkv*hd]
+    std::vector<int32_t> parents;          // of the pending tokens (a chain: i - 1)
+  };
+  Slot& at(int slot) {
+    TALON_CHECK(slot >= 0 && slot < int(slots_.size()), "decoder: slot {} outside [0, {})", slot, slots_.size());
+    return slots_[size_t(slot)];
+  }
+  const Slot& at(int slot) const { return const_cast<CpuDecoder*>(this)->at(slot); }
+
+  DenseStack w_;
+  int64_t max_len_;
+  std::vector<Slot> slots_;
 };
 
 }  // namespace
 
 std::unique_ptr<Model> make_cpu_model(const Checkpoint& ckpt) { return std::make_unique<CpuDenseModel>(ckpt); }
+
+std::unique_ptr<Decoder> make_cpu_decoder(const Checkpoint& ckpt, int n_slots, int64_t max_len) {
+  return std::make_unique<CpuDecoder>(ckpt, n_slots, max_len);
+}
+
+void Decoder::commit_all(int slot) {
+  TALON_CHECK(slot >= 0 && size_t(slot) < pending_.size(), "decoder: slot {} outside [0, {})", slot, pending_.size());
+  std::vector<int32_t> keep(size_t(pending_[size_t(slot)]));
+  for (size_t i = 0; i < keep.size(); ++i) keep[i] = int32_t(i);
+  commit(slot, keep);
+}
+
+std::vector<int32_t> request_depths(const DecodeRequest& r) {
+  const size_t n = r.tokens.size();
+  std::vector<int32_t> d(n);
+  if (r.parents.empty()) {
+    for (size_t i = 0; i < n; ++i) d[i] = int32_t(i);
+    return d;
+  }
+  TALON_CHECK(r.parents.size() == n, "decoder: request for slot {} has {} tokens but {} parents", r.slot, n,
+              r.parents.size());
+  for (size_t i = 0; i < n; ++i) {
+    const int32_t p = r.parents[i];
+    TALON_CHECK(p >= -1 && p < int32_t(i), "decoder: request for slot {}: parent {} of token {} must be -1 or an earlier token",
+                r.slot, p, i);
+    d[i] = p < 0 ? 0 : d[size_t(p)] + 1;
+  }
+  return d;
+}
 
 }  // namespace talon

@@ -1,0 +1,79 @@
+// Incremental decoding: a target model with a KV cache, for `generate` and `eval`.
+//
+// A decoder holds `n_slots` sequences. Each slot has a committed prefix (its tokens' keys
+// and values are cached) and, after a forward, pending tokens: the new tokens of that
+// forward, whose keys and values are held until `commit` keeps some of them (a path) and
+// drops the rest. That one mechanism serves prefill (commit everything), plain decoding
+// (one token, commit it), chain verification (commit the accepted prefix) and tree
+// verification (commit the accepted root-to-leaf path).
+//
+// Pending tokens of one request form a tree: parents[i] < i is the pending token that
+// token i follows, or -1 when it follows the committed prefix directly. An empty parents
+// list means a chain (token i follows token i-1). A token attends to the committed prefix
+// and to its own ancestors and itself; its RoPE position is length(slot) + depth, where
+// depth counts its pending ancestors, so a committed path has the positions a plain
+// forward of the same tokens would give it.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "model/checkpoint.h"
+#include "model/model.h"
+
+namespace talon {
+
+struct DecodeRequest {
+  int slot = 0;
+  std::vector<int32_t> tokens;   // new tokens
+  std::vector<int32_t> parents;  // empty: a chain; else one per token, -1 or an earlier index
+  bool all_logits = true;        // false: logits of the last token only (prefill)
+};
+
+class Decoder {
+ public:
+  virtual ~Decoder() = default;
+  virtual const ModelConfig& config() const = 0;
+  virtual std::string backend() const = 0;
+  virtual int n_slots() const = 0;
+  // Most tokens (committed + pending) one slot can hold.
+  virtual int64_t max_len() const = 0;
+  // Committed tokens of a slot.
+  virtual int64_t length(int slot) const = 0;
+
+  // Runs every request's tokens against its slot (each slot at most once per call). Output
+  // rows follow the requests in order and, within one, its tokens in order: `logits` gets
+  // [rows, V] fp32 where a request with all_logits = false contributes only its last token;
+  // `capture` (F32 or BF16, layers as for Model::forward) gets one row per token. Pending
+  // tokens from an earlier forward of a slot must be committed first. Throws naming the slot
+  // when a request would exceed max_len or has a malformed parents list.
+  virtual void forward(const std::vector<DecodeRequest>& reqs, const Capture& capture, float* logits) = 0;
+
+  // Keeps the pending tokens at `keep` (indices into the slot's last request, increasing,
+  // each one's parent the previous kept one: a path from the committed prefix) and drops
+  // the others. commit(slot, {}) drops them all.
+  virtual void commit(int slot, const std::vector<int32_t>& keep) = 0;
+  // Keeps every pending token (a chain) of the slot.
+  void commit_all(int slot);
+  // Empties a slot (committed and pending).
+  virtual void reset(int slot) = 0;
+
+ protected:
+  // Pending token count per slot, for commit_all; kept by the implementations.
+  std::vector<int64_t> pending_;
+};
+
+// The fp32 reference (same arithmetic as make_cpu_model's forward). Slots grow on demand up
+// to max_len tokens each.
+std::unique_ptr<Decoder> make_cpu_decoder(const Checkpoint& ckpt, int n_slots, int64_t max_len);
+
+// A CUDA decoder on one GPU: the KV cache is allocated up front (n_slots x max_len tokens),
+// bf16 weights and cache, fp32 accumulation. Throws when the build has no CUDA backend or
+// the cache does not fit, naming the numbers.
+std::unique_ptr<Decoder> make_cuda_decoder(const Checkpoint& ckpt, int device, int n_slots, int64_t max_len);
+
+// Depth of each pending token of a request (0 for tokens that follow the prefix); throws
+// naming the index when parents is malformed (wrong length, parent >= own index, < -1).
+std::vector<int32_t> request_depths(const DecodeRequest& r);
+
+}  // namespace talon

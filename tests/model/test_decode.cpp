@@ -1,0 +1,180 @@
+// The cached decoder (model/decode.h) against full forwards of the same tokens: chains
+// decoded token by token, trees whose every node must equal a forward of its own path,
+// commits of a path followed by further decoding, captures, and malformed requests.
+#include <gtest/gtest.h>
+
+#include <random>
+
+#include "model/decode.h"
+#include "model/model.h"
+#include "tests/test_util.h"
+#include "tests/tolerances.h"
+
+using namespace talon;
+using namespace talon::testing;
+
+namespace {
+
+fs::path fixture(const std::string& name) { return fs::path(source_dir()) / "tests/fixtures/golden" / name; }
+
+// Last-row logits and h[layer] of a full forward over `ids`.
+struct Full {
+  std::vector<float> logits, hidden;
+};
+Full full_forward(Model& m, const std::vector<int32_t>& ids, int layer) {
+  const auto& c = m.config();
+  Batch b;
+  b.add(ids.data(), int64_t(ids.size()));
+  const int64_t T = int64_t(ids.size());
+  std::vector<float> lg(size_t(T * c.vocab)), hs(size_t(T * c.hidden));
+  Capture cap({layer}, {hs.data()});
+  m.forward(b, cap, lg.data());
+  Full f;
+  f.logits.assign(lg.end() - c.vocab, lg.end());
+  f.hidden.assign(hs.end() - c.hidden, hs.end());
+  return f;
+}
+
+std::vector<int32_t> random_ids(std::mt19937& rng, int64_t n, int64_t V) {
+  std::uniform_int_distribution<int32_t> d(0, int32_t(V - 1));
+  std::vector<int32_t> v(static_cast<size_t>(n));
+  for (auto& x : v) x = d(rng);
+  return v;
+}
+
+class Decode : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(Decode, ChainTokenByTokenEqualsFullForward) {
+  auto ck = open_checkpoint(fixture(GetParam()));
+  auto model = make_cpu_model(*ck);
+  const ModelConfig& c = model->config();
+  auto dec = make_cpu_decoder(*ck, 2, 64);
+  std::mt19937 rng(7);
+  const auto ids = random_ids(rng, 20, c.vocab);
+  const int layer = int(c.n_layers / 2);
+  // Prefill 8 tokens (last logits only), then one token at a time; slot 1 runs another
+  // sequence in the same forwards, so packing cannot leak between slots.
+  const auto other = random_ids(rng, 20, c.vocab);
+  std::vector<float> lg(size_t(2 * c.vocab)), hs(size_t(16 * c.hidden));
+  Capture cap({layer}, {hs.data()});
+  dec->forward({{0, {ids.begin(), ids.begin() + 8}, {}, false}, {1, {other.begin(), other.begin() + 8}, {}, false}},
+               cap, lg.data());
+  dec->commit_all(0);
+  dec->commit_all(1);
+  for (int64_t t = 8; t <= 20; ++t) {
+    const auto a = full_forward(*model, {ids.begin(), ids.begin() + t}, layer);
+    const auto b = full_forward(*model, {other.begin(), other.begin() + t}, layer);
+    EXPECT_LE(rel_err(lg.data(), a.logits.data(), size_t(c.vocab)), tol::kDecodeRel) << "slot 0, length " << t;
+    EXPECT_LE(rel_err(lg.data() + c.vocab, b.logits.data(), size_t(c.vocab)), tol::kDecodeRel) << "slot 1, length " << t;
+    const int64_t last = t == 8 ? 7 : 0;  // capture row of the sequence's last token in slot 0
+    EXPECT_LE(rel_err(hs.data() + last * c.hidden, a.hidden.data(), size_t(c.hidden)), tol::kDecodeRel) << t;
+    if (t == 20) break;
+    dec->forward({{0, {ids[size_t(t)]}, {}, true}, {1, {other[size_t(t)]}, {}, true}}, cap, lg.data());
+    dec->commit_all(0);
+    dec->commit_all(1);
+    EXPECT_EQ(dec->length(0), t + 1);
+  }
+}
+
+TEST_P(Decode, TreeNodesEqualForwardsOfTheirPaths) {
+  auto ck = open_checkpoint(fixture(GetParam()));
+  auto model = make_cpu_model(*ck);
+  const ModelConfig& c = model->config();
+  auto dec = make_cpu_decoder(*ck, 1, 64);
+  std::mt19937 rng(11);
+  const auto prefix = random_ids(rng, 9, c.vocab);
+  dec->forward({{0, prefix, {}, false}}, Capture{}, nullptr);
+  dec->commit_all(0);
+  // A tree of 10 nodes: two roots, branching at several depths.
+  const std::vector<int32_t> parents = {-1, 0, 0, -1, 1, 1, 3, 4, 6, 2};
+  const auto tokens = random_ids(rng, int64_t(parents.size()), c.vocab);
+  std::vector<float> lg(parents.size() * size_t(c.vocab));
+  dec->forward({{0, tokens, parents, true}}, Capture{}, lg.data());
+  auto path_of = [&](int32_t node) {
+    std::vector<int32_t> p;
+    for (int32_t a = node; a >= 0; a = parents[size_t(a)]) p.insert(p.begin(), a);
+    return p;
+  };
+  for (size_t i = 0; i < parents.size(); ++i) {
+    std::vector<int32_t> ids = prefix;
+    for (int32_t a : path_of(int32_t(i))) ids.push_back(tokens[size_t(a)]);
+    const auto f = full_forward(*model, ids, 0);
+    EXPECT_LE(rel_err(lg.data() + i * size_t(c.vocab), f.logits.data(), size_t(c.vocab)), tol::kDecodeRel)
+        << "node " << i;
+  }
+  // Keep the path to node 7 (0 -> 1 -> 4 -> 7), then decode two more tokens on top of it.
+  dec->commit(0, {0, 1, 4, 7});
+  EXPECT_EQ(dec->length(0), 13);
+  std::vector<int32_t> ids = prefix;
+  for (int32_t a : {0, 1, 4, 7}) ids.push_back(tokens[size_t(a)]);
+  for (int step = 0; step < 2; ++step) {
+    const int32_t next = random_ids(rng, 1, c.vocab)[0];
+    ids.push_back(next);
+    dec->forward({{0, {next}, {}, true}}, Capture{}, lg.data());
+    dec->commit_all(0);
+    const auto f = full_forward(*model, ids, 0);
+    EXPECT_LE(rel_err(lg.data(), f.logits.data(), size_t(c.vocab)), tol::kDecodeRel) << "after the commit, " << step;
+  }
+  // Dropping every pending token leaves the prefix as it was.
+  dec->forward({{0, {1, 2, 3}, {}, true}}, Capture{}, lg.data());
+  dec->commit(0, {});
+  EXPECT_EQ(dec->length(0), int64_t(ids.size()));
+  dec->forward({{0, {5}, {}, true}}, Capture{}, lg.data());
+  ids.push_back(5);
+  EXPECT_LE(rel_err(lg.data(), full_forward(*model, ids, 0).logits.data(), size_t(c.vocab)), tol::kDecodeRel);
+}
+
+INSTANTIATE_TEST_SUITE_P(Fixtures, Decode, ::testing::Values("llama_gqa", "qwen2", "qwen3", "mistral"));
+
+TEST(Decode, SlidingWindowMatchesTheFullForward) {
+  // The mistral fixture with a 5-token window (the full forward's window rule is the reference).
+  const fs::path dir = fs::path(::testing::TempDir()) / "talon_decode_window";
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  fs::copy_file(fixture("mistral") / "model.safetensors", dir / "model.safetensors");
+  auto cfg = nlohmann::json::parse(read_text_file(fixture("mistral") / "config.json"));
+  cfg["sliding_window"] = 5;
+  write_file_atomic(dir / "config.json", cfg.dump(2));
+  auto ck = open_checkpoint(dir);
+  ASSERT_EQ(ck->config().sliding_window, 5);
+  auto model = make_cpu_model(*ck);
+  const int64_t V = model->config().vocab;
+  auto dec = make_cpu_decoder(*ck, 1, 32);
+  std::mt19937 rng(3);
+  auto ids = random_ids(rng, 12, V);
+  dec->forward({{0, {ids.begin(), ids.begin() + 6}, {}, false}}, Capture{}, nullptr);
+  dec->commit_all(0);
+  std::vector<float> lg(size_t(3 * V));
+  // A small tree on top: its deeper nodes see fewer prefix keys.
+  const std::vector<int32_t> parents = {-1, 0, 1};
+  dec->forward({{0, {ids[6], ids[7], ids[8]}, parents, true}}, Capture{}, lg.data());
+  for (int i = 0; i < 3; ++i) {
+    const auto f = full_forward(*model, {ids.begin(), ids.begin() + 7 + i}, 0);
+    EXPECT_LE(rel_err(lg.data() + i * V, f.logits.data(), size_t(V)), tol::kDecodeRel) << i;
+  }
+}
+
+TEST(Decode, MalformedRequestsAreRefused) {
+  auto ck = open_checkpoint(fixture("llama_gqa"));
+  auto dec = make_cpu_decoder(*ck, 2, 8);
+  EXPECT_NE(error_of([&] { dec->forward({{2, {1}, {}, true}}, Capture{}, nullptr); }).find("slot 2 outside [0, 2)"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { dec->forward({{0, {1, 2, 3, 4, 5, 6, 7, 8, 9}, {}, true}}, Capture{}, nullptr); })
+                .find("more than max_len 8"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { dec->forward({{0, {1, 2}, {-1, 1}, true}}, Capture{}, nullptr); }).find("parent 1 of token 1"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { dec->forward({{0, {1, 2}, {-1}, true}}, Capture{}, nullptr); }).find("2 tokens but 1 parents"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { dec->forward({{0, {1}, {}, true}, {0, {2}, {}, true}}, Capture{}, nullptr); })
+                .find("appears twice"),
+            std::string::npos);
+  dec->forward({{1, {1, 2, 3}, {-1, -1, 1}, true}}, Capture{}, nullptr);
+  EXPECT_NE(error_of([&] { dec->forward({{1, {4}, {}, true}}, Capture{}, nullptr); }).find("uncommitted"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { dec->commit(1, {0, 2}); }).find("does not continue the kept path"), std::string::npos);
+  dec->commit(1, {1, 2});
+  EXPECT_EQ(dec->length(1), 2);
+}
+
+}  // namespace

@@ -63,4 +63,7 @@ inline constexpr double kGpuTttBf16GradRel = 5e-2;
 // per row, so only the attention's key order differs (none for chains).
 inline constexpr double kDecodeRel = 1e-5;
 
+// The draft runner (fp32, incremental) vs the fp64 TTT forward on the same weights.
+inline constexpr double kDraftRunnerRel = 1e-4;
+
 }  // namespace talon::tol

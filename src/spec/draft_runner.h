@@ -1,0 +1,71 @@
+// EAGLE-3 drafting at inference time: the draft model of train/eagle3.h run incrementally
+// with its own KV cache, in the same conventions as training-time test (SPEC-EAGLE3 s. 3):
+//
+// * Step 0 at position t reads the target token x[t+1] and the target's aux states at t
+//   (through fc); it predicts x[t+2]. `extend` appends step-0 rows for positions whose
+//   target states are known; they stay cached (the draft's "prefix").
+// * A draft node at depth d >= 1 below the last step-0 position p reads its own token and
+//   the hidden state of its parent (the step-0 row p for depth 1), has RoPE position p + d,
+//   and attends to the step-0 rows 0..p plus its ancestors and itself (the TTT diagonal
+//   pattern, generalised from a chain to a tree). Tree rows are dropped by `clear_tree`.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "model/checkpoint.h"
+#include "train/eagle3.h"
+#include "util/file.h"
+
+namespace talon::spec {
+
+struct DraftModel {
+  eagle3::DraftConfig config;
+  eagle3::DraftWeights weights;
+  eagle3::DraftVocab vocab;
+  std::vector<int64_t> aux_layer_ids;  // Talon's input-of-layer convention
+  std::string origin;                  // "talon checkpoint PATH" / "speculators export DIR" / ...
+};
+
+// A `talon train` run directory or checkpoint file, or a `talon export` directory (either
+// format). Checked against the target: hidden size, vocabulary, layer ids.
+DraftModel load_draft(const fs::path& path, const Checkpoint& target);
+
+class DraftRunner {
+ public:
+  // `target` supplies the frozen token embedding (kept by reference: it must outlive this).
+  DraftRunner(const DraftModel& m, const Checkpoint& target);
+  ~DraftRunner();
+  DraftRunner(const DraftRunner&) = delete;
+  DraftRunner& operator=(const DraftRunner&) = delete;
+
+  const DraftModel& model() const { return m_; }
+  int64_t length() const { return len_; }  // step-0 rows cached
+  void reset();
+
+  // Appends n step-0 rows: next_tokens[i] = x[t+1] and aux[i] = concat of the target's aux
+  // states at t = length() + i, fp32 [n, 3H]. Outputs the last row's hidden state [H] and
+  // its draft-vocabulary logits [Vd].
+  void extend(const int32_t* next_tokens, const float* aux, int64_t n, float* hidden_last, float* logits_last);
+
+  // One draft step over tree nodes: node i has token tokens[i] (a target id) and parent
+  // parents[i] (an earlier tree node, or -1: the last step-0 row). parent_hidden[i] is that
+  // parent's hidden state. Appends the nodes to the tree; outputs hidden [n, H] and logits
+  // [n, Vd]. Node ids are assigned in order from tree_size() before the call.
+  void tree_step(const std::vector<int32_t>& tokens, const std::vector<int32_t>& parents, const float* parent_hidden,
+                 float* hidden, float* logits);
+  int64_t tree_size() const;
+  void clear_tree();
+
+  // Target id of a draft-vocabulary id.
+  int32_t to_target(int64_t draft_id) const { return int32_t(draft_id + m_.vocab.d2t[size_t(draft_id)]); }
+
+ private:
+  struct Impl;
+  DraftModel m_;
+  std::unique_ptr<Impl> impl_;
+  int64_t len_ = 0;
+};
+
+}  // namespace talon::spec

@@ -1,0 +1,371 @@
+#include "spec/speculate.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <numeric>
+
+#include "util/error.h"
+
+namespace talon::spec {
+
+namespace {
+using Clock = std::chrono::steady_clock;
+double since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+
+// Stream offsets keep the random draws of different purposes apart.
+constexpr uint64_t kAcceptStream = 0x5eed0000a11ce000ULL;
+constexpr uint64_t kDraftStream = 0x5eed0000d4af7000ULL;
+
+// Appends tokens to out until a limit says stop; returns true when generation is over.
+bool append_tokens(std::vector<int32_t>& out, const std::vector<int32_t>& toks, const GenLimits& lim) {
+  for (int32_t t : toks) {
+    out.push_back(t);
+    if (int64_t(out.size()) >= lim.max_new_tokens) return true;
+    if (std::find(lim.eos.begin(), lim.eos.end(), t) != lim.eos.end()) return true;
+    if (lim.stop && lim.stop(out)) return true;
+  }
+  return false;
+}
+
+void log_softmax(const float* x, int64_t n, std::vector<double>& out) {
+  double mx = -INFINITY;
+  for (int64_t i = 0; i < n; ++i) mx = std::max(mx, double(x[i]));
+  double z = 0;
+  for (int64_t i = 0; i < n; ++i) z += std::exp(double(x[i]) - mx);
+  const double lz = mx + std::log(z);
+  out.resize(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) out[size_t(i)] = double(x[i]) - lz;
+}
+
+// The k largest entries (ties: lower index first).
+std::vector<int32_t> top_indices(const std::vector<double>& v, int k) {
+  std::vector<int32_t> idx(v.size());
+  std::iota(idx.begin(), idx.end(), 0);
+  k = std::min<int>(k, int(v.size()));
+  std::partial_sort(idx.begin(), idx.begin() + k, idx.end(), [&](int32_t a, int32_t b) {
+    return v[size_t(a)] > v[size_t(b)] || (v[size_t(a)] == v[size_t(b)] && a < b);
+  });
+  idx.resize(size_t(k));
+  return idx;
+}
+}  // namespace
+
+std::string SpecConfig::name() const {
+  if (mode == Mode::Chain) return "chain-" + std::to_string(k);
+  return "tree-d" + std::to_string(depth) + "-k" + std::to_string(topk) + "-n" + std::to_string(tree_tokens);
+}
+
+void SpecConfig::validate() const {
+  if (mode == Mode::Chain) {
+    TALON_CHECK(k >= 1 && k <= 64, "chain length k must be in [1, 64] (got {})", k);
+  } else {
+    TALON_CHECK(depth >= 1 && depth <= 32, "tree depth must be in [1, 32] (got {})", depth);
+    TALON_CHECK(topk >= 1 && topk <= 64, "tree top-k must be in [1, 64] (got {})", topk);
+    TALON_CHECK(tree_tokens >= 1 && tree_tokens <= 256, "tree tokens must be in [1, 256] (got {})", tree_tokens);
+  }
+}
+
+double DecodeStats::tau() const { return rounds ? double(new_tokens - std::min<int64_t>(new_tokens, 1)) / double(rounds) : 0; }
+
+void DecodeStats::add(const DecodeStats& o) {
+  rounds += o.rounds;
+  new_tokens += o.new_tokens;
+  drafted += o.drafted;
+  if (tried.size() < o.tried.size()) {
+    tried.resize(o.tried.size());
+    accepted.resize(o.tried.size());
+  }
+  for (size_t i = 0; i < o.tried.size(); ++i) {
+    tried[i] += o.tried[i];
+    accepted[i] += o.accepted[i];
+  }
+  seconds += o.seconds;
+  target_seconds += o.target_seconds;
+  draft_seconds += o.draft_seconds;
+  prefill_seconds += o.prefill_seconds;
+}
+
+DraftTree select_tree(const DraftTree& c, int n) {
+  const size_t N = c.tokens.size();
+  std::vector<int32_t> depth(N);
+  for (size_t i = 0; i < N; ++i) depth[i] = c.parents[i] < 0 ? 1 : depth[size_t(c.parents[i])] + 1;
+  std::vector<int32_t> order(N);
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) {
+    if (c.scores[size_t(a)] != c.scores[size_t(b)]) return c.scores[size_t(a)] > c.scores[size_t(b)];
+    return depth[size_t(a)] < depth[size_t(b)];
+  });
+  order.resize(std::min(N, size_t(std::max(n, 0))));
+  // Parents before children: by depth, then by the selection order.
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int32_t a, int32_t b) { return depth[size_t(a)] < depth[size_t(b)]; });
+  std::vector<int32_t> new_id(N, -1);
+  DraftTree t;
+  for (size_t i = 0; i < order.size(); ++i) new_id[size_t(order[i])] = int32_t(i);
+  for (int32_t o : order) {
+    const int32_t p = c.parents[size_t(o)];
+    TALON_CHECK(p < 0 || new_id[size_t(p)] >= 0, "draft tree: node {} kept without its parent {}", o, p);
+    t.tokens.push_back(c.tokens[size_t(o)]);
+    t.parents.push_back(p < 0 ? -1 : new_id[size_t(p)]);
+    t.scores.push_back(c.scores[size_t(o)]);
+    if (!c.q.empty()) t.q.push_back(c.q[size_t(o)]);
+  }
+  return t;
+}
+
+std::vector<int32_t> decode_plain(Decoder& target, int slot, const std::vector<int32_t>& prompt,
+                                  const SamplingParams& params, uint64_t stream, const GenLimits& limits,
+                                  DecodeStats* stats) {
+  TALON_CHECK(!prompt.empty(), "decode: empty prompt");
+  const auto t0 = Clock::now();
+  const int64_t V = target.config().vocab;
+  std::vector<float> logits(static_cast<size_t>(V));
+  std::vector<double> scratch;
+  std::vector<int32_t> out;
+  DecodeStats st;
+  target.reset(slot);
+  target.forward({{slot, prompt, {}, false}}, Capture{}, logits.data());
+  target.commit_all(slot);
+  st.prefill_seconds = since(t0);
+  bool done = limits.max_new_tokens <= 0;
+  while (!done) {
+    const int32_t tok = sample_token(logits.data(), V, params, stream, uint64_t(out.size()), scratch);
+    done = append_tokens(out, {tok}, limits);
+    if (done || target.length(slot) + 1 > target.max_len()) break;
+    target.forward({{slot, {tok}, {}, true}}, Capture{}, logits.data());
+    target.commit_all(slot);
+    ++st.rounds;
+  }
+  st.new_tokens = int64_t(out.size());
+  st.seconds = since(t0);
+  st.target_seconds = st.seconds;
+  if (stats) stats->add(st);
+  return out;
+}
+
+std::vector<int32_t> decode_speculative(Decoder& target, int slot, DraftRunner& draft,
+                                        const std::vector<int32_t>& prompt, const SpecConfig& cfg,
+                                        const SamplingParams& params, uint64_t stream, const GenLimits& limits,
+                                        DecodeStats* stats) {
+  cfg.validate();
+  TALON_CHECK(!prompt.empty(), "decode: empty prompt");
+  const auto t0 = Clock::now();
+  const ModelConfig& tc = target.config();
+  const DraftModel& dm = draft.model();
+  const int64_t V = tc.vocab, H = tc.hidden, Vd = dm.config.Vd;
+  const bool sampled_chain = cfg.mode == SpecConfig::Mode::Chain && !params.greedy();
+  DecodeStats st;
+  st.tried.assign(size_t(cfg.mode == SpecConfig::Mode::Chain ? cfg.k : cfg.depth), 0);
+  st.accepted = st.tried;
+
+  // Target pass with the draft's aux layers captured (fp32, one row per token).
+  std::vector<float> aux_rows;  // [rows, 3, H] as captured: three [rows, H] blocks
+  std::vector<float> logits;
+  auto run_target = [&](const DecodeRequest& r) {
+    const int64_t n = int64_t(r.tokens.size());
+    aux_rows.assign(size_t(3 * n * H), 0.f);
+    Capture cap;
+    for (int i = 0; i < 3; ++i) {
+      cap.layers.push_back(int(dm.aux_layer_ids[size_t(i)]));
+      cap.out.push_back(aux_rows.data() + i * n * H);
+    }
+    logits.assign(size_t((r.all_logits ? n : 1) * V), 0.f);
+    const auto ts = Clock::now();
+    target.forward({r}, cap, logits.data());
+    st.target_seconds += since(ts);
+  };
+  // concat(h[a0], h[a1], h[a2]) of the chosen rows, [rows.size(), 3H].
+  auto aux_of = [&](const std::vector<int32_t>& rows, int64_t n) {
+    std::vector<float> a(rows.size() * size_t(3 * H));
+    for (size_t r = 0; r < rows.size(); ++r)
+      for (int i = 0; i < 3; ++i)
+        std::copy_n(aux_rows.data() + (i * n + rows[r]) * H, H, a.data() + (int64_t(r) * 3 + i) * H);
+    return a;
+  };
+
+  // Prefill.
+  target.reset(slot);
+  draft.reset();
+  run_target({slot, prompt, {}, false});
+  target.commit_all(slot);
+  std::vector<double> p, scratch;
+  std::vector<int32_t> out;
+  int32_t next = sample_token(logits.data(), V, params, stream, 0, scratch);
+  bool done = limits.max_new_tokens <= 0 || append_tokens(out, {next}, limits);
+  std::vector<float> g_last(static_cast<size_t>(H)), dl_last(static_cast<size_t>(Vd));
+  {
+    std::vector<int32_t> rows(prompt.size()), nexts(prompt.size());
+    for (size_t i = 0; i < prompt.size(); ++i) {
+      rows[i] = int32_t(i);
+      nexts[i] = i + 1 < prompt.size() ? prompt[i + 1] : next;
+    }
+    const auto a = aux_of(rows, int64_t(prompt.size()));
+    const auto ts = Clock::now();
+    draft.extend(nexts.data(), a.data(), int64_t(prompt.size()), g_last.data(), dl_last.data());
+    st.draft_seconds += since(ts);
+  }
+  st.prefill_seconds = since(t0);
+
+  uint64_t round = 0;
+  std::vector<double> lsm;
+  while (!done) {
+    ++round;
+    const int64_t room = target.max_len() - target.length(slot) - 1;
+    if (room < 0) break;
+    // ---- draft ----
+    const auto td = Clock::now();
+    DraftTree cand;
+    if (cfg.mode == SpecConfig::Mode::Chain) {
+      const int k = int(std::min<int64_t>(cfg.k, room));
+      std::vector<float> g = g_last, dl = dl_last, g2(static_cast<size_t>(H)), dl2(static_cast<size_t>(Vd));
+      for (int i = 0; i < k; ++i) {
+        int32_t d;
+        if (sampled_chain) {
+          // q over target ids: the draft's distribution at the target's temperature/top-k/top-p.
+          std::vector<double> qd;
+          sampling_distribution(dl.data(), Vd, params, qd);
+          d = draw(qd, uniform01(params.seed, stream ^ kDraftStream, round * 1024 + uint64_t(i)));
+          std::vector<double> q(size_t(V), 0.0);
+          for (int64_t j = 0; j < Vd; ++j) q[size_t(draft.to_target(j))] = qd[size_t(j)];
+          cand.q.push_back(std::move(q));
+        } else {
+          d = argmax(dl.data(), Vd);
+        }
+        cand.tokens.push_back(draft.to_target(d));
+        cand.parents.push_back(i - 1);
+        cand.scores.push_back(-double(i));
+        if (i + 1 < k) {
+          draft.tree_step({cand.tokens.back()}, {int32_t(i) - 1}, g.data(), g2.data(), dl2.data());
+          g.swap(g2);
+          dl.swap(dl2);
+        }
+      }
+    } else {
+      // EAGLE-2 dynamic tree. Candidates carry the draft-runner node they were forwarded as.
+      std::vector<int32_t> runner_id;        // per candidate: its runner node once forwarded, else -1
+      std::vector<std::vector<float>> hid;   // per forwarded runner node: hidden state
+      auto add_children = [&](const float* dlog, int32_t parent, double base) {
+        log_softmax(dlog, Vd, lsm);
+        for (int32_t j : top_indices(lsm, cfg.topk)) {
+          cand.tokens.push_back(draft.to_target(j));
+          cand.parents.push_back(parent);
+          cand.scores.push_back(base + lsm[size_t(j)]);
+          runner_id.push_back(-1);
+        }
+      };
+      add_children(dl_last.data(), -1, 0.0);
+      std::vector<int32_t> frontier(cand.tokens.size());
+      std::iota(frontier.begin(), frontier.end(), 0);
+      for (int d = 2; d <= cfg.depth; ++d) {
+        // Forward the frontier nodes.
+        std::vector<int32_t> toks, pars;
+        std::vector<float> ph;
+        for (int32_t f : frontier) {
+          toks.push_back(cand.tokens[size_t(f)]);
+          const int32_t par = cand.parents[size_t(f)];
+          pars.push_back(par < 0 ? -1 : runner_id[size_t(par)]);
+          const std::vector<float>& h = par < 0 ? g_last : hid[size_t(runner_id[size_t(par)])];
+          ph.insert(ph.end(), h.begin(), h.end());
+        }
+        const int64_t base_id = draft.tree_size(), n = int64_t(frontier.size());
+        std::vector<float> hs(size_t(n * H)), ls(size_t(n * Vd));
+        draft.tree_step(toks, pars, ph.data(), hs.data(), ls.data());
+        const size_t first_new = cand.tokens.size();
+        for (int64_t i = 0; i < n; ++i) {
+          runner_id[size_t(frontier[size_t(i)])] = int32_t(base_id + i);
+          hid.emplace_back(hs.begin() + i * H, hs.begin() + (i + 1) * H);
+          add_children(ls.data() + i * Vd, frontier[size_t(i)], cand.scores[size_t(frontier[size_t(i)])]);
+        }
+        // Next frontier: the best topk of this depth's new candidates.
+        std::vector<double> sc(cand.tokens.size() - first_new);
+        for (size_t i = 0; i < sc.size(); ++i) sc[i] = cand.scores[first_new + i];
+        frontier.clear();
+        for (int32_t i : top_indices(sc, cfg.topk)) frontier.push_back(int32_t(first_new + size_t(i)));
+      }
+    }
+    draft.clear_tree();
+    const DraftTree tree =
+        cfg.mode == SpecConfig::Mode::Chain ? cand : select_tree(cand, int(std::min<int64_t>(cfg.tree_tokens, room)));
+    st.draft_seconds += since(td);
+
+    // ---- verify: the pending token, then the tree ----
+    DecodeRequest req{slot, {next}, {-1}, true};
+    for (size_t i = 0; i < tree.tokens.size(); ++i) {
+      req.tokens.push_back(tree.tokens[i]);
+      req.parents.push_back(tree.parents[i] < 0 ? 0 : tree.parents[i] + 1);
+    }
+    const int64_t n = int64_t(req.tokens.size());
+    run_target(req);
+    st.drafted += n - 1;
+    ++st.rounds;
+
+    // ---- accept ----
+    std::vector<std::vector<int32_t>> children(static_cast<size_t>(n));
+    for (int64_t i = 1; i < n; ++i) children[size_t(req.parents[size_t(i)])].push_back(int32_t(i));
+    std::vector<int32_t> path = {0};
+    int32_t bonus = -1;
+    uint64_t draws = 0;
+    auto u = [&] { return uniform01(params.seed, stream ^ kAcceptStream, round * 4096 + draws++); };
+    for (;;) {
+      const int32_t at = path.back();
+      sampling_distribution(logits.data() + int64_t(at) * V, V, params, p);
+      int32_t kept = -1;
+      if (sampled_chain) {
+        if (!children[size_t(at)].empty()) {
+          const int32_t c = children[size_t(at)][0];
+          const int32_t tok = req.tokens[size_t(c)];
+          const std::vector<double>& q = tree.q[size_t(c - 1)];
+          if (q[size_t(tok)] > 0 && u() < std::min(1.0, p[size_t(tok)] / q[size_t(tok)])) {
+            kept = c;
+          } else {
+            for (int64_t v = 0; v < V; ++v) p[size_t(v)] = std::max(0.0, p[size_t(v)] - q[size_t(v)]);
+            double mass = 0;
+            for (double x : p) mass += x;
+            if (mass <= 0) sampling_distribution(logits.data() + int64_t(at) * V, V, params, p);
+          }
+        }
+      } else {
+        // Children in score order (the tree lists each depth by selection order).
+        for (int32_t c : children[size_t(at)]) {
+          const int32_t tok = req.tokens[size_t(c)];
+          double mass = 0;
+          for (double x : p) mass += x;
+          if (p[size_t(tok)] > 0 && u() * mass < p[size_t(tok)]) {
+            kept = c;
+            break;
+          }
+          p[size_t(tok)] = 0;
+        }
+      }
+      const int depth = int(path.size());  // draft depth of the children tried here
+      if (!children[size_t(at)].empty() && depth <= int(st.tried.size())) {
+        ++st.tried[size_t(depth - 1)];
+        if (kept >= 0) ++st.accepted[size_t(depth - 1)];
+      }
+      if (kept < 0) {
+        bonus = draw(p, u());
+        break;
+      }
+      path.push_back(kept);
+    }
+    target.commit(slot, path);
+    std::vector<int32_t> fresh;
+    for (size_t i = 1; i < path.size(); ++i) fresh.push_back(req.tokens[size_t(path[i])]);
+    fresh.push_back(bonus);
+    done = append_tokens(out, fresh, limits);
+    if (done) break;
+    // The draft reads the committed rows: row path[i] with the token that followed it.
+    const auto a = aux_of(path, n);
+    const auto ts = Clock::now();
+    draft.extend(fresh.data(), a.data(), int64_t(path.size()), g_last.data(), dl_last.data());
+    st.draft_seconds += since(ts);
+    next = bonus;
+  }
+  st.new_tokens = int64_t(out.size());
+  st.seconds = since(t0);
+  if (stats) stats->add(st);
+  return out;
+}
+
+}  // namespace talon::spec

@@ -1,0 +1,266 @@
+// Drafting and speculative decoding on the CPU: the draft runner against the training-time
+// test (TTT) forward it must mirror; tree selection; greedy equivalence of chain and tree
+// speculation with target-only decoding; and a statistical test that speculative sampling
+// (chain and tree) draws from the target's own distribution.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <map>
+#include <random>
+
+#include "model/decode.h"
+#include "model/model.h"
+#include "spec/speculate.h"
+#include "tests/test_util.h"
+#include "tests/tolerances.h"
+#include "train/eagle3.h"
+#include "train/export.h"
+
+using namespace talon;
+using namespace talon::spec;
+using namespace talon::testing;
+
+namespace {
+
+fs::path fixture(const std::string& name) { return fs::path(source_dir()) / "tests/fixtures/golden" / name; }
+
+// A random draft for `tc` (the target's sizes, a draft vocabulary of Vd ids): weights drawn
+// at `scale` / sqrt(fan_in), norms near 1, lm_head scaled by `head_scale` so its
+// distributions are peaked enough to be accepted sometimes.
+DraftModel random_draft(const ModelConfig& tc, int64_t Vd, uint32_t seed, double head_scale = 4.0) {
+  DraftModel m;
+  auto& c = m.config;
+  c.H = tc.hidden;
+  c.I = tc.intermediate;
+  c.n_heads = tc.n_heads;
+  c.n_kv_heads = tc.n_kv_heads;
+  c.head_dim = tc.head_dim;
+  c.V = tc.vocab;
+  c.Vd = Vd;
+  c.rms_eps = tc.rms_eps;
+  c.rope = tc.rope;
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  const auto shapes = train::draft_weight_shapes(c);
+  auto named = m.weights.named();
+  for (size_t i = 0; i < named.size(); ++i) {
+    const auto& s = shapes[i];
+    int64_t n = 1;
+    for (auto d : s) n *= d;
+    named[i].second->resize(size_t(n));
+    const bool norm = s.size() == 1;
+    const double sc = norm ? 0.1 : (std::string(named[i].first) == "lm_head" ? head_scale : 1.0) / std::sqrt(double(s[1]));
+    for (auto& x : *named[i].second) x = norm ? 1.f + float(sc) * nd(rng) : float(sc) * nd(rng);
+  }
+  std::vector<int64_t> counts(size_t(c.V));
+  for (auto& x : counts) x = rng() % 50;
+  m.vocab = eagle3::build_draft_vocab(counts, Vd);
+  m.aux_layer_ids = {1, int64_t(tc.n_layers / 2), tc.n_layers};
+  m.origin = "random";
+  return m;
+}
+
+TEST(DraftRunner, TeacherForcedChainsEqualTheTrainingForward) {
+  auto ck = open_checkpoint(fixture("llama_gqa"));
+  const ModelConfig& tc = ck->config();
+  DraftModel m = random_draft(tc, tc.vocab / 2, 5);
+  m.config.ttt_steps = 4;
+  const int64_t T = 12, H = tc.hidden, V = tc.vocab, Vd = m.config.Vd, K = m.config.ttt_steps;
+  std::mt19937 rng(9);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  std::vector<int32_t> ids(static_cast<size_t>(T));
+  for (auto& x : ids) x = int32_t(rng() % uint32_t(V));
+  std::vector<uint8_t> mask(static_cast<size_t>(T), 1);
+  std::vector<float> aux(size_t(T * 3 * H)), hid(size_t(T * H)), fnorm(static_cast<size_t>(H), 1.f);
+  for (auto& x : aux) x = nd(rng);
+  for (auto& x : hid) x = nd(rng);
+  // The TTT forward reads the target embedding as fp32.
+  const auto ew = ck->weight(*ck->find("model.embed_tokens.weight"));
+  std::vector<float> embed(size_t(V * H)), head(size_t(V * H));
+  convert_to_f32(ew.dtype, ew.data, embed.data(), embed.size());
+  for (auto& x : head) x = 0.1f * nd(rng);
+  eagle3::TargetHead th{embed.data(), fnorm.data(), head.data(), tc.rms_eps};
+  eagle3::Sample s{ids.data(), mask.data(), aux.data(), hid.data(), T};
+  const auto ref = eagle3::ttt_forward(m.config, m.weights, th, m.vocab, s, /*keep_logits=*/true);
+  ASSERT_EQ(int64_t(ref.logits.size()), K);
+
+  DraftRunner run(m, *ck);
+  std::vector<float> g(static_cast<size_t>(H)), lg(static_cast<size_t>(Vd)), g2(static_cast<size_t>(H)),
+      lg2(static_cast<size_t>(Vd));
+  double worst = 0;
+  for (int64_t p = 0; p + 1 < T; ++p) {
+    // Step 0 at position p: token x[p+1], aux of p (appended one row at a time).
+    run.extend(&ids[size_t(p + 1)], aux.data() + p * 3 * H, 1, g.data(), lg.data());
+    worst = std::max(worst, rel_err(lg.data(), ref.logits[0].data() + p * Vd, size_t(Vd)));
+    // Steps 1..K-1 at base p: teacher-forced tokens x[p+1+k], each node below the last.
+    std::vector<float> gk = g;
+    for (int64_t k = 1; k < K && p + 1 + k < T; ++k) {
+      run.tree_step({ids[size_t(p + 1 + k)]}, {int32_t(k - 2)}, gk.data(), g2.data(), lg2.data());
+      const double e = rel_err(lg2.data(), ref.logits[size_t(k)].data() + p * Vd, size_t(Vd));
+      EXPECT_LE(e, tol::kDraftRunnerRel) << "position " << p << " step " << k;
+      worst = std::max(worst, e);
+      gk = g2;
+    }
+    run.clear_tree();
+  }
+  EXPECT_LE(worst, tol::kDraftRunnerRel);
+}
+
+TEST(DraftTree, SelectionKeepsAncestorsAndOrdersParentsFirst) {
+  DraftTree c;
+  // depth 1: a(-0.1) b(-2); depth 2 under a: c(-0.5) d(-0.3); under b: e(-2.1); depth 3 under d: f(-0.3)
+  c.tokens = {10, 11, 12, 13, 14, 15};
+  c.parents = {-1, -1, 0, 0, 1, 3};
+  c.scores = {-0.1, -2.0, -0.5, -0.3, -2.1, -0.3};
+  const DraftTree t = select_tree(c, 4);
+  // Kept: a, d, f (tie with d, deeper), c. Order: depth 1, depth 2 (d before c), depth 3.
+  ASSERT_EQ(t.tokens.size(), 4u);
+  EXPECT_EQ(t.tokens, (std::vector<int32_t>{10, 13, 12, 15}));
+  EXPECT_EQ(t.parents, (std::vector<int32_t>{-1, 0, 0, 1}));
+}
+
+// Target-only greedy decoding vs speculation, token for token, across prompts and modes.
+TEST(Speculate, GreedyOutputEqualsTargetOnlyGreedy) {
+  for (const std::string fx : {"llama_gqa", "qwen3"}) {
+    auto ck = open_checkpoint(fixture(fx));
+    const ModelConfig& tc = ck->config();
+    auto dec = make_cpu_decoder(*ck, 1, 256);
+    DraftModel m = random_draft(tc, tc.vocab / 2, 21);
+    DraftRunner run(m, *ck);
+    SamplingParams greedy;
+    GenLimits lim;
+    lim.max_new_tokens = 40;
+    std::vector<SpecConfig> cfgs(4);
+    cfgs[0].k = 1;
+    cfgs[1].k = 4;
+    cfgs[2].mode = cfgs[3].mode = SpecConfig::Mode::Tree;
+    cfgs[2].depth = 4, cfgs[2].topk = 4, cfgs[2].tree_tokens = 12;
+    cfgs[3].depth = 3, cfgs[3].topk = 16, cfgs[3].tree_tokens = 40;
+    std::mt19937 rng(4);
+    DecodeStats tree_stats;
+    for (int prompt_i = 0; prompt_i < 4; ++prompt_i) {
+      std::vector<int32_t> prompt(size_t(3 + prompt_i * 5));
+      for (auto& x : prompt) x = int32_t(rng() % uint32_t(tc.vocab));
+      const auto want = decode_plain(*dec, 0, prompt, greedy, 0, lim);
+      ASSERT_EQ(int64_t(want.size()), lim.max_new_tokens);
+      for (const auto& cfg : cfgs) {
+        DecodeStats st;
+        const auto got = decode_speculative(*dec, 0, run, prompt, cfg, greedy, 0, lim, &st);
+        EXPECT_EQ(got, want) << fx << " prompt " << prompt_i << " " << cfg.name();
+        EXPECT_EQ(st.new_tokens, int64_t(got.size()));
+        if (cfg.mode == SpecConfig::Mode::Tree) tree_stats.add(st);
+      }
+    }
+    // The acceptance path was exercised, not only rejections.
+    int64_t acc = 0;
+    for (auto a : tree_stats.accepted) acc += a;
+    EXPECT_GT(acc, 0) << fx;
+    EXPECT_GT(tree_stats.tau(), 1.0) << fx;
+  }
+}
+
+// Chi-square goodness of fit: the (first, second) generated token pairs of speculative
+// sampling against the exact distribution p(x1) p(x2 | x1) of the target. Cells expected
+// below 5 draws are pooled. Returns the upper-tail p-value (Wilson-Hilferty).
+double chi_square_p(const std::map<std::pair<int, int>, double>& expect_p, const std::map<std::pair<int, int>, int>& seen,
+                    int n) {
+  double chi = 0, pooled_e = 0, pooled_o = 0;
+  int cells = 0;
+  for (const auto& [k, p] : expect_p) {
+    const double e = p * n;
+    const double o = seen.count(k) ? seen.at(k) : 0;
+    if (e < 5) {
+      pooled_e += e;
+      pooled_o += o;
+      continue;
+    }
+    chi += (o - e) * (o - e) / e;
+    ++cells;
+  }
+  if (pooled_e > 0) {
+    chi += (pooled_o - pooled_e) * (pooled_o - pooled_e) / pooled_e;
+    ++cells;
+  }
+  const double df = cells - 1;
+  const double z = (std::cbrt(chi / df) - (1 - 2 / (9 * df))) / std::sqrt(2 / (9 * df));
+  return 0.5 * std::erfc(z / std::sqrt(2.0));
+}
+
+TEST(Speculate, SamplingMatchesTheTargetDistribution) {
+  auto ck = open_checkpoint(fixture("llama_gqa"));
+  const ModelConfig& tc = ck->config();
+  const int64_t V = tc.vocab;
+  auto dec = make_cpu_decoder(*ck, 1, 64);
+  auto model = make_cpu_model(*ck);
+  // A draft that is often right: low temperature target, peaked draft.
+  DraftModel m = random_draft(tc, V, 33, 8.0);
+  DraftRunner run(m, *ck);
+  SamplingParams sp;
+  sp.temperature = 0.8;
+  sp.top_p = 0.95;
+  sp.seed = 1234;
+  const std::vector<int32_t> prompt = {3, 17, 42, 8, 5};
+  // Exact p(x1) and p(x2 | x1) from full forwards.
+  std::map<std::pair<int, int>, double> exact;
+  {
+    std::vector<double> p1, p2;
+    auto last_logits = [&](const std::vector<int32_t>& ids) {
+      Batch b;
+      b.add(ids.data(), int64_t(ids.size()));
+      std::vector<float> lg(ids.size() * size_t(V));
+      model->forward(b, Capture{}, lg.data());
+      return std::vector<float>(lg.end() - V, lg.end());
+    };
+    auto l1 = last_logits(prompt);
+    sampling_distribution(l1.data(), V, sp, p1);
+    for (int a = 0; a < V; ++a) {
+      if (p1[size_t(a)] <= 0) continue;
+      auto ids = prompt;
+      ids.push_back(a);
+      auto l2 = last_logits(ids);
+      sampling_distribution(l2.data(), V, sp, p2);
+      for (int b = 0; b < V; ++b)
+        if (p2[size_t(b)] > 0) exact[{a, b}] = p1[size_t(a)] * p2[size_t(b)];
+    }
+  }
+  GenLimits lim;
+  lim.max_new_tokens = 2;
+  const int n = 4000;
+  SpecConfig chain, tree;
+  chain.k = 3;
+  tree.mode = SpecConfig::Mode::Tree;
+  tree.depth = 2, tree.topk = 4, tree.tree_tokens = 8;
+  for (const auto& cfg : {chain, tree}) {
+    std::map<std::pair<int, int>, int> seen;
+    DecodeStats st;
+    for (int i = 0; i < n; ++i) {
+      const auto out = decode_speculative(*dec, 0, run, prompt, cfg, sp, uint64_t(i), lim, &st);
+      ASSERT_EQ(out.size(), 2u);
+      ++seen[{out[0], out[1]}];
+    }
+    const double pv = chi_square_p(exact, seen, n);
+    EXPECT_GT(pv, 1e-3) << cfg.name() << ": the sampled pairs do not follow the target distribution";
+    // Both branches (accept, and reject + residual) were taken.
+    ASSERT_FALSE(st.tried.empty());
+    EXPECT_GT(st.accepted[0], n / 50) << cfg.name();
+    EXPECT_LT(st.accepted[0], st.tried[0]) << cfg.name();
+  }
+  // The test can fail: a biased sampler (the draft's token always kept) is rejected.
+  {
+    std::map<std::pair<int, int>, int> seen;
+    std::vector<double> scratch;
+    for (int i = 0; i < n; ++i) {
+      // Biased: x2 from the target at temperature 0.4 instead of 0.8.
+      SamplingParams biased = sp;
+      biased.temperature = 0.4;
+      const auto a = decode_plain(*dec, 0, prompt, sp, uint64_t(i), {1, {}, {}});
+      auto ids = prompt;
+      ids.push_back(a[0]);
+      const auto b = decode_plain(*dec, 0, ids, biased, uint64_t(i) + 7777, {1, {}, {}});
+      ++seen[{a[0], b[0]}];
+    }
+    EXPECT_LT(chi_square_p(exact, seen, n), 1e-3);
+  }
+}
+
+}  // namespace

@@ -468,6 +468,22 @@ std::vector<Result> process_job(const Ctx& c, const Job& j, ChatFormat fmt_) {
   return out;
 }
 
+// Removes the output directory on the way out unless the run committed.
+struct OutGuard {
+  fs::path dir;
+  bool created = false, committed = false;
+  ~OutGuard() {
+    if (committed || !created) return;
+    std::error_code ec;
+    fs::remove(dir / ".talon.lock", ec);
+    if (fs::is_empty(dir, ec)) fs::remove(dir, ec);
+  }
+};
+
+std::string json_str(const std::string& s) { return json(s).dump(-1, ' ', false, json::error_handler_t::replace); }
+
+}  // namespace
+
 std::vector<fs::path> expand_inputs(const std::vector<fs::path>& in) {
   std::vector<fs::path> files;
   for (const fs::path& p : in) {
@@ -486,62 +502,34 @@ std::vector<fs::path> expand_inputs(const std::vector<fs::path>& in) {
       files.push_back(p);
     }
   }
-  TALON_CHECK(!files.empty(), "prepare: no input files (--data)");
+  TALON_CHECK(!files.empty(), "no input files (--data)");
   return files;
 }
 
-// Removes the output directory on the way out unless the run committed.
-struct OutGuard {
-  fs::path dir;
-  bool created = false, committed = false;
-  ~OutGuard() {
-    if (committed || !created) return;
-    std::error_code ec;
-    fs::remove(dir / ".talon.lock", ec);
-    if (fs::is_empty(dir, ec)) fs::remove(dir, ec);
-  }
-};
 
-std::string json_str(const std::string& s) { return json(s).dump(-1, ' ', false, json::error_handler_t::replace); }
-
-}  // namespace
-
-PrepareReport run_prepare(const PrepareOptions& opt) {
-  PrepareReport rep;
-  const auto t0 = Clock::now();
-  TALON_CHECK(opt.on_error == "fail" || opt.on_error == "skip", "--on-error '{}': expected fail or skip", opt.on_error);
-  TALON_CHECK(opt.prompts == "skip" || opt.prompts == "keep", "--prompts '{}': expected skip or keep", opt.prompts);
-  TALON_CHECK(opt.fallback_template.empty() || opt.fallback_template == "chatml",
-              "--fallback-template '{}': the only built-in template is chatml", opt.fallback_template);
-  TALON_CHECK(opt.max_length >= 0, "--max-length must be >= 0, got {}", opt.max_length);
-  TALON_CHECK(!opt.out.empty(), "prepare: --out is required");
-  const ChatFormat forced = parse_chat_format(opt.format);
-  ojson kwargs = ojson::object();
-  if (!opt.template_kwargs.empty()) {
-    kwargs = ojson::parse(opt.template_kwargs, nullptr, false);
-    TALON_CHECK(!kwargs.is_discarded() && kwargs.is_object(), "--template-kwargs '{}': expected a JSON object",
-                opt.template_kwargs);
-  }
-  const fs::path tok_path = opt.tokenizer.empty() ? opt.model : opt.tokenizer;
-  const fs::path tpl_path = opt.chat_template.empty() ? opt.model : opt.chat_template;
-  TALON_CHECK(!tok_path.empty(), "prepare: give --model, or --tokenizer (and --template)");
-  const auto files = expand_inputs(opt.inputs);
-
-  // Tokenizer and template: every check that can fail runs before anything is written.
-  auto tok = text::Tokenizer::load(tok_path);
-  std::unique_ptr<text::ChatTemplate> tpl;
-  bool fallback = false;
+ChatTokenizer load_chat_tokenizer(const fs::path& model, const fs::path& tokenizer, const fs::path& chat_template,
+                                  const std::string& fallback_template, const std::string& command) {
+  ChatTokenizer ct;
+  const fs::path tok_path = tokenizer.empty() ? model : tokenizer;
+  const fs::path tpl_path = chat_template.empty() ? model : chat_template;
+  TALON_CHECK(!tok_path.empty(), "{}: give --model, or --tokenizer (and --template)", command);
+  TALON_CHECK(fallback_template.empty() || fallback_template == "chatml",
+              "--fallback-template '{}': the only built-in template is chatml", fallback_template);
+  ct.tokenizer_path = tok_path;
+  ct.tok = text::Tokenizer::load(tok_path);
+  auto& tok = ct.tok;
+  auto& tpl = ct.tpl;
   try {
-    TALON_CHECK(!tpl_path.empty(), "prepare: no chat template source (give --model or --template)");
+    TALON_CHECK(!tpl_path.empty(), "{}: no chat template source (give --model or --template)", command);
     tpl = std::make_unique<text::ChatTemplate>(text::ChatTemplate::from_path(tpl_path));
   } catch (const Error& e) {
-    if (opt.fallback_template != "chatml")
+    if (fallback_template != "chatml")
       fail("{} (use --fallback-template chatml to use the built-in ChatML template instead)", e.what());
     tlog::warn("!!! {}: no chat template ({}); using the BUILT-IN ChatML template (--fallback-template chatml). "
                "Masks and tokens follow ChatML, which may not be the format this model was trained on !!!",
                tpl_path.string(), e.what());
     tpl = std::make_unique<text::ChatTemplate>(kChatmlTemplate, "builtin:chatml");
-    fallback = true;
+    ct.fallback = true;
     for (const char* t : {"<|im_start|>", "<|im_end|>"})
       if (!tok->token_to_id(t)) tlog::warn("the tokenizer has no {} token: ChatML markers will be split into pieces", t);
   }
@@ -553,6 +541,31 @@ PrepareReport run_prepare(const PrepareOptions& opt) {
       if (auto s = tok->id_to_token(*tok->eos_id())) d["eos_token"] = *s;
     tpl->set_default_kwargs(d);
   }
+  return ct;
+}
+
+ojson parse_template_kwargs(const std::string& text) {
+  if (text.empty()) return ojson::object();
+  ojson kwargs = ojson::parse(text, nullptr, false);
+  TALON_CHECK(!kwargs.is_discarded() && kwargs.is_object(), "--template-kwargs '{}': expected a JSON object", text);
+  return kwargs;
+}
+
+PrepareReport run_prepare(const PrepareOptions& opt) {
+  PrepareReport rep;
+  const auto t0 = Clock::now();
+  TALON_CHECK(opt.on_error == "fail" || opt.on_error == "skip", "--on-error '{}': expected fail or skip", opt.on_error);
+  TALON_CHECK(opt.prompts == "skip" || opt.prompts == "keep", "--prompts '{}': expected skip or keep", opt.prompts);
+  TALON_CHECK(opt.max_length >= 0, "--max-length must be >= 0, got {}", opt.max_length);
+  TALON_CHECK(!opt.out.empty(), "prepare: --out is required");
+  const ChatFormat forced = parse_chat_format(opt.format);
+  const ojson kwargs = parse_template_kwargs(opt.template_kwargs);
+  const auto files = expand_inputs(opt.inputs);
+  // Tokenizer and template: every check that can fail runs before anything is written.
+  ChatTokenizer ct = load_chat_tokenizer(opt.model, opt.tokenizer, opt.chat_template, opt.fallback_template, "prepare");
+  auto& tok = ct.tok;
+  auto& tpl = ct.tpl;
+  const fs::path tok_path = ct.tokenizer_path;
   const TokenBytes bytes(*tok);
   const std::string tpl_sha = sha256_hex(tpl->source().data(), tpl->source().size());
   tlog::info("tokenizer {} ({}, vocab {}); chat template {} (sha256 {})", tok_path.string(), tok->kind(),
@@ -769,7 +782,7 @@ PrepareReport run_prepare(const PrepareOptions& opt) {
         {"bos_id", tok->bos_id() ? json(*tok->bos_id()) : json()},
         {"eos_id", tok->eos_id() ? json(*tok->eos_id()) : json()}}},
       {"chat_template",
-       {{"source", tpl->name()}, {"sha256", tpl_sha}, {"builtin_fallback", fallback}, {"kwargs", json::parse(kwargs.dump())}}},
+       {{"source", tpl->name()}, {"sha256", tpl_sha}, {"builtin_fallback", ct.fallback}, {"kwargs", json::parse(kwargs.dump())}}},
       {"options",
        {{"format", opt.format}, {"max_length", opt.max_length}, {"on_error", opt.on_error}, {"prompts", opt.prompts}}},
       {"loss_mask_rule",

@@ -46,6 +46,22 @@ struct PrepareReport {
 
 PrepareReport run_prepare(const PrepareOptions& opt);
 
+// The tokenizer and chat template of a model (or given separately), with bos/eos template
+// variables filled from the tokenizer; fallback_template "chatml" uses the built-in ChatML
+// template when none is found (loudly). Shared by prepare and generate.
+struct ChatTokenizer {
+  std::unique_ptr<text::Tokenizer> tok;
+  std::unique_ptr<text::ChatTemplate> tpl;
+  fs::path tokenizer_path;
+  bool fallback = false;
+};
+ChatTokenizer load_chat_tokenizer(const fs::path& model, const fs::path& tokenizer, const fs::path& chat_template,
+                                  const std::string& fallback_template, const std::string& command);
+// --template-kwargs: "" or a JSON object.
+ojson parse_template_kwargs(const std::string& text);
+// Input files: files as given, directories expanded to every *.jsonl / *.json below, sorted.
+std::vector<fs::path> expand_inputs(const std::vector<fs::path>& in);
+
 // ---- pieces, exposed for tests ----
 
 // The built-in ChatML template used by --fallback-template chatml.

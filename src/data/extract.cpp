@@ -35,39 +35,6 @@ using Clock = std::chrono::steady_clock;
 
 namespace {
 
-// Holds an exclusive lock on <out>/.talon.lock for the life of the run; records the
-// run (PID, host, command, GPUs) as JSON, which `talon gpus` and `talon stop` read.
-class DirLock {
- public:
-  DirLock(const fs::path& dir, const json& record, const std::string& name) {
-    const fs::path p = dir / name;
-    fd_ = ::open(p.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
-    if (fd_ < 0) fail("{}: cannot create lock file", p.string());
-    if (::flock(fd_, LOCK_EX | LOCK_NB) != 0) {
-      std::string buf(4096, '\0');
-      ssize_t n = ::pread(fd_, buf.data(), buf.size(), 0);
-      ::close(fd_);
-      buf.resize(n > 0 ? size_t(n) : 0);
-      json j = json::parse(buf, nullptr, false);
-      const std::string who = j.is_object() ? fmt::format("pid {} on {}", j.value("pid", 0), j.value("host", "?")) : buf;
-      fail("{}: another talon run ({}) is writing this directory; stop it with `talon stop {}`", dir.string(), who,
-           dir.string());
-    }
-    const std::string text = record.dump() + "\n";
-    if (::ftruncate(fd_, 0) == 0) {
-      ssize_t w = ::pwrite(fd_, text.data(), text.size(), 0);
-      (void)w;
-    }
-    register_run(dir, name);
-  }
-  ~DirLock() {
-    unregister_run();
-    if (fd_ >= 0) ::close(fd_);
-  }
-
- private:
-  int fd_ = -1;
-};
 
 // Identity of the weights: names, stored types and shapes of every tensor.
 std::string weights_fingerprint(const Checkpoint& ck) {

@@ -118,4 +118,32 @@ std::vector<RunInfo> list_active_runs() {
   return out;
 }
 
+
+DirLock::DirLock(const fs::path& dir, const nlohmann::json& record, const std::string& name) {
+  const fs::path p = dir / name;
+  fd_ = ::open(p.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  if (fd_ < 0) fail("{}: cannot create lock file", p.string());
+  if (::flock(fd_, LOCK_EX | LOCK_NB) != 0) {
+    std::string buf(4096, '\0');
+    ssize_t n = ::pread(fd_, buf.data(), buf.size(), 0);
+    ::close(fd_);
+    buf.resize(n > 0 ? size_t(n) : 0);
+    nlohmann::json j = nlohmann::json::parse(buf, nullptr, false);
+    const std::string who = j.is_object() ? fmt::format("pid {} on {}", j.value("pid", 0), j.value("host", "?")) : buf;
+    fail("{}: another talon run ({}) is writing this directory; stop it with `talon stop {}`", dir.string(), who,
+         dir.string());
+  }
+  const std::string text = record.dump() + "\n";
+  if (::ftruncate(fd_, 0) == 0) {
+    ssize_t w = ::pwrite(fd_, text.data(), text.size(), 0);
+    (void)w;
+  }
+  register_run(dir, name);
+}
+
+DirLock::~DirLock() {
+  unregister_run();
+  if (fd_ >= 0) ::close(fd_);
+}
+
 }  // namespace talon

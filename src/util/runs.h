@@ -21,6 +21,20 @@ fs::path run_registry_dir();
 void register_run(const fs::path& run_dir, const std::string& lock_name = ".talon.lock");
 void unregister_run();
 
+// Holds an exclusive lock on <dir>/<name> for the life of the run and records the run
+// there (run_record JSON), which `talon gpus` and `talon stop` read; registers the run.
+// Fails naming the PID and host of the run that holds it already.
+class DirLock {
+ public:
+  DirLock(const fs::path& dir, const nlohmann::json& record, const std::string& name = ".talon.lock");
+  ~DirLock();
+  DirLock(const DirLock&) = delete;
+  DirLock& operator=(const DirLock&) = delete;
+
+ private:
+  int fd_ = -1;
+};
+
 struct RunInfo {
   fs::path dir;
   nlohmann::json record;  // the lock file's JSON

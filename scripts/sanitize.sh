@@ -45,7 +45,7 @@ if [ "$what" = asan ] || [ "$what" = all ]; then
   TALON_SANITIZER_REPORTS=$r ASAN_OPTIONS=detect_leaks=1:halt_on_error=1:log_path=$r/asan:strict_string_checks=1 \
   UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1:log_path=$r/ubsan \
   FAULT_SEEDS=${FAULT_SEEDS:-2} \
-    ctest --test-dir build-asan --output-on-failure -j"$jobs" -E "${SANITIZE_EXCLUDE:-cli.tokenizer_parity|cli.gpu_extract|cli.resume|cli.ranks|cli.train}" \
+    ctest --test-dir build-asan --output-on-failure -j"$jobs" -E "${SANITIZE_EXCLUDE:-cli.tokenizer_parity|cli.gpu_extract|cli.resume|cli.ranks|cli.train|cli.generate}" \
     > build-asan/ctest.log 2>&1 || { echo "sanitize: asan: tests failed"; grep -E "Failed|\*\*\*" build-asan/ctest.log | head -30; status=1; }
   grep -E "tests passed|tests failed" build-asan/ctest.log || true
   grep -E "runtime error:|ERROR: (Address|Leak)Sanitizer" build-asan/ctest.log > "$r/from-ctest-log" || rm -f "$r/from-ctest-log"

@@ -19,6 +19,8 @@ namespace {
 constexpr const char* kScalarKeys[] = {"loss", "sim_accept_len", "lr", "grad_norm", "tokens_per_s", "epoch"};
 constexpr const char* kArrayKeys[] = {"acc", "cond_acc"};
 
+}  // namespace
+
 std::string html_escape(const std::string& s) {
   std::string o;
   for (char ch : s) {
@@ -51,7 +53,7 @@ const char* colour(size_t i) {
 }
 
 // One inline SVG line chart: linear axes padded around the data, five ticks per axis.
-std::string render_svg(const Chart& ch) {
+std::string render_line_chart_svg(const Chart& ch) {
   constexpr double W = 640, Hh = 280, ml = 64, mr = 150, mt = 28, mb = 40;
   double x0 = INFINITY, x1 = -INFINITY, y0 = INFINITY, y1 = -INFINITY;
   for (auto& s : ch.series)
@@ -109,6 +111,8 @@ std::string render_svg(const Chart& ch) {
 }
 
 // Splits in order of first appearance, "train" first.
+namespace {
+
 std::vector<std::string> splits_of(const std::vector<MetricRecord>& rs) {
   std::vector<std::string> out;
   for (auto& r : rs)
@@ -265,7 +269,7 @@ std::string render_report_html(const std::vector<MetricRecord>& rs, const std::s
     row("tokens_per_s", false, scalar("tokens_per_s"));
   }
   o += "</table>\n<h2>Charts</h2>\n";
-  for (auto& ch : charts) o += render_svg(ch);
+  for (auto& ch : charts) o += render_line_chart_svg(ch);
   o += "</body>\n</html>\n";
   return o;
 }

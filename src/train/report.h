@@ -45,6 +45,13 @@ struct Chart {
 // present, sim_accept_len, lr, grad_norm, tokens_per_s; a chart without points is left out.
 std::vector<Chart> build_charts(const std::vector<MetricRecord>& records);
 
+// Pieces shared with `talon eval`'s report: one inline SVG line chart, HTML escaping, a
+// short human number, and the colour of series i.
+std::string render_line_chart_svg(const Chart& ch);
+std::string html_escape(const std::string& s);
+std::string num(double v);
+const char* colour(size_t i);
+
 std::string render_report_html(const std::vector<MetricRecord>& records, const std::string& title);
 
 struct ReportOptions {

@@ -1,0 +1,329 @@
+#include "spec/eval.h"
+
+#include <cmath>
+#include <map>
+#include <nlohmann/json.hpp>
+
+#include "data/chat_formats.h"
+#include "data/prepare.h"
+#include "model/checkpoint.h"
+#include "model/decode.h"
+#include "spec/draft_runner.h"
+#include "spec/generate.h"
+#include "train/report.h"
+#include "util/error.h"
+#include "util/log.h"
+#include "util/progress.h"
+#include "util/signals.h"
+
+namespace talon::spec {
+
+using json = nlohmann::ordered_json;
+
+double EvalRow::speedup() const {
+  const double s = spec.seconds > 0 ? double(spec.new_tokens) / spec.seconds : 0;
+  const double b = base.seconds > 0 ? double(base.new_tokens) / base.seconds : 0;
+  return b > 0 ? s / b : 0;
+}
+
+namespace {
+
+struct Question {
+  std::string id, category, source;
+  std::vector<std::vector<ojson>> turns;
+};
+
+json stats_json(const DecodeStats& s) {
+  json rate = json::array();
+  for (size_t i = 0; i < s.tried.size(); ++i) rate.push_back(s.tried[i] ? double(s.accepted[i]) / double(s.tried[i]) : 0.0);
+  return {{"new_tokens", s.new_tokens},
+          {"target_passes", s.rounds},
+          {"drafted", s.drafted},
+          {"tau", s.tau()},
+          {"accept_rate_per_depth", rate},
+          {"reached_per_depth", s.tried},
+          {"accepted_per_depth", s.accepted},
+          {"seconds", s.seconds},
+          {"tokens_per_s", s.seconds > 0 ? double(s.new_tokens) / s.seconds : 0.0},
+          {"target_seconds", s.target_seconds},
+          {"draft_seconds", s.draft_seconds},
+          {"prefill_seconds", s.prefill_seconds}};
+}
+
+// A grouped bar chart: one group per label, one bar per series.
+std::string bar_chart_svg(const std::string& title, const std::vector<std::string>& labels,
+                          const std::vector<std::pair<std::string, std::vector<double>>>& series) {
+  constexpr double W = 720, Hh = 300, ml = 56, mr = 170, mt = 28, mb = 70;
+  double ymax = 0;
+  for (const auto& s : series)
+    for (double v : s.second) ymax = std::max(ymax, v);
+  if (ymax <= 0) ymax = 1;
+  ymax *= 1.1;
+  const double pw = W - ml - mr, ph = Hh - mt - mb;
+  const double gw = pw / double(std::max<size_t>(labels.size(), 1));
+  const double bw = gw * 0.8 / double(std::max<size_t>(series.size(), 1));
+  std::string o = fmt::format(
+      "<svg xmlns=\"http://www.w3.org/2000/svg\" class=\"chart\" width=\"{}\" height=\"{}\" viewBox=\"0 0 {} {}\">\n"
+      "<text x=\"{}\" y=\"18\" font-size=\"14\" font-weight=\"bold\">{}</text>\n",
+      W, Hh, W, Hh, ml, train::html_escape(title));
+  for (int t = 0; t <= 4; ++t) {
+    const double v = ymax * t / 4, y = mt + ph - ph * t / 4;
+    o += fmt::format("<line x1=\"{}\" y1=\"{:.1f}\" x2=\"{}\" y2=\"{:.1f}\" stroke=\"#ddd\"/>"
+                     "<text x=\"{}\" y=\"{:.1f}\" font-size=\"10\" text-anchor=\"end\">{}</text>\n",
+                     ml, y, ml + pw, y, ml - 4, y + 3, train::num(v));
+  }
+  for (size_t g = 0; g < labels.size(); ++g) {
+    const double gx = ml + gw * double(g) + gw * 0.1;
+    for (size_t s = 0; s < series.size(); ++s) {
+      const double v = g < series[s].second.size() ? series[s].second[g] : 0;
+      const double h = ph * v / ymax;
+      o += fmt::format("<rect x=\"{:.1f}\" y=\"{:.1f}\" width=\"{:.1f}\" height=\"{:.1f}\" fill=\"{}\">"
+                       "<title>{} {}: {}</title></rect>\n",
+                       gx + bw * double(s), mt + ph - h, bw, h, train::colour(s), train::html_escape(series[s].first),
+                       train::html_escape(labels[g]), train::num(v));
+    }
+    o += fmt::format("<text x=\"{:.1f}\" y=\"{}\" font-size=\"10\" text-anchor=\"end\" transform=\"rotate(-30 {:.1f} {})\">{}</text>\n",
+                     gx + gw * 0.4, mt + ph + 14, gx + gw * 0.4, mt + ph + 14, train::html_escape(labels[g]));
+  }
+  for (size_t s = 0; s < series.size(); ++s)
+    o += fmt::format("<rect x=\"{}\" y=\"{}\" width=\"10\" height=\"10\" fill=\"{}\"/>"
+                     "<text x=\"{}\" y=\"{}\" font-size=\"11\">{}</text>\n",
+                     ml + pw + 12, mt + 16 * double(s), train::colour(s), ml + pw + 26, mt + 16 * double(s) + 9,
+                     train::html_escape(series[s].first));
+  o += "</svg>\n";
+  return o;
+}
+
+std::string render_eval_html(const json& doc, const std::vector<EvalRow>& rows) {
+  std::string o = "<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\"><title>talon eval</title>\n"
+                  "<style>body{font-family:sans-serif;margin:24px;max-width:1100px}table{border-collapse:collapse}"
+                  "td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}th{background:#f4f4f4}"
+                  "td:first-child,td:nth-child(2),td:nth-child(3){text-align:left}.chart{margin:12px 0}</style>"
+                  "</head><body>\n<h1>Speculative decoding evaluation</h1>\n";
+  o += fmt::format("<p>target <code>{}</code>, draft <code>{}</code>, backend {}, max new tokens {}</p>\n",
+                   train::html_escape(doc["model"].get<std::string>()), train::html_escape(doc["draft"].get<std::string>()),
+                   train::html_escape(doc["backend"].get<std::string>()), doc["max_new_tokens"].get<int64_t>());
+  o += "<table><tr><th>T</th><th>config</th><th>category</th><th>turns</th><th>tau</th><th>tok/s</th>"
+       "<th>baseline tok/s</th><th>speedup</th><th>greedy equal</th></tr>\n";
+  for (const auto& r : rows)
+    o += fmt::format("<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{:.3f}</td><td>{:.1f}</td><td>{:.1f}</td>"
+                     "<td>{:.3f}</td><td>{}</td></tr>\n",
+                     r.temperature, train::html_escape(r.config), train::html_escape(r.category), r.turns, r.spec.tau(),
+                     r.spec.seconds > 0 ? r.spec.new_tokens / r.spec.seconds : 0.0,
+                     r.base.seconds > 0 ? r.base.new_tokens / r.base.seconds : 0.0, r.speedup(),
+                     r.temperature > 0 ? std::string("-") : fmt::format("{}/{}", r.compared - r.greedy_mismatches, r.compared));
+  o += "</table>\n";
+  // Charts per temperature: tau and speedup by category, acceptance rate by depth.
+  std::map<double, std::vector<const EvalRow*>> by_t;
+  for (const auto& r : rows) by_t[r.temperature].push_back(&r);
+  for (const auto& [t, rs] : by_t) {
+    std::vector<std::string> cats, cfgs;
+    for (auto* r : rs) {
+      if (std::find(cats.begin(), cats.end(), r->category) == cats.end()) cats.push_back(r->category);
+      if (std::find(cfgs.begin(), cfgs.end(), r->config) == cfgs.end()) cfgs.push_back(r->config);
+    }
+    std::vector<std::pair<std::string, std::vector<double>>> tau, speed;
+    train::Chart acc{"acc", fmt::format("acceptance rate by draft depth (T={}, all categories)", t), "rate", {}};
+    for (const auto& c : cfgs) {
+      std::vector<double> tv(cats.size()), sv(cats.size());
+      for (auto* r : rs) {
+        if (r->config != c) continue;
+        const size_t ci = size_t(std::find(cats.begin(), cats.end(), r->category) - cats.begin());
+        tv[ci] = r->spec.tau();
+        sv[ci] = r->speedup();
+        if (r->category == "all") {
+          train::ChartSeries s{c, {}};
+          for (size_t d = 0; d < r->spec.tried.size(); ++d)
+            if (r->spec.tried[d]) s.points.push_back({double(d + 1), double(r->spec.accepted[d]) / double(r->spec.tried[d])});
+          acc.series.push_back(std::move(s));
+        }
+      }
+      tau.push_back({c, tv});
+      speed.push_back({c, sv});
+    }
+    o += fmt::format("<h2>Temperature {}</h2>\n", t);
+    o += bar_chart_svg(fmt::format("mean acceptance length tau (T={})", t), cats, tau);
+    o += bar_chart_svg(fmt::format("speedup over target-only decoding (T={})", t), cats, speed);
+    if (!acc.series.empty()) o += train::render_line_chart_svg(acc);
+  }
+  o += "</body></html>\n";
+  return o;
+}
+
+}  // namespace
+
+EvalReport run_eval(const EvalOptions& opt) {
+  TALON_CHECK(!opt.configs.empty(), "eval: no drafting configuration (give --chain and/or --tree)");
+  for (const auto& c : opt.configs) c.validate();
+  TALON_CHECK(!opt.temperatures.empty(), "eval: no temperature");
+  TALON_CHECK(opt.max_new_tokens > 0, "--max-new-tokens must be > 0 (got {})", opt.max_new_tokens);
+  TALON_CHECK(!opt.out.empty(), "eval: --out is required");
+  const ChatFormat forced = parse_chat_format(opt.format);
+  const ojson kwargs = parse_template_kwargs(opt.template_kwargs);
+  const auto files = expand_inputs(opt.inputs);
+  ChatTokenizer ct = load_chat_tokenizer(opt.model, opt.tokenizer, opt.chat_template, opt.fallback_template, "eval");
+  auto ckpt = open_checkpoint(opt.model);
+  const DraftModel dm = load_draft(opt.draft, *ckpt);
+  tlog::info("eval: draft {} (aux layers {}, draft vocabulary {})", dm.origin, fmt::join(dm.aux_layer_ids, ","),
+             dm.config.Vd);
+  const DeviceSpec dev = parse_device(opt.device);
+  int max_draft = 0;
+  for (const auto& c : opt.configs) max_draft = std::max(max_draft, c.max_draft_tokens());
+  const int64_t cache = opt.max_len + max_draft + 2;
+  std::unique_ptr<Decoder> dec = dev.cuda ? make_cuda_decoder(*ckpt, dev.devices.empty() ? 0 : dev.devices[0], 1, cache)
+                                          : make_cpu_decoder(*ckpt, 1, cache);
+  DraftRunner draft(dm, *ckpt);
+  const std::vector<int32_t> eos = eos_ids(*ct.tok, opt.model);
+
+  // Questions, with their category.
+  std::vector<Question> qs;
+  for (const auto& f : files) {
+    RecordReader rr(f);
+    RecordReader::Item it;
+    int64_t taken = 0;
+    while (rr.next(it) && (opt.limit <= 0 || taken < opt.limit)) {
+      const std::string where = fmt::format("{}:{}", f.string(), it.line);
+      try {
+        const ojson rec = parse_record(it.text);
+        const std::string cat =
+            rec.is_object() && rec.contains("category") && rec["category"].is_string() ? rec["category"].get<std::string>()
+                                                                                      : f.stem().string();
+        for (const auto& c : record_to_conversations(rec, forced == ChatFormat::Auto ? detect_chat_format(rec) : forced)) {
+          Question q{c.id.empty() ? where : c.id, cat, where, turn_segments(c, nullptr)};
+          if (opt.max_turns > 0 && int64_t(q.turns.size()) > opt.max_turns) q.turns.resize(size_t(opt.max_turns));
+          if (!q.turns.empty()) qs.push_back(std::move(q));
+        }
+      } catch (const RecordError& e) {
+        fail("{}: {} [{}]", where, e.what(), e.reason);
+      }
+      ++taken;
+    }
+  }
+  TALON_CHECK(!qs.empty(), "eval: the inputs hold no questions");
+  int64_t total_turns = 0;
+  for (const auto& q : qs) total_turns += int64_t(q.turns.size());
+  tlog::info("eval: {} conversations ({} turns) x {} temperature(s) x {} configuration(s) on {}", qs.size(), total_turns,
+             opt.temperatures.size(), opt.configs.size(), dec->backend());
+
+  // (temperature, config, category) -> row; "all" aggregates.
+  std::map<std::tuple<double, std::string, std::string>, EvalRow> rows;
+  auto row = [&](double t, const std::string& cfg, const std::string& cat) -> EvalRow& {
+    EvalRow& r = rows[{t, cfg, cat}];
+    r.temperature = t;
+    r.config = cfg;
+    r.category = cat;
+    return r;
+  };
+  Progress progress("eval", int64_t(opt.temperatures.size() * opt.configs.size()) * total_turns, "turns");
+  bool stopped = false;
+  for (double t : opt.temperatures) {
+    SamplingParams sp;
+    sp.temperature = t;
+    sp.top_p = opt.top_p;
+    sp.top_k = opt.top_k;
+    sp.seed = opt.seed;
+    sp.validate();
+    for (size_t qi = 0; qi < qs.size() && !stopped; ++qi) {
+      const Question& q = qs[qi];
+      // Runs every turn of q with one decoder function, answers appended in context.
+      auto run_conv = [&](const std::function<std::vector<int32_t>(const std::vector<int32_t>&, uint64_t,
+                                                                   DecodeStats&)>& fn,
+                          DecodeStats& st, std::vector<std::vector<int32_t>>& outs) {
+        ojson msgs = ojson::array();
+        for (size_t ti = 0; ti < q.turns.size(); ++ti) {
+          for (const auto& m : q.turns[ti]) msgs.push_back(m);
+          std::vector<int32_t> ids = ct.tok->encode(ct.tpl->render(msgs, true, kwargs), false);
+          if (int64_t(ids.size()) + opt.max_new_tokens > opt.max_len) {
+            tlog::warn("{}: turn {} has a {}-token prompt; with --max-new-tokens {} it exceeds --max-len {}: skipped",
+                       q.source, ti + 1, ids.size(), opt.max_new_tokens, opt.max_len);
+            break;
+          }
+          auto out = fn(ids, uint64_t(qi) * 64 + ti, st);
+          std::vector<int32_t> shown = out;
+          if (!shown.empty() && std::find(eos.begin(), eos.end(), shown.back()) != eos.end()) shown.pop_back();
+          msgs.push_back(ojson{{"role", "assistant"}, {"content", ct.tok->decode(shown, true)}});
+          outs.push_back(std::move(out));
+        }
+      };
+      GenLimits lim;
+      lim.max_new_tokens = opt.max_new_tokens;
+      lim.eos = eos;
+      DecodeStats base;
+      std::vector<std::vector<int32_t>> base_out;
+      run_conv([&](const std::vector<int32_t>& p, uint64_t stream,
+                   DecodeStats& st) { return decode_plain(*dec, 0, p, sp, stream, lim, &st); },
+               base, base_out);
+      for (const auto& cfg : opt.configs) {
+        if (stop_requested()) {
+          stopped = true;
+          break;
+        }
+        DecodeStats st;
+        std::vector<std::vector<int32_t>> outs;
+        run_conv([&](const std::vector<int32_t>& p, uint64_t stream,
+                     DecodeStats& s) { return decode_speculative(*dec, 0, draft, p, cfg, sp, stream, lim, &s); },
+                 st, outs);
+        int64_t mism = 0;
+        if (sp.greedy())
+          for (size_t i = 0; i < std::min(outs.size(), base_out.size()); ++i)
+            if (outs[i] != base_out[i]) {
+              ++mism;
+              tlog::warn("{} turn {} ({}): the greedy speculative output differs from target-only greedy decoding",
+                         q.source, i + 1, cfg.name());
+            }
+        for (const std::string& cat : {q.category, std::string("all")}) {
+          EvalRow& r = row(t, cfg.name(), cat);
+          ++r.conversations;
+          r.turns += int64_t(outs.size());
+          r.spec.add(st);
+          r.base.add(base);
+          r.compared += sp.greedy() ? int64_t(std::min(outs.size(), base_out.size())) : 0;
+          r.greedy_mismatches += mism;
+        }
+        progress.advance(int64_t(q.turns.size()));
+        const EvalRow& all = rows[{t, cfg.name(), "all"}];
+        progress.set_note(fmt::format("{} tau {:.2f} speedup {:.2f}", cfg.name(), all.spec.tau(), all.speedup()));
+      }
+    }
+  }
+  progress.finish();
+  if (stopped) tlog::warn("eval: stopped by signal; the report covers the conversations finished so far");
+
+  EvalReport rep;
+  for (auto& [k, r] : rows) rep.rows.push_back(r);
+  // "all" last within each (temperature, config).
+  std::stable_sort(rep.rows.begin(), rep.rows.end(), [](const EvalRow& a, const EvalRow& b) {
+    if (a.temperature != b.temperature) return a.temperature < b.temperature;
+    if (a.config != b.config) return a.config < b.config;
+    return (a.category == "all") < (b.category == "all");
+  });
+  json doc = {{"format", "talon.eval"},
+              {"model", opt.model.string()},
+              {"draft", dm.origin},
+              {"backend", dec->backend()},
+              {"max_new_tokens", opt.max_new_tokens},
+              {"top_p", opt.top_p},
+              {"top_k", opt.top_k},
+              {"seed", opt.seed},
+              {"complete", !stopped},
+              {"inputs", json::array()},
+              {"results", json::array()}};
+  for (const auto& f : files) doc["inputs"].push_back(f.string());
+  for (const auto& r : rep.rows) {
+    json j = {{"temperature", r.temperature}, {"config", r.config},     {"category", r.category},
+              {"conversations", r.conversations}, {"turns", r.turns}, {"tau", r.spec.tau()},
+              {"speedup", r.speedup()}};
+    if (r.temperature <= 0) j["greedy_equal"] = {{"compared", r.compared}, {"differ", r.greedy_mismatches}};
+    j["speculative"] = stats_json(r.spec);
+    j["baseline"] = stats_json(r.base);
+    doc["results"].push_back(std::move(j));
+  }
+  fs::create_directories(opt.out);
+  rep.json_path = opt.out / "eval.json";
+  rep.html_path = opt.out / "eval.html";
+  write_file_atomic(rep.json_path, doc.dump(2) + "\n");
+  write_file_atomic(rep.html_path, render_eval_html(doc, rep.rows));
+  return rep;
+}
+
+}  // namespace talon::spec

@@ -11,55 +11,17 @@
 #include <CLI/CLI.hpp>
 #include <chrono>
 #include <cstdio>
-#include <bit>
 #include <random>
 
 #include "backend/cuda/cuda_decoder.h"
 #include "model/checkpoint.h"
 #include "model/decode.h"
-#include "model/dense.h"
+#include "model/random_checkpoint.h"
 #include "util/error.h"
 
 using namespace talon;
 
 namespace {
-
-// A checkpoint whose every matrix views one buffer of random bf16 values (uniform, std
-// 0.02) and whose norm weights are ones: the dense layout of `cfg`, no file behind it.
-class RandomCheckpoint final : public Checkpoint {
- public:
-  explicit RandomCheckpoint(const ModelConfig& cfg) {
-    config_ = cfg;
-    source_ = "random " + std::string(arch_name(cfg.arch)) + " weights";
-    DenseWeights w;
-    int64_t most = 0;
-    for (const WeightSpec& s : dense_weight_table(cfg, w)) {
-      CkptTensor t;
-      t.name = s.name;
-      t.stored_type = "BF16";
-      t.shape = s.shape;
-      t.file = source_;
-      most = std::max(most, t.numel());
-      tensors_.push_back(t);
-    }
-    index();
-    pool_.resize(size_t(most));
-    uint64_t x = 0x9e3779b97f4a7c15ull;
-    for (auto& v : pool_) {  // xorshift64*, top bits -> uniform [-0.0346, 0.0346] (std 0.02)
-      x ^= x >> 12, x ^= x << 25, x ^= x >> 27;
-      const float u = float((x * 0x2545f4914f6cdd1dull) >> 40) / float(1 << 24);
-      v = uint16_t(std::bit_cast<uint32_t>((u * 2.f - 1.f) * 0.0346f) >> 16);
-    }
-    ones_.assign(size_t(std::max(cfg.hidden, cfg.head_dim)), 0x3f80);
-  }
-  WeightRef weight(const CkptTensor& t) const override {
-    const bool norm = t.shape.size() == 1;
-    return {DType::BF16, norm ? static_cast<const void*>(ones_.data()) : pool_.data(), t.shape};
-  }
-
- private:
-  std::vector<uint16_t> pool_, ones_;
-};
 
 ModelConfig shape_config(const std::string& shape) {
   ModelConfig c;
@@ -95,8 +57,8 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
   try {
     const double t0 = now();
-    std::unique_ptr<Checkpoint> ck = model_path.empty() ? std::unique_ptr<Checkpoint>(new RandomCheckpoint(shape_config(shape)))
-                                                        : open_checkpoint(model_path);
+    std::unique_ptr<Checkpoint> ck =
+        model_path.empty() ? make_random_checkpoint(shape_config(shape)) : open_checkpoint(model_path);
     const ModelConfig& c = ck->config();
     const int n_slots = *std::max_element(batches.begin(), batches.end());
     const int64_t max_len = context + std::max<int64_t>(steps + 2, tree) + 1;

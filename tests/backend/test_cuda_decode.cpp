@@ -14,6 +14,7 @@
 
 #include "model/decode.h"
 #include "model/model.h"
+#include "model/random_checkpoint.h"
 #include "tests/test_util.h"
 #include "tests/tolerances.h"
 #include "util/error.h"
@@ -223,6 +224,43 @@ TEST_P(CudaDecode, GreedyDecodingPicksTheSameTokens) {
 
 INSTANTIATE_TEST_SUITE_P(Fixtures, CudaDecode,
                          ::testing::Values("llama_gqa", "llama_tied", "qwen2", "qwen3", "mistral"));
+
+// Random models with the head sizes of real ones (64 and 128, GQA 4:1 and 2:1; one with a
+// sliding window): prefill of empty slots goes through the tensor-core attention, the rest
+// through the cache kernel's 16-byte path; more keys than one tile, trees, commits.
+TEST(CudaDecode, RealHeadSizesOnRandomModels) {
+  REQUIRE_GPU();
+  for (const int64_t hd : {64, 128}) {
+    ModelConfig c;
+    c.arch = Arch::Llama;
+    c.n_layers = 2, c.hidden = 256, c.intermediate = 512, c.vocab = 512, c.head_dim = hd;
+    c.n_heads = hd == 64 ? 8 : 4, c.n_kv_heads = 2, c.rms_eps = 1e-5, c.max_position = 4096;
+    c.sliding_window = hd == 128 ? 100 : 0;
+    auto ck = make_random_checkpoint(c, 0.2f, uint64_t(hd));
+    Twin t(*ck, 3, 400);
+    const std::string tag = "hd " + std::to_string(hd) + ": ";
+    std::mt19937 rng(29);
+    t.forward({{0, random_ids(rng, 150, c.vocab), {}, true}, {2, random_ids(rng, 70, c.vocab), {}, false}},
+              tag + "prefill", 1);
+    t.commit_all(0);
+    t.commit_all(2);
+    // A chunk of prefill onto a non-empty slot, beside a decode step and a tree.
+    t.forward({{0, random_ids(rng, 1, c.vocab), {}, true}, {1, random_ids(rng, 90, c.vocab), {}, true},
+               {2, random_ids(rng, 6, c.vocab), {-1, 0, 0, 1, 3, 3}, true}},
+              tag + "mixed", 2, DType::BF16);
+    t.commit_all(0);
+    t.commit_all(1);
+    t.commit(2, {0, 1, 3, 5});
+    t.forward({{1, random_ids(rng, 80, c.vocab), {}, false}}, tag + "second chunk");
+    t.commit_all(1);
+    for (int step = 0; step < 5; ++step) {
+      std::vector<DecodeRequest> reqs;
+      for (int s = 0; s < 3; ++s) reqs.push_back({s, random_ids(rng, 1, c.vocab), {}, true});
+      t.forward(reqs, tag + "step " + std::to_string(step));
+      for (int s = 0; s < 3; ++s) t.commit_all(s);
+    }
+  }
+}
 
 TEST(CudaDecode, SlidingWindow) {
   REQUIRE_GPU();

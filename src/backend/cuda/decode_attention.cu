@@ -24,6 +24,11 @@ __device__ __forceinline__ float warp_max(float v) {
   return v;
 }
 
+__device__ __forceinline__ void copy16_async(bf16* smem_dst, const bf16* global_src) {
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem_dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(global_src) : "memory");
+}
+
 __global__ void kv_write_kernel(bf16* kc, bf16* vc, const bf16* qkv, int64_t ld, const DecodeRow* rows, int64_t nh,
                                 int64_t nkv, int64_t hd, int64_t max_len) {
   const int64_t r = blockIdx.x, kvd = nkv * hd;
@@ -81,14 +86,15 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(
   for (int t0 = k0; t0 < k1; t0 += T) {
     const int nt = min(T, k1 - t0);
     if constexpr (kVec) {
+      // 16-byte asynchronous copies (cp.async, bypassing L1): every load of the tile is in
+      // flight before the first one is waited for.
       const int cpr = hd / 8;  // 16-byte chunks per row
       for (int i = tid; i < nt * cpr; i += kThreads) {
         const int j = i / cpr, c = i % cpr;
-        *reinterpret_cast<uint4*>(ks + j * hdp + c * 8) =
-            *reinterpret_cast<const uint4*>(kbase + int64_t(t0 + j) * kvd + c * 8);
-        *reinterpret_cast<uint4*>(vs + j * hdp + c * 8) =
-            *reinterpret_cast<const uint4*>(vbase + int64_t(t0 + j) * kvd + c * 8);
+        copy16_async(ks + j * hdp + c * 8, kbase + int64_t(t0 + j) * kvd + c * 8);
+        copy16_async(vs + j * hdp + c * 8, vbase + int64_t(t0 + j) * kvd + c * 8);
       }
+      asm volatile("cp.async.wait_all;\n" ::: "memory");
     } else {
       for (int i = tid; i < nt * hd; i += kThreads) {
         const int j = i / hd, d = i % hd;

@@ -320,8 +320,8 @@ TEST(CudaDecode, MalformedRequestsAreRefusedLikeOnTheCpu) {
 
 TEST(CudaDecode, ACacheThatDoesNotFitIsRefusedWithTheNumbers) {
   REQUIRE_GPU();
-  auto ck = open_checkpoint(fixture("llama_gqa"));
-  // 3 layers x 2 x 48 values x 2 bytes per token: 2^30 tokens is 576 GiB.
+  auto ck = open_checkpoint(fixture("llama_cfg4x"));
+  // 3 layers x K,V x 3 kv heads x 16 x 2 bytes = 576 bytes per token: 2^30 tokens is 576 GiB.
   const std::string msg = error_of([&] { make_cuda_decoder(*ck, 0, 1, int64_t(1) << 30); });
   EXPECT_NE(msg.find("the KV cache needs 576.00 GiB"), std::string::npos) << msg;
   EXPECT_NE(msg.find("tokens each"), std::string::npos) << msg;

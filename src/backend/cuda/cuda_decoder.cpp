@@ -48,8 +48,6 @@ class CudaDecoder final : public Decoder {
     TALON_CHECK(device >= 0 && device < n_dev, "decoder: cuda:{} does not exist ({} devices)", device, n_dev);
     CUDA_CHECK(cudaSetDevice(device_));
     CUDA_CHECK(cudaDeviceGetAttribute(&n_sms_, cudaDevAttrMultiProcessorCount, device_));
-    CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
-    gemm_ = std::make_unique<cuda::Gemm>();
     w_ = cuda::upload_dense_weights(ckpt, device_, 0, 1, arena_);
     // The cache: per layer K and V [n_slots, max_len, nkv, hd] bf16, checked against what
     // is free after the weights, keeping room for the activations of one forward per slot.
@@ -80,6 +78,9 @@ class CudaDecoder final : public Decoder {
     cache_ptrs_ = cache_arena_.alloc<bf16*>(bufs.size());
     CUDA_CHECK(cudaMemcpy(cache_ptrs_, bufs.data(), bufs.size() * sizeof(bf16*), cudaMemcpyHostToDevice));
     move_pairs_ = cache_arena_.alloc<int32_t>(size_t(2 * max_len));
+    // Created last: a constructor that throws leaves nothing behind but the arenas.
+    CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+    gemm_ = std::make_unique<cuda::Gemm>();
     tlog::info("cuda:{}: decoder with {} slots x {} tokens: KV cache {}", device_, n_slots, max_len, gib(cache_bytes));
     len_.assign(size_t(n_slots), 0);
     parents_.resize(size_t(n_slots));

@@ -69,7 +69,9 @@ int main(int argc, char** argv) {
                 model_path.empty() ? ("random " + shape).c_str() : model_path.c_str(), prop.name,
                 (long long)c.n_layers, (long long)c.hidden, (long long)c.n_heads, (long long)c.n_kv_heads,
                 (long long)c.head_dim, (long long)c.vocab, n_slots, (long long)max_len, now() - t0);
-    const double weight_bytes = 2.0 * double(c.vocab * c.hidden * (c.tied_embeddings ? 1 : 2) +
+    // Bytes a decode step must read: every matrix once (the embedding is only gathered, so
+    // the LM head counts once, tied or not) plus each slot's cached keys and values.
+    const double weight_bytes = 2.0 * double(c.vocab * c.hidden +
                                              c.n_layers * (c.hidden * (c.n_heads + 2 * c.n_kv_heads) * c.head_dim +
                                                            c.n_heads * c.head_dim * c.hidden + 3 * c.hidden * c.intermediate));
     const double kv_per_token = 2.0 * 2 * double(c.n_layers * c.n_kv_heads * c.head_dim);

@@ -31,6 +31,10 @@ inline constexpr double kCudaModelRel = 5e-2;
 // each rank before the all-reduce sums them (one extra 2^-9 rounding per branch per
 // layer) and the GEMMs split K differently.
 inline constexpr double kCudaTpRel = 2e-2;
+// CUDA cached decoder vs the CPU decoder (fp32) on the same requests: the CUDA model's
+// bf16 rounding (see kCudaModelRel) plus the bf16 KV cache, whose keys and values are the
+// same bf16 numbers the packed forward attends to; no extra amplification.
+inline constexpr double kCudaDecodeRel = 5e-2;
 // Greedy agreement is only required where the fp32 top-2 logit gap exceeds this.
 inline constexpr double kCudaGreedyMargin = 0.5;
 

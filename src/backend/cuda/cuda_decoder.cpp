@@ -1,9 +1,396 @@
-// The CUDA cached decoder (model/decode.h).
+// The CUDA cached decoder (model/decode.h) on one GPU: same layer steps as the CUDA model
+// (cuda_model.cpp: bf16 weights and activations, fp32 residual stream, fused q|k|v and
+// gate|up GEMMs), with a KV cache allocated up front and attention against it
+// (decode_attention.cu; layout and row conventions in decode_ops.h).
+//
+// A forward packs all requests' new tokens into N rows. Per layer the new keys and values
+// (after bias, qk-norm and RoPE) are written into each slot's cache at rows
+// length .. length + n - 1 (pending); attention then reads every key from the cache, so a
+// token sees the committed prefix and its pending ancestors alike. A forward whose
+// requests are all chains on empty slots (prefill) uses the packed tensor-core attention
+// of the CUDA model instead, where the head size allows. commit moves the kept rows down
+// on the device; the host keeps each slot's length and pending tree.
+#include "backend/cuda/cuda_decoder.h"
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "backend/cuda/check.h"
+#include "backend/cuda/decode_ops.h"
+#include "backend/cuda/ops.h"
+#include "backend/cuda/weights.h"
 #include "model/decode.h"
 #include "util/error.h"
+#include "util/log.h"
 
 namespace talon {
-std::unique_ptr<Decoder> make_cuda_decoder(const Checkpoint&, int, int, int64_t) {
-  fail("the CUDA decoder is not available in this build yet: use --device cpu");
+
+namespace {
+
+using cuda::bf16;
+using cuda::DecodeRow;
+using cuda::DeviceArena;
+
+std::string gib(double b) { return fmt::format("{:.2f} GiB", b / double(1ll << 30)); }
+
+class CudaDecoder final : public Decoder {
+ public:
+  CudaDecoder(const Checkpoint& ckpt, int device, int n_slots, int64_t max_len)
+      : cfg_(ckpt.config()), device_(device), max_len_(max_len) {
+    const ModelConfig& c = cfg_;
+    TALON_CHECK(n_slots > 0 && max_len > 0, "decoder: n_slots {} and max_len {} must be positive", n_slots, max_len);
+    TALON_CHECK(int64_t(n_slots) * max_len < (int64_t(1) << 31),
+                "decoder: {} slots x {} tokens is more cache rows than 2^31", n_slots, max_len);
+    int n_dev = 0;
+    CUDA_CHECK(cudaGetDeviceCount(&n_dev));
+    TALON_CHECK(device >= 0 && device < n_dev, "decoder: cuda:{} does not exist ({} devices)", device, n_dev);
+    CUDA_CHECK(cudaSetDevice(device_));
+    CUDA_CHECK(cudaDeviceGetAttribute(&n_sms_, cudaDevAttrMultiProcessorCount, device_));
+    w_ = cuda::upload_dense_weights(ckpt, device_, 0, 1, arena_);
+    // The cache: per layer K and V [n_slots, max_len, nkv, hd] bf16, checked against what
+    // is free after the weights, keeping room for the activations of one forward per slot.
+    const int64_t kvd = c.n_kv_heads * c.head_dim, L = c.n_layers;
+    const int64_t per_token = L * 2 * kvd * 2;
+    const double cache_bytes = double(per_token) * double(n_slots) * double(max_len);
+    const int64_t ldqkv = (c.n_heads + 2 * c.n_kv_heads) * c.head_dim;
+    const double reserve = double(1ll << 30) +
+                           double(n_slots) * double(c.vocab * 6 + c.hidden * 12 + ldqkv * 2 + c.intermediate * 6);
+    size_t free_b = 0, total_b = 0;
+    CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
+    if (cache_bytes + reserve > double(free_b)) {
+      const double room = double(free_b) - reserve;
+      const int64_t fit = room > 0 ? int64_t(room / double(per_token) / double(n_slots)) : 0;
+      fail("cuda:{}: the KV cache needs {} ({} layers x K,V x {} slots x {} tokens x {} kv heads x {} head_dim x 2 "
+           "bytes) plus {} kept for activations, but only {} of {} is free after {} of weights; {} slots fit at most "
+           "{} tokens each",
+           device_, gib(cache_bytes), L, n_slots, max_len, c.n_kv_heads, c.head_dim, gib(reserve), gib(double(free_b)),
+           gib(double(total_b)), gib(double(w_.weight_bytes)), n_slots, fit);
+    }
+    std::vector<bf16*> bufs;
+    for (int64_t l = 0; l < L; ++l) {
+      kc_.push_back(cache_arena_.alloc<bf16>(size_t(n_slots) * size_t(max_len) * size_t(kvd)));
+      vc_.push_back(cache_arena_.alloc<bf16>(size_t(n_slots) * size_t(max_len) * size_t(kvd)));
+      bufs.push_back(kc_.back());
+      bufs.push_back(vc_.back());
+    }
+    cache_ptrs_ = cache_arena_.alloc<bf16*>(bufs.size());
+    CUDA_CHECK(cudaMemcpy(cache_ptrs_, bufs.data(), bufs.size() * sizeof(bf16*), cudaMemcpyHostToDevice));
+    move_pairs_ = cache_arena_.alloc<int32_t>(size_t(2 * max_len));
+    // Created last: a constructor that throws leaves nothing behind but the arenas.
+    CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+    gemm_ = std::make_unique<cuda::Gemm>();
+    tlog::info("cuda:{}: decoder with {} slots x {} tokens: KV cache {}", device_, n_slots, max_len, gib(cache_bytes));
+    len_.assign(size_t(n_slots), 0);
+    parents_.resize(size_t(n_slots));
+    pending_.assign(size_t(n_slots), 0);
+  }
+
+  ~CudaDecoder() override {
+    cudaSetDevice(device_);
+    if (stream_) cudaStreamSynchronize(stream_);
+    acts_.reset();
+    gemm_.reset();
+    if (stream_) cudaStreamDestroy(stream_);
+  }
+
+  const ModelConfig& config() const override { return cfg_; }
+  std::string backend() const override { return "cuda:" + std::to_string(device_); }
+  int n_slots() const override { return int(len_.size()); }
+  int64_t max_len() const override { return max_len_; }
+  int64_t length(int slot) const override { return len_[size_t(check_slot(slot))]; }
+
+  void forward(const std::vector<DecodeRequest>& reqs, const Capture& cap, float* logits) override {
+    CUDA_CHECK(cudaSetDevice(device_));
+    const ModelConfig& c = cfg_;
+    const int64_t H = c.hidden, I = w_.inter, hd = c.head_dim, V = c.vocab, W = c.sliding_window;
+    const int64_t nh = w_.nh, nkv = w_.nkv, qd = nh * hd, ldqkv = qd + 2 * nkv * hd;
+    const float eps = float(c.rms_eps);
+    cap.validate(c.n_layers);
+    // Rows: what each new token attends to (decode_ops.h) and its RoPE position.
+    std::vector<DecodeRow> rows;
+    std::vector<uint64_t> masks;
+    std::vector<int32_t> tokens, pos, logit_rows;
+    std::vector<int64_t> seq_start{0};
+    std::vector<std::vector<int32_t>> parents;
+    std::vector<uint8_t> seen(len_.size(), 0);
+    bool prefill = true;  // every request a chain on an empty slot
+    int64_t max_keys = 0;
+    for (const DecodeRequest& r : reqs) {
+      check_slot(r.slot);
+      TALON_CHECK(!seen[size_t(r.slot)], "decoder: slot {} appears twice in one forward", r.slot);
+      seen[size_t(r.slot)] = 1;
+      TALON_CHECK(pending_[size_t(r.slot)] == 0, "decoder: slot {} has {} uncommitted tokens from its last forward",
+                  r.slot, pending_[size_t(r.slot)]);
+      const int64_t n = int64_t(r.tokens.size()), len = len_[size_t(r.slot)];
+      TALON_CHECK(n > 0, "decoder: request for slot {} has no tokens", r.slot);
+      TALON_CHECK(len + n <= max_len_, "decoder: slot {} would hold {} tokens, more than max_len {}", r.slot, len + n,
+                  max_len_);
+      const std::vector<int32_t> depth = request_depths(r);
+      std::vector<int32_t> par(static_cast<size_t>(n));
+      for (int64_t i = 0; i < n; ++i) par[size_t(i)] = r.parents.empty() ? int32_t(i - 1) : r.parents[size_t(i)];
+      const bool chain = r.parents.empty();
+      prefill = prefill && chain && len == 0;
+      const int64_t first = int64_t(rows.size());
+      for (int64_t i = 0; i < n; ++i) {
+        const int32_t tok = r.tokens[size_t(i)];
+        TALON_CHECK(tok >= 0 && tok < V, "decoder: token id {} (slot {}, index {}) is outside the vocabulary [0, {})",
+                    tok, r.slot, i, V);
+        const int64_t p = len + depth[size_t(i)];
+        const int64_t win_lo = W > 0 ? std::max<int64_t>(0, p - W + 1) : 0;
+        DecodeRow d{r.slot, int32_t(win_lo), int32_t(len), int32_t(len + i + 1), -1};
+        if (!chain) {
+          // Ancestors-or-self inside the window, as bits of the pending rows.
+          d.lo = int32_t(std::min(win_lo, len));
+          d.mask = int32_t(masks.size());
+          masks.resize(masks.size() + size_t(i / 64 + 1), 0);
+          for (int64_t a = i; a >= 0; a = par[size_t(a)])
+            if (W <= 0 || p - (len + depth[size_t(a)]) < W) masks[size_t(d.mask + a / 64)] |= uint64_t(1) << (a % 64);
+        }
+        max_keys = std::max<int64_t>(max_keys, d.end - d.lo);
+        rows.push_back(d);
+        tokens.push_back(tok);
+        pos.push_back(int32_t(p));
+      }
+      if (r.all_logits)
+        for (int64_t i = 0; i < n; ++i) logit_rows.push_back(int32_t(first + i));
+      else
+        logit_rows.push_back(int32_t(first + n - 1));
+      seq_start.push_back(int64_t(rows.size()));
+      parents.push_back(std::move(par));
+    }
+    const int64_t N = int64_t(rows.size()), NL = logits ? int64_t(logit_rows.size()) : 0;
+    if (N == 0) return;
+    const bool flash = prefill && cuda::flash_attention_supported(hd);
+    const std::vector<int32_t> tiles =
+        flash ? cuda::attention_tiles(seq_start.data(), int64_t(reqs.size())) : std::vector<int32_t>{};
+    // Splits of the key range: enough blocks to fill the GPU several times over.
+    const int64_t T = cuda::kDecodeTile, n_tiles = (max_keys + T - 1) / T;
+    int64_t splits = std::clamp<int64_t>((4 * n_sms_ + N * nkv - 1) / (N * nkv), 1, std::max<int64_t>(1, n_tiles));
+    const int64_t split_len = (n_tiles + splits - 1) / splits * T;
+    splits = std::max<int64_t>(1, (max_keys + split_len - 1) / split_len);
+    ensure_acts(N, int64_t(reqs.size()), NL, flash ? N * nh * (hd + 2) : N * nh * splits * (hd + 2),
+                int64_t(masks.size()), int64_t(tiles.size()));
+    Acts& a = *acts_;
+    CUDA_CHECK(cudaMemcpyAsync(a.ids, tokens.data(), size_t(N) * 4, cudaMemcpyHostToDevice, stream_));
+    CUDA_CHECK(cudaMemcpyAsync(a.pos, pos.data(), size_t(N) * 4, cudaMemcpyHostToDevice, stream_));
+    CUDA_CHECK(cudaMemcpyAsync(a.rows, rows.data(), size_t(N) * sizeof(DecodeRow), cudaMemcpyHostToDevice, stream_));
+    if (!masks.empty())
+      CUDA_CHECK(cudaMemcpyAsync(a.masks, masks.data(), masks.size() * 8, cudaMemcpyHostToDevice, stream_));
+    if (NL > 0)
+      CUDA_CHECK(cudaMemcpyAsync(a.logit_rows, logit_rows.data(), size_t(NL) * 4, cudaMemcpyHostToDevice, stream_));
+    if (flash) {
+      CUDA_CHECK(cudaMemcpyAsync(a.seq_start, seq_start.data(), seq_start.size() * 8, cudaMemcpyHostToDevice, stream_));
+      CUDA_CHECK(cudaMemcpyAsync(a.tiles, tiles.data(), tiles.size() * 4, cudaMemcpyHostToDevice, stream_));
+    }
+
+    // Captures: rows are the packed tokens in order, copied straight to the host on the
+    // compute stream (the residual stream is overwritten by the next layer).
+    const size_t esz = dtype_size(cap.dtype);
+    auto capture = [&](int64_t layer_id) {
+      for (size_t i = 0; i < cap.layers.size(); ++i) {
+        if (cap.layers[i] != layer_id) continue;
+        const void* src = a.x;
+        if (cap.dtype == DType::BF16) {
+          cuda::f32_to_bf16(a.cap, a.x, N * H, stream_);
+          src = a.cap;
+        }
+        CUDA_CHECK(cudaMemcpy2DAsync(cap.out[i], size_t(cap.stride(i, H)) * esz, src, size_t(H) * esz,
+                                     size_t(H) * esz, size_t(N), cudaMemcpyDeviceToHost, stream_));
+      }
+    };
+    cuda::embedding_forward(a.x, a.ids, w_.embed, N, H, V, stream_);
+    const bf16* pending = nullptr;  // residual branch output not yet added to x
+    for (int64_t l = 0; l < c.n_layers; ++l) {
+      const cuda::DenseLayerDev& Lw = w_.layers[size_t(l)];
+      if (pending) {
+        cuda::add_rmsnorm_forward(a.xn, a.x, pending, Lw.attn_norm, N, H, eps, stream_);
+        capture(l);
+      } else {
+        capture(l);
+        cuda::add_rmsnorm_forward(a.xn, a.x, nullptr, Lw.attn_norm, N, H, eps, stream_);
+      }
+      gemm_->forward(a.qkv, a.xn, Lw.wqkv, N, H, ldqkv, stream_);
+      if (Lw.bqkv) cuda::bias_forward(a.qkv, ldqkv, Lw.bqkv, N, ldqkv, stream_);
+      if (Lw.q_norm) {
+        cuda::head_rmsnorm_forward(a.qkv, ldqkv, Lw.q_norm, N, nh, hd, eps, stream_);
+        cuda::head_rmsnorm_forward(a.qkv + qd, ldqkv, Lw.k_norm, N, nkv, hd, eps, stream_);
+      }
+      cuda::rope_forward(a.qkv, ldqkv, a.pos, w_.inv_freq, N, nh, hd, stream_);
+      cuda::rope_forward(a.qkv + qd, ldqkv, a.pos, w_.inv_freq, N, nkv, hd, stream_);
+      cuda::kv_cache_write(kc_[size_t(l)], vc_[size_t(l)], a.qkv, ldqkv, a.rows, N, nh, nkv, hd, max_len_, stream_);
+      if (flash)
+        cuda::flash_attention_forward(a.att, a.qkv, ldqkv, a.seq_start, a.tiles, int64_t(tiles.size() / 2), nh, nkv,
+                                      hd, W, stream_);
+      else
+        cuda::decode_attention(a.att, a.part, a.qkv, ldqkv, kc_[size_t(l)], vc_[size_t(l)], a.rows, a.masks, N, nh,
+                               nkv, hd, max_len_, splits, split_len, stream_);
+      gemm_->forward(a.tmp, a.att, Lw.wo, N, qd, H, stream_);
+      cuda::add_rmsnorm_forward(a.xn, a.x, a.tmp, Lw.mlp_norm, N, H, eps, stream_);
+      gemm_->forward(a.gu, a.xn, Lw.wgu, N, H, 2 * I, stream_);
+      cuda::swiglu_forward(a.act, a.gu, N, I, stream_);
+      gemm_->forward(a.tmp, a.act, Lw.wdown, N, I, H, stream_);
+      pending = a.tmp;
+    }
+    cuda::add_rmsnorm_forward(a.xn, a.x, pending, w_.final_norm, N, H, eps, stream_);
+    capture(c.n_layers);
+    if (NL > 0) {
+      // Only the rows that want logits go through the LM head.
+      const bf16* in = a.xn;
+      if (NL < N) {
+        cuda::gather_rows(a.sel, a.xn, a.logit_rows, NL, H, stream_);
+        in = a.sel;
+      }
+      gemm_->forward(a.logits, in, w_.lm_head, NL, H, V, stream_);
+      cuda::bf16_to_f32(a.logits32, a.logits, NL * V, stream_);
+      CUDA_CHECK(cudaMemcpyAsync(logits, a.logits32, size_t(NL * V) * 4, cudaMemcpyDeviceToHost, stream_));
+    }
+    CUDA_CHECK(cudaStreamSynchronize(stream_));
+    for (size_t ri = 0; ri < reqs.size(); ++ri) {
+      pending_[size_t(reqs[ri].slot)] = int64_t(reqs[ri].tokens.size());
+      parents_[size_t(reqs[ri].slot)] = std::move(parents[ri]);
+    }
+  }
+
+  void commit(int slot, const std::vector<int32_t>& keep) override {
+    check_slot(slot);
+    const int64_t n = pending_[size_t(slot)], len = len_[size_t(slot)];
+    const auto& par = parents_[size_t(slot)];
+    int32_t prev = -1;
+    for (size_t i = 0; i < keep.size(); ++i) {
+      const int32_t k = keep[i];
+      TALON_CHECK(k >= 0 && k < n && k > prev && par[size_t(k)] == prev,
+                  "decoder: commit of slot {}: token {} (entry {}) does not continue the kept path", slot, k, i);
+      prev = k;
+    }
+    // Kept rows that are not in place move down, in order (decode_ops.h: kv_cache_move).
+    std::vector<int32_t> pairs;
+    const int64_t base = int64_t(slot) * max_len_ + len;
+    for (size_t i = 0; i < keep.size(); ++i)
+      if (int64_t(keep[i]) != int64_t(i)) {
+        pairs.push_back(int32_t(base + keep[i]));
+        pairs.push_back(int32_t(base + int64_t(i)));
+      }
+    if (!pairs.empty()) {
+      CUDA_CHECK(cudaSetDevice(device_));
+      CUDA_CHECK(cudaMemcpyAsync(move_pairs_, pairs.data(), pairs.size() * 4, cudaMemcpyHostToDevice, stream_));
+      cuda::kv_cache_move(cache_ptrs_, int64_t(2 * kc_.size()), move_pairs_, int64_t(pairs.size() / 2),
+                          cfg_.n_kv_heads * cfg_.head_dim, stream_);
+      CUDA_CHECK(cudaStreamSynchronize(stream_));
+    }
+    len_[size_t(slot)] += int64_t(keep.size());
+    pending_[size_t(slot)] = 0;
+    parents_[size_t(slot)].clear();
+  }
+
+  void reset(int slot) override {
+    check_slot(slot);
+    len_[size_t(slot)] = 0;
+    pending_[size_t(slot)] = 0;
+    parents_[size_t(slot)].clear();
+  }
+
+  void assume_length(int slot, int64_t len) {
+    check_slot(slot);
+    TALON_CHECK(len >= 0 && len <= max_len_, "decoder: length {} outside [0, {}]", len, max_len_);
+    if (!filled_) {
+      CUDA_CHECK(cudaSetDevice(device_));
+      const size_t n = len_.size() * size_t(max_len_) * size_t(cfg_.n_kv_heads * cfg_.head_dim) * 2;
+      for (size_t l = 0; l < kc_.size(); ++l) {
+        CUDA_CHECK(cudaMemsetAsync(kc_[l], 0x3c, n, stream_));  // bf16 0x3c3c: about 0.0115
+        CUDA_CHECK(cudaMemsetAsync(vc_[l], 0x3c, n, stream_));
+      }
+      CUDA_CHECK(cudaStreamSynchronize(stream_));
+      filled_ = true;
+    }
+    len_[size_t(slot)] = len;
+    pending_[size_t(slot)] = 0;
+    parents_[size_t(slot)].clear();
+  }
+
+ private:
+  // Activations of one forward, grown on demand (capacities in n_*).
+  struct Acts {
+    DeviceArena arena;
+    int64_t n_tokens = 0, n_seqs = 0, n_logits = 0, n_part = 0, n_masks = 0, n_tiles = 0;
+    float *x, *part, *logits32;
+    bf16 *xn, *qkv, *att, *tmp, *gu, *act, *cap, *sel, *logits;
+    int32_t *ids, *pos, *logit_rows, *tiles;
+    int64_t* seq_start;
+    DecodeRow* rows;
+    uint64_t* masks;
+  };
+
+  int check_slot(int slot) const {
+    TALON_CHECK(slot >= 0 && slot < int(len_.size()), "decoder: slot {} outside [0, {})", slot, len_.size());
+    return slot;
+  }
+
+  void ensure_acts(int64_t N, int64_t S, int64_t NL, int64_t part, int64_t n_masks, int64_t n_tiles) {
+    if (acts_ && acts_->n_tokens >= N && acts_->n_seqs >= S && acts_->n_logits >= NL && acts_->n_part >= part &&
+        acts_->n_masks >= n_masks && acts_->n_tiles >= n_tiles)
+      return;
+    auto grow = [&](int64_t want, int64_t Acts::*have) { return std::max<int64_t>({want, acts_ ? (*acts_).*have : 0, 1}); };
+    const int64_t n = grow(N, &Acts::n_tokens), s = grow(S, &Acts::n_seqs), nl = grow(NL, &Acts::n_logits),
+                  np = grow(part, &Acts::n_part), nm = grow(n_masks, &Acts::n_masks),
+                  nt = grow(std::max(n_tiles, 2 * cuda::attention_max_tiles(n, s)), &Acts::n_tiles);
+    const ModelConfig& c = cfg_;
+    const int64_t qd = w_.nh * c.head_dim, ld = qd + 2 * w_.nkv * c.head_dim;
+    acts_.reset();
+    auto a = std::make_unique<Acts>();
+    a->x = a->arena.alloc<float>(size_t(n * c.hidden));
+    a->xn = a->arena.alloc<bf16>(size_t(n * c.hidden));
+    a->cap = a->arena.alloc<bf16>(size_t(n * c.hidden));
+    a->qkv = a->arena.alloc<bf16>(size_t(n * ld));
+    a->att = a->arena.alloc<bf16>(size_t(n * qd));
+    a->tmp = a->arena.alloc<bf16>(size_t(n * c.hidden));
+    a->gu = a->arena.alloc<bf16>(size_t(n * 2 * w_.inter));
+    a->act = a->arena.alloc<bf16>(size_t(n * w_.inter));
+    a->sel = a->arena.alloc<bf16>(size_t(nl * c.hidden));
+    a->logits = a->arena.alloc<bf16>(size_t(nl * c.vocab));
+    a->logits32 = a->arena.alloc<float>(size_t(nl * c.vocab));
+    a->part = a->arena.alloc<float>(size_t(np));
+    a->ids = a->arena.alloc<int32_t>(size_t(n));
+    a->pos = a->arena.alloc<int32_t>(size_t(n));
+    a->logit_rows = a->arena.alloc<int32_t>(size_t(nl));
+    a->tiles = a->arena.alloc<int32_t>(size_t(nt));
+    a->seq_start = a->arena.alloc<int64_t>(size_t(s + 1));
+    a->rows = a->arena.alloc<DecodeRow>(size_t(n));
+    a->masks = a->arena.alloc<uint64_t>(size_t(nm));
+    a->n_tokens = n, a->n_seqs = s, a->n_logits = nl, a->n_part = np, a->n_masks = nm, a->n_tiles = nt;
+    acts_ = std::move(a);
+  }
+
+  ModelConfig cfg_;
+  int device_;
+  int64_t max_len_;
+  int n_sms_ = 1;
+  cudaStream_t stream_ = nullptr;
+  DeviceArena arena_, cache_arena_;
+  std::unique_ptr<cuda::Gemm> gemm_;
+  cuda::DenseDeviceWeights w_;
+  std::vector<bf16*> kc_, vc_;   // per layer [n_slots, max_len, nkv, hd]
+  bf16** cache_ptrs_ = nullptr;  // device array of every layer's K and V pointers, for moves
+  int32_t* move_pairs_ = nullptr;
+  bool filled_ = false;
+  std::vector<int64_t> len_;
+  std::vector<std::vector<int32_t>> parents_;  // of each slot's pending tokens
+  std::unique_ptr<Acts> acts_;
+};
+
+}  // namespace
+
+std::unique_ptr<Decoder> make_cuda_decoder(const Checkpoint& ckpt, int device, int n_slots, int64_t max_len) {
+  return std::make_unique<CudaDecoder>(ckpt, device, n_slots, max_len);
 }
+
+namespace cuda {
+void decoder_assume_length(Decoder& d, int slot, int64_t len) {
+  auto* cd = dynamic_cast<CudaDecoder*>(&d);
+  TALON_CHECK(cd != nullptr, "decoder_assume_length: {} is not a CUDA decoder", d.backend());
+  cd->assume_length(slot, len);
+}
+}  // namespace cuda
+
 }  // namespace talon

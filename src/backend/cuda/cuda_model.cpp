@@ -13,14 +13,11 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <atomic>
-#include <chrono>
 #include <cstring>
-#include <mutex>
-#include <thread>
 
 #include "backend/cuda/check.h"
 #include "backend/cuda/ops.h"
+#include "backend/cuda/weights.h"
 #include "model/dense.h"
 #include "util/error.h"
 #include "util/log.h"
@@ -30,157 +27,23 @@ namespace talon {
 namespace {
 
 using cuda::bf16;
-
-// Owns device allocations; freed in reverse on destruction.
-class DeviceArena {
- public:
-  ~DeviceArena() {
-    for (auto it = ptrs_.rbegin(); it != ptrs_.rend(); ++it) cudaFree(*it);
-  }
-  template <typename T>
-  T* alloc(size_t n) {
-    void* p = nullptr;
-    if (n == 0) return nullptr;
-    CUDA_CHECK(cudaMalloc(&p, n * sizeof(T)));
-    ptrs_.push_back(p);
-    bytes_ += n * sizeof(T);
-    return static_cast<T*>(p);
-  }
-  size_t bytes() const { return bytes_; }
-
- private:
-  std::vector<void*> ptrs_;
-  size_t bytes_ = 0;
-};
-
-// A rectangular block [row0, row0 + rows) x [col0, col0 + cols) of a weight viewed as
-// [R, C] (1-D weights are [1, n]), copied to contiguous device memory.
-struct Part {
-  bf16* dst;
-  const WeightRef* src;
-  int64_t row0, rows, col0, cols;
-};
-
-int64_t dim_r(const WeightRef& w) { return w.shape.size() == 2 ? w.shape[0] : 1; }
-int64_t dim_c(const WeightRef& w) { return w.shape.empty() ? 0 : w.shape.back(); }
-
-void upload_part(const Part& p, std::vector<float>& f32, std::vector<uint16_t>& b16) {
-  const WeightRef& r = *p.src;
-  const int64_t C = dim_c(r);
-  if (r.dtype == DType::BF16) {
-    const auto* base = static_cast<const uint16_t*>(r.data) + p.row0 * C + p.col0;
-    if (p.cols == C)
-      CUDA_CHECK(cudaMemcpy(p.dst, base, size_t(p.rows * p.cols) * 2, cudaMemcpyHostToDevice));
-    else
-      CUDA_CHECK(cudaMemcpy2D(p.dst, size_t(p.cols) * 2, base, size_t(C) * 2, size_t(p.cols) * 2, size_t(p.rows),
-                              cudaMemcpyHostToDevice));
-    return;
-  }
-  // Other stored types: convert one row at a time on the host.
-  const size_t esz = dtype_size(r.dtype);
-  b16.resize(size_t(p.rows * p.cols));
-  f32.resize(size_t(p.cols));
-  for (int64_t i = 0; i < p.rows; ++i) {
-    const auto* row = static_cast<const uint8_t*>(r.data) + size_t((p.row0 + i) * C + p.col0) * esz;
-    convert_to_f32(r.dtype, row, f32.data(), size_t(p.cols));
-    for (int64_t j = 0; j < p.cols; ++j) b16[size_t(i * p.cols + j)] = f32_to_bf16(f32[size_t(j)]);
-  }
-  CUDA_CHECK(cudaMemcpy(p.dst, b16.data(), b16.size() * 2, cudaMemcpyHostToDevice));
-}
+using cuda::DeviceArena;
 
 bool force_warp_attention();
-
-struct Layer {
-  bf16 *attn_norm, *mlp_norm, *wqkv, *bqkv = nullptr, *q_norm = nullptr, *k_norm = nullptr, *wo, *wgu, *wdown;
-};
 
 class CudaDenseModel final : public Model {
  public:
   CudaDenseModel(const Checkpoint& ckpt, const cuda::RankOptions& ro, const GpuOptions& go)
       : cfg_(ckpt.config()), ro_(ro), device_(ro.device) {
-    const ModelConfig& c = cfg_;
     const int tp = ro_.size, rk = ro_.rank;
     CUDA_CHECK(cudaSetDevice(device_));
     CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
     CUDA_CHECK(cudaStreamCreateWithFlags(&copy_, cudaStreamNonBlocking));
     gemm_ = std::make_unique<cuda::Gemm>();
-    nh_ = c.n_heads / tp;
-    nkv_ = c.n_kv_heads / tp;
-    inter_ = c.intermediate / tp;
-    DenseWeights w = bind_dense_weights(ckpt);
-    // Plan every upload first (fused q|k|v and gate|up are adjacent parts of one
-    // allocation; tensor-parallel slices are row or column blocks), then copy with a
-    // pool of threads straight from the mapped file.
-    std::vector<Part> parts;
-    int64_t total_bytes = 0;
-    struct Piece {
-      const WeightRef* w;
-      int64_t row0, rows, col0, cols;
-    };
-    auto up = [&](std::initializer_list<Piece> pieces) {
-      int64_t n = 0;
-      for (auto& p : pieces)
-        if (p.w->data) n += p.rows * p.cols;
-      if (n == 0) return static_cast<bf16*>(nullptr);
-      bf16* d = arena_.alloc<bf16>(size_t(n));
-      int64_t off = 0;
-      for (auto& p : pieces)
-        if (p.w->data) {
-          parts.push_back({d + off, p.w, p.row0, p.rows, p.col0, p.cols});
-          off += p.rows * p.cols;
-        }
-      total_bytes += n * 2;
-      return d;
-    };
-    auto whole = [](const WeightRef& r) { return Piece{&r, 0, dim_r(r), 0, dim_c(r)}; };
-    auto rows = [&](const WeightRef& r, int64_t per) { return Piece{&r, rk * per, per, 0, dim_c(r)}; };
-    auto cols = [&](const WeightRef& r, int64_t per) { return Piece{&r, 0, dim_r(r), rk * per, per}; };
-    const int64_t hd = c.head_dim, qd = nh_ * hd, kvd = nkv_ * hd;
-    embed_ = up({whole(w.embed)});
-    lm_head_ = c.tied_embeddings ? embed_ : up({whole(w.lm_head)});
-    final_norm_ = up({whole(w.final_norm)});
-    for (auto& l : w.layers) {
-      Layer L;
-      L.attn_norm = up({whole(l.attn_norm)});
-      L.mlp_norm = up({whole(l.mlp_norm)});
-      L.wqkv = up({rows(l.wq, qd), rows(l.wk, kvd), rows(l.wv, kvd)});
-      if (c.qkv_bias) L.bqkv = up({cols(l.bq, qd), cols(l.bk, kvd), cols(l.bv, kvd)});
-      if (c.qk_norm) {
-        L.q_norm = up({whole(l.q_norm)});
-        L.k_norm = up({whole(l.k_norm)});
-      }
-      L.wo = up({cols(l.wo, qd)});
-      L.wgu = up({rows(l.w_gate, inter_), rows(l.w_up, inter_)});
-      L.wdown = up({cols(l.w_down, inter_)});
-      layers_.push_back(L);
-    }
-    const auto t0 = std::chrono::steady_clock::now();
-    std::atomic<size_t> next{0};
-    std::exception_ptr err;
-    std::mutex err_mu;
-    auto worker = [&] {
-      try {
-        CUDA_CHECK(cudaSetDevice(device_));
-        std::vector<float> f32;
-        std::vector<uint16_t> b16;
-        for (size_t i; (i = next++) < parts.size();) upload_part(parts[i], f32, b16);
-      } catch (...) {
-        std::lock_guard lk(err_mu);
-        if (!err) err = std::current_exception();
-      }
-    };
-    const int n_threads = int(std::clamp<unsigned>(std::thread::hardware_concurrency() / unsigned(tp), 1, 8));
-    std::vector<std::thread> pool;
-    for (int i = 0; i < n_threads; ++i) pool.emplace_back(worker);
-    for (auto& t : pool) t.join();
-    if (err) std::rethrow_exception(err);
-    const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    tlog::info("cuda:{}: uploaded {:.2f} GB of bf16 weights{} in {:.2f}s ({:.1f} GB/s, {} threads)", device_,
-               double(total_bytes) / 1e9, tp > 1 ? fmt::format(" (tp rank {}/{})", rk, tp) : "", secs,
-               secs > 0 ? double(total_bytes) / 1e9 / secs : 0.0, n_threads);
-    auto inv = rope_inv_freq(c.rope, c.head_dim);
-    inv_freq_ = arena_.alloc<float>(inv.size());
-    CUDA_CHECK(cudaMemcpy(inv_freq_, inv.data(), inv.size() * 4, cudaMemcpyHostToDevice));
+    w_ = cuda::upload_dense_weights(ckpt, device_, rk, tp, arena_);
+    nh_ = w_.nh;
+    nkv_ = w_.nkv;
+    inter_ = w_.inter;
     // Everything the planned batch size needs is allocated now, so a run cannot hit
     // an out-of-memory error halfway.
     if (go.max_tokens > 0) {
@@ -273,10 +136,10 @@ class CudaDenseModel final : public Model {
                                        size_t(H) * esz, size_t(g.rows), cudaMemcpyDeviceToHost, copy_));
       }
     };
-    cuda::embedding_forward(a.x, a.ids, embed_, N, H, V, stream_);
+    cuda::embedding_forward(a.x, a.ids, w_.embed, N, H, V, stream_);
     const bf16* pending = nullptr;  // residual branch output not yet added to x
     for (int64_t l = 0; l < c.n_layers; ++l) {
-      const Layer& L = layers_[size_t(l)];
+      const cuda::DenseLayerDev& L = w_.layers[size_t(l)];
       // x += pending (previous MLP); capture h[l]; xn = norm(x)
       if (pending) {
         cuda::add_rmsnorm_forward(a.xn, a.x, pending, L.attn_norm, N, H, eps, stream_);
@@ -291,8 +154,8 @@ class CudaDenseModel final : public Model {
         cuda::head_rmsnorm_forward(a.qkv, ldqkv, L.q_norm, N, nh, hd, eps, stream_);
         cuda::head_rmsnorm_forward(a.qkv + qd, ldqkv, L.k_norm, N, nkv, hd, eps, stream_);
       }
-      cuda::rope_forward(a.qkv, ldqkv, a.pos, inv_freq_, N, nh, hd, stream_);
-      cuda::rope_forward(a.qkv + qd, ldqkv, a.pos, inv_freq_, N, nkv, hd, stream_);
+      cuda::rope_forward(a.qkv, ldqkv, a.pos, w_.inv_freq, N, nh, hd, stream_);
+      cuda::rope_forward(a.qkv + qd, ldqkv, a.pos, w_.inv_freq, N, nkv, hd, stream_);
       if (flash)
         cuda::flash_attention_forward(a.att, a.qkv, ldqkv, a.seq_start, a.tiles, int64_t(tiles.size() / 2), nh, nkv,
                                       hd, c.sliding_window, stream_);
@@ -309,10 +172,10 @@ class CudaDenseModel final : public Model {
       pending = a.tmp;
     }
     // h[L] = x + last MLP output; the final norm follows (only needed for logits).
-    cuda::add_rmsnorm_forward(a.xn, a.x, pending, final_norm_, N, H, eps, stream_);
+    cuda::add_rmsnorm_forward(a.xn, a.x, pending, w_.final_norm, N, H, eps, stream_);
     capture(c.n_layers);
     if (logits) {
-      gemm_->forward(a.logits, a.xn, lm_head_, N, H, V, stream_);
+      gemm_->forward(a.logits, a.xn, w_.lm_head, N, H, V, stream_);
       cuda::bf16_to_f32(a.logits32, a.logits, N * V, stream_);
       CUDA_CHECK(cudaMemcpyAsync(logits, a.logits32, size_t(N * V) * 4, cudaMemcpyDeviceToHost, stream_));
     }
@@ -393,9 +256,7 @@ class CudaDenseModel final : public Model {
   cudaStream_t stream_ = nullptr, copy_ = nullptr;
   DeviceArena arena_;
   std::unique_ptr<cuda::Gemm> gemm_;
-  bf16 *embed_, *lm_head_, *final_norm_;
-  float* inv_freq_;
-  std::vector<Layer> layers_;
+  cuda::DenseDeviceWeights w_;
   std::unique_ptr<Acts> acts_;
   std::unique_ptr<CapBufs> caps_;
   std::vector<cudaEvent_t> events_;

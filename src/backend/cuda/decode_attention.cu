@@ -1,0 +1,273 @@
+// Kernels of the cached decoder (decode_ops.h): cache writes and moves, the row gather for
+// logits, and flash-decoding attention of new tokens against their slot's cached keys.
+#include <cfloat>
+#include <string>
+
+#include "backend/cuda/check.h"
+#include "backend/cuda/decode_ops.h"
+
+namespace talon::cuda {
+
+namespace {
+
+constexpr int kWarp = 32;
+constexpr int kThreads = 128;               // 4 warps per attention block
+constexpr int kMaxPairs = 16;               // (query head, dim) pairs per thread: G * hd <= 2048
+constexpr float kLog2e = 1.4426950408889634f;
+
+__device__ __forceinline__ float warp_sum(float v) {
+  for (int o = kWarp / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+__device__ __forceinline__ float warp_max(float v) {
+  for (int o = kWarp / 2; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+__device__ __forceinline__ void copy16_async(bf16* smem_dst, const bf16* global_src) {
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem_dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(global_src) : "memory");
+}
+
+__global__ void kv_write_kernel(bf16* kc, bf16* vc, const bf16* qkv, int64_t ld, const DecodeRow* rows, int64_t nh,
+                                int64_t nkv, int64_t hd, int64_t max_len) {
+  const int64_t r = blockIdx.x, kvd = nkv * hd;
+  const DecodeRow row = rows[r];
+  const int64_t dst = (int64_t(row.slot) * max_len + row.end - 1) * kvd;
+  const bf16* src = qkv + r * ld + nh * hd;
+  for (int64_t i = threadIdx.x; i < kvd; i += blockDim.x) {
+    kc[dst + i] = src[i];
+    vc[dst + i] = src[kvd + i];
+  }
+}
+
+// Block (row r, head block hb, split z): query heads h0 .. h0 + G - 1 of kv head kh, keys
+// [lo + z * split_len, min(end, lo + (z + 1) * split_len)) in tiles of kDecodeTile.
+// Shared memory: q [G, hd] fp32 (pre-scaled by log2(e) / sqrt(hd), softmax in the exp2
+// domain), scores/probabilities [G, kDecodeTile] fp32, running max / sum / correction [3, G],
+// then the K and V tiles [kDecodeTile, hdp] bf16 (rows padded by 16 bytes so that the
+// 16-byte row reads of a quarter warp hit distinct banks).
+// Each thread owns (head, dim) pairs tid, tid + 128, ... of the unnormalised output. The
+// split's result goes to part[(r * nh + h) * n_splits + z] as [hd values, max, sum].
+template <bool kVec>
+__global__ void __launch_bounds__(kThreads) decode_attention_kernel(
+    float* part, const bf16* qkv, int64_t ld, const bf16* kc, const bf16* vc, const DecodeRow* rows,
+    const uint64_t* masks, int nh, int nkv, int hd, int64_t max_len, int n_splits, int split_len, int G) {
+  constexpr int T = kDecodeTile;
+  const int r = blockIdx.x, split = blockIdx.z, tid = threadIdx.x, lane = tid % kWarp, warp = tid / kWarp;
+  const int group = nh / nkv, chunks = group / G;
+  const int kh = blockIdx.y / chunks, h0 = kh * group + (blockIdx.y % chunks) * G;
+  const int hdp = kVec ? hd + 8 : hd + 2;
+  const DecodeRow row = rows[r];
+  extern __shared__ __align__(16) float smem[];
+  float* qs = smem;
+  float* ps = qs + G * hd;
+  float* ms = ps + G * T;
+  float* ls = ms + G;
+  float* cs = ls + G;
+  bf16* ks = reinterpret_cast<bf16*>(smem + ((G * hd + G * T + 3 * G + 3) / 4) * 4);
+  bf16* vs = ks + T * hdp;
+
+  const float scale = rsqrtf(float(hd)) * kLog2e;
+  for (int i = tid; i < G * hd; i += kThreads)
+    qs[i] = __bfloat162float(qkv[int64_t(r) * ld + int64_t(h0) * hd + i]) * scale;
+  if (tid < G) {
+    ms[tid] = -INFINITY;
+    ls[tid] = 0.f;
+  }
+  float o[kMaxPairs];
+#pragma unroll
+  for (int k = 0; k < kMaxPairs; ++k) o[k] = 0.f;
+
+  const int64_t kvd = int64_t(nkv) * hd;
+  const bf16* kbase = kc + int64_t(row.slot) * max_len * kvd + int64_t(kh) * hd;
+  const bf16* vbase = vc + int64_t(row.slot) * max_len * kvd + int64_t(kh) * hd;
+  const int k0 = row.lo + split * split_len, k1 = min(row.end, k0 + split_len);
+  for (int t0 = k0; t0 < k1; t0 += T) {
+    const int nt = min(T, k1 - t0);
+    if constexpr (kVec) {
+      // 16-byte asynchronous copies (cp.async, bypassing L1): every load of the tile is in
+      // flight before the first one is waited for.
+      const int cpr = hd / 8;  // 16-byte chunks per row
+      for (int i = tid; i < nt * cpr; i += kThreads) {
+        const int j = i / cpr, c = i % cpr;
+        copy16_async(ks + j * hdp + c * 8, kbase + int64_t(t0 + j) * kvd + c * 8);
+        copy16_async(vs + j * hdp + c * 8, vbase + int64_t(t0 + j) * kvd + c * 8);
+      }
+      asm volatile("cp.async.wait_all;\n" ::: "memory");
+    } else {
+      for (int i = tid; i < nt * hd; i += kThreads) {
+        const int j = i / hd, d = i % hd;
+        ks[j * hdp + d] = kbase[int64_t(t0 + j) * kvd + d];
+        vs[j * hdp + d] = vbase[int64_t(t0 + j) * kvd + d];
+      }
+    }
+    __syncthreads();
+    // Scores of (head g, key j) pairs; keys past the tile or hidden by the tree are -inf.
+    for (int i = tid; i < G * T; i += kThreads) {
+      const int g = i / T, j = i % T, key = t0 + j;
+      float sc = -INFINITY;
+      bool visible = j < nt;
+      if (visible && key >= row.len && row.mask >= 0) {
+        const int a = key - row.len;
+        visible = (masks[row.mask + a / 64] >> (a % 64)) & 1ull;
+      }
+      if (visible) {
+        const float* q = qs + g * hd;
+        const bf16* kr = ks + j * hdp;
+        float d = 0.f;
+        if constexpr (kVec) {
+          for (int c = 0; c < hd; c += 8) {
+            // 8 bf16 keys: the low half of each 32-bit word is the even element.
+            const uint4 u = *reinterpret_cast<const uint4*>(kr + c);
+            const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+              d += q[c + 2 * e] * __uint_as_float(w[e] << 16) + q[c + 2 * e + 1] * __uint_as_float(w[e] & 0xffff0000u);
+          }
+        } else {
+          for (int c = 0; c < hd; ++c) d += q[c] * __bfloat162float(kr[c]);
+        }
+        sc = d;
+      }
+      ps[i] = sc;
+    }
+    __syncthreads();
+    // Online softmax: one warp per head updates max and sum and turns scores into weights.
+    for (int g = warp; g < G; g += kThreads / kWarp) {
+      float* pg = ps + g * T;
+      float mx = -INFINITY;
+      for (int j = lane; j < T; j += kWarp) mx = fmaxf(mx, pg[j]);
+      mx = warp_max(mx);
+      const float m_old = ms[g], m_new = fmaxf(m_old, mx);
+      float sum = 0.f;
+      for (int j = lane; j < T; j += kWarp) {
+        const float p = m_new == -INFINITY ? 0.f : exp2f(pg[j] - m_new);
+        pg[j] = p;
+        sum += p;
+      }
+      sum = warp_sum(sum);
+      if (lane == 0) {
+        const float corr = m_old == -INFINITY ? 0.f : exp2f(m_old - m_new);
+        cs[g] = corr;
+        ls[g] = ls[g] * corr + sum;
+        ms[g] = m_new;
+      }
+    }
+    __syncthreads();
+#pragma unroll
+    for (int k = 0; k < kMaxPairs; ++k) {
+      const int i = tid + k * kThreads;
+      if (i < G * hd) {
+        const int g = i / hd, d = i % hd;
+        const float* pg = ps + g * T;
+        float acc = o[k] * cs[g];
+        for (int j = 0; j < nt; ++j) acc += pg[j] * __bfloat162float(vs[j * hdp + d]);
+        o[k] = acc;
+      }
+    }
+    __syncthreads();
+  }
+#pragma unroll
+  for (int k = 0; k < kMaxPairs; ++k) {
+    const int i = tid + k * kThreads;
+    if (i < G * hd) {
+      const int g = i / hd, d = i % hd;
+      part[((int64_t(r) * nh + h0 + g) * n_splits + split) * (hd + 2) + d] = o[k];
+    }
+  }
+  if (tid < G) {
+    float* p = part + ((int64_t(r) * nh + h0 + tid) * n_splits + split) * (hd + 2) + hd;
+    p[0] = ms[tid];
+    p[1] = ls[tid];
+  }
+}
+
+// One block per (row, head): merges the splits' partial outputs by their maxima.
+__global__ void decode_combine_kernel(bf16* out, const float* part, int hd, int n_splits) {
+  const int64_t rh = blockIdx.x;
+  const float* p = part + rh * n_splits * (hd + 2);
+  float M = -INFINITY;
+  for (int s = 0; s < n_splits; ++s) M = fmaxf(M, p[s * (hd + 2) + hd]);
+  float L = 0.f;
+  for (int s = 0; s < n_splits; ++s) {
+    const float m = p[s * (hd + 2) + hd];
+    if (m != -INFINITY) L += p[s * (hd + 2) + hd + 1] * exp2f(m - M);
+  }
+  for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+    float acc = 0.f;
+    for (int s = 0; s < n_splits; ++s) {
+      const float m = p[s * (hd + 2) + hd];
+      if (m != -INFINITY) acc += p[s * (hd + 2) + d] * exp2f(m - M);
+    }
+    out[rh * hd + d] = __float2bfloat16(acc / L);
+  }
+}
+
+__global__ void gather_rows_kernel(bf16* out, const bf16* in, const int32_t* idx, int64_t C) {
+  const int64_t i = blockIdx.x;
+  const bf16* src = in + int64_t(idx[i]) * C;
+  for (int64_t c = threadIdx.x; c < C; c += blockDim.x) out[i * C + c] = src[c];
+}
+
+// One block per buffer; pairs in order, a barrier between them.
+__global__ void kv_move_kernel(bf16* const* caches, const int32_t* pairs, int64_t n_pairs, int64_t row_elems) {
+  bf16* buf = caches[blockIdx.x];
+  for (int64_t p = 0; p < n_pairs; ++p) {
+    const bf16* src = buf + int64_t(pairs[2 * p]) * row_elems;
+    bf16* dst = buf + int64_t(pairs[2 * p + 1]) * row_elems;
+    for (int64_t i = threadIdx.x; i < row_elems; i += blockDim.x) dst[i] = src[i];
+    __syncthreads();
+  }
+}
+
+}  // namespace
+
+void kv_cache_write(bf16* kc, bf16* vc, const bf16* qkv, int64_t ld, const DecodeRow* rows, int64_t N, int64_t nh,
+                    int64_t nkv, int64_t hd, int64_t max_len, cudaStream_t s) {
+  if (N == 0) return;
+  kv_write_kernel<<<unsigned(N), 128, 0, s>>>(kc, vc, qkv, ld, rows, nh, nkv, hd, max_len);
+  CUDA_LAUNCH_CHECK();
+}
+
+void decode_attention(bf16* out, float* part, const bf16* qkv, int64_t ld, const bf16* kc, const bf16* vc,
+                      const DecodeRow* rows, const uint64_t* masks, int64_t N, int64_t nh, int64_t nkv, int64_t hd,
+                      int64_t max_len, int64_t n_splits, int64_t split_len, cudaStream_t s) {
+  if (N == 0) return;
+  if (hd > 256) fail_msg("decode attention: head_dim " + std::to_string(hd) + " > 256 unsupported");
+  // Query heads per block: the largest divisor of the group size with G * hd <= 2048 (at
+  // most 8 heads), so each thread holds at most kMaxPairs outputs.
+  const int64_t group = nh / nkv;
+  int64_t G = 1;
+  for (int64_t g = 1; g <= group; ++g)
+    if (group % g == 0 && g * hd <= kMaxPairs * kThreads && g <= 8) G = g;
+  const bool vec = hd % 8 == 0;
+  const int64_t hdp = vec ? hd + 8 : hd + 2;
+  const size_t smem = size_t((G * hd + G * kDecodeTile + 3 * G + 3) / 4 * 4) * 4 + size_t(2 * kDecodeTile * hdp) * 2;
+  const dim3 grid(unsigned(N), unsigned(nkv * (group / G)), unsigned(n_splits));
+  auto launch = [&](auto kernel) {
+    if (smem > 48 * 1024) CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+    kernel<<<grid, kThreads, smem, s>>>(part, qkv, ld, kc, vc, rows, masks, int(nh), int(nkv), int(hd), max_len,
+                                        int(n_splits), int(split_len), int(G));
+  };
+  if (vec) launch(decode_attention_kernel<true>);
+  else launch(decode_attention_kernel<false>);
+  CUDA_LAUNCH_CHECK();
+  decode_combine_kernel<<<unsigned(N * nh), 64, 0, s>>>(out, part, int(hd), int(n_splits));
+  CUDA_LAUNCH_CHECK();
+}
+
+void gather_rows(bf16* out, const bf16* in, const int32_t* idx, int64_t n, int64_t C, cudaStream_t s) {
+  if (n == 0) return;
+  gather_rows_kernel<<<unsigned(n), 256, 0, s>>>(out, in, idx, C);
+  CUDA_LAUNCH_CHECK();
+}
+
+void kv_cache_move(bf16* const* caches, int64_t n_bufs, const int32_t* pairs, int64_t n_pairs, int64_t row_elems,
+                   cudaStream_t s) {
+  if (n_pairs == 0 || n_bufs == 0) return;
+  kv_move_kernel<<<unsigned(n_bufs), 256, 0, s>>>(caches, pairs, n_pairs, row_elems);
+  CUDA_LAUNCH_CHECK();
+}
+
+}  // namespace talon::cuda

@@ -1,0 +1,54 @@
+// CUDA kernels of the cached decoder (cuda_decoder.cpp, decode_attention.cu).
+//
+// KV cache layout: one bf16 buffer per layer and per K / V, [n_slots, max_len, nkv, hd]
+// (row `j` of slot `s` at (s * max_len + j) * nkv * hd). A forward packs every request's
+// new tokens into N rows; row r's new key and value go to cache row
+// `rows[r].end - 1` of its slot (= committed length + index within its request), so
+// pending tokens sit right after the committed prefix, in request order.
+//
+// Row r of a forward attends to cache rows [lo, end) of its slot: rows below `len` are
+// committed; rows at or above it are the request's pending tokens, all of them visible
+// for a chain (mask < 0), else only those whose bit (j - len) is set in the bitmask at
+// masks[mask ...] (its ancestors and itself, already filtered by the sliding window).
+#pragma once
+#include <cstdint>
+
+#include "backend/cuda/ops.h"
+
+namespace talon::cuda {
+
+struct DecodeRow {
+  int32_t slot;
+  int32_t lo, len, end;  // keys: cache rows [lo, end); rows >= len are pending
+  int32_t mask;          // offset into the masks (64-bit words), -1 for a chain
+};
+
+// Keys per tile of the decode-attention kernel; a split covers a multiple of it.
+inline constexpr int kDecodeTile = 64;
+
+// kc / vc[rows[r].slot, rows[r].end - 1, :, :] = k / v of row r (k at column nh*hd of the
+// fused qkv rows, v after it), for all N rows.
+void kv_cache_write(bf16* kc, bf16* vc, const bf16* qkv, int64_t ld, const DecodeRow* rows, int64_t N, int64_t nh,
+                    int64_t nkv, int64_t hd, int64_t max_len, cudaStream_t s);
+
+// Attention of N query rows (q at column 0 of the fused qkv) against the cache, flash-
+// decoding style: the key range of each row is cut into n_splits pieces of split_len keys
+// (a multiple of kDecodeTile); each (row, kv head, split) block handles all the query heads
+// of that kv head (GQA: each key is read once for the whole group), keeping an online
+// softmax in fp32; then a combine pass merges the splits into out[N, nh * hd] (bf16).
+// part must hold N * nh * n_splits * (hd + 2) floats.
+void decode_attention(bf16* out, float* part, const bf16* qkv, int64_t ld, const bf16* kc, const bf16* vc,
+                      const DecodeRow* rows, const uint64_t* masks, int64_t N, int64_t nh, int64_t nkv, int64_t hd,
+                      int64_t max_len, int64_t n_splits, int64_t split_len, cudaStream_t s);
+
+// out[i, :] = in[idx[i], :] for n rows of C bf16 values (the rows that need logits).
+void gather_rows(bf16* out, const bf16* in, const int32_t* idx, int64_t n, int64_t C, cudaStream_t s);
+
+// For each (src, dst) pair of absolute cache rows (s * max_len + j), in order, copies that
+// row of every buffer in `caches` (a device array of n_bufs pointers: every layer's K and
+// V). Pairs run one after another within a buffer, so a commit's path can move down onto
+// rows that earlier pairs read from.
+void kv_cache_move(bf16* const* caches, int64_t n_bufs, const int32_t* pairs, int64_t n_pairs, int64_t row_elems,
+                   cudaStream_t s);
+
+}  // namespace talon::cuda

@@ -1,0 +1,58 @@
+// Internal to the CUDA backend: device memory ownership and the bf16 weight upload shared
+// by the dense model (cuda_model.cpp) and the cached decoder (cuda_decoder.cpp).
+#pragma once
+#include <cstdint>
+#include <vector>
+
+#include "backend/cuda/check.h"
+#include "backend/cuda/ops.h"
+#include "model/checkpoint.h"
+
+namespace talon::cuda {
+
+// Owns device allocations; freed in reverse on destruction.
+class DeviceArena {
+ public:
+  DeviceArena() = default;
+  DeviceArena(const DeviceArena&) = delete;
+  DeviceArena& operator=(const DeviceArena&) = delete;
+  ~DeviceArena() {
+    for (auto it = ptrs_.rbegin(); it != ptrs_.rend(); ++it) cudaFree(*it);
+  }
+  template <typename T>
+  T* alloc(size_t n) {
+    void* p = nullptr;
+    if (n == 0) return nullptr;
+    CUDA_CHECK(cudaMalloc(&p, n * sizeof(T)));
+    ptrs_.push_back(p);
+    bytes_ += n * sizeof(T);
+    return static_cast<T*>(p);
+  }
+  size_t bytes() const { return bytes_; }
+
+ private:
+  std::vector<void*> ptrs_;
+  size_t bytes_ = 0;
+};
+
+// One decoder layer's weights on the device, bf16. q|k|v and gate|up are fused row-wise
+// ([qd + 2 kvd, H] and [2 I, H]), so each is one GEMM; optional parts are null.
+struct DenseLayerDev {
+  bf16 *attn_norm, *mlp_norm, *wqkv, *bqkv = nullptr, *q_norm = nullptr, *k_norm = nullptr, *wo, *wgu, *wdown;
+};
+
+// A dense model's weights on one device: under tensor parallelism (tp > 1) rank `rank`
+// holds a slice of the heads (nh, nkv per rank) and of the MLP width (inter per rank).
+struct DenseDeviceWeights {
+  int64_t nh = 0, nkv = 0, inter = 0;
+  bf16 *embed = nullptr, *lm_head = nullptr, *final_norm = nullptr;
+  float* inv_freq = nullptr;  // RoPE inverse frequencies [head_dim / 2]
+  std::vector<DenseLayerDev> layers;
+  int64_t weight_bytes = 0;
+};
+
+// Uploads the checkpoint's weights (converted to bf16) into `arena` on the current device,
+// with a pool of host threads reading straight from the mapped file; logs the rate.
+DenseDeviceWeights upload_dense_weights(const Checkpoint& ckpt, int device, int rank, int tp, DeviceArena& arena);
+
+}  // namespace talon::cuda

@@ -1,0 +1,372 @@
+// The CUDA cached decoder against the CPU one (model/decode.h) on the golden fixtures:
+// both run the same requests and commits side by side and every logit row and capture is
+// compared (bf16 vs fp32 tolerance): chain prefill and token-by-token decoding of several
+// slots at once, trees (also wider than one 64-bit mask word), commits of a path followed
+// by more decoding, a sliding window, long contexts (attention split over keys), greedy
+// decoding, malformed requests and a cache that does not fit. Skips without a GPU.
+#include <gtest/gtest.h>
+
+#ifdef TALON_HAVE_CUDA
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <random>
+
+#include "model/decode.h"
+#include "model/model.h"
+#include "model/random_checkpoint.h"
+#include "tests/test_util.h"
+#include "tests/tolerances.h"
+#include "util/error.h"
+
+using namespace talon;
+using namespace talon::testing;
+
+namespace {
+
+bool have_gpu() {
+  int n = 0;
+  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
+}
+#define REQUIRE_GPU() \
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device on this machine"
+
+fs::path fixture(const std::string& name) { return fs::path(source_dir()) / "tests/fixtures/golden" / name; }
+
+std::vector<int32_t> random_ids(std::mt19937& rng, int64_t n, int64_t V) {
+  std::uniform_int_distribution<int32_t> d(0, int32_t(V - 1));
+  std::vector<int32_t> v(static_cast<size_t>(n));
+  for (auto& x : v) x = d(rng);
+  return v;
+}
+
+int64_t logit_rows(const std::vector<DecodeRequest>& reqs) {
+  int64_t n = 0;
+  for (auto& r : reqs) n += r.all_logits ? int64_t(r.tokens.size()) : 1;
+  return n;
+}
+
+// The CPU reference and the CUDA decoder driven in lockstep.
+struct Twin {
+  std::unique_ptr<Decoder> cpu, gpu;
+  const ModelConfig& c() const { return cpu->config(); }
+  Twin(const Checkpoint& ck, int slots, int64_t max_len)
+      : cpu(make_cpu_decoder(ck, slots, max_len)), gpu(make_cuda_decoder(ck, 0, slots, max_len)) {}
+
+  // Runs the requests on both, capturing `layer` (F32 or BF16 on the GPU side), and checks
+  // every logit row and capture row; returns the CPU's logits.
+  std::vector<float> forward(const std::vector<DecodeRequest>& reqs, const std::string& what, int layer = -1,
+                             DType cap_dtype = DType::F32) {
+    const int64_t V = c().vocab, H = c().hidden, NL = logit_rows(reqs);
+    int64_t N = 0;
+    for (auto& r : reqs) N += int64_t(r.tokens.size());
+    std::vector<float> la(size_t(NL * V)), lb(size_t(NL * V), NAN), ha(size_t(N * H));
+    std::vector<float> hb(size_t(N * H), NAN);
+    std::vector<uint16_t> hb16(size_t(N * H), 0x7fc1);
+    Capture ca, cb;
+    if (layer >= 0) {
+      ca = Capture({layer}, {ha.data()});
+      cb = Capture({layer}, {hb.data()});
+      if (cap_dtype == DType::BF16) {
+        cb.dtype = DType::BF16;
+        cb.out[0] = hb16.data();
+      }
+    }
+    cpu->forward(reqs, ca, la.data());
+    gpu->forward(reqs, cb, lb.data());
+    for (int64_t r = 0; r < NL; ++r)
+      EXPECT_LE(rel_err(lb.data() + r * V, la.data() + r * V, size_t(V)), tol::kCudaDecodeRel)
+          << what << ": logit row " << r;
+    if (layer >= 0) {
+      if (cap_dtype == DType::BF16)
+        for (size_t i = 0; i < hb.size(); ++i) hb[i] = bf16_to_f32(hb16[i]);
+      for (int64_t r = 0; r < N; ++r)
+        EXPECT_LE(rel_err(hb.data() + r * H, ha.data() + r * H, size_t(H)), tol::kCudaDecodeRel)
+            << what << ": capture row " << r;
+    }
+    return la;
+  }
+  void commit(int slot, const std::vector<int32_t>& keep) {
+    cpu->commit(slot, keep);
+    gpu->commit(slot, keep);
+    EXPECT_EQ(gpu->length(slot), cpu->length(slot));
+  }
+  void commit_all(int slot) {
+    cpu->commit_all(slot);
+    gpu->commit_all(slot);
+    EXPECT_EQ(gpu->length(slot), cpu->length(slot));
+  }
+};
+
+class CudaDecode : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(CudaDecode, ChainPrefillAndTokenByTokenDecodingOfSeveralSlots) {
+  REQUIRE_GPU();
+  auto ck = open_checkpoint(fixture(GetParam()));
+  Twin t(*ck, 4, 64);
+  const int64_t V = t.c().vocab;
+  const int layer = int(t.c().n_layers / 2);
+  std::mt19937 rng(5);
+  // Slots prefilled with different lengths (one with all logits), slot 2 left empty for now.
+  t.forward({{0, random_ids(rng, 7, V), {}, false}, {1, random_ids(rng, 12, V), {}, true},
+             {3, random_ids(rng, 1, V), {}, false}},
+            "prefill", layer);
+  for (int s : {0, 1, 3}) t.commit_all(s);
+  for (int step = 0; step < 16; ++step) {
+    std::vector<DecodeRequest> reqs;
+    for (int s : {3, 0, 1}) reqs.push_back({s, random_ids(rng, 1, V), {}, true});
+    if (step == 4) reqs.push_back({2, random_ids(rng, 9, V), {}, false});  // a prefill joins mid-way
+    if (step > 4) reqs.push_back({2, random_ids(rng, 1, V), {}, true});
+    t.forward(reqs, "step " + std::to_string(step), layer, step % 2 ? DType::BF16 : DType::F32);
+    for (auto& r : reqs) t.commit_all(r.slot);
+    if (step == 10) {  // a slot emptied and refilled
+      t.cpu->reset(1);
+      t.gpu->reset(1);
+      EXPECT_EQ(t.gpu->length(1), 0);
+      t.forward({{1, random_ids(rng, 5, V), {}, false}}, "refill");
+      t.commit_all(1);
+    }
+  }
+}
+
+TEST_P(CudaDecode, TreesCommitsAndDecodingAfterwards) {
+  REQUIRE_GPU();
+  auto ck = open_checkpoint(fixture(GetParam()));
+  Twin t(*ck, 2, 160);
+  const int64_t V = t.c().vocab;
+  std::mt19937 rng(11);
+  t.forward({{0, random_ids(rng, 9, V), {}, false}, {1, random_ids(rng, 4, V), {}, false}}, "prefill");
+  t.commit_all(0);
+  t.commit_all(1);
+  // A 10-node tree on slot 0 beside a 3-token chain on slot 1.
+  const std::vector<int32_t> parents = {-1, 0, 0, -1, 1, 1, 3, 4, 6, 2};
+  t.forward({{0, random_ids(rng, 10, V), parents, true}, {1, random_ids(rng, 3, V), {}, true}}, "tree", 1);
+  t.commit(0, {0, 1, 4, 7});
+  t.commit(1, {0, 1});
+  for (int step = 0; step < 3; ++step) {
+    t.forward({{0, random_ids(rng, 1, V), {}, true}, {1, random_ids(rng, 1, V), {}, true}},
+              "after the commit " + std::to_string(step));
+    t.commit_all(0);
+    t.commit_all(1);
+  }
+  // Dropping every pending token, then more.
+  t.forward({{0, random_ids(rng, 3, V), {}, true}}, "to drop");
+  t.commit(0, {});
+  t.forward({{0, random_ids(rng, 2, V), {}, true}}, "after the drop");
+  t.commit(0, {0});
+  // A tree of 100 nodes (two 64-bit mask words per deep row), random shape.
+  std::vector<int32_t> big(100);
+  for (int i = 0; i < 100; ++i) big[size_t(i)] = i == 0 ? -1 : int32_t(rng() % uint32_t(i + 1)) - 1;
+  t.forward({{1, random_ids(rng, 100, V), big, true}}, "big tree");
+  std::vector<int32_t> path;  // root to node 99
+  for (int32_t a = 99; a >= 0; a = big[size_t(a)]) path.insert(path.begin(), a);
+  t.commit(1, path);
+  t.forward({{1, random_ids(rng, 1, V), {}, true}}, "after the big tree");
+  t.commit_all(1);
+}
+
+TEST_P(CudaDecode, LongContextSplitsTheKeys) {
+  REQUIRE_GPU();
+  auto ck = open_checkpoint(fixture(GetParam()));
+  Twin t(*ck, 2, 800);
+  const int64_t V = t.c().vocab;
+  std::mt19937 rng(17);
+  t.forward({{0, random_ids(rng, 700, V), {}, false}}, "long prefill");
+  t.commit_all(0);
+  t.forward({{1, random_ids(rng, 130, V), {}, false}}, "second prefill");
+  t.commit_all(1);
+  for (int step = 0; step < 4; ++step) {
+    t.forward({{0, random_ids(rng, 1, V), {}, true}, {1, random_ids(rng, 1, V), {}, true}},
+              "step " + std::to_string(step));
+    t.commit_all(0);
+    t.commit_all(1);
+  }
+  t.forward({{0, random_ids(rng, 5, V), {-1, 0, 0, 1, 3}, true}}, "tree on a long context");
+  t.commit(0, {0, 1, 3});
+  t.forward({{0, random_ids(rng, 1, V), {}, true}}, "after");
+}
+
+// Greedy decoding of 32 tokens on 3 slots: where the CPU's top-2 logit margin is clear the
+// GPU picks the same token; both continue with the CPU's token, so one close call does not
+// end the comparison.
+TEST_P(CudaDecode, GreedyDecodingPicksTheSameTokens) {
+  REQUIRE_GPU();
+  auto ck = open_checkpoint(fixture(GetParam()));
+  Twin t(*ck, 3, 64);
+  const int64_t V = t.c().vocab;
+  std::mt19937 rng(23);
+  std::vector<DecodeRequest> reqs;
+  for (int s = 0; s < 3; ++s) reqs.push_back({s, random_ids(rng, 4 + 3 * s, V), {}, false});
+  int agree = 0, checked = 0;
+  for (int step = 0; step < 32; ++step) {
+    std::vector<float> lb(size_t(3 * V));
+    std::vector<float> la(size_t(3 * V));
+    t.cpu->forward(reqs, Capture{}, la.data());
+    t.gpu->forward(reqs, Capture{}, lb.data());
+    for (int s = 0; s < 3; ++s) {
+      t.commit_all(s);
+      const float* a = la.data() + s * V;
+      const float* b = lb.data() + s * V;
+      std::vector<float> sorted(a, a + V);
+      std::partial_sort(sorted.begin(), sorted.begin() + 2, sorted.end(), std::greater<float>());
+      const int32_t want = int32_t(std::max_element(a, a + V) - a), got = int32_t(std::max_element(b, b + V) - b);
+      if (sorted[0] - sorted[1] >= tol::kCudaGreedyMargin) {
+        ++checked;
+        agree += got == want;
+        EXPECT_EQ(got, want) << "slot " << s << ", step " << step;
+      }
+      reqs[size_t(s)] = {s, {want}, {}, true};
+    }
+  }
+  std::printf("cuda decode %s: greedy agree %d/%d (margin >= %.2f)\n", GetParam().c_str(), agree, checked,
+              tol::kCudaGreedyMargin);
+}
+
+INSTANTIATE_TEST_SUITE_P(Fixtures, CudaDecode,
+                         ::testing::Values("llama_gqa", "llama_tied", "qwen2", "qwen3", "mistral"));
+
+// Random models with the head sizes of real ones (64 and 128, GQA 4:1 and 2:1; one with a
+// sliding window): prefill of empty slots goes through the tensor-core attention, the rest
+// through the cache kernel's 16-byte path; more keys than one tile, trees, commits.
+TEST(CudaDecode, RealHeadSizesOnRandomModels) {
+  REQUIRE_GPU();
+  for (const int64_t hd : {64, 128}) {
+    ModelConfig c;
+    c.arch = Arch::Llama;
+    c.n_layers = 2, c.hidden = 256, c.intermediate = 512, c.vocab = 512, c.head_dim = hd;
+    c.n_heads = hd == 64 ? 8 : 4, c.n_kv_heads = 2, c.rms_eps = 1e-5, c.max_position = 4096;
+    c.sliding_window = hd == 128 ? 100 : 0;
+    auto ck = make_random_checkpoint(c, 0.2f, uint64_t(hd));
+    Twin t(*ck, 3, 400);
+    const std::string tag = "hd " + std::to_string(hd) + ": ";
+    std::mt19937 rng(29);
+    t.forward({{0, random_ids(rng, 150, c.vocab), {}, true}, {2, random_ids(rng, 70, c.vocab), {}, false}},
+              tag + "prefill", 1);
+    t.commit_all(0);
+    t.commit_all(2);
+    // A chunk of prefill onto a non-empty slot, beside a decode step and a tree.
+    t.forward({{0, random_ids(rng, 1, c.vocab), {}, true}, {1, random_ids(rng, 90, c.vocab), {}, true},
+               {2, random_ids(rng, 6, c.vocab), {-1, 0, 0, 1, 3, 3}, true}},
+              tag + "mixed", 2, DType::BF16);
+    t.commit_all(0);
+    t.commit_all(1);
+    t.commit(2, {0, 1, 3, 5});
+    t.forward({{1, random_ids(rng, 80, c.vocab), {}, false}}, tag + "second chunk");
+    t.commit_all(1);
+    for (int step = 0; step < 5; ++step) {
+      std::vector<DecodeRequest> reqs;
+      for (int s = 0; s < 3; ++s) reqs.push_back({s, random_ids(rng, 1, c.vocab), {}, true});
+      t.forward(reqs, tag + "step " + std::to_string(step));
+      for (int s = 0; s < 3; ++s) t.commit_all(s);
+    }
+  }
+}
+
+TEST(CudaDecode, SlidingWindow) {
+  REQUIRE_GPU();
+  // The mistral fixture with a 5-token window: prefill, trees, decoding well past the window.
+  const fs::path dir = fs::path(::testing::TempDir()) / "talon_cuda_decode_window";
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  fs::copy_file(fixture("mistral") / "model.safetensors", dir / "model.safetensors");
+  auto cfg = nlohmann::json::parse(read_text_file(fixture("mistral") / "config.json"));
+  cfg["sliding_window"] = 5;
+  write_file_atomic(dir / "config.json", cfg.dump(2));
+  auto ck = open_checkpoint(dir);
+  ASSERT_EQ(ck->config().sliding_window, 5);
+  Twin t(*ck, 2, 200);
+  const int64_t V = t.c().vocab;
+  std::mt19937 rng(3);
+  t.forward({{0, random_ids(rng, 6, V), {}, true}, {1, random_ids(rng, 90, V), {}, true}}, "prefill");
+  t.commit_all(0);
+  t.commit_all(1);
+  t.forward({{0, random_ids(rng, 8, V), {-1, 0, 1, 2, 3, 4, 5, 1}, true}, {1, random_ids(rng, 3, V), {-1, 0, 1}, true}},
+            "trees");
+  t.commit(0, {0, 1, 2, 3, 4, 5});
+  t.commit(1, {0});
+  for (int step = 0; step < 12; ++step) {
+    t.forward({{0, random_ids(rng, 1, V), {}, true}, {1, random_ids(rng, 2, V), {}, true}},
+              "step " + std::to_string(step));
+    t.commit_all(0);
+    t.commit_all(1);
+  }
+}
+
+TEST(CudaDecode, MalformedRequestsAreRefusedLikeOnTheCpu) {
+  REQUIRE_GPU();
+  auto ck = open_checkpoint(fixture("llama_gqa"));
+  auto dec = make_cuda_decoder(*ck, 0, 2, 8);
+  EXPECT_NE(error_of([&] { dec->forward({{2, {1}, {}, true}}, Capture{}, nullptr); }).find("slot 2 outside [0, 2)"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { dec->forward({{0, {1, 2, 3, 4, 5, 6, 7, 8, 9}, {}, true}}, Capture{}, nullptr); })
+                .find("more than max_len 8"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { dec->forward({{0, {1, 2}, {-1, 1}, true}}, Capture{}, nullptr); }).find("parent 1 of token 1"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { dec->forward({{0, {1, 2}, {-1}, true}}, Capture{}, nullptr); }).find("2 tokens but 1 parents"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { dec->forward({{0, {1}, {}, true}, {0, {2}, {}, true}}, Capture{}, nullptr); })
+                .find("appears twice"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { dec->forward({{0, {100000}, {}, true}}, Capture{}, nullptr); }).find("outside the vocabulary"),
+            std::string::npos);
+  dec->forward({{1, {1, 2, 3}, {-1, -1, 1}, true}}, Capture{}, nullptr);
+  EXPECT_NE(error_of([&] { dec->forward({{1, {4}, {}, true}}, Capture{}, nullptr); }).find("uncommitted"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { dec->commit(1, {0, 2}); }).find("does not continue the kept path"), std::string::npos);
+  dec->commit(1, {1, 2});
+  EXPECT_EQ(dec->length(1), 2);
+}
+
+TEST(CudaDecode, ACacheThatDoesNotFitIsRefusedWithTheNumbers) {
+  REQUIRE_GPU();
+  auto ck = open_checkpoint(fixture("llama_cfg4x"));
+  // 3 layers x K,V x 3 kv heads x 16 x 2 bytes = 576 bytes per token: 2^30 tokens is 576 GiB.
+  const std::string msg = error_of([&] { make_cuda_decoder(*ck, 0, 1, int64_t(1) << 30); });
+  EXPECT_NE(msg.find("the KV cache needs 576.00 GiB"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("tokens each"), std::string::npos) << msg;
+}
+
+// The real SmolLM2 (head_dim 64: prefill goes through the tensor-core attention, decoding
+// through the cache kernel): three golden prompts prefilled in one forward, then 32 greedy
+// steps against the CPU decoder on the same (dequantised) weights.
+TEST(CudaDecodeSmolLM2, GreedyDecodingMatchesTheCpuDecoder) {
+  REQUIRE_GPU();
+  const char* env = std::getenv("TALON_SMOLLM2_GGUF");
+  const fs::path gguf = env ? fs::path(env) : fs::path(source_dir()) / ".cache/models/SmolLM2-135M-Instruct.Q4_1.gguf";
+  if (!fs::exists(gguf)) GTEST_SKIP() << gguf << " missing";
+  auto ck = open_checkpoint(gguf);
+  Twin t(*ck, 3, 256);
+  const int64_t V = t.c().vocab;
+  st::File g(fixture("smollm2") / "golden.safetensors");
+  std::vector<DecodeRequest> reqs;
+  for (int p = 0; p < 3; ++p) {
+    auto ids64 = read_i64(g, "p" + std::to_string(p) + ".input_ids");
+    reqs.push_back({p, std::vector<int32_t>(ids64.begin(), ids64.end()), {}, false});
+  }
+  int agree = 0, checked = 0;
+  for (int step = 0; step < 32; ++step) {
+    std::vector<float> la(size_t(3 * V)), lb(size_t(3 * V));
+    t.cpu->forward(reqs, Capture{}, la.data());
+    t.gpu->forward(reqs, Capture{}, lb.data());
+    for (int s = 0; s < 3; ++s) {
+      t.commit_all(s);
+      const float* a = la.data() + s * V;
+      const float* b = lb.data() + s * V;
+      EXPECT_LE(rel_err(b, a, size_t(V)), tol::kCudaDecodeRel) << "slot " << s << ", step " << step;
+      std::vector<float> sorted(a, a + V);
+      std::partial_sort(sorted.begin(), sorted.begin() + 2, sorted.end(), std::greater<float>());
+      const int32_t want = int32_t(std::max_element(a, a + V) - a), got = int32_t(std::max_element(b, b + V) - b);
+      if (sorted[0] - sorted[1] >= tol::kCudaGreedyMargin) {
+        ++checked;
+        agree += got == want;
+        EXPECT_EQ(got, want) << "slot " << s << ", step " << step;
+      }
+      reqs[size_t(s)] = {s, {want}, {}, true};
+    }
+  }
+  std::printf("cuda decode smollm2: greedy agree %d/%d (margin >= %.2f)\n", agree, checked, tol::kCudaGreedyMargin);
+}
+
+}  // namespace
+#endif  // TALON_HAVE_CUDA

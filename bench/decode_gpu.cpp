@@ -61,7 +61,7 @@ int main(int argc, char** argv) {
         model_path.empty() ? make_random_checkpoint(shape_config(shape)) : open_checkpoint(model_path);
     const ModelConfig& c = ck->config();
     const int n_slots = *std::max_element(batches.begin(), batches.end());
-    const int64_t max_len = context + std::max<int64_t>(steps + 2, tree) + 1;
+    const int64_t max_len = context + std::max<int64_t>({steps + 2, tree, 64}) + 1;
     auto dec = make_cuda_decoder(*ck, 0, n_slots, max_len);
     cudaDeviceProp prop{};
     cudaGetDeviceProperties(&prop, 0);
@@ -114,6 +114,37 @@ int main(int argc, char** argv) {
       const double bytes = weight_bytes + double(B) * double(context + 2 + steps / 2) * kv_per_token;
       std::printf("%6d %8lld %12.2f %12.0f %12.0f %10.0f\n", B, (long long)context, per[0] * 1e3, B / per[0], B / per[1],
                   bytes / per[1] / 1e9);
+    }
+    {
+      // The verify-step cost at batch 1: one target pass over n pending tokens (a chain of
+      // k+1, or a random tree of N) against one token, at this context; logits to the host.
+      std::printf("verify cost at batch 1, context %lld (median of 9):\n", (long long)context);
+      double one = 0;
+      for (int64_t n : {1, 2, 4, 6, 8, 16, 32, 64}) {
+        if (n > max_len - context) break;
+        for (int chain = 1; chain >= 0; --chain) {
+          if (n == 1 && !chain) continue;
+          DecodeRequest r{0, {}, {}, true};
+          for (int64_t i = 0; i < n; ++i) {
+            r.tokens.push_back(tok());
+            if (!chain) r.parents.push_back(i == 0 ? -1 : int32_t(rng() % uint32_t(i)));
+          }
+          std::vector<float> lg(size_t(n) * size_t(c.vocab));
+          std::vector<double> ts;
+          for (int i = 0; i < 11; ++i) {
+            cuda::decoder_assume_length(*dec, 0, context);
+            const double a = now();
+            dec->forward({r}, Capture{}, lg.data());
+            ts.push_back(now() - a);
+            dec->commit(0, {});
+          }
+          std::sort(ts.begin() + 2, ts.end());
+          const double med = ts[2 + 4];
+          if (n == 1) one = med;
+          std::printf("  %-5s %3lld tokens: %7.3f ms  (%.2fx one token)\n", chain ? "chain" : "tree", (long long)n,
+                      med * 1e3, med / one);
+        }
+      }
     }
     if (tree > 0) {
       // Verification: 32 slots (or fewer) each with a random tree of `tree` tokens.

@@ -33,8 +33,11 @@ inline constexpr double kCudaModelRel = 5e-2;
 inline constexpr double kCudaTpRel = 2e-2;
 // CUDA cached decoder vs the CPU decoder (fp32) on the same requests: the CUDA model's
 // bf16 rounding (see kCudaModelRel) plus the bf16 KV cache, whose keys and values are the
-// same bf16 numbers the packed forward attends to; no extra amplification.
-inline constexpr double kCudaDecodeRel = 5e-2;
+// same bf16 numbers the packed forward attends to. Measured per logit row on the H200
+// (relative to max(1, the row's largest logit)): up to 0.085 on random head-128 models and
+// 0.05-0.06 on the fixtures; a wrong mask or position gives O(1). Greedy tokens must also
+// agree wherever the fp32 top-2 gap is clear (kCudaGreedyMargin).
+inline constexpr double kCudaDecodeRel = 1.5e-1;
 // Greedy agreement is only required where the fp32 top-2 logit gap exceeds this.
 inline constexpr double kCudaGreedyMargin = 0.5;
 

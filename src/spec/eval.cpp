@@ -290,6 +290,7 @@ EvalReport run_eval(const EvalOptions& opt) {
   if (stopped) tlog::warn("eval: stopped by signal; the report covers the conversations finished so far");
 
   EvalReport rep;
+  rep.backend = dec->backend();
   for (auto& [k, r] : rows) rep.rows.push_back(r);
   // "all" last within each (temperature, config).
   std::stable_sort(rep.rows.begin(), rep.rows.end(), [](const EvalRow& a, const EvalRow& b) {

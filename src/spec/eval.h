@@ -48,6 +48,7 @@ struct EvalRow {
 
 struct EvalReport {
   std::vector<EvalRow> rows;
+  std::string backend;
   fs::path json_path, html_path;
 };
 

@@ -92,21 +92,7 @@ class CpuDenseModel final : public Model {
 
     std::vector<float> x(size_t(N * H)), xn(size_t(N * H)), q(size_t(N * qd)), k(size_t(N * kvd)),
         v(size_t(N * kvd)), att(size_t(N * qd)), tmp(size_t(N * H)), g(size_t(N * I)), u(size_t(N * I));
-    auto capture = [&](int64_t layer_id) {
-      for (size_t i = 0; i < cap.layers.size(); ++i) {
-        if (cap.layers[i] != layer_id) continue;
-        const int64_t ld = cap.stride(i, H);
-        for (int64_t r = 0; r < N; ++r) {
-          const float* src = x.data() + r * H;
-          if (cap.dtype == DType::F32) {
-            std::copy(src, src + H, static_cast<float*>(cap.out[i]) + dst[size_t(r)] * ld);
-          } else {
-            uint16_t* d = static_cast<uint16_t*>(cap.out[i]) + dst[size_t(r)] * ld;
-            for (int64_t c = 0; c < H; ++c) d[c] = f32_to_bf16(src[c]);
-          }
-        }
-      }
-    };
+    auto capture = [&](int64_t layer_id) { cpu::capture_rows(cap, int(layer_id), x.data(), N, H, dst.data()); };
     auto mm = [&](float* out, const float* in, const Mat& w, const std::vector<float>& bias, int64_t K, int64_t O) {
       cpu::matmul_forward(out, in, w.data, w.dtype, bias.empty() ? nullptr : bias.data(), N, K, O);
     };
@@ -156,6 +142,9 @@ class CpuDenseModel final : public Model {
 
 }  // namespace
 
-std::unique_ptr<Model> make_cpu_model(const Checkpoint& ckpt) { return std::make_unique<CpuDenseModel>(ckpt); }
+std::unique_ptr<Model> make_cpu_model(const Checkpoint& ckpt) {
+  if (is_deepseek(ckpt.config().arch)) return make_cpu_deepseek_model(ckpt);  // MLA + MoE: cpu_deepseek.cpp
+  return std::make_unique<CpuDenseModel>(ckpt);
+}
 
 }  // namespace talon

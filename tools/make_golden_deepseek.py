@@ -59,7 +59,9 @@ def cases():
     return {
         # q LoRA, YaRN with mscale != mscale_all_dim (both the cos/sin factor and the
         # softmax-scale correction are exercised), sigmoid + noaux_tc with a bias.
-        "deepseek_v3": (DeepseekV3Config, dict(common_v3, q_lora_rank=24, n_shared_experts=1,
+        # rms_norm_eps 1e-5 here (q_a_layernorm / kv_a_layernorm keep transformers' default
+        # 1e-6; with O(1) latents the golden cannot tell the two eps apart, though).
+        "deepseek_v3": (DeepseekV3Config, dict(common_v3, q_lora_rank=24, n_shared_experts=1, rms_norm_eps=1e-5,
                                                rope_parameters=YARN_V3), "f32", 13, {}),
         # plain q_proj, rotate_half RoPE (rope_interleave false), 2 shared experts, bf16.
         "deepseek_v3_noqlora": (DeepseekV3Config, dict(

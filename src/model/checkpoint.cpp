@@ -86,9 +86,13 @@ class HfCheckpoint : public Checkpoint {
           if (it->second != fname)
             fail("{}: tensor '{}' found here but the index places it in '{}'", f->path().string(), t.name, it->second);
         }
-        if (t.dtype != DType::F32 && t.dtype != DType::BF16 && t.dtype != DType::F16)
-          fail("{}: tensor '{}': dtype {} unsupported (expected F32, BF16 or F16)", f->path().string(), t.name,
-               dtype_name(t.dtype));
+        // DeepSeek-family checkpoints may hold quantized weights: F8_E4M3 (block FP8) and the
+        // I32 / I64 tensors of compressed-tensors int4 packing (model/quant.h).
+        const bool quant_ok = is_deepseek(config_.arch) &&
+                              (t.dtype == DType::F8_E4M3 || t.dtype == DType::I32 || t.dtype == DType::I64);
+        if (t.dtype != DType::F32 && t.dtype != DType::BF16 && t.dtype != DType::F16 && !quant_ok)
+          fail("{}: tensor '{}': dtype {} unsupported (expected F32, BF16 or F16{})", f->path().string(), t.name,
+               dtype_name(t.dtype), is_deepseek(config_.arch) ? ", or F8_E4M3 / I32 / I64 quantized weights" : "");
         tensors_.push_back({t.name, std::string(dtype_name(t.dtype)), t.shape, f->path().string()});
         views_.push_back(&t);
       }

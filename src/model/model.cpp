@@ -88,6 +88,24 @@ std::vector<float> rope_inv_freq(const RopeConfig& r, int64_t hd) {
   }
   if (r.type == "linear") {
     for (auto& x : f) x = x / float(r.factor);
+  } else if (r.type == "yarn") {
+    // As transformers' YaRN: the correction range [low, high] (in frequency index units)
+    // of dims that rotate between beta_fast and beta_slow times over the original context,
+    // floored / ceiled; below it frequencies are kept (extrapolated), above it divided by
+    // factor (interpolated), with a linear ramp between. fp32 like torch.
+    const double base = r.theta, omax = double(r.original_max_position);
+    auto corr_dim = [&](double rot) { return double(hd) * std::log(omax / (rot * 2 * std::numbers::pi)) / (2 * std::log(base)); };
+    double lo = std::floor(corr_dim(r.beta_fast)), hi = std::ceil(corr_dim(r.beta_slow));
+    lo = std::max(lo, 0.0);
+    hi = std::min(hi, double(hd - 1));
+    if (lo == hi) hi += 0.001;
+    for (int64_t i = 0; i < half; ++i) {
+      const float ramp = std::clamp((float(i) - float(lo)) / (float(hi) - float(lo)), 0.0f, 1.0f);
+      const float extra = 1.0f - ramp;  // weight of the unscaled frequency
+      const float pos_freq = std::pow(float(base), float(2 * i) / float(hd));
+      const float inv_extra = 1.0f / pos_freq, inv_inter = 1.0f / (float(r.factor) * pos_freq);
+      f[size_t(i)] = inv_inter * (1.0f - extra) + inv_extra * extra;
+    }
   } else if (r.type == "llama3") {
     const double old_ctx = double(r.original_max_position);
     const double low_wl = old_ctx / r.low_freq_factor, high_wl = old_ctx / r.high_freq_factor;

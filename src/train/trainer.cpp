@@ -138,6 +138,11 @@ TrainReport run_train(const TrainOptions& opt) {
   const GpuMath gpu_math = parse_gpu_math(opt.gpu_math);
   auto ckpt = open_checkpoint(opt.model);
   const ModelConfig& tc = ckpt->config();
+  // The draft layer takes its attention / MLP shape from the target's dense config; for
+  // MLA + MoE targets that mapping is not defined yet (docs/deepseek.md).
+  TALON_CHECK(!is_deepseek(tc.arch),
+              "{}: talon train does not support {} targets yet (talon extract does; see docs/deepseek.md)",
+              ckpt->source(), arch_name(tc.arch));
   const int64_t H = tc.hidden, V = tc.vocab, L = tc.n_layers;
 
   // Samples (truncated to --max-length). Offline: tokens and features from an extract

@@ -11,7 +11,7 @@ size_t dtype_size(DType t) {
     case DType::F64: case DType::I64: return 8;
     case DType::F32: case DType::I32: return 4;
     case DType::F16: case DType::BF16: case DType::I16: return 2;
-    case DType::I8: case DType::U8: case DType::BOOL: return 1;
+    case DType::I8: case DType::U8: case DType::BOOL: case DType::F8_E4M3: return 1;
   }
   return 0;
 }
@@ -28,6 +28,7 @@ std::string_view dtype_name(DType t) {
     case DType::I8: return "I8";
     case DType::U8: return "U8";
     case DType::BOOL: return "BOOL";
+    case DType::F8_E4M3: return "F8_E4M3";
   }
   return "?";
 }
@@ -36,7 +37,7 @@ bool dtype_from_name(std::string_view s, DType* out) {
   static constexpr struct { std::string_view n; DType t; } table[] = {
       {"F32", DType::F32}, {"F16", DType::F16}, {"BF16", DType::BF16}, {"F64", DType::F64},
       {"I64", DType::I64}, {"I32", DType::I32}, {"I16", DType::I16},   {"I8", DType::I8},
-      {"U8", DType::U8},   {"BOOL", DType::BOOL}};
+      {"U8", DType::U8},   {"BOOL", DType::BOOL}, {"F8_E4M3", DType::F8_E4M3}};
   for (auto& e : table)
     if (e.n == s) { *out = e.t; return true; }
   return false;
@@ -61,6 +62,16 @@ float f16_to_f32(uint16_t h) {
     u = sign | (exp + 127 - 15) << 23 | man << 13;
   }
   return std::bit_cast<float>(u);
+}
+
+float f8e4m3_to_f32(uint8_t v) {
+  const uint32_t sign = uint32_t(v & 0x80) << 24;
+  const uint32_t exp = (v >> 3) & 0xf, man = v & 0x7;
+  if (exp == 15 && man == 7) return std::bit_cast<float>(sign | 0x7fc00000u);  // the only NaN; no infinities
+  float mag;
+  if (exp == 0) mag = float(man) * 0x1p-9f;  // subnormal: man/8 * 2^(1-7)
+  else mag = std::bit_cast<float>((exp + 127 - 7) << 23 | man << 20);
+  return std::bit_cast<float>(std::bit_cast<uint32_t>(mag) | sign);
 }
 
 uint16_t f32_to_f16(float f) {
@@ -94,6 +105,9 @@ void convert_to_f32(DType t, const void* src, float* dst, size_t n) {
         uint16_t v; std::memcpy(&v, b + 2 * i, 2);
         dst[i] = f16_to_f32(v);
       }
+      return;
+    case DType::F8_E4M3:
+      for (size_t i = 0; i < n; ++i) dst[i] = f8e4m3_to_f32(b[i]);
       return;
     default:
       fail("cannot convert {} to F32", dtype_name(t));

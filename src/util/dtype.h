@@ -8,7 +8,9 @@
 
 namespace talon {
 
-enum class DType { F32, F16, BF16, F64, I64, I32, I16, I8, U8, BOOL };
+// F8_E4M3: OCP float8 e4m3fn (bias 7, no infinities, S.1111.111 = NaN), max 448, as
+// DeepSeek-V3's block-quantized checkpoints and torch.float8_e4m3fn store it.
+enum class DType { F32, F16, BF16, F64, I64, I32, I16, I8, U8, BOOL, F8_E4M3 };
 
 // Bytes per element.
 size_t dtype_size(DType t);
@@ -28,6 +30,7 @@ inline uint16_t f32_to_bf16(float f) {
 }
 
 float f16_to_f32(uint16_t h);
+float f8e4m3_to_f32(uint8_t v);
 uint16_t f32_to_f16(float f);
 
 // Convert `n` elements of type `t` at `src` (little-endian, possibly unaligned) to fp32.

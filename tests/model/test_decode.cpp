@@ -154,6 +154,11 @@ TEST(Decode, SlidingWindowMatchesTheFullForward) {
   }
 }
 
+TEST(Decode, DeepseekTargetsAreRefusedByName) {
+  auto ck = open_checkpoint(fixture("deepseek_v3"));
+  EXPECT_NE(error_of([&] { make_cpu_decoder(*ck, 1, 8); }).find("has no cached decoder yet"), std::string::npos);
+}
+
 TEST(Decode, MalformedRequestsAreRefused) {
   auto ck = open_checkpoint(fixture("llama_gqa"));
   auto dec = make_cpu_decoder(*ck, 2, 8);

@@ -78,5 +78,10 @@ TEST_P(Golden, PackingDoesNotChangeResults) {
 
 INSTANTIATE_TEST_SUITE_P(Archs, Golden,
                          ::testing::Values("llama_gqa", "llama_tied", "llama_cfg4x", "mistral", "qwen2", "qwen3"));
+// DeepSeek-V2/V3 family (MLA + MoE; tools/make_golden_deepseek.py). The fp8 / int4 cases
+// store quantized weights; their golden is transformers on the dequantized weights.
+INSTANTIATE_TEST_SUITE_P(DeepSeek, Golden,
+                         ::testing::Values("deepseek_v3", "deepseek_v3_noqlora", "deepseek_v2", "deepseek_v2_greedy",
+                                           "deepseek_v3_fp8", "kimi_k2_int4"));
 
 }  // namespace

@@ -138,24 +138,6 @@ struct DenseStack {
   }
 };
 
-// Copies rows of x [N, H] for every capture entry of `layer_id`; row r goes to dst[r].
-void copy_capture(const Capture& cap, int64_t layer_id, const float* x, int64_t N, int64_t H,
-                  const std::vector<int64_t>& dst) {
-  for (size_t i = 0; i < cap.layers.size(); ++i) {
-    if (cap.layers[i] != layer_id) continue;
-    const int64_t ld = cap.stride(i, H);
-    for (int64_t r = 0; r < N; ++r) {
-      const float* src = x + r * H;
-      if (cap.dtype == DType::F32) {
-        std::copy(src, src + H, static_cast<float*>(cap.out[i]) + dst[size_t(r)] * ld);
-      } else {
-        uint16_t* d = static_cast<uint16_t*>(cap.out[i]) + dst[size_t(r)] * ld;
-        for (int64_t c = 0; c < H; ++c) d[c] = f32_to_bf16(src[c]);
-      }
-    }
-  }
-}
-
 class CpuDenseModel final : public Model {
  public:
   explicit CpuDenseModel(const Checkpoint& ckpt) : w_(ckpt) {}
@@ -183,7 +165,7 @@ class CpuDenseModel final : public Model {
           cpu::attention_forward(att, q, k, v, b.seq_start.data(), b.n_seqs(), c.n_heads, c.n_kv_heads, c.head_dim,
                                  c.sliding_window);
         },
-        [&](int64_t l, const float* x) { copy_capture(cap, l, x, N, c.hidden, dst); }, rows, logits);
+        [&](int64_t l, const float* x) { cpu::capture_rows(cap, int(l), x, N, c.hidden, dst.data()); }, rows, logits);
   }
 
  private:
@@ -325,7 +307,7 @@ class CpuDecoder final : public Decoder {
       }
     };
     w_.run(tokens.data(), pos.data(), N, attend,
-           [&](int64_t l, const float* x) { copy_capture(cap, l, x, N, c.hidden, dst); },
+           [&](int64_t l, const float* x) { cpu::capture_rows(cap, int(l), x, N, c.hidden, dst.data()); },
            logits ? logit_rows : std::vector<int64_t>{}, logits);
     for (const auto& r : reqs) pending_[size_t(r.slot)] = int64_t(r.tokens.size());
     for (size_t ri = 0; ri < reqs.size(); ++ri) at(reqs[ri].slot).parents = parents[ri];
@@ -387,9 +369,15 @@ class CpuDecoder final : public Decoder {
 
 }  // namespace
 
-std::unique_ptr<Model> make_cpu_model(const Checkpoint& ckpt) { return std::make_unique<CpuDenseModel>(ckpt); }
+std::unique_ptr<Model> make_cpu_model(const Checkpoint& ckpt) {
+  if (is_deepseek(ckpt.config().arch)) return make_cpu_deepseek_model(ckpt);  // MLA + MoE: cpu_deepseek.cpp
+  return std::make_unique<CpuDenseModel>(ckpt);
+}
 
 std::unique_ptr<Decoder> make_cpu_decoder(const Checkpoint& ckpt, int n_slots, int64_t max_len) {
+  TALON_CHECK(!is_deepseek(ckpt.config().arch),
+              "{}: {} has no cached decoder yet (generate and eval run the dense llama family); see docs/deepseek.md",
+              ckpt.source(), arch_name(ckpt.config().arch));
   return std::make_unique<CpuDecoder>(ckpt, n_slots, max_len);
 }
 

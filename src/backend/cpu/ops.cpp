@@ -5,7 +5,10 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <memory>
 #include <vector>
+
+#include "model/model.h"
 
 #include "util/error.h"
 
@@ -191,6 +194,160 @@ void attention_forward(float* out, const float* q, const float* k, const float* 
         }
         float* o = out + r * qw + h * hd;
         for (int64_t i = 0; i < hd; ++i) o[i] = float(acc[size_t(i)] / den);
+      }
+    }
+  }
+}
+
+void rope_strided_forward(float* x, const int32_t* pos, const float* inv_freq, int64_t N, int64_t n_heads,
+                          int64_t row_stride, int64_t head_stride, int64_t dim, bool interleaved, float attn_factor) {
+  const int64_t half = dim / 2;
+#pragma omp parallel for schedule(static)
+  for (int64_t n = 0; n < N; ++n) {
+    for (int64_t i = 0; i < half; ++i) {
+      // As transformers: fp32 angle, fp32 cos/sin, then scaled by the attention factor.
+      const float ang = float(pos[n]) * inv_freq[i];
+      const float c = float(std::cos(double(ang))) * attn_factor, s = float(std::sin(double(ang))) * attn_factor;
+      const int64_t ia = interleaved ? 2 * i : i, ib = interleaved ? 2 * i + 1 : i + half;
+      for (int64_t h = 0; h < n_heads; ++h) {
+        float* p = x + n * row_stride + h * head_stride;
+        const float a = p[ia], b = p[ib];
+        p[ia] = a * c - b * s;
+        p[ib] = b * c + a * s;
+      }
+    }
+  }
+}
+
+void attention_mha_forward(float* out, const float* q, const float* k, const float* v, const int64_t* seq_start,
+                           int64_t n_seqs, int64_t nh, int64_t dk, int64_t dv, float scale) {
+  const int64_t N = seq_start[n_seqs];
+  std::vector<int64_t> seq_of(static_cast<size_t>(N));
+  for (int64_t s = 0; s < n_seqs; ++s)
+    for (int64_t r = seq_start[s]; r < seq_start[s + 1]; ++r) seq_of[size_t(r)] = s;
+#pragma omp parallel
+  {
+    std::vector<float> p;
+    std::vector<double> acc(static_cast<size_t>(dv));
+#pragma omp for schedule(dynamic, 16) collapse(2)
+    for (int64_t r = 0; r < N; ++r) {
+      for (int64_t h = 0; h < nh; ++h) {
+        const int64_t lo = seq_start[seq_of[size_t(r)]];
+        const float* qr = q + (r * nh + h) * dk;
+        p.resize(size_t(r - lo + 1));
+        float mx = -INFINITY;
+        for (int64_t j = lo; j <= r; ++j) {
+          const float* kr = k + (j * nh + h) * dk;
+          float d = 0;
+          for (int64_t i = 0; i < dk; ++i) d += qr[i] * kr[i];
+          d *= scale;
+          p[size_t(j - lo)] = d;
+          mx = std::max(mx, d);
+        }
+        double den = 0;
+        for (auto& e : p) {
+          e = std::exp(e - mx);
+          den += e;
+        }
+        std::fill(acc.begin(), acc.end(), 0.0);
+        for (int64_t j = lo; j <= r; ++j) {
+          const float* vr = v + (j * nh + h) * dv;
+          const double w = p[size_t(j - lo)];
+          for (int64_t i = 0; i < dv; ++i) acc[size_t(i)] += w * vr[i];
+        }
+        float* o = out + (r * nh + h) * dv;
+        for (int64_t i = 0; i < dv; ++i) o[i] = float(acc[size_t(i)] / den);
+      }
+    }
+  }
+}
+
+namespace {
+
+// Indices of the k largest values of v[0..n) where allowed (null: all), by value
+// descending, ties to the lower index.
+void top_k(const float* v, const bool* allowed, int64_t n, int64_t k, std::vector<int64_t>& out) {
+  out.clear();
+  std::vector<bool> taken(static_cast<size_t>(n), false);
+  for (int64_t t = 0; t < k; ++t) {
+    int64_t best = -1;
+    for (int64_t i = 0; i < n; ++i) {
+      if (taken[size_t(i)] || (allowed && !allowed[i])) continue;
+      if (best < 0 || v[i] > v[best]) best = i;
+    }
+    if (best < 0) break;
+    taken[size_t(best)] = true;
+    out.push_back(best);
+  }
+}
+
+}  // namespace
+
+void moe_router_forward(int32_t* idx, float* weights, const float* logits, const float* bias, int64_t N, int64_t E,
+                        int64_t topk, Scoring scoring, TopkMethod method, int64_t n_group, int64_t topk_group,
+                        bool norm, float scale) {
+  const int64_t per_group = E / n_group;
+#pragma omp parallel
+  {
+    std::vector<float> score(static_cast<size_t>(E)), choice(static_cast<size_t>(E)), gscore(static_cast<size_t>(n_group));
+    std::unique_ptr<bool[]> allowed(new bool[size_t(E)]);
+    std::vector<int64_t> sel, gsel;
+#pragma omp for schedule(static)
+    for (int64_t n = 0; n < N; ++n) {
+      const float* lg = logits + n * E;
+      if (scoring == Scoring::Softmax) {
+        float mx = -INFINITY;
+        for (int64_t e = 0; e < E; ++e) mx = std::max(mx, lg[e]);
+        double den = 0;
+        for (int64_t e = 0; e < E; ++e) den += std::exp(double(lg[e]) - mx);
+        for (int64_t e = 0; e < E; ++e) score[size_t(e)] = float(std::exp(double(lg[e]) - mx) / den);
+      } else {
+        for (int64_t e = 0; e < E; ++e) score[size_t(e)] = 1.0f / (1.0f + std::exp(-lg[e]));
+      }
+      for (int64_t e = 0; e < E; ++e) choice[size_t(e)] = score[size_t(e)] + (bias ? bias[e] : 0.0f);
+      const bool* mask = nullptr;
+      if (method != TopkMethod::Greedy) {
+        for (int64_t g = 0; g < n_group; ++g) {
+          const float* c = choice.data() + g * per_group;
+          if (method == TopkMethod::GroupLimitedGreedy) {  // the group's best score
+            float m = c[0];
+            for (int64_t i = 1; i < per_group; ++i) m = std::max(m, c[i]);
+            gscore[size_t(g)] = m;
+          } else {  // noaux_tc: the sum of the group's two best (bias-corrected) scores
+            top_k(c, nullptr, per_group, 2, sel);
+            gscore[size_t(g)] = c[sel[0]] + c[sel[1]];
+          }
+        }
+        top_k(gscore.data(), nullptr, n_group, topk_group, gsel);
+        for (int64_t e = 0; e < E; ++e) allowed[size_t(e)] = false;
+        for (int64_t g : gsel)
+          for (int64_t i = 0; i < per_group; ++i) allowed[size_t(g * per_group + i)] = true;
+        mask = allowed.get();
+      }
+      top_k(choice.data(), mask, E, topk, sel);
+      std::sort(sel.begin(), sel.end());
+      float sum = 0;
+      for (int64_t e : sel) sum += score[size_t(e)];
+      const float den = norm ? sum + 1e-20f : 1.0f;
+      for (int64_t t = 0; t < topk; ++t) {
+        idx[n * topk + t] = int32_t(sel[size_t(t)]);
+        weights[n * topk + t] = score[size_t(sel[size_t(t)])] / den * scale;
+      }
+    }
+  }
+}
+
+void capture_rows(const Capture& cap, int layer_id, const float* x, int64_t N, int64_t H, const int64_t* dst) {
+  for (size_t i = 0; i < cap.layers.size(); ++i) {
+    if (cap.layers[i] != layer_id) continue;
+    const int64_t ld = cap.stride(i, H);
+    for (int64_t r = 0; r < N; ++r) {
+      const float* src = x + r * H;
+      if (cap.dtype == DType::F32) {
+        std::copy(src, src + H, static_cast<float*>(cap.out[i]) + dst[r] * ld);
+      } else {
+        uint16_t* d = static_cast<uint16_t*>(cap.out[i]) + dst[r] * ld;
+        for (int64_t c = 0; c < H; ++c) d[c] = f32_to_bf16(src[c]);
       }
     }
   }

@@ -10,6 +10,10 @@
 
 #include "util/dtype.h"
 
+namespace talon {
+struct Capture;
+}
+
 namespace talon::cpu {
 
 // out[N, O] = in[N, K] @ w[O, K]^T (+ bias[O]). `w` may be F32, BF16 or F16; it is
@@ -35,6 +39,38 @@ void rope_forward(float* x, const int32_t* pos, const float* inv_freq, int64_t N
 // window > 0 restricts keys to those with q_pos - k_pos < window.
 void attention_forward(float* out, const float* q, const float* k, const float* v, const int64_t* seq_start,
                        int64_t n_seqs, int64_t nh, int64_t nkv, int64_t hd, int64_t window);
+
+// RoPE on a strided sub-block (DeepSeek MLA: the rope part of each head). x points at the
+// first rope element of head 0 of row 0; head h of row n starts at x + n*row_stride +
+// h*head_stride and has `dim` rope values. interleaved: rotate adjacent pairs (2i, 2i+1)
+// by angle pos*inv_freq[i] (DeepSeek's layout); else the pairs (i, i + dim/2) (rotate_half).
+// cos and sin are multiplied by `attn_factor` (YaRN's magnitude scale; 1 otherwise).
+void rope_strided_forward(float* x, const int32_t* pos, const float* inv_freq, int64_t N, int64_t n_heads,
+                          int64_t row_stride, int64_t head_stride, int64_t dim, bool interleaved, float attn_factor);
+
+// Causal multi-head attention with different key and value widths (MLA after expansion).
+// out[N, nh*dv]; q, k[N, nh*dk]; v[N, nh*dv]; logits are q.k * scale.
+void attention_mha_forward(float* out, const float* q, const float* k, const float* v, const int64_t* seq_start,
+                           int64_t n_seqs, int64_t nh, int64_t dk, int64_t dv, float scale);
+
+// MoE router: picks `topk` of E experts per token from router logits[N, E] (fp32).
+//   scores = softmax(logits) or sigmoid(logits)
+//   greedy:               the top-k scores
+//   group_limited_greedy: experts of the topk_group groups with the largest max score
+//   noaux_tc:             choice = scores + bias; groups ranked by the sum of their top-2
+//                         choices; top-k choices within the kept groups
+// Weights are the chosen *scores* (the bias only steers selection), divided by their sum
+// (+1e-20) when `norm`, times `scale`. idx[N, topk] is sorted by expert id (the order the
+// MoE sums in); ties go to the lower expert id.
+enum class Scoring { Softmax, Sigmoid };
+enum class TopkMethod { Greedy, GroupLimitedGreedy, NoauxTc };
+void moe_router_forward(int32_t* idx, float* weights, const float* logits, const float* bias, int64_t N, int64_t E,
+                        int64_t topk, Scoring scoring, TopkMethod method, int64_t n_group, int64_t topk_group,
+                        bool norm, float scale);
+
+// Copies x[N, H] (the residual stream) to every capture slot of `layer_id`: batch row r
+// goes to output row dst[r], as fp32 or bf16 (Capture::dtype).
+void capture_rows(const Capture& cap, int layer_id, const float* x, int64_t N, int64_t H, const int64_t* dst);
 
 // out[n] = silu(gate[n]) * up[n].
 void swiglu_forward(float* out, const float* gate, const float* up, int64_t n);

@@ -154,6 +154,10 @@ class TpModel final : public Model {
 }  // namespace
 
 std::unique_ptr<Model> make_cuda_model(const Checkpoint& ckpt, const GpuOptions& go) {
+  // The CUDA backend implements the dense decoder family only (it binds dense weights).
+  TALON_CHECK(!is_deepseek(ckpt.config().arch),
+              "{}: the CUDA backend does not support {} models (MLA + MoE) yet; use --device cpu (the CPU "
+              "reference supports them)", ckpt.source(), arch_name(ckpt.config().arch));
   int n = 0;
   cudaError_t e = cudaGetDeviceCount(&n);
   if (e != cudaSuccess || n == 0)

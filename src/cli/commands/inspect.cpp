@@ -76,6 +76,23 @@ int inspect_model(const fs::path& p) {
                            c.vocab, c.tied_embeddings, c.qkv_bias, c.qk_norm);
   std::cout << fmt::format("  rope          theta={} type={} factor={}{}\n", c.rope.theta, c.rope.type, c.rope.factor,
                            c.rope.freq_factors.empty() ? "" : " (with per-frequency factors)");
+  if (is_deepseek(c.arch)) {
+    const DeepseekConfig& d = c.ds;
+    std::cout << fmt::format("  mla           q_lora_rank={} kv_lora_rank={} nope/rope/v={}/{}/{} softmax_scale={:.6g}{}\n",
+                             d.q_lora_rank, d.kv_lora_rank, d.qk_nope_head_dim, d.qk_rope_head_dim, d.v_head_dim,
+                             d.softmax_scale,
+                             c.rope.type == "yarn" ? fmt::format(" (yarn attention_factor={:.6g})", c.rope.attention_factor)
+                                                   : "");
+    std::cout << fmt::format("  moe           experts={} top{} shared={} I_moe={} dense_layers={} {}+{} groups={}/{} "
+                             "norm={} scale={}\n",
+                             d.n_routed_experts, d.num_experts_per_tok, d.n_shared_experts, d.moe_intermediate_size,
+                             d.first_k_dense_replace, d.scoring_func, d.topk_method, d.topk_group, d.n_group,
+                             d.norm_topk_prob, d.routed_scaling_factor);
+    if (!d.quant_method.empty())
+      std::cout << fmt::format("  quantization  {}{}\n", d.quant_method,
+                               d.quant_method == "fp8" ? fmt::format(" block {}x{}", d.fp8_block_out, d.fp8_block_in)
+                                                       : fmt::format(" int4 group {}", d.int4_group));
+  }
   std::cout << fmt::format("  config sha256 {}\n", c.hash());
   int64_t params = 0;
   for (auto& t : ck->tensors()) params += t.numel();

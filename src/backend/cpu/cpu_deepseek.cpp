@@ -1,0 +1,254 @@
+// The CPU reference forward for the DeepSeek-V2/V3 family (Kimi-K2 included): multi-head
+// latent attention (MLA) and mixture-of-experts MLPs, as transformers' DeepseekV2/V3
+// modeling code computes them. fp32 throughout; quantized weights (FP8 block, int4 groups)
+// are dequantized one matrix at a time into a scratch buffer right before their matmul.
+//
+// Per decoder layer (x = residual stream, h[l] = x on entry, as the dense model):
+//   xn = rmsnorm(x)
+//   q  = q_proj(xn)  or  q_b(rmsnorm_1e-6(q_a(xn)))             [N, nh, nope + rope]
+//   c  = kv_a(xn) = [ckv (kv_lora_rank) | k_pe (rope)]            one shared rope key
+//   kv = kv_b(rmsnorm_1e-6(ckv))                                  [N, nh, nope + v]
+//   RoPE (YaRN, cos/sin scaled by the attention factor) on q's rope part and on k_pe;
+//   k = [k_nope | k_pe] per head; softmax scale = qk^-0.5 * mscale(factor, mscale_all_dim)^2
+//   x += o_proj(attention(q, k, v))
+//   xn = rmsnorm(x)
+//   x += dense SwiGLU MLP (layers < first_k_dense_replace), else
+//        sum over the token's top-k routed experts e (by expert id) of w_e * expert_e(xn)
+//        + shared_experts(xn)
+// This is the "naive" expanded form of MLA (keys and values expanded per head); the
+// absorbed form that serving engines use computes the same function.
+//
+// RoPE layout: DeepSeek rotates adjacent pairs (x[2i], x[2i+1]) of the rope part.
+// transformers' DeepseekV2 does so in place (complex form); DeepseekV3 with
+// rope_interleave = true rotates the same pairs and writes them de-interleaved ([evens |
+// odds]) for both q and k, a permutation that leaves every q.k unchanged, so rotating in
+// place here is the same attention. rope_interleave = false rotates (i, i + rope/2).
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include "backend/cpu/ops.h"
+#include "model/deepseek.h"
+#include "model/model.h"
+#include "util/error.h"
+
+namespace talon {
+
+namespace {
+
+std::vector<float> to_f32(const WeightRef& w) {
+  if (!w.data) return {};
+  int64_t n = 1;
+  for (auto d : w.shape) n *= d;
+  std::vector<float> out(static_cast<size_t>(n));
+  convert_to_f32(w.dtype, w.data, out.data(), out.size());
+  return out;
+}
+
+// transformers builds q_a_layernorm / kv_a_layernorm with the RMSNorm default eps, not
+// the config's rms_norm_eps.
+constexpr float kLatentNormEps = 1e-6f;
+
+struct Layer {
+  std::vector<float> attn_norm, mlp_norm, q_a_norm, kv_a_norm, router_bias;
+  std::vector<float> router;  // [E, H] fp32 (transformers routes in fp32)
+  const DeepseekLayer* w;     // the linear weights (views into the checkpoint)
+};
+
+class CpuDeepseekModel final : public Model {
+ public:
+  explicit CpuDeepseekModel(const Checkpoint& ckpt) : cfg_(ckpt.config()), w_(bind_deepseek_weights(ckpt)) {
+    embed_ = w_.embed;
+    final_norm_ = to_f32(w_.final_norm);
+    lm_head_ = {QuantWeight::Kind::Plain, cfg_.vocab, cfg_.hidden, w_.lm_head, {}, 0, 0, 0};
+    for (auto& l : w_.layers) {
+      Layer L;
+      L.attn_norm = to_f32(l.attn_norm);
+      L.mlp_norm = to_f32(l.mlp_norm);
+      L.q_a_norm = to_f32(l.q_a_norm);
+      L.kv_a_norm = to_f32(l.kv_a_norm);
+      L.router = to_f32(l.router);
+      L.router_bias = to_f32(l.router_bias);
+      L.w = &l;
+      layers_.push_back(std::move(L));
+    }
+    inv_freq_ = rope_inv_freq(cfg_.rope, cfg_.ds.qk_rope_head_dim);
+  }
+
+  const ModelConfig& config() const override { return cfg_; }
+  std::string backend() const override { return "cpu"; }
+
+  void forward(const Batch& b, const Capture& cap, float* logits) override {
+    const ModelConfig& c = cfg_;
+    const DeepseekConfig& d = c.ds;
+    const int64_t N = b.n_tokens(), H = c.hidden, nh = c.n_heads;
+    const int64_t nope = d.qk_nope_head_dim, rope = d.qk_rope_head_dim, qk = d.qk_head_dim(), vd = d.v_head_dim;
+    const int64_t kvr = d.kv_lora_rank, K = d.num_experts_per_tok;
+    const float eps = float(c.rms_eps);
+    cap.validate(c.n_layers, b);
+
+    std::vector<int32_t> pos(static_cast<size_t>(N));
+    std::vector<int64_t> dst(static_cast<size_t>(N));
+    for (int64_t s = 0; s < b.n_seqs(); ++s)
+      for (int64_t r = b.seq_start[size_t(s)]; r < b.seq_start[size_t(s + 1)]; ++r) {
+        pos[size_t(r)] = int32_t(r - b.seq_start[size_t(s)]);
+        dst[size_t(r)] = cap.dst_row(b, s, r);
+      }
+
+    auto buf = [](int64_t n) { return std::vector<float>(static_cast<size_t>(n)); };
+    std::vector<float> x = buf(N * H), xn = buf(N * H), tmp = buf(N * H);
+    std::vector<float> qa = buf(N * std::max<int64_t>(d.q_lora_rank, 1)), q = buf(N * nh * qk);
+    std::vector<float> ckv = buf(N * (kvr + rope)), lat = buf(N * kvr), kv = buf(N * nh * (nope + vd));
+    std::vector<float> k = buf(N * nh * qk), v = buf(N * nh * vd), att = buf(N * nh * vd);
+    auto capture = [&](int64_t layer_id) { cpu::capture_rows(cap, int(layer_id), x.data(), N, H, dst.data()); };
+
+    cpu::embedding_forward(x.data(), b.tokens.data(), embed_.data, embed_.dtype, N, H, c.vocab);  // h[0]
+    for (int64_t l = 0; l < c.n_layers; ++l) {
+      capture(l);  // h[l]: the input of layer l
+      const Layer& L = layers_[size_t(l)];
+      const DeepseekLayer& W = *L.w;
+      // ---- MLA attention block
+      cpu::rmsnorm_forward(xn.data(), x.data(), L.attn_norm.data(), N, H, eps);
+      if (d.q_lora_rank > 0) {
+        linear(qa.data(), xn.data(), W.q_a, N);
+        cpu::rmsnorm_forward(qa.data(), qa.data(), L.q_a_norm.data(), N, d.q_lora_rank, kLatentNormEps);
+        linear(q.data(), qa.data(), W.q_b, N);
+      } else {
+        linear(q.data(), xn.data(), W.q_proj, N);
+      }
+      linear(ckv.data(), xn.data(), W.kv_a, N);  // [N, kvr + rope]
+      for (int64_t n = 0; n < N; ++n)
+        std::copy_n(ckv.data() + n * (kvr + rope), kvr, lat.data() + n * kvr);
+      cpu::rmsnorm_forward(lat.data(), lat.data(), L.kv_a_norm.data(), N, kvr, kLatentNormEps);
+      linear(kv.data(), lat.data(), W.kv_b, N);  // [N, nh, nope + v]
+      // RoPE on q's rope part (every head) and on the single shared k_pe.
+      const float af = float(c.rope.attention_factor);
+      cpu::rope_strided_forward(q.data() + nope, pos.data(), inv_freq_.data(), N, nh, nh * qk, qk, rope,
+                                d.rope_interleave, af);
+      cpu::rope_strided_forward(ckv.data() + kvr, pos.data(), inv_freq_.data(), N, 1, kvr + rope, 0, rope,
+                                d.rope_interleave, af);
+      // Expand: k[n, h] = [k_nope(n, h) | k_pe(n)], v[n, h] from kv_b's output.
+      for (int64_t n = 0; n < N; ++n)
+        for (int64_t h = 0; h < nh; ++h) {
+          const float* src = kv.data() + (n * nh + h) * (nope + vd);
+          float* kd = k.data() + (n * nh + h) * qk;
+          std::copy_n(src, nope, kd);
+          std::copy_n(ckv.data() + n * (kvr + rope) + kvr, rope, kd + nope);
+          std::copy_n(src + nope, vd, v.data() + (n * nh + h) * vd);
+        }
+      cpu::attention_mha_forward(att.data(), q.data(), k.data(), v.data(), b.seq_start.data(), b.n_seqs(), nh, qk, vd,
+                                 float(d.softmax_scale));
+      linear(tmp.data(), att.data(), W.o_proj, N);
+      cpu::residual_forward(x.data(), tmp.data(), N * H);
+      // ---- MLP block
+      cpu::rmsnorm_forward(xn.data(), x.data(), L.mlp_norm.data(), N, H, eps);
+      if (!W.moe) {
+        mlp(tmp.data(), xn.data(), W.dense, N);
+      } else {
+        moe(tmp.data(), xn.data(), L, N, K);
+      }
+      cpu::residual_forward(x.data(), tmp.data(), N * H);
+    }
+    capture(c.n_layers);  // h[L]: before the final norm
+    if (logits) {
+      cpu::rmsnorm_forward(xn.data(), x.data(), final_norm_.data(), N, H, eps);
+      linear(logits, xn.data(), lm_head_, N);
+    }
+  }
+
+ private:
+  // out[N, O] = in[N, I] @ w^T. Plain 4-byte-aligned weights are used in place; anything
+  // else (FP8, int4, misaligned F32) is dequantized into the scratch matrix first.
+  void linear(float* out, const float* in, const QuantWeight& w, int64_t N) {
+    const bool direct = w.kind == QuantWeight::Kind::Plain &&
+                        (w.w.dtype != DType::F32 || reinterpret_cast<uintptr_t>(w.w.data) % alignof(float) == 0);
+    if (direct) return cpu::matmul_forward(out, in, w.w.data, w.w.dtype, nullptr, N, w.cols, w.rows);
+    scratch_.resize(size_t(w.rows * w.cols));
+    const int64_t chunk = 16;
+#pragma omp parallel for schedule(static)
+    for (int64_t r0 = 0; r0 < w.rows; r0 += chunk)
+      dequantize_rows(w, r0, std::min(w.rows, r0 + chunk), scratch_.data() + r0 * w.cols);
+    cpu::matmul_forward(out, in, scratch_.data(), DType::F32, nullptr, N, w.cols, w.rows);
+  }
+
+  // out[N, H] = down(silu(gate(in)) * up(in)).
+  void mlp(float* out, const float* in, const DeepseekMlp& m, int64_t N) {
+    const int64_t I = m.gate.rows;
+    g_.resize(size_t(N * I));
+    u_.resize(size_t(N * I));
+    linear(g_.data(), in, m.gate, N);
+    linear(u_.data(), in, m.up, N);
+    cpu::swiglu_forward(g_.data(), g_.data(), u_.data(), N * I);
+    linear(out, g_.data(), m.down, N);
+  }
+
+  // out[N, H] = routed experts (weighted, summed in expert-id order per token) + shared.
+  void moe(float* out, const float* xn, const Layer& L, int64_t N, int64_t K) {
+    const ModelConfig& c = cfg_;
+    const DeepseekConfig& d = c.ds;
+    const int64_t H = c.hidden, E = d.n_routed_experts;
+    std::vector<float> rl(size_t(N * E)), wts(size_t(N * K));
+    std::vector<int32_t> idx(size_t(N * K));
+    cpu::matmul_forward(rl.data(), xn, L.router.data(), DType::F32, nullptr, N, H, E);
+    const auto scoring = d.scoring_func == "sigmoid" ? cpu::Scoring::Sigmoid : cpu::Scoring::Softmax;
+    const auto method = d.topk_method == "noaux_tc"               ? cpu::TopkMethod::NoauxTc
+                        : d.topk_method == "group_limited_greedy" ? cpu::TopkMethod::GroupLimitedGreedy
+                                                                  : cpu::TopkMethod::Greedy;
+    cpu::moe_router_forward(idx.data(), wts.data(), rl.data(), L.router_bias.empty() ? nullptr : L.router_bias.data(),
+                            N, E, K, scoring, method, d.n_group, d.topk_group, d.norm_topk_prob,
+                            float(d.routed_scaling_factor));
+    // Each expert runs on the rows routed to it; its output for (token n, slot t) lands in
+    // y[n, t], so the per-token sum below has a fixed order whatever the batch.
+    std::vector<float> y(size_t(N * K * H));
+    std::vector<int64_t> rows;
+    std::vector<float> xin, yout;
+    for (int64_t e = 0; e < E; ++e) {
+      rows.clear();
+      for (int64_t i = 0; i < N * K; ++i)
+        if (idx[size_t(i)] == e) rows.push_back(i);
+      if (rows.empty()) continue;
+      const int64_t n = int64_t(rows.size());
+      xin.resize(size_t(n * H));
+      yout.resize(size_t(n * H));
+      for (int64_t r = 0; r < n; ++r) std::copy_n(xn + (rows[size_t(r)] / K) * H, H, xin.data() + r * H);
+      mlp(yout.data(), xin.data(), L.w->experts[size_t(e)], n);
+      for (int64_t r = 0; r < n; ++r) std::copy_n(yout.data() + r * H, H, y.data() + rows[size_t(r)] * H);
+    }
+    // As transformers: routed contributions (w * expert output, in fp32) accumulated from
+    // zero in expert-id order, then the shared experts' output added.
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; ++n) {
+      float* o = out + n * H;
+      std::fill(o, o + H, 0.0f);
+      for (int64_t t = 0; t < K; ++t) {
+        const float w = wts[size_t(n * K + t)];
+        const float* src = y.data() + (n * K + t) * H;
+        for (int64_t i = 0; i < H; ++i) o[i] += src[i] * w;
+      }
+    }
+    if (!L.w->shared.gate.empty()) {
+      std::vector<float> sh(size_t(N * H));
+      mlp(sh.data(), xn, L.w->shared, N);
+      cpu::residual_forward(out, sh.data(), N * H);
+    }
+  }
+
+  ModelConfig cfg_;
+  DeepseekWeights w_;
+  WeightRef embed_;
+  QuantWeight lm_head_;
+  std::vector<float> final_norm_;
+  std::vector<Layer> layers_;
+  std::vector<float> inv_freq_;
+  std::vector<float> scratch_, g_, u_;  // dequantized matrix; MLP intermediates
+};
+
+}  // namespace
+
+std::unique_ptr<Model> make_cpu_deepseek_model(const Checkpoint& ckpt) {
+  TALON_CHECK(is_deepseek(ckpt.config().arch), "{}: not a DeepSeek-family model", ckpt.source());
+  return std::make_unique<CpuDeepseekModel>(ckpt);
+}
+
+}  // namespace talon

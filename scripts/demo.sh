@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The main job on the embedded default model: set up, build, fetch SmolLM2-135M-Instruct,
-# extract EAGLE-3 features for the built-in demo conversations, train a draft on them
-# (a short CPU run when there is no GPU), export it for vLLM and SGLang, and render the
-# training report.
+# regenerate the built-in demo conversations' answers with the model, tokenize them, extract
+# EAGLE-3 features, train a draft on them (a short CPU run when there is no GPU), export it
+# for vLLM and SGLang, render the training report, and measure the draft by real
+# speculative decoding on a few demo questions (talon eval).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh > /dev/null
@@ -10,11 +11,15 @@ cmake -S . -B build -DCMAKE_BUILD_TYPE=Release > /dev/null
 cmake --build build -j"$(nproc)" --target talon > /dev/null
 model=$(scripts/fetch_model.sh)
 out=${1:-out/demo}
-rm -rf "$out/tokens"   # prepare is cheap; extract below resumes or is a no-op if already done
-build/talon prepare --model "$model" --data examples/demo_chats.jsonl --out "$out/tokens"
-build/talon inspect "$out/tokens" --sample 0
 dev=cpu
 if build/talon gpus > /dev/null 2>&1 && nvidia-smi -L > /dev/null 2>&1; then dev=cuda; fi
+gdev=$dev; [ "$dev" = cuda ] && gdev=cuda:0
+# The target answers every user turn itself (a finished run is a no-op; a killed one resumes).
+build/talon generate --model "$model" --data examples/demo_chats.jsonl --out "$out/generated" --max-new-tokens 64 \
+  --device "$gdev"
+rm -rf "$out/tokens"   # prepare is cheap; extract below resumes or is a no-op if already done
+build/talon prepare --model "$model" --data "$out/generated/generated.jsonl" --out "$out/tokens"
+build/talon inspect "$out/tokens" --sample 0
 build/talon extract --model "$model" --data "$out/tokens" --out "$out/features" --device "$dev"
 build/talon inspect "$out/features"
 if [ "$dev" = cuda ]; then
@@ -28,5 +33,7 @@ rm -rf "$out/export-vllm" "$out/export-sglang"
 build/talon export --checkpoint "$out/train" --model "$model" --format speculators --out "$out/export-vllm"
 build/talon export --checkpoint "$out/train" --model "$model" --format sglang --out "$out/export-sglang"
 build/talon report --run "$out/train" --out "$out/train/report.html"
-echo "demo: tokens in $out/tokens, features in $out/features, draft in $out/train," \
-  "exports in $out/export-vllm and $out/export-sglang, report $out/train/report.html"
+build/talon eval --model "$model" --draft "$out/export-vllm" --data examples/demo_questions.jsonl --out "$out/eval" \
+  --max-new-tokens 32 --chain 3 --tree 4,4,12 --device "$gdev"
+echo "demo: answers in $out/generated, tokens in $out/tokens, features in $out/features, draft in $out/train," \
+  "exports in $out/export-vllm and $out/export-sglang, report $out/train/report.html, eval $out/eval/eval.html"

@@ -11,6 +11,15 @@
 
 namespace talon {
 
+std::vector<float> weight_to_f32(const WeightRef& w) {
+  if (!w.data) return {};
+  int64_t n = 1;
+  for (auto d : w.shape) n *= d;
+  std::vector<float> out(static_cast<size_t>(n));
+  convert_to_f32(w.dtype, w.data, out.data(), out.size());
+  return out;
+}
+
 using json = nlohmann::json;
 
 int64_t CkptTensor::numel() const {

@@ -30,6 +30,10 @@ struct WeightRef {
   std::vector<int64_t> shape;
 };
 
+// A weight as an owned fp32 vector (small tensors: norms, biases, router weights); empty
+// when the weight is absent.
+std::vector<float> weight_to_f32(const WeightRef& w);
+
 class Checkpoint {
  public:
   virtual ~Checkpoint() = default;

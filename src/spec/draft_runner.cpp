@@ -47,8 +47,9 @@ DraftModel load_draft(const fs::path& path, const Checkpoint& target) {
 struct DraftRunner::Impl {
   WeightRef embed;
   std::vector<float> inv;
-  std::vector<float> k0, v0;         // step-0 rows [len, kvd]
-  std::vector<float> kt, vt;         // tree rows [nodes, kvd]
+  // Keys and values [rows, kvd]: the step-0 rows (positions 0 .. len-1), then the tree rows
+  // (node i at row len + i), which clear_tree drops.
+  std::vector<float> k, v;
   std::vector<int32_t> tparent, tdepth;
 };
 
@@ -67,16 +68,17 @@ DraftRunner::~DraftRunner() = default;
 
 void DraftRunner::reset() {
   len_ = 0;
-  impl_->k0.clear();
-  impl_->v0.clear();
+  impl_->k.clear();
+  impl_->v.clear();
   clear_tree();
 }
 
 int64_t DraftRunner::tree_size() const { return int64_t(impl_->tparent.size()); }
 
 void DraftRunner::clear_tree() {
-  impl_->kt.clear();
-  impl_->vt.clear();
+  const int64_t kvd = m_.config.n_kv_heads * m_.config.head_dim;
+  impl_->k.resize(size_t(len_ * kvd));
+  impl_->v.resize(size_t(len_ * kvd));
   impl_->tparent.clear();
   impl_->tdepth.clear();
 }
@@ -94,9 +96,9 @@ void linear(std::vector<float>& out, const std::vector<float>& in, const std::ve
 // (tree?, row) pairs row r attends to. Writes hidden [N, H] and logits [N, Vd].
 void layer_forward(const eagle3::DraftConfig& c, const eagle3::DraftWeights& w, const std::vector<float>& inv,
                    const std::vector<float>& e, const std::vector<float>& g, const std::vector<int32_t>& pos,
+                   const std::vector<float>& kstore, const std::vector<float>& vstore,
                    const std::function<void(const float*, const float*)>& store,
-                   const std::function<void(int64_t, std::vector<const float*>&, std::vector<const float*>&)>& keys_of,
-                   float* hidden, float* logits) {
+                   const std::function<void(int64_t, std::vector<int64_t>&)>& keys_of, float* hidden, float* logits) {
   const int64_t N = int64_t(pos.size()), H = c.H, I = c.I, nh = c.n_heads, nkv = c.n_kv_heads, hd = c.head_dim;
   const int64_t qd = nh * hd, kvd = nkv * hd, grp = nh / nkv;
   const float eps = float(c.rms_eps);
@@ -114,29 +116,15 @@ void layer_forward(const eagle3::DraftConfig& c, const eagle3::DraftWeights& w, 
   store(k.data(), v.data());
   std::vector<float> att(size_t(N * qd));
   const float scale = 1.0f / std::sqrt(float(hd));
-  std::vector<const float*> ks, vs;
+  std::vector<int64_t> rows;
   std::vector<float> p;
+  std::vector<double> acc;
   for (int64_t r = 0; r < N; ++r) {
-    keys_of(r, ks, vs);
-    p.resize(ks.size());
+    keys_of(r, rows);
     for (int64_t h = 0; h < nh; ++h) {
-      const float* qr = q.data() + r * qd + h * hd;
       const int64_t kh = h / grp;
-      float mx = -INFINITY;
-      for (size_t j = 0; j < ks.size(); ++j) {
-        float d = 0;
-        for (int64_t i = 0; i < hd; ++i) d += qr[i] * ks[j][kh * hd + i];
-        p[j] = d * scale;
-        mx = std::max(mx, p[j]);
-      }
-      double den = 0;
-      for (auto& x : p) den += (x = std::exp(x - mx));
-      float* o = att.data() + r * qd + h * hd;
-      for (int64_t i = 0; i < hd; ++i) {
-        double a = 0;
-        for (size_t j = 0; j < vs.size(); ++j) a += double(p[j]) * vs[j][kh * hd + i];
-        o[i] = float(a / den);
-      }
+      cpu::attend_row(att.data() + r * qd + h * hd, q.data() + r * qd + h * hd, kstore.data() + kh * hd, kvd,
+                      vstore.data() + kh * hd, kvd, rows.data(), 0, int64_t(rows.size()), hd, hd, scale, p, acc);
     }
   }
   std::vector<float> o, g1(size_t(N * H)), hm(size_t(N * H));
@@ -176,19 +164,15 @@ void DraftRunner::extend(const int32_t* next_tokens, const float* aux, int64_t n
   for (int64_t i = 0; i < n; ++i) pos[size_t(i)] = int32_t(len_ + i);
   const int64_t base = len_;
   auto store = [&](const float* k, const float* v) {
-    impl_->k0.insert(impl_->k0.end(), k, k + n * kvd);
-    impl_->v0.insert(impl_->v0.end(), v, v + n * kvd);
+    impl_->k.insert(impl_->k.end(), k, k + n * kvd);
+    impl_->v.insert(impl_->v.end(), v, v + n * kvd);
   };
-  auto keys = [&](int64_t r, std::vector<const float*>& ks, std::vector<const float*>& vs) {
-    ks.clear();
-    vs.clear();
-    for (int64_t j = 0; j <= base + r; ++j) {
-      ks.push_back(impl_->k0.data() + j * kvd);
-      vs.push_back(impl_->v0.data() + j * kvd);
-    }
+  auto keys = [&](int64_t r, std::vector<int64_t>& rows) {  // step-0 rows 0 .. t (causal)
+    rows.resize(size_t(base + r + 1));
+    for (int64_t j = 0; j <= base + r; ++j) rows[size_t(j)] = j;
   };
   std::vector<float> hid(size_t(n * H)), lg(size_t(n * c.Vd));
-  layer_forward(c, m_.weights, impl_->inv, e, g, pos, store, keys, hid.data(), lg.data());
+  layer_forward(c, m_.weights, impl_->inv, e, g, pos, impl_->k, impl_->v, store, keys, hid.data(), lg.data());
   len_ += n;
   std::copy_n(hid.data() + (n - 1) * H, H, hidden_last);
   std::copy_n(lg.data() + (n - 1) * c.Vd, c.Vd, logits_last);
@@ -213,25 +197,18 @@ void DraftRunner::tree_step(const std::vector<int32_t>& tokens, const std::vecto
   std::vector<int32_t> pos(static_cast<size_t>(n));
   for (int64_t i = 0; i < n; ++i) pos[size_t(i)] = int32_t(len_ - 1 + impl_->tdepth[size_t(T0 + i)]);
   auto store = [&](const float* k, const float* v) {
-    impl_->kt.insert(impl_->kt.end(), k, k + n * kvd);
-    impl_->vt.insert(impl_->vt.end(), v, v + n * kvd);
+    impl_->k.insert(impl_->k.end(), k, k + n * kvd);
+    impl_->v.insert(impl_->v.end(), v, v + n * kvd);
   };
   std::vector<int64_t> chain;
-  auto keys = [&](int64_t r, std::vector<const float*>& ks, std::vector<const float*>& vs) {
-    ks.clear();
-    vs.clear();
-    for (int64_t j = 0; j < len_; ++j) {
-      ks.push_back(impl_->k0.data() + j * kvd);
-      vs.push_back(impl_->v0.data() + j * kvd);
-    }
+  auto keys = [&](int64_t r, std::vector<int64_t>& rows) {  // step-0 rows, then the node's ancestors and itself
+    rows.resize(size_t(len_));
+    for (int64_t j = 0; j < len_; ++j) rows[size_t(j)] = j;
     chain.clear();
-    for (int64_t a = T0 + r; a >= 0; a = impl_->tparent[size_t(a)]) chain.push_back(a);
-    for (auto it = chain.rbegin(); it != chain.rend(); ++it) {
-      ks.push_back(impl_->kt.data() + *it * kvd);
-      vs.push_back(impl_->vt.data() + *it * kvd);
-    }
+    for (int64_t a = T0 + r; a >= 0; a = impl_->tparent[size_t(a)]) chain.push_back(len_ + a);
+    rows.insert(rows.end(), chain.rbegin(), chain.rend());
   };
-  layer_forward(c, m_.weights, impl_->inv, e, g, pos, store, keys, hidden, logits);
+  layer_forward(c, m_.weights, impl_->inv, e, g, pos, impl_->k, impl_->v, store, keys, hidden, logits);
 }
 
 }  // namespace talon::spec

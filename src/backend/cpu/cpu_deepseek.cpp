@@ -37,14 +37,6 @@ namespace talon {
 
 namespace {
 
-std::vector<float> to_f32(const WeightRef& w) {
-  if (!w.data) return {};
-  int64_t n = 1;
-  for (auto d : w.shape) n *= d;
-  std::vector<float> out(static_cast<size_t>(n));
-  convert_to_f32(w.dtype, w.data, out.data(), out.size());
-  return out;
-}
 
 // transformers builds q_a_layernorm / kv_a_layernorm with the RMSNorm default eps, not
 // the config's rms_norm_eps.
@@ -60,16 +52,16 @@ class CpuDeepseekModel final : public Model {
  public:
   explicit CpuDeepseekModel(const Checkpoint& ckpt) : cfg_(ckpt.config()), w_(bind_deepseek_weights(ckpt)) {
     embed_ = w_.embed;
-    final_norm_ = to_f32(w_.final_norm);
+    final_norm_ = weight_to_f32(w_.final_norm);
     lm_head_ = {QuantWeight::Kind::Plain, cfg_.vocab, cfg_.hidden, w_.lm_head, {}, 0, 0, 0};
     for (auto& l : w_.layers) {
       Layer L;
-      L.attn_norm = to_f32(l.attn_norm);
-      L.mlp_norm = to_f32(l.mlp_norm);
-      L.q_a_norm = to_f32(l.q_a_norm);
-      L.kv_a_norm = to_f32(l.kv_a_norm);
-      L.router = to_f32(l.router);
-      L.router_bias = to_f32(l.router_bias);
+      L.attn_norm = weight_to_f32(l.attn_norm);
+      L.mlp_norm = weight_to_f32(l.mlp_norm);
+      L.q_a_norm = weight_to_f32(l.q_a_norm);
+      L.kv_a_norm = weight_to_f32(l.kv_a_norm);
+      L.router = weight_to_f32(l.router);
+      L.router_bias = weight_to_f32(l.router_bias);
       L.w = &l;
       layers_.push_back(std::move(L));
     }

@@ -16,15 +16,6 @@ namespace talon {
 
 namespace {
 
-// Small vectors (norms, biases) as owned fp32.
-std::vector<float> to_f32(const WeightRef& w) {
-  if (!w.data) return {};
-  int64_t n = 1;
-  for (auto d : w.shape) n *= d;
-  std::vector<float> out(static_cast<size_t>(n));
-  convert_to_f32(w.dtype, w.data, out.data(), out.size());
-  return out;
-}
 
 // Matrices stay where they are (mmap, zero-copy) unless an F32 view is misaligned.
 struct Mat {
@@ -36,7 +27,7 @@ struct Mat {
 Mat to_mat(const WeightRef& w) {
   Mat m{w.data, w.dtype, {}};
   if (w.dtype == DType::F32 && reinterpret_cast<uintptr_t>(w.data) % alignof(float) != 0) {
-    m.owned = to_f32(w);
+    m.owned = weight_to_f32(w);
     m.data = m.owned.data();
   }
   return m;
@@ -61,16 +52,16 @@ struct DenseStack {
     DenseWeights w = bind_dense_weights(ckpt);
     embed = to_mat(w.embed);
     lm_head = to_mat(w.lm_head);
-    final_norm = to_f32(w.final_norm);
+    final_norm = weight_to_f32(w.final_norm);
     for (auto& l : w.layers) {
       Layer L;
-      L.attn_norm = to_f32(l.attn_norm);
-      L.mlp_norm = to_f32(l.mlp_norm);
-      L.bq = to_f32(l.bq);
-      L.bk = to_f32(l.bk);
-      L.bv = to_f32(l.bv);
-      L.q_norm = to_f32(l.q_norm);
-      L.k_norm = to_f32(l.k_norm);
+      L.attn_norm = weight_to_f32(l.attn_norm);
+      L.mlp_norm = weight_to_f32(l.mlp_norm);
+      L.bq = weight_to_f32(l.bq);
+      L.bk = weight_to_f32(l.bk);
+      L.bv = weight_to_f32(l.bv);
+      L.q_norm = weight_to_f32(l.q_norm);
+      L.k_norm = weight_to_f32(l.k_norm);
       L.wq = to_mat(l.wq);
       L.wk = to_mat(l.wk);
       L.wv = to_mat(l.wv);
@@ -276,32 +267,10 @@ class CpuDecoder final : public Decoder {
           std::reverse(keys.begin() + std::ptrdiff_t(mark), keys.end());
           const float* K = s.k[size_t(l)].data();
           const float* Vv = s.v[size_t(l)].data();
-          p.resize(keys.size());
           for (int64_t h = 0; h < nh; ++h) {
-            const float* qr = q + r * qw + h * hd;
             const int64_t kh = h / group;
-            float mx = -INFINITY;
-            for (size_t j = 0; j < keys.size(); ++j) {
-              const float* kr = K + keys[j] * kvd + kh * hd;
-              float d = 0;
-              for (int64_t i = 0; i < hd; ++i) d += qr[i] * kr[i];
-              d *= scale;
-              p[j] = d;
-              mx = std::max(mx, d);
-            }
-            double den = 0;
-            for (auto& e : p) {
-              e = std::exp(e - mx);
-              den += e;
-            }
-            std::fill(acc.begin(), acc.end(), 0.0);
-            for (size_t j = 0; j < keys.size(); ++j) {
-              const float* vr = Vv + keys[j] * kvd + kh * hd;
-              const double w = p[j];
-              for (int64_t i = 0; i < hd; ++i) acc[size_t(i)] += w * vr[i];
-            }
-            float* o = att + r * qw + h * hd;
-            for (int64_t i = 0; i < hd; ++i) o[i] = float(acc[size_t(i)] / den);
+            cpu::attend_row(att + r * qw + h * hd, q + r * qw + h * hd, K + kh * hd, kvd, Vv + kh * hd, kvd, keys.data(), 0,
+                            int64_t(keys.size()), hd, hd, scale, p, acc);
           }
         }
       }
@@ -383,7 +352,7 @@ std::unique_ptr<Decoder> make_cpu_decoder(const Checkpoint& ckpt, int n_slots, i
 
 void Decoder::commit_all(int slot) {
   TALON_CHECK(slot >= 0 && size_t(slot) < pending_.size(), "decoder: slot {} outside [0, {})", slot, pending_.size());
-  std::vector<int32_t> keep(size_t(pending_[size_t(slot)]));
+  std::vector<int32_t> keep(static_cast<size_t>(pending_[size_t(slot)]));
   for (size_t i = 0; i < keep.size(); ++i) keep[i] = int32_t(i);
   commit(slot, keep);
 }

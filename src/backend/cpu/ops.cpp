@@ -150,6 +150,33 @@ void rope_forward(float* x, const int32_t* pos, const float* inv_freq, int64_t N
   }
 }
 
+void attend_row(float* out, const float* q, const float* k, int64_t k_stride, const float* v, int64_t v_stride,
+                const int64_t* rows, int64_t first, int64_t n, int64_t dk, int64_t dv, float scale,
+                std::vector<float>& p, std::vector<double>& acc) {
+  p.resize(size_t(n));
+  acc.assign(size_t(dv), 0.0);
+  float mx = -INFINITY;
+  for (int64_t j = 0; j < n; ++j) {
+    const float* kr = k + (rows ? rows[j] : first + j) * k_stride;
+    float d = 0;
+    for (int64_t i = 0; i < dk; ++i) d += q[i] * kr[i];
+    d *= scale;
+    p[size_t(j)] = d;
+    mx = std::max(mx, d);
+  }
+  double den = 0;
+  for (auto& e : p) {
+    e = std::exp(e - mx);
+    den += e;
+  }
+  for (int64_t j = 0; j < n; ++j) {
+    const float* vr = v + (rows ? rows[j] : first + j) * v_stride;
+    const double w = p[size_t(j)];
+    for (int64_t i = 0; i < dv; ++i) acc[size_t(i)] += w * vr[i];
+  }
+  for (int64_t i = 0; i < dv; ++i) out[i] = float(acc[size_t(i)] / den);
+}
+
 void attention_forward(float* out, const float* q, const float* k, const float* v, const int64_t* seq_start,
                        int64_t n_seqs, int64_t nh, int64_t nkv, int64_t hd, int64_t window) {
   const int64_t group = nh / nkv;
@@ -169,31 +196,9 @@ void attention_forward(float* out, const float* q, const float* k, const float* 
       for (int64_t h = 0; h < nh; ++h) {
         const int64_t s0 = seq_start[seq_of[size_t(r)]];
         const int64_t lo = window > 0 ? std::max(s0, r - window + 1) : s0;
-        const float* qr = q + r * qw + h * hd;
         const int64_t kh = h / group;
-        p.resize(size_t(r - lo + 1));
-        float mx = -INFINITY;
-        for (int64_t j = lo; j <= r; ++j) {
-          const float* kr = k + j * kw + kh * hd;
-          float d = 0;
-          for (int64_t i = 0; i < hd; ++i) d += qr[i] * kr[i];
-          d *= scale;
-          p[size_t(j - lo)] = d;
-          mx = std::max(mx, d);
-        }
-        double den = 0;
-        for (auto& e : p) {
-          e = std::exp(e - mx);
-          den += e;
-        }
-        std::fill(acc.begin(), acc.end(), 0.0);
-        for (int64_t j = lo; j <= r; ++j) {
-          const float* vr = v + j * kw + kh * hd;
-          const double w = p[size_t(j - lo)];
-          for (int64_t i = 0; i < hd; ++i) acc[size_t(i)] += w * vr[i];
-        }
-        float* o = out + r * qw + h * hd;
-        for (int64_t i = 0; i < hd; ++i) o[i] = float(acc[size_t(i)] / den);
+        attend_row(out + r * qw + h * hd, q + r * qw + h * hd, k + kh * hd, kw, v + kh * hd, kw, nullptr, lo, r - lo + 1,
+                   hd, hd, scale, p, acc);
       }
     }
   }
@@ -233,30 +238,8 @@ void attention_mha_forward(float* out, const float* q, const float* k, const flo
     for (int64_t r = 0; r < N; ++r) {
       for (int64_t h = 0; h < nh; ++h) {
         const int64_t lo = seq_start[seq_of[size_t(r)]];
-        const float* qr = q + (r * nh + h) * dk;
-        p.resize(size_t(r - lo + 1));
-        float mx = -INFINITY;
-        for (int64_t j = lo; j <= r; ++j) {
-          const float* kr = k + (j * nh + h) * dk;
-          float d = 0;
-          for (int64_t i = 0; i < dk; ++i) d += qr[i] * kr[i];
-          d *= scale;
-          p[size_t(j - lo)] = d;
-          mx = std::max(mx, d);
-        }
-        double den = 0;
-        for (auto& e : p) {
-          e = std::exp(e - mx);
-          den += e;
-        }
-        std::fill(acc.begin(), acc.end(), 0.0);
-        for (int64_t j = lo; j <= r; ++j) {
-          const float* vr = v + (j * nh + h) * dv;
-          const double w = p[size_t(j - lo)];
-          for (int64_t i = 0; i < dv; ++i) acc[size_t(i)] += w * vr[i];
-        }
-        float* o = out + (r * nh + h) * dv;
-        for (int64_t i = 0; i < dv; ++i) o[i] = float(acc[size_t(i)] / den);
+        attend_row(out + (r * nh + h) * dv, q + (r * nh + h) * dk, k + h * dk, nh * dk, v + h * dv, nh * dv, nullptr, lo,
+                   r - lo + 1, dk, dv, scale, p, acc);
       }
     }
   }

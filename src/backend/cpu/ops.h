@@ -7,6 +7,7 @@
 // how a batch is packed, so the same sample gives the same bits in any batch.
 #pragma once
 #include <cstdint>
+#include <vector>
 
 #include "util/dtype.h"
 
@@ -37,6 +38,16 @@ void rope_forward(float* x, const int32_t* pos, const float* inv_freq, int64_t N
 // out[N, nh*hd]; q[N, nh*hd]; k, v[N, nkv*hd]; sequence s covers rows
 // [seq_start[s], seq_start[s+1]). Query head h reads kv head h / (nh / nkv).
 // window > 0 restricts keys to those with q_pos - k_pos < window.
+// One query row of one head: out[dv] = sum_j softmax_j(scale * q . k_j) v_j over the keys
+// rows[0..n) (or, when rows is null, the rows first .. first+n-1) of k and v, whose rows are
+// k_stride / v_stride elements apart (pointers already at the head's offset). Scores in
+// fp32 in key order, softmax denominator and weighted sum in fp64. Every CPU attention
+// (packed, cached, tree, MLA, draft) computes a row through this, so they round alike.
+// p and acc are scratch (resized here).
+void attend_row(float* out, const float* q, const float* k, int64_t k_stride, const float* v, int64_t v_stride,
+                const int64_t* rows, int64_t first, int64_t n, int64_t dk, int64_t dv, float scale,
+                std::vector<float>& p, std::vector<double>& acc);
+
 void attention_forward(float* out, const float* q, const float* k, const float* v, const int64_t* seq_start,
                        int64_t n_seqs, int64_t nh, int64_t nkv, int64_t hd, int64_t window);
 

@@ -63,6 +63,21 @@ int64_t Capture::dst_row(const Batch& b, int64_t s, int64_t r) const {
   return seq_dst.empty() ? r : seq_dst[size_t(s)] + (r - b.seq_start[size_t(s)]);
 }
 
+std::vector<int64_t> Capture::dst_rows(const Batch& b) const {
+  std::vector<int64_t> dst(static_cast<size_t>(b.n_tokens()));
+  for (int64_t s = 0; s < b.n_seqs(); ++s)
+    for (int64_t r = b.seq_start[size_t(s)]; r < b.seq_start[size_t(s + 1)]; ++r) dst[size_t(r)] = dst_row(b, s, r);
+  return dst;
+}
+
+std::vector<int32_t> Batch::positions() const {
+  std::vector<int32_t> pos(static_cast<size_t>(n_tokens()));
+  for (int64_t s = 0; s < n_seqs(); ++s)
+    for (int64_t r = seq_start[size_t(s)]; r < seq_start[size_t(s + 1)]; ++r)
+      pos[size_t(r)] = int32_t(r - seq_start[size_t(s)]);
+  return pos;
+}
+
 std::shared_ptr<uint8_t> Model::host_buffer(size_t bytes) {
   return std::shared_ptr<uint8_t>(new uint8_t[bytes], std::default_delete<uint8_t[]>());
 }

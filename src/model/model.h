@@ -34,6 +34,8 @@ struct Batch {
   int64_t n_seqs() const { return int64_t(seq_start.size()) - 1; }
   void add(const int32_t* ids, int64_t n);
   void clear();
+  // Each token's position in its own sequence (RoPE positions restart at 0 per sequence).
+  std::vector<int32_t> positions() const;
 };
 
 // Hidden states to copy out during a forward: h[layers[i]] -> out[i], N rows of H
@@ -51,6 +53,8 @@ struct Capture {
   int64_t stride(size_t i, int64_t H) const { return ld.empty() ? H : ld[i]; }
   // Output row of batch row r in sequence s.
   int64_t dst_row(const Batch& b, int64_t s, int64_t r) const;
+  // dst_row of every batch row, in row order.
+  std::vector<int64_t> dst_rows(const Batch& b) const;
   // Throws unless layer ids are in [0, n_layers], sizes agree and the dtype is F32/BF16.
   void validate(int64_t n_layers) const;
   void validate(int64_t n_layers, const Batch& b) const;

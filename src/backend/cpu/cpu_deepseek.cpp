@@ -80,13 +80,8 @@ class CpuDeepseekModel final : public Model {
     const float eps = float(c.rms_eps);
     cap.validate(c.n_layers, b);
 
-    std::vector<int32_t> pos(static_cast<size_t>(N));
-    std::vector<int64_t> dst(static_cast<size_t>(N));
-    for (int64_t s = 0; s < b.n_seqs(); ++s)
-      for (int64_t r = b.seq_start[size_t(s)]; r < b.seq_start[size_t(s + 1)]; ++r) {
-        pos[size_t(r)] = int32_t(r - b.seq_start[size_t(s)]);
-        dst[size_t(r)] = cap.dst_row(b, s, r);
-      }
+    const std::vector<int32_t> pos = b.positions();
+    const std::vector<int64_t> dst = cap.dst_rows(b);
 
     auto buf = [](int64_t n) { return std::vector<float>(static_cast<size_t>(n)); };
     std::vector<float> x = buf(N * H), xn = buf(N * H), tmp = buf(N * H);

@@ -140,13 +140,8 @@ class CpuDenseModel final : public Model {
     const ModelConfig& c = w_.cfg;
     const int64_t N = b.n_tokens();
     cap.validate(c.n_layers, b);
-    std::vector<int32_t> pos(static_cast<size_t>(N));
-    std::vector<int64_t> dst(static_cast<size_t>(N));
-    for (int64_t s = 0; s < b.n_seqs(); ++s)
-      for (int64_t r = b.seq_start[size_t(s)]; r < b.seq_start[size_t(s + 1)]; ++r) {
-        pos[size_t(r)] = int32_t(r - b.seq_start[size_t(s)]);
-        dst[size_t(r)] = cap.dst_row(b, s, r);
-      }
+    const std::vector<int32_t> pos = b.positions();
+    const std::vector<int64_t> dst = cap.dst_rows(b);
     std::vector<int64_t> rows;
     if (logits)
       for (int64_t r = 0; r < N; ++r) rows.push_back(r);

@@ -326,15 +326,17 @@ std::vector<int32_t> decode_speculative(Decoder& target, int slot, DraftRunner& 
           }
         }
       } else {
-        // Children in score order (the tree lists each depth by selection order).
+        // Children in score order (the tree lists each depth by selection order). The
+        // residual's mass is kept up to date as rejected children leave it (one pass over V).
+        double mass = 0;
+        for (double x : p) mass += x;
         for (int32_t c : children[size_t(at)]) {
           const int32_t tok = req.tokens[size_t(c)];
-          double mass = 0;
-          for (double x : p) mass += x;
           if (p[size_t(tok)] > 0 && u() * mass < p[size_t(tok)]) {
             kept = c;
             break;
           }
+          mass -= p[size_t(tok)];
           p[size_t(tok)] = 0;
         }
       }

@@ -46,6 +46,11 @@ inline constexpr double kCudaTpRel = 2e-2;
 inline constexpr double kCudaDecodeRel = 1.5e-1;
 // Greedy agreement is only required where the fp32 top-2 logit gap exceeds this.
 inline constexpr double kCudaGreedyMargin = 0.5;
+// CUDA draft runner (one EAGLE-3 layer: bf16 weights, activations and draft KV cache, fp32
+// residual) vs the fp32 CPU runner on the same inputs, per output row relative to
+// max(1, the row's largest value), hidden states and draft logits. One layer against the
+// decoder's many, so tighter than kCudaDecodeRel; a wrong mask, position or cache row gives O(1).
+inline constexpr double kCudaDraftRel = 5e-2;
 
 // EAGLE-3 TTT forward (fp64 accumulation over fp32 weights) vs the PyTorch fp64 oracle:
 // only the RoPE frequencies differ (fp32 here, as transformers computes them, fp64 there).

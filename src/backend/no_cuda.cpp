@@ -1,6 +1,7 @@
 // Linked when the build has no CUDA compiler.
 #include "model/decode.h"
 #include "model/model.h"
+#include "spec/draft_backend.h"
 #include "train/draft_gpu.h"
 #include "util/error.h"
 
@@ -24,3 +25,9 @@ std::unique_ptr<GpuDraftTrainer> make_gpu_draft_trainer(const DraftConfig&, cons
   fail("this build has no CUDA backend (nvcc was not found when it was configured): train with --device cpu");
 }
 }  // namespace talon::eagle3
+
+namespace talon::spec {
+std::unique_ptr<DraftBackend> make_cuda_draft_backend(const DraftModel&, const Checkpoint&, int, int64_t) {
+  fail("this build has no CUDA backend (nvcc was not found when it was configured): run the draft with --device cpu");
+}
+}  // namespace talon::spec

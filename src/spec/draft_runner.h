@@ -35,12 +35,15 @@ DraftModel load_draft(const fs::path& path, const Checkpoint& target);
 class DraftRunner {
  public:
   // `target` supplies the frozen token embedding (kept by reference: it must outlive this).
-  DraftRunner(const DraftModel& m, const Checkpoint& target);
+  // device < 0: the fp32 CPU reference; else that GPU, with room for max_rows cached rows
+  // (step-0 rows plus one round's tree).
+  DraftRunner(const DraftModel& m, const Checkpoint& target, int device = -1, int64_t max_rows = 0);
   ~DraftRunner();
   DraftRunner(const DraftRunner&) = delete;
   DraftRunner& operator=(const DraftRunner&) = delete;
 
   const DraftModel& model() const { return m_; }
+  std::string backend() const;
   int64_t length() const { return len_; }  // step-0 rows cached
   void reset();
 

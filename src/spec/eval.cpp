@@ -100,9 +100,10 @@ std::string render_eval_html(const json& doc, const std::vector<EvalRow>& rows) 
                   "td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}th{background:#f4f4f4}"
                   "td:first-child,td:nth-child(2),td:nth-child(3){text-align:left}.chart{margin:12px 0}</style>"
                   "</head><body>\n<h1>Speculative decoding evaluation</h1>\n";
-  o += fmt::format("<p>target <code>{}</code>, draft <code>{}</code>, backend {}, max new tokens {}</p>\n",
-                   train::html_escape(doc["model"].get<std::string>()), train::html_escape(doc["draft"].get<std::string>()),
-                   train::html_escape(doc["backend"].get<std::string>()), doc["max_new_tokens"].get<int64_t>());
+  o += fmt::format("<p>target <code>{}</code> on {}, draft <code>{}</code> on {}, max new tokens {}</p>\n",
+                   train::html_escape(doc["model"].get<std::string>()),
+                   train::html_escape(doc["backend"].get<std::string>()), train::html_escape(doc["draft"].get<std::string>()),
+                   train::html_escape(doc.value("draft_backend", std::string("cpu"))), doc["max_new_tokens"].get<int64_t>());
   o += "<table><tr><th>T</th><th>config</th><th>category</th><th>turns</th><th>tau</th><th>tok/s</th>"
        "<th>baseline tok/s</th><th>speedup</th><th>greedy equal</th></tr>\n";
   for (const auto& r : rows)
@@ -172,7 +173,14 @@ EvalReport run_eval(const EvalOptions& opt) {
   const int64_t cache = opt.max_len + max_draft + 2;
   std::unique_ptr<Decoder> dec = dev.cuda ? make_cuda_decoder(*ckpt, dev.devices.empty() ? 0 : dev.devices[0], 1, cache)
                                           : make_cpu_decoder(*ckpt, 1, cache);
-  DraftRunner draft(dm, *ckpt);
+  int max_tree_rows = 0;  // draft rows one round adds above the step-0 rows
+  for (const auto& c : opt.configs)
+    max_tree_rows = std::max(max_tree_rows, c.mode == SpecConfig::Mode::Chain ? c.k : c.topk * c.depth);
+  const DeviceSpec ddev = opt.draft_device == "same" ? dev : parse_device(opt.draft_device);
+  TALON_CHECK(!ddev.cuda || ddev.devices.size() <= 1, "eval: --draft-device {}: one GPU", opt.draft_device);
+  DraftRunner draft(dm, *ckpt, ddev.cuda ? (ddev.devices.empty() ? 0 : ddev.devices[0]) : -1,
+                    cache + max_tree_rows + 1);
+  tlog::info("eval: target on {}, draft on {}", dec->backend(), draft.backend());
   const std::vector<int32_t> eos = eos_ids(*ct.tok, opt.model);
 
   // Questions, with their category.
@@ -291,6 +299,7 @@ EvalReport run_eval(const EvalOptions& opt) {
 
   EvalReport rep;
   rep.backend = dec->backend();
+  rep.draft_backend = draft.backend();
   for (auto& [k, r] : rows) rep.rows.push_back(r);
   // "all" last within each (temperature, config).
   std::stable_sort(rep.rows.begin(), rep.rows.end(), [](const EvalRow& a, const EvalRow& b) {
@@ -302,6 +311,7 @@ EvalReport run_eval(const EvalOptions& opt) {
               {"model", opt.model.string()},
               {"draft", dm.origin},
               {"backend", dec->backend()},
+              {"draft_backend", draft.backend()},
               {"max_new_tokens", opt.max_new_tokens},
               {"top_p", opt.top_p},
               {"top_k", opt.top_k},

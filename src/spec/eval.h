@@ -35,6 +35,7 @@ struct EvalOptions {
   int64_t limit = 0;      // conversations per input file (0: all)
   int64_t max_turns = 0;  // turns per conversation (0: all)
   std::string device = "cpu";
+  std::string draft_device = "same";  // cpu | cuda:N | same (the target's device)
 };
 
 struct EvalRow {
@@ -48,7 +49,7 @@ struct EvalRow {
 
 struct EvalReport {
   std::vector<EvalRow> rows;
-  std::string backend;
+  std::string backend, draft_backend;
   fs::path json_path, html_path;
 };
 

@@ -11,6 +11,7 @@
 #include "model/decode.h"
 #include "model/model.h"
 #include "spec/speculate.h"
+#include "tests/spec/random_draft.h"
 #include "tests/test_util.h"
 #include "tests/tolerances.h"
 #include "train/eagle3.h"
@@ -23,42 +24,6 @@ using namespace talon::testing;
 namespace {
 
 fs::path fixture(const std::string& name) { return fs::path(source_dir()) / "tests/fixtures/golden" / name; }
-
-// A random draft for `tc` (the target's sizes, a draft vocabulary of Vd ids): weights drawn
-// at `scale` / sqrt(fan_in), norms near 1, lm_head scaled by `head_scale` so its
-// distributions are peaked enough to be accepted sometimes.
-DraftModel random_draft(const ModelConfig& tc, int64_t Vd, uint32_t seed, double head_scale = 4.0) {
-  DraftModel m;
-  auto& c = m.config;
-  c.H = tc.hidden;
-  c.I = tc.intermediate;
-  c.n_heads = tc.n_heads;
-  c.n_kv_heads = tc.n_kv_heads;
-  c.head_dim = tc.head_dim;
-  c.V = tc.vocab;
-  c.Vd = Vd;
-  c.rms_eps = tc.rms_eps;
-  c.rope = tc.rope;
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> nd(0.f, 1.f);
-  const auto shapes = train::draft_weight_shapes(c);
-  auto named = m.weights.named();
-  for (size_t i = 0; i < named.size(); ++i) {
-    const auto& s = shapes[i];
-    int64_t n = 1;
-    for (auto d : s) n *= d;
-    named[i].second->resize(size_t(n));
-    const bool norm = s.size() == 1;
-    const double sc = norm ? 0.1 : (std::string(named[i].first) == "lm_head" ? head_scale : 1.0) / std::sqrt(double(s[1]));
-    for (auto& x : *named[i].second) x = norm ? 1.f + float(sc) * nd(rng) : float(sc) * nd(rng);
-  }
-  std::vector<int64_t> counts(size_t(c.V));
-  for (auto& x : counts) x = rng() % 50;
-  m.vocab = eagle3::build_draft_vocab(counts, Vd);
-  m.aux_layer_ids = {1, int64_t(tc.n_layers / 2), tc.n_layers};
-  m.origin = "random";
-  return m;
-}
 
 TEST(DraftRunner, TeacherForcedChainsEqualTheTrainingForward) {
   auto ck = open_checkpoint(fixture("llama_gqa"));

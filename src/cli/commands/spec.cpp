@@ -113,6 +113,8 @@ CLI::App* add_eval_subcommand(CLI::App& app, EvalCli& o) {
   c->add_option("--limit", e.limit, "Conversations per input file (0: all)")->capture_default_str();
   c->add_option("--max-turns", e.max_turns, "Turns per conversation (0: all)")->capture_default_str();
   c->add_option("--device", e.device, "cpu | cuda:N")->capture_default_str();
+  c->add_option("--draft-device", e.draft_device, "Where the draft runs: cpu | cuda:N | same (the target's device)")
+      ->capture_default_str();
   return c;
 }
 

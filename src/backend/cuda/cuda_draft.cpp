@@ -1,0 +1,237 @@
+// The EAGLE-3 draft layer on one GPU (spec/draft_backend.h): the CPU reference's steps
+// (spec/draft_runner.cpp) with bf16 weights, activations and cache, fp32 accumulation and
+// an fp32 residual stream. Attention runs the cached decoder's flash-decoding kernel
+// (decode_ops.h): the runner's rows are already in its convention, with one slot.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+
+#include "backend/cuda/check.h"
+#include "backend/cuda/decode_ops.h"
+#include "backend/cuda/ops.h"
+#include "backend/cuda/weights.h"
+#include "model/model.h"
+#include "spec/draft_backend.h"
+#include "spec/draft_runner.h"
+#include "util/dtype.h"
+#include "util/error.h"
+#include "util/log.h"
+
+namespace talon::spec {
+
+namespace {
+
+using cuda::bf16;
+using cuda::DecodeRow;
+using cuda::DeviceArena;
+
+// Host fp32 -> device bf16, the parts concatenated (row-major blocks stacked in order).
+bf16* upload(DeviceArena& arena, std::initializer_list<const std::vector<float>*> parts) {
+  size_t n = 0;
+  for (const auto* p : parts) n += p->size();
+  std::vector<uint16_t> b(n);
+  size_t at = 0;
+  for (const auto* p : parts)
+    for (float f : *p) b[at++] = f32_to_bf16(f);
+  bf16* d = arena.alloc<bf16>(n);
+  CUDA_CHECK(cudaMemcpy(d, b.data(), n * 2, cudaMemcpyHostToDevice));
+  return d;
+}
+
+class CudaDraftBackend final : public DraftBackend {
+ public:
+  CudaDraftBackend(const DraftModel& m, const Checkpoint& target, int device, int64_t max_rows)
+      : c_(m.config), device_(device), max_rows_(max_rows) {
+    const auto& c = c_;
+    TALON_CHECK(max_rows > 0, "draft: the GPU cache needs max_rows > 0 (got {})", max_rows);
+    int n_dev = 0;
+    CUDA_CHECK(cudaGetDeviceCount(&n_dev));
+    TALON_CHECK(device >= 0 && device < n_dev, "draft: cuda:{} does not exist ({} devices)", device, n_dev);
+    CUDA_CHECK(cudaSetDevice(device_));
+    CUDA_CHECK(cudaDeviceGetAttribute(&n_sms_, cudaDevAttrMultiProcessorCount, device_));
+    const auto& w = m.weights;
+    fc_ = upload(arena_, {&w.fc});
+    in_ln_ = upload(arena_, {&w.in_ln});
+    hidden_norm_ = upload(arena_, {&w.hidden_norm});
+    wqkv_ = upload(arena_, {&w.wq, &w.wk, &w.wv});
+    wo_ = upload(arena_, {&w.wo});
+    post_ln_ = upload(arena_, {&w.post_ln});
+    wgu_ = upload(arena_, {&w.gate, &w.up});
+    wdown_ = upload(arena_, {&w.down});
+    norm_ = upload(arena_, {&w.norm});
+    lm_head_ = upload(arena_, {&w.lm_head});
+    const std::string name = "model.embed_tokens.weight";
+    const CkptTensor* t = target.find(name);
+    TALON_CHECK(t, "{}: no tensor '{}' (the draft shares the target's token embedding)", target.source(), name);
+    const WeightRef e = target.weight(*t);
+    TALON_CHECK(e.shape.size() == 2 && e.shape[0] == c.V && e.shape[1] == c.H, "{}: '{}' is not [{}, {}]",
+                target.source(), name, c.V, c.H);
+    embed_ = arena_.alloc<bf16>(size_t(c.V * c.H));
+    if (e.dtype == DType::BF16) {
+      CUDA_CHECK(cudaMemcpy(embed_, e.data, size_t(c.V * c.H) * 2, cudaMemcpyHostToDevice));
+    } else {
+      const std::vector<float> f = weight_to_f32(e);
+      std::vector<uint16_t> b(f.size());
+      for (size_t i = 0; i < f.size(); ++i) b[i] = f32_to_bf16(f[i]);
+      CUDA_CHECK(cudaMemcpy(embed_, b.data(), b.size() * 2, cudaMemcpyHostToDevice));
+    }
+    const std::vector<float> inv = rope_inv_freq(c.rope, c.head_dim);
+    inv_freq_ = arena_.alloc<float>(inv.size());
+    CUDA_CHECK(cudaMemcpy(inv_freq_, inv.data(), inv.size() * 4, cudaMemcpyHostToDevice));
+    const int64_t kvd = c.n_kv_heads * c.head_dim;
+    kc_ = arena_.alloc<bf16>(size_t(max_rows * kvd));
+    vc_ = arena_.alloc<bf16>(size_t(max_rows * kvd));
+    CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+    gemm_ = std::make_unique<cuda::Gemm>();
+    tlog::debug("cuda:{}: draft layer on the GPU, {:.1f} MiB with a cache of {} rows", device_,
+                double(arena_.bytes()) / double(1 << 20), max_rows);
+  }
+
+  ~CudaDraftBackend() override {
+    cudaSetDevice(device_);
+    if (stream_) cudaStreamSynchronize(stream_);
+    acts_.reset();
+    gemm_.reset();
+    if (stream_) cudaStreamDestroy(stream_);
+  }
+
+  std::string name() const override { return "cuda:" + std::to_string(device_); }
+
+  void truncate(int64_t) override {}  // rows are addressed by index; nothing to free
+
+  void forward(const int32_t* tokens, const float* in, bool from_aux, const DraftRows& dr, bool last_only,
+               float* hidden, float* logits) override {
+    CUDA_CHECK(cudaSetDevice(device_));
+    const auto& c = c_;
+    const int64_t N = dr.size(), H = c.H, I = c.I, nh = c.n_heads, nkv = c.n_kv_heads, hd = c.head_dim;
+    const int64_t qd = nh * hd, ld = qd + 2 * nkv * hd, Vd = c.Vd;
+    const float eps = float(c.rms_eps);
+    if (N == 0) return;
+    std::vector<DecodeRow> rows(static_cast<size_t>(N));
+    int64_t max_keys = 0;
+    for (int64_t r = 0; r < N; ++r) {
+      const int32_t end = dr.end[size_t(r)];
+      TALON_CHECK(end >= 1 && end <= max_rows_, "draft: row {} goes to cache row {}, outside the GPU cache of {} rows", r,
+                  end - 1, max_rows_);
+      TALON_CHECK(tokens[r] >= 0 && tokens[r] < c.V, "draft: token id {} (row {}) outside the vocabulary [0, {})",
+                  tokens[r], r, c.V);
+      rows[size_t(r)] = DecodeRow{0, 0, dr.len[size_t(r)], end, dr.mask[size_t(r)]};
+      max_keys = std::max<int64_t>(max_keys, end);
+    }
+    const int64_t T = cuda::kDecodeTile, n_tiles = (max_keys + T - 1) / T;
+    int64_t splits = std::clamp<int64_t>((4 * n_sms_ + N * nkv - 1) / (N * nkv), 1, std::max<int64_t>(1, n_tiles));
+    const int64_t split_len = (n_tiles + splits - 1) / splits * T;
+    splits = std::max<int64_t>(1, (max_keys + split_len - 1) / split_len);
+    ensure_acts(N, N * nh * splits * (hd + 2), int64_t(dr.masks.size()));
+    Acts& a = *acts_;
+    cudaStream_t s = stream_;
+    const int64_t in_w = from_aux ? 3 * H : H;
+    CUDA_CHECK(cudaMemcpyAsync(a.ids, tokens, size_t(N) * 4, cudaMemcpyHostToDevice, s));
+    CUDA_CHECK(cudaMemcpyAsync(a.pos, dr.pos.data(), size_t(N) * 4, cudaMemcpyHostToDevice, s));
+    CUDA_CHECK(cudaMemcpyAsync(a.rows, rows.data(), size_t(N) * sizeof(DecodeRow), cudaMemcpyHostToDevice, s));
+    if (!dr.masks.empty())
+      CUDA_CHECK(cudaMemcpyAsync(a.masks, dr.masks.data(), dr.masks.size() * 8, cudaMemcpyHostToDevice, s));
+    CUDA_CHECK(cudaMemcpyAsync(a.in, in, size_t(N * in_w) * 4, cudaMemcpyHostToDevice, s));
+    // Input: [norm(embedding) | norm(g)], g = fc(aux) or the parent's hidden state.
+    cuda::embedding_forward(a.e, a.ids, embed_, N, H, c.V, s);
+    cuda::add_rmsnorm_forward(a.en, a.e, nullptr, in_ln_, N, H, eps, s);
+    if (from_aux) {
+      cuda::f32_to_bf16(a.aux, a.in, N * 3 * H, s);
+      gemm_->forward(a.tmp, a.aux, fc_, N, 3 * H, H, s);
+      cuda::bf16_to_f32(a.x, a.tmp, N * H, s);
+    } else {
+      CUDA_CHECK(cudaMemcpyAsync(a.x, a.in, size_t(N * H) * 4, cudaMemcpyDeviceToDevice, s));
+    }
+    cuda::add_rmsnorm_forward(a.gn, a.x, nullptr, hidden_norm_, N, H, eps, s);
+    CUDA_CHECK(cudaMemcpy2DAsync(a.xin, size_t(2 * H) * 2, a.en, size_t(H) * 2, size_t(H) * 2, size_t(N),
+                                 cudaMemcpyDeviceToDevice, s));
+    CUDA_CHECK(cudaMemcpy2DAsync(a.xin + H, size_t(2 * H) * 2, a.gn, size_t(H) * 2, size_t(H) * 2, size_t(N),
+                                 cudaMemcpyDeviceToDevice, s));
+    // Attention over the cache.
+    gemm_->forward(a.qkv, a.xin, wqkv_, N, 2 * H, ld, s);
+    cuda::rope_forward(a.qkv, ld, a.pos, inv_freq_, N, nh, hd, s);
+    cuda::rope_forward(a.qkv + qd, ld, a.pos, inv_freq_, N, nkv, hd, s);
+    cuda::kv_cache_write(kc_, vc_, a.qkv, ld, a.rows, N, nh, nkv, hd, max_rows_, s);
+    cuda::decode_attention(a.att, a.part, a.qkv, ld, kc_, vc_, a.rows, a.masks, N, nh, nkv, hd, max_rows_, splits,
+                           split_len, s);
+    gemm_->forward(a.tmp, a.att, wo_, N, qd, H, s);
+    if (c.norm_before_residual) cuda::bf16_to_f32(a.x, a.gn, N * H, s);
+    cuda::add_rmsnorm_forward(a.hm, a.x, a.tmp, post_ln_, N, H, eps, s);
+    // MLP, then the final norm and the draft-vocabulary head.
+    gemm_->forward(a.gu, a.hm, wgu_, N, H, 2 * I, s);
+    cuda::swiglu_forward(a.act, a.gu, N, I, s);
+    gemm_->forward(a.tmp, a.act, wdown_, N, I, H, s);
+    cuda::add_rmsnorm_forward(a.hm, a.x, a.tmp, norm_, N, H, eps, s);
+    const int64_t first = last_only ? N - 1 : 0, n_out = N - first;
+    gemm_->forward(a.lg, a.hm + first * H, lm_head_, n_out, H, Vd, s);
+    cuda::bf16_to_f32(a.lg32, a.lg, n_out * Vd, s);
+    CUDA_CHECK(cudaMemcpyAsync(hidden, a.x + first * H, size_t(n_out * H) * 4, cudaMemcpyDeviceToHost, s));
+    CUDA_CHECK(cudaMemcpyAsync(logits, a.lg32, size_t(n_out * Vd) * 4, cudaMemcpyDeviceToHost, s));
+    CUDA_CHECK(cudaStreamSynchronize(s));
+  }
+
+ private:
+  struct Acts {
+    DeviceArena arena;
+    int64_t n = 0, n_part = 0, n_masks = 0;
+    float *in, *e, *x, *part, *lg32;
+    bf16 *aux, *en, *gn, *xin, *qkv, *att, *tmp, *hm, *gu, *act, *lg;
+    int32_t *ids, *pos;
+    DecodeRow* rows;
+    uint64_t* masks;
+  };
+
+  void ensure_acts(int64_t N, int64_t part, int64_t n_masks) {
+    if (acts_ && acts_->n >= N && acts_->n_part >= part && acts_->n_masks >= n_masks) return;
+    const int64_t n = std::max<int64_t>({N, acts_ ? acts_->n : 0, 1});
+    const int64_t np = std::max<int64_t>({part, acts_ ? acts_->n_part : 0, 1});
+    const int64_t nm = std::max<int64_t>({n_masks, acts_ ? acts_->n_masks : 0, 1});
+    const auto& c = c_;
+    const int64_t H = c.H, qd = c.n_heads * c.head_dim, ld = qd + 2 * c.n_kv_heads * c.head_dim;
+    acts_.reset();
+    auto a = std::make_unique<Acts>();
+    a->in = a->arena.alloc<float>(size_t(n * 3 * H));
+    a->e = a->arena.alloc<float>(size_t(n * H));
+    a->x = a->arena.alloc<float>(size_t(n * H));
+    a->part = a->arena.alloc<float>(size_t(np));
+    a->lg32 = a->arena.alloc<float>(size_t(n * c.Vd));
+    a->aux = a->arena.alloc<bf16>(size_t(n * 3 * H));
+    a->en = a->arena.alloc<bf16>(size_t(n * H));
+    a->gn = a->arena.alloc<bf16>(size_t(n * H));
+    a->xin = a->arena.alloc<bf16>(size_t(n * 2 * H));
+    a->qkv = a->arena.alloc<bf16>(size_t(n * ld));
+    a->att = a->arena.alloc<bf16>(size_t(n * qd));
+    a->tmp = a->arena.alloc<bf16>(size_t(n * H));
+    a->hm = a->arena.alloc<bf16>(size_t(n * H));
+    a->gu = a->arena.alloc<bf16>(size_t(n * 2 * c.I));
+    a->act = a->arena.alloc<bf16>(size_t(n * c.I));
+    a->lg = a->arena.alloc<bf16>(size_t(n * c.Vd));
+    a->ids = a->arena.alloc<int32_t>(size_t(n));
+    a->pos = a->arena.alloc<int32_t>(size_t(n));
+    a->rows = a->arena.alloc<DecodeRow>(size_t(n));
+    a->masks = a->arena.alloc<uint64_t>(size_t(nm));
+    a->n = n, a->n_part = np, a->n_masks = nm;
+    acts_ = std::move(a);
+  }
+
+  eagle3::DraftConfig c_;
+  int device_;
+  int64_t max_rows_;
+  int n_sms_ = 1;
+  cudaStream_t stream_ = nullptr;
+  DeviceArena arena_;
+  std::unique_ptr<cuda::Gemm> gemm_;
+  bf16 *fc_, *in_ln_, *hidden_norm_, *wqkv_, *wo_, *post_ln_, *wgu_, *wdown_, *norm_, *lm_head_, *embed_;
+  float* inv_freq_;
+  bf16 *kc_, *vc_;
+  std::unique_ptr<Acts> acts_;
+};
+
+}  // namespace
+
+std::unique_ptr<DraftBackend> make_cuda_draft_backend(const DraftModel& m, const Checkpoint& target, int device,
+                                                      int64_t max_rows) {
+  return std::make_unique<CudaDraftBackend>(m, target, device, max_rows);
+}
+
+}  // namespace talon::spec

@@ -1,0 +1,50 @@
+// Internal to the draft runner (draft_runner.h): where the EAGLE-3 draft layer's arithmetic
+// runs. The runner keeps the bookkeeping (step-0 rows, tree parents and depths) on the host
+// and describes each forward as rows in the cached decoder's convention
+// (backend/cuda/decode_ops.h), so the CPU reference and the CUDA backend read one
+// description of who attends to whom:
+//
+// * row r's key and value are stored at cache row end[r] - 1;
+// * row r attends to cache rows [0, len[r]) always, and to rows j in [len[r], end[r]) if
+//   mask[r] < 0 (a chain), else if bit (j - len[r]) of the words at masks[mask[r] ...] is set.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "model/checkpoint.h"
+
+namespace talon::spec {
+
+struct DraftModel;
+
+struct DraftRows {
+  std::vector<int32_t> pos, len, end, mask;
+  std::vector<uint64_t> masks;
+  int64_t size() const { return int64_t(pos.size()); }
+};
+
+class DraftBackend {
+ public:
+  virtual ~DraftBackend() = default;
+  virtual std::string name() const = 0;
+  // One forward of the draft layer over rows.size() rows. tokens: target ids of the rows.
+  // in: fp32 [N, 3H] target aux states (through fc) when from_aux, else [N, H] input hidden
+  // states. Outputs hidden [N, H] and logits [N, Vd]; with last_only, only the last row's
+  // ([H] and [Vd]).
+  virtual void forward(const int32_t* tokens, const float* in, bool from_aux, const DraftRows& rows, bool last_only,
+                       float* hidden, float* logits) = 0;
+  // Drops every cached row at or above n.
+  virtual void truncate(int64_t n) = 0;
+};
+
+// The fp32 reference.
+std::unique_ptr<DraftBackend> make_cpu_draft_backend(const DraftModel& m, const Checkpoint& target);
+
+// On one GPU: bf16 weights and cache, fp32 accumulation and residual, a cache of max_rows
+// rows allocated up front. Throws when the build has no CUDA backend.
+std::unique_ptr<DraftBackend> make_cuda_draft_backend(const DraftModel& m, const Checkpoint& target, int device,
+                                                      int64_t max_rows);
+
+}  // namespace talon::spec

@@ -1,0 +1,218 @@
+// The CUDA draft runner against the CPU one (spec/draft_runner.h), and speculative decoding
+// with the target and the draft both on the GPU against target-only greedy decoding on the
+// GPU. Skips without a GPU.
+//
+// Runner: the same step-0 rows (several extends, a prompt at once and single rows) and trees
+// of up to 80 nodes (masks wider than one 64-bit word) go through both; every hidden state
+// and logit row is compared, the tree inputs taken from the CPU so errors do not compound.
+// After clear_tree, new step-0 rows and a new tree overwrite the old tree's cache rows.
+//
+// Greedy: bf16 GEMMs of different shapes (one token vs a verified tree) can flip a near-tie,
+// so a speculative output may leave the target-only one only at a token where the fp32 CPU
+// reference's logits of the two tokens are closer than kCudaGreedyMargin (checked on the
+// common prefix); anywhere else the outputs must be equal.
+#include <gtest/gtest.h>
+
+#ifdef TALON_HAVE_CUDA
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <random>
+
+#include "model/decode.h"
+#include "model/model.h"
+#include "model/random_checkpoint.h"
+#include "spec/speculate.h"
+#include "tests/spec/random_draft.h"
+#include "tests/test_util.h"
+#include "tests/tolerances.h"
+
+using namespace talon;
+using namespace talon::spec;
+using namespace talon::testing;
+
+namespace {
+
+bool have_gpu() {
+  int n = 0;
+  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
+}
+#define REQUIRE_GPU() \
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device on this machine"
+
+fs::path fixture(const std::string& name) { return fs::path(source_dir()) / "tests/fixtures/golden" / name; }
+
+// Fixtures, plus random targets with real head sizes (64 and 128).
+std::vector<std::pair<std::string, std::shared_ptr<Checkpoint>>> targets() {
+  std::vector<std::pair<std::string, std::shared_ptr<Checkpoint>>> out;
+  for (const std::string fx : {"llama_gqa", "qwen3"}) out.emplace_back(fx, open_checkpoint(fixture(fx)));
+  for (const int64_t hd : {64, 128}) {
+    ModelConfig c;
+    c.arch = Arch::Llama;
+    c.n_layers = 3, c.hidden = 256, c.intermediate = 512, c.vocab = 700, c.head_dim = hd;
+    c.n_heads = hd == 64 ? 8 : 4, c.n_kv_heads = 2, c.rms_eps = 1e-5, c.max_position = 4096;
+    out.emplace_back("random hd " + std::to_string(hd), make_random_checkpoint(c, 0.2f, uint64_t(hd)));
+  }
+  return out;
+}
+
+TEST(CudaDraft, RunnerMatchesTheCpuRunner) {
+  REQUIRE_GPU();
+  int variant = 0;
+  for (const auto& [name, ck] : targets()) {
+    const ModelConfig& tc = ck->config();
+    DraftModel m = random_draft(tc, tc.vocab / 2 + 3, 7 + variant);
+    m.config.norm_before_residual = variant++ % 2 == 1;
+    const int64_t H = tc.hidden, V = tc.vocab, Vd = m.config.Vd;
+    DraftRunner cpu(m, *ck), gpu(m, *ck, 0, 400);
+    EXPECT_EQ(gpu.backend(), "cuda:0");
+    std::mt19937 rng(11);
+    std::normal_distribution<float> nd(0.f, 1.f);
+    double worst_h = 0, worst_l = 0;
+    auto compare = [&](const std::vector<float>& hc, const std::vector<float>& hg, const std::vector<float>& lc,
+                       const std::vector<float>& lg, int64_t rows, const std::string& what) {
+      for (int64_t r = 0; r < rows; ++r) {
+        const double eh = rel_err(hg.data() + r * H, hc.data() + r * H, size_t(H));
+        const double el = rel_err(lg.data() + r * Vd, lc.data() + r * Vd, size_t(Vd));
+        EXPECT_LE(eh, tol::kCudaDraftRel) << name << " " << what << " row " << r << " hidden";
+        EXPECT_LE(el, tol::kCudaDraftRel) << name << " " << what << " row " << r << " logits";
+        worst_h = std::max(worst_h, eh);
+        worst_l = std::max(worst_l, el);
+      }
+    };
+    auto extend = [&](int64_t n, const std::string& what) {
+      std::vector<int32_t> toks(static_cast<size_t>(n));
+      for (auto& t : toks) t = int32_t(rng() % uint32_t(V));
+      std::vector<float> aux(size_t(n * 3 * H));
+      for (auto& x : aux) x = nd(rng);
+      std::vector<float> hc(static_cast<size_t>(H)), hg(hc.size()), lc(static_cast<size_t>(Vd)), lg(lc.size());
+      cpu.extend(toks.data(), aux.data(), n, hc.data(), lc.data());
+      gpu.extend(toks.data(), aux.data(), n, hg.data(), lg.data());
+      compare(hc, hg, lc, lg, 1, what);
+      return hc;
+    };
+    // A tree of `depths` levels of `width` nodes, each node's parent drawn from the level above.
+    auto tree = [&](const std::vector<float>& root_hidden, int depths, int width, const std::string& what) {
+      std::vector<std::vector<float>> hid;  // per node, from the CPU
+      std::vector<int32_t> level;
+      for (int d = 0; d < depths; ++d) {
+        std::vector<int32_t> toks, pars, ids;
+        std::vector<float> ph;
+        for (int i = 0; i < width; ++i) {
+          const int32_t par = level.empty() ? -1 : level[rng() % level.size()];
+          toks.push_back(int32_t(rng() % uint32_t(V)));
+          pars.push_back(par);
+          const auto& h = par < 0 ? root_hidden : hid[size_t(par)];
+          ph.insert(ph.end(), h.begin(), h.end());
+        }
+        const int64_t base = cpu.tree_size();
+        ASSERT_EQ(gpu.tree_size(), base);
+        std::vector<float> hc(size_t(width * H)), hg(hc.size()), lc(size_t(width * Vd)), lg(lc.size());
+        cpu.tree_step(toks, pars, ph.data(), hc.data(), lc.data());
+        gpu.tree_step(toks, pars, ph.data(), hg.data(), lg.data());
+        compare(hc, hg, lc, lg, width, what + " depth " + std::to_string(d + 1));
+        level.clear();
+        for (int i = 0; i < width; ++i) {
+          hid.emplace_back(hc.begin() + i * H, hc.begin() + (i + 1) * H);
+          level.push_back(int32_t(base + i));
+        }
+      }
+    };
+    extend(37, "prefill");
+    extend(1, "one row");
+    const auto g = extend(5, "five rows");
+    tree(g, 10, 8, "tree of 80");
+    cpu.clear_tree();
+    gpu.clear_tree();
+    const auto g2 = extend(3, "after the tree");
+    tree(g2, 3, 5, "second tree");
+    // A chain as the runner drafts one: single nodes below each other.
+    cpu.clear_tree();
+    gpu.clear_tree();
+    tree(extend(1, "before the chain"), 6, 1, "chain");
+    std::printf("cuda draft %s: worst rel err hidden %.4f, logits %.4f\n", name.c_str(), worst_h, worst_l);
+  }
+}
+
+TEST(CudaDraft, BadRequestsAreRefused) {
+  REQUIRE_GPU();
+  auto ck = open_checkpoint(fixture("llama_gqa"));
+  const ModelConfig& tc = ck->config();
+  DraftModel m = random_draft(tc, 16, 3);
+  DraftRunner gpu(m, *ck, 0, 8);
+  std::vector<float> aux(size_t(10 * 3 * tc.hidden)), h(size_t(tc.hidden)), l(16);
+  std::vector<int32_t> toks(10, 1);
+  EXPECT_NE(error_of([&] { gpu.extend(toks.data(), aux.data(), 10, h.data(), l.data()); }).find("GPU cache of 8 rows"),
+            std::string::npos);
+  toks[0] = int32_t(tc.vocab);
+  EXPECT_NE(error_of([&] { gpu.extend(toks.data(), aux.data(), 1, h.data(), l.data()); }).find("outside the vocabulary"),
+            std::string::npos);
+  EXPECT_NE(error_of([] { DraftRunner bad(random_draft(open_checkpoint(fixture("llama_gqa"))->config(), 16, 3),
+                                          *open_checkpoint(fixture("llama_gqa")), 99, 8); })
+                .find("cuda:99"),
+            std::string::npos);
+}
+
+TEST(CudaDraft, GreedySpeculationEqualsTargetOnlyGreedyOnTheGpu) {
+  REQUIRE_GPU();
+  int equal = 0, ties = 0, runs = 0;
+  for (const std::string fx : {"llama_gqa", "qwen3"}) {
+    auto ck = open_checkpoint(fixture(fx));
+    const ModelConfig& tc = ck->config();
+    auto dec = make_cuda_decoder(*ck, 0, 1, 256);
+    auto ref = make_cpu_decoder(*ck, 1, 256);
+    DraftModel m = random_draft(tc, tc.vocab / 2, 21);
+    DraftRunner run(m, *ck, 0, 256 + 64);
+    SamplingParams greedy;
+    GenLimits lim;
+    lim.max_new_tokens = 40;
+    std::vector<SpecConfig> cfgs(4);
+    cfgs[0].k = 1;
+    cfgs[1].k = 4;
+    cfgs[2].mode = cfgs[3].mode = SpecConfig::Mode::Tree;
+    cfgs[2].depth = 4, cfgs[2].topk = 4, cfgs[2].tree_tokens = 12;
+    cfgs[3].depth = 3, cfgs[3].topk = 16, cfgs[3].tree_tokens = 40;
+    std::mt19937 rng(4);
+    DecodeStats tree_stats;
+    std::vector<float> logits(static_cast<size_t>(tc.vocab));
+    for (int prompt_i = 0; prompt_i < 4; ++prompt_i) {
+      std::vector<int32_t> prompt(size_t(3 + prompt_i * 5));
+      for (auto& x : prompt) x = int32_t(rng() % uint32_t(tc.vocab));
+      const auto want = decode_plain(*dec, 0, prompt, greedy, 0, lim);
+      ASSERT_EQ(int64_t(want.size()), lim.max_new_tokens);
+      for (const auto& cfg : cfgs) {
+        DecodeStats st;
+        const auto got = decode_speculative(*dec, 0, run, prompt, cfg, greedy, 0, lim, &st);
+        ++runs;
+        if (cfg.mode == SpecConfig::Mode::Tree) tree_stats.add(st);
+        size_t i = 0;
+        while (i < got.size() && i < want.size() && got[i] == want[i]) ++i;
+        if (i == want.size() && got.size() == want.size()) {
+          ++equal;
+          continue;
+        }
+        ASSERT_LT(i, std::min(got.size(), want.size())) << fx << " " << cfg.name() << ": lengths differ";
+        // The first difference must be a near-tie of the fp32 reference on the common prefix.
+        std::vector<int32_t> seq = prompt;
+        seq.insert(seq.end(), want.begin(), want.begin() + std::ptrdiff_t(i));
+        ref->reset(0);
+        ref->forward({{0, seq, {}, false}}, {}, logits.data());
+        const double gap = std::fabs(double(logits[size_t(want[i])]) - double(logits[size_t(got[i])]));
+        EXPECT_LT(gap, tol::kCudaGreedyMargin)
+            << fx << " prompt " << prompt_i << " " << cfg.name() << ": token " << i << " is " << got[i]
+            << " instead of " << want[i] << ", fp32 logits apart by " << gap;
+        ++ties;
+      }
+    }
+    int64_t acc = 0;
+    for (auto a : tree_stats.accepted) acc += a;
+    EXPECT_GT(acc, 0) << fx;
+    EXPECT_GT(tree_stats.tau(), 1.0) << fx;
+  }
+  std::printf("cuda speculative greedy: %d/%d runs equal, %d left at an fp32 near-tie\n", equal, runs, ties);
+  EXPECT_GE(equal, runs / 2);
+}
+
+}  // namespace
+#endif  // TALON_HAVE_CUDA

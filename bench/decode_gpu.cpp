@@ -4,12 +4,19 @@
 // a real checkpoint with --model. Slot contexts are set without computing them
 // (cuda::decoder_assume_length): the cache holds a constant fill, which costs the
 // attention the same reads as real keys.
+// With --draft-vocab > 0, also the EAGLE-3 draft layer of that shape on the GPU (random
+// weights, the target's sizes): one step-0 row and tree steps of 1, 8 and 10 nodes at this
+// context, and the batch-1 speedup those costs and the verify costs allow at a given mean
+// acceptance length tau: tau x (one-token step) / (verify + draft steps of one round).
 //   talon_bench_decode [--shape llama3-8b|smollm2] [--model PATH] [--context 2048]
-//                      [--batches 1,32,256] [--steps 16] [--tree 32]
+//                      [--batches 1,32,256] [--steps 16] [--tree 32] [--draft-vocab 32000]
 #include <cuda_runtime.h>
 
 #include <CLI/CLI.hpp>
 #include <chrono>
+#include <cmath>
+#include <functional>
+#include <map>
 #include <cstdio>
 #include <random>
 
@@ -17,6 +24,8 @@
 #include "model/checkpoint.h"
 #include "model/decode.h"
 #include "model/random_checkpoint.h"
+#include "spec/draft_runner.h"
+#include "train/export.h"
 #include "util/error.h"
 
 using namespace talon;
@@ -39,6 +48,32 @@ ModelConfig shape_config(const std::string& shape) {
   return c;
 }
 
+// A random EAGLE-3 draft with the target's sizes: uniform weights of variance 1/fan_in from a
+// fast generator (the 8B shape has 425M of them), norms 1.
+spec::DraftModel random_draft(const ModelConfig& tc, int64_t Vd) {
+  spec::DraftModel m;
+  auto& c = m.config;
+  c.H = tc.hidden, c.I = tc.intermediate, c.n_heads = tc.n_heads, c.n_kv_heads = tc.n_kv_heads;
+  c.head_dim = tc.head_dim, c.V = tc.vocab, c.Vd = std::min(Vd, tc.vocab), c.rms_eps = tc.rms_eps, c.rope = tc.rope;
+  const auto shapes = train::draft_weight_shapes(c);
+  auto named = m.weights.named();
+  uint64_t x = 88172645463325252ull;
+  for (size_t i = 0; i < named.size(); ++i) {
+    int64_t n = 1;
+    for (auto d : shapes[i]) n *= d;
+    named[i].second->resize(size_t(n));
+    const float a = shapes[i].size() == 1 ? 0.f : float(std::sqrt(3.0 / double(shapes[i][1])));
+    for (auto& w : *named[i].second) {
+      x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+      w = shapes[i].size() == 1 ? 1.f : a * (float(x >> 40) / float(1 << 24) * 2.f - 1.f);
+    }
+  }
+  std::vector<int64_t> counts(size_t(c.V), 1);
+  m.vocab = eagle3::build_draft_vocab(counts, c.Vd);
+  m.aux_layer_ids = {2, tc.n_layers / 2, tc.n_layers - 3};
+  return m;
+}
+
 double now() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
 
 }  // namespace
@@ -46,7 +81,7 @@ double now() { return std::chrono::duration<double>(std::chrono::steady_clock::n
 int main(int argc, char** argv) {
   CLI::App app{"Cached decoding throughput on one GPU (make_cuda_decoder)"};
   std::string shape = "llama3-8b", model_path;
-  int64_t context = 2048, steps = 16, tree = 32;
+  int64_t context = 2048, steps = 16, tree = 32, draft_vocab = 0;
   std::vector<int> batches{1, 32, 256};
   app.add_option("--shape", shape, "random weights of this shape")->capture_default_str();
   app.add_option("--model", model_path, "a real checkpoint instead (HF directory or .gguf)");
@@ -54,6 +89,8 @@ int main(int argc, char** argv) {
   app.add_option("--batches", batches, "slots decoding at once")->delimiter(',');
   app.add_option("--steps", steps, "timed steps per batch size")->capture_default_str();
   app.add_option("--tree", tree, "tree size per slot for the verification case (0: skip)")->capture_default_str();
+  app.add_option("--draft-vocab", draft_vocab, "time an EAGLE-3 draft layer with this draft vocabulary (0: skip)")
+      ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
   try {
     const double t0 = now();
@@ -120,6 +157,7 @@ int main(int argc, char** argv) {
       // k+1, or a random tree of N) against one token, at this context; logits to the host.
       std::printf("verify cost at batch 1, context %lld (median of 9):\n", (long long)context);
       double one = 0;
+      std::map<std::pair<int64_t, int>, double> verify_ms;  // (tokens, chain) -> ms
       for (int64_t n : {1, 2, 4, 6, 8, 16, 32, 64}) {
         if (n > max_len - context) break;
         for (int chain = 1; chain >= 0; --chain) {
@@ -141,8 +179,74 @@ int main(int argc, char** argv) {
           std::sort(ts.begin() + 2, ts.end());
           const double med = ts[2 + 4];
           if (n == 1) one = med;
+          verify_ms[{n, chain}] = med * 1e3;
           std::printf("  %-5s %3lld tokens: %7.3f ms  (%.2fx one token)\n", chain ? "chain" : "tree", (long long)n,
                       med * 1e3, med / one);
+        }
+      }
+      if (draft_vocab > 0) {
+        // The draft layer at this context: step-0 rows for the context, then timed steps.
+        const double d0 = now();
+        const spec::DraftModel dm = random_draft(c, draft_vocab);
+        spec::DraftRunner run(dm, *ck, 0, context + 256);
+        std::printf("draft layer (H %lld, I %lld, Vd %lld) on the GPU, context %lld (setup %.1fs), median of 9:\n",
+                    (long long)dm.config.H, (long long)dm.config.I, (long long)dm.config.Vd, (long long)context,
+                    now() - d0);
+        const int64_t H = c.hidden;
+        std::vector<float> aux(size_t(context * 3 * H), 0.01f), hid(size_t(16 * H), 0.01f), ph(size_t(16 * H), 0.01f);
+        std::vector<int32_t> ids(static_cast<size_t>(context));
+        for (auto& t : ids) t = tok();
+        spec::DraftTop top;
+        top.k = 8;
+        run.extend(ids.data(), aux.data(), context - 1, hid.data(), nullptr, &top);
+        auto median = [&](const std::function<void()>& f) {
+          std::vector<double> ts;
+          for (int i = 0; i < 11; ++i) {
+            const double a = now();
+            f();
+            ts.push_back(now() - a);
+          }
+          std::sort(ts.begin() + 2, ts.end());
+          return ts[6] * 1e3;
+        };
+        std::vector<double> ext_ts;  // one more step-0 row on the full context, 9 times
+        for (int i = 0; i < 9; ++i) {
+          const double a = now();
+          run.extend(ids.data(), aux.data(), 1, hid.data(), nullptr, &top);
+          ext_ts.push_back(now() - a);
+        }
+        std::sort(ext_ts.begin(), ext_ts.end());
+        const double ext_ms = ext_ts[4] * 1e3;
+        std::map<int, double> step_ms;
+        for (int n : {1, 8, 10}) {
+          std::vector<int32_t> t(static_cast<size_t>(n)), par(static_cast<size_t>(n), -1);
+          for (auto& v : t) v = tok();
+          step_ms[n] = median([&] {
+            run.tree_step(t, par, ph.data(), hid.data(), nullptr, &top);
+            run.clear_tree();
+          });
+        }
+        std::printf("  step-0 row %.3f ms; tree step of 1 node %.3f ms, 8 nodes %.3f ms, 10 nodes %.3f ms\n", ext_ms,
+                    step_ms[1], step_ms[8], step_ms[10]);
+        // Batch-1 speedup a mean acceptance length tau would give (draft and verify as timed):
+        // chain k: verify k+1 tokens, draft one step-0 row and k-1 one-node steps per round;
+        // tree (depth 6, top-8, 32 nodes): verify a 32-token tree (the 33rd, the pending token,
+        // left out), one step-0 row and 5 steps of 8 nodes.
+        std::printf("  projected batch-1 speedup = tau x %.3f ms / round:\n", one * 1e3);
+        auto vms = [&](int64_t n, int chain) {
+          auto it = verify_ms.find({n, chain});
+          return it == verify_ms.end() ? -1.0 : it->second;
+        };
+        struct Cfg { const char* name; double round; };
+        const std::vector<Cfg> cfgs = {
+            {"chain-3", vms(4, 1) + ext_ms + 2 * step_ms[1]},
+            {"chain-5", vms(6, 1) + ext_ms + 4 * step_ms[1]},
+            {"chain-7", vms(8, 1) + ext_ms + 6 * step_ms[1]},
+            {"tree d6 k8 n32", vms(32, 0) + ext_ms + 5 * step_ms[8]}};
+        for (const auto& cf : cfgs) {
+          std::printf("    %-15s round %.3f ms:", cf.name, cf.round);
+          for (double tau : {1.5, 2.0, 3.0, 4.0, 5.0, 6.0}) std::printf("  tau %.1f -> %.2fx", tau, tau * one * 1e3 / cf.round);
+          std::printf("\n");
         }
       }
     }

@@ -31,13 +31,17 @@ class DraftBackend {
   virtual std::string name() const = 0;
   // One forward of the draft layer over rows.size() rows. tokens: target ids of the rows.
   // in: fp32 [N, 3H] target aux states (through fc) when from_aux, else [N, H] input hidden
-  // states. Outputs hidden [N, H] and logits [N, Vd]; with last_only, only the last row's
-  // ([H] and [Vd]).
+  // states. Outputs hidden [N, H], and logits [N, Vd] unless null; with last_only, only the
+  // last row's ([H] and [Vd]). With top_k > 0 also, per output row, the top_k draft ids
+  // (descending logit, ties to the lower id) and their log-softmax values [rows, top_k].
   virtual void forward(const int32_t* tokens, const float* in, bool from_aux, const DraftRows& rows, bool last_only,
-                       float* hidden, float* logits) = 0;
+                       float* hidden, float* logits, int top_k, int32_t* top_ids, float* top_lp) = 0;
   // Drops every cached row at or above n.
   virtual void truncate(int64_t n) = 0;
 };
+
+// The top_k ids and log-softmax values of one row of n logits (the CPU's arithmetic: fp64 sums).
+void top_logsoftmax(const float* logits, int64_t n, int k, int32_t* ids, float* lp);
 
 // The fp32 reference.
 std::unique_ptr<DraftBackend> make_cpu_draft_backend(const DraftModel& m, const Checkpoint& target);

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <functional>
+#include <numeric>
 
 #include "backend/cpu/ops.h"
 #include "model/model.h"
@@ -78,7 +79,7 @@ class CpuDraftBackend final : public DraftBackend {
   }
 
   void forward(const int32_t* tokens, const float* in, bool from_aux, const DraftRows& rows, bool last_only,
-               float* hidden, float* logits) override {
+               float* hidden, float* logits, int top_k, int32_t* top_ids, float* top_lp) override {
     const auto& c = c_;
     const auto& w = w_;
     const int64_t N = rows.size(), H = c.H, I = c.I, nh = c.n_heads, nkv = c.n_kv_heads, hd = c.head_dim;
@@ -149,7 +150,14 @@ class CpuDraftBackend final : public DraftBackend {
     std::copy_n(hid.data() + first * H, n_out * H, hidden);
     std::vector<float> fn(size_t(n_out * H));
     cpu::rmsnorm_forward(fn.data(), hidden, w.norm.data(), n_out, H, eps);
+    std::vector<float> own;
+    if (!logits) {
+      own.resize(size_t(n_out * c.Vd));
+      logits = own.data();
+    }
     cpu::matmul_forward(logits, fn.data(), w.lm_head.data(), DType::F32, nullptr, n_out, H, c.Vd);
+    for (int64_t r = 0; r < n_out && top_k > 0; ++r)
+      top_logsoftmax(logits + r * c.Vd, c.Vd, top_k, top_ids + r * top_k, top_lp + r * top_k);
   }
 
  private:
@@ -161,6 +169,22 @@ class CpuDraftBackend final : public DraftBackend {
 };
 
 }  // namespace
+
+void top_logsoftmax(const float* x, int64_t n, int k, int32_t* ids, float* lp) {
+  double mx = -INFINITY;
+  for (int64_t i = 0; i < n; ++i) mx = std::max(mx, double(x[i]));
+  double z = 0;
+  for (int64_t i = 0; i < n; ++i) z += std::exp(double(x[i]) - mx);
+  const double lz = mx + std::log(z);
+  std::vector<int32_t> idx(static_cast<size_t>(n));
+  std::iota(idx.begin(), idx.end(), 0);
+  std::partial_sort(idx.begin(), idx.begin() + k, idx.end(),
+                    [&](int32_t a, int32_t b) { return x[a] > x[b] || (x[a] == x[b] && a < b); });
+  for (int i = 0; i < k; ++i) {
+    ids[i] = idx[size_t(i)];
+    lp[i] = float(double(x[idx[size_t(i)]]) - lz);
+  }
+}
 
 std::unique_ptr<DraftBackend> make_cpu_draft_backend(const DraftModel& m, const Checkpoint& target) {
   return std::make_unique<CpuDraftBackend>(m, target);
@@ -196,8 +220,19 @@ void DraftRunner::clear_tree() {
   impl_->tdepth.clear();
 }
 
+namespace {
+// Sizes `top` for `rows` output rows; returns its k (0 without one).
+int prepare_top(DraftTop* top, int64_t rows, int64_t Vd) {
+  if (!top) return 0;
+  TALON_CHECK(top->k > 0 && top->k <= Vd, "draft: top-k of {} over a draft vocabulary of {}", top->k, Vd);
+  top->ids.resize(size_t(rows * top->k));
+  top->logprob.resize(size_t(rows * top->k));
+  return top->k;
+}
+}  // namespace
+
 void DraftRunner::extend(const int32_t* next_tokens, const float* aux, int64_t n, float* hidden_last,
-                         float* logits_last) {
+                         float* logits_last, DraftTop* top) {
   TALON_CHECK(n > 0, "draft: extend with no rows");
   TALON_CHECK(tree_size() == 0, "draft: extend with {} tree rows pending (clear_tree first)", tree_size());
   DraftRows rows;  // step-0 rows: causal over the step-0 rows before them
@@ -207,12 +242,14 @@ void DraftRunner::extend(const int32_t* next_tokens, const float* aux, int64_t n
     rows.end.push_back(int32_t(len_ + i + 1));
     rows.mask.push_back(-1);
   }
-  impl_->be->forward(next_tokens, aux, true, rows, true, hidden_last, logits_last);
+  const int k = prepare_top(top, 1, m_.config.Vd);
+  impl_->be->forward(next_tokens, aux, true, rows, true, hidden_last, logits_last, k, k ? top->ids.data() : nullptr,
+                     k ? top->logprob.data() : nullptr);
   len_ += n;
 }
 
 void DraftRunner::tree_step(const std::vector<int32_t>& tokens, const std::vector<int32_t>& parents,
-                            const float* parent_hidden, float* hidden, float* logits) {
+                            const float* parent_hidden, float* hidden, float* logits, DraftTop* top) {
   const int64_t n = int64_t(tokens.size()), T0 = tree_size();
   TALON_CHECK(len_ > 0, "draft: tree_step before any step-0 row");
   TALON_CHECK(int64_t(parents.size()) == n && n > 0, "draft: tree_step with {} tokens and {} parents", n,
@@ -236,7 +273,9 @@ void DraftRunner::tree_step(const std::vector<int32_t>& tokens, const std::vecto
     for (int32_t a = t; a >= 0; a = impl_->tparent[size_t(a)])
       rows.masks[size_t(rows.mask.back() + a / 64)] |= uint64_t(1) << (a % 64);
   }
-  impl_->be->forward(tokens.data(), parent_hidden, false, rows, false, hidden, logits);
+  const int k = prepare_top(top, n, m_.config.Vd);
+  impl_->be->forward(tokens.data(), parent_hidden, false, rows, false, hidden, logits, k,
+                     k ? top->ids.data() : nullptr, k ? top->logprob.data() : nullptr);
 }
 
 }  // namespace talon::spec

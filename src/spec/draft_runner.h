@@ -32,6 +32,16 @@ struct DraftModel {
 // format). Checked against the target: hidden size, vocabulary, layer ids.
 DraftModel load_draft(const fs::path& path, const Checkpoint& target);
 
+// What a drafter needs of each output row instead of (or beside) its logits: the k draft
+// ids of largest logit (descending, ties to the lower id) and their log-probabilities under
+// the draft distribution (log-softmax over the draft vocabulary). On a GPU this saves
+// copying and scanning the logits on the host.
+struct DraftTop {
+  int k = 0;
+  std::vector<int32_t> ids;     // [rows, k]
+  std::vector<float> logprob;   // [rows, k]
+};
+
 class DraftRunner {
  public:
   // `target` supplies the frozen token embedding (kept by reference: it must outlive this).
@@ -49,15 +59,16 @@ class DraftRunner {
 
   // Appends n step-0 rows: next_tokens[i] = x[t+1] and aux[i] = concat of the target's aux
   // states at t = length() + i, fp32 [n, 3H]. Outputs the last row's hidden state [H] and
-  // its draft-vocabulary logits [Vd].
-  void extend(const int32_t* next_tokens, const float* aux, int64_t n, float* hidden_last, float* logits_last);
+  // its draft-vocabulary logits [Vd] (unless logits_last is null); top, if given, for that row.
+  void extend(const int32_t* next_tokens, const float* aux, int64_t n, float* hidden_last, float* logits_last,
+              DraftTop* top = nullptr);
 
   // One draft step over tree nodes: node i has token tokens[i] (a target id) and parent
   // parents[i] (an earlier tree node, or -1: the last step-0 row). parent_hidden[i] is that
   // parent's hidden state. Appends the nodes to the tree; outputs hidden [n, H] and logits
-  // [n, Vd]. Node ids are assigned in order from tree_size() before the call.
+  // [n, Vd] (unless null; top, if given, per node). Node ids are assigned in order from tree_size() before the call.
   void tree_step(const std::vector<int32_t>& tokens, const std::vector<int32_t>& parents, const float* parent_hidden,
-                 float* hidden, float* logits);
+                 float* hidden, float* logits, DraftTop* top = nullptr);
   int64_t tree_size() const;
   void clear_tree();
 

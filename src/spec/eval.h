@@ -43,6 +43,7 @@ struct EvalRow {
   std::string config;    // "baseline" rows are not listed; each row compares with it
   std::string category;  // "all" for the overall row
   int64_t conversations = 0, turns = 0, greedy_mismatches = 0, compared = 0;
+  int64_t greedy_near_ties = 0;  // of the mismatches: GPU near-ties (see run_eval), not errors
   DecodeStats spec, base;
   double speedup() const;
 };

@@ -28,16 +28,6 @@ bool append_tokens(std::vector<int32_t>& out, const std::vector<int32_t>& toks, 
   return false;
 }
 
-void log_softmax(const float* x, int64_t n, std::vector<double>& out) {
-  double mx = -INFINITY;
-  for (int64_t i = 0; i < n; ++i) mx = std::max(mx, double(x[i]));
-  double z = 0;
-  for (int64_t i = 0; i < n; ++i) z += std::exp(double(x[i]) - mx);
-  const double lz = mx + std::log(z);
-  out.resize(static_cast<size_t>(n));
-  for (int64_t i = 0; i < n; ++i) out[size_t(i)] = double(x[i]) - lz;
-}
-
 // The k largest entries (ties: lower index first).
 std::vector<int32_t> top_indices(const std::vector<double>& v, int k) {
   std::vector<int32_t> idx(v.size());
@@ -194,6 +184,13 @@ std::vector<int32_t> decode_speculative(Decoder& target, int slot, DraftRunner& 
   int32_t next = sample_token(logits.data(), V, params, stream, 0, scratch);
   bool done = limits.max_new_tokens <= 0 || append_tokens(out, {next}, limits);
   std::vector<float> g_last(static_cast<size_t>(H)), dl_last(static_cast<size_t>(Vd));
+  // What drafting reads of each draft row: the logits for a sampled chain (its proposal
+  // distribution), else only the best ids and their log-probabilities (top-1 for a greedy
+  // chain), which the draft runner computes where it runs.
+  DraftTop top_last;
+  top_last.k = sampled_chain ? 0 : cfg.mode == SpecConfig::Mode::Chain ? 1 : int(std::min<int64_t>(cfg.topk, Vd));
+  float* const dl_out = sampled_chain ? dl_last.data() : nullptr;
+  DraftTop* const top_out = sampled_chain ? nullptr : &top_last;
   {
     std::vector<int32_t> rows(prompt.size()), nexts(prompt.size());
     for (size_t i = 0; i < prompt.size(); ++i) {
@@ -202,13 +199,12 @@ std::vector<int32_t> decode_speculative(Decoder& target, int slot, DraftRunner& 
     }
     const auto a = aux_of(rows, int64_t(prompt.size()));
     const auto ts = Clock::now();
-    draft.extend(nexts.data(), a.data(), int64_t(prompt.size()), g_last.data(), dl_last.data());
+    draft.extend(nexts.data(), a.data(), int64_t(prompt.size()), g_last.data(), dl_out, top_out);
     st.draft_seconds += since(ts);
   }
   st.prefill_seconds = since(t0);
 
   uint64_t round = 0;
-  std::vector<double> lsm;
   while (!done) {
     ++round;
     const int64_t room = target.max_len() - target.length(slot) - 1;
@@ -219,6 +215,7 @@ std::vector<int32_t> decode_speculative(Decoder& target, int slot, DraftRunner& 
     if (cfg.mode == SpecConfig::Mode::Chain) {
       const int k = int(std::min<int64_t>(cfg.k, room));
       std::vector<float> g = g_last, dl = dl_last, g2(static_cast<size_t>(H)), dl2(static_cast<size_t>(Vd));
+      DraftTop top = top_last;
       for (int i = 0; i < k; ++i) {
         int32_t d;
         if (sampled_chain) {
@@ -230,13 +227,14 @@ std::vector<int32_t> decode_speculative(Decoder& target, int slot, DraftRunner& 
           for (int64_t j = 0; j < Vd; ++j) q[size_t(draft.to_target(j))] = qd[size_t(j)];
           cand.q.push_back(std::move(q));
         } else {
-          d = argmax(dl.data(), Vd);
+          d = top.ids[0];
         }
         cand.tokens.push_back(draft.to_target(d));
         cand.parents.push_back(i - 1);
         cand.scores.push_back(-double(i));
         if (i + 1 < k) {
-          draft.tree_step({cand.tokens.back()}, {int32_t(i) - 1}, g.data(), g2.data(), dl2.data());
+          draft.tree_step({cand.tokens.back()}, {int32_t(i) - 1}, g.data(), g2.data(), sampled_chain ? dl2.data() : nullptr,
+                          sampled_chain ? nullptr : &top);
           g.swap(g2);
           dl.swap(dl2);
         }
@@ -245,16 +243,17 @@ std::vector<int32_t> decode_speculative(Decoder& target, int slot, DraftRunner& 
       // EAGLE-2 dynamic tree. Candidates carry the draft-runner node they were forwarded as.
       std::vector<int32_t> runner_id;        // per candidate: its runner node once forwarded, else -1
       std::vector<std::vector<float>> hid;   // per forwarded runner node: hidden state
-      auto add_children = [&](const float* dlog, int32_t parent, double base) {
-        log_softmax(dlog, Vd, lsm);
-        for (int32_t j : top_indices(lsm, cfg.topk)) {
-          cand.tokens.push_back(draft.to_target(j));
+      auto add_children = [&](const DraftTop& t, int64_t row, int32_t parent, double base) {
+        for (int j = 0; j < t.k; ++j) {
+          cand.tokens.push_back(draft.to_target(t.ids[size_t(row * t.k + j)]));
           cand.parents.push_back(parent);
-          cand.scores.push_back(base + lsm[size_t(j)]);
+          cand.scores.push_back(base + double(t.logprob[size_t(row * t.k + j)]));
           runner_id.push_back(-1);
         }
       };
-      add_children(dl_last.data(), -1, 0.0);
+      add_children(top_last, 0, -1, 0.0);
+      DraftTop top;
+      top.k = top_last.k;
       std::vector<int32_t> frontier(cand.tokens.size());
       std::iota(frontier.begin(), frontier.end(), 0);
       for (int d = 2; d <= cfg.depth; ++d) {
@@ -269,13 +268,13 @@ std::vector<int32_t> decode_speculative(Decoder& target, int slot, DraftRunner& 
           ph.insert(ph.end(), h.begin(), h.end());
         }
         const int64_t base_id = draft.tree_size(), n = int64_t(frontier.size());
-        std::vector<float> hs(size_t(n * H)), ls(size_t(n * Vd));
-        draft.tree_step(toks, pars, ph.data(), hs.data(), ls.data());
+        std::vector<float> hs(size_t(n * H));
+        draft.tree_step(toks, pars, ph.data(), hs.data(), nullptr, &top);
         const size_t first_new = cand.tokens.size();
         for (int64_t i = 0; i < n; ++i) {
           runner_id[size_t(frontier[size_t(i)])] = int32_t(base_id + i);
           hid.emplace_back(hs.begin() + i * H, hs.begin() + (i + 1) * H);
-          add_children(ls.data() + i * Vd, frontier[size_t(i)], cand.scores[size_t(frontier[size_t(i)])]);
+          add_children(top, i, frontier[size_t(i)], cand.scores[size_t(frontier[size_t(i)])]);
         }
         // Next frontier: the best topk of this depth's new candidates.
         std::vector<double> sc(cand.tokens.size() - first_new);
@@ -360,7 +359,7 @@ std::vector<int32_t> decode_speculative(Decoder& target, int slot, DraftRunner& 
     // The draft reads the committed rows: row path[i] with the token that followed it.
     const auto a = aux_of(path, n);
     const auto ts = Clock::now();
-    draft.extend(fresh.data(), a.data(), int64_t(path.size()), g_last.data(), dl_last.data());
+    draft.extend(fresh.data(), a.data(), int64_t(path.size()), g_last.data(), dl_out, top_out);
     st.draft_seconds += since(ts);
     next = bonus;
   }

@@ -5,6 +5,7 @@
 // Runner: the same step-0 rows (several extends, a prompt at once and single rows) and trees
 // of up to 80 nodes (masks wider than one 64-bit word) go through both; every hidden state
 // and logit row is compared, the tree inputs taken from the CPU so errors do not compound.
+// The GPU's top-k (ids and log-softmax) must equal the host's over the logits it returned.
 // After clear_tree, new step-0 rows and a new tree overwrite the old tree's cache rows.
 //
 // Greedy: bf16 GEMMs of different shapes (one token vs a verified tree) can flip a near-tie,
@@ -23,6 +24,7 @@
 #include "model/decode.h"
 #include "model/model.h"
 #include "model/random_checkpoint.h"
+#include "spec/draft_backend.h"
 #include "spec/speculate.h"
 #include "tests/spec/random_draft.h"
 #include "tests/test_util.h"
@@ -110,8 +112,20 @@ TEST(CudaDraft, RunnerMatchesTheCpuRunner) {
         ASSERT_EQ(gpu.tree_size(), base);
         std::vector<float> hc(size_t(width * H)), hg(hc.size()), lc(size_t(width * Vd)), lg(lc.size());
         cpu.tree_step(toks, pars, ph.data(), hc.data(), lc.data());
-        gpu.tree_step(toks, pars, ph.data(), hg.data(), lg.data());
+        DraftTop gt;
+        gt.k = int(std::min<int64_t>(8, Vd));
+        gpu.tree_step(toks, pars, ph.data(), hg.data(), lg.data(), &gt);
         compare(hc, hg, lc, lg, width, what + " depth " + std::to_string(d + 1));
+        // The GPU's top-k of its own logits equals the host's on the same numbers.
+        std::vector<int32_t> want_ids(static_cast<size_t>(gt.k));
+        std::vector<float> want_lp(static_cast<size_t>(gt.k));
+        for (int i = 0; i < width; ++i) {
+          top_logsoftmax(lg.data() + i * Vd, Vd, gt.k, want_ids.data(), want_lp.data());
+          for (int j = 0; j < gt.k; ++j) {
+            EXPECT_EQ(gt.ids[size_t(i * gt.k + j)], want_ids[size_t(j)]) << name << " " << what << " row " << i << " rank " << j;
+            EXPECT_NEAR(gt.logprob[size_t(i * gt.k + j)], want_lp[size_t(j)], 1e-4) << name << " " << what << " row " << i;
+          }
+        }
         level.clear();
         for (int i = 0; i < width; ++i) {
           hid.emplace_back(hc.begin() + i * H, hc.begin() + (i + 1) * H);

@@ -40,6 +40,7 @@ bf16* upload(DeviceArena& arena, std::initializer_list<const std::vector<float>*
 
 class CudaDraftBackend final : public DraftBackend {
  public:
+  static constexpr int kMaxTop = 64;  // top-k outputs per row kept on the device
   CudaDraftBackend(const DraftModel& m, const Checkpoint& target, int device, int64_t max_rows)
       : c_(m.config), device_(device), max_rows_(max_rows) {
     const auto& c = c_;
@@ -100,7 +101,7 @@ class CudaDraftBackend final : public DraftBackend {
   void truncate(int64_t) override {}  // rows are addressed by index; nothing to free
 
   void forward(const int32_t* tokens, const float* in, bool from_aux, const DraftRows& dr, bool last_only,
-               float* hidden, float* logits) override {
+               float* hidden, float* logits, int top_k, int32_t* top_ids, float* top_lp) override {
     CUDA_CHECK(cudaSetDevice(device_));
     const auto& c = c_;
     const int64_t N = dr.size(), H = c.H, I = c.I, nh = c.n_heads, nkv = c.n_kv_heads, hd = c.head_dim;
@@ -166,7 +167,13 @@ class CudaDraftBackend final : public DraftBackend {
     gemm_->forward(a.lg, a.hm + first * H, lm_head_, n_out, H, Vd, s);
     cuda::bf16_to_f32(a.lg32, a.lg, n_out * Vd, s);
     CUDA_CHECK(cudaMemcpyAsync(hidden, a.x + first * H, size_t(n_out * H) * 4, cudaMemcpyDeviceToHost, s));
-    CUDA_CHECK(cudaMemcpyAsync(logits, a.lg32, size_t(n_out * Vd) * 4, cudaMemcpyDeviceToHost, s));
+    if (logits) CUDA_CHECK(cudaMemcpyAsync(logits, a.lg32, size_t(n_out * Vd) * 4, cudaMemcpyDeviceToHost, s));
+    if (top_k > 0) {
+      TALON_CHECK(top_k <= kMaxTop, "draft: top-k {} above {} on the GPU", top_k, kMaxTop);
+      cuda::topk_logsoftmax(a.top_ids, a.top_lp, a.lg32, n_out, Vd, top_k, s);
+      CUDA_CHECK(cudaMemcpyAsync(top_ids, a.top_ids, size_t(n_out * top_k) * 4, cudaMemcpyDeviceToHost, s));
+      CUDA_CHECK(cudaMemcpyAsync(top_lp, a.top_lp, size_t(n_out * top_k) * 4, cudaMemcpyDeviceToHost, s));
+    }
     CUDA_CHECK(cudaStreamSynchronize(s));
   }
 
@@ -174,9 +181,9 @@ class CudaDraftBackend final : public DraftBackend {
   struct Acts {
     DeviceArena arena;
     int64_t n = 0, n_part = 0, n_masks = 0;
-    float *in, *e, *x, *part, *lg32;
+    float *in, *e, *x, *part, *lg32, *top_lp;
     bf16 *aux, *en, *gn, *xin, *qkv, *att, *tmp, *hm, *gu, *act, *lg;
-    int32_t *ids, *pos;
+    int32_t *ids, *pos, *top_ids;
     DecodeRow* rows;
     uint64_t* masks;
   };
@@ -209,6 +216,8 @@ class CudaDraftBackend final : public DraftBackend {
     a->ids = a->arena.alloc<int32_t>(size_t(n));
     a->pos = a->arena.alloc<int32_t>(size_t(n));
     a->rows = a->arena.alloc<DecodeRow>(size_t(n));
+    a->top_ids = a->arena.alloc<int32_t>(size_t(n * kMaxTop));
+    a->top_lp = a->arena.alloc<float>(size_t(n * kMaxTop));
     a->masks = a->arena.alloc<uint64_t>(size_t(nm));
     a->n = n, a->n_part = np, a->n_masks = nm;
     acts_ = std::move(a);

@@ -44,6 +44,10 @@ void decode_attention(bf16* out, float* part, const bf16* qkv, int64_t ld, const
 // out[i, :] = in[idx[i], :] for n rows of C bf16 values (the rows that need logits).
 void gather_rows(bf16* out, const bf16* in, const int32_t* idx, int64_t n, int64_t C, cudaStream_t s);
 
+// Per row of logits [rows, V] (fp32): ids[r, 0..k) = the k largest (descending, ties to the
+// lower index) and lp[r, 0..k) their log-softmax values over the row. k <= V.
+void topk_logsoftmax(int32_t* ids, float* lp, const float* logits, int64_t rows, int64_t V, int k, cudaStream_t s);
+
 // For each (src, dst) pair of absolute cache rows (s * max_len + j), in order, copies that
 // row of every buffer in `caches` (a device array of n_bufs pointers: every layer's K and
 // V). Pairs run one after another within a buffer, so a commit's path can move down onto

@@ -160,7 +160,7 @@ std::vector<int32_t> decode_speculative(Decoder& target, int slot, DraftRunner& 
       cap.layers.push_back(int(dm.aux_layer_ids[size_t(i)]));
       cap.out.push_back(aux_rows.data() + i * n * H);
     }
-    logits.assign(size_t((r.all_logits ? n : 1) * V), 0.f);
+    logits.resize(size_t((r.all_logits ? n : 1) * V));  // every entry is written by the forward
     const auto ts = Clock::now();
     target.forward({r}, cap, logits.data());
     st.target_seconds += since(ts);

@@ -1,0 +1,218 @@
+// The CUDA mixture-of-experts (backend/cuda/moe.h) against the CPU reference: routing
+// (softmax / sigmoid scoring; greedy, group-limited greedy and noaux_tc with a correction
+// bias; normalised and scaled weights) must pick the same experts as cpu::moe_router_forward
+// with the same weights; the grouped expert GEMMs must equal per-token fp32 SwiGLU MLPs over
+// weights dequantized by talon::dequantize (the int4 layout the CPU reference reads, checked
+// there against torch), for bf16 and int4 (group 32) experts. The reference rounds the SwiGLU
+// activations to bf16 as the GPU does, so what is left is fp32 summation order. Skips without
+// a GPU.
+#include <gtest/gtest.h>
+
+#ifdef TALON_HAVE_CUDA
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <random>
+
+#include "backend/cpu/ops.h"
+#include "backend/cuda/moe.h"
+#include "model/quant.h"
+#include "tests/test_util.h"
+#include "util/dtype.h"
+
+using namespace talon;
+
+namespace {
+
+bool have_gpu() {
+  int n = 0;
+  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
+}
+
+template <typename T>
+T* to_dev(const std::vector<T>& v) {
+  T* p = nullptr;
+  EXPECT_EQ(cudaMalloc(&p, std::max<size_t>(1, v.size()) * sizeof(T)), cudaSuccess);
+  cudaMemcpy(p, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice);
+  return p;
+}
+template <typename T>
+std::vector<T> to_host(const T* p, size_t n) {
+  std::vector<T> v(n);
+  cudaMemcpy(v.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost);
+  return v;
+}
+
+// One matrix kind for E experts, random, in both layouts' host form and fp32 dequantized.
+struct HostMatrix {
+  int64_t E, O, I, group;
+  std::vector<uint16_t> w;       // bf16 [E, O, I] (bf16 case)
+  std::vector<int32_t> packed;   // [E, O, ceil(I/8)] (int4 case)
+  std::vector<uint16_t> scale;   // bf16 [E, O, ceil(I/group)]
+  std::vector<float> f32;        // [E, O, I] as the CPU reference dequantizes it
+};
+
+HostMatrix make_matrix(std::mt19937& rng, int64_t E, int64_t O, int64_t I, int64_t group) {
+  HostMatrix m{E, O, I, group, {}, {}, {}, {}};
+  std::normal_distribution<float> nd(0.f, 1.f);
+  m.f32.resize(size_t(E * O * I));
+  if (group == 0) {
+    m.w.resize(m.f32.size());
+    for (size_t i = 0; i < m.w.size(); ++i) {
+      m.w[i] = f32_to_bf16(nd(rng) / std::sqrt(float(I)));
+      m.f32[i] = bf16_to_f32(m.w[i]);
+    }
+    return m;
+  }
+  const int64_t words = (I + 7) / 8, groups = (I + group - 1) / group;
+  m.packed.assign(size_t(E * O * words), 0);
+  m.scale.resize(size_t(E * O * groups));
+  for (auto& s : m.scale) s = f32_to_bf16(std::fabs(nd(rng)) * 0.3f / std::sqrt(float(I)) + 1e-3f);
+  for (int64_t r = 0; r < E * O; ++r)
+    for (int64_t i = 0; i < I; ++i) {
+      const uint32_t q = rng() % 16;  // stored q + 8
+      m.packed[size_t(r * words + i / 8)] |= int32_t(q << (4 * (i % 8)));
+    }
+  // The CPU reference's dequantizer, one expert at a time.
+  for (int64_t e = 0; e < E; ++e) {
+    QuantWeight q;
+    q.kind = QuantWeight::Kind::Int4Group;
+    q.rows = O, q.cols = I, q.group = group;
+    q.w = WeightRef{DType::I32, m.packed.data() + e * O * words, {O, words}};
+    q.scale = WeightRef{DType::BF16, m.scale.data() + e * O * groups, {O, groups}};
+    dequantize(q, m.f32.data() + e * O * I);
+  }
+  return m;
+}
+
+struct DevMatrix {
+  cuda::ExpertMatrix m;
+  std::vector<void*> owned;
+  explicit DevMatrix(const HostMatrix& h) {
+    m.O = h.O, m.I = h.I, m.group = h.group;
+    if (h.group == 0) {
+      auto* p = to_dev(h.w);
+      owned.push_back(p);
+      m.w = reinterpret_cast<const cuda::bf16*>(p);
+    } else {
+      auto* p = to_dev(h.packed);
+      auto* s = to_dev(h.scale);
+      owned.push_back(p);
+      owned.push_back(s);
+      m.packed = p;
+      m.scale = reinterpret_cast<const cuda::bf16*>(s);
+    }
+  }
+  ~DevMatrix() {
+    for (void* p : owned) cudaFree(p);
+  }
+};
+
+struct Case {
+  const char* name;
+  bool sigmoid;
+  cuda::MoeRouting::Method method;
+  int n_group, topk_group;
+  bool norm, bias;
+  float scale;
+  int64_t group;  // 0: bf16 experts, else int4 group size
+};
+
+class CudaMoe : public ::testing::TestWithParam<Case> {};
+
+TEST_P(CudaMoe, MatchesTheCpuReference) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device on this machine";
+  const Case& cs = GetParam();
+  const int64_t N = 37, H = 96, Im = 64, E = 16;
+  const int K = 4;
+  std::mt19937 rng(7);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  std::vector<uint16_t> xb(size_t(N * H));
+  std::vector<float> x(size_t(N * H)), logits(size_t(N * E)), bias(static_cast<size_t>(E));
+  for (size_t i = 0; i < xb.size(); ++i) x[i] = bf16_to_f32(xb[i] = f32_to_bf16(nd(rng)));
+  for (auto& v : logits) v = 2.f * nd(rng);
+  for (auto& v : bias) v = 0.3f * nd(rng);
+  const HostMatrix gate = make_matrix(rng, E, Im, H, cs.group), up = make_matrix(rng, E, Im, H, cs.group),
+                   down = make_matrix(rng, E, H, Im, cs.group);
+
+  // CPU: routing, then each (token, slot)'s expert MLP, weighted and summed in slot order.
+  std::vector<int32_t> idx(size_t(N * K));
+  std::vector<float> wts(size_t(N * K));
+  const auto method = cs.method == cuda::MoeRouting::Method::NoauxTc ? cpu::TopkMethod::NoauxTc
+                      : cs.method == cuda::MoeRouting::Method::GroupLimitedGreedy ? cpu::TopkMethod::GroupLimitedGreedy
+                                                                                  : cpu::TopkMethod::Greedy;
+  cpu::moe_router_forward(idx.data(), wts.data(), logits.data(), cs.bias ? bias.data() : nullptr, N, E, K,
+                          cs.sigmoid ? cpu::Scoring::Sigmoid : cpu::Scoring::Softmax, method, cs.n_group,
+                          cs.topk_group, cs.norm, cs.scale);
+  std::vector<float> want(size_t(N * H), 0.f), g(static_cast<size_t>(Im)), u(static_cast<size_t>(Im)),
+      y(static_cast<size_t>(H));
+  for (int64_t n = 0; n < N; ++n)
+    for (int t = 0; t < K; ++t) {
+      const int64_t e = idx[size_t(n * K + t)];
+      cpu::matmul_forward(g.data(), x.data() + n * H, gate.f32.data() + e * Im * H, DType::F32, nullptr, 1, H, Im);
+      cpu::matmul_forward(u.data(), x.data() + n * H, up.f32.data() + e * Im * H, DType::F32, nullptr, 1, H, Im);
+      cpu::swiglu_forward(g.data(), g.data(), u.data(), Im);
+      for (auto& v : g) v = bf16_to_f32(f32_to_bf16(v));  // the GPU's bf16 activations
+      cpu::matmul_forward(y.data(), g.data(), down.f32.data() + e * H * Im, DType::F32, nullptr, 1, Im, H);
+      for (int64_t h = 0; h < H; ++h) want[size_t(n * H + h)] += y[size_t(h)] * wts[size_t(n * K + t)];
+    }
+
+  // GPU.
+  cuda::MoeRouting r;
+  r.n_experts = int(E), r.top_k = K, r.sigmoid = cs.sigmoid, r.method = cs.method, r.n_group = cs.n_group;
+  r.topk_group = cs.topk_group, r.norm_topk = cs.norm, r.routed_scale = cs.scale;
+  DevMatrix dg(gate), du(up), dd(down);
+  const cuda::MoeExperts ex{dg.m, du.m, dd.m};
+  const auto sz = cuda::moe_scratch_elems(N, r, H, Im);
+  std::vector<void*> bufs;
+  auto alloc = [&](int64_t n, size_t es) {
+    void* p = nullptr;
+    EXPECT_EQ(cudaMalloc(&p, size_t(std::max<int64_t>(n, 1)) * es), cudaSuccess);
+    bufs.push_back(p);
+    return p;
+  };
+  cuda::MoeScratch sc;
+  sc.idx = static_cast<int32_t*>(alloc(sz.idx, 4));
+  sc.order = static_cast<int32_t*>(alloc(sz.order, 4));
+  sc.pos = static_cast<int32_t*>(alloc(sz.pos, 4));
+  sc.offsets = static_cast<int32_t*>(alloc(sz.offsets, 4));
+  sc.tiles = static_cast<int32_t*>(alloc(sz.tiles, 4));
+  sc.n_tiles = static_cast<int32_t*>(alloc(1, 4));
+  sc.weights = static_cast<float*>(alloc(sz.weights, 4));
+  sc.g = static_cast<float*>(alloc(sz.g, 4));
+  sc.u = static_cast<float*>(alloc(sz.g, 4));
+  sc.y = static_cast<float*>(alloc(sz.y, 4));
+  sc.act = static_cast<cuda::bf16*>(alloc(sz.act, 2));
+  sc.capacity = N;
+  auto* d_x = to_dev(xb);
+  auto* d_logits = to_dev(logits);
+  auto* d_bias = to_dev(bias);
+  float* d_out = static_cast<float*>(alloc(N * H, 4));
+  cuda::moe_forward(d_out, reinterpret_cast<const cuda::bf16*>(d_x), d_logits, cs.bias ? d_bias : nullptr, N, H, r, ex,
+                    sc, nullptr);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const auto gidx = to_host(sc.idx, size_t(N * K));
+  const auto gw = to_host(sc.weights, size_t(N * K));
+  const auto got = to_host(d_out, size_t(N * H));
+  EXPECT_EQ(gidx, idx) << cs.name << ": routing picked other experts";
+  for (size_t i = 0; i < gw.size(); ++i) EXPECT_NEAR(gw[i], wts[i], 1e-5 * std::max(1.f, std::fabs(wts[i]))) << i;
+  const double err = talon::testing::rel_err(got.data(), want.data(), got.size());
+  EXPECT_LE(err, 1e-4) << cs.name;
+  std::printf("cuda moe %s: routing %s, output rel err %.2e\n", cs.name, gidx == idx ? "equal" : "DIFFERENT", err);
+  cudaFree(d_x);
+  cudaFree(d_logits);
+  cudaFree(d_bias);
+  for (void* p : bufs) cudaFree(p);
+}
+
+using M = cuda::MoeRouting::Method;
+INSTANTIATE_TEST_SUITE_P(
+    Routings, CudaMoe,
+    ::testing::Values(Case{"softmax_greedy_bf16", false, M::Greedy, 1, 1, false, false, 1.f, 0},
+                      Case{"softmax_group_limited_int4", false, M::GroupLimitedGreedy, 4, 2, false, false, 1.f, 32},
+                      Case{"sigmoid_noaux_tc_int4", true, M::NoauxTc, 4, 2, true, true, 2.5f, 32},
+                      Case{"sigmoid_noaux_tc_one_group_bf16", true, M::NoauxTc, 1, 1, true, true, 2.827f, 0}),
+    [](const auto& info) { return std::string(info.param.name); });
+
+}  // namespace
+#endif  // TALON_HAVE_CUDA

@@ -16,6 +16,8 @@
 
 #include "backend/cpu/ops.h"
 #include "backend/cuda/moe.h"
+#include "backend/cuda/moe_weights.h"
+#include "model/deepseek.h"
 #include "model/quant.h"
 #include "tests/test_util.h"
 #include "util/dtype.h"
@@ -108,6 +110,69 @@ struct DevMatrix {
   }
 };
 
+// The routed experts' weighted sum for bf16-exact inputs x [N, H], given routing and fp32
+// expert weights [E, O, I]; SwiGLU activations rounded to bf16 as the GPU does.
+std::vector<float> reference_moe(const std::vector<float>& x, const std::vector<int32_t>& idx,
+                                 const std::vector<float>& wts, const std::vector<float>& gate,
+                                 const std::vector<float>& up, const std::vector<float>& down, int64_t N, int64_t H,
+                                 int64_t Im, int K) {
+  std::vector<float> want(size_t(N * H), 0.f), g(static_cast<size_t>(Im)), u(static_cast<size_t>(Im)),
+      y(static_cast<size_t>(H));
+  for (int64_t n = 0; n < N; ++n)
+    for (int t = 0; t < K; ++t) {
+      const int64_t e = idx[size_t(n * K + t)];
+      cpu::matmul_forward(g.data(), x.data() + n * H, gate.data() + e * Im * H, DType::F32, nullptr, 1, H, Im);
+      cpu::matmul_forward(u.data(), x.data() + n * H, up.data() + e * Im * H, DType::F32, nullptr, 1, H, Im);
+      cpu::swiglu_forward(g.data(), g.data(), u.data(), Im);
+      for (auto& v : g) v = bf16_to_f32(f32_to_bf16(v));
+      cpu::matmul_forward(y.data(), g.data(), down.data() + e * H * Im, DType::F32, nullptr, 1, Im, H);
+      for (int64_t h = 0; h < H; ++h) want[size_t(n * H + h)] += y[size_t(h)] * wts[size_t(n * K + t)];
+    }
+  return want;
+}
+
+struct GpuMoeResult {
+  std::vector<int32_t> idx;
+  std::vector<float> weights, out;
+};
+
+// moe_forward on the device for bf16 inputs xb [N, H] and router logits [N, E].
+GpuMoeResult run_gpu_moe(const std::vector<uint16_t>& xb, const std::vector<float>& logits, const float* d_bias,
+                         int64_t N, int64_t H, const cuda::MoeRouting& r, const cuda::MoeExperts& ex) {
+  const int64_t Im = ex.gate.O, K = r.top_k;
+  const auto sz = cuda::moe_scratch_elems(N, r, H, Im);
+  std::vector<void*> bufs;
+  auto alloc = [&](int64_t n, size_t es) {
+    void* p = nullptr;
+    EXPECT_EQ(cudaMalloc(&p, size_t(std::max<int64_t>(n, 1)) * es), cudaSuccess);
+    bufs.push_back(p);
+    return p;
+  };
+  cuda::MoeScratch sc;
+  sc.idx = static_cast<int32_t*>(alloc(sz.idx, 4));
+  sc.order = static_cast<int32_t*>(alloc(sz.order, 4));
+  sc.pos = static_cast<int32_t*>(alloc(sz.pos, 4));
+  sc.offsets = static_cast<int32_t*>(alloc(sz.offsets, 4));
+  sc.tiles = static_cast<int32_t*>(alloc(sz.tiles, 4));
+  sc.n_tiles = static_cast<int32_t*>(alloc(1, 4));
+  sc.weights = static_cast<float*>(alloc(sz.weights, 4));
+  sc.g = static_cast<float*>(alloc(sz.g, 4));
+  sc.u = static_cast<float*>(alloc(sz.g, 4));
+  sc.y = static_cast<float*>(alloc(sz.y, 4));
+  sc.act = static_cast<cuda::bf16*>(alloc(sz.act, 2));
+  sc.capacity = N;
+  auto* d_x = to_dev(xb);
+  auto* d_logits = to_dev(logits);
+  bufs.push_back(d_x);
+  bufs.push_back(d_logits);
+  float* d_out = static_cast<float*>(alloc(N * H, 4));
+  cuda::moe_forward(d_out, reinterpret_cast<const cuda::bf16*>(d_x), d_logits, d_bias, N, H, r, ex, sc, nullptr);
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  GpuMoeResult res{to_host(sc.idx, size_t(N * K)), to_host(sc.weights, size_t(N * K)), to_host(d_out, size_t(N * H))};
+  for (void* p : bufs) cudaFree(p);
+  return res;
+}
+
 struct Case {
   const char* name;
   bool sigmoid;
@@ -144,65 +209,21 @@ TEST_P(CudaMoe, MatchesTheCpuReference) {
   cpu::moe_router_forward(idx.data(), wts.data(), logits.data(), cs.bias ? bias.data() : nullptr, N, E, K,
                           cs.sigmoid ? cpu::Scoring::Sigmoid : cpu::Scoring::Softmax, method, cs.n_group,
                           cs.topk_group, cs.norm, cs.scale);
-  std::vector<float> want(size_t(N * H), 0.f), g(static_cast<size_t>(Im)), u(static_cast<size_t>(Im)),
-      y(static_cast<size_t>(H));
-  for (int64_t n = 0; n < N; ++n)
-    for (int t = 0; t < K; ++t) {
-      const int64_t e = idx[size_t(n * K + t)];
-      cpu::matmul_forward(g.data(), x.data() + n * H, gate.f32.data() + e * Im * H, DType::F32, nullptr, 1, H, Im);
-      cpu::matmul_forward(u.data(), x.data() + n * H, up.f32.data() + e * Im * H, DType::F32, nullptr, 1, H, Im);
-      cpu::swiglu_forward(g.data(), g.data(), u.data(), Im);
-      for (auto& v : g) v = bf16_to_f32(f32_to_bf16(v));  // the GPU's bf16 activations
-      cpu::matmul_forward(y.data(), g.data(), down.f32.data() + e * H * Im, DType::F32, nullptr, 1, Im, H);
-      for (int64_t h = 0; h < H; ++h) want[size_t(n * H + h)] += y[size_t(h)] * wts[size_t(n * K + t)];
-    }
+  const auto want = reference_moe(x, idx, wts, gate.f32, up.f32, down.f32, N, H, Im, K);
 
-  // GPU.
   cuda::MoeRouting r;
   r.n_experts = int(E), r.top_k = K, r.sigmoid = cs.sigmoid, r.method = cs.method, r.n_group = cs.n_group;
   r.topk_group = cs.topk_group, r.norm_topk = cs.norm, r.routed_scale = cs.scale;
   DevMatrix dg(gate), du(up), dd(down);
-  const cuda::MoeExperts ex{dg.m, du.m, dd.m};
-  const auto sz = cuda::moe_scratch_elems(N, r, H, Im);
-  std::vector<void*> bufs;
-  auto alloc = [&](int64_t n, size_t es) {
-    void* p = nullptr;
-    EXPECT_EQ(cudaMalloc(&p, size_t(std::max<int64_t>(n, 1)) * es), cudaSuccess);
-    bufs.push_back(p);
-    return p;
-  };
-  cuda::MoeScratch sc;
-  sc.idx = static_cast<int32_t*>(alloc(sz.idx, 4));
-  sc.order = static_cast<int32_t*>(alloc(sz.order, 4));
-  sc.pos = static_cast<int32_t*>(alloc(sz.pos, 4));
-  sc.offsets = static_cast<int32_t*>(alloc(sz.offsets, 4));
-  sc.tiles = static_cast<int32_t*>(alloc(sz.tiles, 4));
-  sc.n_tiles = static_cast<int32_t*>(alloc(1, 4));
-  sc.weights = static_cast<float*>(alloc(sz.weights, 4));
-  sc.g = static_cast<float*>(alloc(sz.g, 4));
-  sc.u = static_cast<float*>(alloc(sz.g, 4));
-  sc.y = static_cast<float*>(alloc(sz.y, 4));
-  sc.act = static_cast<cuda::bf16*>(alloc(sz.act, 2));
-  sc.capacity = N;
-  auto* d_x = to_dev(xb);
-  auto* d_logits = to_dev(logits);
-  auto* d_bias = to_dev(bias);
-  float* d_out = static_cast<float*>(alloc(N * H, 4));
-  cuda::moe_forward(d_out, reinterpret_cast<const cuda::bf16*>(d_x), d_logits, cs.bias ? d_bias : nullptr, N, H, r, ex,
-                    sc, nullptr);
-  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-  const auto gidx = to_host(sc.idx, size_t(N * K));
-  const auto gw = to_host(sc.weights, size_t(N * K));
-  const auto got = to_host(d_out, size_t(N * H));
-  EXPECT_EQ(gidx, idx) << cs.name << ": routing picked other experts";
-  for (size_t i = 0; i < gw.size(); ++i) EXPECT_NEAR(gw[i], wts[i], 1e-5 * std::max(1.f, std::fabs(wts[i]))) << i;
-  const double err = talon::testing::rel_err(got.data(), want.data(), got.size());
-  EXPECT_LE(err, 1e-4) << cs.name;
-  std::printf("cuda moe %s: routing %s, output rel err %.2e\n", cs.name, gidx == idx ? "equal" : "DIFFERENT", err);
-  cudaFree(d_x);
-  cudaFree(d_logits);
+  float* d_bias = to_dev(bias);
+  const auto got = run_gpu_moe(xb, logits, cs.bias ? d_bias : nullptr, N, H, r, {dg.m, du.m, dd.m});
   cudaFree(d_bias);
-  for (void* p : bufs) cudaFree(p);
+  EXPECT_EQ(got.idx, idx) << cs.name << ": routing picked other experts";
+  for (size_t i = 0; i < got.weights.size(); ++i)
+    EXPECT_NEAR(got.weights[i], wts[i], 1e-5 * std::max(1.f, std::fabs(wts[i]))) << i;
+  const double err = talon::testing::rel_err(got.out.data(), want.data(), got.out.size());
+  EXPECT_LE(err, 1e-4) << cs.name;
+  std::printf("cuda moe %s: routing %s, output rel err %.2e\n", cs.name, got.idx == idx ? "equal" : "DIFFERENT", err);
 }
 
 using M = cuda::MoeRouting::Method;
@@ -213,6 +234,69 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{"sigmoid_noaux_tc_int4", true, M::NoauxTc, 4, 2, true, true, 2.5f, 32},
                       Case{"sigmoid_noaux_tc_one_group_bf16", true, M::NoauxTc, 1, 1, true, true, 2.827f, 0}),
     [](const auto& info) { return std::string(info.param.name); });
+
+
+// Every MoE layer of the DeepSeek-family fixtures (plain, FP8 block and int4 experts) through
+// upload_moe_layer: the stacked device layout must compute what the CPU reference's
+// dequantizer reads (weights rounded to bf16 as uploaded, int4 exact with bf16 scales).
+TEST(CudaMoe, FixtureLayersMatchTheCpuReference) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device on this machine";
+  int layers = 0;
+  for (const std::string fx : {"deepseek_v2", "deepseek_v2_greedy", "deepseek_v3", "deepseek_v3_fp8", "kimi_k2_int4"}) {
+    auto ck = open_checkpoint(fs::path(talon::testing::source_dir()) / "tests/fixtures/golden" / fx);
+    const ModelConfig& c = ck->config();
+    const DeepseekWeights W = bind_deepseek_weights(*ck);
+    const int64_t N = 29, H = c.hidden, E = c.ds.n_routed_experts, K = c.ds.num_experts_per_tok;
+    for (size_t l = 0; l < W.layers.size(); ++l) {
+      const DeepseekLayer& L = W.layers[l];
+      if (!L.moe) continue;
+      ++layers;
+      cuda::DeviceArena arena;
+      const cuda::MoeLayerDev d = cuda::upload_moe_layer(L, c, arena);
+      const int64_t Im = d.experts.gate.O;
+      std::mt19937 rng(uint32_t(l) + 3);
+      std::normal_distribution<float> nd(0.f, 1.f);
+      std::vector<uint16_t> xb(size_t(N * H));
+      std::vector<float> x(xb.size()), logits(size_t(N * E));
+      for (size_t i = 0; i < xb.size(); ++i) x[i] = bf16_to_f32(xb[i] = f32_to_bf16(nd(rng)));
+      const std::vector<float> router = weight_to_f32(L.router), bias = weight_to_f32(L.router_bias);
+      cpu::matmul_forward(logits.data(), x.data(), router.data(), DType::F32, nullptr, N, H, E);
+      std::vector<int32_t> idx(size_t(N * K));
+      std::vector<float> wts(size_t(N * K));
+      const auto& ds = c.ds;
+      cpu::moe_router_forward(idx.data(), wts.data(), logits.data(), bias.empty() ? nullptr : bias.data(), N, E, K,
+                              ds.scoring_func == "sigmoid" ? cpu::Scoring::Sigmoid : cpu::Scoring::Softmax,
+                              ds.topk_method == "noaux_tc"               ? cpu::TopkMethod::NoauxTc
+                              : ds.topk_method == "group_limited_greedy" ? cpu::TopkMethod::GroupLimitedGreedy
+                                                                         : cpu::TopkMethod::Greedy,
+                              ds.n_group, ds.topk_group, ds.norm_topk_prob, float(ds.routed_scaling_factor));
+      // The experts as the CPU reference dequantizes them, then as stored on the device.
+      auto stack = [&](QuantWeight DeepseekMlp::*pick) {
+        const int64_t O = (L.experts[0].*pick).rows, I = (L.experts[0].*pick).cols;
+        std::vector<float> all(size_t(E * O * I));
+        for (int64_t e = 0; e < E; ++e) {
+          const QuantWeight& q = L.experts[size_t(e)].*pick;
+          dequantize(q, all.data() + e * O * I);
+          if (q.kind != QuantWeight::Kind::Int4Group)
+            for (int64_t i = 0; i < O * I; ++i) {
+              float& v = all[size_t(e * O * I + i)];
+              v = bf16_to_f32(f32_to_bf16(v));
+            }
+        }
+        return all;
+      };
+      const auto want = reference_moe(x, idx, wts, stack(&DeepseekMlp::gate), stack(&DeepseekMlp::up),
+                                      stack(&DeepseekMlp::down), N, H, Im, int(K));
+      const auto got = run_gpu_moe(xb, logits, d.router_bias, N, H, d.routing, d.experts);
+      EXPECT_EQ(got.idx, idx) << fx << " layer " << l;
+      const double err = talon::testing::rel_err(got.out.data(), want.data(), got.out.size());
+      EXPECT_LE(err, 1e-4) << fx << " layer " << l;
+      std::printf("cuda moe %s layer %zu (%lld experts, top %lld, %s): output rel err %.2e\n", fx.c_str(), l,
+                  (long long)E, (long long)K, d.experts.gate.packed ? "int4" : "bf16", err);
+    }
+  }
+  EXPECT_GT(layers, 0);
+}
 
 }  // namespace
 #endif  // TALON_HAVE_CUDA

@@ -1,0 +1,118 @@
+// One mixture-of-experts layer on one GPU (backend/cuda/moe.h) at a Kimi-K2 shape: 384
+// routed experts, top-8, hidden 7168, expert width 2048, int4 experts (group 32), sigmoid
+// noaux_tc routing with one group. Weights are a constant fill (cudaMemset: the kernels'
+// work does not depend on the values); router logits are random so tokens spread over the
+// experts as real routing does. Prints time per layer forward, tokens/s, the routed experts'
+// TFLOP/s, and the rate at which the touched int4 weights are streamed.
+//   talon_bench_moe [--tokens 256,1024,4096,16384] [--experts 384] [--topk 8] [--hidden 7168]
+//                   [--inter 2048] [--group 32]
+#include <cuda_runtime.h>
+
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <random>
+#include <vector>
+
+#include "backend/cuda/moe.h"
+
+using namespace talon;
+
+namespace {
+double now() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
+#define CK(x)                                                                     \
+  do {                                                                            \
+    cudaError_t e_ = (x);                                                         \
+    if (e_ != cudaSuccess) {                                                      \
+      std::fprintf(stderr, "%s: %s\n", #x, cudaGetErrorString(e_));              \
+      std::exit(1);                                                               \
+    }                                                                             \
+  } while (0)
+template <typename T>
+T* dalloc(size_t n) {
+  void* p = nullptr;
+  CK(cudaMalloc(&p, std::max<size_t>(n, 1) * sizeof(T)));
+  return static_cast<T*>(p);
+}
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"One MoE layer on one GPU (Kimi-K2 shape, int4 experts)"};
+  std::vector<int64_t> tokens{256, 1024, 4096, 16384};
+  int64_t E = 384, K = 8, H = 7168, Im = 2048, group = 32;
+  app.add_option("--tokens", tokens, "tokens per forward")->delimiter(',');
+  app.add_option("--experts", E)->capture_default_str();
+  app.add_option("--topk", K)->capture_default_str();
+  app.add_option("--hidden", H)->capture_default_str();
+  app.add_option("--inter", Im)->capture_default_str();
+  app.add_option("--group", group)->capture_default_str();
+  CLI11_PARSE(app, argc, argv);
+  try {
+    cuda::MoeRouting r;
+    r.n_experts = int(E), r.top_k = int(K), r.sigmoid = true, r.method = cuda::MoeRouting::Method::NoauxTc;
+    r.n_group = 1, r.topk_group = 1, r.norm_topk = true, r.routed_scale = 2.827f;
+    auto matrix = [&](int64_t O, int64_t I) {
+      cuda::ExpertMatrix m;
+      m.O = O, m.I = I, m.group = group;
+      const size_t words = size_t(E * O * ((I + 7) / 8)), groups = size_t(E * O * ((I + group - 1) / group));
+      auto* p = dalloc<int32_t>(words);
+      auto* s = dalloc<cuda::bf16>(groups);
+      CK(cudaMemset(p, 0x9a, words * 4));
+      CK(cudaMemset(s, 0x3c, groups * 2));
+      m.packed = p, m.scale = s;
+      return m;
+    };
+    const cuda::MoeExperts ex{matrix(Im, H), matrix(Im, H), matrix(H, Im)};
+    const double weight_gb = double(E) * 3 * double(H * Im) * (0.5 + 2.0 / double(group)) / 1e9;
+    const int64_t Nmax = *std::max_element(tokens.begin(), tokens.end());
+    const auto sz = cuda::moe_scratch_elems(Nmax, r, H, Im);
+    cuda::MoeScratch sc;
+    sc.idx = dalloc<int32_t>(sz.idx), sc.order = dalloc<int32_t>(sz.order), sc.pos = dalloc<int32_t>(sz.pos);
+    sc.offsets = dalloc<int32_t>(sz.offsets), sc.tiles = dalloc<int32_t>(sz.tiles), sc.n_tiles = dalloc<int32_t>(1);
+    sc.weights = dalloc<float>(sz.weights), sc.g = dalloc<float>(sz.g), sc.u = dalloc<float>(sz.g);
+    sc.y = dalloc<float>(sz.y), sc.act = dalloc<cuda::bf16>(sz.act);
+    sc.capacity = Nmax;
+    auto* x = dalloc<cuda::bf16>(size_t(Nmax * H));
+    CK(cudaMemset(x, 0x3c, size_t(Nmax * H) * 2));
+    auto* out = dalloc<float>(size_t(Nmax * H));
+    std::vector<float> lg(size_t(Nmax * E));
+    std::mt19937 rng(1);
+    std::normal_distribution<float> nd(0.f, 1.f);
+    for (auto& v : lg) v = nd(rng);
+    auto* logits = dalloc<float>(lg.size());
+    CK(cudaMemcpy(logits, lg.data(), lg.size() * 4, cudaMemcpyHostToDevice));
+    auto* bias = dalloc<float>(size_t(E));
+    CK(cudaMemset(bias, 0, size_t(E) * 4));
+    cudaDeviceProp prop{};
+    CK(cudaGetDeviceProperties(&prop, 0));
+    std::printf("MoE layer on %s: %lld experts, top-%lld, H %lld, expert width %lld, int4 group %lld (%.2f GB of "
+                "expert weights)\n",
+                prop.name, (long long)E, (long long)K, (long long)H, (long long)Im, (long long)group, weight_gb);
+    std::printf("%8s %10s %12s %10s %12s\n", "tokens", "ms", "tokens/s", "TFLOP/s", "weights GB/s");
+    for (int64_t N : tokens) {
+      auto run = [&] { cuda::moe_forward(out, x, logits, bias, N, H, r, ex, sc, nullptr); };
+      run();
+      CK(cudaDeviceSynchronize());
+      std::vector<double> ts;
+      for (int i = 0; i < 5; ++i) {
+        const double a = now();
+        run();
+        CK(cudaDeviceSynchronize());
+        ts.push_back(now() - a);
+      }
+      std::sort(ts.begin(), ts.end());
+      const double t = ts[2];
+      const double flops = double(N) * double(K) * 3 * 2 * double(H) * double(Im);
+      // Expected fraction of the experts a batch touches: 1 - (1 - 1/E)^(N K).
+      const double touched = 1.0 - std::pow(1.0 - 1.0 / double(E), double(N * K));
+      std::printf("%8lld %10.2f %12.0f %10.1f %12.0f\n", (long long)N, t * 1e3, double(N) / t, flops / t / 1e12,
+                  weight_gb * touched / t);
+    }
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "error: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}

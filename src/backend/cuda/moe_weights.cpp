@@ -1,0 +1,102 @@
+// Expert upload for the CUDA MoE (moe_weights.h).
+#include "backend/cuda/moe_weights.h"
+
+#include <cuda_runtime.h>
+
+#include <cstring>
+
+#include "util/dtype.h"
+#include "util/error.h"
+
+namespace talon::cuda {
+
+MoeRouting moe_routing(const ModelConfig& c) {
+  const DeepseekConfig& d = c.ds;
+  MoeRouting r;
+  r.n_experts = int(d.n_routed_experts);
+  r.top_k = int(d.num_experts_per_tok);
+  r.sigmoid = d.scoring_func == "sigmoid";
+  r.method = d.topk_method == "noaux_tc"               ? MoeRouting::Method::NoauxTc
+             : d.topk_method == "group_limited_greedy" ? MoeRouting::Method::GroupLimitedGreedy
+                                                       : MoeRouting::Method::Greedy;
+  r.n_group = int(d.n_group);
+  r.topk_group = int(d.topk_group);
+  r.norm_topk = d.norm_topk_prob;
+  r.routed_scale = float(d.routed_scaling_factor);
+  return r;
+}
+
+namespace {
+
+// All experts' `pick` matrices stacked: int4 as stored, anything else as bf16.
+ExpertMatrix upload_stack(const std::vector<DeepseekMlp>& experts, QuantWeight DeepseekMlp::*pick, const char* what,
+                          DeviceArena& arena, int64_t& bytes) {
+  const QuantWeight& q0 = experts[0].*pick;
+  const int64_t E = int64_t(experts.size()), O = q0.rows, I = q0.cols;
+  ExpertMatrix m;
+  m.O = O, m.I = I;
+  const bool int4 = q0.kind == QuantWeight::Kind::Int4Group;
+  for (int64_t e = 0; e < E; ++e) {
+    const QuantWeight& q = experts[size_t(e)].*pick;
+    TALON_CHECK(q.rows == O && q.cols == I && (q.kind == QuantWeight::Kind::Int4Group) == int4 &&
+                    (!int4 || q.group == q0.group),
+                "expert {} {}: [{}, {}] ({}), expected [{}, {}] like expert 0 (the stacked GPU layout needs one shape "
+                "and one storage for all experts)",
+                e, what, q.rows, q.cols, int(q.kind), O, I);
+  }
+  if (int4) {
+    const int64_t words = (I + 7) / 8, groups = (I + q0.group - 1) / q0.group;
+    m.group = q0.group;
+    auto* packed = arena.alloc<int32_t>(size_t(E * O * words));
+    auto* scale = arena.alloc<bf16>(size_t(E * O * groups));
+    std::vector<uint16_t> sc(size_t(O * groups));
+    std::vector<float> row(static_cast<size_t>(groups));
+    for (int64_t e = 0; e < E; ++e) {
+      const QuantWeight& q = experts[size_t(e)].*pick;
+      CUDA_CHECK(cudaMemcpy(packed + e * O * words, q.w.data, size_t(O * words) * 4, cudaMemcpyHostToDevice));
+      const size_t es = dtype_size(q.scale.dtype);
+      for (int64_t o = 0; o < O; ++o) {
+        convert_to_f32(q.scale.dtype, static_cast<const uint8_t*>(q.scale.data) + size_t(o * groups) * es, row.data(),
+                       size_t(groups));
+        for (int64_t g = 0; g < groups; ++g) sc[size_t(o * groups + g)] = talon::f32_to_bf16(row[size_t(g)]);
+      }
+      CUDA_CHECK(cudaMemcpy(scale + e * O * groups, sc.data(), sc.size() * 2, cudaMemcpyHostToDevice));
+    }
+    m.packed = packed;
+    m.scale = scale;
+    bytes += E * O * (words * 4 + groups * 2);
+    return m;
+  }
+  auto* w = arena.alloc<bf16>(size_t(E * O * I));
+  std::vector<float> f(size_t(O * I));
+  std::vector<uint16_t> b(f.size());
+  for (int64_t e = 0; e < E; ++e) {
+    dequantize(experts[size_t(e)].*pick, f.data());
+    for (size_t i = 0; i < f.size(); ++i) b[i] = talon::f32_to_bf16(f[i]);
+    CUDA_CHECK(cudaMemcpy(w + e * O * I, b.data(), b.size() * 2, cudaMemcpyHostToDevice));
+  }
+  m.w = w;
+  bytes += E * O * I * 2;
+  return m;
+}
+
+}  // namespace
+
+MoeLayerDev upload_moe_layer(const DeepseekLayer& L, const ModelConfig& c, DeviceArena& arena) {
+  TALON_CHECK(L.moe && !L.experts.empty(), "upload_moe_layer: not a MoE layer");
+  MoeLayerDev d;
+  d.routing = moe_routing(c);
+  TALON_CHECK(int64_t(L.experts.size()) == int64_t(d.routing.n_experts), "MoE layer: {} experts, config says {}",
+              L.experts.size(), d.routing.n_experts);
+  d.experts.gate = upload_stack(L.experts, &DeepseekMlp::gate, "gate_proj", arena, d.bytes);
+  d.experts.up = upload_stack(L.experts, &DeepseekMlp::up, "up_proj", arena, d.bytes);
+  d.experts.down = upload_stack(L.experts, &DeepseekMlp::down, "down_proj", arena, d.bytes);
+  if (L.router_bias.data) {
+    const std::vector<float> b = weight_to_f32(L.router_bias);
+    d.router_bias = arena.alloc<float>(b.size());
+    CUDA_CHECK(cudaMemcpy(d.router_bias, b.data(), b.size() * 4, cudaMemcpyHostToDevice));
+  }
+  return d;
+}
+
+}  // namespace talon::cuda

@@ -80,6 +80,8 @@ std::vector<float> rope_inv_freq(const RopeConfig& rope, int64_t head_dim);
 std::unique_ptr<Model> make_cpu_model(const Checkpoint& ckpt);
 // The DeepSeek-V2/V3 (MLA + MoE) CPU reference; make_cpu_model dispatches to it.
 std::unique_ptr<Model> make_cpu_deepseek_model(const Checkpoint& ckpt);
+// The same family on one GPU (backend/cuda/cuda_deepseek.cpp); make_cuda_model dispatches here.
+std::unique_ptr<Model> make_cuda_deepseek_model(const Checkpoint& ckpt, int device);
 
 // A CUDA model on one GPU, or tensor parallel over several (one thread per GPU, NCCL
 // all-reduce after the attention output and MLP down projections).

@@ -302,6 +302,11 @@ TEST_P(CudaGolden, HiddenStatesAndLogitsWithinBf16Tolerance) {
 }
 INSTANTIATE_TEST_SUITE_P(Archs, CudaGolden,
                          ::testing::Values("llama_gqa", "llama_tied", "llama_cfg4x", "mistral", "qwen2", "qwen3"));
+// The DeepSeek family (MLA + MoE; FP8 and int4 fixtures against transformers on their
+// dequantized weights).
+INSTANTIATE_TEST_SUITE_P(DeepSeek, CudaGolden,
+                         ::testing::Values("deepseek_v2", "deepseek_v2_greedy", "deepseek_v3", "deepseek_v3_noqlora",
+                                           "deepseek_v3_fp8", "kimi_k2_int4"));
 
 // Runs a golden model with every layer captured (scattered: sequences in reverse order)
 // and returns the captures and logits.
@@ -353,6 +358,22 @@ TEST(CudaModel, ScatteredCapturesMatchCpu) {
   ModelRun a = run_golden(*gpu, dir, true), b = run_golden(*cpu, dir, true);
   for (size_t k = 0; k < a.hs.size(); ++k)
     EXPECT_LE(rel_err(a.hs[k].data(), b.hs[k].data(), a.hs[k].size()), tol::kCudaModelRel) << "h[" << k << "]";
+}
+
+// The same for DeepSeek-family models: three packed sequences (positions restart per
+// sequence), captures scattered in reverse order.
+TEST(CudaModel, DeepseekScatteredCapturesMatchCpu) {
+  REQUIRE_GPU();
+  for (const std::string fx : {"deepseek_v3", "kimi_k2_int4"}) {
+    const fs::path dir = fs::path(talon::testing::source_dir()) / "tests/fixtures/golden" / fx;
+    auto ck = open_checkpoint(dir);
+    auto gpu = make_cuda_model(*ck, 0);
+    auto cpu = make_cpu_model(*ck);
+    ModelRun a = run_golden(*gpu, dir, true), b = run_golden(*cpu, dir, true);
+    for (size_t k = 0; k < a.hs.size(); ++k)
+      EXPECT_LE(rel_err(a.hs[k].data(), b.hs[k].data(), a.hs[k].size()), tol::kCudaModelRel) << fx << " h[" << k << "]";
+    EXPECT_LE(rel_err(a.logits.data(), b.logits.data(), a.logits.size()), tol::kCudaModelRel) << fx;
+  }
 }
 
 // Tensor parallel over 2 GPUs equals one GPU within bf16 tolerance (every layer, logits).

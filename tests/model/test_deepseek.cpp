@@ -314,11 +314,11 @@ TEST(DeepseekWeights, DenseModelsStillRejectQuantizedDtypes) {
 // `talon extract` runs DeepSeek models through the same Model::forward + Capture path:
 // one sample (the golden's ids) with 3 aux layers and h[L] stored as fp32 must give
 // transformers' hidden states.
-TEST(DeepseekExtract, WritesTheRequestedCapturesMatchingTransformers) {
-  const std::string name = "deepseek_v3_fp8";
+void check_extract(const std::string& name, const std::string& device, double tol) {
   st::File g(golden(name) / "golden.safetensors");
   auto ids = read_i64(g, "input_ids");
-  const int64_t T = int64_t(ids.size()), H = 40, L = 3;
+  const ModelConfig cfg = open_checkpoint(golden(name))->config();
+  const int64_t T = int64_t(ids.size()), H = cfg.hidden, L = cfg.n_layers;
   const fs::path work = fs::temp_directory_path() / ("talon_ds_extract_" + std::to_string(::getpid()));
   fs::remove_all(work);
   fs::create_directories(work);
@@ -333,6 +333,7 @@ TEST(DeepseekExtract, WritesTheRequestedCapturesMatchingTransformers) {
   o.layers = "0,1,2";
   o.fp32 = true;
   o.threads = 2;
+  o.device = device;
   ExtractReport r = run_extract(o);
   EXPECT_EQ(r.samples, 1);
   EXPECT_EQ(r.tokens, T);
@@ -351,14 +352,24 @@ TEST(DeepseekExtract, WritesTheRequestedCapturesMatchingTransformers) {
       auto want = read_f32(g, "hidden." + std::to_string(k));
       std::vector<float> got(size_t(T * H));
       for (int64_t t = 0; t < T; ++t) std::copy_n(a.data() + t * 3 * H + k * H, H, got.data() + t * H);
-      EXPECT_LE(rel_err(got.data(), want.data(), want.size()), tol::kGoldenHiddenRel) << "aux " << k;
+      EXPECT_LE(rel_err(got.data(), want.data(), want.size()), tol) << name << " " << device << " aux " << k;
     }
     auto want = read_f32(g, "hidden." + std::to_string(L));
-    EXPECT_LE(rel_err(h.data(), want.data(), want.size()), tol::kGoldenHiddenRel) << "h[L]";
+    EXPECT_LE(rel_err(h.data(), want.data(), want.size()), tol) << name << " " << device << " h[L]";
     ++found;
   }
   EXPECT_EQ(found, 1);
   fs::remove_all(work);
+}
+
+TEST(DeepseekExtract, WritesTheRequestedCapturesMatchingTransformers) {
+  check_extract("deepseek_v3_fp8", "cpu", tol::kGoldenHiddenRel);
+}
+
+// The same through the CUDA model (bf16), FP8 and int4 checkpoints; skips without a GPU.
+TEST(DeepseekExtract, OnTheGpuMatchesTransformersWithinBf16) {
+  if (!cuda_backend_built() || list_gpus().empty()) GTEST_SKIP() << "no CUDA device on this machine";
+  for (const std::string name : {"deepseek_v3_fp8", "kimi_k2_int4"}) check_extract(name, "cuda", tol::kCudaModelRel);
 }
 
 }  // namespace

@@ -1,6 +1,7 @@
 // Op harness: every CUDA op against the CPU reference on the same (bf16-rounded)
 // inputs, odd shapes, guard sentinels around outputs, NaN/Inf checks; then whole models
 // against the HF goldens. Skips (reported as skipped) where the build or machine has no GPU.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #ifdef TALON_HAVE_CUDA
@@ -293,12 +294,19 @@ TEST_P(CudaGolden, HiddenStatesAndLogitsWithinBf16Tolerance) {
   }
   std::vector<float> logits(static_cast<size_t>(T * c.vocab));
   model->forward(b, cap, logits.data());
+  std::string errs;
   for (int k = 0; k <= L; ++k) {
     auto want = talon::testing::read_f32(g, "hidden." + std::to_string(k));
-    EXPECT_LE(rel_err(hs[static_cast<size_t>(k)].data(), want.data(), want.size()), tol::kCudaModelRel) << "h[" << k << "]";
+    const double e = rel_err(hs[static_cast<size_t>(k)].data(), want.data(), want.size());
+    EXPECT_LE(e, tol::kCudaModelRel) << "h[" << k << "]";
+    errs += fmt::format(" h{} {:.4f}", k, e);
   }
   auto wl = talon::testing::read_f32(g, "logits");
-  EXPECT_LE(rel_err(logits.data(), wl.data(), wl.size()), tol::kCudaModelRel);
+  const double el = rel_err(logits.data(), wl.data(), wl.size());
+  float lmax = 0;
+  for (float v : wl) lmax = std::max(lmax, std::fabs(v));
+  EXPECT_LE(el, tol::kCudaModelRel);
+  std::printf("cuda golden %s:%s logits %.4f (max |logit| %.2f)\n", GetParam().c_str(), errs.c_str(), el, lmax);
 }
 INSTANTIATE_TEST_SUITE_P(Archs, CudaGolden,
                          ::testing::Values("llama_gqa", "llama_tied", "llama_cfg4x", "mistral", "qwen2", "qwen3"));

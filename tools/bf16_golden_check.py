@@ -1,0 +1,33 @@
+#!/usr/bin/env python3
+"""How far transformers itself lands from the fp32 goldens when run in bf16, on the plain
+(unquantized) DeepSeek-family fixtures: a yardstick for the CUDA model's bf16 tolerance.
+  python3 tools/bf16_golden_check.py deepseek_v2 deepseek_v3 ...   (from the repository root)
+Prints the per-layer and logit errors as the tests measure them (max |diff| / max(1, max |ref|))."""
+import json, os, shutil, sys, torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM, AutoConfig
+G = "tests/fixtures/golden"
+def relerr(a, b):
+    return (a - b).abs().max().item() / max(1.0, b.abs().max().item())
+for name in sys.argv[1:]:
+    d = os.path.join(G, name)
+    cj = json.load(open(os.path.join(d, "config.json")))
+    if cj.get("quantization_config"):
+        print(name, ": quantized fixture skipped"); continue
+    out = {k: t.float() for k, t in load_file(os.path.join(d, "model.safetensors")).items()}
+    tmp = os.path.join(os.environ.get("TMPDIR", "/tmp"), "talon_bf16_ref_" + name)
+    shutil.rmtree(tmp, ignore_errors=True); os.makedirs(tmp)
+    json.dump(cj, open(os.path.join(tmp, "config.json"), "w"))
+    save_file({k: v.contiguous() for k, v in out.items()}, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+    g = load_file(os.path.join(d, "golden.safetensors"))
+    ids = g["input_ids"].long()[None]
+    for dt in (torch.float32, torch.bfloat16):
+        m = AutoModelForCausalLM.from_pretrained(tmp, dtype=dt, attn_implementation="eager").eval()
+        with torch.no_grad():
+            o = m(ids, output_hidden_states=True)
+        lg = o.logits[0].float()
+        hs = [h[0].float() for h in o.hidden_states]
+        # transformers' last hidden state is after the final norm; compare h[0..L-1] only.
+        he = " ".join(f"{relerr(hs[k], g[f'hidden.{k}']):.4f}" for k in range(len(hs) - 1))
+        shutil.rmtree(tmp, ignore_errors=True) if dt == torch.bfloat16 else None
+        print(f"{name} {str(dt):15s} hidden {he} logits {relerr(lg, g['logits']):.4f} max|logit| {g['logits'].abs().max():.2f}")

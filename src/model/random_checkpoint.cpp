@@ -1,34 +1,113 @@
 #include "model/random_checkpoint.h"
 
 #include <algorithm>
+#include <array>
+#include <string>
 #include <bit>
 #include <cmath>
 #include <vector>
 
+#include "model/deepseek.h"
 #include "model/dense.h"
 
 namespace talon {
 
 namespace {
 
+struct Spec {
+  std::string name;
+  std::vector<int64_t> shape;
+  const char* type;  // "BF16", "I32" (int4 packed words), "I64" (an int4 weight_shape)
+  std::array<int64_t, 2> logical{};  // I64: the values it holds, the weight's [O, I]
+};
+
+// The DeepSeek-family layout as bind_deepseek_weights reads it; routed experts int4
+// pack-quantized when the config says compressed-tensors with a group size.
+std::vector<Spec> deepseek_specs(const ModelConfig& c) {
+  const DeepseekConfig& d = c.ds;
+  const int64_t H = c.hidden, nh = c.n_heads, qk = d.qk_head_dim(), E = d.n_routed_experts;
+  const int64_t Im = d.moe_intermediate_size, g = d.int4_group;
+  const bool int4 = d.quant_method == "compressed-tensors" && g > 0;
+  std::vector<Spec> v;
+  auto lin = [&](const std::string& p, int64_t O, int64_t I, bool quant) {
+    if (!quant) return v.push_back({p + ".weight", {O, I}, "BF16"});
+    v.push_back({p + ".weight_packed", {O, (I + 7) / 8}, "I32"});
+    v.push_back({p + ".weight_scale", {O, (I + g - 1) / g}, "BF16"});
+    v.push_back({p + ".weight_shape", {2}, "I64", {O, I}});
+  };
+  v.push_back({"model.embed_tokens.weight", {c.vocab, H}, "BF16"});
+  for (int64_t l = 0; l < c.n_layers; ++l) {
+    const std::string p = "model.layers." + std::to_string(l) + ".";
+    v.push_back({p + "input_layernorm.weight", {H}, "BF16"});
+    v.push_back({p + "post_attention_layernorm.weight", {H}, "BF16"});
+    if (d.q_lora_rank > 0) {
+      lin(p + "self_attn.q_a_proj", d.q_lora_rank, H, false);
+      v.push_back({p + "self_attn.q_a_layernorm.weight", {d.q_lora_rank}, "BF16"});
+      lin(p + "self_attn.q_b_proj", nh * qk, d.q_lora_rank, false);
+    } else {
+      lin(p + "self_attn.q_proj", nh * qk, H, false);
+    }
+    lin(p + "self_attn.kv_a_proj_with_mqa", d.kv_lora_rank + d.qk_rope_head_dim, H, false);
+    v.push_back({p + "self_attn.kv_a_layernorm.weight", {d.kv_lora_rank}, "BF16"});
+    lin(p + "self_attn.kv_b_proj", nh * (d.qk_nope_head_dim + d.v_head_dim), d.kv_lora_rank, false);
+    lin(p + "self_attn.o_proj", H, nh * d.v_head_dim, false);
+    auto mlp = [&](const std::string& m, int64_t I, bool quant) {
+      lin(m + "gate_proj", I, H, quant);
+      lin(m + "up_proj", I, H, quant);
+      lin(m + "down_proj", H, I, quant);
+    };
+    if (l < d.first_k_dense_replace) {
+      mlp(p + "mlp.", c.intermediate, false);
+      continue;
+    }
+    v.push_back({p + "mlp.gate.weight", {E, H}, "BF16"});
+    if (d.topk_method == "noaux_tc") v.push_back({p + "mlp.gate.e_score_correction_bias", {E}, "BF16"});
+    for (int64_t e = 0; e < E; ++e) mlp(p + "mlp.experts." + std::to_string(e) + ".", Im, int4);
+    if (d.n_shared_experts > 0) mlp(p + "mlp.shared_experts.", Im * d.n_shared_experts, false);
+  }
+  v.push_back({"model.norm.weight", {H}, "BF16"});
+  if (!c.tied_embeddings) v.push_back({"lm_head.weight", {c.vocab, H}, "BF16"});
+  return v;
+}
+
 class RandomCheckpoint final : public Checkpoint {
  public:
   RandomCheckpoint(const ModelConfig& cfg, float std, uint64_t seed) {
     config_ = cfg;
     source_ = "random " + std::string(arch_name(cfg.arch)) + " weights";
-    DenseWeights w;
-    int64_t most = 0;
-    for (const WeightSpec& s : dense_weight_table(cfg, w)) {
+    std::vector<Spec> specs;
+    if (is_deepseek(cfg.arch)) {
+      specs = deepseek_specs(cfg);
+    } else {
+      DenseWeights w;
+      for (const WeightSpec& s : dense_weight_table(cfg, w)) specs.push_back({s.name, s.shape, "BF16"});
+    }
+    int64_t most = 0, most_words = 1;
+    for (const Spec& s : specs) {
       CkptTensor t;
       t.name = s.name;
-      t.stored_type = "BF16";
+      t.stored_type = s.type;
       t.shape = s.shape;
       t.file = source_;
-      most = std::max(most, t.numel());
+      if (std::string(s.type) == "I32")
+        most_words = std::max(most_words, t.numel());
+      else
+        most = std::max(most, t.numel());
+      shape_idx_.push_back(-1);
+      if (std::string(s.type) == "I64") {
+        shape_idx_.back() = int64_t(shapes_.size());
+        shapes_.push_back(s.logical);
+      }
       tensors_.push_back(t);
     }
     index();
     constexpr int64_t kSlack = 1 << 20;
+    words_.resize(size_t(most_words + kSlack));
+    uint64_t y = seed * 0xd1b54a32d192ed03ull + 7;
+    for (auto& w : words_) {
+      y ^= y >> 12, y ^= y << 25, y ^= y >> 27;
+      w = int32_t(uint32_t((y * 0x2545f4914f6cdd1dull) >> 32));
+    }
     pool_.resize(size_t(most + kSlack));
     // xorshift64*; the top 24 bits give u in [0, 1), scaled to [-a, a] with a = std * sqrt(3).
     uint64_t x = seed * 0x9e3779b97f4a7c15ull + 1;
@@ -39,18 +118,24 @@ class RandomCheckpoint final : public Checkpoint {
       v = uint16_t(std::bit_cast<uint32_t>((u * 2.f - 1.f) * a) >> 16);
     }
     for (size_t i = 0; i < tensors_.size(); ++i) offset_.push_back(int64_t((i * 104729u) % uint64_t(kSlack)));
-    ones_.assign(size_t(std::max(cfg.hidden, cfg.head_dim)), 0x3f80);  // bf16 1.0
+    int64_t widest = std::max(cfg.hidden, cfg.head_dim);
+    if (is_deepseek(cfg.arch)) widest = std::max({widest, cfg.ds.q_lora_rank, cfg.ds.kv_lora_rank});
+    ones_.assign(size_t(widest), 0x3f80);  // bf16 1.0
   }
 
   WeightRef weight(const CkptTensor& t) const override {
-    if (t.name.find("norm") != std::string::npos) return {DType::BF16, ones_.data(), t.shape};
     const size_t i = size_t(&t - tensors_.data());
+    if (t.stored_type == "I32") return {DType::I32, words_.data() + offset_[i], t.shape};
+    if (t.stored_type == "I64") return {DType::I64, shapes_[size_t(shape_idx_[i])].data(), t.shape};
+    if (t.name.find("norm") != std::string::npos) return {DType::BF16, ones_.data(), t.shape};
     return {DType::BF16, pool_.data() + offset_[i], t.shape};
   }
 
  private:
   std::vector<uint16_t> pool_, ones_;
-  std::vector<int64_t> offset_;
+  std::vector<int32_t> words_;
+  std::vector<std::array<int64_t, 2>> shapes_;
+  std::vector<int64_t> offset_, shape_idx_;
 };
 
 }  // namespace

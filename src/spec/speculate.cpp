@@ -306,10 +306,22 @@ std::vector<int32_t> decode_speculative(Decoder& target, int slot, DraftRunner& 
     int32_t bonus = -1;
     uint64_t draws = 0;
     auto u = [&] { return uniform01(params.seed, stream ^ kAcceptStream, round * 4096 + draws++); };
+    const bool greedy = params.greedy();
     for (;;) {
       const int32_t at = path.back();
-      sampling_distribution(logits.data() + int64_t(at) * V, V, params, p);
-      int32_t kept = -1;
+      int32_t kept = -1, best = -1;
+      if (greedy) {
+        // A child is kept iff it is the target's argmax (what the one-hot distribution below
+        // would decide, without building it).
+        best = argmax(logits.data() + int64_t(at) * V, V);
+        for (int32_t c : children[size_t(at)])
+          if (req.tokens[size_t(c)] == best) {
+            kept = c;
+            break;
+          }
+      } else {
+        sampling_distribution(logits.data() + int64_t(at) * V, V, params, p);
+      }
       if (sampled_chain) {
         if (!children[size_t(at)].empty()) {
           const int32_t c = children[size_t(at)][0];
@@ -324,7 +336,7 @@ std::vector<int32_t> decode_speculative(Decoder& target, int slot, DraftRunner& 
             if (mass <= 0) sampling_distribution(logits.data() + int64_t(at) * V, V, params, p);
           }
         }
-      } else {
+      } else if (!greedy) {
         // Children in score order (the tree lists each depth by selection order). The
         // residual's mass is kept up to date as rejected children leave it (one pass over V).
         double mass = 0;
@@ -345,7 +357,7 @@ std::vector<int32_t> decode_speculative(Decoder& target, int slot, DraftRunner& 
         if (kept >= 0) ++st.accepted[size_t(depth - 1)];
       }
       if (kept < 0) {
-        bonus = draw(p, u());
+        bonus = greedy ? best : draw(p, u());
         break;
       }
       path.push_back(kept);

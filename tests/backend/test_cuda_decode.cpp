@@ -9,6 +9,8 @@
 #ifdef TALON_HAVE_CUDA
 #include <cuda_runtime.h>
 
+#include "tests/gpu_test.h"
+
 #include <algorithm>
 #include <random>
 
@@ -24,12 +26,6 @@ using namespace talon::testing;
 
 namespace {
 
-bool have_gpu() {
-  int n = 0;
-  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
-}
-#define REQUIRE_GPU() \
-  if (!have_gpu()) GTEST_SKIP() << "no CUDA device on this machine"
 
 fs::path fixture(const std::string& name) { return fs::path(source_dir()) / "tests/fixtures/golden" / name; }
 

@@ -17,6 +17,8 @@
 #ifdef TALON_HAVE_CUDA
 #include <cuda_runtime.h>
 
+#include "tests/gpu_test.h"
+
 #include <algorithm>
 #include <cstdio>
 #include <random>
@@ -36,12 +38,6 @@ using namespace talon::testing;
 
 namespace {
 
-bool have_gpu() {
-  int n = 0;
-  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
-}
-#define REQUIRE_GPU() \
-  if (!have_gpu()) GTEST_SKIP() << "no CUDA device on this machine"
 
 fs::path fixture(const std::string& name) { return fs::path(source_dir()) / "tests/fixtures/golden" / name; }
 
@@ -181,12 +177,7 @@ TEST(CudaDraft, GreedySpeculationEqualsTargetOnlyGreedyOnTheGpu) {
     SamplingParams greedy;
     GenLimits lim;
     lim.max_new_tokens = 40;
-    std::vector<SpecConfig> cfgs(4);
-    cfgs[0].k = 1;
-    cfgs[1].k = 4;
-    cfgs[2].mode = cfgs[3].mode = SpecConfig::Mode::Tree;
-    cfgs[2].depth = 4, cfgs[2].topk = 4, cfgs[2].tree_tokens = 12;
-    cfgs[3].depth = 3, cfgs[3].topk = 16, cfgs[3].tree_tokens = 40;
+    const std::vector<SpecConfig> cfgs = greedy_test_configs();
     std::mt19937 rng(4);
     DecodeStats tree_stats;
     std::vector<float> logits(static_cast<size_t>(tc.vocab));

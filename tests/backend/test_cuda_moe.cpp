@@ -11,6 +11,8 @@
 #ifdef TALON_HAVE_CUDA
 #include <cuda_runtime.h>
 
+#include "tests/gpu_test.h"
+
 #include <cmath>
 #include <random>
 
@@ -26,10 +28,6 @@ using namespace talon;
 
 namespace {
 
-bool have_gpu() {
-  int n = 0;
-  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
-}
 
 template <typename T>
 T* to_dev(const std::vector<T>& v) {
@@ -186,7 +184,7 @@ struct Case {
 class CudaMoe : public ::testing::TestWithParam<Case> {};
 
 TEST_P(CudaMoe, MatchesTheCpuReference) {
-  if (!have_gpu()) GTEST_SKIP() << "no CUDA device on this machine";
+  REQUIRE_GPU();
   const Case& cs = GetParam();
   const int64_t N = 37, H = 96, Im = 64, E = 16;
   const int K = 4;
@@ -240,7 +238,7 @@ INSTANTIATE_TEST_SUITE_P(
 // upload_moe_layer: the stacked device layout must compute what the CPU reference's
 // dequantizer reads (weights rounded to bf16 as uploaded, int4 exact with bf16 scales).
 TEST(CudaMoe, FixtureLayersMatchTheCpuReference) {
-  if (!have_gpu()) GTEST_SKIP() << "no CUDA device on this machine";
+  REQUIRE_GPU();
   int layers = 0;
   for (const std::string fx : {"deepseek_v2", "deepseek_v2_greedy", "deepseek_v3", "deepseek_v3_fp8", "kimi_k2_int4"}) {
     auto ck = open_checkpoint(fs::path(talon::testing::source_dir()) / "tests/fixtures/golden" / fx);

@@ -7,6 +7,8 @@
 #ifdef TALON_HAVE_CUDA
 #include <cuda_runtime.h>
 
+#include "tests/gpu_test.h"
+
 #include <cmath>
 #include <random>
 
@@ -23,12 +25,6 @@ using bf16 = cuda::bf16;
 
 namespace {
 
-bool have_gpu() {
-  int n = 0;
-  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
-}
-#define REQUIRE_GPU() \
-  if (!have_gpu()) GTEST_SKIP() << "no CUDA device on this machine"
 
 constexpr size_t kGuard = 64;
 constexpr uint16_t kSentinel = 0x7fa1;  // a NaN pattern no op writes

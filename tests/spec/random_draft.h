@@ -3,9 +3,11 @@
 #include <cmath>
 #include <random>
 #include <string>
+#include <vector>
 
 #include "model/model.h"
 #include "spec/draft_runner.h"
+#include "spec/speculate.h"
 #include "train/eagle3.h"
 #include "train/export.h"
 
@@ -45,6 +47,18 @@ inline spec::DraftModel random_draft(const ModelConfig& tc, int64_t Vd, uint32_t
   m.aux_layer_ids = {1, int64_t(tc.n_layers / 2), tc.n_layers};
   m.origin = "random";
   return m;
+}
+
+// The drafting configurations the greedy-equivalence tests run: chains of 1 and 4, a narrow
+// deep tree and a wide shallow one (more than 32 verified nodes).
+inline std::vector<spec::SpecConfig> greedy_test_configs() {
+  std::vector<spec::SpecConfig> cfgs(4);
+  cfgs[0].k = 1;
+  cfgs[1].k = 4;
+  cfgs[2].mode = cfgs[3].mode = spec::SpecConfig::Mode::Tree;
+  cfgs[2].depth = 4, cfgs[2].topk = 4, cfgs[2].tree_tokens = 12;
+  cfgs[3].depth = 3, cfgs[3].topk = 16, cfgs[3].tree_tokens = 40;
+  return cfgs;
 }
 
 }  // namespace talon::testing

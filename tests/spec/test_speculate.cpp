@@ -95,12 +95,7 @@ TEST(Speculate, GreedyOutputEqualsTargetOnlyGreedy) {
     SamplingParams greedy;
     GenLimits lim;
     lim.max_new_tokens = 40;
-    std::vector<SpecConfig> cfgs(4);
-    cfgs[0].k = 1;
-    cfgs[1].k = 4;
-    cfgs[2].mode = cfgs[3].mode = SpecConfig::Mode::Tree;
-    cfgs[2].depth = 4, cfgs[2].topk = 4, cfgs[2].tree_tokens = 12;
-    cfgs[3].depth = 3, cfgs[3].topk = 16, cfgs[3].tree_tokens = 40;
+    const std::vector<SpecConfig> cfgs = greedy_test_configs();
     std::mt19937 rng(4);
     DecodeStats tree_stats;
     for (int prompt_i = 0; prompt_i < 4; ++prompt_i) {

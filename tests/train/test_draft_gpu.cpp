@@ -4,6 +4,8 @@
 // accuracies, every gradient, five optimizer steps, and run-to-run determinism.
 #ifdef TALON_HAVE_CUDA
 #include <cuda_runtime.h>
+
+#include "tests/gpu_test.h"
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -22,10 +24,6 @@ using namespace talon::eagle3;
 
 namespace {
 
-bool have_gpu() {
-  int n = 0;
-  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
-}
 
 struct Case {
   DraftConfig c;
@@ -151,26 +149,26 @@ void check_against_cpu(bool nbr, GpuMath math, double loss_tol, double grad_tol)
 }
 
 TEST_P(GpuDraft, ForwardBackwardMatchesCpuReference) {
-  if (!have_gpu()) GTEST_SKIP() << "no CUDA device on this machine";
+  REQUIRE_GPU();
   check_against_cpu(GetParam(), GpuMath::F32, tol::kGpuTttLossRel, tol::kGpuTttGradRel);
 }
 
 // The fp32 loop kernels (TALON_DRAFT_ATTENTION=loop) are a second, independent attention
 // implementation: they must match the reference as well.
 TEST_P(GpuDraft, LoopAttentionMatchesCpuReference) {
-  if (!have_gpu()) GTEST_SKIP() << "no CUDA device on this machine";
+  REQUIRE_GPU();
   setenv("TALON_DRAFT_ATTENTION", "loop", 1);
   check_against_cpu(GetParam(), GpuMath::F32, tol::kGpuTttLossRel, tol::kGpuTttGradRel);
   unsetenv("TALON_DRAFT_ATTENTION");
 }
 
 TEST_P(GpuDraft, Bf16TensorCoresStayClose) {
-  if (!have_gpu()) GTEST_SKIP() << "no CUDA device on this machine";
+  REQUIRE_GPU();
   check_against_cpu(GetParam(), GpuMath::BF16, tol::kGpuTttBf16LossRel, tol::kGpuTttBf16GradRel);
 }
 
 TEST_P(GpuDraft, AdamWStepsMatchCpuAndAreDeterministic) {
-  if (!have_gpu()) GTEST_SKIP() << "no CUDA device on this machine";
+  REQUIRE_GPU();
   Case cs(GetParam(), 99);
   const auto batch = cs.batch();
   train::OptimConfig oc;
@@ -236,7 +234,7 @@ TEST_P(GpuDraft, AdamWStepsMatchCpuAndAreDeterministic) {
 }
 
 TEST(GpuDraftBudget, RefusesBatchOverBudget) {
-  if (!have_gpu()) GTEST_SKIP() << "no CUDA device on this machine";
+  REQUIRE_GPU();
   Case cs(false, 7);
   auto gpu = make_gpu_draft_trainer(cs.c, cs.target(), cs.dv, {0}, GpuMath::F32, 16);
   gpu->set_weights(cs.w);

@@ -58,7 +58,9 @@ std::vector<std::pair<std::string, std::shared_ptr<Checkpoint>>> targets() {
 TEST(CudaDraft, RunnerMatchesTheCpuRunner) {
   REQUIRE_GPU();
   int variant = 0;
-  for (const auto& [name, ck] : targets()) {
+  for (const auto& target : targets()) {
+    const std::string& name = target.first;
+    const std::shared_ptr<Checkpoint>& ck = target.second;
     const ModelConfig& tc = ck->config();
     DraftModel m = random_draft(tc, tc.vocab / 2 + 3, 7 + variant);
     m.config.norm_before_residual = variant++ % 2 == 1;

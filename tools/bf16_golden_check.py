@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
-"""How far transformers itself lands from the fp32 goldens when run in bf16, on the plain
-(unquantized) DeepSeek-family fixtures: a yardstick for the CUDA model's bf16 tolerance.
+"""How far transformers itself lands from the fp32 goldens when run in bf16, on the plain and
+FP8 DeepSeek-family fixtures (FP8 dequantized here): a yardstick for the CUDA model's bf16
+tolerance.
   python3 tools/bf16_golden_check.py deepseek_v2 deepseek_v3 ...   (from the repository root)
 Prints the per-layer and logit errors as the tests measure them (max |diff| / max(1, max |ref|))."""
 import json, os, shutil, sys, torch
@@ -12,9 +13,20 @@ def relerr(a, b):
 for name in sys.argv[1:]:
     d = os.path.join(G, name)
     cj = json.load(open(os.path.join(d, "config.json")))
-    if cj.get("quantization_config"):
-        print(name, ": quantized fixture skipped"); continue
-    out = {k: t.float() for k, t in load_file(os.path.join(d, "model.safetensors")).items()}
+    qc = cj.pop("quantization_config", None) or {}
+    if qc and qc.get("quant_method") != "fp8":
+        print(name, ": int4 fixture skipped"); continue
+    sd = load_file(os.path.join(d, "model.safetensors"))
+    out = {}
+    for k, t in sd.items():  # FP8 block weights dequantized (w = q * scale_inv per block)
+        if k.endswith("_scale_inv"):
+            continue
+        w = t.float()
+        if k + "_scale_inv" in sd:
+            bo, bi = qc["weight_block_size"]
+            s = sd[k + "_scale_inv"].float()
+            w = w * s.repeat_interleave(bo, 0)[: w.shape[0]].repeat_interleave(bi, 1)[:, : w.shape[1]]
+        out[k] = w
     tmp = os.path.join(os.environ.get("TMPDIR", "/tmp"), "talon_bf16_ref_" + name)
     shutil.rmtree(tmp, ignore_errors=True); os.makedirs(tmp)
     json.dump(cj, open(os.path.join(tmp, "config.json"), "w"))

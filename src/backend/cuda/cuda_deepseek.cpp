@@ -34,23 +34,20 @@ using cuda::DeviceArena;
 
 constexpr float kLatentNormEps = 1e-6f;  // q_a / kv_a layernorms (transformers' RMSNorm default)
 
-bf16* upload_bf16(const std::vector<float>& f, DeviceArena& arena) {
-  std::vector<uint16_t> b(f.size());
-  for (size_t i = 0; i < f.size(); ++i) b[i] = f32_to_bf16(f[i]);
-  bf16* d = arena.alloc<bf16>(b.size());
-  CUDA_CHECK(cudaMemcpy(d, b.data(), b.size() * 2, cudaMemcpyHostToDevice));
-  return d;
-}
-
 // Dequantized (any storage) and stacked row-wise: [sum of rows, cols] bf16.
 bf16* upload_linear(std::initializer_list<const QuantWeight*> ws, DeviceArena& arena) {
-  std::vector<float> all;
+  size_t n = 0;
+  for (const QuantWeight* w : ws) n += size_t(w->rows * w->cols);
+  bf16* d = arena.alloc<bf16>(n);
+  size_t at = 0;
+  std::vector<float> f;
   for (const QuantWeight* w : ws) {
-    std::vector<float> f(size_t(w->rows * w->cols));
+    f.resize(size_t(w->rows * w->cols));
     dequantize(*w, f.data());
-    all.insert(all.end(), f.begin(), f.end());
+    cuda::copy_bf16(d + at, f.data(), f.size());
+    at += f.size();
   }
-  return upload_bf16(all, arena);
+  return d;
 }
 
 struct LayerDev {
@@ -70,16 +67,16 @@ class CudaDeepseekModel final : public Model {
     const ModelConfig& c = cfg_;
     const DeepseekConfig& d = c.ds;
     const DeepseekWeights w = bind_deepseek_weights(ckpt);
-    embed_ = upload_bf16(weight_to_f32(w.embed), arena_);
-    lm_head_ = upload_bf16(weight_to_f32(w.lm_head), arena_);
-    final_norm_ = upload_bf16(weight_to_f32(w.final_norm), arena_);
+    embed_ = cuda::upload_weight(w.embed, arena_);
+    lm_head_ = cuda::upload_weight(w.lm_head, arena_);
+    final_norm_ = cuda::upload_weight(w.final_norm, arena_);
     for (const DeepseekLayer& l : w.layers) {
       LayerDev L;
-      L.attn_norm = upload_bf16(weight_to_f32(l.attn_norm), arena_);
-      L.mlp_norm = upload_bf16(weight_to_f32(l.mlp_norm), arena_);
-      L.kv_a_norm = upload_bf16(weight_to_f32(l.kv_a_norm), arena_);
+      L.attn_norm = cuda::upload_weight(l.attn_norm, arena_);
+      L.mlp_norm = cuda::upload_weight(l.mlp_norm, arena_);
+      L.kv_a_norm = cuda::upload_weight(l.kv_a_norm, arena_);
       if (d.q_lora_rank > 0) {
-        L.q_a_norm = upload_bf16(weight_to_f32(l.q_a_norm), arena_);
+        L.q_a_norm = cuda::upload_weight(l.q_a_norm, arena_);
         L.q_a = upload_linear({&l.q_a}, arena_);
         L.q = upload_linear({&l.q_b}, arena_);
       } else {

@@ -29,12 +29,12 @@ using cuda::DeviceArena;
 bf16* upload(DeviceArena& arena, std::initializer_list<const std::vector<float>*> parts) {
   size_t n = 0;
   for (const auto* p : parts) n += p->size();
-  std::vector<uint16_t> b(n);
-  size_t at = 0;
-  for (const auto* p : parts)
-    for (float f : *p) b[at++] = f32_to_bf16(f);
   bf16* d = arena.alloc<bf16>(n);
-  CUDA_CHECK(cudaMemcpy(d, b.data(), n * 2, cudaMemcpyHostToDevice));
+  size_t at = 0;
+  for (const auto* p : parts) {
+    cuda::copy_bf16(d + at, p->data(), p->size());
+    at += p->size();
+  }
   return d;
 }
 
@@ -67,15 +67,7 @@ class CudaDraftBackend final : public DraftBackend {
     const WeightRef e = target.weight(*t);
     TALON_CHECK(e.shape.size() == 2 && e.shape[0] == c.V && e.shape[1] == c.H, "{}: '{}' is not [{}, {}]",
                 target.source(), name, c.V, c.H);
-    embed_ = arena_.alloc<bf16>(size_t(c.V * c.H));
-    if (e.dtype == DType::BF16) {
-      CUDA_CHECK(cudaMemcpy(embed_, e.data, size_t(c.V * c.H) * 2, cudaMemcpyHostToDevice));
-    } else {
-      const std::vector<float> f = weight_to_f32(e);
-      std::vector<uint16_t> b(f.size());
-      for (size_t i = 0; i < f.size(); ++i) b[i] = f32_to_bf16(f[i]);
-      CUDA_CHECK(cudaMemcpy(embed_, b.data(), b.size() * 2, cudaMemcpyHostToDevice));
-    }
+    embed_ = cuda::upload_weight(e, arena_);
     const std::vector<float> inv = rope_inv_freq(c.rope, c.head_dim);
     inv_freq_ = arena_.alloc<float>(inv.size());
     CUDA_CHECK(cudaMemcpy(inv_freq_, inv.data(), inv.size() * 4, cudaMemcpyHostToDevice));

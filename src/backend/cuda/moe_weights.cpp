@@ -69,11 +69,9 @@ ExpertMatrix upload_stack(const std::vector<DeepseekMlp>& experts, QuantWeight D
   }
   auto* w = arena.alloc<bf16>(size_t(E * O * I));
   std::vector<float> f(size_t(O * I));
-  std::vector<uint16_t> b(f.size());
   for (int64_t e = 0; e < E; ++e) {
     dequantize(experts[size_t(e)].*pick, f.data());
-    for (size_t i = 0; i < f.size(); ++i) b[i] = talon::f32_to_bf16(f[i]);
-    CUDA_CHECK(cudaMemcpy(w + e * O * I, b.data(), b.size() * 2, cudaMemcpyHostToDevice));
+    copy_bf16(w + e * O * I, f.data(), f.size());
   }
   m.w = w;
   bytes += E * O * I * 2;

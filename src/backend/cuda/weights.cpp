@@ -54,6 +54,20 @@ void upload_part(const Part& p, std::vector<float>& f32, std::vector<uint16_t>& 
 
 }  // namespace
 
+void copy_bf16(bf16* dst, const float* src, size_t n) {
+  std::vector<uint16_t> b(n);
+  for (size_t i = 0; i < n; ++i) b[i] = talon::f32_to_bf16(src[i]);
+  CUDA_CHECK(cudaMemcpy(dst, b.data(), n * 2, cudaMemcpyHostToDevice));
+}
+
+bf16* upload_weight(const WeightRef& w, DeviceArena& arena) {
+  const Part p{arena.alloc<bf16>(size_t(dim_r(w) * dim_c(w))), &w, 0, dim_r(w), 0, dim_c(w)};
+  std::vector<float> f32;
+  std::vector<uint16_t> b16;
+  upload_part(p, f32, b16);
+  return p.dst;
+}
+
 DenseDeviceWeights upload_dense_weights(const Checkpoint& ckpt, int device, int rk, int tp, DeviceArena& arena) {
   const ModelConfig& c = ckpt.config();
   DenseDeviceWeights d;

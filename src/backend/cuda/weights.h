@@ -51,6 +51,13 @@ struct DenseDeviceWeights {
   int64_t weight_bytes = 0;
 };
 
+// Host fp32 values -> device bf16 at dst (which holds n values).
+void copy_bf16(bf16* dst, const float* src, size_t n);
+
+// One whole checkpoint weight into new bf16 device memory: bf16 copied as stored, other
+// dtypes converted a row at a time (never the whole tensor widened to fp32 on the host).
+bf16* upload_weight(const WeightRef& w, DeviceArena& arena);
+
 // Uploads the checkpoint's weights (converted to bf16) into `arena` on the current device,
 // with a pool of host threads reading straight from the mapped file; logs the rate.
 DenseDeviceWeights upload_dense_weights(const Checkpoint& ckpt, int device, int rank, int tp, DeviceArena& arena);

@@ -176,46 +176,30 @@ TEST(CudaDraft, GreedySpeculationEqualsTargetOnlyGreedyOnTheGpu) {
     auto ref = make_cpu_decoder(*ck, 1, 256);
     DraftModel m = random_draft(tc, tc.vocab / 2, 21);
     DraftRunner run(m, *ck, 0, 256 + 64);
-    SamplingParams greedy;
-    GenLimits lim;
-    lim.max_new_tokens = 40;
-    const std::vector<SpecConfig> cfgs = greedy_test_configs();
-    std::mt19937 rng(4);
-    DecodeStats tree_stats;
     std::vector<float> logits(static_cast<size_t>(tc.vocab));
-    for (int prompt_i = 0; prompt_i < 4; ++prompt_i) {
-      std::vector<int32_t> prompt(size_t(3 + prompt_i * 5));
-      for (auto& x : prompt) x = int32_t(rng() % uint32_t(tc.vocab));
-      const auto want = decode_plain(*dec, 0, prompt, greedy, 0, lim);
-      ASSERT_EQ(int64_t(want.size()), lim.max_new_tokens);
-      for (const auto& cfg : cfgs) {
-        DecodeStats st;
-        const auto got = decode_speculative(*dec, 0, run, prompt, cfg, greedy, 0, lim, &st);
-        ++runs;
-        if (cfg.mode == SpecConfig::Mode::Tree) tree_stats.add(st);
-        size_t i = 0;
-        while (i < got.size() && i < want.size() && got[i] == want[i]) ++i;
-        if (i == want.size() && got.size() == want.size()) {
-          ++equal;
-          continue;
-        }
-        ASSERT_LT(i, std::min(got.size(), want.size())) << fx << " " << cfg.name() << ": lengths differ";
-        // The first difference must be a near-tie of the fp32 reference on the common prefix.
-        std::vector<int32_t> seq = prompt;
-        seq.insert(seq.end(), want.begin(), want.begin() + std::ptrdiff_t(i));
-        ref->reset(0);
-        ref->forward({{0, seq, {}, false}}, {}, logits.data());
-        const double gap = std::fabs(double(logits[size_t(want[i])]) - double(logits[size_t(got[i])]));
-        EXPECT_LT(gap, tol::kCudaGreedyMargin)
-            << fx << " prompt " << prompt_i << " " << cfg.name() << ": token " << i << " is " << got[i]
-            << " instead of " << want[i] << ", fp32 logits apart by " << gap;
-        ++ties;
-      }
-    }
-    int64_t acc = 0;
-    for (auto a : tree_stats.accepted) acc += a;
-    EXPECT_GT(acc, 0) << fx;
-    EXPECT_GT(tree_stats.tau(), 1.0) << fx;
+    ASSERT_NO_FATAL_FAILURE(run_greedy_comparisons(
+        *dec, run, tc.vocab, fx,
+        [&](int prompt_i, const std::vector<int32_t>& prompt, const std::vector<int32_t>& want, const SpecConfig& cfg,
+            const std::vector<int32_t>& got, const DecodeStats&) {
+          ++runs;
+          size_t i = 0;
+          while (i < got.size() && i < want.size() && got[i] == want[i]) ++i;
+          if (i == want.size() && got.size() == want.size()) {
+            ++equal;
+            return;
+          }
+          ASSERT_LT(i, std::min(got.size(), want.size())) << fx << " " << cfg.name() << ": lengths differ";
+          // The first difference must be a near-tie of the fp32 reference on the common prefix.
+          std::vector<int32_t> seq = prompt;
+          seq.insert(seq.end(), want.begin(), want.begin() + std::ptrdiff_t(i));
+          ref->reset(0);
+          ref->forward({{0, seq, {}, false}}, {}, logits.data());
+          const double gap = std::fabs(double(logits[size_t(want[i])]) - double(logits[size_t(got[i])]));
+          EXPECT_LT(gap, tol::kCudaGreedyMargin)
+              << fx << " prompt " << prompt_i << " " << cfg.name() << ": token " << i << " is " << got[i]
+              << " instead of " << want[i] << ", fp32 logits apart by " << gap;
+          ++ties;
+        }));
   }
   std::printf("cuda speculative greedy: %d/%d runs equal, %d left at an fp32 near-tie\n", equal, runs, ties);
   EXPECT_GE(equal, runs / 2);

@@ -1,10 +1,14 @@
 // A random EAGLE-3 draft for a target (tests only).
 #pragma once
 #include <cmath>
+#include <functional>
 #include <random>
+
+#include <gtest/gtest.h>
 #include <string>
 #include <vector>
 
+#include "model/decode.h"
 #include "model/model.h"
 #include "spec/draft_runner.h"
 #include "spec/speculate.h"
@@ -59,6 +63,39 @@ inline std::vector<spec::SpecConfig> greedy_test_configs() {
   cfgs[2].depth = 4, cfgs[2].topk = 4, cfgs[2].tree_tokens = 12;
   cfgs[3].depth = 3, cfgs[3].topk = 16, cfgs[3].tree_tokens = 40;
   return cfgs;
+}
+
+// The greedy-equivalence driver shared by the CPU and GPU tests: 4 random prompts, each
+// decoded greedily by the target alone (40 new tokens) and speculatively with every
+// configuration of greedy_test_configs(); `judge(prompt_i, prompt, want, cfg, got, stats)`
+// decides whether each speculative output may stand beside the target-only one. Afterwards
+// the tree configurations must have accepted draft tokens (tau > 1), so the acceptance path
+// is exercised, not only rejections. Call it under ASSERT_NO_FATAL_FAILURE.
+inline void run_greedy_comparisons(
+    Decoder& dec, spec::DraftRunner& run, int64_t vocab, const std::string& what,
+    const std::function<void(int, const std::vector<int32_t>&, const std::vector<int32_t>&, const spec::SpecConfig&,
+                             const std::vector<int32_t>&, const spec::DecodeStats&)>& judge) {
+  spec::SamplingParams greedy;
+  spec::GenLimits lim;
+  lim.max_new_tokens = 40;
+  std::mt19937 rng(4);
+  spec::DecodeStats tree_stats;
+  for (int prompt_i = 0; prompt_i < 4; ++prompt_i) {
+    std::vector<int32_t> prompt(size_t(3 + prompt_i * 5));
+    for (auto& x : prompt) x = int32_t(rng() % uint32_t(vocab));
+    const auto want = spec::decode_plain(dec, 0, prompt, greedy, 0, lim);
+    ASSERT_EQ(int64_t(want.size()), lim.max_new_tokens);
+    for (const auto& cfg : greedy_test_configs()) {
+      spec::DecodeStats st;
+      const auto got = spec::decode_speculative(dec, 0, run, prompt, cfg, greedy, 0, lim, &st);
+      if (cfg.mode == spec::SpecConfig::Mode::Tree) tree_stats.add(st);
+      judge(prompt_i, prompt, want, cfg, got, st);
+    }
+  }
+  int64_t acc = 0;
+  for (auto a : tree_stats.accepted) acc += a;
+  EXPECT_GT(acc, 0) << what;
+  EXPECT_GT(tree_stats.tau(), 1.0) << what;
 }
 
 }  // namespace talon::testing

@@ -92,30 +92,13 @@ TEST(Speculate, GreedyOutputEqualsTargetOnlyGreedy) {
     auto dec = make_cpu_decoder(*ck, 1, 256);
     DraftModel m = random_draft(tc, tc.vocab / 2, 21);
     DraftRunner run(m, *ck);
-    SamplingParams greedy;
-    GenLimits lim;
-    lim.max_new_tokens = 40;
-    const std::vector<SpecConfig> cfgs = greedy_test_configs();
-    std::mt19937 rng(4);
-    DecodeStats tree_stats;
-    for (int prompt_i = 0; prompt_i < 4; ++prompt_i) {
-      std::vector<int32_t> prompt(size_t(3 + prompt_i * 5));
-      for (auto& x : prompt) x = int32_t(rng() % uint32_t(tc.vocab));
-      const auto want = decode_plain(*dec, 0, prompt, greedy, 0, lim);
-      ASSERT_EQ(int64_t(want.size()), lim.max_new_tokens);
-      for (const auto& cfg : cfgs) {
-        DecodeStats st;
-        const auto got = decode_speculative(*dec, 0, run, prompt, cfg, greedy, 0, lim, &st);
-        EXPECT_EQ(got, want) << fx << " prompt " << prompt_i << " " << cfg.name();
-        EXPECT_EQ(st.new_tokens, int64_t(got.size()));
-        if (cfg.mode == SpecConfig::Mode::Tree) tree_stats.add(st);
-      }
-    }
-    // The acceptance path was exercised, not only rejections.
-    int64_t acc = 0;
-    for (auto a : tree_stats.accepted) acc += a;
-    EXPECT_GT(acc, 0) << fx;
-    EXPECT_GT(tree_stats.tau(), 1.0) << fx;
+    ASSERT_NO_FATAL_FAILURE(run_greedy_comparisons(
+        *dec, run, tc.vocab, fx,
+        [&](int prompt_i, const std::vector<int32_t>&, const std::vector<int32_t>& want, const SpecConfig& cfg,
+            const std::vector<int32_t>& got, const DecodeStats& st) {
+          EXPECT_EQ(got, want) << fx << " prompt " << prompt_i << " " << cfg.name();
+          EXPECT_EQ(st.new_tokens, int64_t(got.size()));
+        }));
   }
 }
 

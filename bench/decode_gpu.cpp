@@ -52,9 +52,8 @@ ModelConfig shape_config(const std::string& shape) {
 // fast generator (the 8B shape has 425M of them), norms 1.
 spec::DraftModel random_draft(const ModelConfig& tc, int64_t Vd) {
   spec::DraftModel m;
-  auto& c = m.config;
-  c.H = tc.hidden, c.I = tc.intermediate, c.n_heads = tc.n_heads, c.n_kv_heads = tc.n_kv_heads;
-  c.head_dim = tc.head_dim, c.V = tc.vocab, c.Vd = std::min(Vd, tc.vocab), c.rms_eps = tc.rms_eps, c.rope = tc.rope;
+  m.config = eagle3::draft_config_for(tc, Vd);
+  const auto& c = m.config;
   const auto shapes = train::draft_weight_shapes(c);
   auto named = m.weights.named();
   uint64_t x = 88172645463325252ull;

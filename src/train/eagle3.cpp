@@ -9,6 +9,20 @@
 
 namespace talon::eagle3 {
 
+DraftConfig draft_config_for(const ModelConfig& tc, int64_t vd) {
+  DraftConfig c;
+  c.H = tc.hidden;
+  c.I = tc.intermediate;
+  c.n_heads = tc.n_heads;
+  c.n_kv_heads = tc.n_kv_heads;
+  c.head_dim = tc.head_dim;
+  c.V = tc.vocab;
+  c.Vd = std::min(vd, tc.vocab);
+  c.rms_eps = tc.rms_eps;
+  c.rope = tc.rope;
+  return c;
+}
+
 DraftVocab build_draft_vocab(const std::vector<int64_t>& counts, int64_t vd) {
   const int64_t V = int64_t(counts.size());
   TALON_CHECK(vd >= 1 && vd <= V, "--draft-vocab {}: must be between 1 and the target vocabulary size {}", vd, V);

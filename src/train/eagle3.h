@@ -33,6 +33,10 @@ struct DraftConfig {
   double step_decay = 0.8;
 };
 
+// A draft with the target's sizes (hidden, MLP width, heads, head size, vocabulary, RMSNorm
+// eps, RoPE) and a draft vocabulary of min(vd, V) ids; the other fields at their defaults.
+DraftConfig draft_config_for(const ModelConfig& target, int64_t vd);
+
 // fp32, row-major [out, in] like PyTorch.
 struct DraftWeights {
   std::vector<float> fc;                     // [H, 3H]

@@ -246,16 +246,7 @@ TrainReport run_train(const TrainOptions& opt) {
                            head = weight_f32(tw.lm_head);
   TargetHead tgt{embed.data(), fnorm.data(), head.data(), tc.rms_eps};
 
-  DraftConfig c;
-  c.H = H;
-  c.I = tc.intermediate;
-  c.n_heads = tc.n_heads;
-  c.n_kv_heads = tc.n_kv_heads;
-  c.head_dim = tc.head_dim;
-  c.V = V;
-  c.Vd = std::min(opt.draft_vocab, V);
-  c.rms_eps = tc.rms_eps;
-  c.rope = tc.rope;
+  DraftConfig c = draft_config_for(tc, opt.draft_vocab);
   c.norm_before_residual = opt.norm_before_residual;
   c.ttt_steps = opt.ttt_steps;
   c.step_decay = opt.step_decay;

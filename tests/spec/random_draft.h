@@ -22,16 +22,8 @@ namespace talon::testing {
 // distributions are peaked enough to be accepted sometimes.
 inline spec::DraftModel random_draft(const ModelConfig& tc, int64_t Vd, uint32_t seed, double head_scale = 4.0) {
   spec::DraftModel m;
-  auto& c = m.config;
-  c.H = tc.hidden;
-  c.I = tc.intermediate;
-  c.n_heads = tc.n_heads;
-  c.n_kv_heads = tc.n_kv_heads;
-  c.head_dim = tc.head_dim;
-  c.V = tc.vocab;
-  c.Vd = Vd;
-  c.rms_eps = tc.rms_eps;
-  c.rope = tc.rope;
+  m.config = eagle3::draft_config_for(tc, Vd);
+  const auto& c = m.config;
   std::mt19937 rng(seed);
   std::normal_distribution<float> nd(0.f, 1.f);
   const auto shapes = train::draft_weight_shapes(c);

@@ -1,4 +1,4 @@
-// Extraction throughput of a Kimi-K2-shaped model on one GPU (make_cuda_model on the
+// Extraction throughput of a Kimi-K2-shaped model on one GPU or a group (make_cuda_model on the
 // DeepSeek-V3 family): hidden 7168, MLA (q LoRA 1536, kv LoRA 512, 64 heads of 128 + 64),
 // 384 routed experts top-8 with int4 group-32 weights plus one shared expert, a dense first
 // layer; --layers of them (the real model has 61), random weights built in memory
@@ -6,7 +6,12 @@
 // captures three layers and h[L] to the host in bf16, as `talon extract` does. Prints the load
 // time, tokens/s, GPU memory, and the achieved TFLOP/s of the active parameters (2 FLOP per
 // active weight per token, attention scores excluded) next to the dense bf16 peak.
-//   talon_bench_deepseek [--layers 4] [--seqs 4] [--seq-len 2048] [--steps 3]
+// --bf16-experts stores the routed experts in bf16 instead (the layout of the transformers
+// peer, bench/deepseek_peer.py, which has no int4 kernels).
+// --ep N / --tp N run it as an expert- / tensor-parallel group over --devices (--share-gpus:
+// ranks may share a GPU); memory is then reported per device.
+//   talon_bench_deepseek [--layers 4] [--seqs 4] [--seq-len 2048] [--steps 3] [--bf16-experts]
+//                        [--ep N | --tp N] [--devices 0,1] [--share-gpus]
 #include <cuda_runtime.h>
 
 #include <CLI/CLI.hpp>
@@ -32,34 +37,41 @@ int main(int argc, char** argv) {
   app.add_option("--seqs", seqs, "sequences per forward")->capture_default_str();
   app.add_option("--seq-len", seq_len, "tokens per sequence")->capture_default_str();
   app.add_option("--steps", steps, "timed forwards")->capture_default_str();
+  bool bf16_experts = false, share = false;
+  int ep = 1, tp = 1;
+  std::vector<int> devices{0};
+  app.add_option("--ep", ep, "expert-parallel degree")->capture_default_str();
+  app.add_option("--tp", tp, "tensor-parallel degree")->capture_default_str();
+  app.add_option("--devices", devices, "GPU ids, one per rank")->delimiter(',');
+  app.add_flag("--share-gpus", share, "ranks may share a GPU");
+  app.add_flag("--bf16-experts", bf16_experts, "routed experts in bf16 (default int4 group 32)");
   CLI11_PARSE(app, argc, argv);
   try {
-    ModelConfig c;
-    c.arch = Arch::DeepseekV3;
-    c.n_layers = layers, c.hidden = 7168, c.intermediate = 18432, c.vocab = 163840, c.n_heads = 64, c.n_kv_heads = 64;
-    c.rms_eps = 1e-6, c.rope.theta = 50000, c.max_position = 262144;
-    auto& d = c.ds;
-    d.q_lora_rank = 1536, d.kv_lora_rank = 512, d.qk_nope_head_dim = 128, d.qk_rope_head_dim = 64, d.v_head_dim = 128;
-    d.n_routed_experts = 384, d.n_shared_experts = 1, d.num_experts_per_tok = 8, d.moe_intermediate_size = 2048;
-    d.first_k_dense_replace = 1, d.routed_scaling_factor = 2.827, d.scoring_func = "sigmoid";
-    d.topk_method = "noaux_tc", d.norm_topk_prob = true, d.softmax_scale = 1.0 / std::sqrt(192.0);
-    d.quant_method = "compressed-tensors", d.int4_group = 32;
-    c.head_dim = d.qk_head_dim();
+    const ModelConfig c = kimi_k2_shape(layers, !bf16_experts);
+    const auto& d = c.ds;
     const double t0 = now();
     auto ck = make_random_checkpoint(c, 0.02f, 1);
-    auto model = make_cuda_model(*ck, 0);
+    GpuOptions go;
+    go.devices = devices, go.ep = ep, go.tp = tp, go.share_devices = share;
+    auto model = make_cuda_model(*ck, go);
     const double load = now() - t0;
     size_t free_b = 0, total_b = 0;
-    cudaMemGetInfo(&free_b, &total_b);
+    std::string per_device;
+    for (int d : devices) {
+      cudaSetDevice(d);
+      cudaMemGetInfo(&free_b, &total_b);
+      per_device += " cuda:" + std::to_string(d) + " " + std::to_string((total_b - free_b) >> 30) + " GiB";
+    }
+    std::printf("backend %s; memory used:%s\n", model->backend().c_str(), per_device.c_str());
     // Active weights per token: attention, the dense MLP (layer 0) or 8 routed + 1 shared expert.
     const double H = double(c.hidden), nh = double(c.n_heads);
     const double attn = H * d.q_lora_rank + d.q_lora_rank * nh * 192 + H * (d.kv_lora_rank + 64) +
                         d.kv_lora_rank * nh * 256 + nh * 128 * H;
     const double moe = (8 + 1) * 3 * H * double(d.moe_intermediate_size), dense = 3 * H * double(c.intermediate);
     const double active = double(layers) * attn + dense + double(layers - 1) * moe;
-    std::printf("Kimi-K2 shape, %lld layers (1 dense + %lld MoE, int4 experts), random weights: load %.1f s, GPU memory "
+    std::printf("Kimi-K2 shape, %lld layers (1 dense + %lld MoE, %s experts), random weights: load %.1f s, GPU memory "
                 "used %.1f GiB; %.2fB active parameters per token\n",
-                (long long)layers, (long long)(layers - 1), load, double(total_b - free_b) / double(1ll << 30),
+                (long long)layers, (long long)(layers - 1), bf16_experts ? "bf16" : "int4", load, double(total_b - free_b) / double(1ll << 30),
                 active / 1e9);
     std::mt19937 rng(1);
     Batch b;

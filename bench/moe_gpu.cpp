@@ -3,9 +3,11 @@
 // noaux_tc routing with one group. Weights are a constant fill (cudaMemset: the kernels'
 // work does not depend on the values); router logits are random so tokens spread over the
 // experts as real routing does. Prints time per layer forward, tokens/s, the routed experts'
-// TFLOP/s, and the rate at which the touched int4 weights are streamed.
+// TFLOP/s, and the rate at which the touched int4 weights are streamed. --fp8: FP8
+// block-quantized experts instead (e4m3 bytes, fp32 scales of 128 x 128 blocks, as
+// DeepSeek-V3's checkpoint).
 //   talon_bench_moe [--tokens 256,1024,4096,16384] [--experts 384] [--topk 8] [--hidden 7168]
-//                   [--inter 2048] [--group 32]
+//                   [--inter 2048] [--group 32] [--fp8]
 #include <cuda_runtime.h>
 
 #include <CLI/CLI.hpp>
@@ -14,6 +16,7 @@
 #include <cmath>
 #include <cstdio>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "backend/cuda/moe.h"
@@ -42,12 +45,15 @@ int main(int argc, char** argv) {
   CLI::App app{"One MoE layer on one GPU (Kimi-K2 shape, int4 experts)"};
   std::vector<int64_t> tokens{256, 1024, 4096, 16384};
   int64_t E = 384, K = 8, H = 7168, Im = 2048, group = 32;
+  bool fp8 = false;
+  constexpr int64_t kBlock = 128;  // fp8 block rows and columns
   app.add_option("--tokens", tokens, "tokens per forward")->delimiter(',');
   app.add_option("--experts", E)->capture_default_str();
   app.add_option("--topk", K)->capture_default_str();
   app.add_option("--hidden", H)->capture_default_str();
   app.add_option("--inter", Im)->capture_default_str();
   app.add_option("--group", group)->capture_default_str();
+  app.add_flag("--fp8", fp8, "FP8 block-quantized experts (blocks 128 x 128) instead of int4");
   CLI11_PARSE(app, argc, argv);
   try {
     cuda::MoeRouting r;
@@ -55,6 +61,16 @@ int main(int argc, char** argv) {
     r.n_group = 1, r.topk_group = 1, r.norm_topk = true, r.routed_scale = 2.827f;
     auto matrix = [&](int64_t O, int64_t I) {
       cuda::ExpertMatrix m;
+      if (fp8) {
+        m.O = O, m.I = I, m.bo = kBlock, m.bi = kBlock;
+        const size_t bytes = size_t(E * O * I), blocks = size_t(E * ((O + kBlock - 1) / kBlock) * ((I + kBlock - 1) / kBlock));
+        auto* w = dalloc<uint8_t>(bytes);
+        auto* s = dalloc<float>(blocks);
+        CK(cudaMemset(w, 0x3a, bytes));       // e4m3 1.25
+        CK(cudaMemset(s, 0x3c, blocks * 4));  // fp32 ~0.0115
+        m.fp8 = w, m.block_scale = s;
+        return m;
+      }
       m.O = O, m.I = I, m.group = group;
       const size_t words = size_t(E * O * ((I + 7) / 8)), groups = size_t(E * O * ((I + group - 1) / group));
       auto* p = dalloc<int32_t>(words);
@@ -65,7 +81,8 @@ int main(int argc, char** argv) {
       return m;
     };
     const cuda::MoeExperts ex{matrix(Im, H), matrix(Im, H), matrix(H, Im)};
-    const double weight_gb = double(E) * 3 * double(H * Im) * (0.5 + 2.0 / double(group)) / 1e9;
+    const double weight_gb =
+        double(E) * 3 * double(H * Im) * (fp8 ? 1.0 + 4.0 / double(kBlock * kBlock) : 0.5 + 2.0 / double(group)) / 1e9;
     const int64_t Nmax = *std::max_element(tokens.begin(), tokens.end());
     const auto sz = cuda::moe_scratch_elems(Nmax, r, H, Im);
     cuda::MoeScratch sc;
@@ -87,9 +104,9 @@ int main(int argc, char** argv) {
     CK(cudaMemset(bias, 0, size_t(E) * 4));
     cudaDeviceProp prop{};
     CK(cudaGetDeviceProperties(&prop, 0));
-    std::printf("MoE layer on %s: %lld experts, top-%lld, H %lld, expert width %lld, int4 group %lld (%.2f GB of "
-                "expert weights)\n",
-                prop.name, (long long)E, (long long)K, (long long)H, (long long)Im, (long long)group, weight_gb);
+    const std::string storage = fp8 ? "fp8 blocks 128x128" : "int4 group " + std::to_string(group);
+    std::printf("MoE layer on %s: %lld experts, top-%lld, H %lld, expert width %lld, %s (%.2f GB of expert weights)\n",
+                prop.name, (long long)E, (long long)K, (long long)H, (long long)Im, storage.c_str(), weight_gb);
     std::printf("%8s %10s %12s %10s %12s\n", "tokens", "ms", "tokens/s", "TFLOP/s", "weights GB/s");
     for (int64_t N : tokens) {
       auto run = [&] { cuda::moe_forward(out, x, logits, bias, N, H, r, ex, sc, nullptr); };

@@ -33,9 +33,14 @@ inline constexpr double kCudaFlashOut = 8e-3;
 // Whole CUDA models (bf16 weights and activations, fp32 residual) vs transformers fp32:
 // bf16 rounding of weights (2^-9) compounds over layers; 5e-2 of the tensor's max.
 inline constexpr double kCudaModelRel = 5e-2;
+// A fixture whose transformers-in-bf16 run is itself far from the fp32 golden (measured and
+// recorded per fixture): the CUDA model may be off by up to this multiple of that error.
+inline constexpr double kCudaVsTorchBf16 = 1.5;
 // Tensor parallel vs one GPU: partial o_proj/down_proj outputs are rounded to bf16 on
 // each rank before the all-reduce sums them (one extra 2^-9 rounding per branch per
-// layer) and the GEMMs split K differently.
+// layer) and the GEMMs split K differently. Also used for expert parallel, whose rows see
+// the same arithmetic as on one GPU except GEMMs over fewer rows (cuBLAS may pick other
+// kernels, other summation orders).
 inline constexpr double kCudaTpRel = 2e-2;
 // CUDA cached decoder vs the CPU decoder (fp32) on the same requests: the CUDA model's
 // bf16 rounding (see kCudaModelRel) plus the bf16 KV cache, whose keys and values are the

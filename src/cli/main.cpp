@@ -56,6 +56,12 @@ int main(int argc, char** argv) {
   cmd_ex->add_option("--device", ex.device, "cpu | cuda (all visible GPUs) | cuda:N[,M...]")->capture_default_str();
   cmd_ex->add_option("--tp", ex.tp, "Tensor-parallel degree: GPUs per model replica (NCCL)")->capture_default_str();
   cmd_ex->add_option("--dp", ex.dp, "Data-parallel replicas (default: all the listed GPUs allow)");
+  cmd_ex->add_option("--ep", ex.ep, "Expert-parallel degree for mixture-of-experts models: GPUs per replica, experts "
+                                    "split, attention on each GPU's own tokens (NCCL all-to-all)")
+      ->capture_default_str();
+  cmd_ex->add_flag("--share-gpus", ex.share_gpus,
+                   "Let --device list a GPU more than once: the ranks of a --tp/--ep group share it (device copies "
+                   "instead of NCCL), to check a parallel layout on fewer GPUs");
   cmd_ex->add_flag("--fp32", ex.fp32, "Store features as F32 instead of BF16");
   cmd_ex->add_option("--shard-tokens", ex.shard_tokens, "Tokens per shard (default: ~512 MiB of features)");
   cmd_ex->add_option("--max-batch-tokens", ex.max_batch_tokens, "Token budget of one forward batch")->capture_default_str();

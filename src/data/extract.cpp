@@ -105,12 +105,15 @@ RankInfo resolve_rank(int flag_rank, int flag_world) {
 ExtractReport run_extract(const ExtractOptions& opt) {
   ExtractReport rep;
   const auto t_start = Clock::now();
-  const DeviceSpec dev = parse_device(opt.device);
+  const DeviceSpec dev = parse_device(opt.device, opt.share_gpus);
   if (dev.cuda && !cuda_backend_built())
     fail("--device {}: this build has no CUDA backend (nvcc was not found when it was configured); use --device cpu",
          opt.device);
-  TALON_CHECK(opt.tp >= 1 && opt.dp >= 0, "--tp must be >= 1 and --dp >= 0 (got {} and {})", opt.tp, opt.dp);
-  TALON_CHECK(dev.cuda || (opt.tp == 1 && opt.dp <= 1), "--tp/--dp need --device cuda");
+  TALON_CHECK(opt.tp >= 1 && opt.ep >= 1 && opt.dp >= 0, "--tp and --ep must be >= 1 and --dp >= 0 (got {}, {} and {})",
+              opt.tp, opt.ep, opt.dp);
+  TALON_CHECK(opt.tp == 1 || opt.ep == 1, "--tp {} and --ep {}: a replica is either tensor or expert parallel", opt.tp,
+              opt.ep);
+  TALON_CHECK(dev.cuda || (opt.tp == 1 && opt.ep == 1 && opt.dp <= 1), "--tp/--ep/--dp need --device cuda");
   TALON_CHECK(opt.max_batch_tokens > 0, "--max-batch-tokens must be positive, got {}", opt.max_batch_tokens);
   TALON_CHECK(opt.shard_tokens >= 0, "--shard-tokens must be >= 0, got {}", opt.shard_tokens);
   if (opt.threads > 0) omp_set_num_threads(opt.threads);
@@ -136,11 +139,11 @@ ExtractReport run_extract(const ExtractOptions& opt) {
       TALON_CHECK(!gpus.empty(), "--device {}: no CUDA device available", opt.device);
       for (auto& g : gpus) devs.push_back(g.index);
     }
-    const int per = opt.tp;
+    const int per = opt.tp * opt.ep;
     int dp = opt.dp > 0 ? opt.dp : int(devs.size()) / per;
     TALON_CHECK(dp >= 1 && int64_t(dp) * per <= int64_t(devs.size()),
-                "--tp {} x --dp {} needs {} GPUs but --device {} gives {}", per, std::max(dp, 1), std::max(dp, 1) * per,
-                opt.device, devs.size());
+                "--{} {} x --dp {} needs {} GPUs but --device {} gives {}", opt.ep > 1 ? "ep" : "tp", per,
+                std::max(dp, 1), std::max(dp, 1) * per, opt.device, devs.size());
     for (int g = 0; g < dp; ++g) groups.emplace_back(devs.begin() + g * per, devs.begin() + (g + 1) * per);
   } else {
     groups.push_back({});
@@ -160,6 +163,8 @@ ExtractReport run_extract(const ExtractOptions& opt) {
           GpuOptions go;
           go.devices = groups[g];
           go.tp = opt.tp;
+          go.ep = opt.ep;
+          go.share_devices = opt.share_gpus;
           go.max_tokens = opt.max_batch_tokens;
           go.n_capture = int64_t(aux.size()) + 1;
           go.capture_dtype = opt.fp32 ? DType::F32 : DType::BF16;

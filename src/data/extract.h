@@ -20,6 +20,8 @@ struct ExtractOptions {
   std::string device = "cpu";    // cpu | cuda | cuda:N[,M...]
   int tp = 1;                    // tensor-parallel degree (GPUs per model replica)
   int dp = 0;                    // data-parallel replicas (0: as many as the devices allow)
+  int ep = 1;                    // expert-parallel degree (MoE models; GPUs per replica; excludes tp > 1)
+  bool share_gpus = false;       // --device may list a GPU twice (ranks on one GPU; checking layouts)
   bool fp32 = false;             // store features as F32 instead of BF16
   int64_t shard_tokens = 0;      // 0: about 512 MiB of features per shard
   int64_t max_batch_tokens = 4096;

@@ -7,6 +7,7 @@
 
 #include "io/gguf.h"
 #include "io/safetensors.h"
+#include "model/random_checkpoint.h"
 #include "util/error.h"
 
 namespace talon {
@@ -281,6 +282,7 @@ class GgufCheckpoint : public Checkpoint {
 }  // namespace
 
 std::unique_ptr<Checkpoint> open_checkpoint(const fs::path& path) {
+  if (is_random_model_spec(path.string())) return open_random_model_spec(path.string());
   if (!fs::exists(path)) fail("{}: no such file or directory", path.string());
   if (fs::is_directory(path)) return std::make_unique<HfCheckpoint>(path);
   if (path.extension() == ".gguf") return std::make_unique<GgufCheckpoint>(path);

@@ -147,7 +147,7 @@ std::vector<float> rope_inv_freq(const RopeConfig& r, int64_t hd) {
 
 namespace talon {
 
-DeviceSpec parse_device(const std::string& spec) {
+DeviceSpec parse_device(const std::string& spec, bool allow_repeats) {
   DeviceSpec d;
   if (spec == "cpu") return d;
   d.cuda = true;
@@ -162,7 +162,7 @@ DeviceSpec parse_device(const std::string& spec) {
     if (tok.empty() || tok.size() > 4 || tok.find_first_not_of("0123456789") != std::string::npos) bad();
     const int v = std::stoi(tok);
     for (int x : d.devices)
-      if (x == v) fail("--device '{}': cuda:{} is listed twice", spec, v);
+      if (x == v && !allow_repeats) fail("--device '{}': cuda:{} is listed twice", spec, v);
     d.devices.push_back(v);
     i = j + 1;
   }

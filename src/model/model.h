@@ -79,15 +79,23 @@ std::vector<float> rope_inv_freq(const RopeConfig& rope, int64_t head_dim);
 
 std::unique_ptr<Model> make_cpu_model(const Checkpoint& ckpt);
 // The DeepSeek-V2/V3 (MLA + MoE) CPU reference; make_cpu_model dispatches to it.
-std::unique_ptr<Model> make_cpu_deepseek_model(const Checkpoint& ckpt);
+// absorbed_mla: attention in the weight-absorbed form (over the shared latent; what decoding
+// caches) instead of the expanded one; the same function.
+std::unique_ptr<Model> make_cpu_deepseek_model(const Checkpoint& ckpt, bool absorbed_mla = false);
 // The same family on one GPU (backend/cuda/cuda_deepseek.cpp); make_cuda_model dispatches here.
 std::unique_ptr<Model> make_cuda_deepseek_model(const Checkpoint& ckpt, int device);
 
-// A CUDA model on one GPU, or tensor parallel over several (one thread per GPU, NCCL
-// all-reduce after the attention output and MLP down projections).
+// A CUDA model on one GPU, or a group over several (one thread per GPU): tensor parallel
+// (NCCL all-reduce after the attention output and MLP down projections), or for the
+// DeepSeek family also expert parallel (attention on each rank's own tokens, experts split,
+// rows moved by all-to-all).
 struct GpuOptions {
-  std::vector<int> devices{0};  // tp > 1: one device per rank
+  std::vector<int> devices{0};  // tp or ep > 1: one device per rank
   int tp = 1;
+  int ep = 1;                   // expert parallel (mixture-of-experts models): ranks split experts and tokens
+  // Ranks may share a GPU (devices listed more than once): collectives by device copies
+  // instead of NCCL. For running a parallel layout's code on fewer GPUs (tests).
+  bool share_devices = false;
   int64_t max_tokens = 0;       // tokens per forward to plan for (0: grown on demand)
   int64_t n_capture = 0;        // captured layers per forward
   DType capture_dtype = DType::BF16;
@@ -112,7 +120,8 @@ struct DeviceSpec {
   bool cuda = false;
   std::vector<int> devices;  // empty with cuda: all visible
 };
-DeviceSpec parse_device(const std::string& spec);
+// allow_repeats: a GPU may be listed more than once (ranks sharing it, GpuOptions::share_devices).
+DeviceSpec parse_device(const std::string& spec, bool allow_repeats = false);
 
 // One line per visible GPU: index, name, memory used/total (empty without CUDA).
 struct GpuInfo {

@@ -9,6 +9,7 @@
 
 #include "model/deepseek.h"
 #include "model/dense.h"
+#include "util/error.h"
 
 namespace talon {
 
@@ -142,6 +143,38 @@ class RandomCheckpoint final : public Checkpoint {
 
 std::unique_ptr<Checkpoint> make_random_checkpoint(const ModelConfig& cfg, float std, uint64_t seed) {
   return std::make_unique<RandomCheckpoint>(cfg, std, seed);
+}
+
+ModelConfig kimi_k2_shape(int64_t layers, bool int4_experts) {
+  ModelConfig c;
+  c.arch = Arch::DeepseekV3;
+  c.n_layers = layers, c.hidden = 7168, c.intermediate = 18432, c.vocab = 163840, c.n_heads = 64, c.n_kv_heads = 64;
+  c.rms_eps = 1e-6, c.rope.theta = 50000, c.max_position = 262144;
+  auto& d = c.ds;
+  d.q_lora_rank = 1536, d.kv_lora_rank = 512, d.qk_nope_head_dim = 128, d.qk_rope_head_dim = 64, d.v_head_dim = 128;
+  d.n_routed_experts = 384, d.n_shared_experts = 1, d.num_experts_per_tok = 8, d.moe_intermediate_size = 2048;
+  d.first_k_dense_replace = 1, d.routed_scaling_factor = 2.827, d.scoring_func = "sigmoid";
+  d.topk_method = "noaux_tc", d.norm_topk_prob = true, d.softmax_scale = 1.0 / std::sqrt(192.0);
+  if (int4_experts) d.quant_method = "compressed-tensors", d.int4_group = 32;
+  c.head_dim = d.qk_head_dim();
+  return c;
+}
+
+bool is_random_model_spec(const std::string& s) { return s.rfind("random:", 0) == 0; }
+
+std::unique_ptr<Checkpoint> open_random_model_spec(const std::string& spec) {
+  const auto bad = [&] {
+    fail("--model {}: expected random:kimi-k2:LAYERS or random:kimi-k2:LAYERS:bf16 (LAYERS 1..61)", spec);
+  };
+  const std::string pre = "random:kimi-k2:";
+  if (spec.rfind(pre, 0) != 0) bad();
+  std::string rest = spec.substr(pre.size());
+  bool int4 = true;
+  if (rest.size() > 5 && rest.compare(rest.size() - 5, 5, ":bf16") == 0) int4 = false, rest.resize(rest.size() - 5);
+  if (rest.empty() || rest.size() > 2 || rest.find_first_not_of("0123456789") != std::string::npos) bad();
+  const int64_t layers = std::stoll(rest);
+  if (layers < 1 || layers > 61) bad();
+  return make_random_checkpoint(kimi_k2_shape(layers, int4), 0.02f, 1);
 }
 
 }  // namespace talon

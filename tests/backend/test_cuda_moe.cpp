@@ -3,7 +3,9 @@
 // bias; normalised and scaled weights) must pick the same experts as cpu::moe_router_forward
 // with the same weights; the grouped expert GEMMs must equal per-token fp32 SwiGLU MLPs over
 // weights dequantized by talon::dequantize (the int4 layout the CPU reference reads, checked
-// there against torch), for bf16 and int4 (group 32) experts. The reference rounds the SwiGLU
+// there against torch), for bf16, int4 (group 32) and FP8 block-quantized experts (e4m3 with
+// fp32 block scales: 16x16, blocks that do not divide O and I, and a K block that is not a
+// multiple of 16, which takes the CUDA-core kernel). The reference rounds the SwiGLU
 // activations to bf16 as the GPU does, so what is left is fp32 summation order. Skips without
 // a GPU.
 #include <gtest/gtest.h>
@@ -43,19 +45,45 @@ std::vector<T> to_host(const T* p, size_t n) {
   return v;
 }
 
-// One matrix kind for E experts, random, in both layouts' host form and fp32 dequantized.
+// One matrix kind for E experts, random, in the device layouts' host form and fp32 dequantized.
 struct HostMatrix {
   int64_t E, O, I, group;
   std::vector<uint16_t> w;       // bf16 [E, O, I] (bf16 case)
   std::vector<int32_t> packed;   // [E, O, ceil(I/8)] (int4 case)
   std::vector<uint16_t> scale;   // bf16 [E, O, ceil(I/group)]
   std::vector<float> f32;        // [E, O, I] as the CPU reference dequantizes it
+  int64_t bo = 0, bi = 0;        // FP8 case: block rows, columns
+  std::vector<uint8_t> w8;       // e4m3 [E, O, I]
+  std::vector<float> bscale;     // fp32 [E, ceil(O/bo), ceil(I/bi)]
 };
 
-HostMatrix make_matrix(std::mt19937& rng, int64_t E, int64_t O, int64_t I, int64_t group) {
-  HostMatrix m{E, O, I, group, {}, {}, {}, {}};
+// bf16 experts for group == 0 and bi == 0, int4 of that group, or FP8 with bo x bi blocks.
+HostMatrix make_matrix(std::mt19937& rng, int64_t E, int64_t O, int64_t I, int64_t group, int64_t bo = 0,
+                       int64_t bi = 0) {
+  HostMatrix m{E, O, I, group, {}, {}, {}, {}, 0, 0, {}, {}};
   std::normal_distribution<float> nd(0.f, 1.f);
   m.f32.resize(size_t(E * O * I));
+  if (bi > 0) {
+    // Every e4m3 code but the NaNs (zeros, subnormals, +-448), and fp32 block scales of varied
+    // exponents, different per (expert, row block, K block).
+    m.bo = bo, m.bi = bi;
+    const int64_t sr = (O + bo - 1) / bo, scn = (I + bi - 1) / bi;
+    m.w8.resize(m.f32.size());
+    for (auto& b : m.w8) {
+      do b = uint8_t(rng()); while ((b & 0x7f) == 0x7f);
+    }
+    m.bscale.resize(size_t(E * sr * scn));
+    for (auto& v : m.bscale) v = std::ldexp(1.f + float(rng() % 1024) / 1024.f, -int(rng() % 4)) / (64.f * std::sqrt(float(I)));
+    for (int64_t e = 0; e < E; ++e) {
+      QuantWeight q;
+      q.kind = QuantWeight::Kind::Fp8Block;
+      q.rows = O, q.cols = I, q.block_rows = bo, q.block_cols = bi;
+      q.w = WeightRef{DType::F8_E4M3, m.w8.data() + e * O * I, {O, I}};
+      q.scale = WeightRef{DType::F32, m.bscale.data() + e * sr * scn, {sr, scn}};
+      dequantize(q, m.f32.data() + e * O * I);
+    }
+    return m;
+  }
   if (group == 0) {
     m.w.resize(m.f32.size());
     for (size_t i = 0; i < m.w.size(); ++i) {
@@ -90,7 +118,13 @@ struct DevMatrix {
   std::vector<void*> owned;
   explicit DevMatrix(const HostMatrix& h) {
     m.O = h.O, m.I = h.I, m.group = h.group;
-    if (h.group == 0) {
+    if (h.bi > 0) {
+      auto* p = to_dev(h.w8);
+      auto* s = to_dev(h.bscale);
+      owned.push_back(p);
+      owned.push_back(s);
+      m.fp8 = p, m.block_scale = s, m.bo = h.bo, m.bi = h.bi, m.group = 0;
+    } else if (h.group == 0) {
       auto* p = to_dev(h.w);
       owned.push_back(p);
       m.w = reinterpret_cast<const cuda::bf16*>(p);
@@ -178,7 +212,10 @@ struct Case {
   int n_group, topk_group;
   bool norm, bias;
   float scale;
-  int64_t group;  // 0: bf16 experts, else int4 group size
+  int64_t group;  // 0: bf16 experts (or FP8), else int4 group size
+  int64_t fp8_bo = 0, fp8_bi = 0;  // > 0: FP8 block-quantized experts, blocks fp8_bo x fp8_bi
+  int64_t H = 96, Im = 64;
+  const char* storage() const { return fp8_bi > 0 ? "fp8" : group > 0 ? "int4" : "bf16"; }
 };
 
 class CudaMoe : public ::testing::TestWithParam<Case> {};
@@ -186,7 +223,7 @@ class CudaMoe : public ::testing::TestWithParam<Case> {};
 TEST_P(CudaMoe, MatchesTheCpuReference) {
   REQUIRE_GPU();
   const Case& cs = GetParam();
-  const int64_t N = 37, H = 96, Im = 64, E = 16;
+  const int64_t N = 37, H = cs.H, Im = cs.Im, E = 16;
   const int K = 4;
   std::mt19937 rng(7);
   std::normal_distribution<float> nd(0.f, 1.f);
@@ -195,8 +232,9 @@ TEST_P(CudaMoe, MatchesTheCpuReference) {
   for (size_t i = 0; i < xb.size(); ++i) x[i] = bf16_to_f32(xb[i] = f32_to_bf16(nd(rng)));
   for (auto& v : logits) v = 2.f * nd(rng);
   for (auto& v : bias) v = 0.3f * nd(rng);
-  const HostMatrix gate = make_matrix(rng, E, Im, H, cs.group), up = make_matrix(rng, E, Im, H, cs.group),
-                   down = make_matrix(rng, E, H, Im, cs.group);
+  const HostMatrix gate = make_matrix(rng, E, Im, H, cs.group, cs.fp8_bo, cs.fp8_bi),
+                   up = make_matrix(rng, E, Im, H, cs.group, cs.fp8_bo, cs.fp8_bi),
+                   down = make_matrix(rng, E, H, Im, cs.group, cs.fp8_bo, cs.fp8_bi);
 
   // CPU: routing, then each (token, slot)'s expert MLP, weighted and summed in slot order.
   std::vector<int32_t> idx(size_t(N * K));
@@ -221,7 +259,8 @@ TEST_P(CudaMoe, MatchesTheCpuReference) {
     EXPECT_NEAR(got.weights[i], wts[i], 1e-5 * std::max(1.f, std::fabs(wts[i]))) << i;
   const double err = talon::testing::rel_err(got.out.data(), want.data(), got.out.size());
   EXPECT_LE(err, 1e-4) << cs.name;
-  std::printf("cuda moe %s: routing %s, output rel err %.2e\n", cs.name, got.idx == idx ? "equal" : "DIFFERENT", err);
+  std::printf("cuda moe %s (%s experts, H %lld, Im %lld): routing %s, output rel err %.2e\n", cs.name, cs.storage(),
+              (long long)H, (long long)Im, got.idx == idx ? "equal" : "DIFFERENT", err);
 }
 
 using M = cuda::MoeRouting::Method;
@@ -230,13 +269,22 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Values(Case{"softmax_greedy_bf16", false, M::Greedy, 1, 1, false, false, 1.f, 0},
                       Case{"softmax_group_limited_int4", false, M::GroupLimitedGreedy, 4, 2, false, false, 1.f, 32},
                       Case{"sigmoid_noaux_tc_int4", true, M::NoauxTc, 4, 2, true, true, 2.5f, 32},
-                      Case{"sigmoid_noaux_tc_one_group_bf16", true, M::NoauxTc, 1, 1, true, true, 2.827f, 0}),
+                      Case{"sigmoid_noaux_tc_one_group_bf16", true, M::NoauxTc, 1, 1, true, true, 2.827f, 0},
+                      // FP8: blocks 16x16 (tensor cores, 16-byte loads); 48x32 with H 112, Im 72 (no
+                      // block divides O, partial last K blocks; down's I % 16 != 0: element loads);
+                      // K block 24 (the CUDA-core kernel) with H 100.
+                      Case{"sigmoid_noaux_tc_fp8_block16", true, M::NoauxTc, 4, 2, true, true, 2.5f, 0, 16, 16},
+                      Case{"softmax_greedy_fp8_block48x32_ragged", false, M::Greedy, 1, 1, false, false, 1.f, 0, 48, 32,
+                           112, 72},
+                      Case{"softmax_group_limited_fp8_block16x24_core", false, M::GroupLimitedGreedy, 4, 2, false, false,
+                           1.f, 0, 16, 24, 100, 72}),
     [](const auto& info) { return std::string(info.param.name); });
 
 
 // Every MoE layer of the DeepSeek-family fixtures (plain, FP8 block and int4 experts) through
 // upload_moe_layer: the stacked device layout must compute what the CPU reference's
-// dequantizer reads (weights rounded to bf16 as uploaded, int4 exact with bf16 scales).
+// dequantizer reads (plain weights rounded to bf16 as uploaded; int4 exact with bf16 scales;
+// FP8 exact, e4m3 bytes with fp32 block scales).
 TEST(CudaMoe, FixtureLayersMatchTheCpuReference) {
   REQUIRE_GPU();
   int layers = 0;
@@ -275,7 +323,7 @@ TEST(CudaMoe, FixtureLayersMatchTheCpuReference) {
         for (int64_t e = 0; e < E; ++e) {
           const QuantWeight& q = L.experts[size_t(e)].*pick;
           dequantize(q, all.data() + e * O * I);
-          if (q.kind != QuantWeight::Kind::Int4Group)
+          if (q.kind == QuantWeight::Kind::Plain)
             for (int64_t i = 0; i < O * I; ++i) {
               float& v = all[size_t(e * O * I + i)];
               v = bf16_to_f32(f32_to_bf16(v));
@@ -290,7 +338,7 @@ TEST(CudaMoe, FixtureLayersMatchTheCpuReference) {
       const double err = talon::testing::rel_err(got.out.data(), want.data(), got.out.size());
       EXPECT_LE(err, 1e-4) << fx << " layer " << l;
       std::printf("cuda moe %s layer %zu (%lld experts, top %lld, %s): output rel err %.2e\n", fx.c_str(), l,
-                  (long long)E, (long long)K, d.experts.gate.packed ? "int4" : "bf16", err);
+                  (long long)E, (long long)K, d.experts.gate.packed ? "int4" : d.experts.gate.fp8 ? "fp8" : "bf16", err);
     }
   }
   EXPECT_GT(layers, 0);

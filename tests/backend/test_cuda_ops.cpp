@@ -10,6 +10,8 @@
 #include "tests/gpu_test.h"
 
 #include <cmath>
+#include <fstream>
+#include <nlohmann/json.hpp>
 #include <random>
 
 #include "backend/cpu/ops.h"
@@ -266,7 +268,10 @@ INSTANTIATE_TEST_SUITE_P(Cases, CudaAttention,
                                            AttnCase{{65, 64, 63, 129, 2}, 6, 3, 64, 0},
                                            AttnCase{{300}, 4, 4, 64, 100},
                                            AttnCase{{1000, 17}, 2, 1, 128, 70},
-                                           AttnCase{{2048}, 4, 1, 64, 0}));
+                                           AttnCase{{2048}, 4, 1, 64, 0},
+                                           // MLA's head size (qk 128 + 64; 32-key tiles)
+                                           AttnCase{{300, 5}, 4, 4, 192, 0},
+                                           AttnCase{{65, 64, 63, 129, 2, 31, 33}, 3, 3, 192, 0}));
 
 // Whole models: CUDA (bf16) against transformers fp32 goldens.
 class CudaGolden : public ::testing::TestWithParam<std::string> {};
@@ -301,8 +306,18 @@ TEST_P(CudaGolden, HiddenStatesAndLogitsWithinBf16Tolerance) {
   const double el = rel_err(logits.data(), wl.data(), wl.size());
   float lmax = 0;
   for (float v : wl) lmax = std::max(lmax, std::fabs(v));
-  EXPECT_LE(el, tol::kCudaModelRel);
-  std::printf("cuda golden %s:%s logits %.4f (max |logit| %.2f)\n", GetParam().c_str(), errs.c_str(), el, lmax);
+  // Where transformers itself, run in bf16 on the same weights, lands further from its fp32
+  // golden than the fixed tolerance allows for, the bar is that error times kCudaVsTorchBf16
+  // (recorded in golden.json by tools/bf16_golden_check.py --record).
+  double ltol = tol::kCudaModelRel, ref_bf16 = -1;
+  if (fs::exists(dir / "golden.json")) {
+    const auto gj = nlohmann::json::parse(std::ifstream(dir / "golden.json"));
+    if (gj.contains("transformers_bf16_err")) ref_bf16 = gj["transformers_bf16_err"]["logits"].get<double>();
+    ltol = std::max(ltol, tol::kCudaVsTorchBf16 * ref_bf16);
+  }
+  EXPECT_LE(el, ltol);
+  std::printf("cuda golden %s:%s logits %.4f (max |logit| %.2f; transformers bf16 %.4f; bar %.4f)\n",
+              GetParam().c_str(), errs.c_str(), el, lmax, ref_bf16, ltol);
 }
 INSTANTIATE_TEST_SUITE_P(Archs, CudaGolden,
                          ::testing::Values("llama_gqa", "llama_tied", "llama_cfg4x", "mistral", "qwen2", "qwen3"));
@@ -381,12 +396,12 @@ TEST(CudaModel, DeepseekScatteredCapturesMatchCpu) {
 }
 
 // Tensor parallel over 2 GPUs equals one GPU within bf16 tolerance (every layer, logits).
+// With one GPU the two ranks share it (device-copy collectives instead of NCCL).
 class CudaTensorParallel : public ::testing::TestWithParam<std::string> {};
 TEST_P(CudaTensorParallel, Tp2MatchesTp1) {
   REQUIRE_GPU();
   int n = 0;
   cudaGetDeviceCount(&n);
-  if (n < 2) GTEST_SKIP() << "needs 2 GPUs, found " << n;
   const fs::path dir = fs::path(talon::testing::source_dir()) / "tests/fixtures/golden" / GetParam();
   auto ck = open_checkpoint(dir);
   ModelRun one, two;
@@ -396,7 +411,8 @@ TEST_P(CudaTensorParallel, Tp2MatchesTp1) {
   }
   {
     GpuOptions go;
-    go.devices = {0, 1};
+    go.devices = n >= 2 ? std::vector<int>{0, 1} : std::vector<int>{0, 0};
+    go.share_devices = n < 2;
     go.tp = 2;
     auto m = make_cuda_model(*ck, go);
     EXPECT_NE(m->backend().find("tp 2"), std::string::npos) << m->backend();

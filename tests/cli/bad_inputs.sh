@@ -81,6 +81,6 @@ expect layers-default-small "default aux layers.*not distinct for L = 4" -- "${D
 expect device "--device 'tpu': expected cpu, cuda, cuda:N or cuda:N,M" -- "${D[@]}" --layers 1,2,3 --device tpu
 expect device-list "--device 'cuda:0,x': expected" -- "${D[@]}" --layers 1,2,3 --device cuda:0,x
 expect device-twice "--device 'cuda:1,1': cuda:1 is listed twice" -- "${D[@]}" --layers 1,2,3 --device cuda:1,1
-expect tp-on-cpu "--tp/--dp need --device cuda" -- "${D[@]}" --layers 1,2,3 --tp 2
+expect tp-on-cpu "--tp/--ep/--dp need --device cuda" -- "${D[@]}" --layers 1,2,3 --tp 2
 expect log-level "--log-level 'loud'" -- --log-level loud "${D[@]}" --layers 1,2,3
 finish

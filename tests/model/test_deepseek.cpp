@@ -16,6 +16,7 @@
 #include "model/deepseek.h"
 #include "model/model.h"
 #include "model/quant.h"
+#include "model/random_checkpoint.h"
 #include "tests/test_util.h"
 #include "tests/tolerances.h"
 #include "util/file.h"
@@ -307,6 +308,75 @@ TEST(DeepseekWeights, DenseModelsStillRejectQuantizedDtypes) {
   const std::string e = error_of([&] { open_checkpoint(dir); });
   EXPECT_NE(e.find("dtype I32 unsupported"), std::string::npos) << e;
   fs::remove_all(dir);
+}
+
+// ------------------------------------------------------------------ random:kimi-k2 models
+
+// `--model random:kimi-k2:L` builds Kimi-K2's published shapes without a file; bad specs
+// are refused naming the expected form (the full-size model itself is exercised on the GPU).
+TEST(RandomModelSpec, KimiShapesAndErrors) {
+  const ModelConfig c = kimi_k2_shape(61);
+  EXPECT_EQ(c.n_layers, 61);
+  EXPECT_EQ(c.hidden, 7168);
+  EXPECT_EQ(c.vocab, 163840);
+  EXPECT_EQ(c.n_heads, 64);
+  EXPECT_EQ(c.ds.n_routed_experts, 384);
+  EXPECT_EQ(c.ds.num_experts_per_tok, 8);
+  EXPECT_EQ(c.ds.moe_intermediate_size, 2048);
+  EXPECT_EQ(c.ds.kv_lora_rank, 512);
+  EXPECT_EQ(c.ds.q_lora_rank, 1536);
+  EXPECT_EQ(c.ds.qk_head_dim(), 192);
+  EXPECT_EQ(c.ds.int4_group, 32);
+  EXPECT_EQ(kimi_k2_shape(4, false).ds.quant_method, "");
+  for (const char* bad : {"random:kimi-k2:0", "random:kimi-k2:62", "random:kimi-k2:x", "random:kimi-k2:", "random:llama:4",
+                          "random:kimi-k2:4:fp8"}) {
+    const std::string e = error_of([&] { open_checkpoint(bad); });
+    EXPECT_NE(e.find("expected random:kimi-k2:LAYERS"), std::string::npos) << bad << ": " << e;
+  }
+}
+
+// ------------------------------------------------------------------ absorbed MLA
+
+// The weight-absorbed MLA (attention over the shared latent, as decoding caches it) computes
+// the expanded form's function: on every fixture, two packed sequences, every hidden state and
+// the logits agree to fp32 summation order, and the golden sequence matches transformers.
+TEST(DeepseekAbsorbedMla, EqualsTheExpandedFormAndTransformers) {
+  for (const std::string name :
+       {"deepseek_v2", "deepseek_v2_greedy", "deepseek_v3", "deepseek_v3_noqlora", "deepseek_v3_fp8", "kimi_k2_int4"}) {
+    auto ck = open_checkpoint(golden(name));
+    const ModelConfig& c = ck->config();
+    st::File g(golden(name) / "golden.safetensors");
+    const auto ids64 = read_i64(g, "input_ids");
+    std::vector<int32_t> ids(ids64.begin(), ids64.end()), other;
+    for (size_t i = 0; i < 7; ++i) other.push_back(int32_t((i * 13 + 5) % size_t(c.vocab)));
+    Batch b;
+    b.add(ids.data(), int64_t(ids.size()));
+    b.add(other.data(), int64_t(other.size()));
+    const int64_t N = b.n_tokens(), H = c.hidden, L = c.n_layers, T = int64_t(ids.size());
+    auto run = [&](Model& m, std::vector<std::vector<float>>& hs, std::vector<float>& lg) {
+      hs.assign(size_t(L + 1), std::vector<float>(size_t(N * H)));
+      lg.assign(size_t(N * c.vocab), 0.f);
+      Capture cap;
+      for (int64_t l = 0; l <= L; ++l) {
+        cap.layers.push_back(int(l));
+        cap.out.push_back(hs[size_t(l)].data());
+      }
+      m.forward(b, cap, lg.data());
+    };
+    std::vector<std::vector<float>> he, ha;
+    std::vector<float> le, la;
+    auto expanded = make_cpu_deepseek_model(*ck, false), absorbed = make_cpu_deepseek_model(*ck, true);
+    EXPECT_NE(absorbed->backend().find("absorbed"), std::string::npos);
+    run(*expanded, he, le);
+    run(*absorbed, ha, la);
+    for (int64_t l = 0; l <= L; ++l) {
+      EXPECT_LE(rel_err(ha[size_t(l)].data(), he[size_t(l)].data(), size_t(N * H)), tol::kGoldenHiddenRel)
+          << name << " h" << l;
+      const auto want = read_f32(g, "hidden." + std::to_string(l));
+      EXPECT_LE(rel_err(ha[size_t(l)].data(), want.data(), size_t(T * H)), tol::kGoldenHiddenRel) << name << " golden h" << l;
+    }
+    EXPECT_LE(rel_err(la.data(), le.data(), la.size()), tol::kGoldenHiddenRel) << name << " logits";
+  }
 }
 
 // ------------------------------------------------------------------ extract

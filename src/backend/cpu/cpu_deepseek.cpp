@@ -15,8 +15,15 @@
 //   x += dense SwiGLU MLP (layers < first_k_dense_replace), else
 //        sum over the token's top-k routed experts e (by expert id) of w_e * expert_e(xn)
 //        + shared_experts(xn)
-// This is the "naive" expanded form of MLA (keys and values expanded per head); the
-// absorbed form that serving engines use computes the same function.
+// By default this is the "naive" expanded form of MLA (keys and values expanded per head).
+// With absorbed_mla it computes the weight-absorbed form that decoding uses: kv_b's key half
+// W_UK[h] [nope, kvr] is folded into the query (q_lat[h] = W_UK[h]^T q_nope[h]) and its value
+// half W_UV[h] [v, kvr] applied after attention, so attention runs over the shared latent
+// c = rmsnorm(ckv) [kvr] plus the shared k_pe — one key / value row per token for all heads
+// (what a decode cache stores: kvr + rope values per token instead of nh (qk + v)):
+//   score(i, j, h) = q_lat[i, h] . c[j] + q_pe[i, h] . k_pe[j]
+//   out[i, h]      = W_UV[h] (sum_j p(i, j, h) c[j])
+// The same function as the expanded form up to fp32 summation order (tested).
 //
 // RoPE layout: DeepSeek rotates adjacent pairs (x[2i], x[2i+1]) of the rope part.
 // transformers' DeepseekV2 does so in place (complex form); DeepseekV3 with
@@ -50,7 +57,8 @@ struct Layer {
 
 class CpuDeepseekModel final : public Model {
  public:
-  explicit CpuDeepseekModel(const Checkpoint& ckpt) : cfg_(ckpt.config()), w_(bind_deepseek_weights(ckpt)) {
+  CpuDeepseekModel(const Checkpoint& ckpt, bool absorbed)
+      : cfg_(ckpt.config()), w_(bind_deepseek_weights(ckpt)), absorbed_(absorbed) {
     embed_ = w_.embed;
     final_norm_ = weight_to_f32(w_.final_norm);
     lm_head_ = {QuantWeight::Kind::Plain, cfg_.vocab, cfg_.hidden, w_.lm_head, {}, 0, 0, 0};
@@ -69,7 +77,7 @@ class CpuDeepseekModel final : public Model {
   }
 
   const ModelConfig& config() const override { return cfg_; }
-  std::string backend() const override { return "cpu"; }
+  std::string backend() const override { return absorbed_ ? "cpu (absorbed MLA)" : "cpu"; }
 
   void forward(const Batch& b, const Capture& cap, float* logits) override {
     const ModelConfig& c = cfg_;
@@ -108,13 +116,20 @@ class CpuDeepseekModel final : public Model {
       for (int64_t n = 0; n < N; ++n)
         std::copy_n(ckv.data() + n * (kvr + rope), kvr, lat.data() + n * kvr);
       cpu::rmsnorm_forward(lat.data(), lat.data(), L.kv_a_norm.data(), N, kvr, kLatentNormEps);
-      linear(kv.data(), lat.data(), W.kv_b, N);  // [N, nh, nope + v]
       // RoPE on q's rope part (every head) and on the single shared k_pe.
       const float af = float(c.rope.attention_factor);
       cpu::rope_strided_forward(q.data() + nope, pos.data(), inv_freq_.data(), N, nh, nh * qk, qk, rope,
                                 d.rope_interleave, af);
       cpu::rope_strided_forward(ckv.data() + kvr, pos.data(), inv_freq_.data(), N, 1, kvr + rope, 0, rope,
                                 d.rope_interleave, af);
+      if (absorbed_) {
+        absorbed_attention(att.data(), q.data(), lat.data(), ckv.data(), W.kv_b, b);
+        linear(tmp.data(), att.data(), W.o_proj, N);
+        cpu::residual_forward(x.data(), tmp.data(), N * H);
+        mlp_block(x, xn, tmp, L, N, K);
+        continue;
+      }
+      linear(kv.data(), lat.data(), W.kv_b, N);  // [N, nh, nope + v]
       // Expand: k[n, h] = [k_nope(n, h) | k_pe(n)], v[n, h] from kv_b's output.
       for (int64_t n = 0; n < N; ++n)
         for (int64_t h = 0; h < nh; ++h) {
@@ -128,14 +143,7 @@ class CpuDeepseekModel final : public Model {
                                  float(d.softmax_scale));
       linear(tmp.data(), att.data(), W.o_proj, N);
       cpu::residual_forward(x.data(), tmp.data(), N * H);
-      // ---- MLP block
-      cpu::rmsnorm_forward(xn.data(), x.data(), L.mlp_norm.data(), N, H, eps);
-      if (!W.moe) {
-        mlp(tmp.data(), xn.data(), W.dense, N);
-      } else {
-        moe(tmp.data(), xn.data(), L, N, K);
-      }
-      cpu::residual_forward(x.data(), tmp.data(), N * H);
+      mlp_block(x, xn, tmp, L, N, K);
     }
     capture(c.n_layers);  // h[L]: before the final norm
     if (logits) {
@@ -145,6 +153,84 @@ class CpuDeepseekModel final : public Model {
   }
 
  private:
+  // x += the layer's MLP (dense, or routed + shared experts) of rmsnorm(x).
+  void mlp_block(std::vector<float>& x, std::vector<float>& xn, std::vector<float>& tmp, const Layer& L, int64_t N,
+                 int64_t K) {
+    const int64_t H = cfg_.hidden;
+    cpu::rmsnorm_forward(xn.data(), x.data(), L.mlp_norm.data(), N, H, float(cfg_.rms_eps));
+    if (!L.w->moe)
+      mlp(tmp.data(), xn.data(), L.w->dense, N);
+    else
+      moe(tmp.data(), xn.data(), L, N, K);
+    cpu::residual_forward(x.data(), tmp.data(), N * H);
+  }
+
+  // The weight-absorbed MLA (see the header): att [N, nh, v] from q [N, nh, nope + rope] (RoPE
+  // applied), the normalized latent lat [N, kvr], ckv [N, kvr + rope] (k_pe, RoPE applied, at
+  // column kvr) and kv_b [nh (nope + v), kvr].
+  void absorbed_attention(float* att, const float* q, const float* lat, const float* ckv, const QuantWeight& kv_b,
+                          const Batch& b) {
+    const DeepseekConfig& d = cfg_.ds;
+    const int64_t N = b.n_tokens(), nh = cfg_.n_heads, nope = d.qk_nope_head_dim, rope = d.qk_rope_head_dim;
+    const int64_t qk = nope + rope, vd = d.v_head_dim, kvr = d.kv_lora_rank, lkv = kvr + rope;
+    std::vector<float> wkv(size_t(kv_b.rows * kv_b.cols));
+    dequantize(kv_b, wkv.data());
+    // q_lat[n, h, :] = W_UK[h]^T q_nope[n, h]
+    std::vector<float> q_lat(size_t(N * nh * kvr), 0.f);
+#pragma omp parallel for collapse(2) schedule(static)
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t h = 0; h < nh; ++h) {
+        float* ql = q_lat.data() + (n * nh + h) * kvr;
+        for (int64_t j = 0; j < nope; ++j) {
+          const float qv = q[(n * nh + h) * qk + j];
+          const float* wr = wkv.data() + (h * (nope + vd) + j) * kvr;
+          for (int64_t r = 0; r < kvr; ++r) ql[r] += qv * wr[r];
+        }
+      }
+    const float scale = float(d.softmax_scale);
+#pragma omp parallel
+    {
+      std::vector<float> p, o(static_cast<size_t>(kvr));
+#pragma omp for collapse(2) schedule(dynamic)
+      for (int64_t n = 0; n < N; ++n)
+        for (int64_t h = 0; h < nh; ++h) {
+          int64_t s = 0;
+          while (b.seq_start[size_t(s + 1)] <= n) ++s;
+          const int64_t j0 = b.seq_start[size_t(s)];
+          const float* ql = q_lat.data() + (n * nh + h) * kvr;
+          const float* qp = q + (n * nh + h) * qk + nope;
+          p.assign(size_t(n - j0 + 1), 0.f);
+          float mx = -INFINITY;
+          for (int64_t j = j0; j <= n; ++j) {
+            const float* cj = lat + j * kvr;
+            const float* kp = ckv + j * lkv + kvr;
+            float sc = 0.f;
+            for (int64_t r = 0; r < kvr; ++r) sc += ql[r] * cj[r];
+            for (int64_t r = 0; r < rope; ++r) sc += qp[r] * kp[r];
+            sc *= scale;
+            p[size_t(j - j0)] = sc;
+            mx = std::max(mx, sc);
+          }
+          double z = 0;
+          for (auto& v : p) z += (v = std::exp(v - mx));
+          std::fill(o.begin(), o.end(), 0.f);
+          for (int64_t j = j0; j <= n; ++j) {
+            const float w = float(p[size_t(j - j0)] / z);
+            const float* cj = lat + j * kvr;
+            for (int64_t r = 0; r < kvr; ++r) o[size_t(r)] += w * cj[r];
+          }
+          // out[n, h] = W_UV[h] o
+          float* out = att + (n * nh + h) * vd;
+          for (int64_t i = 0; i < vd; ++i) {
+            const float* wr = wkv.data() + (h * (nope + vd) + nope + i) * kvr;
+            float acc = 0.f;
+            for (int64_t r = 0; r < kvr; ++r) acc += wr[r] * o[size_t(r)];
+            out[i] = acc;
+          }
+        }
+    }
+  }
+
   // out[N, O] = in[N, I] @ w^T. Plain 4-byte-aligned weights are used in place; anything
   // else (FP8, int4, misaligned F32) is dequantized into the scratch matrix first.
   void linear(float* out, const float* in, const QuantWeight& w, int64_t N) {
@@ -229,13 +315,14 @@ class CpuDeepseekModel final : public Model {
   std::vector<Layer> layers_;
   std::vector<float> inv_freq_;
   std::vector<float> scratch_, g_, u_;  // dequantized matrix; MLP intermediates
+  bool absorbed_ = false;
 };
 
 }  // namespace
 
-std::unique_ptr<Model> make_cpu_deepseek_model(const Checkpoint& ckpt) {
+std::unique_ptr<Model> make_cpu_deepseek_model(const Checkpoint& ckpt, bool absorbed_mla) {
   TALON_CHECK(is_deepseek(ckpt.config().arch), "{}: not a DeepSeek-family model", ckpt.source());
-  return std::make_unique<CpuDeepseekModel>(ckpt);
+  return std::make_unique<CpuDeepseekModel>(ckpt, absorbed_mla);
 }
 
 }  // namespace talon

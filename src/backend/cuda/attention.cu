@@ -2,7 +2,8 @@
 //
 // One block of 4 warps computes a 64-row query tile of one head of one sequence;
 // each warp owns 16 query rows. Keys and values stream through shared memory in
-// 64-row tiles. S = Q K^T and O += P V run as bf16 mma.sync m16n8k16 with fp32
+// 64-row tiles (32-row tiles for head size 192, MLA's qk = 128 + 64, to keep the
+// accumulators in registers and the tiles within static shared memory). S = Q K^T and O += P V run as bf16 mma.sync m16n8k16 with fp32
 // accumulators; softmax is online (running max and sum per row, exp2 domain), so no
 // T x T matrix exists anywhere. P goes from the S accumulators straight into the A
 // operand of the P V product (the accumulator layout of two adjacent 8-column tiles
@@ -26,7 +27,6 @@ namespace talon::cuda {
 namespace {
 
 constexpr int kTileM = 64;  // query rows per block (16 per warp)
-constexpr int kTileN = 64;  // keys per step
 constexpr int kThreads = 128;
 constexpr int kPad = 8;  // bf16 elements of padding per smem row (breaks bank conflicts)
 
@@ -61,13 +61,13 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   return *reinterpret_cast<uint32_t*>(&v);
 }
 
-// Copies rows [r0, r0 + 64) of a head slice (D columns at column offset `col`, row
-// stride ld) into smem; rows at or past `rows` are zero.
-template <int D>
+// Copies rows [r0, r0 + R) of a head slice (D columns, row stride ld) into smem; rows
+// at or past `rows` are zero.
+template <int D, int R>
 __device__ __forceinline__ void load_tile(bf16 (*dst)[D + kPad], const bf16* base, int64_t ld, int64_t r0,
                                           int64_t rows) {
   constexpr int kChunks = D / 8;  // 16-byte chunks per row
-  for (int i = threadIdx.x; i < kTileN * kChunks; i += kThreads) {
+  for (int i = threadIdx.x; i < R * kChunks; i += kThreads) {
     const int r = i / kChunks, c = (i % kChunks) * 8;
     uint4 v = make_uint4(0, 0, 0, 0);
     if (r0 + r < rows) v = *reinterpret_cast<const uint4*>(base + (r0 + r) * ld + c);
@@ -75,11 +75,13 @@ __device__ __forceinline__ void load_tile(bf16 (*dst)[D + kPad], const bf16* bas
   }
 }
 
-template <int D>
+// kTileN: keys per step. ks also stages the Q tile, so it has at least kTileM rows.
+template <int D, int kTileN>
 __global__ void __launch_bounds__(kThreads) flash_attention_kernel(bf16* out, const bf16* qkv, int64_t ld,
                                                                    const int64_t* seq_start, const int32_t* tiles,
                                                                    int nh, int nkv, int64_t window, float scale_log2) {
-  __shared__ __align__(16) bf16 ks[kTileN][D + kPad];
+  static_assert(kTileN % 16 == 0 && kTileN <= kTileM, "key tile");
+  __shared__ __align__(16) bf16 ks[kTileM][D + kPad];
   __shared__ __align__(16) bf16 vs[kTileN][D + kPad];
   const int seq = tiles[2 * blockIdx.x], q0 = tiles[2 * blockIdx.x + 1];
   const int h = blockIdx.y, kh = h / (nh / nkv);
@@ -91,7 +93,7 @@ __global__ void __launch_bounds__(kThreads) flash_attention_kernel(bf16* out, co
 
   // Q tile through the K buffer into registers (A fragments, one per 16-wide k slice).
   uint32_t qf[D / 16][4];
-  load_tile<D>(ks, qbase, ld, q0, len);
+  load_tile<D, kTileM>(ks, qbase, ld, q0, len);
   __syncthreads();
 #pragma unroll
   for (int kc = 0; kc < D / 16; ++kc)
@@ -109,8 +111,8 @@ __global__ void __launch_bounds__(kThreads) flash_attention_kernel(bf16* out, co
   int64_t j_lo = window > 0 && q0 - window + 1 > 0 ? q0 - window + 1 : 0;
   j_lo -= j_lo % kTileN;
   for (int64_t j0 = j_lo; j0 <= q_last; j0 += kTileN) {
-    load_tile<D>(ks, kbase, ld, j0, len);
-    load_tile<D>(vs, vbase, ld, j0, len);
+    load_tile<D, kTileN>(ks, kbase, ld, j0, len);
+    load_tile<D, kTileN>(vs, vbase, ld, j0, len);
     __syncthreads();
 
     float s[kTileN / 8][4];
@@ -217,7 +219,7 @@ __global__ void __launch_bounds__(kThreads) flash_attention_kernel(bf16* out, co
 
 }  // namespace
 
-bool flash_attention_supported(int64_t hd) { return hd == 64 || hd == 128; }
+bool flash_attention_supported(int64_t hd) { return hd == 64 || hd == 128 || hd == 192; }
 
 std::vector<int32_t> attention_tiles(const int64_t* seq_start, int64_t n_seqs) {
   std::vector<int32_t> t;
@@ -240,11 +242,14 @@ void flash_attention_forward(bf16* out, const bf16* qkv, int64_t ld, const int64
   const dim3 grid(static_cast<unsigned>(n_tiles), static_cast<unsigned>(nh));
   const float scale_log2 = float(1.0 / std::sqrt(double(hd)) * 1.4426950408889634);
   if (hd == 64)
-    flash_attention_kernel<64><<<grid, kThreads, 0, s>>>(out, qkv, ld, seq_start, tiles, int(nh), int(nkv), window,
-                                                         scale_log2);
+    flash_attention_kernel<64, 64><<<grid, kThreads, 0, s>>>(out, qkv, ld, seq_start, tiles, int(nh), int(nkv), window,
+                                                             scale_log2);
+  else if (hd == 128)
+    flash_attention_kernel<128, 64><<<grid, kThreads, 0, s>>>(out, qkv, ld, seq_start, tiles, int(nh), int(nkv),
+                                                              window, scale_log2);
   else
-    flash_attention_kernel<128><<<grid, kThreads, 0, s>>>(out, qkv, ld, seq_start, tiles, int(nh), int(nkv), window,
-                                                          scale_log2);
+    flash_attention_kernel<192, 32><<<grid, kThreads, 0, s>>>(out, qkv, ld, seq_start, tiles, int(nh), int(nkv),
+                                                              window, scale_log2);
   CUDA_LAUNCH_CHECK();
 }
 

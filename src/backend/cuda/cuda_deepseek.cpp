@@ -6,14 +6,26 @@
 // Other weights (plain, FP8 block) are dequantized to bf16 at load, one matrix at a time.
 // Captures are h[l], the input of layer l, and h[L] before the final norm, as everywhere.
 //
-// Not yet: tensor / expert parallelism, the absorbed MLA form, tensor-core expert GEMMs,
-// FP8 kept in FP8.
+// Parallel layouts (one such model per rank, driven by the group in tp_model.cpp):
+//  * tensor parallel: rank r holds heads [r nh/n, (r+1) nh/n) of MLA (q / kv_b rows, o_proj
+//    columns), a slice of every dense / shared-expert MLP width, and the routed experts of its
+//    window; every rank sees all tokens, and the partial attention, MLP and MoE outputs are
+//    summed by fp32 all-reduces (bf16 partials would add a rounding per rank and layer, enough
+//    to flip near-tie expert choices against the one-GPU model);
+//  * expert parallel: attention and dense parts replicated, each rank runs its own tokens
+//    (data-parallel attention) and owns one window of routed experts; a MoE layer routes
+//    locally, sends each slot's row to the rank owning its expert and gets the expert
+//    outputs back (two all-to-alls), then combines them exactly as one GPU does.
+//
+// Not yet: the absorbed MLA form, FP8 kept in FP8.
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cmath>
 
 #include "backend/cuda/check.h"
+#include "backend/cuda/collective.h"
+#include "backend/cuda/cuda_model.h"
 #include "backend/cuda/deepseek_ops.h"
 #include "backend/cuda/moe.h"
 #include "backend/cuda/moe_weights.h"
@@ -34,18 +46,32 @@ using cuda::DeviceArena;
 
 constexpr float kLatentNormEps = 1e-6f;  // q_a / kv_a layernorms (transformers' RMSNorm default)
 
-// Dequantized (any storage) and stacked row-wise: [sum of rows, cols] bf16.
-bf16* upload_linear(std::initializer_list<const QuantWeight*> ws, DeviceArena& arena) {
+// A block of a weight: rows [r0, r1) and columns [c0, c1) (r1 / c1 < 0: to the end).
+struct Part {
+  const QuantWeight* w;
+  int64_t r0 = 0, r1 = -1, c0 = 0, c1 = -1;
+};
+
+// Dequantized (any storage), sliced and stacked row-wise: [sum of rows, cols] bf16.
+bf16* upload_linear(std::initializer_list<Part> parts, DeviceArena& arena) {
   size_t n = 0;
-  for (const QuantWeight* w : ws) n += size_t(w->rows * w->cols);
+  for (Part p : parts) {
+    if (p.r1 < 0) p.r1 = p.w->rows;
+    if (p.c1 < 0) p.c1 = p.w->cols;
+    n += size_t((p.r1 - p.r0) * (p.c1 - p.c0));
+  }
   bf16* d = arena.alloc<bf16>(n);
   size_t at = 0;
-  std::vector<float> f;
-  for (const QuantWeight* w : ws) {
-    f.resize(size_t(w->rows * w->cols));
-    dequantize(*w, f.data());
-    cuda::copy_bf16(d + at, f.data(), f.size());
-    at += f.size();
+  std::vector<float> f, sub;
+  for (Part p : parts) {
+    const int64_t R = p.w->rows, C = p.w->cols, r1 = p.r1 < 0 ? R : p.r1, c1 = p.c1 < 0 ? C : p.c1;
+    f.resize(size_t(R * C));
+    dequantize(*p.w, f.data());
+    const int64_t w = c1 - p.c0;
+    sub.resize(size_t((r1 - p.r0) * w));
+    for (int64_t r = p.r0; r < r1; ++r) std::copy_n(f.data() + r * C + p.c0, w, sub.data() + (r - p.r0) * w);
+    cuda::copy_bf16(d + at, sub.data(), sub.size());
+    at += sub.size();
   }
   return d;
 }
@@ -60,12 +86,24 @@ struct LayerDev {
   cuda::MoeLayerDev experts;
 };
 
+using Par = cuda::DeepseekParallel;
+
 class CudaDeepseekModel final : public Model {
  public:
-  CudaDeepseekModel(const Checkpoint& ckpt, int device) : cfg_(ckpt.config()), device_(device) {
+  CudaDeepseekModel(const Checkpoint& ckpt, int device, const Par& par)
+      : cfg_(ckpt.config()), device_(device), par_(par) {
     CUDA_CHECK(cudaSetDevice(device_));
     const ModelConfig& c = cfg_;
     const DeepseekConfig& d = c.ds;
+    const int n = par_.size, rk = par_.rank;
+    const bool tp = par_.mode == Par::Mode::Tensor;
+    TALON_CHECK(n >= 1 && rk >= 0 && rk < n && (n == 1 || par_.comm), "deepseek rank {} of {}: bad parallel setup", rk,
+                n);
+    TALON_CHECK(!tp || c.n_heads % n == 0, "--tp {}: the model's {} attention heads must divide by it", n, c.n_heads);
+    TALON_CHECK(n == 1 || c.ds.n_routed_experts % n == 0, "--{} {}: the model's {} routed experts must divide by it",
+                tp ? "tp" : "ep", n, c.ds.n_routed_experts);
+    nh_ = tp ? c.n_heads / n : c.n_heads;
+    const int64_t h0 = tp ? rk * nh_ : 0, qk = d.qk_head_dim(), nv = d.qk_nope_head_dim + d.v_head_dim;
     const DeepseekWeights w = bind_deepseek_weights(ckpt);
     embed_ = cuda::upload_weight(w.embed, arena_);
     lm_head_ = cuda::upload_weight(w.lm_head, arena_);
@@ -77,26 +115,30 @@ class CudaDeepseekModel final : public Model {
       L.kv_a_norm = cuda::upload_weight(l.kv_a_norm, arena_);
       if (d.q_lora_rank > 0) {
         L.q_a_norm = cuda::upload_weight(l.q_a_norm, arena_);
-        L.q_a = upload_linear({&l.q_a}, arena_);
-        L.q = upload_linear({&l.q_b}, arena_);
+        L.q_a = upload_linear({{&l.q_a}}, arena_);
+        L.q = upload_linear({{&l.q_b, h0 * qk, (h0 + nh_) * qk}}, arena_);
       } else {
-        L.q = upload_linear({&l.q_proj}, arena_);
+        L.q = upload_linear({{&l.q_proj, h0 * qk, (h0 + nh_) * qk}}, arena_);
       }
-      L.kv_a = upload_linear({&l.kv_a}, arena_);
-      L.kv_b = upload_linear({&l.kv_b}, arena_);
-      L.o = upload_linear({&l.o_proj}, arena_);
+      L.kv_a = upload_linear({{&l.kv_a}}, arena_);
+      L.kv_b = upload_linear({{&l.kv_b, h0 * nv, (h0 + nh_) * nv}}, arena_);
+      L.o = upload_linear({{&l.o_proj, 0, -1, h0 * d.v_head_dim, (h0 + nh_) * d.v_head_dim}}, arena_);
       L.moe = l.moe;
       const DeepseekMlp* mlp = l.moe ? (l.shared.gate.empty() ? nullptr : &l.shared) : &l.dense;
       if (mlp) {
-        L.inter = mlp->gate.rows;
-        L.gu = upload_linear({&mlp->gate, &mlp->up}, arena_);
-        L.down = upload_linear({&mlp->down}, arena_);
+        const int64_t I = mlp->gate.rows;
+        TALON_CHECK(!tp || I % n == 0, "--tp {}: layer {} MLP width {} must divide by it", n, layers_.size(), I);
+        L.inter = tp ? I / n : I;
+        const int64_t i0 = tp ? rk * L.inter : 0, i1 = i0 + L.inter;
+        L.gu = upload_linear({{&mlp->gate, i0, i1}, {&mlp->up, i0, i1}}, arena_);
+        L.down = upload_linear({{&mlp->down, 0, -1, i0, i1}}, arena_);
       }
       if (l.moe) {
         const std::vector<float> r = weight_to_f32(l.router);
         L.router = arena_.alloc<float>(r.size());
         CUDA_CHECK(cudaMemcpy(L.router, r.data(), r.size() * 4, cudaMemcpyHostToDevice));
-        L.experts = cuda::upload_moe_layer(l, c, arena_);
+        const int64_t per = c.ds.n_routed_experts / n;
+        L.experts = cuda::upload_moe_layer(l, c, arena_, n > 1 ? rk * per : 0, n > 1 ? per : -1);
       }
       layers_.push_back(L);
     }
@@ -105,7 +147,8 @@ class CudaDeepseekModel final : public Model {
     CUDA_CHECK(cudaMemcpy(inv_freq_, inv.data(), inv.size() * 4, cudaMemcpyHostToDevice));
     CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
     gemm_ = std::make_unique<cuda::Gemm>();
-    tlog::info("cuda:{}: {} weights on the device: {:.2f} GiB", device_, arch_name(c.arch),
+    tlog::info("cuda:{}: {} weights on the device{}: {:.2f} GiB", device_, arch_name(c.arch),
+               n > 1 ? fmt::format(" ({} rank {} of {})", tp ? "tensor-parallel" : "expert-parallel", rk, n) : "",
                double(arena_.bytes()) / double(1ll << 30));
   }
 
@@ -124,12 +167,19 @@ class CudaDeepseekModel final : public Model {
     CUDA_CHECK(cudaSetDevice(device_));
     const ModelConfig& c = cfg_;
     const DeepseekConfig& d = c.ds;
-    const int64_t N = b.n_tokens(), H = c.hidden, V = c.vocab, nh = c.n_heads;
+    const int64_t N = b.n_tokens(), H = c.hidden, V = c.vocab, nh = nh_;
     const int64_t nope = d.qk_nope_head_dim, rope = d.qk_rope_head_dim, qk = nope + rope, vd = d.v_head_dim;
     const int64_t kvr = d.kv_lora_rank, qr = d.q_lora_rank;
     const float eps = float(c.rms_eps);
     cap.validate(c.n_layers, b);
-    if (N == 0) return;
+    const bool tp = par_.mode == Par::Mode::Tensor;
+    if (N == 0) {
+      // An expert-parallel rank without tokens still serves its experts to the others.
+      if (par_.mode == Par::Mode::Expert)
+        for (const LayerDev& L : layers_)
+          if (L.moe) moe_parallel(L, 0);
+      return;
+    }
     for (int64_t i = 0; i < N; ++i)
       TALON_CHECK(b.tokens[size_t(i)] >= 0 && b.tokens[size_t(i)] < V, "token id {} at {} outside [0, {})",
                   b.tokens[size_t(i)], i, V);
@@ -145,6 +195,11 @@ class CudaDeepseekModel final : public Model {
     CUDA_CHECK(cudaMemcpyAsync(a.pos, pos.data(), size_t(N) * 4, cudaMemcpyHostToDevice, s));
     CUDA_CHECK(cudaMemcpyAsync(a.row_seq, row_seq.data(), size_t(N) * 4, cudaMemcpyHostToDevice, s));
     CUDA_CHECK(cudaMemcpyAsync(a.seq_start, b.seq_start.data(), b.seq_start.size() * 8, cudaMemcpyHostToDevice, s));
+    // Tensor-core attention when the head size allows (Kimi-K2 / DeepSeek-V3: qk 192).
+    const bool flash = cuda::flash_attention_supported(qk);
+    const std::vector<int32_t> tiles = flash ? cuda::attention_tiles(b.seq_start.data(), b.n_seqs()) : std::vector<int32_t>{};
+    if (flash)
+      CUDA_CHECK(cudaMemcpyAsync(a.tiles, tiles.data(), tiles.size() * 4, cudaMemcpyHostToDevice, s));
 
     // h[layer_id] = the residual stream, rows scattered to their destinations (runs of
     // consecutive destination rows go in one copy).
@@ -170,16 +225,14 @@ class CudaDeepseekModel final : public Model {
     };
     const float q_scale = float(d.softmax_scale * std::sqrt(double(qk)));
     cuda::embedding_forward(a.x, a.ids, embed_, N, H, V, s);
-    const bf16* pending = nullptr;  // a branch output not yet added to x
+    // Branch outputs (attention, MLP, experts) are computed in fp32 and added to the fp32
+    // residual as they are: no bf16 rounding of their sums, so a tensor-parallel group (which
+    // sums per-rank fp32 partials) and one GPU differ only in fp32 summation order, too
+    // little to flip a near-tie expert choice between them.
     for (int64_t l = 0; l < c.n_layers; ++l) {
       const LayerDev& L = layers_[size_t(l)];
-      if (pending) {
-        cuda::add_rmsnorm_forward(a.xn, a.x, pending, L.attn_norm, N, H, eps, s);
-        capture(l);
-      } else {
-        capture(l);
-        cuda::add_rmsnorm_forward(a.xn, a.x, nullptr, L.attn_norm, N, H, eps, s);
-      }
+      capture(l);
+      cuda::add_rmsnorm_forward(a.xn, a.x, nullptr, L.attn_norm, N, H, eps, s);
       // ---- MLA
       if (qr > 0) {
         gemm_->forward(a.qa, a.xn, L.q_a, N, H, qr, s);
@@ -197,27 +250,36 @@ class CudaDeepseekModel final : public Model {
       gemm_->forward(a.kv, a.lat, L.kv_b, N, kvr, nh * (nope + vd), s);
       cuda::mla_assemble(a.qkv, a.q, a.kv, a.ckv, kvr + rope, kvr, a.pos, inv_freq_, N, nh, nope, rope, vd,
                          d.rope_interleave, float(c.rope.attention_factor), q_scale, s);
-      cuda::attention_forward(a.att, a.qkv, 3 * nh * qk, a.seq_start, a.row_seq, N, nh, nh, qk, 0, s);
+      if (flash)
+        cuda::flash_attention_forward(a.att, a.qkv, 3 * nh * qk, a.seq_start, a.tiles, int64_t(tiles.size() / 2), nh, nh,
+                                      qk, 0, s);
+      else
+        cuda::attention_forward(a.att, a.qkv, 3 * nh * qk, a.seq_start, a.row_seq, N, nh, nh, qk, 0, s);
       cuda::unpad_heads(a.attv, a.att, N, nh, qk, vd, s);
-      gemm_->forward(a.tmp, a.attv, L.o, N, nh * vd, H, s);
-      cuda::add_rmsnorm_forward(a.xn, a.x, a.tmp, L.mlp_norm, N, H, eps, s);
+      gemm_->forward(a.part, a.attv, L.o, N, nh * vd, H, s);  // tensor parallel: this rank's heads
+      if (tp) par_.comm->all_reduce(par_.rank, a.part, N * H, DType::F32, s);
+      cuda::add_f32(a.x, a.part, N * H, s);
+      cuda::add_rmsnorm_forward(a.xn, a.x, nullptr, L.mlp_norm, N, H, eps, s);
       // ---- MLP: dense, or routed experts (+ shared experts)
-      pending = nullptr;
       if (L.moe) {
         const auto& r = L.experts.routing;
         cuda::rmsnorm_f32(a.xn32, a.x, L.mlp_norm, N, H, eps, s);
         cuda::router_logits_f32(a.rlog, a.xn32, L.router, N, r.n_experts, H, s);
-        cuda::moe_forward(a.moe_out, a.xn, a.rlog, L.experts.router_bias, N, H, r, L.experts.experts, a.moe, s);
+        if (par_.size == 1)
+          cuda::moe_forward(a.moe_out, a.xn, a.rlog, L.experts.router_bias, N, H, r, L.experts.experts, a.moe, s);
+        else
+          moe_parallel(L, N);
         cuda::add_f32(a.x, a.moe_out, N * H, s);
       }
       if (L.gu) {
         gemm_->forward(a.gu, a.xn, L.gu, N, H, 2 * L.inter, s);
         cuda::swiglu_forward(a.act, a.gu, N, L.inter, s);
-        gemm_->forward(a.tmp, a.act, L.down, N, L.inter, H, s);
-        pending = a.tmp;
+        gemm_->forward(a.part, a.act, L.down, N, L.inter, H, s);  // tensor parallel: this rank's slice
+        if (tp) par_.comm->all_reduce(par_.rank, a.part, N * H, DType::F32, s);
+        cuda::add_f32(a.x, a.part, N * H, s);
       }
     }
-    cuda::add_rmsnorm_forward(a.xn, a.x, pending, final_norm_, N, H, eps, s);
+    cuda::add_rmsnorm_forward(a.xn, a.x, nullptr, final_norm_, N, H, eps, s);
     capture(c.n_layers);
     if (logits) {
       gemm_->forward(a.logits, a.xn, lm_head_, N, H, V, s);
@@ -228,12 +290,114 @@ class CudaDeepseekModel final : public Model {
   }
 
  private:
+  // The routed experts of one MoE layer across the group, for this rank's N tokens (router
+  // logits in acts_->rlog, normalized input in acts_->xn): a.moe_out = what moe_forward
+  // gives on one GPU (summed over ranks under tensor parallelism).
+  void moe_parallel(const LayerDev& L, int64_t N) {
+    const auto& r = L.experts.routing;
+    const int n = par_.size, rk = par_.rank, K = r.top_k, per = r.n_experts / n;
+    const int64_t H = cfg_.hidden, NK = N * K, Im = L.experts.experts.gate.O;
+    const bool tp = par_.mode == Par::Mode::Tensor;
+    cudaStream_t s = stream_;
+    std::vector<int32_t> off(size_t(r.n_experts) + 1, 0);
+    if (N > 0) {
+      cuda::moe_route_sort(acts_->rlog, L.experts.router_bias, N, r, acts_->moe, s);
+      CUDA_CHECK(cudaMemcpyAsync(off.data(), acts_->moe.offsets, off.size() * 4, cudaMemcpyDeviceToHost, s));
+      CUDA_CHECK(cudaStreamSynchronize(s));
+    }
+    // Slots bound for rank d: sorted positions [off[d per], off[(d + 1) per]).
+    std::vector<int64_t> cnt(static_cast<size_t>(n)), got(static_cast<size_t>(n), 0);
+    for (int d = 0; d < n; ++d) cnt[size_t(d)] = off[size_t((d + 1) * per)] - off[size_t(d * per)];
+    int64_t R = 0;
+    if (tp) {
+      R = cnt[size_t(rk)];
+    } else {
+      const std::vector<int64_t> all = par_.comm->exchange(rk, cnt);
+      for (int src = 0; src < n; ++src) R += got[size_t(src)] = all[size_t(src * n + rk)];
+    }
+    Ep& e = ensure_ep(NK, R, per, Im);
+    cuda::moe_gather_sorted(e.send_rows, e.send_ids, acts_ ? acts_->xn : nullptr, H, K, NK, per, acts_ ? acts_->moe : e.sc,
+                            s);
+    const bf16* rows = e.recv_rows;
+    const int32_t* ids = e.recv_ids;
+    if (tp) {
+      rows = e.send_rows + off[size_t(rk * per)] * H;
+      ids = e.send_ids + off[size_t(rk * per)];
+    } else {
+      std::vector<int64_t> sb(static_cast<size_t>(n)), rb(static_cast<size_t>(n));
+      for (int d = 0; d < n; ++d) sb[size_t(d)] = cnt[size_t(d)] * H * 2, rb[size_t(d)] = got[size_t(d)] * H * 2;
+      par_.comm->all_to_all(rk, e.send_rows, sb, e.recv_rows, rb, s);
+      for (int d = 0; d < n; ++d) sb[size_t(d)] = cnt[size_t(d)] * 4, rb[size_t(d)] = got[size_t(d)] * 4;
+      par_.comm->all_to_all(rk, e.send_ids, sb, e.recv_ids, rb, s);
+    }
+    cuda::moe_experts_forward(e.y_recv, rows, ids, R, H, per, L.experts.experts, e.sc, s);
+    if (tp) {
+      CUDA_CHECK(cudaMemsetAsync(e.y_sorted, 0, size_t(NK * H) * 4, s));
+      CUDA_CHECK(cudaMemcpyAsync(e.y_sorted + off[size_t(rk * per)] * H, e.y_recv, size_t(R * H) * 4,
+                                 cudaMemcpyDeviceToDevice, s));
+    } else {
+      // The expert outputs go back to the ranks that sent the rows, in the order they came.
+      std::vector<int64_t> sb(static_cast<size_t>(n)), rb(static_cast<size_t>(n));
+      for (int d = 0; d < n; ++d) sb[size_t(d)] = got[size_t(d)] * H * 4, rb[size_t(d)] = cnt[size_t(d)] * H * 4;
+      par_.comm->all_to_all(rk, e.y_recv, sb, e.y_sorted, rb, s);
+    }
+    if (N > 0) {
+      cuda::moe_combine(acts_->moe_out, e.y_sorted, N, H, K, acts_->moe, s);
+      if (tp) par_.comm->all_reduce(rk, acts_->moe_out, N * H, DType::F32, s);
+    }
+  }
+
+  // Buffers of moe_parallel, grown on demand: NK slots sent, R rows received.
+  struct Ep {
+    std::unique_ptr<DeviceArena> arena;
+    int64_t nk = -1, r = -1;
+    bf16 *send_rows = nullptr, *recv_rows = nullptr;
+    int32_t *send_ids = nullptr, *recv_ids = nullptr;
+    float *y_recv = nullptr, *y_sorted = nullptr;
+    cuda::MoeScratch sc{};
+  };
+  Ep& ensure_ep(int64_t NK, int64_t R, int per, int64_t Im) {
+    if (ep_.arena && ep_.nk >= NK && ep_.r >= R) return ep_;
+    CUDA_CHECK(cudaStreamSynchronize(stream_));
+    const int64_t nk = std::max<int64_t>({NK, ep_.nk, 1}), r = std::max<int64_t>({R, ep_.r, 1}), H = cfg_.hidden;
+    ep_ = Ep{};
+    ep_.arena = std::make_unique<DeviceArena>();
+    auto& ar = *ep_.arena;
+    ep_.send_rows = ar.alloc<bf16>(size_t(nk * H));
+    ep_.send_ids = ar.alloc<int32_t>(size_t(nk));
+    ep_.y_sorted = ar.alloc<float>(size_t(nk * H));
+    ep_.recv_rows = ar.alloc<bf16>(size_t(r * H));
+    ep_.recv_ids = ar.alloc<int32_t>(size_t(r));
+    ep_.y_recv = ar.alloc<float>(size_t(r * H));
+    cuda::MoeRouting top1;
+    top1.n_experts = per, top1.top_k = 1;
+    alloc_moe_scratch(ep_.sc, ar, r, top1, Im);
+    ep_.nk = nk, ep_.r = r;
+    return ep_;
+  }
+
+  void alloc_moe_scratch(cuda::MoeScratch& m, DeviceArena& ar, int64_t n, const cuda::MoeRouting& r, int64_t Im) {
+    const auto sz = cuda::moe_scratch_elems(n, r, cfg_.hidden, Im);
+    m.idx = ar.alloc<int32_t>(size_t(sz.idx));
+    m.order = ar.alloc<int32_t>(size_t(sz.order));
+    m.pos = ar.alloc<int32_t>(size_t(sz.pos));
+    m.offsets = ar.alloc<int32_t>(size_t(sz.offsets));
+    m.tiles = ar.alloc<int32_t>(size_t(sz.tiles));
+    m.n_tiles = ar.alloc<int32_t>(1);
+    m.weights = ar.alloc<float>(size_t(sz.weights));
+    m.g = ar.alloc<float>(size_t(sz.g));
+    m.u = ar.alloc<float>(size_t(sz.g));
+    m.y = ar.alloc<float>(size_t(sz.y));
+    m.act = ar.alloc<bf16>(size_t(sz.act));
+    m.capacity = n;
+  }
+
   struct Acts {
     DeviceArena arena;
     int64_t n = 0, seqs = 0;
-    float *x, *t32, *xn32, *rlog, *moe_out, *logits32;
-    bf16 *xn, *cap, *qa, *q, *ckv, *lat, *kv, *qkv, *att, *attv, *tmp, *gu, *act, *logits;
-    int32_t *ids, *pos, *row_seq;
+    float *x, *t32, *xn32, *rlog, *moe_out, *logits32, *part;
+    bf16 *xn, *cap, *qa, *q, *ckv, *lat, *kv, *qkv, *att, *attv, *gu, *act, *logits;
+    int32_t *ids, *pos, *row_seq, *tiles;
     int64_t* seq_start;
     cuda::MoeScratch moe;
   };
@@ -243,7 +407,7 @@ class CudaDeepseekModel final : public Model {
     const int64_t n = std::max<int64_t>(N, acts_ ? acts_->n : 0), sq = std::max<int64_t>(S, acts_ ? acts_->seqs : 0);
     const ModelConfig& c = cfg_;
     const DeepseekConfig& d = c.ds;
-    const int64_t H = c.hidden, nh = c.n_heads, qk = d.qk_head_dim(), vd = d.v_head_dim, kvr = d.kv_lora_rank;
+    const int64_t H = c.hidden, nh = nh_, qk = d.qk_head_dim(), vd = d.v_head_dim, kvr = d.kv_lora_rank;
     const int64_t rope = d.qk_rope_head_dim, qr = std::max<int64_t>(d.q_lora_rank, 1);
     int64_t inter = 1, E = 1;
     for (const auto& L : layers_) {
@@ -258,6 +422,7 @@ class CudaDeepseekModel final : public Model {
     a->xn32 = ar.alloc<float>(size_t(n * H));
     a->rlog = ar.alloc<float>(size_t(n * E));
     a->moe_out = ar.alloc<float>(size_t(n * H));
+    a->part = ar.alloc<float>(size_t(n * H));
     a->logits32 = ar.alloc<float>(size_t(n * c.vocab));
     a->xn = ar.alloc<bf16>(size_t(n * H));
     a->cap = ar.alloc<bf16>(size_t(n * H));
@@ -269,40 +434,27 @@ class CudaDeepseekModel final : public Model {
     a->qkv = ar.alloc<bf16>(size_t(n * 3 * nh * qk));
     a->att = ar.alloc<bf16>(size_t(n * nh * qk));
     a->attv = ar.alloc<bf16>(size_t(n * nh * vd));
-    a->tmp = ar.alloc<bf16>(size_t(n * H));
     a->gu = ar.alloc<bf16>(size_t(n * 2 * inter));
     a->act = ar.alloc<bf16>(size_t(n * inter));
     a->logits = ar.alloc<bf16>(size_t(n * c.vocab));
     a->ids = ar.alloc<int32_t>(size_t(n));
     a->pos = ar.alloc<int32_t>(size_t(n));
     a->row_seq = ar.alloc<int32_t>(size_t(n));
+    a->tiles = ar.alloc<int32_t>(size_t(2 * cuda::attention_max_tiles(n, sq)));
     a->seq_start = ar.alloc<int64_t>(size_t(sq + 1));
     const LayerDev* moe_layer = nullptr;
     for (const auto& L : layers_)
       if (L.moe) moe_layer = &L;
-    if (moe_layer) {
-      const auto& r = moe_layer->experts.routing;
-      const auto sz = cuda::moe_scratch_elems(n, r, H, moe_layer->experts.experts.gate.O);
-      auto& m = a->moe;
-      m.idx = ar.alloc<int32_t>(size_t(sz.idx));
-      m.order = ar.alloc<int32_t>(size_t(sz.order));
-      m.pos = ar.alloc<int32_t>(size_t(sz.pos));
-      m.offsets = ar.alloc<int32_t>(size_t(sz.offsets));
-      m.tiles = ar.alloc<int32_t>(size_t(sz.tiles));
-      m.n_tiles = ar.alloc<int32_t>(1);
-      m.weights = ar.alloc<float>(size_t(sz.weights));
-      m.g = ar.alloc<float>(size_t(sz.g));
-      m.u = ar.alloc<float>(size_t(sz.g));
-      m.y = ar.alloc<float>(size_t(sz.y));
-      m.act = ar.alloc<bf16>(size_t(sz.act));
-      m.capacity = n;
-    }
+    if (moe_layer) alloc_moe_scratch(a->moe, ar, n, moe_layer->experts.routing, moe_layer->experts.experts.gate.O);
     a->n = n, a->seqs = sq;
     acts_ = std::move(a);
   }
 
   ModelConfig cfg_;
   int device_;
+  Par par_;
+  int64_t nh_ = 0;  // attention heads on this rank
+  Ep ep_;
   cudaStream_t stream_ = nullptr;
   DeviceArena arena_;
   std::unique_ptr<cuda::Gemm> gemm_;
@@ -315,8 +467,14 @@ class CudaDeepseekModel final : public Model {
 }  // namespace
 
 std::unique_ptr<Model> make_cuda_deepseek_model(const Checkpoint& ckpt, int device) {
-  TALON_CHECK(is_deepseek(ckpt.config().arch), "{}: not a DeepSeek-family model", ckpt.source());
-  return std::make_unique<CudaDeepseekModel>(ckpt, device);
+  return cuda::make_deepseek_rank_model(ckpt, device, {});
 }
+
+namespace cuda {
+std::unique_ptr<Model> make_deepseek_rank_model(const Checkpoint& ckpt, int device, const DeepseekParallel& par) {
+  TALON_CHECK(is_deepseek(ckpt.config().arch), "{}: not a DeepSeek-family model", ckpt.source());
+  return std::make_unique<CudaDeepseekModel>(ckpt, device, par);
+}
+}  // namespace cuda
 
 }  // namespace talon

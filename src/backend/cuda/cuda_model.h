@@ -20,6 +20,16 @@ struct RankOptions {
 
 std::unique_ptr<Model> make_rank_model(const Checkpoint& ckpt, const RankOptions& ro, const GpuOptions& go);
 
+class Collectives;
+// One rank of a DeepSeek-family model in a parallel group (cuda_deepseek.cpp describes the
+// layouts). Mode None: the whole model on one GPU.
+struct DeepseekParallel {
+  enum class Mode { None, Tensor, Expert } mode = Mode::None;
+  int rank = 0, size = 1;
+  Collectives* comm = nullptr;  // outlives the model
+};
+std::unique_ptr<Model> make_deepseek_rank_model(const Checkpoint& ckpt, int device, const DeepseekParallel& par);
+
 // Fails (before anything is loaded) when the plan does not fit in a device's free memory,
 // with the numbers and a --max-batch-tokens or --tp that would fit.
 void check_memory_plan(const ModelConfig& cfg, const GpuOptions& o);

@@ -1,6 +1,29 @@
 // Mixture-of-experts kernels (moe.h).
+//
+// The expert GEMMs run on tensor cores (tc_grouped_gemm_kernel). One block computes one
+// tile of the sort (an expert e and up to kTileRows = 64 consecutive sorted rows of it) times
+// kTcCols = 128 outputs, with 8 warps; warp w owns all 64 rows x outputs [16w, 16w + 16) as
+// 4 x 2 m16n8 fp32 accumulator fragments, and skips the m-fragments wholly past the tile's
+// last row (a tile of one row costs one). The reduction runs in chunks of kTcK = 64 through
+// a pipeline of cp.async shared-memory stages (3 for bf16 weights, 4 for int4): A, the
+// tile's activation rows (gathered by token; rows past the tile or the expert and k past I
+// are zero), and B, the expert's weight rows for the block's outputs. Products are mma.sync
+// m16n8k16 bf16 x bf16 -> fp32; A and bf16 B fragments are read with ldmatrix. int4 B is
+// copied packed, and each lane unpacks its fragment's nibbles to the integers q in [-8, 7],
+// exact in bf16; the products of one quantization group accumulate in a separate fp32
+// fragment that is added, times the fp32 scale of each output, to the accumulators when the
+// group ends, so q * scale is never rounded to bf16. FP8 block-quantized B is copied as its
+// e4m3 bytes, and each lane converts its fragment's bytes to bf16 (exact: e4m3 has 4
+// significant bits and a range inside bf16's); the K blocks (bi columns) are the groups, the
+// scale of output o being that of o's row block (o / bo). Both need the group / K block to be
+// a multiple of 16; other sizes take the CUDA-core kernel (core_grouped_gemm_kernel, fp32 FMA
+// on tiles dequantized in fp32).
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+
 #include <cfloat>
 #include <climits>
+#include <cstdint>
 #include <string>
 
 #include "backend/cuda/check.h"
@@ -10,10 +33,40 @@ namespace talon::cuda {
 
 namespace {
 
-constexpr int kTileRows = 16;   // routed rows per GEMM tile
-constexpr int kTileCols = 64;   // outputs per GEMM tile
-constexpr int kTileK = 32;      // reduction chunk (one int4 group of 32 when group = 32)
+constexpr int kTileRows = 64;  // routed rows per GEMM tile (the sort's tile list; both GEMM kernels)
 constexpr int kMaxExperts = 4096;
+
+// Tensor-core GEMM.
+constexpr int kTcCols = 128;             // outputs per block
+constexpr int kTcK = 64;                 // reduction chunk (one pipeline stage)
+constexpr int kTcThreads = 256;          // 8 warps, 16 outputs each
+constexpr int kSteps = kTcK / 16;        // mma k-steps per chunk
+constexpr int kTcLd = kTcK + 8;          // bf16 smem row: 144 bytes, so ldmatrix's 8 rows hit distinct banks
+constexpr int kQLd = kTcK / 8 + 4;       // int4 smem row in words: 8 packed + 4 padding (48 bytes, conflict-free)
+constexpr int kF8Ld = kTcK + 16;         // fp8 smem row in bytes: 64 + 16 padding (80: 8 rows on distinct banks)
+constexpr int kFragRows = kTileRows / 16;  // m16 fragments per warp
+
+// The weight storage a GEMM kernel is instantiated for (ExpertMatrix's three forms).
+constexpr int kWBf16 = 0, kWInt4 = 1, kWFp8 = 2;
+
+// One pipeline stage in dynamic shared memory, in bytes: A [kTileRows][kTcLd] bf16, then B
+// ([kTcCols][kTcLd] bf16; or [kTcCols][kQLd] packed int4 words, or [kTcCols][kF8Ld] e4m3
+// bytes, each followed by the fp32 scales [kSteps][kTcCols] of each (k-step, output)).
+template <int WF>
+struct TcStage {
+  static constexpr bool scaled = WF != kWBf16;
+  static constexpr int a = kTileRows * kTcLd * 2;
+  static constexpr int b = WF == kWInt4 ? kTcCols * kQLd * 4 : WF == kWFp8 ? kTcCols * kF8Ld : kTcCols * kTcLd * 2;
+  static constexpr int scales = scaled ? kSteps * kTcCols * 4 : 0;
+  static constexpr int bytes = a + b + scales;
+  static constexpr int count = scaled ? 4 : 3;  // stages in the pipeline
+  static constexpr size_t smem = size_t(bytes) * count;
+  static_assert(a % 16 == 0 && b % 16 == 0 && bytes % 16 == 0, "16-byte aligned stage parts");
+};
+
+// CUDA-core GEMM (int4 groups / FP8 K blocks that are not a multiple of 16).
+constexpr int kCoreCols = 64;  // outputs per block
+constexpr int kCoreK = 32;     // reduction chunk
 
 __device__ bool better(float v, int i, float bv, int bi) { return v > bv || (v == bv && i < bi); }
 
@@ -137,41 +190,332 @@ __global__ void sort_kernel(int32_t* order, int32_t* pos, int32_t* offsets, int3
   }
 }
 
+// ---- Tensor-core grouped GEMM (see the top of the file) ----
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) { return uint32_t(__cvta_generic_to_shared(p)); }
+
+// 16 bytes global -> shared, asynchronously; when !valid the destination is zero-filled and
+// src is not read.
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(dst)), "l"(src), "r"(valid ? 16 : 0)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+// Waits until at most N of this thread's committed copy groups are still in flight.
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3, const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+               : "r"(smem_u32(p)));
+}
+
+// d[4] += a[4] (16x16 row-major) * b0, b1 (16x8 column-major), bf16 in, fp32 accumulate.
+__device__ __forceinline__ void mma_bf16(float* d, const uint32_t* a, uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// The two int4 values in the low byte of x (stored q + 8; the low nibble is the lower k) as
+// a bf16 pair (q0, q1), exact: the nibble n is put in the mantissa of 128.0 (bf16 0x4300,
+// whose last mantissa step is 1), giving 128 + n, and 136 is subtracted.
+__device__ __forceinline__ uint32_t int4x2_to_bf16x2(uint32_t x) {
+  const uint32_t v = (x & 0xfu) | ((x & 0xf0u) << 12) | 0x43004300u;
+  const __nv_bfloat162 r = __hsub2(*reinterpret_cast<const __nv_bfloat162*>(&v), __floats2bfloat162_rn(136.f, 136.f));
+  return *reinterpret_cast<const uint32_t*>(&r);
+}
+
+// The two e4m3 values in the low 16 bits of x (the low byte is the lower k) as a bf16 pair,
+// exact: every e4m3 value, subnormals (m 2^-9) included, is a normal fp16 (cvt.f16x2.e4m3x2),
+// and fp16 -> fp32 -> bf16 is then exact too (4 significant bits, |v| <= 448); the NaN codes
+// 0x7f / 0xff stay NaN, as the CPU's f8e4m3_to_f32.
+__device__ __forceinline__ uint32_t fp8x2_to_bf16x2(uint32_t x) {
+  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(x & 0xffffu), __NV_E4M3);
+  const float2 f = __half22float2(__half2(h));
+  const __nv_bfloat162 r = __floats2bfloat162_rn(f.x, f.y);
+  return *reinterpret_cast<const uint32_t*>(&r);
+}
+
+// One e4m3 value as fp32 (exact).
+__device__ __forceinline__ float fp8_to_f32(uint8_t x) {
+  return __half2float(__half(__nv_cvt_fp8_to_halfraw(__nv_fp8_storage_t(x), __NV_E4M3)));
+}
+
 // out[p, O] (fp32, sorted rows) = in[row(p)] @ W_e^T for the tile's expert e. GATHER: the
 // input row of sorted position p is token order[p] / K of `in`; else row p itself.
-template <bool INT4, bool GATHER>
-__global__ void grouped_gemm_kernel(float* out, const bf16* in, int64_t ld_in, const int32_t* order, int K,
-                                    const int32_t* tiles, const int32_t* n_tiles, const int32_t* offsets,
-                                    ExpertMatrix m) {
+// vec_a / vec_b: the rows of A / B are 16-byte aligned and I (for int4: the packed words per
+// row; for fp8: the bytes) a multiple of 8 (4; 16), so the tiles load as 16-byte cp.async;
+// else element by element. WF: the weights' form (kWBf16, kWInt4, kWFp8).
+template <int WF, bool GATHER>
+__global__ void __launch_bounds__(kTcThreads, 2)
+    tc_grouped_gemm_kernel(float* out, const bf16* in, int64_t ld_in, const int32_t* order, int K,
+                           const int32_t* tiles, const int32_t* n_tiles, const int32_t* offsets, ExpertMatrix m,
+                           bool vec_a, bool vec_b) {
+  using St = TcStage<WF>;
+  constexpr bool INT4 = WF == kWInt4, FP8 = WF == kWFp8, SCALED = St::scaled;
+  extern __shared__ __align__(16) unsigned char smem[];
+  __shared__ int src[kTileRows];  // input row of each tile row, -1 past the tile's rows
+  if (int(blockIdx.x) >= *n_tiles) return;
+  const int e = tiles[2 * blockIdx.x], r0 = tiles[2 * blockIdx.x + 1];
+  const int rows = min(kTileRows, offsets[e + 1] - r0);
+  const int O = int(m.O), I = int(m.I), col0 = int(blockIdx.y) * kTcCols;
+  const int tid = threadIdx.x, lane = tid % 32, wn = (tid / 32) * 16, g = lane / 4, t = lane % 4;
+  if (tid < kTileRows) src[tid] = tid < rows ? (GATHER ? order[r0 + tid] / K : r0 + tid) : -1;
+  // gsize: the k extent of one scale (int4 group, fp8 K block); groups: scale columns.
+  const int gsize = int(INT4 ? m.group : FP8 ? m.bi : 0), n_chunks = (I + kTcK - 1) / kTcK;
+  const int64_t words = (I + 7) / 8, groups = SCALED ? (I + gsize - 1) / gsize : 0, wrow0 = int64_t(e) * O;
+  const int bo = int(m.bo);                                                    // fp8 block rows
+  const int64_t srow0 = FP8 ? int64_t(e) * ((O + bo - 1) / bo) : 0;           // fp8: the expert's first scale row
+  const bf16 zero = __ushort_as_bfloat16(0);
+  __syncthreads();
+
+  // Issues the copies of chunk c (k in [c kTcK, (c + 1) kTcK)) into stage st.
+  auto load_chunk = [&](int c, int st) {
+    unsigned char* base = smem + st * St::bytes;
+    const int k0 = c * kTcK;
+    bf16* sa = reinterpret_cast<bf16*>(base);
+    for (int i = tid; i < kTileRows * (kTcK / 8); i += kTcThreads) {
+      const int r = i / (kTcK / 8), kc = (i % (kTcK / 8)) * 8, k = k0 + kc, row = src[r];
+      bf16* dst = sa + r * kTcLd + kc;
+      const bf16* s = in + (row >= 0 ? int64_t(row) * ld_in + k : 0);
+      if (vec_a) {
+        cp_async16(dst, s, row >= 0 && k < I);
+      } else {
+        for (int u = 0; u < 8; ++u) dst[u] = row >= 0 && k + u < I ? s[u] : zero;
+      }
+    }
+    if constexpr (WF == kWBf16) {
+      bf16* sb = reinterpret_cast<bf16*>(base + St::a);
+      for (int i = tid; i < kTcCols * (kTcK / 8); i += kTcThreads) {
+        const int n = i / (kTcK / 8), kc = (i % (kTcK / 8)) * 8, k = k0 + kc, o = col0 + n;
+        bf16* dst = sb + n * kTcLd + kc;
+        const bf16* s = m.w + (o < O ? (wrow0 + o) * I + k : 0);
+        if (vec_b) {
+          cp_async16(dst, s, o < O && k < I);
+        } else {
+          for (int u = 0; u < 8; ++u) dst[u] = o < O && k + u < I ? s[u] : zero;
+        }
+      }
+    } else if constexpr (INT4) {
+      // Packed words k0 / 8 .. k0 / 8 + 7 of each output row, as two 16-byte pieces. Words past
+      // the row read as 0 (q = -8): harmless, as A is zero at those k.
+      uint32_t* sq = reinterpret_cast<uint32_t*>(base + St::a);
+      for (int i = tid; i < kTcCols * 2; i += kTcThreads) {
+        const int n = i / 2, o = col0 + n;
+        const int64_t j = k0 / 8 + (i % 2) * 4;
+        uint32_t* dst = sq + n * kQLd + (i % 2) * 4;
+        const int32_t* s = m.packed + (o < O ? (wrow0 + o) * words + j : 0);
+        if (vec_b) {
+          cp_async16(dst, s, o < O && j < words);
+        } else {
+          for (int u = 0; u < 4; ++u) dst[u] = o < O && j + u < words ? uint32_t(s[u]) : 0u;
+        }
+      }
+    } else {
+      // The chunk's 64 e4m3 bytes of each output row, as four 16-byte pieces; bytes past the
+      // row (or the outputs) are 0 (+0.0: A is zero at those k, and 0 * NaN must not occur).
+      unsigned char* sb = base + St::a;
+      for (int i = tid; i < kTcCols * (kTcK / 16); i += kTcThreads) {
+        const int n = i / (kTcK / 16), kc = (i % (kTcK / 16)) * 16, k = k0 + kc, o = col0 + n;
+        unsigned char* dst = sb + n * kF8Ld + kc;
+        const uint8_t* s = m.fp8 + (o < O ? (wrow0 + o) * I + k : 0);
+        if (vec_b) {
+          cp_async16(dst, s, o < O && k < I);
+        } else {
+          for (int u = 0; u < 16; ++u) dst[u] = o < O && k + u < I ? s[u] : uint8_t(0);
+        }
+      }
+    }
+  };
+  // int4 / fp8: the scales of chunk c's (k-step, output) pairs, kSteps * kTcCols of them, two
+  // per thread: read into registers one iteration before they are stored to the stage, so the
+  // global loads' latency hides behind a chunk's products.
+  constexpr int kScalesPerThread = kSteps * kTcCols / kTcThreads;
+  float scale_reg[kScalesPerThread];
+  auto load_scales = [&](int c) {
+#pragma unroll
+    for (int u = 0; u < kScalesPerThread; ++u) {
+      const int i = tid + u * kTcThreads, o = col0 + i % kTcCols, k = c * kTcK + (i / kTcCols) * 16;
+      if constexpr (INT4)
+        scale_reg[u] = o < O && k < I ? __bfloat162float(m.scale[(wrow0 + o) * groups + k / gsize]) : 0.f;
+      else if constexpr (FP8)
+        scale_reg[u] = o < O && k < I ? m.block_scale[(srow0 + o / bo) * groups + k / gsize] : 0.f;
+    }
+  };
+  auto store_scales = [&](int st) {
+    float* ss = reinterpret_cast<float*>(smem + st * St::bytes + St::a + St::b);
+#pragma unroll
+    for (int u = 0; u < kScalesPerThread; ++u) ss[tid + u * kTcThreads] = scale_reg[u];
+  };
+
+  float acc[kFragRows][2][4] = {};
+  float part[kFragRows][2][4] = {};  // int4 / fp8: the current group's products, unscaled
+  const int n_frag = (rows + 15) / 16;  // m-fragments holding rows
+  const int g16 = gsize / 16;           // int4 / fp8: k-steps per group
+  int gstep = 0;                        // int4 / fp8: k-steps of the current group done
+
+  for (int c = 0; c < St::count - 1; ++c) {
+    if (c < n_chunks) {
+      load_chunk(c, c);
+      if constexpr (SCALED) load_scales(c), store_scales(c);
+    }
+    cp_async_commit();
+  }
+  for (int c = 0; c < n_chunks; ++c) {
+    cp_async_wait<St::count - 2>();  // chunk c has landed (this thread's copies) ...
+    __syncthreads();                 // ... everyone's, and everyone is done with chunk c - 1
+    const int cn = c + St::count - 1;  // refill the stage of chunk c - 1
+    if (cn < n_chunks) {
+      load_chunk(cn, cn % St::count);
+      if constexpr (SCALED) load_scales(cn);
+    }
+    cp_async_commit();
+
+    const unsigned char* base = smem + (c % St::count) * St::bytes;
+    const bf16* sa = reinterpret_cast<const bf16*>(base);
+    uint32_t q[2][kTcK / 8];  // int4: this lane's packed words of output wn + 8j + g
+    if constexpr (INT4) {
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const uint4* p = reinterpret_cast<const uint4*>(base + St::a) + (wn + 8 * j + g) * (kQLd / 4);
+        const uint4 lo = p[0], hi = p[1];
+        q[j][0] = lo.x, q[j][1] = lo.y, q[j][2] = lo.z, q[j][3] = lo.w;
+        q[j][4] = hi.x, q[j][5] = hi.y, q[j][6] = hi.z, q[j][7] = hi.w;
+      }
+    }
+#pragma unroll
+    for (int s = 0; s < kSteps; ++s) {
+      const int k = c * kTcK + s * 16;
+      if (k >= I) break;
+      // B fragments of the warp's two 8-output slices: b[j][0] holds k 2t, 2t + 1 and b[j][1]
+      // k 2t + 8, 2t + 9 of output wn + 8j + g.
+      uint32_t b[2][2];
+      if constexpr (INT4) {
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          b[j][0] = int4x2_to_bf16x2(q[j][2 * s] >> (8 * t));      // word 2s: k 16s .. 16s + 7
+          b[j][1] = int4x2_to_bf16x2(q[j][2 * s + 1] >> (8 * t));  // word 2s + 1: k 16s + 8 ..
+        }
+      } else if constexpr (FP8) {
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          const uint16_t* p =
+              reinterpret_cast<const uint16_t*>(base + St::a + (wn + 8 * j + g) * kF8Ld + s * 16 + 2 * t);
+          b[j][0] = fp8x2_to_bf16x2(p[0]);  // bytes 16s + 2t, + 1
+          b[j][1] = fp8x2_to_bf16x2(p[4]);  // bytes 16s + 2t + 8, + 9
+        }
+      } else {
+        const bf16* sb = reinterpret_cast<const bf16*>(base + St::a);
+        ldmatrix_x4(b[0][0], b[0][1], b[1][0], b[1][1],
+                    sb + (wn + lane % 8 + 8 * (lane / 16)) * kTcLd + s * 16 + 8 * ((lane / 8) % 2));
+      }
+#pragma unroll
+      for (int f = 0; f < kFragRows; ++f) {
+        if (f >= n_frag) break;
+        uint32_t a[4];
+        ldmatrix_x4(a[0], a[1], a[2], a[3], sa + (f * 16 + lane % 16) * kTcLd + s * 16 + 8 * (lane / 16));
+#pragma unroll
+        for (int j = 0; j < 2; ++j) mma_bf16(SCALED ? part[f][j] : acc[f][j], a, b[j][0], b[j][1]);
+      }
+      if constexpr (SCALED) {
+        if (++gstep == g16 || k + 16 >= I) {  // the group ends: acc += scale[o] * part
+          gstep = 0;
+          const float* ss = reinterpret_cast<const float*>(base + St::a + St::b) + s * kTcCols;
+#pragma unroll
+          for (int j = 0; j < 2; ++j) {
+            const float2 w = *reinterpret_cast<const float2*>(ss + wn + 8 * j + 2 * t);  // outputs 2t, 2t + 1
+#pragma unroll
+            for (int f = 0; f < kFragRows; ++f) {
+              acc[f][j][0] = fmaf(w.x, part[f][j][0], acc[f][j][0]);
+              acc[f][j][1] = fmaf(w.y, part[f][j][1], acc[f][j][1]);
+              acc[f][j][2] = fmaf(w.x, part[f][j][2], acc[f][j][2]);
+              acc[f][j][3] = fmaf(w.y, part[f][j][3], acc[f][j][3]);
+              part[f][j][0] = part[f][j][1] = part[f][j][2] = part[f][j][3] = 0.f;
+            }
+          }
+        }
+      }
+    }
+    if constexpr (SCALED) {
+      if (cn < n_chunks) store_scales(cn % St::count);  // its stage is idle until chunk cn
+    }
+  }
+
+  // Accumulator fragment (f, j): rows f 16 + g (regs 0, 1) and + 8 (regs 2, 3), outputs
+  // wn + 8j + 2t, + 1.
+  const bool pairs = O % 2 == 0 && (reinterpret_cast<uintptr_t>(out) & 7) == 0;
+#pragma unroll
+  for (int f = 0; f < kFragRows; ++f) {
+    if (f >= n_frag) break;
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const int o = col0 + wn + 8 * j + 2 * t;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int r = f * 16 + g + 8 * h;
+        if (r >= rows || o >= O) continue;
+        float* dst = out + int64_t(r0 + r) * O + o;
+        if (pairs) {
+          *reinterpret_cast<float2*>(dst) = make_float2(acc[f][j][2 * h], acc[f][j][2 * h + 1]);
+        } else {
+          dst[0] = acc[f][j][2 * h];
+          if (o + 1 < O) dst[1] = acc[f][j][2 * h + 1];
+        }
+      }
+    }
+  }
+}
+
+// ---- CUDA-core grouped GEMM: int4 groups / fp8 K blocks the tensor-core kernel does not take ----
+
+// As tc_grouped_gemm_kernel, on fp32 FMA: 256 threads, kCoreCols outputs x kTileRows rows
+// (one output and 16 rows a thread), weights dequantized in fp32 (q * scale, e4m3 * block
+// scale, as the CPU's dequantize) into the shared tile.
+template <int WF, bool GATHER>
+__global__ void core_grouped_gemm_kernel(float* out, const bf16* in, int64_t ld_in, const int32_t* order, int K,
+                                         const int32_t* tiles, const int32_t* n_tiles, const int32_t* offsets,
+                                         ExpertMatrix m) {
   if (int(blockIdx.x) >= *n_tiles) return;
   const int e = tiles[2 * blockIdx.x], r0 = tiles[2 * blockIdx.x + 1];
   const int rend = min(r0 + kTileRows, offsets[e + 1]);
-  const int O = int(m.O), I = int(m.I), col0 = blockIdx.y * kTileCols;
-  __shared__ float A[kTileRows][kTileK + 1];
-  __shared__ float B[kTileCols][kTileK + 1];
+  const int O = int(m.O), I = int(m.I), col0 = blockIdx.y * kCoreCols;
+  __shared__ float A[kTileRows][kCoreK + 1];
+  __shared__ float B[kCoreCols][kCoreK + 1];
   __shared__ int64_t src[kTileRows];
-  const int tid = threadIdx.x, c = tid % kTileCols, rr = tid / kTileCols;  // 256 threads: 4 row groups
+  const int tid = threadIdx.x, c = tid % kCoreCols, rr = tid / kCoreCols;  // 256 threads: 4 row groups
   if (tid < kTileRows) {
     const int p = r0 + tid;
     src[tid] = p < rend ? (GATHER ? int64_t(order[p] / K) : int64_t(p)) : -1;
   }
   const int64_t words = (I + 7) / 8, groups = m.group > 0 ? (I + m.group - 1) / m.group : 0;
-  float acc[kTileRows / 4] = {0.f, 0.f, 0.f, 0.f};
+  const int bo = int(m.bo), bi = int(m.bi);
+  const int64_t fcols = WF == kWFp8 ? (I + bi - 1) / bi : 0, frow0 = WF == kWFp8 ? int64_t(e) * ((O + bo - 1) / bo) : 0;
+  float acc[kTileRows / 4];
+#pragma unroll
+  for (int j = 0; j < kTileRows / 4; ++j) acc[j] = 0.f;
   __syncthreads();
-  for (int k0 = 0; k0 < I; k0 += kTileK) {
-    for (int i = tid; i < kTileRows * kTileK; i += blockDim.x) {
-      const int r = i / kTileK, k = i % kTileK;
+  for (int k0 = 0; k0 < I; k0 += kCoreK) {
+    for (int i = tid; i < kTileRows * kCoreK; i += blockDim.x) {
+      const int r = i / kCoreK, k = i % kCoreK;
       A[r][k] = (src[r] >= 0 && k0 + k < I) ? __bfloat162float(in[src[r] * ld_in + k0 + k]) : 0.f;
     }
-    for (int i = tid; i < kTileCols * kTileK; i += blockDim.x) {
-      const int oc = i / kTileK, k = i % kTileK, o = col0 + oc, kk = k0 + k;
+    for (int i = tid; i < kCoreCols * kCoreK; i += blockDim.x) {
+      const int oc = i / kCoreK, k = i % kCoreK, o = col0 + oc, kk = k0 + k;
       float v = 0.f;
       if (o < O && kk < I) {
         const int64_t row = int64_t(e) * O + o;
-        if (INT4) {
+        if constexpr (WF == kWInt4) {
           const uint32_t w = uint32_t(m.packed[row * words + kk / 8]);
           const int q = int((w >> (4 * (kk % 8))) & 15u) - 8;
           v = float(q) * __bfloat162float(m.scale[row * groups + kk / m.group]);
+        } else if constexpr (WF == kWFp8) {
+          v = fp8_to_f32(m.fp8[row * I + kk]) * m.block_scale[(frow0 + o / bo) * fcols + kk / bi];
         } else {
           v = __bfloat162float(m.w[row * I + kk]);
         }
@@ -180,7 +524,7 @@ __global__ void grouped_gemm_kernel(float* out, const bf16* in, int64_t ld_in, c
     }
     __syncthreads();
 #pragma unroll 8
-    for (int k = 0; k < kTileK; ++k) {
+    for (int k = 0; k < kCoreK; ++k) {
       const float b = B[c][k];
 #pragma unroll
       for (int j = 0; j < kTileRows / 4; ++j) acc[j] += A[rr + 4 * j][k] * b;
@@ -212,19 +556,62 @@ __global__ void combine_kernel(float* out, const float* y, const float* w, const
   }
 }
 
+bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
+
+// rows[p] = in[order[p] / K], ids[p] = idx[order[p]] % per_rank.
+__global__ void gather_sorted_kernel(bf16* rows, int32_t* ids, const bf16* in, const int32_t* order, const int32_t* idx,
+                                     int K, int per_rank, int64_t H) {
+  const int p = blockIdx.x, slot = order[p];
+  const bf16* src = in + int64_t(slot / K) * H;
+  for (int64_t h = threadIdx.x; h < H; h += blockDim.x) rows[int64_t(p) * H + h] = src[h];
+  if (threadIdx.x == 0) ids[p] = idx[slot] % per_rank;
+}
+
+// out[i] = in[pos[i]] (rows of H fp32).
+__global__ void unsort_kernel(float* out, const float* in, const int32_t* pos, int64_t H) {
+  const int i = blockIdx.x;
+  const float* src = in + int64_t(pos[i]) * H;
+  for (int64_t h = threadIdx.x; h < H; h += blockDim.x) out[int64_t(i) * H + h] = src[h];
+}
+
 void grouped_gemm(float* out, const bf16* in, int64_t ld_in, bool gather, const MoeScratch& sc, int K, int64_t max_tiles,
                   const ExpertMatrix& m, cudaStream_t s) {
-  const dim3 grid(unsigned(max_tiles), unsigned((m.O + kTileCols - 1) / kTileCols));
-  const bool int4 = m.packed != nullptr;
+  const bool int4 = m.packed != nullptr, fp8 = m.fp8 != nullptr;
+  if (int(int4) + int(fp8) + int(m.w != nullptr) != 1)
+    fail_msg("moe: expert weights need exactly one of bf16, int4 and fp8 storage");
   if (int4 && (m.group <= 0 || !m.scale)) fail_msg("moe: int4 expert weights need a group size and scales");
-  if (!int4 && !m.w) fail_msg("moe: expert weights missing");
-  auto go = [&](auto kernel) {
-    kernel<<<grid, 256, 0, s>>>(out, in, ld_in, sc.order, K, sc.tiles, sc.n_tiles, sc.offsets, m);
-  };
-  if (int4)
-    gather ? go(grouped_gemm_kernel<true, true>) : go(grouped_gemm_kernel<true, false>);
-  else
-    gather ? go(grouped_gemm_kernel<false, true>) : go(grouped_gemm_kernel<false, false>);
+  if (fp8 && (m.bo <= 0 || m.bi <= 0 || !m.block_scale)) fail_msg("moe: fp8 expert weights need block sizes and scales");
+  if (int4 ? m.group % 16 == 0 : fp8 ? m.bi % 16 == 0 : true) {
+    const dim3 grid(unsigned(max_tiles), unsigned((m.O + kTcCols - 1) / kTcCols));
+    const bool vec_a = ld_in % 8 == 0 && m.I % 8 == 0 && aligned16(in);
+    const bool vec_b = int4  ? ((m.I + 7) / 8) % 4 == 0 && aligned16(m.packed)
+                       : fp8 ? m.I % 16 == 0 && aligned16(m.fp8)
+                             : m.I % 8 == 0 && aligned16(m.w);
+    auto go = [&](auto kernel, size_t smem) {
+      if (smem > 48 * 1024)
+        CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+      kernel<<<grid, kTcThreads, smem, s>>>(out, in, ld_in, sc.order, K, sc.tiles, sc.n_tiles, sc.offsets, m, vec_a,
+                                            vec_b);
+    };
+    if (int4)
+      gather ? go(tc_grouped_gemm_kernel<kWInt4, true>, TcStage<kWInt4>::smem)
+             : go(tc_grouped_gemm_kernel<kWInt4, false>, TcStage<kWInt4>::smem);
+    else if (fp8)
+      gather ? go(tc_grouped_gemm_kernel<kWFp8, true>, TcStage<kWFp8>::smem)
+             : go(tc_grouped_gemm_kernel<kWFp8, false>, TcStage<kWFp8>::smem);
+    else
+      gather ? go(tc_grouped_gemm_kernel<kWBf16, true>, TcStage<kWBf16>::smem)
+             : go(tc_grouped_gemm_kernel<kWBf16, false>, TcStage<kWBf16>::smem);
+  } else {
+    const dim3 grid(unsigned(max_tiles), unsigned((m.O + kCoreCols - 1) / kCoreCols));
+    auto go = [&](auto kernel) {
+      kernel<<<grid, 256, 0, s>>>(out, in, ld_in, sc.order, K, sc.tiles, sc.n_tiles, sc.offsets, m);
+    };
+    if (int4)
+      gather ? go(core_grouped_gemm_kernel<kWInt4, true>) : go(core_grouped_gemm_kernel<kWInt4, false>);
+    else
+      gather ? go(core_grouped_gemm_kernel<kWFp8, true>) : go(core_grouped_gemm_kernel<kWFp8, false>);
+  }
   CUDA_LAUNCH_CHECK();
 }
 
@@ -274,6 +661,51 @@ void moe_forward(float* out, const bf16* xn, const float* router_logits, const f
   CUDA_LAUNCH_CHECK();
   grouped_gemm(sc.y, sc.act, Im, false, sc, K, T, ex.down, s);
   combine_kernel<<<unsigned(N), 256, 0, s>>>(out, sc.y, sc.weights, sc.pos, K, H);
+  CUDA_LAUNCH_CHECK();
+}
+
+void moe_route_sort(const float* router_logits, const float* bias, int64_t N, const MoeRouting& r,
+                    const MoeScratch& sc, cudaStream_t s) {
+  if (N == 0) return;
+  if (N > sc.capacity) fail_msg("moe: " + std::to_string(N) + " tokens, scratch for " + std::to_string(sc.capacity));
+  moe_route(sc.idx, sc.weights, router_logits, bias, N, r, s);
+  sort_kernel<<<1, 1024, 0, s>>>(sc.order, sc.pos, sc.offsets, sc.tiles, sc.n_tiles, sc.idx, int(N * r.top_k),
+                                 r.n_experts);
+  CUDA_LAUNCH_CHECK();
+}
+
+void moe_gather_sorted(bf16* rows, int32_t* ids, const bf16* xn, int64_t H, int K, int64_t NK, int per_rank,
+                       const MoeScratch& sc, cudaStream_t s) {
+  if (NK == 0) return;
+  gather_sorted_kernel<<<unsigned(NK), 256, 0, s>>>(rows, ids, xn, sc.order, sc.idx, K, per_rank, H);
+  CUDA_LAUNCH_CHECK();
+}
+
+void moe_experts_forward(float* y, const bf16* rows, const int32_t* ids, int64_t R, int64_t H, int E_local,
+                         const MoeExperts& ex, const MoeScratch& sc, cudaStream_t s) {
+  if (R == 0) return;
+  if (R > sc.capacity) fail_msg("moe: " + std::to_string(R) + " rows, scratch for " + std::to_string(sc.capacity));
+  if (E_local < 1 || E_local > kMaxExperts) fail_msg("moe: " + std::to_string(E_local) + " local experts");
+  const int64_t Im = ex.gate.O;
+  if (ex.gate.I != H || ex.up.O != Im || ex.up.I != H || ex.down.O != H || ex.down.I != Im)
+    fail_msg("moe: expert matrix shapes disagree with H " + std::to_string(H));
+  // Top-1 "routing" given by ids: group the rows by local expert, then moe_forward's GEMMs.
+  sort_kernel<<<1, 1024, 0, s>>>(sc.order, sc.pos, sc.offsets, sc.tiles, sc.n_tiles, ids, int(R), E_local);
+  CUDA_LAUNCH_CHECK();
+  const int64_t T = max_tiles(R, E_local);
+  grouped_gemm(sc.g, rows, H, true, sc, 1, T, ex.gate, s);
+  grouped_gemm(sc.u, rows, H, true, sc, 1, T, ex.up, s);
+  swiglu_f32_kernel<<<unsigned(std::min<int64_t>((R * Im + 255) / 256, 65535)), 256, 0, s>>>(sc.act, sc.g, sc.u,
+                                                                                               R * Im);
+  CUDA_LAUNCH_CHECK();
+  grouped_gemm(sc.y, sc.act, Im, false, sc, 1, T, ex.down, s);
+  unsort_kernel<<<unsigned(R), 256, 0, s>>>(y, sc.y, sc.pos, H);
+  CUDA_LAUNCH_CHECK();
+}
+
+void moe_combine(float* out, const float* y, int64_t N, int64_t H, int K, const MoeScratch& sc, cudaStream_t s) {
+  if (N == 0) return;
+  combine_kernel<<<unsigned(N), 256, 0, s>>>(out, y, sc.weights, sc.pos, K, H);
   CUDA_LAUNCH_CHECK();
 }
 

@@ -1,13 +1,16 @@
 // Mixture-of-experts on one GPU, for the DeepSeek-V3 / Kimi-K2 family (model/deepseek.h):
 // routing on the device, tokens grouped by expert, and the experts' SwiGLU MLPs as grouped
 // GEMMs (one launch per matrix for all experts of a layer, not one per expert), with int4
-// group-quantized weights dequantized inside the GEMM's tile loads (never the whole matrix).
+// group-quantized and FP8 block-quantized weights dequantized inside the GEMM (never the
+// whole matrix).
 // The CPU twin is cpu::moe_router_forward plus CpuDeepseekModel's per-expert MLP; the
 // contract is the same: out[n] = sum over the token's experts e, in expert-id order, of
 // w[n, e] * expert_e(xn[n]) (shared experts are a dense MLP added by the caller).
 //
-// Status: arithmetic on CUDA cores (fp32 FMA on bf16 / int4 operands, tiles of 16 routed
-// rows x 64 outputs); the tensor-core version and expert parallelism across GPUs are next.
+// Status: the GEMMs run on tensor cores (mma.sync bf16 -> fp32, tiles of 64 routed rows x
+// 128 outputs; int4 as exact integers and FP8 as exact bf16, with the group / block scales
+// applied in fp32, see moe.cu);
+// expert parallelism across GPUs is next.
 #pragma once
 #include <cstdint>
 
@@ -25,13 +28,22 @@ struct MoeRouting {
 };
 
 // The stacked weights of one matrix kind (gate, up or down) for all E experts, logical shape
-// [E, O, I]: bf16 `w` [E, O, I], or int4 `packed` int32 [E, O, ceil(I/8)] (element 8j+k of a
-// row in bits 4k..4k+3, stored as q + 8) with bf16 `scale` [E, O, ceil(I/group)].
+// [E, O, I], in one of three forms (exactly one of w, packed, fp8 is set):
+//  * bf16 `w` [E, O, I];
+//  * int4 `packed` int32 [E, O, ceil(I/8)] (element 8j+k of a row in bits 4k..4k+3, stored as
+//    q + 8) with bf16 `scale` [E, O, ceil(I/group)]: w = q * scale[e, o, i / group];
+//  * FP8 block (DeepSeek-V3): `fp8` e4m3 bytes [E, O, I] as stored in the checkpoint, with fp32
+//    `block_scale` [E, ceil(O/bo), ceil(I/bi)] (the checkpoint's weight_scale_inv) for blocks of
+//    bo rows x bi columns: w = e4m3(fp8[e, o, i]) * block_scale[e, o / bo, i / bi].
+// int4 and FP8 are dequantized inside the GEMM (never the whole matrix).
 struct ExpertMatrix {
   const bf16* w = nullptr;
   const int32_t* packed = nullptr;
   const bf16* scale = nullptr;
   int64_t O = 0, I = 0, group = 0;
+  const uint8_t* fp8 = nullptr;
+  const float* block_scale = nullptr;
+  int64_t bo = 0, bi = 0;  // FP8 block rows, block columns
 };
 
 struct MoeExperts {
@@ -60,5 +72,27 @@ void moe_route(int32_t* idx, float* weights, const float* logits, const float* b
 // [N, E] (fp32). Overwrites out.
 void moe_forward(float* out, const bf16* xn, const float* router_logits, const float* bias, int64_t N, int64_t H,
                  const MoeRouting& r, const MoeExperts& ex, const MoeScratch& sc, cudaStream_t s);
+
+// ---- Expert parallelism: one rank's pieces of moe_forward (cuda_deepseek.cpp moves the rows
+// between ranks). Routing is global; experts are split in equal contiguous windows, rank d
+// owning ids [d * per_rank, (d + 1) * per_rank), so after sorting slots by expert id the
+// rows bound for each rank are one contiguous run of sorted positions.
+
+// moe_forward's first half: sc.idx, sc.weights, and the slots sorted by expert (sc.order,
+// sc.pos, sc.offsets [E + 1]).
+void moe_route_sort(const float* router_logits, const float* bias, int64_t N, const MoeRouting& r,
+                    const MoeScratch& sc, cudaStream_t s);
+// For sorted positions p < NK: rows[p] = xn[order[p] / K] (bf16 [NK, H]) and ids[p] = the
+// expert id of the slot minus the first id of its owner's window.
+void moe_gather_sorted(bf16* rows, int32_t* ids, const bf16* xn, int64_t H, int K, int64_t NK, int per_rank,
+                       const MoeScratch& sc, cudaStream_t s);
+// y[R, H] (fp32, row order) = the SwiGLU MLP of expert ids[i] (local ids in [0, E_local))
+// applied to rows[i]. `sc` is scratch for R rows of a top-1 routing over E_local experts
+// (moe_scratch_elems(R, {E_local, 1}, ...)); ex holds the E_local experts.
+void moe_experts_forward(float* y, const bf16* rows, const int32_t* ids, int64_t R, int64_t H, int E_local,
+                         const MoeExperts& ex, const MoeScratch& sc, cudaStream_t s);
+// moe_forward's last step: out[n] = sum over slots t of weights[n, t] * y[pos[n K + t]], y in
+// sorted order [NK, H] fp32.
+void moe_combine(float* out, const float* y, int64_t N, int64_t H, int K, const MoeScratch& sc, cudaStream_t s);
 
 }  // namespace talon::cuda

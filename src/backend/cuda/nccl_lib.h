@@ -22,6 +22,10 @@ struct Nccl {
   decltype(&ncclCommDestroy) comm_destroy = nullptr;
   decltype(&ncclCommAbort) comm_abort = nullptr;
   decltype(&ncclGetErrorString) error_string = nullptr;
+  decltype(&ncclGroupStart) group_start = nullptr;
+  decltype(&ncclGroupEnd) group_end = nullptr;
+  decltype(&ncclSend) send = nullptr;
+  decltype(&ncclRecv) recv = nullptr;
 
   static const Nccl& get() {
     static const Nccl n = [] {
@@ -43,6 +47,10 @@ struct Nccl {
       x.comm_destroy = reinterpret_cast<decltype(x.comm_destroy)>(sym("ncclCommDestroy"));
       x.comm_abort = reinterpret_cast<decltype(x.comm_abort)>(sym("ncclCommAbort"));
       x.error_string = reinterpret_cast<decltype(x.error_string)>(sym("ncclGetErrorString"));
+      x.group_start = reinterpret_cast<decltype(x.group_start)>(sym("ncclGroupStart"));
+      x.group_end = reinterpret_cast<decltype(x.group_end)>(sym("ncclGroupEnd"));
+      x.send = reinterpret_cast<decltype(x.send)>(sym("ncclSend"));
+      x.recv = reinterpret_cast<decltype(x.recv)>(sym("ncclRecv"));
       return x;
     }();
     return n;

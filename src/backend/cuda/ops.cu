@@ -257,12 +257,12 @@ struct Gemm::Impl {
     cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
     cublasLtMatmulAlgo_t algo{};
   };
-  std::map<std::tuple<int64_t, int64_t, int64_t>, Plan> plans;
+  std::map<std::tuple<int64_t, int64_t, int64_t, bool>, Plan> plans;
 
   // Row-major out[N,O] = in[N,K] @ w[O,K]^T is column-major D[O,N] = op(A)[O,K] B[K,N]
   // with A = w stored [K,O] (ld K) transposed, B = in stored [K,N] (ld K).
-  Plan& plan(int64_t N, int64_t K, int64_t O) {
-    auto key = std::make_tuple(N, K, O);
+  Plan& plan(int64_t N, int64_t K, int64_t O, bool f32_out) {
+    auto key = std::make_tuple(N, K, O, f32_out);
     auto it = plans.find(key);
     if (it != plans.end()) return it->second;
     Plan p;
@@ -272,7 +272,7 @@ struct Gemm::Impl {
     CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb));
     CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.a, CUDA_R_16BF, uint64_t(K), uint64_t(O), K));
     CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.b, CUDA_R_16BF, uint64_t(K), uint64_t(N), K));
-    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.c, CUDA_R_16BF, uint64_t(O), uint64_t(N), O));
+    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.c, f32_out ? CUDA_R_32F : CUDA_R_16BF, uint64_t(O), uint64_t(N), O));
     cublasLtMatmulPreference_t pref;
     CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
     CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws_size,
@@ -307,7 +307,16 @@ Gemm::~Gemm() {
 
 void Gemm::forward(bf16* out, const bf16* in, const bf16* w, int64_t N, int64_t K, int64_t O, cudaStream_t s) {
   if (N == 0) return;
-  auto& p = impl_->plan(N, K, O);
+  auto& p = impl_->plan(N, K, O, false);
+  const float alpha = 1.f, beta = 0.f;
+  CUBLAS_CHECK(cublasLtMatmul(impl_->lt, p.op, &alpha, w, p.a, in, p.b, &beta, out, p.c, out, p.c, &p.algo,
+                              impl_->workspace, impl_->ws_size, s));
+  if (debug_sync()) CUDA_CHECK(cudaStreamSynchronize(s));
+}
+
+void Gemm::forward(float* out, const bf16* in, const bf16* w, int64_t N, int64_t K, int64_t O, cudaStream_t s) {
+  if (N == 0) return;
+  auto& p = impl_->plan(N, K, O, true);
   const float alpha = 1.f, beta = 0.f;
   CUBLAS_CHECK(cublasLtMatmul(impl_->lt, p.op, &alpha, w, p.a, in, p.b, &beta, out, p.c, out, p.c, &p.algo,
                               impl_->workspace, impl_->ws_size, s));

@@ -46,13 +46,16 @@ void swiglu_forward(bf16* out, const bf16* gu, int64_t N, int64_t I, cudaStream_
 void attention_forward(bf16* out, const bf16* qkv, int64_t ld, const int64_t* seq_start, const int32_t* row_seq,
                        int64_t N, int64_t nh, int64_t nkv, int64_t hd, int64_t window, cudaStream_t s);
 
-// The same on tensor cores (src/backend/cuda/attention.cu) for head_dim 64 and 128:
+// The same on tensor cores (src/backend/cuda/attention.cu) for head_dim 64, 128 and 192:
 // 64-row query tiles listed by attention_tiles() as (sequence, first row) pairs.
 bool flash_attention_supported(int64_t hd);
 std::vector<int32_t> attention_tiles(const int64_t* host_seq_start, int64_t n_seqs);
 int64_t attention_max_tiles(int64_t n_tokens, int64_t n_seqs);
 void flash_attention_forward(bf16* out, const bf16* qkv, int64_t ld, const int64_t* seq_start, const int32_t* tiles,
                              int64_t n_tiles, int64_t nh, int64_t nkv, int64_t hd, int64_t window, cudaStream_t s);
+
+// dst[i] += src[i] for n values, bf16 (added in fp32, rounded once) or fp32.
+void accumulate(void* dst, const void* src, int64_t n, bool bf16, cudaStream_t s);
 
 // fp32 -> bf16 and bf16 -> fp32 conversions.
 void f32_to_bf16(bf16* out, const float* in, int64_t n, cudaStream_t s);
@@ -64,6 +67,8 @@ class Gemm {
   Gemm();
   ~Gemm();
   void forward(bf16* out, const bf16* in, const bf16* w, int64_t N, int64_t K, int64_t O, cudaStream_t s);
+  // The same with an fp32 output (no bf16 rounding of the result).
+  void forward(float* out, const bf16* in, const bf16* w, int64_t N, int64_t K, int64_t O, cudaStream_t s);
 
  private:
   struct Impl;

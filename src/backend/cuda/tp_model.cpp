@@ -1,50 +1,51 @@
-// Entry point of the CUDA backend: a single-GPU model, or a tensor-parallel group of
-// rank models in one process, each driven by its own thread, joined by NCCL.
+// Entry point of the CUDA backend: a single-GPU model, or a tensor- / expert-parallel group
+// of rank models in one process, each driven by its own thread, joined by collective.h.
 //
 // NCCL is loaded at run time (dlopen of libnccl.so.2), so a build made where only the
-// headers exist still runs on machines without NCCL; only --tp > 1 needs it.
-#include <atomic>
+// headers exist still runs on machines without NCCL; only groups of distinct GPUs need it.
 #include <condition_variable>
+#include <functional>
 #include <mutex>
 #include <thread>
 
 #include "backend/cuda/check.h"
+#include "backend/cuda/collective.h"
 #include "backend/cuda/cuda_model.h"
 #include "util/error.h"
-#include "backend/cuda/nccl_lib.h"
 #include "util/log.h"
 
 namespace talon {
 
 namespace {
 
-#if TALON_HAVE_NCCL_H
-// Tensor-parallel group: rank r runs on devices[r] in worker thread r.
-class TpModel final : public Model {
+// A group of rank models in one process, rank r on devices[r] driven by worker thread r,
+// joined by a Collectives (NCCL, or device copies when ranks share a GPU).
+//  * Replicated: every rank runs the whole batch (tensor parallel); rank 0 holds the full
+//    residual stream after each all-reduce, so it alone captures and writes logits.
+//  * BySequence: the batch's sequences are split into n contiguous runs of about equal token
+//    counts, one per rank (expert parallel: data-parallel attention); each rank captures its
+//    own rows straight into the caller's buffers (destinations remapped per sequence) and
+//    writes its rows of the logits. A rank may get no sequence; it still takes part.
+class GroupModel final : public Model {
  public:
-  TpModel(const Checkpoint& ckpt, const GpuOptions& go) : cfg_(ckpt.config()), devices_(go.devices) {
-    const Nccl& nc = Nccl::get();
-    const int n = go.tp;
-    comms_.resize(size_t(n));
-    nc.check(nc.comm_init_all(comms_.data(), n, devices_.data()), "ncclCommInitAll");
+  enum class Split { Replicated, BySequence };
+  using MakeRank = std::function<std::unique_ptr<Model>(int rank, cuda::Collectives* comm)>;
+
+  GroupModel(const ModelConfig& cfg, std::vector<int> devices, std::string kind, Split split, bool shared,
+             const MakeRank& make)
+      : cfg_(cfg), devices_(std::move(devices)), kind_(std::move(kind)), split_(split) {
+    const int n = int(devices_.size());
+    comm_ = shared ? cuda::make_shared_collectives(n) : cuda::make_nccl_collectives(devices_);
     ranks_.resize(size_t(n));
     // Load every rank in parallel, each from its own thread (the rank's thread-to-be).
     std::vector<std::exception_ptr> errs(static_cast<size_t>(n));
     std::vector<std::thread> loaders;
     for (int r = 0; r < n; ++r)
       loaders.emplace_back([&, r] {
-        set_thread_log_tag(fmt::format("gpu {}", devices_[size_t(r)]));
+        set_thread_log_tag(tag(r));
         try {
-          cuda::RankOptions ro;
-          ro.device = devices_[size_t(r)];
-          ro.rank = r;
-          ro.size = n;
-          ncclComm_t comm = comms_[size_t(r)];
-          ro.allreduce = [comm, this](cuda::bf16* p, int64_t count, cudaStream_t s) {
-            const Nccl& x = Nccl::get();
-            x.check(x.all_reduce(p, p, size_t(count), ncclBfloat16, ncclSum, comm, s), "all-reduce");
-          };
-          ranks_[size_t(r)] = cuda::make_rank_model(ckpt, ro, go);
+          CUDA_CHECK(cudaSetDevice(devices_[size_t(r)]));
+          ranks_[size_t(r)] = make(r, comm_.get());
         } catch (...) {
           errs[size_t(r)] = std::current_exception();
         }
@@ -52,35 +53,66 @@ class TpModel final : public Model {
     for (auto& t : loaders) t.join();
     for (auto& e : errs)
       if (e) {
-        destroy();
+        ranks_.clear();
+        comm_.reset();
         std::rethrow_exception(e);
       }
     for (int r = 0; r < n; ++r) workers_.emplace_back([this, r] { worker(r); });
   }
 
-  ~TpModel() override {
+  ~GroupModel() override {
     {
       std::lock_guard lk(mu_);
       quit_ = true;
     }
     cv_.notify_all();
     for (auto& t : workers_) t.join();
-    destroy();
+    ranks_.clear();
+    comm_.reset();
   }
 
   const ModelConfig& config() const override { return cfg_; }
   std::string backend() const override {
-    std::string s = "cuda:";
-    for (size_t i = 0; i < devices_.size(); ++i) s += (i ? "," : "") + std::to_string(devices_[i]);
-    return s + " (tp " + std::to_string(devices_.size()) + ")";
+    return fmt::format("cuda:{} ({} {})", fmt::join(devices_, ","), kind_, devices_.size());
   }
   std::shared_ptr<uint8_t> host_buffer(size_t bytes) override { return ranks_[0]->host_buffer(bytes); }
 
   void forward(const Batch& b, const Capture& cap, float* logits) override {
+    cap.validate(cfg_.n_layers, b);
+    const int n = int(ranks_.size());
+    std::vector<Job> jobs(static_cast<size_t>(n));
+    static const Capture none;
+    if (split_ == Split::Replicated) {
+      for (int r = 0; r < n; ++r) jobs[size_t(r)] = {&b, r == 0 ? &cap : &none, r == 0 ? logits : nullptr};
+    } else {
+      parts_.assign(size_t(n), Batch{});
+      caps_.assign(size_t(n), Capture{});
+      const int64_t N = b.n_tokens(), S = b.n_seqs();
+      int64_t s0 = 0;
+      for (int r = 0; r < n; ++r) {
+        int64_t s1 = S;
+        if (r + 1 < n) {  // first sequence starting at or after the r+1-th share of the tokens
+          s1 = s0;
+          while (s1 < S && b.seq_start[size_t(s1)] * n < N * (r + 1)) ++s1;
+        }
+        Batch& p = parts_[size_t(r)];
+        Capture& c = caps_[size_t(r)];
+        c.layers = cap.layers, c.out = cap.out, c.dtype = cap.dtype, c.ld = cap.ld;
+        for (int64_t q = s0; q < s1; ++q) {
+          const int64_t a = b.seq_start[size_t(q)], e = b.seq_start[size_t(q + 1)];
+          p.add(b.tokens.data() + a, e - a);
+          c.seq_dst.push_back(cap.dst_row(b, q, a));
+        }
+        if (p.seq_start.empty()) p.seq_start.push_back(0);
+        float* lg = logits ? logits + b.seq_start[size_t(s0)] * cfg_.vocab : nullptr;
+        jobs[size_t(r)] = {&p, &c, lg};
+        s0 = s1;
+      }
+    }
     std::unique_lock lk(mu_);
-    job_ = {&b, &cap, logits};
-    pending_ = int(ranks_.size());
-    errors_.assign(ranks_.size(), nullptr);
+    jobs_ = std::move(jobs);
+    pending_ = n;
+    errors_.assign(size_t(n), nullptr);
     ++generation_;
     cv_.notify_all();
     done_cv_.wait(lk, [&] { return pending_ == 0; });
@@ -95,10 +127,11 @@ class TpModel final : public Model {
     float* logits;
   };
 
+  std::string tag(int r) const { return fmt::format("gpu {} rank {}", devices_[size_t(r)], r); }
+
   void worker(int r) {
-    set_thread_log_tag(fmt::format("gpu {}", devices_[size_t(r)]));
+    set_thread_log_tag(tag(r));
     uint64_t seen = 0;
-    static const Capture none;
     for (;;) {
       Job j;
       {
@@ -106,18 +139,14 @@ class TpModel final : public Model {
         cv_.wait(lk, [&] { return quit_ || generation_ != seen; });
         if (quit_) return;
         seen = generation_;
-        j = job_;
+        j = jobs_[size_t(r)];
       }
       std::exception_ptr err;
       try {
-        // Rank 0 holds the full residual stream after each all-reduce: it captures.
-        ranks_[size_t(r)]->forward(*j.b, r == 0 ? *j.cap : none, r == 0 ? j.logits : nullptr);
+        ranks_[size_t(r)]->forward(*j.b, *j.cap, j.logits);
       } catch (...) {
         err = std::current_exception();
-        // Unblock the other ranks waiting in a collective.
-        const Nccl& nc = Nccl::get();
-        for (auto c : comms_) nc.comm_abort(c);
-        aborted_ = true;
+        comm_->abort();  // the other ranks leave their collectives instead of waiting for this one
       }
       std::lock_guard lk(mu_);
       errors_[size_t(r)] = err;
@@ -125,31 +154,32 @@ class TpModel final : public Model {
     }
   }
 
-  void destroy() {
-    ranks_.clear();
-    if (!aborted_) {
-      const Nccl& nc = Nccl::get();
-      for (auto c : comms_)
-        if (c) nc.comm_destroy(c);
-    }
-    comms_.clear();
-  }
-
   ModelConfig cfg_;
   std::vector<int> devices_;
-  std::vector<ncclComm_t> comms_;
+  std::string kind_;
+  Split split_;
+  std::unique_ptr<cuda::Collectives> comm_;
   std::vector<std::unique_ptr<Model>> ranks_;
   std::vector<std::thread> workers_;
   std::mutex mu_;
   std::condition_variable cv_, done_cv_;
-  Job job_{};
+  std::vector<Job> jobs_;
+  std::vector<Batch> parts_;
+  std::vector<Capture> caps_;
   uint64_t generation_ = 0;
   int pending_ = 0;
   bool quit_ = false;
-  std::atomic<bool> aborted_{false};
   std::vector<std::exception_ptr> errors_;
 };
-#endif
+
+// Devices of a group: in range, and distinct unless ranks may share a GPU.
+void check_devices(const GpuOptions& go, int n_present) {
+  for (int d : go.devices) TALON_CHECK(d >= 0 && d < n_present, "cuda:{}: only {} CUDA device(s) present", d, n_present);
+  if (go.share_devices) return;
+  for (size_t i = 0; i < go.devices.size(); ++i)
+    for (size_t j = 0; j < i; ++j)
+      TALON_CHECK(go.devices[i] != go.devices[j], "cuda:{} is listed twice", go.devices[i]);
+}
 
 }  // namespace
 
@@ -158,21 +188,25 @@ std::unique_ptr<Model> make_cuda_model(const Checkpoint& ckpt, const GpuOptions&
   cudaError_t e = cudaGetDeviceCount(&n);
   if (e != cudaSuccess || n == 0)
     fail("--device cuda: no CUDA device available ({})", e != cudaSuccess ? cudaGetErrorString(e) : "0 devices");
-  if (is_deepseek(ckpt.config().arch)) {
-    // MLA + MoE on one GPU; tensor and expert parallelism for this family are not built yet.
-    TALON_CHECK(go.tp == 1 && go.devices.size() == 1,
-                "{}: {} models run on one GPU for now (--tp 1); tensor/expert parallelism is not built yet",
-                ckpt.source(), arch_name(ckpt.config().arch));
-    TALON_CHECK(go.devices[0] >= 0 && go.devices[0] < n, "cuda:{}: only {} CUDA device(s) present", go.devices[0], n);
-    return make_cuda_deepseek_model(ckpt, go.devices[0]);
-  }
   const ModelConfig& c = ckpt.config();
-  TALON_CHECK(go.tp >= 1, "--tp must be >= 1, got {}", go.tp);
-  TALON_CHECK(int(go.devices.size()) == go.tp, "--tp {} needs {} devices, got {}", go.tp, go.tp, go.devices.size());
-  for (int d : go.devices) TALON_CHECK(d >= 0 && d < n, "cuda:{}: only {} CUDA device(s) present", d, n);
-  for (size_t i = 0; i < go.devices.size(); ++i)
-    for (size_t j = 0; j < i; ++j)
-      TALON_CHECK(go.devices[i] != go.devices[j], "cuda:{} is listed twice", go.devices[i]);
+  TALON_CHECK(go.tp >= 1 && go.ep >= 1, "--tp and --ep must be >= 1, got {} and {}", go.tp, go.ep);
+  TALON_CHECK(go.tp == 1 || go.ep == 1, "--tp {} with --ep {}: use one of them per model replica", go.tp, go.ep);
+  const int size = go.tp * go.ep;
+  TALON_CHECK(int(go.devices.size()) == size, "--{} {} needs {} devices, got {}", go.ep > 1 ? "ep" : "tp", size, size,
+              go.devices.size());
+  check_devices(go, n);
+  if (is_deepseek(c.arch)) {
+    if (size == 1) return make_cuda_deepseek_model(ckpt, go.devices[0]);
+    using P = cuda::DeepseekParallel;
+    const P::Mode mode = go.ep > 1 ? P::Mode::Expert : P::Mode::Tensor;
+    return std::make_unique<GroupModel>(
+        c, go.devices, go.ep > 1 ? "ep" : "tp", go.ep > 1 ? GroupModel::Split::BySequence : GroupModel::Split::Replicated,
+        go.share_devices, [&](int r, cuda::Collectives* comm) {
+          return cuda::make_deepseek_rank_model(ckpt, go.devices[size_t(r)], P{mode, r, size, comm});
+        });
+  }
+  TALON_CHECK(go.ep == 1, "--ep {}: expert parallelism is for mixture-of-experts models; {} is dense", go.ep,
+              arch_name(c.arch));
   if (go.tp > 1) {
     TALON_CHECK(c.n_heads % go.tp == 0 && c.n_kv_heads % go.tp == 0 && c.intermediate % go.tp == 0,
                 "--tp {}: the model's {} attention heads, {} kv heads and intermediate size {} must all divide by it",
@@ -184,11 +218,17 @@ std::unique_ptr<Model> make_cuda_model(const Checkpoint& ckpt, const GpuOptions&
     ro.device = go.devices[0];
     return cuda::make_rank_model(ckpt, ro, go);
   }
-#if TALON_HAVE_NCCL_H
-  return std::make_unique<TpModel>(ckpt, go);
-#else
-  fail("--tp {}: this build has no NCCL headers; rebuild with NCCL installed", go.tp);
-#endif
+  return std::make_unique<GroupModel>(
+      c, go.devices, "tp", GroupModel::Split::Replicated, go.share_devices, [&](int r, cuda::Collectives* comm) {
+        cuda::RankOptions ro;
+        ro.device = go.devices[size_t(r)];
+        ro.rank = r;
+        ro.size = go.tp;
+        ro.allreduce = [comm, r](cuda::bf16* p, int64_t count, cudaStream_t s) {
+          comm->all_reduce(r, p, count, DType::BF16, s);
+        };
+        return cuda::make_rank_model(ckpt, ro, go);
+      });
 }
 
 std::unique_ptr<Model> make_cuda_model(const Checkpoint& ckpt, int device) {

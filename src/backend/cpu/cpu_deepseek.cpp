@@ -177,7 +177,7 @@ class CpuDeepseekModel final : public Model {
     dequantize(kv_b, wkv.data());
     // q_lat[n, h, :] = W_UK[h]^T q_nope[n, h]
     std::vector<float> q_lat(size_t(N * nh * kvr), 0.f);
-#pragma omp parallel for collapse(2) schedule(static)
+#pragma omp parallel for collapse(2) schedule(static) if (N * nh * nope * kvr >= cpu::kParallelMinWork)
     for (int64_t n = 0; n < N; ++n)
       for (int64_t h = 0; h < nh; ++h) {
         float* ql = q_lat.data() + (n * nh + h) * kvr;
@@ -239,7 +239,7 @@ class CpuDeepseekModel final : public Model {
     if (direct) return cpu::matmul_forward(out, in, w.w.data, w.w.dtype, nullptr, N, w.cols, w.rows);
     scratch_.resize(size_t(w.rows * w.cols));
     const int64_t chunk = 16;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (w.rows * w.cols >= cpu::kParallelMinWork)
     for (int64_t r0 = 0; r0 < w.rows; r0 += chunk)
       dequantize_rows(w, r0, std::min(w.rows, r0 + chunk), scratch_.data() + r0 * w.cols);
     cpu::matmul_forward(out, in, scratch_.data(), DType::F32, nullptr, N, w.cols, w.rows);
@@ -290,7 +290,7 @@ class CpuDeepseekModel final : public Model {
     }
     // As transformers: routed contributions (w * expert output, in fp32) accumulated from
     // zero in expert-id order, then the shared experts' output added.
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (N * H * K >= cpu::kParallelMinWork)
     for (int64_t n = 0; n < N; ++n) {
       float* o = out + n * H;
       std::fill(o, o + H, 0.0f);

@@ -241,7 +241,9 @@ class CpuDecoder final : public Decoder {
         std::copy_n(k + r * kvd, kvd, s.k[size_t(l)].data() + dstrow * kvd);
         std::copy_n(v + r * kvd, kvd, s.v[size_t(l)].data() + dstrow * kvd);
       }
-#pragma omp parallel
+      int64_t pairs = 0;  // query-key pairs, at most
+      for (int64_t r = 0; r < N; ++r) pairs += slots_[size_t(rows[size_t(r)].slot)].len + rows[size_t(r)].index + 1;
+#pragma omp parallel if (pairs * nh * hd >= cpu::kParallelMinWork)
       {
         std::vector<int64_t> keys;  // cache rows this query attends to, ascending
         std::vector<float> p;

@@ -83,7 +83,7 @@ void matmul_forward(float* out, const float* in, const void* w, DType w_dtype, c
   const bool widen = w_dtype != DType::F32;
   for (int64_t t0 = 0; t0 < N; t0 += kTokBlock) {
     const int64_t t1 = std::min(N, t0 + kTokBlock);
-#pragma omp parallel
+#pragma omp parallel if ((t1 - t0) * K * O >= kParallelMinWork)
     {
       std::vector<float> scratch(widen ? size_t(kOutChunk * K) : 0);
 #pragma omp for schedule(static)
@@ -111,7 +111,7 @@ void matmul_forward(float* out, const float* in, const void* w, DType w_dtype, c
 }
 
 void rmsnorm_forward(float* out, const float* in, const float* weight, int64_t N, int64_t C, float eps) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (N * C >= kParallelMinWork)
   for (int64_t n = 0; n < N; ++n) {
     const float* x = in + n * C;
     float* y = out + n * C;
@@ -134,7 +134,7 @@ void embedding_forward(float* out, const int32_t* ids, const void* table, DType 
 
 void rope_forward(float* x, const int32_t* pos, const float* inv_freq, int64_t N, int64_t n_heads, int64_t head_dim) {
   const int64_t half = head_dim / 2;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (N * head_dim * n_heads >= kParallelMinWork)
   for (int64_t n = 0; n < N; ++n) {
     for (int64_t i = 0; i < half; ++i) {
       // As transformers: the angle is an fp32 product, its cos/sin rounded to fp32.
@@ -187,7 +187,9 @@ void attention_forward(float* out, const float* q, const float* k, const float* 
   std::vector<int64_t> seq_of(static_cast<size_t>(N));
   for (int64_t s = 0; s < n_seqs; ++s)
     for (int64_t r = seq_start[s]; r < seq_start[s + 1]; ++r) seq_of[size_t(r)] = s;
-#pragma omp parallel
+  // About N * (N / n_seqs) / 2 query-key pairs per head.
+  const bool par = N * std::max<int64_t>(1, N / std::max<int64_t>(1, n_seqs)) * nh >= kParallelMinWork / 16;
+#pragma omp parallel if (par)
   {
     std::vector<float> p;
     std::vector<double> acc(static_cast<size_t>(hd));
@@ -207,7 +209,7 @@ void attention_forward(float* out, const float* q, const float* k, const float* 
 void rope_strided_forward(float* x, const int32_t* pos, const float* inv_freq, int64_t N, int64_t n_heads,
                           int64_t row_stride, int64_t head_stride, int64_t dim, bool interleaved, float attn_factor) {
   const int64_t half = dim / 2;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (N * n_heads * dim >= kParallelMinWork)
   for (int64_t n = 0; n < N; ++n) {
     for (int64_t i = 0; i < half; ++i) {
       // As transformers: fp32 angle, fp32 cos/sin, then scaled by the attention factor.
@@ -230,7 +232,9 @@ void attention_mha_forward(float* out, const float* q, const float* k, const flo
   std::vector<int64_t> seq_of(static_cast<size_t>(N));
   for (int64_t s = 0; s < n_seqs; ++s)
     for (int64_t r = seq_start[s]; r < seq_start[s + 1]; ++r) seq_of[size_t(r)] = s;
-#pragma omp parallel
+  // About N * (N / n_seqs) / 2 query-key pairs per head.
+  const bool par = N * std::max<int64_t>(1, N / std::max<int64_t>(1, n_seqs)) * nh >= kParallelMinWork / 16;
+#pragma omp parallel if (par)
   {
     std::vector<float> p;
     std::vector<double> acc(static_cast<size_t>(dv));
@@ -270,7 +274,7 @@ void moe_router_forward(int32_t* idx, float* weights, const float* logits, const
                         int64_t topk, Scoring scoring, TopkMethod method, int64_t n_group, int64_t topk_group,
                         bool norm, float scale) {
   const int64_t per_group = E / n_group;
-#pragma omp parallel
+#pragma omp parallel if (N * E >= kParallelMinWork / 4)
   {
     std::vector<float> score(static_cast<size_t>(E)), choice(static_cast<size_t>(E)), gscore(static_cast<size_t>(n_group));
     std::unique_ptr<bool[]> allowed(new bool[size_t(E)]);
@@ -337,7 +341,7 @@ void capture_rows(const Capture& cap, int layer_id, const float* x, int64_t N, i
 }
 
 void swiglu_forward(float* out, const float* gate, const float* up, int64_t n) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (n >= kParallelMinWork)
   for (int64_t i = 0; i < n; ++i) {
     const float g = gate[i];
     out[i] = g / (1.0f + std::exp(-g)) * up[i];
@@ -345,7 +349,7 @@ void swiglu_forward(float* out, const float* gate, const float* up, int64_t n) {
 }
 
 void residual_forward(float* out, const float* in, int64_t n) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (n >= kParallelMinWork)
   for (int64_t i = 0; i < n; ++i) out[i] += in[i];
 }
 

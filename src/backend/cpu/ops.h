@@ -17,6 +17,12 @@ struct Capture;
 
 namespace talon::cpu {
 
+// Work (multiply-adds, element updates) below which a loop stays on the calling thread
+// (`#pragma omp ... if (work >= kParallelMinWork)`): for tiny models and single decode rows
+// a parallel region's fork and barrier cost more than the loop itself, and on a machine
+// shared with other busy processes far more.
+constexpr int64_t kParallelMinWork = int64_t(1) << 15;
+
 // out[N, O] = in[N, K] @ w[O, K]^T (+ bias[O]). `w` may be F32, BF16 or F16; it is
 // widened to fp32 (exactly) before use. `bias` may be null.
 void matmul_forward(float* out, const float* in, const void* w, DType w_dtype, const float* bias,

@@ -57,7 +57,7 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
   try {
     cuda::MoeRouting r;
-    r.n_experts = int(E), r.top_k = int(K), r.sigmoid = true, r.method = cuda::MoeRouting::Method::NoauxTc;
+    r.n_experts = int(E), r.top_k = int(K), r.scoring = MoeScoring::Sigmoid, r.method = MoeTopk::NoauxTc;
     r.n_group = 1, r.topk_group = 1, r.norm_topk = true, r.routed_scale = 2.827f;
     auto matrix = [&](int64_t O, int64_t I) {
       cuda::ExpertMatrix m;

@@ -55,8 +55,8 @@ json ModelConfig::to_json() const {
                      {"first_k_dense_replace", ds.first_k_dense_replace},
                      {"moe_layer_freq", ds.moe_layer_freq},
                      {"routed_scaling_factor", ds.routed_scaling_factor},
-                     {"scoring_func", ds.scoring_func},
-                     {"topk_method", ds.topk_method},
+                     {"scoring_func", moe_scoring_name(ds.scoring_func)},
+                     {"topk_method", moe_topk_name(ds.topk_method)},
                      {"n_group", ds.n_group},
                      {"topk_group", ds.topk_group},
                      {"norm_topk_prob", ds.norm_topk_prob},
@@ -281,8 +281,16 @@ void parse_deepseek(const json& j, ModelConfig& c, const std::string& src) {
   d.moe_layer_freq = opt_int(j, "moe_layer_freq", 1, src);
   d.routed_scaling_factor = opt_num(j, "routed_scaling_factor", 1.0, src);
   // Defaults follow transformers' configs: V2 softmax + greedy, V3 sigmoid + noaux_tc.
-  d.scoring_func = opt_str(j, "scoring_func", v3 ? "sigmoid" : "softmax", src);
-  d.topk_method = opt_str(j, "topk_method", v3 ? "noaux_tc" : "greedy", src);
+  const std::string scoring = opt_str(j, "scoring_func", v3 ? "sigmoid" : "softmax", src);
+  const std::string topk = opt_str(j, "topk_method", v3 ? "noaux_tc" : "greedy", src);
+  TALON_CHECK(scoring == "softmax" || scoring == "sigmoid",
+              "{}: 'scoring_func' '{}' unsupported (supported: softmax, sigmoid)", src, scoring);
+  TALON_CHECK(topk == "greedy" || topk == "group_limited_greedy" || topk == "noaux_tc",
+              "{}: 'topk_method' '{}' unsupported (supported: greedy, group_limited_greedy, noaux_tc)", src, topk);
+  d.scoring_func = scoring == "sigmoid" ? MoeScoring::Sigmoid : MoeScoring::Softmax;
+  d.topk_method = topk == "noaux_tc"               ? MoeTopk::NoauxTc
+                  : topk == "group_limited_greedy" ? MoeTopk::GroupLimitedGreedy
+                                                   : MoeTopk::Greedy;
   d.n_group = opt_int(j, "n_group", 1, src);
   d.topk_group = opt_int(j, "topk_group", 1, src);
   d.norm_topk_prob = opt_bool(j, "norm_topk_prob", v3, src);
@@ -315,20 +323,15 @@ void parse_deepseek(const json& j, ModelConfig& c, const std::string& src) {
               c.n_layers);
   TALON_CHECK(d.moe_layer_freq == 1, "{}: 'moe_layer_freq' {} unsupported (only 1: every layer from "
               "first_k_dense_replace on is MoE)", src, d.moe_layer_freq);
-  TALON_CHECK(d.scoring_func == "softmax" || d.scoring_func == "sigmoid",
-              "{}: 'scoring_func' '{}' unsupported (supported: softmax, sigmoid)", src, d.scoring_func);
-  TALON_CHECK(d.topk_method == "greedy" || d.topk_method == "group_limited_greedy" || d.topk_method == "noaux_tc",
-              "{}: 'topk_method' '{}' unsupported (supported: greedy, group_limited_greedy, noaux_tc)", src,
-              d.topk_method);
   TALON_CHECK(d.num_experts_per_tok <= d.n_routed_experts, "{}: 'num_experts_per_tok' {} exceeds 'n_routed_experts' {}",
               src, d.num_experts_per_tok, d.n_routed_experts);
   TALON_CHECK(d.n_routed_experts % d.n_group == 0, "{}: 'n_routed_experts' {} is not a multiple of 'n_group' {}", src,
               d.n_routed_experts, d.n_group);
   TALON_CHECK(d.topk_group <= d.n_group, "{}: 'topk_group' {} exceeds 'n_group' {}", src, d.topk_group, d.n_group);
-  if (d.topk_method == "noaux_tc")  // a group's score is the sum of its top-2 experts
+  if (d.topk_method == MoeTopk::NoauxTc)  // a group's score is the sum of its top-2 experts
     TALON_CHECK(d.n_routed_experts / d.n_group >= 2, "{}: noaux_tc needs >= 2 experts per group ('n_routed_experts' "
                 "{} / 'n_group' {})", src, d.n_routed_experts, d.n_group);
-  if (d.topk_method != "greedy")
+  if (d.topk_method != MoeTopk::Greedy)
     TALON_CHECK(d.num_experts_per_tok <= d.topk_group * (d.n_routed_experts / d.n_group),
                 "{}: 'num_experts_per_tok' {} exceeds the experts of 'topk_group' {} groups", src,
                 d.num_experts_per_tok, d.topk_group);

@@ -1,6 +1,7 @@
 // Model hyper-parameters, parsed from HF config.json (transformers 4.x and 5.x) or GGUF
 // metadata, in one architecture-neutral struct that every backend reads.
 #pragma once
+#include "model/moe_routing.h"
 #include <cstdint>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -47,8 +48,8 @@ struct DeepseekConfig {
   int64_t first_k_dense_replace = 0;  // layers < this use a dense SwiGLU MLP
   int64_t moe_layer_freq = 1;
   double routed_scaling_factor = 1.0;
-  std::string scoring_func = "softmax";  // softmax | sigmoid
-  std::string topk_method = "greedy";    // greedy | group_limited_greedy | noaux_tc
+  MoeScoring scoring_func = MoeScoring::Softmax;
+  MoeTopk topk_method = MoeTopk::Greedy;
   int64_t n_group = 1, topk_group = 1;
   bool norm_topk_prob = false;
   // Softmax scale of the attention: qk_head_dim^-0.5, times mscale(factor, mscale_all_dim)^2

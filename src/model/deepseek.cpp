@@ -204,7 +204,7 @@ DeepseekWeights bind_deepseek_weights(const Checkpoint& ckpt) {
       continue;
     }
     b.tensor(p + "mlp.gate.weight", {E, H}, &L.router);
-    if (d.topk_method == "noaux_tc") b.tensor(p + "mlp.gate.e_score_correction_bias", {E}, &L.router_bias);
+    if (d.topk_method == MoeTopk::NoauxTc) b.tensor(p + "mlp.gate.e_score_correction_bias", {E}, &L.router_bias);
     L.experts.resize(size_t(E));
     for (int64_t e = 0; e < E; ++e) mlp(p + "mlp.experts." + std::to_string(e) + ".", Im, &L.experts[size_t(e)]);
     if (d.n_shared_experts > 0) mlp(p + "mlp.shared_experts.", Im * d.n_shared_experts, &L.shared);

@@ -62,7 +62,7 @@ std::vector<Spec> deepseek_specs(const ModelConfig& c) {
       continue;
     }
     v.push_back({p + "mlp.gate.weight", {E, H}, "BF16"});
-    if (d.topk_method == "noaux_tc") v.push_back({p + "mlp.gate.e_score_correction_bias", {E}, "BF16"});
+    if (d.topk_method == MoeTopk::NoauxTc) v.push_back({p + "mlp.gate.e_score_correction_bias", {E}, "BF16"});
     for (int64_t e = 0; e < E; ++e) mlp(p + "mlp.experts." + std::to_string(e) + ".", Im, int4);
     if (d.n_shared_experts > 0) mlp(p + "mlp.shared_experts.", Im * d.n_shared_experts, false);
   }
@@ -153,8 +153,8 @@ ModelConfig kimi_k2_shape(int64_t layers, bool int4_experts) {
   auto& d = c.ds;
   d.q_lora_rank = 1536, d.kv_lora_rank = 512, d.qk_nope_head_dim = 128, d.qk_rope_head_dim = 64, d.v_head_dim = 128;
   d.n_routed_experts = 384, d.n_shared_experts = 1, d.num_experts_per_tok = 8, d.moe_intermediate_size = 2048;
-  d.first_k_dense_replace = 1, d.routed_scaling_factor = 2.827, d.scoring_func = "sigmoid";
-  d.topk_method = "noaux_tc", d.norm_topk_prob = true, d.softmax_scale = 1.0 / std::sqrt(192.0);
+  d.first_k_dense_replace = 1, d.routed_scaling_factor = 2.827, d.scoring_func = MoeScoring::Sigmoid;
+  d.topk_method = MoeTopk::NoauxTc, d.norm_topk_prob = true, d.softmax_scale = 1.0 / std::sqrt(192.0);
   if (int4_experts) d.quant_method = "compressed-tensors", d.int4_group = 32;
   c.head_dim = d.qk_head_dim();
   return c;

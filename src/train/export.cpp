@@ -148,6 +148,8 @@ const char* verifier_architecture(Arch a) {
     case Arch::Mistral: return "MistralForCausalLM";
     case Arch::Qwen2: return "Qwen2ForCausalLM";
     case Arch::Qwen3: return "Qwen3ForCausalLM";
+    case Arch::DeepseekV2: return "DeepseekV2ForCausalLM";
+    case Arch::DeepseekV3: return "DeepseekV3ForCausalLM";  // Kimi-K2's text model too
   }
   return "LlamaForCausalLM";
 }

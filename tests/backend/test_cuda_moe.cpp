@@ -207,8 +207,8 @@ GpuMoeResult run_gpu_moe(const std::vector<uint16_t>& xb, const std::vector<floa
 
 struct Case {
   const char* name;
-  bool sigmoid;
-  cuda::MoeRouting::Method method;
+  MoeScoring scoring;
+  MoeTopk method;
   int n_group, topk_group;
   bool norm, bias;
   float scale;
@@ -239,16 +239,13 @@ TEST_P(CudaMoe, MatchesTheCpuReference) {
   // CPU: routing, then each (token, slot)'s expert MLP, weighted and summed in slot order.
   std::vector<int32_t> idx(size_t(N * K));
   std::vector<float> wts(size_t(N * K));
-  const auto method = cs.method == cuda::MoeRouting::Method::NoauxTc ? cpu::TopkMethod::NoauxTc
-                      : cs.method == cuda::MoeRouting::Method::GroupLimitedGreedy ? cpu::TopkMethod::GroupLimitedGreedy
-                                                                                  : cpu::TopkMethod::Greedy;
   cpu::moe_router_forward(idx.data(), wts.data(), logits.data(), cs.bias ? bias.data() : nullptr, N, E, K,
-                          cs.sigmoid ? cpu::Scoring::Sigmoid : cpu::Scoring::Softmax, method, cs.n_group,
+                          cs.scoring, cs.method, cs.n_group,
                           cs.topk_group, cs.norm, cs.scale);
   const auto want = reference_moe(x, idx, wts, gate.f32, up.f32, down.f32, N, H, Im, K);
 
   cuda::MoeRouting r;
-  r.n_experts = int(E), r.top_k = K, r.sigmoid = cs.sigmoid, r.method = cs.method, r.n_group = cs.n_group;
+  r.n_experts = int(E), r.top_k = K, r.scoring = cs.scoring, r.method = cs.method, r.n_group = cs.n_group;
   r.topk_group = cs.topk_group, r.norm_topk = cs.norm, r.routed_scale = cs.scale;
   DevMatrix dg(gate), du(up), dd(down);
   float* d_bias = to_dev(bias);
@@ -263,20 +260,21 @@ TEST_P(CudaMoe, MatchesTheCpuReference) {
               (long long)H, (long long)Im, got.idx == idx ? "equal" : "DIFFERENT", err);
 }
 
-using M = cuda::MoeRouting::Method;
+using M = MoeTopk;
+constexpr MoeScoring kSoftmax = MoeScoring::Softmax, kSigmoid = MoeScoring::Sigmoid;
 INSTANTIATE_TEST_SUITE_P(
     Routings, CudaMoe,
-    ::testing::Values(Case{"softmax_greedy_bf16", false, M::Greedy, 1, 1, false, false, 1.f, 0},
-                      Case{"softmax_group_limited_int4", false, M::GroupLimitedGreedy, 4, 2, false, false, 1.f, 32},
-                      Case{"sigmoid_noaux_tc_int4", true, M::NoauxTc, 4, 2, true, true, 2.5f, 32},
-                      Case{"sigmoid_noaux_tc_one_group_bf16", true, M::NoauxTc, 1, 1, true, true, 2.827f, 0},
+    ::testing::Values(Case{"softmax_greedy_bf16", kSoftmax, M::Greedy, 1, 1, false, false, 1.f, 0},
+                      Case{"softmax_group_limited_int4", kSoftmax, M::GroupLimitedGreedy, 4, 2, false, false, 1.f, 32},
+                      Case{"sigmoid_noaux_tc_int4", kSigmoid, M::NoauxTc, 4, 2, true, true, 2.5f, 32},
+                      Case{"sigmoid_noaux_tc_one_group_bf16", kSigmoid, M::NoauxTc, 1, 1, true, true, 2.827f, 0},
                       // FP8: blocks 16x16 (tensor cores, 16-byte loads); 48x32 with H 112, Im 72 (no
                       // block divides O, partial last K blocks; down's I % 16 != 0: element loads);
                       // K block 24 (the CUDA-core kernel) with H 100.
-                      Case{"sigmoid_noaux_tc_fp8_block16", true, M::NoauxTc, 4, 2, true, true, 2.5f, 0, 16, 16},
-                      Case{"softmax_greedy_fp8_block48x32_ragged", false, M::Greedy, 1, 1, false, false, 1.f, 0, 48, 32,
+                      Case{"sigmoid_noaux_tc_fp8_block16", kSigmoid, M::NoauxTc, 4, 2, true, true, 2.5f, 0, 16, 16},
+                      Case{"softmax_greedy_fp8_block48x32_ragged", kSoftmax, M::Greedy, 1, 1, false, false, 1.f, 0, 48, 32,
                            112, 72},
-                      Case{"softmax_group_limited_fp8_block16x24_core", false, M::GroupLimitedGreedy, 4, 2, false, false,
+                      Case{"softmax_group_limited_fp8_block16x24_core", kSoftmax, M::GroupLimitedGreedy, 4, 2, false, false,
                            1.f, 0, 16, 24, 100, 72}),
     [](const auto& info) { return std::string(info.param.name); });
 
@@ -311,10 +309,7 @@ TEST(CudaMoe, FixtureLayersMatchTheCpuReference) {
       std::vector<float> wts(size_t(N * K));
       const auto& ds = c.ds;
       cpu::moe_router_forward(idx.data(), wts.data(), logits.data(), bias.empty() ? nullptr : bias.data(), N, E, K,
-                              ds.scoring_func == "sigmoid" ? cpu::Scoring::Sigmoid : cpu::Scoring::Softmax,
-                              ds.topk_method == "noaux_tc"               ? cpu::TopkMethod::NoauxTc
-                              : ds.topk_method == "group_limited_greedy" ? cpu::TopkMethod::GroupLimitedGreedy
-                                                                         : cpu::TopkMethod::Greedy,
+                              ds.scoring_func, ds.topk_method,
                               ds.n_group, ds.topk_group, ds.norm_topk_prob, float(ds.routed_scaling_factor));
       // The experts as the CPU reference dequantizes them, then as stored on the device.
       auto stack = [&](QuantWeight DeepseekMlp::*pick) {

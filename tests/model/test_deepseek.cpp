@@ -62,8 +62,8 @@ TEST(DeepseekConfig, ParsesTheOfficialV3Config) {
   EXPECT_EQ(c.ds.kv_lora_rank, 512);
   EXPECT_EQ(c.ds.qk_head_dim(), 192);
   EXPECT_EQ(c.head_dim, 64);  // RoPE covers the rope part only
-  EXPECT_EQ(c.ds.topk_method, "noaux_tc");
-  EXPECT_EQ(c.ds.scoring_func, "sigmoid");
+  EXPECT_EQ(c.ds.topk_method, MoeTopk::NoauxTc);
+  EXPECT_EQ(c.ds.scoring_func, MoeScoring::Sigmoid);
   EXPECT_EQ(c.ds.quant_method, "fp8");
   EXPECT_EQ(c.ds.fp8_block_out, 128);
   EXPECT_EQ(c.rope.type, "yarn");

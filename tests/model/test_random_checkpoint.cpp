@@ -55,7 +55,7 @@ TEST(RandomCheckpoint, DeepseekLayoutsBindAndRun) {
     auto& d = c.ds;
     d.q_lora_rank = 24, d.kv_lora_rank = 16, d.qk_nope_head_dim = 8, d.qk_rope_head_dim = 8, d.v_head_dim = 8;
     d.n_routed_experts = 8, d.n_shared_experts = 1, d.num_experts_per_tok = 2, d.moe_intermediate_size = 32;
-    d.first_k_dense_replace = 1, d.routed_scaling_factor = 2.5, d.scoring_func = "sigmoid", d.topk_method = "noaux_tc";
+    d.first_k_dense_replace = 1, d.routed_scaling_factor = 2.5, d.scoring_func = MoeScoring::Sigmoid, d.topk_method = MoeTopk::NoauxTc;
     d.norm_topk_prob = true, d.softmax_scale = 1.0 / 4.0;
     c.head_dim = d.qk_head_dim();
     if (int4) d.quant_method = "compressed-tensors", d.int4_group = 32;

@@ -264,12 +264,8 @@ class CpuDeepseekModel final : public Model {
     std::vector<float> rl(size_t(N * E)), wts(size_t(N * K));
     std::vector<int32_t> idx(size_t(N * K));
     cpu::matmul_forward(rl.data(), xn, L.router.data(), DType::F32, nullptr, N, H, E);
-    const auto scoring = d.scoring_func == "sigmoid" ? cpu::Scoring::Sigmoid : cpu::Scoring::Softmax;
-    const auto method = d.topk_method == "noaux_tc"               ? cpu::TopkMethod::NoauxTc
-                        : d.topk_method == "group_limited_greedy" ? cpu::TopkMethod::GroupLimitedGreedy
-                                                                  : cpu::TopkMethod::Greedy;
     cpu::moe_router_forward(idx.data(), wts.data(), rl.data(), L.router_bias.empty() ? nullptr : L.router_bias.data(),
-                            N, E, K, scoring, method, d.n_group, d.topk_group, d.norm_topk_prob,
+                            N, E, K, d.scoring_func, d.topk_method, d.n_group, d.topk_group, d.norm_topk_prob,
                             float(d.routed_scaling_factor));
     // Each expert runs on the rows routed to it; its output for (token n, slot t) lands in
     // y[n, t], so the per-token sum below has a fixed order whatever the batch.

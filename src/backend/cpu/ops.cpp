@@ -271,7 +271,7 @@ void top_k(const float* v, const bool* allowed, int64_t n, int64_t k, std::vecto
 }  // namespace
 
 void moe_router_forward(int32_t* idx, float* weights, const float* logits, const float* bias, int64_t N, int64_t E,
-                        int64_t topk, Scoring scoring, TopkMethod method, int64_t n_group, int64_t topk_group,
+                        int64_t topk, MoeScoring scoring, MoeTopk method, int64_t n_group, int64_t topk_group,
                         bool norm, float scale) {
   const int64_t per_group = E / n_group;
 #pragma omp parallel if (N * E >= kParallelMinWork / 4)
@@ -282,7 +282,7 @@ void moe_router_forward(int32_t* idx, float* weights, const float* logits, const
 #pragma omp for schedule(static)
     for (int64_t n = 0; n < N; ++n) {
       const float* lg = logits + n * E;
-      if (scoring == Scoring::Softmax) {
+      if (scoring == MoeScoring::Softmax) {
         float mx = -INFINITY;
         for (int64_t e = 0; e < E; ++e) mx = std::max(mx, lg[e]);
         double den = 0;
@@ -293,10 +293,10 @@ void moe_router_forward(int32_t* idx, float* weights, const float* logits, const
       }
       for (int64_t e = 0; e < E; ++e) choice[size_t(e)] = score[size_t(e)] + (bias ? bias[e] : 0.0f);
       const bool* mask = nullptr;
-      if (method != TopkMethod::Greedy) {
+      if (method != MoeTopk::Greedy) {
         for (int64_t g = 0; g < n_group; ++g) {
           const float* c = choice.data() + g * per_group;
-          if (method == TopkMethod::GroupLimitedGreedy) {  // the group's best score
+          if (method == MoeTopk::GroupLimitedGreedy) {  // the group's best score
             float m = c[0];
             for (int64_t i = 1; i < per_group; ++i) m = std::max(m, c[i]);
             gscore[size_t(g)] = m;

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "model/moe_routing.h"
 #include "util/dtype.h"
 
 namespace talon {
@@ -79,10 +80,8 @@ void attention_mha_forward(float* out, const float* q, const float* k, const flo
 // Weights are the chosen *scores* (the bias only steers selection), divided by their sum
 // (+1e-20) when `norm`, times `scale`. idx[N, topk] is sorted by expert id (the order the
 // MoE sums in); ties go to the lower expert id.
-enum class Scoring { Softmax, Sigmoid };
-enum class TopkMethod { Greedy, GroupLimitedGreedy, NoauxTc };
 void moe_router_forward(int32_t* idx, float* weights, const float* logits, const float* bias, int64_t N, int64_t E,
-                        int64_t topk, Scoring scoring, TopkMethod method, int64_t n_group, int64_t topk_group,
+                        int64_t topk, MoeScoring scoring, MoeTopk method, int64_t n_group, int64_t topk_group,
                         bool norm, float scale);
 
 // Copies x[N, H] (the residual stream) to every capture slot of `layer_id`: batch row r

@@ -614,13 +614,13 @@ void moe_route(int32_t* idx, float* weights, const float* logits, const float* b
   const int E = r.n_experts;
   if (E <= 0 || E > kMaxExperts) fail_msg("moe: " + std::to_string(E) + " experts (1.." + std::to_string(kMaxExperts) + ")");
   if (r.top_k < 1 || r.top_k > 16 || r.top_k > E) fail_msg("moe: top-k " + std::to_string(r.top_k) + " (1..16, <= experts)");
-  const bool grouped = r.method != MoeRouting::Method::Greedy;
+  const bool grouped = r.method != MoeTopk::Greedy;
   if (grouped && (r.n_group < 1 || r.n_group > 32 || E % r.n_group || r.topk_group < 1 || r.topk_group > r.n_group ||
-                  (r.method == MoeRouting::Method::NoauxTc && E / r.n_group < 2)))
+                  (r.method == MoeTopk::NoauxTc && E / r.n_group < 2)))
     fail_msg("moe: n_group " + std::to_string(r.n_group) + " / topk_group " + std::to_string(r.topk_group) +
              " unsupported for " + std::to_string(E) + " experts (n_group <= 32 dividing them)");
   const size_t smem = size_t(3 * E) * 4;
-  route_kernel<<<unsigned(N), 32, smem, s>>>(idx, weights, logits, bias, E, r.top_k, r.sigmoid, int(r.method),
+  route_kernel<<<unsigned(N), 32, smem, s>>>(idx, weights, logits, bias, E, r.top_k, r.scoring == MoeScoring::Sigmoid, int(r.method),
                                              grouped ? r.n_group : 1, grouped ? r.topk_group : 1, r.norm_topk,
                                              r.routed_scale);
   CUDA_LAUNCH_CHECK();

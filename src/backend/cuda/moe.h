@@ -15,13 +15,14 @@
 #include <cstdint>
 
 #include "backend/cuda/ops.h"
+#include "model/moe_routing.h"
 
 namespace talon::cuda {
 
 struct MoeRouting {
   int n_experts = 0, top_k = 0;
-  bool sigmoid = false;  // scoring: sigmoid, else softmax
-  enum class Method { Greedy, GroupLimitedGreedy, NoauxTc } method = Method::Greedy;
+  MoeScoring scoring = MoeScoring::Softmax;
+  MoeTopk method = MoeTopk::Greedy;
   int n_group = 1, topk_group = 1;
   bool norm_topk = false;
   float routed_scale = 1.f;

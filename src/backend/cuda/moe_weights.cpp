@@ -15,10 +15,8 @@ MoeRouting moe_routing(const ModelConfig& c) {
   MoeRouting r;
   r.n_experts = int(d.n_routed_experts);
   r.top_k = int(d.num_experts_per_tok);
-  r.sigmoid = d.scoring_func == "sigmoid";
-  r.method = d.topk_method == "noaux_tc"               ? MoeRouting::Method::NoauxTc
-             : d.topk_method == "group_limited_greedy" ? MoeRouting::Method::GroupLimitedGreedy
-                                                       : MoeRouting::Method::Greedy;
+  r.scoring = d.scoring_func;
+  r.method = d.topk_method;
   r.n_group = int(d.n_group);
   r.topk_group = int(d.topk_group);
   r.norm_topk = d.norm_topk_prob;

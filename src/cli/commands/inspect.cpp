@@ -86,7 +86,7 @@ int inspect_model(const fs::path& p) {
     std::cout << fmt::format("  moe           experts={} top{} shared={} I_moe={} dense_layers={} {}+{} groups={}/{} "
                              "norm={} scale={}\n",
                              d.n_routed_experts, d.num_experts_per_tok, d.n_shared_experts, d.moe_intermediate_size,
-                             d.first_k_dense_replace, d.scoring_func, d.topk_method, d.topk_group, d.n_group,
+                             d.first_k_dense_replace, moe_scoring_name(d.scoring_func), moe_topk_name(d.topk_method), d.topk_group, d.n_group,
                              d.norm_topk_prob, d.routed_scaling_factor);
     if (!d.quant_method.empty())
       std::cout << fmt::format("  quantization  {}{}\n", d.quant_method,

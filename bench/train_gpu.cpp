@@ -6,9 +6,11 @@
 #include <cuda_runtime.h>
 
 #include <CLI/CLI.hpp>
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <random>
+#include <vector>
 
 #include "train/draft_gpu.h"
 #include "train/trainer.h"
@@ -91,7 +93,7 @@ int main(int argc, char** argv) {
       batch.push_back({ids.data() + s * seq, mask.data() + s * seq, aux.data() + s * seq * 3 * c.H,
                        hid.data() + s * seq * c.H, seq});
     train::OptimConfig oc;
-    double secs = 0;
+    std::vector<double> times;  // steps after the first (which warms cuBLAS up)
     for (int64_t st = 0; st < steps; ++st) {
       cudaDeviceSynchronize();
       const auto t0 = std::chrono::steady_clock::now();
@@ -99,7 +101,7 @@ int main(int argc, char** argv) {
       gpu->clip_grad_norm(0.5);
       gpu->adamw_step(oc, st);
       const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-      if (st > 0) secs += dt;  // the first step warms up cuBLAS
+      if (st > 0) times.push_back(dt);
       std::printf("step %lld: %.3f s, loss %.4f\n", (long long)st, dt, res[0].loss);
     }
     double prof_total = 0;
@@ -108,16 +110,23 @@ int main(int argc, char** argv) {
       std::printf("  %-42s %9.1f ms  %5.1f%%\n", name.c_str(), ms, 100 * ms / prof_total);
     size_t free1 = 0;
     cudaMemGetInfo(&free1, &total);
-    // FLOPs per token: each TTT step runs the layer (q,k,v,o, gate/up/down, lm_head) forward
-    // (2 flop per weight), backward (4 flop per weight), and the logits again for the loss
-    // gradient; plus fc once and the target head (V x H) once; attention excluded.
+    // Useful FLOPs per token (as bench/train_peer.py counts them): each TTT step runs the layer
+    // (q,k,v,o, gate/up/down) and the lm_head forward (2 flop per weight) and backward (4);
+    // fc forward and weight gradient (4); the target head (V x H) forward once. Attention and
+    // any recomputation are not counted.
     const double layer = double(qd * 2 * H + 2 * kvd * 2 * H + H * qd + 3 * size_t(c.I) * H);
     const double lm = double(size_t(c.Vd) * H);
-    const double per_tok = double(c.ttt_steps) * (6 * layer + 8 * lm) + 6 * double(H * 3 * H) + 2 * double(size_t(c.V) * H);
-    const double tps = double(N) * double(steps - 1) / secs;
-    std::printf("shape %s seq %lld x %lld samples, K=%d, math %s, %d GPU(s): %.0f tokens/s, %.1f GFLOP/token (no "
+    const double per_tok = double(c.ttt_steps) * (6 * layer + 6 * lm) + 4 * double(H * 3 * H) + 2 * double(size_t(c.V) * H);
+    if (times.empty()) fail("--steps must be at least 2 (the first step only warms up)");
+    std::sort(times.begin(), times.end());
+    const size_t nt = times.size();
+    const double med = nt % 2 ? times[nt / 2] : 0.5 * (times[nt / 2 - 1] + times[nt / 2]);
+    const double tps = double(N) / med;
+    std::printf("shape %s seq %lld x %lld samples, K=%d, math %s, %d GPU(s): %.0f tokens/s (median of %zu steps), "
+                "%.1f GFLOP/token (no "
                 "attention), %.1f%% of %.0f TFLOP/s per GPU; device memory %.1f GiB (buffers %.1f GiB)\n",
-                shape.c_str(), (long long)seq, (long long)samples, c.ttt_steps, math.c_str(), n_gpus, tps, per_tok / 1e9,
+                shape.c_str(), (long long)seq, (long long)samples, c.ttt_steps, math.c_str(), n_gpus, tps, nt,
+                per_tok / 1e9,
                 100 * tps * per_tok / (peak * 1e12 * n_gpus), peak, double(free0 - free1) / double(1 << 30),
                 double(gpu->device_bytes()) / double(1 << 30));
   } catch (const std::exception& e) {

@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <random>
+#include <string>
 
 #include "tests/tolerances.h"
 #include "train/draft_gpu.h"
@@ -165,6 +166,63 @@ TEST_P(GpuDraft, LoopAttentionMatchesCpuReference) {
 TEST_P(GpuDraft, Bf16TensorCoresStayClose) {
   REQUIRE_GPU();
   check_against_cpu(GetParam(), GpuMath::BF16, tol::kGpuTttBf16LossRel, tol::kGpuTttBf16GradRel);
+}
+
+// Sets an environment variable for one scope (the engine reads its switches when built).
+struct ScopedEnv {
+  std::string name;
+  ScopedEnv(const char* n, const char* v) : name(n) { setenv(n, v, 1); }
+  ~ScopedEnv() { unsetenv(name.c_str()); }
+};
+
+// TALON_DRAFT_LM_BACKWARD=forward: the lm_head's backward runs in the forward pass. Exact
+// fp32, so the reference's tolerances; only dW_lm's step order differs.
+TEST_P(GpuDraft, LmBackwardInForwardMatchesCpuReference) {
+  REQUIRE_GPU();
+  ScopedEnv e("TALON_DRAFT_LM_BACKWARD", "forward");
+  check_against_cpu(GetParam(), GpuMath::F32, tol::kGpuTttLossRel, tol::kGpuTttGradRel);
+}
+
+// TALON_DRAFT_GEMM=bf16: products on bf16 operands in memory (weight copies, cast
+// activations); the same rounding as the bf16 compute mode, so the same tolerances.
+TEST_P(GpuDraft, Bf16OperandsStayClose) {
+  REQUIRE_GPU();
+  ScopedEnv e("TALON_DRAFT_GEMM", "bf16");
+  check_against_cpu(GetParam(), GpuMath::BF16, tol::kGpuTttBf16LossRel, tol::kGpuTttBf16GradRel);
+  ScopedEnv f("TALON_DRAFT_LM_BACKWARD", "forward");
+  check_against_cpu(GetParam(), GpuMath::BF16, tol::kGpuTttBf16LossRel, tol::kGpuTttBf16GradRel);
+}
+
+// The bf16 weight copy follows every update: at each step the GPU's loss matches the CPU
+// reference evaluated at the GPU's current fp32 master weights, with a learning rate large
+// enough to move the loss well past the bf16 tolerance (a stale copy would keep computing
+// an earlier step's loss).
+TEST_P(GpuDraft, Bf16OperandsFollowWeightUpdates) {
+  REQUIRE_GPU();
+  ScopedEnv e("TALON_DRAFT_GEMM", "bf16");
+  Case cs(GetParam(), 5);
+  const auto batch = cs.batch();
+  train::OptimConfig oc;
+  oc.lr = 5e-2;
+  oc.warmup_steps = 0;
+  oc.clip_norm = 0;
+  auto gpu = make_gpu_draft_trainer(cs.c, cs.target(), cs.dv, {0}, GpuMath::BF16, 64);
+  gpu->set_weights(cs.w);
+  std::vector<double> cpu_losses;
+  for (int step = 0; step < 5; ++step) {
+    DraftWeights cur;
+    gpu->get_weights(cur);
+    double cpu_loss = 0;
+    for (auto& s : batch) cpu_loss += ttt_forward(cs.c, cur, cs.target(), cs.dv, s, false, nullptr).loss / 4.0;
+    double loss = 0;
+    for (auto& r : gpu->run(batch, 0.25, true, true)) loss += r.loss / 4.0;
+    EXPECT_NEAR(loss, cpu_loss, tol::kGpuTttBf16LossRel * std::max(1.0, cpu_loss)) << "step " << step;
+    gpu->adamw_step(oc, step);
+    cpu_losses.push_back(cpu_loss);
+  }
+  EXPECT_GT(std::abs(cpu_losses.back() - cpu_losses.front()),
+            5 * tol::kGpuTttBf16LossRel * std::max(1.0, cpu_losses.front()))
+      << "the loss hardly moved: the test cannot tell a stale weight copy";
 }
 
 TEST_P(GpuDraft, AdamWStepsMatchCpuAndAreDeterministic) {

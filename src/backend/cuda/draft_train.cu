@@ -1,4 +1,5 @@
 #include <cublas_v2.h>
+#include <cuda_bf16.h>
 
 #include <algorithm>
 #include <cmath>
@@ -151,6 +152,13 @@ __global__ void rope_kernel(float* x, int64_t N, int64_t heads, int64_t hd, cons
   const double a = p[j], b = p[j + half];
   p[j] = float(a * c - b * s);
   p[j + half] = float(b * c + a * s);
+}
+
+// out[i] = bf16(in[i]), round to nearest even (the rounding cuBLAS applies to fp32 operands
+// under CUBLAS_COMPUTE_32F_FAST_16BF).
+__global__ void to_bf16_kernel(__nv_bfloat16* out, const float* in, int64_t n) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < n) out[i] = __float2bfloat16_rn(in[i]);
 }
 
 // out = a (row stride lda) + b
@@ -589,7 +597,7 @@ struct DraftEngine::Impl {
   std::vector<void*> owned;
   std::vector<int64_t> sizes, offs;
   // Target.
-  float *embed, *fnorm, *lm, *inv;
+  float *embed = nullptr, *fnorm = nullptr, *lm = nullptr, *inv = nullptr;
   int64_t* kept;
   uint8_t* t2d;
   // Parameters, gradients, moments: one buffer each, tensors at offs[i].
@@ -609,6 +617,23 @@ struct DraftEngine::Impl {
   float *Sb = nullptr, *dPb = nullptr, *sd = nullptr, *dsd = nullptr;
   int64_t s_cap = 0;
   bool loop_attention = false;  // TALON_DRAFT_ATTENTION=loop: the fp32 warp kernels
+  // TALON_DRAFT_GEMM=bf16, with DraftMath::BF16: every product reads bf16 operands (the
+  // weights' bf16 copy Wb, refreshed after each update; the target lm_head's copy lmb;
+  // activations cast into cast_buf just before the product) with fp32 accumulation and
+  // fp32 outputs, instead of fp32 operands that cuBLAS rounds to bf16 itself. Same rounding
+  // (to nearest even), so the same numbers up to summation order; Hopper's bf16 kernels
+  // need bf16 in memory to run at bf16 rate.
+  bool bf16_operands = false;
+  // TALON_DRAFT_LM_BACKWARD=forward: when a run has a backward, each step's loss gradient
+  // goes through the lm_head as soon as the forward has the logits (dW_lm accumulated
+  // there, d fn written over fn[k], which nothing else reads later), so the backward does not
+  // recompute the [N, Vd] logits. dW_lm then sums the steps first to last instead of last to
+  // first.
+  bool lm_backward_in_forward = false;
+  __nv_bfloat16 *Wb = nullptr, *lmb = nullptr;
+  int64_t w_total = 0;
+  __nv_bfloat16* cast_buf[2] = {nullptr, nullptr};
+  int64_t cast_cap[2] = {0, 0};
   // TALON_DRAFT_PROFILE=1: GPU time per phase, from events between marks.
   bool profiling = false;
   std::vector<std::pair<std::string, cudaEvent_t>> marks;
@@ -644,30 +669,71 @@ struct DraftEngine::Impl {
   float* g(int t) { return G + offs[size_t(t)]; }
 
   cublasComputeType_t compute() const {
-    return math == DraftMath::F32 ? CUBLAS_COMPUTE_32F
-           : math == DraftMath::TF32 ? CUBLAS_COMPUTE_32F_FAST_TF32
-                                     : CUBLAS_COMPUTE_32F_FAST_16BF;
+    return math == DraftMath::F32 || bf16_operands ? CUBLAS_COMPUTE_32F
+           : math == DraftMath::TF32               ? CUBLAS_COMPUTE_32F_FAST_TF32
+                                                   : CUBLAS_COMPUTE_32F_FAST_16BF;
+  }
+  cudaDataType_t operand_type() const { return bf16_operands ? CUDA_R_16BF : CUDA_R_32F; }
+  // Elements a column-major operand op(X) of r x c with leading dimension ld spans in memory.
+  static int64_t span(cublasOperation_t op, int64_t r, int64_t c, int64_t ld) {
+    if (r <= 0 || c <= 0) return 0;
+    return op == CUBLAS_OP_N ? (c - 1) * ld + r : (r - 1) * ld + c;
+  }
+  // The pointer a product reads for the fp32 operand p spanning n elements: p itself, or
+  // with bf16 operands its bf16 twin (a weight's copy, or a cast into scratch `slot`).
+  const void* operand(const float* p, int64_t n, int slot) {
+    if (!bf16_operands) return p;
+    const auto in = [p](const float* base, int64_t count) {
+      const auto x = reinterpret_cast<uintptr_t>(p), b0 = reinterpret_cast<uintptr_t>(base);
+      return x >= b0 && x < b0 + uintptr_t(count) * sizeof(float);
+    };
+    if (in(W, w_total)) return Wb + (p - W);
+    if (n > cast_cap[slot]) {
+      if (cast_buf[slot]) {
+        CUDA_CHECK(cudaStreamSynchronize(s));
+        cudaFree(cast_buf[slot]);
+        bytes -= size_t(cast_cap[slot]) * 2;
+      }
+      cast_buf[slot] = dalloc<__nv_bfloat16>(size_t(n), bytes);
+      cast_cap[slot] = n;
+    }
+    to_bf16_kernel<<<nblocks(n, 256), 256, 0, s>>>(cast_buf[slot], p, n);
+    CUDA_LAUNCH_CHECK();
+    return cast_buf[slot];
+  }
+  // After the weights change: their bf16 copy.
+  void refresh_weight_copy() {
+    if (!bf16_operands) return;
+    to_bf16_kernel<<<nblocks(w_total, 256), 256, 0, s>>>(Wb, W, w_total);
+    CUDA_LAUNCH_CHECK();
+  }
+  // Column-major C[m, n] (ldc) = alpha op(A) op(B) + beta C, fp32 C; A and B through operand().
+  void gemm(cublasOperation_t ta, cublasOperation_t tb, int64_t m, int64_t n, int64_t k, const float* A, int64_t lda,
+            const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
+    gemm_raw(ta, tb, m, n, k, operand(A, span(ta, m, k, lda), 0), lda, operand(B, span(tb, k, n, ldb), 1), ldb, beta,
+             C, ldc);
+  }
+  // As gemm, with A and B already of operand_type().
+  void gemm_raw(cublasOperation_t ta, cublasOperation_t tb, int64_t m, int64_t n, int64_t k, const void* a,
+                int64_t lda, const void* b, int64_t ldb, float beta, float* C, int64_t ldc) {
+    const float alpha = 1.f;
+    CUBLASV2_CHECK(cublasGemmEx(blas, ta, tb, int(m), int(n), int(k), &alpha, a, operand_type(), int(lda), b,
+                                operand_type(), int(ldb), &beta, C, CUDA_R_32F, int(ldc), compute(),
+                                CUBLAS_GEMM_DEFAULT));
   }
   // Row-major y[N, O] (ld ldy) = beta*y + x[N, K] (ld ldx) @ w[O, K]^T
   void linear(float* y, int64_t ldy, const float* x, int64_t ldx, const float* wt, int64_t n, int64_t K, int64_t O,
               float beta = 0.f) {
-    const float alpha = 1.f;
-    CUBLASV2_CHECK(cublasGemmEx(blas, CUBLAS_OP_T, CUBLAS_OP_N, int(O), int(n), int(K), &alpha, wt, CUDA_R_32F, int(K),
-                                x, CUDA_R_32F, int(ldx), &beta, y, CUDA_R_32F, int(ldy), compute(), CUBLAS_GEMM_DEFAULT));
+    gemm(CUBLAS_OP_T, CUBLAS_OP_N, O, n, K, wt, K, x, ldx, beta, y, ldy);
   }
   // dx[N, K] (ld lddx) = beta*dx + dy[N, O] @ w[O, K]
   void linear_dx(float* dx, int64_t lddx, const float* dy, const float* wt, int64_t n, int64_t K, int64_t O,
                  float beta) {
-    const float alpha = 1.f;
-    CUBLASV2_CHECK(cublasGemmEx(blas, CUBLAS_OP_N, CUBLAS_OP_N, int(K), int(n), int(O), &alpha, wt, CUDA_R_32F, int(K),
-                                dy, CUDA_R_32F, int(O), &beta, dx, CUDA_R_32F, int(lddx), compute(),
-                                CUBLAS_GEMM_DEFAULT));
+    gemm(CUBLAS_OP_N, CUBLAS_OP_N, K, n, O, wt, K, dy, O, beta, dx, lddx);
   }
   // dw[O, K] += dy[N, O]^T @ x[N, K] (ld ldx)
   void linear_dw(float* dw, const float* dy, const float* x, int64_t ldx, int64_t n, int64_t K, int64_t O) {
-    const float alpha = 1.f, beta = 1.f;
-    CUBLASV2_CHECK(cublasGemmEx(blas, CUBLAS_OP_N, CUBLAS_OP_T, int(K), int(O), int(n), &alpha, x, CUDA_R_32F, int(ldx),
-                                dy, CUDA_R_32F, int(O), &beta, dw, CUDA_R_32F, int(K), compute(), CUBLAS_GEMM_DEFAULT));
+    gemm(CUBLAS_OP_N, CUBLAS_OP_T, K, O, n, x, ldx, dy, O, 1.f, dw, K);
   }
   void rmsnorm(float* out, int64_t ldo, const float* x, int64_t ldx, const float* wt, int64_t C, float eps,
                int64_t n) {
@@ -699,9 +765,11 @@ struct DraftEngine::Impl {
   void gemm_sb(cublasOperation_t ta, cublasOperation_t tb, int64_t m, int64_t n, int64_t k, float alpha,
                const float* A, int64_t lda, int64_t sA, const float* B, int64_t ldb, int64_t sB, float beta, float* C,
                int64_t ldc, int64_t sC, int64_t batch) {
-    CUBLASV2_CHECK(cublasGemmStridedBatchedEx(blas, ta, tb, int(m), int(n), int(k), &alpha, A, CUDA_R_32F, int(lda),
-                                              sA, B, CUDA_R_32F, int(ldb), sB, &beta, C, CUDA_R_32F, int(ldc), sC,
-                                              int(batch), compute(), CUBLAS_GEMM_DEFAULT));
+    const void* a = operand(A, (batch - 1) * sA + span(ta, m, k, lda), 0);
+    const void* b = operand(B, (batch - 1) * sB + span(tb, k, n, ldb), 1);
+    CUBLASV2_CHECK(cublasGemmStridedBatchedEx(blas, ta, tb, int(m), int(n), int(k), &alpha, a, operand_type(),
+                                              int(lda), sA, b, operand_type(), int(ldb), sB, &beta, C, CUDA_R_32F,
+                                              int(ldc), sC, int(batch), compute(), CUBLAS_GEMM_DEFAULT));
   }
   void ensure_scores(int64_t T) {
     const int64_t need = d.nkv * T * T;
@@ -806,8 +874,25 @@ DraftEngine::DraftEngine(int device, const DraftDims& dd, DraftMath math, const 
   };
   I.embed = I.alloc<float>(size_t(V * H));
   up(I.embed, embed, V * H);
-  I.lm = I.alloc<float>(size_t(V * H));
-  up(I.lm, lm_head, V * H);
+  const char* gemm_env = std::getenv("TALON_DRAFT_GEMM");
+  I.bf16_operands = math == DraftMath::BF16 && gemm_env && std::string(gemm_env) == "bf16";
+  if (I.bf16_operands) {  // only the bf16 copy: through a staging buffer, 32M values at a time
+    I.lmb = I.alloc<__nv_bfloat16>(size_t(V * H));
+    const int64_t chunk = std::min<int64_t>(V * H, int64_t(32) << 20);
+    float* stage = nullptr;
+    CUDA_CHECK(cudaMalloc(&stage, size_t(chunk) * 4));
+    for (int64_t o = 0; o < V * H; o += chunk) {
+      const int64_t n = std::min(chunk, V * H - o);
+      CUDA_CHECK(cudaMemcpy(stage, lm_head + o, size_t(n) * 4, cudaMemcpyHostToDevice));
+      to_bf16_kernel<<<nblocks(n, 256), 256>>>(I.lmb + o, stage, n);
+      CUDA_LAUNCH_CHECK();
+    }
+    CUDA_CHECK(cudaDeviceSynchronize());
+    CUDA_CHECK(cudaFree(stage));
+  } else {
+    I.lm = I.alloc<float>(size_t(V * H));
+    up(I.lm, lm_head, V * H);
+  }
   I.fnorm = I.alloc<float>(size_t(H));
   up(I.fnorm, final_norm, H);
   I.inv = I.alloc<float>(size_t(dd.hd / 2));
@@ -824,6 +909,8 @@ DraftEngine::DraftEngine(int device, const DraftDims& dd, DraftMath math, const 
     total += (n + 63) / 64 * 64;
   }
   I.W = I.alloc<float>(size_t(total));
+  I.w_total = total;
+  if (I.bf16_operands) I.Wb = I.alloc<__nv_bfloat16>(size_t(total));
   I.G = I.alloc<float>(size_t(total));
   I.M = I.alloc<float>(size_t(total));
   I.Vm = I.alloc<float>(size_t(total));
@@ -884,6 +971,8 @@ DraftEngine::DraftEngine(int device, const DraftDims& dd, DraftMath math, const 
   I.dsd = I.alloc<float>(size_t(R * dd.nh * K));
   const char* att = std::getenv("TALON_DRAFT_ATTENTION");
   I.loop_attention = att && std::string(att) == "loop";
+  const char* lmb_env = std::getenv("TALON_DRAFT_LM_BACKWARD");
+  I.lm_backward_in_forward = lmb_env && std::string(lmb_env) == "forward";
   I.profiling = std::getenv("TALON_DRAFT_PROFILE") != nullptr;
 }
 
@@ -894,6 +983,8 @@ DraftEngine::~DraftEngine() {
   for (void* x : p_->owned) cudaFree(x);
   if (p_->Sb) cudaFree(p_->Sb);
   if (p_->dPb) cudaFree(p_->dPb);
+  for (auto* c : p_->cast_buf)
+    if (c) cudaFree(c);
   if (p_->blas) cublasDestroy(p_->blas);
   if (p_->s) cudaStreamDestroy(p_->s);
 }
@@ -928,6 +1019,7 @@ static std::vector<float*> unconst(const std::vector<const float*>& v) {
 void DraftEngine::set_weights(const std::vector<const float*>& w) {
   CUDA_CHECK(cudaSetDevice(p_->device));
   copy_tensors(p_->W, p_->offs, p_->sizes, unconst(w), false);
+  p_->refresh_weight_copy();
 }
 void DraftEngine::get_weights(const std::vector<float*>& w) {
   CUDA_CHECK(cudaSetDevice(p_->device));
@@ -976,7 +1068,11 @@ std::vector<uint8_t> DraftEngine::prepare(const DraftBatch& b) {
   for (int64_t r0 = 0; r0 < N; r0 += I.chunk) {
     const int64_t n = std::min(I.chunk, N - r0);
     I.rmsnorm(I.hn, H, I.hidden + r0 * H, H, I.fnorm, H, I.d.target_eps, n);
-    I.linear(I.full, V, I.hn, H, I.lm, n, H, V);
+    if (I.bf16_operands)  // the target lm_head is on the device as bf16 only
+      I.gemm_raw(CUBLAS_OP_T, CUBLAS_OP_N, V, n, H, I.lmb, H, I.operand(I.hn, Impl::span(CUBLAS_OP_N, H, n, H), 1), H,
+                 0.f, I.full, V);
+    else
+      I.linear(I.full, V, I.hn, H, I.lm, n, H, V);
     target_row_kernel<<<unsigned(n), 512, 0, I.s>>>(I.P + r0 * I.d.Vd, I.tgt_arg + r0, I.in_vocab + r0, I.full,
                                                      I.kept, I.t2d, V, I.d.Vd);
     CUDA_LAUNCH_CHECK();
@@ -999,12 +1095,16 @@ void DraftEngine::run(const std::vector<float>& row_scale, bool backward, bool z
   if (backward)
     CUDA_CHECK(cudaMemcpyAsync(I.rs, row_scale.data(), size_t(K * N) * 4, cudaMemcpyHostToDevice, s));
   const unsigned warps_blocks = nblocks(N * d.nh * 32, 256);
+  const bool fused_lm = backward && I.lm_backward_in_forward;
+  const int64_t total = I.offs.back() + (I.sizes.back() + 63) / 64 * 64;
+  if (fused_lm && zero_grads) CUDA_CHECK(cudaMemsetAsync(I.G, 0, size_t(total) * 4, s));
 
   // Forward.
   I.mark("forward: products and norms");
   I.linear(I.gs[0], H, I.aux, 3 * H, I.w(FC), N, 3 * H, H);
   for (int k = 0; k < K; ++k) {
     float* xin = I.xin[size_t(k)];
+    I.mark("forward: products and norms");
     gather_kernel<<<unsigned(N), 256, 0, s>>>(I.E, I.embed, I.ids, I.pos, I.len, H, k);
     CUDA_LAUNCH_CHECK();
     I.rmsnorm(xin, 2 * H, I.E, H, I.w(IN_LN), H, d.eps, N);
@@ -1042,8 +1142,14 @@ void DraftEngine::run(const std::vector<float>& row_scale, bool backward, bool z
     I.mark("forward: draft logits and loss");
     I.logits_of(k);
     loss_kernel<<<unsigned(N), 512, 0, s>>>(I.logits, I.P, I.tgt_arg, I.in_vocab, I.mask, I.pos, I.len, Vd, k,
-                                             nullptr, I.ce + k * N, I.hit + k * N, I.cnt + k * N);
+                                             fused_lm ? I.rs + k * N : nullptr, I.ce + k * N, I.hit + k * N,
+                                             I.cnt + k * N);
     CUDA_LAUNCH_CHECK();
+    if (fused_lm) {  // logits now hold d(objective)/d(logits)
+      I.mark("backward: products and norms");
+      I.linear_dw(I.g(LM), I.logits, I.fn[size_t(k)], H, N, H, Vd);
+      I.linear_dx(I.fn[size_t(k)], H, I.logits, I.w(LM), N, H, Vd, 0.f);
+    }
   }
   out.ce.resize(size_t(K * N));
   out.hit.resize(size_t(K * N));
@@ -1059,25 +1165,29 @@ void DraftEngine::run(const std::vector<float>& row_scale, bool backward, bool z
   }
 
   // Backward, last step first (as the CPU reference).
-  const int64_t total = I.offs.back() + (I.sizes.back() + 63) / 64 * 64;
-  if (zero_grads) CUDA_CHECK(cudaMemsetAsync(I.G, 0, size_t(total) * 4, s));
+  if (zero_grads && !fused_lm) CUDA_CHECK(cudaMemsetAsync(I.G, 0, size_t(total) * 4, s));
   CUDA_CHECK(cudaMemsetAsync(I.dK, 0, size_t(K * I.R * kvd) * 4, s));
   CUDA_CHECK(cudaMemsetAsync(I.dV, 0, size_t(K * I.R * kvd) * 4, s));
   CUDA_CHECK(cudaMemsetAsync(I.dgn, 0, size_t(N * H) * 4, s));
   for (int k = int(K) - 1; k >= 0; --k) {
     const size_t ks = size_t(k);
     float* xin = I.xin[ks];
-    I.mark("backward: draft logits and loss gradient");
-    I.logits_of(k);
-    loss_kernel<<<unsigned(N), 512, 0, s>>>(I.logits, I.P, I.tgt_arg, I.in_vocab, I.mask, I.pos, I.len, Vd, k,
-                                             I.rs + k * N, I.ce + k * N, I.hit + k * N, I.cnt + k * N);
-    CUDA_LAUNCH_CHECK();
-    // logits = lm_head(norm(g2))
+    float* dfn = I.fn[ks];  // with fused_lm, the forward left d fn here
+    if (!fused_lm) {
+      I.mark("backward: draft logits and loss gradient");
+      I.logits_of(k);
+      loss_kernel<<<unsigned(N), 512, 0, s>>>(I.logits, I.P, I.tgt_arg, I.in_vocab, I.mask, I.pos, I.len, Vd, k,
+                                               I.rs + k * N, I.ce + k * N, I.hit + k * N, I.cnt + k * N);
+      CUDA_LAUNCH_CHECK();
+      // logits = lm_head(norm(g2))
+      I.mark("backward: products and norms");
+      dfn = I.dfn;
+      I.linear_dx(dfn, H, I.logits, I.w(LM), N, H, Vd, 0.f);
+      I.linear_dw(I.g(LM), I.logits, I.fn[ks], H, N, H, Vd);
+    }
     I.mark("backward: products and norms");
-    I.linear_dx(I.dfn, H, I.logits, I.w(LM), N, H, Vd, 0.f);
-    I.linear_dw(I.g(LM), I.logits, I.fn[ks], H, N, H, Vd);
     CUDA_CHECK(cudaMemcpyAsync(I.dg2, I.dgn, size_t(N * H) * 4, cudaMemcpyDeviceToDevice, s));
-    I.rmsnorm_backward(I.dg2, H, I.g(NORM), I.dfn, H, I.gs[ks + 1], H, I.w(NORM), H);
+    I.rmsnorm_backward(I.dg2, H, I.g(NORM), dfn, H, I.gs[ks + 1], H, I.w(NORM), H);
     // g2 = g1 + down(silu(gate(hm)) * up(hm))
     swiglu_kernel<<<nblocks(N * Id, 256), 256, 0, s>>>(I.act, I.ga[ks], I.up[ks], N * Id);
     CUDA_LAUNCH_CHECK();
@@ -1183,6 +1293,7 @@ void DraftEngine::adamw(double lr, double beta1, double beta2, double eps, doubl
                                                    float(std::sqrt(bc2)), float(beta1), float(beta2), float(eps));
     CUDA_LAUNCH_CHECK();
   }
+  I.refresh_weight_copy();
   CUDA_CHECK(cudaStreamSynchronize(I.s));
 }
 

@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# Draft training on one GPU, in one run: the GPU parity tests of the trainer, the bf16 GEMM
+# ceiling, Talon (`talon_bench_train`, as shipped and with the TALON_DRAFT_* switches that
+# are not yet the default) and the PyTorch peer (bench/train_peer.py, which first checks
+# itself against the oracle), then a table of tokens/s, memory and ratios.
+#   bash scripts/gpu_build.sh && bash bench/train_compare_gpu.sh [SHAPE] ["SEQS"] [SAMPLES] [PEER_COMPILE]
+# e.g. bash bench/train_compare_gpu.sh llama3-8b "2048 4096" 1 full
+set -uo pipefail
+cd "$(dirname "$0")/.."
+SHAPE=${1:-llama3-8b}
+SEQS=${2:-"2048 4096"}
+SAMPLES=${3:-1}
+PEER_COMPILE=${4:-full}
+[ -f build/env.sh ] && source build/env.sh
+echo "== $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -1); commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
+
+echo "== GPU parity tests of the trainer"
+build/tests/talon_tests --gtest_filter='*GpuDraft*' 2>&1 | grep -E "^\[  (PASSED|FAILED) |^\[  FAILED|tests? ran" | sort -u
+
+echo "== bf16 GEMM ceiling (8192^3, median of 10)"
+CEIL=$(python3 - <<'PY'
+import torch, statistics
+a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+for _ in range(3): a @ b
+ts = []
+for _ in range(10):
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record(); a @ b; e.record(); torch.cuda.synchronize(); ts.append(s.elapsed_time(e) / 1e3)
+print(f"{2 * 8192**3 / statistics.median(ts) / 1e12:.0f}")
+PY
+)
+echo "ceiling: ${CEIL} TFLOP/s"
+
+rows=()
+tps() { sed -n 's/.*: \([0-9]*\) tokens\/s.*/\1/p' "$1" | tail -1; }
+mem_talon() { sed -n 's/.*device memory \([0-9.]*\) GiB.*/\1/p' "$1" | tail -1; }
+mem_peer() { sed -n 's/.*peak memory \([0-9.]*\) GiB.*/\1/p' "$1" | tail -1; }
+log=$(mktemp -d)
+for seq in $SEQS; do
+  echo "== seq $seq x $SAMPLES samples"
+  build/talon_bench_train --shape "$SHAPE" --seq "$seq" --samples "$SAMPLES" --steps 7 --peak-tflops "$CEIL" \
+    > "$log/talon-$seq" 2>&1
+  tail -1 "$log/talon-$seq"
+  TALON_DRAFT_GEMM=bf16 TALON_DRAFT_LM_BACKWARD=forward build/talon_bench_train --shape "$SHAPE" --seq "$seq" \
+    --samples "$SAMPLES" --steps 7 --peak-tflops "$CEIL" > "$log/fast-$seq" 2>&1
+  tail -1 "$log/fast-$seq"
+  python3 bench/train_peer.py --shape "$SHAPE" --seq "$seq" --samples "$SAMPLES" --steps 8 --compile "$PEER_COMPILE" \
+    --peak-tflops "$CEIL" > "$log/peer-$seq" 2>&1
+  grep -E "^check|^peer" "$log/peer-$seq" || tail -5 "$log/peer-$seq"
+  rows+=("$seq $(tps "$log/talon-$seq") $(tps "$log/fast-$seq") $(tps "$log/peer-$seq") $(mem_talon "$log/talon-$seq") $(mem_talon "$log/fast-$seq") $(mem_peer "$log/peer-$seq")")
+done
+
+echo
+echo "| seq x samples | Talon tok/s | Talon, bf16 operands + lm backward in forward | peer tok/s | best Talon / peer | memory GiB (Talon / fast / peer) |"
+echo "|---|---|---|---|---|---|"
+for r in "${rows[@]}"; do
+  set -- $r
+  ratio=$(python3 -c "import sys; a=[float(x or 0) for x in sys.argv[1:]]; print(f'{max(a[0],a[1])/a[2]:.2f}x' if a[2] else '-')" "${2:-0}" "${3:-0}" "${4:-0}")
+  echo "| $1 x $SAMPLES | ${2:--} | ${3:--} | ${4:--} | $ratio | ${5:--} / ${6:--} / ${7:--} |"
+done
+rm -rf "$log"

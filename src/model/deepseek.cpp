@@ -167,50 +167,67 @@ class Binder {
 
 }  // namespace
 
-DeepseekWeights bind_deepseek_weights(const Checkpoint& ckpt) {
-  const ModelConfig& c = ckpt.config();
-  TALON_CHECK(is_deepseek(c.arch), "{}: bind_deepseek_weights on a {} model", ckpt.source(), arch_name(c.arch));
+std::vector<DeepseekTensorSpec> deepseek_weight_table(const ModelConfig& c, DeepseekWeights& w) {
   const DeepseekConfig& d = c.ds;
   const int64_t H = c.hidden, V = c.vocab, nh = c.n_heads, qk = d.qk_head_dim();
   const int64_t E = d.n_routed_experts, Im = d.moe_intermediate_size;
-  DeepseekWeights w;
-  Binder b(ckpt);
-  b.tensor("model.embed_tokens.weight", {V, H}, &w.embed);
-  w.layers.resize(size_t(c.n_layers));
+  std::vector<DeepseekTensorSpec> t;
+  auto tensor = [&](std::string name, std::vector<int64_t> shape, WeightRef* slot) {
+    t.push_back({std::move(name), std::move(shape), slot, nullptr, false});
+  };
+  auto linear = [&](std::string name, int64_t O, int64_t I, QuantWeight* slot, bool expert = false) {
+    t.push_back({std::move(name), {O, I}, nullptr, slot, expert});
+  };
+  tensor("model.embed_tokens.weight", {V, H}, &w.embed);
+  w.layers.assign(size_t(c.n_layers), DeepseekLayer{});
   for (int64_t l = 0; l < c.n_layers; ++l) {
     DeepseekLayer& L = w.layers[size_t(l)];
     const std::string p = "model.layers." + std::to_string(l) + ".";
-    b.tensor(p + "input_layernorm.weight", {H}, &L.attn_norm);
-    b.tensor(p + "post_attention_layernorm.weight", {H}, &L.mlp_norm);
+    tensor(p + "input_layernorm.weight", {H}, &L.attn_norm);
+    tensor(p + "post_attention_layernorm.weight", {H}, &L.mlp_norm);
     if (d.q_lora_rank > 0) {
-      b.linear(p + "self_attn.q_a_proj", d.q_lora_rank, H, &L.q_a);
-      b.tensor(p + "self_attn.q_a_layernorm.weight", {d.q_lora_rank}, &L.q_a_norm);
-      b.linear(p + "self_attn.q_b_proj", nh * qk, d.q_lora_rank, &L.q_b);
+      linear(p + "self_attn.q_a_proj", d.q_lora_rank, H, &L.q_a);
+      tensor(p + "self_attn.q_a_layernorm.weight", {d.q_lora_rank}, &L.q_a_norm);
+      linear(p + "self_attn.q_b_proj", nh * qk, d.q_lora_rank, &L.q_b);
     } else {
-      b.linear(p + "self_attn.q_proj", nh * qk, H, &L.q_proj);
+      linear(p + "self_attn.q_proj", nh * qk, H, &L.q_proj);
     }
-    b.linear(p + "self_attn.kv_a_proj_with_mqa", d.kv_lora_rank + d.qk_rope_head_dim, H, &L.kv_a);
-    b.tensor(p + "self_attn.kv_a_layernorm.weight", {d.kv_lora_rank}, &L.kv_a_norm);
-    b.linear(p + "self_attn.kv_b_proj", nh * (d.qk_nope_head_dim + d.v_head_dim), d.kv_lora_rank, &L.kv_b);
-    b.linear(p + "self_attn.o_proj", H, nh * d.v_head_dim, &L.o_proj);
-    auto mlp = [&](const std::string& m, int64_t I, DeepseekMlp* out) {
-      b.linear(m + "gate_proj", I, H, &out->gate);
-      b.linear(m + "up_proj", I, H, &out->up);
-      b.linear(m + "down_proj", H, I, &out->down);
+    linear(p + "self_attn.kv_a_proj_with_mqa", d.kv_lora_rank + d.qk_rope_head_dim, H, &L.kv_a);
+    tensor(p + "self_attn.kv_a_layernorm.weight", {d.kv_lora_rank}, &L.kv_a_norm);
+    linear(p + "self_attn.kv_b_proj", nh * (d.qk_nope_head_dim + d.v_head_dim), d.kv_lora_rank, &L.kv_b);
+    linear(p + "self_attn.o_proj", H, nh * d.v_head_dim, &L.o_proj);
+    auto mlp = [&](const std::string& m, int64_t I, DeepseekMlp* out, bool expert) {
+      linear(m + "gate_proj", I, H, &out->gate, expert);
+      linear(m + "up_proj", I, H, &out->up, expert);
+      linear(m + "down_proj", H, I, &out->down, expert);
     };
     L.moe = l >= d.first_k_dense_replace;
     if (!L.moe) {
-      mlp(p + "mlp.", c.intermediate, &L.dense);
+      mlp(p + "mlp.", c.intermediate, &L.dense, false);
       continue;
     }
-    b.tensor(p + "mlp.gate.weight", {E, H}, &L.router);
-    if (d.topk_method == MoeTopk::NoauxTc) b.tensor(p + "mlp.gate.e_score_correction_bias", {E}, &L.router_bias);
+    tensor(p + "mlp.gate.weight", {E, H}, &L.router);
+    if (d.topk_method == MoeTopk::NoauxTc) tensor(p + "mlp.gate.e_score_correction_bias", {E}, &L.router_bias);
     L.experts.resize(size_t(E));
-    for (int64_t e = 0; e < E; ++e) mlp(p + "mlp.experts." + std::to_string(e) + ".", Im, &L.experts[size_t(e)]);
-    if (d.n_shared_experts > 0) mlp(p + "mlp.shared_experts.", Im * d.n_shared_experts, &L.shared);
+    for (int64_t e = 0; e < E; ++e) mlp(p + "mlp.experts." + std::to_string(e) + ".", Im, &L.experts[size_t(e)], true);
+    if (d.n_shared_experts > 0) mlp(p + "mlp.shared_experts.", Im * d.n_shared_experts, &L.shared, false);
   }
-  b.tensor("model.norm.weight", {H}, &w.final_norm);
-  if (!c.tied_embeddings) b.tensor("lm_head.weight", {V, H}, &w.lm_head);
+  tensor("model.norm.weight", {H}, &w.final_norm);
+  if (!c.tied_embeddings) tensor("lm_head.weight", {V, H}, &w.lm_head);
+  return t;
+}
+
+DeepseekWeights bind_deepseek_weights(const Checkpoint& ckpt) {
+  const ModelConfig& c = ckpt.config();
+  TALON_CHECK(is_deepseek(c.arch), "{}: bind_deepseek_weights on a {} model", ckpt.source(), arch_name(c.arch));
+  DeepseekWeights w;
+  Binder b(ckpt);
+  for (const DeepseekTensorSpec& s : deepseek_weight_table(c, w)) {
+    if (s.linear)
+      b.linear(s.name, s.shape[0], s.shape[1], s.linear);
+    else
+      b.tensor(s.name, s.shape, s.tensor);
+  }
   b.finish(arch_name(c.arch));
   if (c.tied_embeddings) w.lm_head = w.embed;
   return w;

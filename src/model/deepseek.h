@@ -52,6 +52,24 @@ struct DeepseekWeights {
   WeightRef lm_head;     // [V, H] (the embedding when tied)
 };
 
+// One entry of the layout above, in checkpoint order. A float tensor (norm, router, bias)
+// binds to `tensor` with exactly `shape`; a linear layer's `name` is its prefix (`.weight`
+// or the quantized forms are appended), `shape` its logical [O, I], and it binds to
+// `linear`. `routed_expert`: a routed expert's projection (these are the int4 ones in
+// compressed-tensors checkpoints).
+struct DeepseekTensorSpec {
+  std::string name;
+  std::vector<int64_t> shape;
+  WeightRef* tensor = nullptr;
+  QuantWeight* linear = nullptr;
+  bool routed_expert = false;
+};
+
+// The layout for config `c`, with `w` sized to it (layers, experts) and every entry
+// pointing into `w`. bind_deepseek_weights fills it from a checkpoint; the random
+// checkpoint (model/random_checkpoint.h) writes its tensor list from it.
+std::vector<DeepseekTensorSpec> deepseek_weight_table(const ModelConfig& c, DeepseekWeights& w);
+
 DeepseekWeights bind_deepseek_weights(const Checkpoint& ckpt);
 
 }  // namespace talon

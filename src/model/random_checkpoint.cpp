@@ -22,52 +22,28 @@ struct Spec {
   std::array<int64_t, 2> logical{};  // I64: the values it holds, the weight's [O, I]
 };
 
-// The DeepSeek-family layout as bind_deepseek_weights reads it; routed experts int4
-// pack-quantized when the config says compressed-tensors with a group size.
+// The DeepSeek-family layout (deepseek_weight_table, as bind_deepseek_weights reads it):
+// linear layers bf16, routed experts int4 pack-quantized when the config says
+// compressed-tensors with a group size.
 std::vector<Spec> deepseek_specs(const ModelConfig& c) {
-  const DeepseekConfig& d = c.ds;
-  const int64_t H = c.hidden, nh = c.n_heads, qk = d.qk_head_dim(), E = d.n_routed_experts;
-  const int64_t Im = d.moe_intermediate_size, g = d.int4_group;
-  const bool int4 = d.quant_method == "compressed-tensors" && g > 0;
+  const int64_t g = c.ds.int4_group;
+  const bool int4 = c.ds.quant_method == "compressed-tensors" && g > 0;
+  DeepseekWeights w;
   std::vector<Spec> v;
-  auto lin = [&](const std::string& p, int64_t O, int64_t I, bool quant) {
-    if (!quant) return v.push_back({p + ".weight", {O, I}, "BF16"});
-    v.push_back({p + ".weight_packed", {O, (I + 7) / 8}, "I32"});
-    v.push_back({p + ".weight_scale", {O, (I + g - 1) / g}, "BF16"});
-    v.push_back({p + ".weight_shape", {2}, "I64", {O, I}});
-  };
-  v.push_back({"model.embed_tokens.weight", {c.vocab, H}, "BF16"});
-  for (int64_t l = 0; l < c.n_layers; ++l) {
-    const std::string p = "model.layers." + std::to_string(l) + ".";
-    v.push_back({p + "input_layernorm.weight", {H}, "BF16"});
-    v.push_back({p + "post_attention_layernorm.weight", {H}, "BF16"});
-    if (d.q_lora_rank > 0) {
-      lin(p + "self_attn.q_a_proj", d.q_lora_rank, H, false);
-      v.push_back({p + "self_attn.q_a_layernorm.weight", {d.q_lora_rank}, "BF16"});
-      lin(p + "self_attn.q_b_proj", nh * qk, d.q_lora_rank, false);
-    } else {
-      lin(p + "self_attn.q_proj", nh * qk, H, false);
-    }
-    lin(p + "self_attn.kv_a_proj_with_mqa", d.kv_lora_rank + d.qk_rope_head_dim, H, false);
-    v.push_back({p + "self_attn.kv_a_layernorm.weight", {d.kv_lora_rank}, "BF16"});
-    lin(p + "self_attn.kv_b_proj", nh * (d.qk_nope_head_dim + d.v_head_dim), d.kv_lora_rank, false);
-    lin(p + "self_attn.o_proj", H, nh * d.v_head_dim, false);
-    auto mlp = [&](const std::string& m, int64_t I, bool quant) {
-      lin(m + "gate_proj", I, H, quant);
-      lin(m + "up_proj", I, H, quant);
-      lin(m + "down_proj", H, I, quant);
-    };
-    if (l < d.first_k_dense_replace) {
-      mlp(p + "mlp.", c.intermediate, false);
+  for (const DeepseekTensorSpec& s : deepseek_weight_table(c, w)) {
+    if (!s.linear) {
+      v.push_back({s.name, s.shape, "BF16"});
       continue;
     }
-    v.push_back({p + "mlp.gate.weight", {E, H}, "BF16"});
-    if (d.topk_method == MoeTopk::NoauxTc) v.push_back({p + "mlp.gate.e_score_correction_bias", {E}, "BF16"});
-    for (int64_t e = 0; e < E; ++e) mlp(p + "mlp.experts." + std::to_string(e) + ".", Im, int4);
-    if (d.n_shared_experts > 0) mlp(p + "mlp.shared_experts.", Im * d.n_shared_experts, false);
+    const int64_t O = s.shape[0], I = s.shape[1];
+    if (!(int4 && s.routed_expert)) {
+      v.push_back({s.name + ".weight", {O, I}, "BF16"});
+      continue;
+    }
+    v.push_back({s.name + ".weight_packed", {O, (I + 7) / 8}, "I32"});
+    v.push_back({s.name + ".weight_scale", {O, (I + g - 1) / g}, "BF16"});
+    v.push_back({s.name + ".weight_shape", {2}, "I64", {O, I}});
   }
-  v.push_back({"model.norm.weight", {H}, "BF16"});
-  if (!c.tied_embeddings) v.push_back({"lm_head.weight", {c.vocab, H}, "BF16"});
   return v;
 }
 

@@ -5,6 +5,7 @@
 
 #include "backend/cuda/check.h"
 #include "backend/cuda/decode_ops.h"
+#include "backend/cuda/warp.cuh"
 
 namespace talon::cuda {
 
@@ -15,14 +16,6 @@ constexpr int kThreads = 128;               // 4 warps per attention block
 constexpr int kMaxPairs = 16;               // (query head, dim) pairs per thread: G * hd <= 2048
 constexpr float kLog2e = 1.4426950408889634f;
 
-__device__ __forceinline__ float warp_sum(float v) {
-  for (int o = kWarp / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
-__device__ __forceinline__ float warp_max(float v) {
-  for (int o = kWarp / 2; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-  return v;
-}
 
 __device__ __forceinline__ void copy16_async(bf16* smem_dst, const bf16* global_src) {
   const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem_dst));

@@ -3,6 +3,7 @@
 
 #include "backend/cuda/check.h"
 #include "backend/cuda/deepseek_ops.h"
+#include "backend/cuda/warp.cuh"
 
 namespace talon::cuda {
 
@@ -63,12 +64,12 @@ __global__ void rmsnorm_f32_kernel(float* out, const float* x, const bf16* w, in
   const float* xr = x + int64_t(blockIdx.x) * C;
   float ss = 0.f;
   for (int64_t i = threadIdx.x; i < C; i += blockDim.x) ss += xr[i] * xr[i];
-  for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+  ss = warp_sum(ss);
   if (threadIdx.x % 32 == 0) sh[threadIdx.x / 32] = ss;
   __syncthreads();
   if (threadIdx.x < 32) {
     float v = threadIdx.x < blockDim.x / 32 ? sh[threadIdx.x] : 0.f;
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    v = warp_sum(v);
     if (threadIdx.x == 0) sh[0] = v;
   }
   __syncthreads();
@@ -87,7 +88,7 @@ __global__ void router_kernel(float* logits, const float* x, const float* W, int
     const float* b = W + e * H;
     float acc = 0.f;
     for (int64_t i = lane; i < H; i += 32) acc += a[i] * b[i];
-    for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+    acc = warp_sum(acc);
     if (lane == 0) logits[warp] = acc;
   }
 }

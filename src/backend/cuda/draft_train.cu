@@ -8,6 +8,7 @@
 
 #include "backend/cuda/check.h"
 #include "backend/cuda/draft_engine.h"
+#include "backend/cuda/warp.cuh"
 
 #define CUBLASV2_CHECK(expr)                                                                          \
   do {                                                                                                \
@@ -30,10 +31,6 @@ enum T : int { FC, IN_LN, HNORM, WQ, WK, WV, WO, POST_LN, GATE, UP, DOWN, NORM, 
 
 unsigned nblocks(int64_t n, int per) { return unsigned((n + per - 1) / per); }
 
-__device__ __forceinline__ float warp_sum(float v) {
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
 
 // Sum over the block (blockDim a multiple of 32), the same order every time.
 __device__ float block_sum(float v, float* sh) {
@@ -382,13 +379,13 @@ __global__ void tc_softmax_kernel(float* S, float* sd, float* lse, const float* 
     for (int64_t p = threadIdx.x; p <= t; p += blockDim.x) m = fmaxf(m, row[p]);
     for (int j = 1 + threadIdx.x; j <= k; j += blockDim.x) m = fmaxf(m, dg[j]);
     // block max
-    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+    m = warp_max(m);
     const int w = threadIdx.x >> 5, l = threadIdx.x & 31, nw = blockDim.x >> 5;
     if (l == 0) sh[w] = m;
     __syncthreads();
     if (w == 0) {
       float x = l < nw ? sh[l] : -INFINITY;
-      for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
+      x = warp_max(x);
       if (l == 0) sh[32] = x;
     }
     __syncthreads();

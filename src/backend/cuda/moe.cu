@@ -29,6 +29,7 @@
 #include "backend/cuda/check.h"
 #include "backend/cuda/moe.h"
 #include "backend/cuda/tensor_core.cuh"
+#include "backend/cuda/warp.cuh"
 
 namespace talon::cuda {
 
@@ -94,7 +95,7 @@ __global__ void route_kernel(int32_t* idx, float* weights, const float* logits, 
   } else {
     float m = -INFINITY;
     for (int e = lane; e < E; e += 32) m = fmaxf(m, lg[e]);
-    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+    m = warp_max(m);
     double z = 0;
     for (int e = lane; e < E; e += 32) z += exp(double(lg[e]) - m);
     for (int o = 16; o > 0; o >>= 1) z += __shfl_xor_sync(0xffffffffu, z, o);

@@ -8,6 +8,7 @@
 
 #include "backend/cuda/check.h"
 #include "backend/cuda/ops.h"
+#include "backend/cuda/warp.cuh"
 
 namespace talon::cuda {
 
@@ -23,10 +24,6 @@ namespace {
 
 constexpr int kWarp = 32;
 
-__device__ __forceinline__ float warp_sum(float v) {
-  for (int o = kWarp / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
 
 // Sum over a block of up to 1024 threads; every thread gets the result.
 __device__ float block_sum(float v) {

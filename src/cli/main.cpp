@@ -110,6 +110,13 @@ int main(int argc, char** argv) {
   cmd_tr->add_option("--model", tr.model, "The target model the features came from")->required();
   cmd_tr->add_option("--out", tr.out, "Run directory (checkpoint.safetensors, metrics.jsonl); rerun to resume")->required();
   cmd_tr->add_option("--draft-vocab", tr.draft_vocab, "Draft vocabulary size (capped at the target's)")->capture_default_str();
+  cmd_tr->add_option("--draft-intermediate", tr.draft_shape.intermediate,
+                     "Draft MLP width (default: the target's intermediate_size)");
+  cmd_tr->add_option("--draft-heads", tr.draft_shape.heads, "Draft attention heads (default: the target's)");
+  cmd_tr->add_option("--draft-kv-heads", tr.draft_shape.kv_heads,
+                     "Draft kv heads (default: the target's; as many as heads for MLA targets)");
+  cmd_tr->add_option("--draft-head-dim", tr.draft_shape.head_dim,
+                     "Draft head size (default: the target's; v_head_dim for MLA targets)");
   cmd_tr->add_option("--ttt-steps", tr.ttt_steps, "Training-time-test steps K")->capture_default_str();
   cmd_tr->add_option("--step-decay", tr.step_decay, "Loss weight decay per TTT step")->capture_default_str();
   cmd_tr->add_flag("--norm-before-residual", tr.norm_before_residual, "Residual from hidden_norm(g) instead of g");

@@ -9,18 +9,41 @@
 
 namespace talon::eagle3 {
 
+RopeConfig draft_rope_for(const ModelConfig& tc) {
+  if (!is_deepseek(tc.arch)) return tc.rope;
+  RopeConfig r;
+  r.theta = tc.rope.theta;
+  return r;
+}
+
 DraftConfig draft_config_for(const ModelConfig& tc, int64_t vd) {
   DraftConfig c;
   c.H = tc.hidden;
   c.I = tc.intermediate;
   c.n_heads = tc.n_heads;
-  c.n_kv_heads = tc.n_kv_heads;
-  c.head_dim = tc.head_dim;
+  c.n_kv_heads = is_deepseek(tc.arch) ? tc.n_heads : tc.n_kv_heads;
+  c.head_dim = is_deepseek(tc.arch) ? tc.ds.v_head_dim : tc.head_dim;
   c.V = tc.vocab;
   c.Vd = std::min(vd, tc.vocab);
   c.rms_eps = tc.rms_eps;
-  c.rope = tc.rope;
+  c.rope = draft_rope_for(tc);
   return c;
+}
+
+void apply_draft_shape(DraftConfig& c, const DraftShape& s) {
+  auto set = [](int64_t& field, int64_t v, const char* opt) {
+    if (v == 0) return;
+    TALON_CHECK(v > 0, "{} {}: expected a positive size", opt, v);
+    field = v;
+  };
+  set(c.I, s.intermediate, "--draft-intermediate");
+  set(c.n_heads, s.heads, "--draft-heads");
+  set(c.n_kv_heads, s.kv_heads, "--draft-kv-heads");
+  set(c.head_dim, s.head_dim, "--draft-head-dim");
+  TALON_CHECK(c.n_heads % c.n_kv_heads == 0,
+              "--draft-heads {} / --draft-kv-heads {}: the heads must be a multiple of the kv heads", c.n_heads,
+              c.n_kv_heads);
+  TALON_CHECK(c.head_dim % 2 == 0, "--draft-head-dim {}: RoPE needs an even head size", c.head_dim);
 }
 
 DraftVocab build_draft_vocab(const std::vector<int64_t>& counts, int64_t vd) {

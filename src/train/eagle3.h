@@ -35,7 +35,25 @@ struct DraftConfig {
 
 // A draft with the target's sizes (hidden, MLP width, heads, head size, vocabulary, RMSNorm
 // eps, RoPE) and a draft vocabulary of min(vd, V) ids; the other fields at their defaults.
+// For MLA + MoE targets (DeepSeek-V2/V3, Kimi-K2) the draft is still a Llama layer: the
+// target's hidden size, dense MLP width (intermediate_size) and head count, as many kv
+// heads as heads, head size v_head_dim, and RoPE as draft_rope_for gives it.
 DraftConfig draft_config_for(const ModelConfig& target, int64_t vd);
+
+// The draft's RoPE: the target's, except for the DeepSeek family, whose YaRN long-context
+// scaling (and interleaved rope half of MLA heads) belongs to its own attention: there the
+// draft rotates its whole head the Llama way at the target's base, unscaled.
+RopeConfig draft_rope_for(const ModelConfig& target);
+
+// Optional draft sizes that replace the target-derived ones (0: keep). The hidden size is
+// always the target's (the draft reads the target's embeddings and hidden states).
+struct DraftShape {
+  int64_t intermediate = 0, heads = 0, kv_heads = 0, head_dim = 0;
+  bool any() const { return intermediate || heads || kv_heads || head_dim; }
+};
+// Applies `s` to `c`; fails naming the option when the result is not a valid layer (sizes
+// positive, heads a multiple of kv heads, an even head size).
+void apply_draft_shape(DraftConfig& c, const DraftShape& s);
 
 // fp32, row-major [out, in] like PyTorch.
 struct DraftWeights {

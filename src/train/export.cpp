@@ -266,7 +266,7 @@ TrainedDraft load_trained_draft(const fs::path& path, const ModelConfig& tc, con
   c.Vd = int_field(dj, "draft_vocab_size", dw);
   c.rms_eps = num_field(dj, "rms_norm_eps", dw);
   c.norm_before_residual = bool_field(dj, "norm_before_residual", dw);
-  c.rope = tc.rope;
+  c.rope = eagle3::draft_rope_for(tc);
   if (job.contains("ttt_steps") && job["ttt_steps"].is_number_integer()) c.ttt_steps = job["ttt_steps"].get<int>();
   TALON_CHECK(c.H == tc.hidden, "{}: hidden_size is {}, but --model {} has hidden_size {}", dw, c.H, target_source,
               tc.hidden);

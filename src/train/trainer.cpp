@@ -14,6 +14,7 @@
 #include "data/features.h"
 #include "io/safetensors.h"
 #include "model/checkpoint.h"
+#include "model/deepseek.h"
 #include "model/dense.h"
 #include "model/model.h"
 #include "data/samples.h"
@@ -138,11 +139,6 @@ TrainReport run_train(const TrainOptions& opt) {
   const GpuMath gpu_math = parse_gpu_math(opt.gpu_math);
   auto ckpt = open_checkpoint(opt.model);
   const ModelConfig& tc = ckpt->config();
-  // The draft layer takes its attention / MLP shape from the target's dense config; for
-  // MLA + MoE targets that mapping is not defined yet (docs/deepseek.md).
-  TALON_CHECK(!is_deepseek(tc.arch),
-              "{}: talon train does not support {} targets yet (talon extract does; see docs/deepseek.md)",
-              ckpt->source(), arch_name(tc.arch));
   const int64_t H = tc.hidden, V = tc.vocab, L = tc.n_layers;
 
   // Samples (truncated to --max-length). Offline: tokens and features from an extract
@@ -241,12 +237,20 @@ TrainReport run_train(const TrainOptions& opt) {
     for (size_t t = 0; t < ts.ids.size(); ++t)
       if (ts.mask[t]) counts[size_t(ts.ids[t])]++;
 
-  DenseWeights tw = bind_dense_weights(*ckpt);
-  const std::vector<float> embed = weight_f32(tw.embed), fnorm = weight_f32(tw.final_norm),
-                           head = weight_f32(tw.lm_head);
+  // The target's embeddings, final norm and lm_head (bound as the model's own loader binds
+  // them, so a checkpoint that the model would refuse is refused here too).
+  std::vector<float> embed, fnorm, head;
+  if (is_deepseek(tc.arch)) {
+    const DeepseekWeights tw = bind_deepseek_weights(*ckpt);
+    embed = weight_f32(tw.embed), fnorm = weight_f32(tw.final_norm), head = weight_f32(tw.lm_head);
+  } else {
+    const DenseWeights tw = bind_dense_weights(*ckpt);
+    embed = weight_f32(tw.embed), fnorm = weight_f32(tw.final_norm), head = weight_f32(tw.lm_head);
+  }
   TargetHead tgt{embed.data(), fnorm.data(), head.data(), tc.rms_eps};
 
   DraftConfig c = draft_config_for(tc, opt.draft_vocab);
+  apply_draft_shape(c, opt.draft_shape);
   c.norm_before_residual = opt.norm_before_residual;
   c.ttt_steps = opt.ttt_steps;
   c.step_decay = opt.step_decay;
@@ -304,6 +308,9 @@ TrainReport run_train(const TrainOptions& opt) {
     job["online"] = true;
     job["aux_layer_ids"] = aux_ids;
   }
+  if (opt.draft_shape.any())  // (likewise: only jobs that change the draft's sizes)
+    job["draft_shape"] = {{"intermediate_size", c.I}, {"num_attention_heads", c.n_heads},
+                          {"num_key_value_heads", c.n_kv_heads}, {"head_dim", c.head_dim}};
   fs::create_directories(opt.out);
   const fs::path cpath = opt.out / kCheckpointName, mpath = opt.out / kMetricsName;
   int64_t step = 0;
@@ -318,6 +325,9 @@ TrainReport run_train(const TrainOptions& opt) {
     std::vector<std::string> diffs;
     for (auto& [k, v] : job.items())
       if (st["job"].value(k, json()) != v) diffs.push_back(fmt::format("{}: {} vs now {}", k, st["job"].value(k, json()).dump(), v.dump()));
+    if (st["job"].is_object())  // keys only the checkpoint's job has (say draft_shape)
+      for (auto& [k, v] : st["job"].items())
+        if (!job.contains(k)) diffs.push_back(fmt::format("{}: {} vs now none", k, v.dump()));
     if (!diffs.empty())
       fail("{}: belongs to a different training job ({}); use another --out", cpath.string(),
            fmt::format("{}", fmt::join(diffs, "; ")));

@@ -25,6 +25,7 @@ struct TrainOptions {
   fs::path model;  // the target checkpoint (embeddings, final norm, lm_head)
   fs::path out;    // run directory: checkpoint.safetensors, metrics.jsonl
   int64_t draft_vocab = 32000;  // capped at the target vocabulary
+  eagle3::DraftShape draft_shape;  // sizes that replace the target-derived ones (0: keep)
   int ttt_steps = 7;
   double step_decay = 0.8;
   bool norm_before_residual = false;

@@ -1,7 +1,7 @@
 // Draft-training throughput on one GPU for a target shape (random weights and features):
 // optimizer steps of packed samples through the same GpuDraftTrainer `talon train
 // --device cuda` uses; reports tokens/s, the share of the FLOP roofline and device memory.
-//   talon_bench_train [--shape llama3-8b|smollm2] [--seq 2048] [--samples 2] [--steps 6]
+//   talon_bench_train [--shape llama3-8b|kimi-k2|smollm2] [--seq 2048] [--samples 2] [--steps 6]
 //                     [--math bf16|tf32|f32] [--ttt 7] [--draft-vocab 32000] [--peak-tflops 779]
 #include <cuda_runtime.h>
 
@@ -40,11 +40,14 @@ int main(int argc, char** argv) {
     if (shape == "llama3-8b") {
       c.H = 4096, c.I = 14336, c.n_heads = 32, c.n_kv_heads = 8, c.head_dim = 128, c.V = 128256;
       c.rope.theta = 500000;
+    } else if (shape == "kimi-k2") {  // the draft talon train makes for Kimi-K2 (docs/deepseek.md)
+      c.H = 7168, c.I = 18432, c.n_heads = 64, c.n_kv_heads = 64, c.head_dim = 128, c.V = 163840;
+      c.rope.theta = 50000;
     } else if (shape == "smollm2") {
       c.H = 576, c.I = 1536, c.n_heads = 9, c.n_kv_heads = 3, c.head_dim = 64, c.V = 49152;
       c.rope.theta = 100000;
     } else {
-      fail("--shape {}: expected llama3-8b or smollm2", shape);
+      fail("--shape {}: expected llama3-8b, kimi-k2 or smollm2", shape);
     }
     c.Vd = std::min(vd, c.V);
     c.ttt_steps = ttt;

@@ -29,6 +29,7 @@ SHAPES = {
     # H, I, heads, kv heads, head_dim, V, rope theta
     "llama3-8b": (4096, 14336, 32, 8, 128, 128256, 500000.0),
     "smollm2": (576, 1536, 9, 3, 64, 49152, 100000.0),
+    "kimi-k2": (7168, 18432, 64, 64, 128, 163840, 50000.0),  # the draft talon train makes for Kimi-K2
 }
 NORMS = ("in_ln", "hidden_norm", "post_ln", "norm")
 

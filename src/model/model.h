@@ -82,6 +82,10 @@ std::unique_ptr<Model> make_cpu_model(const Checkpoint& ckpt);
 // absorbed_mla: attention in the weight-absorbed form (over the shared latent; what decoding
 // caches) instead of the expanded one; the same function.
 std::unique_ptr<Model> make_cpu_deepseek_model(const Checkpoint& ckpt, bool absorbed_mla = false);
+class Decoder;
+// The cached decoder of that family (the absorbed form over a latent + k_pe cache);
+// make_cpu_decoder dispatches to it.
+std::unique_ptr<Decoder> make_cpu_deepseek_decoder(const Checkpoint& ckpt, int n_slots, int64_t max_len);
 // The same family on one GPU (backend/cuda/cuda_deepseek.cpp); make_cuda_model dispatches here.
 std::unique_ptr<Model> make_cuda_deepseek_model(const Checkpoint& ckpt, int device);
 

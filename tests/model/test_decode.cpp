@@ -125,6 +125,10 @@ TEST_P(Decode, TreeNodesEqualForwardsOfTheirPaths) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Fixtures, Decode, ::testing::Values("llama_gqa", "qwen2", "qwen3", "mistral"));
+// MLA + MoE: the decoder caches the normalized latent and k_pe and attends in the absorbed
+// form; the reference is the expanded-form forward.
+INSTANTIATE_TEST_SUITE_P(DeepSeek, Decode,
+                         ::testing::Values("deepseek_v2", "deepseek_v3", "deepseek_v3_noqlora", "kimi_k2_int4"));
 
 TEST(Decode, SlidingWindowMatchesTheFullForward) {
   // The mistral fixture with a 5-token window (the full forward's window rule is the reference).
@@ -154,32 +158,30 @@ TEST(Decode, SlidingWindowMatchesTheFullForward) {
   }
 }
 
-TEST(Decode, DeepseekTargetsAreRefusedByName) {
-  auto ck = open_checkpoint(fixture("deepseek_v3"));
-  EXPECT_NE(error_of([&] { make_cpu_decoder(*ck, 1, 8); }).find("has no cached decoder yet"), std::string::npos);
-}
-
 TEST(Decode, MalformedRequestsAreRefused) {
-  auto ck = open_checkpoint(fixture("llama_gqa"));
-  auto dec = make_cpu_decoder(*ck, 2, 8);
-  EXPECT_NE(error_of([&] { dec->forward({{2, {1}, {}, true}}, Capture{}, nullptr); }).find("slot 2 outside [0, 2)"),
-            std::string::npos);
-  EXPECT_NE(error_of([&] { dec->forward({{0, {1, 2, 3, 4, 5, 6, 7, 8, 9}, {}, true}}, Capture{}, nullptr); })
-                .find("more than max_len 8"),
-            std::string::npos);
-  EXPECT_NE(error_of([&] { dec->forward({{0, {1, 2}, {-1, 1}, true}}, Capture{}, nullptr); }).find("parent 1 of token 1"),
-            std::string::npos);
-  EXPECT_NE(error_of([&] { dec->forward({{0, {1, 2}, {-1}, true}}, Capture{}, nullptr); }).find("2 tokens but 1 parents"),
-            std::string::npos);
-  EXPECT_NE(error_of([&] { dec->forward({{0, {1}, {}, true}, {0, {2}, {}, true}}, Capture{}, nullptr); })
-                .find("appears twice"),
-            std::string::npos);
-  dec->forward({{1, {1, 2, 3}, {-1, -1, 1}, true}}, Capture{}, nullptr);
-  EXPECT_NE(error_of([&] { dec->forward({{1, {4}, {}, true}}, Capture{}, nullptr); }).find("uncommitted"),
-            std::string::npos);
-  EXPECT_NE(error_of([&] { dec->commit(1, {0, 2}); }).find("does not continue the kept path"), std::string::npos);
-  dec->commit(1, {1, 2});
-  EXPECT_EQ(dec->length(1), 2);
+  for (const char* name : {"llama_gqa", "deepseek_v3"}) {
+    SCOPED_TRACE(name);
+    auto ck = open_checkpoint(fixture(name));
+    auto dec = make_cpu_decoder(*ck, 2, 8);
+    EXPECT_NE(error_of([&] { dec->forward({{2, {1}, {}, true}}, Capture{}, nullptr); }).find("slot 2 outside [0, 2)"),
+              std::string::npos);
+    EXPECT_NE(error_of([&] { dec->forward({{0, {1, 2, 3, 4, 5, 6, 7, 8, 9}, {}, true}}, Capture{}, nullptr); })
+                  .find("more than max_len 8"),
+              std::string::npos);
+    EXPECT_NE(error_of([&] { dec->forward({{0, {1, 2}, {-1, 1}, true}}, Capture{}, nullptr); }).find("parent 1 of token 1"),
+              std::string::npos);
+    EXPECT_NE(error_of([&] { dec->forward({{0, {1, 2}, {-1}, true}}, Capture{}, nullptr); }).find("2 tokens but 1 parents"),
+              std::string::npos);
+    EXPECT_NE(error_of([&] { dec->forward({{0, {1}, {}, true}, {0, {2}, {}, true}}, Capture{}, nullptr); })
+                  .find("appears twice"),
+              std::string::npos);
+    dec->forward({{1, {1, 2, 3}, {-1, -1, 1}, true}}, Capture{}, nullptr);
+    EXPECT_NE(error_of([&] { dec->forward({{1, {4}, {}, true}}, Capture{}, nullptr); }).find("uncommitted"),
+              std::string::npos);
+    EXPECT_NE(error_of([&] { dec->commit(1, {0, 2}); }).find("does not continue the kept path"), std::string::npos);
+    dec->commit(1, {1, 2});
+    EXPECT_EQ(dec->length(1), 2);
+  }
 }
 
 }  // namespace

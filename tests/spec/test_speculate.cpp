@@ -86,7 +86,7 @@ TEST(DraftTree, SelectionKeepsAncestorsAndOrdersParentsFirst) {
 
 // Target-only greedy decoding vs speculation, token for token, across prompts and modes.
 TEST(Speculate, GreedyOutputEqualsTargetOnlyGreedy) {
-  for (const std::string fx : {"llama_gqa", "qwen3"}) {
+  for (const std::string fx : {"llama_gqa", "qwen3", "deepseek_v3"}) {
     auto ck = open_checkpoint(fixture(fx));
     const ModelConfig& tc = ck->config();
     auto dec = make_cpu_decoder(*ck, 1, 256);

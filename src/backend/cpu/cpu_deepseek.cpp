@@ -35,7 +35,9 @@
 #include <algorithm>
 #include <cmath>
 
+#include "backend/cpu/kv_slots.h"
 #include "backend/cpu/ops.h"
+#include "model/decode.h"
 #include "model/deepseek.h"
 #include "model/model.h"
 #include "util/error.h"
@@ -82,25 +84,68 @@ class CpuDeepseekModel final : public Model {
   void forward(const Batch& b, const Capture& cap, float* logits) override {
     const ModelConfig& c = cfg_;
     const DeepseekConfig& d = c.ds;
-    const int64_t N = b.n_tokens(), H = c.hidden, nh = c.n_heads;
+    const int64_t N = b.n_tokens(), nh = c.n_heads;
+    const int64_t nope = d.qk_nope_head_dim, rope = d.qk_rope_head_dim, qk = d.qk_head_dim(), vd = d.v_head_dim;
+    const int64_t kvr = d.kv_lora_rank;
+    cap.validate(c.n_layers, b);
+    const std::vector<int32_t> pos = b.positions();
+    const std::vector<int64_t> dst = cap.dst_rows(b);
+    std::vector<float> kv, k, v;
+    auto attend = [&](int64_t, const float* q, const float* lat, const float* ckv, const QuantWeight& kv_b,
+                      float* att) {
+      if (absorbed_) {
+        absorbed_attention(att, q, N, lat, kvr, ckv + kvr, kvr + rope, kv_b, [&](int64_t n, std::vector<int64_t>& keys) {
+          int64_t s = 0;
+          while (b.seq_start[size_t(s + 1)] <= n) ++s;
+          keys.clear();
+          for (int64_t j = b.seq_start[size_t(s)]; j <= n; ++j) keys.push_back(j);
+        });
+        return;
+      }
+      kv.resize(size_t(N * nh * (nope + vd)));
+      k.resize(size_t(N * nh * qk));
+      v.resize(size_t(N * nh * vd));
+      linear(kv.data(), lat, kv_b, N);  // [N, nh, nope + v]
+      // Expand: k[n, h] = [k_nope(n, h) | k_pe(n)], v[n, h] from kv_b's output.
+      for (int64_t n = 0; n < N; ++n)
+        for (int64_t h = 0; h < nh; ++h) {
+          const float* src = kv.data() + (n * nh + h) * (nope + vd);
+          float* kd = k.data() + (n * nh + h) * qk;
+          std::copy_n(src, nope, kd);
+          std::copy_n(ckv + n * (kvr + rope) + kvr, rope, kd + nope);
+          std::copy_n(src + nope, vd, v.data() + (n * nh + h) * vd);
+        }
+      cpu::attention_mha_forward(att, q, k.data(), v.data(), b.seq_start.data(), b.n_seqs(), nh, qk, vd,
+                                 float(d.softmax_scale));
+    };
+    std::vector<int64_t> rows;
+    if (logits)
+      for (int64_t n = 0; n < N; ++n) rows.push_back(n);
+    run(b.tokens.data(), pos.data(), N, attend,
+        [&](int64_t l, const float* x) { cpu::capture_rows(cap, int(l), x, N, c.hidden, dst.data()); }, rows, logits);
+  }
+
+  // The layer stack over N rows at positions pos. attend(l, q, lat, ckv, kv_b, att) fills
+  // att [N, nh * v] from q [N, nh, nope + rope] and ckv [N, kvr + rope] (RoPE applied to
+  // their rope parts) and the normalized latent lat [N, kvr]; capture(l, x) sees h[l]
+  // (l = 0..L); logits [rows, V] for the rows listed (in that order).
+  template <class Attend, class CaptureFn>
+  void run(const int32_t* tokens, const int32_t* pos, int64_t N, Attend&& attend, CaptureFn&& capture,
+           const std::vector<int64_t>& logit_rows, float* logits) {
+    const ModelConfig& c = cfg_;
+    const DeepseekConfig& d = c.ds;
+    const int64_t H = c.hidden, nh = c.n_heads;
     const int64_t nope = d.qk_nope_head_dim, rope = d.qk_rope_head_dim, qk = d.qk_head_dim(), vd = d.v_head_dim;
     const int64_t kvr = d.kv_lora_rank, K = d.num_experts_per_tok;
     const float eps = float(c.rms_eps);
-    cap.validate(c.n_layers, b);
-
-    const std::vector<int32_t> pos = b.positions();
-    const std::vector<int64_t> dst = cap.dst_rows(b);
-
     auto buf = [](int64_t n) { return std::vector<float>(static_cast<size_t>(n)); };
     std::vector<float> x = buf(N * H), xn = buf(N * H), tmp = buf(N * H);
     std::vector<float> qa = buf(N * std::max<int64_t>(d.q_lora_rank, 1)), q = buf(N * nh * qk);
-    std::vector<float> ckv = buf(N * (kvr + rope)), lat = buf(N * kvr), kv = buf(N * nh * (nope + vd));
-    std::vector<float> k = buf(N * nh * qk), v = buf(N * nh * vd), att = buf(N * nh * vd);
-    auto capture = [&](int64_t layer_id) { cpu::capture_rows(cap, int(layer_id), x.data(), N, H, dst.data()); };
+    std::vector<float> ckv = buf(N * (kvr + rope)), lat = buf(N * kvr), att = buf(N * nh * vd);
 
-    cpu::embedding_forward(x.data(), b.tokens.data(), embed_.data, embed_.dtype, N, H, c.vocab);  // h[0]
+    cpu::embedding_forward(x.data(), tokens, embed_.data, embed_.dtype, N, H, c.vocab);  // h[0]
     for (int64_t l = 0; l < c.n_layers; ++l) {
-      capture(l);  // h[l]: the input of layer l
+      capture(l, x.data());  // h[l]: the input of layer l
       const Layer& L = layers_[size_t(l)];
       const DeepseekLayer& W = *L.w;
       // ---- MLA attention block
@@ -118,61 +163,34 @@ class CpuDeepseekModel final : public Model {
       cpu::rmsnorm_forward(lat.data(), lat.data(), L.kv_a_norm.data(), N, kvr, kLatentNormEps);
       // RoPE on q's rope part (every head) and on the single shared k_pe.
       const float af = float(c.rope.attention_factor);
-      cpu::rope_strided_forward(q.data() + nope, pos.data(), inv_freq_.data(), N, nh, nh * qk, qk, rope,
-                                d.rope_interleave, af);
-      cpu::rope_strided_forward(ckv.data() + kvr, pos.data(), inv_freq_.data(), N, 1, kvr + rope, 0, rope,
-                                d.rope_interleave, af);
-      if (absorbed_) {
-        absorbed_attention(att.data(), q.data(), lat.data(), ckv.data(), W.kv_b, b);
-        linear(tmp.data(), att.data(), W.o_proj, N);
-        cpu::residual_forward(x.data(), tmp.data(), N * H);
-        mlp_block(x, xn, tmp, L, N, K);
-        continue;
-      }
-      linear(kv.data(), lat.data(), W.kv_b, N);  // [N, nh, nope + v]
-      // Expand: k[n, h] = [k_nope(n, h) | k_pe(n)], v[n, h] from kv_b's output.
-      for (int64_t n = 0; n < N; ++n)
-        for (int64_t h = 0; h < nh; ++h) {
-          const float* src = kv.data() + (n * nh + h) * (nope + vd);
-          float* kd = k.data() + (n * nh + h) * qk;
-          std::copy_n(src, nope, kd);
-          std::copy_n(ckv.data() + n * (kvr + rope) + kvr, rope, kd + nope);
-          std::copy_n(src + nope, vd, v.data() + (n * nh + h) * vd);
-        }
-      cpu::attention_mha_forward(att.data(), q.data(), k.data(), v.data(), b.seq_start.data(), b.n_seqs(), nh, qk, vd,
-                                 float(d.softmax_scale));
+      cpu::rope_strided_forward(q.data() + nope, pos, inv_freq_.data(), N, nh, nh * qk, qk, rope, d.rope_interleave,
+                                af);
+      cpu::rope_strided_forward(ckv.data() + kvr, pos, inv_freq_.data(), N, 1, kvr + rope, 0, rope, d.rope_interleave,
+                                af);
+      attend(l, q.data(), lat.data(), ckv.data(), W.kv_b, att.data());
       linear(tmp.data(), att.data(), W.o_proj, N);
       cpu::residual_forward(x.data(), tmp.data(), N * H);
       mlp_block(x, xn, tmp, L, N, K);
     }
-    capture(c.n_layers);  // h[L]: before the final norm
-    if (logits) {
-      cpu::rmsnorm_forward(xn.data(), x.data(), final_norm_.data(), N, H, eps);
-      linear(logits, xn.data(), lm_head_, N);
-    }
-  }
-
- private:
-  // x += the layer's MLP (dense, or routed + shared experts) of rmsnorm(x).
-  void mlp_block(std::vector<float>& x, std::vector<float>& xn, std::vector<float>& tmp, const Layer& L, int64_t N,
-                 int64_t K) {
-    const int64_t H = cfg_.hidden;
-    cpu::rmsnorm_forward(xn.data(), x.data(), L.mlp_norm.data(), N, H, float(cfg_.rms_eps));
-    if (!L.w->moe)
-      mlp(tmp.data(), xn.data(), L.w->dense, N);
-    else
-      moe(tmp.data(), xn.data(), L, N, K);
-    cpu::residual_forward(x.data(), tmp.data(), N * H);
+    capture(c.n_layers, x.data());  // h[L]: before the final norm
+    if (!logits || logit_rows.empty()) return;
+    const int64_t R = int64_t(logit_rows.size());
+    std::vector<float> xr = buf(R * H);
+    for (int64_t i = 0; i < R; ++i) std::copy_n(x.data() + logit_rows[size_t(i)] * H, H, xr.data() + i * H);
+    cpu::rmsnorm_forward(xr.data(), xr.data(), final_norm_.data(), R, H, eps);
+    linear(logits, xr.data(), lm_head_, R);
   }
 
   // The weight-absorbed MLA (see the header): att [N, nh, v] from q [N, nh, nope + rope] (RoPE
-  // applied), the normalized latent lat [N, kvr], ckv [N, kvr + rope] (k_pe, RoPE applied, at
-  // column kvr) and kv_b [nh (nope + v), kvr].
-  void absorbed_attention(float* att, const float* q, const float* lat, const float* ckv, const QuantWeight& kv_b,
-                          const Batch& b) {
+  // applied), latent rows lat (row j at lat + j * lat_stride, kvr values), k_pe rows (RoPE
+  // applied, at kpe + j * kpe_stride) and kv_b [nh (nope + v), kvr]; keys_of(n, keys) lists
+  // the rows query n attends to, in position order.
+  template <class Keys>
+  void absorbed_attention(float* att, const float* q, int64_t N, const float* lat, int64_t lat_stride, const float* kpe,
+                          int64_t kpe_stride, const QuantWeight& kv_b, Keys&& keys_of) {
     const DeepseekConfig& d = cfg_.ds;
-    const int64_t N = b.n_tokens(), nh = cfg_.n_heads, nope = d.qk_nope_head_dim, rope = d.qk_rope_head_dim;
-    const int64_t qk = nope + rope, vd = d.v_head_dim, kvr = d.kv_lora_rank, lkv = kvr + rope;
+    const int64_t nh = cfg_.n_heads, nope = d.qk_nope_head_dim, rope = d.qk_rope_head_dim;
+    const int64_t qk = nope + rope, vd = d.v_head_dim, kvr = d.kv_lora_rank;
     std::vector<float> wkv(size_t(kv_b.rows * kv_b.cols));
     dequantize(kv_b, wkv.data());
     // q_lat[n, h, :] = W_UK[h]^T q_nope[n, h]
@@ -188,35 +206,34 @@ class CpuDeepseekModel final : public Model {
         }
       }
     const float scale = float(d.softmax_scale);
-#pragma omp parallel
+#pragma omp parallel if (N * nh * kvr >= cpu::kParallelMinWork / 4)
     {
       std::vector<float> p, o(static_cast<size_t>(kvr));
-#pragma omp for collapse(2) schedule(dynamic)
-      for (int64_t n = 0; n < N; ++n)
+      std::vector<int64_t> keys;
+#pragma omp for schedule(dynamic)
+      for (int64_t n = 0; n < N; ++n) {
+        keys_of(n, keys);
         for (int64_t h = 0; h < nh; ++h) {
-          int64_t s = 0;
-          while (b.seq_start[size_t(s + 1)] <= n) ++s;
-          const int64_t j0 = b.seq_start[size_t(s)];
           const float* ql = q_lat.data() + (n * nh + h) * kvr;
           const float* qp = q + (n * nh + h) * qk + nope;
-          p.assign(size_t(n - j0 + 1), 0.f);
+          p.assign(keys.size(), 0.f);
           float mx = -INFINITY;
-          for (int64_t j = j0; j <= n; ++j) {
-            const float* cj = lat + j * kvr;
-            const float* kp = ckv + j * lkv + kvr;
+          for (size_t i = 0; i < keys.size(); ++i) {
+            const float* cj = lat + keys[i] * lat_stride;
+            const float* kp = kpe + keys[i] * kpe_stride;
             float sc = 0.f;
             for (int64_t r = 0; r < kvr; ++r) sc += ql[r] * cj[r];
             for (int64_t r = 0; r < rope; ++r) sc += qp[r] * kp[r];
             sc *= scale;
-            p[size_t(j - j0)] = sc;
+            p[i] = sc;
             mx = std::max(mx, sc);
           }
           double z = 0;
           for (auto& v : p) z += (v = std::exp(v - mx));
           std::fill(o.begin(), o.end(), 0.f);
-          for (int64_t j = j0; j <= n; ++j) {
-            const float w = float(p[size_t(j - j0)] / z);
-            const float* cj = lat + j * kvr;
+          for (size_t i = 0; i < keys.size(); ++i) {
+            const float w = float(p[i] / z);
+            const float* cj = lat + keys[i] * lat_stride;
             for (int64_t r = 0; r < kvr; ++r) o[size_t(r)] += w * cj[r];
           }
           // out[n, h] = W_UV[h] o
@@ -228,7 +245,21 @@ class CpuDeepseekModel final : public Model {
             out[i] = acc;
           }
         }
+      }
     }
+  }
+
+ private:
+  // x += the layer's MLP (dense, or routed + shared experts) of rmsnorm(x).
+  void mlp_block(std::vector<float>& x, std::vector<float>& xn, std::vector<float>& tmp, const Layer& L, int64_t N,
+                 int64_t K) {
+    const int64_t H = cfg_.hidden;
+    cpu::rmsnorm_forward(xn.data(), x.data(), L.mlp_norm.data(), N, H, float(cfg_.rms_eps));
+    if (!L.w->moe)
+      mlp(tmp.data(), xn.data(), L.w->dense, N);
+    else
+      moe(tmp.data(), xn.data(), L, N, K);
+    cpu::residual_forward(x.data(), tmp.data(), N * H);
   }
 
   // out[N, O] = in[N, I] @ w^T. Plain 4-byte-aligned weights are used in place; anything
@@ -314,7 +345,78 @@ class CpuDeepseekModel final : public Model {
   bool absorbed_ = false;
 };
 
+// The cached decoder of this family: per slot and layer, each token's normalized latent and
+// k_pe, [c | k_pe] (kv_lora_rank + rope floats: what the absorbed form attends over), in
+// fp32. The layer stack is the absorbed CpuDeepseekModel's; only the attention differs: a
+// row attends to its slot's cached rows (cpu::KvSlots).
+class CpuDeepseekDecoder final : public Decoder {
+ public:
+  CpuDeepseekDecoder(const Checkpoint& ckpt, int n_slots, int64_t max_len)
+      : m_(ckpt, true),
+        kv_(n_slots, ckpt.config().n_layers, ckpt.config().ds.kv_lora_rank + ckpt.config().ds.qk_rope_head_dim,
+            max_len) {
+    pending_.assign(size_t(n_slots), 0);
+  }
+  const ModelConfig& config() const override { return m_.config(); }
+  std::string backend() const override { return "cpu (absorbed MLA)"; }
+  int n_slots() const override { return kv_.n_slots(); }
+  int64_t max_len() const override { return kv_.max_len(); }
+  int64_t length(int slot) const override { return kv_.length(slot); }
+
+  void forward(const std::vector<DecodeRequest>& reqs, const Capture& cap, float* logits) override {
+    const ModelConfig& c = m_.config();
+    const int64_t kvr = c.ds.kv_lora_rank, rope = c.ds.qk_rope_head_dim, lkv = kvr + rope;
+    const int64_t qk = c.ds.qk_head_dim(), nh = c.n_heads, vd = c.ds.v_head_dim;
+    cap.validate(c.n_layers);
+    cpu::KvSlots::Plan plan = kv_.plan(reqs);
+    const int64_t N = int64_t(plan.rows.size());
+    std::vector<int64_t> dst(static_cast<size_t>(N));
+    for (int64_t r = 0; r < N; ++r) dst[size_t(r)] = r;
+    auto attend = [&](int64_t l, const float* q, const float* lat, const float* ckv, const QuantWeight& kv_b,
+                      float* att) {
+      for (int64_t r = 0; r < N; ++r) {  // the new rows join their slots' caches (pending)
+        float* row = kv_.row(plan.rows[size_t(r)].slot, l, kv_.cache_row(plan, r));
+        std::copy_n(lat + r * kvr, kvr, row);
+        std::copy_n(ckv + r * lkv + kvr, rope, row + kvr);
+      }
+      // One request (one slot's cache) at a time.
+      for (int64_t first = 0; first < N;) {
+        const int slot = plan.rows[size_t(first)].slot;
+        int64_t n = 0;
+        while (first + n < N && plan.rows[size_t(first + n)].slot == slot) ++n;
+        const float* base = kv_.layer_rows(slot, l);
+        m_.absorbed_attention(att + first * nh * vd, q + first * nh * qk, n, base, lkv, base + kvr, lkv, kv_b,
+                              [&](int64_t i, std::vector<int64_t>& keys) { kv_.keys(plan, first + i, 0, keys); });
+        first += n;
+      }
+    };
+    m_.run(plan.tokens.data(), plan.pos.data(), N, attend,
+           [&](int64_t l, const float* x) { cpu::capture_rows(cap, int(l), x, N, c.hidden, dst.data()); },
+           logits ? plan.logit_rows : std::vector<int64_t>{}, logits);
+    kv_.finish(reqs, plan);
+    for (const auto& r : reqs) pending_[size_t(r.slot)] = int64_t(r.tokens.size());
+  }
+
+  void commit(int slot, const std::vector<int32_t>& keep) override {
+    kv_.commit(slot, keep);
+    pending_[size_t(slot)] = 0;
+  }
+  void reset(int slot) override {
+    kv_.reset(slot);
+    pending_[size_t(slot)] = 0;
+  }
+
+ private:
+  CpuDeepseekModel m_;
+  cpu::KvSlots kv_;
+};
+
 }  // namespace
+
+std::unique_ptr<Decoder> make_cpu_deepseek_decoder(const Checkpoint& ckpt, int n_slots, int64_t max_len) {
+  TALON_CHECK(is_deepseek(ckpt.config().arch), "{}: not a DeepSeek-family model", ckpt.source());
+  return std::make_unique<CpuDeepseekDecoder>(ckpt, n_slots, max_len);
+}
 
 std::unique_ptr<Model> make_cpu_deepseek_model(const Checkpoint& ckpt, bool absorbed_mla) {
   TALON_CHECK(is_deepseek(ckpt.config().arch), "{}: not a DeepSeek-family model", ckpt.source());

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <functional>
 
+#include "backend/cpu/kv_slots.h"
 #include "backend/cpu/ops.h"
 #include "model/decode.h"
 #include "model/dense.h"
@@ -158,91 +159,40 @@ class CpuDenseModel final : public Model {
   DenseStack w_;
 };
 
-// The cached decoder: per slot and layer, keys and values [tokens, nkv*hd] in fp32; a
-// forward appends the new tokens' rows after the committed ones (pending), commit moves
-// the kept rows down to follow the prefix.
+// The cached decoder: per slot and layer, each token's key and value [k | v] (2*nkv*hd
+// floats) in fp32 (cpu::KvSlots keeps the committed and pending rows).
 class CpuDecoder final : public Decoder {
  public:
-  CpuDecoder(const Checkpoint& ckpt, int n_slots, int64_t max_len) : w_(ckpt), max_len_(max_len) {
-    TALON_CHECK(n_slots > 0 && max_len > 0, "decoder: need at least one slot and one token (got {} x {})", n_slots,
-                max_len);
-    slots_.resize(size_t(n_slots));
-    for (auto& s : slots_) {
-      s.k.resize(size_t(w_.cfg.n_layers));
-      s.v.resize(size_t(w_.cfg.n_layers));
-    }
+  CpuDecoder(const Checkpoint& ckpt, int n_slots, int64_t max_len)
+      : w_(ckpt), kv_(n_slots, w_.cfg.n_layers, 2 * w_.cfg.n_kv_heads * w_.cfg.head_dim, max_len) {
     pending_.assign(size_t(n_slots), 0);
   }
   const ModelConfig& config() const override { return w_.cfg; }
   std::string backend() const override { return "cpu"; }
-  int n_slots() const override { return int(slots_.size()); }
-  int64_t max_len() const override { return max_len_; }
-  int64_t length(int slot) const override { return at(slot).len; }
+  int n_slots() const override { return kv_.n_slots(); }
+  int64_t max_len() const override { return kv_.max_len(); }
+  int64_t length(int slot) const override { return kv_.length(slot); }
 
   void forward(const std::vector<DecodeRequest>& reqs, const Capture& cap, float* logits) override {
     const ModelConfig& c = w_.cfg;
     const int64_t kvd = c.n_kv_heads * c.head_dim;
     cap.validate(c.n_layers);
-    // Rows of the packed forward, and what each row attends to.
-    struct Row {
-      int slot;
-      int64_t first;  // the request's first row
-      int64_t index;  // index within the request
-    };
-    std::vector<Row> rows;
-    std::vector<int32_t> tokens, pos;
-    std::vector<std::vector<int32_t>> parents;  // per request
-    std::vector<int64_t> logit_rows;
-    std::vector<uint8_t> seen(slots_.size(), 0);
-    for (size_t ri = 0; ri < reqs.size(); ++ri) {
-      const DecodeRequest& r = reqs[ri];
-      Slot& s = at(r.slot);
-      TALON_CHECK(!seen[size_t(r.slot)], "decoder: slot {} appears twice in one forward", r.slot);
-      seen[size_t(r.slot)] = 1;
-      TALON_CHECK(pending_[size_t(r.slot)] == 0, "decoder: slot {} has {} uncommitted tokens from its last forward",
-                  r.slot, pending_[size_t(r.slot)]);
-      const int64_t n = int64_t(r.tokens.size());
-      TALON_CHECK(n > 0, "decoder: request for slot {} has no tokens", r.slot);
-      TALON_CHECK(s.len + n <= max_len_, "decoder: slot {} would hold {} tokens, more than max_len {}", r.slot,
-                  s.len + n, max_len_);
-      const std::vector<int32_t> depth = request_depths(r);
-      std::vector<int32_t> par(static_cast<size_t>(n));
-      for (int64_t i = 0; i < n; ++i) par[size_t(i)] = r.parents.empty() ? int32_t(i - 1) : r.parents[size_t(i)];
-      parents.push_back(std::move(par));
-      const int64_t first = int64_t(rows.size());
-      for (int64_t i = 0; i < n; ++i) {
-        rows.push_back({r.slot, first, i});
-        tokens.push_back(r.tokens[size_t(i)]);
-        pos.push_back(int32_t(s.len + depth[size_t(i)]));
-      }
-      if (r.all_logits)
-        for (int64_t i = 0; i < n; ++i) logit_rows.push_back(first + i);
-      else
-        logit_rows.push_back(first + n - 1);
-      for (int64_t l = 0; l < c.n_layers; ++l) {
-        s.k[size_t(l)].resize(size_t((s.len + n) * kvd));
-        s.v[size_t(l)].resize(size_t((s.len + n) * kvd));
-      }
-    }
-    const int64_t N = int64_t(rows.size());
-    std::vector<size_t> req_of(static_cast<size_t>(N));
-    for (size_t ri = 0, r0 = 0; ri < reqs.size(); r0 += reqs[ri].tokens.size(), ++ri)
-      for (size_t i = 0; i < reqs[ri].tokens.size(); ++i) req_of[r0 + i] = ri;
+    cpu::KvSlots::Plan plan = kv_.plan(reqs);
+    const int64_t N = int64_t(plan.rows.size());
     std::vector<int64_t> dst(static_cast<size_t>(N));
     for (int64_t r = 0; r < N; ++r) dst[size_t(r)] = r;
 
-    const int64_t nh = c.n_heads, nkv = c.n_kv_heads, hd = c.head_dim, group = nh / nkv, qw = nh * hd;
+    const int64_t nh = c.n_heads, hd = c.head_dim, group = nh / c.n_kv_heads, qw = nh * hd;
     const float scale = 1.0f / std::sqrt(float(hd));
     auto attend = [&](int64_t l, const float* q, const float* k, const float* v, float* att) {
       // Store the new keys and values as pending rows of their slots.
       for (int64_t r = 0; r < N; ++r) {
-        Slot& s = slots_[size_t(rows[size_t(r)].slot)];
-        const int64_t dstrow = s.len + rows[size_t(r)].index;
-        std::copy_n(k + r * kvd, kvd, s.k[size_t(l)].data() + dstrow * kvd);
-        std::copy_n(v + r * kvd, kvd, s.v[size_t(l)].data() + dstrow * kvd);
+        float* row = kv_.row(plan.rows[size_t(r)].slot, l, kv_.cache_row(plan, r));
+        std::copy_n(k + r * kvd, kvd, row);
+        std::copy_n(v + r * kvd, kvd, row + kvd);
       }
       int64_t pairs = 0;  // query-key pairs, at most
-      for (int64_t r = 0; r < N; ++r) pairs += slots_[size_t(rows[size_t(r)].slot)].len + rows[size_t(r)].index + 1;
+      for (int64_t r = 0; r < N; ++r) pairs += kv_.cache_row(plan, r) + 1;
 #pragma omp parallel if (pairs * nh * hd >= cpu::kParallelMinWork)
       {
         std::vector<int64_t> keys;  // cache rows this query attends to, ascending
@@ -250,87 +200,36 @@ class CpuDecoder final : public Decoder {
         std::vector<double> acc(static_cast<size_t>(hd));
 #pragma omp for schedule(dynamic, 4)
         for (int64_t r = 0; r < N; ++r) {
-          const Row& row = rows[size_t(r)];
-          const Slot& s = slots_[size_t(row.slot)];
-          const std::vector<int32_t>& par = parents[req_of[size_t(r)]];
-          const int64_t qpos = pos[size_t(r)];
-          keys.clear();
-          const int64_t lo = c.sliding_window > 0 ? std::max<int64_t>(0, qpos - c.sliding_window + 1) : 0;
-          for (int64_t j = lo; j < s.len; ++j) keys.push_back(j);
-          // Pending ancestors and self, in index order (= position order along the path).
-          const size_t mark = keys.size();
-          for (int64_t a = row.index; a >= 0; a = par[size_t(a)])
-            if (c.sliding_window <= 0 || qpos - pos[size_t(row.first + a)] < c.sliding_window) keys.push_back(s.len + a);
-          std::reverse(keys.begin() + std::ptrdiff_t(mark), keys.end());
-          const float* K = s.k[size_t(l)].data();
-          const float* Vv = s.v[size_t(l)].data();
+          kv_.keys(plan, r, c.sliding_window, keys);
+          const float* K = kv_.layer_rows(plan.rows[size_t(r)].slot, l);
           for (int64_t h = 0; h < nh; ++h) {
             const int64_t kh = h / group;
-            cpu::attend_row(att + r * qw + h * hd, q + r * qw + h * hd, K + kh * hd, kvd, Vv + kh * hd, kvd, keys.data(), 0,
-                            int64_t(keys.size()), hd, hd, scale, p, acc);
+            cpu::attend_row(att + r * qw + h * hd, q + r * qw + h * hd, K + kh * hd, 2 * kvd, K + kvd + kh * hd,
+                            2 * kvd, keys.data(), 0, int64_t(keys.size()), hd, hd, scale, p, acc);
           }
         }
       }
     };
-    w_.run(tokens.data(), pos.data(), N, attend,
+    w_.run(plan.tokens.data(), plan.pos.data(), N, attend,
            [&](int64_t l, const float* x) { cpu::capture_rows(cap, int(l), x, N, c.hidden, dst.data()); },
-           logits ? logit_rows : std::vector<int64_t>{}, logits);
+           logits ? plan.logit_rows : std::vector<int64_t>{}, logits);
+    kv_.finish(reqs, plan);
     for (const auto& r : reqs) pending_[size_t(r.slot)] = int64_t(r.tokens.size());
-    for (size_t ri = 0; ri < reqs.size(); ++ri) at(reqs[ri].slot).parents = parents[ri];
   }
 
   void commit(int slot, const std::vector<int32_t>& keep) override {
-    Slot& s = at(slot);
-    const int64_t n = pending_[size_t(slot)];
-    const int64_t kvd = w_.cfg.n_kv_heads * w_.cfg.head_dim;
-    int32_t prev = -1;
-    for (size_t i = 0; i < keep.size(); ++i) {
-      const int32_t k = keep[i];
-      TALON_CHECK(k >= 0 && k < n && k > prev && s.parents[size_t(k)] == prev,
-                  "decoder: commit of slot {}: token {} (entry {}) does not continue the kept path", slot, k, i);
-      prev = k;
-    }
-    for (int64_t l = 0; l < w_.cfg.n_layers; ++l)
-      for (size_t i = 0; i < keep.size(); ++i) {
-        if (int64_t(keep[i]) == int64_t(i)) continue;
-        auto& K = s.k[size_t(l)];
-        auto& V = s.v[size_t(l)];
-        std::copy_n(K.data() + (s.len + keep[i]) * kvd, kvd, K.data() + (s.len + int64_t(i)) * kvd);
-        std::copy_n(V.data() + (s.len + keep[i]) * kvd, kvd, V.data() + (s.len + int64_t(i)) * kvd);
-      }
-    s.len += int64_t(keep.size());
-    for (int64_t l = 0; l < w_.cfg.n_layers; ++l) {
-      s.k[size_t(l)].resize(size_t(s.len * kvd));
-      s.v[size_t(l)].resize(size_t(s.len * kvd));
-    }
+    kv_.commit(slot, keep);
     pending_[size_t(slot)] = 0;
-    s.parents.clear();
   }
 
   void reset(int slot) override {
-    Slot& s = at(slot);
-    s.len = 0;
-    for (auto& k : s.k) std::vector<float>().swap(k);
-    for (auto& v : s.v) std::vector<float>().swap(v);
-    s.parents.clear();
+    kv_.reset(slot);
     pending_[size_t(slot)] = 0;
   }
 
  private:
-  struct Slot {
-    int64_t len = 0;
-    std::vector<std::vector<float>> k, v;  // per layer [tokens, nkv*hd]
-    std::vector<int32_t> parents;          // of the pending tokens (a chain: i - 1)
-  };
-  Slot& at(int slot) {
-    TALON_CHECK(slot >= 0 && slot < int(slots_.size()), "decoder: slot {} outside [0, {})", slot, slots_.size());
-    return slots_[size_t(slot)];
-  }
-  const Slot& at(int slot) const { return const_cast<CpuDecoder*>(this)->at(slot); }
-
   DenseStack w_;
-  int64_t max_len_;
-  std::vector<Slot> slots_;
+  cpu::KvSlots kv_;
 };
 
 }  // namespace
@@ -341,9 +240,7 @@ std::unique_ptr<Model> make_cpu_model(const Checkpoint& ckpt) {
 }
 
 std::unique_ptr<Decoder> make_cpu_decoder(const Checkpoint& ckpt, int n_slots, int64_t max_len) {
-  TALON_CHECK(!is_deepseek(ckpt.config().arch),
-              "{}: {} has no cached decoder yet (generate and eval run the dense llama family); see docs/deepseek.md",
-              ckpt.source(), arch_name(ckpt.config().arch));
+  if (is_deepseek(ckpt.config().arch)) return make_cpu_deepseek_decoder(ckpt, n_slots, max_len);
   return std::make_unique<CpuDecoder>(ckpt, n_slots, max_len);
 }
 

@@ -383,7 +383,8 @@ class CudaDecoder final : public Decoder {
 
 std::unique_ptr<Decoder> make_cuda_decoder(const Checkpoint& ckpt, int device, int n_slots, int64_t max_len) {
   TALON_CHECK(!is_deepseek(ckpt.config().arch),
-              "{}: {} has no cached decoder yet (generate and eval run the dense llama family); see docs/deepseek.md",
+              "{}: {} has no CUDA decoder yet (generate and eval run this family on the CPU: --device cpu); "
+              "see docs/deepseek.md",
               ckpt.source(), arch_name(ckpt.config().arch));
   return std::make_unique<CudaDecoder>(ckpt, device, n_slots, max_len);
 }

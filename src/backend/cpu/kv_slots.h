@@ -29,8 +29,7 @@ class KvSlots {
     std::vector<std::vector<int32_t>> parents;  // per request (a chain: i - 1)
   };
 
-  KvSlots(int n_slots, int64_t n_layers, int64_t width, int64_t max_len)
-      : layers_(n_layers), width_(width), max_len_(max_len) {
+  KvSlots(int n_slots, int64_t n_layers, int64_t width, int64_t max_len) : width_(width), max_len_(max_len) {
     TALON_CHECK(n_slots > 0 && max_len > 0, "decoder: need at least one slot and one token (got {} x {})", n_slots,
                 max_len);
     slots_.resize(size_t(n_slots));
@@ -152,7 +151,7 @@ class KvSlots {
   Slot& at(int slot) { return slots_[size_t(check(slot))]; }
   const Slot& at(int slot) const { return slots_[size_t(check(slot))]; }
 
-  int64_t layers_, width_, max_len_;
+  int64_t width_, max_len_;
   std::vector<Slot> slots_;
   std::vector<int64_t> pending_;
 };

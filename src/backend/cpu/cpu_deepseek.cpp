@@ -349,33 +349,28 @@ class CpuDeepseekModel final : public Model {
 // k_pe, [c | k_pe] (kv_lora_rank + rope floats: what the absorbed form attends over), in
 // fp32. The layer stack is the absorbed CpuDeepseekModel's; only the attention differs: a
 // row attends to its slot's cached rows (cpu::KvSlots).
-class CpuDeepseekDecoder final : public Decoder {
+class CpuDeepseekDecoder final : public cpu::KvSlots {
  public:
   CpuDeepseekDecoder(const Checkpoint& ckpt, int n_slots, int64_t max_len)
-      : m_(ckpt, true),
-        kv_(n_slots, ckpt.config().n_layers, ckpt.config().ds.kv_lora_rank + ckpt.config().ds.qk_rope_head_dim,
-            max_len) {
-    pending_.assign(size_t(n_slots), 0);
-  }
+      : KvSlots(n_slots, ckpt.config().n_layers, ckpt.config().ds.kv_lora_rank + ckpt.config().ds.qk_rope_head_dim,
+                max_len),
+        m_(ckpt, true) {}
   const ModelConfig& config() const override { return m_.config(); }
   std::string backend() const override { return "cpu (absorbed MLA)"; }
-  int n_slots() const override { return kv_.n_slots(); }
-  int64_t max_len() const override { return kv_.max_len(); }
-  int64_t length(int slot) const override { return kv_.length(slot); }
 
   void forward(const std::vector<DecodeRequest>& reqs, const Capture& cap, float* logits) override {
     const ModelConfig& c = m_.config();
     const int64_t kvr = c.ds.kv_lora_rank, rope = c.ds.qk_rope_head_dim, lkv = kvr + rope;
     const int64_t qk = c.ds.qk_head_dim(), nh = c.n_heads, vd = c.ds.v_head_dim;
     cap.validate(c.n_layers);
-    cpu::KvSlots::Plan plan = kv_.plan(reqs);
+    cpu::KvSlots::Plan plan = plan_forward(reqs);
     const int64_t N = int64_t(plan.rows.size());
     std::vector<int64_t> dst(static_cast<size_t>(N));
     for (int64_t r = 0; r < N; ++r) dst[size_t(r)] = r;
     auto attend = [&](int64_t l, const float* q, const float* lat, const float* ckv, const QuantWeight& kv_b,
                       float* att) {
       for (int64_t r = 0; r < N; ++r) {  // the new rows join their slots' caches (pending)
-        float* row = kv_.row(plan.rows[size_t(r)].slot, l, kv_.cache_row(plan, r));
+        float* row = cache_ptr(plan.rows[size_t(r)].slot, l, cache_row(plan, r));
         std::copy_n(lat + r * kvr, kvr, row);
         std::copy_n(ckv + r * lkv + kvr, rope, row + kvr);
       }
@@ -384,31 +379,20 @@ class CpuDeepseekDecoder final : public Decoder {
         const int slot = plan.rows[size_t(first)].slot;
         int64_t n = 0;
         while (first + n < N && plan.rows[size_t(first + n)].slot == slot) ++n;
-        const float* base = kv_.layer_rows(slot, l);
+        const float* base = layer_rows(slot, l);
         m_.absorbed_attention(att + first * nh * vd, q + first * nh * qk, n, base, lkv, base + kvr, lkv, kv_b,
-                              [&](int64_t i, std::vector<int64_t>& keys) { kv_.keys(plan, first + i, 0, keys); });
+                              [&](int64_t i, std::vector<int64_t>& keys) { attended_rows(plan, first + i, 0, keys); });
         first += n;
       }
     };
     m_.run(plan.tokens.data(), plan.pos.data(), N, attend,
            [&](int64_t l, const float* x) { cpu::capture_rows(cap, int(l), x, N, c.hidden, dst.data()); },
            logits ? plan.logit_rows : std::vector<int64_t>{}, logits);
-    kv_.finish(reqs, plan);
-    for (const auto& r : reqs) pending_[size_t(r.slot)] = int64_t(r.tokens.size());
-  }
-
-  void commit(int slot, const std::vector<int32_t>& keep) override {
-    kv_.commit(slot, keep);
-    pending_[size_t(slot)] = 0;
-  }
-  void reset(int slot) override {
-    kv_.reset(slot);
-    pending_[size_t(slot)] = 0;
+    finish(reqs, plan);
   }
 
  private:
   CpuDeepseekModel m_;
-  cpu::KvSlots kv_;
 };
 
 }  // namespace

@@ -161,23 +161,19 @@ class CpuDenseModel final : public Model {
 
 // The cached decoder: per slot and layer, each token's key and value [k | v] (2*nkv*hd
 // floats) in fp32 (cpu::KvSlots keeps the committed and pending rows).
-class CpuDecoder final : public Decoder {
+class CpuDecoder final : public cpu::KvSlots {
  public:
   CpuDecoder(const Checkpoint& ckpt, int n_slots, int64_t max_len)
-      : w_(ckpt), kv_(n_slots, w_.cfg.n_layers, 2 * w_.cfg.n_kv_heads * w_.cfg.head_dim, max_len) {
-    pending_.assign(size_t(n_slots), 0);
-  }
+      : KvSlots(n_slots, ckpt.config().n_layers, 2 * ckpt.config().n_kv_heads * ckpt.config().head_dim, max_len),
+        w_(ckpt) {}
   const ModelConfig& config() const override { return w_.cfg; }
   std::string backend() const override { return "cpu"; }
-  int n_slots() const override { return kv_.n_slots(); }
-  int64_t max_len() const override { return kv_.max_len(); }
-  int64_t length(int slot) const override { return kv_.length(slot); }
 
   void forward(const std::vector<DecodeRequest>& reqs, const Capture& cap, float* logits) override {
     const ModelConfig& c = w_.cfg;
     const int64_t kvd = c.n_kv_heads * c.head_dim;
     cap.validate(c.n_layers);
-    cpu::KvSlots::Plan plan = kv_.plan(reqs);
+    cpu::KvSlots::Plan plan = plan_forward(reqs);
     const int64_t N = int64_t(plan.rows.size());
     std::vector<int64_t> dst(static_cast<size_t>(N));
     for (int64_t r = 0; r < N; ++r) dst[size_t(r)] = r;
@@ -187,12 +183,12 @@ class CpuDecoder final : public Decoder {
     auto attend = [&](int64_t l, const float* q, const float* k, const float* v, float* att) {
       // Store the new keys and values as pending rows of their slots.
       for (int64_t r = 0; r < N; ++r) {
-        float* row = kv_.row(plan.rows[size_t(r)].slot, l, kv_.cache_row(plan, r));
+        float* row = cache_ptr(plan.rows[size_t(r)].slot, l, cache_row(plan, r));
         std::copy_n(k + r * kvd, kvd, row);
         std::copy_n(v + r * kvd, kvd, row + kvd);
       }
       int64_t pairs = 0;  // query-key pairs, at most
-      for (int64_t r = 0; r < N; ++r) pairs += kv_.cache_row(plan, r) + 1;
+      for (int64_t r = 0; r < N; ++r) pairs += cache_row(plan, r) + 1;
 #pragma omp parallel if (pairs * nh * hd >= cpu::kParallelMinWork)
       {
         std::vector<int64_t> keys;  // cache rows this query attends to, ascending
@@ -200,8 +196,8 @@ class CpuDecoder final : public Decoder {
         std::vector<double> acc(static_cast<size_t>(hd));
 #pragma omp for schedule(dynamic, 4)
         for (int64_t r = 0; r < N; ++r) {
-          kv_.keys(plan, r, c.sliding_window, keys);
-          const float* K = kv_.layer_rows(plan.rows[size_t(r)].slot, l);
+          attended_rows(plan, r, c.sliding_window, keys);
+          const float* K = layer_rows(plan.rows[size_t(r)].slot, l);
           for (int64_t h = 0; h < nh; ++h) {
             const int64_t kh = h / group;
             cpu::attend_row(att + r * qw + h * hd, q + r * qw + h * hd, K + kh * hd, 2 * kvd, K + kvd + kh * hd,
@@ -213,23 +209,11 @@ class CpuDecoder final : public Decoder {
     w_.run(plan.tokens.data(), plan.pos.data(), N, attend,
            [&](int64_t l, const float* x) { cpu::capture_rows(cap, int(l), x, N, c.hidden, dst.data()); },
            logits ? plan.logit_rows : std::vector<int64_t>{}, logits);
-    kv_.finish(reqs, plan);
-    for (const auto& r : reqs) pending_[size_t(r.slot)] = int64_t(r.tokens.size());
-  }
-
-  void commit(int slot, const std::vector<int32_t>& keep) override {
-    kv_.commit(slot, keep);
-    pending_[size_t(slot)] = 0;
-  }
-
-  void reset(int slot) override {
-    kv_.reset(slot);
-    pending_[size_t(slot)] = 0;
+    finish(reqs, plan);
   }
 
  private:
   DenseStack w_;
-  cpu::KvSlots kv_;
 };
 
 }  // namespace

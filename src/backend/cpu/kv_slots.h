@@ -1,9 +1,10 @@
-// The cache bookkeeping of the CPU decoders (model/decode.h): per slot and layer, `width`
-// floats per token (what the attention of that model keeps: keys then values for the dense
-// family; the normalized latent then k_pe for MLA), the committed tokens first and after
-// them the pending tokens of the slot's last forward. It plans a forward (the packed rows,
-// their positions, the logit rows), lists the cache rows a row attends to, and commits or
-// drops pending rows. The arithmetic stays with the model.
+// The common base of the CPU decoders (model/decode.h): their cache bookkeeping. Per slot
+// and layer it keeps `width` floats per token (what that model's attention keeps: keys then
+// values for the dense family; the normalized latent then k_pe for MLA), the committed
+// tokens first and after them the pending tokens of the slot's last forward. It plans a
+// forward (the packed rows, their positions, the logit rows), lists the cache rows a row
+// attends to, and commits or drops pending rows; the pending counts are Decoder::pending_.
+// The arithmetic (config, backend, forward) stays with each model's decoder.
 #pragma once
 #include <algorithm>
 #include <cstdint>
@@ -14,7 +15,7 @@
 
 namespace talon::cpu {
 
-class KvSlots {
+class KvSlots : public Decoder {
  public:
   struct Row {
     int slot;
@@ -29,6 +30,39 @@ class KvSlots {
     std::vector<std::vector<int32_t>> parents;  // per request (a chain: i - 1)
   };
 
+  int n_slots() const override { return int(slots_.size()); }
+  int64_t max_len() const override { return max_len_; }
+  int64_t length(int slot) const override { return at(slot).len; }
+
+  void commit(int slot, const std::vector<int32_t>& keep) override {
+    Slot& s = at(slot);
+    const int64_t n = pending_[size_t(slot)];
+    int32_t prev = -1;
+    for (size_t i = 0; i < keep.size(); ++i) {
+      const int32_t k = keep[i];
+      TALON_CHECK(k >= 0 && k < n && k > prev && s.parents[size_t(k)] == prev,
+                  "decoder: commit of slot {}: token {} (entry {}) does not continue the kept path", slot, k, i);
+      prev = k;
+    }
+    for (auto& l : s.rows)
+      for (size_t i = 0; i < keep.size(); ++i)
+        if (int64_t(keep[i]) != int64_t(i))
+          std::copy_n(l.data() + (s.len + keep[i]) * width_, width_, l.data() + (s.len + int64_t(i)) * width_);
+    s.len += int64_t(keep.size());
+    for (auto& l : s.rows) l.resize(size_t(s.len * width_));
+    pending_[size_t(slot)] = 0;
+    s.parents.clear();
+  }
+
+  void reset(int slot) override {
+    Slot& s = at(slot);
+    s.len = 0;
+    for (auto& l : s.rows) std::vector<float>().swap(l);
+    s.parents.clear();
+    pending_[size_t(slot)] = 0;
+  }
+
+ protected:
   KvSlots(int n_slots, int64_t n_layers, int64_t width, int64_t max_len) : width_(width), max_len_(max_len) {
     TALON_CHECK(n_slots > 0 && max_len > 0, "decoder: need at least one slot and one token (got {} x {})", n_slots,
                 max_len);
@@ -37,14 +71,9 @@ class KvSlots {
     pending_.assign(size_t(n_slots), 0);
   }
 
-  int n_slots() const { return int(slots_.size()); }
-  int64_t max_len() const { return max_len_; }
-  int64_t length(int slot) const { return at(slot).len; }
-  int64_t pending(int slot) const { return pending_[size_t(check(slot))]; }
-
   // Checks the requests (each slot once, nothing pending, within max_len, well-formed
   // parents), makes room for their rows and returns the packed forward.
-  Plan plan(const std::vector<DecodeRequest>& reqs) {
+  Plan plan_forward(const std::vector<DecodeRequest>& reqs) {
     Plan p;
     std::vector<uint8_t> seen(slots_.size(), 0);
     for (size_t ri = 0; ri < reqs.size(); ++ri) {
@@ -78,7 +107,7 @@ class KvSlots {
   }
 
   // Cache row `i` (committed rows, then pending) of a slot at a layer.
-  float* row(int slot, int64_t layer, int64_t i) { return at(slot).rows[size_t(layer)].data() + i * width_; }
+  float* cache_ptr(int slot, int64_t layer, int64_t i) { return at(slot).rows[size_t(layer)].data() + i * width_; }
   const float* layer_rows(int slot, int64_t layer) const { return at(slot).rows[size_t(layer)].data(); }
   // Where packed row r of the plan lives in its slot's cache.
   int64_t cache_row(const Plan& p, int64_t r) const {
@@ -88,7 +117,7 @@ class KvSlots {
 
   // The cache rows packed row r attends to, ascending (= position order): the committed
   // rows inside the sliding window (window <= 0: all), then its pending ancestors and itself.
-  void keys(const Plan& p, int64_t r, int64_t window, std::vector<int64_t>& out) const {
+  void attended_rows(const Plan& p, int64_t r, int64_t window, std::vector<int64_t>& out) const {
     const Row& row = p.rows[size_t(r)];
     const Slot& s = at(row.slot);
     const std::vector<int32_t>& par = p.parents[row.req];
@@ -110,34 +139,6 @@ class KvSlots {
     }
   }
 
-  void commit(int slot, const std::vector<int32_t>& keep) {
-    Slot& s = at(slot);
-    const int64_t n = pending_[size_t(slot)];
-    int32_t prev = -1;
-    for (size_t i = 0; i < keep.size(); ++i) {
-      const int32_t k = keep[i];
-      TALON_CHECK(k >= 0 && k < n && k > prev && s.parents[size_t(k)] == prev,
-                  "decoder: commit of slot {}: token {} (entry {}) does not continue the kept path", slot, k, i);
-      prev = k;
-    }
-    for (auto& l : s.rows)
-      for (size_t i = 0; i < keep.size(); ++i)
-        if (int64_t(keep[i]) != int64_t(i))
-          std::copy_n(l.data() + (s.len + keep[i]) * width_, width_, l.data() + (s.len + int64_t(i)) * width_);
-    s.len += int64_t(keep.size());
-    for (auto& l : s.rows) l.resize(size_t(s.len * width_));
-    pending_[size_t(slot)] = 0;
-    s.parents.clear();
-  }
-
-  void reset(int slot) {
-    Slot& s = at(slot);
-    s.len = 0;
-    for (auto& l : s.rows) std::vector<float>().swap(l);
-    s.parents.clear();
-    pending_[size_t(slot)] = 0;
-  }
-
  private:
   struct Slot {
     int64_t len = 0;
@@ -153,7 +154,6 @@ class KvSlots {
 
   int64_t width_, max_len_;
   std::vector<Slot> slots_;
-  std::vector<int64_t> pending_;
 };
 
 }  // namespace talon::cpu

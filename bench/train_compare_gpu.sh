@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Draft training on one GPU, in one run: the GPU parity tests of the trainer, the bf16 GEMM
-# ceiling, Talon (`talon_bench_train`, as shipped and with the TALON_DRAFT_* switches that
-# are not yet the default) and the PyTorch peer (bench/train_peer.py, which first checks
-# itself against the oracle), then a table of tokens/s, memory and ratios.
+# ceiling, Talon (`talon_bench_train`, as shipped and with TALON_DRAFT_GEMM=fp32
+# TALON_DRAFT_LM_BACKWARD=backward, the older path) and the PyTorch peer
+# (bench/train_peer.py, which first checks itself against the oracle), then a table of
+# tokens/s, memory and ratios. Every log is kept under $LOGS (default: a temporary folder).
 #   bash scripts/gpu_build.sh && bash bench/train_compare_gpu.sh [SHAPE] ["SEQS"] [SAMPLES] [PEER_COMPILE]
 # e.g. bash bench/train_compare_gpu.sh llama3-8b "2048 4096" 1 full
 set -uo pipefail
@@ -36,27 +37,28 @@ rows=()
 tps() { sed -n 's/.*: \([0-9]*\) tokens\/s.*/\1/p' "$1" | tail -1; }
 mem_talon() { sed -n 's/.*device memory \([0-9.]*\) GiB.*/\1/p' "$1" | tail -1; }
 mem_peer() { sed -n 's/.*peak memory \([0-9.]*\) GiB.*/\1/p' "$1" | tail -1; }
-log=$(mktemp -d)
+log=${LOGS:-$(mktemp -d)}
+mkdir -p "$log"
 for seq in $SEQS; do
   echo "== seq $seq x $SAMPLES samples"
   build/talon_bench_train --shape "$SHAPE" --seq "$seq" --samples "$SAMPLES" --steps 7 --peak-tflops "$CEIL" \
     > "$log/talon-$seq" 2>&1
   tail -1 "$log/talon-$seq"
-  TALON_DRAFT_GEMM=bf16 TALON_DRAFT_LM_BACKWARD=forward build/talon_bench_train --shape "$SHAPE" --seq "$seq" \
-    --samples "$SAMPLES" --steps 7 --peak-tflops "$CEIL" > "$log/fast-$seq" 2>&1
-  tail -1 "$log/fast-$seq"
+  TALON_DRAFT_GEMM=fp32 TALON_DRAFT_LM_BACKWARD=backward build/talon_bench_train --shape "$SHAPE" --seq "$seq" \
+    --samples "$SAMPLES" --steps 7 --peak-tflops "$CEIL" > "$log/older-$seq" 2>&1
+  tail -1 "$log/older-$seq"
   python3 bench/train_peer.py --shape "$SHAPE" --seq "$seq" --samples "$SAMPLES" --steps 8 --compile "$PEER_COMPILE" \
     --peak-tflops "$CEIL" > "$log/peer-$seq" 2>&1
   grep -E "^check|^peer" "$log/peer-$seq" || tail -5 "$log/peer-$seq"
-  rows+=("$seq $(tps "$log/talon-$seq") $(tps "$log/fast-$seq") $(tps "$log/peer-$seq") $(mem_talon "$log/talon-$seq") $(mem_talon "$log/fast-$seq") $(mem_peer "$log/peer-$seq")")
+  rows+=("$seq $(tps "$log/talon-$seq") $(tps "$log/older-$seq") $(tps "$log/peer-$seq") $(mem_talon "$log/talon-$seq") $(mem_talon "$log/older-$seq") $(mem_peer "$log/peer-$seq")")
 done
 
 echo
-echo "| seq x samples | Talon tok/s | Talon, bf16 operands + lm backward in forward | peer tok/s | best Talon / peer | memory GiB (Talon / fast / peer) |"
+echo "| seq x samples | Talon tok/s | Talon, older path (fp32 operands, lm backward recomputed) | peer tok/s | Talon / peer | memory GiB (Talon / older / peer) |"
 echo "|---|---|---|---|---|---|"
 for r in "${rows[@]}"; do
   set -- $r
-  ratio=$(python3 -c "import sys; a=[float(x or 0) for x in sys.argv[1:]]; print(f'{max(a[0],a[1])/a[2]:.2f}x' if a[2] else '-')" "${2:-0}" "${3:-0}" "${4:-0}")
+  ratio=$(python3 -c "import sys; a=[float(x or 0) for x in sys.argv[1:]]; print(f'{a[0]/a[2]:.2f}x' if a[2] else '-')" "${2:-0}" "${3:-0}" "${4:-0}")
   echo "| $1 x $SAMPLES | ${2:--} | ${3:--} | ${4:--} | $ratio | ${5:--} / ${6:--} / ${7:--} |"
 done
-rm -rf "$log"
+[ -z "${LOGS:-}" ] && rm -rf "$log"

@@ -164,7 +164,7 @@ def check_against_oracle():
     per-row loop implementation, losses per step and every gradient."""
     sys.path.insert(0, os.path.join(HERE, "..", "tools"))
     import eagle3_oracle as orc
-    c = dict(H=32, I=48, nh=4, nkv=2, hd=8, V=96, Vd=40, T=13, K=7, eps=1e-5, theta=10000.0,
+    c = dict(H=64, I=96, nh=4, nkv=2, hd=16, V=96, Vd=40, T=13, K=7, eps=1e-5, theta=10000.0,
              norm_before_residual=False, decay=0.8)
     g = torch.Generator().manual_seed(3)
     rn = lambda *s, std=0.2: torch.randn(*s, generator=g, dtype=torch.float64) * std

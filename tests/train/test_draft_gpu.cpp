@@ -175,21 +175,24 @@ struct ScopedEnv {
   ~ScopedEnv() { unsetenv(name.c_str()); }
 };
 
-// TALON_DRAFT_LM_BACKWARD=forward: the lm_head's backward runs in the forward pass. Exact
-// fp32, so the reference's tolerances; only dW_lm's step order differs.
-TEST_P(GpuDraft, LmBackwardInForwardMatchesCpuReference) {
+// TALON_DRAFT_LM_BACKWARD=backward: the lm_head's backward recomputes the logits in the
+// backward pass, last step first like the reference (the default runs it in the forward
+// pass, right after each step's loss). Exact fp32, so the reference's tolerances.
+TEST_P(GpuDraft, LmBackwardInBackwardMatchesCpuReference) {
   REQUIRE_GPU();
-  ScopedEnv e("TALON_DRAFT_LM_BACKWARD", "forward");
+  ScopedEnv e("TALON_DRAFT_LM_BACKWARD", "backward");
   check_against_cpu(GetParam(), GpuMath::F32, tol::kGpuTttLossRel, tol::kGpuTttGradRel);
+  check_against_cpu(GetParam(), GpuMath::BF16, tol::kGpuTttBf16LossRel, tol::kGpuTttBf16GradRel);
 }
 
-// TALON_DRAFT_GEMM=bf16: products on bf16 operands in memory (weight copies, cast
-// activations); the same rounding as the bf16 compute mode, so the same tolerances.
-TEST_P(GpuDraft, Bf16OperandsStayClose) {
+// TALON_DRAFT_GEMM=fp32: bf16 math on fp32 operands in memory, rounded inside cuBLAS (the
+// default keeps bf16 operands in memory: weight copies, bf16 twins of activations). The same
+// rounding, so the same tolerances.
+TEST_P(GpuDraft, Bf16RoundedInsideCublasStaysClose) {
   REQUIRE_GPU();
-  ScopedEnv e("TALON_DRAFT_GEMM", "bf16");
+  ScopedEnv e("TALON_DRAFT_GEMM", "fp32");
   check_against_cpu(GetParam(), GpuMath::BF16, tol::kGpuTttBf16LossRel, tol::kGpuTttBf16GradRel);
-  ScopedEnv f("TALON_DRAFT_LM_BACKWARD", "forward");
+  ScopedEnv f("TALON_DRAFT_LM_BACKWARD", "backward");
   check_against_cpu(GetParam(), GpuMath::BF16, tol::kGpuTttBf16LossRel, tol::kGpuTttBf16GradRel);
 }
 
@@ -199,7 +202,6 @@ TEST_P(GpuDraft, Bf16OperandsStayClose) {
 // an earlier step's loss).
 TEST_P(GpuDraft, Bf16OperandsFollowWeightUpdates) {
   REQUIRE_GPU();
-  ScopedEnv e("TALON_DRAFT_GEMM", "bf16");
   Case cs(GetParam(), 5);
   const auto batch = cs.batch();
   train::OptimConfig oc;

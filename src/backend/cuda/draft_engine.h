@@ -78,6 +78,9 @@ class DraftEngine {
   void adamw(double lr, double beta1, double beta2, double eps, double weight_decay, const std::vector<uint8_t>& decay,
              int64_t t_after);
   size_t device_bytes() const;
+  // Pinned host buffers [max_rows, 3H] (aux) and [max_rows, H] (hidden) a batch can be
+  // packed into, so that prepare() uploads them asynchronously (made on first call).
+  std::pair<float*, float*> host_features();
   // For data parallel: the gradient buffer (all tensors, padded), its length, the stream
   // every operation runs on, and zeroing it.
   float* grad_data();

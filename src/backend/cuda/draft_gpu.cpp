@@ -1,3 +1,4 @@
+#include <algorithm>
 #include <cmath>
 
 #include <thread>
@@ -93,8 +94,19 @@ class CudaDraftTrainer final : public GpuDraftTrainer {
     mask_.resize(size_t(N));
     pos_.resize(size_t(N));
     len_.resize(size_t(N));
-    aux_.resize(size_t(N * 3 * H));
-    hid_.resize(size_t(N * H));
+    // The features go straight into the engine's pinned staging, in pieces of about 1M
+    // values copied in parallel (a batch is hundreds of MB at the 8B shape).
+    const auto [aux, hid] = eng_->host_features();
+    struct Piece {
+      float* dst;
+      const float* src;
+      int64_t n;
+    };
+    std::vector<Piece> pieces;
+    const auto split = [&pieces](float* dst, const float* src, int64_t n) {
+      constexpr int64_t kPiece = int64_t(1) << 20;
+      for (int64_t o = 0; o < n; o += kPiece) pieces.push_back({dst + o, src + o, std::min(kPiece, n - o)});
+    };
     int64_t r = 0;
     for (auto& s : batch) {
       for (int64_t t = 0; t < s.T; ++t) {
@@ -104,11 +116,13 @@ class CudaDraftTrainer final : public GpuDraftTrainer {
         pos_[size_t(r + t)] = int32_t(t);
         len_[size_t(r + t)] = int32_t(s.T);
       }
-      std::copy(s.aux, s.aux + s.T * 3 * H, aux_.begin() + r * 3 * H);
-      std::copy(s.hidden, s.hidden + s.T * H, hid_.begin() + r * H);
+      split(aux + r * 3 * H, s.aux, s.T * 3 * H);
+      split(hid + r * H, s.hidden, s.T * H);
       r += s.T;
     }
-    cuda::DraftBatch b{N, ids_.data(), mask_.data(), aux_.data(), hid_.data(), pos_.data(), len_.data()};
+#pragma omp parallel for schedule(dynamic, 4) if (pieces.size() > 8)
+    for (size_t i = 0; i < pieces.size(); ++i) std::copy(pieces[i].src, pieces[i].src + pieces[i].n, pieces[i].dst);
+    cuda::DraftBatch b{N, ids_.data(), mask_.data(), aux, hid, pos_.data(), len_.data()};
     const std::vector<uint8_t> in_vocab = eng_->prepare(b);
 
     // Which rows count at each step, per-sample counts, and each row's weight in the
@@ -202,7 +216,6 @@ class CudaDraftTrainer final : public GpuDraftTrainer {
   std::vector<uint8_t> decay_;
   std::vector<int32_t> ids_, pos_, len_;
   std::vector<uint8_t> mask_;
-  std::vector<float> aux_, hid_;
 };
 
 

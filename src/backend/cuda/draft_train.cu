@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <string>
+#include <type_traits>
 
 #include "backend/cuda/check.h"
 #include "backend/cuda/draft_engine.h"
@@ -165,20 +166,33 @@ __global__ void add_kernel(float* out, const float* a, int64_t lda, const float*
   out[i] = a[(i / C) * lda + i % C] + b[i];
 }
 
-__global__ void swiglu_kernel(float* act, const float* ga, const float* up, int64_t n) {
+// Stores a float as Out (float, or bf16 rounded to nearest even).
+template <class Out>
+__device__ __forceinline__ void store_as(Out* p, float v) {
+  if constexpr (std::is_same_v<Out, float>)
+    *p = v;
+  else
+    *p = __float2bfloat16_rn(v);
+}
+
+// act = silu(ga) * up; with bf16 operands act is only ever a product's operand, so it is
+// written as bf16 directly.
+template <class Out>
+__global__ void swiglu_kernel(Out* act, const float* ga, const float* up, int64_t n) {
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= n) return;
   const float x = ga[i];
-  act[i] = x / (1.f + expf(-x)) * up[i];
+  store_as(act + i, x / (1.f + expf(-x)) * up[i]);
 }
 
-__global__ void swiglu_backward_kernel(float* dga, float* dup, const float* dact, const float* ga, const float* up,
+template <class Out>
+__global__ void swiglu_backward_kernel(Out* dga, Out* dup, const float* dact, const float* ga, const float* up,
                                        int64_t n) {
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= n) return;
   const float x = ga[i], sg = 1.f / (1.f + expf(-x));
-  dup[i] = dact[i] * x * sg;
-  dga[i] = dact[i] * up[i] * sg * (1.f + x * (1.f - sg));
+  store_as(dup + i, dact[i] * x * sg);
+  store_as(dga + i, dact[i] * up[i] * sg * (1.f + x * (1.f - sg)));
 }
 
 // ---------------------------------------------------------------- attention
@@ -362,10 +376,11 @@ __global__ void diag_scores_kernel(float* sd, AttnArgs a, int K) {
 }
 
 // One block per (query t of the sample, head): softmax over S_h[t, 0..t] and the diagonal
-// scores. With lse_in null it computes and stores lse; either way S becomes P in place
-// (0 above the diagonal, so P V needs no mask) and sd becomes the diagonal probabilities.
-__global__ void tc_softmax_kernel(float* S, float* sd, float* lse, const float* lse_in, int64_t r0, int64_t T, int nh,
-                                  int grp, int g, int k, int K) {
+// scores. With lse_in null it computes and stores lse; S becomes P in place (0 above the
+// diagonal, so P V needs no mask) unless keep_f32 is false, P is also written as bf16 to Pb
+// when given, and sd becomes the diagonal probabilities.
+__global__ void tc_softmax_kernel(float* S, __nv_bfloat16* Pb, bool keep_f32, float* sd, float* lse,
+                                  const float* lse_in, int64_t r0, int64_t T, int nh, int grp, int g, int k, int K) {
   __shared__ float sh[33];
   const int64_t t = blockIdx.x;
   const int h = int(blockIdx.y) * grp + g;
@@ -397,7 +412,12 @@ __global__ void tc_softmax_kernel(float* S, float* sd, float* lse, const float* 
     L = m + logf(z);
     if (threadIdx.x == 0) lse[(r0 + t) * nh + h] = L;
   }
-  for (int64_t p = threadIdx.x; p < T; p += blockDim.x) row[p] = p <= t ? expf(row[p] - L) : 0.f;
+  __nv_bfloat16* brow = Pb ? Pb + (int64_t(blockIdx.y) * T + t) * T : nullptr;
+  for (int64_t p = threadIdx.x; p < T; p += blockDim.x) {
+    const float v = p <= t ? expf(row[p] - L) : 0.f;
+    if (keep_f32) row[p] = v;
+    if (brow) brow[p] = __float2bfloat16_rn(v);
+  }
   __syncthreads();
   for (int j = 1 + threadIdx.x; j <= k; j += blockDim.x) dg[j] = expf(dg[j] - L);
 }
@@ -437,14 +457,21 @@ __global__ void diag_dp_kernel(float* dsd, const float* pd, const float* dO, con
   }
 }
 
-__global__ void tc_ds_kernel(float* dP, const float* P, const float* D, int64_t r0, int64_t T, int nh, int grp, int g,
-                             float scale) {
+// dS = P * (dP - D) * scale below the diagonal, 0 above: in place over dP, or as bf16 into
+// dSb when given (dS is then only the operand of the dQ and dK products).
+__global__ void tc_ds_kernel(float* dP, __nv_bfloat16* dSb, const float* P, const float* D, int64_t r0, int64_t T,
+                             int nh, int grp, int g, float scale) {
   const int64_t t = blockIdx.x;
   const int h = int(blockIdx.y) * grp + g;
   const int64_t off = (int64_t(blockIdx.y) * T + t) * T;
   const float Dv = D[(r0 + t) * nh + h];
-  for (int64_t p = threadIdx.x; p < T; p += blockDim.x)
-    dP[off + p] = p <= t ? P[off + p] * (dP[off + p] - Dv) * scale : 0.f;
+  for (int64_t p = threadIdx.x; p < T; p += blockDim.x) {
+    const float v = p <= t ? P[off + p] * (dP[off + p] - Dv) * scale : 0.f;
+    if (dSb)
+      dSb[off + p] = __float2bfloat16_rn(v);
+    else
+      dP[off + p] = v;
+  }
 }
 
 // dK^j[n, kh, :] += sum_{h in group} dsd[n,h,j] q_{n,h};  dV^j[n, kh, :] += sum_h pd[n,h,j] dO_{n,h}
@@ -612,25 +639,44 @@ struct DraftEngine::Impl {
   // Attention: per-sample score matrices [nkv, T, T] (grown to the longest sample), the
   // diagonal scores/probabilities and their gradients [R, nh, K], the samples' rows.
   float *Sb = nullptr, *dPb = nullptr, *sd = nullptr, *dsd = nullptr;
+  __nv_bfloat16 *Pb = nullptr, *dSb = nullptr;  // with bf16 operands: P and dS as the products read them
   int64_t s_cap = 0;
   bool loop_attention = false;  // TALON_DRAFT_ATTENTION=loop: the fp32 warp kernels
-  // TALON_DRAFT_GEMM=bf16, with DraftMath::BF16: every product reads bf16 operands (the
-  // weights' bf16 copy Wb, refreshed after each update; the target lm_head's copy lmb;
-  // activations cast into cast_buf just before the product) with fp32 accumulation and
-  // fp32 outputs, instead of fp32 operands that cuBLAS rounds to bf16 itself. Same rounding
-  // (to nearest even), so the same numbers up to summation order; Hopper's bf16 kernels
-  // need bf16 in memory to run at bf16 rate.
+  // With DraftMath::BF16, every product reads bf16 operands from memory (the weights' bf16
+  // copy Wb, refreshed after each update; the target lm_head's copy lmb; activations as bf16
+  // twins, written so by the kernel that makes them or cast from fp32 just before use) with
+  // fp32 accumulation and fp32 outputs. Same rounding as cuBLAS's bf16 compute mode on fp32
+  // operands (to nearest even), so the same numbers up to summation order; Hopper's bf16
+  // kernels need bf16 in memory to run at bf16 rate. TALON_DRAFT_GEMM=fp32 keeps fp32
+  // operands in memory and lets cuBLAS round them (the slower, older path).
   bool bf16_operands = false;
-  // TALON_DRAFT_LM_BACKWARD=forward: when a run has a backward, each step's loss gradient
-  // goes through the lm_head as soon as the forward has the logits (dW_lm accumulated
-  // there, d fn written over fn[k], which nothing else reads later), so the backward does not
-  // recompute the [N, Vd] logits. dW_lm then sums the steps first to last instead of last to
-  // first.
-  bool lm_backward_in_forward = false;
+  // When a run has a backward, each step's loss gradient goes through the lm_head as soon
+  // as the forward has the logits (dW_lm accumulated there, d fn written over fn[k], which
+  // nothing else reads later), so the backward does not recompute the [N, Vd] logits; dW_lm
+  // then sums the steps first to last. TALON_DRAFT_LM_BACKWARD=backward recomputes them in
+  // the backward instead, last step first like the CPU reference.
+  bool lm_backward_in_forward = true;
   __nv_bfloat16 *Wb = nullptr, *lmb = nullptr;
   int64_t w_total = 0;
   __nv_bfloat16* cast_buf[2] = {nullptr, nullptr};
   int64_t cast_cap[2] = {0, 0};
+  // bf16 twins of fp32 activations that several products read (see Twin); twin_buf[i] is
+  // the storage of the i-th twin made by a cast.
+  struct TwinReg {
+    const float* p;
+    int64_t n;
+    const __nv_bfloat16* b;
+    bool cast;  // b is twin_buf storage
+  };
+  std::vector<TwinReg> twins;
+  std::vector<__nv_bfloat16*> twin_buf;
+  std::vector<int64_t> twin_cap;
+  int n_cast_twins = 0;
+  // Pinned host staging for a batch's features, and the stream that uploads aux while the
+  // target distribution runs on s.
+  float *host_aux = nullptr, *host_hidden = nullptr;
+  cudaStream_t copy_s = nullptr;
+  cudaEvent_t aux_ready = nullptr;
   // TALON_DRAFT_PROFILE=1: GPU time per phase, from events between marks.
   bool profiling = false;
   std::vector<std::pair<std::string, cudaEvent_t>> marks;
@@ -685,6 +731,8 @@ struct DraftEngine::Impl {
       return x >= b0 && x < b0 + uintptr_t(count) * sizeof(float);
     };
     if (in(W, w_total)) return Wb + (p - W);
+    for (auto it = twins.rbegin(); it != twins.rend(); ++it)
+      if (in(it->p, it->n) && p + n <= it->p + it->n) return it->b + (p - it->p);
     if (n > cast_cap[slot]) {
       if (cast_buf[slot]) {
         CUDA_CHECK(cudaStreamSynchronize(s));
@@ -698,6 +746,52 @@ struct DraftEngine::Impl {
     CUDA_LAUNCH_CHECK();
     return cast_buf[slot];
   }
+  // A bf16 twin of the fp32 activation p[0..n) for the products of one scope, made by a cast
+  // or given (b: bf16 values a kernel wrote in place of fp32 ones). A product whose operand
+  // lies inside p[0..n) reads the twin instead of casting it again. Scoped, last made first
+  // undone; nothing happens with fp32 operands.
+  struct Twin {
+    Impl& I;
+    bool on = false;
+    Twin(Impl& im, const float* p, int64_t n) : I(im) {
+      if (!I.bf16_operands || n <= 0) return;
+      const size_t i = size_t(I.n_cast_twins);
+      if (I.twin_buf.size() <= i) {
+        I.twin_buf.push_back(nullptr);
+        I.twin_cap.push_back(0);
+      }
+      if (n > I.twin_cap[i]) {
+        if (I.twin_buf[i]) {
+          CUDA_CHECK(cudaStreamSynchronize(I.s));
+          cudaFree(I.twin_buf[i]);
+          I.bytes -= size_t(I.twin_cap[i]) * 2;
+        }
+        I.twin_buf[i] = dalloc<__nv_bfloat16>(size_t(n), I.bytes);
+        I.twin_cap[i] = n;
+      }
+      to_bf16_kernel<<<nblocks(n, 256), 256, 0, I.s>>>(I.twin_buf[i], p, n);
+      CUDA_LAUNCH_CHECK();
+      I.twins.push_back({p, n, I.twin_buf[i], true});
+      ++I.n_cast_twins;
+      on = true;
+    }
+    Twin(Impl& im, const float* p, int64_t n, const __nv_bfloat16* b) : I(im) {
+      if (!I.bf16_operands || n <= 0) return;
+      if (!b) fail_msg("draft on GPU: a bf16 twin without storage");
+      I.twins.push_back({p, n, b, false});
+      on = true;
+    }
+    ~Twin() {
+      if (!on) return;
+      if (I.twins.back().cast) --I.n_cast_twins;
+      I.twins.pop_back();
+    }
+    Twin(const Twin&) = delete;
+    Twin& operator=(const Twin&) = delete;
+  };
+  // Where a kernel writes an activation that is only ever a product's operand: the fp32
+  // buffer itself, or with bf16 operands the same memory holding bf16 values.
+  __nv_bfloat16* bf16_in(float* p) const { return reinterpret_cast<__nv_bfloat16*>(p); }
   // After the weights change: their bf16 copy.
   void refresh_weight_copy() {
     if (!bf16_operands) return;
@@ -748,6 +842,21 @@ struct DraftEngine::Impl {
     CUDA_LAUNCH_CHECK();
     mark("backward: products and norms");
   }
+  // act = silu(ga) * up, and its backward (dga, dup), as bf16 with bf16 operands.
+  void swiglu(float* act, const float* ga, const float* upv, int64_t n) {
+    if (bf16_operands)
+      swiglu_kernel<<<nblocks(n, 256), 256, 0, s>>>(bf16_in(act), ga, upv, n);
+    else
+      swiglu_kernel<<<nblocks(n, 256), 256, 0, s>>>(act, ga, upv, n);
+    CUDA_LAUNCH_CHECK();
+  }
+  void swiglu_backward(float* dga, float* dup, const float* dact, const float* ga, const float* upv, int64_t n) {
+    if (bf16_operands)
+      swiglu_backward_kernel<<<nblocks(n, 256), 256, 0, s>>>(bf16_in(dga), bf16_in(dup), dact, ga, upv, n);
+    else
+      swiglu_backward_kernel<<<nblocks(n, 256), 256, 0, s>>>(dga, dup, dact, ga, upv, n);
+    CUDA_LAUNCH_CHECK();
+  }
   void rope(float* x, int64_t heads, int k, double sign) {
     rope_kernel<<<nblocks(N * heads * (d.hd / 2), 256), 256, 0, s>>>(x, N, heads, d.hd, pos, k, inv, sign);
     CUDA_LAUNCH_CHECK();
@@ -777,8 +886,17 @@ struct DraftEngine::Impl {
         cudaFree(p);
         bytes -= size_t(s_cap) * 4;
       }
+    for (__nv_bfloat16* p : {Pb, dSb})
+      if (p) {
+        cudaFree(p);
+        bytes -= size_t(s_cap) * 2;
+      }
     Sb = dalloc<float>(size_t(need), bytes);
     dPb = dalloc<float>(size_t(need), bytes);
+    if (bf16_operands) {
+      Pb = dalloc<__nv_bfloat16>(size_t(need), bytes);
+      dSb = dalloc<__nv_bfloat16>(size_t(need), bytes);
+    }
     s_cap = need;
   }
   // S_kh (for heads kh*grp + g of the sample at rows r0..r0+T) = scale * Q K0^T, or, with
@@ -794,12 +912,14 @@ struct DraftEngine::Impl {
     const unsigned wb = nblocks(N * d.nh * 32, 256);
     diag_scores_kernel<<<wb, 256, 0, s>>>(sd, a, int(K));
     CUDA_LAUNCH_CHECK();
+    const Twin tq(*this, q[size_t(k)], N * qd), tk(*this, keys, N * kvd), tv(*this, vals, N * kvd);
     for (auto [r0, T] : seqs) {
       ensure_scores(T);
+      const Twin tp(*this, Sb, d.nkv * T * T, Pb);
       for (int g = 0; g < grp; ++g) {
         scores(Sb, q[size_t(k)] + r0 * qd, keys + r0 * kvd, T, g, a.scale);
-        tc_softmax_kernel<<<dim3(unsigned(T), unsigned(d.nkv)), 256, 0, s>>>(Sb, sd, out_lse, nullptr, r0, T,
-                                                                             int(d.nh), int(grp), g, k, int(K));
+        tc_softmax_kernel<<<dim3(unsigned(T), unsigned(d.nkv)), 256, 0, s>>>(
+            Sb, Pb, !bf16_operands, sd, out_lse, nullptr, r0, T, int(d.nh), int(grp), g, k, int(K));
         CUDA_LAUNCH_CHECK();
         // O rows (heads kh*grp + g) = P V0
         gemm_sb(CUBLAS_OP_N, CUBLAS_OP_N, d.hd, T, T, 1.f, vals + r0 * kvd, kvd, d.hd, Sb, T, T * T, 0.f,
@@ -816,16 +936,19 @@ struct DraftEngine::Impl {
     const unsigned wb = nblocks(N * d.nh * 32, 256);
     diag_scores_kernel<<<wb, 256, 0, s>>>(sd, a, int(K));
     CUDA_LAUNCH_CHECK();
+    const Twin tq(*this, q[size_t(k)], N * qd), tk(*this, keys, N * kvd), tv(*this, vals, N * kvd),
+        to(*this, datt, N * qd);
     for (auto [r0, T] : seqs) {
       ensure_scores(T);
+      const Twin tp(*this, Sb, d.nkv * T * T, Pb), tds(*this, dPb, d.nkv * T * T, dSb);
       for (int g = 0; g < grp; ++g) {
         scores(Sb, q[size_t(k)] + r0 * qd, keys + r0 * kvd, T, g, a.scale);
-        tc_softmax_kernel<<<dim3(unsigned(T), unsigned(d.nkv)), 256, 0, s>>>(Sb, sd, nullptr, lse[size_t(k)], r0, T,
-                                                                             int(d.nh), int(grp), g, k, int(K));
+        tc_softmax_kernel<<<dim3(unsigned(T), unsigned(d.nkv)), 256, 0, s>>>(
+            Sb, Pb, true, sd, nullptr, lse[size_t(k)], r0, T, int(d.nh), int(grp), g, k, int(K));
         CUDA_LAUNCH_CHECK();
         scores(dPb, datt + r0 * qd, vals + r0 * kvd, T, g, 1.f);
-        tc_ds_kernel<<<dim3(unsigned(T), unsigned(d.nkv)), 256, 0, s>>>(dPb, Sb, D, r0, T, int(d.nh), int(grp), g,
-                                                                        a.scale);
+        tc_ds_kernel<<<dim3(unsigned(T), unsigned(d.nkv)), 256, 0, s>>>(dPb, dSb, Sb, D, r0, T, int(d.nh), int(grp),
+                                                                        g, a.scale);
         CUDA_LAUNCH_CHECK();
         // dQ rows = dS K0;  dK0 += dS^T Q;  dV0 += P^T dO
         gemm_sb(CUBLAS_OP_N, CUBLAS_OP_N, d.hd, T, T, 1.f, keys + r0 * kvd, kvd, d.hd, dPb, T, T * T, 0.f,
@@ -865,6 +988,8 @@ DraftEngine::DraftEngine(int device, const DraftDims& dd, DraftMath math, const 
   CUDA_CHECK(cudaStreamCreateWithFlags(&I.s, cudaStreamNonBlocking));
   CUBLASV2_CHECK(cublasCreate(&I.blas));
   CUBLASV2_CHECK(cublasSetStream(I.blas, I.s));
+  CUDA_CHECK(cudaStreamCreateWithFlags(&I.copy_s, cudaStreamNonBlocking));
+  CUDA_CHECK(cudaEventCreateWithFlags(&I.aux_ready, cudaEventDisableTiming));
   const int64_t H = dd.H, V = dd.V, Vd = dd.Vd, R = max_rows, K = dd.K;
   auto up = [&](float* dst, const float* src, int64_t n) {
     CUDA_CHECK(cudaMemcpy(dst, src, size_t(n) * 4, cudaMemcpyHostToDevice));
@@ -872,7 +997,7 @@ DraftEngine::DraftEngine(int device, const DraftDims& dd, DraftMath math, const 
   I.embed = I.alloc<float>(size_t(V * H));
   up(I.embed, embed, V * H);
   const char* gemm_env = std::getenv("TALON_DRAFT_GEMM");
-  I.bf16_operands = math == DraftMath::BF16 && gemm_env && std::string(gemm_env) == "bf16";
+  I.bf16_operands = math == DraftMath::BF16 && !(gemm_env && std::string(gemm_env) == "fp32");
   if (I.bf16_operands) {  // only the bf16 copy: through a staging buffer, 32M values at a time
     I.lmb = I.alloc<__nv_bfloat16>(size_t(V * H));
     const int64_t chunk = std::min<int64_t>(V * H, int64_t(32) << 20);
@@ -969,7 +1094,7 @@ DraftEngine::DraftEngine(int device, const DraftDims& dd, DraftMath math, const 
   const char* att = std::getenv("TALON_DRAFT_ATTENTION");
   I.loop_attention = att && std::string(att) == "loop";
   const char* lmb_env = std::getenv("TALON_DRAFT_LM_BACKWARD");
-  I.lm_backward_in_forward = lmb_env && std::string(lmb_env) == "forward";
+  I.lm_backward_in_forward = !(lmb_env && std::string(lmb_env) == "backward");
   I.profiling = std::getenv("TALON_DRAFT_PROFILE") != nullptr;
 }
 
@@ -980,6 +1105,15 @@ DraftEngine::~DraftEngine() {
   for (void* x : p_->owned) cudaFree(x);
   if (p_->Sb) cudaFree(p_->Sb);
   if (p_->dPb) cudaFree(p_->dPb);
+  if (p_->Pb) cudaFree(p_->Pb);
+  if (p_->dSb) cudaFree(p_->dSb);
+  for (auto* c : p_->twin_buf)
+    if (c) cudaFree(c);
+  if (p_->copy_s) cudaStreamSynchronize(p_->copy_s);
+  if (p_->host_aux) cudaFreeHost(p_->host_aux);
+  if (p_->host_hidden) cudaFreeHost(p_->host_hidden);
+  if (p_->aux_ready) cudaEventDestroy(p_->aux_ready);
+  if (p_->copy_s) cudaStreamDestroy(p_->copy_s);
   for (auto* c : p_->cast_buf)
     if (c) cudaFree(c);
   if (p_->blas) cublasDestroy(p_->blas);
@@ -987,6 +1121,16 @@ DraftEngine::~DraftEngine() {
 }
 
 size_t DraftEngine::device_bytes() const { return p_->bytes; }
+std::pair<float*, float*> DraftEngine::host_features() {
+  Impl& I = *p_;
+  if (!I.host_aux) {
+    CUDA_CHECK(cudaSetDevice(I.device));
+    CUDA_CHECK(cudaHostAlloc(&I.host_aux, size_t(I.R * 3 * I.d.H) * 4, cudaHostAllocPortable));
+    CUDA_CHECK(cudaHostAlloc(&I.host_hidden, size_t(I.R * I.d.H) * 4, cudaHostAllocPortable));
+  }
+  CUDA_CHECK(cudaEventSynchronize(I.aux_ready));  // no upload still reads them
+  return {I.host_aux, I.host_hidden};
+}
 float* DraftEngine::grad_data() { return p_->G; }
 int64_t DraftEngine::grad_elems() const { return p_->offs.back() + (p_->sizes.back() + 63) / 64 * 64; }
 cudaStream_t DraftEngine::stream() const { return p_->s; }
@@ -1043,6 +1187,7 @@ void DraftEngine::get_moments(const std::vector<float*>& m, const std::vector<fl
 std::vector<uint8_t> DraftEngine::prepare(const DraftBatch& b) {
   Impl& I = *p_;
   CUDA_CHECK(cudaSetDevice(I.device));
+  CUDA_CHECK(cudaEventSynchronize(I.aux_ready));  // the last batch's upload (run() waited for it)
   if (b.N > I.R || b.N <= 0)
     fail_msg("draft on GPU: batch of " + std::to_string(b.N) + " rows, buffers hold " + std::to_string(I.R));
   I.N = b.N;
@@ -1059,8 +1204,11 @@ std::vector<uint8_t> DraftEngine::prepare(const DraftBatch& b) {
   cp(I.pos, b.pos, size_t(N) * 4);
   cp(I.len, b.len, size_t(N) * 4);
   cp(I.mask, b.mask, size_t(N));
-  cp(I.aux, b.aux, size_t(N * 3 * H) * 4);
   cp(I.hidden, b.hidden, size_t(N * H) * 4);
+  // aux is first read by run()'s fc product: it uploads on the copy stream while the target
+  // distribution runs (asynchronously when it is the pinned staging of host_features()).
+  CUDA_CHECK(cudaMemcpyAsync(I.aux, b.aux, size_t(N * 3 * H) * 4, cudaMemcpyHostToDevice, I.copy_s));
+  CUDA_CHECK(cudaEventRecord(I.aux_ready, I.copy_s));
   I.mark("target distribution (full logits, P)");
   for (int64_t r0 = 0; r0 < N; r0 += I.chunk) {
     const int64_t n = std::min(I.chunk, N - r0);
@@ -1097,6 +1245,7 @@ void DraftEngine::run(const std::vector<float>& row_scale, bool backward, bool z
   if (fused_lm && zero_grads) CUDA_CHECK(cudaMemsetAsync(I.G, 0, size_t(total) * 4, s));
 
   // Forward.
+  CUDA_CHECK(cudaStreamWaitEvent(s, I.aux_ready, 0));
   I.mark("forward: products and norms");
   I.linear(I.gs[0], H, I.aux, 3 * H, I.w(FC), N, 3 * H, H);
   for (int k = 0; k < K; ++k) {
@@ -1108,9 +1257,12 @@ void DraftEngine::run(const std::vector<float>& row_scale, bool backward, bool z
     I.rmsnorm(xin + H, 2 * H, I.gs[size_t(k)], H, I.w(HNORM), H, d.eps, N);
     float* kk = I.keys + k * I.R * kvd;
     float* vv = I.vals + k * I.R * kvd;
-    I.linear(I.q[size_t(k)], qd, xin, 2 * H, I.w(WQ), N, 2 * H, qd);
-    I.linear(kk, kvd, xin, 2 * H, I.w(WK), N, 2 * H, kvd);
-    I.linear(vv, kvd, xin, 2 * H, I.w(WV), N, 2 * H, kvd);
+    {
+      const Impl::Twin tx(I, xin, N * 2 * H);
+      I.linear(I.q[size_t(k)], qd, xin, 2 * H, I.w(WQ), N, 2 * H, qd);
+      I.linear(kk, kvd, xin, 2 * H, I.w(WK), N, 2 * H, kvd);
+      I.linear(vv, kvd, xin, 2 * H, I.w(WV), N, 2 * H, kvd);
+    }
     I.rope(I.q[size_t(k)], d.nh, k, 1.0);
     I.rope(kk, d.nkv, k, 1.0);
     I.mark("forward: attention");
@@ -1128,22 +1280,29 @@ void DraftEngine::run(const std::vector<float>& row_scale, bool backward, bool z
       add_kernel<<<nblocks(N * H, 256), 256, 0, s>>>(I.g1[size_t(k)], I.gs[size_t(k)], H, I.tmp, N, H);
     CUDA_LAUNCH_CHECK();
     I.rmsnorm(I.hm[size_t(k)], H, I.g1[size_t(k)], H, I.w(POST_LN), H, d.eps, N);
-    I.linear(I.ga[size_t(k)], Id, I.hm[size_t(k)], H, I.w(GATE), N, H, Id);
-    I.linear(I.up[size_t(k)], Id, I.hm[size_t(k)], H, I.w(UP), N, H, Id);
-    swiglu_kernel<<<nblocks(N * Id, 256), 256, 0, s>>>(I.act, I.ga[size_t(k)], I.up[size_t(k)], N * Id);
-    CUDA_LAUNCH_CHECK();
-    I.linear(I.tmp, H, I.act, Id, I.w(DOWN), N, Id, H);
+    {
+      const Impl::Twin th(I, I.hm[size_t(k)], N * H);
+      I.linear(I.ga[size_t(k)], Id, I.hm[size_t(k)], H, I.w(GATE), N, H, Id);
+      I.linear(I.up[size_t(k)], Id, I.hm[size_t(k)], H, I.w(UP), N, H, Id);
+    }
+    {
+      const Impl::Twin ta(I, I.act, N * Id, I.bf16_in(I.act));
+      I.swiglu(I.act, I.ga[size_t(k)], I.up[size_t(k)], N * Id);
+      I.linear(I.tmp, H, I.act, Id, I.w(DOWN), N, Id, H);
+    }
     add_kernel<<<nblocks(N * H, 256), 256, 0, s>>>(I.gs[size_t(k) + 1], I.g1[size_t(k)], H, I.tmp, N, H);
     CUDA_LAUNCH_CHECK();
     I.rmsnorm(I.fn[size_t(k)], H, I.gs[size_t(k) + 1], H, I.w(NORM), H, d.eps, N);
     I.mark("forward: draft logits and loss");
+    const Impl::Twin tf(I, I.fn[size_t(k)], fused_lm ? N * H : 0);
     I.logits_of(k);
     loss_kernel<<<unsigned(N), 512, 0, s>>>(I.logits, I.P, I.tgt_arg, I.in_vocab, I.mask, I.pos, I.len, Vd, k,
                                              fused_lm ? I.rs + k * N : nullptr, I.ce + k * N, I.hit + k * N,
                                              I.cnt + k * N);
     CUDA_LAUNCH_CHECK();
     if (fused_lm) {  // logits now hold d(objective)/d(logits)
-      I.mark("backward: products and norms");
+      I.mark("forward: lm_head backward");
+      const Impl::Twin tl(I, I.logits, N * Vd);
       I.linear_dw(I.g(LM), I.logits, I.fn[size_t(k)], H, N, H, Vd);
       I.linear_dx(I.fn[size_t(k)], H, I.logits, I.w(LM), N, H, Vd, 0.f);
     }
@@ -1186,21 +1345,29 @@ void DraftEngine::run(const std::vector<float>& row_scale, bool backward, bool z
     CUDA_CHECK(cudaMemcpyAsync(I.dg2, I.dgn, size_t(N * H) * 4, cudaMemcpyDeviceToDevice, s));
     I.rmsnorm_backward(I.dg2, H, I.g(NORM), dfn, H, I.gs[ks + 1], H, I.w(NORM), H);
     // g2 = g1 + down(silu(gate(hm)) * up(hm))
-    swiglu_kernel<<<nblocks(N * Id, 256), 256, 0, s>>>(I.act, I.ga[ks], I.up[ks], N * Id);
-    CUDA_LAUNCH_CHECK();
-    I.linear_dx(I.dact, Id, I.dg2, I.w(DOWN), N, Id, H, 0.f);
-    I.linear_dw(I.g(DOWN), I.dg2, I.act, Id, N, Id, H);
-    swiglu_backward_kernel<<<nblocks(N * Id, 256), 256, 0, s>>>(I.dga, I.dup, I.dact, I.ga[ks], I.up[ks], N * Id);
-    CUDA_LAUNCH_CHECK();
-    I.linear_dx(I.dhm, H, I.dga, I.w(GATE), N, H, Id, 0.f);
-    I.linear_dx(I.dhm, H, I.dup, I.w(UP), N, H, Id, 1.f);
-    I.linear_dw(I.g(GATE), I.dga, I.hm[ks], H, N, H, Id);
-    I.linear_dw(I.g(UP), I.dup, I.hm[ks], H, N, H, Id);
+    {
+      const Impl::Twin ta(I, I.act, N * Id, I.bf16_in(I.act)), td(I, I.dg2, N * H);
+      I.swiglu(I.act, I.ga[ks], I.up[ks], N * Id);
+      I.linear_dx(I.dact, Id, I.dg2, I.w(DOWN), N, Id, H, 0.f);
+      I.linear_dw(I.g(DOWN), I.dg2, I.act, Id, N, Id, H);
+    }
+    {
+      const Impl::Twin tg(I, I.dga, N * Id, I.bf16_in(I.dga)), tu(I, I.dup, N * Id, I.bf16_in(I.dup)),
+          th(I, I.hm[ks], N * H);
+      I.swiglu_backward(I.dga, I.dup, I.dact, I.ga[ks], I.up[ks], N * Id);
+      I.linear_dx(I.dhm, H, I.dga, I.w(GATE), N, H, Id, 0.f);
+      I.linear_dx(I.dhm, H, I.dup, I.w(UP), N, H, Id, 1.f);
+      I.linear_dw(I.g(GATE), I.dga, I.hm[ks], H, N, H, Id);
+      I.linear_dw(I.g(UP), I.dup, I.hm[ks], H, N, H, Id);
+    }
     CUDA_CHECK(cudaMemcpyAsync(I.dg1, I.dg2, size_t(N * H) * 4, cudaMemcpyDeviceToDevice, s));
     I.rmsnorm_backward(I.dg1, H, I.g(POST_LN), I.dhm, H, I.g1[ks], H, I.w(POST_LN), H);
     // g1 = r + o_proj(att)
-    I.linear_dx(I.datt, qd, I.dg1, I.w(WO), N, qd, H, 0.f);
-    I.linear_dw(I.g(WO), I.dg1, I.att[ks], qd, N, qd, H);
+    {
+      const Impl::Twin t1(I, I.dg1, N * H);
+      I.linear_dx(I.datt, qd, I.dg1, I.w(WO), N, qd, H, 0.f);
+      I.linear_dw(I.g(WO), I.dg1, I.att[ks], qd, N, qd, H);
+    }
     const AttnArgs a = I.attn_args(k);
     I.mark("backward: attention");
     attn_delta_kernel<<<warps_blocks, 256, 0, s>>>(I.D, I.datt, I.att[ks], N, int(d.nh), int(d.hd));
@@ -1223,12 +1390,15 @@ void DraftEngine::run(const std::vector<float>& row_scale, bool backward, bool z
     float* dVk = I.dV + k * I.R * kvd;
     I.rope(I.dq, d.nh, k, -1.0);
     I.rope(dKk, d.nkv, k, -1.0);
-    I.linear_dx(I.dxin, 2 * H, I.dq, I.w(WQ), N, 2 * H, qd, 0.f);
-    I.linear_dx(I.dxin, 2 * H, dKk, I.w(WK), N, 2 * H, kvd, 1.f);
-    I.linear_dx(I.dxin, 2 * H, dVk, I.w(WV), N, 2 * H, kvd, 1.f);
-    I.linear_dw(I.g(WQ), I.dq, xin, 2 * H, N, 2 * H, qd);
-    I.linear_dw(I.g(WK), dKk, xin, 2 * H, N, 2 * H, kvd);
-    I.linear_dw(I.g(WV), dVk, xin, 2 * H, N, 2 * H, kvd);
+    {
+      const Impl::Twin tq(I, I.dq, N * qd), tk(I, dKk, N * kvd), tv(I, dVk, N * kvd), tx(I, xin, N * 2 * H);
+      I.linear_dx(I.dxin, 2 * H, I.dq, I.w(WQ), N, 2 * H, qd, 0.f);
+      I.linear_dx(I.dxin, 2 * H, dKk, I.w(WK), N, 2 * H, kvd, 1.f);
+      I.linear_dx(I.dxin, 2 * H, dVk, I.w(WV), N, 2 * H, kvd, 1.f);
+      I.linear_dw(I.g(WQ), I.dq, xin, 2 * H, N, 2 * H, qd);
+      I.linear_dw(I.g(WK), dKk, xin, 2 * H, N, 2 * H, kvd);
+      I.linear_dw(I.g(WV), dVk, xin, 2 * H, N, 2 * H, kvd);
+    }
     // xin = [in_ln(e), hidden_norm(g)]; r = g or hidden_norm(g).
     gather_kernel<<<unsigned(N), 256, 0, s>>>(I.E, I.embed, I.ids, I.pos, I.len, H, k);
     CUDA_LAUNCH_CHECK();

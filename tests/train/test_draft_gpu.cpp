@@ -196,6 +196,20 @@ TEST_P(GpuDraft, Bf16RoundedInsideCublasStaysClose) {
   check_against_cpu(GetParam(), GpuMath::BF16, tol::kGpuTttBf16LossRel, tol::kGpuTttBf16GradRel);
 }
 
+// Causal key blocks (TALON_DRAFT_ATTN_BLOCK): with blocks of 4 and 7 rows the packed
+// samples (13, 7, 22 and 2 rows) have several blocks, partial last blocks and a sample
+// shorter than one block; 0 turns the skipping off. The products only skip score tiles that
+// the mask zeroes, so fp32 stays within the reference's tolerances.
+TEST_P(GpuDraft, CausalKeyBlocksMatchCpuReference) {
+  REQUIRE_GPU();
+  for (const char* blk : {"4", "7", "0"}) {
+    SCOPED_TRACE(std::string("block ") + blk);
+    ScopedEnv e("TALON_DRAFT_ATTN_BLOCK", blk);
+    check_against_cpu(GetParam(), GpuMath::F32, tol::kGpuTttLossRel, tol::kGpuTttGradRel);
+    check_against_cpu(GetParam(), GpuMath::BF16, tol::kGpuTttBf16LossRel, tol::kGpuTttBf16GradRel);
+  }
+}
+
 // The bf16 weight copy follows every update: at each step the GPU's loss matches the CPU
 // reference evaluated at the GPU's current fp32 master weights, with a learning rate large
 // enough to move the loss well past the bf16 tolerance (a stale copy would keep computing

@@ -377,10 +377,12 @@ __global__ void diag_scores_kernel(float* sd, AttnArgs a, int K) {
 
 // One block per (query t of the sample, head): softmax over S_h[t, 0..t] and the diagonal
 // scores. With lse_in null it computes and stores lse; S becomes P in place (0 above the
-// diagonal, so P V needs no mask) unless keep_f32 is false, P is also written as bf16 to Pb
+// diagonal up to the end of t's query block of blk rows, the keys the products read) unless
+// keep_f32 is false, P is also written as bf16 to Pb
 // when given, and sd becomes the diagonal probabilities.
 __global__ void tc_softmax_kernel(float* S, __nv_bfloat16* Pb, bool keep_f32, float* sd, float* lse,
-                                  const float* lse_in, int64_t r0, int64_t T, int nh, int grp, int g, int k, int K) {
+                                  const float* lse_in, int64_t r0, int64_t T, int blk, int nh, int grp, int g, int k,
+                                  int K) {
   __shared__ float sh[33];
   const int64_t t = blockIdx.x;
   const int h = int(blockIdx.y) * grp + g;
@@ -413,7 +415,8 @@ __global__ void tc_softmax_kernel(float* S, __nv_bfloat16* Pb, bool keep_f32, fl
     if (threadIdx.x == 0) lse[(r0 + t) * nh + h] = L;
   }
   __nv_bfloat16* brow = Pb ? Pb + (int64_t(blockIdx.y) * T + t) * T : nullptr;
-  for (int64_t p = threadIdx.x; p < T; p += blockDim.x) {
+  const int64_t kend = min(T, (t / blk + 1) * int64_t(blk));  // the keys of t's query block
+  for (int64_t p = threadIdx.x; p < kend; p += blockDim.x) {
     const float v = p <= t ? expf(row[p] - L) : 0.f;
     if (keep_f32) row[p] = v;
     if (brow) brow[p] = __float2bfloat16_rn(v);
@@ -457,15 +460,17 @@ __global__ void diag_dp_kernel(float* dsd, const float* pd, const float* dO, con
   }
 }
 
-// dS = P * (dP - D) * scale below the diagonal, 0 above: in place over dP, or as bf16 into
+// dS = P * (dP - D) * scale below the diagonal, 0 above it up to the end of t's query
+// block: in place over dP, or as bf16 into
 // dSb when given (dS is then only the operand of the dQ and dK products).
 __global__ void tc_ds_kernel(float* dP, __nv_bfloat16* dSb, const float* P, const float* D, int64_t r0, int64_t T,
-                             int nh, int grp, int g, float scale) {
+                             int blk, int nh, int grp, int g, float scale) {
   const int64_t t = blockIdx.x;
   const int h = int(blockIdx.y) * grp + g;
   const int64_t off = (int64_t(blockIdx.y) * T + t) * T;
   const float Dv = D[(r0 + t) * nh + h];
-  for (int64_t p = threadIdx.x; p < T; p += blockDim.x) {
+  const int64_t kend = min(T, (t / blk + 1) * int64_t(blk));
+  for (int64_t p = threadIdx.x; p < kend; p += blockDim.x) {
     const float v = p <= t ? P[off + p] * (dP[off + p] - Dv) * scale : 0.f;
     if (dSb)
       dSb[off + p] = __float2bfloat16_rn(v);
@@ -525,11 +530,12 @@ __global__ void target_row_kernel(float* P, int32_t* tgt_arg, uint8_t* in_vocab,
   if (threadIdx.x == 0) tgt_arg[blockIdx.x] = int32_t(mi);
 }
 
-// Step k, row n (target row n+1+k): cross-entropy against P, hit, counts; with scale,
-// logits become d(objective)/d(logits) in place.
+// Step k, row n (target row n+1+k): cross-entropy against P, hit, counts; with scale, the
+// logits become d(objective)/d(logits) in place, or that gradient goes to grad_b as bf16
+// when given (it is then only the operand of the lm_head's two products).
 __global__ void loss_kernel(float* logits, const float* P, const int32_t* tgt_arg, const uint8_t* in_vocab,
                             const uint8_t* mask, const int32_t* pos, const int32_t* len, int64_t Vd, int k,
-                            const float* row_scale, float* ce, uint8_t* hit, uint8_t* counts) {
+                            const float* row_scale, __nv_bfloat16* grad_b, float* ce, uint8_t* hit, uint8_t* counts) {
   __shared__ float shv[33];
   __shared__ int64_t shi[33];
   const int64_t n = blockIdx.x, tr = n + 1 + k;
@@ -558,7 +564,14 @@ __global__ void loss_kernel(float* logits, const float* P, const int32_t* tgt_ar
   if (row_scale) {
     const float sc = row_scale[n];
     const float* pr = P + (cnt ? tr : 0) * Vd;
-    for (int64_t d = threadIdx.x; d < Vd; d += blockDim.x) lg[d] = cnt ? (expf(lg[d] - lz) - pr[d]) * sc : 0.f;
+    __nv_bfloat16* gb = grad_b ? grad_b + n * Vd : nullptr;
+    for (int64_t d = threadIdx.x; d < Vd; d += blockDim.x) {
+      const float v = cnt ? (expf(lg[d] - lz) - pr[d]) * sc : 0.f;
+      if (gb)
+        gb[d] = __float2bfloat16_rn(v);
+      else
+        lg[d] = v;
+    }
   }
 }
 
@@ -642,6 +655,8 @@ struct DraftEngine::Impl {
   __nv_bfloat16 *Pb = nullptr, *dSb = nullptr;  // with bf16 operands: P and dS as the products read them
   int64_t s_cap = 0;
   bool loop_attention = false;  // TALON_DRAFT_ATTENTION=loop: the fp32 warp kernels
+  // Query-block size of the causal skipping (TALON_DRAFT_ATTN_BLOCK; 0: whole samples).
+  int64_t attn_block = 512;
   // With DraftMath::BF16, every product reads bf16 operands from memory (the weights' bf16
   // copy Wb, refreshed after each update; the target lm_head's copy lmb; activations as bf16
   // twins, written so by the kernel that makes them or cast from fp32 just before use) with
@@ -657,6 +672,7 @@ struct DraftEngine::Impl {
   // the backward instead, last step first like the CPU reference.
   bool lm_backward_in_forward = true;
   __nv_bfloat16 *Wb = nullptr, *lmb = nullptr;
+  __nv_bfloat16* lgb = nullptr;  // with bf16 operands: the loss gradient over the draft vocab [R, Vd]
   int64_t w_total = 0;
   __nv_bfloat16* cast_buf[2] = {nullptr, nullptr};
   int64_t cast_cap[2] = {0, 0};
@@ -899,12 +915,35 @@ struct DraftEngine::Impl {
     }
     s_cap = need;
   }
-  // S_kh (for heads kh*grp + g of the sample at rows r0..r0+T) = scale * Q K0^T, or, with
-  // values, dP = dO V0^T (dO in place of Q).
-  void scores(float* out, const float* qrows, const float* kvrows, int64_t T, int g, float alpha) {
+  // Causal key blocks: queries [b0, b0 + nb) of a sample attend to step-0 keys [0, b0 + nb)
+  // only, so every product below works on those blocks and skips the score tiles above the
+  // diagonal's block (about (1 + T/blk) / (2 T/blk) of the full T x T work is left).
+  template <class F>
+  void for_query_blocks(int64_t T, F&& f) const {
+    const int64_t blk = attn_block > 0 ? attn_block : T;
+    for (int64_t b0 = 0; b0 < T; b0 += blk) f(b0, std::min(blk, T - b0));
+  }
+  int attn_blk(int64_t T) const { return int(attn_block > 0 ? std::min(attn_block, T) : T); }
+  // Rows b0..b0+nb (queries) of S_kh for heads kh*grp + g of the sample at rows r0..r0+T,
+  // against keys 0..b0+nb: scale * Q K0^T; or, with values, dP = dO V0^T (dO in place of Q).
+  void scores(float* out, const float* qrows, const float* kvrows, int64_t T, int g, float alpha, int64_t b0,
+              int64_t nb) {
     const int64_t grp = d.nh / d.nkv;
-    gemm_sb(CUBLAS_OP_T, CUBLAS_OP_N, T, T, d.hd, alpha, kvrows, kvd, d.hd, qrows + g * d.hd, qd, grp * d.hd, 0.f,
-            out, T, T * T, d.nkv);
+    gemm_sb(CUBLAS_OP_T, CUBLAS_OP_N, b0 + nb, nb, d.hd, alpha, kvrows, kvd, d.hd, qrows + b0 * qd + g * d.hd, qd,
+            grp * d.hd, 0.f, out + b0 * T, T, T * T, d.nkv);
+  }
+  // Rows b0..b0+nb of out (heads kh*grp + g, row stride qd) = beta*out + M[rows, 0..b0+nb) X0,
+  // M one of the [T, T] matrices (P, dS) and X0 the sample's step-0 values or keys.
+  void times_kv(float* out, const float* M, const float* kvrows, int64_t T, int g, int64_t b0, int64_t nb) {
+    const int64_t grp = d.nh / d.nkv;
+    gemm_sb(CUBLAS_OP_N, CUBLAS_OP_N, d.hd, nb, b0 + nb, 1.f, kvrows, kvd, d.hd, M + b0 * T, T, T * T, 0.f,
+            out + b0 * qd + g * d.hd, qd, grp * d.hd, d.nkv);
+  }
+  // dX0[0..b0+nb) += M[rows b0..b0+nb, 0..b0+nb)^T Y[rows] (dK0 with dS and Q, dV0 with P and dO).
+  void kv_grad(float* dx, const float* M, const float* yrows, int64_t T, int g, int64_t b0, int64_t nb) {
+    const int64_t grp = d.nh / d.nkv;
+    gemm_sb(CUBLAS_OP_N, CUBLAS_OP_T, d.hd, b0 + nb, nb, 1.f, yrows + b0 * qd + g * d.hd, qd, grp * d.hd, M + b0 * T,
+            T, T * T, 1.f, dx, kvd, d.hd, d.nkv);
   }
   void attention_forward(int k, float* out_att, float* out_lse) {
     const AttnArgs a = attn_args(k);
@@ -913,17 +952,17 @@ struct DraftEngine::Impl {
     diag_scores_kernel<<<wb, 256, 0, s>>>(sd, a, int(K));
     CUDA_LAUNCH_CHECK();
     const Twin tq(*this, q[size_t(k)], N * qd), tk(*this, keys, N * kvd), tv(*this, vals, N * kvd);
-    for (auto [r0, T] : seqs) {
+    for (const auto& [r0_, T_] : seqs) {
+      const int64_t r0 = r0_, T = T_;  // (lambdas below capture these)
       ensure_scores(T);
       const Twin tp(*this, Sb, d.nkv * T * T, Pb);
+      const float* qs = q[size_t(k)] + r0 * qd;
       for (int g = 0; g < grp; ++g) {
-        scores(Sb, q[size_t(k)] + r0 * qd, keys + r0 * kvd, T, g, a.scale);
+        for_query_blocks(T, [&](int64_t b0, int64_t nb) { scores(Sb, qs, keys + r0 * kvd, T, g, a.scale, b0, nb); });
         tc_softmax_kernel<<<dim3(unsigned(T), unsigned(d.nkv)), 256, 0, s>>>(
-            Sb, Pb, !bf16_operands, sd, out_lse, nullptr, r0, T, int(d.nh), int(grp), g, k, int(K));
+            Sb, Pb, !bf16_operands, sd, out_lse, nullptr, r0, T, attn_blk(T), int(d.nh), int(grp), g, k, int(K));
         CUDA_LAUNCH_CHECK();
-        // O rows (heads kh*grp + g) = P V0
-        gemm_sb(CUBLAS_OP_N, CUBLAS_OP_N, d.hd, T, T, 1.f, vals + r0 * kvd, kvd, d.hd, Sb, T, T * T, 0.f,
-                out_att + r0 * qd + g * d.hd, qd, grp * d.hd, d.nkv);
+        for_query_blocks(T, [&](int64_t b0, int64_t nb) { times_kv(out_att + r0 * qd, Sb, vals + r0 * kvd, T, g, b0, nb); });
       }
     }
     diag_accumulate_kernel<<<wb, 256, 0, s>>>(out_att, sd, a, int(K), false);
@@ -938,25 +977,28 @@ struct DraftEngine::Impl {
     CUDA_LAUNCH_CHECK();
     const Twin tq(*this, q[size_t(k)], N * qd), tk(*this, keys, N * kvd), tv(*this, vals, N * kvd),
         to(*this, datt, N * qd);
-    for (auto [r0, T] : seqs) {
+    for (const auto& [r0_, T_] : seqs) {
+      const int64_t r0 = r0_, T = T_;  // (lambdas below capture these)
       ensure_scores(T);
       const Twin tp(*this, Sb, d.nkv * T * T, Pb), tds(*this, dPb, d.nkv * T * T, dSb);
+      const float *qs = q[size_t(k)] + r0 * qd, *dos = datt + r0 * qd, *ks = keys + r0 * kvd, *vs = vals + r0 * kvd;
       for (int g = 0; g < grp; ++g) {
-        scores(Sb, q[size_t(k)] + r0 * qd, keys + r0 * kvd, T, g, a.scale);
+        for_query_blocks(T, [&](int64_t b0, int64_t nb) {
+          scores(Sb, qs, ks, T, g, a.scale, b0, nb);
+          scores(dPb, dos, vs, T, g, 1.f, b0, nb);
+        });
         tc_softmax_kernel<<<dim3(unsigned(T), unsigned(d.nkv)), 256, 0, s>>>(
-            Sb, Pb, true, sd, nullptr, lse[size_t(k)], r0, T, int(d.nh), int(grp), g, k, int(K));
+            Sb, Pb, true, sd, nullptr, lse[size_t(k)], r0, T, attn_blk(T), int(d.nh), int(grp), g, k, int(K));
         CUDA_LAUNCH_CHECK();
-        scores(dPb, datt + r0 * qd, vals + r0 * kvd, T, g, 1.f);
-        tc_ds_kernel<<<dim3(unsigned(T), unsigned(d.nkv)), 256, 0, s>>>(dPb, dSb, Sb, D, r0, T, int(d.nh), int(grp),
-                                                                        g, a.scale);
+        tc_ds_kernel<<<dim3(unsigned(T), unsigned(d.nkv)), 256, 0, s>>>(dPb, dSb, Sb, D, r0, T, attn_blk(T),
+                                                                        int(d.nh), int(grp), g, a.scale);
         CUDA_LAUNCH_CHECK();
         // dQ rows = dS K0;  dK0 += dS^T Q;  dV0 += P^T dO
-        gemm_sb(CUBLAS_OP_N, CUBLAS_OP_N, d.hd, T, T, 1.f, keys + r0 * kvd, kvd, d.hd, dPb, T, T * T, 0.f,
-                dq + r0 * qd + g * d.hd, qd, grp * d.hd, d.nkv);
-        gemm_sb(CUBLAS_OP_N, CUBLAS_OP_T, d.hd, T, T, 1.f, q[size_t(k)] + r0 * qd + g * d.hd, qd, grp * d.hd, dPb, T,
-                T * T, 1.f, dK + r0 * kvd, kvd, d.hd, d.nkv);
-        gemm_sb(CUBLAS_OP_N, CUBLAS_OP_T, d.hd, T, T, 1.f, datt + r0 * qd + g * d.hd, qd, grp * d.hd, Sb, T, T * T, 1.f,
-                dV + r0 * kvd, kvd, d.hd, d.nkv);
+        for_query_blocks(T, [&](int64_t b0, int64_t nb) {
+          times_kv(dq + r0 * qd, dPb, ks, T, g, b0, nb);
+          kv_grad(dK + r0 * kvd, dPb, qs, T, g, b0, nb);
+          kv_grad(dV + r0 * kvd, Sb, dos, T, g, b0, nb);
+        });
       }
     }
     if (k > 0) {
@@ -1075,6 +1117,7 @@ DraftEngine::DraftEngine(int device, const DraftDims& dd, DraftMath math, const 
   I.tmp = I.alloc<float>(size_t(R * H));
   I.act = I.alloc<float>(size_t(R * Idim));
   I.logits = I.alloc<float>(size_t(R * Vd));
+  if (I.bf16_operands) I.lgb = I.alloc<__nv_bfloat16>(size_t(R * Vd));
   I.dfn = I.alloc<float>(size_t(R * H));
   I.dg2 = I.alloc<float>(size_t(R * H));
   I.dact = I.alloc<float>(size_t(R * Idim));
@@ -1093,6 +1136,13 @@ DraftEngine::DraftEngine(int device, const DraftDims& dd, DraftMath math, const 
   I.dsd = I.alloc<float>(size_t(R * dd.nh * K));
   const char* att = std::getenv("TALON_DRAFT_ATTENTION");
   I.loop_attention = att && std::string(att) == "loop";
+  if (const char* blk = std::getenv("TALON_DRAFT_ATTN_BLOCK")) {
+    char* end = nullptr;
+    const long v = std::strtol(blk, &end, 10);
+    if (end == blk || *end != 0 || v < 0)
+      fail_msg(std::string("TALON_DRAFT_ATTN_BLOCK: expected a block size >= 0 (0: no skipping), got '") + blk + "'");
+    I.attn_block = v;
+  }
   const char* lmb_env = std::getenv("TALON_DRAFT_LM_BACKWARD");
   I.lm_backward_in_forward = !(lmb_env && std::string(lmb_env) == "backward");
   I.profiling = std::getenv("TALON_DRAFT_PROFILE") != nullptr;
@@ -1297,12 +1347,12 @@ void DraftEngine::run(const std::vector<float>& row_scale, bool backward, bool z
     const Impl::Twin tf(I, I.fn[size_t(k)], fused_lm ? N * H : 0);
     I.logits_of(k);
     loss_kernel<<<unsigned(N), 512, 0, s>>>(I.logits, I.P, I.tgt_arg, I.in_vocab, I.mask, I.pos, I.len, Vd, k,
-                                             fused_lm ? I.rs + k * N : nullptr, I.ce + k * N, I.hit + k * N,
-                                             I.cnt + k * N);
+                                             fused_lm ? I.rs + k * N : nullptr, fused_lm ? I.lgb : nullptr,
+                                             I.ce + k * N, I.hit + k * N, I.cnt + k * N);
     CUDA_LAUNCH_CHECK();
     if (fused_lm) {  // logits now hold d(objective)/d(logits)
       I.mark("forward: lm_head backward");
-      const Impl::Twin tl(I, I.logits, N * Vd);
+      const Impl::Twin tl(I, I.logits, N * Vd, I.lgb);
       I.linear_dw(I.g(LM), I.logits, I.fn[size_t(k)], H, N, H, Vd);
       I.linear_dx(I.fn[size_t(k)], H, I.logits, I.w(LM), N, H, Vd, 0.f);
     }
@@ -1333,10 +1383,11 @@ void DraftEngine::run(const std::vector<float>& row_scale, bool backward, bool z
       I.mark("backward: draft logits and loss gradient");
       I.logits_of(k);
       loss_kernel<<<unsigned(N), 512, 0, s>>>(I.logits, I.P, I.tgt_arg, I.in_vocab, I.mask, I.pos, I.len, Vd, k,
-                                               I.rs + k * N, I.ce + k * N, I.hit + k * N, I.cnt + k * N);
+                                               I.rs + k * N, I.lgb, I.ce + k * N, I.hit + k * N, I.cnt + k * N);
       CUDA_LAUNCH_CHECK();
       // logits = lm_head(norm(g2))
       I.mark("backward: products and norms");
+      const Impl::Twin tl(I, I.logits, N * Vd, I.lgb);
       dfn = I.dfn;
       I.linear_dx(dfn, H, I.logits, I.w(LM), N, H, Vd, 0.f);
       I.linear_dw(I.g(LM), I.logits, I.fn[ks], H, N, H, Vd);

@@ -656,7 +656,7 @@ struct DraftEngine::Impl {
   int64_t s_cap = 0;
   bool loop_attention = false;  // TALON_DRAFT_ATTENTION=loop: the fp32 warp kernels
   // Query-block size of the causal skipping (TALON_DRAFT_ATTN_BLOCK; 0: whole samples).
-  int64_t attn_block = 512;
+  int64_t attn_block = 1024;
   // With DraftMath::BF16, every product reads bf16 operands from memory (the weights' bf16
   // copy Wb, refreshed after each update; the target lm_head's copy lmb; activations as bf16
   // twins, written so by the kernel that makes them or cast from fp32 just before use) with

@@ -129,12 +129,21 @@ __global__ void colsum_kernel(float* dw, const float* rows, int64_t N, int64_t C
 }
 
 // E[n, :] = embed[token fed at step k]: x[t+1+k] of the row's own sample, 0 past its end.
-__global__ void gather_kernel(float* E, const float* embed, const int32_t* ids, const int32_t* pos,
+template <class T>
+__device__ __forceinline__ float load_f(const T* p) {
+  if constexpr (std::is_same_v<T, float>)
+    return *p;
+  else
+    return __bfloat162float(*p);
+}
+
+template <class Emb>
+__global__ void gather_kernel(float* E, const Emb* embed, const int32_t* ids, const int32_t* pos,
                               const int32_t* len, int64_t H, int k) {
   const int64_t n = blockIdx.x;
   const int tp = pos[n] + 1 + k;
   const int64_t tok = tp < len[n] ? ids[n + 1 + k] : 0;
-  for (int64_t c = threadIdx.x; c < H; c += blockDim.x) E[n * H + c] = embed[tok * H + c];
+  for (int64_t c = threadIdx.x; c < H; c += blockDim.x) E[n * H + c] = load_f(embed + tok * H + c);
 }
 
 // Rotate pairs (i, i + hd/2) of every head by sign * (pos[n] + k) * inv[i] (fp64 angle).
@@ -175,24 +184,23 @@ __device__ __forceinline__ void store_as(Out* p, float v) {
     *p = __float2bfloat16_rn(v);
 }
 
-// act = silu(ga) * up; with bf16 operands act is only ever a product's operand, so it is
-// written as bf16 directly.
-template <class Out>
-__global__ void swiglu_kernel(Out* act, const float* ga, const float* up, int64_t n) {
+// act = silu(ga) * up; with bf16 operands ga and up are stored as bf16 (the products'
+// outputs, rounded once) and act, only ever a product's operand, is written as bf16.
+template <class T>
+__global__ void swiglu_kernel(T* act, const T* ga, const T* up, int64_t n) {
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= n) return;
-  const float x = ga[i];
-  store_as(act + i, x / (1.f + expf(-x)) * up[i]);
+  const float x = load_f(ga + i);
+  store_as(act + i, x / (1.f + expf(-x)) * load_f(up + i));
 }
 
-template <class Out>
-__global__ void swiglu_backward_kernel(Out* dga, Out* dup, const float* dact, const float* ga, const float* up,
-                                       int64_t n) {
+template <class T>
+__global__ void swiglu_backward_kernel(T* dga, T* dup, const float* dact, const T* ga, const T* up, int64_t n) {
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= n) return;
-  const float x = ga[i], sg = 1.f / (1.f + expf(-x));
+  const float x = load_f(ga + i), sg = 1.f / (1.f + expf(-x));
   store_as(dup + i, dact[i] * x * sg);
-  store_as(dga + i, dact[i] * up[i] * sg * (1.f + x * (1.f - sg)));
+  store_as(dga + i, dact[i] * load_f(up + i) * sg * (1.f + x * (1.f - sg)));
 }
 
 // ---------------------------------------------------------------- attention
@@ -375,18 +383,20 @@ __global__ void diag_scores_kernel(float* sd, AttnArgs a, int K) {
   }
 }
 
-// One block per (query t of the sample, head): softmax over S_h[t, 0..t] and the diagonal
-// scores. With lse_in null it computes and stores lse; S becomes P in place (0 above the
-// diagonal up to the end of t's query block of blk rows, the keys the products read) unless
-// keep_f32 is false, P is also written as bf16 to Pb
+// One block per (query t of the query block b0.. of the sample, head): softmax over
+// S_h[t, 0..t] and the diagonal scores. S holds the query block's rows only ([nkv, blk, T],
+// row t at (kh * blk + t - b0) * T). With lse_in null it computes and stores lse; S becomes
+// P in place (0 above the diagonal up to the block's last key, the keys the products read)
+// unless keep_f32 is false, P is also written as bf16 to Pb
 // when given, and sd becomes the diagonal probabilities.
 __global__ void tc_softmax_kernel(float* S, __nv_bfloat16* Pb, bool keep_f32, float* sd, float* lse,
-                                  const float* lse_in, int64_t r0, int64_t T, int blk, int nh, int grp, int g, int k,
-                                  int K) {
+                                  const float* lse_in, int64_t r0, int64_t T, int64_t b0, int64_t blk, int nh, int grp,
+                                  int g, int k, int K) {
   __shared__ float sh[33];
-  const int64_t t = blockIdx.x;
+  const int64_t t = b0 + blockIdx.x, kend = b0 + gridDim.x;  // query t; the block's keys end at kend
   const int h = int(blockIdx.y) * grp + g;
-  float* row = S + (int64_t(blockIdx.y) * T + t) * T;
+  const int64_t off = (int64_t(blockIdx.y) * blk + blockIdx.x) * T;
+  float* row = S + off;
   float* dg = sd + ((r0 + t) * nh + h) * K;
   float L;
   if (lse_in) {
@@ -414,8 +424,7 @@ __global__ void tc_softmax_kernel(float* S, __nv_bfloat16* Pb, bool keep_f32, fl
     L = m + logf(z);
     if (threadIdx.x == 0) lse[(r0 + t) * nh + h] = L;
   }
-  __nv_bfloat16* brow = Pb ? Pb + (int64_t(blockIdx.y) * T + t) * T : nullptr;
-  const int64_t kend = min(T, (t / blk + 1) * int64_t(blk));  // the keys of t's query block
+  __nv_bfloat16* brow = Pb ? Pb + off : nullptr;
   for (int64_t p = threadIdx.x; p < kend; p += blockDim.x) {
     const float v = p <= t ? expf(row[p] - L) : 0.f;
     if (keep_f32) row[p] = v;
@@ -460,16 +469,15 @@ __global__ void diag_dp_kernel(float* dsd, const float* pd, const float* dO, con
   }
 }
 
-// dS = P * (dP - D) * scale below the diagonal, 0 above it up to the end of t's query
-// block: in place over dP, or as bf16 into
+// dS = P * (dP - D) * scale below the diagonal, 0 above it up to the query block's last key
+// (same layout as tc_softmax_kernel): in place over dP, or as bf16 into
 // dSb when given (dS is then only the operand of the dQ and dK products).
 __global__ void tc_ds_kernel(float* dP, __nv_bfloat16* dSb, const float* P, const float* D, int64_t r0, int64_t T,
-                             int blk, int nh, int grp, int g, float scale) {
-  const int64_t t = blockIdx.x;
+                             int64_t b0, int64_t blk, int nh, int grp, int g, float scale) {
+  const int64_t t = b0 + blockIdx.x, kend = b0 + gridDim.x;
   const int h = int(blockIdx.y) * grp + g;
-  const int64_t off = (int64_t(blockIdx.y) * T + t) * T;
+  const int64_t off = (int64_t(blockIdx.y) * blk + blockIdx.x) * T;
   const float Dv = D[(r0 + t) * nh + h];
-  const int64_t kend = min(T, (t / blk + 1) * int64_t(blk));
   for (int64_t p = threadIdx.x; p < kend; p += blockDim.x) {
     const float v = p <= t ? P[off + p] * (dP[off + p] - Dv) * scale : 0.f;
     if (dSb)
@@ -635,6 +643,7 @@ struct DraftEngine::Impl {
   std::vector<int64_t> sizes, offs;
   // Target.
   float *embed = nullptr, *fnorm = nullptr, *lm = nullptr, *inv = nullptr;
+  __nv_bfloat16* embed_b = nullptr;  // with bf16 operands the target embedding is held as bf16 only
   int64_t* kept;
   uint8_t* t2d;
   // Parameters, gradients, moments: one buffer each, tensors at offs[i].
@@ -646,6 +655,7 @@ struct DraftEngine::Impl {
   float *aux, *hidden, *P, *hn, *full, *rs, *ce;
   // Per step (K copies; gs has K + 1).
   std::vector<float*> gs, xin, q, att, lse, g1, hm, ga, up, fn;
+  std::vector<__nv_bfloat16*> gab, upb;  // with bf16 operands, ga and up stored as bf16 instead
   float *keys, *vals, *dK, *dV;
   // Scratch.
   float *E, *tmp, *act, *logits, *dfn, *dg2, *dact, *dga, *dup, *dhm, *dg1, *datt, *D, *dq, *dxin, *dg, *dgn, *wrow;
@@ -833,6 +843,15 @@ struct DraftEngine::Impl {
               float beta = 0.f) {
     gemm(CUBLAS_OP_T, CUBLAS_OP_N, O, n, K, wt, K, x, ldx, beta, y, ldy);
   }
+  // As linear() with beta 0, y stored as bf16 (fp32 accumulation, rounded once); bf16 operands.
+  void linear_bf16(__nv_bfloat16* y, int64_t ldy, const float* x, int64_t ldx, const float* wt, int64_t n, int64_t K,
+                   int64_t O) {
+    const float alpha = 1.f, beta = 0.f;
+    CUBLASV2_CHECK(cublasGemmEx(blas, CUBLAS_OP_T, CUBLAS_OP_N, int(O), int(n), int(K), &alpha,
+                                operand(wt, span(CUBLAS_OP_T, O, K, K), 0), CUDA_R_16BF, int(K),
+                                operand(x, span(CUBLAS_OP_N, K, n, ldx), 1), CUDA_R_16BF, int(ldx), &beta, y,
+                                CUDA_R_16BF, int(ldy), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+  }
   // dx[N, K] (ld lddx) = beta*dx + dy[N, O] @ w[O, K]
   void linear_dx(float* dx, int64_t lddx, const float* dy, const float* wt, int64_t n, int64_t K, int64_t O,
                  float beta) {
@@ -858,19 +877,44 @@ struct DraftEngine::Impl {
     CUDA_LAUNCH_CHECK();
     mark("backward: products and norms");
   }
-  // act = silu(ga) * up, and its backward (dga, dup), as bf16 with bf16 operands.
-  void swiglu(float* act, const float* ga, const float* upv, int64_t n) {
+  // gate and up of step k: ga, up = hm @ W^T (as bf16 with bf16 operands).
+  void gate_up(int k) {
+    const int64_t H = d.H, Id = d.I;
+    const size_t ks = size_t(k);
+    const Twin th(*this, hm[ks], N * H);
+    if (bf16_operands) {
+      linear_bf16(gab[ks], Id, hm[ks], H, w(GATE), N, H, Id);
+      linear_bf16(upb[ks], Id, hm[ks], H, w(UP), N, H, Id);
+    } else {
+      linear(ga[ks], Id, hm[ks], H, w(GATE), N, H, Id);
+      linear(up[ks], Id, hm[ks], H, w(UP), N, H, Id);
+    }
+  }
+  // act = silu(ga) * up of step k, and its backward (dga, dup); bf16 with bf16 operands.
+  void swiglu(float* act, int k) {
+    const int64_t n = N * d.I;
+    const size_t ks = size_t(k);
     if (bf16_operands)
-      swiglu_kernel<<<nblocks(n, 256), 256, 0, s>>>(bf16_in(act), ga, upv, n);
+      swiglu_kernel<<<nblocks(n, 256), 256, 0, s>>>(bf16_in(act), gab[ks], upb[ks], n);
     else
-      swiglu_kernel<<<nblocks(n, 256), 256, 0, s>>>(act, ga, upv, n);
+      swiglu_kernel<<<nblocks(n, 256), 256, 0, s>>>(act, ga[ks], up[ks], n);
     CUDA_LAUNCH_CHECK();
   }
-  void swiglu_backward(float* dga, float* dup, const float* dact, const float* ga, const float* upv, int64_t n) {
+  void swiglu_backward(float* dga, float* dup, const float* dact, int k) {
+    const int64_t n = N * d.I;
+    const size_t ks = size_t(k);
     if (bf16_operands)
-      swiglu_backward_kernel<<<nblocks(n, 256), 256, 0, s>>>(bf16_in(dga), bf16_in(dup), dact, ga, upv, n);
+      swiglu_backward_kernel<<<nblocks(n, 256), 256, 0, s>>>(bf16_in(dga), bf16_in(dup), dact, gab[ks], upb[ks], n);
     else
-      swiglu_backward_kernel<<<nblocks(n, 256), 256, 0, s>>>(dga, dup, dact, ga, upv, n);
+      swiglu_backward_kernel<<<nblocks(n, 256), 256, 0, s>>>(dga, dup, dact, ga[ks], up[ks], n);
+    CUDA_LAUNCH_CHECK();
+  }
+  // E = the embeddings of the tokens step k feeds.
+  void gather(int k) {
+    if (embed_b)
+      gather_kernel<<<unsigned(N), 256, 0, s>>>(E, embed_b, ids, pos, len, d.H, k);
+    else
+      gather_kernel<<<unsigned(N), 256, 0, s>>>(E, embed, ids, pos, len, d.H, k);
     CUDA_LAUNCH_CHECK();
   }
   void rope(float* x, int64_t heads, int k, double sign) {
@@ -893,8 +937,9 @@ struct DraftEngine::Impl {
                                               int(lda), sA, b, operand_type(), int(ldb), sB, &beta, C, CUDA_R_32F,
                                               int(ldc), sC, int(batch), compute(), CUBLAS_GEMM_DEFAULT));
   }
-  void ensure_scores(int64_t T) {
-    const int64_t need = d.nkv * T * T;
+  // Score buffers for one query block of blk rows against T keys, per kv head.
+  void ensure_scores(int64_t blk, int64_t T) {
+    const int64_t need = d.nkv * blk * T;
     if (need <= s_cap) return;
     CUDA_CHECK(cudaStreamSynchronize(s));
     for (float* p : {Sb, dPb})
@@ -916,34 +961,32 @@ struct DraftEngine::Impl {
     s_cap = need;
   }
   // Causal key blocks: queries [b0, b0 + nb) of a sample attend to step-0 keys [0, b0 + nb)
-  // only, so every product below works on those blocks and skips the score tiles above the
-  // diagonal's block (about (1 + T/blk) / (2 T/blk) of the full T x T work is left).
-  template <class F>
-  void for_query_blocks(int64_t T, F&& f) const {
-    const int64_t blk = attn_block > 0 ? attn_block : T;
-    for (int64_t b0 = 0; b0 < T; b0 += blk) f(b0, std::min(blk, T - b0));
-  }
-  int attn_blk(int64_t T) const { return int(attn_block > 0 ? std::min(attn_block, T) : T); }
+  // only. Each query block's scores are made, normalised and used before the next block's,
+  // in buffers of [nkv, blk, T]; the score tiles above the block's last key are never
+  // computed (about (1 + T/blk) / (2 T/blk) of the T x T work is left).
+  int64_t attn_blk(int64_t T) const { return attn_block > 0 ? std::min(attn_block, T) : T; }
   // Rows b0..b0+nb (queries) of S_kh for heads kh*grp + g of the sample at rows r0..r0+T,
-  // against keys 0..b0+nb: scale * Q K0^T; or, with values, dP = dO V0^T (dO in place of Q).
-  void scores(float* out, const float* qrows, const float* kvrows, int64_t T, int g, float alpha, int64_t b0,
-              int64_t nb) {
+  // against keys 0..b0+nb, into the block buffer out: scale * Q K0^T; or, with values,
+  // dP = dO V0^T (dO in place of Q).
+  void scores(float* out, const float* qrows, const float* kvrows, int64_t T, int64_t blk, int g, float alpha,
+              int64_t b0, int64_t nb) {
     const int64_t grp = d.nh / d.nkv;
     gemm_sb(CUBLAS_OP_T, CUBLAS_OP_N, b0 + nb, nb, d.hd, alpha, kvrows, kvd, d.hd, qrows + b0 * qd + g * d.hd, qd,
-            grp * d.hd, 0.f, out + b0 * T, T, T * T, d.nkv);
+            grp * d.hd, 0.f, out, T, blk * T, d.nkv);
   }
-  // Rows b0..b0+nb of out (heads kh*grp + g, row stride qd) = beta*out + M[rows, 0..b0+nb) X0,
-  // M one of the [T, T] matrices (P, dS) and X0 the sample's step-0 values or keys.
-  void times_kv(float* out, const float* M, const float* kvrows, int64_t T, int g, int64_t b0, int64_t nb) {
+  // Rows b0..b0+nb of out (heads kh*grp + g, row stride qd) = M X0[0..b0+nb), M the block
+  // buffer of P or dS and X0 the sample's step-0 values or keys.
+  void times_kv(float* out, const float* M, const float* kvrows, int64_t T, int64_t blk, int g, int64_t b0,
+                int64_t nb) {
     const int64_t grp = d.nh / d.nkv;
-    gemm_sb(CUBLAS_OP_N, CUBLAS_OP_N, d.hd, nb, b0 + nb, 1.f, kvrows, kvd, d.hd, M + b0 * T, T, T * T, 0.f,
+    gemm_sb(CUBLAS_OP_N, CUBLAS_OP_N, d.hd, nb, b0 + nb, 1.f, kvrows, kvd, d.hd, M, T, blk * T, 0.f,
             out + b0 * qd + g * d.hd, qd, grp * d.hd, d.nkv);
   }
-  // dX0[0..b0+nb) += M[rows b0..b0+nb, 0..b0+nb)^T Y[rows] (dK0 with dS and Q, dV0 with P and dO).
-  void kv_grad(float* dx, const float* M, const float* yrows, int64_t T, int g, int64_t b0, int64_t nb) {
+  // dX0[0..b0+nb) += M^T Y[rows b0..b0+nb) (dK0 with dS and Q, dV0 with P and dO).
+  void kv_grad(float* dx, const float* M, const float* yrows, int64_t T, int64_t blk, int g, int64_t b0, int64_t nb) {
     const int64_t grp = d.nh / d.nkv;
-    gemm_sb(CUBLAS_OP_N, CUBLAS_OP_T, d.hd, b0 + nb, nb, 1.f, yrows + b0 * qd + g * d.hd, qd, grp * d.hd, M + b0 * T,
-            T, T * T, 1.f, dx, kvd, d.hd, d.nkv);
+    gemm_sb(CUBLAS_OP_N, CUBLAS_OP_T, d.hd, b0 + nb, nb, 1.f, yrows + b0 * qd + g * d.hd, qd, grp * d.hd, M, T,
+            blk * T, 1.f, dx, kvd, d.hd, d.nkv);
   }
   void attention_forward(int k, float* out_att, float* out_lse) {
     const AttnArgs a = attn_args(k);
@@ -952,18 +995,20 @@ struct DraftEngine::Impl {
     diag_scores_kernel<<<wb, 256, 0, s>>>(sd, a, int(K));
     CUDA_LAUNCH_CHECK();
     const Twin tq(*this, q[size_t(k)], N * qd), tk(*this, keys, N * kvd), tv(*this, vals, N * kvd);
-    for (const auto& [r0_, T_] : seqs) {
-      const int64_t r0 = r0_, T = T_;  // (lambdas below capture these)
-      ensure_scores(T);
-      const Twin tp(*this, Sb, d.nkv * T * T, Pb);
-      const float* qs = q[size_t(k)] + r0 * qd;
-      for (int g = 0; g < grp; ++g) {
-        for_query_blocks(T, [&](int64_t b0, int64_t nb) { scores(Sb, qs, keys + r0 * kvd, T, g, a.scale, b0, nb); });
-        tc_softmax_kernel<<<dim3(unsigned(T), unsigned(d.nkv)), 256, 0, s>>>(
-            Sb, Pb, !bf16_operands, sd, out_lse, nullptr, r0, T, attn_blk(T), int(d.nh), int(grp), g, k, int(K));
-        CUDA_LAUNCH_CHECK();
-        for_query_blocks(T, [&](int64_t b0, int64_t nb) { times_kv(out_att + r0 * qd, Sb, vals + r0 * kvd, T, g, b0, nb); });
-      }
+    for (auto [r0, T] : seqs) {
+      const int64_t blk = attn_blk(T);
+      ensure_scores(blk, T);
+      const Twin tp(*this, Sb, d.nkv * blk * T, Pb);
+      const float *qs = q[size_t(k)] + r0 * qd, *ks = keys + r0 * kvd, *vs = vals + r0 * kvd;
+      for (int g = 0; g < grp; ++g)
+        for (int64_t b0 = 0; b0 < T; b0 += blk) {
+          const int64_t nb = std::min(blk, T - b0);
+          scores(Sb, qs, ks, T, blk, g, a.scale, b0, nb);
+          tc_softmax_kernel<<<dim3(unsigned(nb), unsigned(d.nkv)), 256, 0, s>>>(
+              Sb, Pb, !bf16_operands, sd, out_lse, nullptr, r0, T, b0, blk, int(d.nh), int(grp), g, k, int(K));
+          CUDA_LAUNCH_CHECK();
+          times_kv(out_att + r0 * qd, Sb, vs, T, blk, g, b0, nb);
+        }
     }
     diag_accumulate_kernel<<<wb, 256, 0, s>>>(out_att, sd, a, int(K), false);
     CUDA_LAUNCH_CHECK();
@@ -977,29 +1022,27 @@ struct DraftEngine::Impl {
     CUDA_LAUNCH_CHECK();
     const Twin tq(*this, q[size_t(k)], N * qd), tk(*this, keys, N * kvd), tv(*this, vals, N * kvd),
         to(*this, datt, N * qd);
-    for (const auto& [r0_, T_] : seqs) {
-      const int64_t r0 = r0_, T = T_;  // (lambdas below capture these)
-      ensure_scores(T);
-      const Twin tp(*this, Sb, d.nkv * T * T, Pb), tds(*this, dPb, d.nkv * T * T, dSb);
+    for (auto [r0, T] : seqs) {
+      const int64_t blk = attn_blk(T);
+      ensure_scores(blk, T);
+      const Twin tp(*this, Sb, d.nkv * blk * T, Pb), tds(*this, dPb, d.nkv * blk * T, dSb);
       const float *qs = q[size_t(k)] + r0 * qd, *dos = datt + r0 * qd, *ks = keys + r0 * kvd, *vs = vals + r0 * kvd;
-      for (int g = 0; g < grp; ++g) {
-        for_query_blocks(T, [&](int64_t b0, int64_t nb) {
-          scores(Sb, qs, ks, T, g, a.scale, b0, nb);
-          scores(dPb, dos, vs, T, g, 1.f, b0, nb);
-        });
-        tc_softmax_kernel<<<dim3(unsigned(T), unsigned(d.nkv)), 256, 0, s>>>(
-            Sb, Pb, true, sd, nullptr, lse[size_t(k)], r0, T, attn_blk(T), int(d.nh), int(grp), g, k, int(K));
-        CUDA_LAUNCH_CHECK();
-        tc_ds_kernel<<<dim3(unsigned(T), unsigned(d.nkv)), 256, 0, s>>>(dPb, dSb, Sb, D, r0, T, attn_blk(T),
-                                                                        int(d.nh), int(grp), g, a.scale);
-        CUDA_LAUNCH_CHECK();
-        // dQ rows = dS K0;  dK0 += dS^T Q;  dV0 += P^T dO
-        for_query_blocks(T, [&](int64_t b0, int64_t nb) {
-          times_kv(dq + r0 * qd, dPb, ks, T, g, b0, nb);
-          kv_grad(dK + r0 * kvd, dPb, qs, T, g, b0, nb);
-          kv_grad(dV + r0 * kvd, Sb, dos, T, g, b0, nb);
-        });
-      }
+      for (int g = 0; g < grp; ++g)
+        for (int64_t b0 = 0; b0 < T; b0 += blk) {
+          const int64_t nb = std::min(blk, T - b0);
+          const dim3 grid(unsigned(nb), unsigned(d.nkv));
+          scores(Sb, qs, ks, T, blk, g, a.scale, b0, nb);
+          scores(dPb, dos, vs, T, blk, g, 1.f, b0, nb);
+          tc_softmax_kernel<<<grid, 256, 0, s>>>(Sb, Pb, true, sd, nullptr, lse[size_t(k)], r0, T, b0, blk, int(d.nh),
+                                                 int(grp), g, k, int(K));
+          CUDA_LAUNCH_CHECK();
+          tc_ds_kernel<<<grid, 256, 0, s>>>(dPb, dSb, Sb, D, r0, T, b0, blk, int(d.nh), int(grp), g, a.scale);
+          CUDA_LAUNCH_CHECK();
+          // dQ rows = dS K0;  dK0 += dS^T Q;  dV0 += P^T dO
+          times_kv(dq + r0 * qd, dPb, ks, T, blk, g, b0, nb);
+          kv_grad(dK + r0 * kvd, dPb, qs, T, blk, g, b0, nb);
+          kv_grad(dV + r0 * kvd, Sb, dos, T, blk, g, b0, nb);
+        }
     }
     if (k > 0) {
       diag_dp_kernel<<<wb, 256, 0, s>>>(dsd, sd, datt, D, a, int(K));
@@ -1036,24 +1079,29 @@ DraftEngine::DraftEngine(int device, const DraftDims& dd, DraftMath math, const 
   auto up = [&](float* dst, const float* src, int64_t n) {
     CUDA_CHECK(cudaMemcpy(dst, src, size_t(n) * 4, cudaMemcpyHostToDevice));
   };
-  I.embed = I.alloc<float>(size_t(V * H));
-  up(I.embed, embed, V * H);
   const char* gemm_env = std::getenv("TALON_DRAFT_GEMM");
   I.bf16_operands = math == DraftMath::BF16 && !(gemm_env && std::string(gemm_env) == "fp32");
-  if (I.bf16_operands) {  // only the bf16 copy: through a staging buffer, 32M values at a time
-    I.lmb = I.alloc<__nv_bfloat16>(size_t(V * H));
+  if (I.bf16_operands) {  // the target's embedding and lm_head as bf16 only
     const int64_t chunk = std::min<int64_t>(V * H, int64_t(32) << 20);
     float* stage = nullptr;
     CUDA_CHECK(cudaMalloc(&stage, size_t(chunk) * 4));
-    for (int64_t o = 0; o < V * H; o += chunk) {
-      const int64_t n = std::min(chunk, V * H - o);
-      CUDA_CHECK(cudaMemcpy(stage, lm_head + o, size_t(n) * 4, cudaMemcpyHostToDevice));
-      to_bf16_kernel<<<nblocks(n, 256), 256>>>(I.lmb + o, stage, n);
-      CUDA_LAUNCH_CHECK();
-    }
-    CUDA_CHECK(cudaDeviceSynchronize());
+    const auto up_bf16 = [&](__nv_bfloat16* dst, const float* src) {  // through stage, 32M values at a time
+      for (int64_t o = 0; o < V * H; o += chunk) {
+        const int64_t n = std::min(chunk, V * H - o);
+        CUDA_CHECK(cudaMemcpy(stage, src + o, size_t(n) * 4, cudaMemcpyHostToDevice));
+        to_bf16_kernel<<<nblocks(n, 256), 256>>>(dst + o, stage, n);
+        CUDA_LAUNCH_CHECK();
+        CUDA_CHECK(cudaDeviceSynchronize());
+      }
+    };
+    I.embed_b = I.alloc<__nv_bfloat16>(size_t(V * H));
+    up_bf16(I.embed_b, embed);
+    I.lmb = I.alloc<__nv_bfloat16>(size_t(V * H));
+    up_bf16(I.lmb, lm_head);
     CUDA_CHECK(cudaFree(stage));
   } else {
+    I.embed = I.alloc<float>(size_t(V * H));
+    up(I.embed, embed, V * H);
     I.lm = I.alloc<float>(size_t(V * H));
     up(I.lm, lm_head, V * H);
   }
@@ -1105,8 +1153,13 @@ DraftEngine::DraftEngine(int device, const DraftDims& dd, DraftMath math, const 
     I.lse.push_back(I.alloc<float>(size_t(R * dd.nh)));
     I.g1.push_back(I.alloc<float>(size_t(R * H)));
     I.hm.push_back(I.alloc<float>(size_t(R * H)));
-    I.ga.push_back(I.alloc<float>(size_t(R * Idim)));
-    I.up.push_back(I.alloc<float>(size_t(R * Idim)));
+    if (I.bf16_operands) {
+      I.gab.push_back(I.alloc<__nv_bfloat16>(size_t(R * Idim)));
+      I.upb.push_back(I.alloc<__nv_bfloat16>(size_t(R * Idim)));
+    } else {
+      I.ga.push_back(I.alloc<float>(size_t(R * Idim)));
+      I.up.push_back(I.alloc<float>(size_t(R * Idim)));
+    }
     I.fn.push_back(I.alloc<float>(size_t(R * H)));
   }
   I.keys = I.alloc<float>(size_t(K * R * kvd));
@@ -1301,8 +1354,7 @@ void DraftEngine::run(const std::vector<float>& row_scale, bool backward, bool z
   for (int k = 0; k < K; ++k) {
     float* xin = I.xin[size_t(k)];
     I.mark("forward: products and norms");
-    gather_kernel<<<unsigned(N), 256, 0, s>>>(I.E, I.embed, I.ids, I.pos, I.len, H, k);
-    CUDA_LAUNCH_CHECK();
+    I.gather(k);
     I.rmsnorm(xin, 2 * H, I.E, H, I.w(IN_LN), H, d.eps, N);
     I.rmsnorm(xin + H, 2 * H, I.gs[size_t(k)], H, I.w(HNORM), H, d.eps, N);
     float* kk = I.keys + k * I.R * kvd;
@@ -1330,14 +1382,10 @@ void DraftEngine::run(const std::vector<float>& row_scale, bool backward, bool z
       add_kernel<<<nblocks(N * H, 256), 256, 0, s>>>(I.g1[size_t(k)], I.gs[size_t(k)], H, I.tmp, N, H);
     CUDA_LAUNCH_CHECK();
     I.rmsnorm(I.hm[size_t(k)], H, I.g1[size_t(k)], H, I.w(POST_LN), H, d.eps, N);
-    {
-      const Impl::Twin th(I, I.hm[size_t(k)], N * H);
-      I.linear(I.ga[size_t(k)], Id, I.hm[size_t(k)], H, I.w(GATE), N, H, Id);
-      I.linear(I.up[size_t(k)], Id, I.hm[size_t(k)], H, I.w(UP), N, H, Id);
-    }
+    I.gate_up(k);
     {
       const Impl::Twin ta(I, I.act, N * Id, I.bf16_in(I.act));
-      I.swiglu(I.act, I.ga[size_t(k)], I.up[size_t(k)], N * Id);
+      I.swiglu(I.act, k);
       I.linear(I.tmp, H, I.act, Id, I.w(DOWN), N, Id, H);
     }
     add_kernel<<<nblocks(N * H, 256), 256, 0, s>>>(I.gs[size_t(k) + 1], I.g1[size_t(k)], H, I.tmp, N, H);
@@ -1398,14 +1446,14 @@ void DraftEngine::run(const std::vector<float>& row_scale, bool backward, bool z
     // g2 = g1 + down(silu(gate(hm)) * up(hm))
     {
       const Impl::Twin ta(I, I.act, N * Id, I.bf16_in(I.act)), td(I, I.dg2, N * H);
-      I.swiglu(I.act, I.ga[ks], I.up[ks], N * Id);
+      I.swiglu(I.act, k);
       I.linear_dx(I.dact, Id, I.dg2, I.w(DOWN), N, Id, H, 0.f);
       I.linear_dw(I.g(DOWN), I.dg2, I.act, Id, N, Id, H);
     }
     {
       const Impl::Twin tg(I, I.dga, N * Id, I.bf16_in(I.dga)), tu(I, I.dup, N * Id, I.bf16_in(I.dup)),
           th(I, I.hm[ks], N * H);
-      I.swiglu_backward(I.dga, I.dup, I.dact, I.ga[ks], I.up[ks], N * Id);
+      I.swiglu_backward(I.dga, I.dup, I.dact, k);
       I.linear_dx(I.dhm, H, I.dga, I.w(GATE), N, H, Id, 0.f);
       I.linear_dx(I.dhm, H, I.dup, I.w(UP), N, H, Id, 1.f);
       I.linear_dw(I.g(GATE), I.dga, I.hm[ks], H, N, H, Id);
@@ -1451,8 +1499,7 @@ void DraftEngine::run(const std::vector<float>& row_scale, bool backward, bool z
       I.linear_dw(I.g(WV), dVk, xin, 2 * H, N, 2 * H, kvd);
     }
     // xin = [in_ln(e), hidden_norm(g)]; r = g or hidden_norm(g).
-    gather_kernel<<<unsigned(N), 256, 0, s>>>(I.E, I.embed, I.ids, I.pos, I.len, H, k);
-    CUDA_LAUNCH_CHECK();
+    I.gather(k);
     I.rmsnorm_backward(nullptr, 0, I.g(IN_LN), I.dxin, 2 * H, I.E, H, I.w(IN_LN), H);
     CUDA_CHECK(cudaMemsetAsync(I.dg, 0, size_t(N * H) * 4, s));
     I.rmsnorm_backward(I.dg, H, I.g(HNORM), I.dxin + H, 2 * H, I.gs[ks], H, I.w(HNORM), H);

@@ -79,7 +79,8 @@ class DraftEngine {
              int64_t t_after);
   size_t device_bytes() const;
   // Pinned host buffers [max_rows, 3H] (aux) and [max_rows, H] (hidden) a batch can be
-  // packed into, so that prepare() uploads them asynchronously (made on first call).
+  // packed into, so that prepare() uploads them asynchronously (made on first call; both
+  // null when the host cannot pin that much, and the caller then uses its own memory).
   std::pair<float*, float*> host_features();
   // For data parallel: the gradient buffer (all tensors, padded), its length, the stream
   // every operation runs on, and zeroing it.

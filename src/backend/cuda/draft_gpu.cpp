@@ -96,7 +96,18 @@ class CudaDraftTrainer final : public GpuDraftTrainer {
     len_.resize(size_t(N));
     // The features go straight into the engine's pinned staging, in pieces of about 1M
     // values copied in parallel (a batch is hundreds of MB at the 8B shape).
-    const auto [aux, hid] = eng_->host_features();
+    auto [aux, hid] = eng_->host_features();
+    if (!aux) {
+      if (!warned_unpinned_) {
+        tlog::warn("draft on GPU: could not pin {:.1f} GiB of host memory for batch staging; batches upload from "
+                   "pageable memory (slower)", double(max_rows_ * 4 * H) * 4 / double(1 << 30));
+        warned_unpinned_ = true;
+      }
+      aux_.resize(size_t(N * 3 * H));
+      hid_.resize(size_t(N * H));
+      aux = aux_.data();
+      hid = hid_.data();
+    }
     struct Piece {
       float* dst;
       const float* src;
@@ -216,6 +227,8 @@ class CudaDraftTrainer final : public GpuDraftTrainer {
   std::vector<uint8_t> decay_;
   std::vector<int32_t> ids_, pos_, len_;
   std::vector<uint8_t> mask_;
+  std::vector<float> aux_, hid_;  // staging when the engine's pinned buffers are unavailable
+  bool warned_unpinned_ = false;
 };
 
 

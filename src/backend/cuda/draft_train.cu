@@ -701,6 +701,7 @@ struct DraftEngine::Impl {
   // Pinned host staging for a batch's features, and the stream that uploads aux while the
   // target distribution runs on s.
   float *host_aux = nullptr, *host_hidden = nullptr;
+  bool host_pin_failed = false;
   cudaStream_t copy_s = nullptr;
   cudaEvent_t aux_ready = nullptr;
   // TALON_DRAFT_PROFILE=1: GPU time per phase, from events between marks.
@@ -1226,10 +1227,18 @@ DraftEngine::~DraftEngine() {
 size_t DraftEngine::device_bytes() const { return p_->bytes; }
 std::pair<float*, float*> DraftEngine::host_features() {
   Impl& I = *p_;
-  if (!I.host_aux) {
+  if (!I.host_aux && !I.host_pin_failed) {
     CUDA_CHECK(cudaSetDevice(I.device));
-    CUDA_CHECK(cudaHostAlloc(&I.host_aux, size_t(I.R * 3 * I.d.H) * 4, cudaHostAllocPortable));
-    CUDA_CHECK(cudaHostAlloc(&I.host_hidden, size_t(I.R * I.d.H) * 4, cudaHostAllocPortable));
+    void *a = nullptr, *h = nullptr;
+    if (cudaHostAlloc(&a, size_t(I.R * 3 * I.d.H) * 4, cudaHostAllocPortable) != cudaSuccess ||
+        cudaHostAlloc(&h, size_t(I.R * I.d.H) * 4, cudaHostAllocPortable) != cudaSuccess) {
+      (void)cudaGetLastError();  // not sticky: the caller stages in pageable memory instead
+      if (a) cudaFreeHost(a);
+      I.host_pin_failed = true;
+    } else {
+      I.host_aux = static_cast<float*>(a);
+      I.host_hidden = static_cast<float*>(h);
+    }
   }
   CUDA_CHECK(cudaEventSynchronize(I.aux_ready));  // no upload still reads them
   return {I.host_aux, I.host_hidden};

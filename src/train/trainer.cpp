@@ -58,11 +58,15 @@ std::vector<int64_t> epoch_order(int64_t n, uint64_t seed, int64_t epoch) {
   return o;
 }
 
-// One training sample in memory (fp32 features).
+// One training sample: tokens and loss mask in memory; its fp32 features only while a
+// batch that holds it runs (read from the extract dataset's mapped shard, or made by the
+// online target), then dropped.
 struct TrainSample {
   std::vector<int32_t> ids;
   std::vector<uint8_t> mask;
   std::vector<float> aux, hidden;
+  int32_t shard = -1;  // offline: the shard holding the features, and the sample's first row there
+  int64_t row = 0;
 };
 
 std::vector<float> to_f32(const st::TensorView& t, size_t offset_elems, size_t n) {
@@ -145,6 +149,10 @@ TrainReport run_train(const TrainOptions& opt) {
   // dataset made by this very target. Online: tokens from a prepare dataset; the target
   // runs in-process and makes each batch's features when it is needed.
   std::vector<TrainSample> all;
+  // Offline: the dataset's shards stay mapped; a batch's features are read from them when
+  // it runs (streamed: host memory holds tokens and the current batch, not the dataset).
+  std::vector<std::unique_ptr<st::File>> shards;
+  std::vector<std::pair<const st::TensorView*, const st::TensorView*>> feat_views;  // per shard: aux, hidden
   json aux_ids, final_id, convention;
   std::string data_sha;
   if (opt.online) {
@@ -193,11 +201,13 @@ TrainReport run_train(const TrainOptions& opt) {
     }
     size_t shard_i = 0;
     for (auto& s : man.at("shards")) {
-      st::File f(shard_path(opt.data, s, shard_i++));
-      const auto& ids = f.get(shard_tensors::input_ids);
-      const auto& mask = f.get(shard_tensors::loss_mask);
+      shards.push_back(std::make_unique<st::File>(shard_path(opt.data, s, shard_i++)));
+      const st::File& f = *shards.back();
       const auto& aux = f.get(shard_tensors::aux_hidden);
       const auto& hid = f.get(shard_tensors::hidden);
+      feat_views.push_back({&aux, &hid});
+      const auto& ids = f.get(shard_tensors::input_ids);
+      const auto& mask = f.get(shard_tensors::loss_mask);
       const auto& off = f.get(shard_tensors::sample_offsets);
       // Tensors in a shard need not be aligned for their type (a U8 tensor precedes): copy.
       std::vector<int64_t> o(static_cast<size_t>(off.numel()));
@@ -209,8 +219,11 @@ TrainReport run_train(const TrainOptions& opt) {
         ts.ids.resize(size_t(T));
         std::memcpy(ts.ids.data(), ids.data + size_t(a) * 4, size_t(T) * 4);
         ts.mask.assign(mask.data + a, mask.data + a + T);
-        ts.aux = to_f32(aux, size_t(a * 3 * H), size_t(T * 3 * H));
-        ts.hidden = to_f32(hid, size_t(a * H), size_t(T * H));
+        if (a < 0 || (a + T) * 3 * H > aux.numel() || (a + T) * H > hid.numel())
+          fail("{}: sample {} (rows {}..{}) lies outside tensors '{}' / '{}' of {} / {} values", f.path().string(), i,
+               a, a + T, shard_tensors::aux_hidden, shard_tensors::hidden, aux.numel(), hid.numel());
+        ts.shard = int32_t(shards.size() - 1);
+        ts.row = a;
         for (int64_t t = 0; t < T; ++t)
           if (ts.ids[size_t(t)] < 0 || ts.ids[size_t(t)] >= V)
             fail("{}: tensor '{}': token id {} at position {} is outside the target vocabulary of {}",
@@ -403,6 +416,17 @@ TrainReport run_train(const TrainOptions& opt) {
     return v;
   }();
   auto featurize = [&](const std::vector<TrainSample*>& need) {
+    if (!opt.online) {  // from the mapped shards, converted in parallel
+#pragma omp parallel for schedule(dynamic, 1) if (need.size() > 1)
+      for (size_t i = 0; i < need.size(); ++i) {
+        TrainSample& ts = *need[i];
+        const auto [aux, hid] = feat_views[size_t(ts.shard)];
+        const int64_t T = int64_t(ts.ids.size());
+        ts.aux = to_f32(*aux, size_t(ts.row * 3 * H), size_t(T * 3 * H));
+        ts.hidden = to_f32(*hid, size_t(ts.row * H), size_t(T * H));
+      }
+      return;
+    }
     const int64_t budget = std::max(opt.max_batch_tokens, opt.max_length);
     for (size_t i = 0; i < need.size();) {
       Batch b;
@@ -436,7 +460,6 @@ TrainReport run_train(const TrainOptions& opt) {
     }
   };
   auto drop_features = [&](const std::vector<TrainSample*>& used) {
-    if (!opt.online) return;
     for (TrainSample* ts : used) {
       std::vector<float>().swap(ts->aux);
       std::vector<float>().swap(ts->hidden);
@@ -510,7 +533,7 @@ TrainReport run_train(const TrainOptions& opt) {
     if (eval.empty()) return;
     std::vector<TrainSample*> ptrs;
     for (auto& ts : eval) ptrs.push_back(&ts);
-    if (opt.online) featurize(ptrs);
+    featurize(ptrs);
     std::vector<eagle3::Sample> es;
     for (auto& ts : eval) es.push_back({ts.ids.data(), ts.mask.data(), ts.aux.data(), ts.hidden.data(), int64_t(ts.ids.size())});
     const Summary m = summarize(run_samples(es, 0.0, false), c.ttt_steps);
@@ -551,7 +574,7 @@ TrainReport run_train(const TrainOptions& opt) {
       if (k >= int64_t(samples.size())) break;
       picked.push_back(&samples[size_t(order[size_t(k)])]);
     }
-    if (opt.online) featurize(picked);
+    featurize(picked);
     noisy.clear();
     for (int64_t b = 0; b < int64_t(picked.size()); ++b) {
       const TrainSample& ts = *picked[size_t(b)];

@@ -7,6 +7,7 @@
 #include <cstring>
 #include <cmath>
 #include <fstream>
+#include <future>
 #include <nlohmann/json.hpp>
 #include <random>
 #include <sstream>
@@ -58,15 +59,19 @@ std::vector<int64_t> epoch_order(int64_t n, uint64_t seed, int64_t epoch) {
   return o;
 }
 
-// One training sample: tokens and loss mask in memory; its fp32 features only while a
-// batch that holds it runs (read from the extract dataset's mapped shard, or made by the
-// online target), then dropped.
+// One training sample: tokens and loss mask in memory. Its features are read from the
+// extract dataset's mapped shard (offline) or made by the online target only for the batch
+// that holds it, and dropped after.
 struct TrainSample {
   std::vector<int32_t> ids;
   std::vector<uint8_t> mask;
-  std::vector<float> aux, hidden;
   int32_t shard = -1;  // offline: the shard holding the features, and the sample's first row there
   int64_t row = 0;
+};
+
+// fp32 features of one sample of a batch: aux [T, 3H], hidden (h[L]) [T, H].
+struct Features {
+  std::vector<float> aux, hidden;
 };
 
 std::vector<float> to_f32(const st::TensorView& t, size_t offset_elems, size_t n) {
@@ -415,25 +420,33 @@ TrainReport run_train(const TrainOptions& opt) {
     v.push_back(final_id.get<int>());
     return v;
   }();
-  auto featurize = [&](const std::vector<TrainSample*>& need) {
-    if (!opt.online) {  // from the mapped shards, converted in parallel
-#pragma omp parallel for schedule(dynamic, 1) if (need.size() > 1)
-      for (size_t i = 0; i < need.size(); ++i) {
-        TrainSample& ts = *need[i];
-        const auto [aux, hid] = feat_views[size_t(ts.shard)];
-        const int64_t T = int64_t(ts.ids.size());
-        ts.aux = to_f32(*aux, size_t(ts.row * 3 * H), size_t(T * 3 * H));
-        ts.hidden = to_f32(*hid, size_t(ts.row * H), size_t(T * H));
-      }
-      return;
+  // Offline: the features of `need` from the mapped shards (converted in parallel when
+  // asked). Reads only the mappings, so it may run on a helper thread (the next step's
+  // prefetch).
+  auto read_features = [&](const std::vector<TrainSample*>& need, bool parallel) {
+    std::vector<Features> out(need.size());
+#pragma omp parallel for schedule(dynamic, 1) if (parallel && need.size() > 1)
+    for (size_t i = 0; i < need.size(); ++i) {
+      const TrainSample& ts = *need[i];
+      const auto [aux, hid] = feat_views[size_t(ts.shard)];
+      const int64_t T = int64_t(ts.ids.size());
+      out[i].aux = to_f32(*aux, size_t(ts.row * 3 * H), size_t(T * 3 * H));
+      out[i].hidden = to_f32(*hid, size_t(ts.row * H), size_t(T * H));
     }
+    return out;
+  };
+  // The features of `need`: read (offline) or made by the target (online, on this thread,
+  // which owns the target's GPU).
+  auto featurize = [&](const std::vector<TrainSample*>& need) {
+    if (!opt.online) return read_features(need, true);
+    std::vector<Features> out(need.size());
     const int64_t budget = std::max(opt.max_batch_tokens, opt.max_length);
     for (size_t i = 0; i < need.size();) {
       Batch b;
-      std::vector<TrainSample*> part;
+      std::vector<size_t> part;
       for (; i < need.size() && (part.empty() || b.n_tokens() + int64_t(need[i]->ids.size()) <= budget); ++i) {
         b.add(need[i]->ids.data(), int64_t(need[i]->ids.size()));
-        part.push_back(need[i]);
+        part.push_back(i);
       }
       const int64_t N = b.n_tokens();
       auto aux_buf = target->host_buffer(size_t(N * 3 * H) * 2);
@@ -449,21 +462,17 @@ TrainReport run_train(const TrainOptions& opt) {
       cap.ld.push_back(H);
       target->forward(b, cap, nullptr);
       int64_t r = 0;
-      for (TrainSample* ts : part) {
-        const int64_t T = int64_t(ts->ids.size());
-        ts->aux.resize(size_t(T * 3 * H));
-        ts->hidden.resize(size_t(T * H));
-        convert_to_f32(DType::BF16, aux_buf.get() + size_t(r * 3 * H) * 2, ts->aux.data(), size_t(T * 3 * H));
-        convert_to_f32(DType::BF16, fin_buf.get() + size_t(r * H) * 2, ts->hidden.data(), size_t(T * H));
+      for (size_t j : part) {
+        const int64_t T = int64_t(need[j]->ids.size());
+        Features& f = out[j];
+        f.aux.resize(size_t(T * 3 * H));
+        f.hidden.resize(size_t(T * H));
+        convert_to_f32(DType::BF16, aux_buf.get() + size_t(r * 3 * H) * 2, f.aux.data(), size_t(T * 3 * H));
+        convert_to_f32(DType::BF16, fin_buf.get() + size_t(r * H) * 2, f.hidden.data(), size_t(T * H));
         r += T;
       }
     }
-  };
-  auto drop_features = [&](const std::vector<TrainSample*>& used) {
-    for (TrainSample* ts : used) {
-      std::vector<float>().swap(ts->aux);
-      std::vector<float>().swap(ts->hidden);
-    }
+    return out;
   };
 
   // Forward (and backward when `weight` > 0) of a list of samples: packed micro-batches
@@ -533,11 +542,12 @@ TrainReport run_train(const TrainOptions& opt) {
     if (eval.empty()) return;
     std::vector<TrainSample*> ptrs;
     for (auto& ts : eval) ptrs.push_back(&ts);
-    featurize(ptrs);
+    const std::vector<Features> feats = featurize(ptrs);
     std::vector<eagle3::Sample> es;
-    for (auto& ts : eval) es.push_back({ts.ids.data(), ts.mask.data(), ts.aux.data(), ts.hidden.data(), int64_t(ts.ids.size())});
+    for (size_t i = 0; i < eval.size(); ++i)
+      es.push_back({eval[i].ids.data(), eval[i].mask.data(), feats[i].aux.data(), feats[i].hidden.data(),
+                    int64_t(eval[i].ids.size())});
     const Summary m = summarize(run_samples(es, 0.0, false), c.ttt_steps);
-    drop_features(ptrs);
     metrics << json{{"split", "eval"}, {"step", done}, {"samples", es.size()}, {"loss", m.loss}, {"loss_exact", exact(m.loss)},
                     {"acc", m.acc}, {"cond_acc", m.cond_acc}, {"sim_accept_len", m.accept_len}}.dump()
             << "\n";
@@ -556,6 +566,23 @@ TrainReport run_train(const TrainOptions& opt) {
   const auto t0 = std::chrono::steady_clock::now();
   int64_t tokens = 0;
   std::vector<std::vector<float>> noisy;  // aux states with noise, for this step's samples
+  // The samples of optimizer step st (its epoch's seeded order).
+  auto pick = [&](int64_t st) {
+    const int64_t epoch = st / steps_per_epoch, in_epoch = st % steps_per_epoch;
+    const auto order = epoch_order(int64_t(samples.size()), opt.seed, epoch);
+    std::vector<TrainSample*> picked;
+    for (int64_t b = 0; b < opt.batch_samples; ++b) {
+      const int64_t k = in_epoch * opt.batch_samples + b;
+      if (k >= int64_t(samples.size())) break;
+      picked.push_back(&samples[size_t(order[size_t(k)])]);
+    }
+    return picked;
+  };
+  // Offline, the next step's features are read on a helper thread while this step trains
+  // (the shards are only read; the online target stays on this thread). On the CPU the
+  // trainer's own parallel loops use every core, so the helper converts serially there.
+  std::future<std::vector<Features>> prefetch;
+  int64_t prefetch_step = -1;
   while (step < total_steps) {
     if (stop_requested()) {
       save();
@@ -563,25 +590,27 @@ TrainReport run_train(const TrainOptions& opt) {
       rep.steps = step;
       return rep;
     }
-    const int64_t epoch = step / steps_per_epoch, in_epoch = step % steps_per_epoch;
-    const auto order = epoch_order(int64_t(samples.size()), opt.seed, epoch);
+    const int64_t epoch = step / steps_per_epoch;
     if (!dev)
       for (auto& p : params) std::fill(p.g->begin(), p.g->end(), 0.0);
-    std::vector<eagle3::Sample> batch;
-    std::vector<TrainSample*> picked;
-    for (int64_t b = 0; b < opt.batch_samples; ++b) {
-      const int64_t k = in_epoch * opt.batch_samples + b;
-      if (k >= int64_t(samples.size())) break;
-      picked.push_back(&samples[size_t(order[size_t(k)])]);
+    const std::vector<TrainSample*> picked = pick(step);
+    const std::vector<Features> feats =
+        prefetch.valid() && prefetch_step == step ? prefetch.get() : featurize(picked);
+    if (!opt.online && step + 1 < total_steps) {
+      prefetch_step = step + 1;
+      prefetch = std::async(std::launch::async, [&read_features, next = pick(step + 1), par = dev != nullptr] {
+        return read_features(next, par);
+      });
     }
-    featurize(picked);
+    std::vector<eagle3::Sample> batch;
     noisy.clear();
     for (int64_t b = 0; b < int64_t(picked.size()); ++b) {
       const TrainSample& ts = *picked[size_t(b)];
-      eagle3::Sample s{ts.ids.data(), ts.mask.data(), ts.aux.data(), ts.hidden.data(), int64_t(ts.ids.size())};
+      const Features& f = feats[size_t(b)];
+      eagle3::Sample s{ts.ids.data(), ts.mask.data(), f.aux.data(), f.hidden.data(), int64_t(ts.ids.size())};
       if (opt.noise > 0) {  // seeded by (seed, step, slot): the same after a resume
         Rng r{opt.seed * 0x9e3779b97f4a7c15ull + uint64_t(step) * 1315423911ull + uint64_t(b) + 3};
-        noisy.push_back(ts.aux);
+        noisy.push_back(f.aux);
         for (auto& x : noisy.back()) x += float(opt.noise * (2.0 * r.uniform() - 1.0));
         s.aux = noisy.back().data();
       }
@@ -590,7 +619,6 @@ TrainReport run_train(const TrainOptions& opt) {
     }
     const double inv_b = 1.0 / double(batch.size());
     const std::vector<TttResult> res = run_samples(batch, inv_b, true);
-    drop_features(picked);
     const double gnorm = dev ? dev->clip_grad_norm(oc.clip_norm) : clip_grad_norm(params, oc.clip_norm);
     const double lr = lr_at(oc, step);
     if (dev) {

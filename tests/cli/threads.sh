@@ -2,7 +2,8 @@
 # The threaded code with a tiny model (fast enough for ThreadSanitizer builds): extract's
 # pipeline (loader, compute, allocator and writer threads) over many small shards,
 # uninterrupted, stopped by SIGINT and resumed, killed and resumed, and as two concurrent
-# ranks; the tokenize thread pool against one thread. Outputs must be identical.
+# ranks; offline training with its feature prefetch thread, stopped and resumed; the
+# tokenize thread pool against one thread. Outputs must be identical.
 source "$(dirname "$0")/lib.sh"
 MODEL=$SRC/tests/fixtures/golden/llama_gqa
 tokens 60 97 5 6 > "$WORK/t.jsonl"
@@ -35,6 +36,18 @@ wait $p1; r1=$?
 # rank 0 may finish first and leave the merge to a rerun
 grep -q '"complete"' "$WORK/ranks/manifest.json" || "$TALON" extract "${args[@]}" --out "$WORK/ranks" > /dev/null 2>&1
 same "$WORK/ranks" && ok "two concurrent ranks: identical" || bad "ranks differ: $(head -3 "$WORK/diff")"
+
+# Offline training reads the next step's features on a helper thread: a run stopped at a
+# step boundary (its prefetch abandoned) and resumed logs the losses of an uninterrupted run.
+targs=(--data "$WORK/ref" --model "$MODEL" --draft-vocab 32 --max-length 64 --ttt-steps 2 --max-steps 6
+       --batch-samples 3 --seed 3)
+losses() { python3 -c "import json,sys; print(' '.join(json.loads(l)['loss_exact'] for l in open(sys.argv[1])))" "$1"; }
+"$TALON" train "${targs[@]}" --out "$WORK/tr" > /dev/null 2> "$WORK/e" && ok "train: uninterrupted" || bad "train: $(tail -2 "$WORK/e")"
+"$TALON" train "${targs[@]}" --out "$WORK/tr2" --stop-after-steps 2 > /dev/null 2> "$WORK/e"
+[ $? -ne 0 ] && grep -q "resume with:" "$WORK/e" && ok "train: stopped after 2 steps with a resume hint" || bad "train stop: $(tail -2 "$WORK/e")"
+"$TALON" train "${targs[@]}" --out "$WORK/tr2" > /dev/null 2> "$WORK/e" || bad "train resume: $(tail -2 "$WORK/e")"
+[ -s "$WORK/tr/metrics.jsonl" ] && [ "$(losses "$WORK/tr2/metrics.jsonl")" = "$(losses "$WORK/tr/metrics.jsonl")" ] &&
+  ok "train: stop + resume, identical losses" || bad "train losses differ: $(losses "$WORK/tr2/metrics.jsonl") vs $(losses "$WORK/tr/metrics.jsonl")"
 
 python3 - > "$WORK/texts.jsonl" <<'PY'
 import json, random

@@ -565,11 +565,15 @@ TrainReport run_train(const TrainOptions& opt) {
   rep.total_steps = total_steps;
   const auto t0 = std::chrono::steady_clock::now();
   int64_t tokens = 0;
-  std::vector<std::vector<float>> noisy;  // aux states with noise, for this step's samples
-  // The samples of optimizer step st (its epoch's seeded order).
+  // The samples of optimizer step st (its epoch's seeded order, made once per epoch).
+  int64_t order_epoch = -1;
+  std::vector<int64_t> order;
   auto pick = [&](int64_t st) {
     const int64_t epoch = st / steps_per_epoch, in_epoch = st % steps_per_epoch;
-    const auto order = epoch_order(int64_t(samples.size()), opt.seed, epoch);
+    if (epoch != order_epoch) {
+      order = epoch_order(int64_t(samples.size()), opt.seed, epoch);
+      order_epoch = epoch;
+    }
     std::vector<TrainSample*> picked;
     for (int64_t b = 0; b < opt.batch_samples; ++b) {
       const int64_t k = in_epoch * opt.batch_samples + b;
@@ -594,8 +598,7 @@ TrainReport run_train(const TrainOptions& opt) {
     if (!dev)
       for (auto& p : params) std::fill(p.g->begin(), p.g->end(), 0.0);
     const std::vector<TrainSample*> picked = pick(step);
-    const std::vector<Features> feats =
-        prefetch.valid() && prefetch_step == step ? prefetch.get() : featurize(picked);
+    std::vector<Features> feats = prefetch.valid() && prefetch_step == step ? prefetch.get() : featurize(picked);
     if (!opt.online && step + 1 < total_steps) {
       prefetch_step = step + 1;
       prefetch = std::async(std::launch::async, [&read_features, next = pick(step + 1), par = dev != nullptr] {
@@ -603,17 +606,14 @@ TrainReport run_train(const TrainOptions& opt) {
       });
     }
     std::vector<eagle3::Sample> batch;
-    noisy.clear();
     for (int64_t b = 0; b < int64_t(picked.size()); ++b) {
       const TrainSample& ts = *picked[size_t(b)];
-      const Features& f = feats[size_t(b)];
-      eagle3::Sample s{ts.ids.data(), ts.mask.data(), f.aux.data(), f.hidden.data(), int64_t(ts.ids.size())};
+      Features& f = feats[size_t(b)];  // this step's own copy: noise goes in place
       if (opt.noise > 0) {  // seeded by (seed, step, slot): the same after a resume
         Rng r{opt.seed * 0x9e3779b97f4a7c15ull + uint64_t(step) * 1315423911ull + uint64_t(b) + 3};
-        noisy.push_back(f.aux);
-        for (auto& x : noisy.back()) x += float(opt.noise * (2.0 * r.uniform() - 1.0));
-        s.aux = noisy.back().data();
+        for (auto& x : f.aux) x += float(opt.noise * (2.0 * r.uniform() - 1.0));
       }
+      eagle3::Sample s{ts.ids.data(), ts.mask.data(), f.aux.data(), f.hidden.data(), int64_t(ts.ids.size())};
       batch.push_back(s);
       tokens += s.T;
     }

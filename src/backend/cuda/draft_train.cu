@@ -659,8 +659,8 @@ struct DraftEngine::Impl {
   float *keys, *vals, *dK, *dV;
   // Scratch.
   float *E, *tmp, *act, *logits, *dfn, *dg2, *dact, *dga, *dup, *dhm, *dg1, *datt, *D, *dq, *dxin, *dg, *dgn, *wrow;
-  // Attention: per-sample score matrices [nkv, T, T] (grown to the longest sample), the
-  // diagonal scores/probabilities and their gradients [R, nh, K], the samples' rows.
+  // Attention: score buffers for one causal query block [nkv, blk, T] (grown to the longest
+  // sample), the diagonal scores/probabilities and their gradients [R, nh, K].
   float *Sb = nullptr, *dPb = nullptr, *sd = nullptr, *dsd = nullptr;
   __nv_bfloat16 *Pb = nullptr, *dSb = nullptr;  // with bf16 operands: P and dS as the products read them
   int64_t s_cap = 0;
@@ -760,18 +760,23 @@ struct DraftEngine::Impl {
     if (in(W, w_total)) return Wb + (p - W);
     for (auto it = twins.rbegin(); it != twins.rend(); ++it)
       if (in(it->p, it->n) && p + n <= it->p + it->n) return it->b + (p - it->p);
-    if (n > cast_cap[slot]) {
-      if (cast_buf[slot]) {
+    return cast_into(cast_buf[slot], cast_cap[slot], p, n);
+  }
+  // bf16(p[0..n)) into buf (capacity cap, grown when short; the stream is drained before the
+  // old storage is freed); returns buf.
+  __nv_bfloat16* cast_into(__nv_bfloat16*& buf, int64_t& cap, const float* p, int64_t n) {
+    if (n > cap) {
+      if (buf) {
         CUDA_CHECK(cudaStreamSynchronize(s));
-        cudaFree(cast_buf[slot]);
-        bytes -= size_t(cast_cap[slot]) * 2;
+        cudaFree(buf);
+        bytes -= size_t(cap) * 2;
       }
-      cast_buf[slot] = dalloc<__nv_bfloat16>(size_t(n), bytes);
-      cast_cap[slot] = n;
+      buf = dalloc<__nv_bfloat16>(size_t(n), bytes);
+      cap = n;
     }
-    to_bf16_kernel<<<nblocks(n, 256), 256, 0, s>>>(cast_buf[slot], p, n);
+    to_bf16_kernel<<<nblocks(n, 256), 256, 0, s>>>(buf, p, n);
     CUDA_LAUNCH_CHECK();
-    return cast_buf[slot];
+    return buf;
   }
   // A bf16 twin of the fp32 activation p[0..n) for the products of one scope, made by a cast
   // or given (b: bf16 values a kernel wrote in place of fp32 ones). A product whose operand
@@ -787,18 +792,7 @@ struct DraftEngine::Impl {
         I.twin_buf.push_back(nullptr);
         I.twin_cap.push_back(0);
       }
-      if (n > I.twin_cap[i]) {
-        if (I.twin_buf[i]) {
-          CUDA_CHECK(cudaStreamSynchronize(I.s));
-          cudaFree(I.twin_buf[i]);
-          I.bytes -= size_t(I.twin_cap[i]) * 2;
-        }
-        I.twin_buf[i] = dalloc<__nv_bfloat16>(size_t(n), I.bytes);
-        I.twin_cap[i] = n;
-      }
-      to_bf16_kernel<<<nblocks(n, 256), 256, 0, I.s>>>(I.twin_buf[i], p, n);
-      CUDA_LAUNCH_CHECK();
-      I.twins.push_back({p, n, I.twin_buf[i], true});
+      I.twins.push_back({p, n, I.cast_into(I.twin_buf[i], I.twin_cap[i], p, n), true});
       ++I.n_cast_twins;
       on = true;
     }
@@ -938,21 +932,22 @@ struct DraftEngine::Impl {
                                               int(lda), sA, b, operand_type(), int(ldb), sB, &beta, C, CUDA_R_32F,
                                               int(ldc), sC, int(batch), compute(), CUBLAS_GEMM_DEFAULT));
   }
+  void free_scores() {
+    for (float* p : {Sb, dPb})
+      if (p) cudaFree(p);
+    for (__nv_bfloat16* p : {Pb, dSb})
+      if (p) cudaFree(p);
+    bytes -= size_t(s_cap) * ((Sb ? 4 : 0) + (dPb ? 4 : 0) + (Pb ? 2 : 0) + (dSb ? 2 : 0));
+    Sb = dPb = nullptr;
+    Pb = dSb = nullptr;
+    s_cap = 0;
+  }
   // Score buffers for one query block of blk rows against T keys, per kv head.
   void ensure_scores(int64_t blk, int64_t T) {
     const int64_t need = d.nkv * blk * T;
     if (need <= s_cap) return;
     CUDA_CHECK(cudaStreamSynchronize(s));
-    for (float* p : {Sb, dPb})
-      if (p) {
-        cudaFree(p);
-        bytes -= size_t(s_cap) * 4;
-      }
-    for (__nv_bfloat16* p : {Pb, dSb})
-      if (p) {
-        cudaFree(p);
-        bytes -= size_t(s_cap) * 2;
-      }
+    free_scores();
     Sb = dalloc<float>(size_t(need), bytes);
     dPb = dalloc<float>(size_t(need), bytes);
     if (bf16_operands) {
@@ -1207,10 +1202,7 @@ DraftEngine::~DraftEngine() {
   cudaSetDevice(p_->device);
   if (p_->s) cudaStreamSynchronize(p_->s);
   for (void* x : p_->owned) cudaFree(x);
-  if (p_->Sb) cudaFree(p_->Sb);
-  if (p_->dPb) cudaFree(p_->dPb);
-  if (p_->Pb) cudaFree(p_->Pb);
-  if (p_->dSb) cudaFree(p_->dSb);
+  p_->free_scores();
   for (auto* c : p_->twin_buf)
     if (c) cudaFree(c);
   if (p_->copy_s) cudaStreamSynchronize(p_->copy_s);
@@ -1407,7 +1399,7 @@ void DraftEngine::run(const std::vector<float>& row_scale, bool backward, bool z
                                              fused_lm ? I.rs + k * N : nullptr, fused_lm ? I.lgb : nullptr,
                                              I.ce + k * N, I.hit + k * N, I.cnt + k * N);
     CUDA_LAUNCH_CHECK();
-    if (fused_lm) {  // logits now hold d(objective)/d(logits)
+    if (fused_lm) {  // logits (or their bf16 twin lgb) now hold d(objective)/d(logits)
       I.mark("forward: lm_head backward");
       const Impl::Twin tl(I, I.logits, N * Vd, I.lgb);
       I.linear_dw(I.g(LM), I.logits, I.fn[size_t(k)], H, N, H, Vd);

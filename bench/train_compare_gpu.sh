@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Draft training on one GPU, in one run: the GPU parity tests of the trainer, the bf16 GEMM
-# ceiling, Talon (`talon_bench_train`, as shipped and with TALON_DRAFT_GEMM=fp32
-# TALON_DRAFT_LM_BACKWARD=backward, the older path) and the PyTorch peer
+# ceiling, Talon (`talon_bench_train`, as shipped and with TALON_DRAFT_ATTENTION=blocks, the
+# score-buffer attention that was the default before the fused kernels) and the PyTorch peer
 # (bench/train_peer.py, which first checks itself against the oracle), then a table of
 # tokens/s, memory and ratios. Every log is kept under $LOGS (default: a temporary folder).
 #   bash scripts/gpu_build.sh && bash bench/train_compare_gpu.sh [SHAPE] ["SEQS"] [SAMPLES] [PEER_COMPILE]
@@ -44,7 +44,7 @@ for seq in $SEQS; do
   build/talon_bench_train --shape "$SHAPE" --seq "$seq" --samples "$SAMPLES" --steps 7 --peak-tflops "$CEIL" \
     > "$log/talon-$seq" 2>&1
   tail -1 "$log/talon-$seq"
-  TALON_DRAFT_GEMM=fp32 TALON_DRAFT_LM_BACKWARD=backward build/talon_bench_train --shape "$SHAPE" --seq "$seq" \
+  TALON_DRAFT_ATTENTION=blocks build/talon_bench_train --shape "$SHAPE" --seq "$seq" \
     --samples "$SAMPLES" --steps 7 --peak-tflops "$CEIL" > "$log/older-$seq" 2>&1
   tail -1 "$log/older-$seq"
   python3 bench/train_peer.py --shape "$SHAPE" --seq "$seq" --samples "$SAMPLES" --steps 8 --compile "$PEER_COMPILE" \
@@ -54,7 +54,7 @@ for seq in $SEQS; do
 done
 
 echo
-echo "| seq x samples | Talon tok/s | Talon, older path (fp32 operands, lm backward recomputed) | peer tok/s | Talon / peer | memory GiB (Talon / older / peer) |"
+echo "| seq x samples | Talon tok/s | Talon, score-buffer attention | peer tok/s | Talon / peer | memory GiB (Talon / score-buffer / peer) |"
 echo "|---|---|---|---|---|---|"
 for r in "${rows[@]}"; do
   set -- $r

@@ -22,9 +22,15 @@ if ! python3 -c "import tokenizers, sentencepiece, google.protobuf, gguf, transf
     python3 -m pip install --quiet --break-system-packages "${pkgs_py[@]}"
 fi
 # PyTorch (CPU wheel) for the export test's bf16 oracle (tests/cli/check_export.py).
+# The CPU wheel index first (small); where that index cannot be reached, the default index.
+pip_torch() {
+  python3 -m pip install --quiet "$@" || python3 -m pip install --quiet --break-system-packages "$@"
+}
 if ! python3 -c "import torch" 2>/dev/null; then
   echo "setup: installing PyTorch (CPU)"
-  python3 -m pip install --quiet torch --index-url https://download.pytorch.org/whl/cpu ||
-    python3 -m pip install --quiet --break-system-packages torch --index-url https://download.pytorch.org/whl/cpu
+  pip_torch --retries 1 --timeout 30 torch --index-url https://download.pytorch.org/whl/cpu || {
+    echo "setup: the PyTorch CPU index is unreachable; installing torch from the default index"
+    pip_torch torch
+  }
 fi
 scripts/fetch_model.sh

@@ -81,6 +81,12 @@ inline constexpr double kGpuTttWeightOffFraction = 1e-2;
 // bf16 tensor-core products: inputs rounded to 2^-9, through K steps of the draft.
 inline constexpr double kGpuTttBf16LossRel = 2e-2;
 inline constexpr double kGpuTttBf16GradRel = 5e-2;
+// The fused attention kernels against the score-buffer products, both on the same bf16
+// operands (P and dS rounded to bf16 in both): summation order and exp2 vs exp only, but a
+// different rounding of the attention output flips bf16 roundings of every later operand
+// through K steps. Seen on an H200: up to 1.6e-2 (max |diff| / max |grad| of a tensor); a
+// dropped key tile or a wrong mask at a tile edge moves gradients by tens of percent.
+inline constexpr double kGpuTttFusedVsBlocksRel = 3e-2;
 
 // Cached decoding vs a full forward of the same tokens (CPU): the same fp32 arithmetic
 // per row, so only the attention's key order differs (none for chains).

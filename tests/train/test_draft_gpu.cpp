@@ -38,14 +38,14 @@ struct Case {
   };
   std::vector<S> samples;
 
-  Case(bool nbr, uint32_t seed) {
+  Case(bool nbr, uint32_t seed, std::vector<int> lengths = {13, 7, 22, 2}, int head_dim = 16) {
     std::mt19937 rng(seed);
     std::normal_distribution<float> nd(0.f, 1.f);
     c.H = 64;
     c.I = 96;
     c.n_heads = 4;
     c.n_kv_heads = 2;
-    c.head_dim = 16;
+    c.head_dim = head_dim;
     c.V = 211;
     c.Vd = 60;
     c.rms_eps = 1e-5;
@@ -76,7 +76,7 @@ struct Case {
     fnorm.resize(H);
     for (auto& x : fnorm) x = 1.f + 0.1f * nd(rng);
     std::vector<int64_t> counts(size_t(c.V), 0);
-    for (int T : {13, 7, 22, 2}) {
+    for (int T : lengths) {
       S s;
       for (int t = 0; t < T; ++t) {
         s.ids.push_back(int32_t(rng() % uint32_t(c.V)));
@@ -109,8 +109,7 @@ double rel_diff(const std::vector<double>& a, const std::vector<double>& b) {
 
 class GpuDraft : public ::testing::TestWithParam<bool> {};
 
-void check_against_cpu(bool nbr, GpuMath math, double loss_tol, double grad_tol) {
-  Case cs(nbr, 1234);
+void check_against_cpu(Case& cs, GpuMath math, double loss_tol, double grad_tol, int64_t max_rows = 64) {
   const auto batch = cs.batch();
   const double weight = 1.0 / double(batch.size());
   // CPU reference: per-sample forward + backward, gradients scaled by the batch weight.
@@ -120,7 +119,7 @@ void check_against_cpu(bool nbr, GpuMath math, double loss_tol, double grad_tol)
   for (auto& [n, g] : cpu_g.named())
     for (auto& x : *g) x *= weight;
 
-  auto gpu = make_gpu_draft_trainer(cs.c, cs.target(), cs.dv, {0}, math, 64);
+  auto gpu = make_gpu_draft_trainer(cs.c, cs.target(), cs.dv, {0}, math, max_rows);
   gpu->set_weights(cs.w);
   const auto res = gpu->run(batch, weight, true, true);
   ASSERT_EQ(res.size(), cpu.size());
@@ -147,6 +146,11 @@ void check_against_cpu(bool nbr, GpuMath math, double loss_tol, double grad_tol)
     EXPECT_GT(mb, 0.0) << b[i].first << ": the reference gradient is zero";
     EXPECT_LE(rel_diff(*a[i].second, *b[i].second), grad_tol) << a[i].first;
   }
+}
+
+void check_against_cpu(bool nbr, GpuMath math, double loss_tol, double grad_tol) {
+  Case cs(nbr, 1234);
+  check_against_cpu(cs, math, loss_tol, grad_tol);
 }
 
 TEST_P(GpuDraft, ForwardBackwardMatchesCpuReference) {
@@ -196,18 +200,72 @@ TEST_P(GpuDraft, Bf16RoundedInsideCublasStaysClose) {
   check_against_cpu(GetParam(), GpuMath::BF16, tol::kGpuTttBf16LossRel, tol::kGpuTttBf16GradRel);
 }
 
-// Causal key blocks (TALON_DRAFT_ATTN_BLOCK): with blocks of 4 and 7 rows the packed
-// samples (13, 7, 22 and 2 rows) have several blocks, partial last blocks and a sample
-// shorter than one block; 0 turns the skipping off. The products only skip score tiles that
-// the mask zeroes, so fp32 stays within the reference's tolerances.
+// Causal key blocks (TALON_DRAFT_ATTN_BLOCK) of the score-buffer products
+// (TALON_DRAFT_ATTENTION=blocks; with bf16 math the fused kernels are the default): with
+// blocks of 4 and 7 rows the packed samples (13, 7, 22 and 2 rows) have several blocks,
+// partial last blocks and a sample shorter than one block; 0 turns the skipping off. The
+// products only skip score tiles that the mask zeroes, so fp32 stays within the reference's
+// tolerances.
 TEST_P(GpuDraft, CausalKeyBlocksMatchCpuReference) {
   REQUIRE_GPU();
+  ScopedEnv att("TALON_DRAFT_ATTENTION", "blocks");
   for (const char* blk : {"4", "7", "0"}) {
     SCOPED_TRACE(std::string("block ") + blk);
     ScopedEnv e("TALON_DRAFT_ATTN_BLOCK", blk);
     check_against_cpu(GetParam(), GpuMath::F32, tol::kGpuTttLossRel, tol::kGpuTttGradRel);
     check_against_cpu(GetParam(), GpuMath::BF16, tol::kGpuTttBf16LossRel, tol::kGpuTttBf16GradRel);
   }
+}
+
+// One run's per-sample losses and gradients on the GPU.
+struct GpuRun {
+  std::vector<double> loss;
+  DraftGrads g;
+};
+GpuRun run_once(Case& cs, GpuMath math, int64_t max_rows) {
+  auto gpu = make_gpu_draft_trainer(cs.c, cs.target(), cs.dv, {0}, math, max_rows);
+  gpu->set_weights(cs.w);
+  GpuRun r{{}, DraftGrads(cs.w)};
+  for (auto& x : gpu->run(cs.batch(), 0.25, true, true)) r.loss.push_back(x.loss);
+  gpu->get_grads(r.g);
+  return r;
+}
+
+// The fused attention kernels (the default with bf16 math) on samples that span several
+// 64-row tiles: 150 rows (two full tiles and a partial one), exactly one tile, 7 rows, 90
+// rows; head sizes 32, 64 and 128. Against the CPU reference within the bf16 tolerances,
+// and against the score-buffer products (TALON_DRAFT_ATTENTION=blocks) on the same bf16
+// operands, where only summation order and exp2 vs exp differ: a tighter bound, which a
+// wrong mask at a tile edge or a dropped tile would break.
+TEST_P(GpuDraft, FusedAttentionMatchesReferenceAcrossTiles) {
+  REQUIRE_GPU();
+  for (int hd : {32, 64, 128}) {
+    SCOPED_TRACE("head_dim " + std::to_string(hd));
+    Case cs(GetParam(), 77, {150, 64, 7, 90}, hd);
+    check_against_cpu(cs, GpuMath::BF16, tol::kGpuTttBf16LossRel, tol::kGpuTttBf16GradRel, 311);
+    GpuRun fused = run_once(cs, GpuMath::BF16, 311);
+    GpuRun blocks{{}, DraftGrads(cs.w)};
+    {
+      ScopedEnv att("TALON_DRAFT_ATTENTION", "blocks");
+      blocks = run_once(cs, GpuMath::BF16, 311);
+    }
+    for (size_t i = 0; i < fused.loss.size(); ++i)
+      EXPECT_NEAR(fused.loss[i], blocks.loss[i], tol::kGpuTttFusedVsBlocksRel * std::max(1.0, blocks.loss[i]))
+          << "sample " << i;
+    auto a = fused.g.named(), b = blocks.g.named();
+    for (size_t i = 0; i < a.size(); ++i)
+      EXPECT_LE(rel_diff(*a[i].second, *b[i].second), tol::kGpuTttFusedVsBlocksRel) << a[i].first;
+  }
+}
+
+// An explicit request for the fused kernels that they cannot serve is refused.
+TEST(GpuDraftFused, RefusesUnsupportedRequest) {
+  REQUIRE_GPU();
+  ScopedEnv att("TALON_DRAFT_ATTENTION", "flash");
+  Case cs(false, 3);
+  EXPECT_THROW(make_gpu_draft_trainer(cs.c, cs.target(), cs.dv, {0}, GpuMath::F32, 64), Error);
+  ScopedEnv bad("TALON_DRAFT_ATTENTION", "fastest");
+  EXPECT_THROW(make_gpu_draft_trainer(cs.c, cs.target(), cs.dv, {0}, GpuMath::BF16, 64), Error);
 }
 
 // The bf16 weight copy follows every update: at each step the GPU's loss matches the CPU

@@ -9,6 +9,7 @@
 
 #include "backend/cuda/check.h"
 #include "backend/cuda/draft_engine.h"
+#include "backend/cuda/ttt_attention.h"
 #include "backend/cuda/warp.cuh"
 
 #define CUBLASV2_CHECK(expr)                                                                          \
@@ -511,6 +512,58 @@ __global__ void diag_dkv_kernel(float* dK, float* dV, const float* dsd, const fl
   }
 }
 
+// With the fused kernels (ttt_attention.h): out and lse hold the causal part (O_c, lse_c);
+// fold in the diagonal keys of steps 1..k: L = log(exp(lse_c) + sum_j exp(s_j)),
+// out = exp(lse_c - L) O_c + sum_j exp(s_j - L) v^j, lse = L. sd keeps the scores s_j.
+// One warp per (row, head).
+__global__ void diag_merge_kernel(float* out, float* lse, float* sd, AttnArgs a, int K) {
+  const int64_t gw = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
+  const int lane = threadIdx.x & 31;
+  if (gw >= a.N * a.nh || a.k == 0) return;
+  const int64_t n = gw / a.nh;
+  const int h = int(gw % a.nh), kh = h / (a.nh / a.nkv);
+  const int64_t qd = int64_t(a.nh) * a.hd, kvd = int64_t(a.nkv) * a.hd;
+  const float lc = lse[gw];
+  float m = lc;
+  for (int j = 1; j <= a.k; ++j) {
+    const float* kp = a.keys + j * a.step_stride + n * kvd + kh * a.hd;
+    float s = 0;
+    for (int d = lane; d < a.hd; d += 32) s += a.q[n * qd + h * a.hd + d] * kp[d];
+    s = warp_sum(s) * a.scale;  // every lane holds it
+    if (lane == 0) sd[gw * K + j] = s;
+    m = fmaxf(m, s);
+  }
+  __syncwarp();
+  float z = expf(lc - m);
+  for (int j = 1; j <= a.k; ++j) z += expf(sd[gw * K + j] - m);
+  const float L = m + logf(z), wc = expf(lc - L);
+  for (int d = lane; d < a.hd; d += 32) {
+    float acc = wc * out[n * qd + h * a.hd + d];
+    for (int j = 1; j <= a.k; ++j)
+      acc += expf(sd[gw * K + j] - L) * a.vals[j * a.step_stride + n * kvd + kh * a.hd + d];
+    out[n * qd + h * a.hd + d] = acc;
+  }
+  if (lane == 0) lse[gw] = L;
+}
+
+// pd[n, h, j] = exp(scale q_{n,h} . k^j_{n,kh} - lse[n, h]) for j = 1..k: the diagonal
+// probabilities, given the whole row's log-sum-exp. One warp per (row, head).
+__global__ void diag_probs_kernel(float* pd, const float* lse, AttnArgs a, int K) {
+  const int64_t gw = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
+  const int lane = threadIdx.x & 31;
+  if (gw >= a.N * a.nh) return;
+  const int64_t n = gw / a.nh;
+  const int h = int(gw % a.nh), kh = h / (a.nh / a.nkv);
+  const int64_t qd = int64_t(a.nh) * a.hd, kvd = int64_t(a.nkv) * a.hd;
+  for (int j = 1; j <= a.k; ++j) {
+    const float* kp = a.keys + j * a.step_stride + n * kvd + kh * a.hd;
+    float s = 0;
+    for (int d = lane; d < a.hd; d += 32) s += a.q[n * qd + h * a.hd + d] * kp[d];
+    s = warp_sum(s);
+    if (lane == 0) pd[gw * K + j] = expf(s * a.scale - lse[gw]);
+  }
+}
+
 // ---------------------------------------------------------------- target side and loss
 // One block per row of full target logits: the full-vocab argmax decides in_vocab; the
 // distribution over the kept ids is P (renormalised), its argmax tgt_arg.
@@ -665,6 +718,16 @@ struct DraftEngine::Impl {
   __nv_bfloat16 *Pb = nullptr, *dSb = nullptr;  // with bf16 operands: P and dS as the products read them
   int64_t s_cap = 0;
   bool loop_attention = false;  // TALON_DRAFT_ATTENTION=loop: the fp32 warp kernels
+  // The fused tensor-core kernels of ttt_attention.h for the causal part (the default with
+  // bf16 operands and a head size they support; TALON_DRAFT_ATTENTION=blocks: the cuBLAS
+  // products over score buffers instead). Their tile list is made per batch in prepare().
+  bool flash_attention = false;
+  int64_t* seq_start_d = nullptr;
+  int32_t* tiles_d = nullptr;
+  int64_t n_tiles = 0;
+  float* dkv_part = nullptr;  // [2, nh/nkv, R, kvd]: per-head partial dK0/dV0 of the fused backward
+  std::vector<int64_t> h_seq_start;
+  std::vector<int32_t> h_tiles;
   // Query-block size of the causal skipping (TALON_DRAFT_ATTN_BLOCK; 0: whole samples).
   int64_t attn_block = 1024;
   // With DraftMath::BF16, every product reads bf16 operands from memory (the weights' bf16
@@ -984,10 +1047,27 @@ struct DraftEngine::Impl {
     gemm_sb(CUBLAS_OP_N, CUBLAS_OP_T, d.hd, b0 + nb, nb, 1.f, yrows + b0 * qd + g * d.hd, qd, grp * d.hd, M, T,
             blk * T, 1.f, dx, kvd, d.hd, d.nkv);
   }
+  // Arguments of the fused kernels for step k (bf16 twins of q, the step-0 keys and values,
+  // and dO when given, made by the caller's Twins).
+  TttFlashArgs flash_args(int k, const float* dO) {
+    const auto bf = [&](const float* p, int64_t n) { return static_cast<const __nv_bfloat16*>(operand(p, n, 0)); };
+    return TttFlashArgs{bf(q[size_t(k)], N * qd), bf(keys, N * kvd), bf(vals, N * kvd), dO ? bf(dO, N * qd) : nullptr,
+                        seq_start_d, tiles_d, n_tiles, N, int(d.nh), int(d.nkv), int(d.hd),
+                        float(1.0 / std::sqrt(double(d.hd)))};
+  }
   void attention_forward(int k, float* out_att, float* out_lse) {
     const AttnArgs a = attn_args(k);
     const int64_t grp = d.nh / d.nkv, K = d.K;
     const unsigned wb = nblocks(N * d.nh * 32, 256);
+    if (flash_attention) {
+      const Twin tq(*this, q[size_t(k)], N * qd), tk(*this, keys, N * kvd), tv(*this, vals, N * kvd);
+      ttt_flash_forward(out_att, out_lse, flash_args(k, nullptr), s);
+      if (k > 0) {
+        diag_merge_kernel<<<wb, 256, 0, s>>>(out_att, out_lse, sd, a, int(K));
+        CUDA_LAUNCH_CHECK();
+      }
+      return;
+    }
     diag_scores_kernel<<<wb, 256, 0, s>>>(sd, a, int(K));
     CUDA_LAUNCH_CHECK();
     const Twin tq(*this, q[size_t(k)], N * qd), tk(*this, keys, N * kvd), tv(*this, vals, N * kvd);
@@ -1014,6 +1094,26 @@ struct DraftEngine::Impl {
     const AttnArgs a = attn_args(k);
     const int64_t grp = d.nh / d.nkv, K = d.K;
     const unsigned wb = nblocks(N * d.nh * 32, 256);
+    if (flash_attention) {
+      {
+        const Twin tq(*this, q[size_t(k)], N * qd), tk(*this, keys, N * kvd), tv(*this, vals, N * kvd),
+            to(*this, datt, N * qd);
+        const TttFlashArgs fa = flash_args(k, datt);
+        ttt_flash_dq(dq, lse[size_t(k)], D, fa, s);
+        ttt_flash_dkv(dK, dV, dkv_part, lse[size_t(k)], D, fa, s);
+      }
+      if (k > 0) {
+        diag_probs_kernel<<<wb, 256, 0, s>>>(sd, lse[size_t(k)], a, int(K));
+        CUDA_LAUNCH_CHECK();
+        diag_dp_kernel<<<wb, 256, 0, s>>>(dsd, sd, datt, D, a, int(K));
+        CUDA_LAUNCH_CHECK();
+        diag_accumulate_kernel<<<wb, 256, 0, s>>>(dq, dsd, a, int(K), true);
+        CUDA_LAUNCH_CHECK();
+        diag_dkv_kernel<<<nblocks(int64_t(k) * N * d.nkv * 32, 256), 256, 0, s>>>(dK, dV, dsd, sd, datt, a, int(K));
+        CUDA_LAUNCH_CHECK();
+      }
+      return;
+    }
     diag_scores_kernel<<<wb, 256, 0, s>>>(sd, a, int(K));
     CUDA_LAUNCH_CHECK();
     const Twin tq(*this, q[size_t(k)], N * qd), tk(*this, keys, N * kvd), tv(*this, vals, N * kvd),
@@ -1065,6 +1165,20 @@ DraftEngine::DraftEngine(int device, const DraftDims& dd, DraftMath math, const 
   if (dd.hd > 32 * kMaxHdPerLane || dd.hd % 2 != 0)
     fail_msg("draft on GPU: head_dim " + std::to_string(dd.hd) + " is not supported (even, at most 256)");
   if (dd.nkv <= 0 || dd.nh % dd.nkv != 0) fail_msg("draft on GPU: heads must be a multiple of kv heads");
+  // Switches, checked before anything is allocated.
+  const char* gemm_env = std::getenv("TALON_DRAFT_GEMM");
+  I.bf16_operands = math == DraftMath::BF16 && !(gemm_env && std::string(gemm_env) == "fp32");
+  const char* att = std::getenv("TALON_DRAFT_ATTENTION");
+  const std::string att_s = att ? att : "";
+  if (!att_s.empty() && att_s != "loop" && att_s != "blocks" && att_s != "flash")
+    fail_msg("TALON_DRAFT_ATTENTION: expected loop, blocks or flash, got '" + att_s + "'");
+  I.loop_attention = att_s == "loop";
+  // The fused kernels read bf16 operands; elsewhere (exact fp32, unsupported head sizes) the
+  // score-buffer products run.
+  I.flash_attention = !I.loop_attention && att_s != "blocks" && I.bf16_operands && ttt_flash_supported(dd.hd);
+  if (att_s == "flash" && !I.flash_attention)
+    fail_msg("TALON_DRAFT_ATTENTION=flash needs bf16 math and a head size that is a multiple of 16 up to 128 "
+             "(head size " + std::to_string(dd.hd) + ")");
   CUDA_CHECK(cudaSetDevice(device));
   CUDA_CHECK(cudaStreamCreateWithFlags(&I.s, cudaStreamNonBlocking));
   CUBLASV2_CHECK(cublasCreate(&I.blas));
@@ -1075,8 +1189,6 @@ DraftEngine::DraftEngine(int device, const DraftDims& dd, DraftMath math, const 
   auto up = [&](float* dst, const float* src, int64_t n) {
     CUDA_CHECK(cudaMemcpy(dst, src, size_t(n) * 4, cudaMemcpyHostToDevice));
   };
-  const char* gemm_env = std::getenv("TALON_DRAFT_GEMM");
-  I.bf16_operands = math == DraftMath::BF16 && !(gemm_env && std::string(gemm_env) == "fp32");
   if (I.bf16_operands) {  // the target's embedding and lm_head as bf16 only
     const int64_t chunk = std::min<int64_t>(V * H, int64_t(32) << 20);
     float* stage = nullptr;
@@ -1183,8 +1295,9 @@ DraftEngine::DraftEngine(int device, const DraftDims& dd, DraftMath math, const 
   I.wrow = I.alloc<float>(size_t(R * std::max<int64_t>(H, 1)));
   I.sd = I.alloc<float>(size_t(R * dd.nh * K));
   I.dsd = I.alloc<float>(size_t(R * dd.nh * K));
-  const char* att = std::getenv("TALON_DRAFT_ATTENTION");
-  I.loop_attention = att && std::string(att) == "loop";
+  I.seq_start_d = I.alloc<int64_t>(size_t(R + 1));
+  I.tiles_d = I.alloc<int32_t>(size_t(2 * (R / 64 + R + 1)));
+  if (I.flash_attention) I.dkv_part = I.alloc<float>(size_t(2 * (dd.nh / dd.nkv) * R * I.kvd));
   if (const char* blk = std::getenv("TALON_DRAFT_ATTN_BLOCK")) {
     char* end = nullptr;
     const long v = std::strtol(blk, &end, 10);
@@ -1300,6 +1413,16 @@ std::vector<uint8_t> DraftEngine::prepare(const DraftBatch& b) {
   for (int64_t n = 0; n < N; n += b.len[n]) {
     if (b.pos[n] != 0 || b.len[n] <= 0 || n + b.len[n] > N) fail_msg("draft on GPU: batch rows are not whole samples");
     I.seqs.push_back({n, b.len[n]});
+  }
+  if (I.flash_attention) {  // read by the fused attention kernels; the copies end before prepare() returns
+    I.h_seq_start.clear();
+    for (auto [r0, T] : I.seqs) I.h_seq_start.push_back(r0);
+    I.h_seq_start.push_back(N);
+    I.h_tiles = ttt_flash_tiles(I.seqs);
+    I.n_tiles = int64_t(I.h_tiles.size() / 2);
+    CUDA_CHECK(cudaMemcpyAsync(I.seq_start_d, I.h_seq_start.data(), I.h_seq_start.size() * 8,
+                               cudaMemcpyHostToDevice, I.s));
+    CUDA_CHECK(cudaMemcpyAsync(I.tiles_d, I.h_tiles.data(), I.h_tiles.size() * 4, cudaMemcpyHostToDevice, I.s));
   }
   auto cp = [&](void* dst, const void* src, size_t n) {
     CUDA_CHECK(cudaMemcpyAsync(dst, src, n, cudaMemcpyHostToDevice, I.s));

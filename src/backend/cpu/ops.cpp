@@ -1,5 +1,6 @@
 #include "backend/cpu/ops.h"
 
+#include <immintrin.h>
 #include <omp.h>
 
 #include <algorithm>
@@ -33,6 +34,23 @@ inline vec loadv(const float* p) {
   return r;
 }
 
+// acc + x * w per lane, rounded once where the machine has FMA. Explicit, because this file
+// is compiled with -ffp-contract=off: left to the compiler, whether a multiply-add is fused
+// can differ between the tile shapes below (seen with GCC 12 and -march=native on AVX-512),
+// and a row's result would then depend on which tile it falls in, i.e. on its position in
+// a packed batch.
+inline vec fma_v(vec x, vec w, vec acc) {
+#if defined(__FMA__) && !defined(TALON_WIDE_SIMD)
+  return reinterpret_cast<vec>(_mm256_fmadd_ps(reinterpret_cast<__m256>(x), reinterpret_cast<__m256>(w),
+                                               reinterpret_cast<__m256>(acc)));
+#elif defined(__AVX512F__) && defined(TALON_WIDE_SIMD)
+  return reinterpret_cast<vec>(_mm512_fmadd_ps(reinterpret_cast<__m512>(x), reinterpret_cast<__m512>(w),
+                                               reinterpret_cast<__m512>(acc)));
+#else
+  return acc + x * w;
+#endif
+}
+
 // Fixed-order horizontal sum (pairwise): the same for every tile shape.
 inline float hsum(vec a) {
   float l[kLanes];
@@ -53,7 +71,7 @@ void tile(float* out, int64_t ldo, const float* x, int64_t ldx, const float* w, 
     for (int o = 0; o < OO; ++o) wv[o] = loadv(w + o * ldw + k);
     for (int t = 0; t < TT; ++t) {
       vec xv = loadv(x + t * ldx + k);
-      for (int o = 0; o < OO; ++o) acc[t][o] += xv * wv[o];
+      for (int o = 0; o < OO; ++o) acc[t][o] = fma_v(xv, wv[o], acc[t][o]);
     }
   }
   for (int t = 0; t < TT; ++t)

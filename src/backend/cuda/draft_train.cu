@@ -211,6 +211,20 @@ __device__ __forceinline__ void store_as(Out* p, float v) {
     *p = __float2bfloat16_rn(v);
 }
 
+// As rmsnorm_kernel, the result stored as bf16 (the same value rounded once, as the cast of
+// an fp32 output would): for normalised activations that only products read.
+__global__ void rmsnorm_bf16_kernel(__nv_bfloat16* out, int64_t ldo, const float* x, int64_t ldx, const float* w,
+                                    int64_t C, float eps) {
+  __shared__ float sh[33];
+  const float* xr = x + blockIdx.x * ldx;
+  __nv_bfloat16* o = out + blockIdx.x * ldo;
+  float ss = 0;
+  for (int64_t c = threadIdx.x; c < C; c += blockDim.x) ss += xr[c] * xr[c];
+  ss = block_sum(ss, sh);
+  const float r = rsqrtf(ss / float(C) + eps);
+  for (int64_t c = threadIdx.x; c < C; c += blockDim.x) store_as(o + c, xr[c] * r * w[c]);
+}
+
 // act = silu(ga) * up; with bf16 operands ga and up are stored as bf16 (the products'
 // outputs, rounded once) and act, only ever a product's operand, is written as bf16.
 template <class T>
@@ -817,6 +831,11 @@ struct DraftEngine::Impl {
   // then sums the steps first to last. TALON_DRAFT_LM_BACKWARD=backward recomputes them in
   // the backward instead, last step first like the CPU reference.
   bool lm_backward_in_forward = true;
+  // Activations only ever read as products' operands are stored as bf16 only (in their
+  // buffers, which are allocated at half size): with bf16 operands, xin (unless
+  // norm_before_residual, whose residual reads xin's second half), hm, and act, dga, dup.
+  // The bits are those of casting an fp32 copy, which is what they replace.
+  bool xin_bf16 = false, hm_bf16 = false;
   __nv_bfloat16 *Wb = nullptr, *lmb = nullptr;
   __nv_bfloat16* lgb = nullptr;  // with bf16 operands: the loss gradient over the draft vocab [R, Vd]
   int64_t w_total = 0;
@@ -996,6 +1015,12 @@ struct DraftEngine::Impl {
     rmsnorm_kernel<<<unsigned(n), 256, 0, s>>>(out, ldo, x, ldx, wt, C, eps);
     CUDA_LAUNCH_CHECK();
   }
+  void rmsnorm(__nv_bfloat16* out, int64_t ldo, const float* x, int64_t ldx, const float* wt, int64_t C, float eps,
+               int64_t n) {
+    if (n == 0) return;
+    rmsnorm_bf16_kernel<<<unsigned(n), 256, 0, s>>>(out, ldo, x, ldx, wt, C, eps);
+    CUDA_LAUNCH_CHECK();
+  }
   // dx += ..., and the weight gradient dw += ... (dx may be null).
   void rmsnorm_backward(float* dx, int64_t lddx, float* dw, const float* dout, int64_t ldd, const float* x,
                         int64_t ldx, const float* wt, int64_t C) {
@@ -1006,11 +1031,21 @@ struct DraftEngine::Impl {
     CUDA_LAUNCH_CHECK();
     mark("backward: products and norms");
   }
+  // The bf16 twins of step k's xin and hm: their own storage when they are stored as bf16,
+  // else a cast.
+  Twin xin_twin(int k) {
+    float* x = xin[size_t(k)];
+    return xin_bf16 ? Twin(*this, x, N * 2 * d.H, bf16_in(x)) : Twin(*this, x, N * 2 * d.H);
+  }
+  Twin hm_twin(int k) {
+    float* x = hm[size_t(k)];
+    return hm_bf16 ? Twin(*this, x, N * d.H, bf16_in(x)) : Twin(*this, x, N * d.H);
+  }
   // gate and up of step k: ga, up = hm @ W^T (as bf16 with bf16 operands).
   void gate_up(int k) {
     const int64_t H = d.H, Id = d.I;
     const size_t ks = size_t(k);
-    const Twin th(*this, hm[ks], N * H);
+    const Twin th = hm_twin(k);
     if (bf16_operands) {
       linear_bf16(gab[ks], Id, hm[ks], H, w(GATE), N, H, Id);
       linear_bf16(upb[ks], Id, hm[ks], H, w(UP), N, H, Id);
@@ -1330,13 +1365,17 @@ DraftEngine::DraftEngine(int device, const DraftDims& dd, DraftMath math, const 
   I.hn = I.alloc<float>(size_t(I.chunk * H));
   I.full = I.alloc<float>(size_t(I.chunk * V));
   for (int64_t k = 0; k <= K; ++k) I.gs.push_back(I.alloc<float>(size_t(R * H)));
+  I.xin_bf16 = I.bf16_operands && !dd.norm_before_residual;
+  I.hm_bf16 = I.bf16_operands;
+  // Floats for n values stored as fp32, or as bf16 when `half`.
+  const auto floats = [](int64_t n, bool half) { return size_t(half ? (n + 1) / 2 : n); };
   for (int64_t k = 0; k < K; ++k) {
-    I.xin.push_back(I.alloc<float>(size_t(R * 2 * H)));
+    I.xin.push_back(I.alloc<float>(floats(R * 2 * H, I.xin_bf16)));
     I.q.push_back(I.alloc<float>(size_t(R * qd)));
     I.att.push_back(I.alloc<float>(size_t(R * qd)));
     I.lse.push_back(I.alloc<float>(size_t(R * dd.nh)));
     I.g1.push_back(I.alloc<float>(size_t(R * H)));
-    I.hm.push_back(I.alloc<float>(size_t(R * H)));
+    I.hm.push_back(I.alloc<float>(floats(R * H, I.hm_bf16)));
     if (I.bf16_operands) {
       I.gab.push_back(I.alloc<__nv_bfloat16>(size_t(R * Idim)));
       I.upb.push_back(I.alloc<__nv_bfloat16>(size_t(R * Idim)));
@@ -1352,14 +1391,14 @@ DraftEngine::DraftEngine(int device, const DraftDims& dd, DraftMath math, const 
   I.dV = I.alloc<float>(size_t(K * R * kvd));
   I.E = I.alloc<float>(size_t(R * H));
   I.tmp = I.alloc<float>(size_t(R * H));
-  I.act = I.alloc<float>(size_t(R * Idim));
+  I.act = I.alloc<float>(floats(R * Idim, I.bf16_operands));
   I.logits = I.alloc<float>(size_t(R * Vd));
   if (I.bf16_operands) I.lgb = I.alloc<__nv_bfloat16>(size_t(R * Vd));
   I.dfn = I.alloc<float>(size_t(R * H));
   I.dg2 = I.alloc<float>(size_t(R * H));
   I.dact = I.alloc<float>(size_t(R * Idim));
-  I.dga = I.alloc<float>(size_t(R * Idim));
-  I.dup = I.alloc<float>(size_t(R * Idim));
+  I.dga = I.alloc<float>(floats(R * Idim, I.bf16_operands));
+  I.dup = I.alloc<float>(floats(R * Idim, I.bf16_operands));
   I.dhm = I.alloc<float>(size_t(R * H));
   I.dg1 = I.alloc<float>(size_t(R * H));
   I.datt = I.alloc<float>(size_t(R * qd));
@@ -1555,12 +1594,17 @@ void DraftEngine::run(const std::vector<float>& row_scale, bool backward, bool z
     float* xin = I.xin[size_t(k)];
     I.mark("forward: products and norms");
     I.gather(k);
-    I.rmsnorm(xin, 2 * H, I.E, H, I.w(IN_LN), H, d.eps, N);
-    I.rmsnorm(xin + H, 2 * H, I.gs[size_t(k)], H, I.w(HNORM), H, d.eps, N);
+    if (I.xin_bf16) {  // bf16 rows of 2H: the second half starts H bf16 values in
+      I.rmsnorm(I.bf16_in(xin), 2 * H, I.E, H, I.w(IN_LN), H, d.eps, N);
+      I.rmsnorm(I.bf16_in(xin) + H, 2 * H, I.gs[size_t(k)], H, I.w(HNORM), H, d.eps, N);
+    } else {
+      I.rmsnorm(xin, 2 * H, I.E, H, I.w(IN_LN), H, d.eps, N);
+      I.rmsnorm(xin + H, 2 * H, I.gs[size_t(k)], H, I.w(HNORM), H, d.eps, N);
+    }
     float* kk = I.keys + k * I.R * kvd;
     float* vv = I.vals + k * I.R * kvd;
     {
-      const Impl::Twin tx(I, xin, N * 2 * H);
+      const Impl::Twin tx = I.xin_twin(k);
       I.linear(I.q[size_t(k)], qd, xin, 2 * H, I.w(WQ), N, 2 * H, qd);
       I.linear(kk, kvd, xin, 2 * H, I.w(WK), N, 2 * H, kvd);
       I.linear(vv, kvd, xin, 2 * H, I.w(WV), N, 2 * H, kvd);
@@ -1581,7 +1625,10 @@ void DraftEngine::run(const std::vector<float>& row_scale, bool backward, bool z
     else
       add_kernel<<<nblocks(N * H, 256), 256, 0, s>>>(I.g1[size_t(k)], I.gs[size_t(k)], H, I.tmp, N, H);
     CUDA_LAUNCH_CHECK();
-    I.rmsnorm(I.hm[size_t(k)], H, I.g1[size_t(k)], H, I.w(POST_LN), H, d.eps, N);
+    if (I.hm_bf16)
+      I.rmsnorm(I.bf16_in(I.hm[size_t(k)]), H, I.g1[size_t(k)], H, I.w(POST_LN), H, d.eps, N);
+    else
+      I.rmsnorm(I.hm[size_t(k)], H, I.g1[size_t(k)], H, I.w(POST_LN), H, d.eps, N);
     I.gate_up(k);
     {
       const Impl::Twin ta(I, I.act, N * Id, I.bf16_in(I.act));
@@ -1652,7 +1699,7 @@ void DraftEngine::run(const std::vector<float>& row_scale, bool backward, bool z
     }
     {
       const Impl::Twin tg(I, I.dga, N * Id, I.bf16_in(I.dga)), tu(I, I.dup, N * Id, I.bf16_in(I.dup)),
-          th(I, I.hm[ks], N * H);
+          th = I.hm_twin(k);
       I.swiglu_backward(I.dga, I.dup, I.dact, k);
       I.linear_dx(I.dhm, H, I.dga, I.w(GATE), N, H, Id, 0.f);
       I.linear_dx(I.dhm, H, I.dup, I.w(UP), N, H, Id, 1.f);
@@ -1690,7 +1737,7 @@ void DraftEngine::run(const std::vector<float>& row_scale, bool backward, bool z
     I.rope(I.dq, d.nh, k, -1.0);
     I.rope(dKk, d.nkv, k, -1.0);
     {
-      const Impl::Twin tq(I, I.dq, N * qd), tk(I, dKk, N * kvd), tv(I, dVk, N * kvd), tx(I, xin, N * 2 * H);
+      const Impl::Twin tq(I, I.dq, N * qd), tk(I, dKk, N * kvd), tv(I, dVk, N * kvd), tx = I.xin_twin(k);
       I.linear_dx(I.dxin, 2 * H, I.dq, I.w(WQ), N, 2 * H, qd, 0.f);
       I.linear_dx(I.dxin, 2 * H, dKk, I.w(WK), N, 2 * H, kvd, 1.f);
       I.linear_dx(I.dxin, 2 * H, dVk, I.w(WV), N, 2 * H, kvd, 1.f);

@@ -124,6 +124,46 @@ __device__ __forceinline__ void zero(float (&x)[N1][N2]) {
     for (int j = 0; j < N2; ++j) x[i][j] = 0.f;
 }
 
+// Rows [r0, r0 + 64) of a head slice as this warp's A fragments (its 16 rows), staged
+// through the shared tile sm.
+template <int D>
+__device__ __forceinline__ void load_frags(uint32_t (&f)[D / 16][4], bf16* sm, const bf16* base, int64_t ld,
+                                           int64_t r0, int64_t rows, int warp, int lane) {
+  stage<D>(sm, base, ld, r0, rows, kRows);
+  __syncthreads();
+#pragma unroll
+  for (int kc = 0; kc < D / 16; ++kc) frag_a<D>(f[kc], sm, warp * 16, kc, lane);
+  __syncthreads();
+}
+
+// Key and value tiles [j0, j0 + TN) for j0 = 0, TN, ... up to row `last`, through double
+// buffers kb, vb ([2][TN][D + kPad] each): the next tile's copies run while body(j0, ks, vs)
+// uses this one.
+template <int D, int TN, class Body>
+__device__ __forceinline__ void stream_kv(bf16* kb, bf16* vb, const bf16* kbase, const bf16* vbase, int64_t kvd,
+                                          int64_t len, int64_t last, Body&& body) {
+  constexpr int64_t kBuf = int64_t(TN) * (D + kPad);
+  const int64_t n_it = last / TN + 1;
+  stage_async<D>(kb, kbase, kvd, 0, len, TN);
+  stage_async<D>(vb, vbase, kvd, 0, len, TN);
+  cp_commit();
+  for (int64_t it = 0; it < n_it; ++it) {
+    const int64_t j0 = it * TN;
+    const int buf = int(it & 1);
+    if (it + 1 < n_it) {
+      stage_async<D>(kb + (buf ^ 1) * kBuf, kbase, kvd, j0 + TN, len, TN);
+      stage_async<D>(vb + (buf ^ 1) * kBuf, vbase, kvd, j0 + TN, len, TN);
+      cp_commit();
+      cp_wait<1>();
+    } else {
+      cp_wait<0>();
+    }
+    __syncthreads();
+    body(j0, kb + buf * kBuf, vb + buf * kBuf);
+    __syncthreads();  // before the next iteration's copies overwrite this buffer
+  }
+}
+
 struct Tile {
   int64_t s0, len, r0;  // the sample's first row and length; the tile's first row in it
 };
@@ -157,35 +197,14 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(float* out, float* ls
   const bf16* vbase = a.v0 + s0 * kvd + int64_t(kh) * D;
 
   uint32_t qf[D / 16][4];
-  stage<D>(kb, a.q + s0 * qd + int64_t(h) * D, qd, q0, len, kRows);
-  __syncthreads();
-#pragma unroll
-  for (int kc = 0; kc < D / 16; ++kc) frag_a<D>(qf[kc], kb, warp * 16, kc, lane);
-  __syncthreads();
+  load_frags<D>(qf, kb, a.q + s0 * qd + int64_t(h) * D, qd, q0, len, warp, lane);
 
   float o[D / 8][4];
   zero(o);
   float m_run[2] = {-FLT_MAX, -FLT_MAX}, l_run[2] = {0.f, 0.f};
   const int64_t qi[2] = {q0 + warp * 16 + g, q0 + warp * 16 + g + 8};
   const int64_t q_last = (q0 + kRows < len ? q0 + kRows : len) - 1;
-  const int64_t n_it = q_last / TN + 1;
-  stage_async<D>(kb, kbase, kvd, 0, len, TN);
-  stage_async<D>(vb, vbase, kvd, 0, len, TN);
-  cp_commit();
-  for (int64_t it = 0; it < n_it; ++it) {
-    const int64_t j0 = it * TN;
-    const int buf = int(it & 1);
-    if (it + 1 < n_it) {
-      stage_async<D>(kb + (buf ^ 1) * TN * (D + kPad), kbase, kvd, j0 + TN, len, TN);
-      stage_async<D>(vb + (buf ^ 1) * TN * (D + kPad), vbase, kvd, j0 + TN, len, TN);
-      cp_commit();
-      cp_wait<1>();
-    } else {
-      cp_wait<0>();
-    }
-    __syncthreads();
-    const bf16* ks = kb + buf * TN * (D + kPad);
-    const bf16* vs = vb + buf * TN * (D + kPad);
+  stream_kv<D, TN>(kb, vb, kbase, vbase, kvd, len, q_last, [&](int64_t j0, const bf16* ks, const bf16* vs) {
     float s[TN / 8][4];
     zero(s);
     scores<D, TN>(s, qf, ks, lane);
@@ -231,8 +250,7 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(float* out, float* ls
     uint32_t pf[TN / 16][4];
     to_frags<TN>(pf, s);
     times_tile<D, TN>(o, pf, vs, lane);
-    __syncthreads();  // before the next iteration's copies overwrite this buffer
-  }
+  });
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 1);
@@ -267,16 +285,8 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(float* dq, const float* ls
   const bf16* vbase = a.v0 + s0 * kvd + int64_t(kh) * D;
 
   uint32_t qf[D / 16][4], of[D / 16][4];
-  stage<D>(kb, a.q + s0 * qd + int64_t(h) * D, qd, q0, len, kRows);
-  __syncthreads();
-#pragma unroll
-  for (int kc = 0; kc < D / 16; ++kc) frag_a<D>(qf[kc], kb, warp * 16, kc, lane);
-  __syncthreads();
-  stage<D>(kb, a.dO + s0 * qd + int64_t(h) * D, qd, q0, len, kRows);
-  __syncthreads();
-#pragma unroll
-  for (int kc = 0; kc < D / 16; ++kc) frag_a<D>(of[kc], kb, warp * 16, kc, lane);
-  __syncthreads();
+  load_frags<D>(qf, kb, a.q + s0 * qd + int64_t(h) * D, qd, q0, len, warp, lane);
+  load_frags<D>(of, kb, a.dO + s0 * qd + int64_t(h) * D, qd, q0, len, warp, lane);
 
   const int64_t qi[2] = {q0 + warp * 16 + g, q0 + warp * 16 + g + 8};
   float l2[2], dr[2];
@@ -289,24 +299,7 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(float* dq, const float* ls
   float acc[D / 8][4];
   zero(acc);
   const int64_t q_last = (q0 + kRows < len ? q0 + kRows : len) - 1;
-  const int64_t n_it = q_last / TN + 1;
-  stage_async<D>(kb, kbase, kvd, 0, len, TN);
-  stage_async<D>(vb, vbase, kvd, 0, len, TN);
-  cp_commit();
-  for (int64_t it = 0; it < n_it; ++it) {
-    const int64_t j0 = it * TN;
-    const int buf = int(it & 1);
-    if (it + 1 < n_it) {
-      stage_async<D>(kb + (buf ^ 1) * TN * (D + kPad), kbase, kvd, j0 + TN, len, TN);
-      stage_async<D>(vb + (buf ^ 1) * TN * (D + kPad), vbase, kvd, j0 + TN, len, TN);
-      cp_commit();
-      cp_wait<1>();
-    } else {
-      cp_wait<0>();
-    }
-    __syncthreads();
-    const bf16* ks = kb + buf * TN * (D + kPad);
-    const bf16* vs = vb + buf * TN * (D + kPad);
+  stream_kv<D, TN>(kb, vb, kbase, vbase, kvd, len, q_last, [&](int64_t j0, const bf16* ks, const bf16* vs) {
     float s[TN / 8][4], dp[TN / 8][4];
     zero(s);
     zero(dp);
@@ -324,8 +317,7 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(float* dq, const float* ls
     uint32_t sf[TN / 16][4];
     to_frags<TN>(sf, s);
     times_tile<D, TN>(acc, sf, ks, lane);
-    __syncthreads();
-  }
+  });
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     if (qi[r] >= len) continue;

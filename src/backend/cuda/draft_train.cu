@@ -454,20 +454,25 @@ __global__ void attn_dkv_kernel(float* dK, float* dV, const float* dO, const flo
 // in sd[(n*nh + h)*K + j]. P V, dP = dO V^T, dQ = dS K, dK += dS^T Q and dV += P^T dO are
 // cuBLAS products too; masking, softmax and the diagonal terms are the kernels below.
 
+// scale * q_{n,h} . k^j_{n,kh}: the score of row n's diagonal key of step j, for head h;
+// called by the whole warp, every lane gets it.
+__device__ __forceinline__ float diag_score(const AttnArgs& a, int64_t n, int h, int j, int lane) {
+  const int kh = h / (a.nh / a.nkv);
+  const int64_t qd = int64_t(a.nh) * a.hd, kvd = int64_t(a.nkv) * a.hd;
+  const float* kp = a.keys + j * a.step_stride + n * kvd + kh * a.hd;
+  float s = 0;
+  for (int d = lane; d < a.hd; d += 32) s += a.q[n * qd + h * a.hd + d] * kp[d];
+  return warp_sum(s) * a.scale;
+}
+
 // sd[n, h, j] = scale * q_{n,h} . k^j_{n,kh} for j = 1..k; one warp per (row, head).
 __global__ void diag_scores_kernel(float* sd, AttnArgs a, int K) {
   const int64_t gw = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
   const int lane = threadIdx.x & 31;
   if (gw >= a.N * a.nh) return;
-  const int64_t n = gw / a.nh;
-  const int h = int(gw % a.nh), kh = h / (a.nh / a.nkv);
-  const int64_t qd = int64_t(a.nh) * a.hd, kvd = int64_t(a.nkv) * a.hd;
   for (int j = 1; j <= a.k; ++j) {
-    const float* kp = a.keys + j * a.step_stride + n * kvd + kh * a.hd;
-    float s = 0;
-    for (int d = lane; d < a.hd; d += 32) s += a.q[n * qd + h * a.hd + d] * kp[d];
-    s = warp_sum(s);
-    if (lane == 0) sd[gw * K + j] = s * a.scale;
+    const float s = diag_score(a, gw / a.nh, int(gw % a.nh), j, lane);
+    if (lane == 0) sd[gw * K + j] = s;
   }
 }
 
@@ -613,10 +618,7 @@ __global__ void diag_merge_kernel(float* out, float* lse, float* sd, AttnArgs a,
   const float lc = lse[gw];
   float m = lc;
   for (int j = 1; j <= a.k; ++j) {
-    const float* kp = a.keys + j * a.step_stride + n * kvd + kh * a.hd;
-    float s = 0;
-    for (int d = lane; d < a.hd; d += 32) s += a.q[n * qd + h * a.hd + d] * kp[d];
-    s = warp_sum(s) * a.scale;  // every lane holds it
+    const float s = diag_score(a, n, h, j, lane);
     if (lane == 0) sd[gw * K + j] = s;
     m = fmaxf(m, s);
   }
@@ -639,15 +641,9 @@ __global__ void diag_probs_kernel(float* pd, const float* lse, AttnArgs a, int K
   const int64_t gw = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
   const int lane = threadIdx.x & 31;
   if (gw >= a.N * a.nh) return;
-  const int64_t n = gw / a.nh;
-  const int h = int(gw % a.nh), kh = h / (a.nh / a.nkv);
-  const int64_t qd = int64_t(a.nh) * a.hd, kvd = int64_t(a.nkv) * a.hd;
   for (int j = 1; j <= a.k; ++j) {
-    const float* kp = a.keys + j * a.step_stride + n * kvd + kh * a.hd;
-    float s = 0;
-    for (int d = lane; d < a.hd; d += 32) s += a.q[n * qd + h * a.hd + d] * kp[d];
-    s = warp_sum(s);
-    if (lane == 0) pd[gw * K + j] = expf(s * a.scale - lse[gw]);
+    const float s = diag_score(a, gw / a.nh, int(gw % a.nh), j, lane);
+    if (lane == 0) pd[gw * K + j] = expf(s - lse[gw]);
   }
 }
 
@@ -1170,8 +1166,8 @@ struct DraftEngine::Impl {
     const AttnArgs a = attn_args(k);
     const int64_t grp = d.nh / d.nkv, K = d.K;
     const unsigned wb = nblocks(N * d.nh * 32, 256);
+    const Twin tq(*this, q[size_t(k)], N * qd), tk(*this, keys, N * kvd), tv(*this, vals, N * kvd);
     if (flash_attention) {
-      const Twin tq(*this, q[size_t(k)], N * qd), tk(*this, keys, N * kvd), tv(*this, vals, N * kvd);
       ttt_flash_forward(out_att, out_lse, flash_args(k, nullptr), s);
       if (k > 0) {
         diag_merge_kernel<<<wb, 256, 0, s>>>(out_att, out_lse, sd, a, int(K));
@@ -1181,7 +1177,6 @@ struct DraftEngine::Impl {
     }
     diag_scores_kernel<<<wb, 256, 0, s>>>(sd, a, int(K));
     CUDA_LAUNCH_CHECK();
-    const Twin tq(*this, q[size_t(k)], N * qd), tk(*this, keys, N * kvd), tv(*this, vals, N * kvd);
     for (auto [r0, T] : seqs) {
       const int64_t blk = attn_blk(T);
       ensure_scores(blk, T);
@@ -1203,32 +1198,38 @@ struct DraftEngine::Impl {
   // Given dO = datt and D, writes dq and adds into dK/dV of steps 0..k.
   void attention_backward(int k) {
     const AttnArgs a = attn_args(k);
-    const int64_t grp = d.nh / d.nkv, K = d.K;
+    const int64_t K = d.K;
     const unsigned wb = nblocks(N * d.nh * 32, 256);
-    if (flash_attention) {
-      {
-        const Twin tq(*this, q[size_t(k)], N * qd), tk(*this, keys, N * kvd), tv(*this, vals, N * kvd),
-            to(*this, datt, N * qd);
+    {
+      const Twin tq(*this, q[size_t(k)], N * qd), tk(*this, keys, N * kvd), tv(*this, vals, N * kvd),
+          to(*this, datt, N * qd);
+      if (flash_attention) {
         const TttFlashArgs fa = flash_args(k, datt);
         ttt_flash_dq(dq, lse[size_t(k)], D, fa, s);
         ttt_flash_dkv(dK, dV, dkv_part, lse[size_t(k)], D, fa, s);
+        if (k > 0) {  // sd: the diagonal probabilities (the score-buffer path's softmax leaves them there)
+          diag_probs_kernel<<<wb, 256, 0, s>>>(sd, lse[size_t(k)], a, int(K));
+          CUDA_LAUNCH_CHECK();
+        }
+      } else {
+        causal_backward_blocks(k, a);
       }
-      if (k > 0) {
-        diag_probs_kernel<<<wb, 256, 0, s>>>(sd, lse[size_t(k)], a, int(K));
-        CUDA_LAUNCH_CHECK();
-        diag_dp_kernel<<<wb, 256, 0, s>>>(dsd, sd, datt, D, a, int(K));
-        CUDA_LAUNCH_CHECK();
-        diag_accumulate_kernel<<<wb, 256, 0, s>>>(dq, dsd, a, int(K), true);
-        CUDA_LAUNCH_CHECK();
-        diag_dkv_kernel<<<nblocks(int64_t(k) * N * d.nkv * 32, 256), 256, 0, s>>>(dK, dV, dsd, sd, datt, a, int(K));
-        CUDA_LAUNCH_CHECK();
-      }
-      return;
     }
-    diag_scores_kernel<<<wb, 256, 0, s>>>(sd, a, int(K));
+    if (k > 0) {
+      diag_dp_kernel<<<wb, 256, 0, s>>>(dsd, sd, datt, D, a, int(K));
+      CUDA_LAUNCH_CHECK();
+      diag_accumulate_kernel<<<wb, 256, 0, s>>>(dq, dsd, a, int(K), true);
+      CUDA_LAUNCH_CHECK();
+      diag_dkv_kernel<<<nblocks(int64_t(k) * N * d.nkv * 32, 256), 256, 0, s>>>(dK, dV, dsd, sd, datt, a, int(K));
+      CUDA_LAUNCH_CHECK();
+    }
+  }
+  // The score-buffer path of attention_backward's causal part (its twins made by the caller):
+  // dq, dK0, dV0 through cuBLAS products, and sd left as the diagonal probabilities.
+  void causal_backward_blocks(int k, const AttnArgs& a) {
+    const int64_t grp = d.nh / d.nkv, K = d.K;
+    diag_scores_kernel<<<nblocks(N * d.nh * 32, 256), 256, 0, s>>>(sd, a, int(K));
     CUDA_LAUNCH_CHECK();
-    const Twin tq(*this, q[size_t(k)], N * qd), tk(*this, keys, N * kvd), tv(*this, vals, N * kvd),
-        to(*this, datt, N * qd);
     for (auto [r0, T] : seqs) {
       const int64_t blk = attn_blk(T);
       ensure_scores(blk, T);
@@ -1250,14 +1251,6 @@ struct DraftEngine::Impl {
           kv_grad(dK + r0 * kvd, dPb, qs, T, blk, g, b0, nb);
           kv_grad(dV + r0 * kvd, Sb, dos, T, blk, g, b0, nb);
         }
-    }
-    if (k > 0) {
-      diag_dp_kernel<<<wb, 256, 0, s>>>(dsd, sd, datt, D, a, int(K));
-      CUDA_LAUNCH_CHECK();
-      diag_accumulate_kernel<<<wb, 256, 0, s>>>(dq, dsd, a, int(K), true);
-      CUDA_LAUNCH_CHECK();
-      diag_dkv_kernel<<<nblocks(int64_t(k) * N * d.nkv * 32, 256), 256, 0, s>>>(dK, dV, dsd, sd, datt, a, int(K));
-      CUDA_LAUNCH_CHECK();
     }
   }
 };

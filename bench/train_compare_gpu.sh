@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Draft training on one GPU, in one run: the GPU parity tests of the trainer, the bf16 GEMM
-# ceiling, Talon (`talon_bench_train`, as shipped and with TALON_DRAFT_ATTENTION=blocks, the
-# score-buffer attention that was the default before the fused kernels) and the PyTorch peer
+# ceiling, Talon (`talon_bench_train`: features in pinned memory as `talon train` keeps them,
+# and with --staged, from pageable memory through the pinned staging) and the PyTorch peer
 # (bench/train_peer.py, which first checks itself against the oracle), then a table of
 # tokens/s, memory and ratios. Every log is kept under $LOGS (default: a temporary folder).
 #   bash scripts/gpu_build.sh && bash bench/train_compare_gpu.sh [SHAPE] ["SEQS"] [SAMPLES] [PEER_COMPILE]
@@ -37,6 +37,7 @@ rows=()
 tps() { sed -n 's/.*: \([0-9]*\) tokens\/s.*/\1/p' "$1" | tail -1; }
 mem_talon() { sed -n 's/.*device memory \([0-9.]*\) GiB.*/\1/p' "$1" | tail -1; }
 mem_peer() { sed -n 's/.*peak memory \([0-9.]*\) GiB.*/\1/p' "$1" | tail -1; }
+res_peer() { sed -n 's/.*(reserved \([0-9.]*\) GiB).*/\1/p' "$1" | tail -1; }
 log=${LOGS:-$(mktemp -d)}
 mkdir -p "$log"
 for seq in $SEQS; do
@@ -44,21 +45,21 @@ for seq in $SEQS; do
   build/talon_bench_train --shape "$SHAPE" --seq "$seq" --samples "$SAMPLES" --steps 7 --peak-tflops "$CEIL" \
     > "$log/talon-$seq" 2>&1
   tail -1 "$log/talon-$seq"
-  TALON_DRAFT_ATTENTION=blocks build/talon_bench_train --shape "$SHAPE" --seq "$seq" \
-    --samples "$SAMPLES" --steps 7 --peak-tflops "$CEIL" > "$log/older-$seq" 2>&1
+  build/talon_bench_train --shape "$SHAPE" --seq "$seq" --samples "$SAMPLES" --steps 7 --peak-tflops "$CEIL" \
+    --staged > "$log/older-$seq" 2>&1
   tail -1 "$log/older-$seq"
   python3 bench/train_peer.py --shape "$SHAPE" --seq "$seq" --samples "$SAMPLES" --steps 8 --compile "$PEER_COMPILE" \
     --peak-tflops "$CEIL" > "$log/peer-$seq" 2>&1
   grep -E "^check|^peer" "$log/peer-$seq" || tail -5 "$log/peer-$seq"
-  rows+=("$seq $(tps "$log/talon-$seq") $(tps "$log/older-$seq") $(tps "$log/peer-$seq") $(mem_talon "$log/talon-$seq") $(mem_talon "$log/older-$seq") $(mem_peer "$log/peer-$seq")")
+  rows+=("$seq $(tps "$log/talon-$seq") $(tps "$log/older-$seq") $(tps "$log/peer-$seq") $(mem_talon "$log/talon-$seq") $(mem_talon "$log/older-$seq") $(mem_peer "$log/peer-$seq") $(res_peer "$log/peer-$seq")")
 done
 
 echo
-echo "| seq x samples | Talon tok/s | Talon, score-buffer attention | peer tok/s | Talon / peer | memory GiB (Talon / score-buffer / peer) |"
+echo "| seq x samples | Talon tok/s | Talon, features staged from pageable memory | peer tok/s | Talon / peer | memory GiB (Talon / staged / peer allocated / peer reserved) |"
 echo "|---|---|---|---|---|---|"
 for r in "${rows[@]}"; do
   set -- $r
   ratio=$(python3 -c "import sys; a=[float(x or 0) for x in sys.argv[1:]]; print(f'{a[0]/a[2]:.2f}x' if a[2] else '-')" "${2:-0}" "${3:-0}" "${4:-0}")
-  echo "| $1 x $SAMPLES | ${2:--} | ${3:--} | ${4:--} | $ratio | ${5:--} / ${6:--} / ${7:--} |"
+  echo "| $1 x $SAMPLES | ${2:--} | ${3:--} | ${4:--} | $ratio | ${5:--} / ${6:--} / ${7:--} / ${8:--} |"
 done
 [ -z "${LOGS:-}" ] && rm -rf "$log"

@@ -1,8 +1,12 @@
 // Draft-training throughput on one GPU for a target shape (random weights and features):
 // optimizer steps of packed samples through the same GpuDraftTrainer `talon train
 // --device cuda` uses; reports tokens/s, the share of the FLOP roofline and device memory.
+// The features lie in page-locked host memory, as `talon train` keeps them on a GPU (they
+// upload straight from there); --staged puts them in ordinary memory, which the trainer
+// first copies into its pinned staging.
 //   talon_bench_train [--shape llama3-8b|kimi-k2|smollm2] [--seq 2048] [--samples 2] [--steps 6]
 //                     [--math bf16|tf32|f32] [--ttt 7] [--draft-vocab 32000] [--peak-tflops 779]
+//                     [--staged]
 #include <cuda_runtime.h>
 
 #include <CLI/CLI.hpp>
@@ -34,6 +38,8 @@ int main(int argc, char** argv) {
   app.add_option("--draft-vocab", vd)->capture_default_str();
   app.add_option("--peak-tflops", peak, "dense bf16 peak of the GPU")->capture_default_str();
   app.add_option("--gpus", n_gpus, "data parallel over GPUs 0..n-1 (samples dealt in turn)")->capture_default_str();
+  bool staged = false;
+  app.add_flag("--staged", staged, "features in ordinary (pageable) host memory");
   CLI11_PARSE(app, argc, argv);
   try {
     DraftConfig c;
@@ -69,9 +75,12 @@ int main(int argc, char** argv) {
       x = int32_t(rng() % uint32_t(c.V));
       counts[size_t(x)]++;
     }
-    std::vector<float> aux, hid;
-    fill(aux, size_t(N) * 3 * H, 1.f);
-    fill(hid, size_t(N) * H, 1.f);
+    const auto features = [&](size_t n) {
+      std::shared_ptr<float[]> p = host_floats(n, !staged);
+      for (size_t i = 0; i < n; ++i) p[i] = nd(rng);
+      return p;
+    };
+    const std::shared_ptr<float[]> aux = features(size_t(N) * 3 * H), hid = features(size_t(N) * H);
     const DraftVocab dv = build_draft_vocab(counts, c.Vd);
     DraftWeights w;
     const size_t qd = size_t(c.n_heads * c.head_dim), kvd = size_t(c.n_kv_heads * c.head_dim);
@@ -93,8 +102,8 @@ int main(int argc, char** argv) {
     gpu->set_weights(w);
     std::vector<Sample> batch;
     for (int64_t s = 0; s < samples; ++s)
-      batch.push_back({ids.data() + s * seq, mask.data() + s * seq, aux.data() + s * seq * 3 * c.H,
-                       hid.data() + s * seq * c.H, seq});
+      batch.push_back({ids.data() + s * seq, mask.data() + s * seq, aux.get() + s * seq * 3 * c.H,
+                       hid.get() + s * seq * c.H, seq});
     train::OptimConfig oc;
     std::vector<double> times;  // steps after the first (which warms cuBLAS up)
     for (int64_t st = 0; st < steps; ++st) {

@@ -292,10 +292,13 @@ def main():
     layer = nh * hd * 2 * H + 2 * nkv * hd * 2 * H + H * nh * hd + 3 * I * H
     per_tok = K * (6 * layer + 6 * Vd * H) + 4 * H * 3 * H + 2 * V * H
     peak_gib = torch.cuda.max_memory_allocated() / 2**30
+    # What the process holds at its peak: the allocator's reserved pool (allocated tensors plus
+    # its caching and fragmentation), the figure comparable to memory taken with cudaMalloc.
+    reserved_gib = torch.cuda.max_memory_reserved() / 2**30
     print(f"peer: shape {a.shape} seq {T} x {B} samples, K={K}, attention {a.attention}, compile {a.compile}: "
           f"{tps:.0f} tokens/s (median of {max(1, len(times) - 2)} steps), {per_tok / 1e9:.1f} GFLOP/token "
           f"(no attention), {100 * tps * per_tok / (a.peak_tflops * 1e12):.1f}% of {a.peak_tflops:.0f} TFLOP/s; "
-          f"peak memory {peak_gib:.1f} GiB")
+          f"peak memory {peak_gib:.1f} GiB (reserved {reserved_gib:.1f} GiB)")
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ std::unique_ptr<GpuDraftTrainer> make_gpu_draft_trainer(const DraftConfig&, cons
                                                         const std::vector<int>&, GpuMath, int64_t) {
   fail("this build has no CUDA backend (nvcc was not found when it was configured): train with --device cpu");
 }
+std::shared_ptr<float[]> host_floats(size_t n, bool) { return std::shared_ptr<float[]>(new float[n]); }
 }  // namespace talon::eagle3
 
 namespace talon::spec {

@@ -39,6 +39,11 @@ class GpuDraftTrainer {
   virtual size_t device_bytes() const = 0;
 };
 
+// n floats of host memory, page-locked when `pinned` and the CUDA runtime can pin it (batches
+// whose features lie there upload to the GPU without a staging copy), ordinary memory
+// otherwise.
+std::shared_ptr<float[]> host_floats(size_t n, bool pinned);
+
 // max_rows: the most tokens one run() may pack (device buffers are sized for it, per GPU).
 // Several devices: data parallel, one thread per GPU. Each step's samples are dealt to the
 // GPUs in turn (sample i to GPU i mod n), gradients are summed with an NCCL all-reduce in

@@ -69,14 +69,47 @@ struct TrainSample {
   int64_t row = 0;
 };
 
-// fp32 features of one sample of a batch: aux [T, 3H], hidden (h[L]) [T, H].
+// fp32 features of one sample of a batch: aux [T, 3H], hidden (h[L]) [T, H], in a buffer of
+// FeatureSlots.
 struct Features {
-  std::vector<float> aux, hidden;
+  float* aux = nullptr;
+  float* hidden = nullptr;
 };
 
-std::vector<float> to_f32(const st::TensorView& t, size_t offset_elems, size_t n) {
-  std::vector<float> out(n);
-  convert_to_f32(t.dtype, t.data + offset_elems * dtype_size(t.dtype), out.data(), n);
+// Host memory for a batch's features, reused from step to step: slot 0 and 1 alternate
+// between this step and the next one (read ahead while this one trains), slot 2 holds the
+// eval split's. Page-locked when training on a GPU, so batches upload from it directly.
+class FeatureSlots {
+ public:
+  explicit FeatureSlots(bool pinned) : pinned_(pinned) {}
+  // The slot's buffer, at least n floats (grown when short; the contents are not kept).
+  float* get(int slot, size_t n) {
+    const size_t i = size_t(slot);
+    if (cap_[i] < n) {
+      buf_[i].reset();
+      buf_[i] = eagle3::host_floats(n, pinned_);
+      cap_[i] = n;
+    }
+    return buf_[i].get();
+  }
+
+ private:
+  bool pinned_;
+  std::shared_ptr<float[]> buf_[3];
+  size_t cap_[3] = {0, 0, 0};
+};
+
+// Each sample's share of one buffer of FeatureSlots: aux then hidden, sample after sample.
+std::vector<Features> lay_out(FeatureSlots& slots, int slot, const std::vector<int64_t>& lengths, int64_t H) {
+  size_t total = 0;
+  for (int64_t T : lengths) total += size_t(T * 4 * H);
+  float* p = slots.get(slot, total);
+  std::vector<Features> out(lengths.size());
+  for (size_t i = 0; i < lengths.size(); ++i) {
+    out[i].aux = p;
+    out[i].hidden = p + lengths[i] * 3 * H;
+    p += lengths[i] * 4 * H;
+  }
   return out;
 }
 
@@ -423,23 +456,31 @@ TrainReport run_train(const TrainOptions& opt) {
   // Offline: the features of `need` from the mapped shards (converted in parallel when
   // asked). Reads only the mappings, so it may run on a helper thread (the next step's
   // prefetch).
-  auto read_features = [&](const std::vector<TrainSample*>& need, bool parallel) {
-    std::vector<Features> out(need.size());
+  FeatureSlots slots(dev != nullptr);
+  const auto lengths = [](const std::vector<TrainSample*>& need) {
+    std::vector<int64_t> v;
+    for (auto* ts : need) v.push_back(int64_t(ts->ids.size()));
+    return v;
+  };
+  auto read_features = [&](const std::vector<TrainSample*>& need, bool parallel, int slot) {
+    std::vector<Features> out = lay_out(slots, slot, lengths(need), H);
 #pragma omp parallel for schedule(dynamic, 1) if (parallel && need.size() > 1)
     for (size_t i = 0; i < need.size(); ++i) {
       const TrainSample& ts = *need[i];
       const auto [aux, hid] = feat_views[size_t(ts.shard)];
       const int64_t T = int64_t(ts.ids.size());
-      out[i].aux = to_f32(*aux, size_t(ts.row * 3 * H), size_t(T * 3 * H));
-      out[i].hidden = to_f32(*hid, size_t(ts.row * H), size_t(T * H));
+      convert_to_f32(aux->dtype, aux->data + size_t(ts.row * 3 * H) * dtype_size(aux->dtype), out[i].aux,
+                     size_t(T * 3 * H));
+      convert_to_f32(hid->dtype, hid->data + size_t(ts.row * H) * dtype_size(hid->dtype), out[i].hidden,
+                     size_t(T * H));
     }
     return out;
   };
   // The features of `need`: read (offline) or made by the target (online, on this thread,
   // which owns the target's GPU).
-  auto featurize = [&](const std::vector<TrainSample*>& need) {
-    if (!opt.online) return read_features(need, true);
-    std::vector<Features> out(need.size());
+  auto featurize = [&](const std::vector<TrainSample*>& need, int slot) {
+    if (!opt.online) return read_features(need, true, slot);
+    std::vector<Features> out = lay_out(slots, slot, lengths(need), H);
     const int64_t budget = std::max(opt.max_batch_tokens, opt.max_length);
     for (size_t i = 0; i < need.size();) {
       Batch b;
@@ -465,10 +506,8 @@ TrainReport run_train(const TrainOptions& opt) {
       for (size_t j : part) {
         const int64_t T = int64_t(need[j]->ids.size());
         Features& f = out[j];
-        f.aux.resize(size_t(T * 3 * H));
-        f.hidden.resize(size_t(T * H));
-        convert_to_f32(DType::BF16, aux_buf.get() + size_t(r * 3 * H) * 2, f.aux.data(), size_t(T * 3 * H));
-        convert_to_f32(DType::BF16, fin_buf.get() + size_t(r * H) * 2, f.hidden.data(), size_t(T * H));
+        convert_to_f32(DType::BF16, aux_buf.get() + size_t(r * 3 * H) * 2, f.aux, size_t(T * 3 * H));
+        convert_to_f32(DType::BF16, fin_buf.get() + size_t(r * H) * 2, f.hidden, size_t(T * H));
         r += T;
       }
     }
@@ -542,10 +581,10 @@ TrainReport run_train(const TrainOptions& opt) {
     if (eval.empty()) return;
     std::vector<TrainSample*> ptrs;
     for (auto& ts : eval) ptrs.push_back(&ts);
-    const std::vector<Features> feats = featurize(ptrs);
+    const std::vector<Features> feats = featurize(ptrs, 2);
     std::vector<eagle3::Sample> es;
     for (size_t i = 0; i < eval.size(); ++i)
-      es.push_back({eval[i].ids.data(), eval[i].mask.data(), feats[i].aux.data(), feats[i].hidden.data(),
+      es.push_back({eval[i].ids.data(), eval[i].mask.data(), feats[i].aux, feats[i].hidden,
                     int64_t(eval[i].ids.size())});
     const Summary m = summarize(run_samples(es, 0.0, false), c.ttt_steps);
     metrics << json{{"split", "eval"}, {"step", done}, {"samples", es.size()}, {"loss", m.loss}, {"loss_exact", exact(m.loss)},
@@ -598,12 +637,12 @@ TrainReport run_train(const TrainOptions& opt) {
     if (!dev)
       for (auto& p : params) std::fill(p.g->begin(), p.g->end(), 0.0);
     const std::vector<TrainSample*> picked = pick(step);
-    std::vector<Features> feats = prefetch.valid() && prefetch_step == step ? prefetch.get() : featurize(picked);
+    std::vector<Features> feats =
+        prefetch.valid() && prefetch_step == step ? prefetch.get() : featurize(picked, int(step % 2));
     if (!opt.online && step + 1 < total_steps) {
       prefetch_step = step + 1;
-      prefetch = std::async(std::launch::async, [&read_features, next = pick(step + 1), par = dev != nullptr] {
-        return read_features(next, par);
-      });
+      prefetch = std::async(std::launch::async, [&read_features, next = pick(step + 1), par = dev != nullptr,
+                                                 slot = int((step + 1) % 2)] { return read_features(next, par, slot); });
     }
     std::vector<eagle3::Sample> batch;
     for (int64_t b = 0; b < int64_t(picked.size()); ++b) {
@@ -611,9 +650,9 @@ TrainReport run_train(const TrainOptions& opt) {
       Features& f = feats[size_t(b)];  // this step's own copy: noise goes in place
       if (opt.noise > 0) {  // seeded by (seed, step, slot): the same after a resume
         Rng r{opt.seed * 0x9e3779b97f4a7c15ull + uint64_t(step) * 1315423911ull + uint64_t(b) + 3};
-        for (auto& x : f.aux) x += float(opt.noise * (2.0 * r.uniform() - 1.0));
+        for (int64_t i = 0; i < int64_t(ts.ids.size()) * 3 * H; ++i) f.aux[i] += float(opt.noise * (2.0 * r.uniform() - 1.0));
       }
-      eagle3::Sample s{ts.ids.data(), ts.mask.data(), f.aux.data(), f.hidden.data(), int64_t(ts.ids.size())};
+      eagle3::Sample s{ts.ids.data(), ts.mask.data(), f.aux, f.hidden, int64_t(ts.ids.size())};
       batch.push_back(s);
       tokens += s.T;
     }

@@ -13,6 +13,7 @@
 #include <random>
 #include <string>
 
+#include "backend/cuda/draft_engine.h"
 #include "tests/tolerances.h"
 #include "train/draft_gpu.h"
 #include "train/eagle3.h"
@@ -266,6 +267,62 @@ TEST(GpuDraftFused, RefusesUnsupportedRequest) {
   EXPECT_THROW(make_gpu_draft_trainer(cs.c, cs.target(), cs.dv, {0}, GpuMath::F32, 64), Error);
   ScopedEnv bad("TALON_DRAFT_ATTENTION", "fastest");
   EXPECT_THROW(make_gpu_draft_trainer(cs.c, cs.target(), cs.dv, {0}, GpuMath::BF16, 64), Error);
+}
+
+// The draft logits (and the target's full logits) a few rows at a time
+// (TALON_DRAFT_LOGIT_ROWS): 5 rows split the 44-row batch into chunks that cut through
+// samples and leave a short last one, 1 row is the extreme. Each chunk's loss gradient goes
+// through the lm_head on its own, in the forward (the default) and in the backward; fp32
+// stays within the reference's tolerances.
+TEST_P(GpuDraft, LogitRowChunksMatchCpuReference) {
+  REQUIRE_GPU();
+  for (const char* rows : {"5", "1"}) {
+    SCOPED_TRACE(std::string("rows ") + rows);
+    ScopedEnv e("TALON_DRAFT_LOGIT_ROWS", rows);
+    check_against_cpu(GetParam(), GpuMath::F32, tol::kGpuTttLossRel, tol::kGpuTttGradRel);
+    check_against_cpu(GetParam(), GpuMath::BF16, tol::kGpuTttBf16LossRel, tol::kGpuTttBf16GradRel);
+    ScopedEnv f("TALON_DRAFT_LM_BACKWARD", "backward");
+    check_against_cpu(GetParam(), GpuMath::F32, tol::kGpuTttLossRel, tol::kGpuTttGradRel);
+  }
+}
+
+TEST(GpuDraftLogitRows, RefusesBadValue) {
+  REQUIRE_GPU();
+  Case cs(false, 3);
+  for (const char* v : {"0", "-3", "12x", ""}) {
+    ScopedEnv e("TALON_DRAFT_LOGIT_ROWS", v);
+    EXPECT_THROW(make_gpu_draft_trainer(cs.c, cs.target(), cs.dv, {0}, GpuMath::BF16, 64), Error) << v;
+  }
+}
+
+// Features in page-locked memory (as `talon train` keeps them on a GPU) upload straight from
+// there, sample by sample, instead of through the trainer's staging copy: the same bits.
+TEST(GpuDraftPinned, PinnedFeaturesGiveTheSameBits) {
+  REQUIRE_GPU();
+  Case cs(true, 21);
+  GpuRun staged = run_once(cs, GpuMath::BF16, 64);
+  std::vector<std::shared_ptr<float[]>> keep;
+  for (auto& s : cs.samples)
+    for (auto* v : {&s.aux, &s.hid}) {
+      keep.push_back(host_floats(v->size(), true));
+      ASSERT_TRUE(cuda::is_pinned_host(keep.back().get()));
+      std::copy(v->begin(), v->end(), keep.back().get());
+    }
+  EXPECT_FALSE(cuda::is_pinned_host(cs.samples[0].aux.data()));
+  auto gpu = make_gpu_draft_trainer(cs.c, cs.target(), cs.dv, {0}, GpuMath::BF16, 64);
+  gpu->set_weights(cs.w);
+  std::vector<Sample> batch = cs.batch();
+  for (size_t i = 0; i < batch.size(); ++i) {
+    batch[i].aux = keep[2 * i].get();
+    batch[i].hidden = keep[2 * i + 1].get();
+  }
+  const auto res = gpu->run(batch, 0.25, true, true);
+  ASSERT_EQ(res.size(), staged.loss.size());
+  for (size_t i = 0; i < res.size(); ++i) EXPECT_EQ(res[i].loss, staged.loss[i]) << "sample " << i;
+  DraftGrads g(cs.w);
+  gpu->get_grads(g);
+  auto a = g.named(), b = staged.g.named();
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_EQ(*a[i].second, *b[i].second) << a[i].first;
 }
 
 // The bf16 weight copy follows every update: at each step the GPU's loss matches the CPU

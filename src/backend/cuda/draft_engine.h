@@ -42,7 +42,19 @@ struct DraftBatch {  // host pointers, N packed rows
   const float* hidden = nullptr;  // [N, H] h[L]
   const int32_t* pos = nullptr;   // each row's position in its sample
   const int32_t* len = nullptr;   // each row's sample length
+  // Instead of aux and hidden (then both null): the features of each sample, in row order,
+  // in pinned host memory (rows of them each), uploaded from there without a staging copy.
+  struct Part {
+    const float* aux;
+    const float* hidden;
+    int64_t rows;
+  };
+  std::vector<Part> parts;
 };
+
+// Whether p points into page-locked host memory (cudaHostAlloc or cudaHostRegister), from
+// which copies to the device run asynchronously.
+bool is_pinned_host(const void* p);
 
 struct DraftRowStats {            // [K * N], step-major
   std::vector<float> ce;          // cross-entropy of rows that count (0 elsewhere)

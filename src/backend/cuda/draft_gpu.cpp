@@ -86,7 +86,7 @@ class CudaDraftTrainer final : public GpuDraftTrainer {
 
   std::vector<TttResult> run(const std::vector<Sample>& batch, double weight, bool backward,
                              bool zero_grads) override {
-    const int64_t K = c_.ttt_steps, H = c_.H;
+    const int64_t H = c_.H;
     int64_t N = 0;
     for (auto& s : batch) N += s.T;
     TALON_CHECK(N >= 1 && N <= max_rows_, "draft on GPU: {} tokens in one batch, the budget is {}", N, max_rows_);
@@ -94,8 +94,21 @@ class CudaDraftTrainer final : public GpuDraftTrainer {
     mask_.resize(size_t(N));
     pos_.resize(size_t(N));
     len_.resize(size_t(N));
-    // The features go straight into the engine's pinned staging, in pieces of about 1M
-    // values copied in parallel (a batch is hundreds of MB at the 8B shape).
+    // Features already in pinned memory upload from there; otherwise they go into the
+    // engine's pinned staging first, in pieces of about 1M values copied in parallel (a
+    // batch is hundreds of MB at the 8B shape).
+    bool pinned = true;
+    for (auto& s : batch) pinned = pinned && cuda::is_pinned_host(s.aux) && cuda::is_pinned_host(s.hidden);
+    if (pinned) {
+      int64_t r = 0;
+      cuda::DraftBatch b{N, ids_.data(), mask_.data(), nullptr, nullptr, pos_.data(), len_.data(), {}};
+      for (auto& s : batch) {
+        pack_tokens(s, r);
+        b.parts.push_back({s.aux, s.hidden, s.T});
+        r += s.T;
+      }
+      return finish(batch, weight, backward, zero_grads, eng_->prepare(b));
+    }
     auto [aux, hid] = eng_->host_features();
     if (!aux) {
       if (!warned_unpinned_) {
@@ -120,28 +133,40 @@ class CudaDraftTrainer final : public GpuDraftTrainer {
     };
     int64_t r = 0;
     for (auto& s : batch) {
-      for (int64_t t = 0; t < s.T; ++t) {
-        TALON_CHECK(s.ids[t] >= 0 && s.ids[t] < c_.V, "draft: token id {} outside the vocabulary", s.ids[t]);
-        ids_[size_t(r + t)] = s.ids[t];
-        mask_[size_t(r + t)] = s.mask[t];
-        pos_[size_t(r + t)] = int32_t(t);
-        len_[size_t(r + t)] = int32_t(s.T);
-      }
+      pack_tokens(s, r);
       split(aux + r * 3 * H, s.aux, s.T * 3 * H);
       split(hid + r * H, s.hidden, s.T * H);
       r += s.T;
     }
 #pragma omp parallel for schedule(dynamic, 4) if (pieces.size() > 8)
     for (size_t i = 0; i < pieces.size(); ++i) std::copy(pieces[i].src, pieces[i].src + pieces[i].n, pieces[i].dst);
-    cuda::DraftBatch b{N, ids_.data(), mask_.data(), aux, hid, pos_.data(), len_.data()};
-    const std::vector<uint8_t> in_vocab = eng_->prepare(b);
+    cuda::DraftBatch b{N, ids_.data(), mask_.data(), aux, hid, pos_.data(), len_.data(), {}};
+    return finish(batch, weight, backward, zero_grads, eng_->prepare(b));
+  }
 
+  // Sample s's tokens into rows [r, r + s.T) of the packed token arrays.
+  void pack_tokens(const Sample& s, int64_t r) {
+    for (int64_t t = 0; t < s.T; ++t) {
+      TALON_CHECK(s.ids[t] >= 0 && s.ids[t] < c_.V, "draft: token id {} outside the vocabulary", s.ids[t]);
+      ids_[size_t(r + t)] = s.ids[t];
+      mask_[size_t(r + t)] = s.mask[t];
+      pos_[size_t(r + t)] = int32_t(t);
+      len_[size_t(r + t)] = int32_t(s.T);
+    }
+  }
+
+  // The rest of run() once the batch is prepared (in_vocab: the engine's answer).
+  std::vector<TttResult> finish(const std::vector<Sample>& batch, double weight, bool backward, bool zero_grads,
+                                const std::vector<uint8_t>& in_vocab) {
+    const int64_t K = c_.ttt_steps;
+    int64_t N = 0;
+    for (auto& s : batch) N += s.T;
     // Which rows count at each step, per-sample counts, and each row's weight in the
     // objective: weight * decay^k / n_k(sample), as the CPU reference normalises.
     std::vector<uint8_t> counts(size_t(K * N), 0);
     std::vector<float> scale(size_t(K * N), 0.f);
     std::vector<std::vector<int64_t>> nk(batch.size(), std::vector<int64_t>(size_t(K), 0));
-    r = 0;
+    int64_t r = 0;
     for (size_t i = 0; i < batch.size(); ++i) {
       const Sample& s = batch[i];
       for (int64_t k = 0; k < K; ++k)
@@ -333,6 +358,14 @@ class DataParallelDraftTrainer final : public GpuDraftTrainer {
 #endif
 
 }  // namespace
+
+std::shared_ptr<float[]> host_floats(size_t n, bool pinned) {
+  void* p = nullptr;
+  if (pinned && n > 0 && cudaHostAlloc(&p, n * sizeof(float), cudaHostAllocPortable) == cudaSuccess)
+    return std::shared_ptr<float[]>(static_cast<float*>(p), [](float* q) { cudaFreeHost(q); });
+  (void)cudaGetLastError();  // not sticky: ordinary memory instead
+  return std::shared_ptr<float[]>(new float[n]);
+}
 
 std::unique_ptr<GpuDraftTrainer> make_gpu_draft_trainer(const DraftConfig& c, const TargetHead& tgt,
                                                         const DraftVocab& vocab, const std::vector<int>& devices,

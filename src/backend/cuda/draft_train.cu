@@ -674,17 +674,20 @@ __global__ void target_row_kernel(float* P, int32_t* tgt_arg, uint8_t* in_vocab,
   if (threadIdx.x == 0) tgt_arg[blockIdx.x] = int32_t(mi);
 }
 
-// Step k, row n (target row n+1+k): cross-entropy against P, hit, counts; with scale, the
-// logits become d(objective)/d(logits) in place, or that gradient goes to grad_b as bf16
-// when given (it is then only the operand of the lm_head's two products).
+// Step k, batch row n = row0 + blockIdx.x (target row n+1+k): cross-entropy against P, hit,
+// counts; with scale, the logits become d(objective)/d(logits) in place, or that gradient
+// goes to grad_b as bf16 when given (it is then only the operand of the lm_head's two
+// products). logits and grad_b hold one chunk of rows, from row0 (row blockIdx.x there);
+// row_scale, ce, hit and counts are indexed by batch row.
 __global__ void loss_kernel(float* logits, const float* P, const int32_t* tgt_arg, const uint8_t* in_vocab,
                             const uint8_t* mask, const int32_t* pos, const int32_t* len, int64_t Vd, int k,
-                            const float* row_scale, __nv_bfloat16* grad_b, float* ce, uint8_t* hit, uint8_t* counts) {
+                            int64_t row0, const float* row_scale, __nv_bfloat16* grad_b, float* ce, uint8_t* hit,
+                            uint8_t* counts) {
   __shared__ float shv[33];
   __shared__ int64_t shi[33];
-  const int64_t n = blockIdx.x, tr = n + 1 + k;
+  const int64_t n = row0 + blockIdx.x, tr = n + 1 + k;
   const bool cnt = pos[n] + 1 + k < len[n] && mask[tr] && in_vocab[tr];
-  float* lg = logits + n * Vd;
+  float* lg = logits + int64_t(blockIdx.x) * Vd;
   float mx = -INFINITY;
   int64_t arg = INT64_MAX;
   for (int64_t d = threadIdx.x; d < Vd; d += blockDim.x)
@@ -708,7 +711,7 @@ __global__ void loss_kernel(float* logits, const float* P, const int32_t* tgt_ar
   if (row_scale) {
     const float sc = row_scale[n];
     const float* pr = P + (cnt ? tr : 0) * Vd;
-    __nv_bfloat16* gb = grad_b ? grad_b + n * Vd : nullptr;
+    __nv_bfloat16* gb = grad_b ? grad_b + int64_t(blockIdx.x) * Vd : nullptr;
     for (int64_t d = threadIdx.x; d < Vd; d += blockDim.x) {
       const float v = cnt ? (expf(lg[d] - lz) - pr[d]) * sc : 0.f;
       if (gb)
@@ -771,7 +774,9 @@ struct DraftEngine::Impl {
   int device = 0;
   DraftDims d;
   DraftMath math;
-  int64_t R = 0, N = 0, qd = 0, kvd = 0, chunk = 0;
+  // chunk: rows of full target logits per product in prepare(); lrows: rows of draft logits
+  // per product in run(). Both share one scratch buffer (logits, also called full).
+  int64_t R = 0, N = 0, qd = 0, kvd = 0, chunk = 0, lrows = 0;
   size_t bytes = 0;
   cudaStream_t s = nullptr;
   cublasHandle_t blas = nullptr;
@@ -1090,7 +1095,18 @@ struct DraftEngine::Impl {
     return AttnArgs{q[size_t(k)], keys, vals, N, R * kvd, int(d.nh), int(d.nkv), int(d.hd), k,
                     float(1.0 / std::sqrt(double(d.hd))), pos, len};
   }
-  void logits_of(int k) { linear(logits, d.Vd, fn[size_t(k)], d.H, w(LM), N, d.H, d.Vd); }
+  // Draft logits of batch rows [r0, r0 + n) of step k into logits (row 0 there).
+  void logits_of(int k, int64_t r0, int64_t n) {
+    linear(logits, d.Vd, fn[size_t(k)] + r0 * d.H, d.H, w(LM), n, d.H, d.Vd);
+  }
+  // The loss of step k for batch rows [r0, r0 + n) from the logits of logits_of(k, r0, n);
+  // with `grad`, its gradient (scaled by rs) goes to lgb (bf16 operands) or over the logits.
+  void loss_rows(int k, int64_t r0, int64_t n, bool grad) {
+    loss_kernel<<<unsigned(n), 512, 0, s>>>(logits, P, tgt_arg, in_vocab, mask, pos, len, d.Vd, k, r0,
+                                             grad ? rs + k * N : nullptr, grad ? lgb : nullptr, ce + k * N,
+                                             hit + k * N, cnt + k * N);
+    CUDA_LAUNCH_CHECK();
+  }
 
   // Column-major strided-batched C = alpha op(A) op(B) + beta C (cuBLAS conventions).
   void gemm_sb(cublasOperation_t ta, cublasOperation_t tb, int64_t m, int64_t n, int64_t k, float alpha,
@@ -1283,6 +1299,14 @@ DraftEngine::DraftEngine(int device, const DraftDims& dd, DraftMath math, const 
   if (att_s == "flash" && !I.flash_attention)
     fail_msg("TALON_DRAFT_ATTENTION=flash needs bf16 math and a head size that is a multiple of 16 up to 128 "
              "(head size " + std::to_string(dd.hd) + ")");
+  int64_t logit_rows = 0;
+  if (const char* lr = std::getenv("TALON_DRAFT_LOGIT_ROWS")) {
+    char* end = nullptr;
+    const long long v = std::strtoll(lr, &end, 10);
+    if (end == lr || *end != 0 || v < 1)
+      fail_msg(std::string("TALON_DRAFT_LOGIT_ROWS: expected a number of rows >= 1, got '") + lr + "'");
+    logit_rows = v;
+  }
   CUDA_CHECK(cudaSetDevice(device));
   CUDA_CHECK(cudaStreamCreateWithFlags(&I.s, cudaStreamNonBlocking));
   CUBLASV2_CHECK(cublasCreate(&I.blas));
@@ -1354,9 +1378,19 @@ DraftEngine::DraftEngine(int device, const DraftDims& dd, DraftMath math, const 
   I.aux = I.alloc<float>(size_t(R * 3 * H));
   I.hidden = I.alloc<float>(size_t(R * H));
   I.P = I.alloc<float>(size_t(R * Vd));
-  I.chunk = std::max<int64_t>(1, std::min<int64_t>(R, (int64_t(256) << 20) / (V * 4)));
+  // The logits scratch: rows of full target logits (prepare) and of draft logits (run) in
+  // one buffer of 128 MiB (whole rows of either, multiples of 128 rows when that many fit),
+  // or TALON_DRAFT_LOGIT_ROWS rows of both.
+  const auto rows_in = [R](int64_t width) {
+    int64_t r = std::max<int64_t>(1, (int64_t(128) << 20) / (width * 4));
+    if (r >= 128) r = r / 128 * 128;
+    return std::min(R, r);
+  };
+  I.chunk = logit_rows > 0 ? std::min(R, logit_rows) : rows_in(V);
+  I.lrows = logit_rows > 0 ? std::min(R, logit_rows) : rows_in(Vd);
   I.hn = I.alloc<float>(size_t(I.chunk * H));
-  I.full = I.alloc<float>(size_t(I.chunk * V));
+  I.logits = I.alloc<float>(size_t(std::max(I.chunk * V, I.lrows * Vd)));
+  I.full = I.logits;
   for (int64_t k = 0; k <= K; ++k) I.gs.push_back(I.alloc<float>(size_t(R * H)));
   I.xin_bf16 = I.bf16_operands && !dd.norm_before_residual;
   I.hm_bf16 = I.bf16_operands;
@@ -1385,8 +1419,7 @@ DraftEngine::DraftEngine(int device, const DraftDims& dd, DraftMath math, const 
   I.E = I.alloc<float>(size_t(R * H));
   I.tmp = I.alloc<float>(size_t(R * H));
   I.act = I.alloc<float>(floats(R * Idim, I.bf16_operands));
-  I.logits = I.alloc<float>(size_t(R * Vd));
-  if (I.bf16_operands) I.lgb = I.alloc<__nv_bfloat16>(size_t(R * Vd));
+  if (I.bf16_operands) I.lgb = I.alloc<__nv_bfloat16>(size_t(I.lrows * Vd));
   I.dfn = I.alloc<float>(size_t(R * H));
   I.dg2 = I.alloc<float>(size_t(R * H));
   I.dact = I.alloc<float>(size_t(R * Idim));
@@ -1435,6 +1468,15 @@ DraftEngine::~DraftEngine() {
     if (c) cudaFree(c);
   if (p_->blas) cublasDestroy(p_->blas);
   if (p_->s) cudaStreamDestroy(p_->s);
+}
+
+bool is_pinned_host(const void* p) {
+  cudaPointerAttributes a{};
+  if (cudaPointerGetAttributes(&a, p) != cudaSuccess) {
+    (void)cudaGetLastError();  // not sticky: an unknown pointer is simply not pinned
+    return false;
+  }
+  return a.type == cudaMemoryTypeHost;
 }
 
 size_t DraftEngine::device_bytes() const { return p_->bytes; }
@@ -1539,10 +1581,23 @@ std::vector<uint8_t> DraftEngine::prepare(const DraftBatch& b) {
   cp(I.pos, b.pos, size_t(N) * 4);
   cp(I.len, b.len, size_t(N) * 4);
   cp(I.mask, b.mask, size_t(N));
-  cp(I.hidden, b.hidden, size_t(N * H) * 4);
   // aux is first read by run()'s fc product: it uploads on the copy stream while the target
-  // distribution runs (asynchronously when it is the pinned staging of host_features()).
-  CUDA_CHECK(cudaMemcpyAsync(I.aux, b.aux, size_t(N * 3 * H) * 4, cudaMemcpyHostToDevice, I.copy_s));
+  // distribution runs (asynchronously when it is pinned: the staging of host_features(), or
+  // the caller's own pinned parts).
+  if (b.parts.empty()) {
+    cp(I.hidden, b.hidden, size_t(N * H) * 4);
+    CUDA_CHECK(cudaMemcpyAsync(I.aux, b.aux, size_t(N * 3 * H) * 4, cudaMemcpyHostToDevice, I.copy_s));
+  } else {
+    int64_t r = 0;
+    for (const DraftBatch::Part& p : b.parts) {
+      if (p.rows <= 0 || r + p.rows > N || !p.aux || !p.hidden) fail_msg("draft on GPU: feature parts do not tile the batch");
+      cp(I.hidden + r * H, p.hidden, size_t(p.rows * H) * 4);
+      CUDA_CHECK(cudaMemcpyAsync(I.aux + r * 3 * H, p.aux, size_t(p.rows * 3 * H) * 4, cudaMemcpyHostToDevice,
+                                 I.copy_s));
+      r += p.rows;
+    }
+    if (r != N) fail_msg("draft on GPU: feature parts do not tile the batch");
+  }
   CUDA_CHECK(cudaEventRecord(I.aux_ready, I.copy_s));
   I.mark("target distribution (full logits, P)");
   for (int64_t r0 = 0; r0 < N; r0 += I.chunk) {
@@ -1631,18 +1686,22 @@ void DraftEngine::run(const std::vector<float>& row_scale, bool backward, bool z
     add_kernel<<<nblocks(N * H, 256), 256, 0, s>>>(I.gs[size_t(k) + 1], I.g1[size_t(k)], H, I.tmp, N, H);
     CUDA_LAUNCH_CHECK();
     I.rmsnorm(I.fn[size_t(k)], H, I.gs[size_t(k) + 1], H, I.w(NORM), H, d.eps, N);
-    I.mark("forward: draft logits and loss");
+    // The logits, a chunk of rows at a time. With fused_lm each chunk's gradient goes through
+    // the lm_head at once (d fn over those rows of fn[k]; its bf16 twin, made first, keeps
+    // the values the later chunks' products read).
     const Impl::Twin tf(I, I.fn[size_t(k)], fused_lm ? N * H : 0);
-    I.logits_of(k);
-    loss_kernel<<<unsigned(N), 512, 0, s>>>(I.logits, I.P, I.tgt_arg, I.in_vocab, I.mask, I.pos, I.len, Vd, k,
-                                             fused_lm ? I.rs + k * N : nullptr, fused_lm ? I.lgb : nullptr,
-                                             I.ce + k * N, I.hit + k * N, I.cnt + k * N);
-    CUDA_LAUNCH_CHECK();
-    if (fused_lm) {  // logits (or their bf16 twin lgb) now hold d(objective)/d(logits)
-      I.mark("forward: lm_head backward");
-      const Impl::Twin tl(I, I.logits, N * Vd, I.lgb);
-      I.linear_dw(I.g(LM), I.logits, I.fn[size_t(k)], H, N, H, Vd);
-      I.linear_dx(I.fn[size_t(k)], H, I.logits, I.w(LM), N, H, Vd, 0.f);
+    for (int64_t r0 = 0; r0 < N; r0 += I.lrows) {
+      const int64_t n = std::min(I.lrows, N - r0);
+      I.mark("forward: draft logits and loss");
+      I.logits_of(k, r0, n);
+      I.loss_rows(k, r0, n, fused_lm);
+      if (fused_lm) {  // logits (or their bf16 twin lgb) now hold d(objective)/d(logits)
+        I.mark("forward: lm_head backward");
+        const Impl::Twin tl(I, I.logits, n * Vd, I.lgb);
+        float* f = I.fn[size_t(k)] + r0 * H;
+        I.linear_dw(I.g(LM), I.logits, f, H, n, H, Vd);
+        I.linear_dx(f, H, I.logits, I.w(LM), n, H, Vd, 0.f);
+      }
     }
   }
   out.ce.resize(size_t(K * N));
@@ -1668,17 +1727,18 @@ void DraftEngine::run(const std::vector<float>& row_scale, bool backward, bool z
     float* xin = I.xin[ks];
     float* dfn = I.fn[ks];  // with fused_lm, the forward left d fn here
     if (!fused_lm) {
-      I.mark("backward: draft logits and loss gradient");
-      I.logits_of(k);
-      loss_kernel<<<unsigned(N), 512, 0, s>>>(I.logits, I.P, I.tgt_arg, I.in_vocab, I.mask, I.pos, I.len, Vd, k,
-                                               I.rs + k * N, I.lgb, I.ce + k * N, I.hit + k * N, I.cnt + k * N);
-      CUDA_LAUNCH_CHECK();
-      // logits = lm_head(norm(g2))
-      I.mark("backward: products and norms");
-      const Impl::Twin tl(I, I.logits, N * Vd, I.lgb);
       dfn = I.dfn;
-      I.linear_dx(dfn, H, I.logits, I.w(LM), N, H, Vd, 0.f);
-      I.linear_dw(I.g(LM), I.logits, I.fn[ks], H, N, H, Vd);
+      for (int64_t r0 = 0; r0 < N; r0 += I.lrows) {
+        const int64_t n = std::min(I.lrows, N - r0);
+        I.mark("backward: draft logits and loss gradient");
+        I.logits_of(k, r0, n);
+        I.loss_rows(k, r0, n, true);
+        // logits = lm_head(norm(g2))
+        I.mark("backward: products and norms");
+        const Impl::Twin tl(I, I.logits, n * Vd, I.lgb);
+        I.linear_dx(dfn + r0 * H, H, I.logits, I.w(LM), n, H, Vd, 0.f);
+        I.linear_dw(I.g(LM), I.logits, I.fn[ks] + r0 * H, H, n, H, Vd);
+      }
     }
     I.mark("backward: products and norms");
     CUDA_CHECK(cudaMemcpyAsync(I.dg2, I.dgn, size_t(N * H) * 4, cudaMemcpyDeviceToDevice, s));

@@ -76,6 +76,40 @@ __device__ void block_argmax(float& v, int64_t& i, float* shv, int64_t* shi) {
   i = shi[32];
 }
 
+// Merges every thread's (maximum, sum of exp relative to it, first index of the maximum)
+// into the whole block's; every thread gets the result.
+__device__ void merge_softmax_state(float& m, float& z, int64_t& i, float om, float oz, int64_t oi) {
+  if (om == -INFINITY) return;  // the other part saw nothing
+  if (m == -INFINITY) {
+    m = om, z = oz, i = oi;
+    return;
+  }
+  const float M = fmaxf(m, om);
+  z = z * expf(m - M) + oz * expf(om - M);
+  if (om > m || (om == m && oi < i)) i = oi;
+  m = M;
+}
+__device__ void block_softmax_state(float& m, float& z, int64_t& i, float* shm, float* shz, int64_t* shi) {
+  for (int o = 16; o > 0; o >>= 1)
+    merge_softmax_state(m, z, i, __shfl_xor_sync(0xffffffffu, m, o), __shfl_xor_sync(0xffffffffu, z, o),
+                        __shfl_xor_sync(0xffffffffu, i, o));
+  const int w = threadIdx.x >> 5, l = threadIdx.x & 31, nw = blockDim.x >> 5;
+  __syncthreads();
+  if (l == 0) shm[w] = m, shz[w] = z, shi[w] = i;
+  __syncthreads();
+  if (w == 0) {
+    m = l < nw ? shm[l] : -INFINITY;
+    z = l < nw ? shz[l] : 0.f;
+    i = l < nw ? shi[l] : INT64_MAX;
+    for (int o = 16; o > 0; o >>= 1)
+      merge_softmax_state(m, z, i, __shfl_xor_sync(0xffffffffu, m, o), __shfl_xor_sync(0xffffffffu, z, o),
+                          __shfl_xor_sync(0xffffffffu, i, o));
+    if (l == 0) shm[32] = m, shz[32] = z, shi[32] = i;
+  }
+  __syncthreads();
+  m = shm[32], z = shz[32], i = shi[32];
+}
+
 // ---------------------------------------------------------------- row ops
 // out[n, :] = x[n, :] / rms * w (row strides ldo, ldx).
 __global__ void rmsnorm_kernel(float* out, int64_t ldo, const float* x, int64_t ldx, const float* w, int64_t C,
@@ -683,42 +717,77 @@ __global__ void loss_kernel(float* logits, const float* P, const int32_t* tgt_ar
                             const uint8_t* mask, const int32_t* pos, const int32_t* len, int64_t Vd, int k,
                             int64_t row0, const float* row_scale, __nv_bfloat16* grad_b, float* ce, uint8_t* hit,
                             uint8_t* counts) {
-  __shared__ float shv[33];
+  __shared__ float shv[33], shz[33];
   __shared__ int64_t shi[33];
   const int64_t n = row0 + blockIdx.x, tr = n + 1 + k;
   const bool cnt = pos[n] + 1 + k < len[n] && mask[tr] && in_vocab[tr];
   float* lg = logits + int64_t(blockIdx.x) * Vd;
-  float mx = -INFINITY;
+  // One read of the row for its maximum, first argmax and sum of exp (an online softmax:
+  // the sum rescaled whenever the maximum grows), in float4 loads when rows allow.
+  const bool v4 = (Vd & 3) == 0;
+  float mx = -INFINITY, z = 0.f;
   int64_t arg = INT64_MAX;
-  for (int64_t d = threadIdx.x; d < Vd; d += blockDim.x)
-    if (lg[d] > mx) mx = lg[d], arg = d;
-  block_argmax(mx, arg, shv, shi);
-  float z = 0;
-  for (int64_t d = threadIdx.x; d < Vd; d += blockDim.x) z += expf(lg[d] - mx);
-  z = block_sum(z, shv);
+  const auto visit = [&](float v, int64_t d) {
+    if (v > mx) {
+      z = z * expf(mx - v) + 1.f;
+      mx = v;
+      arg = d;
+    } else {
+      z += expf(v - mx);
+    }
+  };
+  if (v4) {
+    const float4* l4 = reinterpret_cast<const float4*>(lg);
+    for (int64_t q = threadIdx.x; q < Vd / 4; q += blockDim.x) {
+      const float4 x = l4[q];
+      visit(x.x, 4 * q), visit(x.y, 4 * q + 1), visit(x.z, 4 * q + 2), visit(x.w, 4 * q + 3);
+    }
+  } else {
+    for (int64_t d = threadIdx.x; d < Vd; d += blockDim.x) visit(lg[d], d);
+  }
+  block_softmax_state(mx, z, arg, shv, shz, shi);
   const float lz = mx + logf(z);
+  // One more read for the cross-entropy against P and, with row_scale, the gradient
+  // (softmax - P) * scale over the logits or into grad_b.
+  const float* pr = P + (cnt ? tr : 0) * Vd;
+  const float sc = row_scale ? row_scale[n] : 0.f;
+  __nv_bfloat16* gb = grad_b ? grad_b + int64_t(blockIdx.x) * Vd : nullptr;
   float c = 0;
-  if (cnt) {
-    const float* pr = P + tr * Vd;
-    for (int64_t d = threadIdx.x; d < Vd; d += blockDim.x) c -= pr[d] * (lg[d] - lz);
+  const auto visit2 = [&](float x, float p) {
+    if (cnt) c -= p * (x - lz);
+    return cnt ? (expf(x - lz) - p) * sc : 0.f;
+  };
+  if (cnt || row_scale) {
+    if (v4) {
+      const float4* l4 = reinterpret_cast<const float4*>(lg);
+      const float4* p4 = reinterpret_cast<const float4*>(pr);
+      for (int64_t q = threadIdx.x; q < Vd / 4; q += blockDim.x) {
+        const float4 x = l4[q], p = cnt ? p4[q] : make_float4(0.f, 0.f, 0.f, 0.f);
+        const float4 g = make_float4(visit2(x.x, p.x), visit2(x.y, p.y), visit2(x.z, p.z), visit2(x.w, p.w));
+        if (!row_scale) continue;
+        if (gb) {
+          reinterpret_cast<__nv_bfloat162*>(gb + 4 * q)[0] = __floats2bfloat162_rn(g.x, g.y);
+          reinterpret_cast<__nv_bfloat162*>(gb + 4 * q)[1] = __floats2bfloat162_rn(g.z, g.w);
+        } else {
+          reinterpret_cast<float4*>(lg)[q] = g;
+        }
+      }
+    } else {
+      for (int64_t d = threadIdx.x; d < Vd; d += blockDim.x) {
+        const float g = visit2(lg[d], cnt ? pr[d] : 0.f);
+        if (!row_scale) continue;
+        if (gb)
+          gb[d] = __float2bfloat16_rn(g);
+        else
+          lg[d] = g;
+      }
+    }
   }
   c = block_sum(c, shv);
   if (threadIdx.x == 0) {
     ce[n] = cnt ? c : 0.f;
     counts[n] = cnt;
     hit[n] = cnt && arg == tgt_arg[tr];
-  }
-  if (row_scale) {
-    const float sc = row_scale[n];
-    const float* pr = P + (cnt ? tr : 0) * Vd;
-    __nv_bfloat16* gb = grad_b ? grad_b + int64_t(blockIdx.x) * Vd : nullptr;
-    for (int64_t d = threadIdx.x; d < Vd; d += blockDim.x) {
-      const float v = cnt ? (expf(lg[d] - lz) - pr[d]) * sc : 0.f;
-      if (gb)
-        gb[d] = __float2bfloat16_rn(v);
-      else
-        lg[d] = v;
-    }
   }
 }
 
@@ -1099,13 +1168,34 @@ struct DraftEngine::Impl {
   void logits_of(int k, int64_t r0, int64_t n) {
     linear(logits, d.Vd, fn[size_t(k)] + r0 * d.H, d.H, w(LM), n, d.H, d.Vd);
   }
-  // The loss of step k for batch rows [r0, r0 + n) from the logits of logits_of(k, r0, n);
-  // with `grad`, its gradient (scaled by rs) goes to lgb (bf16 operands) or over the logits.
-  void loss_rows(int k, int64_t r0, int64_t n, bool grad) {
-    loss_kernel<<<unsigned(n), 512, 0, s>>>(logits, P, tgt_arg, in_vocab, mask, pos, len, d.Vd, k, r0,
-                                             grad ? rs + k * N : nullptr, grad ? lgb : nullptr, ce + k * N,
-                                             hit + k * N, cnt + k * N);
-    CUDA_LAUNCH_CHECK();
+  // Step k's draft logits and loss, lrows rows at a time (the logits scratch holds one chunk).
+  // With `grad`, d(objective)/d(logits) goes back through the lm_head: dW_lm += and
+  // dfn = (dfn may be fn[k] itself: its rows are only overwritten after the products that
+  // read them). With bf16 operands the gradient of every row is kept in lgb as bf16 and each
+  // of the two products runs once over the whole batch; with fp32 operands the gradient
+  // replaces the chunk's logits and the products run per chunk.
+  void lm_head_step(int k, bool grad, float* dfn, const char* phase, const char* back_phase) {
+    const int64_t Vd = d.Vd, H = d.H;
+    const bool whole = grad && bf16_operands;
+    for (int64_t r0 = 0; r0 < N; r0 += lrows) {
+      const int64_t n = std::min(lrows, N - r0);
+      mark(phase);
+      logits_of(k, r0, n);
+      loss_kernel<<<unsigned(n), 512, 0, s>>>(logits, P, tgt_arg, in_vocab, mask, pos, len, Vd, k, r0,
+                                               grad ? rs + k * N : nullptr, whole ? lgb + r0 * Vd : nullptr,
+                                               ce + k * N, hit + k * N, cnt + k * N);
+      CUDA_LAUNCH_CHECK();
+      if (grad && !whole) {
+        mark(back_phase);
+        linear_dw(g(LM), logits, fn[size_t(k)] + r0 * H, H, n, H, Vd);
+        linear_dx(dfn + r0 * H, H, logits, w(LM), n, H, Vd, 0.f);
+      }
+    }
+    if (whole) {  // dW_lm[Vd, H] += lgb^T fn;  dfn[N, H] = lgb W_lm
+      mark(back_phase);
+      gemm_raw(CUBLAS_OP_N, CUBLAS_OP_T, H, Vd, N, operand(fn[size_t(k)], N * H, 1), H, lgb, Vd, 1.f, g(LM), H);
+      gemm_raw(CUBLAS_OP_N, CUBLAS_OP_N, H, N, Vd, operand(w(LM), Vd * H, 0), H, lgb, Vd, 0.f, dfn, H);
+    }
   }
 
   // Column-major strided-batched C = alpha op(A) op(B) + beta C (cuBLAS conventions).
@@ -1378,19 +1468,11 @@ DraftEngine::DraftEngine(int device, const DraftDims& dd, DraftMath math, const 
   I.aux = I.alloc<float>(size_t(R * 3 * H));
   I.hidden = I.alloc<float>(size_t(R * H));
   I.P = I.alloc<float>(size_t(R * Vd));
-  // The logits scratch: rows of full target logits (prepare) and of draft logits (run) in
-  // one buffer of 128 MiB (whole rows of either, multiples of 128 rows when that many fit),
-  // or TALON_DRAFT_LOGIT_ROWS rows of both.
-  const auto rows_in = [R](int64_t width) {
-    int64_t r = std::max<int64_t>(1, (int64_t(128) << 20) / (width * 4));
-    if (r >= 128) r = r / 128 * 128;
-    return std::min(R, r);
-  };
-  I.chunk = logit_rows > 0 ? std::min(R, logit_rows) : rows_in(V);
-  I.lrows = logit_rows > 0 ? std::min(R, logit_rows) : rows_in(Vd);
+  // Logits are made a chunk of rows at a time, in memory that is idle then (below): the
+  // target's full logits 1024 rows at a time (prepare), the draft's as many rows as fit
+  // (run); or TALON_DRAFT_LOGIT_ROWS rows of either.
+  I.chunk = std::min<int64_t>(R, logit_rows > 0 ? logit_rows : 1024);
   I.hn = I.alloc<float>(size_t(I.chunk * H));
-  I.logits = I.alloc<float>(size_t(std::max(I.chunk * V, I.lrows * Vd)));
-  I.full = I.logits;
   for (int64_t k = 0; k <= K; ++k) I.gs.push_back(I.alloc<float>(size_t(R * H)));
   I.xin_bf16 = I.bf16_operands && !dd.norm_before_residual;
   I.hm_bf16 = I.bf16_operands;
@@ -1403,15 +1485,27 @@ DraftEngine::DraftEngine(int device, const DraftDims& dd, DraftMath math, const 
     I.lse.push_back(I.alloc<float>(size_t(R * dd.nh)));
     I.g1.push_back(I.alloc<float>(size_t(R * H)));
     I.hm.push_back(I.alloc<float>(floats(R * H, I.hm_bf16)));
-    if (I.bf16_operands) {
-      I.gab.push_back(I.alloc<__nv_bfloat16>(size_t(R * Idim)));
-      I.upb.push_back(I.alloc<__nv_bfloat16>(size_t(R * Idim)));
-    } else {
-      I.ga.push_back(I.alloc<float>(size_t(R * Idim)));
-      I.up.push_back(I.alloc<float>(size_t(R * Idim)));
-    }
     I.fn.push_back(I.alloc<float>(size_t(R * H)));
   }
+  // The gate and up products of every step in one block, [K][gate, up][R, I]. Only run()
+  // uses it, so prepare() makes the target's full logits there.
+  const int64_t mlp_elems = 2 * K * R * Idim;
+  void* mlp = nullptr;
+  if (I.bf16_operands)
+    mlp = I.alloc<__nv_bfloat16>(size_t(mlp_elems));
+  else
+    mlp = I.alloc<float>(size_t(mlp_elems));
+  for (int64_t k = 0; k < K; ++k) {
+    if (I.bf16_operands) {
+      I.gab.push_back(static_cast<__nv_bfloat16*>(mlp) + (2 * k) * R * Idim);
+      I.upb.push_back(static_cast<__nv_bfloat16*>(mlp) + (2 * k + 1) * R * Idim);
+    } else {
+      I.ga.push_back(static_cast<float*>(mlp) + (2 * k) * R * Idim);
+      I.up.push_back(static_cast<float*>(mlp) + (2 * k + 1) * R * Idim);
+    }
+  }
+  const int64_t mlp_floats = I.bf16_operands ? mlp_elems / 2 : mlp_elems;
+  I.full = I.chunk * V <= mlp_floats ? static_cast<float*>(mlp) : I.alloc<float>(size_t(I.chunk * V));
   I.keys = I.alloc<float>(size_t(K * R * kvd));
   I.vals = I.alloc<float>(size_t(K * R * kvd));
   I.dK = I.alloc<float>(size_t(K * R * kvd));
@@ -1419,10 +1513,18 @@ DraftEngine::DraftEngine(int device, const DraftDims& dd, DraftMath math, const 
   I.E = I.alloc<float>(size_t(R * H));
   I.tmp = I.alloc<float>(size_t(R * H));
   I.act = I.alloc<float>(floats(R * Idim, I.bf16_operands));
-  if (I.bf16_operands) I.lgb = I.alloc<__nv_bfloat16>(size_t(I.lrows * Vd));
+  if (I.bf16_operands) I.lgb = I.alloc<__nv_bfloat16>(size_t(R * Vd));
   I.dfn = I.alloc<float>(size_t(R * H));
   I.dg2 = I.alloc<float>(size_t(R * H));
+  // dact is only live inside the MLP's backward: the draft logits (each step's loss, before
+  // it) and the fused attention's per-head partials (after it) use the same memory.
   I.dact = I.alloc<float>(size_t(R * Idim));
+  {
+    int64_t fit = R * Idim / Vd;  // rows of draft logits dact holds
+    if (fit >= 128) fit = fit / 128 * 128;
+    I.lrows = std::min(R, logit_rows > 0 ? logit_rows : std::max<int64_t>(fit, 1));
+    I.logits = I.lrows * Vd <= R * Idim ? I.dact : I.alloc<float>(size_t(I.lrows * Vd));
+  }
   I.dga = I.alloc<float>(floats(R * Idim, I.bf16_operands));
   I.dup = I.alloc<float>(floats(R * Idim, I.bf16_operands));
   I.dhm = I.alloc<float>(size_t(R * H));
@@ -1438,7 +1540,10 @@ DraftEngine::DraftEngine(int device, const DraftDims& dd, DraftMath math, const 
   I.dsd = I.alloc<float>(size_t(R * dd.nh * K));
   I.seq_start_d = I.alloc<int64_t>(size_t(R + 1));
   I.tiles_d = I.alloc<int32_t>(size_t(2 * (R / 64 + R + 1)));
-  if (I.flash_attention) I.dkv_part = I.alloc<float>(size_t(2 * (dd.nh / dd.nkv) * R * I.kvd));
+  if (I.flash_attention) {
+    const int64_t n = 2 * (dd.nh / dd.nkv) * R * I.kvd;
+    I.dkv_part = n <= R * Idim ? I.dact : I.alloc<float>(size_t(n));
+  }
   if (const char* blk = std::getenv("TALON_DRAFT_ATTN_BLOCK")) {
     char* end = nullptr;
     const long v = std::strtol(blk, &end, 10);
@@ -1624,7 +1729,7 @@ void DraftEngine::run(const std::vector<float>& row_scale, bool backward, bool z
   Impl& I = *p_;
   CUDA_CHECK(cudaSetDevice(I.device));
   const DraftDims& d = I.d;
-  const int64_t N = I.N, H = d.H, Id = d.I, qd = I.qd, kvd = I.kvd, K = d.K, Vd = d.Vd;
+  const int64_t N = I.N, H = d.H, Id = d.I, qd = I.qd, kvd = I.kvd, K = d.K;
   const cudaStream_t s = I.s;
   if (backward && int64_t(row_scale.size()) != K * N) fail_msg("draft on GPU: row_scale must have K*N entries");
   if (backward)
@@ -1686,23 +1791,10 @@ void DraftEngine::run(const std::vector<float>& row_scale, bool backward, bool z
     add_kernel<<<nblocks(N * H, 256), 256, 0, s>>>(I.gs[size_t(k) + 1], I.g1[size_t(k)], H, I.tmp, N, H);
     CUDA_LAUNCH_CHECK();
     I.rmsnorm(I.fn[size_t(k)], H, I.gs[size_t(k) + 1], H, I.w(NORM), H, d.eps, N);
-    // The logits, a chunk of rows at a time. With fused_lm each chunk's gradient goes through
-    // the lm_head at once (d fn over those rows of fn[k]; its bf16 twin, made first, keeps
-    // the values the later chunks' products read).
+    // With fused_lm the loss gradient goes through the lm_head right away, d fn over fn[k]
+    // (whose bf16 twin, made first, keeps the values the products read).
     const Impl::Twin tf(I, I.fn[size_t(k)], fused_lm ? N * H : 0);
-    for (int64_t r0 = 0; r0 < N; r0 += I.lrows) {
-      const int64_t n = std::min(I.lrows, N - r0);
-      I.mark("forward: draft logits and loss");
-      I.logits_of(k, r0, n);
-      I.loss_rows(k, r0, n, fused_lm);
-      if (fused_lm) {  // logits (or their bf16 twin lgb) now hold d(objective)/d(logits)
-        I.mark("forward: lm_head backward");
-        const Impl::Twin tl(I, I.logits, n * Vd, I.lgb);
-        float* f = I.fn[size_t(k)] + r0 * H;
-        I.linear_dw(I.g(LM), I.logits, f, H, n, H, Vd);
-        I.linear_dx(f, H, I.logits, I.w(LM), n, H, Vd, 0.f);
-      }
-    }
+    I.lm_head_step(k, fused_lm, I.fn[size_t(k)], "forward: draft logits and loss", "forward: lm_head backward");
   }
   out.ce.resize(size_t(K * N));
   out.hit.resize(size_t(K * N));
@@ -1726,19 +1818,9 @@ void DraftEngine::run(const std::vector<float>& row_scale, bool backward, bool z
     const size_t ks = size_t(k);
     float* xin = I.xin[ks];
     float* dfn = I.fn[ks];  // with fused_lm, the forward left d fn here
-    if (!fused_lm) {
+    if (!fused_lm) {  // logits = lm_head(norm(g2))
       dfn = I.dfn;
-      for (int64_t r0 = 0; r0 < N; r0 += I.lrows) {
-        const int64_t n = std::min(I.lrows, N - r0);
-        I.mark("backward: draft logits and loss gradient");
-        I.logits_of(k, r0, n);
-        I.loss_rows(k, r0, n, true);
-        // logits = lm_head(norm(g2))
-        I.mark("backward: products and norms");
-        const Impl::Twin tl(I, I.logits, n * Vd, I.lgb);
-        I.linear_dx(dfn + r0 * H, H, I.logits, I.w(LM), n, H, Vd, 0.f);
-        I.linear_dw(I.g(LM), I.logits, I.fn[ks] + r0 * H, H, n, H, Vd);
-      }
+      I.lm_head_step(k, true, dfn, "backward: draft logits and loss gradient", "backward: products and norms");
     }
     I.mark("backward: products and norms");
     CUDA_CHECK(cudaMemcpyAsync(I.dg2, I.dgn, size_t(N * H) * 4, cudaMemcpyDeviceToDevice, s));

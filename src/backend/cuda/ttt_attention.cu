@@ -356,20 +356,37 @@ __global__ void __launch_bounds__(kThreads) dkv_kernel(float* part, const float*
   const bf16* qbase = a.q + s0 * qd + int64_t(h) * D;
   const bf16* obase = a.dO + s0 * qd + int64_t(h) * D;
   const int64_t kr[2] = {k0 + warp * 16 + g, k0 + warp * 16 + g + 8};
-  // The next query tile's copies, and its rows' lse (log2 domain) and D.
+  // The next query tile's copies (cp.async), and its rows' lse and D: thread i < TQ reads
+  // row i's into registers when the tile's copies are issued and stores them (lse in the
+  // log2 domain) only after the current tile's products, so the loads' latency is hidden
+  // behind them instead of stalling the block.
+  static_assert(TQ <= kThreads, "one thread per query row of a tile");
   const auto issue = [&](int64_t i0, int buf) {
     stage_async<D>(qb + buf * TQ * (D + kPad), qbase, qd, i0, len, TQ);
     stage_async<D>(ob + buf * TQ * (D + kPad), obase, qd, i0, len, TQ);
-    for (int i = threadIdx.x; i < TQ; i += kThreads) {
-      const bool in = i0 + i < len;
-      lb[buf * TQ + i] = in ? lse[(s0 + i0 + i) * a.nh + h] * kLog2e : INFINITY;
-      db[buf * TQ + i] = in ? Dd[(s0 + i0 + i) * a.nh + h] : 0.f;
+  };
+  float l_next = 0.f, d_next = 0.f;
+  bool in_next = false;
+  const auto fetch = [&](int64_t i0) {
+    const int i = threadIdx.x;
+    in_next = i < TQ && i0 + i < len;
+    if (in_next) {
+      l_next = lse[(s0 + i0 + i) * a.nh + h];
+      d_next = Dd[(s0 + i0 + i) * a.nh + h];
+    }
+  };
+  const auto put = [&](int buf) {
+    if (threadIdx.x < TQ) {
+      lb[buf * TQ + threadIdx.x] = in_next ? l_next * kLog2e : INFINITY;
+      db[buf * TQ + threadIdx.x] = in_next ? d_next : 0.f;
     }
   };
   stage_async<D>(ksm, a.k0 + s0 * kvd + int64_t(kh) * D, kvd, k0, len, kRows);
   stage_async<D>(vsm, a.v0 + s0 * kvd + int64_t(kh) * D, kvd, k0, len, kRows);
   issue(k0, 0);
   cp_commit();
+  fetch(k0);
+  put(0);
   float dk[D / 8][4], dv[D / 8][4];
   zero(dk);
   zero(dv);
@@ -380,6 +397,7 @@ __global__ void __launch_bounds__(kThreads) dkv_kernel(float* part, const float*
     if (it + 1 < n_it) {
       issue(i0 + TQ, buf ^ 1);
       cp_commit();
+      fetch(i0 + TQ);
       cp_wait<1>();
     } else {
       cp_wait<0>();
@@ -427,6 +445,7 @@ __global__ void __launch_bounds__(kThreads) dkv_kernel(float* part, const float*
     to_frags<TQ>(sf, dp);
     times_tile<D, TQ>(dv, pf, os, lane);
     times_tile<D, TQ>(dk, sf, qs, lane);
+    if (it + 1 < n_it) put(buf ^ 1);  // read by the next iteration, after the barrier
     __syncthreads();  // before the next iteration's copies overwrite this buffer
   }
   // part: [2][grp][N][nkv * D], dK partials then dV partials.

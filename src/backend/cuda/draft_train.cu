@@ -813,11 +813,14 @@ __global__ void scale_kernel(float* x, float s, int64_t n) {
   if (i < n) x[i] *= s;
 }
 
+// One AdamW update of n values. The gradient is read times gscale (the clipping factor, applied
+// here instead of in a pass of its own: the same product, so the same bits); with wb, the
+// weights' bf16 copy is written too (the bits cast_bf16 gives).
 __global__ void adamw_kernel(float* w, float* m, float* v, const float* g, int64_t n, float decay, float step,
-                             float sbc2, float b1, float b2, float eps) {
+                             float sbc2, float b1, float b2, float eps, float gscale, __nv_bfloat16* wb) {
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= n) return;
-  const float gj = g[i];
+  const float gj = gscale == 1.f ? g[i] : g[i] * gscale;
   float wj = w[i] * decay;
   const float mj = b1 * m[i] + (1.0f - b1) * gj;
   const float vj = b2 * v[i] + (1.0f - b2) * gj * gj;
@@ -825,6 +828,7 @@ __global__ void adamw_kernel(float* w, float* m, float* v, const float* g, int64
   w[i] = wj;
   m[i] = mj;
   v[i] = vj;
+  if (wb) wb[i] = __float2bfloat16_rn(wj);
 }
 
 template <class X>
@@ -1041,6 +1045,18 @@ struct DraftEngine::Impl {
   void refresh_weight_copy() {
     if (!bf16_operands) return;
     cast_bf16(Wb, W, w_total, s);
+  }
+  // The clipping factor clip_grad_norm() found, not yet applied to G: AdamW applies it as it
+  // reads the gradients; anything else that reads or adds to G applies it first (scale_grads),
+  // and zeroing G drops it.
+  float grad_scale = 1.f;
+  void scale_grads() {
+    if (grad_scale == 1.f) return;
+    for (int t = 0; t < kDraftTensors; ++t) {
+      scale_kernel<<<nblocks(sizes[size_t(t)], 256), 256, 0, s>>>(g(t), grad_scale, sizes[size_t(t)]);
+      CUDA_LAUNCH_CHECK();
+    }
+    grad_scale = 1.f;
   }
   // Column-major C[m, n] (ldc) = alpha op(A) op(B) + beta C, fp32 C; A and B through operand().
   void gemm(cublasOperation_t ta, cublasOperation_t tb, int64_t m, int64_t n, int64_t k, const float* A, int64_t lda,
@@ -1603,12 +1619,17 @@ std::pair<float*, float*> DraftEngine::host_features() {
   CUDA_CHECK(cudaEventSynchronize(I.aux_ready));  // no upload still reads them
   return {I.host_aux, I.host_hidden};
 }
-float* DraftEngine::grad_data() { return p_->G; }
+float* DraftEngine::grad_data() {
+  CUDA_CHECK(cudaSetDevice(p_->device));
+  p_->scale_grads();
+  return p_->G;
+}
 int64_t DraftEngine::grad_elems() const { return p_->offs.back() + (p_->sizes.back() + 63) / 64 * 64; }
 cudaStream_t DraftEngine::stream() const { return p_->s; }
 int DraftEngine::device() const { return p_->device; }
 void DraftEngine::zero_grads() {
   CUDA_CHECK(cudaSetDevice(p_->device));
+  p_->grad_scale = 1.f;
   CUDA_CHECK(cudaMemsetAsync(p_->G, 0, size_t(grad_elems()) * 4, p_->s));
 }
 
@@ -1641,6 +1662,7 @@ void DraftEngine::get_weights(const std::vector<float*>& w) {
 }
 void DraftEngine::get_grads(const std::vector<float*>& g) {
   CUDA_CHECK(cudaSetDevice(p_->device));
+  p_->scale_grads();
   CUDA_CHECK(cudaStreamSynchronize(p_->s));
   copy_tensors(p_->G, p_->offs, p_->sizes, g, true);
 }
@@ -1737,6 +1759,12 @@ void DraftEngine::run(const std::vector<float>& row_scale, bool backward, bool z
   const unsigned warps_blocks = nblocks(N * d.nh * 32, 256);
   const bool fused_lm = backward && I.lm_backward_in_forward;
   const int64_t total = I.offs.back() + (I.sizes.back() + 63) / 64 * 64;
+  if (backward) {  // G is zeroed below, or this run adds to it: a pending clipping factor goes first
+    if (zero_grads)
+      I.grad_scale = 1.f;
+    else
+      I.scale_grads();
+  }
   if (fused_lm && zero_grads) CUDA_CHECK(cudaMemsetAsync(I.G, 0, size_t(total) * 4, s));
 
   // Forward.
@@ -1906,6 +1934,7 @@ std::vector<std::pair<std::string, double>> DraftEngine::profile() const { retur
 double DraftEngine::clip_grad_norm(double max_norm) {
   Impl& I = *p_;
   CUDA_CHECK(cudaSetDevice(I.device));
+  I.scale_grads();
   for (int t = 0; t < kDraftTensors; ++t) {
     sumsq_kernel<<<kNormBlocks, 256, 0, I.s>>>(I.partial + t * kNormBlocks, I.g(t), I.sizes[size_t(t)]);
     CUDA_LAUNCH_CHECK();
@@ -1918,11 +1947,7 @@ double DraftEngine::clip_grad_norm(double max_norm) {
   const double norm = std::sqrt(ss);
   if (max_norm > 0) {
     const double coef = max_norm / (norm + 1e-6);
-    if (coef < 1.0)
-      for (int t = 0; t < kDraftTensors; ++t) {
-        scale_kernel<<<nblocks(I.sizes[size_t(t)], 256), 256, 0, I.s>>>(I.g(t), float(coef), I.sizes[size_t(t)]);
-        CUDA_LAUNCH_CHECK();
-      }
+    if (coef < 1.0) I.grad_scale = float(coef);  // applied by adamw(), or by scale_grads() first
   }
   return norm;
 }
@@ -1937,10 +1962,12 @@ void DraftEngine::adamw(double lr, double beta1, double beta2, double eps, doubl
     const float decay = decay_on[size_t(t)] ? float(1.0 - lr * weight_decay) : 1.0f;
     const int64_t n = I.sizes[size_t(t)], o = I.offs[size_t(t)];
     adamw_kernel<<<nblocks(n, 256), 256, 0, I.s>>>(I.W + o, I.M + o, I.Vm + o, I.G + o, n, decay, float(lr / bc1),
-                                                   float(std::sqrt(bc2)), float(beta1), float(beta2), float(eps));
+                                                   float(std::sqrt(bc2)), float(beta1), float(beta2), float(eps),
+                                                   I.grad_scale, I.bf16_operands ? I.Wb + o : nullptr);
     CUDA_LAUNCH_CHECK();
   }
-  I.refresh_weight_copy();
+  // The gradients stay as they were (unclipped) with the factor still pending, as after any
+  // clip_grad_norm(): get_grads() and further accumulation apply it first.
   CUDA_CHECK(cudaStreamSynchronize(I.s));
 }
 

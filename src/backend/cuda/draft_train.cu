@@ -182,8 +182,9 @@ __global__ void gather_kernel(float* E, const Emb* embed, const int32_t* ids, co
 }
 
 // Rotate pairs (i, i + hd/2) of every head by sign * (pos[n] + k) * inv[i] (fp64 angle).
-__global__ void rope_kernel(float* x, int64_t N, int64_t heads, int64_t hd, const int32_t* pos, int k,
-                            const float* inv, double sign) {
+// RoPE over x in place, or, with out_b, into out_b as bf16 (x left as it was).
+__global__ void rope_kernel(float* x, __nv_bfloat16* out_b, int64_t N, int64_t heads, int64_t hd, const int32_t* pos,
+                            int k, const float* inv, double sign) {
   const int64_t half = hd / 2;
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= N * heads * half) return;
@@ -192,8 +193,14 @@ __global__ void rope_kernel(float* x, int64_t N, int64_t heads, int64_t hd, cons
   sincos(sign * double(pos[n] + k) * double(inv[j]), &s, &c);
   float* p = x + n * heads * hd + h * hd;
   const double a = p[j], b = p[j + half];
-  p[j] = float(a * c - b * s);
-  p[j + half] = float(b * c + a * s);
+  if (out_b) {
+    __nv_bfloat16* o = out_b + n * heads * hd + h * hd;
+    o[j] = __float2bfloat16_rn(float(a * c - b * s));
+    o[j + half] = __float2bfloat16_rn(float(b * c + a * s));
+  } else {
+    p[j] = float(a * c - b * s);
+    p[j + half] = float(b * c + a * s);
+  }
 }
 
 // out[i] = bf16(in[i]), round to nearest even (the rounding cuBLAS applies to fp32 operands
@@ -331,7 +338,7 @@ __global__ void swiglu_backward_kernel(T* dga, T* dup, const float* dact, const 
 constexpr int kMaxHdPerLane = 8;  // head_dim <= 256
 
 struct AttnArgs {
-  const float* q;     // [N, nh*hd] this step's queries (after RoPE)
+  const float* q;     // [N, nh*hd] this step's queries (after RoPE); null when they are bf16 (qb)
   const float* keys;  // [K, N, nkv*hd]
   const float* vals;
   int64_t N, step_stride;  // step_stride = N*nkv*hd (of the buffers: max_rows*kvd)
@@ -339,7 +346,10 @@ struct AttnArgs {
   float scale;
   const int32_t* pos;
   const int32_t* len;
+  const __nv_bfloat16* qb;  // the queries when they are stored as bf16 (the fused path), else null
 };
+// Element i of the queries, whichever way they are stored.
+__device__ __forceinline__ float q_at(const AttnArgs& a, int64_t i) { return a.qb ? __bfloat162float(a.qb[i]) : a.q[i]; }
 
 __global__ void attn_forward_kernel(float* out, float* lse, AttnArgs a) {
   const int64_t gw = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
@@ -382,12 +392,13 @@ __global__ void attn_forward_kernel(float* out, float* lse, AttnArgs a) {
 }
 
 // D[n, h] = dot(dO, O) per head.
-__global__ void attn_delta_kernel(float* D, const float* dO, const float* O, int64_t N, int nh, int hd) {
+template <class T>
+__global__ void attn_delta_kernel(float* D, const float* dO, const T* O, int64_t N, int nh, int hd) {
   const int64_t gw = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
   const int lane = threadIdx.x & 31;
   if (gw >= N * nh) return;
   float s = 0;
-  for (int d = lane; d < hd; d += 32) s += dO[gw * hd + d] * O[gw * hd + d];
+  for (int d = lane; d < hd; d += 32) s += dO[gw * hd + d] * load_f(O + gw * hd + d);
   s = warp_sum(s);
   if (lane == 0) D[gw] = s;
 }
@@ -495,7 +506,7 @@ __device__ __forceinline__ float diag_score(const AttnArgs& a, int64_t n, int h,
   const int64_t qd = int64_t(a.nh) * a.hd, kvd = int64_t(a.nkv) * a.hd;
   const float* kp = a.keys + j * a.step_stride + n * kvd + kh * a.hd;
   float s = 0;
-  for (int d = lane; d < a.hd; d += 32) s += a.q[n * qd + h * a.hd + d] * kp[d];
+  for (int d = lane; d < a.hd; d += 32) s += q_at(a, n * qd + h * a.hd + d) * kp[d];
   return warp_sum(s) * a.scale;
 }
 
@@ -630,7 +641,7 @@ __global__ void diag_dkv_kernel(float* dK, float* dV, const float* dsd, const fl
     float dk = 0, dv = 0;
     for (int h = kh * grp; h < (kh + 1) * grp; ++h) {
       const int64_t w = (n * a.nh + h) * K + j;
-      dk += dsd[w] * a.q[n * qd + h * a.hd + d];
+      dk += dsd[w] * q_at(a, n * qd + h * a.hd + d);
       dv += pd[w] * dO[n * qd + h * a.hd + d];
     }
     dK[j * a.step_stride + n * kvd + kh * a.hd + d] += dk;
@@ -642,7 +653,10 @@ __global__ void diag_dkv_kernel(float* dK, float* dV, const float* dsd, const fl
 // fold in the diagonal keys of steps 1..k: L = log(exp(lse_c) + sum_j exp(s_j)),
 // out = exp(lse_c - L) O_c + sum_j exp(s_j - L) v^j, lse = L. sd keeps the scores s_j.
 // One warp per (row, head).
-__global__ void diag_merge_kernel(float* out, float* lse, float* sd, AttnArgs a, int K) {
+// oc: the causal part's output; the merged output goes to out, or as bf16 to out_b when given
+// (out may be oc itself).
+__global__ void diag_merge_kernel(const float* oc, float* out, __nv_bfloat16* out_b, float* lse, float* sd, AttnArgs a,
+                                  int K) {
   const int64_t gw = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
   const int lane = threadIdx.x & 31;
   if (gw >= a.N * a.nh || a.k == 0) return;
@@ -661,10 +675,13 @@ __global__ void diag_merge_kernel(float* out, float* lse, float* sd, AttnArgs a,
   for (int j = 1; j <= a.k; ++j) z += expf(sd[gw * K + j] - m);
   const float L = m + logf(z), wc = expf(lc - L);
   for (int d = lane; d < a.hd; d += 32) {
-    float acc = wc * out[n * qd + h * a.hd + d];
+    float acc = wc * oc[n * qd + h * a.hd + d];
     for (int j = 1; j <= a.k; ++j)
       acc += expf(sd[gw * K + j] - L) * a.vals[j * a.step_stride + n * kvd + kh * a.hd + d];
-    out[n * qd + h * a.hd + d] = acc;
+    if (out_b)
+      out_b[n * qd + h * a.hd + d] = __float2bfloat16_rn(acc);
+    else
+      out[n * qd + h * a.hd + d] = acc;
   }
   if (lane == 0) lse[gw] = L;
 }
@@ -910,6 +927,10 @@ struct DraftEngine::Impl {
   // norm_before_residual, whose residual reads xin's second half), hm, and act, dga, dup.
   // The bits are those of casting an fp32 copy, which is what they replace.
   bool xin_bf16 = false, hm_bf16 = false;
+  // With the fused attention kernels, the queries (after RoPE) and the attention output are
+  // stored as bf16 only as well: every kernel that reads them takes bf16 (the fused kernels,
+  // the diagonal-key kernels, D = rowsum(dO * O)), and the products read them as operands.
+  bool qa_bf16 = false;
   __nv_bfloat16 *Wb = nullptr, *lmb = nullptr;
   __nv_bfloat16* lgb = nullptr;  // with bf16 operands: the loss gradient over the draft vocab [R, Vd]
   int64_t w_total = 0;
@@ -1172,13 +1193,34 @@ struct DraftEngine::Impl {
       gather_kernel<<<unsigned(N), 256, 0, s>>>(E, embed, ids, pos, len, d.H, k);
     CUDA_LAUNCH_CHECK();
   }
-  void rope(float* x, int64_t heads, int k, double sign) {
-    rope_kernel<<<nblocks(N * heads * (d.hd / 2), 256), 256, 0, s>>>(x, N, heads, d.hd, pos, k, inv, sign);
+  void rope(float* x, int64_t heads, int k, double sign, __nv_bfloat16* out_b = nullptr) {
+    rope_kernel<<<nblocks(N * heads * (d.hd / 2), 256), 256, 0, s>>>(x, out_b, N, heads, d.hd, pos, k, inv, sign);
     CUDA_LAUNCH_CHECK();
   }
-  AttnArgs attn_args(int k) const {
-    return AttnArgs{q[size_t(k)], keys, vals, N, R * kvd, int(d.nh), int(d.nkv), int(d.hd), k,
-                    float(1.0 / std::sqrt(double(d.hd))), pos, len};
+  AttnArgs attn_args(int k) {
+    return AttnArgs{qa_bf16 ? nullptr : q[size_t(k)],
+                    keys,
+                    vals,
+                    N,
+                    R * kvd,
+                    int(d.nh),
+                    int(d.nkv),
+                    int(d.hd),
+                    k,
+                    float(1.0 / std::sqrt(double(d.hd))),
+                    pos,
+                    len,
+                    qa_bf16 ? bf16_in(q[size_t(k)]) : nullptr};
+  }
+  // The bf16 twins of step k's queries and attention output: their own storage when they are
+  // stored as bf16 (make these before any cast twin of the same scope, see xin_twin), else casts.
+  Twin q_twin(int k) {
+    float* x = q[size_t(k)];
+    return qa_bf16 ? Twin(*this, x, N * qd, bf16_in(x)) : Twin(*this, x, N * qd);
+  }
+  Twin att_twin(int k) {
+    float* x = att[size_t(k)];
+    return qa_bf16 ? Twin(*this, x, N * qd, bf16_in(x)) : Twin(*this, x, N * qd);
   }
   // Draft logits of batch rows [r0, r0 + n) of step k into logits (row 0 there).
   void logits_of(int k, int64_t r0, int64_t n) {
@@ -1288,12 +1330,18 @@ struct DraftEngine::Impl {
     const AttnArgs a = attn_args(k);
     const int64_t grp = d.nh / d.nkv, K = d.K;
     const unsigned wb = nblocks(N * d.nh * 32, 256);
-    const Twin tq(*this, q[size_t(k)], N * qd), tk(*this, keys, N * kvd), tv(*this, vals, N * kvd);
+    const Twin tq = q_twin(k), tk(*this, keys, N * kvd), tv(*this, vals, N * kvd);
     if (flash_attention) {
-      ttt_flash_forward(out_att, out_lse, flash_args(k, nullptr), s);
+      // With bf16 storage the causal part goes to datt (idle in the forward) and the merged
+      // output to out_att as bf16.
+      float* oc = qa_bf16 ? datt : out_att;
+      __nv_bfloat16* ob = qa_bf16 ? bf16_in(out_att) : nullptr;
+      ttt_flash_forward(oc, out_lse, flash_args(k, nullptr), s);
       if (k > 0) {
-        diag_merge_kernel<<<wb, 256, 0, s>>>(out_att, out_lse, sd, a, int(K));
+        diag_merge_kernel<<<wb, 256, 0, s>>>(oc, out_att, ob, out_lse, sd, a, int(K));
         CUDA_LAUNCH_CHECK();
+      } else if (ob) {
+        cast_bf16(ob, oc, N * qd, s);
       }
       return;
     }
@@ -1323,8 +1371,7 @@ struct DraftEngine::Impl {
     const int64_t K = d.K;
     const unsigned wb = nblocks(N * d.nh * 32, 256);
     {
-      const Twin tq(*this, q[size_t(k)], N * qd), tk(*this, keys, N * kvd), tv(*this, vals, N * kvd),
-          to(*this, datt, N * qd);
+      const Twin tq = q_twin(k), tk(*this, keys, N * kvd), tv(*this, vals, N * kvd), to(*this, datt, N * qd);
       if (flash_attention) {
         const TttFlashArgs fa = flash_args(k, datt);
         ttt_flash_dq(dq, lse[size_t(k)], D, fa, s);
@@ -1492,12 +1539,13 @@ DraftEngine::DraftEngine(int device, const DraftDims& dd, DraftMath math, const 
   for (int64_t k = 0; k <= K; ++k) I.gs.push_back(I.alloc<float>(size_t(R * H)));
   I.xin_bf16 = I.bf16_operands && !dd.norm_before_residual;
   I.hm_bf16 = I.bf16_operands;
+  I.qa_bf16 = I.flash_attention;
   // Floats for n values stored as fp32, or as bf16 when `half`.
   const auto floats = [](int64_t n, bool half) { return size_t(half ? (n + 1) / 2 : n); };
   for (int64_t k = 0; k < K; ++k) {
     I.xin.push_back(I.alloc<float>(floats(R * 2 * H, I.xin_bf16)));
-    I.q.push_back(I.alloc<float>(size_t(R * qd)));
-    I.att.push_back(I.alloc<float>(size_t(R * qd)));
+    I.q.push_back(I.alloc<float>(floats(R * qd, I.qa_bf16)));
+    I.att.push_back(I.alloc<float>(floats(R * qd, I.qa_bf16)));
     I.lse.push_back(I.alloc<float>(size_t(R * dd.nh)));
     I.g1.push_back(I.alloc<float>(size_t(R * H)));
     I.hm.push_back(I.alloc<float>(floats(R * H, I.hm_bf16)));
@@ -1786,11 +1834,16 @@ void DraftEngine::run(const std::vector<float>& row_scale, bool backward, bool z
     float* vv = I.vals + k * I.R * kvd;
     {
       const Impl::Twin tx = I.xin_twin(k);
-      I.linear(I.q[size_t(k)], qd, xin, 2 * H, I.w(WQ), N, 2 * H, qd);
+      // With bf16 storage the queries' fp32 product goes to dq (idle in the forward) and RoPE
+      // writes them to q[k] as bf16.
+      I.linear(I.qa_bf16 ? I.dq : I.q[size_t(k)], qd, xin, 2 * H, I.w(WQ), N, 2 * H, qd);
       I.linear(kk, kvd, xin, 2 * H, I.w(WK), N, 2 * H, kvd);
       I.linear(vv, kvd, xin, 2 * H, I.w(WV), N, 2 * H, kvd);
     }
-    I.rope(I.q[size_t(k)], d.nh, k, 1.0);
+    if (I.qa_bf16)
+      I.rope(I.dq, d.nh, k, 1.0, I.bf16_in(I.q[size_t(k)]));
+    else
+      I.rope(I.q[size_t(k)], d.nh, k, 1.0);
     I.rope(kk, d.nkv, k, 1.0);
     I.mark("forward: attention");
     if (I.loop_attention) {
@@ -1800,7 +1853,10 @@ void DraftEngine::run(const std::vector<float>& row_scale, bool backward, bool z
       I.attention_forward(k, I.att[size_t(k)], I.lse[size_t(k)]);
     }
     I.mark("forward: products and norms");
-    I.linear(I.tmp, H, I.att[size_t(k)], qd, I.w(WO), N, qd, H);
+    {
+      const Impl::Twin ta = I.att_twin(k);
+      I.linear(I.tmp, H, I.att[size_t(k)], qd, I.w(WO), N, qd, H);
+    }
     if (d.norm_before_residual)
       add_kernel<<<nblocks(N * H, 256), 256, 0, s>>>(I.g1[size_t(k)], xin + H, 2 * H, I.tmp, N, H);
     else
@@ -1873,13 +1929,16 @@ void DraftEngine::run(const std::vector<float>& row_scale, bool backward, bool z
     I.rmsnorm_backward(I.dg1, H, I.g(POST_LN), I.dhm, H, I.g1[ks], H, I.w(POST_LN), H);
     // g1 = r + o_proj(att)
     {
-      const Impl::Twin t1(I, I.dg1, N * H);
+      const Impl::Twin ta = I.att_twin(k), t1(I, I.dg1, N * H);
       I.linear_dx(I.datt, qd, I.dg1, I.w(WO), N, qd, H, 0.f);
       I.linear_dw(I.g(WO), I.dg1, I.att[ks], qd, N, qd, H);
     }
     const AttnArgs a = I.attn_args(k);
     I.mark("backward: attention");
-    attn_delta_kernel<<<warps_blocks, 256, 0, s>>>(I.D, I.datt, I.att[ks], N, int(d.nh), int(d.hd));
+    if (I.qa_bf16)
+      attn_delta_kernel<<<warps_blocks, 256, 0, s>>>(I.D, I.datt, I.bf16_in(I.att[ks]), N, int(d.nh), int(d.hd));
+    else
+      attn_delta_kernel<<<warps_blocks, 256, 0, s>>>(I.D, I.datt, I.att[ks], N, int(d.nh), int(d.hd));
     CUDA_LAUNCH_CHECK();
     if (!I.loop_attention) {
       I.attention_backward(k);

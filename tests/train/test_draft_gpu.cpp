@@ -39,11 +39,11 @@ struct Case {
   };
   std::vector<S> samples;
 
-  Case(bool nbr, uint32_t seed, std::vector<int> lengths = {13, 7, 22, 2}, int head_dim = 16) {
+  Case(bool nbr, uint32_t seed, std::vector<int> lengths = {13, 7, 22, 2}, int head_dim = 16, int inter = 96) {
     std::mt19937 rng(seed);
     std::normal_distribution<float> nd(0.f, 1.f);
     c.H = 64;
-    c.I = 96;
+    c.I = inter;
     c.n_heads = 4;
     c.n_kv_heads = 2;
     c.head_dim = head_dim;
@@ -284,6 +284,21 @@ TEST_P(GpuDraft, LogitRowChunksMatchCpuReference) {
     ScopedEnv f("TALON_DRAFT_LM_BACKWARD", "backward");
     check_against_cpu(GetParam(), GpuMath::F32, tol::kGpuTttLossRel, tol::kGpuTttGradRel);
   }
+}
+
+// An intermediate size of 4H: the MLP gradient's buffer (dact) is then large enough to also
+// hold the draft logits, the fused attention's partials, the attention input's gradient and
+// the RMSNorm backward's scratch, which share it (with I = 1.5H, as in the other tests, the
+// last three have their own buffers). A write to shared memory while another of them is
+// still live would show against the reference.
+TEST_P(GpuDraft, SharedScratchMatchesCpuReference) {
+  REQUIRE_GPU();
+  Case cs(GetParam(), 4321, {13, 7, 22, 2}, 16, 256);
+  check_against_cpu(cs, GpuMath::F32, tol::kGpuTttLossRel, tol::kGpuTttGradRel);
+  check_against_cpu(cs, GpuMath::BF16, tol::kGpuTttBf16LossRel, tol::kGpuTttBf16GradRel);
+  ScopedEnv f("TALON_DRAFT_LM_BACKWARD", "backward");
+  check_against_cpu(cs, GpuMath::F32, tol::kGpuTttLossRel, tol::kGpuTttGradRel);
+  check_against_cpu(cs, GpuMath::BF16, tol::kGpuTttBf16LossRel, tol::kGpuTttBf16GradRel);
 }
 
 TEST(GpuDraftLogitRows, RefusesBadValue) {

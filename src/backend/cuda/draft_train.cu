@@ -1578,10 +1578,15 @@ DraftEngine::DraftEngine(int device, const DraftDims& dd, DraftMath math, const 
   I.tmp = I.alloc<float>(size_t(R * H));
   I.act = I.alloc<float>(floats(R * Idim, I.bf16_operands));
   if (I.bf16_operands) I.lgb = I.alloc<__nv_bfloat16>(size_t(R * Vd));
-  I.dfn = I.alloc<float>(size_t(R * H));
+  const char* lmb_env = std::getenv("TALON_DRAFT_LM_BACKWARD");
+  I.lm_backward_in_forward = !(lmb_env && std::string(lmb_env) == "backward");
+  if (!I.lm_backward_in_forward) I.dfn = I.alloc<float>(size_t(R * H));  // else d fn goes over fn[k]
   I.dg2 = I.alloc<float>(size_t(R * H));
-  // dact is only live inside the MLP's backward: the draft logits (each step's loss, before
-  // it) and the fused attention's per-head partials (after it) use the same memory.
+  // dact is only live inside the MLP's backward. Its memory also holds, when they fit: the
+  // draft logits (each step's loss, before the MLP's backward; in the forward too), the
+  // fused attention's per-head partials (after it), then dxin (the attention input's
+  // gradient, after the attention's backward) and beside it wrow (the RMSNorm backward's
+  // scratch, which runs with dxin as its input; the final norm's runs before the MLP).
   I.dact = I.alloc<float>(size_t(R * Idim));
   {
     int64_t fit = R * Idim / Vd;  // rows of draft logits dact holds
@@ -1596,10 +1601,10 @@ DraftEngine::DraftEngine(int device, const DraftDims& dd, DraftMath math, const 
   I.datt = I.alloc<float>(size_t(R * qd));
   I.D = I.alloc<float>(size_t(R * dd.nh));
   I.dq = I.alloc<float>(size_t(R * qd));
-  I.dxin = I.alloc<float>(size_t(R * 2 * H));
+  I.dxin = R * 2 * H <= R * Idim ? I.dact : I.alloc<float>(size_t(R * 2 * H));
   I.dg = I.alloc<float>(size_t(R * H));
   I.dgn = I.alloc<float>(size_t(R * H));
-  I.wrow = I.alloc<float>(size_t(R * std::max<int64_t>(H, 1)));
+  I.wrow = I.dxin == I.dact && R * 3 * H <= R * Idim ? I.dact + R * 2 * H : I.alloc<float>(size_t(R * H));
   I.sd = I.alloc<float>(size_t(R * dd.nh * K));
   I.dsd = I.alloc<float>(size_t(R * dd.nh * K));
   I.seq_start_d = I.alloc<int64_t>(size_t(R + 1));
@@ -1615,8 +1620,6 @@ DraftEngine::DraftEngine(int device, const DraftDims& dd, DraftMath math, const 
       fail_msg(std::string("TALON_DRAFT_ATTN_BLOCK: expected a block size >= 0 (0: no skipping), got '") + blk + "'");
     I.attn_block = v;
   }
-  const char* lmb_env = std::getenv("TALON_DRAFT_LM_BACKWARD");
-  I.lm_backward_in_forward = !(lmb_env && std::string(lmb_env) == "backward");
   I.profiling = std::getenv("TALON_DRAFT_PROFILE") != nullptr;
 }
 

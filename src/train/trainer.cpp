@@ -77,8 +77,9 @@ struct Features {
 };
 
 // Host memory for a batch's features, reused from step to step: slot 0 and 1 alternate
-// between this step and the next one (read ahead while this one trains), slot 2 holds the
-// eval split's. Page-locked when training on a GPU, so batches upload from it directly.
+// between this step and the next one (read ahead while this one trains), page-locked when
+// training on a GPU so that batches upload from it directly. Slot 2 holds the eval split's
+// (all of it at once, so possibly large): ordinary memory, released after each evaluation.
 class FeatureSlots {
  public:
   explicit FeatureSlots(bool pinned) : pinned_(pinned) {}
@@ -87,10 +88,14 @@ class FeatureSlots {
     const size_t i = size_t(slot);
     if (cap_[i] < n) {
       buf_[i].reset();
-      buf_[i] = eagle3::host_floats(n, pinned_);
+      buf_[i] = eagle3::host_floats(n, pinned_ && slot < 2);
       cap_[i] = n;
     }
     return buf_[i].get();
+  }
+  void release(int slot) {
+    buf_[size_t(slot)].reset();
+    cap_[size_t(slot)] = 0;
   }
 
  private:
@@ -587,6 +592,7 @@ TrainReport run_train(const TrainOptions& opt) {
       es.push_back({eval[i].ids.data(), eval[i].mask.data(), feats[i].aux, feats[i].hidden,
                     int64_t(eval[i].ids.size())});
     const Summary m = summarize(run_samples(es, 0.0, false), c.ttt_steps);
+    slots.release(2);
     metrics << json{{"split", "eval"}, {"step", done}, {"samples", es.size()}, {"loss", m.loss}, {"loss_exact", exact(m.loss)},
                     {"acc", m.acc}, {"cond_acc", m.cond_acc}, {"sim_accept_len", m.accept_len}}.dump()
             << "\n";

@@ -107,7 +107,7 @@ class CudaDraftTrainer final : public GpuDraftTrainer {
         b.parts.push_back({s.aux, s.hidden, s.T});
         r += s.T;
       }
-      return finish(batch, weight, backward, zero_grads, eng_->prepare(b));
+      return finish(batch, N, weight, backward, zero_grads, eng_->prepare(b));
     }
     auto [aux, hid] = eng_->host_features();
     if (!aux) {
@@ -141,7 +141,7 @@ class CudaDraftTrainer final : public GpuDraftTrainer {
 #pragma omp parallel for schedule(dynamic, 4) if (pieces.size() > 8)
     for (size_t i = 0; i < pieces.size(); ++i) std::copy(pieces[i].src, pieces[i].src + pieces[i].n, pieces[i].dst);
     cuda::DraftBatch b{N, ids_.data(), mask_.data(), aux, hid, pos_.data(), len_.data(), {}};
-    return finish(batch, weight, backward, zero_grads, eng_->prepare(b));
+    return finish(batch, N, weight, backward, zero_grads, eng_->prepare(b));
   }
 
   // Sample s's tokens into rows [r, r + s.T) of the packed token arrays.
@@ -155,12 +155,10 @@ class CudaDraftTrainer final : public GpuDraftTrainer {
     }
   }
 
-  // The rest of run() once the batch is prepared (in_vocab: the engine's answer).
-  std::vector<TttResult> finish(const std::vector<Sample>& batch, double weight, bool backward, bool zero_grads,
-                                const std::vector<uint8_t>& in_vocab) {
+  // The rest of run() once the batch (N rows) is prepared (in_vocab: the engine's answer).
+  std::vector<TttResult> finish(const std::vector<Sample>& batch, int64_t N, double weight, bool backward,
+                                bool zero_grads, const std::vector<uint8_t>& in_vocab) {
     const int64_t K = c_.ttt_steps;
-    int64_t N = 0;
-    for (auto& s : batch) N += s.T;
     // Which rows count at each step, per-sample counts, and each row's weight in the
     // objective: weight * decay^k / n_k(sample), as the CPU reference normalises.
     std::vector<uint8_t> counts(size_t(K * N), 0);

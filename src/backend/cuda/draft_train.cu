@@ -848,6 +848,17 @@ __global__ void adamw_kernel(float* w, float* m, float* v, const float* g, int64
   if (wb) wb[i] = __float2bfloat16_rn(wj);
 }
 
+// The whole number in environment variable `name`, or `unset` when it is not set; anything
+// but a whole number >= lo is refused, the message saying what was `expected`.
+int64_t env_count(const char* name, int64_t lo, int64_t unset, const char* expected) {
+  const char* v = std::getenv(name);
+  if (!v) return unset;
+  char* end = nullptr;
+  const long long x = std::strtoll(v, &end, 10);
+  if (end == v || *end != 0 || x < lo) fail_msg(std::string(name) + ": expected " + expected + ", got '" + v + "'");
+  return x;
+}
+
 template <class X>
 X* dalloc(size_t n, size_t& total) {
   X* p = nullptr;
@@ -864,8 +875,8 @@ struct DraftEngine::Impl {
   int device = 0;
   DraftDims d;
   DraftMath math;
-  // chunk: rows of full target logits per product in prepare(); lrows: rows of draft logits
-  // per product in run(). Both share one scratch buffer (logits, also called full).
+  // chunk: rows of full target logits per product in prepare() (into full, which lies in the
+  // gate/up block); lrows: rows of draft logits per product in run() (into logits, in dact).
   int64_t R = 0, N = 0, qd = 0, kvd = 0, chunk = 0, lrows = 0;
   size_t bytes = 0;
   cudaStream_t s = nullptr;
@@ -1452,14 +1463,8 @@ DraftEngine::DraftEngine(int device, const DraftDims& dd, DraftMath math, const 
   if (att_s == "flash" && !I.flash_attention)
     fail_msg("TALON_DRAFT_ATTENTION=flash needs bf16 math and a head size that is a multiple of 16 up to 128 "
              "(head size " + std::to_string(dd.hd) + ")");
-  int64_t logit_rows = 0;
-  if (const char* lr = std::getenv("TALON_DRAFT_LOGIT_ROWS")) {
-    char* end = nullptr;
-    const long long v = std::strtoll(lr, &end, 10);
-    if (end == lr || *end != 0 || v < 1)
-      fail_msg(std::string("TALON_DRAFT_LOGIT_ROWS: expected a number of rows >= 1, got '") + lr + "'");
-    logit_rows = v;
-  }
+  const int64_t logit_rows = env_count("TALON_DRAFT_LOGIT_ROWS", 1, 0, "a number of rows >= 1");
+  I.attn_block = env_count("TALON_DRAFT_ATTN_BLOCK", 0, I.attn_block, "a block size >= 0 (0: no skipping)");
   CUDA_CHECK(cudaSetDevice(device));
   CUDA_CHECK(cudaStreamCreateWithFlags(&I.s, cudaStreamNonBlocking));
   CUBLASV2_CHECK(cublasCreate(&I.blas));
@@ -1612,13 +1617,6 @@ DraftEngine::DraftEngine(int device, const DraftDims& dd, DraftMath math, const 
   if (I.flash_attention) {
     const int64_t n = 2 * (dd.nh / dd.nkv) * R * I.kvd;
     I.dkv_part = n <= R * Idim ? I.dact : I.alloc<float>(size_t(n));
-  }
-  if (const char* blk = std::getenv("TALON_DRAFT_ATTN_BLOCK")) {
-    char* end = nullptr;
-    const long v = std::strtol(blk, &end, 10);
-    if (end == blk || *end != 0 || v < 0)
-      fail_msg(std::string("TALON_DRAFT_ATTN_BLOCK: expected a block size >= 0 (0: no skipping), got '") + blk + "'");
-    I.attn_block = v;
   }
   I.profiling = std::getenv("TALON_DRAFT_PROFILE") != nullptr;
 }

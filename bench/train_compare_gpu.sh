@@ -12,6 +12,10 @@ SHAPE=${1:-llama3-8b}
 SEQS=${2:-"2048 4096"}
 SAMPLES=${3:-1}
 PEER_COMPILE=${4:-full}
+# Share of loss-masked (answer) tokens in the benchmark batches, for both sides: 1 is the
+# most work for Talon, which only makes draft logits for rows whose loss counts (the peer's
+# work does not depend on it).
+LOSS_SHARE=${LOSS_SHARE:-1}
 [ -f build/env.sh ] && source build/env.sh
 echo "== $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -1); commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
 
@@ -41,15 +45,16 @@ res_peer() { sed -n 's/.*(reserved \([0-9.]*\) GiB).*/\1/p' "$1" | tail -1; }
 log=${LOGS:-$(mktemp -d)}
 mkdir -p "$log"
 for seq in $SEQS; do
-  echo "== seq $seq x $SAMPLES samples"
+  echo "== seq $seq x $SAMPLES samples, loss share $LOSS_SHARE"
   build/talon_bench_train --shape "$SHAPE" --seq "$seq" --samples "$SAMPLES" --steps 7 --peak-tflops "$CEIL" \
-    > "$log/talon-$seq" 2>&1
+    --loss-share "$LOSS_SHARE" > "$log/talon-$seq" 2>&1
+  grep "^loss-masked" "$log/talon-$seq"
   tail -1 "$log/talon-$seq"
   build/talon_bench_train --shape "$SHAPE" --seq "$seq" --samples "$SAMPLES" --steps 7 --peak-tflops "$CEIL" \
-    --staged > "$log/older-$seq" 2>&1
+    --loss-share "$LOSS_SHARE" --staged > "$log/older-$seq" 2>&1
   tail -1 "$log/older-$seq"
   python3 bench/train_peer.py --shape "$SHAPE" --seq "$seq" --samples "$SAMPLES" --steps 8 --compile "$PEER_COMPILE" \
-    --peak-tflops "$CEIL" > "$log/peer-$seq" 2>&1
+    --peak-tflops "$CEIL" --loss-share "$LOSS_SHARE" > "$log/peer-$seq" 2>&1
   grep -E "^check|^peer" "$log/peer-$seq" || tail -5 "$log/peer-$seq"
   rows+=("$seq $(tps "$log/talon-$seq") $(tps "$log/older-$seq") $(tps "$log/peer-$seq") $(mem_talon "$log/talon-$seq") $(mem_talon "$log/older-$seq") $(mem_peer "$log/peer-$seq") $(res_peer "$log/peer-$seq")")
 done

@@ -12,6 +12,7 @@
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <random>
 #include <vector>
@@ -38,6 +39,17 @@ int main(int argc, char** argv) {
   app.add_option("--draft-vocab", vd)->capture_default_str();
   app.add_option("--peak-tflops", peak, "dense bf16 peak of the GPU")->capture_default_str();
   app.add_option("--gpus", n_gpus, "data parallel over GPUs 0..n-1 (samples dealt in turn)")->capture_default_str();
+  double share = 1.0, skew = 0.5;
+  app.add_option("--loss-share", share,
+                 "share of each sample's tokens that are loss-masked (answers), laid out as 512-token turns: "
+                 "a prompt, then its answer; 1 = every token, the most work")
+      ->check(CLI::Range(0.0, 1.0))
+      ->capture_default_str();
+  app.add_option("--head-skew", skew,
+                 "scale of the target lm_head rows outside the draft vocab: below 1, the target's argmax "
+                 "falls in the draft vocab (as with a trained target) instead of on random ids")
+      ->check(CLI::Range(0.0, 1.0))
+      ->capture_default_str();
   bool staged = false;
   app.add_flag("--staged", staged, "features in ordinary (pageable) host memory");
   CLI11_PARSE(app, argc, argv);
@@ -71,6 +83,9 @@ int main(int argc, char** argv) {
     const int64_t N = seq * samples;
     std::vector<int32_t> ids(static_cast<size_t>(N));
     std::vector<uint8_t> mask(static_cast<size_t>(N), 1);
+    constexpr int64_t kTurn = 512;  // prompt rows, then answer rows, in each turn
+    const int64_t prompt = int64_t(std::llround(double(kTurn) * (1.0 - share)));
+    for (int64_t n = 0; n < N; ++n) mask[size_t(n)] = uint8_t((n % seq) % kTurn >= prompt);
     for (auto& x : ids) {
       x = int32_t(rng() % uint32_t(c.V));
       counts[size_t(x)]++;
@@ -82,6 +97,9 @@ int main(int argc, char** argv) {
     };
     const std::shared_ptr<float[]> aux = features(size_t(N) * 3 * H), hid = features(size_t(N) * H);
     const DraftVocab dv = build_draft_vocab(counts, c.Vd);
+    for (int64_t v = 0; v < c.V; ++v)
+      if (!dv.t2d[size_t(v)])
+        for (size_t j = 0; j < H; ++j) head[size_t(v) * H + j] *= float(skew);
     DraftWeights w;
     const size_t qd = size_t(c.n_heads * c.head_dim), kvd = size_t(c.n_kv_heads * c.head_dim);
     fill(w.fc, H * 3 * H, 0.02f);
@@ -115,6 +133,13 @@ int main(int argc, char** argv) {
       const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       if (st > 0) times.push_back(dt);
       std::printf("step %lld: %.3f s, loss %.4f\n", (long long)st, dt, res[0].loss);
+      if (st == 0) {
+        int64_t n0 = 0, masked = 0;
+        for (auto& r : res) n0 += r.n_k.empty() ? 0 : r.n_k[0];
+        for (auto m : mask) masked += m;
+        std::printf("loss-masked rows %.1f%%; rows in step 0's loss (masked, target argmax in the draft vocab) %.1f%%\n",
+                    100.0 * double(masked) / double(N), 100.0 * double(n0) / double(N));
+      }
     }
     double prof_total = 0;
     for (auto& [name, ms] : gpu->profile()) prof_total += ms;

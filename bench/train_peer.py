@@ -237,6 +237,10 @@ def main():
     ap.add_argument("--compile", default="full", choices=["none", "target", "full"],
                     help="torch.compile nothing, the target step, or the whole TTT loss too")
     ap.add_argument("--peak-tflops", type=float, default=779.0)
+    ap.add_argument("--loss-share", type=float, default=1.0,
+                    help="share of tokens loss-masked, as 512-token prompt/answer turns (as talon_bench_train)")
+    ap.add_argument("--head-skew", type=float, default=0.5,
+                    help="scale of the target lm_head rows outside the draft vocab (as talon_bench_train)")
     ap.add_argument("--check-only", action="store_true")
     a = ap.parse_args()
 
@@ -255,13 +259,15 @@ def main():
     tlm = (torch.randn(V, H, generator=gen) * 0.02).to(dev, torch.bfloat16)
     fnorm = torch.ones(H, device=dev)
     ids = torch.randint(0, V, (B, T), generator=gen).to(dev)
-    mask = torch.ones(B, T, dtype=torch.bool, device=dev)
+    prompt = round(512 * (1.0 - a.loss_share))
+    mask = (torch.arange(T, device=dev) % 512 >= prompt).expand(B, T).contiguous()
     aux = torch.randn(B, T, 3 * H, generator=gen).to(dev, torch.bfloat16)
     hL = torch.randn(B, T, H, generator=gen).to(dev, torch.bfloat16)
     counts = torch.bincount(ids.flatten().cpu(), minlength=V)
     kept = torch.sort(torch.argsort(-counts.double(), stable=True)[:Vd]).values.to(dev)
     t2d = torch.zeros(V, dtype=torch.bool, device=dev)
     t2d[kept] = True
+    tlm[~t2d] *= a.head_skew
     cos, sin = rope_tables(T, K, hd, theta, dev)
     cos, sin = cos.float(), sin.float()
     attend = FlexTtt(T, K, dev, compiled=a.compile != "none") if a.attention == "flex" else SdpaTtt(T, K, dev)

@@ -8,6 +8,7 @@
 #include "tests/gpu_test.h"
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <random>
@@ -110,7 +111,8 @@ double rel_diff(const std::vector<double>& a, const std::vector<double>& b) {
 
 class GpuDraft : public ::testing::TestWithParam<bool> {};
 
-void check_against_cpu(Case& cs, GpuMath math, double loss_tol, double grad_tol, int64_t max_rows = 64) {
+void check_against_cpu(Case& cs, GpuMath math, double loss_tol, double grad_tol, int64_t max_rows = 64,
+                       int64_t min_counted = 20) {
   const auto batch = cs.batch();
   const double weight = 1.0 / double(batch.size());
   // CPU reference: per-sample forward + backward, gradients scaled by the batch weight.
@@ -136,7 +138,7 @@ void check_against_cpu(Case& cs, GpuMath math, double loss_tol, double grad_tol,
       EXPECT_EQ(res[i].cond_acc_k, cpu[i].cond_acc_k) << "sample " << i;
     }
   }
-  EXPECT_GT(counted, 20) << "too few positions count for the test to mean much";
+  EXPECT_GT(counted, min_counted) << "too few positions count for the test to mean much";
   DraftGrads gpu_g(cs.w);
   gpu->get_grads(gpu_g);
   auto a = gpu_g.named();
@@ -299,6 +301,86 @@ TEST_P(GpuDraft, SharedScratchMatchesCpuReference) {
   ScopedEnv f("TALON_DRAFT_LM_BACKWARD", "backward");
   check_against_cpu(cs, GpuMath::F32, tol::kGpuTttLossRel, tol::kGpuTttGradRel);
   check_against_cpu(cs, GpuMath::BF16, tol::kGpuTttBf16LossRel, tol::kGpuTttBf16GradRel);
+}
+
+// Only the rows whose loss counts get draft logits, a loss and an lm_head gradient, and only
+// loss-masked rows get the target's distribution (loss_rows, target_rows): a batch laid out
+// as real chat data is (a sample with no loss-masked token at all, a long prompt before the
+// answer, masked runs between unmasked ones), logits a few rows at a time so that chunks of
+// the compacted rows cut through samples, both lm_head backward placements.
+TEST_P(GpuDraft, SparseLossRowsMatchCpuReference) {
+  REQUIRE_GPU();
+  Case cs(GetParam(), 99, {13, 7, 30, 2, 17});
+  for (auto& m : cs.samples[1].mask) m = 0;                          // a prompt only
+  for (size_t t = 0; t < 18; ++t) cs.samples[2].mask[t] = 0;        // prompt, then the answer
+  for (size_t t = 0; t < cs.samples[4].mask.size(); ++t) cs.samples[4].mask[t] = (t / 4) % 2;  // turns
+  for (const char* rows : {"3", "4096"}) {
+    SCOPED_TRACE(std::string("rows ") + rows);
+    ScopedEnv e("TALON_DRAFT_LOGIT_ROWS", rows);
+    check_against_cpu(cs, GpuMath::F32, tol::kGpuTttLossRel, tol::kGpuTttGradRel, 64, 10);
+    check_against_cpu(cs, GpuMath::BF16, tol::kGpuTttBf16LossRel, tol::kGpuTttBf16GradRel, 64, 10);
+    ScopedEnv f("TALON_DRAFT_LM_BACKWARD", "backward");
+    check_against_cpu(cs, GpuMath::F32, tol::kGpuTttLossRel, tol::kGpuTttGradRel, 64, 10);
+    check_against_cpu(cs, GpuMath::BF16, tol::kGpuTttBf16LossRel, tol::kGpuTttBf16GradRel, 64, 10);
+  }
+}
+
+// Samples too short for the later steps: steps 2 and 3 of 4 have no row that counts (their
+// lm_head products are skipped, and the d fn they pass back is zero), steps 0 and 1 a few.
+TEST_P(GpuDraft, StepsWithoutLossRowsMatchCpuReference) {
+  REQUIRE_GPU();
+  Case cs(GetParam(), 5, {3, 2, 3, 3, 2, 3});
+  for (auto& s : cs.samples)
+    for (auto& m : s.mask) m = 1;
+  check_against_cpu(cs, GpuMath::F32, tol::kGpuTttLossRel, tol::kGpuTttGradRel, 64, 3);
+  ScopedEnv f("TALON_DRAFT_LM_BACKWARD", "backward");
+  check_against_cpu(cs, GpuMath::F32, tol::kGpuTttLossRel, tol::kGpuTttGradRel, 64, 3);
+}
+
+// The row lists themselves, against their definition (host code: runs without a GPU).
+TEST(DraftLossRows, ListsExactlyTheRowsThatCount) {
+  std::mt19937 rng(11);
+  for (int trial = 0; trial < 50; ++trial) {
+    const int64_t K = 1 + int64_t(rng() % 7);
+    std::vector<int32_t> pos, len;
+    while (pos.size() < 40) {
+      const int32_t T = 1 + int32_t(rng() % 12);
+      for (int32_t t = 0; t < T; ++t) pos.push_back(t), len.push_back(T);
+    }
+    const int64_t N = int64_t(pos.size());
+    std::vector<uint8_t> mask(static_cast<size_t>(N)), iv(static_cast<size_t>(N));
+    for (auto& m : mask) m = uint8_t(rng() % 3 != 0);
+    for (auto& v : iv) v = uint8_t(rng() % 4 != 0);
+    const cuda::LossRows lr = cuda::loss_rows(K, N, mask.data(), pos.data(), len.data(), iv.data());
+    ASSERT_EQ(lr.count.size(), size_t(K));
+    for (int64_t k = 0; k < K; ++k) {
+      std::vector<int32_t> want;
+      for (int64_t n = 0; n < N; ++n) {
+        // Row n's step-k target is row n+1+k of its own sample.
+        const int64_t start = n - pos[size_t(n)], tr = n + 1 + k;
+        if (tr < start + len[size_t(n)] && mask[size_t(tr)] && iv[size_t(tr)]) want.push_back(int32_t(n));
+      }
+      ASSERT_EQ(lr.count[size_t(k)], int64_t(want.size())) << "step " << k;
+      for (size_t i = 0; i < want.size(); ++i) EXPECT_EQ(lr.rows[size_t(k * N) + i], want[i]);
+      for (int64_t n = 0; n < N; ++n) {
+        const int32_t j = lr.slot[size_t(k * N + n)];
+        const auto it = std::find(want.begin(), want.end(), int32_t(n));
+        if (it == want.end())
+          EXPECT_EQ(j, -1) << "step " << k << " row " << n;
+        else
+          EXPECT_EQ(j, int32_t(it - want.begin())) << "step " << k << " row " << n;
+      }
+    }
+    const auto tr = cuda::target_rows(N, mask.data(), pos.data());
+    std::vector<int32_t> want;
+    for (int64_t n = 0; n < N; ++n)
+      if (mask[size_t(n)] && pos[size_t(n)] > 0) want.push_back(int32_t(n));
+    EXPECT_EQ(tr, want);
+    // Every row a loss reads is a target row.
+    for (int64_t k = 0; k < K; ++k)
+      for (int64_t i = 0; i < lr.count[size_t(k)]; ++i)
+        EXPECT_TRUE(std::binary_search(tr.begin(), tr.end(), lr.rows[size_t(k * N) + i] + 1 + int32_t(k)));
+  }
 }
 
 TEST(GpuDraftLogitRows, RefusesBadValue) {

@@ -56,6 +56,21 @@ struct DraftBatch {  // host pointers, N packed rows
 // which copies to the device run asynchronously.
 bool is_pinned_host(const void* p);
 
+// Which rows of a packed batch each step's loss reads. Row n counts at step k when its
+// target row n+1+k lies in the same sample, is loss-masked and in_vocab (the full-vocab
+// argmax of the target is a draft token). rows[k*N + i] for i < count[k]: the rows that
+// count at step k, ascending; slot[k*N + n]: n's index in that list, or -1. Only these
+// rows get draft logits, a loss and a gradient through the lm_head.
+struct LossRows {
+  std::vector<int32_t> rows, slot;
+  std::vector<int64_t> count;
+};
+LossRows loss_rows(int64_t K, int64_t N, const uint8_t* mask, const int32_t* pos, const int32_t* len,
+                   const uint8_t* in_vocab);
+// The rows whose target distribution a loss can read: loss-masked rows after the first of
+// their sample (a row is only ever the target of earlier rows). Ascending.
+std::vector<int32_t> target_rows(int64_t N, const uint8_t* mask, const int32_t* pos);
+
 struct DraftRowStats {            // [K * N], step-major
   std::vector<float> ce;          // cross-entropy of rows that count (0 elsewhere)
   std::vector<uint8_t> hit, counts;
@@ -78,7 +93,8 @@ class DraftEngine {
   void get_moments(const std::vector<float*>& m, const std::vector<float*>& v);
 
   // Uploads a batch and computes the target side (distribution over the draft vocab,
-  // its argmax, whether the full-vocab argmax is a draft token). Returns in_vocab [N].
+  // its argmax, whether the full-vocab argmax is a draft token) for its target_rows().
+  // Returns in_vocab [N] (0 on the other rows).
   std::vector<uint8_t> prepare(const DraftBatch& b);
   // All K steps over the prepared batch. With backward, also adds the gradient of
   // sum_rows row_scale[k*N + n] * ce_k[n] to the gradients (zeroed first when asked).

@@ -252,6 +252,22 @@ __device__ __forceinline__ void store_as(Out* p, float v) {
     *p = __float2bfloat16_rn(v);
 }
 
+// out[i, :] = x[rows[i], :] for one block per i (C columns).
+template <class Out>
+__global__ void rows_gather_kernel(Out* out, const float* x, const int32_t* rows, int64_t C) {
+  const float* xr = x + int64_t(rows[blockIdx.x]) * C;
+  Out* o = out + int64_t(blockIdx.x) * C;
+  for (int64_t c = threadIdx.x; c < C; c += blockDim.x) store_as(o + c, xr[c]);
+}
+
+// out[n, :] = y[slot[n], :], or 0 where slot[n] < 0, for one block per row n (C columns).
+__global__ void rows_scatter_kernel(float* out, const float* y, const int32_t* slot, int64_t C) {
+  const int32_t j = slot[blockIdx.x];
+  float* o = out + int64_t(blockIdx.x) * C;
+  const float* yr = y + int64_t(j < 0 ? 0 : j) * C;
+  for (int64_t c = threadIdx.x; c < C; c += blockDim.x) o[c] = j < 0 ? 0.f : yr[c];
+}
+
 // As rmsnorm_kernel, the result stored as bf16 (the same value rounded once, as the cast of
 // an fp32 output would): for normalised activations that only products read.
 __global__ void rmsnorm_bf16_kernel(__nv_bfloat16* out, int64_t ldo, const float* x, int64_t ldx, const float* w,
@@ -699,19 +715,21 @@ __global__ void diag_probs_kernel(float* pd, const float* lse, AttnArgs a, int K
 }
 
 // ---------------------------------------------------------------- target side and loss
-// One block per row of full target logits: the full-vocab argmax decides in_vocab; the
-// distribution over the kept ids is P (renormalised), its argmax tgt_arg.
+// One block per row of full target logits, of batch row rows[row0 + blockIdx.x]: the
+// full-vocab argmax decides in_vocab; the distribution over the kept ids is P
+// (renormalised), its argmax tgt_arg.
 __global__ void target_row_kernel(float* P, int32_t* tgt_arg, uint8_t* in_vocab, const float* full, const int64_t* kept,
-                                  const uint8_t* t2d, int64_t V, int64_t Vd) {
+                                  const uint8_t* t2d, int64_t V, int64_t Vd, const int32_t* rows, int64_t row0) {
   __shared__ float shv[33];
   __shared__ int64_t shi[33];
+  const int64_t r = rows[row0 + blockIdx.x];  // the batch row of full's row blockIdx.x
   const float* f = full + blockIdx.x * V;
   float v = -INFINITY;
   int64_t i = INT64_MAX;
   for (int64_t c = threadIdx.x; c < V; c += blockDim.x)
     if (f[c] > v) v = f[c], i = c;
   block_argmax(v, i, shv, shi);
-  if (threadIdx.x == 0) in_vocab[blockIdx.x] = t2d[i];
+  if (threadIdx.x == 0) in_vocab[r] = t2d[i];
   float mv = -INFINITY;
   int64_t mi = INT64_MAX;
   for (int64_t d = threadIdx.x; d < Vd; d += blockDim.x)
@@ -720,23 +738,24 @@ __global__ void target_row_kernel(float* P, int32_t* tgt_arg, uint8_t* in_vocab,
   float z = 0;
   for (int64_t d = threadIdx.x; d < Vd; d += blockDim.x) z += expf(f[kept[d]] - mv);
   z = block_sum(z, shv);
-  float* pr = P + blockIdx.x * Vd;
+  float* pr = P + r * Vd;
   for (int64_t d = threadIdx.x; d < Vd; d += blockDim.x) pr[d] = expf(f[kept[d]] - mv) / z;
-  if (threadIdx.x == 0) tgt_arg[blockIdx.x] = int32_t(mi);
+  if (threadIdx.x == 0) tgt_arg[r] = int32_t(mi);
 }
 
-// Step k, batch row n = row0 + blockIdx.x (target row n+1+k): cross-entropy against P, hit,
-// counts; with scale, the logits become d(objective)/d(logits) in place, or that gradient
-// goes to grad_b as bf16 when given (it is then only the operand of the lm_head's two
-// products). logits and grad_b hold one chunk of rows, from row0 (row blockIdx.x there);
-// row_scale, ce, hit and counts are indexed by batch row.
+// Step k, logits row i = row0 + blockIdx.x of the step's list, batch row n = rows[i] (target
+// row n+1+k): cross-entropy against P, hit, counts; with scale, the logits become
+// d(objective)/d(logits) in place, or that gradient goes to grad_b as bf16 when given (it
+// is then only the operand of the lm_head's two products). logits and grad_b hold one chunk
+// of rows, from row0 (row blockIdx.x there); row_scale, ce, hit and counts are indexed by
+// batch row.
 __global__ void loss_kernel(float* logits, const float* P, const int32_t* tgt_arg, const uint8_t* in_vocab,
                             const uint8_t* mask, const int32_t* pos, const int32_t* len, int64_t Vd, int k,
-                            int64_t row0, const float* row_scale, __nv_bfloat16* grad_b, float* ce, uint8_t* hit,
-                            uint8_t* counts) {
+                            const int32_t* rows, int64_t row0, const float* row_scale, __nv_bfloat16* grad_b,
+                            float* ce, uint8_t* hit, uint8_t* counts) {
   __shared__ float shv[33], shz[33];
   __shared__ int64_t shi[33];
-  const int64_t n = row0 + blockIdx.x, tr = n + 1 + k;
+  const int64_t n = rows[row0 + blockIdx.x], tr = n + 1 + k;
   const bool cnt = pos[n] + 1 + k < len[n] && mask[tr] && in_vocab[tr];
   float* lg = logits + int64_t(blockIdx.x) * Vd;
   // One read of the row for its maximum, first argmax and sum of exp (an online softmax:
@@ -989,6 +1008,13 @@ struct DraftEngine::Impl {
     marks.clear();
   }
   std::vector<std::pair<int64_t, int64_t>> seqs;  // (first row, length)
+  // The batch's target_rows() (trows, on the device too) and loss_rows() (lr; its rows and
+  // slots on the device as lrow, lslot [K, N]): the target side and the draft logits are
+  // only made for them. The host copies stay until the next prepare() (their uploads read
+  // them).
+  std::vector<int32_t> trows;
+  LossRows lr;
+  int32_t *trow_d = nullptr, *lrow_d = nullptr, *lslot_d = nullptr;
 
   template <class X>
   X* alloc(size_t n) {
@@ -1233,38 +1259,50 @@ struct DraftEngine::Impl {
     float* x = att[size_t(k)];
     return qa_bf16 ? Twin(*this, x, N * qd, bf16_in(x)) : Twin(*this, x, N * qd);
   }
-  // Draft logits of batch rows [r0, r0 + n) of step k into logits (row 0 there).
-  void logits_of(int k, int64_t r0, int64_t n) {
-    linear(logits, d.Vd, fn[size_t(k)] + r0 * d.H, d.H, w(LM), n, d.H, d.Vd);
-  }
-  // Step k's draft logits and loss, lrows rows at a time (the logits scratch holds one chunk).
-  // With `grad`, d(objective)/d(logits) goes back through the lm_head: dW_lm += and
-  // dfn = (dfn may be fn[k] itself: its rows are only overwritten after the products that
-  // read them). With bf16 operands the gradient of every row is kept in lgb as bf16 and each
-  // of the two products runs once over the whole batch; with fp32 operands the gradient
-  // replaces the chunk's logits and the products run per chunk.
+  // Step k's draft logits and loss for the rows that count at step k (lr), lrows of them at a
+  // time (the logits scratch holds one chunk). Those rows of fn[k] are gathered into E first
+  // (idle then: the next gather(k) remakes it), as bf16 with bf16 operands. With `grad`,
+  // d(objective)/d(logits) goes back through the lm_head: dW_lm += over the gathered rows,
+  // their d fn into tmp (idle too), then scattered into dfn (zero on the other rows; dfn may
+  // be fn[k] itself, read only by the gather). With bf16 operands the gradient of every
+  // gathered row is kept in lgb as bf16 and each of the two products runs once over them;
+  // with fp32 operands the gradient replaces the chunk's logits and the products run per
+  // chunk.
   void lm_head_step(int k, bool grad, float* dfn, const char* phase, const char* back_phase) {
-    const int64_t Vd = d.Vd, H = d.H;
+    const int64_t Vd = d.Vd, H = d.H, nk = lr.count[size_t(k)];
+    const int32_t* rows = lrow_d + k * N;
     const bool whole = grad && bf16_operands;
-    for (int64_t r0 = 0; r0 < N; r0 += lrows) {
-      const int64_t n = std::min(lrows, N - r0);
+    mark(phase);
+    if (nk > 0) {
+      if (bf16_operands)
+        rows_gather_kernel<<<unsigned(nk), 256, 0, s>>>(bf16_in(E), fn[size_t(k)], rows, H);
+      else
+        rows_gather_kernel<<<unsigned(nk), 256, 0, s>>>(E, fn[size_t(k)], rows, H);
+      CUDA_LAUNCH_CHECK();
+    }
+    const Twin te(*this, E, nk * H, bf16_in(E));
+    for (int64_t r0 = 0; r0 < nk; r0 += lrows) {
+      const int64_t n = std::min(lrows, nk - r0);
       mark(phase);
-      logits_of(k, r0, n);
-      loss_kernel<<<unsigned(n), 512, 0, s>>>(logits, P, tgt_arg, in_vocab, mask, pos, len, Vd, k, r0,
+      linear(logits, Vd, E + r0 * H, H, w(LM), n, H, Vd);
+      loss_kernel<<<unsigned(n), 512, 0, s>>>(logits, P, tgt_arg, in_vocab, mask, pos, len, Vd, k, rows, r0,
                                                grad ? rs + k * N : nullptr, whole ? lgb + r0 * Vd : nullptr,
                                                ce + k * N, hit + k * N, cnt + k * N);
       CUDA_LAUNCH_CHECK();
       if (grad && !whole) {
         mark(back_phase);
-        linear_dw(g(LM), logits, fn[size_t(k)] + r0 * H, H, n, H, Vd);
-        linear_dx(dfn + r0 * H, H, logits, w(LM), n, H, Vd, 0.f);
+        linear_dw(g(LM), logits, E + r0 * H, H, n, H, Vd);
+        linear_dx(tmp + r0 * H, H, logits, w(LM), n, H, Vd, 0.f);
       }
     }
-    if (whole) {  // dW_lm[Vd, H] += lgb^T fn;  dfn[N, H] = lgb W_lm
-      mark(back_phase);
-      gemm_raw(CUBLAS_OP_N, CUBLAS_OP_T, H, Vd, N, operand(fn[size_t(k)], N * H, 1), H, lgb, Vd, 1.f, g(LM), H);
-      gemm_raw(CUBLAS_OP_N, CUBLAS_OP_N, H, N, Vd, operand(w(LM), Vd * H, 0), H, lgb, Vd, 0.f, dfn, H);
+    if (!grad) return;
+    mark(back_phase);
+    if (whole && nk > 0) {  // dW_lm[Vd, H] += lgb^T E;  tmp[nk, H] = lgb W_lm
+      gemm_raw(CUBLAS_OP_N, CUBLAS_OP_T, H, Vd, nk, operand(E, nk * H, 1), H, lgb, Vd, 1.f, g(LM), H);
+      gemm_raw(CUBLAS_OP_N, CUBLAS_OP_N, H, nk, Vd, operand(w(LM), Vd * H, 0), H, lgb, Vd, 0.f, tmp, H);
     }
+    rows_scatter_kernel<<<unsigned(N), 256, 0, s>>>(dfn, tmp, lslot_d + k * N, H);
+    CUDA_LAUNCH_CHECK();
   }
 
   // Column-major strided-batched C = alpha op(A) op(B) + beta C (cuBLAS conventions).
@@ -1527,6 +1565,9 @@ DraftEngine::DraftEngine(int device, const DraftDims& dd, DraftMath math, const 
   I.pos = I.alloc<int32_t>(size_t(R));
   I.len = I.alloc<int32_t>(size_t(R));
   I.tgt_arg = I.alloc<int32_t>(size_t(R));
+  I.trow_d = I.alloc<int32_t>(size_t(R));
+  I.lrow_d = I.alloc<int32_t>(size_t(K * R));
+  I.lslot_d = I.alloc<int32_t>(size_t(K * R));
   I.mask = I.alloc<uint8_t>(size_t(R));
   I.in_vocab = I.alloc<uint8_t>(size_t(R));
   I.hit = I.alloc<uint8_t>(size_t(K * R));
@@ -1727,6 +1768,36 @@ void DraftEngine::get_moments(const std::vector<float*>& m, const std::vector<fl
   copy_tensors(p_->Vm, p_->offs, p_->sizes, v, true);
 }
 
+LossRows loss_rows(int64_t K, int64_t N, const uint8_t* mask, const int32_t* pos, const int32_t* len,
+                   const uint8_t* in_vocab) {
+  LossRows r;
+  r.rows.assign(size_t(K * N), 0);
+  r.slot.assign(size_t(K * N), -1);
+  r.count.assign(size_t(K), 0);
+  for (int64_t k = 0; k < K; ++k) {
+    int32_t* rows = r.rows.data() + k * N;
+    int32_t* slot = r.slot.data() + k * N;
+    int64_t c = 0;
+    for (int64_t n = 0; n + 1 + k < N; ++n) {
+      const int64_t tr = n + 1 + k;
+      if (int64_t(pos[n]) + 1 + k < int64_t(len[n]) && mask[tr] && in_vocab[tr]) {
+        rows[c] = int32_t(n);
+        slot[n] = int32_t(c);
+        ++c;
+      }
+    }
+    r.count[size_t(k)] = c;
+  }
+  return r;
+}
+
+std::vector<int32_t> target_rows(int64_t N, const uint8_t* mask, const int32_t* pos) {
+  std::vector<int32_t> t;
+  for (int64_t n = 0; n < N; ++n)
+    if (mask[n] && pos[n] >= 1) t.push_back(int32_t(n));
+  return t;
+}
+
 std::vector<uint8_t> DraftEngine::prepare(const DraftBatch& b) {
   Impl& I = *p_;
   CUDA_CHECK(cudaSetDevice(I.device));
@@ -1775,17 +1846,25 @@ std::vector<uint8_t> DraftEngine::prepare(const DraftBatch& b) {
     if (r != N) fail_msg("draft on GPU: feature parts do not tile the batch");
   }
   CUDA_CHECK(cudaEventRecord(I.aux_ready, I.copy_s));
+  // The target side of the rows a loss can read only (the others' in_vocab stays 0),
+  // gathered a chunk at a time into hn and normalised there.
+  I.trows = target_rows(N, b.mask, b.pos);
+  const int64_t nt = int64_t(I.trows.size());
+  if (nt > 0) cp(I.trow_d, I.trows.data(), size_t(nt) * 4);
+  CUDA_CHECK(cudaMemsetAsync(I.in_vocab, 0, size_t(N), I.s));
   I.mark("target distribution (full logits, P)");
-  for (int64_t r0 = 0; r0 < N; r0 += I.chunk) {
-    const int64_t n = std::min(I.chunk, N - r0);
-    I.rmsnorm(I.hn, H, I.hidden + r0 * H, H, I.fnorm, H, I.d.target_eps, n);
+  for (int64_t r0 = 0; r0 < nt; r0 += I.chunk) {
+    const int64_t n = std::min(I.chunk, nt - r0);
+    rows_gather_kernel<<<unsigned(n), 256, 0, I.s>>>(I.hn, I.hidden, I.trow_d + r0, H);
+    CUDA_LAUNCH_CHECK();
+    I.rmsnorm(I.hn, H, I.hn, H, I.fnorm, H, I.d.target_eps, n);
     if (I.bf16_operands)  // the target lm_head is on the device as bf16 only
       I.gemm_raw(CUBLAS_OP_T, CUBLAS_OP_N, V, n, H, I.lmb, H, I.operand(I.hn, Impl::span(CUBLAS_OP_N, H, n, H), 1), H,
                  0.f, I.full, V);
     else
       I.linear(I.full, V, I.hn, H, I.lm, n, H, V);
-    target_row_kernel<<<unsigned(n), 512, 0, I.s>>>(I.P + r0 * I.d.Vd, I.tgt_arg + r0, I.in_vocab + r0, I.full,
-                                                     I.kept, I.t2d, V, I.d.Vd);
+    target_row_kernel<<<unsigned(n), 512, 0, I.s>>>(I.P, I.tgt_arg, I.in_vocab, I.full, I.kept, I.t2d, V, I.d.Vd,
+                                                     I.trow_d, r0);
     CUDA_LAUNCH_CHECK();
   }
   I.mark("end");
@@ -1793,6 +1872,11 @@ std::vector<uint8_t> DraftEngine::prepare(const DraftBatch& b) {
   CUDA_CHECK(cudaMemcpyAsync(iv.data(), I.in_vocab, size_t(N), cudaMemcpyDeviceToHost, I.s));
   CUDA_CHECK(cudaStreamSynchronize(I.s));
   I.collect();
+  // Each step's rows that count, for run() (uploaded on the stream run() uses).
+  const int64_t K = I.d.K;
+  I.lr = loss_rows(K, N, b.mask, b.pos, b.len, iv.data());
+  cp(I.lrow_d, I.lr.rows.data(), size_t(K * N) * 4);
+  cp(I.lslot_d, I.lr.slot.data(), size_t(K * N) * 4);
   return iv;
 }
 
@@ -1815,6 +1899,10 @@ void DraftEngine::run(const std::vector<float>& row_scale, bool backward, bool z
       I.scale_grads();
   }
   if (fused_lm && zero_grads) CUDA_CHECK(cudaMemsetAsync(I.G, 0, size_t(total) * 4, s));
+  // The loss kernel fills these for the rows that count only.
+  CUDA_CHECK(cudaMemsetAsync(I.ce, 0, size_t(K * N) * 4, s));
+  CUDA_CHECK(cudaMemsetAsync(I.hit, 0, size_t(K * N), s));
+  CUDA_CHECK(cudaMemsetAsync(I.cnt, 0, size_t(K * N), s));
 
   // Forward.
   CUDA_CHECK(cudaStreamWaitEvent(s, I.aux_ready, 0));
@@ -1877,8 +1965,7 @@ void DraftEngine::run(const std::vector<float>& row_scale, bool backward, bool z
     CUDA_LAUNCH_CHECK();
     I.rmsnorm(I.fn[size_t(k)], H, I.gs[size_t(k) + 1], H, I.w(NORM), H, d.eps, N);
     // With fused_lm the loss gradient goes through the lm_head right away, d fn over fn[k]
-    // (whose bf16 twin, made first, keeps the values the products read).
-    const Impl::Twin tf(I, I.fn[size_t(k)], fused_lm ? N * H : 0);
+    // (the products read the rows that count from their gathered copy).
     I.lm_head_step(k, fused_lm, I.fn[size_t(k)], "forward: draft logits and loss", "forward: lm_head backward");
   }
   out.ce.resize(size_t(K * N));

@@ -50,9 +50,11 @@ for seq in $SEQS; do
     --loss-share "$LOSS_SHARE" > "$log/talon-$seq" 2>&1
   grep "^loss-masked" "$log/talon-$seq"
   tail -1 "$log/talon-$seq"
-  build/talon_bench_train --shape "$SHAPE" --seq "$seq" --samples "$SAMPLES" --steps 7 --peak-tflops "$CEIL" \
-    --loss-share "$LOSS_SHARE" --staged > "$log/older-$seq" 2>&1
-  tail -1 "$log/older-$seq"
+  if [ "${STAGED:-1}" = 1 ]; then  # STAGED=0 skips this run
+    build/talon_bench_train --shape "$SHAPE" --seq "$seq" --samples "$SAMPLES" --steps 7 --peak-tflops "$CEIL" \
+      --loss-share "$LOSS_SHARE" --staged > "$log/older-$seq" 2>&1
+    tail -1 "$log/older-$seq"
+  fi
   python3 bench/train_peer.py --shape "$SHAPE" --seq "$seq" --samples "$SAMPLES" --steps 8 --compile "$PEER_COMPILE" \
     --peak-tflops "$CEIL" --loss-share "$LOSS_SHARE" > "$log/peer-$seq" 2>&1
   grep -E "^check|^peer" "$log/peer-$seq" || tail -5 "$log/peer-$seq"

@@ -92,6 +92,14 @@ struct Case {
     // Also count the target's own favourite tokens, so most positions count.
     dv = build_draft_vocab(counts, c.Vd);
   }
+  // Shrinks the target lm_head rows of ids outside the draft vocab, so that the target's
+  // argmax mostly lands in it (as with a trained target) and most loss-masked positions count.
+  void favour_draft_vocab(float scale) {
+    const size_t H = size_t(c.H);
+    for (size_t v = 0; v < size_t(c.V); ++v)
+      if (!dv.t2d[v])
+        for (size_t j = 0; j < H; ++j) head[v * H + j] *= scale;
+  }
   TargetHead target() const { return {embed.data(), fnorm.data(), head.data(), 1e-5}; }
   std::vector<Sample> batch() const {
     std::vector<Sample> b;
@@ -311,17 +319,18 @@ TEST_P(GpuDraft, SharedScratchMatchesCpuReference) {
 TEST_P(GpuDraft, SparseLossRowsMatchCpuReference) {
   REQUIRE_GPU();
   Case cs(GetParam(), 99, {13, 7, 30, 2, 17});
+  cs.favour_draft_vocab(0.3f);
   for (auto& m : cs.samples[1].mask) m = 0;                          // a prompt only
   for (size_t t = 0; t < 18; ++t) cs.samples[2].mask[t] = 0;        // prompt, then the answer
   for (size_t t = 0; t < cs.samples[4].mask.size(); ++t) cs.samples[4].mask[t] = (t / 4) % 2;  // turns
   for (const char* rows : {"3", "4096"}) {
     SCOPED_TRACE(std::string("rows ") + rows);
     ScopedEnv e("TALON_DRAFT_LOGIT_ROWS", rows);
-    check_against_cpu(cs, GpuMath::F32, tol::kGpuTttLossRel, tol::kGpuTttGradRel, 64, 10);
-    check_against_cpu(cs, GpuMath::BF16, tol::kGpuTttBf16LossRel, tol::kGpuTttBf16GradRel, 64, 10);
+    check_against_cpu(cs, GpuMath::F32, tol::kGpuTttLossRel, tol::kGpuTttGradRel, 80, 20);
+    check_against_cpu(cs, GpuMath::BF16, tol::kGpuTttBf16LossRel, tol::kGpuTttBf16GradRel, 80, 20);
     ScopedEnv f("TALON_DRAFT_LM_BACKWARD", "backward");
-    check_against_cpu(cs, GpuMath::F32, tol::kGpuTttLossRel, tol::kGpuTttGradRel, 64, 10);
-    check_against_cpu(cs, GpuMath::BF16, tol::kGpuTttBf16LossRel, tol::kGpuTttBf16GradRel, 64, 10);
+    check_against_cpu(cs, GpuMath::F32, tol::kGpuTttLossRel, tol::kGpuTttGradRel, 80, 20);
+    check_against_cpu(cs, GpuMath::BF16, tol::kGpuTttBf16LossRel, tol::kGpuTttBf16GradRel, 80, 20);
   }
 }
 
@@ -330,11 +339,12 @@ TEST_P(GpuDraft, SparseLossRowsMatchCpuReference) {
 TEST_P(GpuDraft, StepsWithoutLossRowsMatchCpuReference) {
   REQUIRE_GPU();
   Case cs(GetParam(), 5, {3, 2, 3, 3, 2, 3});
+  cs.favour_draft_vocab(0.3f);
   for (auto& s : cs.samples)
     for (auto& m : s.mask) m = 1;
-  check_against_cpu(cs, GpuMath::F32, tol::kGpuTttLossRel, tol::kGpuTttGradRel, 64, 3);
+  check_against_cpu(cs, GpuMath::F32, tol::kGpuTttLossRel, tol::kGpuTttGradRel, 64, 8);
   ScopedEnv f("TALON_DRAFT_LM_BACKWARD", "backward");
-  check_against_cpu(cs, GpuMath::F32, tol::kGpuTttLossRel, tol::kGpuTttGradRel, 64, 3);
+  check_against_cpu(cs, GpuMath::F32, tol::kGpuTttLossRel, tol::kGpuTttGradRel, 64, 8);
 }
 
 // The row lists themselves, against their definition (host code: runs without a GPU).

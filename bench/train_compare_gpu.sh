@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Draft training on one GPU, in one run: the GPU parity tests of the trainer, the bf16 GEMM
 # ceiling, Talon (`talon_bench_train`: features in pinned memory as `talon train` keeps them,
-# and with --staged, from pageable memory through the pinned staging) and the PyTorch peer
-# (bench/train_peer.py, which first checks itself against the oracle), then a table of
-# tokens/s, memory and ratios. Every log is kept under $LOGS (default: a temporary folder).
-#   bash scripts/gpu_build.sh && bash bench/train_compare_gpu.sh [SHAPE] ["SEQS"] [SAMPLES] [PEER_COMPILE]
-# e.g. bash bench/train_compare_gpu.sh llama3-8b "2048 4096" 1 full
+# then the VARIANT run) and the PyTorch peer (bench/train_peer.py, which first checks itself
+# against the oracle), then a table of tokens/s, memory and ratios. Every log is kept under
+# $LOGS (default: a temporary folder).
+#   bash scripts/gpu_build.sh && [LOSS_SHARE=f] [VARIANT=staged|resident|none] \
+#     bash bench/train_compare_gpu.sh [SHAPE] ["SEQS"] [SAMPLES] [PEER_COMPILE]
+# e.g. LOSS_SHARE=0.675 VARIANT=resident bash bench/train_compare_gpu.sh llama3-8b "2048 4096" 1 full
 set -uo pipefail
 cd "$(dirname "$0")/.."
 SHAPE=${1:-llama3-8b}
@@ -38,10 +39,17 @@ PY
 echo "ceiling: ${CEIL} TFLOP/s"
 
 rows=()
-tps() { sed -n 's/.*: \([0-9]*\) tokens\/s.*/\1/p' "$1" | tail -1; }
-mem_talon() { sed -n 's/.*device memory \([0-9.]*\) GiB.*/\1/p' "$1" | tail -1; }
-mem_peer() { sed -n 's/.*peak memory \([0-9.]*\) GiB.*/\1/p' "$1" | tail -1; }
-res_peer() { sed -n 's/.*(reserved \([0-9.]*\) GiB).*/\1/p' "$1" | tail -1; }
+# Each helper prints "-" when its log lacks the figure (a run skipped or failed), so that the
+# table's columns stay in place.
+pick() { v=$(sed -n "$1" "$2" 2>/dev/null | tail -1); echo "${v:--}"; }
+tps() { pick 's/.*: \([0-9]*\) tokens\/s.*/\1/p' "$1"; }
+mem_talon() { pick 's/.*device memory \([0-9.]*\) GiB.*/\1/p' "$1"; }
+mem_peer() { pick 's/.*peak memory \([0-9.]*\) GiB.*/\1/p' "$1"; }
+res_peer() { pick 's/.*(reserved \([0-9.]*\) GiB).*/\1/p' "$1"; }
+# VARIANT: the second Talon run: staged (features in pageable memory, through the pinned
+# staging), resident (features in device memory, as the peer keeps them), or none.
+VARIANT=${VARIANT:-staged}
+case "$VARIANT" in staged | resident | none) ;; *) echo "VARIANT=$VARIANT: expected staged, resident or none" >&2; exit 2 ;; esac
 log=${LOGS:-$(mktemp -d)}
 mkdir -p "$log"
 for seq in $SEQS; do
@@ -50,23 +58,23 @@ for seq in $SEQS; do
     --loss-share "$LOSS_SHARE" > "$log/talon-$seq" 2>&1
   grep "^loss-masked" "$log/talon-$seq"
   tail -1 "$log/talon-$seq"
-  if [ "${STAGED:-1}" = 1 ]; then  # STAGED=0 skips this run
+  if [ "$VARIANT" != none ]; then
     build/talon_bench_train --shape "$SHAPE" --seq "$seq" --samples "$SAMPLES" --steps 7 --peak-tflops "$CEIL" \
-      --loss-share "$LOSS_SHARE" --staged > "$log/older-$seq" 2>&1
-    tail -1 "$log/older-$seq"
+      --loss-share "$LOSS_SHARE" "--$VARIANT" > "$log/$VARIANT-$seq" 2>&1
+    tail -1 "$log/$VARIANT-$seq"
   fi
   python3 bench/train_peer.py --shape "$SHAPE" --seq "$seq" --samples "$SAMPLES" --steps 8 --compile "$PEER_COMPILE" \
     --peak-tflops "$CEIL" --loss-share "$LOSS_SHARE" > "$log/peer-$seq" 2>&1
   grep -E "^check|^peer" "$log/peer-$seq" || tail -5 "$log/peer-$seq"
-  rows+=("$seq $(tps "$log/talon-$seq") $(tps "$log/older-$seq") $(tps "$log/peer-$seq") $(mem_talon "$log/talon-$seq") $(mem_talon "$log/older-$seq") $(mem_peer "$log/peer-$seq") $(res_peer "$log/peer-$seq")")
+  rows+=("$seq $(tps "$log/talon-$seq") $(tps "$log/$VARIANT-$seq") $(tps "$log/peer-$seq") $(mem_talon "$log/talon-$seq") $(mem_talon "$log/$VARIANT-$seq") $(mem_peer "$log/peer-$seq") $(res_peer "$log/peer-$seq")")
 done
 
 echo
-echo "| seq x samples | Talon tok/s | Talon, features staged from pageable memory | peer tok/s | Talon / peer | memory GiB (Talon / staged / peer allocated / peer reserved) |"
+echo "| seq x samples | Talon tok/s | Talon, $VARIANT | peer tok/s | Talon / peer ($VARIANT / peer) | memory GiB (Talon / $VARIANT / peer allocated / peer reserved) |"
 echo "|---|---|---|---|---|---|"
+ratio() { python3 -c "import sys; a, b = sys.argv[1:]; print(f'{float(a) / float(b):.2f}x' if a != '-' and b not in ('-', '0') else '-')" "$1" "$2"; }
 for r in "${rows[@]}"; do
   set -- $r
-  ratio=$(python3 -c "import sys; a=[float(x or 0) for x in sys.argv[1:]]; print(f'{a[0]/a[2]:.2f}x' if a[2] else '-')" "${2:-0}" "${3:-0}" "${4:-0}")
-  echo "| $1 x $SAMPLES | ${2:--} | ${3:--} | ${4:--} | $ratio | ${5:--} / ${6:--} / ${7:--} / ${8:--} |"
+  echo "| $1 x $SAMPLES | $2 | $3 | $4 | $(ratio "$2" "$4") ($(ratio "$3" "$4")) | $5 / $6 / $7 / $8 |"
 done
 [ -z "${LOGS:-}" ] && rm -rf "$log"

@@ -50,8 +50,11 @@ int main(int argc, char** argv) {
                  "falls in the draft vocab (as with a trained target) instead of on random ids")
       ->check(CLI::Range(0.0, 1.0))
       ->capture_default_str();
-  bool staged = false;
+  bool staged = false, resident = false;
   app.add_flag("--staged", staged, "features in ordinary (pageable) host memory");
+  app.add_flag("--resident", resident,
+               "features in device memory (as the PyTorch peer keeps them), copied device to device; the "
+               "memory figure includes them");
   CLI11_PARSE(app, argc, argv);
   try {
     DraftConfig c;
@@ -116,12 +119,24 @@ int main(int argc, char** argv) {
     for (int g = 0; g < n_gpus; ++g) devices.push_back(g);
     size_t free0 = 0, total = 0;
     cudaMemGetInfo(&free0, &total);
+    // --resident: the features in device memory (counted in the memory figure, as the peer's are).
+    float *aux_d = nullptr, *hid_d = nullptr;
+    if (resident) {
+      const size_t na = size_t(N) * 3 * H, nh = size_t(N) * H;
+      if (cudaMalloc(&aux_d, na * 4) != cudaSuccess || cudaMalloc(&hid_d, nh * 4) != cudaSuccess)
+        fail("--resident: could not allocate {:.1f} GiB of features on the device", double(na + nh) * 4 / (1 << 30));
+      if (cudaMemcpy(aux_d, aux.get(), na * 4, cudaMemcpyHostToDevice) != cudaSuccess ||
+          cudaMemcpy(hid_d, hid.get(), nh * 4, cudaMemcpyHostToDevice) != cudaSuccess)
+        fail("--resident: could not copy the features to the device");
+    }
+    const float* aux_p = resident ? aux_d : aux.get();
+    const float* hid_p = resident ? hid_d : hid.get();
     auto gpu = make_gpu_draft_trainer(c, {embed.data(), fnorm.data(), head.data(), 1e-5}, dv, devices, parse_gpu_math(math), N);
     gpu->set_weights(w);
     std::vector<Sample> batch;
     for (int64_t s = 0; s < samples; ++s)
-      batch.push_back({ids.data() + s * seq, mask.data() + s * seq, aux.get() + s * seq * 3 * c.H,
-                       hid.get() + s * seq * c.H, seq});
+      batch.push_back({ids.data() + s * seq, mask.data() + s * seq, aux_p + s * seq * 3 * c.H,
+                       hid_p + s * seq * c.H, seq});
     train::OptimConfig oc;
     std::vector<double> times;  // steps after the first (which warms cuBLAS up)
     for (int64_t st = 0; st < steps; ++st) {

@@ -402,6 +402,42 @@ TEST(GpuDraftLogitRows, RefusesBadValue) {
   }
 }
 
+// Features already in device memory (as a caller that makes them on the GPU would pass
+// them) are copied device to device: the same bits as through the staging copy.
+TEST(GpuDraftResident, DeviceFeaturesGiveTheSameBits) {
+  REQUIRE_GPU();
+  Case cs(false, 22);
+  GpuRun staged = run_once(cs, GpuMath::BF16, 64);
+  std::vector<float*> dev;
+  for (auto& s : cs.samples)
+    for (auto* v : {&s.aux, &s.hid}) {
+      float* p = nullptr;
+      ASSERT_EQ(cudaMalloc(&p, v->size() * 4), cudaSuccess);
+      ASSERT_EQ(cudaMemcpy(p, v->data(), v->size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
+      ASSERT_TRUE(cuda::is_device_memory(p));
+      ASSERT_FALSE(cuda::is_pinned_host(p));
+      dev.push_back(p);
+    }
+  EXPECT_FALSE(cuda::is_device_memory(cs.samples[0].aux.data()));
+  {
+    auto gpu = make_gpu_draft_trainer(cs.c, cs.target(), cs.dv, {0}, GpuMath::BF16, 64);
+    gpu->set_weights(cs.w);
+    std::vector<Sample> batch = cs.batch();
+    for (size_t i = 0; i < batch.size(); ++i) {
+      batch[i].aux = dev[2 * i];
+      batch[i].hidden = dev[2 * i + 1];
+    }
+    const auto res = gpu->run(batch, 0.25, true, true);
+    ASSERT_EQ(res.size(), staged.loss.size());
+    for (size_t i = 0; i < res.size(); ++i) EXPECT_EQ(res[i].loss, staged.loss[i]) << "sample " << i;
+    DraftGrads g(cs.w);
+    gpu->get_grads(g);
+    auto a = g.named(), b = staged.g.named();
+    for (size_t i = 0; i < a.size(); ++i) EXPECT_EQ(*a[i].second, *b[i].second) << a[i].first;
+  }
+  for (float* p : dev) cudaFree(p);
+}
+
 // Features in page-locked memory (as `talon train` keeps them on a GPU) upload straight from
 // there, sample by sample, instead of through the trainer's staging copy: the same bits.
 TEST(GpuDraftPinned, PinnedFeaturesGiveTheSameBits) {

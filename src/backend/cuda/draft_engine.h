@@ -43,7 +43,8 @@ struct DraftBatch {  // host pointers, N packed rows
   const int32_t* pos = nullptr;   // each row's position in its sample
   const int32_t* len = nullptr;   // each row's sample length
   // Instead of aux and hidden (then both null): the features of each sample, in row order,
-  // in pinned host memory (rows of them each), uploaded from there without a staging copy.
+  // in pinned host memory or device memory (rows of them each), copied from there without a
+  // staging copy.
   struct Part {
     const float* aux;
     const float* hidden;
@@ -55,6 +56,9 @@ struct DraftBatch {  // host pointers, N packed rows
 // Whether p points into page-locked host memory (cudaHostAlloc or cudaHostRegister), from
 // which copies to the device run asynchronously.
 bool is_pinned_host(const void* p);
+// Whether p points into device memory (cudaMalloc): features already on a GPU, copied from
+// there device to device.
+bool is_device_memory(const void* p);
 
 // Which rows of a packed batch each step's loss reads. Row n counts at step k when its
 // target row n+1+k lies in the same sample, is loss-masked and in_vocab (the full-vocab

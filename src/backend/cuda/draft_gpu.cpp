@@ -94,11 +94,12 @@ class CudaDraftTrainer final : public GpuDraftTrainer {
     mask_.resize(size_t(N));
     pos_.resize(size_t(N));
     len_.resize(size_t(N));
-    // Features already in pinned memory upload from there; otherwise they go into the
-    // engine's pinned staging first, in pieces of about 1M values copied in parallel (a
-    // batch is hundreds of MB at the 8B shape).
+    // Features already in pinned memory (or on a GPU) upload from there; otherwise they go
+    // into the engine's pinned staging first, in pieces of about 1M values copied in parallel
+    // (a batch is hundreds of MB at the 8B shape).
+    const auto direct = [](const float* p) { return cuda::is_pinned_host(p) || cuda::is_device_memory(p); };
     bool pinned = true;
-    for (auto& s : batch) pinned = pinned && cuda::is_pinned_host(s.aux) && cuda::is_pinned_host(s.hidden);
+    for (auto& s : batch) pinned = pinned && direct(s.aux) && direct(s.hidden);
     if (pinned) {
       int64_t r = 0;
       cuda::DraftBatch b{N, ids_.data(), mask_.data(), nullptr, nullptr, pos_.data(), len_.data(), {}};

@@ -1690,6 +1690,15 @@ bool is_pinned_host(const void* p) {
   return a.type == cudaMemoryTypeHost;
 }
 
+bool is_device_memory(const void* p) {
+  cudaPointerAttributes a{};
+  if (cudaPointerGetAttributes(&a, p) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  return a.type == cudaMemoryTypeDevice;
+}
+
 size_t DraftEngine::device_bytes() const { return p_->bytes; }
 std::pair<float*, float*> DraftEngine::host_features() {
   Impl& I = *p_;
@@ -1838,9 +1847,9 @@ std::vector<uint8_t> DraftEngine::prepare(const DraftBatch& b) {
     int64_t r = 0;
     for (const DraftBatch::Part& p : b.parts) {
       if (p.rows <= 0 || r + p.rows > N || !p.aux || !p.hidden) fail_msg("draft on GPU: feature parts do not tile the batch");
-      cp(I.hidden + r * H, p.hidden, size_t(p.rows * H) * 4);
-      CUDA_CHECK(cudaMemcpyAsync(I.aux + r * 3 * H, p.aux, size_t(p.rows * 3 * H) * 4, cudaMemcpyHostToDevice,
-                                 I.copy_s));
+      // Pinned host or device memory (cudaMemcpyDefault tells them apart).
+      CUDA_CHECK(cudaMemcpyAsync(I.hidden + r * H, p.hidden, size_t(p.rows * H) * 4, cudaMemcpyDefault, I.s));
+      CUDA_CHECK(cudaMemcpyAsync(I.aux + r * 3 * H, p.aux, size_t(p.rows * 3 * H) * 4, cudaMemcpyDefault, I.copy_s));
       r += p.rows;
     }
     if (r != N) fail_msg("draft on GPU: feature parts do not tile the batch");

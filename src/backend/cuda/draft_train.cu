@@ -715,10 +715,22 @@ __global__ void diag_probs_kernel(float* pd, const float* lse, AttnArgs a, int K
 }
 
 // ---------------------------------------------------------------- target side and loss
+// Values 4q..4q+3 of an fp32 or bf16 row (16- or 8-byte aligned), and one value, as floats.
+__device__ __forceinline__ float4 load4(const float* p, int64_t q) { return reinterpret_cast<const float4*>(p)[q]; }
+__device__ __forceinline__ float4 load4(const __nv_bfloat16* p, int64_t q) {
+  const uint2 u = reinterpret_cast<const uint2*>(p)[q];
+  const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.x));
+  const float2 b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.y));
+  return make_float4(a.x, a.y, b.x, b.y);
+}
+__device__ __forceinline__ float load1(const float* p) { return *p; }
+__device__ __forceinline__ float load1(const __nv_bfloat16* p) { return __bfloat162float(*p); }
+
 // One block per row of full target logits, of batch row rows[row0 + blockIdx.x]: the
 // full-vocab argmax decides in_vocab; the distribution over the kept ids is P
-// (renormalised), its argmax tgt_arg.
-__global__ void target_row_kernel(float* P, int32_t* tgt_arg, uint8_t* in_vocab, const float* full, const int64_t* kept,
+// (renormalised; fp32, or bf16 with bf16 operands), its argmax tgt_arg.
+template <class PT>
+__global__ void target_row_kernel(PT* P, int32_t* tgt_arg, uint8_t* in_vocab, const float* full, const int64_t* kept,
                                   const uint8_t* t2d, int64_t V, int64_t Vd, const int32_t* rows, int64_t row0) {
   __shared__ float shv[33];
   __shared__ int64_t shi[33];
@@ -738,8 +750,8 @@ __global__ void target_row_kernel(float* P, int32_t* tgt_arg, uint8_t* in_vocab,
   float z = 0;
   for (int64_t d = threadIdx.x; d < Vd; d += blockDim.x) z += expf(f[kept[d]] - mv);
   z = block_sum(z, shv);
-  float* pr = P + r * Vd;
-  for (int64_t d = threadIdx.x; d < Vd; d += blockDim.x) pr[d] = expf(f[kept[d]] - mv) / z;
+  PT* pr = P + r * Vd;
+  for (int64_t d = threadIdx.x; d < Vd; d += blockDim.x) store_as(pr + d, expf(f[kept[d]] - mv) / z);
   if (threadIdx.x == 0) tgt_arg[r] = int32_t(mi);
 }
 
@@ -749,7 +761,8 @@ __global__ void target_row_kernel(float* P, int32_t* tgt_arg, uint8_t* in_vocab,
 // is then only the operand of the lm_head's two products). logits and grad_b hold one chunk
 // of rows, from row0 (row blockIdx.x there); row_scale, ce, hit and counts are indexed by
 // batch row.
-__global__ void loss_kernel(float* logits, const float* P, const int32_t* tgt_arg, const uint8_t* in_vocab,
+template <class PT>
+__global__ void loss_kernel(float* logits, const PT* P, const int32_t* tgt_arg, const uint8_t* in_vocab,
                             const uint8_t* mask, const int32_t* pos, const int32_t* len, int64_t Vd, int k,
                             const int32_t* rows, int64_t row0, const float* row_scale, __nv_bfloat16* grad_b,
                             float* ce, uint8_t* hit, uint8_t* counts) {
@@ -785,7 +798,7 @@ __global__ void loss_kernel(float* logits, const float* P, const int32_t* tgt_ar
   const float lz = mx + logf(z);
   // One more read for the cross-entropy against P and, with row_scale, the gradient
   // (softmax - P) * scale over the logits or into grad_b.
-  const float* pr = P + (cnt ? tr : 0) * Vd;
+  const PT* pr = P + (cnt ? tr : 0) * Vd;
   const float sc = row_scale ? row_scale[n] : 0.f;
   __nv_bfloat16* gb = grad_b ? grad_b + int64_t(blockIdx.x) * Vd : nullptr;
   float c = 0;
@@ -796,9 +809,8 @@ __global__ void loss_kernel(float* logits, const float* P, const int32_t* tgt_ar
   if (cnt || row_scale) {
     if (v4) {
       const float4* l4 = reinterpret_cast<const float4*>(lg);
-      const float4* p4 = reinterpret_cast<const float4*>(pr);
       for (int64_t q = threadIdx.x; q < Vd / 4; q += blockDim.x) {
-        const float4 x = l4[q], p = cnt ? p4[q] : make_float4(0.f, 0.f, 0.f, 0.f);
+        const float4 x = l4[q], p = cnt ? load4(pr, q) : make_float4(0.f, 0.f, 0.f, 0.f);
         const float4 g = make_float4(visit2(x.x, p.x), visit2(x.y, p.y), visit2(x.z, p.z), visit2(x.w, p.w));
         if (!row_scale) continue;
         if (gb) {
@@ -810,7 +822,7 @@ __global__ void loss_kernel(float* logits, const float* P, const int32_t* tgt_ar
       }
     } else {
       for (int64_t d = threadIdx.x; d < Vd; d += blockDim.x) {
-        const float g = visit2(lg[d], cnt ? pr[d] : 0.f);
+        const float g = visit2(lg[d], cnt ? load1(pr + d) : 0.f);
         if (!row_scale) continue;
         if (gb)
           gb[d] = __float2bfloat16_rn(g);
@@ -913,9 +925,10 @@ struct DraftEngine::Impl {
   // Batch.
   int32_t *ids, *pos, *len, *tgt_arg;
   uint8_t *mask, *in_vocab, *hit, *cnt;
-  float *aux, *hidden, *P, *hn, *full, *rs, *ce;
+  float *aux, *hidden, *P = nullptr, *hn, *full, *rs, *ce;
+  __nv_bfloat16* Ph = nullptr;  // the target distribution as bf16 instead of P, with bf16 operands
   // Per step (K copies; gs has K + 1).
-  std::vector<float*> gs, xin, q, att, lse, g1, hm, ga, up, fn;
+  std::vector<float*> gs, xin, q, att, lse, hm, ga, up, fn;
   std::vector<__nv_bfloat16*> gab, upb;  // with bf16 operands, ga and up stored as bf16 instead
   float *keys, *vals, *dK, *dV;
   // Scratch.
@@ -1285,9 +1298,14 @@ struct DraftEngine::Impl {
       const int64_t n = std::min(lrows, nk - r0);
       mark(phase);
       linear(logits, Vd, E + r0 * H, H, w(LM), n, H, Vd);
-      loss_kernel<<<unsigned(n), 512, 0, s>>>(logits, P, tgt_arg, in_vocab, mask, pos, len, Vd, k, rows, r0,
-                                               grad ? rs + k * N : nullptr, whole ? lgb + r0 * Vd : nullptr,
-                                               ce + k * N, hit + k * N, cnt + k * N);
+      if (Ph)
+        loss_kernel<<<unsigned(n), 512, 0, s>>>(logits, Ph, tgt_arg, in_vocab, mask, pos, len, Vd, k, rows, r0,
+                                                 grad ? rs + k * N : nullptr, whole ? lgb + r0 * Vd : nullptr,
+                                                 ce + k * N, hit + k * N, cnt + k * N);
+      else
+        loss_kernel<<<unsigned(n), 512, 0, s>>>(logits, P, tgt_arg, in_vocab, mask, pos, len, Vd, k, rows, r0,
+                                                 grad ? rs + k * N : nullptr, whole ? lgb + r0 * Vd : nullptr,
+                                                 ce + k * N, hit + k * N, cnt + k * N);
       CUDA_LAUNCH_CHECK();
       if (grad && !whole) {
         mark(back_phase);
@@ -1576,7 +1594,12 @@ DraftEngine::DraftEngine(int device, const DraftDims& dd, DraftMath math, const 
   I.rs = I.alloc<float>(size_t(K * R));
   I.aux = I.alloc<float>(size_t(R * 3 * H));
   I.hidden = I.alloc<float>(size_t(R * H));
-  I.P = I.alloc<float>(size_t(R * Vd));
+  // The target distribution: bf16 with bf16 operands (the soft labels rounded once; half
+  // the memory), else fp32.
+  if (I.bf16_operands)
+    I.Ph = I.alloc<__nv_bfloat16>(size_t(R * Vd));
+  else
+    I.P = I.alloc<float>(size_t(R * Vd));
   // Logits are made a chunk of rows at a time, in memory that is idle then (below): the
   // target's full logits 1024 rows at a time (prepare), the draft's as many rows as fit
   // (run); or TALON_DRAFT_LOGIT_ROWS rows of either.
@@ -1593,7 +1616,6 @@ DraftEngine::DraftEngine(int device, const DraftDims& dd, DraftMath math, const 
     I.q.push_back(I.alloc<float>(floats(R * qd, I.qa_bf16)));
     I.att.push_back(I.alloc<float>(floats(R * qd, I.qa_bf16)));
     I.lse.push_back(I.alloc<float>(size_t(R * dd.nh)));
-    I.g1.push_back(I.alloc<float>(size_t(R * H)));
     I.hm.push_back(I.alloc<float>(floats(R * H, I.hm_bf16)));
     I.fn.push_back(I.alloc<float>(size_t(R * H)));
   }
@@ -1872,8 +1894,12 @@ std::vector<uint8_t> DraftEngine::prepare(const DraftBatch& b) {
                  0.f, I.full, V);
     else
       I.linear(I.full, V, I.hn, H, I.lm, n, H, V);
-    target_row_kernel<<<unsigned(n), 512, 0, I.s>>>(I.P, I.tgt_arg, I.in_vocab, I.full, I.kept, I.t2d, V, I.d.Vd,
-                                                     I.trow_d, r0);
+    if (I.Ph)
+      target_row_kernel<<<unsigned(n), 512, 0, I.s>>>(I.Ph, I.tgt_arg, I.in_vocab, I.full, I.kept, I.t2d, V, I.d.Vd,
+                                                       I.trow_d, r0);
+    else
+      target_row_kernel<<<unsigned(n), 512, 0, I.s>>>(I.P, I.tgt_arg, I.in_vocab, I.full, I.kept, I.t2d, V, I.d.Vd,
+                                                       I.trow_d, r0);
     CUDA_LAUNCH_CHECK();
   }
   I.mark("end");
@@ -1913,7 +1939,9 @@ void DraftEngine::run(const std::vector<float>& row_scale, bool backward, bool z
   CUDA_CHECK(cudaMemsetAsync(I.hit, 0, size_t(K * N), s));
   CUDA_CHECK(cudaMemsetAsync(I.cnt, 0, size_t(K * N), s));
 
-  // Forward.
+  // Forward. g1 = r + o_proj(att) of the step being run lives in dg1 (idle until the
+  // backward, which recomputes each step's g1).
+  float* const g1 = I.dg1;
   CUDA_CHECK(cudaStreamWaitEvent(s, I.aux_ready, 0));
   I.mark("forward: products and norms");
   I.linear(I.gs[0], H, I.aux, 3 * H, I.w(FC), N, 3 * H, H);
@@ -1956,21 +1984,21 @@ void DraftEngine::run(const std::vector<float>& row_scale, bool backward, bool z
       I.linear(I.tmp, H, I.att[size_t(k)], qd, I.w(WO), N, qd, H);
     }
     if (d.norm_before_residual)
-      add_kernel<<<nblocks(N * H, 256), 256, 0, s>>>(I.g1[size_t(k)], xin + H, 2 * H, I.tmp, N, H);
+      add_kernel<<<nblocks(N * H, 256), 256, 0, s>>>(g1, xin + H, 2 * H, I.tmp, N, H);
     else
-      add_kernel<<<nblocks(N * H, 256), 256, 0, s>>>(I.g1[size_t(k)], I.gs[size_t(k)], H, I.tmp, N, H);
+      add_kernel<<<nblocks(N * H, 256), 256, 0, s>>>(g1, I.gs[size_t(k)], H, I.tmp, N, H);
     CUDA_LAUNCH_CHECK();
     if (I.hm_bf16)
-      I.rmsnorm(I.bf16_in(I.hm[size_t(k)]), H, I.g1[size_t(k)], H, I.w(POST_LN), H, d.eps, N);
+      I.rmsnorm(I.bf16_in(I.hm[size_t(k)]), H, g1, H, I.w(POST_LN), H, d.eps, N);
     else
-      I.rmsnorm(I.hm[size_t(k)], H, I.g1[size_t(k)], H, I.w(POST_LN), H, d.eps, N);
+      I.rmsnorm(I.hm[size_t(k)], H, g1, H, I.w(POST_LN), H, d.eps, N);
     I.gate_up(k);
     {
       const Impl::Twin ta(I, I.act, N * Id, I.bf16_in(I.act));
       I.swiglu(I.act, k);
       I.linear(I.tmp, H, I.act, Id, I.w(DOWN), N, Id, H);
     }
-    add_kernel<<<nblocks(N * H, 256), 256, 0, s>>>(I.gs[size_t(k) + 1], I.g1[size_t(k)], H, I.tmp, N, H);
+    add_kernel<<<nblocks(N * H, 256), 256, 0, s>>>(I.gs[size_t(k) + 1], g1, H, I.tmp, N, H);
     CUDA_LAUNCH_CHECK();
     I.rmsnorm(I.fn[size_t(k)], H, I.gs[size_t(k) + 1], H, I.w(NORM), H, d.eps, N);
     // With fused_lm the loss gradient goes through the lm_head right away, d fn over fn[k]
@@ -2022,8 +2050,20 @@ void DraftEngine::run(const std::vector<float>& row_scale, bool backward, bool z
       I.linear_dw(I.g(GATE), I.dga, I.hm[ks], H, N, H, Id);
       I.linear_dw(I.g(UP), I.dup, I.hm[ks], H, N, H, Id);
     }
+    // g1 = r + o_proj(att), recomputed into tmp (idle here) rather than kept from the
+    // forward: the same product on the same operands, so the same bits.
+    I.mark("backward: products and norms");
+    {
+      const Impl::Twin ta = I.att_twin(k);
+      I.linear(I.tmp, H, I.att[ks], qd, I.w(WO), N, qd, H);
+    }
+    if (d.norm_before_residual)
+      add_kernel<<<nblocks(N * H, 256), 256, 0, s>>>(I.tmp, xin + H, 2 * H, I.tmp, N, H);
+    else
+      add_kernel<<<nblocks(N * H, 256), 256, 0, s>>>(I.tmp, I.gs[ks], H, I.tmp, N, H);
+    CUDA_LAUNCH_CHECK();
     CUDA_CHECK(cudaMemcpyAsync(I.dg1, I.dg2, size_t(N * H) * 4, cudaMemcpyDeviceToDevice, s));
-    I.rmsnorm_backward(I.dg1, H, I.g(POST_LN), I.dhm, H, I.g1[ks], H, I.w(POST_LN), H);
+    I.rmsnorm_backward(I.dg1, H, I.g(POST_LN), I.dhm, H, I.tmp, H, I.w(POST_LN), H);
     // g1 = r + o_proj(att)
     {
       const Impl::Twin ta = I.att_twin(k), t1(I, I.dg1, N * H);

@@ -402,6 +402,26 @@ TEST(GpuDraftLogitRows, RefusesBadValue) {
   }
 }
 
+// One bf16 run of cs with each sample's features read from feats (aux, hidden, sample after
+// sample) instead of cs's own vectors: the same losses and gradients as `staged`, bit for bit.
+void expect_same_bits_from(Case& cs, GpuRun& staged, const std::vector<const float*>& feats) {
+  auto gpu = make_gpu_draft_trainer(cs.c, cs.target(), cs.dv, {0}, GpuMath::BF16, 64);
+  gpu->set_weights(cs.w);
+  std::vector<Sample> batch = cs.batch();
+  ASSERT_EQ(feats.size(), 2 * batch.size());
+  for (size_t i = 0; i < batch.size(); ++i) {
+    batch[i].aux = feats[2 * i];
+    batch[i].hidden = feats[2 * i + 1];
+  }
+  const auto res = gpu->run(batch, 0.25, true, true);
+  ASSERT_EQ(res.size(), staged.loss.size());
+  for (size_t i = 0; i < res.size(); ++i) EXPECT_EQ(res[i].loss, staged.loss[i]) << "sample " << i;
+  DraftGrads g(cs.w);
+  gpu->get_grads(g);
+  auto a = g.named(), b = staged.g.named();
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_EQ(*a[i].second, *b[i].second) << a[i].first;
+}
+
 // Features already in device memory (as a caller that makes them on the GPU would pass
 // them) are copied device to device: the same bits as through the staging copy.
 TEST(GpuDraftResident, DeviceFeaturesGiveTheSameBits) {
@@ -419,22 +439,7 @@ TEST(GpuDraftResident, DeviceFeaturesGiveTheSameBits) {
       dev.push_back(p);
     }
   EXPECT_FALSE(cuda::is_device_memory(cs.samples[0].aux.data()));
-  {
-    auto gpu = make_gpu_draft_trainer(cs.c, cs.target(), cs.dv, {0}, GpuMath::BF16, 64);
-    gpu->set_weights(cs.w);
-    std::vector<Sample> batch = cs.batch();
-    for (size_t i = 0; i < batch.size(); ++i) {
-      batch[i].aux = dev[2 * i];
-      batch[i].hidden = dev[2 * i + 1];
-    }
-    const auto res = gpu->run(batch, 0.25, true, true);
-    ASSERT_EQ(res.size(), staged.loss.size());
-    for (size_t i = 0; i < res.size(); ++i) EXPECT_EQ(res[i].loss, staged.loss[i]) << "sample " << i;
-    DraftGrads g(cs.w);
-    gpu->get_grads(g);
-    auto a = g.named(), b = staged.g.named();
-    for (size_t i = 0; i < a.size(); ++i) EXPECT_EQ(*a[i].second, *b[i].second) << a[i].first;
-  }
+  expect_same_bits_from(cs, staged, std::vector<const float*>(dev.begin(), dev.end()));
   for (float* p : dev) cudaFree(p);
 }
 
@@ -452,20 +457,9 @@ TEST(GpuDraftPinned, PinnedFeaturesGiveTheSameBits) {
       std::copy(v->begin(), v->end(), keep.back().get());
     }
   EXPECT_FALSE(cuda::is_pinned_host(cs.samples[0].aux.data()));
-  auto gpu = make_gpu_draft_trainer(cs.c, cs.target(), cs.dv, {0}, GpuMath::BF16, 64);
-  gpu->set_weights(cs.w);
-  std::vector<Sample> batch = cs.batch();
-  for (size_t i = 0; i < batch.size(); ++i) {
-    batch[i].aux = keep[2 * i].get();
-    batch[i].hidden = keep[2 * i + 1].get();
-  }
-  const auto res = gpu->run(batch, 0.25, true, true);
-  ASSERT_EQ(res.size(), staged.loss.size());
-  for (size_t i = 0; i < res.size(); ++i) EXPECT_EQ(res[i].loss, staged.loss[i]) << "sample " << i;
-  DraftGrads g(cs.w);
-  gpu->get_grads(g);
-  auto a = g.named(), b = staged.g.named();
-  for (size_t i = 0; i < a.size(); ++i) EXPECT_EQ(*a[i].second, *b[i].second) << a[i].first;
+  std::vector<const float*> feats;
+  for (auto& p : keep) feats.push_back(p.get());
+  expect_same_bits_from(cs, staged, feats);
 }
 
 // The bf16 weight copy follows every update: at each step the GPU's loss matches the CPU

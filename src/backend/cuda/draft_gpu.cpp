@@ -98,9 +98,9 @@ class CudaDraftTrainer final : public GpuDraftTrainer {
     // into the engine's pinned staging first, in pieces of about 1M values copied in parallel
     // (a batch is hundreds of MB at the 8B shape).
     const auto direct = [](const float* p) { return cuda::is_pinned_host(p) || cuda::is_device_memory(p); };
-    bool pinned = true;
-    for (auto& s : batch) pinned = pinned && direct(s.aux) && direct(s.hidden);
-    if (pinned) {
+    bool all_direct = true;
+    for (auto& s : batch) all_direct = all_direct && direct(s.aux) && direct(s.hidden);
+    if (all_direct) {
       int64_t r = 0;
       cuda::DraftBatch b{N, ids_.data(), mask_.data(), nullptr, nullptr, pos_.data(), len_.data(), {}};
       for (auto& s : batch) {

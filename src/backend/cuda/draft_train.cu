@@ -1272,6 +1272,30 @@ struct DraftEngine::Impl {
     float* x = att[size_t(k)];
     return qa_bf16 ? Twin(*this, x, N * qd, bf16_in(x)) : Twin(*this, x, N * qd);
   }
+  // out = g1 of step k = r + o_proj(att[k]), r = gs[k] (or hidden_norm(gs[k]), the second
+  // half of xin[k], with norm_before_residual); the product goes to tmp first (out may be
+  // tmp). The forward and the backward's recompute both come here: the same product on the
+  // same operands, so the same bits.
+  void g1_into(int k, float* out) {
+    const size_t ks = size_t(k);
+    {
+      const Twin ta = att_twin(k);
+      linear(tmp, d.H, att[ks], qd, w(WO), N, qd, d.H);
+    }
+    if (d.norm_before_residual)
+      add_kernel<<<nblocks(N * d.H, 256), 256, 0, s>>>(out, xin[ks] + d.H, 2 * d.H, tmp, N, d.H);
+    else
+      add_kernel<<<nblocks(N * d.H, 256), 256, 0, s>>>(out, gs[ks], d.H, tmp, N, d.H);
+    CUDA_LAUNCH_CHECK();
+  }
+  // f(P) with the target distribution as it is stored: bf16 (Ph) or fp32 (P).
+  template <class F>
+  void with_target_dist(F&& f) {
+    if (Ph)
+      f(Ph);
+    else
+      f(P);
+  }
   // Step k's draft logits and loss for the rows that count at step k (lr), lrows of them at a
   // time (the logits scratch holds one chunk). Those rows of fn[k] are gathered into E first
   // (idle then: the next gather(k) remakes it), as bf16 with bf16 operands. With `grad`,
@@ -1298,14 +1322,11 @@ struct DraftEngine::Impl {
       const int64_t n = std::min(lrows, nk - r0);
       mark(phase);
       linear(logits, Vd, E + r0 * H, H, w(LM), n, H, Vd);
-      if (Ph)
-        loss_kernel<<<unsigned(n), 512, 0, s>>>(logits, Ph, tgt_arg, in_vocab, mask, pos, len, Vd, k, rows, r0,
+      with_target_dist([&](auto* p) {
+        loss_kernel<<<unsigned(n), 512, 0, s>>>(logits, p, tgt_arg, in_vocab, mask, pos, len, Vd, k, rows, r0,
                                                  grad ? rs + k * N : nullptr, whole ? lgb + r0 * Vd : nullptr,
                                                  ce + k * N, hit + k * N, cnt + k * N);
-      else
-        loss_kernel<<<unsigned(n), 512, 0, s>>>(logits, P, tgt_arg, in_vocab, mask, pos, len, Vd, k, rows, r0,
-                                                 grad ? rs + k * N : nullptr, whole ? lgb + r0 * Vd : nullptr,
-                                                 ce + k * N, hit + k * N, cnt + k * N);
+      });
       CUDA_LAUNCH_CHECK();
       if (grad && !whole) {
         mark(back_phase);
@@ -1703,23 +1724,18 @@ DraftEngine::~DraftEngine() {
   if (p_->s) cudaStreamDestroy(p_->s);
 }
 
-bool is_pinned_host(const void* p) {
+// What memory p points into, as CUDA knows it (unregistered when it does not).
+static cudaMemoryType memory_type(const void* p) {
   cudaPointerAttributes a{};
   if (cudaPointerGetAttributes(&a, p) != cudaSuccess) {
-    (void)cudaGetLastError();  // not sticky: an unknown pointer is simply not pinned
-    return false;
+    (void)cudaGetLastError();  // not sticky: an unknown pointer is simply ordinary memory
+    return cudaMemoryTypeUnregistered;
   }
-  return a.type == cudaMemoryTypeHost;
+  return a.type;
 }
 
-bool is_device_memory(const void* p) {
-  cudaPointerAttributes a{};
-  if (cudaPointerGetAttributes(&a, p) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return false;
-  }
-  return a.type == cudaMemoryTypeDevice;
-}
+bool is_pinned_host(const void* p) { return memory_type(p) == cudaMemoryTypeHost; }
+bool is_device_memory(const void* p) { return memory_type(p) == cudaMemoryTypeDevice; }
 
 size_t DraftEngine::device_bytes() const { return p_->bytes; }
 std::pair<float*, float*> DraftEngine::host_features() {
@@ -1894,12 +1910,10 @@ std::vector<uint8_t> DraftEngine::prepare(const DraftBatch& b) {
                  0.f, I.full, V);
     else
       I.linear(I.full, V, I.hn, H, I.lm, n, H, V);
-    if (I.Ph)
-      target_row_kernel<<<unsigned(n), 512, 0, I.s>>>(I.Ph, I.tgt_arg, I.in_vocab, I.full, I.kept, I.t2d, V, I.d.Vd,
+    I.with_target_dist([&](auto* p) {
+      target_row_kernel<<<unsigned(n), 512, 0, I.s>>>(p, I.tgt_arg, I.in_vocab, I.full, I.kept, I.t2d, V, I.d.Vd,
                                                        I.trow_d, r0);
-    else
-      target_row_kernel<<<unsigned(n), 512, 0, I.s>>>(I.P, I.tgt_arg, I.in_vocab, I.full, I.kept, I.t2d, V, I.d.Vd,
-                                                       I.trow_d, r0);
+    });
     CUDA_LAUNCH_CHECK();
   }
   I.mark("end");
@@ -1979,15 +1993,7 @@ void DraftEngine::run(const std::vector<float>& row_scale, bool backward, bool z
       I.attention_forward(k, I.att[size_t(k)], I.lse[size_t(k)]);
     }
     I.mark("forward: products and norms");
-    {
-      const Impl::Twin ta = I.att_twin(k);
-      I.linear(I.tmp, H, I.att[size_t(k)], qd, I.w(WO), N, qd, H);
-    }
-    if (d.norm_before_residual)
-      add_kernel<<<nblocks(N * H, 256), 256, 0, s>>>(g1, xin + H, 2 * H, I.tmp, N, H);
-    else
-      add_kernel<<<nblocks(N * H, 256), 256, 0, s>>>(g1, I.gs[size_t(k)], H, I.tmp, N, H);
-    CUDA_LAUNCH_CHECK();
+    I.g1_into(k, g1);
     if (I.hm_bf16)
       I.rmsnorm(I.bf16_in(I.hm[size_t(k)]), H, g1, H, I.w(POST_LN), H, d.eps, N);
     else
@@ -2050,18 +2056,9 @@ void DraftEngine::run(const std::vector<float>& row_scale, bool backward, bool z
       I.linear_dw(I.g(GATE), I.dga, I.hm[ks], H, N, H, Id);
       I.linear_dw(I.g(UP), I.dup, I.hm[ks], H, N, H, Id);
     }
-    // g1 = r + o_proj(att), recomputed into tmp (idle here) rather than kept from the
-    // forward: the same product on the same operands, so the same bits.
+    // g1, recomputed into tmp (idle here) rather than kept from the forward.
     I.mark("backward: products and norms");
-    {
-      const Impl::Twin ta = I.att_twin(k);
-      I.linear(I.tmp, H, I.att[ks], qd, I.w(WO), N, qd, H);
-    }
-    if (d.norm_before_residual)
-      add_kernel<<<nblocks(N * H, 256), 256, 0, s>>>(I.tmp, xin + H, 2 * H, I.tmp, N, H);
-    else
-      add_kernel<<<nblocks(N * H, 256), 256, 0, s>>>(I.tmp, I.gs[ks], H, I.tmp, N, H);
-    CUDA_LAUNCH_CHECK();
+    I.g1_into(k, I.tmp);
     CUDA_CHECK(cudaMemcpyAsync(I.dg1, I.dg2, size_t(N * H) * 4, cudaMemcpyDeviceToDevice, s));
     I.rmsnorm_backward(I.dg1, H, I.g(POST_LN), I.dhm, H, I.tmp, H, I.w(POST_LN), H);
     // g1 = r + o_proj(att)

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Builds the libFuzzer targets (clang, ASan + UBSan) and runs each one.
+# Builds the libFuzzer targets (clang, ASan + UBSan; -O1 with line tables, quick to build)
+# and runs each one.
 #   scripts/fuzz.sh smoke                 ~15 s per target (CI)
 #   scripts/fuzz.sh SECONDS [TARGET...]   longer runs; crashes land in build-fuzz/crashes/
 # FUZZ_PARALLEL=N runs N targets at once. Seeds: tests/fuzz/corpus/<target>/ (committed) plus
@@ -13,7 +14,8 @@ shift || true
 all=(gguf safetensors json tokenizer jinja dataset manifest)
 targets=("$@")
 [ ${#targets[@]} -eq 0 ] && targets=("${all[@]}")
-CC=${FUZZ_CC:-clang} CXX=${FUZZ_CXX:-clang++} cmake -S . -B build-fuzz -DCMAKE_BUILD_TYPE=RelWithDebInfo -DTALON_FUZZ=ON -DTALON_TESTS=OFF \
+CC=${FUZZ_CC:-clang} CXX=${FUZZ_CXX:-clang++} cmake -S . -B build-fuzz -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+  "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O1 -g1 -DNDEBUG" "-DCMAKE_C_FLAGS_RELWITHDEBINFO=-O1 -g1 -DNDEBUG" -DTALON_FUZZ=ON -DTALON_TESTS=OFF \
   -DTALON_NATIVE=OFF -DTALON_CUDA=OFF ${TALON_DEPS_DIR:+-DTALON_DEPS_DIR=$TALON_DEPS_DIR} > /dev/null
 cmake --build build-fuzz -j"$(nproc)" --target $(printf 'fuzz_%s ' "${targets[@]}") > /dev/null
 mkdir -p build-fuzz/crashes

@@ -19,7 +19,10 @@ cd "$(dirname "$0")/.."
 what=${1:-all}
 jobs=$(nproc)
 export TALON_REQUIRE_MODEL=${TALON_REQUIRE_MODEL:-1}
-common=(-DCMAKE_BUILD_TYPE=RelWithDebInfo -DTALON_NATIVE=OFF -DTALON_CUDA=OFF
+# -O1 with line tables only (-g1): compiles in about half the time of -O2 -g, and the
+# reports still name file and line; the build, not the tests, is most of this stage.
+common=(-DCMAKE_BUILD_TYPE=RelWithDebInfo "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O1 -g1 -DNDEBUG"
+        "-DCMAKE_C_FLAGS_RELWITHDEBINFO=-O1 -g1 -DNDEBUG" -DTALON_NATIVE=OFF -DTALON_CUDA=OFF
         ${TALON_DEPS_DIR:+-DTALON_DEPS_DIR=$TALON_DEPS_DIR})
 status=0
 

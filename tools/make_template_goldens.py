@@ -249,6 +249,11 @@ UNIT = [
     ("err_concat_type", "{{ 'a' + 1 }}", {}),
     ("err_append_unsafe", "{% set l = [] %}{{ l.append(1) }}", {}),
     ("err_not_namespace", "{% set d = {} %}{% set d.x = 1 %}", {}),
+    # numbers past the machine's range (fuzzer finds): floats saturate as Python's float()
+    # does; huge indices are simply out of range
+    ("num_past_range", "{{ 1e999 }}|{{ 8888e888888 }}|{{ -1e999 }}|{{ 1e-999 }}|{{ 0.1e400 }}", {}),
+    ("map_attr_huge_index", "{{ ls|map(attribute='99999999999999999999')|select('defined')|list }}|{{ ls|map(attribute='0')|list }}", {"ls": [[1], [2]]}),
+    ("err_format_huge_index", "{{ '{99999999999999999999999}'.format(1) }}", {}),
 ]
 
 

@@ -87,6 +87,7 @@ class Binder {
       if (e == std::string::npos || e == a) return false;
       for (size_t i = a; i < e; ++i)
         if (n[i] < '0' || n[i] > '9') return false;
+      if (e - a > 9) return true;  // past any layer count (and past what stoll takes)
       return std::stoll(n.substr(a, e - a)) >= c_.n_layers;
     };
     auto ignorable = [&](const std::string& n) {

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <unordered_map>
 
@@ -293,7 +294,10 @@ class Lexer {
           if (src_[k] != '_') lit += src_[k];
         if (is_float) {
           push(T::Float, lit);
-          toks_.back().fval = std::stod(lit);
+          // As Python's float() does: past the double range a literal is inf (or 0), not an
+          // error. strtod gives HUGE_VAL / 0 with ERANGE there (the C locale: talon never
+          // sets another).
+          toks_.back().fval = std::strtod(lit.c_str(), nullptr);
         } else {
           push(T::Int, lit);
           try {

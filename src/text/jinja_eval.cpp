@@ -1,6 +1,7 @@
 // Evaluator for the Jinja subset: scopes, statements, expressions, filters, tests and
 // the Python methods templates call on str / dict values (ImmutableSandboxedEnvironment rules).
 #include <algorithm>
+#include <charconv>
 #include <cmath>
 #include <unordered_map>
 
@@ -27,6 +28,11 @@ void built(size_t n) {
 // Operating on an undefined value fails with its hint (Jinja's UndefinedError).
 [[noreturn]] void undefined_fail(const Value& v) {
   jfail(v.hint().empty() ? std::string("value is undefined") : v.hint());
+}
+
+// Non-empty and only ASCII digits.
+bool all_digits(std::string_view s) {
+  return !s.empty() && std::all_of(s.begin(), s.end(), [](char c) { return c >= '0' && c <= '9'; });
 }
 
 std::string obj_type_repr(const Value& v) {
@@ -1115,9 +1121,11 @@ class Interp {
               jfail("format specs are not supported by talon's Jinja subset");
             const Value* v;
             if (field.empty()) v = auto_idx < a.pos.size() ? &a.pos[auto_idx++] : nullptr;
-            else if (std::isdigit(static_cast<unsigned char>(field[0]))) {
-              size_t k = size_t(std::stoul(field));
-              v = k < a.pos.size() ? &a.pos[k] : nullptr;
+            else if (all_digits(field)) {
+              int64_t k = 0;  // Python's index is a Py_ssize_t
+              if (std::from_chars(field.data(), field.data() + field.size(), k).ec != std::errc())
+                jfail("Too many decimal digits in format string");
+              v = size_t(k) < a.pos.size() ? &a.pos[size_t(k)] : nullptr;
             } else {
               v = nullptr;
               for (const auto& [k, x] : a.kw)
@@ -1148,9 +1156,15 @@ class Interp {
     while (true) {
       size_t e = path.find('.', b);
       std::string part = path.substr(b, e == std::string::npos ? std::string::npos : e - b);
-      if (!part.empty() && std::all_of(part.begin(), part.end(), [](char c) { return std::isdigit(c); }))
-        v = get_item(v, Value(int64_t(std::stoll(part))));
-      else
+      int64_t idx = 0;
+      if (all_digits(part)) {
+        if (std::from_chars(part.data(), part.data() + part.size(), idx).ec == std::errc())
+          v = get_item(v, Value(idx));
+        else if (v.is_undefined())
+          undefined_fail(v);
+        else  // past int64: no list, string or dict here has that element
+          v = Value::undefined(fmt::format("{} has no element {}", obj_type_repr(v), part));
+      } else
         v = get_item(v, Value(part));
       if (e == std::string::npos) break;
       b = e + 1;

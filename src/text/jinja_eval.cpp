@@ -40,6 +40,14 @@ std::string obj_type_repr(const Value& v) {
   return v.type_name() + " object";
 }
 
+// Jinja's undefined for obj[key] where obj has no such element; key as Python prints it.
+// Lists and strings name their type bare, everything else quoted (as Jinja's messages do).
+Value no_element(const Value& obj, const std::string& key) {
+  if (obj.is_list() || obj.is_string())
+    return Value::undefined(fmt::format("{} has no element {}", obj_type_repr(obj), key));
+  return Value::undefined(fmt::format("'{}' has no element {}", obj_type_repr(obj), key));
+}
+
 Value missing_attr(const Value& obj, const std::string& name) {
   return Value::undefined(fmt::format("'{}' has no attribute '{}'", obj_type_repr(obj), name));
 }
@@ -894,27 +902,26 @@ class Interp {
           if (!m.is_undefined()) return m;
           return missing_attr(obj, key.str());
         }
-        return Value::undefined(fmt::format("'{}' has no element {}", obj_type_repr(obj), key.repr()));
+        return no_element(obj, key.repr());
       case Value::Kind::List:
       case Value::Kind::String: {
         if (key.is_int() || key.is_bool()) {
           int64_t n = py_len(obj), i = key.as_int();
           if (i < 0) i += n;
-          if (i < 0 || i >= n)
-            return Value::undefined(fmt::format("{} has no element {}", obj_type_repr(obj), key.as_int()));
+          if (i < 0 || i >= n) return no_element(obj, std::to_string(key.as_int()));
           if (obj.is_list()) return obj.items()[size_t(i)];
           auto cps = utf8_decode(obj.str());
           return Value(utf8_encode(cps, size_t(i), size_t(i) + 1));
         }
         if (key.is_string()) return get_attr(obj, key.str());
-        return Value::undefined(fmt::format("{} has no element {}", obj_type_repr(obj), key.repr()));
+        return no_element(obj, key.repr());
       }
       case Value::Kind::Namespace:
         if (key.is_string()) return get_attr(obj, key.str());
         [[fallthrough]];
       default:
         if (key.is_string()) return get_attr(obj, key.str());
-        return Value::undefined(fmt::format("'{}' has no element {}", obj_type_repr(obj), key.repr()));
+        return no_element(obj, key.repr());
     }
   }
 
@@ -1156,14 +1163,14 @@ class Interp {
     while (true) {
       size_t e = path.find('.', b);
       std::string part = path.substr(b, e == std::string::npos ? std::string::npos : e - b);
-      int64_t idx = 0;
       if (all_digits(part)) {
+        int64_t idx = 0;
         if (std::from_chars(part.data(), part.data() + part.size(), idx).ec == std::errc())
           v = get_item(v, Value(idx));
         else if (v.is_undefined())
           undefined_fail(v);
-        else  // past int64: no list, string or dict here has that element
-          v = Value::undefined(fmt::format("{} has no element {}", obj_type_repr(v), part));
+        else  // past int64: nothing here has that element
+          v = no_element(v, part);
       } else
         v = get_item(v, Value(part));
       if (e == std::string::npos) break;

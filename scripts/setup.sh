@@ -5,7 +5,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 pkgs=(cmake g++ make pkg-config nlohmann-json3-dev libcli11-dev libspdlog-dev libfmt-dev libgtest-dev
-      libssl-dev libpcre2-dev libutf8proc-dev clang libclang-rt-dev libomp-dev python3 python3-pip unzip)
+      libssl-dev libpcre2-dev libutf8proc-dev clang libclang-rt-dev libomp-dev python3 python3-pip unzip
+      openmpi-bin)
 missing=()
 for p in "${pkgs[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
 if [ ${#missing[@]} -gt 0 ]; then

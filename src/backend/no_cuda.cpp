@@ -24,8 +24,12 @@ std::vector<GpuInfo> list_gpus() { return {}; }
 
 namespace talon::eagle3 {
 std::unique_ptr<GpuDraftTrainer> make_gpu_draft_trainer(const DraftConfig&, const TargetHead&, const DraftVocab&,
-                                                        const std::vector<int>&, GpuMath, int64_t) {
+                                                        const std::vector<int>&, GpuMath, int64_t, const GpuGroup&) {
   fail("this build has no CUDA backend (nvcc was not found when it was configured): train with --device cpu");
+}
+std::string nccl_unique_id() { fail("this build has no CUDA backend: NCCL is not available"); }
+std::unique_ptr<ProcessGroup> nccl_process_group(const RankInfo&, int, const fs::path&) {
+  fail("this build has no CUDA backend: a GPU job across processes is not available");
 }
 std::shared_ptr<float[]> host_floats(size_t n, bool) { return std::shared_ptr<float[]>(new float[n]); }
 }  // namespace talon::eagle3

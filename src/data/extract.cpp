@@ -71,36 +71,6 @@ const char* kPinned[] = {"format_version", "model_config_sha256", "model_weights
 
 }  // namespace
 
-RankInfo resolve_rank(int flag_rank, int flag_world) {
-  RankInfo r;
-  auto check = [](RankInfo x, const std::string& what) {
-    TALON_CHECK(x.world >= 1 && x.rank >= 0 && x.rank < x.world, "{}: rank {} is outside a world of {} (need 0 <= rank < world)",
-                what, x.rank, x.world);
-    x.source = what;
-    return x;
-  };
-  if (flag_rank >= 0 || flag_world >= 0) {
-    TALON_CHECK(flag_rank >= 0 && flag_world >= 1, "--rank and --world go together (got --rank {} --world {})", flag_rank,
-                flag_world);
-    return check({flag_rank, flag_world, ""}, "--rank/--world");
-  }
-  static const char* kVars[][2] = {{"SLURM_PROCID", "SLURM_NTASKS"},
-                                   {"OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"},
-                                   {"PMI_RANK", "PMI_SIZE"},
-                                   {"RANK", "WORLD_SIZE"}};
-  auto num = [](const char* var, const char* v) {
-    const std::string t(v);
-    TALON_CHECK(!t.empty() && t.size() < 8 && t.find_first_not_of("0123456789") == std::string::npos,
-                "environment variable {}='{}' is not a non-negative integer", var, t);
-    return std::stoi(t);
-  };
-  for (auto& pr : kVars) {
-    const char *rv = std::getenv(pr[0]), *wv = std::getenv(pr[1]);
-    if (!rv || !wv) continue;
-    return check({num(pr[0], rv), num(pr[1], wv), ""}, fmt::format("{}/{}", pr[0], pr[1]));
-  }
-  return r;
-}
 
 ExtractReport run_extract(const ExtractOptions& opt) {
   ExtractReport rep;

@@ -8,6 +8,8 @@
 #include <string>
 #include <vector>
 
+#include "util/dist.h"
+
 #include "util/file.h"
 
 namespace talon {
@@ -36,12 +38,6 @@ struct ExtractOptions {
 
 enum class ExtractStatus { Complete, AlreadyComplete, Interrupted, RankDone };
 
-struct RankInfo {
-  int rank = 0, world = 1;
-  std::string source = "single process";
-};
-// Flags first, then the launchers' environment variables; fails naming a malformed one.
-RankInfo resolve_rank(int flag_rank, int flag_world);
 
 struct ExtractReport {
   ExtractStatus status = ExtractStatus::Complete;

@@ -8,6 +8,7 @@
 
 #include "train/eagle3.h"
 #include "train/optim.h"
+#include "util/dist.h"
 
 namespace talon::eagle3 {
 
@@ -44,12 +45,28 @@ class GpuDraftTrainer {
 // otherwise.
 std::shared_ptr<float[]> host_floats(size_t n, bool pinned);
 
+// The GPUs of a data-parallel job that spans several processes: this process's devices are
+// global ranks first_rank .. first_rank + n - 1 of `size`, joined through `nccl_id` (an
+// ncclUniqueId that every process got from rank 0). size 0: this process's GPUs only.
+struct GpuGroup {
+  int first_rank = 0, size = 0;
+  std::string nccl_id;
+};
+// A fresh ncclUniqueId (rank 0 makes it; the others receive it through a ProcessGroup).
+std::string nccl_unique_id();
+
+// Host collectives over NCCL, one rank per process on `device`, for GPU jobs started without
+// MPI (torchrun, srun without PMI): the communicator's id travels through a file in `dir`
+// (exchange_id_file), which every process must share.
+std::unique_ptr<ProcessGroup> nccl_process_group(const RankInfo& ri, int device, const fs::path& dir);
+
 // max_rows: the most tokens one run() may pack (device buffers are sized for it, per GPU).
 // Several devices: data parallel, one thread per GPU. Each step's samples are dealt to the
 // GPUs in turn (sample i to GPU i mod n), gradients are summed with an NCCL all-reduce in
 // clip_grad_norm(), and every GPU applies the same update, so the weights stay identical.
 std::unique_ptr<GpuDraftTrainer> make_gpu_draft_trainer(const DraftConfig& c, const TargetHead& tgt,
                                                         const DraftVocab& vocab, const std::vector<int>& devices,
-                                                        GpuMath math, int64_t max_rows);
+                                                        GpuMath math, int64_t max_rows,
+                                                        const GpuGroup& group = {});
 
 }  // namespace talon::eagle3

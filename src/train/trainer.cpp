@@ -20,6 +20,8 @@
 #include "model/model.h"
 #include "data/samples.h"
 #include "train/draft_gpu.h"
+#include "train/grad_tree.h"
+#include "util/dist.h"
 #include "util/dtype.h"
 #include "util/error.h"
 #include "util/log.h"
@@ -127,13 +129,25 @@ std::vector<float> weight_f32(const WeightRef& w) {
 }
 
 // --device: no GPUs for the CPU, else the GPUs to train on (data parallel when several).
-std::vector<int> parse_train_devices(const std::string& d) {
+// `cuda` with several processes on this node (torchrun --nproc-per-node, srun with several
+// tasks a node): the visible GPUs are split evenly among them by local rank, unless the
+// launcher already gave each process its own (fewer visible than processes here).
+std::vector<int> parse_train_devices(const std::string& d, const RankInfo& ri) {
   const DeviceSpec spec = parse_device(d);
   if (!spec.cuda) return {};
   if (!spec.devices.empty()) return spec.devices;
   std::vector<int> all;
   for (auto& g : list_gpus()) all.push_back(g.index);
   TALON_CHECK(!all.empty(), "--device {}: no GPU is visible", d);
+  if (ri.local_world > 1 && int(all.size()) >= ri.local_world) {
+    TALON_CHECK(int(all.size()) % ri.local_world == 0,
+                "--device {}: {} GPUs are visible to {} processes on this node; give each the same number (or "
+                "name them with --device cuda:a,b per process)",
+                d, all.size(), ri.local_world);
+    const size_t m = all.size() / size_t(ri.local_world);
+    return std::vector<int>(all.begin() + ptrdiff_t(m * size_t(ri.local_rank)),
+                            all.begin() + ptrdiff_t(m * size_t(ri.local_rank + 1)));
+  }
   return all;
 }
 
@@ -158,6 +172,39 @@ Summary summarize(const std::vector<TttResult>& res, int K) {
   return m;
 }
 
+// A step's per-sample results and gradient pieces travel between processes as bytes.
+void put_result(std::string& s, const TttResult& r) {
+  put_pods(s, r.loss_k);
+  put_pods(s, r.acc_k);
+  put_pods(s, r.cond_acc_k);
+  put_pods(s, r.n_k);
+  put_pod(s, r.loss);
+  put_pod(s, r.accept_len);
+}
+TttResult get_result(PodReader& in) {
+  TttResult r;
+  r.loss_k = in.get_vec<double>();
+  r.acc_k = in.get_vec<double>();
+  r.cond_acc_k = in.get_vec<double>();
+  r.n_k = in.get_vec<int64_t>();
+  r.loss = in.get<double>();
+  r.accept_len = in.get<double>();
+  return r;
+}
+void add_grads(DraftGrads& dst, DraftGrads& src) {
+  auto d = dst.named(), s = src.named();
+  for (size_t i = 0; i < d.size(); ++i) {
+    double* a = d[i].second->data();
+    const double* b = s[i].second->data();
+    const size_t n = d[i].second->size();
+#pragma omp parallel for schedule(static) if (n > (1 << 16))
+    for (size_t j = 0; j < n; ++j) a[j] += b[j];
+  }
+}
+void zero_grads(DraftGrads& g) {
+  for (auto& [name, v] : g.named()) std::fill(v->begin(), v->end(), 0.0);
+}
+
 std::string exact(double x) {
   char b[64];
   std::snprintf(b, sizeof b, "%.17g", x);
@@ -174,14 +221,15 @@ std::vector<Param> draft_params(DraftWeights& w, DraftGrads& g) {
   return ps;
 }
 
-TrainReport run_train(const TrainOptions& opt) {
+namespace {
+
+TrainReport train_impl(const TrainOptions& opt, ProcessGroup& pg, const std::vector<int>& gpus) {
   if (opt.threads > 0) omp_set_num_threads(opt.threads);
   TALON_CHECK(opt.batch_samples >= 1 && opt.max_length >= 2 && opt.epochs >= 1 && opt.ttt_steps >= 1,
               "train: --batch-samples, --epochs and --ttt-steps must be >= 1 and --max-length >= 2");
   TALON_CHECK(opt.eval_fraction >= 0 && opt.eval_fraction < 1, "--eval-fraction {}: expected a value in [0, 1)",
               opt.eval_fraction);
   TALON_CHECK(opt.noise >= 0, "--noise {}: expected >= 0", opt.noise);
-  const std::vector<int> gpus = parse_train_devices(opt.device);
   const int gpu = gpus.empty() ? -1 : gpus[0];
   const GpuMath gpu_math = parse_gpu_math(opt.gpu_math);
   auto ckpt = open_checkpoint(opt.model);
@@ -370,7 +418,7 @@ TrainReport run_train(const TrainOptions& opt) {
   fs::create_directories(opt.out);
   const fs::path cpath = opt.out / kCheckpointName, mpath = opt.out / kMetricsName;
   int64_t step = 0;
-  if (int n = remove_stale_temps(opt.out, {kCheckpointName, kMetricsName}))
+  if (int n = pg.rank() == 0 ? remove_stale_temps(opt.out, {kCheckpointName, kMetricsName}) : 0)
     tlog::info("{}: removed {} temporary file(s) of an interrupted run", opt.out.string(), n);
   if (fs::exists(cpath)) {
     st::File f(cpath);
@@ -407,7 +455,7 @@ TrainReport run_train(const TrainOptions& opt) {
     // Metrics logged after the checkpoint are recomputed: drop them (an evaluation at
     // the checkpoint's own step ran before it was saved, so it stays).
     std::string kept;
-    if (fs::exists(mpath)) {
+    if (pg.rank() == 0 && fs::exists(mpath)) {
       std::istringstream in(read_text_file(mpath));
       for (std::string line; std::getline(in, line);) {
         json j = json::parse(line, nullptr, false);
@@ -416,11 +464,15 @@ TrainReport run_train(const TrainOptions& opt) {
         if (s < step || (j.value("split", "") == "eval" && s <= step)) kept += line + "\n";
       }
     }
-    write_file_atomic(mpath, kept);
+    if (pg.rank() == 0) write_file_atomic(mpath, kept);
     tlog::info("resuming from {} at step {} of {}", cpath.string(), step, total_steps);
-  } else if (fs::exists(mpath)) {
+  } else if (pg.rank() == 0 && fs::exists(mpath)) {
     write_file_atomic(mpath, "");
   }
+  // Every process runs the same job from the same step (the checkpoint lies on a shared
+  // file system; a process that reads another would train something else).
+  pg.check_same(fmt::format("{} step {}", job.dump(), step),
+                fmt::format("{}: the training job and the step it resumes at", cpath.string()));
 
   // The GPU trainer holds the weights and moments between checkpoints.
   std::unique_ptr<GpuDraftTrainer> dev;
@@ -428,7 +480,17 @@ TrainReport run_train(const TrainOptions& opt) {
     int64_t longest = 0;
     for (auto* set : {&samples, &eval})
       for (auto& ts : *set) longest = std::max(longest, int64_t(ts.ids.size()));
-    dev = make_gpu_draft_trainer(c, tgt, dv, gpus, gpu_math, std::max(opt.max_batch_tokens, longest));
+    GpuGroup group;
+    if (pg.world() > 1) {  // every process's GPUs in one NCCL communicator, rank 0's id
+      std::string n;
+      put_pod(n, int64_t(gpus.size()));
+      pg.check_same(n, "train: GPUs per process (every process needs as many)");
+      group.first_rank = pg.rank() * int(gpus.size());
+      group.size = pg.world() * int(gpus.size());
+      if (pg.rank() == 0) group.nccl_id = nccl_unique_id();
+      pg.broadcast(group.nccl_id, 0);
+    }
+    dev = make_gpu_draft_trainer(c, tgt, dv, gpus, gpu_math, std::max(opt.max_batch_tokens, longest), group);
     dev->set_weights(w);
     if (step > 0) dev->set_moments(adam.m(), adam.v());
     tlog::info("train on cuda:{} ({} matrix products{}), {:.2f} GiB of device buffers per GPU for {} tokens per "
@@ -466,6 +528,11 @@ TrainReport run_train(const TrainOptions& opt) {
     std::vector<int64_t> v;
     for (auto* ts : need) v.push_back(int64_t(ts->ids.size()));
     return v;
+  };
+  auto subset = [](const std::vector<TrainSample*>& v, const std::vector<int64_t>& idx) {
+    std::vector<TrainSample*> out;
+    for (int64_t i : idx) out.push_back(v[size_t(i)]);
+    return out;
   };
   auto read_features = [&](const std::vector<TrainSample*>& need, bool parallel, int slot) {
     std::vector<Features> out = lay_out(slots, slot, lengths(need), H);
@@ -519,39 +586,171 @@ TrainReport run_train(const TrainOptions& opt) {
     return out;
   };
 
-  // Forward (and backward when `weight` > 0) of a list of samples: packed micro-batches
-  // on the GPU, one sample at a time on the CPU.
-  auto run_samples = [&](const std::vector<eagle3::Sample>& batch, double weight, bool backward) {
-    std::vector<TttResult> res;
-    if (dev) {
-      std::vector<eagle3::Sample> micro;
-      int64_t tok = 0;
-      bool first = true;
-      auto flush = [&] {
-        if (micro.empty()) return;
-        for (auto& r : dev->run(micro, weight, backward, first)) res.push_back(std::move(r));
-        first = false;
-        micro.clear();
+  // Which of a step's samples this process computes. One process: all of them. Several on
+  // CPUs: a contiguous block each, summed in the canonical tree (grad_tree.h). Several with
+  // GPUs: the step is cut into micro-batches of max_rows tokens exactly as one process would
+  // cut it, and sample j of a micro-batch goes to global GPU j mod (processes x GPUs), as
+  // one process with that many GPUs deals it, so the NCCL all-reduce sums the same
+  // partial gradients.
+  const int world = pg.world(), rank = pg.rank();
+  const int local_gpus = int(std::max<size_t>(gpus.size(), 1));
+  auto micro_batches = [&](const std::vector<int64_t>& lengths) {
+    std::vector<std::vector<int64_t>> mb;
+    int64_t tok = 0;
+    for (size_t i = 0; i < lengths.size(); ++i) {
+      if (mb.empty() || tok + lengths[i] > dev->max_rows()) {
+        mb.emplace_back();
         tok = 0;
-      };
-      for (auto& s : batch) {
-        if (tok + s.T > dev->max_rows()) flush();
-        micro.push_back(s);
-        tok += s.T;
       }
-      flush();
-    } else {
-      for (auto& s : batch) {
-        res.push_back(ttt_forward(c, w, tgt, dv, s, false, backward ? &grads : nullptr));
-      }
-      if (backward)
-        for (auto& p : params)
-          for (auto& g : *p.g) g *= weight;
+      mb.back().push_back(int64_t(i));
+      tok += lengths[i];
     }
+    return mb;
+  };
+  auto owned = [&](const std::vector<int64_t>& lengths) {
+    std::vector<int64_t> idx;
+    if (world == 1) {
+      for (size_t i = 0; i < lengths.size(); ++i) idx.push_back(int64_t(i));
+    } else if (!dev) {
+      const auto [a, b] = rank_block(int64_t(lengths.size()), rank, world);
+      for (int64_t i = a; i < b; ++i) idx.push_back(i);
+    } else {
+      const int64_t G = int64_t(world) * local_gpus;
+      for (auto& m : micro_batches(lengths))
+        for (size_t j = 0; j < m.size(); ++j)
+          if (int64_t(j) % G / local_gpus == rank) idx.push_back(m[j]);
+    }
+    return idx;
+  };
+  // The results of every sample from those each process computed (in sample order).
+  auto gather_results = [&](std::vector<TttResult>& res, const std::vector<int64_t>& mine, std::string extra,
+                            std::vector<std::string>* extras) {
+    if (world == 1) return;
+    std::string blob;
+    put_pod(blob, uint64_t(mine.size()));
+    for (int64_t i : mine) {
+      put_pod(blob, i);
+      put_result(blob, res[size_t(i)]);
+    }
+    put_pods(blob, std::vector<char>(extra.begin(), extra.end()));
+    const auto all = pg.allgather(blob);
+    if (extras) extras->clear();
+    for (int r = 0; r < world; ++r) {
+      PodReader in(all[size_t(r)], fmt::format("train: results of rank {}", r));
+      const uint64_t n = in.get<uint64_t>();
+      for (uint64_t k = 0; k < n; ++k) {
+        const int64_t i = in.get<int64_t>();
+        TALON_CHECK(i >= 0 && i < int64_t(res.size()), "train: rank {} sent sample {} of {}", r, i, res.size());
+        res[size_t(i)] = get_result(in);
+      }
+      const auto e = in.get_vec<char>();
+      if (extras) extras->emplace_back(e.begin(), e.end());
+    }
+  };
+  // CPU scratch of the gradient tree: one buffer per level, and this process's pieces.
+  std::vector<std::unique_ptr<DraftGrads>> scratch;
+  std::vector<DraftGrads> pieces_buf;
+  auto scratch_at = [&](int level) -> DraftGrads& {
+    if (scratch.size() <= size_t(level)) scratch.resize(size_t(level) + 1);
+    if (!scratch[size_t(level)]) scratch[size_t(level)] = std::make_unique<DraftGrads>(w);
+    return *scratch[size_t(level)];
+  };
+  auto add = [](DraftGrads& d, DraftGrads& s) { add_grads(d, s); };
+  auto none = [](TreeNode) -> const DraftGrads* { return nullptr; };
+
+  // Forward (and backward when `backward`) of a step's samples, of which this process holds
+  // the features of `mine`: packed micro-batches on the GPU, one sample at a time on the CPU.
+  // The gradients end up as weight * the sum over every process's samples.
+  auto run_samples = [&](const std::vector<eagle3::Sample>& batch, const std::vector<int64_t>& mine, double weight,
+                         bool backward) {
+    std::vector<TttResult> res(batch.size());
+    if (dev) {
+      std::vector<int64_t> lengths;
+      for (auto& s : batch) lengths.push_back(s.T);
+      std::vector<uint8_t> is_mine(batch.size(), 0);
+      for (int64_t i : mine) is_mine[size_t(i)] = 1;
+      bool first = true;
+      for (auto& m : micro_batches(lengths)) {
+        std::vector<eagle3::Sample> micro;
+        std::vector<int64_t> at;
+        for (int64_t i : m)
+          if (is_mine[size_t(i)]) micro.push_back(batch[size_t(i)]), at.push_back(i);
+        if (!micro.empty()) {
+          auto r = dev->run(micro, weight, backward, first);
+          for (size_t k = 0; k < at.size(); ++k) res[size_t(at[k])] = std::move(r[k]);
+        } else if (backward && first) {
+          dev->zero_grads();
+        }
+        first = false;
+      }
+      gather_results(res, mine, {}, nullptr);
+      return res;
+    }
+    const int64_t B = int64_t(batch.size());
+    auto leaf = [&](int64_t i, DraftGrads& out) {
+      zero_grads(out);
+      res[size_t(i)] = ttt_forward(c, w, tgt, dv, batch[size_t(i)], false, &out);
+    };
+    std::vector<TreeNode> pieces;
+    if (!backward) {
+      for (int64_t i : mine) res[size_t(i)] = ttt_forward(c, w, tgt, dv, batch[size_t(i)], false, nullptr);
+    } else if (world == 1) {
+      tree_sum(B, TreeNode{tree_levels(B), 0}, grads, add, leaf, none, scratch_at);
+    } else if (!mine.empty()) {
+      pieces = tree_pieces(B, mine.front(), mine.back() + 1);
+      while (pieces_buf.size() < pieces.size()) pieces_buf.emplace_back(w);
+      for (size_t j = 0; j < pieces.size(); ++j) tree_sum(B, pieces[j], pieces_buf[j], add, leaf, none, scratch_at);
+    }
+    if (world > 1) {
+      // Every process's pieces to every process, which finishes the tree from them.
+      std::string mine_pieces;
+      if (backward) {
+        put_pod(mine_pieces, uint64_t(pieces.size()));
+        for (size_t j = 0; j < pieces.size(); ++j) {
+          put_pod(mine_pieces, pieces[j].level);
+          put_pod(mine_pieces, pieces[j].index);
+          for (auto& [name, v] : pieces_buf[j].named()) put_pods(mine_pieces, *v);
+        }
+      }
+      std::vector<std::string> theirs;
+      gather_results(res, mine, std::move(mine_pieces), &theirs);
+      if (backward) {
+        std::vector<std::pair<TreeNode, DraftGrads>> known;
+        for (int r = 0; r < world; ++r) {
+          PodReader in(theirs[size_t(r)], fmt::format("train: gradient pieces of rank {}", r));
+          const uint64_t n = in.get<uint64_t>();
+          for (uint64_t k = 0; k < n; ++k) {
+            TreeNode t;
+            t.level = in.get<int>();
+            t.index = in.get<int64_t>();
+            known.emplace_back(t, DraftGrads(w));
+            auto dst = known.back().second.named();
+            auto ref = grads.named();
+            for (size_t q = 0; q < dst.size(); ++q) {
+              *dst[q].second = in.get_vec<double>();
+              TALON_CHECK(dst[q].second->size() == ref[q].second->size(),
+                          "train: gradient piece {} of rank {}: {} values, expected {}", dst[q].first, r,
+                          dst[q].second->size(), ref[q].second->size());
+            }
+          }
+        }
+        auto lookup = [&](TreeNode t) -> const DraftGrads* {
+          for (auto& [n, g] : known)
+            if (n == t) return &g;
+          return nullptr;
+        };
+        auto no_leaf = [&](int64_t i, DraftGrads&) { fail("train: no process sent the gradient of sample {}", i); };
+        tree_sum(B, TreeNode{tree_levels(B), 0}, grads, add, no_leaf, lookup, scratch_at);
+      }
+    }
+    if (backward)
+      for (auto& p : params)
+        for (auto& g : *p.g) g *= weight;
     return res;
   };
 
   auto save = [&] {
+    if (pg.rank() != 0) return;  // rank 0 writes the one checkpoint
     if (dev) {
       dev->get_weights(w);
       if (step > 0) dev->get_moments(adam.m(), adam.v());
@@ -579,20 +778,25 @@ TrainReport run_train(const TrainOptions& opt) {
     wr.write(cpath);
   };
 
-  std::ofstream metrics(mpath, std::ios::app);
-  if (!metrics) fail("{}: cannot open for appending: {}", mpath.string(), std::strerror(errno));
+  std::ofstream metrics;
+  if (pg.rank() == 0) metrics.open(mpath, std::ios::app);
+  if (pg.rank() == 0 && !metrics) fail("{}: cannot open for appending: {}", mpath.string(), std::strerror(errno));
   // Forward over the held-back split; logged with "split": "eval" after `done` updates.
   auto evaluate = [&](int64_t done) {
     if (eval.empty()) return;
     std::vector<TrainSample*> ptrs;
     for (auto& ts : eval) ptrs.push_back(&ts);
-    const std::vector<Features> feats = featurize(ptrs, 2);
+    const std::vector<int64_t> mine = owned(lengths(ptrs));
+    const std::vector<Features> feats = featurize(subset(ptrs, mine), 2);
     std::vector<eagle3::Sample> es;
-    for (size_t i = 0; i < eval.size(); ++i)
-      es.push_back({eval[i].ids.data(), eval[i].mask.data(), feats[i].aux, feats[i].hidden,
-                    int64_t(eval[i].ids.size())});
-    const Summary m = summarize(run_samples(es, 0.0, false), c.ttt_steps);
+    for (auto* ts : ptrs) es.push_back({ts->ids.data(), ts->mask.data(), nullptr, nullptr, int64_t(ts->ids.size())});
+    for (size_t k = 0; k < mine.size(); ++k) {
+      es[size_t(mine[k])].aux = feats[k].aux;
+      es[size_t(mine[k])].hidden = feats[k].hidden;
+    }
+    const Summary m = summarize(run_samples(es, mine, 0.0, false), c.ttt_steps);
     slots.release(2);
+    if (rank != 0) return;
     metrics << json{{"split", "eval"}, {"step", done}, {"samples", es.size()}, {"loss", m.loss}, {"loss_exact", exact(m.loss)},
                     {"acc", m.acc}, {"cond_acc", m.cond_acc}, {"sim_accept_len", m.accept_len}}.dump()
             << "\n";
@@ -633,7 +837,9 @@ TrainReport run_train(const TrainOptions& opt) {
   std::future<std::vector<Features>> prefetch;
   int64_t prefetch_step = -1;
   while (step < total_steps) {
-    if (stop_requested()) {
+    // A stop seen by any process stops every process at the same step.
+    if (pg.any(stop_requested())) {
+      if (world > 1 && !stop_requested()) request_stop_for_test();  // (the resume hint is printed everywhere)
       save();
       rep.status = TrainStatus::Interrupted;
       rep.steps = step;
@@ -643,27 +849,34 @@ TrainReport run_train(const TrainOptions& opt) {
     if (!dev)
       for (auto& p : params) std::fill(p.g->begin(), p.g->end(), 0.0);
     const std::vector<TrainSample*> picked = pick(step);
-    std::vector<Features> feats =
-        prefetch.valid() && prefetch_step == step ? prefetch.get() : featurize(picked, int(step % 2));
+    const std::vector<int64_t> mine = owned(lengths(picked));
+    std::vector<Features> feats = prefetch.valid() && prefetch_step == step ? prefetch.get()
+                                                                            : featurize(subset(picked, mine), int(step % 2));
     if (!opt.online && step + 1 < total_steps) {
       prefetch_step = step + 1;
-      prefetch = std::async(std::launch::async, [&read_features, next = pick(step + 1), par = dev != nullptr,
-                                                 slot = int((step + 1) % 2)] { return read_features(next, par, slot); });
+      const std::vector<TrainSample*> next = pick(step + 1);
+      prefetch = std::async(std::launch::async, [&read_features, next = subset(next, owned(lengths(next))),
+                                                 par = dev != nullptr, slot = int((step + 1) % 2)] {
+        return read_features(next, par, slot);
+      });
     }
     std::vector<eagle3::Sample> batch;
-    for (int64_t b = 0; b < int64_t(picked.size()); ++b) {
-      const TrainSample& ts = *picked[size_t(b)];
-      Features& f = feats[size_t(b)];  // this step's own copy: noise goes in place
-      if (opt.noise > 0) {  // seeded by (seed, step, slot): the same after a resume
+    for (auto* ts : picked) {
+      batch.push_back({ts->ids.data(), ts->mask.data(), nullptr, nullptr, int64_t(ts->ids.size())});
+      tokens += int64_t(ts->ids.size());
+    }
+    for (size_t k = 0; k < mine.size(); ++k) {
+      const int64_t b = mine[k];
+      Features& f = feats[k];  // this step's own copy: noise goes in place
+      if (opt.noise > 0) {  // seeded by (seed, step, slot): the same after a resume, on any process
         Rng r{opt.seed * 0x9e3779b97f4a7c15ull + uint64_t(step) * 1315423911ull + uint64_t(b) + 3};
-        for (int64_t i = 0; i < int64_t(ts.ids.size()) * 3 * H; ++i) f.aux[i] += float(opt.noise * (2.0 * r.uniform() - 1.0));
+        for (int64_t i = 0; i < batch[size_t(b)].T * 3 * H; ++i) f.aux[i] += float(opt.noise * (2.0 * r.uniform() - 1.0));
       }
-      eagle3::Sample s{ts.ids.data(), ts.mask.data(), f.aux, f.hidden, int64_t(ts.ids.size())};
-      batch.push_back(s);
-      tokens += s.T;
+      batch[size_t(b)].aux = f.aux;
+      batch[size_t(b)].hidden = f.hidden;
     }
     const double inv_b = 1.0 / double(batch.size());
-    const std::vector<TttResult> res = run_samples(batch, inv_b, true);
+    const std::vector<TttResult> res = run_samples(batch, mine, inv_b, true);
     const double gnorm = dev ? dev->clip_grad_norm(oc.clip_norm) : clip_grad_norm(params, oc.clip_norm);
     const double lr = lr_at(oc, step);
     if (dev) {
@@ -675,12 +888,17 @@ TrainReport run_train(const TrainOptions& opt) {
     const Summary m = summarize(res, c.ttt_steps);
     const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     const double tps = secs > 0 ? double(tokens) / secs : 0.0;
-    metrics << json{{"step", step}, {"epoch", epoch}, {"loss", m.loss}, {"loss_exact", exact(m.loss)}, {"acc", m.acc},
+    if (world > 1) {  // every process applied the same update from the same gradients
+      std::string g;
+      put_pod(g, gnorm);
+      pg.check_same(g, fmt::format("train step {}: the gradient norm", step));
+    }
+    if (rank == 0) metrics << json{{"step", step}, {"epoch", epoch}, {"loss", m.loss}, {"loss_exact", exact(m.loss)}, {"acc", m.acc},
                     {"cond_acc", m.cond_acc}, {"sim_accept_len", m.accept_len}, {"lr", lr}, {"grad_norm", gnorm},
                     {"tokens_per_s", tps}}.dump()
             << "\n";
     metrics.flush();
-    if (!metrics)
+    if (rank == 0 && !metrics)
       fail("{}: write failed: {} (a checkpoint keeps the finished steps; rerun to resume)", mpath.string(),
            std::strerror(errno));
     progress.set_note(fmt::format("loss {:.4f} acc0 {:.3f} accept {:.2f} | {} tok/s", m.loss, m.acc[0], m.accept_len,
@@ -697,6 +915,38 @@ TrainReport run_train(const TrainOptions& opt) {
   progress.finish();
   rep.steps = step;
   return rep;
+}
+
+}  // namespace
+
+TrainReport run_train(const TrainOptions& opt) {
+  const RankInfo ri = resolve_rank(-1, -1);
+  const std::vector<int> gpus = parse_train_devices(opt.device, ri);
+  if (ri.world > 1) fs::create_directories(opt.out);  // (the NCCL id file of a GPU job lies there)
+  std::unique_ptr<ProcessGroup> pg;
+  if (ri.world == 1) {
+    pg = single_process_group();
+  } else {
+    set_thread_log_tag(fmt::format("rank {}", ri.rank));
+    if (ri.mpi) pg = mpi_process_group(ri);
+    else if (!gpus.empty()) pg = nccl_process_group(ri, gpus[0], opt.out);
+    else
+      fail("{} says rank {} of {}: training on CPUs across processes needs MPI; start it with mpirun (or srun "
+           "--mpi=pmix)",
+           ri.source, ri.rank, ri.world);
+    tlog::info("rank {} of {} ({}; collectives over {}), {}", ri.rank, ri.world, ri.source, pg->kind(),
+               gpus.empty() ? std::string("CPU") : fmt::format("GPUs {}", fmt::join(gpus, ",")));
+  }
+  try {
+    return train_impl(opt, *pg, gpus);
+  } catch (const std::exception& e) {
+    if (pg->world() > 1) {  // the other ranks would wait in the next collective forever
+      tlog::error("{}", e.what());
+      tlog::error("rank {} failed: ending every rank of the job", ri.rank);
+      pg->abort(1);
+    }
+    throw;
+  }
 }
 
 }  // namespace talon::train

@@ -1,5 +1,6 @@
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 
 #include <thread>
 
@@ -262,7 +263,7 @@ class CudaDraftTrainer final : public GpuDraftTrainer {
 class DataParallelDraftTrainer final : public GpuDraftTrainer {
  public:
   DataParallelDraftTrainer(const DraftConfig& c, const TargetHead& tgt, const DraftVocab& vocab,
-                           const std::vector<int>& devices, GpuMath math, int64_t max_rows)
+                           const std::vector<int>& devices, GpuMath math, int64_t max_rows, const GpuGroup& group)
       : devices_(devices) {
     const Nccl& nc = Nccl::get();
     const int n = int(devices.size());
@@ -271,7 +272,21 @@ class DataParallelDraftTrainer final : public GpuDraftTrainer {
     each([&](int r) {
       ranks_[size_t(r)] = std::make_unique<CudaDraftTrainer>(c, tgt, vocab, devices_[size_t(r)], math, max_rows);
     });
-    nc.check(nc.comm_init_all(comms_.data(), n, devices_.data()), "ncclCommInitAll");
+    if (group.size == 0) {
+      nc.check(nc.comm_init_all(comms_.data(), n, devices_.data()), "ncclCommInitAll");
+      return;
+    }
+    // Across processes: this process's GPUs are global ranks first_rank.. of group.size.
+    TALON_CHECK(group.nccl_id.size() == sizeof(ncclUniqueId), "data parallel: an NCCL id of {} bytes, expected {}",
+                group.nccl_id.size(), sizeof(ncclUniqueId));
+    ncclUniqueId id;
+    std::memcpy(&id, group.nccl_id.data(), sizeof id);
+    nc.check(nc.group_start(), "ncclGroupStart");
+    for (int r = 0; r < n; ++r) {
+      CUDA_CHECK(cudaSetDevice(devices_[size_t(r)]));
+      nc.check(nc.comm_init_rank(&comms_[size_t(r)], group.size, id, group.first_rank + r), "ncclCommInitRank");
+    }
+    nc.check(nc.group_end(), "ncclGroupEnd (joining the job's GPUs)");
   }
   ~DataParallelDraftTrainer() override {
     for (auto c : comms_)
@@ -358,6 +373,116 @@ class DataParallelDraftTrainer final : public GpuDraftTrainer {
 
 }  // namespace
 
+#if TALON_HAVE_NCCL_H
+// Host collectives over NCCL: one rank per process, bytes staged through device memory.
+class NcclProcessGroup final : public ProcessGroup {
+ public:
+  NcclProcessGroup(const RankInfo& ri, int device, const fs::path& dir)
+      : ProcessGroup(ri.rank, ri.world), device_(device) {
+    const Nccl& nc = Nccl::get();
+    const std::string id_bytes =
+        exchange_id_file(dir, "nccl", ri, ri.rank == 0 ? nccl_unique_id() : std::string(sizeof(ncclUniqueId), '\0'));
+    ncclUniqueId id;
+    std::memcpy(&id, id_bytes.data(), sizeof id);
+    CUDA_CHECK(cudaSetDevice(device_));
+    CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+    nc.check(nc.comm_init_rank(&comm_, world_, id, rank_), "ncclCommInitRank (the processes' host group)");
+    barrier();
+    if (rank_ == 0) remove_id_file(dir, "nccl");
+  }
+  ~NcclProcessGroup() override {
+    if (comm_) Nccl::get().comm_destroy(comm_);
+    if (buf_) cudaFree(buf_);
+    if (stream_) cudaStreamDestroy(stream_);
+  }
+  std::vector<std::string> allgather(const std::string& mine) override {
+    const Nccl& nc = Nccl::get();
+    CUDA_CHECK(cudaSetDevice(device_));
+    std::vector<uint64_t> sizes(static_cast<size_t>(world_));
+    uint64_t n = mine.size();
+    reserve(size_t(world_ + 1) * 8);
+    CUDA_CHECK(cudaMemcpyAsync(buf_, &n, 8, cudaMemcpyHostToDevice, stream_));
+    nc.check(nc.all_gather(buf_, buf_ + 8, 8, ncclUint8, comm_, stream_), "ncclAllGather (sizes)");
+    CUDA_CHECK(cudaMemcpyAsync(sizes.data(), buf_ + 8, size_t(world_) * 8, cudaMemcpyDeviceToHost, stream_));
+    CUDA_CHECK(cudaStreamSynchronize(stream_));
+    uint64_t most = 0;
+    for (auto z : sizes) most = std::max(most, z);
+    reserve(size_t(most) * size_t(world_ + 1));
+    if (most > 0) {
+      CUDA_CHECK(cudaMemcpyAsync(buf_, mine.data(), mine.size(), cudaMemcpyHostToDevice, stream_));
+      nc.check(nc.all_gather(buf_, buf_ + most, size_t(most), ncclUint8, comm_, stream_), "ncclAllGather");
+    }
+    std::vector<std::string> all(static_cast<size_t>(world_));
+    for (int r = 0; r < world_; ++r) {
+      all[size_t(r)].resize(size_t(sizes[size_t(r)]));
+      if (sizes[size_t(r)] > 0)
+        CUDA_CHECK(cudaMemcpyAsync(all[size_t(r)].data(), buf_ + most * uint64_t(r + 1), size_t(sizes[size_t(r)]),
+                                   cudaMemcpyDeviceToHost, stream_));
+    }
+    CUDA_CHECK(cudaStreamSynchronize(stream_));
+    return all;
+  }
+  void broadcast(std::string& data, int root) override {
+    const Nccl& nc = Nccl::get();
+    CUDA_CHECK(cudaSetDevice(device_));
+    uint64_t n = data.size();
+    reserve(8);
+    CUDA_CHECK(cudaMemcpyAsync(buf_, &n, 8, cudaMemcpyHostToDevice, stream_));
+    nc.check(nc.broadcast(buf_, buf_, 8, ncclUint8, root, comm_, stream_), "ncclBroadcast (size)");
+    CUDA_CHECK(cudaMemcpyAsync(&n, buf_, 8, cudaMemcpyDeviceToHost, stream_));
+    CUDA_CHECK(cudaStreamSynchronize(stream_));
+    if (rank_ != root) data.resize(size_t(n));
+    if (n == 0) return;
+    reserve(size_t(n));
+    CUDA_CHECK(cudaMemcpyAsync(buf_, data.data(), size_t(n), cudaMemcpyHostToDevice, stream_));
+    nc.check(nc.broadcast(buf_, buf_, size_t(n), ncclUint8, root, comm_, stream_), "ncclBroadcast");
+    CUDA_CHECK(cudaMemcpyAsync(data.data(), buf_, size_t(n), cudaMemcpyDeviceToHost, stream_));
+    CUDA_CHECK(cudaStreamSynchronize(stream_));
+  }
+  void barrier() override { (void)allgather(std::string()); }
+  [[noreturn]] void abort(int code) override {
+    spdlog::default_logger()->flush();
+    if (comm_) Nccl::get().comm_abort(comm_);
+    std::_Exit(code);
+  }
+  std::string kind() const override { return "NCCL"; }
+
+ private:
+  void reserve(size_t n) {
+    if (n <= cap_) return;
+    if (buf_) CUDA_CHECK(cudaFree(buf_));
+    buf_ = nullptr;
+    CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&buf_), n));
+    cap_ = n;
+  }
+  int device_;
+  cudaStream_t stream_ = nullptr;
+  ncclComm_t comm_ = nullptr;
+  uint8_t* buf_ = nullptr;
+  size_t cap_ = 0;
+};
+#endif
+
+std::string nccl_unique_id() {
+#if TALON_HAVE_NCCL_H
+  const Nccl& nc = Nccl::get();
+  ncclUniqueId id;
+  nc.check(nc.get_unique_id(&id), "ncclGetUniqueId");
+  return std::string(reinterpret_cast<const char*>(&id), sizeof id);
+#else
+  fail("training on GPUs across processes needs NCCL, and this build found no nccl.h (set TALON_NCCL_DIR)");
+#endif
+}
+
+std::unique_ptr<ProcessGroup> nccl_process_group(const RankInfo& ri, int device, const fs::path& dir) {
+#if TALON_HAVE_NCCL_H
+  return std::make_unique<NcclProcessGroup>(ri, device, dir);
+#else
+  (void)ri, (void)device, (void)dir;
+  fail("training on GPUs across processes needs NCCL, and this build found no nccl.h (set TALON_NCCL_DIR)");
+#endif
+}
+
 std::shared_ptr<float[]> host_floats(size_t n, bool pinned) {
   void* p = nullptr;
   if (pinned && n > 0 && cudaHostAlloc(&p, n * sizeof(float), cudaHostAllocPortable) == cudaSuccess)
@@ -368,11 +493,12 @@ std::shared_ptr<float[]> host_floats(size_t n, bool pinned) {
 
 std::unique_ptr<GpuDraftTrainer> make_gpu_draft_trainer(const DraftConfig& c, const TargetHead& tgt,
                                                         const DraftVocab& vocab, const std::vector<int>& devices,
-                                                        GpuMath math, int64_t max_rows) {
+                                                        GpuMath math, int64_t max_rows, const GpuGroup& group) {
   TALON_CHECK(!devices.empty(), "draft on GPU: no device given");
-  if (devices.size() == 1) return std::make_unique<CudaDraftTrainer>(c, tgt, vocab, devices[0], math, max_rows);
+  if (devices.size() == 1 && group.size == 0)
+    return std::make_unique<CudaDraftTrainer>(c, tgt, vocab, devices[0], math, max_rows);
 #if TALON_HAVE_NCCL_H
-  return std::make_unique<DataParallelDraftTrainer>(c, tgt, vocab, devices, math, max_rows);
+  return std::make_unique<DataParallelDraftTrainer>(c, tgt, vocab, devices, math, max_rows, group);
 #else
   fail("training on {} GPUs needs NCCL, and this build found no nccl.h (set TALON_NCCL_DIR)", devices.size());
 #endif

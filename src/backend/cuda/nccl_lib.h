@@ -26,6 +26,10 @@ struct Nccl {
   decltype(&ncclGroupEnd) group_end = nullptr;
   decltype(&ncclSend) send = nullptr;
   decltype(&ncclRecv) recv = nullptr;
+  decltype(&ncclGetUniqueId) get_unique_id = nullptr;
+  decltype(&ncclCommInitRank) comm_init_rank = nullptr;
+  decltype(&ncclAllGather) all_gather = nullptr;
+  decltype(&ncclBroadcast) broadcast = nullptr;
 
   static const Nccl& get() {
     static const Nccl n = [] {
@@ -51,6 +55,10 @@ struct Nccl {
       x.group_end = reinterpret_cast<decltype(x.group_end)>(sym("ncclGroupEnd"));
       x.send = reinterpret_cast<decltype(x.send)>(sym("ncclSend"));
       x.recv = reinterpret_cast<decltype(x.recv)>(sym("ncclRecv"));
+      x.get_unique_id = reinterpret_cast<decltype(x.get_unique_id)>(sym("ncclGetUniqueId"));
+      x.comm_init_rank = reinterpret_cast<decltype(x.comm_init_rank)>(sym("ncclCommInitRank"));
+      x.all_gather = reinterpret_cast<decltype(x.all_gather)>(sym("ncclAllGather"));
+      x.broadcast = reinterpret_cast<decltype(x.broadcast)>(sym("ncclBroadcast"));
       return x;
     }();
     return n;

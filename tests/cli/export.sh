@@ -8,8 +8,7 @@ source "$(dirname "$0")/lib.sh"
 GGUF=${TALON_SMOLLM2_GGUF:-$SRC/.cache/models/SmolLM2-135M-Instruct.Q4_1.gguf}
 [ -f "$GGUF" ] || { echo "missing $GGUF (run scripts/fetch_model.sh)"; exit 1; }
 CHECK="$SRC/tests/cli/check_export.py"
-"$TALON" prepare --model "$GGUF" --data "$SRC/examples/demo_chats.jsonl" --out "$WORK/tok" > /dev/null 2>&1 || bad "prepare"
-"$TALON" extract --model "$GGUF" --data "$WORK/tok" --out "$WORK/feat" > /dev/null 2>&1 || bad "extract"
+demo_features "$WORK" || bad "prepare + extract"
 train=(--data "$WORK/feat" --model "$GGUF" --draft-vocab 256 --max-length 64 --ttt-steps 2 --lr 1e-3)
 "$TALON" train "${train[@]}" --max-steps 3 --out "$WORK/run" > /dev/null 2> "$WORK/train.err" && ok "trained 3 steps" \
   || bad "train: $(tail -3 "$WORK/train.err")"

@@ -92,8 +92,7 @@ echo '{"conversations": "not a list"}' > "$WORK/bad.jsonl"
 [ $? -ne 0 ] && grep -q "bad.jsonl:1" "$WORK/b.err" && ok "bad record named by file:line" || bad "$(cat "$WORK/b.err")"
 
 # eval: a short training run gives a draft; greedy chain and tree speculation equal the target.
-"$TALON" prepare --model "$GGUF" --data "$SRC/examples/demo_chats.jsonl" --out "$WORK/tok" > /dev/null 2>&1 || bad "prepare demo"
-"$TALON" extract --model "$GGUF" --data "$WORK/tok" --out "$WORK/feat" > /dev/null 2>&1 || bad "extract"
+demo_features "$WORK" || bad "prepare + extract of the demo chats"
 "$TALON" train --data "$WORK/feat" --model "$GGUF" --draft-vocab 1024 --max-length 64 --ttt-steps 3 --lr 1e-3 \
   --max-steps 3 --out "$WORK/run" > /dev/null 2> "$WORK/tr.err" || bad "train: $(tail -3 "$WORK/tr.err")"
 ev=(eval --model "$GGUF" --data "$WORK/chats.jsonl" --limit 3 --max-new-tokens 16 --chain 2 --tree "3,3,6")

@@ -44,3 +44,16 @@ wait_recorded() {
   done
   return 0
 }
+# demo_features DIR: DIR/tok and DIR/feat, SmolLM2's prepare + extract of
+# examples/demo_chats.jsonl. Copied from the ctest run's shared fixture (fixture.demo_features,
+# TALON_FIXTURE_DIR) when it is there, else made here, so each script also runs alone.
+demo_features() {
+  local d=$1 g=${GGUF:-$SRC/.cache/models/SmolLM2-135M-Instruct.Q4_1.gguf}
+  if [ -n "${TALON_FIXTURE_DIR:-}" ] && [ -f "$TALON_FIXTURE_DIR/feat/manifest.json" ] &&
+     grep -q '"complete"' "$TALON_FIXTURE_DIR/feat/manifest.json"; then
+    cp -r "$TALON_FIXTURE_DIR/tok" "$TALON_FIXTURE_DIR/feat" "$d/" && rm -f "$d"/tok/.talon*.lock "$d"/feat/.talon*.lock &&
+      return 0
+  fi
+  "$TALON" prepare --model "$g" --data "$SRC/examples/demo_chats.jsonl" --out "$d/tok" > /dev/null 2>&1 &&
+    "$TALON" extract --model "$g" --data "$d/tok" --out "$d/feat" > /dev/null 2>&1
+}

@@ -5,8 +5,7 @@
 source "$(dirname "$0")/lib.sh"
 GGUF=${TALON_SMOLLM2_GGUF:-$SRC/.cache/models/SmolLM2-135M-Instruct.Q4_1.gguf}
 [ -f "$GGUF" ] || { echo "missing $GGUF (run scripts/fetch_model.sh)"; exit 1; }
-"$TALON" prepare --model "$GGUF" --data "$SRC/examples/demo_chats.jsonl" --out "$WORK/tok" > /dev/null 2>&1 || bad "prepare"
-"$TALON" extract --model "$GGUF" --data "$WORK/tok" --out "$WORK/feat" > /dev/null 2>&1 && ok "features extracted" || bad "extract"
+demo_features "$WORK" && ok "features extracted" || bad "prepare + extract"
 base=(--data "$WORK/feat" --model "$GGUF" --draft-vocab 256 --max-length 128 --ttt-steps 3 --max-steps 8 --epochs 2
       --save-every 2 --lr 1e-3 --warmup-steps 2 --batch-samples 2)
 args=("${base[@]}" --seed 5)

@@ -18,6 +18,8 @@ for a in "$@"; do
   esac
 done
 scripts/setup.sh > /dev/null
+# The full tier's Release suite runs the long variants too (tokenizer parity on the whole corpus).
+[ "$full" = 1 ] && export TALON_TEST_FULL=1
 export TALON_REQUIRE_MODEL=1
 t0=$(date +%s)
 cmake -S . -B build -DCMAKE_BUILD_TYPE=Release > /dev/null

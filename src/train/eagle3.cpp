@@ -200,13 +200,15 @@ TttResult ttt_forward(const DraftConfig& c, const DraftWeights& w, const TargetH
   const std::vector<float> inv = rope_inv_freq(c.rope, hd);
 
   // Target distribution over the draft vocabulary, its argmax, and whether the target's
-  // full-vocabulary argmax is a draft token.
+  // full-vocabulary argmax is a draft token; only for the loss-masked rows, the only ones any
+  // step reads (the full-vocabulary product is most of a sample's work on the CPU).
   Vec P(static_cast<size_t>(T * Vd));
   std::vector<int64_t> tgt_arg(static_cast<size_t>(T));
   std::vector<uint8_t> in_vocab(static_cast<size_t>(T));
   {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(dynamic, 4)
     for (int64_t t = 0; t < T; ++t) {
+      if (!s.mask[t]) continue;
       Vec hn(static_cast<size_t>(H)), full(static_cast<size_t>(V));
       Vec h(s.hidden + t * H, s.hidden + (t + 1) * H);
       rmsnorm(hn.data(), h.data(), tgt.final_norm, H, tgt.rms_eps);

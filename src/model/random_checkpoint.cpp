@@ -18,7 +18,7 @@ namespace {
 struct Spec {
   std::string name;
   std::vector<int64_t> shape;
-  const char* type;  // "BF16", "I32" (int4 packed words), "I64" (an int4 weight_shape)
+  const char* type = "BF16";  // "BF16", "I32" (int4 packed words), "I64" (an int4 weight_shape)
   std::array<int64_t, 2> logical{};  // I64: the values it holds, the weight's [O, I]
 };
 
@@ -61,11 +61,7 @@ class RandomCheckpoint final : public Checkpoint {
     }
     int64_t most = 0, most_words = 1;
     for (const Spec& s : specs) {
-      CkptTensor t;
-      t.name = s.name;
-      t.stored_type = s.type;
-      t.shape = s.shape;
-      t.file = source_;
+      CkptTensor t{s.name, std::string(s.type), s.shape, source_};
       if (std::string(s.type) == "I32")
         most_words = std::max(most_words, t.numel());
       else

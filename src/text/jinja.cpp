@@ -901,7 +901,10 @@ class Parser {
       first = false;
       int line = cur().line;
       std::string name = expect_name();
-      while (skip_op(".")) name += "." + expect_name();
+      while (skip_op(".")) {
+        name += '.';
+        name += expect_name();
+      }
       check_filter(name);
       auto f = mk(EK::Filter, line);
       f->name = name;
@@ -916,7 +919,10 @@ class Parser {
     int line = next().line;  // is
     bool negated = skip_name("not");
     std::string name = expect_name();
-    while (skip_op(".")) name += "." + expect_name();
+    while (skip_op(".")) {
+      name += '.';
+      name += expect_name();
+    }
     check_test(name);
     auto t = mk(EK::Test, line);
     t->name = name;

@@ -114,7 +114,10 @@ std::string python_float_repr(double d) {
     }
   } else {
     out = digits.substr(0, 1);
-    if (digits.size() > 1) out += "." + digits.substr(1);
+    if (digits.size() > 1) {
+      out += '.';
+      out += digits.substr(1);
+    }
     out += exp < 0 ? "e-" : "e+";
     std::string es = std::to_string(std::abs(exp));
     if (es.size() < 2) es = "0" + es;

@@ -280,7 +280,10 @@ std::string job_tag() {
   std::string t;
   for (const char* v : {"SLURM_JOB_ID", "SLURM_STEP_ID", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
                         "MASTER_PORT"})
-    if (const char* s = std::getenv(v); s && *s) t += (t.empty() ? "" : ".") + std::string(s);
+    if (const char* s = std::getenv(v); s && *s) {
+      if (!t.empty()) t += '.';
+      t += s;
+    }
   if (t.empty()) t = "job";
   for (char& ch : t)
     if (!std::isalnum(static_cast<unsigned char>(ch)) && ch != '-' && ch != '_' && ch != '.') ch = '_';

@@ -63,7 +63,8 @@ void Progress::draw(bool final) {
   if (tty_) {
     const int width = 24;
     const int fill = int(frac * width);
-    std::string bar = "[" + std::string(size_t(fill), '#') + std::string(size_t(width - fill), '.') + "] ";
+    std::string bar(1, '[');
+    bar.append(size_t(fill), '#').append(size_t(width - fill), '.').append("] ");
     std::fprintf(stderr, "\r%s%s\033[K%s", bar.c_str(), line.c_str(), final ? "\n" : "");
     std::fflush(stderr);
   } else {

@@ -319,7 +319,7 @@ TEST(CudaDecodeSmolLM2, GreedyDecodingMatchesTheCpuDecoder) {
   st::File g(fixture("smollm2") / "golden.safetensors");
   std::vector<DecodeRequest> reqs;
   for (int p = 0; p < 3; ++p) {
-    auto ids64 = read_i64(g, "p" + std::to_string(p) + ".input_ids");
+    auto ids64 = read_i64(g, fmt::format("p{}.input_ids", p));
     reqs.push_back({p, std::vector<int32_t>(ids64.begin(), ids64.end()), {}, false});
   }
   int agree = 0, checked = 0;

@@ -71,7 +71,7 @@ std::vector<bf16> to_bf16(const std::vector<float>& v) {
   std::vector<bf16> o(v.size());
   for (size_t i = 0; i < v.size(); ++i) {
     uint16_t b = f32_to_bf16(v[i]);
-    std::memcpy(&o[i], &b, 2);
+    std::memcpy(static_cast<void*>(&o[i]), &b, 2);
   }
   return o;
 }
@@ -457,7 +457,7 @@ TEST(CudaSmolLM2, MatchesTransformersWithinBf16) {
   const ModelConfig& c = model->config();
   st::File g(fs::path(talon::testing::source_dir()) / "tests/fixtures/golden/smollm2/golden.safetensors");
   for (int p = 0; p < 3; ++p) {
-    const std::string pre = "p" + std::to_string(p) + ".";
+    const std::string pre = fmt::format("p{}.", p);
     auto ids64 = talon::testing::read_i64(g, pre + "input_ids");
     std::vector<int32_t> ids(ids64.begin(), ids64.end());
     const int64_t T = int64_t(ids.size()), V = c.vocab;

@@ -199,7 +199,7 @@ TEST(CudaParallel, ExtractWritesEveryCaptureInEveryLayout) {
     for (int len : {9, 17, 5, 12, 21}) {
       std::vector<int> ids(static_cast<size_t>(len));
       for (auto& x : ids) x = int(rng() % uint32_t(c.vocab));
-      out << json{{"id", "s" + std::to_string(k++)}, {"input_ids", ids}, {"loss_mask", std::vector<int>(ids.size(), 1)}}
+      out << json{{"id", fmt::format("s{}", k++)}, {"input_ids", ids}, {"loss_mask", std::vector<int>(ids.size(), 1)}}
                  .dump()
           << "\n";
     }

@@ -33,8 +33,8 @@ TEST(SmolLM2, LogitsHiddenStatesAndGreedyTokensMatchTransformers) {
   st::File g(fs::path(source_dir()) / "tests/fixtures/golden/smollm2/golden.safetensors");
   const int hidden_ids[] = {2, 15, 27, 30};
   int prompts = 0;
-  for (int p = 0; g.find("p" + std::to_string(p) + ".input_ids"); ++p, ++prompts) {
-    const std::string pre = "p" + std::to_string(p) + ".";
+  for (int p = 0; g.find(fmt::format("p{}.input_ids", p)); ++p, ++prompts) {
+    const std::string pre = fmt::format("p{}.", p);
     auto ids64 = read_i64(g, pre + "input_ids");
     std::vector<int32_t> ids(ids64.begin(), ids64.end());
     const int64_t T = int64_t(ids.size()), H = c.hidden, V = c.vocab;

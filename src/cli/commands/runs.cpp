@@ -105,7 +105,10 @@ int run_gpus() {
   std::cout << fmt::format("talon runs ({} active, registry {}):\n", runs.size(), run_registry_dir().string());
   for (auto& r : runs) {
     std::string gl;
-    for (auto& g : r.record.value("gpus", nlohmann::json::array())) gl += (gl.empty() ? "" : ",") + g.dump();
+    for (auto& g : r.record.value("gpus", nlohmann::json::array())) {
+      if (!gl.empty()) gl += ',';
+      gl += g.dump();
+    }
     std::cout << fmt::format("  {}  gpus [{}]  since {}\n", describe(r), gl, r.record.value("started", "?"));
   }
   return 0;

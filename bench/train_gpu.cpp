@@ -52,6 +52,13 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   bool staged = false, resident = false;
   app.add_flag("--staged", staged, "features in ordinary (pageable) host memory");
+  GpuDraftOptions eng;  // the engine's options, as `talon train --gpu-*` sets them
+  app.add_option("--gpu-attention", eng.attention, "auto | flash | blocks | loop")->capture_default_str();
+  app.add_flag("--gpu-fp32-operands", eng.fp32_operands, "bf16 math rounds fp32 operands inside cuBLAS");
+  app.add_option("--gpu-logit-rows", eng.logit_rows, "rows of logits per chunk (0: as many as fit)");
+  app.add_option("--gpu-attn-block", eng.attn_block, "blocks attention: causal key block (-1 default, 0 none)");
+  app.add_flag("--gpu-lm-grad-in-backward", eng.lm_grad_in_backward, "lm_head backward in the backward pass");
+  app.add_flag("--gpu-profile", eng.profile, "GPU time per phase");
   app.add_flag("--resident", resident,
                "features in device memory (as the PyTorch peer keeps them), copied device to device; the "
                "memory figure includes them");
@@ -131,7 +138,8 @@ int main(int argc, char** argv) {
     }
     const float* aux_p = resident ? aux_d : aux.get();
     const float* hid_p = resident ? hid_d : hid.get();
-    auto gpu = make_gpu_draft_trainer(c, {embed.data(), fnorm.data(), head.data(), 1e-5}, dv, devices, parse_gpu_math(math), N);
+    auto gpu = make_gpu_draft_trainer(c, {embed.data(), fnorm.data(), head.data(), 1e-5}, dv, devices, parse_gpu_math(math), N, {},
+                                      eng);
     gpu->set_weights(w);
     std::vector<Sample> batch;
     for (int64_t s = 0; s < samples; ++s)

@@ -24,7 +24,8 @@ std::vector<GpuInfo> list_gpus() { return {}; }
 
 namespace talon::eagle3 {
 std::unique_ptr<GpuDraftTrainer> make_gpu_draft_trainer(const DraftConfig&, const TargetHead&, const DraftVocab&,
-                                                        const std::vector<int>&, GpuMath, int64_t, const GpuGroup&) {
+                                                        const std::vector<int>&, GpuMath, int64_t, const GpuGroup&,
+                                                        const GpuDraftOptions&) {
   fail("this build has no CUDA backend (nvcc was not found when it was configured): train with --device cpu");
 }
 std::string nccl_unique_id() { fail("this build has no CUDA backend: NCCL is not available"); }

@@ -26,7 +26,10 @@ namespace {
 // which signal stopped it (SIGTERM when it was the test hook).
 int resume_hint(int argc, char** argv) {
   std::string cmd;
-  for (int i = 0; i < argc; ++i) cmd += (i ? " " : "") + std::string(argv[i]);
+  for (int i = 0; i < argc; ++i) {
+    if (i) cmd += ' ';
+    cmd += argv[i];
+  }
   std::cerr << "resume with: " << cmd << "\n";
   return 128 + (stop_signal() ? stop_signal() : 15);
 }
@@ -138,6 +141,22 @@ int main(int argc, char** argv) {
   cmd_tr->add_option("--max-batch-tokens", tr.max_batch_tokens,
                      "GPU: tokens per packed micro-batch; a step's samples beyond it accumulate gradients")
       ->capture_default_str();
+  {
+    const char* g = "GPU engine (how, not what, it computes)";
+    cmd_tr->add_option("--gpu-attention", tr.gpu_engine.attention,
+                       "TTT attention: auto, flash (fused kernels), blocks (score-buffer products), loop (fp32 warps)")
+        ->capture_default_str()->group(g);
+    cmd_tr->add_flag("--gpu-fp32-operands", tr.gpu_engine.fp32_operands,
+                     "bf16 math rounds fp32 operands inside cuBLAS instead of keeping bf16 copies")->group(g);
+    cmd_tr->add_option("--gpu-logit-rows", tr.gpu_engine.logit_rows, "Rows of logits per chunk (0: as many as fit)")
+        ->capture_default_str()->group(g);
+    cmd_tr->add_option("--gpu-attn-block", tr.gpu_engine.attn_block,
+                       "blocks attention: causal key block size (-1: default, 0: no skipping)")
+        ->capture_default_str()->group(g);
+    cmd_tr->add_flag("--gpu-lm-grad-in-backward", tr.gpu_engine.lm_grad_in_backward,
+                     "The lm_head's backward recomputes the logits in the backward pass (less memory)")->group(g);
+    cmd_tr->add_flag("--gpu-profile", tr.gpu_engine.profile, "Log GPU time per phase at the end")->group(g);
+  }
   cmd_tr->add_option("--noise", tr.noise, "Uniform noise amplitude added to the aux hidden states")->capture_default_str();
   cmd_tr->add_option("--eval-fraction", tr.eval_fraction, "Fraction of samples held back for evaluation")
       ->capture_default_str();

@@ -20,6 +20,7 @@
 #include "data/samples.h"
 #include "io/safetensors.h"
 #include "model/model.h"
+#include "util/threads.h"
 #include "util/dtype.h"
 #include "util/error.h"
 #include "util/log.h"
@@ -119,34 +120,23 @@ ExtractReport run_extract(const ExtractOptions& opt) {
     groups.push_back({});
   }
   std::vector<std::unique_ptr<Model>> models(groups.size());
-  {
-    std::vector<std::exception_ptr> errs(groups.size());
-    std::vector<std::thread> loaders;
-    for (size_t g = 0; g < groups.size(); ++g)
-      loaders.emplace_back([&, g] {
-        try {
-          if (!dev.cuda) {
-            models[g] = make_cpu_model(*ckpt);
-            return;
-          }
-          set_thread_log_tag(fmt::format("gpu {}", groups[g][0]));
-          GpuOptions go;
-          go.devices = groups[g];
-          go.tp = opt.tp;
-          go.ep = opt.ep;
-          go.share_devices = opt.share_gpus;
-          go.max_tokens = opt.max_batch_tokens;
-          go.n_capture = int64_t(aux.size()) + 1;
-          go.capture_dtype = opt.fp32 ? DType::F32 : DType::BF16;
-          models[g] = make_cuda_model(*ckpt, go);
-        } catch (...) {
-          errs[g] = std::current_exception();
-        }
-      });
-    for (auto& t : loaders) t.join();
-    for (auto& e : errs)
-      if (e) std::rethrow_exception(e);
-  }
+  run_threads(int(groups.size()), [&](int gi) {
+    const size_t g = size_t(gi);
+    if (!dev.cuda) {
+      models[g] = make_cpu_model(*ckpt);
+      return;
+    }
+    set_thread_log_tag(fmt::format("gpu {}", groups[g][0]));
+    GpuOptions go;
+    go.devices = groups[g];
+    go.tp = opt.tp;
+    go.ep = opt.ep;
+    go.share_devices = opt.share_gpus;
+    go.max_tokens = opt.max_batch_tokens;
+    go.n_capture = int64_t(aux.size()) + 1;
+    go.capture_dtype = opt.fp32 ? DType::F32 : DType::BF16;
+    models[g] = make_cuda_model(*ckpt, go);
+  });
   Model* model = models[0].get();
   rep.load_seconds = std::chrono::duration<double>(Clock::now() - t_start).count();
   tlog::info("model {} ({}, L={}, H={}, V={}) loaded in {:.2f}s on {}{}", opt.model.string(), arch_name(cfg.arch), L, H,

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "train/eagle3.h"
+#include "train/gpu_draft_options.h"
 #include "train/optim.h"
 #include "util/dist.h"
 
@@ -34,7 +35,7 @@ class GpuDraftTrainer {
   virtual double clip_grad_norm(double max_norm) = 0;
   virtual void adamw_step(const train::OptimConfig& c, int64_t t_before) = 0;
   virtual void zero_grads() = 0;
-  // GPU milliseconds per phase (TALON_DRAFT_PROFILE=1), of the first GPU.
+  // GPU milliseconds per phase (GpuDraftOptions::profile), of the first GPU.
   virtual std::vector<std::pair<std::string, double>> profile() const = 0;
   virtual int64_t max_rows() const = 0;
   virtual size_t device_bytes() const = 0;
@@ -67,6 +68,7 @@ std::unique_ptr<ProcessGroup> nccl_process_group(const RankInfo& ri, int device,
 std::unique_ptr<GpuDraftTrainer> make_gpu_draft_trainer(const DraftConfig& c, const TargetHead& tgt,
                                                         const DraftVocab& vocab, const std::vector<int>& devices,
                                                         GpuMath math, int64_t max_rows,
-                                                        const GpuGroup& group = {});
+                                                        const GpuGroup& group = {},
+                                                        const GpuDraftOptions& opt = {});
 
 }  // namespace talon::eagle3

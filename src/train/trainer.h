@@ -9,6 +9,7 @@
 #include <string>
 
 #include "train/eagle3.h"
+#include "train/gpu_draft_options.h"
 #include "train/optim.h"
 #include "util/file.h"
 
@@ -43,6 +44,7 @@ struct TrainOptions {
   std::string device = "cpu";   // cpu | cuda | cuda:N
   std::string gpu_math = "bf16";  // f32 | tf32 | bf16 (matrix products on the GPU)
   int64_t max_batch_tokens = 16384;  // GPU: tokens per packed micro-batch (gradients accumulate)
+  eagle3::GpuDraftOptions gpu_engine;  // GPU: how the engine computes (--gpu-attention, ...)
   int64_t stop_after_steps = -1;  // test hook: stop as if signalled after this many steps
 };
 

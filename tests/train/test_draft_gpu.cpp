@@ -119,6 +119,20 @@ double rel_diff(const std::vector<double>& a, const std::vector<double>& b) {
 
 class GpuDraft : public ::testing::TestWithParam<bool> {};
 
+// The engine options the trainers below are built with; ScopedOpt changes them for a scope.
+GpuDraftOptions g_eng;
+struct ScopedOpt {
+  GpuDraftOptions saved = g_eng;
+  template <class F>
+  explicit ScopedOpt(F&& set) {
+    set(g_eng);
+  }
+  ~ScopedOpt() { g_eng = saved; }
+};
+std::unique_ptr<GpuDraftTrainer> make_gpu(Case& cs, const std::vector<int>& devices, GpuMath math, int64_t max_rows) {
+  return make_gpu_draft_trainer(cs.c, cs.target(), cs.dv, devices, math, max_rows, {}, g_eng);
+}
+
 void check_against_cpu(Case& cs, GpuMath math, double loss_tol, double grad_tol, int64_t max_rows = 64,
                        int64_t min_counted = 20) {
   const auto batch = cs.batch();
@@ -130,7 +144,7 @@ void check_against_cpu(Case& cs, GpuMath math, double loss_tol, double grad_tol,
   for (auto& [n, g] : cpu_g.named())
     for (auto& x : *g) x *= weight;
 
-  auto gpu = make_gpu_draft_trainer(cs.c, cs.target(), cs.dv, {0}, math, max_rows);
+  auto gpu = make_gpu(cs, {0}, math, max_rows);
   gpu->set_weights(cs.w);
   const auto res = gpu->run(batch, weight, true, true);
   ASSERT_EQ(res.size(), cpu.size());
@@ -169,13 +183,12 @@ TEST_P(GpuDraft, ForwardBackwardMatchesCpuReference) {
   check_against_cpu(GetParam(), GpuMath::F32, tol::kGpuTttLossRel, tol::kGpuTttGradRel);
 }
 
-// The fp32 loop kernels (TALON_DRAFT_ATTENTION=loop) are a second, independent attention
+// The fp32 loop kernels (--gpu-attention loop) are a second, independent attention
 // implementation: they must match the reference as well.
 TEST_P(GpuDraft, LoopAttentionMatchesCpuReference) {
   REQUIRE_GPU();
-  setenv("TALON_DRAFT_ATTENTION", "loop", 1);
+  ScopedOpt att([](GpuDraftOptions& o) { o.attention = "loop"; });
   check_against_cpu(GetParam(), GpuMath::F32, tol::kGpuTttLossRel, tol::kGpuTttGradRel);
-  unsetenv("TALON_DRAFT_ATTENTION");
 }
 
 TEST_P(GpuDraft, Bf16TensorCoresStayClose) {
@@ -183,46 +196,40 @@ TEST_P(GpuDraft, Bf16TensorCoresStayClose) {
   check_against_cpu(GetParam(), GpuMath::BF16, tol::kGpuTttBf16LossRel, tol::kGpuTttBf16GradRel);
 }
 
-// Sets an environment variable for one scope (the engine reads its switches when built).
-struct ScopedEnv {
-  std::string name;
-  ScopedEnv(const char* n, const char* v) : name(n) { setenv(n, v, 1); }
-  ~ScopedEnv() { unsetenv(name.c_str()); }
-};
 
-// TALON_DRAFT_LM_BACKWARD=backward: the lm_head's backward recomputes the logits in the
+// --gpu-lm-grad-in-backward: the lm_head's backward recomputes the logits in the
 // backward pass, last step first like the reference (the default runs it in the forward
 // pass, right after each step's loss). Exact fp32, so the reference's tolerances.
 TEST_P(GpuDraft, LmBackwardInBackwardMatchesCpuReference) {
   REQUIRE_GPU();
-  ScopedEnv e("TALON_DRAFT_LM_BACKWARD", "backward");
+  ScopedOpt e([](GpuDraftOptions& o) { o.lm_grad_in_backward = true; });
   check_against_cpu(GetParam(), GpuMath::F32, tol::kGpuTttLossRel, tol::kGpuTttGradRel);
   check_against_cpu(GetParam(), GpuMath::BF16, tol::kGpuTttBf16LossRel, tol::kGpuTttBf16GradRel);
 }
 
-// TALON_DRAFT_GEMM=fp32: bf16 math on fp32 operands in memory, rounded inside cuBLAS (the
+// --gpu-fp32-operands: bf16 math on fp32 operands in memory, rounded inside cuBLAS (the
 // default keeps bf16 operands in memory: weight copies, bf16 twins of activations). The same
 // rounding, so the same tolerances.
 TEST_P(GpuDraft, Bf16RoundedInsideCublasStaysClose) {
   REQUIRE_GPU();
-  ScopedEnv e("TALON_DRAFT_GEMM", "fp32");
+  ScopedOpt e([](GpuDraftOptions& o) { o.fp32_operands = true; });
   check_against_cpu(GetParam(), GpuMath::BF16, tol::kGpuTttBf16LossRel, tol::kGpuTttBf16GradRel);
-  ScopedEnv f("TALON_DRAFT_LM_BACKWARD", "backward");
+  ScopedOpt f([](GpuDraftOptions& o) { o.lm_grad_in_backward = true; });
   check_against_cpu(GetParam(), GpuMath::BF16, tol::kGpuTttBf16LossRel, tol::kGpuTttBf16GradRel);
 }
 
-// Causal key blocks (TALON_DRAFT_ATTN_BLOCK) of the score-buffer products
-// (TALON_DRAFT_ATTENTION=blocks; with bf16 math the fused kernels are the default): with
+// Causal key blocks (--gpu-attn-block) of the score-buffer products
+// (--gpu-attention blocks; with bf16 math the fused kernels are the default): with
 // blocks of 4 and 7 rows the packed samples (13, 7, 22 and 2 rows) have several blocks,
 // partial last blocks and a sample shorter than one block; 0 turns the skipping off. The
 // products only skip score tiles that the mask zeroes, so fp32 stays within the reference's
 // tolerances.
 TEST_P(GpuDraft, CausalKeyBlocksMatchCpuReference) {
   REQUIRE_GPU();
-  ScopedEnv att("TALON_DRAFT_ATTENTION", "blocks");
-  for (const char* blk : {"4", "7", "0"}) {
-    SCOPED_TRACE(std::string("block ") + blk);
-    ScopedEnv e("TALON_DRAFT_ATTN_BLOCK", blk);
+  ScopedOpt att([](GpuDraftOptions& o) { o.attention = "blocks"; });
+  for (int64_t blk : {4, 7, 0}) {
+    SCOPED_TRACE(fmt::format("block {}", blk));
+    ScopedOpt e([&](GpuDraftOptions& o) { o.attn_block = blk; });
     check_against_cpu(GetParam(), GpuMath::F32, tol::kGpuTttLossRel, tol::kGpuTttGradRel);
     check_against_cpu(GetParam(), GpuMath::BF16, tol::kGpuTttBf16LossRel, tol::kGpuTttBf16GradRel);
   }
@@ -234,7 +241,7 @@ struct GpuRun {
   DraftGrads g;
 };
 GpuRun run_once(Case& cs, GpuMath math, int64_t max_rows) {
-  auto gpu = make_gpu_draft_trainer(cs.c, cs.target(), cs.dv, {0}, math, max_rows);
+  auto gpu = make_gpu(cs, {0}, math, max_rows);
   gpu->set_weights(cs.w);
   GpuRun r{{}, DraftGrads(cs.w)};
   for (auto& x : gpu->run(cs.batch(), 0.25, true, true)) r.loss.push_back(x.loss);
@@ -245,7 +252,7 @@ GpuRun run_once(Case& cs, GpuMath math, int64_t max_rows) {
 // The fused attention kernels (the default with bf16 math) on samples that span several
 // 64-row tiles: 150 rows (two full tiles and a partial one), exactly one tile, 7 rows, 90
 // rows; head sizes 32, 64 and 128. Against the CPU reference within the bf16 tolerances,
-// and against the score-buffer products (TALON_DRAFT_ATTENTION=blocks) on the same bf16
+// and against the score-buffer products (--gpu-attention blocks) on the same bf16
 // operands, where only summation order and exp2 vs exp differ: a tighter bound, which a
 // wrong mask at a tile edge or a dropped tile would break.
 TEST_P(GpuDraft, FusedAttentionMatchesReferenceAcrossTiles) {
@@ -257,7 +264,7 @@ TEST_P(GpuDraft, FusedAttentionMatchesReferenceAcrossTiles) {
     GpuRun fused = run_once(cs, GpuMath::BF16, 311);
     GpuRun blocks{{}, DraftGrads(cs.w)};
     {
-      ScopedEnv att("TALON_DRAFT_ATTENTION", "blocks");
+      ScopedOpt att([](GpuDraftOptions& o) { o.attention = "blocks"; });
       blocks = run_once(cs, GpuMath::BF16, 311);
     }
     for (size_t i = 0; i < fused.loss.size(); ++i)
@@ -272,26 +279,26 @@ TEST_P(GpuDraft, FusedAttentionMatchesReferenceAcrossTiles) {
 // An explicit request for the fused kernels that they cannot serve is refused.
 TEST(GpuDraftFused, RefusesUnsupportedRequest) {
   REQUIRE_GPU();
-  ScopedEnv att("TALON_DRAFT_ATTENTION", "flash");
+  ScopedOpt att([](GpuDraftOptions& o) { o.attention = "flash"; });
   Case cs(false, 3);
-  EXPECT_THROW(make_gpu_draft_trainer(cs.c, cs.target(), cs.dv, {0}, GpuMath::F32, 64), Error);
-  ScopedEnv bad("TALON_DRAFT_ATTENTION", "fastest");
-  EXPECT_THROW(make_gpu_draft_trainer(cs.c, cs.target(), cs.dv, {0}, GpuMath::BF16, 64), Error);
+  EXPECT_THROW(make_gpu(cs, {0}, GpuMath::F32, 64), Error);
+  ScopedOpt bad([](GpuDraftOptions& o) { o.attention = "fastest"; });
+  EXPECT_THROW(make_gpu(cs, {0}, GpuMath::BF16, 64), Error);
 }
 
 // The draft logits (and the target's full logits) a few rows at a time
-// (TALON_DRAFT_LOGIT_ROWS): 5 rows split the 44-row batch into chunks that cut through
+// (--gpu-logit-rows): 5 rows split the 44-row batch into chunks that cut through
 // samples and leave a short last one, 1 row is the extreme. Each chunk's loss gradient goes
 // through the lm_head on its own, in the forward (the default) and in the backward; fp32
 // stays within the reference's tolerances.
 TEST_P(GpuDraft, LogitRowChunksMatchCpuReference) {
   REQUIRE_GPU();
-  for (const char* rows : {"5", "1"}) {
-    SCOPED_TRACE(std::string("rows ") + rows);
-    ScopedEnv e("TALON_DRAFT_LOGIT_ROWS", rows);
+  for (int64_t rows : {5, 1}) {
+    SCOPED_TRACE(fmt::format("rows {}", rows));
+    ScopedOpt e([&](GpuDraftOptions& o) { o.logit_rows = rows; });
     check_against_cpu(GetParam(), GpuMath::F32, tol::kGpuTttLossRel, tol::kGpuTttGradRel);
     check_against_cpu(GetParam(), GpuMath::BF16, tol::kGpuTttBf16LossRel, tol::kGpuTttBf16GradRel);
-    ScopedEnv f("TALON_DRAFT_LM_BACKWARD", "backward");
+    ScopedOpt f([](GpuDraftOptions& o) { o.lm_grad_in_backward = true; });
     check_against_cpu(GetParam(), GpuMath::F32, tol::kGpuTttLossRel, tol::kGpuTttGradRel);
   }
 }
@@ -306,7 +313,7 @@ TEST_P(GpuDraft, SharedScratchMatchesCpuReference) {
   Case cs(GetParam(), 4321, {13, 7, 22, 2}, 16, 256);
   check_against_cpu(cs, GpuMath::F32, tol::kGpuTttLossRel, tol::kGpuTttGradRel);
   check_against_cpu(cs, GpuMath::BF16, tol::kGpuTttBf16LossRel, tol::kGpuTttBf16GradRel);
-  ScopedEnv f("TALON_DRAFT_LM_BACKWARD", "backward");
+  ScopedOpt f([](GpuDraftOptions& o) { o.lm_grad_in_backward = true; });
   check_against_cpu(cs, GpuMath::F32, tol::kGpuTttLossRel, tol::kGpuTttGradRel);
   check_against_cpu(cs, GpuMath::BF16, tol::kGpuTttBf16LossRel, tol::kGpuTttBf16GradRel);
 }
@@ -323,12 +330,12 @@ TEST_P(GpuDraft, SparseLossRowsMatchCpuReference) {
   for (auto& m : cs.samples[1].mask) m = 0;                          // a prompt only
   for (size_t t = 0; t < 18; ++t) cs.samples[2].mask[t] = 0;        // prompt, then the answer
   for (size_t t = 0; t < cs.samples[4].mask.size(); ++t) cs.samples[4].mask[t] = (t / 4) % 2;  // turns
-  for (const char* rows : {"3", "4096"}) {
-    SCOPED_TRACE(std::string("rows ") + rows);
-    ScopedEnv e("TALON_DRAFT_LOGIT_ROWS", rows);
+  for (int64_t rows : {3, 4096}) {
+    SCOPED_TRACE(fmt::format("rows {}", rows));
+    ScopedOpt e([&](GpuDraftOptions& o) { o.logit_rows = rows; });
     check_against_cpu(cs, GpuMath::F32, tol::kGpuTttLossRel, tol::kGpuTttGradRel, 80, 20);
     check_against_cpu(cs, GpuMath::BF16, tol::kGpuTttBf16LossRel, tol::kGpuTttBf16GradRel, 80, 20);
-    ScopedEnv f("TALON_DRAFT_LM_BACKWARD", "backward");
+    ScopedOpt f([](GpuDraftOptions& o) { o.lm_grad_in_backward = true; });
     check_against_cpu(cs, GpuMath::F32, tol::kGpuTttLossRel, tol::kGpuTttGradRel, 80, 20);
     check_against_cpu(cs, GpuMath::BF16, tol::kGpuTttBf16LossRel, tol::kGpuTttBf16GradRel, 80, 20);
   }
@@ -343,7 +350,7 @@ TEST_P(GpuDraft, StepsWithoutLossRowsMatchCpuReference) {
   for (auto& s : cs.samples)
     for (auto& m : s.mask) m = 1;
   check_against_cpu(cs, GpuMath::F32, tol::kGpuTttLossRel, tol::kGpuTttGradRel, 64, 8);
-  ScopedEnv f("TALON_DRAFT_LM_BACKWARD", "backward");
+  ScopedOpt f([](GpuDraftOptions& o) { o.lm_grad_in_backward = true; });
   check_against_cpu(cs, GpuMath::F32, tol::kGpuTttLossRel, tol::kGpuTttGradRel, 64, 8);
 }
 
@@ -396,16 +403,16 @@ TEST(DraftLossRows, ListsExactlyTheRowsThatCount) {
 TEST(GpuDraftLogitRows, RefusesBadValue) {
   REQUIRE_GPU();
   Case cs(false, 3);
-  for (const char* v : {"0", "-3", "12x", ""}) {
-    ScopedEnv e("TALON_DRAFT_LOGIT_ROWS", v);
-    EXPECT_THROW(make_gpu_draft_trainer(cs.c, cs.target(), cs.dv, {0}, GpuMath::BF16, 64), Error) << v;
+  for (int64_t v : {-1, -3}) {
+    ScopedOpt e([&](GpuDraftOptions& o) { o.logit_rows = v; });
+    EXPECT_THROW(make_gpu(cs, {0}, GpuMath::BF16, 64), Error) << v;
   }
 }
 
 // One bf16 run of cs with each sample's features read from feats (aux, hidden, sample after
 // sample) instead of cs's own vectors: the same losses and gradients as `staged`, bit for bit.
 void expect_same_bits_from(Case& cs, GpuRun& staged, const std::vector<const float*>& feats) {
-  auto gpu = make_gpu_draft_trainer(cs.c, cs.target(), cs.dv, {0}, GpuMath::BF16, 64);
+  auto gpu = make_gpu(cs, {0}, GpuMath::BF16, 64);
   gpu->set_weights(cs.w);
   std::vector<Sample> batch = cs.batch();
   ASSERT_EQ(feats.size(), 2 * batch.size());
@@ -474,7 +481,7 @@ TEST_P(GpuDraft, Bf16OperandsFollowWeightUpdates) {
   oc.lr = 5e-2;
   oc.warmup_steps = 0;
   oc.clip_norm = 0;
-  auto gpu = make_gpu_draft_trainer(cs.c, cs.target(), cs.dv, {0}, GpuMath::BF16, 64);
+  auto gpu = make_gpu(cs, {0}, GpuMath::BF16, 64);
   gpu->set_weights(cs.w);
   std::vector<double> cpu_losses;
   for (int step = 0; step < 5; ++step) {
@@ -509,7 +516,7 @@ TEST_P(GpuDraft, AdamWStepsMatchCpuAndAreDeterministic) {
   train::AdamW adam(oc);
   std::vector<std::unique_ptr<GpuDraftTrainer>> gpus;
   for (int r = 0; r < 2; ++r) {
-    gpus.push_back(make_gpu_draft_trainer(cs.c, cs.target(), cs.dv, {0}, GpuMath::F32, 40));
+    gpus.push_back(make_gpu(cs, {0}, GpuMath::F32, 40));
     gpus.back()->set_weights(cs.w);
   }
   for (int step = 0; step < 5; ++step) {
@@ -562,7 +569,7 @@ TEST_P(GpuDraft, AdamWStepsMatchCpuAndAreDeterministic) {
 TEST(GpuDraftBudget, RefusesBatchOverBudget) {
   REQUIRE_GPU();
   Case cs(false, 7);
-  auto gpu = make_gpu_draft_trainer(cs.c, cs.target(), cs.dv, {0}, GpuMath::F32, 16);
+  auto gpu = make_gpu(cs, {0}, GpuMath::F32, 16);
   gpu->set_weights(cs.w);
   EXPECT_THROW(gpu->run(cs.batch(), 1.0, true, true), Error);
 }
@@ -577,9 +584,9 @@ TEST(GpuDraftDataParallel, TwoGpusMatchOneAndAreDeterministic) {
   train::OptimConfig oc;
   oc.lr = 1e-3;
   oc.total_steps = 3;
-  auto one = make_gpu_draft_trainer(cs.c, cs.target(), cs.dv, {0}, GpuMath::F32, 64);
-  auto dp1 = make_gpu_draft_trainer(cs.c, cs.target(), cs.dv, {0, 1}, GpuMath::F32, 64);
-  auto dp2 = make_gpu_draft_trainer(cs.c, cs.target(), cs.dv, {1, 0}, GpuMath::F32, 64);
+  auto one = make_gpu(cs, {0}, GpuMath::F32, 64);
+  auto dp1 = make_gpu(cs, {0, 1}, GpuMath::F32, 64);
+  auto dp2 = make_gpu(cs, {1, 0}, GpuMath::F32, 64);
   for (auto* t : {one.get(), dp1.get(), dp2.get()}) t->set_weights(cs.w);
   for (int step = 0; step < 3; ++step) {
     const auto r1 = one->run(batch, 0.25, true, true);

@@ -16,6 +16,8 @@
 #include <utility>
 #include <vector>
 
+#include "train/gpu_draft_options.h"
+
 namespace talon::cuda {
 
 struct DraftDims {
@@ -85,7 +87,8 @@ class DraftEngine {
   // embed, lm_head [V, H], final_norm [H], kept [Vd] target ids, t2d [V], inv_freq [hd/2]:
   // host arrays, copied. max_rows bounds N of every batch (buffers are allocated here).
   DraftEngine(int device, const DraftDims& d, DraftMath math, const float* embed, const float* final_norm,
-              const float* lm_head, const int64_t* kept, const uint8_t* t2d, const float* inv_freq, int64_t max_rows);
+              const float* lm_head, const int64_t* kept, const uint8_t* t2d, const float* inv_freq, int64_t max_rows,
+              const eagle3::GpuDraftOptions& opt = {});
   ~DraftEngine();
   DraftEngine(const DraftEngine&) = delete;
   DraftEngine& operator=(const DraftEngine&) = delete;
@@ -121,7 +124,7 @@ class DraftEngine {
   cudaStream_t stream() const;
   int device() const;
   void zero_grads();
-  // With TALON_DRAFT_PROFILE set: milliseconds of GPU time per phase, summed over calls.
+  // With GpuDraftOptions::profile: milliseconds of GPU time per phase, summed over calls.
   std::vector<std::pair<std::string, double>> profile() const;
 
  private:

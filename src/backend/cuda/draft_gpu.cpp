@@ -7,6 +7,7 @@
 #include "backend/cuda/check.h"
 #include "backend/cuda/draft_engine.h"
 #include "backend/cuda/nccl_lib.h"
+#include "util/threads.h"
 #include "util/log.h"
 #include "model/model.h"
 #include "train/draft_gpu.h"
@@ -19,7 +20,7 @@ namespace {
 class CudaDraftTrainer final : public GpuDraftTrainer {
  public:
   CudaDraftTrainer(const DraftConfig& c, const TargetHead& tgt, const DraftVocab& vocab, int device, GpuMath math,
-                   int64_t max_rows)
+                   int64_t max_rows, const GpuDraftOptions& opt)
       : c_(c), max_rows_(max_rows) {
     TALON_CHECK(max_rows >= 2, "draft on GPU: the batch budget must be at least 2 tokens, got {}", max_rows);
     TALON_CHECK(int64_t(vocab.kept.size()) == c.Vd && int64_t(vocab.t2d.size()) == c.V,
@@ -31,7 +32,7 @@ class CudaDraftTrainer final : public GpuDraftTrainer {
                                            : cuda::DraftMath::BF16;
     const std::vector<float> inv = rope_inv_freq(c.rope, c.head_dim);
     eng_ = std::make_unique<cuda::DraftEngine>(device, d, m, tgt.embed, tgt.final_norm, tgt.lm_head, vocab.kept.data(),
-                                               vocab.t2d.data(), inv.data(), max_rows);
+                                               vocab.t2d.data(), inv.data(), max_rows, opt);
     DraftWeights probe;
     for (auto& [name, v] : probe.named()) decay_.push_back(is_norm_weight(name) ? 0 : 1);
   }
@@ -263,14 +264,15 @@ class CudaDraftTrainer final : public GpuDraftTrainer {
 class DataParallelDraftTrainer final : public GpuDraftTrainer {
  public:
   DataParallelDraftTrainer(const DraftConfig& c, const TargetHead& tgt, const DraftVocab& vocab,
-                           const std::vector<int>& devices, GpuMath math, int64_t max_rows, const GpuGroup& group)
+                           const std::vector<int>& devices, GpuMath math, int64_t max_rows, const GpuGroup& group,
+                           const GpuDraftOptions& opt)
       : devices_(devices) {
     const Nccl& nc = Nccl::get();
     const int n = int(devices.size());
     ranks_.resize(size_t(n));
     comms_.resize(size_t(n));
     each([&](int r) {
-      ranks_[size_t(r)] = std::make_unique<CudaDraftTrainer>(c, tgt, vocab, devices_[size_t(r)], math, max_rows);
+      ranks_[size_t(r)] = std::make_unique<CudaDraftTrainer>(c, tgt, vocab, devices_[size_t(r)], math, max_rows, opt);
     });
     if (group.size == 0) {
       nc.check(nc.comm_init_all(comms_.data(), n, devices_.data()), "ncclCommInitAll");
@@ -348,21 +350,11 @@ class DataParallelDraftTrainer final : public GpuDraftTrainer {
   // f(rank) on one thread per GPU, all at once; the first error is rethrown.
   template <class F>
   void each(F&& f) {
-    std::vector<std::exception_ptr> errs(devices_.size());
-    std::vector<std::thread> th;
-    for (int r = 0; r < int(devices_.size()); ++r)
-      th.emplace_back([&, r] {
-        set_thread_log_tag(fmt::format("gpu {}", devices_[size_t(r)]));
-        try {
-          CUDA_CHECK(cudaSetDevice(devices_[size_t(r)]));
-          f(r);
-        } catch (...) {
-          errs[size_t(r)] = std::current_exception();
-        }
-      });
-    for (auto& t : th) t.join();
-    for (auto& e : errs)
-      if (e) std::rethrow_exception(e);
+    run_threads(int(devices_.size()), [&](int r) {
+      set_thread_log_tag(fmt::format("gpu {}", devices_[size_t(r)]));
+      CUDA_CHECK(cudaSetDevice(devices_[size_t(r)]));
+      f(r);
+    });
   }
 
   std::vector<int> devices_;
@@ -493,12 +485,13 @@ std::shared_ptr<float[]> host_floats(size_t n, bool pinned) {
 
 std::unique_ptr<GpuDraftTrainer> make_gpu_draft_trainer(const DraftConfig& c, const TargetHead& tgt,
                                                         const DraftVocab& vocab, const std::vector<int>& devices,
-                                                        GpuMath math, int64_t max_rows, const GpuGroup& group) {
+                                                        GpuMath math, int64_t max_rows, const GpuGroup& group,
+                                                        const GpuDraftOptions& opt) {
   TALON_CHECK(!devices.empty(), "draft on GPU: no device given");
   if (devices.size() == 1 && group.size == 0)
-    return std::make_unique<CudaDraftTrainer>(c, tgt, vocab, devices[0], math, max_rows);
+    return std::make_unique<CudaDraftTrainer>(c, tgt, vocab, devices[0], math, max_rows, opt);
 #if TALON_HAVE_NCCL_H
-  return std::make_unique<DataParallelDraftTrainer>(c, tgt, vocab, devices, math, max_rows, group);
+  return std::make_unique<DataParallelDraftTrainer>(c, tgt, vocab, devices, math, max_rows, group, opt);
 #else
   fail("training on {} GPUs needs NCCL, and this build found no nccl.h (set TALON_NCCL_DIR)", devices.size());
 #endif

@@ -879,16 +879,6 @@ __global__ void adamw_kernel(float* w, float* m, float* v, const float* g, int64
   if (wb) wb[i] = __float2bfloat16_rn(wj);
 }
 
-// The whole number in environment variable `name`, or `unset` when it is not set; anything
-// but a whole number >= lo is refused, the message saying what was `expected`.
-int64_t env_count(const char* name, int64_t lo, int64_t unset, const char* expected) {
-  const char* v = std::getenv(name);
-  if (!v) return unset;
-  char* end = nullptr;
-  const long long x = std::strtoll(v, &end, 10);
-  if (end == v || *end != 0 || x < lo) fail_msg(std::string(name) + ": expected " + expected + ", got '" + v + "'");
-  return x;
-}
 
 template <class X>
 X* dalloc(size_t n, size_t& total) {
@@ -938,9 +928,9 @@ struct DraftEngine::Impl {
   float *Sb = nullptr, *dPb = nullptr, *sd = nullptr, *dsd = nullptr;
   __nv_bfloat16 *Pb = nullptr, *dSb = nullptr;  // with bf16 operands: P and dS as the products read them
   int64_t s_cap = 0;
-  bool loop_attention = false;  // TALON_DRAFT_ATTENTION=loop: the fp32 warp kernels
+  bool loop_attention = false;  // --gpu-attention loop: the fp32 warp kernels
   // The fused tensor-core kernels of ttt_attention.h for the causal part (the default with
-  // bf16 operands and a head size they support; TALON_DRAFT_ATTENTION=blocks: the cuBLAS
+  // bf16 operands and a head size they support; --gpu-attention blocks: the cuBLAS
   // products over score buffers instead). Their tile list is made per batch in prepare().
   bool flash_attention = false;
   int64_t* seq_start_d = nullptr;
@@ -949,20 +939,20 @@ struct DraftEngine::Impl {
   float* dkv_part = nullptr;  // [2, nh/nkv, R, kvd]: per-head partial dK0/dV0 of the fused backward
   std::vector<int64_t> h_seq_start;
   std::vector<int32_t> h_tiles;
-  // Query-block size of the causal skipping (TALON_DRAFT_ATTN_BLOCK; 0: whole samples).
+  // Query-block size of the causal skipping (--gpu-attn-block; 0: whole samples).
   int64_t attn_block = 1024;
   // With DraftMath::BF16, every product reads bf16 operands from memory (the weights' bf16
   // copy Wb, refreshed after each update; the target lm_head's copy lmb; activations as bf16
   // twins, written so by the kernel that makes them or cast from fp32 just before use) with
   // fp32 accumulation and fp32 outputs. Same rounding as cuBLAS's bf16 compute mode on fp32
   // operands (to nearest even), so the same numbers up to summation order; Hopper's bf16
-  // kernels need bf16 in memory to run at bf16 rate. TALON_DRAFT_GEMM=fp32 keeps fp32
+  // kernels need bf16 in memory to run at bf16 rate. --gpu-fp32-operands keeps fp32
   // operands in memory and lets cuBLAS round them (the slower, older path).
   bool bf16_operands = false;
   // When a run has a backward, each step's loss gradient goes through the lm_head as soon
   // as the forward has the logits (dW_lm accumulated there, d fn written over fn[k], which
   // nothing else reads later), so the backward does not recompute the [N, Vd] logits; dW_lm
-  // then sums the steps first to last. TALON_DRAFT_LM_BACKWARD=backward recomputes them in
+  // then sums the steps first to last. --gpu-lm-grad-in-backward recomputes them in
   // the backward instead, last step first like the CPU reference.
   bool lm_backward_in_forward = true;
   // Activations only ever read as products' operands are stored as bf16 only (in their
@@ -997,7 +987,7 @@ struct DraftEngine::Impl {
   bool host_pin_failed = false;
   cudaStream_t copy_s = nullptr;
   cudaEvent_t aux_ready = nullptr;
-  // TALON_DRAFT_PROFILE=1: GPU time per phase, from events between marks.
+  // --gpu-profile: GPU time per phase, from events between marks.
   bool profiling = false;
   std::vector<std::pair<std::string, cudaEvent_t>> marks;
   std::vector<std::pair<std::string, double>> prof_ms;
@@ -1514,7 +1504,7 @@ struct DraftEngine::Impl {
 
 DraftEngine::DraftEngine(int device, const DraftDims& dd, DraftMath math, const float* embed, const float* final_norm,
                          const float* lm_head, const int64_t* kept, const uint8_t* t2d, const float* inv_freq,
-                         int64_t max_rows)
+                         int64_t max_rows, const eagle3::GpuDraftOptions& opt)
     : p_(std::make_unique<Impl>()) {
   Impl& I = *p_;
   I.device = device;
@@ -1526,22 +1516,24 @@ DraftEngine::DraftEngine(int device, const DraftDims& dd, DraftMath math, const 
   if (dd.hd > 32 * kMaxHdPerLane || dd.hd % 2 != 0)
     fail_msg("draft on GPU: head_dim " + std::to_string(dd.hd) + " is not supported (even, at most 256)");
   if (dd.nkv <= 0 || dd.nh % dd.nkv != 0) fail_msg("draft on GPU: heads must be a multiple of kv heads");
-  // Switches, checked before anything is allocated.
-  const char* gemm_env = std::getenv("TALON_DRAFT_GEMM");
-  I.bf16_operands = math == DraftMath::BF16 && !(gemm_env && std::string(gemm_env) == "fp32");
-  const char* att = std::getenv("TALON_DRAFT_ATTENTION");
-  const std::string att_s = att ? att : "";
-  if (!att_s.empty() && att_s != "loop" && att_s != "blocks" && att_s != "flash")
-    fail_msg("TALON_DRAFT_ATTENTION: expected loop, blocks or flash, got '" + att_s + "'");
+  // Options, checked before anything is allocated.
+  I.bf16_operands = math == DraftMath::BF16 && !opt.fp32_operands;
+  const std::string& att_s = opt.attention;
+  if (att_s != "auto" && att_s != "loop" && att_s != "blocks" && att_s != "flash")
+    fail_msg("--gpu-attention: expected auto, flash, blocks or loop, got '" + att_s + "'");
   I.loop_attention = att_s == "loop";
   // The fused kernels read bf16 operands; elsewhere (exact fp32, unsupported head sizes) the
   // score-buffer products run.
   I.flash_attention = !I.loop_attention && att_s != "blocks" && I.bf16_operands && ttt_flash_supported(dd.hd);
   if (att_s == "flash" && !I.flash_attention)
-    fail_msg("TALON_DRAFT_ATTENTION=flash needs bf16 math and a head size that is a multiple of 16 up to 128 "
-             "(head size " + std::to_string(dd.hd) + ")");
-  const int64_t logit_rows = env_count("TALON_DRAFT_LOGIT_ROWS", 1, 0, "a number of rows >= 1");
-  I.attn_block = env_count("TALON_DRAFT_ATTN_BLOCK", 0, I.attn_block, "a block size >= 0 (0: no skipping)");
+    fail_msg("--gpu-attention flash needs bf16 math on bf16 operands and a head size that is a multiple of 16 up "
+             "to 128 (head size " + std::to_string(dd.hd) + ")");
+  if (opt.logit_rows < 0)
+    fail_msg("--gpu-logit-rows: expected a number of rows >= 1 (0: automatic), got " + std::to_string(opt.logit_rows));
+  if (opt.attn_block < -1)
+    fail_msg("--gpu-attn-block: expected a block size >= 0 (0: no skipping), got " + std::to_string(opt.attn_block));
+  const int64_t logit_rows = opt.logit_rows;
+  if (opt.attn_block >= 0) I.attn_block = opt.attn_block;
   CUDA_CHECK(cudaSetDevice(device));
   CUDA_CHECK(cudaStreamCreateWithFlags(&I.s, cudaStreamNonBlocking));
   CUBLASV2_CHECK(cublasCreate(&I.blas));
@@ -1623,7 +1615,7 @@ DraftEngine::DraftEngine(int device, const DraftDims& dd, DraftMath math, const 
     I.P = I.alloc<float>(size_t(R * Vd));
   // Logits are made a chunk of rows at a time, in memory that is idle then (below): the
   // target's full logits 1024 rows at a time (prepare), the draft's as many rows as fit
-  // (run); or TALON_DRAFT_LOGIT_ROWS rows of either.
+  // (run); or --gpu-logit-rows rows of either.
   I.chunk = std::min<int64_t>(R, logit_rows > 0 ? logit_rows : 1024);
   I.hn = I.alloc<float>(size_t(I.chunk * H));
   for (int64_t k = 0; k <= K; ++k) I.gs.push_back(I.alloc<float>(size_t(R * H)));
@@ -1667,8 +1659,7 @@ DraftEngine::DraftEngine(int device, const DraftDims& dd, DraftMath math, const 
   I.tmp = I.alloc<float>(size_t(R * H));
   I.act = I.alloc<float>(floats(R * Idim, I.bf16_operands));
   if (I.bf16_operands) I.lgb = I.alloc<__nv_bfloat16>(size_t(R * Vd));
-  const char* lmb_env = std::getenv("TALON_DRAFT_LM_BACKWARD");
-  I.lm_backward_in_forward = !(lmb_env && std::string(lmb_env) == "backward");
+  I.lm_backward_in_forward = !opt.lm_grad_in_backward;
   if (!I.lm_backward_in_forward) I.dfn = I.alloc<float>(size_t(R * H));  // else d fn goes over fn[k]
   I.dg2 = I.alloc<float>(size_t(R * H));
   // dact is only live inside the MLP's backward. Its memory also holds, when they fit: the
@@ -1702,7 +1693,7 @@ DraftEngine::DraftEngine(int device, const DraftDims& dd, DraftMath math, const 
     const int64_t n = 2 * (dd.nh / dd.nkv) * R * I.kvd;
     I.dkv_part = n <= R * Idim ? I.dact : I.alloc<float>(size_t(n));
   }
-  I.profiling = std::getenv("TALON_DRAFT_PROFILE") != nullptr;
+  I.profiling = opt.profile;
 }
 
 DraftEngine::~DraftEngine() {

@@ -11,6 +11,7 @@
 #include "backend/cuda/check.h"
 #include "backend/cuda/collective.h"
 #include "backend/cuda/cuda_model.h"
+#include "util/threads.h"
 #include "util/error.h"
 #include "util/log.h"
 
@@ -38,25 +39,17 @@ class GroupModel final : public Model {
     comm_ = shared ? cuda::make_shared_collectives(n) : cuda::make_nccl_collectives(devices_);
     ranks_.resize(size_t(n));
     // Load every rank in parallel, each from its own thread (the rank's thread-to-be).
-    std::vector<std::exception_ptr> errs(static_cast<size_t>(n));
-    std::vector<std::thread> loaders;
-    for (int r = 0; r < n; ++r)
-      loaders.emplace_back([&, r] {
+    try {
+      run_threads(n, [&](int r) {
         set_thread_log_tag(tag(r));
-        try {
-          CUDA_CHECK(cudaSetDevice(devices_[size_t(r)]));
-          ranks_[size_t(r)] = make(r, comm_.get());
-        } catch (...) {
-          errs[size_t(r)] = std::current_exception();
-        }
+        CUDA_CHECK(cudaSetDevice(devices_[size_t(r)]));
+        ranks_[size_t(r)] = make(r, comm_.get());
       });
-    for (auto& t : loaders) t.join();
-    for (auto& e : errs)
-      if (e) {
-        ranks_.clear();
-        comm_.reset();
-        std::rethrow_exception(e);
-      }
+    } catch (...) {
+      ranks_.clear();
+      comm_.reset();
+      throw;
+    }
     for (int r = 0; r < n; ++r) workers_.emplace_back([this, r] { worker(r); });
   }
 

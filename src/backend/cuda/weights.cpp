@@ -10,6 +10,7 @@
 
 #include "model/dense.h"
 #include "model/model.h"
+#include "util/threads.h"
 #include "util/error.h"
 #include "util/log.h"
 
@@ -123,24 +124,13 @@ DenseDeviceWeights upload_dense_weights(const Checkpoint& ckpt, int device, int 
   }
   const auto t0 = std::chrono::steady_clock::now();
   std::atomic<size_t> next{0};
-  std::exception_ptr err;
-  std::mutex err_mu;
-  auto worker = [&] {
-    try {
-      CUDA_CHECK(cudaSetDevice(device));
-      std::vector<float> f32;
-      std::vector<uint16_t> b16;
-      for (size_t i; (i = next++) < parts.size();) upload_part(parts[i], f32, b16);
-    } catch (...) {
-      std::lock_guard lk(err_mu);
-      if (!err) err = std::current_exception();
-    }
-  };
   const int n_threads = int(std::clamp<unsigned>(std::thread::hardware_concurrency() / unsigned(tp), 1, 8));
-  std::vector<std::thread> pool;
-  for (int i = 0; i < n_threads; ++i) pool.emplace_back(worker);
-  for (auto& t : pool) t.join();
-  if (err) std::rethrow_exception(err);
+  run_threads(n_threads, [&](int) {
+    CUDA_CHECK(cudaSetDevice(device));
+    std::vector<float> f32;
+    std::vector<uint16_t> b16;
+    for (size_t i; (i = next++) < parts.size();) upload_part(parts[i], f32, b16);
+  });
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   tlog::info("cuda:{}: uploaded {:.2f} GB of bf16 weights{} in {:.2f}s ({:.1f} GB/s, {} threads)", device,
              double(total_bytes) / 1e9, tp > 1 ? fmt::format(" (tp rank {}/{})", rk, tp) : "", secs,

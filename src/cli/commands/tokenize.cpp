@@ -7,6 +7,7 @@
 #include <thread>
 
 #include "text/tokenizer.h"
+#include "util/threads.h"
 #include "util/error.h"
 
 namespace talon {
@@ -44,28 +45,7 @@ int run_tokenize(const fs::path& tokenizer_path, const fs::path& input, const fs
     raw.push_back({lineno, s});
   }
   nt = int(std::min<size_t>(size_t(nt), std::max<size_t>(1, raw.size())));
-  auto parallel_for = [&](auto&& body) {
-    std::atomic<size_t> next{0};
-    std::exception_ptr err;
-    std::mutex err_mu;
-    auto work = [&] {
-      try {
-        for (;;) {
-          const size_t b = next.fetch_add(64);
-          if (b >= raw.size()) break;
-          for (size_t i = b, e = std::min(raw.size(), b + 64); i < e; ++i) body(i);
-        }
-      } catch (...) {
-        std::lock_guard<std::mutex> g(err_mu);
-        if (!err) err = std::current_exception();
-      }
-    };
-    std::vector<std::thread> pool;
-    for (int i = 1; i < nt; ++i) pool.emplace_back(work);
-    work();
-    for (auto& t : pool) t.join();
-    if (err) std::rethrow_exception(err);
-  };
+  auto parallel_for = [&](auto&& body) { parallel_for_chunks(raw.size(), nt, 64, body); };
 
   std::vector<Line> lines(raw.size());
   std::vector<std::string> why(raw.size());  // non-empty: the line is malformed

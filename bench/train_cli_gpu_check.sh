@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# `talon train` end to end on one GPU against the CPU trainer (the fixture llama_gqa target,
+# synthetic features): the GPU run in exact fp32 (--gpu-math f32) logs the CPU run's losses
+# to 1e-4 relative, with batches of several samples in micro-batches of 128 tokens, an
+# evaluation split and a stop + resume; --gpu-profile prints the phase times.
+# Usage: bench/train_cli_gpu_check.sh TALON   (after source build/env.sh)
+set -uo pipefail
+T=$1
+M=tests/fixtures/golden/llama_gqa
+W=${WORK:-/tmp/talon-gpucli}
+rm -rf "$W"; mkdir -p "$W"
+python3 - > "$W/tok.jsonl" <<'PY'
+import json, random
+r = random.Random(11)
+for i in range(20):
+    t = 16 + r.randrange(60)
+    print(json.dumps({"id": f"s{i}", "input_ids": [r.randrange(97) for _ in range(t)],
+                      "loss_mask": [int(k >= t // 3) for k in range(t)]}))
+PY
+"$T" extract --model $M --data "$W/tok.jsonl" --out "$W/feat" --device cpu --layers 0,1,2 > /dev/null 2>&1 || { echo "extract failed"; exit 1; }
+args=(train --data "$W/feat" --model $M --draft-vocab 64 --ttt-steps 3 --batch-samples 5 --epochs 2 --save-every 2
+      --max-batch-tokens 128 --seed 2 --eval-fraction 0.2 --eval-every 2 --lr 1e-3)
+"$T" "${args[@]}" --device cpu --out "$W/cpu" > /dev/null 2> "$W/cpu.err" || { echo "cpu: $(tail -2 "$W/cpu.err")"; exit 1; }
+"$T" "${args[@]}" --device cuda:0 --gpu-math f32 --gpu-profile --out "$W/gpu" > /dev/null 2> "$W/gpu.err" \
+  || { echo "gpu: $(tail -2 "$W/gpu.err")"; exit 1; }
+grep "gpu profile" "$W/gpu.err" | head -3
+"$T" "${args[@]}" --device cuda:0 --gpu-math f32 --out "$W/gpu2" --stop-after-steps 3 > /dev/null 2>&1
+"$T" "${args[@]}" --device cuda:0 --gpu-math f32 --out "$W/gpu2" > /dev/null 2>&1
+python3 - "$W" <<'PY'
+import json, sys
+w = sys.argv[1]
+def load(d): return [json.loads(l) for l in open(f"{w}/{d}/metrics.jsonl")]
+cpu, gpu, res = load("cpu"), load("gpu"), load("gpu2")
+worst = max(abs(a["loss"] - b["loss"]) / max(1.0, abs(a["loss"])) for a, b in zip(cpu, gpu))
+same = [a["loss_exact"] for a in gpu] == [a["loss_exact"] for a in res]
+print(f"records cpu {len(cpu)} gpu {len(gpu)}; worst relative loss difference {worst:.2e}; "
+      f"gpu stop + resume same bits: {same}")
+sys.exit(0 if len(cpu) == len(gpu) and worst < 1e-4 and same else 1)
+PY

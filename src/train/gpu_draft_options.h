@@ -1,0 +1,29 @@
+// Choices that change how, not what, the GPU draft trainer computes: for comparisons,
+// tests and memory tuning. The defaults are the fastest. Plain C++17 (the CUDA engine
+// includes it too). `talon train` sets them with the --gpu-* options.
+#pragma once
+#include <cstdint>
+#include <string>
+
+namespace talon::eagle3 {
+
+struct GpuDraftOptions {
+  // TTT attention: auto (fused tensor-core kernels where they apply: bf16 math and a head size
+  // that is a multiple of 16 up to 128; else the score-buffer products), flash (the fused
+  // kernels, refused where they do not apply), blocks (score-buffer products), loop (the fp32
+  // one-warp kernels, a second independent implementation).
+  std::string attention = "auto";
+  // bf16 math on fp32 operands, rounded inside cuBLAS, instead of bf16 copies in memory.
+  bool fp32_operands = false;
+  // Rows of draft (and full target) logits per chunk; 0: as many as the scratch memory holds.
+  int64_t logit_rows = 0;
+  // Score-buffer products: causal key block size; -1: the engine's default, 0: no skipping.
+  int64_t attn_block = -1;
+  // The lm_head's backward recomputes each step's logits in the backward pass, last step
+  // first, instead of running in the forward pass right after each step's loss.
+  bool lm_grad_in_backward = false;
+  // GPU milliseconds per phase, from events between marks (GpuDraftTrainer::profile()).
+  bool profile = false;
+};
+
+}  // namespace talon::eagle3

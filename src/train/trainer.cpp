@@ -26,6 +26,7 @@
 #include "util/error.h"
 #include "util/log.h"
 #include "util/progress.h"
+#include "util/runs.h"
 #include "util/signals.h"
 
 namespace talon::train {
@@ -447,6 +448,11 @@ class Trainer {
   // it are dropped, to be recomputed). Every process must resume the same job at the same step.
   void resume() {
     fs::create_directories(opt_.out);
+    // The run directory is this run's while it lasts: `talon stop DIR` signals the PID recorded
+    // here, `talon gpus` lists it, and a second run on the same --out is refused. Other ranks
+    // of a job hold a lock of their own.
+    lock_ = std::make_unique<DirLock>(opt_.out, run_record("train", gpus_),
+                                      rank_ == 0 ? std::string(".talon.lock") : fmt::format(".talon.rank-{}.lock", rank_));
     cpath_ = opt_.out / kCheckpointName, mpath_ = opt_.out / kMetricsName;
     if (int n = rank_ == 0 ? remove_stale_temps(opt_.out, {kCheckpointName, kMetricsName}) : 0)
       tlog::info("{}: removed {} temporary file(s) of an interrupted run", opt_.out.string(), n);
@@ -991,6 +997,7 @@ class Trainer {
   const std::vector<int> gpus_;
   const int gpu_, world_, rank_;
   std::unique_ptr<Checkpoint> ckpt_;
+  std::unique_ptr<DirLock> lock_;
   const ModelConfig* tc_ = nullptr;
   int64_t H_ = 0, V_ = 0, L_ = 0;
   // Samples: all_ until split into the training and the held-back ones.

@@ -47,6 +47,27 @@ n=$(wc -l < "$WORK/k9/metrics.jsonl")
 [ "$(losses "$WORK/k9/metrics.jsonl")" = "$ref" ] && ok "kill -9 (at $n logged steps) + resume: identical losses" \
   || bad "after kill -9: $(losses "$WORK/k9/metrics.jsonl") vs $ref"
 
+# Run lifecycle: the run records itself in its directory's lock; a second run there is
+# refused naming it; `talon stop DIR` signals exactly that PID, which checkpoints and exits
+# with a resume hint; the rerun logs the uninterrupted run's losses.
+export TALON_RUNS_DIR="$WORK/runs"
+"$TALON" train "${args[@]}" --out "$WORK/st" > /dev/null 2> "$WORK/st.err" &
+pid=$!
+for i in $(seq 1 1200); do [ -f "$WORK/st/checkpoint.safetensors" ] && break; sleep 0.05; done
+"$TALON" train "${args[@]}" --out "$WORK/st" > /dev/null 2> "$WORK/st2.err"
+[ $? -ne 0 ] && grep -q "another talon run (pid $pid on .*) is writing this directory" "$WORK/st2.err" \
+  && ok "a second train on the same --out is refused, naming pid $pid" || bad "second run: $(tail -2 "$WORK/st2.err")"
+"$TALON" stop "$WORK/st" --wait 120 > "$WORK/stop.out" 2>&1
+src=$?
+wait $pid; rc=$?
+if [ $src -eq 0 ] && grep -q "sent SIGTERM to pid $pid" "$WORK/stop.out" && { [ $rc -eq 143 ] || [ $rc -eq 0 ]; }; then
+  ok "talon stop: pid $pid exited $rc"
+else bad "talon stop: stop rc $src, run rc $rc: $(cat "$WORK/stop.out")"; fi
+[ $rc -eq 0 ] || grep -q "resume with:" "$WORK/st.err" && ok "the stopped run printed a resume hint" || bad "no hint: $(tail -2 "$WORK/st.err")"
+"$TALON" train "${args[@]}" --out "$WORK/st" > /dev/null 2>&1
+[ "$(losses "$WORK/st/metrics.jsonl")" = "$ref" ] && ok "talon stop + resume: identical losses" \
+  || bad "after talon stop: $(losses "$WORK/st/metrics.jsonl") vs $ref"
+
 # Online: the target runs in-process on the prepare output; the features it makes are the
 # ones extract wrote, so the losses are the same bits as training from disk.
 small=(--model "$GGUF" --draft-vocab 256 --max-length 128 --ttt-steps 3 --max-steps 3 --batch-samples 2 --lr 1e-3 --seed 5)

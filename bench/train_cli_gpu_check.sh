@@ -9,15 +9,8 @@ T=$1
 M=tests/fixtures/golden/llama_gqa
 W=${WORK:-/tmp/talon-gpucli}
 rm -rf "$W"; mkdir -p "$W"
-python3 - > "$W/tok.jsonl" <<'PY'
-import json, random
-r = random.Random(11)
-for i in range(20):
-    t = 16 + r.randrange(60)
-    print(json.dumps({"id": f"s{i}", "input_ids": [r.randrange(97) for _ in range(t)],
-                      "loss_mask": [int(k >= t // 3) for k in range(t)]}))
-PY
-"$T" extract --model $M --data "$W/tok.jsonl" --out "$W/feat" --device cpu --layers 0,1,2 > /dev/null 2>&1 || { echo "extract failed"; exit 1; }
+source "$(dirname "$0")/gqa_features.sh"
+gqa_features "$T" "$W" 11 20 16 60 || { echo "extract failed"; exit 1; }
 args=(train --data "$W/feat" --model $M --draft-vocab 64 --ttt-steps 3 --batch-samples 5 --epochs 2 --save-every 2
       --max-batch-tokens 128 --seed 2 --eval-fraction 0.2 --eval-every 2 --lr 1e-3)
 "$T" "${args[@]}" --device cpu --out "$W/cpu" > /dev/null 2> "$W/cpu.err" || { echo "cpu: $(tail -2 "$W/cpu.err")"; exit 1; }

@@ -9,15 +9,8 @@ T=$1 P=$2 G=${3:-1}
 M=tests/fixtures/golden/llama_gqa
 W=${WORK:-/tmp/talon-mp}
 rm -rf "$W"; mkdir -p "$W"
-python3 - > "$W/tok.jsonl" <<'PY'
-import json, random
-r = random.Random(7)
-for i in range(24):
-    t = 24 + r.randrange(40)
-    print(json.dumps({"id": f"s{i}", "input_ids": [r.randrange(97) for _ in range(t)],
-                      "loss_mask": [int(k >= t // 3) for k in range(t)]}))
-PY
-"$T" extract --model $M --data "$W/tok.jsonl" --out "$W/feat" --device cpu --layers 0,1,2 > /dev/null 2>&1 || { echo "extract failed"; exit 1; }
+source "$(dirname "$0")/gqa_features.sh"
+gqa_features "$T" "$W" 7 24 24 40 || { echo "extract failed"; exit 1; }
 args=(train --data "$W/feat" --model $M --draft-vocab 64 --ttt-steps 3 --batch-samples 6 --epochs 2 --save-every 3
       --max-batch-tokens 128 --gpu-math f32 --seed 1 --eval-fraction 0.2 --eval-every 3 --lr 1e-3)
 devs=$(seq -s, 0 $((P * G - 1)))

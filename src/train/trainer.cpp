@@ -895,8 +895,6 @@ class Trainer {
   // for the next step offline), forward and backward, clip, AdamW, metrics.
   void step_once(Progress& progress) {
     const int64_t epoch = step_ / steps_per_epoch_;
-    if (!dev_)
-      for (auto& p : params_) std::fill(p.g->begin(), p.g->end(), 0.0);
     const std::vector<TrainSample*> picked = pick(step_);
     const std::vector<int64_t> mine = owned(lengths(picked));
     std::vector<Features> feats = prefetch_.valid() && prefetch_step_ == step_

@@ -6,6 +6,7 @@
 #include <cctype>
 #include <chrono>
 #include <cstdlib>
+#include <optional>
 #include <thread>
 
 #include "util/error.h"
@@ -15,11 +16,16 @@ namespace talon {
 
 namespace {
 
-int env_int(const char* var, const char* v) {
-  const std::string t(v);
-  TALON_CHECK(!t.empty() && t.size() < 8 && t.find_first_not_of("0123456789") == std::string::npos,
-              "environment variable {}='{}' is not a non-negative integer", var, t);
+// A non-negative integer of at most 7 digits, or nullopt.
+std::optional<int> whole_number(const std::string& t) {
+  if (t.empty() || t.size() >= 8 || t.find_first_not_of("0123456789") != std::string::npos) return std::nullopt;
   return std::stoi(t);
+}
+
+int env_int(const char* var, const char* v) {
+  const std::optional<int> n = whole_number(v);
+  TALON_CHECK(n.has_value(), "environment variable {}='{}' is not a non-negative integer", var, v);
+  return *n;
 }
 
 // The local rank and the number of processes on this node, where the launcher says.
@@ -44,10 +50,8 @@ void resolve_local(RankInfo& r) {
     r.local_world = r.local_rank + 1;
     for (const char* v : {"SLURM_NTASKS_PER_NODE", "SLURM_STEP_TASKS_PER_NODE"}) {
       const char* s = std::getenv(v);
-      if (!s) continue;
-      const std::string t(s);
-      if (!t.empty() && t.find_first_not_of("0123456789") == std::string::npos && t.size() < 8) {
-        r.local_world = std::max(r.local_world, std::stoi(t));
+      if (const std::optional<int> n = s ? whole_number(s) : std::nullopt) {
+        r.local_world = std::max(r.local_world, *n);
         break;
       }
     }
@@ -261,15 +265,6 @@ std::unique_ptr<ProcessGroup> single_process_group() { return std::make_unique<S
 
 std::unique_ptr<ProcessGroup> mpi_process_group(const RankInfo& ri) { return std::make_unique<MpiGroup>(ri); }
 
-std::unique_ptr<ProcessGroup> make_process_group(const RankInfo& ri) {
-  if (ri.world == 1) return single_process_group();
-  TALON_CHECK(ri.mpi,
-              "{} says rank {} of {}, but this process was not started by an MPI launcher, and its collectives "
-              "need MPI: start it with mpirun (or srun --mpi=pmix)",
-              ri.source, ri.rank, ri.world);
-  return mpi_process_group(ri);
-}
-
 // ------------------------------------------------------------------ id file
 
 namespace {
@@ -290,11 +285,15 @@ std::string job_tag() {
   return t.substr(0, 120);
 }
 
+fs::path id_file(const fs::path& dir, const std::string& name) {
+  return dir / fmt::format(".talon-id.{}.{}", name, job_tag());
+}
+
 }  // namespace
 
 std::string exchange_id_file(const fs::path& dir, const std::string& name, const RankInfo& ri,
                              const std::string& mine_if_root, double timeout_s) {
-  const fs::path p = dir / fmt::format(".talon-id.{}.{}", name, job_tag());
+  const fs::path p = id_file(dir, name);
   if (ri.rank == 0) {
     write_file_atomic(p, mine_if_root);
     return mine_if_root;
@@ -318,7 +317,7 @@ std::string exchange_id_file(const fs::path& dir, const std::string& name, const
 
 void remove_id_file(const fs::path& dir, const std::string& name) {
   std::error_code ec;
-  fs::remove(dir / fmt::format(".talon-id.{}.{}", name, job_tag()), ec);
+  fs::remove(id_file(dir, name), ec);
 }
 
 }  // namespace talon

@@ -6,7 +6,7 @@
 // variables resolve_rank() reads. Host collectives go through MPI, loaded at run time
 // (libmpi.so.40, Open MPI's ABI) so that single-process builds and runs need no MPI at all;
 // GPU jobs launched without MPI exchange their NCCL ids through a file instead
-// (nccl_id_file()) and do their collectives over NCCL.
+// (exchange_id_file()) and do their collectives over NCCL.
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -63,8 +63,6 @@ std::unique_ptr<ProcessGroup> single_process_group();
 // The job's MPI group (MPI_COMM_WORLD), initialising MPI on first use. Fails clearly when
 // libmpi cannot be loaded or is not Open MPI, or when MPI's rank/size disagree with `ri`.
 std::unique_ptr<ProcessGroup> mpi_process_group(const RankInfo& ri);
-// The group for a job described by `ri`: one process, or MPI.
-std::unique_ptr<ProcessGroup> make_process_group(const RankInfo& ri);
 
 // A file-based exchange of one small blob (an NCCL unique id) through a shared directory,
 // for jobs started without MPI: rank 0 writes <dir>/.talon-id.<tag> atomically, the others

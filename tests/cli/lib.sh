@@ -54,6 +54,19 @@ demo_features() {
     cp -r "$TALON_FIXTURE_DIR/tok" "$TALON_FIXTURE_DIR/feat" "$d/" && rm -f "$d"/tok/.talon*.lock "$d"/feat/.talon*.lock &&
       return 0
   fi
-  "$TALON" prepare --model "$g" --data "$SRC/examples/demo_chats.jsonl" --out "$d/tok" > /dev/null 2>&1 &&
-    "$TALON" extract --model "$g" --data "$d/tok" --out "$d/feat" > /dev/null 2>&1
+  TALON_SMOLLM2_GGUF=$g bash "$SRC/tests/cli/fixture/demo_features.sh" "$TALON" "$SRC" "$d/demo" > /dev/null 2>&1 &&
+    mv "$d/demo/tok" "$d/demo/feat" "$d/" && rmdir "$d/demo"
+}
+# stop_checked DIR PID ERR WHAT WAIT: `talon stop DIR --wait WAIT` must signal exactly PID,
+# which exits 143 (or 0 when it had finished) having printed a resume hint to ERR.
+stop_checked() {
+  local dir=$1 pid=$2 err=$3 what=$4 wait_s=$5 src rc
+  "$TALON" stop "$dir" --wait "$wait_s" > "$WORK/stop.out" 2>&1
+  src=$?
+  wait "$pid"; rc=$?
+  if [ $src -eq 0 ] && grep -q "sent SIGTERM to pid $pid" "$WORK/stop.out" && { [ $rc -eq 143 ] || [ $rc -eq 0 ]; }; then
+    ok "talon stop ($what): pid $pid exited $rc"
+  else bad "talon stop ($what): stop rc $src, run rc $rc: $(cat "$WORK/stop.out")"; fi
+  [ $rc -eq 0 ] || grep -q "resume with:" "$err" && ok "the stopped $what printed a resume hint" \
+    || bad "no resume hint: $(tail -2 "$err")"
 }

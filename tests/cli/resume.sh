@@ -84,13 +84,7 @@ PY
   && ok "a second run on the same --out is refused, naming pid $pid" || bad "second run: $(cat "$WORK/second.err")"
 "$TALON" gpus > "$WORK/gpus.out" 2>&1
 grep -q "talon extract (pid $pid, $WORK/stop)" "$WORK/gpus.out" && ok "talon gpus lists the active run" || bad "talon gpus: $(cat "$WORK/gpus.out")"
-"$TALON" stop "$WORK/stop" --wait 20 > "$WORK/stop.out" 2>&1
-src=$?
-wait $pid; rc=$?
-if [ $src -eq 0 ] && grep -q "sent SIGTERM to pid $pid" "$WORK/stop.out" && { [ $rc -eq 143 ] || [ $rc -eq 0 ]; }; then
-  ok "talon stop: pid $pid exited $rc"
-else bad "talon stop: stop rc $src, run rc $rc: $(cat "$WORK/stop.out")"; fi
-[ $rc -eq 0 ] || grep -q "resume with:" "$WORK/stop.err" && ok "stopped run printed a resume hint" || bad "no resume hint: $(tail -2 "$WORK/stop.err")"
+stop_checked "$WORK/stop" $pid "$WORK/stop.err" extract 20
 "$TALON" gpus > "$WORK/gpus2.out" 2>&1
 grep -q "0 active" "$WORK/gpus2.out" && ok "the run left the registry" || bad "registry still lists it: $(cat "$WORK/gpus2.out")"
 "$TALON" stop "$WORK/stop" > "$WORK/stop2.out" 2>&1

@@ -57,13 +57,7 @@ for i in $(seq 1 1200); do [ -f "$WORK/st/checkpoint.safetensors" ] && break; sl
 "$TALON" train "${args[@]}" --out "$WORK/st" > /dev/null 2> "$WORK/st2.err"
 [ $? -ne 0 ] && grep -q "another talon run (pid $pid on .*) is writing this directory" "$WORK/st2.err" \
   && ok "a second train on the same --out is refused, naming pid $pid" || bad "second run: $(tail -2 "$WORK/st2.err")"
-"$TALON" stop "$WORK/st" --wait 120 > "$WORK/stop.out" 2>&1
-src=$?
-wait $pid; rc=$?
-if [ $src -eq 0 ] && grep -q "sent SIGTERM to pid $pid" "$WORK/stop.out" && { [ $rc -eq 143 ] || [ $rc -eq 0 ]; }; then
-  ok "talon stop: pid $pid exited $rc"
-else bad "talon stop: stop rc $src, run rc $rc: $(cat "$WORK/stop.out")"; fi
-[ $rc -eq 0 ] || grep -q "resume with:" "$WORK/st.err" && ok "the stopped run printed a resume hint" || bad "no hint: $(tail -2 "$WORK/st.err")"
+stop_checked "$WORK/st" $pid "$WORK/st.err" train 120
 "$TALON" train "${args[@]}" --out "$WORK/st" > /dev/null 2>&1
 [ "$(losses "$WORK/st/metrics.jsonl")" = "$ref" ] && ok "talon stop + resume: identical losses" \
   || bad "after talon stop: $(losses "$WORK/st/metrics.jsonl") vs $ref"

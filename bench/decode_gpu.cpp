@@ -21,11 +21,12 @@
 #include <random>
 
 #include "backend/cuda/cuda_decoder.h"
+#include "backend/backend.h"
 #include "model/checkpoint.h"
 #include "model/decode.h"
 #include "model/random_checkpoint.h"
-#include "spec/draft_runner.h"
-#include "train/export.h"
+#include "draft/draft_runner.h"
+#include "draft/export.h"
 #include "util/error.h"
 
 using namespace talon;

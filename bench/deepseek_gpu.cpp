@@ -22,6 +22,7 @@
 #include <random>
 
 #include "model/model.h"
+#include "backend/backend.h"
 #include "model/random_checkpoint.h"
 
 using namespace talon;

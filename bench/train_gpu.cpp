@@ -17,8 +17,8 @@
 #include <random>
 #include <vector>
 
-#include "train/draft_gpu.h"
-#include "train/trainer.h"
+#include "draft/draft_gpu.h"
+#include "draft/trainer.h"
 #include "util/error.h"
 
 using namespace talon;

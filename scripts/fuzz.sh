@@ -14,7 +14,8 @@ shift || true
 all=(gguf safetensors json tokenizer jinja dataset manifest)
 targets=("$@")
 [ ${#targets[@]} -eq 0 ] && targets=("${all[@]}")
-CC=${FUZZ_CC:-clang} CXX=${FUZZ_CXX:-clang++} cmake -S . -B build-fuzz -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+# Unity build: see scripts/sanitize.sh. Each fuzz target links only the layer it parses with.
+CC=${FUZZ_CC:-clang} CXX=${FUZZ_CXX:-clang++} cmake -S . -B build-fuzz -DCMAKE_UNITY_BUILD=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo \
   "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O1 -g1 -DNDEBUG" "-DCMAKE_C_FLAGS_RELWITHDEBINFO=-O1 -g1 -DNDEBUG" -DTALON_FUZZ=ON -DTALON_TESTS=OFF \
   -DTALON_NATIVE=OFF -DTALON_CUDA=OFF ${TALON_DEPS_DIR:+-DTALON_DEPS_DIR=$TALON_DEPS_DIR} > /dev/null
 cmake --build build-fuzz -j"$(nproc)" --target $(printf 'fuzz_%s ' "${targets[@]}") > /dev/null

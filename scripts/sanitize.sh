@@ -22,7 +22,10 @@ jobs=$(nproc)
 export TALON_REQUIRE_MODEL=${TALON_REQUIRE_MODEL:-1}
 # -O1 with line tables only (-g1): compiles in about half the time of -O2 -g, and the
 # reports still name file and line; the build, not the tests, is most of this stage.
-common=(-DCMAKE_BUILD_TYPE=RelWithDebInfo "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O1 -g1 -DNDEBUG"
+# Unity builds (several sources of a library compiled as one) roughly halve these builds'
+# compile time on two cores; the Release build, which compiles every source on its own, keeps
+# each file honest about its includes.
+common=(-DCMAKE_UNITY_BUILD=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O1 -g1 -DNDEBUG"
         "-DCMAKE_C_FLAGS_RELWITHDEBINFO=-O1 -g1 -DNDEBUG" -DTALON_NATIVE=OFF -DTALON_CUDA=OFF
         ${TALON_DEPS_DIR:+-DTALON_DEPS_DIR=$TALON_DEPS_DIR})
 status=0

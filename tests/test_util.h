@@ -1,6 +1,7 @@
 #pragma once
 #include <cmath>
 #include <cstring>
+#include <filesystem>
 #include <functional>
 #include <string>
 #include <vector>
@@ -12,6 +13,10 @@
 namespace talon::testing {
 
 inline std::string source_dir() { return TALON_SOURCE_DIR; }
+// A model fixture made by tools/make_golden.py (tests/fixtures/golden/NAME).
+inline std::filesystem::path golden_fixture(const std::string& name) {
+  return std::filesystem::path(source_dir()) / "tests/fixtures/golden" / name;
+}
 
 inline std::vector<float> read_f32(const st::File& f, const std::string& name) {
   const auto& t = f.get(name);

@@ -7,7 +7,7 @@ against: tests/fixtures/eagle3/ttt_<name>.safetensors.
 
   tools/eagle3_oracle.py --out tests/fixtures/eagle3
 
-Conventions pinned here (and in src/train/): the draft vocabulary keeps the Vd most
+Conventions pinned here (and in src/draft/): the draft vocabulary keeps the Vd most
 frequent loss-masked target tokens, ties broken towards the lower id, padded with the
 lowest unused ids, sorted ascending; loss_k is normalised by the number of positions
 that count at step k; total = sum_k decay^k loss_k.

@@ -16,6 +16,7 @@
 #include <thread>
 #include <nlohmann/json.hpp>
 
+#include "backend/backend.h"
 #include "data/features.h"
 #include "data/samples.h"
 #include "io/safetensors.h"

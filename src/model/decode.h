@@ -63,15 +63,6 @@ class Decoder {
   std::vector<int64_t> pending_;
 };
 
-// The fp32 reference (same arithmetic as make_cpu_model's forward). Slots grow on demand up
-// to max_len tokens each.
-std::unique_ptr<Decoder> make_cpu_decoder(const Checkpoint& ckpt, int n_slots, int64_t max_len);
-
-// A CUDA decoder on one GPU: the KV cache is allocated up front (n_slots x max_len tokens),
-// bf16 weights and cache, fp32 accumulation. Throws when the build has no CUDA backend or
-// the cache does not fit, naming the numbers.
-std::unique_ptr<Decoder> make_cuda_decoder(const Checkpoint& ckpt, int device, int n_slots, int64_t max_len);
-
 // Depth of each pending token of a request (0 for tokens that follow the prefix); throws
 // naming the index when parents is malformed (wrong length, parent >= own index, < -1).
 std::vector<int32_t> request_depths(const DecodeRequest& r);

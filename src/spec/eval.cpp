@@ -4,13 +4,14 @@
 #include <map>
 #include <nlohmann/json.hpp>
 
+#include "backend/backend.h"
 #include "data/chat_formats.h"
 #include "data/prepare.h"
 #include "model/checkpoint.h"
 #include "model/decode.h"
-#include "spec/draft_runner.h"
+#include "draft/draft_runner.h"
 #include "spec/generate.h"
-#include "train/report.h"
+#include "draft/report.h"
 #include "util/error.h"
 #include "util/log.h"
 #include "util/progress.h"

@@ -10,6 +10,7 @@
 #include <nlohmann/json.hpp>
 #include <set>
 
+#include "backend/backend.h"
 #include "data/chat_formats.h"
 #include "data/prepare.h"
 #include "model/checkpoint.h"

@@ -21,7 +21,7 @@
 #include <vector>
 
 #include "model/decode.h"
-#include "spec/draft_runner.h"
+#include "draft/draft_runner.h"
 #include "spec/sampling.h"
 
 namespace talon::spec {

@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <random>
 
+#include "backend/backend.h"
 #include "model/decode.h"
 #include "model/model.h"
 #include "model/random_checkpoint.h"
@@ -28,7 +29,6 @@ using namespace talon::testing;
 namespace {
 
 
-fs::path fixture(const std::string& name) { return fs::path(source_dir()) / "tests/fixtures/golden" / name; }
 
 std::vector<int32_t> random_ids(std::mt19937& rng, int64_t n, int64_t V) {
   std::uniform_int_distribution<int32_t> d(0, int32_t(V - 1));
@@ -99,7 +99,7 @@ class CudaDecode : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(CudaDecode, ChainPrefillAndTokenByTokenDecodingOfSeveralSlots) {
   REQUIRE_GPU();
-  auto ck = open_checkpoint(fixture(GetParam()));
+  auto ck = open_checkpoint(golden_fixture(GetParam()));
   Twin t(*ck, 4, 64);
   const int64_t V = t.c().vocab;
   const int layer = int(t.c().n_layers / 2);
@@ -128,7 +128,7 @@ TEST_P(CudaDecode, ChainPrefillAndTokenByTokenDecodingOfSeveralSlots) {
 
 TEST_P(CudaDecode, TreesCommitsAndDecodingAfterwards) {
   REQUIRE_GPU();
-  auto ck = open_checkpoint(fixture(GetParam()));
+  auto ck = open_checkpoint(golden_fixture(GetParam()));
   Twin t(*ck, 2, 160);
   const int64_t V = t.c().vocab;
   std::mt19937 rng(11);
@@ -164,7 +164,7 @@ TEST_P(CudaDecode, TreesCommitsAndDecodingAfterwards) {
 
 TEST_P(CudaDecode, LongContextSplitsTheKeys) {
   REQUIRE_GPU();
-  auto ck = open_checkpoint(fixture(GetParam()));
+  auto ck = open_checkpoint(golden_fixture(GetParam()));
   Twin t(*ck, 2, 800);
   const int64_t V = t.c().vocab;
   std::mt19937 rng(17);
@@ -188,7 +188,7 @@ TEST_P(CudaDecode, LongContextSplitsTheKeys) {
 // end the comparison.
 TEST_P(CudaDecode, GreedyDecodingPicksTheSameTokens) {
   REQUIRE_GPU();
-  auto ck = open_checkpoint(fixture(GetParam()));
+  auto ck = open_checkpoint(golden_fixture(GetParam()));
   Twin t(*ck, 3, 64);
   const int64_t V = t.c().vocab;
   std::mt19937 rng(23);
@@ -265,8 +265,8 @@ TEST(CudaDecode, SlidingWindow) {
   const fs::path dir = fs::path(::testing::TempDir()) / "talon_cuda_decode_window";
   fs::remove_all(dir);
   fs::create_directories(dir);
-  fs::copy_file(fixture("mistral") / "model.safetensors", dir / "model.safetensors");
-  auto cfg = nlohmann::json::parse(read_text_file(fixture("mistral") / "config.json"));
+  fs::copy_file(golden_fixture("mistral") / "model.safetensors", dir / "model.safetensors");
+  auto cfg = nlohmann::json::parse(read_text_file(golden_fixture("mistral") / "config.json"));
   cfg["sliding_window"] = 5;
   write_file_atomic(dir / "config.json", cfg.dump(2));
   auto ck = open_checkpoint(dir);
@@ -291,14 +291,14 @@ TEST(CudaDecode, SlidingWindow) {
 
 TEST(CudaDecode, MalformedRequestsAreRefusedLikeOnTheCpu) {
   REQUIRE_GPU();
-  auto ck = open_checkpoint(fixture("llama_gqa"));
+  auto ck = open_checkpoint(golden_fixture("llama_gqa"));
   auto dec = make_cuda_decoder(*ck, 0, 2, 8);
   expect_malformed_requests_refused(*dec);
 }
 
 TEST(CudaDecode, ACacheThatDoesNotFitIsRefusedWithTheNumbers) {
   REQUIRE_GPU();
-  auto ck = open_checkpoint(fixture("llama_cfg4x"));
+  auto ck = open_checkpoint(golden_fixture("llama_cfg4x"));
   // 3 layers x K,V x 3 kv heads x 16 x 2 bytes = 576 bytes per token: 2^30 tokens is 576 GiB.
   const std::string msg = error_of([&] { make_cuda_decoder(*ck, 0, 1, int64_t(1) << 30); });
   EXPECT_NE(msg.find("the KV cache needs 576.00 GiB"), std::string::npos) << msg;
@@ -316,7 +316,7 @@ TEST(CudaDecodeSmolLM2, GreedyDecodingMatchesTheCpuDecoder) {
   auto ck = open_checkpoint(gguf);
   Twin t(*ck, 3, 256);
   const int64_t V = t.c().vocab;
-  st::File g(fixture("smollm2") / "golden.safetensors");
+  st::File g(golden_fixture("smollm2") / "golden.safetensors");
   std::vector<DecodeRequest> reqs;
   for (int p = 0; p < 3; ++p) {
     auto ids64 = read_i64(g, fmt::format("p{}.input_ids", p));

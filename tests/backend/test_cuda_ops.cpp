@@ -14,6 +14,7 @@
 #include <nlohmann/json.hpp>
 #include <random>
 
+#include "backend/backend.h"
 #include "backend/cpu/ops.h"
 #include "backend/cuda/ops.h"
 #include "model/model.h"

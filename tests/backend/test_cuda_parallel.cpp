@@ -22,6 +22,7 @@
 #include <random>
 
 #include "data/extract.h"
+#include "backend/backend.h"
 #include "data/features.h"
 #include "io/safetensors.h"
 #include "model/model.h"

@@ -38,7 +38,7 @@ using Kind = talon::gguf::Value::Kind;
 
 namespace {
 
-fs::path fixture(const std::string& name) {
+fs::path gguf_fixture(const std::string& name) {
   return fs::path(TALON_SOURCE_DIR) / "tests" / "fixtures" / "gguf" / name;
 }
 
@@ -76,7 +76,7 @@ struct Manifest {
 
 Manifest read_manifest(const std::string& stem) {
   Manifest m;
-  std::istringstream in(read_bytes(fixture(stem + ".manifest.txt")));
+  std::istringstream in(read_bytes(gguf_fixture(stem + ".manifest.txt")));
   std::string line;
   while (std::getline(in, line)) {
     std::istringstream ls(line);
@@ -102,8 +102,8 @@ Manifest read_manifest(const std::string& stem) {
 void check_fixture(const std::string& stem) {
   SCOPED_TRACE(stem);
   const Manifest m = read_manifest(stem);
-  File f(fixture(stem + ".gguf"));
-  const std::string raw = read_bytes(fixture(stem + ".gguf"));
+  File f(gguf_fixture(stem + ".gguf"));
+  const std::string raw = read_bytes(gguf_fixture(stem + ".gguf"));
   EXPECT_EQ(f.version(), m.version);
   EXPECT_EQ(f.alignment(), m.alignment);
   ASSERT_EQ(f.tensors().size(), m.tensors.size());
@@ -123,7 +123,7 @@ void check_fixture(const std::string& stem) {
     EXPECT_EQ(std::memcmp(f.tensor_data(t), raw.data() + mt.offset, mt.nbytes), 0);
     ASSERT_TRUE(talon::gguf::type_supported(t.type)) << talon::gguf::type_name(t.type);
 
-    const std::vector<float> ref = read_f32(fixture(stem + "." + mt.name + ".f32"));
+    const std::vector<float> ref = read_f32(gguf_fixture(stem + "." + mt.name + ".f32"));
     ASSERT_EQ(int64_t(ref.size()), t.numel());
     std::vector<float> got(size_t(t.numel()), std::nanf(""));
     f.dequantize(t, got.data());
@@ -227,14 +227,14 @@ TEST(Gguf, TypesFixtureMatchesOracle) { check_fixture("types_v3"); }
 TEST(Gguf, Version2Fixture) { check_fixture("small_v2"); }
 TEST(Gguf, CustomAlignmentFixture) {
   check_fixture("align64");
-  File f(fixture("align64.gguf"));
+  File f(gguf_fixture("align64.gguf"));
   EXPECT_EQ(f.alignment(), 64u);
   EXPECT_EQ(f.get_int("general.alignment"), 64);
   EXPECT_EQ(f.metadata().at("general.alignment").kind, Kind::U32);
 }
 TEST(Gguf, MetadataOnlyFixture) {
   check_fixture("no_tensors");
-  File f(fixture("no_tensors.gguf"));
+  File f(gguf_fixture("no_tensors.gguf"));
   EXPECT_TRUE(f.tensors().empty());
   EXPECT_EQ(f.get_int("bert.block_count"), 2);
   EXPECT_EQ(f.get_string("general.name"), "no tensors");
@@ -242,7 +242,7 @@ TEST(Gguf, MetadataOnlyFixture) {
 }
 
 TEST(Gguf, CoversEverySupportedQuantType) {
-  File f(fixture("types_v3.gguf"));
+  File f(gguf_fixture("types_v3.gguf"));
   for (GgmlType t : {GgmlType::F32, GgmlType::F16, GgmlType::BF16, GgmlType::Q4_0,
                      GgmlType::Q4_1, GgmlType::Q5_0, GgmlType::Q5_1, GgmlType::Q8_0,
                      GgmlType::Q2_K, GgmlType::Q3_K, GgmlType::Q4_K, GgmlType::Q5_K,
@@ -255,7 +255,7 @@ TEST(Gguf, CoversEverySupportedQuantType) {
 }
 
 TEST(Gguf, MetadataValues) {
-  File f(fixture("types_v3.gguf"));
+  File f(gguf_fixture("types_v3.gguf"));
   auto kind = [&](const char* k) { return f.metadata().at(k).kind; };
   EXPECT_EQ(f.get_string("general.architecture"), "llama");
   EXPECT_EQ(f.get_string("general.name"), "talon fixture");
@@ -333,7 +333,7 @@ TEST(Gguf, MetadataValues) {
 }
 
 TEST(Gguf, GetterErrorsNameFileAndKey) {
-  const fs::path p = fixture("types_v3.gguf");
+  const fs::path p = gguf_fixture("types_v3.gguf");
   File f(p);
   auto expect_msg = [&](auto&& fn, const std::string& needle) {
     try {
@@ -603,7 +603,7 @@ TEST_F(GgufMalformed, TensorInfos) {
 }
 
 TEST_F(GgufMalformed, TruncatedFixtureAtEveryHeaderLength) {
-  const std::string good = read_bytes(fixture("types_v3.gguf"));
+  const std::string good = read_bytes(gguf_fixture("types_v3.gguf"));
   const Manifest m = read_manifest("types_v3");
   uint64_t end = 0;
   for (const auto& t : m.tensors) end = std::max(end, t.offset + t.nbytes);
@@ -621,7 +621,7 @@ TEST_F(GgufMalformed, TruncatedFixtureAtEveryHeaderLength) {
 }
 
 TEST_F(GgufMalformed, RandomCorruptionNeverCrashes) {
-  const std::string good = read_bytes(fixture("types_v3.gguf"));
+  const std::string good = read_bytes(gguf_fixture("types_v3.gguf"));
   const Manifest m = read_manifest("types_v3");
   std::mt19937_64 rng(12345);
   int parsed = 0, rejected = 0;

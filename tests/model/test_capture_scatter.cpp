@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include "io/safetensors.h"
+#include "backend/backend.h"
 #include "model/checkpoint.h"
 #include "model/model.h"
 #include "tests/test_util.h"

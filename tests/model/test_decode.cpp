@@ -6,6 +6,7 @@
 #include <random>
 
 #include "model/decode.h"
+#include "backend/backend.h"
 #include "model/model.h"
 #include "tests/decode_checks.h"
 #include "tests/test_util.h"
@@ -16,7 +17,6 @@ using namespace talon::testing;
 
 namespace {
 
-fs::path fixture(const std::string& name) { return fs::path(source_dir()) / "tests/fixtures/golden" / name; }
 
 // Last-row logits and h[layer] of a full forward over `ids`.
 struct Full {
@@ -46,7 +46,7 @@ std::vector<int32_t> random_ids(std::mt19937& rng, int64_t n, int64_t V) {
 class Decode : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(Decode, ChainTokenByTokenEqualsFullForward) {
-  auto ck = open_checkpoint(fixture(GetParam()));
+  auto ck = open_checkpoint(golden_fixture(GetParam()));
   auto model = make_cpu_model(*ck);
   const ModelConfig& c = model->config();
   auto dec = make_cpu_decoder(*ck, 2, 64);
@@ -78,7 +78,7 @@ TEST_P(Decode, ChainTokenByTokenEqualsFullForward) {
 }
 
 TEST_P(Decode, TreeNodesEqualForwardsOfTheirPaths) {
-  auto ck = open_checkpoint(fixture(GetParam()));
+  auto ck = open_checkpoint(golden_fixture(GetParam()));
   auto model = make_cpu_model(*ck);
   const ModelConfig& c = model->config();
   auto dec = make_cpu_decoder(*ck, 1, 64);
@@ -136,8 +136,8 @@ TEST(Decode, SlidingWindowMatchesTheFullForward) {
   const fs::path dir = fs::path(::testing::TempDir()) / "talon_decode_window";
   fs::remove_all(dir);
   fs::create_directories(dir);
-  fs::copy_file(fixture("mistral") / "model.safetensors", dir / "model.safetensors");
-  auto cfg = nlohmann::json::parse(read_text_file(fixture("mistral") / "config.json"));
+  fs::copy_file(golden_fixture("mistral") / "model.safetensors", dir / "model.safetensors");
+  auto cfg = nlohmann::json::parse(read_text_file(golden_fixture("mistral") / "config.json"));
   cfg["sliding_window"] = 5;
   write_file_atomic(dir / "config.json", cfg.dump(2));
   auto ck = open_checkpoint(dir);
@@ -162,7 +162,7 @@ TEST(Decode, SlidingWindowMatchesTheFullForward) {
 TEST(Decode, MalformedRequestsAreRefused) {
   for (const char* name : {"llama_gqa", "deepseek_v3"}) {
     SCOPED_TRACE(name);
-    auto ck = open_checkpoint(fixture(name));
+    auto ck = open_checkpoint(golden_fixture(name));
     auto dec = make_cpu_decoder(*ck, 2, 8);
     expect_malformed_requests_refused(*dec);
   }

@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include "data/extract.h"
+#include "backend/backend.h"
 #include "io/safetensors.h"
 #include "model/config.h"
 #include "model/deepseek.h"

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include "model/model.h"
+#include "backend/backend.h"
 #include "tests/test_util.h"
 #include "tests/tolerances.h"
 

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include "model/checkpoint.h"
+#include "backend/backend.h"
 #include "model/model.h"
 #include "tests/test_util.h"
 

@@ -5,6 +5,7 @@
 #include <cmath>
 
 #include "model/deepseek.h"
+#include "backend/backend.h"
 #include "model/dense.h"
 #include "model/model.h"
 #include "model/random_checkpoint.h"

@@ -5,6 +5,7 @@
 #include <cstdlib>
 
 #include "model/model.h"
+#include "backend/backend.h"
 #include "tests/test_util.h"
 #include "tests/tolerances.h"
 

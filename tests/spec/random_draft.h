@@ -10,10 +10,10 @@
 
 #include "model/decode.h"
 #include "model/model.h"
-#include "spec/draft_runner.h"
+#include "draft/draft_runner.h"
 #include "spec/speculate.h"
-#include "train/eagle3.h"
-#include "train/export.h"
+#include "draft/eagle3.h"
+#include "draft/export.h"
 
 namespace talon::testing {
 

@@ -9,13 +9,14 @@
 #include <random>
 
 #include "model/decode.h"
+#include "backend/backend.h"
 #include "model/model.h"
 #include "spec/speculate.h"
 #include "tests/spec/random_draft.h"
 #include "tests/test_util.h"
 #include "tests/tolerances.h"
-#include "train/eagle3.h"
-#include "train/export.h"
+#include "draft/eagle3.h"
+#include "draft/export.h"
 
 using namespace talon;
 using namespace talon::spec;
@@ -23,10 +24,9 @@ using namespace talon::testing;
 
 namespace {
 
-fs::path fixture(const std::string& name) { return fs::path(source_dir()) / "tests/fixtures/golden" / name; }
 
 TEST(DraftRunner, TeacherForcedChainsEqualTheTrainingForward) {
-  auto ck = open_checkpoint(fixture("llama_gqa"));
+  auto ck = open_checkpoint(golden_fixture("llama_gqa"));
   const ModelConfig& tc = ck->config();
   DraftModel m = random_draft(tc, tc.vocab / 2, 5);
   m.config.ttt_steps = 4;
@@ -87,7 +87,7 @@ TEST(DraftTree, SelectionKeepsAncestorsAndOrdersParentsFirst) {
 // Target-only greedy decoding vs speculation, token for token, across prompts and modes.
 TEST(Speculate, GreedyOutputEqualsTargetOnlyGreedy) {
   for (const std::string fx : {"llama_gqa", "qwen3", "deepseek_v3"}) {
-    auto ck = open_checkpoint(fixture(fx));
+    auto ck = open_checkpoint(golden_fixture(fx));
     const ModelConfig& tc = ck->config();
     auto dec = make_cpu_decoder(*ck, 1, 256);
     DraftModel m = random_draft(tc, tc.vocab / 2, 21);
@@ -130,7 +130,7 @@ double chi_square_p(const std::map<std::pair<int, int>, double>& expect_p, const
 }
 
 TEST(Speculate, SamplingMatchesTheTargetDistribution) {
-  auto ck = open_checkpoint(fixture("llama_gqa"));
+  auto ck = open_checkpoint(golden_fixture("llama_gqa"));
   const ModelConfig& tc = ck->config();
   const int64_t V = tc.vocab;
   auto dec = make_cpu_decoder(*ck, 1, 64);

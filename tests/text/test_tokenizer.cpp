@@ -20,7 +20,7 @@ namespace {
 
 using talon::testing::error_of;
 
-std::string fixture(const std::string& name) {
+std::string tokenizer_fixture(const std::string& name) {
   return talon::testing::source_dir() + "/tests/fixtures/tokenizers/" + name;
 }
 
@@ -40,8 +40,8 @@ std::string from_hex(const std::string& h) {
 class TokenizerFixture : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(TokenizerFixture, MatchesHuggingFace) {
-  auto cases = load_json(fixture("cases.json"));
-  auto tok = Tokenizer::load(fixture(GetParam()));
+  auto cases = load_json(tokenizer_fixture("cases.json"));
+  auto tok = Tokenizer::load(tokenizer_fixture(GetParam()));
   const auto& rows = cases.at(GetParam());
   ASSERT_GT(rows.size(), 10u);
   for (const auto& r : rows) {
@@ -58,7 +58,7 @@ INSTANTIATE_TEST_SUITE_P(Fixtures, TokenizerFixture,
                          ::testing::Values("bytelevel_tiny.json", "spm_tiny.json", "spm_legacy_tiny.json"));
 
 TEST(Tokenizer, VocabularyAccessors) {
-  auto tok = Tokenizer::load(fixture("bytelevel_tiny.json"));
+  auto tok = Tokenizer::load(tokenizer_fixture("bytelevel_tiny.json"));
   auto end = tok->token_to_id("<|end|>");
   ASSERT_TRUE(end.has_value());
   EXPECT_EQ(tok->id_to_token(*end).value(), "<|end|>");
@@ -66,16 +66,16 @@ TEST(Tokenizer, VocabularyAccessors) {
   EXPECT_GT(tok->vocab_size(), size_t(*end));
   EXPECT_FALSE(tok->token_to_id("definitely not a token").has_value());
   EXPECT_FALSE(tok->id_to_token(1 << 30).has_value());
-  auto sp = Tokenizer::load(fixture("spm_tiny.json"));
+  auto sp = Tokenizer::load(tokenizer_fixture("spm_tiny.json"));
   EXPECT_EQ(sp->kind(), "bpe-sentencepiece");
   EXPECT_EQ(sp->bos_id(), sp->token_to_id("<s>"));  // from the TemplateProcessing post-processor
 }
 
 TEST(Tokenizer, InvalidUtf8IsReplacedNotFatal) {
   // Documented behaviour: each maximal invalid subsequence becomes U+FFFD, then HF semantics.
-  auto lossy = load_json(fixture("lossy.json"));
+  auto lossy = load_json(tokenizer_fixture("lossy.json"));
   for (const char* name : {"bytelevel_tiny.json", "spm_tiny.json"}) {
-    auto tok = Tokenizer::load(fixture(name));
+    auto tok = Tokenizer::load(tokenizer_fixture(name));
     for (const auto& c : lossy) {
       std::string raw = from_hex(c["hex"]);
       std::string repaired = c["text"];
@@ -147,7 +147,7 @@ TEST(Tokenizer, BadFilesNameThePath) {
 }
 
 TEST(Tokenizer, ThreadSafeEncode) {
-  auto tok = Tokenizer::load(fixture("bytelevel_tiny.json"));
+  auto tok = Tokenizer::load(tokenizer_fixture("bytelevel_tiny.json"));
   std::string text = "The quick brown fox 東京 😀 jumps <|end|> 12345 ";
   auto expect = tok->encode(text, true);
   std::vector<std::thread> ts;

@@ -35,6 +35,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "backend/backend.h"
 #include "backend/cpu/kv_slots.h"
 #include "backend/cpu/ops.h"
 #include "model/decode.h"
@@ -51,7 +52,7 @@ namespace {
 // the config's rms_norm_eps.
 constexpr float kLatentNormEps = 1e-6f;
 
-struct Layer {
+struct DsLayer {
   std::vector<float> attn_norm, mlp_norm, q_a_norm, kv_a_norm, router_bias;
   std::vector<float> router;  // [E, H] fp32 (transformers routes in fp32)
   const DeepseekLayer* w;     // the linear weights (views into the checkpoint)
@@ -65,7 +66,7 @@ class CpuDeepseekModel final : public Model {
     final_norm_ = weight_to_f32(w_.final_norm);
     lm_head_ = {QuantWeight::Kind::Plain, cfg_.vocab, cfg_.hidden, w_.lm_head, {}, 0, 0, 0};
     for (auto& l : w_.layers) {
-      Layer L;
+      DsLayer L;
       L.attn_norm = weight_to_f32(l.attn_norm);
       L.mlp_norm = weight_to_f32(l.mlp_norm);
       L.q_a_norm = weight_to_f32(l.q_a_norm);
@@ -146,7 +147,7 @@ class CpuDeepseekModel final : public Model {
     cpu::embedding_forward(x.data(), tokens, embed_.data, embed_.dtype, N, H, c.vocab);  // h[0]
     for (int64_t l = 0; l < c.n_layers; ++l) {
       capture(l, x.data());  // h[l]: the input of layer l
-      const Layer& L = layers_[size_t(l)];
+      const DsLayer& L = layers_[size_t(l)];
       const DeepseekLayer& W = *L.w;
       // ---- MLA attention block
       cpu::rmsnorm_forward(xn.data(), x.data(), L.attn_norm.data(), N, H, eps);
@@ -251,7 +252,7 @@ class CpuDeepseekModel final : public Model {
 
  private:
   // x += the layer's MLP (dense, or routed + shared experts) of rmsnorm(x).
-  void mlp_block(std::vector<float>& x, std::vector<float>& xn, std::vector<float>& tmp, const Layer& L, int64_t N,
+  void mlp_block(std::vector<float>& x, std::vector<float>& xn, std::vector<float>& tmp, const DsLayer& L, int64_t N,
                  int64_t K) {
     const int64_t H = cfg_.hidden;
     cpu::rmsnorm_forward(xn.data(), x.data(), L.mlp_norm.data(), N, H, float(cfg_.rms_eps));
@@ -288,7 +289,7 @@ class CpuDeepseekModel final : public Model {
   }
 
   // out[N, H] = routed experts (weighted, summed in expert-id order per token) + shared.
-  void moe(float* out, const float* xn, const Layer& L, int64_t N, int64_t K) {
+  void moe(float* out, const float* xn, const DsLayer& L, int64_t N, int64_t K) {
     const ModelConfig& c = cfg_;
     const DeepseekConfig& d = c.ds;
     const int64_t H = c.hidden, E = d.n_routed_experts;
@@ -339,7 +340,7 @@ class CpuDeepseekModel final : public Model {
   WeightRef embed_;
   QuantWeight lm_head_;
   std::vector<float> final_norm_;
-  std::vector<Layer> layers_;
+  std::vector<DsLayer> layers_;
   std::vector<float> inv_freq_;
   std::vector<float> scratch_, g_, u_;  // dequantized matrix; MLP intermediates
   bool absorbed_ = false;

@@ -7,6 +7,7 @@
 #include <functional>
 
 #include "backend/cpu/kv_slots.h"
+#include "backend/backend.h"
 #include "backend/cpu/ops.h"
 #include "model/decode.h"
 #include "model/dense.h"

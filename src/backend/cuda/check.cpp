@@ -1,5 +1,6 @@
 #include "backend/cuda/check.h"
 
+#include "backend/backend.h"
 #include "util/error.h"
 
 namespace talon::cuda {

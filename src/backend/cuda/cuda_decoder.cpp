@@ -1,5 +1,5 @@
-// The CUDA cached decoder (model/decode.h) on one GPU: same layer steps as the CUDA model
-// (cuda_model.cpp: bf16 weights and activations, fp32 residual stream, fused q|k|v and
+// The CUDA cached decoder (model/decode.h) on one GPU: the CUDA model's layer stack
+// (dense_block.h: bf16 weights and activations, fp32 residual stream, fused q|k|v and
 // gate|up GEMMs), with a KV cache allocated up front and attention against it
 // (decode_attention.cu; layout and row conventions in decode_ops.h).
 //
@@ -17,8 +17,11 @@
 #include <algorithm>
 #include <cstring>
 
+#include "backend/backend.h"
 #include "backend/cuda/check.h"
 #include "backend/cuda/decode_ops.h"
+#include "backend/cuda/dense_block.h"
+#include "backend/cuda/device.h"
 #include "backend/cuda/ops.h"
 #include "backend/cuda/weights.h"
 #include "model/decode.h"
@@ -38,17 +41,10 @@ std::string gib(double b) { return fmt::format("{:.2f} GiB", b / double(1ll << 3
 class CudaDecoder final : public Decoder {
  public:
   CudaDecoder(const Checkpoint& ckpt, int device, int n_slots, int64_t max_len)
-      : cfg_(ckpt.config()), device_(device), max_len_(max_len) {
+      : dev_(checked(n_slots, max_len, device), "decoder"), cfg_(ckpt.config()), max_len_(max_len) {
     const ModelConfig& c = cfg_;
-    TALON_CHECK(n_slots > 0 && max_len > 0, "decoder: n_slots {} and max_len {} must be positive", n_slots, max_len);
-    TALON_CHECK(int64_t(n_slots) * max_len < (int64_t(1) << 31),
-                "decoder: {} slots x {} tokens is more cache rows than 2^31", n_slots, max_len);
-    int n_dev = 0;
-    CUDA_CHECK(cudaGetDeviceCount(&n_dev));
-    TALON_CHECK(device >= 0 && device < n_dev, "decoder: cuda:{} does not exist ({} devices)", device, n_dev);
-    CUDA_CHECK(cudaSetDevice(device_));
-    CUDA_CHECK(cudaDeviceGetAttribute(&n_sms_, cudaDevAttrMultiProcessorCount, device_));
-    w_ = cuda::upload_dense_weights(ckpt, device_, 0, 1, arena_);
+    const int device_ = dev_.index();
+    w_ = cuda::upload_dense_weights(ckpt, device_, 0, 1, dev_.arena());
     // The cache: per layer K and V [n_slots, max_len, nkv, hd] bf16, checked against what
     // is free after the weights, keeping room for the activations of one forward per slot.
     const int64_t kvd = c.n_kv_heads * c.head_dim, L = c.n_layers;
@@ -57,8 +53,7 @@ class CudaDecoder final : public Decoder {
     const int64_t ldqkv = (c.n_heads + 2 * c.n_kv_heads) * c.head_dim;
     const double reserve = double(1ll << 30) +
                            double(n_slots) * double(c.vocab * 6 + c.hidden * 12 + ldqkv * 2 + c.intermediate * 6);
-    size_t free_b = 0, total_b = 0;
-    CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
+    const auto [free_b, total_b] = dev_.memory();
     if (cache_bytes + reserve > double(free_b)) {
       const double room = double(free_b) - reserve;
       const int64_t fit = room > 0 ? int64_t(room / double(per_token) / double(n_slots)) : 0;
@@ -78,35 +73,23 @@ class CudaDecoder final : public Decoder {
     cache_ptrs_ = cache_arena_.alloc<bf16*>(bufs.size());
     CUDA_CHECK(cudaMemcpy(cache_ptrs_, bufs.data(), bufs.size() * sizeof(bf16*), cudaMemcpyHostToDevice));
     move_pairs_ = cache_arena_.alloc<int32_t>(size_t(2 * max_len));
-    // Created last: a constructor that throws leaves nothing behind but the arenas.
-    CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
-    gemm_ = std::make_unique<cuda::Gemm>();
     tlog::info("cuda:{}: decoder with {} slots x {} tokens: KV cache {}", device_, n_slots, max_len, gib(cache_bytes));
     len_.assign(size_t(n_slots), 0);
     parents_.resize(size_t(n_slots));
     pending_.assign(size_t(n_slots), 0);
   }
 
-  ~CudaDecoder() override {
-    cudaSetDevice(device_);
-    if (stream_) cudaStreamSynchronize(stream_);
-    acts_.reset();
-    gemm_.reset();
-    if (stream_) cudaStreamDestroy(stream_);
-  }
-
   const ModelConfig& config() const override { return cfg_; }
-  std::string backend() const override { return "cuda:" + std::to_string(device_); }
+  std::string backend() const override { return dev_.name(); }
   int n_slots() const override { return int(len_.size()); }
   int64_t max_len() const override { return max_len_; }
   int64_t length(int slot) const override { return len_[size_t(check_slot(slot))]; }
 
   void forward(const std::vector<DecodeRequest>& reqs, const Capture& cap, float* logits) override {
-    CUDA_CHECK(cudaSetDevice(device_));
+    dev_.activate();
     const ModelConfig& c = cfg_;
-    const int64_t H = c.hidden, I = w_.inter, hd = c.head_dim, V = c.vocab, W = c.sliding_window;
-    const int64_t nh = w_.nh, nkv = w_.nkv, qd = nh * hd, ldqkv = qd + 2 * nkv * hd;
-    const float eps = float(c.rms_eps);
+    const int64_t H = c.hidden, hd = c.head_dim, V = c.vocab, W = c.sliding_window;
+    const int64_t nh = w_.nh, nkv = w_.nkv, ldqkv = (nh + 2 * nkv) * hd;
     cap.validate(c.n_layers);
     // Rows: what each new token attends to (decode_ops.h) and its RoPE position.
     std::vector<DecodeRow> rows;
@@ -167,22 +150,22 @@ class CudaDecoder final : public Decoder {
         flash ? cuda::attention_tiles(seq_start.data(), int64_t(reqs.size())) : std::vector<int32_t>{};
     // Splits of the key range: enough blocks to fill the GPU several times over.
     const int64_t T = cuda::kDecodeTile, n_tiles = (max_keys + T - 1) / T;
-    int64_t splits = std::clamp<int64_t>((4 * n_sms_ + N * nkv - 1) / (N * nkv), 1, std::max<int64_t>(1, n_tiles));
+    int64_t splits = std::clamp<int64_t>((4 * dev_.multiprocessors() + N * nkv - 1) / (N * nkv), 1, std::max<int64_t>(1, n_tiles));
     const int64_t split_len = (n_tiles + splits - 1) / splits * T;
     splits = std::max<int64_t>(1, (max_keys + split_len - 1) / split_len);
     ensure_acts(N, int64_t(reqs.size()), NL, flash ? N * nh * (hd + 2) : N * nh * splits * (hd + 2),
                 int64_t(masks.size()), int64_t(tiles.size()));
     Acts& a = *acts_;
-    CUDA_CHECK(cudaMemcpyAsync(a.ids, tokens.data(), size_t(N) * 4, cudaMemcpyHostToDevice, stream_));
-    CUDA_CHECK(cudaMemcpyAsync(a.pos, pos.data(), size_t(N) * 4, cudaMemcpyHostToDevice, stream_));
-    CUDA_CHECK(cudaMemcpyAsync(a.rows, rows.data(), size_t(N) * sizeof(DecodeRow), cudaMemcpyHostToDevice, stream_));
+    CUDA_CHECK(cudaMemcpyAsync(a.ids, tokens.data(), size_t(N) * 4, cudaMemcpyHostToDevice, dev_.stream()));
+    CUDA_CHECK(cudaMemcpyAsync(a.pos, pos.data(), size_t(N) * 4, cudaMemcpyHostToDevice, dev_.stream()));
+    CUDA_CHECK(cudaMemcpyAsync(a.rows, rows.data(), size_t(N) * sizeof(DecodeRow), cudaMemcpyHostToDevice, dev_.stream()));
     if (!masks.empty())
-      CUDA_CHECK(cudaMemcpyAsync(a.masks, masks.data(), masks.size() * 8, cudaMemcpyHostToDevice, stream_));
+      CUDA_CHECK(cudaMemcpyAsync(a.masks, masks.data(), masks.size() * 8, cudaMemcpyHostToDevice, dev_.stream()));
     if (NL > 0)
-      CUDA_CHECK(cudaMemcpyAsync(a.logit_rows, logit_rows.data(), size_t(NL) * 4, cudaMemcpyHostToDevice, stream_));
+      CUDA_CHECK(cudaMemcpyAsync(a.logit_rows, logit_rows.data(), size_t(NL) * 4, cudaMemcpyHostToDevice, dev_.stream()));
     if (flash) {
-      CUDA_CHECK(cudaMemcpyAsync(a.seq_start, seq_start.data(), seq_start.size() * 8, cudaMemcpyHostToDevice, stream_));
-      CUDA_CHECK(cudaMemcpyAsync(a.tiles, tiles.data(), tiles.size() * 4, cudaMemcpyHostToDevice, stream_));
+      CUDA_CHECK(cudaMemcpyAsync(a.seq_start, seq_start.data(), seq_start.size() * 8, cudaMemcpyHostToDevice, dev_.stream()));
+      CUDA_CHECK(cudaMemcpyAsync(a.tiles, tiles.data(), tiles.size() * 4, cudaMemcpyHostToDevice, dev_.stream()));
     }
 
     // Captures: rows are the packed tokens in order, copied straight to the host on the
@@ -193,60 +176,38 @@ class CudaDecoder final : public Decoder {
         if (cap.layers[i] != layer_id) continue;
         const void* src = a.x;
         if (cap.dtype == DType::BF16) {
-          cuda::f32_to_bf16(a.cap, a.x, N * H, stream_);
+          cuda::f32_to_bf16(a.cap, a.x, N * H, dev_.stream());
           src = a.cap;
         }
         CUDA_CHECK(cudaMemcpy2DAsync(cap.out[i], size_t(cap.stride(i, H)) * esz, src, size_t(H) * esz,
-                                     size_t(H) * esz, size_t(N), cudaMemcpyDeviceToHost, stream_));
+                                     size_t(H) * esz, size_t(N), cudaMemcpyDeviceToHost, dev_.stream()));
       }
     };
-    cuda::embedding_forward(a.x, a.ids, w_.embed, N, H, V, stream_);
-    const bf16* pending = nullptr;  // residual branch output not yet added to x
-    for (int64_t l = 0; l < c.n_layers; ++l) {
-      const cuda::DenseLayerDev& Lw = w_.layers[size_t(l)];
-      if (pending) {
-        cuda::add_rmsnorm_forward(a.xn, a.x, pending, Lw.attn_norm, N, H, eps, stream_);
-        capture(l);
-      } else {
-        capture(l);
-        cuda::add_rmsnorm_forward(a.xn, a.x, nullptr, Lw.attn_norm, N, H, eps, stream_);
-      }
-      gemm_->forward(a.qkv, a.xn, Lw.wqkv, N, H, ldqkv, stream_);
-      if (Lw.bqkv) cuda::bias_forward(a.qkv, ldqkv, Lw.bqkv, N, ldqkv, stream_);
-      if (Lw.q_norm) {
-        cuda::head_rmsnorm_forward(a.qkv, ldqkv, Lw.q_norm, N, nh, hd, eps, stream_);
-        cuda::head_rmsnorm_forward(a.qkv + qd, ldqkv, Lw.k_norm, N, nkv, hd, eps, stream_);
-      }
-      cuda::rope_forward(a.qkv, ldqkv, a.pos, w_.inv_freq, N, nh, hd, stream_);
-      cuda::rope_forward(a.qkv + qd, ldqkv, a.pos, w_.inv_freq, N, nkv, hd, stream_);
-      cuda::kv_cache_write(kc_[size_t(l)], vc_[size_t(l)], a.qkv, ldqkv, a.rows, N, nh, nkv, hd, max_len_, stream_);
+    cuda::DenseHooks hooks;
+    hooks.capture = capture;
+    hooks.attention = [&](int64_t l) {
+      cuda::kv_cache_write(kc_[size_t(l)], vc_[size_t(l)], a.qkv, ldqkv, a.rows, N, nh, nkv, hd, max_len_, dev_.stream());
       if (flash)
         cuda::flash_attention_forward(a.att, a.qkv, ldqkv, a.seq_start, a.tiles, int64_t(tiles.size() / 2), nh, nkv,
-                                      hd, W, stream_);
+                                      hd, W, dev_.stream());
       else
         cuda::decode_attention(a.att, a.part, a.qkv, ldqkv, kc_[size_t(l)], vc_[size_t(l)], a.rows, a.masks, N, nh,
-                               nkv, hd, max_len_, splits, split_len, stream_);
-      gemm_->forward(a.tmp, a.att, Lw.wo, N, qd, H, stream_);
-      cuda::add_rmsnorm_forward(a.xn, a.x, a.tmp, Lw.mlp_norm, N, H, eps, stream_);
-      gemm_->forward(a.gu, a.xn, Lw.wgu, N, H, 2 * I, stream_);
-      cuda::swiglu_forward(a.act, a.gu, N, I, stream_);
-      gemm_->forward(a.tmp, a.act, Lw.wdown, N, I, H, stream_);
-      pending = a.tmp;
-    }
-    cuda::add_rmsnorm_forward(a.xn, a.x, pending, w_.final_norm, N, H, eps, stream_);
-    capture(c.n_layers);
+                               nkv, hd, max_len_, splits, split_len, dev_.stream());
+    };
+    cuda::dense_stack_forward(w_, c, N, {a.ids, a.pos, a.x, a.xn, a.qkv, a.att, a.tmp, a.gu, a.act}, dev_.gemm(),
+                              dev_.stream(), hooks);
     if (NL > 0) {
       // Only the rows that want logits go through the LM head.
       const bf16* in = a.xn;
       if (NL < N) {
-        cuda::gather_rows(a.sel, a.xn, a.logit_rows, NL, H, stream_);
+        cuda::gather_rows(a.sel, a.xn, a.logit_rows, NL, H, dev_.stream());
         in = a.sel;
       }
-      gemm_->forward(a.logits, in, w_.lm_head, NL, H, V, stream_);
-      cuda::bf16_to_f32(a.logits32, a.logits, NL * V, stream_);
-      CUDA_CHECK(cudaMemcpyAsync(logits, a.logits32, size_t(NL * V) * 4, cudaMemcpyDeviceToHost, stream_));
+      dev_.gemm().forward(a.logits, in, w_.lm_head, NL, H, V, dev_.stream());
+      cuda::bf16_to_f32(a.logits32, a.logits, NL * V, dev_.stream());
+      CUDA_CHECK(cudaMemcpyAsync(logits, a.logits32, size_t(NL * V) * 4, cudaMemcpyDeviceToHost, dev_.stream()));
     }
-    CUDA_CHECK(cudaStreamSynchronize(stream_));
+    CUDA_CHECK(cudaStreamSynchronize(dev_.stream()));
     for (size_t ri = 0; ri < reqs.size(); ++ri) {
       pending_[size_t(reqs[ri].slot)] = int64_t(reqs[ri].tokens.size());
       parents_[size_t(reqs[ri].slot)] = std::move(parents[ri]);
@@ -273,11 +234,11 @@ class CudaDecoder final : public Decoder {
         pairs.push_back(int32_t(base + int64_t(i)));
       }
     if (!pairs.empty()) {
-      CUDA_CHECK(cudaSetDevice(device_));
-      CUDA_CHECK(cudaMemcpyAsync(move_pairs_, pairs.data(), pairs.size() * 4, cudaMemcpyHostToDevice, stream_));
+      dev_.activate();
+      CUDA_CHECK(cudaMemcpyAsync(move_pairs_, pairs.data(), pairs.size() * 4, cudaMemcpyHostToDevice, dev_.stream()));
       cuda::kv_cache_move(cache_ptrs_, int64_t(2 * kc_.size()), move_pairs_, int64_t(pairs.size() / 2),
-                          cfg_.n_kv_heads * cfg_.head_dim, stream_);
-      CUDA_CHECK(cudaStreamSynchronize(stream_));
+                          cfg_.n_kv_heads * cfg_.head_dim, dev_.stream());
+      CUDA_CHECK(cudaStreamSynchronize(dev_.stream()));
     }
     len_[size_t(slot)] += int64_t(keep.size());
     pending_[size_t(slot)] = 0;
@@ -295,13 +256,13 @@ class CudaDecoder final : public Decoder {
     check_slot(slot);
     TALON_CHECK(len >= 0 && len <= max_len_, "decoder: length {} outside [0, {}]", len, max_len_);
     if (!filled_) {
-      CUDA_CHECK(cudaSetDevice(device_));
+      dev_.activate();
       const size_t n = len_.size() * size_t(max_len_) * size_t(cfg_.n_kv_heads * cfg_.head_dim) * 2;
       for (size_t l = 0; l < kc_.size(); ++l) {
-        CUDA_CHECK(cudaMemsetAsync(kc_[l], 0x3c, n, stream_));  // bf16 0x3c3c: about 0.0115
-        CUDA_CHECK(cudaMemsetAsync(vc_[l], 0x3c, n, stream_));
+        CUDA_CHECK(cudaMemsetAsync(kc_[l], 0x3c, n, dev_.stream()));  // bf16 0x3c3c: about 0.0115
+        CUDA_CHECK(cudaMemsetAsync(vc_[l], 0x3c, n, dev_.stream()));
       }
-      CUDA_CHECK(cudaStreamSynchronize(stream_));
+      CUDA_CHECK(cudaStreamSynchronize(dev_.stream()));
       filled_ = true;
     }
     len_[size_t(slot)] = len;
@@ -362,13 +323,18 @@ class CudaDecoder final : public Decoder {
     acts_ = std::move(a);
   }
 
+  // Checked before anything is allocated.
+  static int checked(int n_slots, int64_t max_len, int device) {
+    TALON_CHECK(n_slots > 0 && max_len > 0, "decoder: n_slots {} and max_len {} must be positive", n_slots, max_len);
+    TALON_CHECK(int64_t(n_slots) * max_len < (int64_t(1) << 31),
+                "decoder: {} slots x {} tokens is more cache rows than 2^31", n_slots, max_len);
+    return device;
+  }
+
+  cuda::Device dev_;  // first: destroyed last (device.h)
   ModelConfig cfg_;
-  int device_;
   int64_t max_len_;
-  int n_sms_ = 1;
-  cudaStream_t stream_ = nullptr;
-  DeviceArena arena_, cache_arena_;
-  std::unique_ptr<cuda::Gemm> gemm_;
+  DeviceArena cache_arena_;
   cuda::DenseDeviceWeights w_;
   std::vector<bf16*> kc_, vc_;   // per layer [n_slots, max_len, nkv, hd]
   bf16** cache_ptrs_ = nullptr;  // device array of every layer's K and V pointers, for moves

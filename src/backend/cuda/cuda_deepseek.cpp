@@ -23,10 +23,12 @@
 #include <algorithm>
 #include <cmath>
 
+#include "backend/backend.h"
 #include "backend/cuda/check.h"
 #include "backend/cuda/collective.h"
 #include "backend/cuda/cuda_model.h"
 #include "backend/cuda/deepseek_ops.h"
+#include "backend/cuda/device.h"
 #include "backend/cuda/moe.h"
 #include "backend/cuda/moe_weights.h"
 #include "backend/cuda/ops.h"
@@ -91,8 +93,7 @@ using Par = cuda::DeepseekParallel;
 class CudaDeepseekModel final : public Model {
  public:
   CudaDeepseekModel(const Checkpoint& ckpt, int device, const Par& par)
-      : cfg_(ckpt.config()), device_(device), par_(par) {
-    CUDA_CHECK(cudaSetDevice(device_));
+      : dev_(device, "deepseek model"), cfg_(ckpt.config()), par_(par) {
     const ModelConfig& c = cfg_;
     const DeepseekConfig& d = c.ds;
     const int n = par_.size, rk = par_.rank;
@@ -105,24 +106,24 @@ class CudaDeepseekModel final : public Model {
     nh_ = tp ? c.n_heads / n : c.n_heads;
     const int64_t h0 = tp ? rk * nh_ : 0, qk = d.qk_head_dim(), nv = d.qk_nope_head_dim + d.v_head_dim;
     const DeepseekWeights w = bind_deepseek_weights(ckpt);
-    embed_ = cuda::upload_weight(w.embed, arena_);
-    lm_head_ = cuda::upload_weight(w.lm_head, arena_);
-    final_norm_ = cuda::upload_weight(w.final_norm, arena_);
+    embed_ = cuda::upload_weight(w.embed, dev_.arena());
+    lm_head_ = cuda::upload_weight(w.lm_head, dev_.arena());
+    final_norm_ = cuda::upload_weight(w.final_norm, dev_.arena());
     for (const DeepseekLayer& l : w.layers) {
       LayerDev L;
-      L.attn_norm = cuda::upload_weight(l.attn_norm, arena_);
-      L.mlp_norm = cuda::upload_weight(l.mlp_norm, arena_);
-      L.kv_a_norm = cuda::upload_weight(l.kv_a_norm, arena_);
+      L.attn_norm = cuda::upload_weight(l.attn_norm, dev_.arena());
+      L.mlp_norm = cuda::upload_weight(l.mlp_norm, dev_.arena());
+      L.kv_a_norm = cuda::upload_weight(l.kv_a_norm, dev_.arena());
       if (d.q_lora_rank > 0) {
-        L.q_a_norm = cuda::upload_weight(l.q_a_norm, arena_);
-        L.q_a = upload_linear({{&l.q_a}}, arena_);
-        L.q = upload_linear({{&l.q_b, h0 * qk, (h0 + nh_) * qk}}, arena_);
+        L.q_a_norm = cuda::upload_weight(l.q_a_norm, dev_.arena());
+        L.q_a = upload_linear({{&l.q_a}}, dev_.arena());
+        L.q = upload_linear({{&l.q_b, h0 * qk, (h0 + nh_) * qk}}, dev_.arena());
       } else {
-        L.q = upload_linear({{&l.q_proj, h0 * qk, (h0 + nh_) * qk}}, arena_);
+        L.q = upload_linear({{&l.q_proj, h0 * qk, (h0 + nh_) * qk}}, dev_.arena());
       }
-      L.kv_a = upload_linear({{&l.kv_a}}, arena_);
-      L.kv_b = upload_linear({{&l.kv_b, h0 * nv, (h0 + nh_) * nv}}, arena_);
-      L.o = upload_linear({{&l.o_proj, 0, -1, h0 * d.v_head_dim, (h0 + nh_) * d.v_head_dim}}, arena_);
+      L.kv_a = upload_linear({{&l.kv_a}}, dev_.arena());
+      L.kv_b = upload_linear({{&l.kv_b, h0 * nv, (h0 + nh_) * nv}}, dev_.arena());
+      L.o = upload_linear({{&l.o_proj, 0, -1, h0 * d.v_head_dim, (h0 + nh_) * d.v_head_dim}}, dev_.arena());
       L.moe = l.moe;
       const DeepseekMlp* mlp = l.moe ? (l.shared.gate.empty() ? nullptr : &l.shared) : &l.dense;
       if (mlp) {
@@ -130,41 +131,31 @@ class CudaDeepseekModel final : public Model {
         TALON_CHECK(!tp || I % n == 0, "--tp {}: layer {} MLP width {} must divide by it", n, layers_.size(), I);
         L.inter = tp ? I / n : I;
         const int64_t i0 = tp ? rk * L.inter : 0, i1 = i0 + L.inter;
-        L.gu = upload_linear({{&mlp->gate, i0, i1}, {&mlp->up, i0, i1}}, arena_);
-        L.down = upload_linear({{&mlp->down, 0, -1, i0, i1}}, arena_);
+        L.gu = upload_linear({{&mlp->gate, i0, i1}, {&mlp->up, i0, i1}}, dev_.arena());
+        L.down = upload_linear({{&mlp->down, 0, -1, i0, i1}}, dev_.arena());
       }
       if (l.moe) {
         const std::vector<float> r = weight_to_f32(l.router);
-        L.router = arena_.alloc<float>(r.size());
+        L.router = dev_.arena().alloc<float>(r.size());
         CUDA_CHECK(cudaMemcpy(L.router, r.data(), r.size() * 4, cudaMemcpyHostToDevice));
         const int64_t per = c.ds.n_routed_experts / n;
-        L.experts = cuda::upload_moe_layer(l, c, arena_, n > 1 ? rk * per : 0, n > 1 ? per : -1);
+        L.experts = cuda::upload_moe_layer(l, c, dev_.arena(), n > 1 ? rk * per : 0, n > 1 ? per : -1);
       }
       layers_.push_back(L);
     }
     const std::vector<float> inv = rope_inv_freq(c.rope, d.qk_rope_head_dim);
-    inv_freq_ = arena_.alloc<float>(inv.size());
+    inv_freq_ = dev_.arena().alloc<float>(inv.size());
     CUDA_CHECK(cudaMemcpy(inv_freq_, inv.data(), inv.size() * 4, cudaMemcpyHostToDevice));
-    CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
-    gemm_ = std::make_unique<cuda::Gemm>();
-    tlog::info("cuda:{}: {} weights on the device{}: {:.2f} GiB", device_, arch_name(c.arch),
+    tlog::info("cuda:{}: {} weights on the device{}: {:.2f} GiB", dev_.index(), arch_name(c.arch),
                n > 1 ? fmt::format(" ({} rank {} of {})", tp ? "tensor-parallel" : "expert-parallel", rk, n) : "",
-               double(arena_.bytes()) / double(1ll << 30));
-  }
-
-  ~CudaDeepseekModel() override {
-    cudaSetDevice(device_);
-    if (stream_) cudaStreamSynchronize(stream_);
-    acts_.reset();
-    gemm_.reset();
-    if (stream_) cudaStreamDestroy(stream_);
+               double(dev_.arena().bytes()) / double(1ll << 30));
   }
 
   const ModelConfig& config() const override { return cfg_; }
-  std::string backend() const override { return "cuda:" + std::to_string(device_); }
+  std::string backend() const override { return dev_.name(); }
 
   void forward(const Batch& b, const Capture& cap, float* logits) override {
-    CUDA_CHECK(cudaSetDevice(device_));
+    dev_.activate();
     const ModelConfig& c = cfg_;
     const DeepseekConfig& d = c.ds;
     const int64_t N = b.n_tokens(), H = c.hidden, V = c.vocab, nh = nh_;
@@ -190,7 +181,7 @@ class CudaDeepseekModel final : public Model {
       for (int64_t r = b.seq_start[size_t(s)]; r < b.seq_start[size_t(s + 1)]; ++r) row_seq[size_t(r)] = int32_t(s);
     ensure_acts(N, b.n_seqs());
     Acts& a = *acts_;
-    cudaStream_t s = stream_;
+    cudaStream_t s = dev_.stream();
     CUDA_CHECK(cudaMemcpyAsync(a.ids, b.tokens.data(), size_t(N) * 4, cudaMemcpyHostToDevice, s));
     CUDA_CHECK(cudaMemcpyAsync(a.pos, pos.data(), size_t(N) * 4, cudaMemcpyHostToDevice, s));
     CUDA_CHECK(cudaMemcpyAsync(a.row_seq, row_seq.data(), size_t(N) * 4, cudaMemcpyHostToDevice, s));
@@ -235,19 +226,19 @@ class CudaDeepseekModel final : public Model {
       cuda::add_rmsnorm_forward(a.xn, a.x, nullptr, L.attn_norm, N, H, eps, s);
       // ---- MLA
       if (qr > 0) {
-        gemm_->forward(a.qa, a.xn, L.q_a, N, H, qr, s);
+        dev_.gemm().forward(a.qa, a.xn, L.q_a, N, H, qr, s);
         cuda::bf16_to_f32(a.t32, a.qa, N * qr, s);
         cuda::add_rmsnorm_forward(a.qa, a.t32, nullptr, L.q_a_norm, N, qr, kLatentNormEps, s);
-        gemm_->forward(a.q, a.qa, L.q, N, qr, nh * qk, s);
+        dev_.gemm().forward(a.q, a.qa, L.q, N, qr, nh * qk, s);
       } else {
-        gemm_->forward(a.q, a.xn, L.q, N, H, nh * qk, s);
+        dev_.gemm().forward(a.q, a.xn, L.q, N, H, nh * qk, s);
       }
-      gemm_->forward(a.ckv, a.xn, L.kv_a, N, H, kvr + rope, s);
+      dev_.gemm().forward(a.ckv, a.xn, L.kv_a, N, H, kvr + rope, s);
       CUDA_CHECK(cudaMemcpy2DAsync(a.lat, size_t(kvr) * 2, a.ckv, size_t(kvr + rope) * 2, size_t(kvr) * 2, size_t(N),
                                    cudaMemcpyDeviceToDevice, s));
       cuda::bf16_to_f32(a.t32, a.lat, N * kvr, s);
       cuda::add_rmsnorm_forward(a.lat, a.t32, nullptr, L.kv_a_norm, N, kvr, kLatentNormEps, s);
-      gemm_->forward(a.kv, a.lat, L.kv_b, N, kvr, nh * (nope + vd), s);
+      dev_.gemm().forward(a.kv, a.lat, L.kv_b, N, kvr, nh * (nope + vd), s);
       cuda::mla_assemble(a.qkv, a.q, a.kv, a.ckv, kvr + rope, kvr, a.pos, inv_freq_, N, nh, nope, rope, vd,
                          d.rope_interleave, float(c.rope.attention_factor), q_scale, s);
       if (flash)
@@ -256,7 +247,7 @@ class CudaDeepseekModel final : public Model {
       else
         cuda::attention_forward(a.att, a.qkv, 3 * nh * qk, a.seq_start, a.row_seq, N, nh, nh, qk, 0, s);
       cuda::unpad_heads(a.attv, a.att, N, nh, qk, vd, s);
-      gemm_->forward(a.part, a.attv, L.o, N, nh * vd, H, s);  // tensor parallel: this rank's heads
+      dev_.gemm().forward(a.part, a.attv, L.o, N, nh * vd, H, s);  // tensor parallel: this rank's heads
       if (tp) par_.comm->all_reduce(par_.rank, a.part, N * H, DType::F32, s);
       cuda::add_f32(a.x, a.part, N * H, s);
       cuda::add_rmsnorm_forward(a.xn, a.x, nullptr, L.mlp_norm, N, H, eps, s);
@@ -272,9 +263,9 @@ class CudaDeepseekModel final : public Model {
         cuda::add_f32(a.x, a.moe_out, N * H, s);
       }
       if (L.gu) {
-        gemm_->forward(a.gu, a.xn, L.gu, N, H, 2 * L.inter, s);
+        dev_.gemm().forward(a.gu, a.xn, L.gu, N, H, 2 * L.inter, s);
         cuda::swiglu_forward(a.act, a.gu, N, L.inter, s);
-        gemm_->forward(a.part, a.act, L.down, N, L.inter, H, s);  // tensor parallel: this rank's slice
+        dev_.gemm().forward(a.part, a.act, L.down, N, L.inter, H, s);  // tensor parallel: this rank's slice
         if (tp) par_.comm->all_reduce(par_.rank, a.part, N * H, DType::F32, s);
         cuda::add_f32(a.x, a.part, N * H, s);
       }
@@ -282,7 +273,7 @@ class CudaDeepseekModel final : public Model {
     cuda::add_rmsnorm_forward(a.xn, a.x, nullptr, final_norm_, N, H, eps, s);
     capture(c.n_layers);
     if (logits) {
-      gemm_->forward(a.logits, a.xn, lm_head_, N, H, V, s);
+      dev_.gemm().forward(a.logits, a.xn, lm_head_, N, H, V, s);
       cuda::bf16_to_f32(a.logits32, a.logits, N * V, s);
       CUDA_CHECK(cudaMemcpyAsync(logits, a.logits32, size_t(N * V) * 4, cudaMemcpyDeviceToHost, s));
     }
@@ -298,7 +289,7 @@ class CudaDeepseekModel final : public Model {
     const int n = par_.size, rk = par_.rank, K = r.top_k, per = r.n_experts / n;
     const int64_t H = cfg_.hidden, NK = N * K, Im = L.experts.experts.gate.O;
     const bool tp = par_.mode == Par::Mode::Tensor;
-    cudaStream_t s = stream_;
+    cudaStream_t s = dev_.stream();
     std::vector<int32_t> off(size_t(r.n_experts) + 1, 0);
     if (N > 0) {
       cuda::moe_route_sort(acts_->rlog, L.experts.router_bias, N, r, acts_->moe, s);
@@ -358,7 +349,7 @@ class CudaDeepseekModel final : public Model {
   };
   Ep& ensure_ep(int64_t NK, int64_t R, int per, int64_t Im) {
     if (ep_.arena && ep_.nk >= NK && ep_.r >= R) return ep_;
-    CUDA_CHECK(cudaStreamSynchronize(stream_));
+    CUDA_CHECK(cudaStreamSynchronize(dev_.stream()));
     const int64_t nk = std::max<int64_t>({NK, ep_.nk, 1}), r = std::max<int64_t>({R, ep_.r, 1}), H = cfg_.hidden;
     ep_ = Ep{};
     ep_.arena = std::make_unique<DeviceArena>();
@@ -450,14 +441,11 @@ class CudaDeepseekModel final : public Model {
     acts_ = std::move(a);
   }
 
+  cuda::Device dev_;  // first: destroyed last (device.h)
   ModelConfig cfg_;
-  int device_;
   Par par_;
   int64_t nh_ = 0;  // attention heads on this rank
   Ep ep_;
-  cudaStream_t stream_ = nullptr;
-  DeviceArena arena_;
-  std::unique_ptr<cuda::Gemm> gemm_;
   bf16 *embed_, *lm_head_, *final_norm_;
   float* inv_freq_;
   std::vector<LayerDev> layers_;

@@ -15,7 +15,10 @@
 #include <algorithm>
 #include <cstring>
 
+#include "backend/backend.h"
 #include "backend/cuda/check.h"
+#include "backend/cuda/dense_block.h"
+#include "backend/cuda/device.h"
 #include "backend/cuda/ops.h"
 #include "backend/cuda/weights.h"
 #include "model/dense.h"
@@ -34,56 +37,36 @@ bool force_warp_attention();
 class CudaDenseModel final : public Model {
  public:
   CudaDenseModel(const Checkpoint& ckpt, const cuda::RankOptions& ro, const GpuOptions& go)
-      : cfg_(ckpt.config()), ro_(ro), device_(ro.device) {
+      : dev_(ro.device, "model", /*copy_stream=*/true), cfg_(ckpt.config()), ro_(ro) {
     const int tp = ro_.size, rk = ro_.rank;
-    CUDA_CHECK(cudaSetDevice(device_));
-    CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
-    CUDA_CHECK(cudaStreamCreateWithFlags(&copy_, cudaStreamNonBlocking));
-    gemm_ = std::make_unique<cuda::Gemm>();
-    w_ = cuda::upload_dense_weights(ckpt, device_, rk, tp, arena_);
-    nh_ = w_.nh;
-    nkv_ = w_.nkv;
-    inter_ = w_.inter;
+    w_ = cuda::upload_dense_weights(ckpt, dev_.index(), rk, tp, dev_.arena());
     // Everything the planned batch size needs is allocated now, so a run cannot hit
     // an out-of-memory error halfway.
     if (go.max_tokens > 0) {
       ensure_activations(go.max_tokens, go.max_tokens, false);
       if (rk == 0) ensure_capture_buffers(go.n_capture, dtype_size(go.capture_dtype), go.max_tokens);
     }
-    size_t free_b = 0, total_b = 0;
-    CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
-    tlog::debug("cuda:{}: weights {:.1f} MiB; {:.1f} of {:.1f} GiB free after planning", device_,
-                double(arena_.bytes()) / (1 << 20), double(free_b) / (1 << 30), double(total_b) / (1 << 30));
-  }
-
-  ~CudaDenseModel() override {
-    cudaSetDevice(device_);
-    if (stream_) cudaStreamSynchronize(stream_);
-    if (copy_) cudaStreamSynchronize(copy_);
-    for (auto e : events_) cudaEventDestroy(e);
-    caps_.reset();
-    acts_.reset();
-    gemm_.reset();
-    if (stream_) cudaStreamDestroy(stream_);
-    if (copy_) cudaStreamDestroy(copy_);
+    const auto [free_b, total_b] = dev_.memory();
+    tlog::debug("{}: weights {:.1f} MiB; {:.1f} of {:.1f} GiB free after planning", dev_.name(),
+                double(dev_.arena().bytes()) / (1 << 20), double(free_b) / (1 << 30), double(total_b) / (1 << 30));
   }
 
   const ModelConfig& config() const override { return cfg_; }
-  std::string backend() const override { return "cuda:" + std::to_string(device_); }
+  std::string backend() const override { return dev_.name(); }
 
   std::shared_ptr<uint8_t> host_buffer(size_t bytes) override {
-    CUDA_CHECK(cudaSetDevice(device_));
+    dev_.activate();
     void* p = nullptr;
     CUDA_CHECK(cudaHostAlloc(&p, std::max<size_t>(bytes, 1), cudaHostAllocPortable));
     return std::shared_ptr<uint8_t>(static_cast<uint8_t*>(p), [](uint8_t* q) { cudaFreeHost(q); });
   }
 
   void forward(const Batch& b, const Capture& cap, float* logits) override {
-    CUDA_CHECK(cudaSetDevice(device_));
+    dev_.activate();
     const ModelConfig& c = cfg_;
-    const int64_t N = b.n_tokens(), H = c.hidden, I = inter_, hd = c.head_dim, V = c.vocab;
-    const int64_t nh = nh_, nkv = nkv_, qd = nh * hd, kvd = nkv * hd, ldqkv = qd + 2 * kvd;
-    const float eps = float(c.rms_eps);
+    const int64_t N = b.n_tokens(), H = c.hidden, hd = c.head_dim, V = c.vocab;
+    const int64_t nh = w_.nh, nkv = w_.nkv, ldqkv = (nh + 2 * nkv) * hd;
+    cudaStream_t stream = dev_.stream(), copy = dev_.copy_stream();
     cap.validate(c.n_layers, b);
     for (int64_t i = 0; i < N; ++i)
       TALON_CHECK(b.tokens[size_t(i)] >= 0 && b.tokens[size_t(i)] < V, "token id {} at position {} is outside the vocabulary [0, {})",
@@ -101,11 +84,11 @@ class CudaDenseModel final : public Model {
       }
     const bool flash = cuda::flash_attention_supported(hd) && !force_warp_attention();
     const std::vector<int32_t> tiles = flash ? cuda::attention_tiles(b.seq_start.data(), b.n_seqs()) : std::vector<int32_t>{};
-    CUDA_CHECK(cudaMemcpyAsync(a.ids, b.tokens.data(), size_t(N) * 4, cudaMemcpyHostToDevice, stream_));
-    CUDA_CHECK(cudaMemcpyAsync(a.pos, pos.data(), size_t(N) * 4, cudaMemcpyHostToDevice, stream_));
-    CUDA_CHECK(cudaMemcpyAsync(a.row_seq, row_seq.data(), size_t(N) * 4, cudaMemcpyHostToDevice, stream_));
-    CUDA_CHECK(cudaMemcpyAsync(a.seq_start, b.seq_start.data(), b.seq_start.size() * 8, cudaMemcpyHostToDevice, stream_));
-    if (flash) CUDA_CHECK(cudaMemcpyAsync(a.tiles, tiles.data(), tiles.size() * 4, cudaMemcpyHostToDevice, stream_));
+    CUDA_CHECK(cudaMemcpyAsync(a.ids, b.tokens.data(), size_t(N) * 4, cudaMemcpyHostToDevice, stream));
+    CUDA_CHECK(cudaMemcpyAsync(a.pos, pos.data(), size_t(N) * 4, cudaMemcpyHostToDevice, stream));
+    CUDA_CHECK(cudaMemcpyAsync(a.row_seq, row_seq.data(), size_t(N) * 4, cudaMemcpyHostToDevice, stream));
+    CUDA_CHECK(cudaMemcpyAsync(a.seq_start, b.seq_start.data(), b.seq_start.size() * 8, cudaMemcpyHostToDevice, stream));
+    if (flash) CUDA_CHECK(cudaMemcpyAsync(a.tiles, tiles.data(), tiles.size() * 4, cudaMemcpyHostToDevice, stream));
 
     // Copy segments: runs of sequences whose destination rows are consecutive.
     struct Seg {
@@ -124,63 +107,37 @@ class CudaDenseModel final : public Model {
         if (cap.layers[i] != layer_id) continue;
         void* buf = caps_->bufs[i];
         if (cap.dtype == DType::F32)
-          CUDA_CHECK(cudaMemcpyAsync(buf, a.x, size_t(N * H) * 4, cudaMemcpyDeviceToDevice, stream_));
+          CUDA_CHECK(cudaMemcpyAsync(buf, a.x, size_t(N * H) * 4, cudaMemcpyDeviceToDevice, stream));
         else
-          cuda::f32_to_bf16(static_cast<bf16*>(buf), a.x, N * H, stream_);
-        CUDA_CHECK(cudaEventRecord(events_[i], stream_));
-        CUDA_CHECK(cudaStreamWaitEvent(copy_, events_[i], 0));
+          cuda::f32_to_bf16(static_cast<bf16*>(buf), a.x, N * H, stream);
+        CUDA_CHECK(cudaEventRecord(dev_.event(i), stream));
+        CUDA_CHECK(cudaStreamWaitEvent(copy, dev_.event(i), 0));
         const int64_t ld = cap.stride(i, H);
         for (const Seg& g : segs)
           CUDA_CHECK(cudaMemcpy2DAsync(static_cast<uint8_t*>(cap.out[i]) + size_t(g.dst * ld) * esz, size_t(ld) * esz,
                                        static_cast<const uint8_t*>(buf) + size_t(g.src * H) * esz, size_t(H) * esz,
-                                       size_t(H) * esz, size_t(g.rows), cudaMemcpyDeviceToHost, copy_));
+                                       size_t(H) * esz, size_t(g.rows), cudaMemcpyDeviceToHost, copy));
       }
     };
-    cuda::embedding_forward(a.x, a.ids, w_.embed, N, H, V, stream_);
-    const bf16* pending = nullptr;  // residual branch output not yet added to x
-    for (int64_t l = 0; l < c.n_layers; ++l) {
-      const cuda::DenseLayerDev& L = w_.layers[size_t(l)];
-      // x += pending (previous MLP); capture h[l]; xn = norm(x)
-      if (pending) {
-        cuda::add_rmsnorm_forward(a.xn, a.x, pending, L.attn_norm, N, H, eps, stream_);
-        capture(l);
-      } else {
-        capture(l);
-        cuda::add_rmsnorm_forward(a.xn, a.x, nullptr, L.attn_norm, N, H, eps, stream_);
-      }
-      gemm_->forward(a.qkv, a.xn, L.wqkv, N, H, ldqkv, stream_);
-      if (L.bqkv) cuda::bias_forward(a.qkv, ldqkv, L.bqkv, N, ldqkv, stream_);
-      if (L.q_norm) {
-        cuda::head_rmsnorm_forward(a.qkv, ldqkv, L.q_norm, N, nh, hd, eps, stream_);
-        cuda::head_rmsnorm_forward(a.qkv + qd, ldqkv, L.k_norm, N, nkv, hd, eps, stream_);
-      }
-      cuda::rope_forward(a.qkv, ldqkv, a.pos, w_.inv_freq, N, nh, hd, stream_);
-      cuda::rope_forward(a.qkv + qd, ldqkv, a.pos, w_.inv_freq, N, nkv, hd, stream_);
+    cuda::DenseHooks hooks;
+    hooks.capture = capture;
+    hooks.attention = [&](int64_t) {
       if (flash)
         cuda::flash_attention_forward(a.att, a.qkv, ldqkv, a.seq_start, a.tiles, int64_t(tiles.size() / 2), nh, nkv,
-                                      hd, c.sliding_window, stream_);
+                                      hd, c.sliding_window, stream);
       else
         cuda::attention_forward(a.att, a.qkv, ldqkv, a.seq_start, a.row_seq, N, nh, nkv, hd, c.sliding_window,
-                                stream_);
-      gemm_->forward(a.tmp, a.att, L.wo, N, qd, H, stream_);
-      if (ro_.allreduce) ro_.allreduce(a.tmp, N * H, stream_);
-      cuda::add_rmsnorm_forward(a.xn, a.x, a.tmp, L.mlp_norm, N, H, eps, stream_);
-      gemm_->forward(a.gu, a.xn, L.wgu, N, H, 2 * I, stream_);
-      cuda::swiglu_forward(a.act, a.gu, N, I, stream_);
-      gemm_->forward(a.tmp, a.act, L.wdown, N, I, H, stream_);
-      if (ro_.allreduce) ro_.allreduce(a.tmp, N * H, stream_);
-      pending = a.tmp;
-    }
-    // h[L] = x + last MLP output; the final norm follows (only needed for logits).
-    cuda::add_rmsnorm_forward(a.xn, a.x, pending, w_.final_norm, N, H, eps, stream_);
-    capture(c.n_layers);
+                                stream);
+    };
+    hooks.allreduce = ro_.allreduce;
+    cuda::dense_stack_forward(w_, c, N, {a.ids, a.pos, a.x, a.xn, a.qkv, a.att, a.tmp, a.gu, a.act}, dev_.gemm(),
+                              stream, hooks);
     if (logits) {
-      gemm_->forward(a.logits, a.xn, w_.lm_head, N, H, V, stream_);
-      cuda::bf16_to_f32(a.logits32, a.logits, N * V, stream_);
-      CUDA_CHECK(cudaMemcpyAsync(logits, a.logits32, size_t(N * V) * 4, cudaMemcpyDeviceToHost, stream_));
+      dev_.gemm().forward(a.logits, a.xn, w_.lm_head, N, H, V, stream);
+      cuda::bf16_to_f32(a.logits32, a.logits, N * V, stream);
+      CUDA_CHECK(cudaMemcpyAsync(logits, a.logits32, size_t(N * V) * 4, cudaMemcpyDeviceToHost, stream));
     }
-    CUDA_CHECK(cudaStreamSynchronize(stream_));
-    CUDA_CHECK(cudaStreamSynchronize(copy_));
+    dev_.sync();
   }
 
  private:
@@ -201,11 +158,7 @@ class CudaDenseModel final : public Model {
   };
 
   void ensure_capture_buffers(int64_t n, size_t esz, int64_t tokens) {
-    while (int64_t(events_.size()) < n) {
-      cudaEvent_t e;
-      CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
-      events_.push_back(e);
-    }
+    if (n > 0) dev_.event(size_t(n - 1));
     if (n == 0 || (caps_ && caps_->n >= n && caps_->esz >= esz && caps_->tokens >= tokens)) return;
     const int64_t nn = std::max<int64_t>(n, caps_ ? caps_->n : 0), tk = std::max<int64_t>(tokens, caps_ ? caps_->tokens : 0);
     const size_t e = std::max(esz, caps_ ? caps_->esz : 0);
@@ -226,14 +179,14 @@ class CudaDenseModel final : public Model {
     const bool lg = want_logits || (acts_ && acts_->has_logits);
     acts_.reset();
     auto a = std::make_unique<Acts>();
-    const int64_t qd = nh_ * c.head_dim, ld = qd + 2 * nkv_ * c.head_dim;
+    const int64_t qd = w_.nh * c.head_dim, ld = qd + 2 * w_.nkv * c.head_dim;
     a->x = a->arena.alloc<float>(size_t(n * c.hidden));
     a->xn = a->arena.alloc<bf16>(size_t(n * c.hidden));
     a->qkv = a->arena.alloc<bf16>(size_t(n * ld));
     a->att = a->arena.alloc<bf16>(size_t(n * qd));
     a->tmp = a->arena.alloc<bf16>(size_t(n * c.hidden));
-    a->gu = a->arena.alloc<bf16>(size_t(n * 2 * inter_));
-    a->act = a->arena.alloc<bf16>(size_t(n * inter_));
+    a->gu = a->arena.alloc<bf16>(size_t(n * 2 * w_.inter));
+    a->act = a->arena.alloc<bf16>(size_t(n * w_.inter));
     if (lg) {
       a->logits = a->arena.alloc<bf16>(size_t(n * c.vocab));
       a->logits32 = a->arena.alloc<float>(size_t(n * c.vocab));
@@ -249,17 +202,12 @@ class CudaDenseModel final : public Model {
     acts_ = std::move(a);
   }
 
+  cuda::Device dev_;  // first: destroyed last (device.h)
   ModelConfig cfg_;
   cuda::RankOptions ro_;
-  int device_;
-  int64_t nh_ = 0, nkv_ = 0, inter_ = 0;
-  cudaStream_t stream_ = nullptr, copy_ = nullptr;
-  DeviceArena arena_;
-  std::unique_ptr<cuda::Gemm> gemm_;
   cuda::DenseDeviceWeights w_;
   std::unique_ptr<Acts> acts_;
   std::unique_ptr<CapBufs> caps_;
-  std::vector<cudaEvent_t> events_;
 };
 
 // TALON_ATTENTION=warp selects the one-warp-per-row kernel even where the tensor-core one

@@ -6,6 +6,7 @@
 #include <functional>
 #include <memory>
 
+#include "backend/backend.h"
 #include "backend/cuda/ops.h"
 #include "model/model.h"
 

@@ -3,6 +3,7 @@
 
 #include "backend/cuda/check.h"
 #include "backend/cuda/deepseek_ops.h"
+#include "backend/cuda/kernels/rmsnorm.cuh"
 #include "backend/cuda/warp.cuh"
 
 namespace talon::cuda {
@@ -59,25 +60,6 @@ __global__ void unpad_kernel(bf16* out, const bf16* in, int64_t N, int nh, int q
   }
 }
 
-__global__ void rmsnorm_f32_kernel(float* out, const float* x, const bf16* w, int64_t C, float eps) {
-  __shared__ float sh[32];
-  const float* xr = x + int64_t(blockIdx.x) * C;
-  float ss = 0.f;
-  for (int64_t i = threadIdx.x; i < C; i += blockDim.x) ss += xr[i] * xr[i];
-  ss = warp_sum(ss);
-  if (threadIdx.x % 32 == 0) sh[threadIdx.x / 32] = ss;
-  __syncthreads();
-  if (threadIdx.x < 32) {
-    float v = threadIdx.x < blockDim.x / 32 ? sh[threadIdx.x] : 0.f;
-    v = warp_sum(v);
-    if (threadIdx.x == 0) sh[0] = v;
-  }
-  __syncthreads();
-  const float r = rsqrtf(sh[0] / float(C) + eps);
-  for (int64_t i = threadIdx.x; i < C; i += blockDim.x)
-    out[int64_t(blockIdx.x) * C + i] = xr[i] * r * __bfloat162float(w[i]);
-}
-
 // One warp per (token, expert) dot product.
 __global__ void router_kernel(float* logits, const float* x, const float* W, int64_t N, int64_t E, int64_t H) {
   const int lane = threadIdx.x % 32;
@@ -119,7 +101,7 @@ void unpad_heads(bf16* out, const bf16* in, int64_t N, int64_t nh, int64_t qk, i
 
 void rmsnorm_f32(float* out, const float* x, const bf16* w, int64_t N, int64_t C, float eps, cudaStream_t s) {
   if (N == 0) return;
-  rmsnorm_f32_kernel<<<unsigned(N), 256, 0, s>>>(out, x, w, C, eps);
+  rmsnorm_forward<float, const float, void>(out, NormRows{C}, x, NormRows{C}, nullptr, w, N, C, eps, s);
   CUDA_LAUNCH_CHECK();
 }
 

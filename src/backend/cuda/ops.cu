@@ -7,6 +7,8 @@
 #include <tuple>
 
 #include "backend/cuda/check.h"
+#include "backend/cuda/kernels/cast.cuh"
+#include "backend/cuda/kernels/rmsnorm.cuh"
 #include "backend/cuda/ops.h"
 #include "backend/cuda/warp.cuh"
 
@@ -25,63 +27,11 @@ namespace {
 constexpr int kWarp = 32;
 
 
-// Sum over a block of up to 1024 threads; every thread gets the result.
-__device__ float block_sum(float v) {
-  __shared__ float part[32];
-  const int lane = threadIdx.x % kWarp, wid = threadIdx.x / kWarp;
-  v = warp_sum(v);
-  if (lane == 0) part[wid] = v;
-  __syncthreads();
-  const int nw = (blockDim.x + kWarp - 1) / kWarp;
-  v = threadIdx.x < nw ? part[threadIdx.x] : 0.f;
-  if (wid == 0) v = warp_sum(v);
-  if (threadIdx.x == 0) part[0] = v;
-  __syncthreads();
-  v = part[0];
-  __syncthreads();
-  return v;
-}
-
 __global__ void embedding_kernel(float* out, const int32_t* ids, const bf16* table, int64_t C, int64_t V) {
   const int64_t n = blockIdx.x;
   const int32_t id = ids[n];
   for (int64_t c = threadIdx.x; c < C; c += blockDim.x)
     out[n * C + c] = (id >= 0 && id < V) ? __bfloat162float(table[int64_t(id) * C + c]) : NAN;
-}
-
-__global__ void add_rmsnorm_kernel(bf16* out, float* x, const bf16* add, const bf16* w, int64_t C, float eps) {
-  const int64_t n = blockIdx.x;
-  float* xr = x + n * C;
-  float ss = 0.f;
-  for (int64_t c = threadIdx.x; c < C; c += blockDim.x) {
-    float v = xr[c];
-    if (add) {
-      v += __bfloat162float(add[n * C + c]);
-      xr[c] = v;
-    }
-    ss += v * v;
-  }
-  ss = block_sum(ss);
-  const float r = rsqrtf(ss / float(C) + eps);
-  for (int64_t c = threadIdx.x; c < C; c += blockDim.x)
-    out[n * C + c] = __float2bfloat16(xr[c] * r * __bfloat162float(w[c]));
-}
-
-// One warp per (row, head).
-__global__ void head_rmsnorm_kernel(bf16* x, int64_t ld, const bf16* w, int64_t N, int64_t nh, int64_t hd,
-                                    float eps) {
-  const int64_t task = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / kWarp;
-  const int lane = threadIdx.x % kWarp;
-  if (task >= N * nh) return;
-  bf16* p = x + (task / nh) * ld + (task % nh) * hd;
-  float ss = 0.f;
-  for (int64_t i = lane; i < hd; i += kWarp) {
-    const float v = __bfloat162float(p[i]);
-    ss += v * v;
-  }
-  ss = warp_sum(ss);
-  const float r = rsqrtf(ss / float(hd) + eps);
-  for (int64_t i = lane; i < hd; i += kWarp) p[i] = __float2bfloat16(__bfloat162float(p[i]) * r * __bfloat162float(w[i]));
 }
 
 __global__ void rope_kernel(bf16* x, int64_t ld, const int32_t* pos, const float* inv_freq, int64_t N, int64_t nh,
@@ -166,16 +116,6 @@ __global__ void attention_kernel(bf16* out, const bf16* qkv, int64_t ld, const i
   }
 }
 
-__global__ void f32_to_bf16_kernel(bf16* out, const float* in, int64_t n) {
-  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i < n) out[i] = __float2bfloat16(in[i]);
-}
-
-__global__ void bf16_to_f32_kernel(float* out, const bf16* in, int64_t n) {
-  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i < n) out[i] = __bfloat162float(in[i]);
-}
-
 unsigned blocks(int64_t n, int per) { return unsigned((n + per - 1) / per); }
 
 }  // namespace
@@ -190,14 +130,18 @@ void embedding_forward(float* out, const int32_t* ids, const bf16* table, int64_
 void add_rmsnorm_forward(bf16* out, float* x, const bf16* add, const bf16* w, int64_t N, int64_t C, float eps,
                          cudaStream_t s) {
   if (N == 0) return;
-  add_rmsnorm_kernel<<<unsigned(N), 256, 0, s>>>(out, x, add, w, C, eps);
+  if (add)
+    rmsnorm_forward(out, NormRows{C}, x, NormRows{C}, add, w, N, C, eps, s);
+  else
+    rmsnorm_forward<bf16, float, void>(out, NormRows{C}, x, NormRows{C}, nullptr, w, N, C, eps, s);
   CUDA_LAUNCH_CHECK();
 }
 
 void head_rmsnorm_forward(bf16* x, int64_t ld, const bf16* w, int64_t N, int64_t nh, int64_t hd, float eps,
                           cudaStream_t s) {
   if (N == 0) return;
-  head_rmsnorm_kernel<<<blocks(N * nh * kWarp, 256), 256, 0, s>>>(x, ld, w, N, nh, hd, eps);
+  // The heads of each row are rows of hd values, nh to a line of ld.
+  rmsnorm_forward<bf16, bf16, void>(x, NormRows{ld, nh}, x, NormRows{ld, nh}, nullptr, w, N * nh, hd, eps, s);
   CUDA_LAUNCH_CHECK();
 }
 
@@ -232,17 +176,9 @@ void attention_forward(bf16* out, const bf16* qkv, int64_t ld, const int64_t* se
   CUDA_LAUNCH_CHECK();
 }
 
-void f32_to_bf16(bf16* out, const float* in, int64_t n, cudaStream_t s) {
-  if (n == 0) return;
-  f32_to_bf16_kernel<<<blocks(n, 256), 256, 0, s>>>(out, in, n);
-  CUDA_LAUNCH_CHECK();
-}
+void f32_to_bf16(bf16* out, const float* in, int64_t n, cudaStream_t s) { cast(out, in, n, s); }
 
-void bf16_to_f32(float* out, const bf16* in, int64_t n, cudaStream_t s) {
-  if (n == 0) return;
-  bf16_to_f32_kernel<<<blocks(n, 256), 256, 0, s>>>(out, in, n);
-  CUDA_LAUNCH_CHECK();
-}
+void bf16_to_f32(float* out, const bf16* in, int64_t n, cudaStream_t s) { cast(out, in, n, s); }
 
 // ------------------------------------------------------------------ cuBLASLt GEMM
 struct Gemm::Impl {

@@ -9,6 +9,7 @@
 #include <thread>
 
 #include "backend/cuda/check.h"
+#include "backend/backend.h"
 #include "backend/cuda/collective.h"
 #include "backend/cuda/cuda_model.h"
 #include "util/threads.h"

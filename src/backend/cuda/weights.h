@@ -1,39 +1,15 @@
-// Internal to the CUDA backend: device memory ownership and the bf16 weight upload shared
+// Internal to the CUDA backend: the bf16 weight upload shared
 // by the dense model (cuda_model.cpp) and the cached decoder (cuda_decoder.cpp).
 #pragma once
 #include <cstdint>
 #include <vector>
 
 #include "backend/cuda/check.h"
+#include "backend/cuda/device.h"
 #include "backend/cuda/ops.h"
 #include "model/checkpoint.h"
 
 namespace talon::cuda {
-
-// Owns device allocations; freed in reverse on destruction.
-class DeviceArena {
- public:
-  DeviceArena() = default;
-  DeviceArena(const DeviceArena&) = delete;
-  DeviceArena& operator=(const DeviceArena&) = delete;
-  ~DeviceArena() {
-    for (auto it = ptrs_.rbegin(); it != ptrs_.rend(); ++it) cudaFree(*it);
-  }
-  template <typename T>
-  T* alloc(size_t n) {
-    void* p = nullptr;
-    if (n == 0) return nullptr;
-    CUDA_CHECK(cudaMalloc(&p, n * sizeof(T)));
-    ptrs_.push_back(p);
-    bytes_ += n * sizeof(T);
-    return static_cast<T*>(p);
-  }
-  size_t bytes() const { return bytes_; }
-
- private:
-  std::vector<void*> ptrs_;
-  size_t bytes_ = 0;
-};
 
 // One decoder layer's weights on the device, bf16. q|k|v and gate|up are fused row-wise
 // ([qd + 2 kvd, H] and [2 I, H]), so each is one GEMM; optional parts are null.

@@ -11,6 +11,7 @@
 #include <cstring>
 #include <thread>
 
+#include "backend/backend.h"
 #include "model/model.h"
 #include "util/error.h"
 #include "util/log.h"

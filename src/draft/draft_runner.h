@@ -15,7 +15,7 @@
 #include <vector>
 
 #include "model/checkpoint.h"
-#include "train/eagle3.h"
+#include "draft/eagle3.h"
 #include "util/file.h"
 
 namespace talon::spec {

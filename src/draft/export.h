@@ -19,7 +19,7 @@
 #include <vector>
 
 #include "model/config.h"
-#include "train/eagle3.h"
+#include "draft/eagle3.h"
 #include "util/dtype.h"
 #include "util/file.h"
 

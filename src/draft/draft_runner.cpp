@@ -1,6 +1,6 @@
-#include "spec/draft_runner.h"
+#include "draft/draft_runner.h"
 
-#include "spec/draft_backend.h"
+#include "draft/draft_backend.h"
 
 #include <algorithm>
 #include <cmath>
@@ -9,8 +9,8 @@
 
 #include "backend/cpu/ops.h"
 #include "model/model.h"
-#include "train/export.h"
-#include "train/trainer.h"
+#include "draft/export.h"
+#include "draft/trainer.h"
 #include "util/error.h"
 
 namespace talon::spec {

@@ -6,7 +6,7 @@
 #include <map>
 #include <random>
 
-#include "train/grad_tree.h"
+#include "draft/grad_tree.h"
 
 namespace talon::train {
 namespace {

@@ -6,9 +6,9 @@
 #include <string>
 #include <vector>
 
-#include "train/eagle3.h"
-#include "train/gpu_draft_options.h"
-#include "train/optim.h"
+#include "draft/eagle3.h"
+#include "draft/gpu_draft_options.h"
+#include "draft/optim.h"
 #include "util/dist.h"
 
 namespace talon::eagle3 {

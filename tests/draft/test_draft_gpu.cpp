@@ -14,12 +14,12 @@
 #include <random>
 #include <string>
 
-#include "backend/cuda/draft_engine.h"
+#include "draft/cuda/draft_engine.h"
 #include "tests/tolerances.h"
-#include "train/draft_gpu.h"
-#include "train/eagle3.h"
-#include "train/optim.h"
-#include "train/trainer.h"
+#include "draft/draft_gpu.h"
+#include "draft/eagle3.h"
+#include "draft/optim.h"
+#include "draft/trainer.h"
 #include "util/error.h"
 
 using namespace talon;

@@ -8,8 +8,12 @@
 #include <type_traits>
 
 #include "backend/cuda/check.h"
-#include "backend/cuda/draft_engine.h"
-#include "backend/cuda/ttt_attention.h"
+#include "backend/cuda/device.h"
+#include "draft/cuda/draft_engine.h"
+#include "draft/cuda/ttt_attention.h"
+#include "backend/cuda/kernels/cast.cuh"
+#include "backend/cuda/kernels/convert.cuh"
+#include "backend/cuda/kernels/rmsnorm.cuh"
 #include "backend/cuda/warp.cuh"
 
 #define CUBLASV2_CHECK(expr)                                                                          \
@@ -33,22 +37,6 @@ enum T : int { FC, IN_LN, HNORM, WQ, WK, WV, WO, POST_LN, GATE, UP, DOWN, NORM, 
 
 unsigned nblocks(int64_t n, int per) { return unsigned((n + per - 1) / per); }
 
-
-// Sum over the block (blockDim a multiple of 32), the same order every time.
-__device__ float block_sum(float v, float* sh) {
-  v = warp_sum(v);
-  const int w = threadIdx.x >> 5, l = threadIdx.x & 31, nw = blockDim.x >> 5;
-  __syncthreads();
-  if (l == 0) sh[w] = v;
-  __syncthreads();
-  if (w == 0) {
-    float x = l < nw ? sh[l] : 0.f;
-    x = warp_sum(x);
-    if (l == 0) sh[32] = x;
-  }
-  __syncthreads();
-  return sh[32];
-}
 
 // Max with the lowest index among equal maxima (std::max_element's choice).
 __device__ void block_argmax(float& v, int64_t& i, float* shv, int64_t* shi) {
@@ -111,41 +99,6 @@ __device__ void block_softmax_state(float& m, float& z, int64_t& i, float* shm, 
 }
 
 // ---------------------------------------------------------------- row ops
-// out[n, :] = x[n, :] / rms * w (row strides ldo, ldx).
-__global__ void rmsnorm_kernel(float* out, int64_t ldo, const float* x, int64_t ldx, const float* w, int64_t C,
-                               float eps) {
-  __shared__ float sh[33];
-  const float* xr = x + blockIdx.x * ldx;
-  float* o = out + blockIdx.x * ldo;
-  float ss = 0;
-  for (int64_t c = threadIdx.x; c < C; c += blockDim.x) ss += xr[c] * xr[c];
-  ss = block_sum(ss, sh);
-  const float r = rsqrtf(ss / float(C) + eps);
-  for (int64_t c = threadIdx.x; c < C; c += blockDim.x) o[c] = xr[c] * r * w[c];
-}
-
-// dx[n, :] += r*w*dout - x*r^3/C*sum(w*dout*x) (dx may be null); wrow[n, :] = dout*x*r,
-// summed over rows by colsum_kernel for the weight gradient.
-__global__ void rmsnorm_backward_kernel(float* dx, int64_t lddx, float* wrow, const float* dout, int64_t ldd,
-                                        const float* x, int64_t ldx, const float* w, int64_t C, float eps) {
-  __shared__ float sh[33];
-  const float* xr = x + blockIdx.x * ldx;
-  const float* dr = dout + blockIdx.x * ldd;
-  float ss = 0, dot = 0;
-  for (int64_t c = threadIdx.x; c < C; c += blockDim.x) {
-    ss += xr[c] * xr[c];
-    dot += w[c] * dr[c] * xr[c];
-  }
-  ss = block_sum(ss, sh);
-  dot = block_sum(dot, sh);
-  const float r = rsqrtf(ss / float(C) + eps);
-  const float k3 = r * r * r / float(C) * dot;
-  for (int64_t c = threadIdx.x; c < C; c += blockDim.x) {
-    if (dx) dx[blockIdx.x * lddx + c] += r * w[c] * dr[c] - xr[c] * k3;
-    wrow[blockIdx.x * C + c] = dr[c] * xr[c] * r;
-  }
-}
-
 // dw[c] += sum_n rows[n, c]: 32 columns per block, 8 row lanes each summing every 8th row
 // (fp64), then the 8 partials in lane order; a fixed order for every element.
 __global__ void colsum_kernel(float* dw, const float* rows, int64_t N, int64_t C) {
@@ -164,13 +117,6 @@ __global__ void colsum_kernel(float* dw, const float* rows, int64_t N, int64_t C
 }
 
 // E[n, :] = embed[token fed at step k]: x[t+1+k] of the row's own sample, 0 past its end.
-template <class T>
-__device__ __forceinline__ float load_f(const T* p) {
-  if constexpr (std::is_same_v<T, float>)
-    return *p;
-  else
-    return __bfloat162float(*p);
-}
 
 template <class Emb>
 __global__ void gather_kernel(float* E, const Emb* embed, const int32_t* ids, const int32_t* pos,
@@ -203,38 +149,9 @@ __global__ void rope_kernel(float* x, __nv_bfloat16* out_b, int64_t N, int64_t h
   }
 }
 
-// out[i] = bf16(in[i]), round to nearest even (the rounding cuBLAS applies to fp32 operands
-// under CUBLAS_COMPUTE_32F_FAST_16BF).
-__global__ void to_bf16_kernel(__nv_bfloat16* out, const float* in, int64_t n) {
-  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i < n) out[i] = __float2bfloat16_rn(in[i]);
-}
-// The same rounding, 4 values per thread (in 16-byte, out 8-byte aligned).
-__global__ void to_bf16_x4_kernel(__nv_bfloat16* out, const float* in, int64_t n4) {
-  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i >= n4) return;
-  const float4 v = reinterpret_cast<const float4*>(in)[i];
-  const __nv_bfloat162 a = __floats2bfloat162_rn(v.x, v.y), b = __floats2bfloat162_rn(v.z, v.w);
-  uint2 o;
-  o.x = *reinterpret_cast<const uint32_t*>(&a);
-  o.y = *reinterpret_cast<const uint32_t*>(&b);
-  reinterpret_cast<uint2*>(out)[i] = o;
-}
-// out[0..n) = bf16(in[0..n)): vectorized over the aligned bulk when the pointers allow.
-void cast_bf16(__nv_bfloat16* out, const float* in, int64_t n, cudaStream_t s) {
-  if (n <= 0) return;
-  int64_t done = 0;
-  if ((reinterpret_cast<uintptr_t>(in) % 16) == 0 && (reinterpret_cast<uintptr_t>(out) % 8) == 0 && n >= 4) {
-    const int64_t n4 = n / 4;
-    to_bf16_x4_kernel<<<unsigned((n4 + 255) / 256), 256, 0, s>>>(out, in, n4);
-    CUDA_LAUNCH_CHECK();
-    done = n4 * 4;
-  }
-  if (done < n) {
-    to_bf16_kernel<<<unsigned((n - done + 255) / 256), 256, 0, s>>>(out + done, in + done, n - done);
-    CUDA_LAUNCH_CHECK();
-  }
-}
+// out[0..n) = bf16(in[0..n)), rounded to nearest even (the rounding cuBLAS applies to fp32
+// operands under CUBLAS_COMPUTE_32F_FAST_16BF).
+void cast_bf16(__nv_bfloat16* out, const float* in, int64_t n, cudaStream_t s) { cast(out, in, n, s); }
 
 // out = a (row stride lda) + b
 __global__ void add_kernel(float* out, const float* a, int64_t lda, const float* b, int64_t N, int64_t C) {
@@ -243,14 +160,6 @@ __global__ void add_kernel(float* out, const float* a, int64_t lda, const float*
   out[i] = a[(i / C) * lda + i % C] + b[i];
 }
 
-// Stores a float as Out (float, or bf16 rounded to nearest even).
-template <class Out>
-__device__ __forceinline__ void store_as(Out* p, float v) {
-  if constexpr (std::is_same_v<Out, float>)
-    *p = v;
-  else
-    *p = __float2bfloat16_rn(v);
-}
 
 // out[i, :] = x[rows[i], :] for one block per i (C columns).
 template <class Out>
@@ -266,20 +175,6 @@ __global__ void rows_scatter_kernel(float* out, const float* y, const int32_t* s
   float* o = out + int64_t(blockIdx.x) * C;
   const float* yr = y + int64_t(j < 0 ? 0 : j) * C;
   for (int64_t c = threadIdx.x; c < C; c += blockDim.x) o[c] = j < 0 ? 0.f : yr[c];
-}
-
-// As rmsnorm_kernel, the result stored as bf16 (the same value rounded once, as the cast of
-// an fp32 output would): for normalised activations that only products read.
-__global__ void rmsnorm_bf16_kernel(__nv_bfloat16* out, int64_t ldo, const float* x, int64_t ldx, const float* w,
-                                    int64_t C, float eps) {
-  __shared__ float sh[33];
-  const float* xr = x + blockIdx.x * ldx;
-  __nv_bfloat16* o = out + blockIdx.x * ldo;
-  float ss = 0;
-  for (int64_t c = threadIdx.x; c < C; c += blockDim.x) ss += xr[c] * xr[c];
-  ss = block_sum(ss, sh);
-  const float r = rsqrtf(ss / float(C) + eps);
-  for (int64_t c = threadIdx.x; c < C; c += blockDim.x) store_as(o + c, xr[c] * r * w[c]);
 }
 
 // act = silu(ga) * up; with bf16 operands ga and up are stored as bf16 (the products'
@@ -893,6 +788,9 @@ X* dalloc(size_t n, size_t& total) {
 }  // namespace
 
 struct DraftEngine::Impl {
+  // The GPU: streams, the cuBLAS handle (s, copy_s and blas below are its) and the event
+  // aux_ready. Made after the options are checked; destroyed last.
+  std::unique_ptr<Device> dev;
   int device = 0;
   DraftDims d;
   DraftMath math;
@@ -1018,6 +916,23 @@ struct DraftEngine::Impl {
   std::vector<int32_t> trows;
   LossRows lr;
   int32_t *trow_d = nullptr, *lrow_d = nullptr, *lslot_d = nullptr;
+
+  // Everything allocated so far is freed, also when the constructor threw halfway.
+  ~Impl() {
+    if (!dev) return;
+    cudaSetDevice(device);
+    cudaStreamSynchronize(s);
+    if (copy_s) cudaStreamSynchronize(copy_s);
+    for (void* x : owned) cudaFree(x);
+    free_scores();
+    for (auto* c : twin_buf)
+      if (c) cudaFree(c);
+    for (auto* c : cast_buf)
+      if (c) cudaFree(c);
+    if (host_aux) cudaFreeHost(host_aux);
+    if (host_hidden) cudaFreeHost(host_hidden);
+    for (auto& m : marks) cudaEventDestroy(m.second);
+  }
 
   template <class X>
   X* alloc(size_t n) {
@@ -1159,20 +1074,20 @@ struct DraftEngine::Impl {
   void rmsnorm(float* out, int64_t ldo, const float* x, int64_t ldx, const float* wt, int64_t C, float eps,
                int64_t n) {
     if (n == 0) return;
-    rmsnorm_kernel<<<unsigned(n), 256, 0, s>>>(out, ldo, x, ldx, wt, C, eps);
+    rmsnorm_forward<float, const float, void>(out, NormRows{ldo}, x, NormRows{ldx}, nullptr, wt, n, C, eps, s);
     CUDA_LAUNCH_CHECK();
   }
   void rmsnorm(__nv_bfloat16* out, int64_t ldo, const float* x, int64_t ldx, const float* wt, int64_t C, float eps,
                int64_t n) {
     if (n == 0) return;
-    rmsnorm_bf16_kernel<<<unsigned(n), 256, 0, s>>>(out, ldo, x, ldx, wt, C, eps);
+    rmsnorm_forward<__nv_bfloat16, const float, void>(out, NormRows{ldo}, x, NormRows{ldx}, nullptr, wt, n, C, eps, s);
     CUDA_LAUNCH_CHECK();
   }
   // dx += ..., and the weight gradient dw += ... (dx may be null).
   void rmsnorm_backward(float* dx, int64_t lddx, float* dw, const float* dout, int64_t ldd, const float* x,
                         int64_t ldx, const float* wt, int64_t C) {
     mark("backward: RMSNorm backward");
-    rmsnorm_backward_kernel<<<unsigned(N), 256, 0, s>>>(dx, lddx, wrow, dout, ldd, x, ldx, wt, C, d.eps);
+    cuda::rmsnorm_backward(dx, lddx, wrow, dout, ldd, x, ldx, wt, N, C, d.eps, s);
     CUDA_LAUNCH_CHECK();
     colsum_kernel<<<nblocks(C, 32), dim3(32, 8), 0, s>>>(dw, wrow, N, C);
     CUDA_LAUNCH_CHECK();
@@ -1534,12 +1449,11 @@ DraftEngine::DraftEngine(int device, const DraftDims& dd, DraftMath math, const 
     fail_msg("--gpu-attn-block: expected a block size >= 0 (0: no skipping), got " + std::to_string(opt.attn_block));
   const int64_t logit_rows = opt.logit_rows;
   if (opt.attn_block >= 0) I.attn_block = opt.attn_block;
-  CUDA_CHECK(cudaSetDevice(device));
-  CUDA_CHECK(cudaStreamCreateWithFlags(&I.s, cudaStreamNonBlocking));
-  CUBLASV2_CHECK(cublasCreate(&I.blas));
-  CUBLASV2_CHECK(cublasSetStream(I.blas, I.s));
-  CUDA_CHECK(cudaStreamCreateWithFlags(&I.copy_s, cudaStreamNonBlocking));
-  CUDA_CHECK(cudaEventCreateWithFlags(&I.aux_ready, cudaEventDisableTiming));
+  I.dev = std::make_unique<Device>(device, "draft trainer", /*copy_stream=*/true);
+  I.s = I.dev->stream();
+  I.copy_s = I.dev->copy_stream();
+  I.blas = I.dev->blas();
+  I.aux_ready = I.dev->event(0);
   const int64_t H = dd.H, V = dd.V, Vd = dd.Vd, R = max_rows, K = dd.K;
   auto up = [&](float* dst, const float* src, int64_t n) {
     CUDA_CHECK(cudaMemcpy(dst, src, size_t(n) * 4, cudaMemcpyHostToDevice));
@@ -1548,12 +1462,12 @@ DraftEngine::DraftEngine(int device, const DraftDims& dd, DraftMath math, const 
     const int64_t chunk = std::min<int64_t>(V * H, int64_t(32) << 20);
     float* stage = nullptr;
     CUDA_CHECK(cudaMalloc(&stage, size_t(chunk) * 4));
+    const std::unique_ptr<float, cudaError_t (*)(void*)> stage_owner(stage, cudaFree);
     const auto up_bf16 = [&](__nv_bfloat16* dst, const float* src) {  // through stage, 32M values at a time
       for (int64_t o = 0; o < V * H; o += chunk) {
         const int64_t n = std::min(chunk, V * H - o);
         CUDA_CHECK(cudaMemcpy(stage, src + o, size_t(n) * 4, cudaMemcpyHostToDevice));
-        to_bf16_kernel<<<nblocks(n, 256), 256>>>(dst + o, stage, n);
-        CUDA_LAUNCH_CHECK();
+        cast(dst + o, stage, n, cudaStream_t{});  // the legacy default stream, then the sync below
         CUDA_CHECK(cudaDeviceSynchronize());
       }
     };
@@ -1561,7 +1475,6 @@ DraftEngine::DraftEngine(int device, const DraftDims& dd, DraftMath math, const 
     up_bf16(I.embed_b, embed);
     I.lmb = I.alloc<__nv_bfloat16>(size_t(V * H));
     up_bf16(I.lmb, lm_head);
-    CUDA_CHECK(cudaFree(stage));
   } else {
     I.embed = I.alloc<float>(size_t(V * H));
     up(I.embed, embed, V * H);
@@ -1696,24 +1609,7 @@ DraftEngine::DraftEngine(int device, const DraftDims& dd, DraftMath math, const 
   I.profiling = opt.profile;
 }
 
-DraftEngine::~DraftEngine() {
-  if (!p_) return;
-  cudaSetDevice(p_->device);
-  if (p_->s) cudaStreamSynchronize(p_->s);
-  for (void* x : p_->owned) cudaFree(x);
-  p_->free_scores();
-  for (auto* c : p_->twin_buf)
-    if (c) cudaFree(c);
-  if (p_->copy_s) cudaStreamSynchronize(p_->copy_s);
-  if (p_->host_aux) cudaFreeHost(p_->host_aux);
-  if (p_->host_hidden) cudaFreeHost(p_->host_hidden);
-  if (p_->aux_ready) cudaEventDestroy(p_->aux_ready);
-  if (p_->copy_s) cudaStreamDestroy(p_->copy_s);
-  for (auto* c : p_->cast_buf)
-    if (c) cudaFree(c);
-  if (p_->blas) cublasDestroy(p_->blas);
-  if (p_->s) cudaStreamDestroy(p_->s);
-}
+DraftEngine::~DraftEngine() = default;  // Impl frees what it holds
 
 // What memory p points into, as CUDA knows it (unregistered when it does not).
 static cudaMemoryType memory_type(const void* p) {

@@ -9,9 +9,9 @@
 #include "io/safetensors.h"
 #include "tests/test_util.h"
 #include "tests/tolerances.h"
-#include "train/eagle3.h"
-#include "train/optim.h"
-#include "train/trainer.h"
+#include "draft/eagle3.h"
+#include "draft/optim.h"
+#include "draft/trainer.h"
 #include "util/error.h"
 
 using namespace talon;

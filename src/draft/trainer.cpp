@@ -1,4 +1,4 @@
-#include "train/trainer.h"
+#include "draft/trainer.h"
 
 #include <omp.h>
 
@@ -12,6 +12,7 @@
 #include <random>
 #include <sstream>
 
+#include "backend/backend.h"
 #include "data/features.h"
 #include "io/safetensors.h"
 #include "model/checkpoint.h"
@@ -19,8 +20,8 @@
 #include "model/dense.h"
 #include "model/model.h"
 #include "data/samples.h"
-#include "train/draft_gpu.h"
-#include "train/grad_tree.h"
+#include "draft/draft_gpu.h"
+#include "draft/grad_tree.h"
 #include "util/dist.h"
 #include "util/dtype.h"
 #include "util/error.h"

@@ -8,11 +8,12 @@
 
 #include "backend/cuda/check.h"
 #include "backend/cuda/decode_ops.h"
+#include "backend/cuda/device.h"
 #include "backend/cuda/ops.h"
 #include "backend/cuda/weights.h"
 #include "model/model.h"
-#include "spec/draft_backend.h"
-#include "spec/draft_runner.h"
+#include "draft/draft_backend.h"
+#include "draft/draft_runner.h"
 #include "util/dtype.h"
 #include "util/error.h"
 #include "util/log.h"
@@ -42,59 +43,43 @@ class CudaDraftBackend final : public DraftBackend {
  public:
   static constexpr int kMaxTop = 64;  // top-k outputs per row kept on the device
   CudaDraftBackend(const DraftModel& m, const Checkpoint& target, int device, int64_t max_rows)
-      : c_(m.config), device_(device), max_rows_(max_rows) {
+      : dev_(checked(device, max_rows), "draft"), c_(m.config), max_rows_(max_rows) {
     const auto& c = c_;
-    TALON_CHECK(max_rows > 0, "draft: the GPU cache needs max_rows > 0 (got {})", max_rows);
-    int n_dev = 0;
-    CUDA_CHECK(cudaGetDeviceCount(&n_dev));
-    TALON_CHECK(device >= 0 && device < n_dev, "draft: cuda:{} does not exist ({} devices)", device, n_dev);
-    CUDA_CHECK(cudaSetDevice(device_));
-    CUDA_CHECK(cudaDeviceGetAttribute(&n_sms_, cudaDevAttrMultiProcessorCount, device_));
     const auto& w = m.weights;
-    fc_ = upload(arena_, {&w.fc});
-    in_ln_ = upload(arena_, {&w.in_ln});
-    hidden_norm_ = upload(arena_, {&w.hidden_norm});
-    wqkv_ = upload(arena_, {&w.wq, &w.wk, &w.wv});
-    wo_ = upload(arena_, {&w.wo});
-    post_ln_ = upload(arena_, {&w.post_ln});
-    wgu_ = upload(arena_, {&w.gate, &w.up});
-    wdown_ = upload(arena_, {&w.down});
-    norm_ = upload(arena_, {&w.norm});
-    lm_head_ = upload(arena_, {&w.lm_head});
+    fc_ = upload(dev_.arena(), {&w.fc});
+    in_ln_ = upload(dev_.arena(), {&w.in_ln});
+    hidden_norm_ = upload(dev_.arena(), {&w.hidden_norm});
+    wqkv_ = upload(dev_.arena(), {&w.wq, &w.wk, &w.wv});
+    wo_ = upload(dev_.arena(), {&w.wo});
+    post_ln_ = upload(dev_.arena(), {&w.post_ln});
+    wgu_ = upload(dev_.arena(), {&w.gate, &w.up});
+    wdown_ = upload(dev_.arena(), {&w.down});
+    norm_ = upload(dev_.arena(), {&w.norm});
+    lm_head_ = upload(dev_.arena(), {&w.lm_head});
     const std::string name = "model.embed_tokens.weight";
     const CkptTensor* t = target.find(name);
     TALON_CHECK(t, "{}: no tensor '{}' (the draft shares the target's token embedding)", target.source(), name);
     const WeightRef e = target.weight(*t);
     TALON_CHECK(e.shape.size() == 2 && e.shape[0] == c.V && e.shape[1] == c.H, "{}: '{}' is not [{}, {}]",
                 target.source(), name, c.V, c.H);
-    embed_ = cuda::upload_weight(e, arena_);
+    embed_ = cuda::upload_weight(e, dev_.arena());
     const std::vector<float> inv = rope_inv_freq(c.rope, c.head_dim);
-    inv_freq_ = arena_.alloc<float>(inv.size());
+    inv_freq_ = dev_.arena().alloc<float>(inv.size());
     CUDA_CHECK(cudaMemcpy(inv_freq_, inv.data(), inv.size() * 4, cudaMemcpyHostToDevice));
     const int64_t kvd = c.n_kv_heads * c.head_dim;
-    kc_ = arena_.alloc<bf16>(size_t(max_rows * kvd));
-    vc_ = arena_.alloc<bf16>(size_t(max_rows * kvd));
-    CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
-    gemm_ = std::make_unique<cuda::Gemm>();
-    tlog::debug("cuda:{}: draft layer on the GPU, {:.1f} MiB with a cache of {} rows", device_,
-                double(arena_.bytes()) / double(1 << 20), max_rows);
+    kc_ = dev_.arena().alloc<bf16>(size_t(max_rows * kvd));
+    vc_ = dev_.arena().alloc<bf16>(size_t(max_rows * kvd));
+    tlog::debug("cuda:{}: draft layer on the GPU, {:.1f} MiB with a cache of {} rows", dev_.index(),
+                double(dev_.arena().bytes()) / double(1 << 20), max_rows);
   }
 
-  ~CudaDraftBackend() override {
-    cudaSetDevice(device_);
-    if (stream_) cudaStreamSynchronize(stream_);
-    acts_.reset();
-    gemm_.reset();
-    if (stream_) cudaStreamDestroy(stream_);
-  }
-
-  std::string name() const override { return "cuda:" + std::to_string(device_); }
+  std::string name() const override { return dev_.name(); }
 
   void truncate(int64_t) override {}  // rows are addressed by index; nothing to free
 
   void forward(const int32_t* tokens, const float* in, bool from_aux, const DraftRows& dr, bool last_only,
                float* hidden, float* logits, int top_k, int32_t* top_ids, float* top_lp) override {
-    CUDA_CHECK(cudaSetDevice(device_));
+    dev_.activate();
     const auto& c = c_;
     const int64_t N = dr.size(), H = c.H, I = c.I, nh = c.n_heads, nkv = c.n_kv_heads, hd = c.head_dim;
     const int64_t qd = nh * hd, ld = qd + 2 * nkv * hd, Vd = c.Vd;
@@ -112,12 +97,12 @@ class CudaDraftBackend final : public DraftBackend {
       max_keys = std::max<int64_t>(max_keys, end);
     }
     const int64_t T = cuda::kDecodeTile, n_tiles = (max_keys + T - 1) / T;
-    int64_t splits = std::clamp<int64_t>((4 * n_sms_ + N * nkv - 1) / (N * nkv), 1, std::max<int64_t>(1, n_tiles));
+    int64_t splits = std::clamp<int64_t>((4 * dev_.multiprocessors() + N * nkv - 1) / (N * nkv), 1, std::max<int64_t>(1, n_tiles));
     const int64_t split_len = (n_tiles + splits - 1) / splits * T;
     splits = std::max<int64_t>(1, (max_keys + split_len - 1) / split_len);
     ensure_acts(N, N * nh * splits * (hd + 2), int64_t(dr.masks.size()));
     Acts& a = *acts_;
-    cudaStream_t s = stream_;
+    cudaStream_t s = dev_.stream();
     const int64_t in_w = from_aux ? 3 * H : H;
     CUDA_CHECK(cudaMemcpyAsync(a.ids, tokens, size_t(N) * 4, cudaMemcpyHostToDevice, s));
     CUDA_CHECK(cudaMemcpyAsync(a.pos, dr.pos.data(), size_t(N) * 4, cudaMemcpyHostToDevice, s));
@@ -130,7 +115,7 @@ class CudaDraftBackend final : public DraftBackend {
     cuda::add_rmsnorm_forward(a.en, a.e, nullptr, in_ln_, N, H, eps, s);
     if (from_aux) {
       cuda::f32_to_bf16(a.aux, a.in, N * 3 * H, s);
-      gemm_->forward(a.tmp, a.aux, fc_, N, 3 * H, H, s);
+      dev_.gemm().forward(a.tmp, a.aux, fc_, N, 3 * H, H, s);
       cuda::bf16_to_f32(a.x, a.tmp, N * H, s);
     } else {
       CUDA_CHECK(cudaMemcpyAsync(a.x, a.in, size_t(N * H) * 4, cudaMemcpyDeviceToDevice, s));
@@ -141,22 +126,22 @@ class CudaDraftBackend final : public DraftBackend {
     CUDA_CHECK(cudaMemcpy2DAsync(a.xin + H, size_t(2 * H) * 2, a.gn, size_t(H) * 2, size_t(H) * 2, size_t(N),
                                  cudaMemcpyDeviceToDevice, s));
     // Attention over the cache.
-    gemm_->forward(a.qkv, a.xin, wqkv_, N, 2 * H, ld, s);
+    dev_.gemm().forward(a.qkv, a.xin, wqkv_, N, 2 * H, ld, s);
     cuda::rope_forward(a.qkv, ld, a.pos, inv_freq_, N, nh, hd, s);
     cuda::rope_forward(a.qkv + qd, ld, a.pos, inv_freq_, N, nkv, hd, s);
     cuda::kv_cache_write(kc_, vc_, a.qkv, ld, a.rows, N, nh, nkv, hd, max_rows_, s);
     cuda::decode_attention(a.att, a.part, a.qkv, ld, kc_, vc_, a.rows, a.masks, N, nh, nkv, hd, max_rows_, splits,
                            split_len, s);
-    gemm_->forward(a.tmp, a.att, wo_, N, qd, H, s);
+    dev_.gemm().forward(a.tmp, a.att, wo_, N, qd, H, s);
     if (c.norm_before_residual) cuda::bf16_to_f32(a.x, a.gn, N * H, s);
     cuda::add_rmsnorm_forward(a.hm, a.x, a.tmp, post_ln_, N, H, eps, s);
     // MLP, then the final norm and the draft-vocabulary head.
-    gemm_->forward(a.gu, a.hm, wgu_, N, H, 2 * I, s);
+    dev_.gemm().forward(a.gu, a.hm, wgu_, N, H, 2 * I, s);
     cuda::swiglu_forward(a.act, a.gu, N, I, s);
-    gemm_->forward(a.tmp, a.act, wdown_, N, I, H, s);
+    dev_.gemm().forward(a.tmp, a.act, wdown_, N, I, H, s);
     cuda::add_rmsnorm_forward(a.hm, a.x, a.tmp, norm_, N, H, eps, s);
     const int64_t first = last_only ? N - 1 : 0, n_out = N - first;
-    gemm_->forward(a.lg, a.hm + first * H, lm_head_, n_out, H, Vd, s);
+    dev_.gemm().forward(a.lg, a.hm + first * H, lm_head_, n_out, H, Vd, s);
     cuda::bf16_to_f32(a.lg32, a.lg, n_out * Vd, s);
     CUDA_CHECK(cudaMemcpyAsync(hidden, a.x + first * H, size_t(n_out * H) * 4, cudaMemcpyDeviceToHost, s));
     if (logits) CUDA_CHECK(cudaMemcpyAsync(logits, a.lg32, size_t(n_out * Vd) * 4, cudaMemcpyDeviceToHost, s));
@@ -215,13 +200,15 @@ class CudaDraftBackend final : public DraftBackend {
     acts_ = std::move(a);
   }
 
+  // Checked before anything is allocated.
+  static int checked(int device, int64_t max_rows) {
+    TALON_CHECK(max_rows > 0, "draft: the GPU cache needs max_rows > 0 (got {})", max_rows);
+    return device;
+  }
+
+  cuda::Device dev_;  // first: destroyed last (device.h)
   eagle3::DraftConfig c_;
-  int device_;
   int64_t max_rows_;
-  int n_sms_ = 1;
-  cudaStream_t stream_ = nullptr;
-  DeviceArena arena_;
-  std::unique_ptr<cuda::Gemm> gemm_;
   bf16 *fc_, *in_ln_, *hidden_norm_, *wqkv_, *wo_, *post_ln_, *wgu_, *wdown_, *norm_, *lm_head_, *embed_;
   float* inv_freq_;
   bf16 *kc_, *vc_;

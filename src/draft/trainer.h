@@ -8,9 +8,9 @@
 #include <cstdint>
 #include <string>
 
-#include "train/eagle3.h"
-#include "train/gpu_draft_options.h"
-#include "train/optim.h"
+#include "draft/eagle3.h"
+#include "draft/gpu_draft_options.h"
+#include "draft/optim.h"
 #include "util/file.h"
 
 namespace talon::train {

@@ -1,4 +1,4 @@
-#include "train/export.h"
+#include "draft/export.h"
 
 #include <fcntl.h>
 #include <unistd.h>
@@ -10,7 +10,7 @@
 #include "io/safetensors.h"
 #include "model/checkpoint.h"
 #include "model/model.h"
-#include "train/trainer.h"
+#include "draft/trainer.h"
 #include "util/error.h"
 #include "util/log.h"
 

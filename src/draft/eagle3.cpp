@@ -1,4 +1,4 @@
-#include "train/eagle3.h"
+#include "draft/eagle3.h"
 
 #include <algorithm>
 #include <cmath>

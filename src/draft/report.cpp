@@ -1,4 +1,4 @@
-#include "train/report.h"
+#include "draft/report.h"
 
 #include <algorithm>
 #include <cmath>
@@ -6,7 +6,7 @@
 #include <set>
 #include <sstream>
 
-#include "train/trainer.h"
+#include "draft/trainer.h"
 #include "util/error.h"
 #include "util/log.h"
 

@@ -1,6 +1,6 @@
 // The EAGLE-3 draft's training-time-test forward and hand-written backward on one GPU,
 // plus gradient clipping and AdamW on device: the CUDA twin of eagle3::ttt_forward
-// (src/train/eagle3.cpp), op for op, tested against it by tests/train/test_draft_gpu.cpp.
+// (src/draft/eagle3.cpp), op for op, tested against it by tests/draft/test_draft_gpu.cpp.
 //
 // Plain types only (this header is compiled by nvcc). Rows of a batch are samples packed
 // back to back; every per-row quantity the host needs (cross-entropy, hit, whether the
@@ -16,7 +16,7 @@
 #include <utility>
 #include <vector>
 
-#include "train/gpu_draft_options.h"
+#include "draft/gpu_draft_options.h"
 
 namespace talon::cuda {
 

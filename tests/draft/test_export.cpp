@@ -14,8 +14,8 @@
 #include "io/safetensors.h"
 #include "model/checkpoint.h"
 #include "tests/test_util.h"
-#include "train/export.h"
-#include "train/report.h"
+#include "draft/export.h"
+#include "draft/report.h"
 
 using namespace talon;
 using namespace talon::train;

@@ -1,4 +1,4 @@
-#include "train/optim.h"
+#include "draft/optim.h"
 
 #include <cmath>
 #include <numbers>

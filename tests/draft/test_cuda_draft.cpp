@@ -23,10 +23,11 @@
 #include <cstdio>
 #include <random>
 
+#include "backend/backend.h"
 #include "model/decode.h"
 #include "model/model.h"
 #include "model/random_checkpoint.h"
-#include "spec/draft_backend.h"
+#include "draft/draft_backend.h"
 #include "spec/speculate.h"
 #include "tests/spec/random_draft.h"
 #include "tests/test_util.h"
@@ -39,12 +40,11 @@ using namespace talon::testing;
 namespace {
 
 
-fs::path fixture(const std::string& name) { return fs::path(source_dir()) / "tests/fixtures/golden" / name; }
 
 // Fixtures, plus random targets with real head sizes (64 and 128).
 std::vector<std::pair<std::string, std::shared_ptr<Checkpoint>>> targets() {
   std::vector<std::pair<std::string, std::shared_ptr<Checkpoint>>> out;
-  for (const std::string fx : {"llama_gqa", "qwen3"}) out.emplace_back(fx, open_checkpoint(fixture(fx)));
+  for (const std::string fx : {"llama_gqa", "qwen3"}) out.emplace_back(fx, open_checkpoint(golden_fixture(fx)));
   for (const int64_t hd : {64, 128}) {
     ModelConfig c;
     c.arch = Arch::Llama;
@@ -149,7 +149,7 @@ TEST(CudaDraft, RunnerMatchesTheCpuRunner) {
 
 TEST(CudaDraft, BadRequestsAreRefused) {
   REQUIRE_GPU();
-  auto ck = open_checkpoint(fixture("llama_gqa"));
+  auto ck = open_checkpoint(golden_fixture("llama_gqa"));
   const ModelConfig& tc = ck->config();
   DraftModel m = random_draft(tc, 16, 3);
   DraftRunner gpu(m, *ck, 0, 8);
@@ -160,8 +160,8 @@ TEST(CudaDraft, BadRequestsAreRefused) {
   toks[0] = int32_t(tc.vocab);
   EXPECT_NE(error_of([&] { gpu.extend(toks.data(), aux.data(), 1, h.data(), l.data()); }).find("outside the vocabulary"),
             std::string::npos);
-  EXPECT_NE(error_of([] { DraftRunner bad(random_draft(open_checkpoint(fixture("llama_gqa"))->config(), 16, 3),
-                                          *open_checkpoint(fixture("llama_gqa")), 99, 8); })
+  EXPECT_NE(error_of([] { DraftRunner bad(random_draft(open_checkpoint(golden_fixture("llama_gqa"))->config(), 16, 3),
+                                          *open_checkpoint(golden_fixture("llama_gqa")), 99, 8); })
                 .find("cuda:99"),
             std::string::npos);
 }
@@ -170,7 +170,7 @@ TEST(CudaDraft, GreedySpeculationEqualsTargetOnlyGreedyOnTheGpu) {
   REQUIRE_GPU();
   int equal = 0, ties = 0, runs = 0;
   for (const std::string fx : {"llama_gqa", "qwen3"}) {
-    auto ck = open_checkpoint(fixture(fx));
+    auto ck = open_checkpoint(golden_fixture(fx));
     const ModelConfig& tc = ck->config();
     auto dec = make_cuda_decoder(*ck, 0, 1, 256);
     auto ref = make_cpu_decoder(*ck, 1, 256);

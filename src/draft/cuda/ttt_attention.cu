@@ -12,7 +12,7 @@
 //    depend on scheduling.
 // Query-side kernels visit their tiles last-first (the longest rows first), the dkv kernel
 // first-first (the keys with the most queries first), so the heavy blocks start early.
-#include "backend/cuda/ttt_attention.h"
+#include "draft/cuda/ttt_attention.h"
 
 #include <cfloat>
 #include <cmath>

@@ -5,12 +5,12 @@
 #include <thread>
 
 #include "backend/cuda/check.h"
-#include "backend/cuda/draft_engine.h"
+#include "draft/cuda/draft_engine.h"
 #include "backend/cuda/nccl_lib.h"
 #include "util/threads.h"
 #include "util/log.h"
 #include "model/model.h"
-#include "train/draft_gpu.h"
+#include "draft/draft_gpu.h"
 #include "util/error.h"
 
 namespace talon::eagle3 {

@@ -1,0 +1,45 @@
+#include "backend/cuda/dense_block.h"
+
+namespace talon::cuda {
+
+void dense_stack_forward(const DenseDeviceWeights& w, const ModelConfig& c, int64_t N, const DenseActs& a, Gemm& gemm,
+                         cudaStream_t s, const DenseHooks& hooks) {
+  const int64_t H = c.hidden, I = w.inter, hd = c.head_dim, V = c.vocab;
+  const int64_t nh = w.nh, nkv = w.nkv, qd = nh * hd, ldqkv = qd + 2 * nkv * hd;
+  const float eps = float(c.rms_eps);
+  embedding_forward(a.x, a.ids, w.embed, N, H, V, s);
+  const bf16* pending = nullptr;  // residual branch output not yet added to x
+  for (int64_t l = 0; l < c.n_layers; ++l) {
+    const DenseLayerDev& L = w.layers[size_t(l)];
+    // x += pending (previous MLP); capture h[l]; xn = norm(x)
+    if (pending) {
+      add_rmsnorm_forward(a.xn, a.x, pending, L.attn_norm, N, H, eps, s);
+      hooks.capture(l);
+    } else {
+      hooks.capture(l);
+      add_rmsnorm_forward(a.xn, a.x, nullptr, L.attn_norm, N, H, eps, s);
+    }
+    gemm.forward(a.qkv, a.xn, L.wqkv, N, H, ldqkv, s);
+    if (L.bqkv) bias_forward(a.qkv, ldqkv, L.bqkv, N, ldqkv, s);
+    if (L.q_norm) {
+      head_rmsnorm_forward(a.qkv, ldqkv, L.q_norm, N, nh, hd, eps, s);
+      head_rmsnorm_forward(a.qkv + qd, ldqkv, L.k_norm, N, nkv, hd, eps, s);
+    }
+    rope_forward(a.qkv, ldqkv, a.pos, w.inv_freq, N, nh, hd, s);
+    rope_forward(a.qkv + qd, ldqkv, a.pos, w.inv_freq, N, nkv, hd, s);
+    hooks.attention(l);
+    gemm.forward(a.tmp, a.att, L.wo, N, qd, H, s);
+    if (hooks.allreduce) hooks.allreduce(a.tmp, N * H, s);
+    add_rmsnorm_forward(a.xn, a.x, a.tmp, L.mlp_norm, N, H, eps, s);
+    gemm.forward(a.gu, a.xn, L.wgu, N, H, 2 * I, s);
+    swiglu_forward(a.act, a.gu, N, I, s);
+    gemm.forward(a.tmp, a.act, L.wdown, N, I, H, s);
+    if (hooks.allreduce) hooks.allreduce(a.tmp, N * H, s);
+    pending = a.tmp;
+  }
+  // h[L] = x + last MLP output; the final norm follows (only needed for logits).
+  add_rmsnorm_forward(a.xn, a.x, pending, w.final_norm, N, H, eps, s);
+  hooks.capture(c.n_layers);
+}
+
+}  // namespace talon::cuda

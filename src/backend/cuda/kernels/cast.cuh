@@ -1,0 +1,54 @@
+// Element-wise casts between fp32 and bf16 for every caller: the target's logits and captured
+// hidden states, the draft trainer's bf16 operand copies. fp32 -> bf16 rounds to nearest even
+// (convert.cuh), and runs 4 values a thread over the aligned bulk when the pointers allow.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "backend/cuda/check.h"
+#include "backend/cuda/kernels/convert.cuh"
+
+namespace talon::cuda {
+namespace {
+
+template <class Out, class In>
+__global__ void cast_kernel(Out* out, const In* in, int64_t n) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < n) store_as(out + i, load_f(in + i));
+}
+
+// fp32 -> bf16, 4 values a thread (in 16-byte, out 8-byte aligned).
+__global__ void cast_bf16_x4_kernel(__nv_bfloat16* out, const float* in, int64_t n4) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= n4) return;
+  const float4 v = reinterpret_cast<const float4*>(in)[i];
+  const __nv_bfloat162 a = __floats2bfloat162_rn(v.x, v.y), b = __floats2bfloat162_rn(v.z, v.w);
+  uint2 o;
+  o.x = *reinterpret_cast<const uint32_t*>(&a);
+  o.y = *reinterpret_cast<const uint32_t*>(&b);
+  reinterpret_cast<uint2*>(out)[i] = o;
+}
+
+// out[0..n) = in[0..n) as Out, on stream s.
+template <class Out, class In>
+void cast(Out* out, const In* in, int64_t n, cudaStream_t s) {
+  if (n <= 0) return;
+  int64_t done = 0;
+  if constexpr (std::is_same_v<Out, __nv_bfloat16> && std::is_same_v<In, float>) {
+    if ((reinterpret_cast<uintptr_t>(in) % 16) == 0 && (reinterpret_cast<uintptr_t>(out) % 8) == 0 && n >= 4) {
+      const int64_t n4 = n / 4;
+      cast_bf16_x4_kernel<<<unsigned((n4 + 255) / 256), 256, 0, s>>>(out, in, n4);
+      CUDA_LAUNCH_CHECK();
+      done = n4 * 4;
+    }
+  }
+  if (done < n) {
+    cast_kernel<<<unsigned((n - done + 255) / 256), 256, 0, s>>>(out + done, in + done, n - done);
+    CUDA_LAUNCH_CHECK();
+  }
+}
+
+}  // namespace
+}  // namespace talon::cuda

@@ -1,0 +1,93 @@
+// RMSNorm, forward and backward, for every caller on the GPU: the target's layer norms (bf16
+// out of the fp32 residual stream, with the residual add fused), Qwen3's per-head q/k norms
+// (in place on bf16), DeepSeek's fp32 norms, and the draft trainer's fp32 norms and their
+// backward. The CPU twin is rmsnorm in src/backend/cpu/ops.h (the specification):
+//   y[r, :] = x[r, :] * rsqrt(sum(x[r, :]^2) / C + eps) * w,
+// the sum of squares in fp32, the product formed as (x * rsqrt) * w.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "backend/cuda/kernels/convert.cuh"
+#include "backend/cuda/kernels/reduce.cuh"
+
+namespace talon::cuda {
+
+// Where row r of an operand starts: rows of C values, `per` of them side by side in each line
+// of `ld` values (per == 1: one row a line; per > 1: e.g. the heads of a fused q|k|v row).
+struct NormRows {
+  int64_t ld = 0, per = 1, C = 0;
+  __host__ __device__ int64_t at(int64_t r) const { return per == 1 ? r * ld : (r / per) * ld + (r % per) * C; }
+};
+
+namespace {
+
+// Optionally x += add (written back to x; A = void: no add, and x may be const), then
+// y = rmsnorm(x) * w. One block per row, or with kWarpRow one warp per row (short rows such as
+// per-head norms).
+template <bool kWarpRow, class Y, class X, class A, class W>
+__global__ void rmsnorm_forward_kernel(Y* y, NormRows ry, X* x, NormRows rx, const A* add, const W* w, int64_t rows,
+                                       int64_t C, float eps) {
+  __shared__ float sh[33];
+  const int64_t r = kWarpRow ? (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32 : int64_t(blockIdx.x);
+  const int lane = kWarpRow ? int(threadIdx.x % 32) : int(threadIdx.x), step = kWarpRow ? 32 : int(blockDim.x);
+  if (kWarpRow && r >= rows) return;  // whole warps leave together
+  X* xr = x + rx.at(r);
+  float ss = 0.f;
+  for (int64_t c = lane; c < C; c += step) {
+    float v = load_f(xr + c);
+    if constexpr (!std::is_void_v<A>) {
+      v += load_f(add + r * C + c);
+      store_as(xr + c, v);
+    }
+    ss += v * v;
+  }
+  ss = kWarpRow ? warp_sum(ss) : block_sum(ss, sh);
+  const float k = rsqrtf(ss / float(C) + eps);
+  Y* yr = y + ry.at(r);
+  for (int64_t c = lane; c < C; c += step) store_as(yr + c, load_f(xr + c) * k * load_f(w + c));
+}
+
+// The backward of y = rmsnorm(x) * w (fp32): dx[r, :] += k*w*dy - x*k^3/C*sum(w*dy*x) (dx may be
+// null), wrow[r, :] = dy*x*k (summed over rows afterwards for the weight gradient).
+__global__ void rmsnorm_backward_kernel(float* dx, int64_t lddx, float* wrow, const float* dy, int64_t lddy,
+                                        const float* x, int64_t ldx, const float* w, int64_t C, float eps) {
+  __shared__ float sh[33];
+  const float* xr = x + blockIdx.x * ldx;
+  const float* dr = dy + blockIdx.x * lddy;
+  float ss = 0, dot = 0;
+  for (int64_t c = threadIdx.x; c < C; c += blockDim.x) {
+    ss += xr[c] * xr[c];
+    dot += w[c] * dr[c] * xr[c];
+  }
+  ss = block_sum(ss, sh);
+  dot = block_sum(dot, sh);
+  const float k = rsqrtf(ss / float(C) + eps);
+  const float k3 = k * k * k / float(C) * dot;
+  for (int64_t c = threadIdx.x; c < C; c += blockDim.x) {
+    if (dx) dx[blockIdx.x * lddx + c] += k * w[c] * dr[c] - xr[c] * k3;
+    wrow[blockIdx.x * C + c] = dr[c] * xr[c] * k;
+  }
+}
+
+// Launchers: `rows` rows of C values; add ([rows, C] contiguous) is read when A is not void.
+template <class Y, class X, class A, class W>
+void rmsnorm_forward(Y* y, NormRows ry, X* x, NormRows rx, const A* add, const W* w, int64_t rows, int64_t C, float eps,
+                     cudaStream_t s) {
+  if (rows <= 0) return;
+  ry.C = rx.C = C;
+  if (C <= 256)  // a warp per row: eight rows a block
+    rmsnorm_forward_kernel<true><<<unsigned((rows * 32 + 255) / 256), 256, 0, s>>>(y, ry, x, rx, add, w, rows, C, eps);
+  else
+    rmsnorm_forward_kernel<false><<<unsigned(rows), 256, 0, s>>>(y, ry, x, rx, add, w, rows, C, eps);
+}
+
+inline void rmsnorm_backward(float* dx, int64_t lddx, float* wrow, const float* dy, int64_t lddy, const float* x,
+                             int64_t ldx, const float* w, int64_t rows, int64_t C, float eps, cudaStream_t s) {
+  if (rows > 0) rmsnorm_backward_kernel<<<unsigned(rows), 256, 0, s>>>(dx, lddx, wrow, dy, lddy, x, ldx, w, C, eps);
+}
+
+}  // namespace
+}  // namespace talon::cuda

@@ -1,7 +1,9 @@
-// Internal: tokens and AST shared by the parser (jinja.cpp) and evaluator (jinja_eval.cpp).
+// Internal: the tokens, the AST and the entry points of the three stages (lexer, parser,
+// evaluator) that jinja::Template chains.
 #pragma once
 #include <memory>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "text/jinja.h"
@@ -68,7 +70,15 @@ struct Template::Impl {
   Body body;
 };
 
+// jinja_lexer.cpp: the token stream of `source` (ends with T::Eof); throws SyntaxError.
+std::vector<Tok> lex(std::string_view source, const std::string& name, const Options& opts);
+// jinja_parser.cpp: the template's statements; throws SyntaxError.
+Body parse(std::vector<Tok> toks, const std::string& name);
+// jinja_eval.cpp: renders a parsed template.
 std::string render_impl(const Template::Impl& t, const Dict& context);
+
+// jinja_filters.cpp: the names the parser accepts after `|` and `is`, and the Jinja
+// built-in filters talon leaves out (named as such in the error).
 bool filter_known(const std::string& name);
 bool filter_jinja_builtin(const std::string& name);
 bool test_known(const std::string& name);

@@ -9,10 +9,12 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdlib>
 #include <random>
 #include <string>
+#include <thread>
 
 #include "draft/cuda/draft_engine.h"
 #include "tests/tolerances.h"
@@ -352,6 +354,109 @@ TEST_P(GpuDraft, StepsWithoutLossRowsMatchCpuReference) {
   check_against_cpu(cs, GpuMath::F32, tol::kGpuTttLossRel, tol::kGpuTttGradRel, 64, 8);
   ScopedOpt f([](GpuDraftOptions& o) { o.lm_grad_in_backward = true; });
   check_against_cpu(cs, GpuMath::F32, tol::kGpuTttLossRel, tol::kGpuTttGradRel, 64, 8);
+}
+
+// Work on the legacy default stream from another thread while a test runs, as other users of
+// the GPU make it: fills of a 1 GiB buffer back to back (about 0.3 ms each on an H200), so
+// that anything else enqueued there waits behind one.
+class DefaultStreamLoad {
+ public:
+  DefaultStreamLoad() {
+    if (cudaMalloc(&buf_, kBytes) != cudaSuccess) {
+      buf_ = nullptr;
+      return;
+    }
+    th_ = std::thread([this] {
+      cudaEvent_t ev[2];
+      for (auto& e : ev) cudaEventCreateWithFlags(&e, cudaEventDisableTiming);
+      for (int i = 0; !stop_; ++i) {  // two fills in flight: the stream is never idle for long
+        cudaMemsetAsync(buf_, i & 0xff, kBytes, cudaStreamLegacy);
+        cudaEventRecord(ev[i % 2], cudaStreamLegacy);
+        if (i > 0) cudaEventSynchronize(ev[(i + 1) % 2]);
+      }
+      cudaStreamSynchronize(cudaStreamLegacy);
+      for (auto& e : ev) cudaEventDestroy(e);
+    });
+  }
+  ~DefaultStreamLoad() {
+    stop_ = true;
+    if (th_.joinable()) th_.join();
+    if (buf_) cudaFree(buf_);
+  }
+  bool on() const { return buf_ != nullptr; }
+
+ private:
+  static constexpr size_t kBytes = size_t(1) << 30;
+  void* buf_ = nullptr;
+  std::atomic<bool> stop_{false};
+  std::thread th_;
+};
+
+// Micro-batches of more than 2,048 rows, packed from several samples, as `talon train` makes
+// them for the held-back evaluation (the whole split, up to --max-batch-tokens rows at a
+// time) and for --batch-samples > 1: six samples of 512-900 rows (4,362 rows) through the
+// default path (bf16 math on bf16 operands, the fused attention kernels), forward only and
+// with a backward, against the CPU reference. Each engine first runs one short sample with
+// a backward, as training leaves it, so that the big batch grows its scratch buffers (the
+// bf16 copies of the features and of the keys and values among them) in the middle of a
+// run; meanwhile another thread keeps the legacy default stream busy, as other work on the
+// GPU does. A buffer zeroed there rather than on the trainer's own stream could be cleared
+// after the trainer had written it: the evaluation of a training run came out wrong that way
+// (acc_0 0.19-0.37 against 0.42-0.44 for the same weights).
+TEST(GpuDraftPacked, OverTwoThousandRowsMatchCpuReference) {
+  REQUIRE_GPU();
+  Case cs(false, 2026, {900, 512, 777, 640, 833, 700}, 64, 192);
+  cs.favour_draft_vocab(0.3f);
+  const auto batch = cs.batch();
+  int64_t N = 0;
+  for (auto& s : batch) N += s.T;
+  ASSERT_GT(N, 2048);
+  const double weight = 1.0 / double(batch.size());
+  DraftGrads cpu_g(cs.w);
+  std::vector<TttResult> cpu;
+  for (auto& s : batch) cpu.push_back(ttt_forward(cs.c, cs.w, cs.target(), cs.dv, s, false, &cpu_g));
+  for (auto& [n, g] : cpu_g.named())
+    for (auto& x : *g) x *= weight;
+  // Losses within the bf16 tolerance; accuracies within a few positions of a sample (bf16
+  // can flip a near tie of the draft's argmax; a wrong attention moves them by tens of
+  // percent).
+  const auto expect_near_cpu = [&](const std::vector<TttResult>& res) {
+    ASSERT_EQ(res.size(), cpu.size());
+    for (size_t i = 0; i < res.size(); ++i) {
+      ASSERT_EQ(res[i].n_k, cpu[i].n_k) << "sample " << i;
+      EXPECT_NEAR(res[i].loss, cpu[i].loss, tol::kGpuTttBf16LossRel * std::max(1.0, cpu[i].loss)) << "sample " << i;
+      for (size_t k = 0; k < cpu[i].loss_k.size(); ++k) {
+        EXPECT_NEAR(res[i].loss_k[k], cpu[i].loss_k[k], tol::kGpuTttBf16LossRel * std::max(1.0, cpu[i].loss_k[k]))
+            << "sample " << i << " step " << k;
+        EXPECT_NEAR(res[i].acc_k[k], cpu[i].acc_k[k], tol::kGpuTttBf16AccAbs) << "sample " << i << " step " << k;
+        EXPECT_NEAR(res[i].cond_acc_k[k], cpu[i].cond_acc_k[k], tol::kGpuTttBf16AccAbs)
+            << "sample " << i << " step " << k;
+      }
+    }
+  };
+  for (int round = 0; round < 8; ++round) {
+    for (bool backward : {false, true}) {
+      SCOPED_TRACE(fmt::format("round {}, {}", round, backward ? "forward and backward" : "forward only"));
+      auto gpu = make_gpu(cs, {0}, GpuMath::BF16, N);
+      gpu->set_weights(cs.w);
+      gpu->run({batch[1]}, 1.0, true, true);  // one short sample, as a training step
+      std::vector<TttResult> res;
+      {
+        DefaultStreamLoad load;
+        ASSERT_TRUE(load.on());
+        res = gpu->run(batch, weight, backward, true);
+      }
+      expect_near_cpu(res);
+      if (!backward) continue;
+      DraftGrads gpu_g(cs.w);
+      gpu->get_grads(gpu_g);
+      auto a = gpu_g.named();
+      auto b = cpu_g.named();
+      for (size_t i = 0; i < a.size(); ++i)
+        EXPECT_LE(rel_diff(*a[i].second, *b[i].second), tol::kGpuTttBf16GradRel) << a[i].first;
+    }
+    if (::testing::Test::HasFailure()) break;
+  }
 }
 
 // The row lists themselves, against their definition (host code: runs without a GPU).

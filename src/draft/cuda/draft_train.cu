@@ -775,12 +775,18 @@ __global__ void adamw_kernel(float* w, float* m, float* v, const float* g, int64
 }
 
 
+// n zeroed values of device memory. The zeros are written on the engine's stream s, and are in
+// place when this returns: a plain cudaMemset goes to the legacy default stream, which the
+// engine's non-blocking streams do not wait for (nor it for them), so a buffer grown in the
+// middle of a run (a bf16 copy, score buffers) could be cleared after the first product on s
+// had already written it; with other work on the GPU that happened.
 template <class X>
-X* dalloc(size_t n, size_t& total) {
+X* dalloc(size_t n, size_t& total, cudaStream_t s) {
   X* p = nullptr;
   if (n == 0) n = 1;
   CUDA_CHECK(cudaMalloc(&p, n * sizeof(X)));
-  CUDA_CHECK(cudaMemset(p, 0, n * sizeof(X)));
+  CUDA_CHECK(cudaMemsetAsync(p, 0, n * sizeof(X), s));
+  CUDA_CHECK(cudaStreamSynchronize(s));
   total += n * sizeof(X);
   return p;
 }
@@ -936,7 +942,7 @@ struct DraftEngine::Impl {
 
   template <class X>
   X* alloc(size_t n) {
-    X* p = dalloc<X>(n, bytes);
+    X* p = dalloc<X>(n, bytes, s);
     owned.push_back(p);
     return p;
   }
@@ -976,7 +982,7 @@ struct DraftEngine::Impl {
         cudaFree(buf);
         bytes -= size_t(cap) * 2;
       }
-      buf = dalloc<__nv_bfloat16>(size_t(n), bytes);
+      buf = dalloc<__nv_bfloat16>(size_t(n), bytes, s);
       cap = n;
     }
     cast_bf16(buf, p, n, s);
@@ -1275,11 +1281,11 @@ struct DraftEngine::Impl {
     if (need <= s_cap) return;
     CUDA_CHECK(cudaStreamSynchronize(s));
     free_scores();
-    Sb = dalloc<float>(size_t(need), bytes);
-    dPb = dalloc<float>(size_t(need), bytes);
+    Sb = dalloc<float>(size_t(need), bytes, s);
+    dPb = dalloc<float>(size_t(need), bytes, s);
     if (bf16_operands) {
-      Pb = dalloc<__nv_bfloat16>(size_t(need), bytes);
-      dSb = dalloc<__nv_bfloat16>(size_t(need), bytes);
+      Pb = dalloc<__nv_bfloat16>(size_t(need), bytes, s);
+      dSb = dalloc<__nv_bfloat16>(size_t(need), bytes, s);
     }
     s_cap = need;
   }
@@ -1455,8 +1461,14 @@ DraftEngine::DraftEngine(int device, const DraftDims& dd, DraftMath math, const 
   I.blas = I.dev->blas();
   I.aux_ready = I.dev->event(0);
   const int64_t H = dd.H, V = dd.V, Vd = dd.Vd, R = max_rows, K = dd.K;
+  // Uploads go on the engine's stream (ordered after the zeroing of their buffers), drained at
+  // once: the host arrays are the caller's.
+  auto up_bytes = [&](void* dst, const void* src, size_t bytes) {
+    CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, I.s));
+    CUDA_CHECK(cudaStreamSynchronize(I.s));
+  };
   auto up = [&](float* dst, const float* src, int64_t n) {
-    CUDA_CHECK(cudaMemcpy(dst, src, size_t(n) * 4, cudaMemcpyHostToDevice));
+    up_bytes(dst, src, size_t(n) * 4);
   };
   if (I.bf16_operands) {  // the target's embedding and lm_head as bf16 only
     const int64_t chunk = std::min<int64_t>(V * H, int64_t(32) << 20);
@@ -1486,9 +1498,9 @@ DraftEngine::DraftEngine(int device, const DraftDims& dd, DraftMath math, const 
   I.inv = I.alloc<float>(size_t(dd.hd / 2));
   up(I.inv, inv_freq, dd.hd / 2);
   I.kept = I.alloc<int64_t>(size_t(Vd));
-  CUDA_CHECK(cudaMemcpy(I.kept, kept, size_t(Vd) * 8, cudaMemcpyHostToDevice));
+  up_bytes(I.kept, kept, size_t(Vd) * 8);
   I.t2d = I.alloc<uint8_t>(size_t(V));
-  CUDA_CHECK(cudaMemcpy(I.t2d, t2d, size_t(V), cudaMemcpyHostToDevice));
+  up_bytes(I.t2d, t2d, size_t(V));
 
   I.sizes = draft_tensor_sizes(dd);
   int64_t total = 0;
@@ -1657,15 +1669,19 @@ void DraftEngine::zero_grads() {
   CUDA_CHECK(cudaMemsetAsync(p_->G, 0, size_t(grad_elems()) * 4, p_->s));
 }
 
+// On the engine's stream s, drained before returning: ordered with everything else the engine
+// runs (a cudaMemcpy from pageable memory can return before its copy has landed, and it is
+// not ordered with s).
 static void copy_tensors(float* base, const std::vector<int64_t>& offs, const std::vector<int64_t>& sizes,
-                         const std::vector<float*>& host, bool to_host) {
+                         const std::vector<float*>& host, bool to_host, cudaStream_t s) {
   if (host.size() != sizes.size()) fail_msg("draft on GPU: expected 13 tensors");
   for (size_t i = 0; i < sizes.size(); ++i) {
     if (to_host)
-      CUDA_CHECK(cudaMemcpy(host[i], base + offs[i], size_t(sizes[i]) * 4, cudaMemcpyDeviceToHost));
+      CUDA_CHECK(cudaMemcpyAsync(host[i], base + offs[i], size_t(sizes[i]) * 4, cudaMemcpyDeviceToHost, s));
     else
-      CUDA_CHECK(cudaMemcpy(base + offs[i], host[i], size_t(sizes[i]) * 4, cudaMemcpyHostToDevice));
+      CUDA_CHECK(cudaMemcpyAsync(base + offs[i], host[i], size_t(sizes[i]) * 4, cudaMemcpyHostToDevice, s));
   }
+  CUDA_CHECK(cudaStreamSynchronize(s));
 }
 
 static std::vector<float*> unconst(const std::vector<const float*>& v) {
@@ -1676,30 +1692,30 @@ static std::vector<float*> unconst(const std::vector<const float*>& v) {
 
 void DraftEngine::set_weights(const std::vector<const float*>& w) {
   CUDA_CHECK(cudaSetDevice(p_->device));
-  copy_tensors(p_->W, p_->offs, p_->sizes, unconst(w), false);
+  copy_tensors(p_->W, p_->offs, p_->sizes, unconst(w), false, p_->s);
   p_->refresh_weight_copy();
 }
 void DraftEngine::get_weights(const std::vector<float*>& w) {
   CUDA_CHECK(cudaSetDevice(p_->device));
   CUDA_CHECK(cudaStreamSynchronize(p_->s));
-  copy_tensors(p_->W, p_->offs, p_->sizes, w, true);
+  copy_tensors(p_->W, p_->offs, p_->sizes, w, true, p_->s);
 }
 void DraftEngine::get_grads(const std::vector<float*>& g) {
   CUDA_CHECK(cudaSetDevice(p_->device));
   p_->scale_grads();
   CUDA_CHECK(cudaStreamSynchronize(p_->s));
-  copy_tensors(p_->G, p_->offs, p_->sizes, g, true);
+  copy_tensors(p_->G, p_->offs, p_->sizes, g, true, p_->s);
 }
 void DraftEngine::set_moments(const std::vector<const float*>& m, const std::vector<const float*>& v) {
   CUDA_CHECK(cudaSetDevice(p_->device));
-  copy_tensors(p_->M, p_->offs, p_->sizes, unconst(m), false);
-  copy_tensors(p_->Vm, p_->offs, p_->sizes, unconst(v), false);
+  copy_tensors(p_->M, p_->offs, p_->sizes, unconst(m), false, p_->s);
+  copy_tensors(p_->Vm, p_->offs, p_->sizes, unconst(v), false, p_->s);
 }
 void DraftEngine::get_moments(const std::vector<float*>& m, const std::vector<float*>& v) {
   CUDA_CHECK(cudaSetDevice(p_->device));
   CUDA_CHECK(cudaStreamSynchronize(p_->s));
-  copy_tensors(p_->M, p_->offs, p_->sizes, m, true);
-  copy_tensors(p_->Vm, p_->offs, p_->sizes, v, true);
+  copy_tensors(p_->M, p_->offs, p_->sizes, m, true, p_->s);
+  copy_tensors(p_->Vm, p_->offs, p_->sizes, v, true, p_->s);
 }
 
 LossRows loss_rows(int64_t K, int64_t N, const uint8_t* mask, const int32_t* pos, const int32_t* len,

@@ -27,6 +27,7 @@
 #include <string>
 
 #include "backend/cuda/check.h"
+#include "backend/cuda/kernels/swiglu.cuh"
 #include "backend/cuda/moe.h"
 #include "backend/cuda/tensor_core.cuh"
 #include "backend/cuda/warp.cuh"
@@ -524,13 +525,6 @@ __global__ void core_grouped_gemm_kernel(float* out, const bf16* in, int64_t ld_
   }
 }
 
-__global__ void swiglu_f32_kernel(bf16* act, const float* g, const float* u, int64_t n) {
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
-    const float x = g[i];
-    act[i] = __float2bfloat16(x / (1.0f + expf(-x)) * u[i]);
-  }
-}
-
 // out[n, :] = sum_t w[n, t] * y[pos[n K + t], :], in slot (= expert id) order.
 __global__ void combine_kernel(float* out, const float* y, const float* w, const int32_t* pos, int K, int64_t H) {
   const int n = blockIdx.x;
@@ -641,9 +635,7 @@ void moe_forward(float* out, const bf16* xn, const float* router_logits, const f
   const int64_t T = max_tiles(NK, r.n_experts);
   grouped_gemm(sc.g, xn, H, true, sc, K, T, ex.gate, s);
   grouped_gemm(sc.u, xn, H, true, sc, K, T, ex.up, s);
-  swiglu_f32_kernel<<<unsigned(std::min<int64_t>((NK * Im + 255) / 256, 65535)), 256, 0, s>>>(sc.act, sc.g, sc.u,
-                                                                                                NK * Im);
-  CUDA_LAUNCH_CHECK();
+  launch_swiglu_forward(sc.act, sc.g, sc.u, Im, NK, Im, s);
   grouped_gemm(sc.y, sc.act, Im, false, sc, K, T, ex.down, s);
   combine_kernel<<<unsigned(N), 256, 0, s>>>(out, sc.y, sc.weights, sc.pos, K, H);
   CUDA_LAUNCH_CHECK();
@@ -680,9 +672,7 @@ void moe_experts_forward(float* y, const bf16* rows, const int32_t* ids, int64_t
   const int64_t T = max_tiles(R, E_local);
   grouped_gemm(sc.g, rows, H, true, sc, 1, T, ex.gate, s);
   grouped_gemm(sc.u, rows, H, true, sc, 1, T, ex.up, s);
-  swiglu_f32_kernel<<<unsigned(std::min<int64_t>((R * Im + 255) / 256, 65535)), 256, 0, s>>>(sc.act, sc.g, sc.u,
-                                                                                               R * Im);
-  CUDA_LAUNCH_CHECK();
+  launch_swiglu_forward(sc.act, sc.g, sc.u, Im, R, Im, s);
   grouped_gemm(sc.y, sc.act, Im, false, sc, 1, T, ex.down, s);
   unsort_kernel<<<unsigned(R), 256, 0, s>>>(y, sc.y, sc.pos, H);
   CUDA_LAUNCH_CHECK();

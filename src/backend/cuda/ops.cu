@@ -9,6 +9,8 @@
 #include "backend/cuda/check.h"
 #include "backend/cuda/kernels/cast.cuh"
 #include "backend/cuda/kernels/rmsnorm.cuh"
+#include "backend/cuda/kernels/rope.cuh"
+#include "backend/cuda/kernels/swiglu.cuh"
 #include "backend/cuda/ops.h"
 #include "backend/cuda/warp.cuh"
 
@@ -34,34 +36,11 @@ __global__ void embedding_kernel(float* out, const int32_t* ids, const bf16* tab
     out[n * C + c] = (id >= 0 && id < V) ? __bfloat162float(table[int64_t(id) * C + c]) : NAN;
 }
 
-__global__ void rope_kernel(bf16* x, int64_t ld, const int32_t* pos, const float* inv_freq, int64_t N, int64_t nh,
-                            int64_t hd) {
-  const int64_t half = hd / 2;
-  const int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (idx >= N * nh * half) return;
-  const int64_t i = idx % half, h = (idx / half) % nh, n = idx / (half * nh);
-  const float ang = float(pos[n]) * inv_freq[i];
-  float sn, cs;
-  sincosf(ang, &sn, &cs);
-  bf16* p = x + n * ld + h * hd;
-  const float a = __bfloat162float(p[i]), b = __bfloat162float(p[i + half]);
-  p[i] = __float2bfloat16(a * cs - b * sn);
-  p[i + half] = __float2bfloat16(b * cs + a * sn);
-}
-
 __global__ void bias_kernel(bf16* y, int64_t ld, const bf16* b, int64_t N, int64_t O) {
   const int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (idx >= N * O) return;
   const int64_t n = idx / O, o = idx % O;
   y[n * ld + o] = __float2bfloat16(__bfloat162float(y[n * ld + o]) + __bfloat162float(b[o]));
-}
-
-__global__ void swiglu_kernel(bf16* out, const bf16* gu, int64_t N, int64_t I) {
-  const int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (idx >= N * I) return;
-  const int64_t n = idx / I, i = idx % I;
-  const float g = __bfloat162float(gu[n * 2 * I + i]), u = __bfloat162float(gu[n * 2 * I + I + i]);
-  out[idx] = __float2bfloat16(g / (1.f + __expf(-g)) * u);
 }
 
 // One warp per (query row, head); each lane owns E strided elements of head_dim.
@@ -148,8 +127,7 @@ void head_rmsnorm_forward(bf16* x, int64_t ld, const bf16* w, int64_t N, int64_t
 void rope_forward(bf16* x, int64_t ld, const int32_t* pos, const float* inv_freq, int64_t N, int64_t nh, int64_t hd,
                   cudaStream_t s) {
   if (N == 0) return;
-  rope_kernel<<<blocks(N * nh * (hd / 2), 256), 256, 0, s>>>(x, ld, pos, inv_freq, N, nh, hd);
-  CUDA_LAUNCH_CHECK();
+  launch_rope(x, ld, x, ld, pos, 0, inv_freq, 1.f, N, nh, hd, s);
 }
 
 void bias_forward(bf16* y, int64_t ld, const bf16* b, int64_t N, int64_t O, cudaStream_t s) {
@@ -160,8 +138,7 @@ void bias_forward(bf16* y, int64_t ld, const bf16* b, int64_t N, int64_t O, cuda
 
 void swiglu_forward(bf16* out, const bf16* gu, int64_t N, int64_t I, cudaStream_t s) {
   if (N == 0) return;
-  swiglu_kernel<<<blocks(N * I, 256), 256, 0, s>>>(out, gu, N, I);
-  CUDA_LAUNCH_CHECK();
+  launch_swiglu_forward(out, gu, gu + I, 2 * I, N, I, s);
 }
 
 void attention_forward(bf16* out, const bf16* qkv, int64_t ld, const int64_t* seq_start, const int32_t* row_seq,

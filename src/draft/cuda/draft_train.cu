@@ -14,6 +14,8 @@
 #include "backend/cuda/kernels/cast.cuh"
 #include "backend/cuda/kernels/convert.cuh"
 #include "backend/cuda/kernels/rmsnorm.cuh"
+#include "backend/cuda/kernels/rope.cuh"
+#include "backend/cuda/kernels/swiglu.cuh"
 #include "backend/cuda/warp.cuh"
 
 #define CUBLASV2_CHECK(expr)                                                                          \
@@ -127,28 +129,6 @@ __global__ void gather_kernel(float* E, const Emb* embed, const int32_t* ids, co
   for (int64_t c = threadIdx.x; c < H; c += blockDim.x) E[n * H + c] = load_f(embed + tok * H + c);
 }
 
-// Rotate pairs (i, i + hd/2) of every head by sign * (pos[n] + k) * inv[i] (fp64 angle).
-// RoPE over x in place, or, with out_b, into out_b as bf16 (x left as it was).
-__global__ void rope_kernel(float* x, __nv_bfloat16* out_b, int64_t N, int64_t heads, int64_t hd, const int32_t* pos,
-                            int k, const float* inv, double sign) {
-  const int64_t half = hd / 2;
-  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i >= N * heads * half) return;
-  const int64_t n = i / (heads * half), h = (i / half) % heads, j = i % half;
-  double s, c;
-  sincos(sign * double(pos[n] + k) * double(inv[j]), &s, &c);
-  float* p = x + n * heads * hd + h * hd;
-  const double a = p[j], b = p[j + half];
-  if (out_b) {
-    __nv_bfloat16* o = out_b + n * heads * hd + h * hd;
-    o[j] = __float2bfloat16_rn(float(a * c - b * s));
-    o[j + half] = __float2bfloat16_rn(float(b * c + a * s));
-  } else {
-    p[j] = float(a * c - b * s);
-    p[j + half] = float(b * c + a * s);
-  }
-}
-
 // out[0..n) = bf16(in[0..n)), rounded to nearest even (the rounding cuBLAS applies to fp32
 // operands under CUBLAS_COMPUTE_32F_FAST_16BF).
 void cast_bf16(__nv_bfloat16* out, const float* in, int64_t n, cudaStream_t s) { cast(out, in, n, s); }
@@ -175,72 +155,6 @@ __global__ void rows_scatter_kernel(float* out, const float* y, const int32_t* s
   float* o = out + int64_t(blockIdx.x) * C;
   const float* yr = y + int64_t(j < 0 ? 0 : j) * C;
   for (int64_t c = threadIdx.x; c < C; c += blockDim.x) o[c] = j < 0 ? 0.f : yr[c];
-}
-
-// act = silu(ga) * up; with bf16 operands ga and up are stored as bf16 (the products'
-// outputs, rounded once) and act, only ever a product's operand, is written as bf16.
-template <class T>
-__global__ void swiglu_kernel(T* act, const T* ga, const T* up, int64_t n) {
-  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i >= n) return;
-  const float x = load_f(ga + i);
-  store_as(act + i, x / (1.f + expf(-x)) * load_f(up + i));
-}
-
-// As swiglu_kernel / swiglu_backward_kernel on bf16 storage, 8 values per thread (16-byte
-// accesses; the same arithmetic, so the same bits).
-__device__ __forceinline__ void unpack8(float (&f)[8], uint4 v) {
-  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const float2 x = __bfloat1622float2(h[j]);
-    f[2 * j] = x.x;
-    f[2 * j + 1] = x.y;
-  }
-}
-__device__ __forceinline__ uint4 pack8(const float (&f)[8]) {
-  uint4 v;
-  __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&v);
-#pragma unroll
-  for (int j = 0; j < 4; ++j) h[j] = __floats2bfloat162_rn(f[2 * j], f[2 * j + 1]);
-  return v;
-}
-__global__ void swiglu_x8_kernel(__nv_bfloat16* act, const __nv_bfloat16* ga, const __nv_bfloat16* up, int64_t n8) {
-  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i >= n8) return;
-  float g[8], u[8], o[8];
-  unpack8(g, reinterpret_cast<const uint4*>(ga)[i]);
-  unpack8(u, reinterpret_cast<const uint4*>(up)[i]);
-#pragma unroll
-  for (int j = 0; j < 8; ++j) o[j] = g[j] / (1.f + expf(-g[j])) * u[j];
-  reinterpret_cast<uint4*>(act)[i] = pack8(o);
-}
-__global__ void swiglu_backward_x8_kernel(__nv_bfloat16* dga, __nv_bfloat16* dup, const float* dact,
-                                          const __nv_bfloat16* ga, const __nv_bfloat16* up, int64_t n8) {
-  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i >= n8) return;
-  float g[8], u[8], d[8], og[8], ou[8];
-  unpack8(g, reinterpret_cast<const uint4*>(ga)[i]);
-  unpack8(u, reinterpret_cast<const uint4*>(up)[i]);
-  const float4 d0 = reinterpret_cast<const float4*>(dact)[2 * i], d1 = reinterpret_cast<const float4*>(dact)[2 * i + 1];
-  d[0] = d0.x, d[1] = d0.y, d[2] = d0.z, d[3] = d0.w, d[4] = d1.x, d[5] = d1.y, d[6] = d1.z, d[7] = d1.w;
-#pragma unroll
-  for (int j = 0; j < 8; ++j) {
-    const float x = g[j], sg = 1.f / (1.f + expf(-x));
-    ou[j] = d[j] * x * sg;
-    og[j] = d[j] * u[j] * sg * (1.f + x * (1.f - sg));
-  }
-  reinterpret_cast<uint4*>(dup)[i] = pack8(ou);
-  reinterpret_cast<uint4*>(dga)[i] = pack8(og);
-}
-
-template <class T>
-__global__ void swiglu_backward_kernel(T* dga, T* dup, const float* dact, const T* ga, const T* up, int64_t n) {
-  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i >= n) return;
-  const float x = load_f(ga + i), sg = 1.f / (1.f + expf(-x));
-  store_as(dup + i, dact[i] * x * sg);
-  store_as(dga + i, dact[i] * load_f(up + i) * sg * (1.f + x * (1.f - sg)));
 }
 
 // ---------------------------------------------------------------- attention
@@ -1124,27 +1038,18 @@ struct DraftEngine::Impl {
   }
   // act = silu(ga) * up of step k, and its backward (dga, dup); bf16 with bf16 operands.
   void swiglu(float* act, int k) {
-    const int64_t n = N * d.I;
     const size_t ks = size_t(k);
-    if (bf16_operands && n % 8 == 0)
-      swiglu_x8_kernel<<<nblocks(n / 8, 256), 256, 0, s>>>(bf16_in(act), gab[ks], upb[ks], n / 8);
-    else if (bf16_operands)
-      swiglu_kernel<<<nblocks(n, 256), 256, 0, s>>>(bf16_in(act), gab[ks], upb[ks], n);
+    if (bf16_operands)
+      launch_swiglu_forward(bf16_in(act), gab[ks], upb[ks], d.I, N, d.I, s);
     else
-      swiglu_kernel<<<nblocks(n, 256), 256, 0, s>>>(act, ga[ks], up[ks], n);
-    CUDA_LAUNCH_CHECK();
+      launch_swiglu_forward(act, ga[ks], up[ks], d.I, N, d.I, s);
   }
   void swiglu_backward(float* dga, float* dup, const float* dact, int k) {
-    const int64_t n = N * d.I;
     const size_t ks = size_t(k);
-    if (bf16_operands && n % 8 == 0)
-      swiglu_backward_x8_kernel<<<nblocks(n / 8, 256), 256, 0, s>>>(bf16_in(dga), bf16_in(dup), dact, gab[ks],
-                                                                    upb[ks], n / 8);
-    else if (bf16_operands)
-      swiglu_backward_kernel<<<nblocks(n, 256), 256, 0, s>>>(bf16_in(dga), bf16_in(dup), dact, gab[ks], upb[ks], n);
+    if (bf16_operands)
+      launch_swiglu_backward(bf16_in(dga), bf16_in(dup), dact, gab[ks], upb[ks], d.I, N, d.I, s);
     else
-      swiglu_backward_kernel<<<nblocks(n, 256), 256, 0, s>>>(dga, dup, dact, ga[ks], up[ks], n);
-    CUDA_LAUNCH_CHECK();
+      launch_swiglu_backward(dga, dup, dact, ga[ks], up[ks], d.I, N, d.I, s);
   }
   // E = the embeddings of the tokens step k feeds.
   void gather(int k) {
@@ -1154,9 +1059,14 @@ struct DraftEngine::Impl {
       gather_kernel<<<unsigned(N), 256, 0, s>>>(E, embed, ids, pos, len, d.H, k);
     CUDA_LAUNCH_CHECK();
   }
+  // RoPE of step k over x in place, or into out_b as bf16 (x left as it was); sign -1 rotates
+  // a gradient back.
   void rope(float* x, int64_t heads, int k, double sign, __nv_bfloat16* out_b = nullptr) {
-    rope_kernel<<<nblocks(N * heads * (d.hd / 2), 256), 256, 0, s>>>(x, out_b, N, heads, d.hd, pos, k, inv, sign);
-    CUDA_LAUNCH_CHECK();
+    const int64_t ld = heads * d.hd;
+    if (out_b)
+      launch_rope(out_b, ld, x, ld, pos, k, inv, sign, N, heads, d.hd, s);
+    else
+      launch_rope(x, ld, x, ld, pos, k, inv, sign, N, heads, d.hd, s);
   }
   AttnArgs attn_args(int k) {
     return AttnArgs{qa_bf16 ? nullptr : q[size_t(k)],

@@ -1,0 +1,51 @@
+#include "backend/cuda/kernel_ops.h"
+
+#include "backend/cuda/check.h"
+#include "backend/cuda/kernels/rmsnorm.cuh"
+#include "backend/cuda/kernels/rope.cuh"
+#include "backend/cuda/kernels/swiglu.cuh"
+
+namespace talon::cuda::kernel {
+
+void rmsnorm_forward(float* y, const float* x, const float* w, int64_t N, int64_t C, float eps, cudaStream_t s) {
+  cuda::rmsnorm_forward<float, const float, void>(y, NormRows{C}, x, NormRows{C}, nullptr, w, N, C, eps, s);
+  CUDA_LAUNCH_CHECK();
+}
+void rmsnorm_forward(bf16* y, const float* x, const float* w, int64_t N, int64_t C, float eps, cudaStream_t s) {
+  cuda::rmsnorm_forward<bf16, const float, void>(y, NormRows{C}, x, NormRows{C}, nullptr, w, N, C, eps, s);
+  CUDA_LAUNCH_CHECK();
+}
+void rmsnorm_backward(float* dx, float* wrow, const float* dy, const float* x, const float* w, int64_t N, int64_t C,
+                      float eps, cudaStream_t s) {
+  cuda::rmsnorm_backward(dx, C, wrow, dy, C, x, C, w, N, C, eps, s);
+  CUDA_LAUNCH_CHECK();
+}
+
+void rope(float* x, bf16* out_b, const int32_t* pos, int offset, const float* inv_freq, double sign, int64_t N,
+          int64_t heads, int64_t hd, cudaStream_t s) {
+  const int64_t ld = heads * hd;
+  if (out_b)
+    launch_rope(out_b, ld, x, ld, pos, offset, inv_freq, sign, N, heads, hd, s);
+  else
+    launch_rope(x, ld, x, ld, pos, offset, inv_freq, sign, N, heads, hd, s);
+}
+
+void swiglu_forward(float* act, const float* g, const float* u, int64_t ld, int64_t N, int64_t I, cudaStream_t s) {
+  launch_swiglu_forward(act, g, u, ld, N, I, s);
+}
+void swiglu_forward(bf16* act, const bf16* g, const bf16* u, int64_t ld, int64_t N, int64_t I, cudaStream_t s) {
+  launch_swiglu_forward(act, g, u, ld, N, I, s);
+}
+void swiglu_forward(bf16* act, const float* g, const float* u, int64_t ld, int64_t N, int64_t I, cudaStream_t s) {
+  launch_swiglu_forward(act, g, u, ld, N, I, s);
+}
+void swiglu_backward(float* dg, float* du, const float* dact, const float* g, const float* u, int64_t ld, int64_t N,
+                     int64_t I, cudaStream_t s) {
+  launch_swiglu_backward(dg, du, dact, g, u, ld, N, I, s);
+}
+void swiglu_backward(bf16* dg, bf16* du, const float* dact, const bf16* g, const bf16* u, int64_t ld, int64_t N,
+                     int64_t I, cudaStream_t s) {
+  launch_swiglu_backward(dg, du, dact, g, u, ld, N, I, s);
+}
+
+}  // namespace talon::cuda::kernel

@@ -318,7 +318,7 @@ GenerateReport run_generate(const GenerateOptions& opt) {
   Progress progress("generate", n_convs, "conversations", int64_t(done.size()));
   auto last_sync = Clock::now();
   std::vector<float> logits;
-  std::vector<double> scratch;
+  std::vector<int32_t> picked;
   int64_t finished_convs = 0;
 
   auto finish_conv = [&](int64_t ci, const char* skipped) {
@@ -419,14 +419,27 @@ GenerateReport run_generate(const GenerateOptions& opt) {
     if (reqs.empty()) break;  // nothing running and nothing queued
     logits.resize(reqs.size() * size_t(mc.vocab));
     dec->forward(reqs, Capture{}, logits.data());
+    // Every slot's next token, slots in parallel (each draws from its own stream, so the
+    // tokens do not depend on the thread count).
+    picked.resize(reqs.size());
+    const int64_t n_reqs = int64_t(reqs.size());
+#pragma omp parallel if (n_reqs >= 4)
+    {
+      std::vector<double> scratch;
+#pragma omp for schedule(dynamic, 4)
+      for (int64_t i = 0; i < n_reqs; ++i) {
+        const Active& a = slots[size_t(req_slot[size_t(i)])];
+        picked[size_t(i)] = sample_token(logits.data() + size_t(i) * size_t(mc.vocab), mc.vocab, opt.sampling,
+                                         a.stream, uint64_t(a.gen.size()), scratch);
+      }
+    }
     int64_t produced = 0;
     for (size_t i = 0; i < reqs.size(); ++i) {
       const int s = req_slot[i];
       Active& a = slots[size_t(s)];
       dec->commit_all(s);
       a.prefilled = true;
-      const int32_t t = sample_token(logits.data() + i * size_t(mc.vocab), mc.vocab, opt.sampling, a.stream,
-                                     uint64_t(a.gen.size()), scratch);
+      const int32_t t = picked[i];
       a.gen.push_back(t);
       ++produced;
       const bool end = std::find(eos.begin(), eos.end(), t) != eos.end() || int64_t(a.gen.size()) >= a.max_new ||

@@ -4,6 +4,7 @@
 // (chain and tree) draws from the target's own distribution.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <map>
 #include <random>
@@ -11,6 +12,7 @@
 #include "model/decode.h"
 #include "backend/backend.h"
 #include "model/model.h"
+#include "spec/sampling.h"
 #include "spec/speculate.h"
 #include "tests/spec/random_draft.h"
 #include "tests/test_util.h"
@@ -207,3 +209,53 @@ TEST(Speculate, SamplingMatchesTheTargetDistribution) {
 }
 
 }  // namespace
+
+// sampling_distribution against a plain full sort of the vocabulary (written here from the
+// definition: softmax at T, ids by decreasing probability with ties to the lower id, keep the
+// top_k, then the shortest prefix whose mass reaches top_p, renormalise), on logits with many
+// ties and on vocabularies where the kept set is large (flat) and small (peaked).
+TEST(Sampling, TopKTopPMatchFullSortDefinition) {
+  std::mt19937 rng(7);
+  for (int64_t V : {1, 5, 300, 49152})
+    for (double spread : {0.05, 1.0, 12.0})
+      for (auto [k, pp] : {std::pair<int, double>{0, 0.95}, {0, 0.5}, {0, 1.0}, {40, 0.9}, {3, 1.0}, {0, 0.9999}}) {
+        std::vector<float> logits(static_cast<size_t>(V));
+        std::normal_distribution<float> nd(0.f, float(spread));
+        for (auto& x : logits) x = std::round(nd(rng) * 8.f) / 8.f;  // coarse: many exact ties
+        SamplingParams sp;
+        sp.temperature = 0.7;
+        sp.top_k = k;
+        sp.top_p = pp;
+        std::vector<double> got;
+        sampling_distribution(logits.data(), V, sp, got);
+        double mx = -INFINITY, z = 0;
+        for (float x : logits) mx = std::max(mx, double(x));
+        std::vector<double> p(static_cast<size_t>(V));
+        for (int64_t i = 0; i < V; ++i) z += p[size_t(i)] = std::exp((double(logits[size_t(i)]) - mx) / 0.7);
+        for (auto& x : p) x /= z;
+        std::vector<int32_t> ids(static_cast<size_t>(V));
+        for (int64_t i = 0; i < V; ++i) ids[size_t(i)] = int32_t(i);
+        std::sort(ids.begin(), ids.end(), [&](int32_t a, int32_t b) {
+          return p[size_t(a)] != p[size_t(b)] ? p[size_t(a)] > p[size_t(b)] : a < b;
+        });
+        int64_t keep = k > 0 ? std::min<int64_t>(k, V) : V;
+        double mass = 0;
+        for (int64_t i = 0; i < keep && pp < 1; ++i)
+          if ((mass += p[size_t(ids[size_t(i)])]) >= pp) {
+            keep = i + 1;
+            break;
+          }
+        double kept = 0;
+        for (int64_t i = 0; i < keep; ++i) kept += p[size_t(ids[size_t(i)])];
+        std::vector<double> want(static_cast<size_t>(V), 0.0);
+        for (int64_t i = 0; i < keep; ++i) want[size_t(ids[size_t(i)])] = p[size_t(ids[size_t(i)])] / kept;
+        ASSERT_EQ(got.size(), want.size());
+        int64_t nonzero = 0;
+        for (int64_t i = 0; i < V; ++i) {
+          ASSERT_NEAR(got[size_t(i)], want[size_t(i)], 1e-12) << "V=" << V << " spread=" << spread << " k=" << k
+                                                              << " p=" << pp << " id " << i;
+          nonzero += got[size_t(i)] > 0;
+        }
+        EXPECT_EQ(nonzero, keep) << "V=" << V << " spread=" << spread << " k=" << k << " p=" << pp;
+      }
+}

@@ -87,7 +87,8 @@ std::string render_line_chart_svg(const Chart& ch) {
     o += fmt::format("<text x=\"{:.1f}\" y=\"{:.1f}\" class=\"xtick\">{}</text>\n", sx(fx), mt + ph + 16,
                      num(std::round(fx * 100) / 100));
   }
-  o += fmt::format("<text x=\"{:.1f}\" y=\"{}\" class=\"xlabel\">step</text>\n", ml + pw / 2, Hh - 4);
+  o += fmt::format("<text x=\"{:.1f}\" y=\"{}\" class=\"xlabel\">{}</text>\n", ml + pw / 2, Hh - 4,
+                   html_escape(ch.x_label));
   o += fmt::format("<text x=\"14\" y=\"{:.1f}\" class=\"ylabel\" transform=\"rotate(-90 14 {:.1f})\">{}</text>\n",
                    mt + ph / 2, mt + ph / 2, html_escape(ch.y_label));
   for (size_t i = 0; i < ch.series.size(); ++i) {
@@ -209,7 +210,146 @@ std::vector<Chart> build_charts(const std::vector<MetricRecord>& rs) {
   return charts;
 }
 
-std::string render_report_html(const std::vector<MetricRecord>& rs, const std::string& title) {
+std::vector<ServedAcceptance> parse_served_acceptance(const std::string& text, const std::string& source) {
+  const json j = json::parse(text, nullptr, false);
+  TALON_CHECK(j.is_object() && j.contains("results") && j["results"].is_array(),
+              "{}: not a `talon eval` eval.json (expected an object with a 'results' array)", source);
+  std::vector<ServedAcceptance> out;
+  const auto& results = j["results"];
+  for (size_t i = 0; i < results.size(); ++i) {
+    const json& r = results[i];
+    const std::string where = fmt::format("{}: results[{}]", source, i);
+    TALON_CHECK(r.is_object() && r.contains("config") && r["config"].is_string(),
+                "{}: field 'config' must be a string", where);
+    TALON_CHECK(r.contains("temperature") && r["temperature"].is_number(), "{}: field 'temperature' must be a number",
+                where);
+    if (!r.contains("speculative") || r["speculative"].is_null()) continue;  // a baseline-only result
+    const json& sp = r["speculative"];
+    std::vector<int64_t> reached, accepted;
+    for (auto [key, dst] : {std::pair<const char*, std::vector<int64_t>*>{"reached_per_depth", &reached},
+                            {"accepted_per_depth", &accepted}}) {
+      TALON_CHECK(sp.is_object() && sp.contains(key) && sp[key].is_array(),
+                  "{}.speculative: field '{}' must be an array of counts", where, key);
+      for (const auto& x : sp[key]) {
+        TALON_CHECK(x.is_number_integer() && x.get<int64_t>() >= 0,
+                    "{}.speculative: field '{}' must hold non-negative integers, got {}", where, key, x.dump());
+        dst->push_back(x.get<int64_t>());
+      }
+    }
+    TALON_CHECK(reached.size() == accepted.size(), "{}.speculative: reached_per_depth has {} depths, accepted_per_depth {}",
+                where, reached.size(), accepted.size());
+    for (size_t k = 0; k < reached.size(); ++k)
+      TALON_CHECK(accepted[k] <= reached[k], "{}.speculative: depth {} accepts {} of {} reached", where, k, accepted[k],
+                  reached[k]);
+    const std::string config = r["config"].get<std::string>();
+    const double t = r["temperature"].get<double>();
+    auto it = std::find_if(out.begin(), out.end(),
+                           [&](const ServedAcceptance& a) { return a.config == config && a.temperature == t; });
+    if (it == out.end()) {
+      out.push_back(ServedAcceptance{config, t, {}, {}, 0});
+      it = out.end() - 1;
+    }
+    if (it->reached.size() < reached.size()) {
+      it->reached.resize(reached.size(), 0);
+      it->accepted.resize(reached.size(), 0);
+    }
+    for (size_t k = 0; k < reached.size(); ++k) it->reached[k] += reached[k], it->accepted[k] += accepted[k];
+    if (r.contains("turns") && r["turns"].is_number_integer()) it->turns += r["turns"].get<int64_t>();
+  }
+  return out;
+}
+
+AcceptanceComparison compare_acceptance(const std::vector<MetricRecord>& rs,
+                                        const std::vector<ServedAcceptance>& served) {
+  AcceptanceComparison c;
+  for (auto& r : rs)
+    if (r.split == "eval")
+      if (auto it = r.arrays.find("cond_acc"); it != r.arrays.end()) c.trained = it->second, c.trained_step = r.step;
+  for (auto& s : served)
+    if (s.chain() && s.temperature == 0 && !s.reached.empty() && s.reached[0] > 0) c.served.push_back(&s);
+  if (c.trained.empty()) {
+    c.verdict = "no held-back records in metrics.jsonl (train with --eval-fraction > 0 to compare)";
+    return c;
+  }
+  if (c.served.empty()) {
+    c.verdict = "eval.json holds no greedy chain configuration (run `talon eval --chain K --temperatures 0`)";
+    return c;
+  }
+  // Depth 0 is what every round reaches: the most counts and the clearest comparison.
+  int64_t n = 0, a = 0;
+  for (auto* s : c.served) n += s->reached[0], a += s->accepted[0];
+  const double p = double(a) / double(n), t = c.trained[0];
+  const double se = std::sqrt(std::max(p * (1 - p), 1e-4) / double(n)), margin = std::max(0.05, 3 * se);
+  if (std::fabs(p - t) <= margin)
+    c.verdict = fmt::format("served acceptance at depth 0 ({:.3f} over {} drafts) agrees with the trainer's held-back "
+                            "simulation ({:.3f}) within {:.3f}",
+                            p, n, t, margin);
+  else if (p < t)
+    c.verdict = fmt::format(
+        "served acceptance at depth 0 ({:.3f} over {} drafts) is {:.3f} below the trainer's held-back simulation "
+        "({:.3f}): either the served prompts are unlike the training data (evaluate on prompts of the training "
+        "split to tell), or training and serving disagree (aux layer ids, RoPE settings, draft vocabulary mapping, "
+        "norm order, chat template)",
+        p, n, t - p, t);
+  else
+    c.verdict = fmt::format("served acceptance at depth 0 ({:.3f} over {} drafts) is {:.3f} above the trainer's "
+                            "held-back simulation ({:.3f}): the served prompts are easier than the held-back data",
+                            p, n, p - t, t);
+  return c;
+}
+
+namespace {
+
+std::string acceptance_section(const std::vector<MetricRecord>& rs, const std::vector<ServedAcceptance>& served,
+                               const std::string& source) {
+  const AcceptanceComparison c = compare_acceptance(rs, served);
+  std::string o = "<h2>Trained vs served acceptance per depth</h2>\n";
+  o += fmt::format(
+      "<p>Trained: the conditional acceptance the trainer simulates on its held-back samples (cond_acc_k of the "
+      "last held-back record, step {}): the chance that draft position k is right given positions 0..k-1 were. "
+      "Served: what <code>talon eval</code> measured with the exported drafter at temperature 0 ({}): drafts "
+      "accepted at depth k over rounds that reached depth k, pooled over categories. Under greedy chain drafting "
+      "the two are the same quantity, so a gap means the served prompts differ from the training data or "
+      "training and serving disagree. Tree configurations are not listed (a tree position is accepted if any of "
+      "several candidates is).</p>\n",
+      c.trained_step, html_escape(source));
+  o += fmt::format("<p class=\"verdict\"><b>{}</b></p>\n", html_escape(c.verdict));
+  if (c.trained.empty() || c.served.empty()) return o;
+  size_t K = c.trained.size();
+  for (auto* s : c.served) K = std::max(K, s->reached.size());
+  o += "<table class=\"acceptance\">\n<tr><th>depth k</th><th>trained (held-back)</th>";
+  for (auto* s : c.served) o += fmt::format("<th>served {}</th><th>reached</th>", html_escape(s->config));
+  o += "</tr>\n";
+  for (size_t k = 0; k < K; ++k) {
+    o += fmt::format("<tr><td>{}</td><td>{}</td>", k, k < c.trained.size() ? fmt::format("{:.3f}", c.trained[k]) : "");
+    for (auto* s : c.served) {
+      if (k < s->reached.size() && s->reached[k] > 0)
+        o += fmt::format("<td>{:.3f}</td><td>{}</td>", double(s->accepted[k]) / double(s->reached[k]), s->reached[k]);
+      else
+        o += "<td></td><td></td>";
+    }
+    o += "</tr>\n";
+  }
+  o += "</table>\n";
+  Chart ch{"acceptance_per_depth", "Conditional acceptance per depth: trained vs served", "acceptance", {}, "depth k"};
+  ChartSeries tr{"trained (held-back)", {}};
+  for (size_t k = 0; k < c.trained.size(); ++k)
+    if (std::isfinite(c.trained[k])) tr.points.push_back({double(k), c.trained[k]});
+  ch.series.push_back(std::move(tr));
+  for (auto* s : c.served) {
+    ChartSeries sv{"served " + s->config, {}};
+    for (size_t k = 0; k < s->reached.size(); ++k)
+      if (s->reached[k] > 0) sv.points.push_back({double(k), double(s->accepted[k]) / double(s->reached[k])});
+    ch.series.push_back(std::move(sv));
+  }
+  o += render_line_chart_svg(ch);
+  return o;
+}
+
+}  // namespace
+
+std::string render_report_html(const std::vector<MetricRecord>& rs, const std::string& title,
+                               const std::vector<ServedAcceptance>* served, const std::string& served_source) {
   const auto charts = build_charts(rs);
   const auto splits = splits_of(rs);
   std::string o;
@@ -268,7 +408,9 @@ std::string render_report_html(const std::vector<MetricRecord>& rs, const std::s
     }
     row("tokens_per_s", false, scalar("tokens_per_s"));
   }
-  o += "</table>\n<h2>Charts</h2>\n";
+  o += "</table>\n";
+  if (served) o += acceptance_section(rs, *served, served_source);
+  o += "<h2>Charts</h2>\n";
   for (auto& ch : charts) o += render_line_chart_svg(ch);
   o += "</body>\n</html>\n";
   return o;
@@ -280,7 +422,26 @@ ReportSummary run_report(const ReportOptions& opt) {
               mpath.string());
   const auto rs = parse_metrics(read_text_file(mpath), mpath.string());
   const std::string title = fmt::format("talon training report: {}", fs::absolute(opt.run).lexically_normal().string());
-  const std::string html = render_report_html(rs, title);
+  std::vector<ServedAcceptance> served;
+  std::string served_source;
+  if (!opt.eval.empty()) {
+    const fs::path epath = fs::is_directory(opt.eval) ? opt.eval / "eval.json" : opt.eval;
+    TALON_CHECK(fs::exists(epath), "{}: missing; expected a `talon eval` output directory with eval.json",
+                epath.string());
+    served = parse_served_acceptance(read_text_file(epath), epath.string());
+    served_source = epath.string();
+    const AcceptanceComparison c = compare_acceptance(rs, served);
+    for (size_t k = 0; k < c.trained.size(); ++k) {
+      std::string line = fmt::format("report: depth {}: trained {:.3f}", k, c.trained[k]);
+      for (auto* s : c.served)
+        if (k < s->reached.size() && s->reached[k] > 0)
+          line += fmt::format(", served {} {:.3f} ({} drafts)", s->config,
+                              double(s->accepted[k]) / double(s->reached[k]), s->reached[k]);
+      tlog::info("{}", line);
+    }
+    tlog::info("report: {}", c.verdict);
+  }
+  const std::string html = render_report_html(rs, title, opt.eval.empty() ? nullptr : &served, served_source);
   if (!opt.out.parent_path().empty()) fs::create_directories(opt.out.parent_path());
   write_file_atomic(opt.out, html);
   ReportSummary s;

@@ -39,6 +39,7 @@ struct ChartSeries {
 struct Chart {
   std::string id, title, y_label;
   std::vector<ChartSeries> series;
+  std::string x_label = "step";
 };
 
 // The charts a report draws: loss, acc_k (one line per k and split), cond_acc_k when
@@ -52,11 +53,40 @@ std::string html_escape(const std::string& s);
 std::string num(double v);
 const char* colour(size_t i);
 
-std::string render_report_html(const std::vector<MetricRecord>& records, const std::string& title);
+// What `talon eval` measured when a drafter was served: per configuration and temperature,
+// the turns' drafted positions reached and accepted at each depth, pooled over categories
+// (eval.json "results"[].speculative.reached_per_depth / accepted_per_depth).
+struct ServedAcceptance {
+  std::string config;  // e.g. "chain-3", "tree-d6-k8-n32"
+  double temperature = 0;
+  std::vector<int64_t> reached, accepted;
+  int64_t turns = 0;
+  bool chain() const { return config.rfind("chain", 0) == 0; }
+};
+// Parses eval.json text; `source` names the file in errors (field and result index).
+std::vector<ServedAcceptance> parse_served_acceptance(const std::string& text, const std::string& source);
+
+// Trained vs served acceptance per depth: the last held-back record's cond_acc (the trainer's
+// simulated chain acceptance) next to each greedy chain configuration's measured rate
+// accepted/reached. `verdict` gets one line: agree, or how far apart at depth 0 and what
+// usually causes it.
+struct AcceptanceComparison {
+  std::vector<double> trained;  // cond_acc of the last "eval" record (empty: none)
+  int64_t trained_step = -1;
+  std::vector<const ServedAcceptance*> served;  // greedy chain configurations
+  std::string verdict;
+};
+AcceptanceComparison compare_acceptance(const std::vector<MetricRecord>& records,
+                                        const std::vector<ServedAcceptance>& served);
+
+std::string render_report_html(const std::vector<MetricRecord>& records, const std::string& title,
+                               const std::vector<ServedAcceptance>* served = nullptr,
+                               const std::string& served_source = "");
 
 struct ReportOptions {
-  fs::path run;  // a `talon train` output directory (metrics.jsonl), or the file itself
-  fs::path out;  // the HTML file to write
+  fs::path run;   // a `talon train` output directory (metrics.jsonl), or the file itself
+  fs::path out;   // the HTML file to write
+  fs::path eval;  // optional: a `talon eval` output directory (eval.json) of this run's drafter
 };
 struct ReportSummary {
   int64_t records = 0;

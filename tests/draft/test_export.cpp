@@ -447,6 +447,89 @@ TEST(train_report, BadMetricsNameTheLine) {
   EXPECT_NE(error_of([&] { parse_metrics("{\"step\": 0, \"loss\": \"x\"}\n", "m"); }).find("m:1: field 'loss' must be a number"),
             std::string::npos);
   EXPECT_NE(error_of([&] { parse_metrics("\n", "m"); }).find("m: no metric records"), std::string::npos);
-  EXPECT_NE(error_of([&] { run_report({"/nonexistent/run", "/tmp/x.html"}); }).find("/nonexistent/run: missing"),
+  EXPECT_NE(error_of([&] { run_report({"/nonexistent/run", "/tmp/x.html", {}}); }).find("/nonexistent/run: missing"),
+            std::string::npos);
+}
+
+namespace {
+// An eval.json with chain-3 at T=0 over two categories, a tree, a T=1 chain and a baseline-only
+// result; counts chosen by hand.
+std::string eval_json() {
+  auto res = [](const char* config, double t, const char* cat, std::vector<int64_t> reached,
+                std::vector<int64_t> accepted) {
+    return json{{"config", config},
+                {"temperature", t},
+                {"category", cat},
+                {"turns", 2},
+                {"speculative", {{"reached_per_depth", reached}, {"accepted_per_depth", accepted}}}};
+  };
+  json j = {{"format", "talon.eval"}, {"results", json::array()}};
+  j["results"].push_back(res("chain-3", 0, "a", {100, 40, 10}, {40, 10, 5}));
+  j["results"].push_back(res("chain-3", 0, "b", {300, 200, 100}, {200, 100, 30}));
+  j["results"].push_back(res("tree-d6-k8-n32", 0, "a", {100, 90}, {90, 50}));
+  j["results"].push_back(res("chain-3", 1, "a", {100, 10, 1}, {10, 1, 0}));
+  j["results"].push_back(json{{"config", "chain-3"}, {"temperature", 0}, {"category", "c"}, {"speculative", nullptr}});
+  return j.dump();
+}
+std::string heldout(double c0, double c1) {
+  return json{{"split", "eval"}, {"step", 9}, {"loss", 2.0}, {"acc", {c0, c0 * c1}}, {"cond_acc", {c0, c1}},
+              {"sim_accept_len", 1.5}}.dump() + "\n";
+}
+}  // namespace
+
+TEST(train_report, ServedAcceptanceIsPooledPerConfigAndTemperature) {
+  const auto served = parse_served_acceptance(eval_json(), "e.json");
+  ASSERT_EQ(served.size(), 3u);  // chain-3 T=0, tree T=0, chain-3 T=1
+  EXPECT_EQ(served[0].config, "chain-3");
+  EXPECT_EQ(served[0].reached, (std::vector<int64_t>{400, 240, 110}));
+  EXPECT_EQ(served[0].accepted, (std::vector<int64_t>{240, 110, 35}));
+  EXPECT_EQ(served[0].turns, 4);
+  EXPECT_EQ(served[2].temperature, 1.0);
+}
+
+TEST(train_report, TrainedAndServedAcceptanceSideBySide) {
+  const auto served = parse_served_acceptance(eval_json(), "e.json");
+  // Served depth 0: 240/400 = 0.6 over 400 drafts. Held-back 0.62 agrees; 0.9 does not.
+  std::string text = train_line(0, 2.0) + heldout(0.62, 0.5);
+  auto rs = parse_metrics(text, "m.jsonl");
+  AcceptanceComparison c = compare_acceptance(rs, served);
+  ASSERT_EQ(c.served.size(), 1u);  // only the greedy chain
+  EXPECT_EQ(c.trained_step, 9);
+  EXPECT_NE(c.verdict.find("agrees"), std::string::npos) << c.verdict;
+  const std::string html = render_report_html(rs, "r", &served, "e.json");
+  EXPECT_NE(html.find("<tr><td>0</td><td>0.620</td><td>0.600</td><td>400</td></tr>"), std::string::npos);
+  EXPECT_NE(html.find("<tr><td>1</td><td>0.500</td><td>0.458</td><td>240</td></tr>"), std::string::npos);
+  EXPECT_NE(html.find("<tr><td>2</td><td></td><td>0.318</td><td>110</td></tr>"), std::string::npos);
+  EXPECT_EQ(points_of(html, "acceptance_per_depth", "trained (held-back)"), 2);
+  EXPECT_EQ(points_of(html, "acceptance_per_depth", "served chain-3"), 3);
+  EXPECT_EQ(html.find("served tree"), std::string::npos);
+
+  rs = parse_metrics(train_line(0, 2.0) + heldout(0.9, 0.5), "m.jsonl");
+  c = compare_acceptance(rs, served);
+  EXPECT_NE(c.verdict.find("0.300 below"), std::string::npos) << c.verdict;
+  rs = parse_metrics(train_line(0, 2.0) + heldout(0.3, 0.5), "m.jsonl");
+  EXPECT_NE(compare_acceptance(rs, served).verdict.find("above"), std::string::npos);
+  // Without held-back records or greedy chains the section says what to run.
+  rs = parse_metrics(train_line(0, 2.0), "m.jsonl");
+  EXPECT_NE(compare_acceptance(rs, served).verdict.find("--eval-fraction"), std::string::npos);
+  std::vector<ServedAcceptance> trees(served.begin() + 1, served.begin() + 2);
+  rs = parse_metrics(train_line(0, 2.0) + heldout(0.6, 0.5), "m.jsonl");
+  EXPECT_NE(compare_acceptance(rs, trees).verdict.find("--chain"), std::string::npos);
+}
+
+TEST(train_report, BadEvalJsonNamesTheField) {
+  EXPECT_NE(error_of([] { parse_served_acceptance("[1]", "e.json"); }).find("e.json: not a `talon eval`"),
+            std::string::npos);
+  json j = json::parse(eval_json());
+  j["results"][1]["speculative"]["accepted_per_depth"] = {400, 1, 1};
+  EXPECT_NE(error_of([&] { parse_served_acceptance(j.dump(), "e.json"); }).find("e.json: results[1].speculative: depth 0 accepts 400 of 300"),
+            std::string::npos);
+  j = json::parse(eval_json());
+  j["results"][0]["speculative"]["reached_per_depth"] = {1, -2, 3};
+  EXPECT_NE(error_of([&] { parse_served_acceptance(j.dump(), "e.json"); }).find("'reached_per_depth' must hold non-negative"),
+            std::string::npos);
+  j = json::parse(eval_json());
+  j["results"][2].erase("config");
+  EXPECT_NE(error_of([&] { parse_served_acceptance(j.dump(), "e.json"); }).find("results[2]: field 'config'"),
             std::string::npos);
 }

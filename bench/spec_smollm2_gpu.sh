@@ -44,6 +44,6 @@ fi
 if want eval; then
   rm -rf "$work/eval"
   timed eval $T eval --model "$gguf" --draft "$work/export" --data "$dev/mt_bench.jsonl" "$dev/alpaca.jsonl" \
-    "$dev/humaneval.jsonl" "$dev/gsm8k_heldout.jsonl" --limit "${EVAL_LIMIT:-10}" --max-new-tokens 128 \
+    "$dev/humaneval.jsonl" "$dev/gsm8k_heldout.jsonl" --limit-per-file "${EVAL_LIMIT:-10}" --max-new-tokens 128 \
     --chain 3,5,7 --tree "6,8,32;8,10,64" --temperatures 0,1 --device cuda:0 --out "$work/eval" 2>&1 | tail -40
 fi

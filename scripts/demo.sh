@@ -32,9 +32,10 @@ build/talon train --model "$model" --data "$out/features" --out "$out/train" "${
 rm -rf "$out/export-vllm" "$out/export-sglang"
 build/talon export --checkpoint "$out/train" --model "$model" --format speculators --out "$out/export-vllm"
 build/talon export --checkpoint "$out/train" --model "$model" --format sglang --out "$out/export-sglang"
-build/talon report --run "$out/train" --out "$out/train/report.html"
 build/talon eval --model "$model" --draft "$out/export-vllm" --data examples/demo_questions.jsonl --out "$out/eval" \
   --max-new-tokens 32 --chain 3 --tree 4,4,12 --device "$gdev"
+# The training charts, with the acceptance measured above next to the trainer's simulation.
+build/talon report --run "$out/train" --eval "$out/eval" --out "$out/train/report.html"
 echo "demo: answers in $out/generated, tokens in $out/tokens, features in $out/features, draft in $out/train," \
   "exports in $out/export-vllm and $out/export-sglang, report $out/train/report.html, eval $out/eval/eval.html"
 cat <<'TXT'

@@ -1,12 +1,24 @@
 #!/usr/bin/env bash
-# Installs what Talon needs to build and test on Debian/Ubuntu (run as root or with sudo),
-# and fetches the embedded default model. Idempotent.
+# Installs what Talon needs on Debian/Ubuntu (run as root or with sudo) and fetches the
+# embedded default model. Idempotent.
+#   scripts/setup.sh           what building and running talon needs (the demo's setup)
+#   scripts/setup.sh --tests   also what the test suite needs: clang for the fuzzers, Open MPI
+#                              for multi-process training, the Python oracles (tokenizers,
+#                              transformers, PyTorch CPU). scripts/test.sh runs this.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+tests=0
+for a in "$@"; do
+  case "$a" in
+    --tests) tests=1 ;;
+    *) echo "setup: unknown argument '$a' (expected --tests)" >&2; exit 2 ;;
+  esac
+done
 
+# libgtest-dev: the default configure also builds the test binary (TALON_TESTS).
 pkgs=(cmake g++ make pkg-config nlohmann-json3-dev libcli11-dev libspdlog-dev libfmt-dev libgtest-dev
-      libssl-dev libpcre2-dev libutf8proc-dev clang libclang-rt-dev libomp-dev python3 python3-pip unzip
-      openmpi-bin)
+      libssl-dev libpcre2-dev libutf8proc-dev python3 python3-pip unzip)
+[ "$tests" = 1 ] && pkgs+=(clang libclang-rt-dev libomp-dev openmpi-bin)
 missing=()
 for p in "${pkgs[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
 if [ ${#missing[@]} -gt 0 ]; then
@@ -14,6 +26,10 @@ if [ ${#missing[@]} -gt 0 ]; then
   echo "setup: installing ${missing[*]}"
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
+fi
+if [ "$tests" = 0 ]; then
+  scripts/fetch_model.sh
+  exit 0
 fi
 # Test oracles (reference tokenizers) from PyPI.
 if ! python3 -c "import tokenizers, sentencepiece, google.protobuf, gguf, transformers" 2>/dev/null; then

@@ -17,7 +17,7 @@ for a in "$@"; do
     *) echo "scripts/test.sh: unknown argument '$a' (expected --full)" >&2; exit 2 ;;
   esac
 done
-scripts/setup.sh > /dev/null
+scripts/setup.sh --tests > /dev/null
 # The full tier's Release suite runs the long variants too (tokenizer parity on the whole corpus).
 [ "$full" = 1 ] && export TALON_TEST_FULL=1
 export TALON_REQUIRE_MODEL=1

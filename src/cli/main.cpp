@@ -2,7 +2,11 @@
 #include <CLI/CLI.hpp>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdlib>
+#include <map>
+#include <vector>
 #include <iostream>
 
 #include "cli/commands/inspect.h"
@@ -33,6 +37,51 @@ int resume_hint(int argc, char** argv) {
   std::cerr << "resume with: " << cmd << "\n";
   return 128 + (stop_signal() ? stop_signal() : 15);
 }
+
+// Edit distance (insertions, deletions, substitutions, adjacent swaps) for "did you mean".
+size_t edit_distance(const std::string& a, const std::string& b) {
+  std::vector<std::vector<size_t>> d(a.size() + 1, std::vector<size_t>(b.size() + 1));
+  for (size_t i = 0; i <= a.size(); ++i) d[i][0] = i;
+  for (size_t j = 0; j <= b.size(); ++j) d[0][j] = j;
+  for (size_t i = 1; i <= a.size(); ++i)
+    for (size_t j = 1; j <= b.size(); ++j) {
+      d[i][j] = std::min({d[i - 1][j] + 1, d[i][j - 1] + 1, d[i - 1][j - 1] + (a[i - 1] != b[j - 1])});
+      if (i > 1 && j > 1 && a[i - 1] == b[j - 2] && a[i - 2] == b[j - 1]) d[i][j] = std::min(d[i][j], d[i - 2][j - 2] + 1);
+    }
+  return d[a.size()][b.size()];
+}
+
+// The closest of `names` to `bad`: a known synonym from other tools first, else the nearest
+// by edit distance when it is close enough to be a typo. Empty when nothing is close.
+std::string closest(const std::string& bad, const std::vector<std::string>& names) {
+  static const std::map<std::string, std::vector<std::string>> synonyms = {
+      {"--learning-rate", {"--lr"}}, {"--lr-schedule", {"--schedule"}}, {"--num-epochs", {"--epochs"}},
+      {"--output", {"--out"}}, {"--output-dir", {"--out"}}, {"--out-dir", {"--out"}}, {"--input", {"--data"}},
+      {"--dataset", {"--data"}}, {"--model-path", {"--model"}}, {"--target", {"--model"}},
+      {"--max-seq-len", {"--max-length"}}, {"--max-seq-length", {"--max-length"}}, {"--batch-size", {"--batch-samples", "--batch"}},
+      {"--num-speculative-tokens", {"--speculative-tokens"}}, {"--draft-vocab-size", {"--draft-vocab"}},
+      {"--ttt-length", {"--ttt-steps"}}, {"--aux-layers", {"--layers"}}, {"--num-threads", {"--threads"}},
+      {"--run", {"--checkpoint"}}, {"--checkpoint", {"--run", "--draft"}}, {"--draft-model", {"--draft"}}};
+  const std::string key = bad.substr(0, bad.find('='));
+  if (auto it = synonyms.find(key); it != synonyms.end())
+    for (const auto& s : it->second)
+      if (std::find(names.begin(), names.end(), s) != names.end()) return s;
+  std::string best;
+  size_t best_d = std::max<size_t>(2, key.size() / 3) + 1;
+  for (const auto& n : names) {
+    const size_t d = edit_distance(key, n);
+    if (d < best_d) best_d = d, best = n;
+  }
+  return best;
+}
+
+// Every long option name of a subcommand (with its aliases), for suggestions.
+std::vector<std::string> option_names(const CLI::App* c) {
+  std::vector<std::string> names;
+  for (const CLI::Option* o : c->get_options())
+    for (const auto& n : o->get_lnames()) names.push_back("--" + n);
+  return names;
+}
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -50,6 +99,10 @@ int main(int argc, char** argv) {
   app.add_option("--log-level", log_level, "trace|debug|info|warn|error|off")->capture_default_str();
   app.set_version_flag("--version", std::string("talon ") + TALON_VERSION);
 
+  PrepareOptions prep;
+  auto* cmd_pr = add_prepare_subcommand(app, prep);
+  spec::GenerateOptions gen;
+  auto* cmd_gen = add_generate_subcommand(app, gen);
   ExtractOptions ex;
   auto* cmd_ex = app.add_subcommand("extract", "Run the target model over tokenized samples and write EAGLE-3 features");
   cmd_ex->add_option("--model", ex.model, "HF model directory or .gguf file")->required();
@@ -74,36 +127,6 @@ int main(int argc, char** argv) {
   cmd_ex->add_option("--stop-after-shards", ex.stop_after_shards, "Testing: stop as if interrupted after N shards")
       ->group("");
 
-  fs::path inspect_target;
-  bool quick = false;
-  int show_sample = -1;
-  auto* cmd_in = app.add_subcommand("inspect", "Summarise and verify a feature dataset, model or safetensors file");
-  cmd_in->add_option("path", inspect_target, "Dataset directory, model directory, .gguf or .safetensors")->required();
-  cmd_in->add_flag("--quick", quick, "Check sizes only, skip checksums");
-  cmd_in->add_option("--sample", show_sample, "Print sample N's tokens with its loss mask");
-
-  fs::path tpl_path, tpl_in, tpl_out;
-  auto* cmd_tp = app.add_subcommand("template", "Render chat templates like transformers' apply_chat_template");
-  cmd_tp->add_option("--template", tpl_path, ".jinja, tokenizer_config.json, model directory or .gguf")->required();
-  cmd_tp->add_option("--input", tpl_in, "JSONL: {messages, add_generation_prompt, bos_token, eos_token, kwargs}")
-      ->required();
-  cmd_tp->add_option("--output", tpl_out, "Output JSONL (default: stdout)");
-
-  fs::path tk_tok, tk_in, tk_out;
-  int tk_threads = 0;
-  auto* cmd_tk = app.add_subcommand("tokenize", "Tokenize JSONL {\"text\"} lines exactly as HF tokenizers (adds \"ids\")");
-  cmd_tk->add_option("--tokenizer", tk_tok, "tokenizer.json, model directory, .gguf or SentencePiece .model")->required();
-  cmd_tk->add_option("--input", tk_in, "JSONL input")->required();
-  cmd_tk->add_option("--output", tk_out, "JSONL output (default: stdout)");
-  cmd_tk->add_option("--threads", tk_threads, "Threads (default: all cores)");
-
-  auto* cmd_gpus = app.add_subcommand("gpus", "Show each GPU's memory and the talon runs holding it");
-  fs::path stop_dir;
-  double stop_wait = 30;
-  auto* cmd_stop = app.add_subcommand("stop", "Stop the talon run writing a directory (SIGTERM to the PID it recorded)");
-  cmd_stop->add_option("run", stop_dir, "The run's output directory")->required();
-  cmd_stop->add_option("--wait", stop_wait, "Seconds to wait for it to finish draining")->capture_default_str();
-
   train::TrainOptions tr;
   auto* cmd_tr = app.add_subcommand("train", "Train an EAGLE-3 draft model from an extract dataset (CPU or one GPU)");
   cmd_tr->add_option("--data", tr.data, "Feature dataset written by `talon extract` (with --online: `talon prepare` output)")
@@ -123,9 +146,17 @@ int main(int argc, char** argv) {
   cmd_tr->add_option("--ttt-steps", tr.ttt_steps, "Training-time-test steps K")->capture_default_str();
   cmd_tr->add_option("--step-decay", tr.step_decay, "Loss weight decay per TTT step")->capture_default_str();
   cmd_tr->add_flag("--norm-before-residual", tr.norm_before_residual, "Residual from hidden_norm(g) instead of g");
-  cmd_tr->add_option("--lr", tr.optim.lr, "Peak learning rate")->capture_default_str();
+  cmd_tr->add_option("--lr", tr.optim.lr, "Peak learning rate")->capture_default_str()->check(CLI::Validator(
+      [](std::string& v) {
+        char* end = nullptr;
+        const double x = std::strtod(v.c_str(), &end);
+        return end && *end == 0 && x > 0 && std::isfinite(x) ? std::string() : "expected a positive number, got " + v;
+      },
+      "POSITIVE"));
   cmd_tr->add_option("--warmup-steps", tr.optim.warmup_steps, "Linear warm-up steps")->capture_default_str();
-  cmd_tr->add_option("--schedule", tr.optim.schedule, "cosine | linear | constant")->capture_default_str();
+  cmd_tr->add_option("--schedule", tr.optim.schedule, "cosine | linear | constant")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"cosine", "linear", "constant"}));
   cmd_tr->add_option("--min-lr-ratio", tr.optim.min_lr_ratio, "Final lr as a fraction of the peak")->capture_default_str();
   cmd_tr->add_option("--weight-decay", tr.optim.weight_decay, "AdamW weight decay (matrices only)")->capture_default_str();
   cmd_tr->add_option("--clip", tr.optim.clip_norm, "Global gradient-norm clip (0: off)")->capture_default_str();
@@ -167,7 +198,7 @@ int main(int argc, char** argv) {
   train::ExportOptions exo;
   std::string ex_format, ex_dtype = "bf16";
   auto* cmd_exp = app.add_subcommand("export", "Write a trained draft as a vLLM (speculators) or SGLang model directory");
-  cmd_exp->add_option("--checkpoint", exo.checkpoint, "`talon train` run directory or its checkpoint.safetensors")->required();
+  cmd_exp->add_option("--run,--checkpoint", exo.checkpoint, "`talon train` run directory or its checkpoint.safetensors")->required();
   cmd_exp->add_option("--model", exo.model, "The target model the draft was trained for")->required();
   cmd_exp->add_option("--format", ex_format, "speculators (vLLM) | sglang (SpecForge layout)")->required();
   cmd_exp->add_option("--out", exo.out, "Output directory (must not exist, or be empty)")->required();
@@ -176,19 +207,80 @@ int main(int argc, char** argv) {
   cmd_exp->add_option("--dtype", ex_dtype, "bf16 | fp32 for the weights")->capture_default_str();
   cmd_exp->add_option("--verifier", exo.verifier, "Verifier name_or_path written in the config (default: --model)");
 
+  EvalCli evo;
+  auto* cmd_ev = add_eval_subcommand(app, evo);
+
   train::ReportOptions rpo;
   auto* cmd_rep = app.add_subcommand("report", "Render a training run's metrics.jsonl as one HTML page of charts");
   cmd_rep->add_option("--run", rpo.run, "`talon train` output directory (or its metrics.jsonl)")->required();
   cmd_rep->add_option("--out", rpo.out, "HTML file to write")->required();
+  cmd_rep->add_option("--eval", rpo.eval,
+                      "`talon eval` output directory (or its eval.json) of this run's drafter: puts the acceptance "
+                      "measured when serving next to the trainer's held-back simulation, per depth");
 
-  PrepareOptions prep;
-  auto* cmd_pr = add_prepare_subcommand(app, prep);
-  spec::GenerateOptions gen;
-  auto* cmd_gen = add_generate_subcommand(app, gen);
-  EvalCli evo;
-  auto* cmd_ev = add_eval_subcommand(app, evo);
+  fs::path inspect_target;
+  bool quick = false;
+  int show_sample = -1;
+  auto* cmd_in = app.add_subcommand("inspect", "Summarise and verify what talon writes (tokens, answers, features, runs, "
+                                                "exports, eval results), models and safetensors files");
+  cmd_in->add_option("path", inspect_target, "Any talon output directory, a model directory, .gguf or .safetensors")->required();
+  cmd_in->add_flag("--quick", quick, "Check sizes only, skip checksums");
+  cmd_in->add_option("--sample", show_sample, "Print sample N's tokens with its loss mask");
 
-  CLI11_PARSE(app, argc, argv);
+  fs::path tpl_path, tpl_in, tpl_out;
+  auto* cmd_tp = app.add_subcommand("template", "Render chat templates like transformers' apply_chat_template");
+  cmd_tp->add_option("--template", tpl_path, ".jinja, tokenizer_config.json, model directory or .gguf")->required();
+  cmd_tp->add_option("--input", tpl_in, "JSONL: {messages, add_generation_prompt, bos_token, eos_token, kwargs}")
+      ->required();
+  cmd_tp->add_option("--out,--output", tpl_out, "Output JSONL (default: stdout)");
+
+  fs::path tk_tok, tk_in, tk_out;
+  int tk_threads = 0;
+  auto* cmd_tk = app.add_subcommand("tokenize", "Tokenize JSONL {\"text\"} lines exactly as HF tokenizers (adds \"ids\")");
+  cmd_tk->add_option("--tokenizer", tk_tok, "tokenizer.json, model directory, .gguf or SentencePiece .model")->required();
+  cmd_tk->add_option("--input", tk_in, "JSONL input")->required();
+  cmd_tk->add_option("--out,--output", tk_out, "JSONL output (default: stdout)");
+  cmd_tk->add_option("--threads", tk_threads, "Threads (default: all cores)");
+
+  auto* cmd_gpus = app.add_subcommand("gpus", "Show each GPU's memory and the talon runs holding it");
+  fs::path stop_dir;
+  double stop_wait = 30;
+  auto* cmd_stop = app.add_subcommand("stop", "Stop the talon run writing a directory (SIGTERM to the PID it recorded)");
+  cmd_stop->add_option("run", stop_dir, "The run's output directory")->required();
+  cmd_stop->add_option("--wait", stop_wait, "Seconds to wait for it to finish draining")->capture_default_str();
+
+  // Unknown options are collected instead of failing inside the parser, so the error can
+  // name the closest known option ("--learning-rate": did you mean --lr?).
+  // --log-level may also follow the command (fallthrough to the top level).
+  app.allow_extras();
+  for (CLI::App* c : app.get_subcommands({})) c->fallthrough();
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    std::vector<std::string> subs;
+    for (const CLI::App* c : app.get_subcommands({})) subs.push_back(c->get_name());
+    if (argc > 1 && argv[1][0] != '-' && std::find(subs.begin(), subs.end(), argv[1]) == subs.end()) {
+      const std::string near = closest(argv[1], subs);
+      std::cerr << fmt::format("error: unknown command '{}'{}; commands: {}\n", argv[1],
+                               near.empty() ? "" : fmt::format(" (did you mean '{}'?)", near), fmt::join(subs, ", "));
+      return 2;
+    }
+    if (e.get_exit_code() == static_cast<int>(CLI::ExitCodes::Success)) return app.exit(e);  // --help, --version
+    std::cerr << fmt::format("error: {}; see talon{} --help\n", e.what(),
+                             argc > 1 && std::find(subs.begin(), subs.end(), argv[1]) != subs.end()
+                                 ? std::string(" ") + argv[1]
+                                 : std::string());
+    return e.get_exit_code();
+  }
+  for (const CLI::App* c : app.get_subcommands()) {
+    const std::vector<std::string> extra = app.remaining(true);
+    if (extra.empty()) continue;
+    const std::string near = closest(extra.front(), option_names(c));
+    std::cerr << fmt::format("error: talon {}: unexpected argument '{}'{}; see talon {} --help\n", c->get_name(),
+                             extra.front(), near.empty() ? "" : fmt::format(" (did you mean {}?)", near),
+                             c->get_name());
+    return 2;
+  }
   try {
     init_logging(log_level);
   } catch (const Error& e) {
@@ -248,6 +340,13 @@ int main(int argc, char** argv) {
       exo.dtype = ex_dtype == "bf16" ? DType::BF16 : DType::F32;
       auto r = train::run_export(exo);
       std::cout << fmt::format("export complete: {} tensors, {} bytes\n  output: {}\n", r.tensors, r.bytes, r.out.string());
+      const bool local = fs::exists(r.verifier);
+      std::cout << fmt::format("serve it with the target{}:\n  {}\n",
+                               local ? " (a local path: pass --verifier HF_ID to name the model the engine serves)" : "",
+                               train::serve_command(exo.format, r.out, r.verifier, exo.speculative_tokens));
+      if (fs::path(r.verifier).extension() == ".gguf")
+        tlog::warn("export: the verifier is a GGUF file, which vLLM and SGLang do not serve as the target; pass "
+                   "--verifier with the target's Hugging Face id or HF directory");
       return 0;
     }
     if (*cmd_rep) {

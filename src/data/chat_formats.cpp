@@ -89,6 +89,13 @@ std::vector<Conversation> record_to_conversations(const ojson& r, ChatFormat for
   switch (format) {
     case ChatFormat::ShareGPT: {
       const ojson& conv = array_field(r, "conversations", "");
+      // SpecForge's layout: "conversations" holding OpenAI-style {role, content} turns.
+      if (!conv.empty() && conv[0].is_object() && conv[0].contains("role") && !conv[0].contains("from")) {
+        ojson as_messages = r;
+        as_messages["messages"] = conv;
+        as_messages.erase("conversations");
+        return record_to_conversations(as_messages, ChatFormat::OpenAI);  // errors name messages[i]
+      }
       for (size_t i = 0; i < conv.size(); ++i) {
         const std::string where = fmt::format("conversations[{}]: ", i);
         if (!conv[i].is_object()) bad(where + "expected an object {from, value}");

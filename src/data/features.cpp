@@ -17,8 +17,17 @@ json read_manifest(const fs::path& dir) {
   json j = json::parse(read_text_file(p), nullptr, false);
   if (j.is_discarded() || !j.is_object()) fail("{}: not a valid JSON object", p.string());
   auto fmt_it = j.find("format");
-  if (fmt_it == j.end() || *fmt_it != kFeaturesFormat)
-    fail("{}: field 'format' must be \"{}\"", p.string(), kFeaturesFormat);
+  if (fmt_it == j.end() || *fmt_it != kFeaturesFormat) {
+    const std::string have = fmt_it != j.end() && fmt_it->is_string() ? fmt_it->get<std::string>() : std::string();
+    const std::string next =
+        have == "talon.tokens"     ? " (this is `talon prepare` output: run `talon extract --data` on it to make "
+                                     "features, or train with --online to make them in process)"
+        : have == "talon.generate" ? " (this is `talon generate` output: run `talon prepare` on its generated.jsonl, "
+                                     "then `talon extract`)"
+                                   : "";
+    fail("{}: field 'format' is {}, expected \"{}\"{}", p.string(), fmt_it == j.end() ? "missing" : fmt_it->dump(),
+         kFeaturesFormat, next);
+  }
   auto ver = j.find("format_version");
   if (ver == j.end() || !ver->is_number_integer() || ver->get<int>() != kFeaturesVersion)
     fail("{}: format_version {} not supported (this build reads version {})", p.string(),

@@ -51,7 +51,14 @@ class TokenJsonl final : public SampleSource {
     else
       smp.id = "line:" + std::to_string(line);
     auto ids = j.find("input_ids");
-    if (ids == j.end()) fail("{}: missing field 'input_ids'", where);
+    if (ids == j.end()) {
+      const bool chat = j.contains("messages") || j.contains("conversations") || j.contains("turns") ||
+                        j.contains("question") || j.contains("text") || j.contains("prompt");
+      fail("{}: missing field 'input_ids'{}", where,
+           chat ? " (this looks like chat data: tokenize it first with `talon prepare --model MODEL --data FILE "
+                  "--out DIR`, then pass DIR)"
+                : "");
+    }
     if (!ids->is_array()) fail("{}: 'input_ids' must be an array of token ids, got {}", where, ids->type_name());
     if (ids->empty()) fail("{}: 'input_ids' is empty", where);
     smp.input_ids.reserve(ids->size());

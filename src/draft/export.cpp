@@ -324,6 +324,18 @@ TrainedDraft load_trained_draft(const fs::path& path, const ModelConfig& tc, con
   return d;
 }
 
+std::string serve_command(ExportFormat f, const fs::path& dir, const std::string& target, int64_t speculative_tokens) {
+  const std::string d = fs::absolute(dir).lexically_normal().string();
+  if (f == ExportFormat::Speculators)
+    return fmt::format("vllm serve {} --speculative-config '{{\"model\": \"{}\", \"method\": \"eagle3\", "
+                       "\"num_speculative_tokens\": {}}}'",
+                       target, d, speculative_tokens);
+  return fmt::format("python -m sglang.launch_server --model-path {} --speculative-algorithm EAGLE3 "
+                     "--speculative-draft-model-path {} --speculative-num-steps {} --speculative-eagle-topk 1 "
+                     "--speculative-num-draft-tokens {}",
+                     target, d, speculative_tokens, speculative_tokens + 1);
+}
+
 ExportReport run_export(const ExportOptions& opt) {
   TALON_CHECK(opt.dtype == DType::BF16 || opt.dtype == DType::F32, "export: --dtype must be bf16 or fp32, got {}",
               dtype_name(opt.dtype));
@@ -441,6 +453,7 @@ ExportReport run_export(const ExportOptions& opt) {
   tmp.keep = true;
   fsync_dir(out.parent_path());
   rep.out = out;
+  rep.verifier = verifier;
   tlog::info("export: {} step {} -> {} ({}, {}, {} tensors)", where, d.step, out.string(),
              export_format_name(opt.format), opt.dtype == DType::BF16 ? "bf16" : "fp32", rep.tensors);
   return rep;

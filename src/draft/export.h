@@ -61,7 +61,12 @@ struct ExportReport {
   fs::path out;
   int64_t tensors = 0;
   size_t bytes = 0;
+  std::string verifier;  // as written in the config
 };
+
+// The command that serves an exported draft `dir` beside `target` (a Hugging Face id or
+// model directory): `vllm serve` for the speculators format, SGLang's launcher for sglang.
+std::string serve_command(ExportFormat f, const fs::path& dir, const std::string& target, int64_t speculative_tokens);
 
 ExportReport run_export(const ExportOptions& opt);
 

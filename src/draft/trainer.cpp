@@ -256,6 +256,19 @@ class Trainer {
     TALON_CHECK(opt_.eval_fraction >= 0 && opt_.eval_fraction < 1, "--eval-fraction {}: expected a value in [0, 1)",
                 opt_.eval_fraction);
     TALON_CHECK(opt_.noise >= 0, "--noise {}: expected >= 0", opt_.noise);
+    TALON_CHECK(opt_.optim.lr > 0 && std::isfinite(opt_.optim.lr), "--lr {}: expected a positive learning rate",
+                opt_.optim.lr);
+    TALON_CHECK(opt_.optim.schedule == "cosine" || opt_.optim.schedule == "linear" || opt_.optim.schedule == "constant",
+                "--schedule '{}': expected cosine, linear or constant", opt_.optim.schedule);
+    TALON_CHECK(opt_.optim.warmup_steps >= 0, "--warmup-steps {}: expected >= 0", opt_.optim.warmup_steps);
+    {
+      // The run directory must not sit inside the data it reads (a dataset's directory is
+      // its own: extract's resume and inspect's checks would meet foreign files).
+      const fs::path out = fs::weakly_canonical(opt_.out), data = fs::weakly_canonical(opt_.data);
+      const auto [d, o] = std::mismatch(data.begin(), data.end(), out.begin(), out.end());
+      TALON_CHECK(d != data.end(), "train: --out {} is inside --data {}; put the run directory elsewhere",
+                  opt_.out.string(), opt_.data.string());
+    }
     (void)parse_gpu_math(opt_.gpu_math);
     const auto& g = opt_.gpu_engine;
     TALON_CHECK(g.attention == "auto" || g.attention == "flash" || g.attention == "blocks" || g.attention == "loop",

@@ -1,5 +1,6 @@
 #include "spec/eval.h"
 
+#include <omp.h>
 #include <cmath>
 #include <map>
 #include <nlohmann/json.hpp>
@@ -158,6 +159,7 @@ std::string render_eval_html(const json& doc, const std::vector<EvalRow>& rows) 
 }  // namespace
 
 EvalReport run_eval(const EvalOptions& opt) {
+  if (opt.threads > 0) omp_set_num_threads(opt.threads);
   TALON_CHECK(!opt.configs.empty(), "eval: no drafting configuration (give --chain and/or --tree)");
   for (const auto& c : opt.configs) c.validate();
   TALON_CHECK(!opt.temperatures.empty(), "eval: no temperature");
@@ -168,15 +170,16 @@ EvalReport run_eval(const EvalOptions& opt) {
   const auto files = expand_inputs(opt.inputs);
   ChatTokenizer ct = load_chat_tokenizer(opt.model, opt.tokenizer, opt.chat_template, opt.fallback_template, "eval");
   auto ckpt = open_checkpoint(opt.model);
-  const DraftModel dm = load_draft(opt.draft, *ckpt);
-  tlog::info("eval: draft {} (aux layers {}, draft vocabulary {})", dm.origin, fmt::join(dm.aux_layer_ids, ","),
-             dm.config.Vd);
   const DeviceSpec dev = parse_device(opt.device);
   int max_draft = 0;
   for (const auto& c : opt.configs) max_draft = std::max(max_draft, c.max_draft_tokens());
   const int64_t cache = opt.max_len + max_draft + 2;
   std::unique_ptr<Decoder> dec = dev.cuda ? make_cuda_decoder(*ckpt, dev.devices.empty() ? 0 : dev.devices[0], 1, cache)
                                           : make_cpu_decoder(*ckpt, 1, cache);
+  // After the decoder: a device that is not there is reported before the draft is read.
+  const DraftModel dm = load_draft(opt.draft, *ckpt);
+  tlog::info("eval: draft {} (aux layers {}, draft vocabulary {})", dm.origin, fmt::join(dm.aux_layer_ids, ","),
+             dm.config.Vd);
   int max_tree_rows = 0;  // draft rows one round adds above the step-0 rows
   for (const auto& c : opt.configs)
     max_tree_rows = std::max(max_tree_rows, c.mode == SpecConfig::Mode::Chain ? c.k : c.topk * c.depth);
@@ -232,7 +235,8 @@ EvalReport run_eval(const EvalOptions& opt) {
     RecordReader rr(f);
     RecordReader::Item it;
     int64_t taken = 0;
-    while (rr.next(it) && (opt.limit <= 0 || taken < opt.limit)) {
+    while ((opt.limit_per_file <= 0 || taken < opt.limit_per_file) &&
+           (opt.limit <= 0 || int64_t(qs.size()) < opt.limit) && rr.next(it)) {
       const std::string where = fmt::format("{}:{}", f.string(), it.line);
       try {
         const ojson rec = parse_record(it.text);
@@ -251,6 +255,7 @@ EvalReport run_eval(const EvalOptions& opt) {
       ++taken;
     }
   }
+  if (opt.limit > 0 && int64_t(qs.size()) > opt.limit) qs.resize(size_t(opt.limit));
   TALON_CHECK(!qs.empty(), "eval: the inputs hold no questions");
   int64_t total_turns = 0;
   for (const auto& q : qs) total_turns += int64_t(q.turns.size());

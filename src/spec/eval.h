@@ -20,6 +20,7 @@
 namespace talon::spec {
 
 struct EvalOptions {
+  int threads = 0;  // CPU threads (0: all cores)
   fs::path model, draft;
   std::vector<fs::path> inputs;
   fs::path out;  // eval.json + eval.html
@@ -32,7 +33,8 @@ struct EvalOptions {
   uint64_t seed = 0;
   int64_t max_new_tokens = 256;
   int64_t max_len = 4096;
-  int64_t limit = 0;      // conversations per input file (0: all)
+  int64_t limit = 0;           // conversations over all inputs (0: all), as generate counts them
+  int64_t limit_per_file = 0;  // conversations of each input file (0: all): a few per category
   int64_t max_turns = 0;  // turns per conversation (0: all)
   std::string device = "cpu";
   std::string draft_device = "same";  // cpu | cuda:N | same (the target's device)

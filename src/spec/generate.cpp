@@ -1,5 +1,6 @@
 #include "spec/generate.h"
 
+#include <omp.h>
 #include <fcntl.h>
 #include <unistd.h>
 
@@ -181,6 +182,7 @@ std::vector<int32_t> eos_ids(const text::Tokenizer& tok, const fs::path& model) 
 }
 
 GenerateReport run_generate(const GenerateOptions& opt) {
+  if (opt.threads > 0) omp_set_num_threads(opt.threads);
   GenerateReport rep;
   rep.out = opt.out;
   const auto t0 = Clock::now();
@@ -268,6 +270,14 @@ GenerateReport run_generate(const GenerateOptions& opt) {
              opt.out.string(), e.path().filename().string());
     }
   }
+  // The decoder comes up before anything is written, so a start that fails (no GPU, out of
+  // memory) leaves no directory or job file behind to trip the next attempt.
+  const std::vector<int32_t> eos = eos_ids(tok, opt.model);
+  TALON_CHECK(!eos.empty(), "generate: the tokenizer names no end-of-sequence token; generation could not stop");
+  const int batch = opt.batch > 0 ? opt.batch : (dev.cuda ? 256 : 8);
+  std::unique_ptr<Decoder> dec = dev.cuda ? make_cuda_decoder(*ckpt, dev.devices.empty() ? 0 : dev.devices[0], batch, opt.max_len)
+                                          : make_cpu_decoder(*ckpt, batch, opt.max_len);
+
   fs::create_directories(opt.out);
   DirLock lock(opt.out, run_record("generate", dev.cuda ? dev.devices : std::vector<int>{}));
   remove_stale_temps(opt.out, {kOutput, kManifest, kJob});
@@ -276,11 +286,6 @@ GenerateReport run_generate(const GenerateOptions& opt) {
   rep.resumed = int64_t(done.size());
   if (rep.resumed) tlog::info("{}: {} of {} conversations already generated; continuing", opt.out.string(), rep.resumed, n_convs);
 
-  const std::vector<int32_t> eos = eos_ids(tok, opt.model);
-  TALON_CHECK(!eos.empty(), "generate: the tokenizer names no end-of-sequence token; generation could not stop");
-  const int batch = opt.batch > 0 ? opt.batch : (dev.cuda ? 256 : 8);
-  std::unique_ptr<Decoder> dec = dev.cuda ? make_cuda_decoder(*ckpt, dev.devices.empty() ? 0 : dev.devices[0], batch, opt.max_len)
-                                          : make_cpu_decoder(*ckpt, batch, opt.max_len);
   tlog::info("generate: {} conversations ({} to do) with {} on {}, {} slots x {} tokens, eos ids [{}], {}", n_convs,
              n_convs - rep.resumed, opt.model.string(), dec->backend(), batch, opt.max_len, fmt::join(eos, ", "),
              opt.sampling.greedy() ? std::string("greedy")

@@ -27,6 +27,7 @@
 namespace talon::spec {
 
 struct GenerateOptions {
+  int threads = 0;  // CPU threads (0: all cores)
   std::vector<fs::path> inputs;
   fs::path out;
   fs::path model;

@@ -2,6 +2,7 @@
 
 #include <unistd.h>
 
+#include <cmath>
 #include <cstdio>
 
 #include "util/log.h"
@@ -19,6 +20,13 @@ std::string format_count(double v) {
   if (v >= 1e6) return fmt::format("{:.2f}M", v / 1e6);
   if (v >= 1e4) return fmt::format("{:.1f}k", v / 1e3);
   return fmt::format("{:.0f}", v);
+}
+
+std::string format_rate(double r, const std::string& unit) {
+  if (!(r > 0) || !std::isfinite(r)) return fmt::format("-- {}/s", unit);
+  if (r < 1) return fmt::format("{:.1f} s/{}", 1 / r, unit);
+  if (r < 100) return fmt::format("{:.1f} {}/s", r, unit);
+  return fmt::format("{} {}/s", format_count(r), unit);
 }
 
 Progress::Progress(std::string label, int64_t total, std::string unit, int64_t already)
@@ -56,9 +64,9 @@ void Progress::draw(bool final) {
   const double rate = el > 0 ? double(done_ - start_done_) / el : 0;
   const double eta = rate > 0 ? double(total_ - done_) / rate : -1;
   const double frac = total_ > 0 ? double(done_) / double(total_) : 1;
-  std::string line = fmt::format("{} {:5.1f}% {}/{} {} | {} {}/s | elapsed {} | ETA {}", label_, 100 * frac,
+  std::string line = fmt::format("{} {:5.1f}% {}/{} {} | {} | elapsed {} | ETA {}", label_, 100 * frac,
                                  format_count(double(done_)), format_count(double(total_)), unit_,
-                                 format_count(rate), unit_, format_duration(el), format_duration(final ? 0 : eta));
+                                 format_rate(rate, unit_), format_duration(el), format_duration(final ? 0 : eta));
   if (!note_.empty()) line += " | " + note_;
   if (tty_) {
     const int width = 24;

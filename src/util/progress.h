@@ -29,5 +29,8 @@ class Progress {
 
 std::string format_duration(double seconds);
 std::string format_count(double v);  // 12.3k, 4.5M
+// A rate of `unit`s per second that stays readable when slow: "12.3k tok/s", "2.5 step/s",
+// "4.0 s/step" below one a second, "-- step/s" before there is any.
+std::string format_rate(double per_second, const std::string& unit);
 
 }  // namespace talon

@@ -25,6 +25,48 @@ for fmt in speculators sglang; do
   done
 done
 
+# The export prints how to serve it; inspect summarises the run, its checkpoint and both exports.
+"$TALON" export --checkpoint "$WORK/run" --model "$GGUF" --format speculators --speculative-tokens 5 \
+  --out "$WORK/export-serve" > "$WORK/e.out" 2>&1
+grep -q "vllm serve .*--speculative-config .*\"num_speculative_tokens\": 5" "$WORK/e.out" \
+  && ok "export prints the vllm serve command" || bad "export output: $(cat "$WORK/e.out")"
+for p in "$WORK/run" "$WORK/run/checkpoint.safetensors"; do
+  "$TALON" inspect "$p" > "$WORK/i.out" 2>&1 || bad "inspect $p: $(tail -3 "$WORK/i.out")"
+  python3 - "$WORK/run/checkpoint.safetensors" "$WORK/i.out" <<'PY' && ok "inspect summarises a checkpoint ($(basename "$p"))" \
+    || bad "inspect $p: $(head -30 "$WORK/i.out")"
+import json, struct, sys
+raw = open(sys.argv[1], "rb").read()
+n = struct.unpack("<Q", raw[:8])[0]
+meta = json.loads(raw[8:8 + n])["__metadata__"]
+st = json.loads(meta["talon.train"])
+out = open(sys.argv[2]).read()
+assert out.startswith("training run "), out[:80]
+assert f"step          {st['step']}" in out, out
+for k, v in st["job"].items():
+    assert any(l.split()[:1] == [k] for l in out.splitlines()), k
+assert "AdamW moments" in out and "m.fc" not in out and "held back" in out, out
+PY
+done
+for fmt in speculators sglang; do
+  "$TALON" inspect "$WORK/export-$fmt-bf16" > "$WORK/i.out" 2>&1 || bad "inspect export $fmt: $(tail -3 "$WORK/i.out")"
+  python3 - "$WORK/export-$fmt-bf16/config.json" "$WORK/i.out" $fmt <<'PY' && ok "inspect reads the $fmt export" \
+    || bad "inspect $fmt: $(cat "$WORK/i.out")"
+import json, sys
+cfg = json.load(open(sys.argv[1]))
+out = open(sys.argv[2]).read()
+fmt = sys.argv[3]
+assert out.startswith("draft export "), out[:80]
+assert f"vocab {cfg['draft_vocab_size']} of" in out and "dtype BF16" in out, out
+if fmt == "sglang":
+    ids = cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    assert "stored as " + ",".join(map(str, ids)) in out and "sglang.launch_server" in out, out
+    assert "(input-of-layer)" in out and ",".join(str(i + 1) for i in ids) + " (input-of-layer)" in out, out
+else:
+    ids = cfg["eagle_aux_hidden_state_layer_ids"]
+    assert ",".join(map(str, ids)) + " (input-of-layer)" in out and "vllm serve" in out, out
+PY
+done
+
 # Refusals.
 "$TALON" export --checkpoint "$WORK/run" --model "$GGUF" --format sglang --out "$WORK/export-sglang-fp32" > /dev/null 2> "$WORK/r1"
 [ $? -ne 0 ] && grep -q "already exists and is not an empty directory" "$WORK/r1" && ok "existing output refused" || bad "$(cat "$WORK/r1")"

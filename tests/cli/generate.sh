@@ -38,6 +38,14 @@ for r in rows:
 m = json.load(open(d + "/manifest.json"))
 assert m["counts"]["written"] == 5 and m["counts"]["leading_assistant_turns_dropped"] == 1, m["counts"]
 PY
+# inspect: the job, the counts and the output's digest; a changed output is caught.
+"$TALON" inspect "$WORK/g_ref" > "$WORK/i.out" 2>&1 && grep -q "^generated answers" "$WORK/i.out" \
+  && grep -q "5 written" "$WORK/i.out" && grep -q "sha256 verified" "$WORK/i.out" && grep -q "^next: talon prepare" "$WORK/i.out" \
+  && ok "inspect summarises a generate directory" || bad "inspect generate: $(head -5 "$WORK/i.out")"
+cp -r "$WORK/g_ref" "$WORK/g_changed" && echo '{}' >> "$WORK/g_changed/generated.jsonl"
+"$TALON" inspect "$WORK/g_changed" > "$WORK/i2.out" 2>&1
+[ $? -ne 0 ] && grep -q "sha256 MISMATCH" "$WORK/i2.out" && ok "inspect: a changed generate output fails" \
+  || bad "inspect changed: $(head -8 "$WORK/i2.out")"
 "$TALON" prepare --model "$GGUF" --data "$WORK/g_ref/generated.jsonl" --out "$WORK/g_tok" > /dev/null 2> "$WORK/p.err" \
   && ok "prepare reads the generated data" || bad "prepare: $(tail -3 "$WORK/p.err")"
 
@@ -113,6 +121,17 @@ for r in rows:
     assert r["speedup"] > 0
 PY
 grep -q "<svg" "$WORK/ev/eval.html" && ok "eval.html has charts" || bad "eval.html"
+"$TALON" inspect "$WORK/ev" > "$WORK/iev.out" 2>&1 || bad "inspect eval: $(tail -3 "$WORK/iev.out")"
+python3 - "$WORK/ev/eval.json" "$WORK/iev.out" <<'PY' && ok "inspect: one table row per eval.json result" || bad "inspect eval: $(head -12 "$WORK/iev.out")"
+import json, sys
+rows = json.load(open(sys.argv[1]))["results"]
+out = open(sys.argv[2]).read().splitlines()
+assert out[0].startswith("evaluation "), out[0]
+table = [l.split() for l in out if l.strip() and l.split()[0].replace(".", "").isdigit()]
+assert len(table) == len(rows), (len(table), len(rows))
+for t, r in zip(table, rows):
+    assert t[1] == r["config"] and t[2] == r["category"] and abs(float(t[4]) - r["tau"]) < 6e-4, (t, r)
+PY
 "$TALON" export --checkpoint "$WORK/run" --model "$GGUF" --format speculators --dtype fp32 --out "$WORK/exp" > /dev/null 2>&1 \
   || bad "export"
 "$TALON" "${ev[@]}" --draft "$WORK/exp" --out "$WORK/ev2" > /dev/null 2> "$WORK/ev2.err" || bad "eval export: $(tail -3 "$WORK/ev2.err")"

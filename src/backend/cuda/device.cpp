@@ -13,7 +13,11 @@ namespace talon::cuda {
 
 Device::Device(int device, const std::string& who, bool copy_stream) : device_(device) {
   int n = 0;
-  CUDA_CHECK(cudaGetDeviceCount(&n));
+  if (const cudaError_t e = cudaGetDeviceCount(&n); e != cudaSuccess || n == 0) {
+    cudaGetLastError();  // clear the sticky "no driver" state
+    fail("{}: cuda:{} was asked for, but no CUDA device is usable on this machine ({}); use --device cpu", who, device,
+         e != cudaSuccess ? cudaGetErrorString(e) : "0 devices visible");
+  }
   TALON_CHECK(device >= 0 && device < n, "{}: cuda:{} does not exist ({} device{} visible)", who, device, n,
               n == 1 ? "" : "s");
   try {

@@ -62,7 +62,7 @@ CLI::App* add_generate_subcommand(CLI::App& app, spec::GenerateOptions& o) {
   add_data_options(c, o.inputs, o.model, o.tokenizer, o.chat_template, o.fallback_template, o.template_kwargs, o.format);
   c->add_option("--out", o.out, "Output directory (generated.jsonl, manifest.json); rerun to resume")->required();
   c->add_option("--max-new-tokens", o.max_new_tokens, "Tokens per assistant turn at most")->capture_default_str();
-  c->add_option("--max-len", o.max_len, "Prompt + answer tokens per turn at most (KV cache per sequence)")
+  c->add_option("--max-length,--max-len", o.max_len, "Prompt + answer tokens per turn at most (KV cache per sequence)")
       ->capture_default_str();
   c->add_option("--temperature", o.sampling.temperature, "0: greedy")->capture_default_str();
   c->add_option("--top-p", o.sampling.top_p, "Nucleus sampling mass")->capture_default_str();
@@ -75,6 +75,7 @@ CLI::App* add_generate_subcommand(CLI::App& app, spec::GenerateOptions& o) {
   c->add_option("--stop", o.stop, "Stop string (repeatable); the answer is cut before it");
   c->add_option("--limit", o.limit, "Only the first N conversations (0: all)")->capture_default_str();
   c->add_option("--device", o.device, "cpu | cuda | cuda:N")->capture_default_str();
+  c->add_option("--threads", o.threads, "CPU threads (default: all cores)");
   return c;
 }
 
@@ -109,12 +110,15 @@ CLI::App* add_eval_subcommand(CLI::App& app, EvalCli& o) {
   c->add_option("--top-k", e.top_k, "Top-k sampling (T > 0; 0: off)")->capture_default_str();
   c->add_option("--seed", e.seed, "Sampling seed")->capture_default_str();
   c->add_option("--max-new-tokens", e.max_new_tokens, "Tokens per turn at most")->capture_default_str();
-  c->add_option("--max-len", e.max_len, "Prompt + answer tokens per turn at most")->capture_default_str();
-  c->add_option("--limit", e.limit, "Conversations per input file (0: all)")->capture_default_str();
+  c->add_option("--max-length,--max-len", e.max_len, "Prompt + answer tokens per turn at most")->capture_default_str();
+  c->add_option("--limit", e.limit, "Only the first N conversations over all inputs (0: all)")->capture_default_str();
+  c->add_option("--limit-per-file", e.limit_per_file, "Only the first N conversations of each input file (0: all)")
+      ->capture_default_str();
   c->add_option("--max-turns", e.max_turns, "Turns per conversation (0: all)")->capture_default_str();
   c->add_option("--device", e.device, "cpu | cuda:N")->capture_default_str();
   c->add_option("--draft-device", e.draft_device, "Where the draft runs: cpu | cuda:N | same (the target's device)")
       ->capture_default_str();
+  c->add_option("--threads", e.threads, "CPU threads (default: all cores)");
   return c;
 }
 

@@ -10,8 +10,10 @@ DATA="$SRC/../shared/data"
 TOK="$DATA/tokenizers"
 REF="$SRC/tools/tokenizer_reference.py"
 if [ ! -d "$DATA/train" ] || [ ! -d "$TOK" ]; then
+  # The test command (TALON_REQUIRE_MODEL=1) must not pass without its corpus.
+  [ "${TALON_REQUIRE_MODEL:-0}" = 1 ] && { bad "$DATA/train or $TOK missing"; finish; }
   echo "skip: $DATA not present"
-  exit 0
+  exit 77
 fi
 python3 -c "import tokenizers, transformers, sentencepiece, google.protobuf, gguf" 2>/dev/null \
   || { bad "python packages missing: pip install tokenizers transformers sentencepiece protobuf gguf"; finish; }

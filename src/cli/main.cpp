@@ -211,8 +211,11 @@ int main(int argc, char** argv) {
   auto* cmd_ev = add_eval_subcommand(app, evo);
 
   train::ReportOptions rpo;
-  auto* cmd_rep = app.add_subcommand("report", "Render a training run's metrics.jsonl as one HTML page of charts");
-  cmd_rep->add_option("--run", rpo.run, "`talon train` output directory (or its metrics.jsonl)")->required();
+  auto* cmd_rep = app.add_subcommand("report", "One HTML page of a training run's metrics and settings, or several runs compared");
+  cmd_rep->add_option("--run", rpo.runs,
+                      "`talon train` output directory (or its metrics.jsonl); several (or --run repeated): one page "
+                      "comparing the runs")
+      ->required();
   cmd_rep->add_option("--out", rpo.out, "HTML file to write")->required();
   cmd_rep->add_option("--eval", rpo.eval,
                       "`talon eval` output directory (or its eval.json) of this run's drafter: puts the acceptance "

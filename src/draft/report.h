@@ -6,7 +6,9 @@
 // tokens_per_s. Any other split (e.g. "eval") is its own series: step, loss, acc, cond_acc,
 // sim_accept_len. Every chart draws each split that has the metric as its own line.
 #pragma once
+#include <cmath>
 #include <cstdint>
+#include <nlohmann/json.hpp>
 #include <map>
 #include <optional>
 #include <string>
@@ -40,7 +42,24 @@ struct Chart {
   std::string id, title, y_label;
   std::vector<ChartSeries> series;
   std::string x_label = "step";
+  // Fixed ends of the value axis where the quantity has them (a rate: 0 and 1); NaN: from
+  // the data, rounded out to whole ticks.
+  double y_min = NAN, y_max = NAN;
+  // Dashed horizontal reference lines with a label (e.g. 1.0 "no speedup").
+  std::vector<std::pair<double, std::string>> ref_lines{};
 };
+
+// Axis ticks at 1, 2 or 5 times a power of ten covering [lo, hi] with about `target`
+// intervals; `integer` keeps the step whole (steps, depths). The axis ends are rounded out to
+// the first and last tick.
+struct AxisTicks {
+  double lo = 0, hi = 1, step = 1;
+  std::vector<double> values;
+  int decimals = 0;  // enough to tell neighbouring ticks apart
+};
+AxisTicks nice_ticks(double lo, double hi, int target = 5, bool integer = false);
+// A tick's label: `decimals` places, large values shortened (12k, 1.5M).
+std::string tick_label(double v, int decimals);
 
 // The charts a report draws: loss, acc_k (one line per k and split), cond_acc_k when
 // present, sim_accept_len, lr, grad_norm, tokens_per_s; a chart without points is left out.
@@ -79,14 +98,30 @@ struct AcceptanceComparison {
 AcceptanceComparison compare_acceptance(const std::vector<MetricRecord>& records,
                                         const std::vector<ServedAcceptance>& served);
 
+// `settings`: the run's job (the checkpoint's talon.train metadata; null when there is no
+// checkpoint yet), shown as a table above the charts.
 std::string render_report_html(const std::vector<MetricRecord>& records, const std::string& title,
                                const std::vector<ServedAcceptance>* served = nullptr,
-                               const std::string& served_source = "");
+                               const std::string& served_source = "", const nlohmann::json* settings = nullptr);
+
+// Several runs on one page (a sweep): the settings that differ between them, then held-back
+// acceptance, simulated acceptance length and loss of every run on shared charts, against
+// the optimizer step and against the samples trained on (step x batch_samples).
+struct RunMetrics {
+  std::string label;  // the run directory's name
+  std::vector<MetricRecord> records;
+  nlohmann::json settings;  // as above; null when unknown
+};
+std::string render_comparison_html(const std::vector<RunMetrics>& runs, const std::string& title);
+
+// A run directory's settings from its checkpoint's talon.train metadata (job, step, draft
+// sizes, aux layers); null when the directory has no checkpoint.
+nlohmann::json run_settings(const fs::path& run);
 
 struct ReportOptions {
-  fs::path run;   // a `talon train` output directory (metrics.jsonl), or the file itself
-  fs::path out;   // the HTML file to write
-  fs::path eval;  // optional: a `talon eval` output directory (eval.json) of this run's drafter
+  std::vector<fs::path> runs;  // `talon train` output directories (metrics.jsonl), or the files; several: a comparison
+  fs::path out;                // the HTML file to write
+  fs::path eval;               // optional (one run): a `talon eval` output directory (eval.json) of its drafter
 };
 struct ReportSummary {
   int64_t records = 0;

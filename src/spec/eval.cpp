@@ -52,45 +52,62 @@ json stats_json(const DecodeStats& s) {
           {"prefill_seconds", s.prefill_seconds}};
 }
 
-// A grouped bar chart: one group per label, one bar per series.
-std::string bar_chart_svg(const std::string& title, const std::vector<std::string>& labels,
-                          const std::vector<std::pair<std::string, std::vector<double>>>& series) {
-  constexpr double W = 720, Hh = 300, ml = 56, mr = 170, mt = 28, mb = 70;
-  double ymax = 0;
+// A grouped bar chart: one group per label, one bar per series. Bars rise from `base` (1 for
+// an acceptance length, which is at least 1); `ref` draws a dashed line (1.0: no speedup).
+std::string bar_chart_svg(const std::string& id, const std::string& title, const std::vector<std::string>& labels,
+                          const std::vector<std::pair<std::string, std::vector<double>>>& series, double base,
+                          double ref, const std::string& ref_label) {
+  constexpr double W = 960, Hh = 320, ml = 64, mr = 190, mt = 30, mb = 74;
+  double ymax = base, ymin = base;
   for (const auto& s : series)
-    for (double v : s.second) ymax = std::max(ymax, v);
-  if (ymax <= 0) ymax = 1;
-  ymax *= 1.1;
+    for (double v : s.second) ymax = std::max(ymax, v), ymin = std::min(ymin, v);
+  if (std::isfinite(ref)) ymax = std::max(ymax, ref), ymin = std::min(ymin, ref);
+  const train::AxisTicks yt = train::nice_ticks(ymin, ymax * 1.05 + (ymax == ymin ? 1 : 0), 5);
+  const double Y0 = std::min(yt.lo, base), Y1 = yt.hi;
   const double pw = W - ml - mr, ph = Hh - mt - mb;
+  auto sy = [&](double v) { return mt + 8 + (ph - 8) * (1 - (v - Y0) / (Y1 - Y0)); };  // headroom under the frame
   const double gw = pw / double(std::max<size_t>(labels.size(), 1));
   const double bw = gw * 0.8 / double(std::max<size_t>(series.size(), 1));
+  const char* font = "font-family=\"system-ui,sans-serif\"";
   std::string o = fmt::format(
-      "<svg xmlns=\"http://www.w3.org/2000/svg\" class=\"chart\" width=\"{}\" height=\"{}\" viewBox=\"0 0 {} {}\">\n"
-      "<text x=\"{}\" y=\"18\" font-size=\"14\" font-weight=\"bold\">{}</text>\n",
-      W, Hh, W, Hh, ml, train::html_escape(title));
-  for (int t = 0; t <= 4; ++t) {
-    const double v = ymax * t / 4, y = mt + ph - ph * t / 4;
-    o += fmt::format("<line x1=\"{}\" y1=\"{:.1f}\" x2=\"{}\" y2=\"{:.1f}\" stroke=\"#ddd\"/>"
-                     "<text x=\"{}\" y=\"{:.1f}\" font-size=\"10\" text-anchor=\"end\">{}</text>\n",
-                     ml, y, ml + pw, y, ml - 4, y + 3, train::num(v));
+      "<svg xmlns=\"http://www.w3.org/2000/svg\" class=\"chart\" data-chart=\"{}\" viewBox=\"0 0 {} {}\" "
+      "style=\"width:100%;height:auto;max-width:{}px;display:block;margin:8px 0 24px\">\n"
+      "<rect x=\"0\" y=\"0\" width=\"{}\" height=\"{}\" fill=\"#ffffff\"/>\n"
+      "<text x=\"{}\" y=\"19\" font-size=\"15\" font-weight=\"600\" fill=\"#222\" {}>{}</text>\n",
+      train::html_escape(id), W, Hh, W * 1.5, W, Hh, ml, font, train::html_escape(title));
+  for (double v : yt.values) {
+    if (v < Y0 - 1e-12) continue;
+    o += fmt::format("<line x1=\"{}\" y1=\"{:.1f}\" x2=\"{}\" y2=\"{:.1f}\" stroke=\"#e6e6e6\"/>"
+                     "<text x=\"{}\" y=\"{:.1f}\" font-size=\"11\" text-anchor=\"end\" fill=\"#444\" {}>{}</text>\n",
+                     ml, sy(v), ml + pw, sy(v), ml - 6, sy(v) + 4, font, train::tick_label(v, yt.decimals));
   }
   for (size_t g = 0; g < labels.size(); ++g) {
     const double gx = ml + gw * double(g) + gw * 0.1;
     for (size_t s = 0; s < series.size(); ++s) {
-      const double v = g < series[s].second.size() ? series[s].second[g] : 0;
-      const double h = ph * v / ymax;
-      o += fmt::format("<rect x=\"{:.1f}\" y=\"{:.1f}\" width=\"{:.1f}\" height=\"{:.1f}\" fill=\"{}\">"
-                       "<title>{} {}: {}</title></rect>\n",
-                       gx + bw * double(s), mt + ph - h, bw, h, train::colour(s), train::html_escape(series[s].first),
-                       train::html_escape(labels[g]), train::num(v));
+      const double v = g < series[s].second.size() ? series[s].second[g] : base;
+      const double top = sy(std::max(v, base)), bottom = sy(std::min(v, base));
+      o += fmt::format("<rect x=\"{:.1f}\" y=\"{:.1f}\" width=\"{:.1f}\" height=\"{:.1f}\" fill=\"{}\" "
+                       "data-series=\"{}\" data-value=\"{}\"><title>{} {}: {:.3f}</title></rect>\n",
+                       gx + bw * double(s), top, bw, std::max(0.0, bottom - top), train::colour(s),
+                       train::html_escape(series[s].first), v, train::html_escape(series[s].first),
+                       train::html_escape(labels[g]), v);
     }
-    o += fmt::format("<text x=\"{:.1f}\" y=\"{}\" font-size=\"10\" text-anchor=\"end\" transform=\"rotate(-30 {:.1f} {})\">{}</text>\n",
-                     gx + gw * 0.4, mt + ph + 14, gx + gw * 0.4, mt + ph + 14, train::html_escape(labels[g]));
+    o += fmt::format("<text x=\"{:.1f}\" y=\"{}\" font-size=\"11\" text-anchor=\"end\" fill=\"#222\" "
+                     "transform=\"rotate(-30 {:.1f} {})\" {}>{}</text>\n",
+                     gx + gw * 0.4, mt + ph + 16, gx + gw * 0.4, mt + ph + 16, font, train::html_escape(labels[g]));
   }
+  o += fmt::format("<rect x=\"{}\" y=\"{}\" width=\"{}\" height=\"{}\" fill=\"none\" stroke=\"#888\" "
+                   "class=\"plot-area\"/>\n",
+                   ml, mt, pw, ph);
+  if (std::isfinite(ref))
+    o += fmt::format("<line x1=\"{}\" y1=\"{:.1f}\" x2=\"{}\" y2=\"{:.1f}\" stroke=\"#333\" stroke-width=\"1.5\" "
+                     "stroke-dasharray=\"6 4\" data-ref=\"{}\"/><text x=\"{}\" y=\"{:.1f}\" font-size=\"11\" "
+                     "fill=\"#333\" {}>{}</text>\n",
+                     ml, sy(ref), ml + pw, sy(ref), ref, ml + 6, sy(ref) - 5, font, train::html_escape(ref_label));
   for (size_t s = 0; s < series.size(); ++s)
-    o += fmt::format("<rect x=\"{}\" y=\"{}\" width=\"10\" height=\"10\" fill=\"{}\"/>"
-                     "<text x=\"{}\" y=\"{}\" font-size=\"11\">{}</text>\n",
-                     ml + pw + 12, mt + 16 * double(s), train::colour(s), ml + pw + 26, mt + 16 * double(s) + 9,
+    o += fmt::format("<rect x=\"{}\" y=\"{}\" width=\"12\" height=\"12\" fill=\"{}\"/>"
+                     "<text x=\"{}\" y=\"{}\" font-size=\"12\" fill=\"#222\" {}>{}</text>\n",
+                     ml + pw + 12, mt + 17 * double(s), train::colour(s), ml + pw + 30, mt + 17 * double(s) + 10, font,
                      train::html_escape(series[s].first));
   o += "</svg>\n";
   return o;
@@ -98,7 +115,7 @@ std::string bar_chart_svg(const std::string& title, const std::vector<std::strin
 
 std::string render_eval_html(const json& doc, const std::vector<EvalRow>& rows) {
   std::string o = "<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\"><title>talon eval</title>\n"
-                  "<style>body{font-family:sans-serif;margin:24px;max-width:1100px}table{border-collapse:collapse}"
+                  "<style>body{font-family:system-ui,sans-serif;margin:24px;max-width:1500px;color:#222}table{border-collapse:collapse}"
                   "td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}th{background:#f4f4f4}"
                   "td:first-child,td:nth-child(2),td:nth-child(3){text-align:left}.chart{margin:12px 0}</style>"
                   "</head><body>\n<h1>Speculative decoding evaluation</h1>\n";
@@ -129,7 +146,7 @@ std::string render_eval_html(const json& doc, const std::vector<EvalRow>& rows) 
       if (std::find(cfgs.begin(), cfgs.end(), r->config) == cfgs.end()) cfgs.push_back(r->config);
     }
     std::vector<std::pair<std::string, std::vector<double>>> tau, speed;
-    train::Chart acc{"acc", fmt::format("acceptance rate by draft depth (T={}, all categories)", t), "rate", {}};
+    train::Chart acc{fmt::format("acc_T{}", t), fmt::format("Acceptance rate by draft depth (T={}, all categories)", t), "rate", {}};
     for (const auto& c : cfgs) {
       std::vector<double> tv(cats.size()), sv(cats.size());
       for (auto* r : rs) {
@@ -148,8 +165,12 @@ std::string render_eval_html(const json& doc, const std::vector<EvalRow>& rows) 
       speed.push_back({c, sv});
     }
     o += fmt::format("<h2>Temperature {}</h2>\n", t);
-    o += bar_chart_svg(fmt::format("mean acceptance length tau (T={})", t), cats, tau);
-    o += bar_chart_svg(fmt::format("speedup over target-only decoding (T={})", t), cats, speed);
+    o += bar_chart_svg(fmt::format("tau_T{}", t), fmt::format("Mean acceptance length tau (T={}): tokens per target pass", t),
+                       cats, tau, 1.0, NAN, "");
+    o += bar_chart_svg(fmt::format("speedup_T{}", t), fmt::format("Speedup over target-only decoding (T={})", t), cats,
+                       speed, 0.0, 1.0, "1.0: as fast as the target alone");
+    acc.x_label = "draft depth";
+    acc.y_min = 0, acc.y_max = 1;
     if (!acc.series.empty()) o += train::render_line_chart_svg(acc);
   }
   o += "</body></html>\n";

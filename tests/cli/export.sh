@@ -109,6 +109,30 @@ for k in range(len(rows[0]["acc"])):
 assert points("tokens_per_s", "train") == len(rows)
 assert evals and points("loss", "eval") == len(evals), "the held-back split is its own series"
 PY
+# Every chart draws in a real browser: no black or blank plot area; a broken copy must fail.
+python3 "$SRC/tests/cli/check_charts.py" "$WORK/report.html" "$WORK" 7 > "$WORK/charts.out" 2>&1 \
+  && ok "report charts render in headless Chromium ($(grep -c '^ok' "$WORK/charts.out"))" \
+  || bad "report charts: $(grep -v '^ok' "$WORK/charts.out" | head -5)"
+sed 's/fill="none" stroke="#888" stroke-width="1" class="plot-area"/stroke="#888" class="plot-area"/' \
+  "$WORK/report.html" > "$WORK/broken.html"
+python3 "$SRC/tests/cli/check_charts.py" "$WORK/broken.html" "$WORK" 7 > "$WORK/charts2.out" 2>&1
+[ $? -ne 0 ] && grep -q "of the plot area is black" "$WORK/charts2.out" && ok "the chart check catches a black plot area" \
+  || bad "broken charts passed: $(head -3 "$WORK/charts2.out")"
+grep -q "Run settings" "$WORK/report.html" && grep -q "What the metrics mean" "$WORK/report.html" \
+  && grep -q "<td>ttt_steps</td><td>2</td>" "$WORK/report.html" && ok "report: run settings and metric definitions" \
+  || bad "report lacks settings or definitions"
+# Two runs on one page: the settings that differ side by side, one series per run.
+"$TALON" report --run "$WORK/run" "$WORK/nbr" --out "$WORK/cmp.html" > /dev/null 2> "$WORK/cmp.err" \
+  || bad "report of two runs: $(tail -3 "$WORK/cmp.err")"
+python3 - "$WORK/cmp.html" <<'PY' && ok "two runs compared on one page" || bad "comparison page"
+import re, sys
+html = open(sys.argv[1]).read()
+assert "<td>norm_before_residual</td><td>false</td><td>true</td>" in html, "differing setting not shown"
+for chart in ("cmp_sim_accept_len", "cmp_loss"):
+    block = html[html.index(f'data-chart="{chart}"'):]
+    block = block[:block.index("</svg>")]
+    assert re.findall(r'data-series="(run|nbr)"', block) == ["run", "nbr"], chart
+PY
 printf '%s\n%s\n' "$(head -1 "$WORK/run/metrics.jsonl")" '{"step": "two"}' > "$WORK/bad.jsonl"
 "$TALON" report --run "$WORK/bad.jsonl" --out "$WORK/bad.html" > /dev/null 2> "$WORK/rep2.err"
 [ $? -ne 0 ] && grep -q "bad.jsonl:2: field 'step' must be an integer" "$WORK/rep2.err" && [ ! -e "$WORK/bad.html" ] \

@@ -121,6 +121,10 @@ for r in rows:
     assert r["speedup"] > 0
 PY
 grep -q "<svg" "$WORK/ev/eval.html" && ok "eval.html has charts" || bad "eval.html"
+python3 "$SRC/tests/cli/check_charts.py" "$WORK/ev/eval.html" "$WORK" 3 > "$WORK/charts.out" 2>&1 \
+  && grep -q 'data-ref="1"' "$WORK/ev/eval.html" \
+  && ok "eval charts render in headless Chromium, speedup has its 1.0 line ($(grep -c '^ok' "$WORK/charts.out"))" \
+  || bad "eval charts: $(grep -v '^ok' "$WORK/charts.out" | head -5)"
 "$TALON" inspect "$WORK/ev" > "$WORK/iev.out" 2>&1 || bad "inspect eval: $(tail -3 "$WORK/iev.out")"
 python3 - "$WORK/ev/eval.json" "$WORK/iev.out" <<'PY' && ok "inspect: one table row per eval.json result" || bad "inspect eval: $(head -12 "$WORK/iev.out")"
 import json, sys

@@ -9,6 +9,7 @@
 #include <bit>
 #include <cmath>
 #include <functional>
+#include <set>
 #include <nlohmann/json.hpp>
 
 #include "io/safetensors.h"
@@ -447,7 +448,7 @@ TEST(train_report, BadMetricsNameTheLine) {
   EXPECT_NE(error_of([&] { parse_metrics("{\"step\": 0, \"loss\": \"x\"}\n", "m"); }).find("m:1: field 'loss' must be a number"),
             std::string::npos);
   EXPECT_NE(error_of([&] { parse_metrics("\n", "m"); }).find("m: no metric records"), std::string::npos);
-  EXPECT_NE(error_of([&] { run_report({"/nonexistent/run", "/tmp/x.html", {}}); }).find("/nonexistent/run: missing"),
+  EXPECT_NE(error_of([&] { run_report({{"/nonexistent/run"}, "/tmp/x.html", {}}); }).find("/nonexistent/run: missing"),
             std::string::npos);
 }
 
@@ -533,3 +534,47 @@ TEST(train_report, BadEvalJsonNamesTheField) {
   EXPECT_NE(error_of([&] { parse_served_acceptance(j.dump(), "e.json"); }).find("results[2]: field 'config'"),
             std::string::npos);
 }
+
+namespace talon::train {
+
+// Axis ticks sit at 1, 2 or 5 times a power of ten, cover the data, and read as distinct labels
+// ("0.5 1.0 1.5", not "0.6457 1.364").
+TEST(train_report, NiceTicksAreRoundAndCoverTheData) {
+  const std::pair<double, double> ranges[] = {{0.3457, 1.364}, {0, 105000}, {1e-5, 1e-4}, {2.5, 2.5}, {-3, 7}};
+  for (auto [lo, hi] : ranges) {
+    const AxisTicks t = nice_ticks(lo, hi, 5);
+    ASSERT_GE(t.values.size(), 3u) << lo << " " << hi;
+    EXPECT_LE(t.values.size(), 12u) << lo << " " << hi;
+    EXPECT_LE(t.lo, lo);
+    EXPECT_GE(t.hi, hi);
+    const double mant = t.step / std::pow(10.0, std::floor(std::log10(t.step) + 1e-9));
+    EXPECT_TRUE(std::fabs(mant - 1) < 1e-9 || std::fabs(mant - 2) < 1e-9 || std::fabs(mant - 5) < 1e-9) << t.step;
+    std::set<std::string> labels;
+    for (double v : t.values) {
+      EXPECT_NEAR(v / t.step, std::round(v / t.step), 1e-6) << v;
+      labels.insert(tick_label(v, t.decimals));
+    }
+    EXPECT_EQ(labels.size(), t.values.size()) << lo << " " << hi;
+  }
+  const AxisTicks steps = nice_ticks(0, 3, 6, true);
+  EXPECT_GE(steps.step, 1);
+  EXPECT_EQ(steps.step, std::round(steps.step));
+  EXPECT_EQ(tick_label(0.5, 1), "0.5");
+  EXPECT_EQ(tick_label(50000, 0), "50k");
+}
+
+// A chart draws the same on any page: its frame is not filled (an unstyled rect is black), rates
+// keep their 0..1 axis, and reference lines are drawn.
+TEST(train_report, ChartsStyleThemselves) {
+  Chart ch{"acc", "Acceptance", "rate", {{"k=0", {{0, 0.42}, {1, 0.47}}}}, "depth"};
+  ch.y_min = 0, ch.y_max = 1;
+  ch.ref_lines.push_back({0.5, "half"});
+  const std::string svg = render_line_chart_svg(ch);
+  EXPECT_NE(svg.find("fill=\"none\" stroke=\"#888\" stroke-width=\"1\" class=\"plot-area\""), std::string::npos);
+  EXPECT_NE(svg.find(">0.0</text>"), std::string::npos);
+  EXPECT_NE(svg.find(">1.0</text>"), std::string::npos);
+  EXPECT_NE(svg.find("data-ref=\"0.5\""), std::string::npos);
+  EXPECT_EQ(svg.find("class=\"frame\""), std::string::npos);
+}
+
+}  // namespace talon::train

@@ -1,5 +1,6 @@
 #include "data/chat_formats.h"
 
+#include <cctype>
 #include <fstream>
 
 #include "text/unicode.h"
@@ -331,6 +332,27 @@ char first_byte(const fs::path& p) {
 
 RecordReader::RecordReader(const fs::path& path) : impl_(new Impl) {
   impl_->path = path;
+  {
+    // Tabular files are refused by name, with the conversion that makes them readable.
+    std::string ext = path.extension().string();
+    for (char& ch : ext) ch = char(std::tolower(static_cast<unsigned char>(ch)));
+    char magic[4] = {0, 0, 0, 0};
+    if (std::ifstream f{path, std::ios::binary}) f.read(magic, 4);
+    const bool parquet = ext == ".parquet" || std::string_view(magic, 4) == "PAR1";
+    if (parquet || ext == ".csv" || ext == ".tsv" || ext == ".arrow" || ext == ".xlsx") {
+      delete impl_;
+      const std::string f = path.string();
+      const std::string read = parquet         ? fmt::format("pd.read_parquet('{}')", f)
+                               : ext == ".csv"  ? fmt::format("pd.read_csv('{}')", f)
+                               : ext == ".tsv"  ? fmt::format("pd.read_csv('{}', sep='\\t')", f)
+                               : ext == ".arrow" ? fmt::format("pd.read_feather('{}')", f)
+                                                 : fmt::format("pd.read_excel('{}')", f);
+      fail("{}: {} files are not read; talon reads JSON Lines or a JSON array of chat records. Convert it with: "
+           "python3 -c \"import pandas as pd; {}.to_json('{}.jsonl', orient='records', lines=True, "
+           "force_ascii=False)\" (a Hugging Face dataset: ds.to_json('out.jsonl'))",
+           f, parquet ? std::string("Parquet") : ext.substr(1), read, path.stem().string());
+    }
+  }
   array_ = first_byte(path) == '[';
   if (array_) {
     impl_->map = MappedFile(path);

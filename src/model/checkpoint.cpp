@@ -283,7 +283,7 @@ class GgufCheckpoint : public Checkpoint {
 
 std::unique_ptr<Checkpoint> open_checkpoint(const fs::path& path) {
   if (is_random_model_spec(path.string())) return open_random_model_spec(path.string());
-  if (!fs::exists(path)) fail("{}: no such file or directory", path.string());
+  if (!fs::exists(path)) fail("{}: no such file or directory{}", path.string(), hub_id_hint(path));
   if (fs::is_directory(path)) return std::make_unique<HfCheckpoint>(path);
   if (path.extension() == ".gguf") return std::make_unique<GgufCheckpoint>(path);
   // Sniff the magic so a renamed GGUF still loads.

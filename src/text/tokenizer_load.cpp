@@ -922,7 +922,7 @@ std::unique_ptr<Tokenizer> Tokenizer::load(const fs::path& path) {
     else if (fs::exists(p / "tokenizer.model")) p = p / "tokenizer.model";
     else fail("{}: no tokenizer.json or tokenizer.model in this directory", path.string());
   }
-  if (!fs::exists(p)) fail("{}: no such file", p.string());
+  if (!fs::exists(p)) fail("{}: no such file or directory{}", p.string(), hub_id_hint(p));
   char head[4] = {};
   {
     std::ifstream f(p, std::ios::binary);

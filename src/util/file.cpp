@@ -7,6 +7,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <fstream>
@@ -213,6 +214,19 @@ std::string sha256_file_hex(const fs::path& path) {
   }
   ::close(fd);
   return h.hex();
+}
+
+std::string hub_id_hint(const fs::path& path) {
+  const std::string p = path.string();
+  const std::string ext = path.extension().string();
+  const bool file_like = ext == ".gguf" || ext == ".json" || ext == ".jsonl" || ext == ".safetensors" || ext == ".model";
+  if (p.empty() || !path.is_relative() || p.front() == '.' || p.back() == '/' || file_like ||
+      std::count(p.begin(), p.end(), '/') != 1)
+    return "";
+  const std::string name = path.filename().string();
+  return fmt::format(" (a Hugging Face model id? talon reads local files: download it first, e.g. "
+                     "`huggingface-cli download {} --local-dir models/{}`, then pass models/{})",
+                     p, name, name);
 }
 
 }  // namespace talon

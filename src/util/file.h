@@ -68,6 +68,10 @@ int remove_stale_temps(const fs::path& dir, std::initializer_list<std::string_vi
 std::string sha256_hex(const void* data, size_t n);
 std::string sha256_file_hex(const fs::path& path);
 
+// For a path that does not exist and reads like a Hugging Face model id ("org/name"): a hint,
+// starting with a space, to download it first (talon reads local files only); else "".
+std::string hub_id_hint(const fs::path& path);
+
 class Sha256 {
  public:
   Sha256();

@@ -40,6 +40,16 @@ refused train-on-tokens "expected \"talon.features\" \(this is .talon prepare. o
 refused extract-on-chats "missing field 'input_ids' \(this looks like chat data: tokenize it first with .talon prepare" \
   "$WORK/o6" -- extract --model "$GGUF" --data "$SRC/examples/demo_chats.jsonl" --out "$WORK/o6"
 
+# Inputs talon does not read are named with the conversion; a hub id gets the download hint.
+printf 'role,content\nuser,Hi\n' > "$WORK/chats.csv"
+refused csv "chats.csv: csv files are not read; talon reads JSON Lines .* pd.read_csv" "$WORK/o9" -- \
+  prepare --model "$GGUF" --data "$WORK/chats.csv" --out "$WORK/o9"
+printf 'PAR1\0\0\0\0' > "$WORK/chats.bin"
+refused parquet "chats.bin: Parquet files are not read.*pd.read_parquet" "$WORK/o10" -- \
+  prepare --model "$GGUF" --data "$WORK/chats.bin" --out "$WORK/o10"
+refused hub-id "no such file or directory \(a Hugging Face model id\? .*huggingface-cli download meta-llama/Llama-3.1-8B" \
+  "$WORK/o11" -- prepare --model meta-llama/Llama-3.1-8B --data "$SRC/examples/demo_chats.jsonl" --out "$WORK/o11"
+
 # One vocabulary: --max-length and --threads on generate and eval, --out on template.
 "$TALON" generate --model "$GGUF" --data "$SRC/examples/demo_chats.jsonl" --limit 1 --max-new-tokens 4 --max-length 256 \
   --threads 1 --out "$WORK/g" > /dev/null 2> "$WORK/g.err" && ok "generate takes --max-length and --threads" \

@@ -2,12 +2,14 @@
 # Build on a GPU machine that has the CUDA toolkit but no -dev packages: the header-only
 # and static dependencies come from .deps/ (made by scripts/pack_deps.sh on a machine
 # that has them), NCCL's header from the pip wheel PyTorch ships with, if any.
+# Environment: TARGETS (ninja targets; default: talon, the tests and the GPU benchmarks).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+targets=${TARGETS:-talon talon_tests talon_bench_train talon_bench_decode talon_bench_moe talon_bench_deepseek}
 nccl=$(python3 -c 'import nvidia.nccl as m; print(list(m.__path__)[0])' 2>/dev/null || true)
 cmake -S . -B build -G Ninja -DTALON_DEPS_DIR="$PWD/.deps" -DTALON_NATIVE=OFF -DCMAKE_BUILD_TYPE=Release \
   ${nccl:+-DTALON_NCCL_DIR="$nccl"} -Wno-dev > build.log 2>&1 || { tail -30 build.log; exit 1; }
-ninja -C build talon talon_tests talon_bench_train talon_bench_decode talon_bench_moe talon_bench_deepseek >> build.log 2>&1 || { grep -E "error" -A3 build.log | head -40; exit 1; }
+ninja -C build $targets >> build.log 2>&1 || { grep -E "error" -A3 build.log | head -40; exit 1; }
 grep -E "talon: " build.log
 # The runtime half of NCCL, for --tp > 1 (dlopen'ed by talon).
 if [ -n "$nccl" ]; then echo "export LD_LIBRARY_PATH=$nccl/lib:\${LD_LIBRARY_PATH:-}" > build/env.sh; else : > build/env.sh; fi

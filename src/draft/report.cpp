@@ -17,7 +17,8 @@ using json = nlohmann::json;
 
 namespace {
 
-constexpr const char* kScalarKeys[] = {"loss", "sim_accept_len", "lr", "grad_norm", "tokens_per_s", "epoch"};
+constexpr const char* kScalarKeys[] = {"loss", "sim_accept_len", "lr", "grad_norm", "tokens_per_s", "epoch",
+                                       "tokens_trained"};
 constexpr const char* kArrayKeys[] = {"acc", "cond_acc"};
 
 }  // namespace
@@ -435,6 +436,8 @@ constexpr const char* kDefinitions[][2] = {
     {"lr", "Learning rate of the step (warm-up, then the schedule)."},
     {"grad_norm", "Global L2 norm of the gradient before clipping."},
     {"tokens_per_s", "Tokens of the step's samples processed per second (forward, backward, optimizer)."},
+    {"tokens_trained", "Tokens of every sample trained on so far, counted from the seeded sample order (the same "
+                       "after a resume); the x axis of the comparison's held-back charts."},
     {"split eval", "Held-back samples (--eval-fraction): never trained on, never counted for the draft vocabulary."},
 };
 
@@ -609,17 +612,40 @@ std::string render_comparison_html(const std::vector<RunMetrics>& runs, const st
       return r.settings["job"]["batch_samples"].get<double>();
     return double(NAN);
   };
+  // Held-back charts put runs on one x axis: tokens trained on when every run's records
+  // carry it (runs of one data set and of different sizes compare fairly), else samples
+  // (step x batch_samples), else steps.
+  enum class X { Step, Samples, Tokens };
+  auto has_tokens = [](const RunMetrics& r, const std::string& split) {
+    bool any = false;
+    for (auto& m : r.records)
+      if (m.split == split) {
+        if (!m.scalars.count("tokens_trained")) return false;
+        any = true;
+      }
+    return any;
+  };
   auto chart = [&](const char* id, const std::string& ttl, const std::string& ylab, const std::string& split,
-                   bool per_sample, auto value_of) {
-    Chart ch{id, ttl, ylab, {}, per_sample ? "samples trained on (step x batch_samples)" : "step"};
+                   bool by_amount, auto value_of) {
+    X x = X::Step;
+    if (by_amount) {
+      x = X::Tokens;
+      for (auto& r : runs)
+        if (!has_tokens(r, split)) x = X::Samples;
+    }
+    Chart ch{id, ttl, ylab, {},
+             x == X::Tokens ? "tokens trained on" : x == X::Samples ? "samples trained on (step x batch_samples)" : "step"};
     for (auto& r : runs) {
       const double b = batch_of(r);
-      if (per_sample && !std::isfinite(b)) continue;
+      if (x == X::Samples && !std::isfinite(b)) continue;
       ChartSeries s{r.label, {}};
       for (auto& m : r.records) {
         if (m.split != split) continue;
         const double v = value_of(m);
-        if (std::isfinite(v)) s.points.push_back({per_sample ? double(m.step) * b : double(m.step), v});
+        const double at = x == X::Tokens    ? m.scalars.at("tokens_trained")
+                          : x == X::Samples ? double(m.step) * b
+                                            : double(m.step);
+        if (std::isfinite(v)) s.points.push_back({at, v});
       }
       if (!s.points.empty()) ch.series.push_back(std::move(s));
     }

@@ -840,6 +840,17 @@ class Trainer {
     return picked;
   }
 
+  // Tokens of the samples of optimizer steps [0, steps), from the seeded sample order, so the
+  // count survives a resume; computed once per process, then advanced by step_once.
+  int64_t trained_tokens(int64_t steps) {
+    if (trained_tokens_ >= 0 && trained_steps_ == steps) return trained_tokens_;
+    trained_tokens_ = 0;
+    for (int64_t s = 0; s < steps; ++s)
+      for (auto* ts : pick(s)) trained_tokens_ += int64_t(ts->ids.size());
+    trained_steps_ = steps;
+    return trained_tokens_;
+  }
+
   // Writes the checkpoint (rank 0): weights, moments, the vocabulary mapping, the job.
   void save() {
     if (rank_ != 0) return;
@@ -900,7 +911,7 @@ class Trainer {
     slots_->release(2);
     log_metrics(json{{"split", "eval"}, {"step", done}, {"samples", es.size()}, {"loss", m.loss},
                      {"loss_exact", exact(m.loss)}, {"acc", m.acc}, {"cond_acc", m.cond_acc},
-                     {"sim_accept_len", m.accept_len}});
+                     {"sim_accept_len", m.accept_len}, {"tokens_trained", trained_tokens(done)}});
     tlog::info("eval after {} steps: loss {:.4f} acc0 {:.3f} simulated acceptance length {:.3f} ({} samples)", done,
                m.loss, m.acc[0], m.accept_len, es.size());
   }
@@ -929,6 +940,9 @@ class Trainer {
       batch.push_back({ts->ids.data(), ts->mask.data(), nullptr, nullptr, int64_t(ts->ids.size())});
       tokens_ += int64_t(ts->ids.size());
     }
+    trained_tokens(step_);  // through the steps before this one
+    for (auto* ts : picked) trained_tokens_ += int64_t(ts->ids.size());
+    trained_steps_ = step_ + 1;
     for (size_t k = 0; k < mine.size(); ++k) {
       const int64_t b = mine[k];
       Features& f = feats[k];  // this step's own copy: noise goes in place
@@ -960,7 +974,7 @@ class Trainer {
     }
     log_metrics(json{{"step", step_}, {"epoch", epoch}, {"loss", m.loss}, {"loss_exact", exact(m.loss)},
                      {"acc", m.acc}, {"cond_acc", m.cond_acc}, {"sim_accept_len", m.accept_len}, {"lr", lr},
-                     {"grad_norm", gnorm}, {"tokens_per_s", tps}});
+                     {"grad_norm", gnorm}, {"tokens_per_s", tps}, {"tokens_trained", trained_tokens_}});
     progress.set_note(fmt::format("loss {:.4f} acc0 {:.3f} accept {:.2f} | {} tok/s", m.loss, m.acc[0], m.accept_len,
                                   format_count(tps)));
     tlog::debug("step {} loss {:.4f} acc0 {:.3f} accept {:.3f} lr {:.3g} |g| {:.3g}", step_, m.loss, m.acc[0],
@@ -1046,6 +1060,7 @@ class Trainer {
   int64_t prefetch_step_ = -1;
   std::chrono::steady_clock::time_point t0_;
   int64_t tokens_ = 0;
+  int64_t trained_tokens_ = -1, trained_steps_ = -1;  // tokens of steps [0, trained_steps_)
   double last_loss_ = 0;
 };
 

@@ -104,7 +104,7 @@ if want train; then
         --schedule cosine --clip 0.5 --batch-samples 1 --eval-fraction 0.05 --seed "$s" --save-every 1000000 \
         > "$work/logs/talon_s$s.log" 2>&1
       echo "talon seed $s: $((SECONDS - t1)) s" >> "$work/logs/talon_times.log"
-      $T export --checkpoint "$work/talon_s$s" --model "$gguf" --format sglang --out "$work/talon_s$s.sglang" \
+      $T export --checkpoint "$work/talon_s$s" --model "$gguf" --verifier HuggingFaceTB/SmolLM2-135M-Instruct --format sglang --out "$work/talon_s$s.sglang" \
         >> "$work/logs/talon_s$s.log" 2>&1
     done
   ) &

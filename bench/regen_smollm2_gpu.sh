@@ -34,7 +34,7 @@ if want train; then
   timed train $T train --data "$work/feat" --model "$gguf" --out "$work/run" --device cuda --draft-vocab "$VD" \
     --max-length 2048 --ttt-steps "$TTT" --epochs "$EPOCHS" --lr 1e-3 --schedule cosine --clip 0.5 \
     --eval-fraction 0.02 --seed 1 --save-every 1000000 2>&1 | grep -E "eval after|tokens/s" | tail -3
-  $T export --checkpoint "$work/run" --model "$gguf" --format sglang --out "$work/run.sglang" > /dev/null 2>&1
+  $T export --checkpoint "$work/run" --model "$gguf" --verifier HuggingFaceTB/SmolLM2-135M-Instruct --format sglang --out "$work/run.sglang" > /dev/null 2>&1
 fi
 if want eval; then
   mkdir -p "$work/dev"

@@ -39,7 +39,7 @@ PY
 fi
 if want export; then
   rm -rf "$work/export"
-  timed export $T export --checkpoint "$work/run" --model "$gguf" --format speculators --out "$work/export" 2>&1 | tail -1
+  timed export $T export --checkpoint "$work/run" --model "$gguf" --verifier HuggingFaceTB/SmolLM2-135M-Instruct --format speculators --out "$work/export" 2>&1 | tail -1
 fi
 if want eval; then
   rm -rf "$work/eval"

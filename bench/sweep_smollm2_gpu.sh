@@ -83,7 +83,7 @@ for st in "${list[@]}"; do
         --draft-vocab "$vd" --max-length 2048 --ttt-steps "$ttt" --epochs "$ep" --lr "$lr" --schedule cosine \
         --clip 0.5 --noise "$noise" --eval-fraction 0.02 --eval-every 2000 --seed 1 --save-every 1000000 2>&1 \
         | grep -E "eval after|tokens/s" | tail -2
-      $T export --checkpoint "$work/run_$run" --model "$gguf" --format sglang --out "$work/run_$run.sglang" > /dev/null 2>&1
+      $T export --checkpoint "$work/run_$run" --model "$gguf" --verifier HuggingFaceTB/SmolLM2-135M-Instruct --format sglang --out "$work/run_$run.sglang" > /dev/null 2>&1
       ;;
     eval)
       run=${a[1]}

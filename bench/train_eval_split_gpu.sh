@@ -28,7 +28,7 @@ for v in "${!V[@]}"; do
   ( $T train --data "$feat" --model "$gguf" --out "$work/$v" --device cuda --draft-vocab 8192 --max-length 2048 \
       --ttt-steps 7 --max-steps "$STEPS" --lr 1e-3 --warmup-steps 6 --eval-fraction 0.05 --seed "$SEED" \
       --save-every 1000000 ${V[$v]} > "$work/$v.log" 2>&1 &&
-    $T export --checkpoint "$work/$v" --model "$gguf" --format sglang --out "$work/$v.sglang" >> "$work/$v.log" 2>&1 ) &
+    $T export --checkpoint "$work/$v" --model "$gguf" --verifier HuggingFaceTB/SmolLM2-135M-Instruct --format sglang --out "$work/$v.sglang" >> "$work/$v.log" 2>&1 ) &
   pids+=($!)
 done
 rc=0

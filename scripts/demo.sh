@@ -30,8 +30,8 @@ fi
 build/talon train --model "$model" --data "$out/features" --out "$out/train" "${train[@]}" --warmup-steps 2 \
   --eval-fraction 0.25
 rm -rf "$out/export-vllm" "$out/export-sglang"
-build/talon export --checkpoint "$out/train" --model "$model" --format speculators --out "$out/export-vllm"
-build/talon export --checkpoint "$out/train" --model "$model" --format sglang --out "$out/export-sglang"
+build/talon export --checkpoint "$out/train" --model "$model" --verifier HuggingFaceTB/SmolLM2-135M-Instruct --format speculators --out "$out/export-vllm"
+build/talon export --checkpoint "$out/train" --model "$model" --verifier HuggingFaceTB/SmolLM2-135M-Instruct --format sglang --out "$out/export-sglang"
 build/talon eval --model "$model" --draft "$out/export-vllm" --data examples/demo_questions.jsonl --out "$out/eval" \
   --max-new-tokens 32 --chain 3 --tree 4,4,12 --device "$gdev"
 # The training charts, with the acceptance measured above next to the trainer's simulation.

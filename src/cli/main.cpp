@@ -205,7 +205,10 @@ int main(int argc, char** argv) {
   cmd_exp->add_option("--speculative-tokens", exo.speculative_tokens, "Draft tokens per step in the speculators config")
       ->capture_default_str();
   cmd_exp->add_option("--dtype", ex_dtype, "bf16 | fp32 for the weights")->capture_default_str();
-  cmd_exp->add_option("--verifier", exo.verifier, "Verifier name_or_path written in the config (default: --model)");
+  cmd_exp->add_option("--verifier", exo.verifier,
+                      "The target as the engine serves it: its Hugging Face id (or HF directory); written in the config "
+                      "and the printed serve command")
+      ->required();
 
   EvalCli evo;
   auto* cmd_ev = add_eval_subcommand(app, evo);
@@ -269,7 +272,12 @@ int main(int argc, char** argv) {
       return 2;
     }
     if (e.get_exit_code() == static_cast<int>(CLI::ExitCodes::Success)) return app.exit(e);  // --help, --version
-    std::cerr << fmt::format("error: {}; see talon{} --help\n", e.what(),
+    std::string why = e.what();
+    if (why.find("--verifier is required") != std::string::npos)
+      why += " (the target as vLLM or SGLang will serve it: its Hugging Face id, e.g. --verifier "
+             "meta-llama/Llama-3.1-8B-Instruct, or a Hugging Face model directory; --model may be a GGUF file "
+             "or a local copy the engine never sees)";
+    std::cerr << fmt::format("error: {}; see talon{} --help\n", why,
                              argc > 1 && std::find(subs.begin(), subs.end(), argv[1]) != subs.end()
                                  ? std::string(" ") + argv[1]
                                  : std::string());
@@ -339,17 +347,18 @@ int main(int argc, char** argv) {
     if (*cmd_stop) return run_stop(stop_dir, stop_wait);
     if (*cmd_exp) {
       exo.format = train::parse_export_format(ex_format);
+      TALON_CHECK(fs::path(exo.verifier).extension() != ".gguf",
+                  "export: --verifier {} is a GGUF file; vLLM and SGLang serve the target from its Hugging Face id "
+                  "(e.g. --verifier meta-llama/Llama-3.1-8B-Instruct) or a Hugging Face model directory",
+                  exo.verifier);
       TALON_CHECK(ex_dtype == "bf16" || ex_dtype == "fp32", "export: --dtype must be bf16 or fp32, got '{}'", ex_dtype);
       exo.dtype = ex_dtype == "bf16" ? DType::BF16 : DType::F32;
       auto r = train::run_export(exo);
       std::cout << fmt::format("export complete: {} tensors, {} bytes\n  output: {}\n", r.tensors, r.bytes, r.out.string());
       const bool local = fs::exists(r.verifier);
       std::cout << fmt::format("serve it with the target{}:\n  {}\n",
-                               local ? " (a local path: pass --verifier HF_ID to name the model the engine serves)" : "",
+                               local ? " (a local directory: the draft names this path as its verifier)" : "",
                                train::serve_command(exo.format, r.out, r.verifier, exo.speculative_tokens));
-      if (fs::path(r.verifier).extension() == ".gguf")
-        tlog::warn("export: the verifier is a GGUF file, which vLLM and SGLang do not serve as the target; pass "
-                   "--verifier with the target's Hugging Face id or HF directory");
       return 0;
     }
     if (*cmd_rep) {

@@ -16,7 +16,7 @@ train=(--data "$WORK/feat" --model "$GGUF" --draft-vocab 256 --max-length 64 --t
 for fmt in speculators sglang; do
   for dt in fp32 bf16; do
     out="$WORK/export-$fmt-$dt"
-    if "$TALON" export --checkpoint "$WORK/run" --model "$GGUF" --format $fmt --dtype $dt --speculative-tokens 5 \
+    if "$TALON" export --checkpoint "$WORK/run" --model "$GGUF" --verifier HuggingFaceTB/SmolLM2-135M-Instruct --format $fmt --dtype $dt --speculative-tokens 5 \
          --out "$out" > "$WORK/e.out" 2> "$WORK/e.err"; then
       msg=$(python3 "$CHECK" "$WORK/run/checkpoint.safetensors" "$out" $fmt $dt 5 2>&1) && ok "$msg" || bad "$fmt $dt: $msg"
     else
@@ -26,7 +26,7 @@ for fmt in speculators sglang; do
 done
 
 # The export prints how to serve it; inspect summarises the run, its checkpoint and both exports.
-"$TALON" export --checkpoint "$WORK/run" --model "$GGUF" --format speculators --speculative-tokens 5 \
+"$TALON" export --checkpoint "$WORK/run" --model "$GGUF" --verifier HuggingFaceTB/SmolLM2-135M-Instruct --format speculators --speculative-tokens 5 \
   --out "$WORK/export-serve" > "$WORK/e.out" 2>&1
 grep -q "vllm serve .*--speculative-config .*\"num_speculative_tokens\": 5" "$WORK/e.out" \
   && ok "export prints the vllm serve command" || bad "export output: $(cat "$WORK/e.out")"
@@ -68,18 +68,18 @@ PY
 done
 
 # Refusals.
-"$TALON" export --checkpoint "$WORK/run" --model "$GGUF" --format sglang --out "$WORK/export-sglang-fp32" > /dev/null 2> "$WORK/r1"
+"$TALON" export --checkpoint "$WORK/run" --model "$GGUF" --verifier HuggingFaceTB/SmolLM2-135M-Instruct --format sglang --out "$WORK/export-sglang-fp32" > /dev/null 2> "$WORK/r1"
 [ $? -ne 0 ] && grep -q "already exists and is not an empty directory" "$WORK/r1" && ok "existing output refused" || bad "$(cat "$WORK/r1")"
-"$TALON" export --checkpoint "$WORK/run" --model "$SRC/tests/fixtures/golden/llama_gqa" --format speculators --out "$WORK/x1" > /dev/null 2> "$WORK/r2"
+"$TALON" export --checkpoint "$WORK/run" --model "$SRC/tests/fixtures/golden/llama_gqa" --verifier org/llama --format speculators --out "$WORK/x1" > /dev/null 2> "$WORK/r2"
 [ $? -ne 0 ] && grep -q "target_config_sha256 is .* but --model .* has config sha256" "$WORK/r2" && [ ! -e "$WORK/x1" ] \
   && ok "checkpoint of another target refused" || bad "$(cat "$WORK/r2")"
-"$TALON" export --checkpoint "$WORK/run" --model "$GGUF" --format onnx --out "$WORK/x2" > /dev/null 2> "$WORK/r3"
+"$TALON" export --checkpoint "$WORK/run" --model "$GGUF" --verifier HuggingFaceTB/SmolLM2-135M-Instruct --format onnx --out "$WORK/x2" > /dev/null 2> "$WORK/r3"
 [ $? -ne 0 ] && grep -q "unknown export format 'onnx'" "$WORK/r3" && ok "unknown format refused" || bad "$(cat "$WORK/r3")"
 "$TALON" train "${train[@]}" --max-steps 1 --norm-before-residual --out "$WORK/nbr" > /dev/null 2>&1 || bad "train nbr"
-"$TALON" export --checkpoint "$WORK/nbr" --model "$GGUF" --format sglang --out "$WORK/x3" > /dev/null 2> "$WORK/r4"
+"$TALON" export --checkpoint "$WORK/nbr" --model "$GGUF" --verifier HuggingFaceTB/SmolLM2-135M-Instruct --format sglang --out "$WORK/x3" > /dev/null 2> "$WORK/r4"
 [ $? -ne 0 ] && grep -q "norm_before_residual = true, which SGLang" "$WORK/r4" && [ ! -e "$WORK/x3" ] \
   && ok "norm_before_residual refused for SGLang" || bad "$(cat "$WORK/r4")"
-"$TALON" export --checkpoint "$WORK/nbr" --model "$GGUF" --format speculators --dtype fp32 --speculative-tokens 3 --out "$WORK/x4" > /dev/null 2>&1 \
+"$TALON" export --checkpoint "$WORK/nbr" --model "$GGUF" --verifier HuggingFaceTB/SmolLM2-135M-Instruct --format speculators --dtype fp32 --speculative-tokens 3 --out "$WORK/x4" > /dev/null 2>&1 \
   && python3 "$CHECK" "$WORK/nbr/checkpoint.safetensors" "$WORK/x4" speculators fp32 3 > /dev/null 2>&1 \
   && python3 -c "import json,sys; assert json.load(open(sys.argv[1]))['norm_before_residual'] is True" "$WORK/x4/config.json" \
   && ok "norm_before_residual = true exported explicitly for vLLM" || bad "nbr speculators export"

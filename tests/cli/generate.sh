@@ -136,7 +136,7 @@ assert len(table) == len(rows), (len(table), len(rows))
 for t, r in zip(table, rows):
     assert t[1] == r["config"] and t[2] == r["category"] and abs(float(t[4]) - r["tau"]) < 6e-4, (t, r)
 PY
-"$TALON" export --checkpoint "$WORK/run" --model "$GGUF" --format speculators --dtype fp32 --out "$WORK/exp" > /dev/null 2>&1 \
+"$TALON" export --checkpoint "$WORK/run" --model "$GGUF" --verifier HuggingFaceTB/SmolLM2-135M-Instruct --format speculators --dtype fp32 --out "$WORK/exp" > /dev/null 2>&1 \
   || bad "export"
 "$TALON" "${ev[@]}" --draft "$WORK/exp" --out "$WORK/ev2" > /dev/null 2> "$WORK/ev2.err" || bad "eval export: $(tail -3 "$WORK/ev2.err")"
 python3 - "$WORK/ev/eval.json" "$WORK/ev2/eval.json" <<'PY' && ok "fp32 export: same acceptance as the checkpoint" || bad "export eval differs"

@@ -50,6 +50,12 @@ refused parquet "chats.bin: Parquet files are not read.*pd.read_parquet" "$WORK/
 refused hub-id "no such file or directory \(a Hugging Face model id\? .*huggingface-cli download meta-llama/Llama-3.1-8B" \
   "$WORK/o11" -- prepare --model meta-llama/Llama-3.1-8B --data "$SRC/examples/demo_chats.jsonl" --out "$WORK/o11"
 
+# Export names the model the engine serves: --verifier is required, and a GGUF is not one.
+refused no-verifier "--verifier is required \(the target as vLLM or SGLang will serve it: its Hugging Face id" \
+  "$WORK/o12" -- export --run "$WORK/nowhere" --model "$GGUF" --format speculators --out "$WORK/o12"
+refused gguf-verifier "--verifier .*\.gguf is a GGUF file; vLLM and SGLang serve the target from its Hugging Face id" \
+  "$WORK/o13" -- export --run "$WORK/nowhere" --model "$GGUF" --verifier "$GGUF" --format speculators --out "$WORK/o13"
+
 # One vocabulary: --max-length and --threads on generate and eval, --out on template.
 "$TALON" generate --model "$GGUF" --data "$SRC/examples/demo_chats.jsonl" --limit 1 --max-new-tokens 4 --max-length 256 \
   --threads 1 --out "$WORK/g" > /dev/null 2> "$WORK/g.err" && ok "generate takes --max-length and --threads" \

@@ -26,7 +26,7 @@ a=$(losses "$WORK/off/metrics.jsonl"); b=$(losses "$WORK/on/metrics.jsonl")
 for fmt in speculators sglang; do
   for dt in fp32 bf16; do
     out="$WORK/e-$fmt-$dt"
-    if "$TALON" export --checkpoint "$WORK/off" --model "$DS" --format $fmt --dtype $dt --speculative-tokens 3 \
+    if "$TALON" export --checkpoint "$WORK/off" --model "$DS" --verifier "$DS" --format $fmt --dtype $dt --speculative-tokens 3 \
          --out "$out" > /dev/null 2> "$WORK/e.err"; then
       msg=$(python3 "$CHECK" "$WORK/off/checkpoint.safetensors" "$out" $fmt $dt 3 2>&1) && ok "$msg" || bad "$fmt $dt: $msg"
     else
@@ -62,7 +62,7 @@ PY
 sized=("${args[@]}" --max-steps 2 --draft-intermediate 20 --draft-heads 2 --draft-kv-heads 1 --draft-head-dim 6)
 "$TALON" train "${sized[@]}" --data "$WORK/feat" --out "$WORK/sized" > /dev/null 2> "$WORK/sized.err" \
   || bad "sized: $(tail -3 "$WORK/sized.err")"
-"$TALON" export --checkpoint "$WORK/sized" --model "$DS" --format speculators --dtype fp32 --speculative-tokens 3 \
+"$TALON" export --checkpoint "$WORK/sized" --model "$DS" --verifier "$DS" --format speculators --dtype fp32 --speculative-tokens 3 \
   --out "$WORK/e-sized" > /dev/null 2> "$WORK/es.err" || bad "export sized: $(tail -3 "$WORK/es.err")"
 python3 "$CHECK" "$WORK/sized/checkpoint.safetensors" "$WORK/e-sized" speculators fp32 3 > /dev/null 2>&1 \
   && python3 - "$WORK/e-sized/config.json" "$WORK/sized/checkpoint.safetensors" <<'PY' \

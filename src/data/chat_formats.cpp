@@ -339,6 +339,13 @@ RecordReader::RecordReader(const fs::path& path) : impl_(new Impl) {
     char magic[4] = {0, 0, 0, 0};
     if (std::ifstream f{path, std::ios::binary}) f.read(magic, 4);
     const bool parquet = ext == ".parquet" || std::string_view(magic, 4) == "PAR1";
+    if (ext == ".pt" || ext == ".pth" || std::string_view(magic, 4) == std::string_view("PK\x03\x04", 4)) {
+      delete impl_;
+      fail("{}: a PyTorch (torch.save) or zip file, such as speculators' or SpecForge's saved hidden states, is not "
+           "read; talon makes its own features: give it the chat records (JSON Lines) and run talon prepare, then "
+           "talon extract",
+           path.string());
+    }
     if (parquet || ext == ".csv" || ext == ".tsv" || ext == ".arrow" || ext == ".xlsx") {
       delete impl_;
       const std::string f = path.string();

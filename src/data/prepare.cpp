@@ -490,10 +490,26 @@ std::vector<fs::path> expand_inputs(const std::vector<fs::path>& in) {
     TALON_CHECK(fs::exists(p), "{}: no such file or directory", p.string());
     if (fs::is_directory(p)) {
       std::vector<fs::path> found;
+      fs::path tabular;  // a Parquet or Arrow file: a Hugging Face dataset as downloaded or saved
       for (auto& e : fs::recursive_directory_iterator(p)) {
         if (!e.is_regular_file()) continue;
         const std::string ext = e.path().extension().string();
         if (ext == ".jsonl" || ext == ".json") found.push_back(e.path());
+        if (ext == ".parquet" || ext == ".arrow") tabular = e.path();
+      }
+      if (!tabular.empty()) {
+        const bool saved = fs::exists(p / "dataset_info.json") || fs::exists(p / "state.json");
+        const std::string dir = p.string();
+        std::string stem = fs::path(dir).lexically_normal().filename().string();
+        if (stem.empty() || stem == ".") stem = "data";
+        fail("{}: holds {} (a Hugging Face dataset); talon reads JSON Lines or JSON arrays of chat records. "
+             "Convert it with: python3 -c \"import datasets; {}.to_json('{}.jsonl')\"",
+             dir, tabular.string(),
+             saved ? fmt::format("datasets.load_from_disk('{}')", dir)
+                   : fmt::format("datasets.load_dataset('{}', data_files='{}/**/*{}', split='train')",
+                                 tabular.extension() == ".parquet" ? "parquet" : "arrow", dir,
+                                 tabular.extension().string()),
+             stem);
       }
       std::sort(found.begin(), found.end());
       TALON_CHECK(!found.empty(), "{}: directory holds no .jsonl or .json files", p.string());

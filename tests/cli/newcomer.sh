@@ -47,6 +47,12 @@ refused csv "chats.csv: csv files are not read; talon reads JSON Lines .* pd.rea
 printf 'PAR1\0\0\0\0' > "$WORK/chats.bin"
 refused parquet "chats.bin: Parquet files are not read.*pd.read_parquet" "$WORK/o10" -- \
   prepare --model "$GGUF" --data "$WORK/chats.bin" --out "$WORK/o10"
+mkdir -p "$WORK/hfds/data" && printf 'PAR1' > "$WORK/hfds/data/train-00000-of-00001.parquet"
+refused hf-dataset-dir "hfds: holds .*train-00000-of-00001.parquet \(a Hugging Face dataset\).*load_dataset\('parquet'" \
+  "$WORK/o14" -- prepare --model "$GGUF" --data "$WORK/hfds" --out "$WORK/o14"
+printf 'PK\003\004rest' > "$WORK/hidden.pt"
+refused torch-file "hidden.pt: a PyTorch \(torch.save\) or zip file.*run talon prepare" "$WORK/o15" -- \
+  prepare --model "$GGUF" --data "$WORK/hidden.pt" --out "$WORK/o15"
 refused hub-id "no such file or directory \(a Hugging Face model id\? .*huggingface-cli download meta-llama/Llama-3.1-8B" \
   "$WORK/o11" -- prepare --model meta-llama/Llama-3.1-8B --data "$SRC/examples/demo_chats.jsonl" --out "$WORK/o11"
 

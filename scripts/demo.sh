@@ -4,38 +4,43 @@
 # EAGLE-3 features, train a draft on them (a short CPU run when there is no GPU), export it
 # for vLLM and SGLang, render the training report, and measure the draft by real
 # speculative decoding on a few demo questions (talon eval).
+# TALON_DEMO_BIN=PATH runs a talon binary already built (no setup, no build; the test of
+# this script uses it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scripts/setup.sh > /dev/null
-cmake -S . -B build -DCMAKE_BUILD_TYPE=Release > /dev/null
-cmake --build build -j"$(nproc)" --target talon > /dev/null
+if [ -z "${TALON_DEMO_BIN:-}" ]; then
+  scripts/setup.sh > /dev/null
+  cmake -S . -B build -DCMAKE_BUILD_TYPE=Release > /dev/null
+  cmake --build build -j"$(nproc)" --target talon > /dev/null
+fi
+talon=${TALON_DEMO_BIN:-build/talon}
 model=$(scripts/fetch_model.sh)
 out=${1:-out/demo}
 dev=cpu
-if build/talon gpus > /dev/null 2>&1 && nvidia-smi -L > /dev/null 2>&1; then dev=cuda; fi
+if "$talon" gpus > /dev/null 2>&1 && nvidia-smi -L > /dev/null 2>&1; then dev=cuda; fi
 gdev=$dev; [ "$dev" = cuda ] && gdev=cuda:0
 # The target answers every user turn itself (a finished run is a no-op; a killed one resumes).
-build/talon generate --model "$model" --data examples/demo_chats.jsonl --out "$out/generated" --max-new-tokens 64 \
+"$talon" generate --model "$model" --data examples/demo_chats.jsonl --out "$out/generated" --max-new-tokens 64 \
   --device "$gdev"
 rm -rf "$out/tokens"   # prepare is cheap; extract below resumes or is a no-op if already done
-build/talon prepare --model "$model" --data "$out/generated/generated.jsonl" --out "$out/tokens"
-build/talon inspect "$out/tokens" --sample 0
-build/talon extract --model "$model" --data "$out/tokens" --out "$out/features" --device "$dev"
-build/talon inspect "$out/features"
+"$talon" prepare --model "$model" --data "$out/generated/generated.jsonl" --out "$out/tokens"
+"$talon" inspect "$out/tokens" --sample 0
+"$talon" extract --model "$model" --data "$out/tokens" --out "$out/features" --device "$dev"
+"$talon" inspect "$out/features"
 if [ "$dev" = cuda ]; then
   train=(--device cuda --draft-vocab 8192 --max-length 2048 --ttt-steps 7 --epochs 20 --batch-samples 2 --lr 1e-3)
 else  # a short run: the CPU reference trains at tens of tokens/s
   train=(--device cpu --draft-vocab 2048 --max-length 128 --ttt-steps 3 --epochs 2 --batch-samples 2 --lr 1e-3)
 fi
-build/talon train --model "$model" --data "$out/features" --out "$out/train" "${train[@]}" --warmup-steps 2 \
+"$talon" train --model "$model" --data "$out/features" --out "$out/train" "${train[@]}" --warmup-steps 2 \
   --eval-fraction 0.25
 rm -rf "$out/export-vllm" "$out/export-sglang"
-build/talon export --checkpoint "$out/train" --model "$model" --verifier HuggingFaceTB/SmolLM2-135M-Instruct --format speculators --out "$out/export-vllm"
-build/talon export --checkpoint "$out/train" --model "$model" --verifier HuggingFaceTB/SmolLM2-135M-Instruct --format sglang --out "$out/export-sglang"
-build/talon eval --model "$model" --draft "$out/export-vllm" --data examples/demo_questions.jsonl --out "$out/eval" \
+"$talon" export --checkpoint "$out/train" --model "$model" --verifier HuggingFaceTB/SmolLM2-135M-Instruct --format speculators --out "$out/export-vllm"
+"$talon" export --checkpoint "$out/train" --model "$model" --verifier HuggingFaceTB/SmolLM2-135M-Instruct --format sglang --out "$out/export-sglang"
+"$talon" eval --model "$model" --draft "$out/export-vllm" --data examples/demo_questions.jsonl --out "$out/eval" \
   --max-new-tokens 32 --chain 3 --tree 4,4,12 --device "$gdev"
 # The training charts, with the acceptance measured above next to the trainer's simulation.
-build/talon report --run "$out/train" --eval "$out/eval" --out "$out/train/report.html"
+"$talon" report --run "$out/train" --eval "$out/eval" --out "$out/train/report.html"
 echo "demo: answers in $out/generated, tokens in $out/tokens, features in $out/features, draft in $out/train," \
   "exports in $out/export-vllm and $out/export-sglang, report $out/train/report.html, eval $out/eval/eval.html"
 cat <<'TXT'

@@ -19,6 +19,8 @@
 #include "tests/tolerances.h"
 #include "draft/eagle3.h"
 #include "draft/export.h"
+#include "draft/optim.h"
+#include "draft/trainer.h"
 
 using namespace talon;
 using namespace talon::spec;
@@ -258,4 +260,159 @@ TEST(Sampling, TopKTopPMatchFullSortDefinition) {
         }
         EXPECT_EQ(nonzero, keep) << "V=" << V << " spread=" << spread << " k=" << k << " p=" << pp;
       }
+}
+
+namespace {
+
+// Features of a whole sequence as `talon extract` makes them: the target's forward over it,
+// capturing the draft's aux layers (rows [T, 3H]) and h[L] for the target side.
+struct SeqFeatures {
+  std::vector<float> aux, hidden;
+};
+SeqFeatures extract_like(Model& model, const std::vector<int64_t>& aux_ids, const std::vector<int32_t>& ids) {
+  const int64_t T = int64_t(ids.size()), H = model.config().hidden;
+  std::vector<std::vector<float>> cap(4, std::vector<float>(size_t(T * H)));
+  Batch b;
+  b.add(ids.data(), T);
+  model.forward(b,
+                Capture({int(aux_ids[0]), int(aux_ids[1]), int(aux_ids[2]), int(model.config().n_layers)},
+                        {cap[0].data(), cap[1].data(), cap[2].data(), cap[3].data()}),
+                nullptr);
+  SeqFeatures f;
+  f.aux.resize(size_t(T * 3 * H));
+  for (int64_t t = 0; t < T; ++t)
+    for (int i = 0; i < 3; ++i) std::copy_n(cap[size_t(i)].data() + t * H, H, f.aux.data() + (t * 3 + i) * H);
+  f.hidden = std::move(cap[3]);
+  return f;
+}
+
+}  // namespace
+
+// Training and serving must see the same drafter: a draft trained (hand-written backward,
+// AdamW) on the target's own greedy answers, then served by chain speculation, must accept
+// at every depth exactly what the training forward (ttt_forward on extract-style features of
+// the final text, teacher-forced) predicts round by round. A wrong capture row, a misaligned
+// token/feature pair, a stale draft cache or a layer-id mix-up between the decoder and the
+// extract path changes the served counts while greedy output stays equal.
+TEST(Speculate, ServedAcceptanceEqualsTheTrainingForward) {
+  auto ck = open_checkpoint(golden_fixture("llama_gqa"));
+  const ModelConfig& tc = ck->config();
+  const int64_t V = tc.vocab, H = tc.hidden;
+  auto model = make_cpu_model(*ck);
+  auto dec = make_cpu_decoder(*ck, 1, 256);
+  const int K = 4, L0 = 6, N = 40;
+  const SamplingParams greedy;
+  GenLimits open_ended;
+  open_ended.max_new_tokens = N + K + 2;
+
+  // The target's greedy answers to random prompts: the training texts.
+  std::mt19937 rng(5);
+  std::vector<std::vector<int32_t>> prompts, texts;
+  std::vector<int64_t> counts(size_t(V), 0);
+  for (int i = 0; i < 12; ++i) {
+    std::vector<int32_t> p(L0);
+    for (auto& x : p) x = int32_t(3 + rng() % uint32_t(V - 3));
+    auto ans = decode_plain(*dec, 0, p, greedy, 0, open_ended);
+    ASSERT_EQ(int64_t(ans.size()), open_ended.max_new_tokens);
+    for (auto x : ans) ++counts[size_t(x)];
+    std::vector<int32_t> t = p;
+    t.insert(t.end(), ans.begin(), ans.end());
+    prompts.push_back(p);
+    texts.push_back(t);
+  }
+
+  // Train the draft on them (loss on the answers), as `talon train` does on the CPU.
+  spec::DraftModel m = random_draft(tc, V / 2, 13, 1.0);
+  m.config.ttt_steps = K;
+  m.vocab = eagle3::build_draft_vocab(counts, m.config.Vd);
+  const auto ew = ck->weight(*ck->find("model.embed_tokens.weight"));
+  const auto nw = ck->weight(*ck->find("model.norm.weight"));
+  const auto hw = ck->weight(*ck->find("lm_head.weight"));
+  std::vector<float> embed(size_t(V * H)), head(size_t(V * H));
+  std::vector<float> fnorm(static_cast<size_t>(H));
+  convert_to_f32(ew.dtype, ew.data, embed.data(), embed.size());
+  convert_to_f32(nw.dtype, nw.data, fnorm.data(), fnorm.size());
+  convert_to_f32(hw.dtype, hw.data, head.data(), head.size());
+  const eagle3::TargetHead th{embed.data(), fnorm.data(), head.data(), tc.rms_eps};
+  std::vector<SeqFeatures> feats;
+  for (auto& t : texts) feats.push_back(extract_like(*model, m.aux_layer_ids, t));
+  std::vector<std::vector<uint8_t>> masks;
+  for (auto& t : texts) {
+    std::vector<uint8_t> mk(t.size(), 0);
+    std::fill(mk.begin() + L0, mk.end(), uint8_t(1));
+    masks.push_back(mk);
+  }
+  train::OptimConfig oc;
+  oc.lr = 3e-3;
+  oc.schedule = "constant";
+  eagle3::DraftGrads g(m.weights);
+  const auto ps = train::draft_params(m.weights, g);
+  train::AdamW opt(oc);
+  double first = 0, last = 0;
+  for (int step = 0; step < 240; ++step) {
+    const size_t i = size_t(step) % texts.size();
+    for (auto& p : ps) std::fill(p.g->begin(), p.g->end(), 0.0);
+    const eagle3::Sample s{texts[i].data(), masks[i].data(), feats[i].aux.data(), feats[i].hidden.data(),
+                           int64_t(texts[i].size())};
+    const double loss = eagle3::ttt_forward(m.config, m.weights, th, m.vocab, s, false, &g).loss;
+    if (step < int(texts.size())) first += loss;       // the first pass over the texts
+    if (step >= 240 - int(texts.size())) last += loss;  // the last
+    train::clip_grad_norm(ps, oc.clip_norm);
+    opt.step(ps);
+  }
+  std::printf("training loss: first pass %.3f, last pass %.3f\n", first / double(texts.size()), last / double(texts.size()));
+
+  DraftRunner run(m, *ck);
+  SpecConfig cfg;
+  cfg.k = K;
+  GenLimits lim;
+  lim.max_new_tokens = N;
+  std::vector<int64_t> want_tried(size_t(K), 0), want_acc(size_t(K), 0);
+  DecodeStats served;
+  int compared = 0;
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    // Served: chain-K speculation from the prompt.
+    DecodeStats st;
+    const auto got = decode_speculative(*dec, 0, run, prompts[i], cfg, greedy, 0, lim, &st);
+    ASSERT_EQ(got, std::vector<int32_t>(texts[i].begin() + L0, texts[i].begin() + L0 + N)) << "prompt " << i;
+    // Predicted: the training forward over the whole text, its step-k logits at the round's
+    // base b (the last row with target features) against the text, round by round.
+    const eagle3::Sample s{texts[i].data(), masks[i].data(), feats[i].aux.data(), feats[i].hidden.data(),
+                           int64_t(texts[i].size())};
+    const auto ref = eagle3::ttt_forward(m.config, m.weights, th, m.vocab, s, /*keep_logits=*/true);
+    const int64_t Vd = m.config.Vd;
+    bool near_tie = false;
+    auto draft_top = [&](int k, int64_t b) {
+      const float* row = ref.logits[size_t(k)].data() + b * Vd;
+      int64_t best = 0;
+      for (int64_t j = 1; j < Vd; ++j)
+        if (row[j] > row[best]) best = j;
+      for (int64_t j = 0; j < Vd; ++j)
+        if (j != best && row[best] - row[j] < 1e-3f) near_tie = true;
+      return run.to_target(best);
+    };
+    std::vector<int64_t> tried(size_t(K), 0), acc(size_t(K), 0);
+    int64_t gen = 1, b = L0 - 1;
+    while (gen < N) {
+      int a = 0;
+      for (int k = 0; k < K; ++k) {
+        ++tried[size_t(k)];
+        if (draft_top(k, b) != texts[i][size_t(b + 2 + k)]) break;
+        ++acc[size_t(k)], ++a;
+      }
+      gen += a + 1, b += a + 1;
+    }
+    if (near_tie) continue;  // an argmax within 1e-3 could go either way between the two paths
+    ++compared;
+    EXPECT_EQ(st.tried, tried) << "prompt " << i;
+    EXPECT_EQ(st.accepted, acc) << "prompt " << i;
+    for (int k = 0; k < K; ++k) want_tried[size_t(k)] += tried[size_t(k)], want_acc[size_t(k)] += acc[size_t(k)];
+    served.add(st);
+  }
+  std::printf("compared %d prompts; served tried %s accepted %s\n", compared, fmt::format("{}", fmt::join(want_tried, ",")).c_str(),
+              fmt::format("{}", fmt::join(want_acc, ",")).c_str());
+  ASSERT_GE(compared, 8) << "too many near-ties to compare";
+  // The comparison means something only if the draft is often right.
+  EXPECT_GE(double(want_acc[0]) / double(want_tried[0]), 0.3)
+      << "depth-1 acceptance " << want_acc[0] << "/" << want_tried[0];
 }

@@ -7,7 +7,8 @@
 #   gen:NAME:TEMP:SEED:SECONDS  regenerate every conversation of TRAIN_DIR (sharegpt_1k,
 #                               ultrachat_eval, mt_bench_101, self_instruct, then gsm8k) at
 #                               temperature TEMP (top-p 0.95), at most SECONDS (resumes: run it
-#                               again to continue); output WORK/gen_NAME
+#                               again to continue); output WORK/gen_NAME (mix takes the finished
+#                               conversations of a stopped one)
 #   mix:NAME:GEN+GEN...         prepare + extract the union of those generations: WORK/feat_NAME
 #   train:RUN:MIX:EPOCHS:VD:LR:TTT:NOISE   train WORK/run_RUN on WORK/feat_MIX, export (sglang)
 #   eval:RUN                    chain-3 and tree d6 k8 n32 at T=0 on EVAL_N prompts per dev set,
@@ -71,7 +72,28 @@ for st in "${list[@]}"; do
     mix)
       name=${a[1]} files=()
       IFS=+ read -ra gens <<< "${a[2]}"
-      for g in "${gens[@]}"; do files+=("$work/gen_$g/generated.jsonl"); done
+      for g in "${gens[@]}"; do
+        # A generation stopped by its time limit has only its journal: take its finished,
+        # kept conversations (the messages of each journal line).
+        if [ ! -f "$work/gen_$g/generated.jsonl" ]; then
+          python3 - "$work/gen_$g/progress.jsonl" "$work/gen_$g/partial.jsonl" <<'PY'
+import json, sys
+n = 0
+with open(sys.argv[2], "w") as out:
+    for line in open(sys.argv[1]):
+        if not line.endswith("\n"):
+            break
+        j = json.loads(line)
+        if not j.get("skipped"):
+            out.write(json.dumps({"messages": j["messages"]}) + "\n")
+            n += 1
+print(f"{sys.argv[1]}: {n} finished conversations")
+PY
+          files+=("$work/gen_$g/partial.jsonl")
+        else
+          files+=("$work/gen_$g/generated.jsonl")
+        fi
+      done
       rm -rf "$work/tok_$name" "$work/feat_$name"
       timed "prepare $name" $T prepare --model "$gguf" --data "${files[@]}" --out "$work/tok_$name" --max-length 2048 2>&1 | tail -2
       timed "extract $name" $T extract --model "$gguf" --data "$work/tok_$name" --out "$work/feat_$name" --device cuda 2>&1 | tail -1

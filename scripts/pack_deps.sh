@@ -6,8 +6,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 d=.deps
 rm -rf "$d"; mkdir -p "$d/include" "$d/lib"
-for h in nlohmann CLI spdlog fmt openssl pcre2.h utf8proc.h; do cp -r "/usr/include/$h" "$d/include/"; done
+for h in nlohmann CLI spdlog fmt openssl pcre2.h utf8proc.h csv.h; do cp -r "/usr/include/$h" "$d/include/"; done
 cp /usr/include/x86_64-linux-gnu/openssl/*.h "$d/include/openssl/"
-for l in libcrypto.a libpcre2-8.a libutf8proc.a; do cp "/usr/lib/x86_64-linux-gnu/$l" "$d/lib/"; done
+for l in libcrypto.a libpcre2-8.a libutf8proc.a libcsv.a; do cp "/usr/lib/x86_64-linux-gnu/$l" "$d/lib/"; done
 cp -r /usr/src/googletest "$d/googletest"
 du -sh "$d"

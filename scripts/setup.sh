@@ -17,7 +17,7 @@ done
 
 # libgtest-dev: the default configure also builds the test binary (TALON_TESTS).
 pkgs=(cmake g++ make pkg-config nlohmann-json3-dev libcli11-dev libspdlog-dev libfmt-dev libgtest-dev
-      libssl-dev libpcre2-dev libutf8proc-dev python3 python3-pip unzip)
+      libssl-dev libpcre2-dev libutf8proc-dev libcsv-dev python3 python3-pip unzip)
 # chromium: headless screenshots of the HTML reports (tests/cli/check_charts.py).
 [ "$tests" = 1 ] && pkgs+=(clang libclang-rt-dev libomp-dev openmpi-bin chromium)
 missing=()

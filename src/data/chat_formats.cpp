@@ -1,5 +1,7 @@
 #include "data/chat_formats.h"
 
+#include <csv.h>
+
 #include <cctype>
 #include <fstream>
 
@@ -251,7 +253,95 @@ ojson parse_record(std::string_view text) {
 
 // ---------------------------------------------------------------------------------------------
 
+namespace {
+
+// CSV / TSV chat data, read with libcsv: a header row of column names, then one record per row
+// (an object of column -> cell). A cell holding a JSON array or object (a `conversations` or
+// `messages` column, as pandas' to_csv writes them after json.dumps) becomes that value, so
+// the record's layout is detected as for JSON input; other cells stay strings; empty cells
+// are left out of the record.
+struct CsvRows {
+  std::vector<std::vector<std::string>> rows;
+  std::vector<std::string> cur;
+};
+void csv_on_field(void* s, size_t n, void* data) {
+  static_cast<CsvRows*>(data)->cur.emplace_back(s ? static_cast<const char*>(s) : "", s ? n : 0);
+}
+void csv_on_row(int, void* data) {
+  auto* r = static_cast<CsvRows*>(data);
+  r->rows.push_back(std::move(r->cur));
+  r->cur.clear();
+}
+
+std::vector<RecordReader::Item> read_csv_records(const fs::path& path, char delim) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) fail("{}: cannot open (no such file or not readable)", path.string());
+  struct csv_parser p;
+  if (csv_init(&p, CSV_STRICT | CSV_STRICT_FINI) != 0) fail("{}: cannot start the CSV parser", path.string());
+  csv_set_delim(&p, static_cast<unsigned char>(delim));
+  csv_set_space_func(&p, [](unsigned char) { return 0; });  // cells keep their spaces and tabs
+  CsvRows rows;
+  std::vector<char> buf(size_t(1) << 20);
+  std::string err;
+  while (err.empty() && in) {
+    in.read(buf.data(), std::streamsize(buf.size()));
+    const size_t n = size_t(in.gcount());
+    if (n == 0) break;
+    if (csv_parse(&p, buf.data(), n, csv_on_field, csv_on_row, &rows) != n)
+      err = csv_strerror(csv_error(&p));
+  }
+  if (err.empty() && csv_fini(&p, csv_on_field, csv_on_row, &rows) != 0) err = csv_strerror(csv_error(&p));
+  csv_free(&p);
+  const char* kind = delim == '\t' ? "TSV" : "CSV";
+  if (!err.empty())
+    throw RecordError("invalid_csv", fmt::format("{}: malformed {} after row {} (libcsv: {}; an unclosed quote?)",
+                                                 path.string(), kind, rows.rows.size(), err));
+  if (rows.rows.empty()) fail("{}: empty {} file (expected a header row of column names)", path.string(), kind);
+  const std::vector<std::string>& header = rows.rows[0];
+  for (size_t c = 0; c < header.size(); ++c) {
+    if (header[c].empty()) fail("{}: column {} of the header row has no name", path.string(), c + 1);
+    for (size_t d = 0; d < c; ++d)
+      if (header[d] == header[c]) fail("{}: the header row names column '{}' twice", path.string(), header[c]);
+  }
+  std::vector<RecordReader::Item> items;
+  for (size_t r = 1; r < rows.rows.size(); ++r) {
+    const auto& row = rows.rows[r];
+    if (row.size() == 1 && row[0].empty()) continue;  // a blank line
+    if (row.size() != header.size())
+      throw RecordError("invalid_csv", fmt::format("{}: row {} has {} fields, the header row has {}", path.string(),
+                                                   r + 1, row.size(), header.size()));
+    ojson obj = ojson::object();
+    for (size_t c = 0; c < row.size(); ++c) {
+      const std::string& cell = row[c];
+      if (cell.empty()) continue;  // an empty cell is a missing field (pandas writes NaN so)
+      const size_t k = cell.find_first_not_of(" \t\r\n");
+      if (k != std::string::npos && (cell[k] == '[' || cell[k] == '{')) {
+        ojson v = ojson::parse(cell, nullptr, /*allow_exceptions=*/false);
+        if (!v.is_discarded()) {
+          obj[header[c]] = std::move(v);
+          continue;
+        }
+      }
+      obj[header[c]] = cell;
+    }
+    RecordReader::Item it;
+    it.line = int64_t(r + 1);
+    try {
+      it.text = obj.dump();
+    } catch (const ojson::exception&) {
+      throw RecordError("invalid_utf8", fmt::format("{}: row {} is not valid UTF-8", path.string(), r + 1));
+    }
+    items.push_back(std::move(it));
+  }
+  return items;
+}
+
+}  // namespace
+
 struct RecordReader::Impl {
+  std::vector<RecordReader::Item> csv;  // CSV / TSV: every record, read up front
+  size_t csv_next = 0;
+  bool is_csv = false;
   fs::path path;
   std::ifstream in;  // JSONL
   int64_t line = 0;
@@ -346,15 +436,23 @@ RecordReader::RecordReader(const fs::path& path) : impl_(new Impl) {
            "talon extract",
            path.string());
     }
-    if (parquet || ext == ".csv" || ext == ".tsv" || ext == ".arrow" || ext == ".xlsx") {
+    if (!parquet && (ext == ".csv" || ext == ".tsv")) {
+      try {
+        impl_->csv = read_csv_records(path, ext == ".tsv" ? '\t' : ',');
+      } catch (...) {
+        delete impl_;
+        throw;
+      }
+      impl_->is_csv = true;
+      return;
+    }
+    if (parquet || ext == ".arrow" || ext == ".xlsx") {
       delete impl_;
       const std::string f = path.string();
       const std::string read = parquet         ? fmt::format("pd.read_parquet('{}')", f)
-                               : ext == ".csv"  ? fmt::format("pd.read_csv('{}')", f)
-                               : ext == ".tsv"  ? fmt::format("pd.read_csv('{}', sep='\\t')", f)
                                : ext == ".arrow" ? fmt::format("pd.read_feather('{}')", f)
                                                  : fmt::format("pd.read_excel('{}')", f);
-      fail("{}: {} files are not read; talon reads JSON Lines or a JSON array of chat records. Convert it with: "
+      fail("{}: {} files are not read; talon reads JSON Lines, a JSON array or CSV of chat records. Convert it with: "
            "python3 -c \"import pandas as pd; {}.to_json('{}.jsonl', orient='records', lines=True, "
            "force_ascii=False)\" (a Hugging Face dataset: ds.to_json('out.jsonl'))",
            f, parquet ? std::string("Parquet") : ext.substr(1), read, path.stem().string());
@@ -381,6 +479,11 @@ RecordReader::RecordReader(const fs::path& path) : impl_(new Impl) {
 RecordReader::~RecordReader() { delete impl_; }
 
 bool RecordReader::next(Item& out) {
+  if (impl_->is_csv) {
+    if (impl_->csv_next >= impl_->csv.size()) return false;
+    out = impl_->csv[impl_->csv_next++];
+    return true;
+  }
   if (array_) {
     size_t b = 0, e = 0;
     if (!impl_->next_element(b, e, out.line)) return false;
@@ -399,6 +502,7 @@ bool RecordReader::next(Item& out) {
 
 int64_t RecordReader::count(const fs::path& path) {
   RecordReader r(path);
+  if (r.impl_->is_csv) return int64_t(r.impl_->csv.size());
   if (r.array_) {
     int64_t n = 0;
     size_t b, e;

@@ -494,7 +494,7 @@ std::vector<fs::path> expand_inputs(const std::vector<fs::path>& in) {
       for (auto& e : fs::recursive_directory_iterator(p)) {
         if (!e.is_regular_file()) continue;
         const std::string ext = e.path().extension().string();
-        if (ext == ".jsonl" || ext == ".json") found.push_back(e.path());
+        if (ext == ".jsonl" || ext == ".json" || ext == ".csv" || ext == ".tsv") found.push_back(e.path());
         if (ext == ".parquet" || ext == ".arrow") tabular = e.path();
       }
       if (!tabular.empty()) {
@@ -512,7 +512,7 @@ std::vector<fs::path> expand_inputs(const std::vector<fs::path>& in) {
              stem);
       }
       std::sort(found.begin(), found.end());
-      TALON_CHECK(!found.empty(), "{}: directory holds no .jsonl or .json files", p.string());
+      TALON_CHECK(!found.empty(), "{}: directory holds no .jsonl, .json, .csv or .tsv files", p.string());
       files.insert(files.end(), found.begin(), found.end());
     } else {
       files.push_back(p);

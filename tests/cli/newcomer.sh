@@ -41,9 +41,39 @@ refused extract-on-chats "missing field 'input_ids' \(this looks like chat data:
   "$WORK/o6" -- extract --model "$GGUF" --data "$SRC/examples/demo_chats.jsonl" --out "$WORK/o6"
 
 # Inputs talon does not read are named with the conversion; a hub id gets the download hint.
-printf 'role,content\nuser,Hi\n' > "$WORK/chats.csv"
-refused csv "chats.csv: csv files are not read; talon reads JSON Lines .* pd.read_csv" "$WORK/o9" -- \
-  prepare --model "$GGUF" --data "$WORK/chats.csv" --out "$WORK/o9"
+# CSV and TSV are read (libcsv): the same records written by Python's csv module (JSON cells
+# for the conversation column, as pandas writes them) tokenize exactly as their JSON Lines.
+python3 - "$SRC/examples/demo_chats.jsonl" "$WORK" <<'PY'
+import csv, json, sys
+recs = [json.loads(l) for l in open(sys.argv[1]) if l.strip()][:4]
+recs += [{"instruction": "Name a prime, with a comma, \"quotes\"\nand a new line.", "output": "  Seven.\t"}]
+with open(f"{sys.argv[2]}/same.jsonl", "w") as f:
+    for r in recs: f.write(json.dumps(r) + "\n")
+for name, delim in (("same.csv", ","), ("same.tsv", "\t")):
+    cols = sorted({k for r in recs for k in r})
+    with open(f"{sys.argv[2]}/{name}", "w", newline="") as f:
+        w = csv.writer(f, delimiter=delim)
+        w.writerow(cols)
+        for r in recs:
+            w.writerow([json.dumps(r[c]) if isinstance(r.get(c), (list, dict)) else r.get(c, "") for c in cols])
+PY
+for f in same.jsonl same.csv same.tsv; do
+  "$TALON" prepare --model "$GGUF" --data "$WORK/$f" --out "$WORK/p-$f" > /dev/null 2> "$WORK/p.err" \
+    || bad "prepare $f: $(tail -3 "$WORK/p.err")"
+done
+python3 - "$WORK" <<'PY' && ok "CSV and TSV tokenize exactly as the same records in JSON Lines" || bad "CSV/TSV tokens differ"
+import json, sys
+def rows(f):
+    return [(r["input_ids"], r["loss_mask"]) for r in map(json.loads, open(f"{sys.argv[1]}/p-{f}/tokens.jsonl"))]
+a = rows("same.jsonl")
+assert len(a) == 5, len(a)
+assert rows("same.csv") == a and rows("same.tsv") == a
+PY
+printf 'instruction,output\n"Hi,there\n' > "$WORK/broken.csv"
+refused csv-quote "broken.csv: malformed CSV after row 1 \(libcsv: .*an unclosed quote\?\)" "$WORK/o9" -- prepare --model "$GGUF" --data "$WORK/broken.csv" --out "$WORK/o9"
+printf 'instruction,output\nHi,there,extra\n' > "$WORK/ragged.csv"
+refused csv-ragged "ragged.csv: row 2 has 3 fields, the header row has 2" "$WORK/o9" -- \
+  prepare --model "$GGUF" --data "$WORK/ragged.csv" --out "$WORK/o9"
 printf 'PAR1\0\0\0\0' > "$WORK/chats.bin"
 refused parquet "chats.bin: Parquet files are not read.*pd.read_parquet" "$WORK/o10" -- \
   prepare --model "$GGUF" --data "$WORK/chats.bin" --out "$WORK/o10"

@@ -1,16 +1,23 @@
 // libFuzzer target for the chat-dataset readers of `talon prepare`: the input is a dataset
-// file (JSONL, or one JSON array); every record is read, parsed, its format detected and
-// converted to conversations. Bad records must give a RecordError / talon::Error naming
+// file (JSONL, or one JSON array), and the same bytes as a .csv file (libcsv, a header row and
+// JSON cells); every record is read, parsed, its format detected and converted to
+// conversations. Bad records must give a RecordError / talon::Error naming
 // the problem; anything else is a bug.
+#include <unistd.h>
+
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
 #include <string>
 
 #include "data/chat_formats.h"
 #include "fuzz_util.h"
 #include "util/error.h"
 
-extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
-  const std::string& path = talon::fuzz::as_file(data, size);
+namespace {
+
+void read_all(const std::string& path) {
   try {
     (void)talon::RecordReader::count(path);
     talon::RecordReader reader(path);
@@ -27,5 +34,27 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     (void)convs;
   } catch (const talon::Error&) {
   }
+}
+
+// The CSV reader is picked by the file name: the input also goes to a .csv file in /dev/shm.
+const std::string& csv_path() {
+  static const std::string p = [] {
+    std::string s = "/dev/shm/talon-fuzz-" + std::to_string(::getpid()) + ".csv";
+    static std::string keep = s;
+    std::atexit([] { std::remove(keep.c_str()); });
+    return s;
+  }();
+  return p;
+}
+
+}  // namespace
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  read_all(talon::fuzz::as_file(data, size));
+  {
+    std::ofstream f(csv_path(), std::ios::binary | std::ios::trunc);
+    f.write(reinterpret_cast<const char*>(data), std::streamsize(size));
+  }
+  read_all(csv_path());
   return 0;
 }

@@ -16,8 +16,8 @@ using json = nlohmann::json;
 CLI::App* add_prepare_subcommand(CLI::App& app, PrepareOptions& o) {
   auto* c = app.add_subcommand("prepare", "Tokenize chat datasets with the model's chat template and assistant-only "
                                           "loss masks (input of extract)");
-  c->add_option("--data", o.inputs, "Input files or directories (JSONL or JSON arrays; directories: every "
-                                    "*.jsonl/*.json below)")
+  c->add_option("--data", o.inputs, "Input files or directories (JSONL, JSON arrays, CSV or TSV; directories: every "
+                                    "*.jsonl/*.json/*.csv/*.tsv below)")
       ->required()
       ->expected(1, -1);
   c->add_option("--out", o.out, "Output directory (new or empty): tokens.jsonl + manifest.json")->required();

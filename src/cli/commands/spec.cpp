@@ -43,8 +43,8 @@ double to_double(const std::string& s, const std::string& opt) {
 void add_data_options(CLI::App* c, std::vector<fs::path>& inputs, fs::path& model, fs::path& tokenizer,
                       fs::path& tpl, std::string& fallback, std::string& kwargs, std::string& format) {
   c->add_option("--model", model, "Target model: HF directory or .gguf")->required();
-  c->add_option("--data", inputs, "Input files or directories (JSONL or JSON arrays; directories: every "
-                                  "*.jsonl/*.json below)")
+  c->add_option("--data", inputs, "Input files or directories (JSONL, JSON arrays, CSV or TSV; directories: every "
+                                  "*.jsonl/*.json/*.csv/*.tsv below)")
       ->required()
       ->expected(1, -1);
   c->add_option("--tokenizer", tokenizer, "Tokenizer (overrides --model)");

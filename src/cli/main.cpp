@@ -206,9 +206,8 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   cmd_exp->add_option("--dtype", ex_dtype, "bf16 | fp32 for the weights")->capture_default_str();
   cmd_exp->add_option("--verifier", exo.verifier,
-                      "The target as the engine serves it: its Hugging Face id (or HF directory); written in the config "
-                      "and the printed serve command")
-      ->required();
+                      "Required: the target as the engine serves it, its Hugging Face id (or HF directory); written in "
+                      "the config and the printed serve command");
 
   EvalCli evo;
   auto* cmd_ev = add_eval_subcommand(app, evo);
@@ -272,12 +271,7 @@ int main(int argc, char** argv) {
       return 2;
     }
     if (e.get_exit_code() == static_cast<int>(CLI::ExitCodes::Success)) return app.exit(e);  // --help, --version
-    std::string why = e.what();
-    if (why.find("--verifier is required") != std::string::npos)
-      why += " (the target as vLLM or SGLang will serve it: its Hugging Face id, e.g. --verifier "
-             "meta-llama/Llama-3.1-8B-Instruct, or a Hugging Face model directory; --model may be a GGUF file "
-             "or a local copy the engine never sees)";
-    std::cerr << fmt::format("error: {}; see talon{} --help\n", why,
+    std::cerr << fmt::format("error: {}; see talon{} --help\n", e.what(),
                              argc > 1 && std::find(subs.begin(), subs.end(), argv[1]) != subs.end()
                                  ? std::string(" ") + argv[1]
                                  : std::string());
@@ -347,6 +341,10 @@ int main(int argc, char** argv) {
     if (*cmd_stop) return run_stop(stop_dir, stop_wait);
     if (*cmd_exp) {
       exo.format = train::parse_export_format(ex_format);
+      TALON_CHECK(!exo.verifier.empty(),
+                  "--verifier is required (the target as vLLM or SGLang will serve it: its Hugging Face id, e.g. "
+                  "--verifier meta-llama/Llama-3.1-8B-Instruct, or a Hugging Face model directory; --model may be a "
+                  "GGUF file or a local copy the engine never sees); see talon export --help");
       TALON_CHECK(fs::path(exo.verifier).extension() != ".gguf",
                   "export: --verifier {} is a GGUF file; vLLM and SGLang serve the target from its Hugging Face id "
                   "(e.g. --verifier meta-llama/Llama-3.1-8B-Instruct) or a Hugging Face model directory",

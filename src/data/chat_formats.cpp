@@ -420,7 +420,7 @@ char first_byte(const fs::path& p) {
 }
 }  // namespace
 
-RecordReader::RecordReader(const fs::path& path) : impl_(new Impl) {
+RecordReader::RecordReader(const fs::path& path) : impl_(std::make_unique<Impl>()) {
   impl_->path = path;
   {
     // Tabular files are refused by name, with the conversion that makes them readable.
@@ -429,25 +429,17 @@ RecordReader::RecordReader(const fs::path& path) : impl_(new Impl) {
     char magic[4] = {0, 0, 0, 0};
     if (std::ifstream f{path, std::ios::binary}) f.read(magic, 4);
     const bool parquet = ext == ".parquet" || std::string_view(magic, 4) == "PAR1";
-    if (ext == ".pt" || ext == ".pth" || std::string_view(magic, 4) == std::string_view("PK\x03\x04", 4)) {
-      delete impl_;
+    if (ext == ".pt" || ext == ".pth" || std::string_view(magic, 4) == std::string_view("PK\x03\x04", 4))
       fail("{}: a PyTorch (torch.save) or zip file, such as speculators' or SpecForge's saved hidden states, is not "
            "read; talon makes its own features: give it the chat records (JSON Lines) and run talon prepare, then "
            "talon extract",
            path.string());
-    }
     if (!parquet && (ext == ".csv" || ext == ".tsv")) {
-      try {
-        impl_->csv = read_csv_records(path, ext == ".tsv" ? '\t' : ',');
-      } catch (...) {
-        delete impl_;
-        throw;
-      }
+      impl_->csv = read_csv_records(path, ext == ".tsv" ? '\t' : ',');
       impl_->is_csv = true;
       return;
     }
     if (parquet || ext == ".arrow" || ext == ".xlsx") {
-      delete impl_;
       const std::string f = path.string();
       const std::string read = parquet         ? fmt::format("pd.read_parquet('{}')", f)
                                : ext == ".arrow" ? fmt::format("pd.read_feather('{}')", f)
@@ -469,14 +461,11 @@ RecordReader::RecordReader(const fs::path& path) : impl_(new Impl) {
     ++impl_->pos;
   } else {
     impl_->in.open(path, std::ios::binary);
-    if (!impl_->in) {
-      delete impl_;
-      fail("{}: cannot open (no such file or not readable)", path.string());
-    }
+    if (!impl_->in) fail("{}: cannot open (no such file or not readable)", path.string());
   }
 }
 
-RecordReader::~RecordReader() { delete impl_; }
+RecordReader::~RecordReader() = default;
 
 bool RecordReader::next(Item& out) {
   if (impl_->is_csv) {

@@ -14,6 +14,7 @@
 //                 prompts with no assistant answer (prompt_only = true)
 // A file is JSONL (one record per line) or one JSON array of records.
 #pragma once
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <string_view>
@@ -74,7 +75,7 @@ class RecordReader {
 
  private:
   struct Impl;
-  Impl* impl_;
+  std::unique_ptr<Impl> impl_;  // freed however the constructor leaves
   bool array_ = false;
 };
 

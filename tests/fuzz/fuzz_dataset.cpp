@@ -38,12 +38,9 @@ void read_all(const std::string& path) {
 
 // The CSV reader is picked by the file name: the input also goes to a .csv file in /dev/shm.
 const std::string& csv_path() {
-  static const std::string p = [] {
-    std::string s = "/dev/shm/talon-fuzz-" + std::to_string(::getpid()) + ".csv";
-    static std::string keep = s;
-    std::atexit([] { std::remove(keep.c_str()); });
-    return s;
-  }();
+  static const std::string p = "/dev/shm/talon-fuzz-" + std::to_string(::getpid()) + ".csv";
+  static const int removed_at_exit = std::atexit([] { std::remove(csv_path().c_str()); });
+  (void)removed_at_exit;
   return p;
 }
 

@@ -20,7 +20,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 gguf=$1 train=$2 dev=$3 work=$4 stages=$5
 T=${TALON:-build/talon}
-EVAL_N=${EVAL_N:-16} BATCH=${BATCH:-512}
+EVAL_N=${EVAL_N:-16} BATCH=${BATCH:-512} EVAL_EVERY=${EVAL_EVERY:-2000}
+# TRAIN_SECS: stop each training run (SIGINT: it drains and saves) after this many seconds.
 mkdir -p "$work"
 timed() { local name=$1; shift; local t0=$SECONDS; "$@"; echo "== $name: $((SECONDS - t0)) s"; }
 sources=("$train/sharegpt_1k" "$train/ultrachat_eval" "$train/mt_bench_101" "$train/self_instruct" "$train/gsm8k")
@@ -101,10 +102,11 @@ PY
     train)
       run=${a[1]} mix=${a[2]} ep=${a[3]} vd=${a[4]} lr=${a[5]} ttt=${a[6]} noise=${a[7]}
       rm -rf "$work/run_$run" "$work/run_$run.sglang"
-      timed "train $run" $T train --data "$work/feat_$mix" --model "$gguf" --out "$work/run_$run" --device cuda \
+      timed "train $run" ${TRAIN_SECS:+timeout -s INT "$TRAIN_SECS"} $T train --data "$work/feat_$mix" --model "$gguf" --out "$work/run_$run" --device cuda \
         --draft-vocab "$vd" --max-length 2048 --ttt-steps "$ttt" --epochs "$ep" --lr "$lr" --schedule cosine \
-        --clip 0.5 --noise "$noise" --eval-fraction 0.02 --eval-every 2000 --seed 1 --save-every 1000000 2>&1 \
-        | grep -E "eval after|tokens/s" | tail -2
+        --clip 0.5 --noise "$noise" --eval-fraction 0.02 --eval-every "$EVAL_EVERY" --seed 1 --save-every 1000000 \
+        > "$work/run_$run.log" 2>&1
+      grep -E "eval after| E |error|^== " "$work/run_$run.log" | tail -3
       $T export --checkpoint "$work/run_$run" --model "$gguf" --verifier HuggingFaceTB/SmolLM2-135M-Instruct --format sglang --out "$work/run_$run.sglang" > /dev/null 2>&1
       ;;
     eval)
@@ -127,14 +129,9 @@ PY
     *) echo "unknown stage $st"; exit 2 ;;
   esac
 done
+# The device returns only a few files from $OUT: everything goes into one archive.
 if [ -n "${OUT:-}" ]; then
-  for r in "$work"/run_*/; do
-    r=${r%/}; n=$(basename "$r"); mkdir -p "$OUT/$n"
-    cp "$r/metrics.jsonl" "$OUT/$n/" 2>/dev/null
-    [ -f "$work/eval_${n#run_}/eval.json" ] && cp "$work/eval_${n#run_}/eval.json" "$OUT/$n/eval_dev.json"
-    [ -f "$work/evaltrain_${n#run_}/eval.json" ] && cp "$work/evaltrain_${n#run_}/eval.json" "$OUT/$n/eval_train.json"
-  done
-  cp "$work/report.html" "$OUT/" 2>/dev/null
-  for g in "$work"/gen_*/; do [ -f "$g/manifest.json" ] && cp "$g/manifest.json" "$OUT/$(basename "$g").manifest.json"; done
+  (cd "$work" && tar czf "$OUT/sweep.tgz" --ignore-failed-read run_*/metrics.jsonl run_*.log \
+     eval_*/eval.json evaltrain_*/eval.json gen_*/manifest.json report.html 2>/dev/null)
 fi
 exit 0

@@ -420,12 +420,17 @@ char first_byte(const fs::path& p) {
 }
 }  // namespace
 
+std::string lower_extension(const fs::path& path) {
+  std::string ext = path.extension().string();
+  for (char& ch : ext) ch = char(std::tolower(static_cast<unsigned char>(ch)));
+  return ext;
+}
+
 RecordReader::RecordReader(const fs::path& path) : impl_(std::make_unique<Impl>()) {
   impl_->path = path;
   {
     // Tabular files are refused by name, with the conversion that makes them readable.
-    std::string ext = path.extension().string();
-    for (char& ch : ext) ch = char(std::tolower(static_cast<unsigned char>(ch)));
+    const std::string ext = lower_extension(path);
     char magic[4] = {0, 0, 0, 0};
     if (std::ifstream f{path, std::ios::binary}) f.read(magic, 4);
     const bool parquet = ext == ".parquet" || std::string_view(magic, 4) == "PAR1";

@@ -53,6 +53,10 @@ ChatFormat detect_chat_format(const ojson& record);
 // the wrong type), unknown_role.
 std::vector<Conversation> record_to_conversations(const ojson& record, ChatFormat format);
 
+// The file's extension, lower-cased (".JSONL" -> ".jsonl"): how every reader of chat data
+// decides what a file holds, whether it was named directly or found in a directory.
+std::string lower_extension(const fs::path& path);
+
 // Iterates the records of one input file without holding it in memory (JSONL line by line;
 // JSON arrays element by element from a memory map). Each record comes with its 1-based line.
 class RecordReader {

@@ -493,7 +493,7 @@ std::vector<fs::path> expand_inputs(const std::vector<fs::path>& in) {
       fs::path tabular;  // a Parquet or Arrow file: a Hugging Face dataset as downloaded or saved
       for (auto& e : fs::recursive_directory_iterator(p)) {
         if (!e.is_regular_file()) continue;
-        const std::string ext = e.path().extension().string();
+        const std::string ext = lower_extension(e.path());
         if (ext == ".jsonl" || ext == ".json" || ext == ".csv" || ext == ".tsv") found.push_back(e.path());
         if (ext == ".parquet" || ext == ".arrow") tabular = e.path();
       }
@@ -507,7 +507,7 @@ std::vector<fs::path> expand_inputs(const std::vector<fs::path>& in) {
              dir, tabular.string(),
              saved ? fmt::format("datasets.load_from_disk('{}')", dir)
                    : fmt::format("datasets.load_dataset('{}', data_files='{}/**/*{}', split='train')",
-                                 tabular.extension() == ".parquet" ? "parquet" : "arrow", dir,
+                                 lower_extension(tabular) == ".parquet" ? "parquet" : "arrow", dir,
                                  tabular.extension().string()),
              stem);
       }

@@ -146,6 +146,23 @@ TEST(ChatFormats, ReaderJsonlAndArrays) {
   for (auto& p : {a, b, c}) fs::remove(p);
 }
 
+// A directory's files are chosen by the same case-insensitive extension a file named directly is
+// read by: an upper-case .JSONL or .CSV inside a directory is read, other files are not.
+TEST(Prepare, ExpandInputsMatchesExtensionsWithoutCase) {
+  const fs::path dir = fs::temp_directory_path() / ("talon-test-expand-" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  fs::create_directories(dir / "sub");
+  for (const char* name : {"a.JSONL", "b.Csv", "sub/c.json", "d.TSV", "notes.txt", "e.jsonl.bak"})
+    std::ofstream(dir / name) << "{}\n";
+  const auto files = expand_inputs({dir});
+  std::vector<std::string> names;
+  for (const auto& f : files) names.push_back(fs::relative(f, dir).generic_string());
+  EXPECT_EQ(names, (std::vector<std::string>{"a.JSONL", "b.Csv", "d.TSV", "sub/c.json"}));
+  EXPECT_EQ(lower_extension("x/Y.JsonL"), ".jsonl");
+  EXPECT_EQ(lower_extension("noext"), "");
+  fs::remove_all(dir);
+}
+
 TEST(Prepare, SpansToMask) {
   using Off = std::vector<std::pair<uint32_t, uint32_t>>;
   // tokens: [0,3) [3,5) [5,5) [5,9) [9,10) [10,14)

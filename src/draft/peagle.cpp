@@ -1,0 +1,308 @@
+#include "draft/peagle.h"
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <random>
+
+#include "draft/cpu_ops.h"
+#include "model/model.h"
+#include "util/error.h"
+
+namespace talon::peagle {
+
+namespace {
+using Vec = std::vector<double>;
+namespace ops = eagle3::ops;
+constexpr double kReductionEps = 1e-5;  // added to the counted elements, as speculators does
+}  // namespace
+
+CodSample cod_sample(const std::vector<uint8_t>& valid, const CodOptions& o, uint64_t seed) {
+  TALON_CHECK(o.depths >= 1, "P-EAGLE: depths must be >= 1 (got {})", o.depths);
+  TALON_CHECK(o.ratio > 0 && o.ratio < 1 && o.ratio_min >= 0 && o.ratio_min <= 1,
+              "P-EAGLE: down-sample ratio must be in (0, 1) and its floor in [0, 1] (got {}, {})", o.ratio,
+              o.ratio_min);
+  const int64_t S = int64_t(valid.size());
+  CodSample s;
+  for (int64_t t = 0; t < S; ++t) {
+    s.anchor.push_back(t);
+    s.depth.push_back(0);
+  }
+  std::vector<int64_t> seeds;
+  for (int64_t t = 0; t < S; ++t)
+    if (valid[size_t(t)]) seeds.push_back(t);
+  std::mt19937_64 rng(seed);
+  std::vector<int64_t> prev = seeds;  // target positions a chain can reach at this depth
+  for (int d = 1; d < o.depths; ++d) {
+    const int64_t n = std::max<int64_t>(0, int64_t(seeds.size()) - d);
+    const int64_t want = int64_t(double(n) * std::max(std::pow(o.ratio, d), o.ratio_min));
+    if (want <= 0) break;
+    // A chain at depth d ends at position p = a + d; p < d would start before the sample.
+    std::erase_if(prev, [&](int64_t p) { return p < d; });
+    std::vector<int64_t> pick = prev;
+    if (int64_t(pick.size()) >= want) {
+      for (int64_t i = 0; i < want; ++i) {  // a partial Fisher-Yates draw of `want` of them
+        std::uniform_int_distribution<int64_t> u(i, int64_t(pick.size()) - 1);
+        std::swap(pick[size_t(i)], pick[size_t(u(rng))]);
+      }
+      pick.resize(static_cast<size_t>(want));
+      std::sort(pick.begin(), pick.end());
+    }
+    for (int64_t p : pick) {
+      s.anchor.push_back(p - d);
+      s.depth.push_back(d);
+    }
+    prev.clear();
+    for (int64_t p : pick)
+      if (p + 1 < S && valid[size_t(p + 1)]) prev.push_back(p + 1);
+  }
+  return s;
+}
+
+bool attends(const CodSample& s, int64_t q, int64_t kv) {
+  const int64_t aq = s.anchor[size_t(q)], ak = s.anchor[size_t(kv)];
+  return (s.depth[size_t(kv)] == 0 && aq >= ak) || (aq == ak && s.depth[size_t(q)] >= s.depth[size_t(kv)]);
+}
+
+Grads::Grads(const Weights& w)
+    : layer(w.layer), mask_hidden(w.mask_hidden.size(), 0.0), embed(w.embed.size(), 0.0) {}
+
+Result forward(const eagle3::DraftConfig& c, const Weights& w, const eagle3::TargetHead& tgt,
+               const eagle3::DraftVocab& vocab, const eagle3::Sample& s, const CodSample& cod, int32_t mask_token,
+               Grads* grads) {
+  const int64_t T = s.T, H = c.H, I = c.I, nh = c.n_heads, nkv = c.n_kv_heads, hd = c.head_dim, V = c.V, Vd = c.Vd;
+  const int64_t N = cod.size(), qd = nh * hd, kvd = nkv * hd, grp = nh / nkv;
+  TALON_CHECK(nh > 0 && nkv > 0 && nh % nkv == 0, "P-EAGLE: {} heads not a multiple of {} kv heads", nh, nkv);
+  TALON_CHECK(int64_t(vocab.kept.size()) == Vd, "P-EAGLE: draft vocabulary has {} of {} ids", vocab.kept.size(), Vd);
+  TALON_CHECK(int64_t(w.mask_hidden.size()) == 3 * H && int64_t(w.embed.size()) == V * H,
+              "P-EAGLE: mask_hidden has {} values (expected {}), embed {} (expected {})", w.mask_hidden.size(), 3 * H,
+              w.embed.size(), V * H);
+  TALON_CHECK(mask_token >= 0 && mask_token < V, "P-EAGLE: mask token {} outside the vocabulary of {}", mask_token, V);
+  const std::vector<float> inv = rope_inv_freq(c.rope, hd);
+  const auto& L = w.layer;
+
+  // Per element: input token, position, target row.
+  std::vector<int32_t> tok(static_cast<size_t>(N));
+  std::vector<int64_t> pos(static_cast<size_t>(N)), trow(static_cast<size_t>(N));
+  for (int64_t n = 0; n < N; ++n) {
+    const int64_t a = cod.anchor[size_t(n)], d = cod.depth[size_t(n)];
+    TALON_CHECK(a >= 0 && d >= 0 && a + d + 1 < T, "P-EAGLE: element {} (anchor {}, depth {}) outside a sample of {}",
+                n, a, d, T);
+    tok[size_t(n)] = d == 0 ? s.ids[a + 1] : mask_token;
+    TALON_CHECK(tok[size_t(n)] >= 0 && tok[size_t(n)] < V, "P-EAGLE: token id {} outside the vocabulary",
+                tok[size_t(n)]);
+    pos[size_t(n)] = a + d;
+    trow[size_t(n)] = a + d + 1;
+  }
+
+  // Target distribution over the draft vocabulary for every row an element reads.
+  Vec P(static_cast<size_t>(T * Vd), 0.0);
+  std::vector<int64_t> targ(static_cast<size_t>(T), 0);
+  std::vector<uint8_t> need(static_cast<size_t>(T), 0);
+  for (int64_t n = 0; n < N; ++n) need[size_t(trow[size_t(n)])] = 1;
+#pragma omp parallel for schedule(dynamic, 4)
+  for (int64_t t = 0; t < T; ++t) {
+    if (!need[size_t(t)]) continue;
+    Vec h(s.hidden + t * H, s.hidden + (t + 1) * H), hn(static_cast<size_t>(H)), lg(static_cast<size_t>(Vd));
+    ops::rmsnorm(hn.data(), h.data(), tgt.final_norm, H, tgt.rms_eps);
+    for (int64_t d = 0; d < Vd; ++d) lg[size_t(d)] = ops::dot(hn.data(), tgt.lm_head + vocab.kept[size_t(d)] * H, H);
+    const double mx = *std::max_element(lg.begin(), lg.end());
+    double z = 0;
+    for (double x : lg) z += std::exp(x - mx);
+    for (int64_t d = 0; d < Vd; ++d) P[size_t(t * Vd + d)] = std::exp(lg[size_t(d)] - mx) / z;
+    targ[size_t(t)] = std::max_element(lg.begin(), lg.end()) - lg.begin();
+  }
+
+  // Inputs: x = [in_ln(embed[tok]), hidden_norm(g)], g = fc(aux or mask_hidden).
+  Vec A(static_cast<size_t>(N * 3 * H)), E(static_cast<size_t>(N * H)), g, xin(static_cast<size_t>(N * 2 * H)), res(static_cast<size_t>(N * H));
+  for (int64_t n = 0; n < N; ++n) {
+    const int64_t a = cod.anchor[size_t(n)];
+    if (cod.depth[size_t(n)] == 0)
+      std::copy(s.aux + a * 3 * H, s.aux + (a + 1) * 3 * H, A.begin() + n * 3 * H);
+    else
+      std::copy(w.mask_hidden.begin(), w.mask_hidden.end(), A.begin() + n * 3 * H);
+    std::copy(w.embed.begin() + int64_t(tok[size_t(n)]) * H, w.embed.begin() + (int64_t(tok[size_t(n)]) + 1) * H,
+              E.begin() + n * H);
+  }
+  ops::linear(g, A, L.fc, N, 3 * H, H);
+  for (int64_t n = 0; n < N; ++n) {
+    ops::rmsnorm(xin.data() + n * 2 * H, E.data() + n * H, L.in_ln.data(), H, c.rms_eps);
+    ops::rmsnorm(xin.data() + n * 2 * H + H, g.data() + n * H, L.hidden_norm.data(), H, c.rms_eps);
+    for (int64_t i = 0; i < H; ++i)
+      res[size_t(n * H + i)] = c.norm_before_residual ? xin[size_t(n * 2 * H + H + i)] : g[size_t(n * H + i)];
+  }
+  Vec q, kk, vv;
+  ops::linear(q, xin, L.wq, N, 2 * H, qd);
+  ops::linear(kk, xin, L.wk, N, 2 * H, kvd);
+  ops::linear(vv, xin, L.wv, N, 2 * H, kvd);
+  for (int64_t n = 0; n < N; ++n) {
+    ops::rope(q.data() + n * qd, nh, hd, pos[size_t(n)], inv);
+    ops::rope(kk.data() + n * kvd, nkv, hd, pos[size_t(n)], inv);
+  }
+  // Which keys each element reads.
+  std::vector<std::vector<int64_t>> keys(static_cast<size_t>(N));
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t m = 0; m < N; ++m)
+      if (attends(cod, n, m)) keys[size_t(n)].push_back(m);
+  const double scale = 1.0 / std::sqrt(double(hd));
+  Vec att(static_cast<size_t>(N * qd), 0.0);
+  std::vector<Vec> probs(static_cast<size_t>(N * nh));  // softmax weights, kept for the backward
+#pragma omp parallel for schedule(dynamic, 4)
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t h = 0; h < nh; ++h) {
+      const int64_t kh = h / grp;
+      const double* qp = q.data() + n * qd + h * hd;
+      Vec& sc = probs[size_t(n * nh + h)];
+      sc.assign(keys[size_t(n)].size(), 0.0);
+      for (size_t i = 0; i < sc.size(); ++i) {
+        const double* kp = kk.data() + keys[size_t(n)][i] * kvd + kh * hd;
+        for (int64_t e = 0; e < hd; ++e) sc[i] += qp[e] * kp[e];
+        sc[i] *= scale;
+      }
+      const double mx = *std::max_element(sc.begin(), sc.end());
+      double z = 0;
+      for (double& x : sc) z += (x = std::exp(x - mx));
+      double* op = att.data() + n * qd + h * hd;
+      for (size_t i = 0; i < sc.size(); ++i) {
+        sc[i] /= z;
+        const double* vp = vv.data() + keys[size_t(n)][i] * kvd + kh * hd;
+        for (int64_t e = 0; e < hd; ++e) op[e] += sc[i] * vp[e];
+      }
+    }
+  Vec o;
+  ops::linear(o, att, L.wo, N, qd, H);
+  Vec g1(static_cast<size_t>(N * H)), hm(static_cast<size_t>(N * H));
+  for (int64_t i = 0; i < N * H; ++i) g1[size_t(i)] = res[size_t(i)] + o[size_t(i)];
+  for (int64_t n = 0; n < N; ++n) ops::rmsnorm(hm.data() + n * H, g1.data() + n * H, L.post_ln.data(), H, c.rms_eps);
+  Vec ga, up, down, act;
+  ops::linear(ga, hm, L.gate, N, H, I);
+  ops::linear(up, hm, L.up, N, H, I);
+  act.resize(ga.size());
+  for (size_t i = 0; i < ga.size(); ++i) act[i] = ga[i] / (1.0 + std::exp(-ga[i])) * up[i];
+  ops::linear(down, act, L.down, N, I, H);
+  Vec g2(static_cast<size_t>(N * H)), fn(static_cast<size_t>(N * H));
+  for (int64_t i = 0; i < N * H; ++i) g2[size_t(i)] = g1[size_t(i)] + down[size_t(i)];
+  for (int64_t n = 0; n < N; ++n) ops::rmsnorm(fn.data() + n * H, g2.data() + n * H, L.norm.data(), H, c.rms_eps);
+  Vec logits;
+  ops::linear(logits, fn, L.lm_head, N, H, Vd);
+
+  // Loss: KL(P || softmax(logits)) over counted elements; accuracy per depth.
+  Result r;
+  int depths = 0;
+  for (int64_t d : cod.depth) depths = std::max<int>(depths, int(d) + 1);
+  r.hits.assign(static_cast<size_t>(depths), 0);
+  r.total.assign(static_cast<size_t>(depths), 0);
+  for (int64_t n = 0; n < N; ++n) r.counted += s.mask[trow[size_t(n)]] ? 1 : 0;
+  const double denom = double(r.counted) + kReductionEps;
+  Vec dlogits(grads ? size_t(N * Vd) : 0, 0.0);
+  double kl_sum = 0;
+  for (int64_t n = 0; n < N; ++n) {
+    const int64_t t = trow[size_t(n)];
+    if (!s.mask[t]) continue;
+    const double* lg = logits.data() + n * Vd;
+    const double mx = *std::max_element(lg, lg + Vd);
+    double z = 0;
+    for (int64_t d = 0; d < Vd; ++d) z += std::exp(lg[d] - mx);
+    const double lz = mx + std::log(z);
+    for (int64_t d = 0; d < Vd; ++d) {
+      const double p = P[size_t(t * Vd + d)];
+      if (p > 0) kl_sum += p * (std::log(p) - (lg[d] - lz));
+      if (grads) dlogits[size_t(n * Vd + d)] = (std::exp(lg[d] - lz) - p) / denom;
+    }
+    const int64_t dep = cod.depth[size_t(n)];
+    r.total[size_t(dep)] += 1;
+    r.hits[size_t(dep)] += (std::max_element(lg, lg + Vd) - lg) == targ[size_t(t)];
+  }
+  r.loss = kl_sum / denom;
+  if (!grads) return r;
+
+  // Backward (the lm_head is frozen: its gradient is not formed).
+  Grads& G = *grads;
+  auto& GL = G.layer;
+  Vec dfn(static_cast<size_t>(N * H), 0.0);
+  ops::linear_backward(&dfn, nullptr, dlogits, fn, L.lm_head, N, H, Vd);
+  Vec dg2(static_cast<size_t>(N * H), 0.0);
+  for (int64_t n = 0; n < N; ++n)
+    ops::rmsnorm_backward(dg2.data() + n * H, &GL.norm, dfn.data() + n * H, g2.data() + n * H, L.norm.data(), H,
+                          c.rms_eps);
+  Vec dact(static_cast<size_t>(N * I), 0.0);
+  ops::linear_backward(&dact, &GL.down, dg2, act, L.down, N, I, H);
+  Vec dga(static_cast<size_t>(N * I)), dup(static_cast<size_t>(N * I));
+  for (size_t i = 0; i < dact.size(); ++i) {
+    const double x = ga[i], sg = 1.0 / (1.0 + std::exp(-x));
+    dup[i] = dact[i] * x * sg;
+    dga[i] = dact[i] * up[i] * sg * (1.0 + x * (1.0 - sg));
+  }
+  Vec dhm(static_cast<size_t>(N * H), 0.0);
+  ops::linear_backward(&dhm, &GL.gate, dga, hm, L.gate, N, H, I);
+  ops::linear_backward(&dhm, &GL.up, dup, hm, L.up, N, H, I);
+  Vec dg1 = dg2;
+  for (int64_t n = 0; n < N; ++n)
+    ops::rmsnorm_backward(dg1.data() + n * H, &GL.post_ln, dhm.data() + n * H, g1.data() + n * H, L.post_ln.data(), H,
+                          c.rms_eps);
+  Vec datt(static_cast<size_t>(N * qd), 0.0);
+  ops::linear_backward(&datt, &GL.wo, dg1, att, L.wo, N, qd, H);
+  // Attention: dq per query row; dk, dv scattered to the keys (serial: keys are shared).
+  Vec dq(static_cast<size_t>(N * qd), 0.0), dk(static_cast<size_t>(N * kvd), 0.0), dv(static_cast<size_t>(N * kvd), 0.0);
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t h = 0; h < nh; ++h) {
+      const int64_t kh = h / grp;
+      const double* qp = q.data() + n * qd + h * hd;
+      const double* da = datt.data() + n * qd + h * hd;
+      const Vec& pr = probs[size_t(n * nh + h)];
+      const auto& ks = keys[size_t(n)];
+      Vec dp(ks.size(), 0.0);
+      double sum_pdp = 0;
+      for (size_t i = 0; i < ks.size(); ++i) {
+        const double* vp = vv.data() + ks[i] * kvd + kh * hd;
+        double* dvp = dv.data() + ks[i] * kvd + kh * hd;
+        for (int64_t e = 0; e < hd; ++e) {
+          dp[i] += da[e] * vp[e];
+          dvp[e] += pr[i] * da[e];
+        }
+        sum_pdp += pr[i] * dp[i];
+      }
+      double* dqp = dq.data() + n * qd + h * hd;
+      for (size_t i = 0; i < ks.size(); ++i) {
+        const double ds = pr[i] * (dp[i] - sum_pdp) * scale;
+        const double* kp = kk.data() + ks[i] * kvd + kh * hd;
+        double* dkp = dk.data() + ks[i] * kvd + kh * hd;
+        for (int64_t e = 0; e < hd; ++e) {
+          dqp[e] += ds * kp[e];
+          dkp[e] += ds * qp[e];
+        }
+      }
+    }
+  for (int64_t n = 0; n < N; ++n) {
+    ops::rope(dq.data() + n * qd, nh, hd, -pos[size_t(n)], inv);
+    ops::rope(dk.data() + n * kvd, nkv, hd, -pos[size_t(n)], inv);
+  }
+  Vec dxin(static_cast<size_t>(N * 2 * H), 0.0);
+  ops::linear_backward(&dxin, &GL.wq, dq, xin, L.wq, N, 2 * H, qd);
+  ops::linear_backward(&dxin, &GL.wk, dk, xin, L.wk, N, 2 * H, kvd);
+  ops::linear_backward(&dxin, &GL.wv, dv, xin, L.wv, N, 2 * H, kvd);
+  Vec dg(static_cast<size_t>(N * H), 0.0), dE(static_cast<size_t>(N * H), 0.0);
+  for (int64_t n = 0; n < N; ++n) {
+    ops::rmsnorm_backward(dE.data() + n * H, &GL.in_ln, dxin.data() + n * 2 * H, E.data() + n * H, L.in_ln.data(), H,
+                          c.rms_eps);
+    // The hidden half of x and, with norm_before_residual, the residual read hidden_norm(g).
+    Vec dhn(dxin.begin() + n * 2 * H + H, dxin.begin() + (n + 1) * 2 * H);
+    if (c.norm_before_residual)
+      for (int64_t i = 0; i < H; ++i) dhn[size_t(i)] += dg1[size_t(n * H + i)];
+    else
+      for (int64_t i = 0; i < H; ++i) dg[size_t(n * H + i)] += dg1[size_t(n * H + i)];
+    ops::rmsnorm_backward(dg.data() + n * H, &GL.hidden_norm, dhn.data(), g.data() + n * H, L.hidden_norm.data(), H,
+                          c.rms_eps);
+  }
+  Vec dA(static_cast<size_t>(N * 3 * H), 0.0);
+  ops::linear_backward(&dA, &GL.fc, dg, A, L.fc, N, 3 * H, H);
+  for (int64_t n = 0; n < N; ++n) {
+    if (cod.depth[size_t(n)] != 0)
+      for (int64_t i = 0; i < 3 * H; ++i) G.mask_hidden[size_t(i)] += dA[size_t(n * 3 * H + i)];
+    double* de = G.embed.data() + int64_t(tok[size_t(n)]) * H;
+    for (int64_t i = 0; i < H; ++i) de[i] += dE[size_t(n * H + i)];
+  }
+  return r;
+}
+
+}  // namespace talon::peagle

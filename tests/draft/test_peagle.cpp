@@ -1,0 +1,230 @@
+// P-EAGLE's CPU reference (src/draft/peagle.cpp) against speculators 0.9.0's own
+// PEagleDraftModel run in fp64 (tools/peagle_oracle.py -> tests/fixtures/peagle): the loss,
+// per-depth accuracy counts and every trainable gradient on the COD sample speculators drew;
+// Talon's own COD sampler against the structure of speculators'.
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <set>
+
+#include "draft/peagle.h"
+#include "io/safetensors.h"
+#include "tests/test_util.h"
+#include "tests/tolerances.h"
+
+using namespace talon;
+using namespace talon::eagle3;
+
+namespace {
+
+template <typename T>
+std::vector<T> read(const st::File& f, const std::string& name) {
+  const auto* t = f.find(name);
+  EXPECT_NE(t, nullptr) << name;
+  if (!t) return {};
+  EXPECT_EQ(t->nbytes, size_t(t->numel()) * sizeof(T)) << name;
+  const T* p = reinterpret_cast<const T*>(t->data);
+  return std::vector<T>(p, p + t->numel());
+}
+
+struct PCase {
+  st::File f;
+  DraftConfig c;
+  int64_t T = 0;
+  int depths = 0;
+  int32_t mask_token = 0;
+  peagle::Weights w;
+  std::vector<float> fnorm, head, aux, hid;
+  std::vector<int32_t> ids;
+  std::vector<uint8_t> mask;
+  peagle::CodSample cod;
+  DraftVocab dv;
+
+  explicit PCase(const std::string& name)
+      : f(fs::path(talon::testing::source_dir()) / "tests/fixtures/peagle" / ("peagle_" + name + ".safetensors")) {
+    auto meta = [&](const char* k) { return f.metadata().at(k); };
+    c.H = std::stoll(meta("H"));
+    c.I = std::stoll(meta("I"));
+    c.n_heads = std::stoll(meta("nh"));
+    c.n_kv_heads = std::stoll(meta("nkv"));
+    c.head_dim = std::stoll(meta("hd"));
+    c.V = std::stoll(meta("V"));
+    c.Vd = std::stoll(meta("Vd"));
+    c.rms_eps = std::stod(meta("eps"));
+    c.rope.theta = std::stod(meta("theta"));
+    c.norm_before_residual = meta("nbr") == "True";
+    T = std::stoll(meta("T"));
+    depths = std::stoi(meta("depths"));
+    mask_token = std::stoi(meta("mask_token"));
+    auto& L = w.layer;
+    const std::pair<const char*, std::vector<float>*> names[] = {
+        {"fc.weight", &L.fc},
+        {"layers.0.input_layernorm.weight", &L.in_ln},
+        {"layers.0.hidden_norm.weight", &L.hidden_norm},
+        {"layers.0.self_attn.q_proj.weight", &L.wq},
+        {"layers.0.self_attn.k_proj.weight", &L.wk},
+        {"layers.0.self_attn.v_proj.weight", &L.wv},
+        {"layers.0.self_attn.o_proj.weight", &L.wo},
+        {"layers.0.post_attention_layernorm.weight", &L.post_ln},
+        {"layers.0.mlp.gate_proj.weight", &L.gate},
+        {"layers.0.mlp.up_proj.weight", &L.up},
+        {"layers.0.mlp.down_proj.weight", &L.down},
+        {"norm.weight", &L.norm},
+        {"lm_head.weight", &L.lm_head},
+        {"mask_hidden", &w.mask_hidden},
+        {"embed_tokens.weight", &w.embed}};
+    for (auto& [n, v] : names) *v = read<float>(f, std::string("w.") + n);
+    fnorm = read<float>(f, "w.verifier_norm.weight");
+    head = read<float>(f, "target_lm_head");
+    ids = read<int32_t>(f, "ids");
+    mask = read<uint8_t>(f, "mask");
+    aux = read<float>(f, "aux");
+    hid = read<float>(f, "hidden");
+    cod.anchor = read<int64_t>(f, "anchor");
+    cod.depth = read<int64_t>(f, "depth");
+    dv.kept = read<int64_t>(f, "kept");
+    dv.t2d.assign(size_t(c.V), 0);
+    for (size_t i = 0; i < dv.kept.size(); ++i) {
+      dv.d2t.push_back(dv.kept[i] - int64_t(i));
+      dv.t2d[size_t(dv.kept[i])] = 1;
+    }
+  }
+  TargetHead target() const { return {nullptr, fnorm.data(), head.data(), c.rms_eps}; }
+  Sample sample() const { return {ids.data(), mask.data(), aux.data(), hid.data(), T}; }
+  std::vector<uint8_t> valid() const { return std::vector<uint8_t>(mask.begin() + 1, mask.end()); }
+};
+
+double rel_max(const std::vector<double>& got, const std::vector<double>& want) {
+  double md = 0, mw = 0;
+  for (size_t i = 0; i < want.size(); ++i) {
+    md = std::max(md, std::abs(got[i] - want[i]));
+    mw = std::max(mw, std::abs(want[i]));
+  }
+  return md / std::max(mw, 1e-12);
+}
+
+// The structure every COD sample has: depth 0 is every position; a chain at depth d >= 1
+// continues one at depth d-1 of the same anchor; its target row is loss-masked; a depth
+// holds at most floor(n_d * max(r^d, r_min)) elements.
+void expect_cod_structure(const peagle::CodSample& s, const std::vector<uint8_t>& valid, const peagle::CodOptions& o) {
+  const int64_t S = int64_t(valid.size());
+  int64_t seeds = 0;
+  for (uint8_t v : valid) seeds += v;
+  std::set<std::pair<int64_t, int64_t>> have;
+  std::vector<int64_t> per_depth(size_t(o.depths), 0);
+  for (int64_t i = 0; i < s.size(); ++i) {
+    const int64_t a = s.anchor[size_t(i)], d = s.depth[size_t(i)];
+    ASSERT_GE(a, 0);
+    ASSERT_LT(a + d, S);
+    ASSERT_LT(d, o.depths);
+    have.insert({a, d});
+    ++per_depth[size_t(d)];
+    if (i > 0) {
+      EXPECT_GE(d, s.depth[size_t(i - 1)]) << "depth-major order";
+    }
+    if (d == 0) {
+      EXPECT_EQ(a, i);
+      continue;
+    }
+    EXPECT_TRUE(have.count({a, d - 1})) << "element (" << a << ", " << d << ") continues no chain";
+    EXPECT_TRUE(valid[size_t(a + d)]) << "element (" << a << ", " << d << ") has an unmasked target";
+  }
+  EXPECT_EQ(per_depth[0], S);
+  for (int d = 1; d < o.depths; ++d) {
+    const int64_t n = std::max<int64_t>(0, seeds - d);
+    EXPECT_LE(per_depth[size_t(d)], int64_t(double(n) * std::max(std::pow(o.ratio, d), o.ratio_min))) << "depth " << d;
+  }
+}
+
+class PEagle : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(PEagle, MatchesSpeculatorsModel) {
+  PCase pc(GetParam());
+  peagle::Grads g(pc.w);
+  const peagle::Result r =
+      peagle::forward(pc.c, pc.w, pc.target(), pc.dv, pc.sample(), pc.cod, pc.mask_token, &g);
+  const double want_loss = read<double>(pc.f, "loss")[0];
+  // speculators' model takes RoPE's cos/sin from transformers' rotary embedding, in fp32
+  // whatever the model's dtype: the loss agrees to ~1e-8, the gradients to ~1e-7.
+  EXPECT_NEAR(r.loss, want_loss, tol::kTttLossRel * std::abs(want_loss));
+  const auto hits = read<double>(pc.f, "acc_sum"), total = read<double>(pc.f, "acc_total");
+  ASSERT_EQ(int64_t(r.total.size()), int64_t(total.size()));
+  for (size_t d = 0; d < total.size(); ++d) {
+    EXPECT_EQ(double(r.total[d]), total[d]) << "depth " << d;
+    EXPECT_EQ(double(r.hits[d]), hits[d]) << "depth " << d;
+  }
+  auto& GL = g.layer;
+  const std::pair<const char*, const std::vector<double>*> grads[] = {
+      {"fc.weight", &GL.fc},
+      {"layers.0.input_layernorm.weight", &GL.in_ln},
+      {"layers.0.hidden_norm.weight", &GL.hidden_norm},
+      {"layers.0.self_attn.q_proj.weight", &GL.wq},
+      {"layers.0.self_attn.k_proj.weight", &GL.wk},
+      {"layers.0.self_attn.v_proj.weight", &GL.wv},
+      {"layers.0.self_attn.o_proj.weight", &GL.wo},
+      {"layers.0.post_attention_layernorm.weight", &GL.post_ln},
+      {"layers.0.mlp.gate_proj.weight", &GL.gate},
+      {"layers.0.mlp.up_proj.weight", &GL.up},
+      {"layers.0.mlp.down_proj.weight", &GL.down},
+      {"norm.weight", &GL.norm},
+      {"mask_hidden", &g.mask_hidden},
+      {"embed_tokens.weight", &g.embed}};
+  for (auto& [name, got] : grads) {
+    const auto want = read<double>(pc.f, std::string("g.") + name);
+    ASSERT_EQ(want.size(), got->size()) << name;
+    EXPECT_LE(rel_max(*got, want), tol::kTttGradRel) << "grad of " << name;
+  }
+  // The lm_head is frozen (speculators trains no gradient for it): the fixture has none.
+  EXPECT_EQ(pc.f.find("g.lm_head.weight"), nullptr);
+  // speculators' own sample has the structure Talon's sampler promises.
+  peagle::CodOptions o;
+  o.depths = pc.depths;
+  expect_cod_structure(pc.cod, pc.valid(), o);
+}
+INSTANTIATE_TEST_SUITE_P(Fixtures, PEagle, ::testing::Values("gqa", "nbr"));
+
+TEST(PEagleCod, StructureSizesAndSeeds) {
+  for (int64_t S : {1, 7, 40, 300}) {
+    std::vector<uint8_t> valid(static_cast<size_t>(S));
+    for (int64_t t = 0; t < S; ++t) valid[size_t(t)] = (t >= S / 5) && (t % 7 != 3);
+    for (int depths : {1, 4, 8}) {
+      peagle::CodOptions o;
+      o.depths = depths;
+      const auto a = peagle::cod_sample(valid, o, 1), b = peagle::cod_sample(valid, o, 1),
+                 c = peagle::cod_sample(valid, o, 2);
+      expect_cod_structure(a, valid, o);
+      EXPECT_EQ(a.anchor, b.anchor);
+      EXPECT_EQ(a.depth, b.depth);
+      if (S == 300 && depths == 8) {
+        EXPECT_NE(a.anchor, c.anchor) << "the seed draws the sample";
+        // Depth 1 is a draw from every loss-masked position, so it has exactly the size.
+        int64_t seeds = 0, d1 = 0;
+        for (uint8_t v : valid) seeds += v;
+        for (int64_t d : a.depth) d1 += d == 1;
+        EXPECT_EQ(d1, int64_t(double(seeds - 1) * 0.7));
+      }
+    }
+  }
+  peagle::CodOptions bad;
+  bad.ratio = 1.5;
+  EXPECT_THROW(peagle::cod_sample({1, 1}, bad, 0), Error);
+}
+
+// Every element attends to itself, never to a later depth-0 anchor or another chain's
+// masked elements.
+TEST(PEagleCod, AttentionMask) {
+  peagle::CodSample s;
+  s.anchor = {0, 1, 2, 3, 0, 2, 0};
+  s.depth = {0, 0, 0, 0, 1, 1, 2};
+  for (int64_t q = 0; q < s.size(); ++q) EXPECT_TRUE(peagle::attends(s, q, q));
+  EXPECT_TRUE(peagle::attends(s, 5, 0));   // (2,1) reads depth-0 anchors 0..2
+  EXPECT_TRUE(peagle::attends(s, 5, 2));
+  EXPECT_FALSE(peagle::attends(s, 5, 3));  // not the later anchor 3
+  EXPECT_FALSE(peagle::attends(s, 5, 4));  // not chain 0's masked element
+  EXPECT_TRUE(peagle::attends(s, 6, 4));   // (0,2) reads (0,1)
+  EXPECT_FALSE(peagle::attends(s, 4, 6));  // (0,1) does not read (0,2)
+  EXPECT_FALSE(peagle::attends(s, 1, 4));  // depth 0 reads only depth 0
+}
+
+}  // namespace

@@ -1,10 +1,13 @@
 #pragma once
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <functional>
 #include <string>
 #include <vector>
+
+#include <gtest/gtest.h>
 
 #include "io/safetensors.h"
 #include "util/dtype.h"
@@ -30,6 +33,33 @@ inline std::vector<int64_t> read_i64(const st::File& f, const std::string& name)
   std::vector<int64_t> v(static_cast<size_t>(t.numel()));
   std::memcpy(v.data(), t.data, t.nbytes);
   return v;
+}
+
+// A fixture tensor stored exactly as T (no conversion): its values, or none (with a test
+// failure naming it) when it is missing or holds a different element size.
+template <typename T>
+std::vector<T> read_as(const st::File& f, const std::string& name) {
+  const auto* t = f.find(name);
+  if (!t) {
+    ADD_FAILURE() << name << ": not in the fixture";
+    return {};
+  }
+  if (t->nbytes != size_t(t->numel()) * sizeof(T)) {
+    ADD_FAILURE() << name << ": " << t->nbytes << " bytes for " << t->numel() << " values of " << sizeof(T);
+    return {};
+  }
+  const T* p = reinterpret_cast<const T*>(t->data);
+  return std::vector<T>(p, p + t->numel());
+}
+
+// max|got - want| / max|want| (the floor 1e-30 keeps an all-zero `want` from passing anything).
+inline double rel_max_diff(const std::vector<double>& got, const std::vector<double>& want) {
+  double md = 0, mw = 0;
+  for (size_t i = 0; i < want.size(); ++i) {
+    md = std::max(md, std::abs(got[i] - want[i]));
+    mw = std::max(mw, std::abs(want[i]));
+  }
+  return md / std::max(mw, 1e-30);
 }
 
 // max|a-b| / max(1, max|b|); NaN anywhere -> +inf.

@@ -1,11 +1,14 @@
 // The fp64 CPU reference's building blocks, shared by every drafter family's reference
-// (EAGLE-3 in eagle3.cpp, P-EAGLE in peagle.cpp): products, RMSNorm, RoPE and their
-// backward passes, each with one fixed summation order whatever the thread count.
+// (EAGLE-3 in eagle3.cpp, P-EAGLE in peagle.cpp): products, RMSNorm, RoPE, one attention
+// head, the layer's second half, and their backward passes, each with one fixed summation
+// order whatever the thread count.
 #pragma once
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <vector>
+
+#include "draft/eagle3.h"
 
 namespace talon::eagle3::ops {
 
@@ -95,5 +98,100 @@ inline void rmsnorm_backward(double* dx, std::vector<double>* dw, const double* 
   }
 }
 
+// One query head's softmax attention over the keys it reads (rows of hd values):
+// p = softmax(scale * q.k_i), out += sum_i p_i v_i (out may be null: p only, as a backward
+// that recomputes it needs). p is kept for the backward.
+inline void attend_head(const double* q, const std::vector<const double*>& k, const std::vector<const double*>& v,
+                        int64_t hd, double scale, double* out, Vec& p) {
+  p.assign(k.size(), 0.0);
+  for (size_t i = 0; i < k.size(); ++i) {
+    for (int64_t e = 0; e < hd; ++e) p[i] += q[e] * k[i][e];
+    p[i] *= scale;
+  }
+  const double mx = *std::max_element(p.begin(), p.end());
+  double z = 0;
+  for (double& x : p) z += (x = std::exp(x - mx));
+  for (size_t i = 0; i < k.size(); ++i) {
+    p[i] /= z;
+    if (out)
+      for (int64_t e = 0; e < hd; ++e) out[e] += p[i] * v[i][e];
+  }
+}
+
+// Its backward from d(out) and the saved p: dq += ..., dk_i += ..., dv_i += ...
+inline void attend_head_backward(const double* q, const double* dout, const std::vector<const double*>& k,
+                                 const std::vector<const double*>& v, const Vec& p, int64_t hd, double scale,
+                                 double* dq, const std::vector<double*>& dk, const std::vector<double*>& dv) {
+  Vec dp(k.size(), 0.0);
+  double sum_pdp = 0;
+  for (size_t i = 0; i < k.size(); ++i) {
+    for (int64_t e = 0; e < hd; ++e) {
+      dp[i] += dout[e] * v[i][e];
+      dv[i][e] += p[i] * dout[e];
+    }
+    sum_pdp += p[i] * dp[i];
+  }
+  for (size_t i = 0; i < k.size(); ++i) {
+    const double ds = p[i] * (dp[i] - sum_pdp) * scale;
+    for (int64_t e = 0; e < hd; ++e) {
+      dq[e] += ds * k[i][e];
+      dk[i][e] += ds * q[e];
+    }
+  }
+}
+
+// The layer after attention, over N rows: g1 = res + o, g2 = g1 + down(silu(gate(hm)) *
+// up(hm)) with hm = post_ln(g1), logits = lm_head(norm(g2)). Keeps what the backward reads.
+struct Tail {
+  Vec g1, hm, ga, up, act, g2, fn;
+};
+inline void tail_forward(Tail& a, Vec& logits, const Vec& res, const Vec& o, const DraftWeights& w,
+                         const DraftConfig& c, int64_t N) {
+  const int64_t H = c.H, I = c.I;
+  a.g1.resize(size_t(N * H));
+  a.hm.resize(size_t(N * H));
+  for (int64_t i = 0; i < N * H; ++i) a.g1[size_t(i)] = res[size_t(i)] + o[size_t(i)];
+  for (int64_t n = 0; n < N; ++n) rmsnorm(a.hm.data() + n * H, a.g1.data() + n * H, w.post_ln.data(), H, c.rms_eps);
+  linear(a.ga, a.hm, w.gate, N, H, I);
+  linear(a.up, a.hm, w.up, N, H, I);
+  a.act.resize(a.ga.size());
+  for (size_t i = 0; i < a.ga.size(); ++i) a.act[i] = a.ga[i] / (1.0 + std::exp(-a.ga[i])) * a.up[i];
+  Vec down;
+  linear(down, a.act, w.down, N, I, H);
+  a.g2.resize(size_t(N * H));
+  a.fn.resize(size_t(N * H));
+  for (int64_t i = 0; i < N * H; ++i) a.g2[size_t(i)] = a.g1[size_t(i)] + down[size_t(i)];
+  for (int64_t n = 0; n < N; ++n) rmsnorm(a.fn.data() + n * H, a.g2.data() + n * H, w.norm.data(), H, c.rms_eps);
+  linear(logits, a.fn, w.lm_head, N, H, c.Vd);
+}
+
+// Its backward from dlogits plus dg2_in (a gradient already reaching g2, or zeros): returns
+// d(g1) (= d(res) = d(o)). The lm_head gradient is formed only when `lm_head_grad`.
+inline Vec tail_backward(const Tail& a, const Vec& dlogits, Vec dg2_in, const DraftWeights& w, DraftGrads& G,
+                         bool lm_head_grad, const DraftConfig& c, int64_t N) {
+  const int64_t H = c.H, I = c.I;
+  Vec dfn(size_t(N * H), 0.0);
+  linear_backward(&dfn, lm_head_grad ? &G.lm_head : nullptr, dlogits, a.fn, w.lm_head, N, H, c.Vd);
+  Vec& dg2 = dg2_in;
+  for (int64_t n = 0; n < N; ++n)
+    rmsnorm_backward(dg2.data() + n * H, &G.norm, dfn.data() + n * H, a.g2.data() + n * H, w.norm.data(), H,
+                     c.rms_eps);
+  Vec dact(size_t(N * I), 0.0);
+  linear_backward(&dact, &G.down, dg2, a.act, w.down, N, I, H);
+  Vec dga(size_t(N * I)), dup(size_t(N * I));
+  for (size_t i = 0; i < dact.size(); ++i) {
+    const double x = a.ga[i], sg = 1.0 / (1.0 + std::exp(-x)), silu = x * sg;
+    dup[i] = dact[i] * silu;
+    dga[i] = dact[i] * a.up[i] * sg * (1.0 + x * (1.0 - sg));
+  }
+  Vec dhm(size_t(N * H), 0.0);
+  linear_backward(&dhm, &G.gate, dga, a.hm, w.gate, N, H, I);
+  linear_backward(&dhm, &G.up, dup, a.hm, w.up, N, H, I);
+  Vec dg1 = dg2;
+  for (int64_t n = 0; n < N; ++n)
+    rmsnorm_backward(dg1.data() + n * H, &G.post_ln, dhm.data() + n * H, a.g1.data() + n * H, w.post_ln.data(), H,
+                     c.rms_eps);
+  return dg1;
+}
 
 }  // namespace talon::eagle3::ops

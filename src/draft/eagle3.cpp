@@ -107,7 +107,7 @@ std::vector<std::pair<const char*, std::vector<double>*>> DraftGrads::named() {
 
 TttResult ttt_forward(const DraftConfig& c, const DraftWeights& w, const TargetHead& tgt, const DraftVocab& vocab,
                       const Sample& s, bool keep_logits, DraftGrads* grads) {
-  const int64_t T = s.T, H = c.H, I = c.I, nh = c.n_heads, nkv = c.n_kv_heads, hd = c.head_dim, V = c.V, Vd = c.Vd;
+  const int64_t T = s.T, H = c.H, nh = c.n_heads, nkv = c.n_kv_heads, hd = c.head_dim, V = c.V, Vd = c.Vd;
   TALON_CHECK(nh > 0 && nkv > 0 && nh % nkv == 0, "draft: {} heads not a multiple of {} kv heads", nh, nkv);
   TALON_CHECK(int64_t(vocab.kept.size()) == Vd && int64_t(vocab.t2d.size()) == V, "draft vocabulary has {} of {} ids",
               vocab.kept.size(), Vd);
@@ -148,7 +148,9 @@ TttResult ttt_forward(const DraftConfig& c, const DraftWeights& w, const TargetH
   std::vector<Vec> keys, vals;  // per step: [T, kvd]
   // What the backward pass needs from each step.
   struct Saved {
-    Vec e, g, xin, q, att, g1, hm, ga, up, act, g2, fn, dlogits;
+    Vec e, g, xin, q, att;
+    Tail tail;
+    Vec dlogits;
   };
   std::vector<Saved> saved;
   std::vector<uint8_t> right(static_cast<size_t>(T), 1);
@@ -177,51 +179,34 @@ TttResult ttt_forward(const DraftConfig& c, const DraftWeights& w, const TargetH
     // Attention: step-0 keys at positions <= t, plus the key at t of every step 1..k.
     Vec att(static_cast<size_t>(T * qd), 0.0);
     const double scale = 1.0 / std::sqrt(double(hd));
-    std::vector<double> sc;
+    std::vector<const double*> kp, vp;
+    Vec p;
     for (int64_t t = 0; t < T; ++t)
       for (int64_t h = 0; h < nh; ++h) {
-        const int64_t kh = h / grp;
-        const double* qp = q.data() + t * qd + h * hd;
-        sc.clear();
-        auto dot = [&](const Vec& kv, int64_t pos) {
-          double a = 0;
-          for (int64_t i = 0; i < hd; ++i) a += qp[i] * kv[size_t(pos * kvd + kh * hd + i)];
-          return a * scale;
-        };
-        for (int64_t p = 0; p <= t; ++p) sc.push_back(dot(keys[0], p));
-        for (int64_t j = 1; j <= k; ++j) sc.push_back(dot(keys[size_t(j)], t));
-        const double mx = *std::max_element(sc.begin(), sc.end());
-        double z = 0;
-        for (auto& x : sc) z += (x = std::exp(x - mx));
-        double* op = att.data() + t * qd + h * hd;
-        size_t n = 0;
-        auto acc = [&](const Vec& kv, int64_t pos) {
-          const double pw = sc[n++] / z;
-          for (int64_t i = 0; i < hd; ++i) op[i] += pw * kv[size_t(pos * kvd + kh * hd + i)];
-        };
-        for (int64_t p = 0; p <= t; ++p) acc(vals[0], p);
-        for (int64_t j = 1; j <= k; ++j) acc(vals[size_t(j)], t);
+        const int64_t off = (h / grp) * hd;
+        kp.clear();
+        vp.clear();
+        for (int64_t pos = 0; pos <= t; ++pos) {
+          kp.push_back(keys[0].data() + pos * kvd + off);
+          vp.push_back(vals[0].data() + pos * kvd + off);
+        }
+        for (int64_t j = 1; j <= k; ++j) {
+          kp.push_back(keys[size_t(j)].data() + t * kvd + off);
+          vp.push_back(vals[size_t(j)].data() + t * kvd + off);
+        }
+        attend_head(q.data() + t * qd + h * hd, kp, vp, hd, scale, att.data() + t * qd + h * hd, p);
       }
-    Vec o;
+    Vec o, res(static_cast<size_t>(T * H));
     linear(o, att, w.wo, T, qd, H);
-    Vec g1(static_cast<size_t>(T * H)), hm(static_cast<size_t>(T * H));
     for (int64_t t = 0; t < T; ++t) {
-      if (c.norm_before_residual) rmsnorm(tmp.data(), g.data() + t * H, w.hidden_norm.data(), H, c.rms_eps);
-      for (int64_t i = 0; i < H; ++i)
-        g1[size_t(t * H + i)] = (c.norm_before_residual ? tmp[size_t(i)] : g[size_t(t * H + i)]) + o[size_t(t * H + i)];
-      rmsnorm(hm.data() + t * H, g1.data() + t * H, w.post_ln.data(), H, c.rms_eps);
+      if (c.norm_before_residual)
+        rmsnorm(res.data() + t * H, g.data() + t * H, w.hidden_norm.data(), H, c.rms_eps);
+      else
+        std::copy(g.begin() + t * H, g.begin() + (t + 1) * H, res.begin() + t * H);
     }
-    Vec ga, up, down, act;
-    linear(ga, hm, w.gate, T, H, I);
-    linear(up, hm, w.up, T, H, I);
-    act.resize(ga.size());
-    for (size_t i = 0; i < ga.size(); ++i) act[i] = ga[i] / (1.0 + std::exp(-ga[i])) * up[i];
-    linear(down, act, w.down, T, I, H);
-    Vec g2(static_cast<size_t>(T * H)), fn(static_cast<size_t>(T * H));
-    for (int64_t i = 0; i < T * H; ++i) g2[size_t(i)] = g1[size_t(i)] + down[size_t(i)];
-    for (int64_t t = 0; t < T; ++t) rmsnorm(fn.data() + t * H, g2.data() + t * H, w.norm.data(), H, c.rms_eps);
+    Tail tail;
     Vec logits;
-    linear(logits, fn, w.lm_head, T, H, Vd);
+    tail_forward(tail, logits, res, o, w, c, T);
 
     // Loss and metrics over the positions that count at this step.
     StepTally tally;
@@ -250,10 +235,9 @@ TttResult ttt_forward(const DraftConfig& c, const DraftWeights& w, const TargetH
     if (grads) {
       const double scale_k = n ? std::pow(c.step_decay, double(k)) / double(n) : 0.0;
       for (auto& d : dlogits) d *= scale_k;
-      saved.push_back({std::move(E), g, std::move(xin), q, std::move(att), std::move(g1), std::move(hm), std::move(ga),
-                       std::move(up), std::move(act), g2, std::move(fn), std::move(dlogits)});
+      saved.push_back({std::move(E), g, std::move(xin), q, std::move(att), tail, std::move(dlogits)});
     }
-    g = std::move(g2);
+    g = std::move(tail.g2);
   }
   if (!grads) return r;
 
@@ -266,73 +250,33 @@ TttResult ttt_forward(const DraftConfig& c, const DraftWeights& w, const TargetH
   const double scale = 1.0 / std::sqrt(double(hd));
   for (int64_t k = K - 1; k >= 0; --k) {
     Saved& S = saved[size_t(k)];
-    // logits = lm_head(norm(g2))
-    Vec dfn(static_cast<size_t>(T * H), 0.0);
-    linear_backward(&dfn, &G.lm_head, S.dlogits, S.fn, w.lm_head, T, H, Vd);
-    Vec dg2 = dg_next;
-    for (int64_t t = 0; t < T; ++t)
-      rmsnorm_backward(dg2.data() + t * H, &G.norm, dfn.data() + t * H, S.g2.data() + t * H, w.norm.data(), H, c.rms_eps);
-    // g2 = g1 + down(silu(gate(hm)) * up(hm)), hm = post_ln(g1)
-    Vec dact(static_cast<size_t>(T * I), 0.0);
-    linear_backward(&dact, &G.down, dg2, S.act, w.down, T, I, H);
-    Vec dga(static_cast<size_t>(T * I)), dup(static_cast<size_t>(T * I));
-    for (size_t i = 0; i < dact.size(); ++i) {
-      const double x = S.ga[i], sg = 1.0 / (1.0 + std::exp(-x)), silu = x * sg;
-      dup[i] = dact[i] * silu;
-      dga[i] = dact[i] * S.up[i] * sg * (1.0 + x * (1.0 - sg));
-    }
-    Vec dhm(static_cast<size_t>(T * H), 0.0);
-    linear_backward(&dhm, &G.gate, dga, S.hm, w.gate, T, H, I);
-    linear_backward(&dhm, &G.up, dup, S.hm, w.up, T, H, I);
-    Vec dg1 = dg2;
-    for (int64_t t = 0; t < T; ++t)
-      rmsnorm_backward(dg1.data() + t * H, &G.post_ln, dhm.data() + t * H, S.g1.data() + t * H, w.post_ln.data(), H,
-                       c.rms_eps);
+    const Vec dg1 = tail_backward(S.tail, S.dlogits, dg_next, w, G, true, c, T);
     // g1 = r + o_proj(att)
     Vec datt(static_cast<size_t>(T * qd), 0.0);
     linear_backward(&datt, &G.wo, dg1, S.att, w.wo, T, qd, H);
-    // Attention (scores recomputed): keys/values of step 0 at positions <= t, step j at t.
-    Vec dq(static_cast<size_t>(T * qd), 0.0);
-    std::vector<double> sc, dp;
+    // Attention (probabilities recomputed): keys/values of step 0 at positions <= t, step j at t.
+    Vec dq(static_cast<size_t>(T * qd), 0.0), p;
+    std::vector<const double*> kp, vp;
+    std::vector<double*> dkp, dvp;
     for (int64_t t = 0; t < T; ++t)
       for (int64_t h = 0; h < nh; ++h) {
-        const int64_t kh = h / grp;
+        const int64_t off = (h / grp) * hd;
+        kp.clear();
+        vp.clear();
+        dkp.clear();
+        dvp.clear();
+        auto key = [&](int64_t j, int64_t pos) {
+          kp.push_back(keys[size_t(j)].data() + pos * kvd + off);
+          vp.push_back(vals[size_t(j)].data() + pos * kvd + off);
+          dkp.push_back(dK[size_t(j)].data() + pos * kvd + off);
+          dvp.push_back(dV[size_t(j)].data() + pos * kvd + off);
+        };
+        for (int64_t pos = 0; pos <= t; ++pos) key(0, pos);
+        for (int64_t j = 1; j <= k; ++j) key(j, t);
         const double* qp = S.q.data() + t * qd + h * hd;
-        const double* da = datt.data() + t * qd + h * hd;
-        std::vector<std::pair<int64_t, int64_t>> at;  // (step, position) of each key
-        for (int64_t p = 0; p <= t; ++p) at.push_back({0, p});
-        for (int64_t j = 1; j <= k; ++j) at.push_back({j, t});
-        sc.assign(at.size(), 0.0);
-        dp.assign(at.size(), 0.0);
-        for (size_t i = 0; i < at.size(); ++i) {
-          const double* kp = keys[size_t(at[i].first)].data() + at[i].second * kvd + kh * hd;
-          for (int64_t d = 0; d < hd; ++d) sc[i] += qp[d] * kp[d];
-          sc[i] *= scale;
-        }
-        const double mx = *std::max_element(sc.begin(), sc.end());
-        double z = 0;
-        for (auto& x : sc) z += (x = std::exp(x - mx));
-        double sum_pdp = 0;
-        for (size_t i = 0; i < at.size(); ++i) {
-          sc[i] /= z;
-          const double* vp = vals[size_t(at[i].first)].data() + at[i].second * kvd + kh * hd;
-          double* dvp = dV[size_t(at[i].first)].data() + at[i].second * kvd + kh * hd;
-          for (int64_t d = 0; d < hd; ++d) {
-            dp[i] += da[d] * vp[d];
-            dvp[d] += sc[i] * da[d];
-          }
-          sum_pdp += sc[i] * dp[i];
-        }
-        double* dqp = dq.data() + t * qd + h * hd;
-        for (size_t i = 0; i < at.size(); ++i) {
-          const double ds = sc[i] * (dp[i] - sum_pdp) * scale;
-          const double* kp = keys[size_t(at[i].first)].data() + at[i].second * kvd + kh * hd;
-          double* dkp = dK[size_t(at[i].first)].data() + at[i].second * kvd + kh * hd;
-          for (int64_t d = 0; d < hd; ++d) {
-            dqp[d] += ds * kp[d];
-            dkp[d] += ds * qp[d];
-          }
-        }
+        attend_head(qp, kp, vp, hd, scale, nullptr, p);
+        attend_head_backward(qp, datt.data() + t * qd + h * hd, kp, vp, p, hd, scale, dq.data() + t * qd + h * hd,
+                             dkp, dvp);
       }
     // RoPE is a rotation: its backward rotates by the negative angle.
     Vec& dKk = dK[size_t(k)];

@@ -70,7 +70,7 @@ Grads::Grads(const Weights& w)
 Result forward(const eagle3::DraftConfig& c, const Weights& w, const eagle3::TargetHead& tgt,
                const eagle3::DraftVocab& vocab, const eagle3::Sample& s, const CodSample& cod, int32_t mask_token,
                Grads* grads) {
-  const int64_t T = s.T, H = c.H, I = c.I, nh = c.n_heads, nkv = c.n_kv_heads, hd = c.head_dim, V = c.V, Vd = c.Vd;
+  const int64_t T = s.T, H = c.H, nh = c.n_heads, nkv = c.n_kv_heads, hd = c.head_dim, V = c.V, Vd = c.Vd;
   const int64_t N = cod.size(), qd = nh * hd, kvd = nkv * hd, grp = nh / nkv;
   TALON_CHECK(nh > 0 && nkv > 0 && nh % nkv == 0, "P-EAGLE: {} heads not a multiple of {} kv heads", nh, nkv);
   TALON_CHECK(int64_t(vocab.kept.size()) == Vd, "P-EAGLE: draft vocabulary has {} of {} ids", vocab.kept.size(), Vd);
@@ -139,52 +139,31 @@ Result forward(const eagle3::DraftConfig& c, const Weights& w, const eagle3::Tar
     ops::rope(q.data() + n * qd, nh, hd, pos[size_t(n)], inv);
     ops::rope(kk.data() + n * kvd, nkv, hd, pos[size_t(n)], inv);
   }
-  // Which keys each element reads.
+  // Which elements each element reads, as key/value rows per kv head.
   std::vector<std::vector<int64_t>> keys(static_cast<size_t>(N));
   for (int64_t n = 0; n < N; ++n)
     for (int64_t m = 0; m < N; ++m)
       if (attends(cod, n, m)) keys[size_t(n)].push_back(m);
+  auto rows = [&](const Vec& x, int64_t n, int64_t off) {
+    std::vector<const double*> r;
+    for (int64_t m : keys[size_t(n)]) r.push_back(x.data() + m * kvd + off);
+    return r;
+  };
   const double scale = 1.0 / std::sqrt(double(hd));
   Vec att(static_cast<size_t>(N * qd), 0.0);
   std::vector<Vec> probs(static_cast<size_t>(N * nh));  // softmax weights, kept for the backward
 #pragma omp parallel for schedule(dynamic, 4)
   for (int64_t n = 0; n < N; ++n)
     for (int64_t h = 0; h < nh; ++h) {
-      const int64_t kh = h / grp;
-      const double* qp = q.data() + n * qd + h * hd;
-      Vec& sc = probs[size_t(n * nh + h)];
-      sc.assign(keys[size_t(n)].size(), 0.0);
-      for (size_t i = 0; i < sc.size(); ++i) {
-        const double* kp = kk.data() + keys[size_t(n)][i] * kvd + kh * hd;
-        for (int64_t e = 0; e < hd; ++e) sc[i] += qp[e] * kp[e];
-        sc[i] *= scale;
-      }
-      const double mx = *std::max_element(sc.begin(), sc.end());
-      double z = 0;
-      for (double& x : sc) z += (x = std::exp(x - mx));
-      double* op = att.data() + n * qd + h * hd;
-      for (size_t i = 0; i < sc.size(); ++i) {
-        sc[i] /= z;
-        const double* vp = vv.data() + keys[size_t(n)][i] * kvd + kh * hd;
-        for (int64_t e = 0; e < hd; ++e) op[e] += sc[i] * vp[e];
-      }
+      const int64_t off = (h / grp) * hd;
+      ops::attend_head(q.data() + n * qd + h * hd, rows(kk, n, off), rows(vv, n, off), hd, scale,
+                       att.data() + n * qd + h * hd, probs[size_t(n * nh + h)]);
     }
   Vec o;
   ops::linear(o, att, L.wo, N, qd, H);
-  Vec g1(static_cast<size_t>(N * H)), hm(static_cast<size_t>(N * H));
-  for (int64_t i = 0; i < N * H; ++i) g1[size_t(i)] = res[size_t(i)] + o[size_t(i)];
-  for (int64_t n = 0; n < N; ++n) ops::rmsnorm(hm.data() + n * H, g1.data() + n * H, L.post_ln.data(), H, c.rms_eps);
-  Vec ga, up, down, act;
-  ops::linear(ga, hm, L.gate, N, H, I);
-  ops::linear(up, hm, L.up, N, H, I);
-  act.resize(ga.size());
-  for (size_t i = 0; i < ga.size(); ++i) act[i] = ga[i] / (1.0 + std::exp(-ga[i])) * up[i];
-  ops::linear(down, act, L.down, N, I, H);
-  Vec g2(static_cast<size_t>(N * H)), fn(static_cast<size_t>(N * H));
-  for (int64_t i = 0; i < N * H; ++i) g2[size_t(i)] = g1[size_t(i)] + down[size_t(i)];
-  for (int64_t n = 0; n < N; ++n) ops::rmsnorm(fn.data() + n * H, g2.data() + n * H, L.norm.data(), H, c.rms_eps);
+  ops::Tail tail;
   Vec logits;
-  ops::linear(logits, fn, L.lm_head, N, H, Vd);
+  ops::tail_forward(tail, logits, res, o, L, c, N);
 
   // Loss: KL(P || softmax(logits)) over counted elements; accuracy per depth.
   Result r;
@@ -219,59 +198,22 @@ Result forward(const eagle3::DraftConfig& c, const Weights& w, const eagle3::Tar
   // Backward (the lm_head is frozen: its gradient is not formed).
   Grads& G = *grads;
   auto& GL = G.layer;
-  Vec dfn(static_cast<size_t>(N * H), 0.0);
-  ops::linear_backward(&dfn, nullptr, dlogits, fn, L.lm_head, N, H, Vd);
-  Vec dg2(static_cast<size_t>(N * H), 0.0);
-  for (int64_t n = 0; n < N; ++n)
-    ops::rmsnorm_backward(dg2.data() + n * H, &GL.norm, dfn.data() + n * H, g2.data() + n * H, L.norm.data(), H,
-                          c.rms_eps);
-  Vec dact(static_cast<size_t>(N * I), 0.0);
-  ops::linear_backward(&dact, &GL.down, dg2, act, L.down, N, I, H);
-  Vec dga(static_cast<size_t>(N * I)), dup(static_cast<size_t>(N * I));
-  for (size_t i = 0; i < dact.size(); ++i) {
-    const double x = ga[i], sg = 1.0 / (1.0 + std::exp(-x));
-    dup[i] = dact[i] * x * sg;
-    dga[i] = dact[i] * up[i] * sg * (1.0 + x * (1.0 - sg));
-  }
-  Vec dhm(static_cast<size_t>(N * H), 0.0);
-  ops::linear_backward(&dhm, &GL.gate, dga, hm, L.gate, N, H, I);
-  ops::linear_backward(&dhm, &GL.up, dup, hm, L.up, N, H, I);
-  Vec dg1 = dg2;
-  for (int64_t n = 0; n < N; ++n)
-    ops::rmsnorm_backward(dg1.data() + n * H, &GL.post_ln, dhm.data() + n * H, g1.data() + n * H, L.post_ln.data(), H,
-                          c.rms_eps);
+  const Vec dg1 = ops::tail_backward(tail, dlogits, Vec(static_cast<size_t>(N * H), 0.0), L, GL, false, c, N);
   Vec datt(static_cast<size_t>(N * qd), 0.0);
   ops::linear_backward(&datt, &GL.wo, dg1, att, L.wo, N, qd, H);
   // Attention: dq per query row; dk, dv scattered to the keys (serial: keys are shared).
   Vec dq(static_cast<size_t>(N * qd), 0.0), dk(static_cast<size_t>(N * kvd), 0.0), dv(static_cast<size_t>(N * kvd), 0.0);
   for (int64_t n = 0; n < N; ++n)
     for (int64_t h = 0; h < nh; ++h) {
-      const int64_t kh = h / grp;
-      const double* qp = q.data() + n * qd + h * hd;
-      const double* da = datt.data() + n * qd + h * hd;
-      const Vec& pr = probs[size_t(n * nh + h)];
-      const auto& ks = keys[size_t(n)];
-      Vec dp(ks.size(), 0.0);
-      double sum_pdp = 0;
-      for (size_t i = 0; i < ks.size(); ++i) {
-        const double* vp = vv.data() + ks[i] * kvd + kh * hd;
-        double* dvp = dv.data() + ks[i] * kvd + kh * hd;
-        for (int64_t e = 0; e < hd; ++e) {
-          dp[i] += da[e] * vp[e];
-          dvp[e] += pr[i] * da[e];
-        }
-        sum_pdp += pr[i] * dp[i];
+      const int64_t off = (h / grp) * hd;
+      std::vector<double*> dkp, dvp;
+      for (int64_t m : keys[size_t(n)]) {
+        dkp.push_back(dk.data() + m * kvd + off);
+        dvp.push_back(dv.data() + m * kvd + off);
       }
-      double* dqp = dq.data() + n * qd + h * hd;
-      for (size_t i = 0; i < ks.size(); ++i) {
-        const double ds = pr[i] * (dp[i] - sum_pdp) * scale;
-        const double* kp = kk.data() + ks[i] * kvd + kh * hd;
-        double* dkp = dk.data() + ks[i] * kvd + kh * hd;
-        for (int64_t e = 0; e < hd; ++e) {
-          dqp[e] += ds * kp[e];
-          dkp[e] += ds * qp[e];
-        }
-      }
+      ops::attend_head_backward(q.data() + n * qd + h * hd, datt.data() + n * qd + h * hd, rows(kk, n, off),
+                                rows(vv, n, off), probs[size_t(n * nh + h)], hd, scale, dq.data() + n * qd + h * hd,
+                                dkp, dvp);
     }
   for (int64_t n = 0; n < N; ++n) {
     ops::rope(dq.data() + n * qd, nh, hd, -pos[size_t(n)], inv);

@@ -17,6 +17,7 @@
 #include <thread>
 
 #include "draft/cuda/draft_engine.h"
+#include "tests/test_util.h"
 #include "tests/tolerances.h"
 #include "draft/draft_gpu.h"
 #include "draft/eagle3.h"
@@ -110,14 +111,7 @@ struct Case {
   }
 };
 
-double rel_diff(const std::vector<double>& a, const std::vector<double>& b) {
-  double mx = 0, mb = 0;
-  for (size_t i = 0; i < a.size(); ++i) {
-    mx = std::max(mx, std::abs(a[i] - b[i]));
-    mb = std::max(mb, std::abs(b[i]));
-  }
-  return mx / std::max(mb, 1e-30);
-}
+using talon::testing::rel_max_diff;
 
 class GpuDraft : public ::testing::TestWithParam<bool> {};
 
@@ -171,7 +165,7 @@ void check_against_cpu(Case& cs, GpuMath math, double loss_tol, double grad_tol,
     double mb = 0;
     for (double x : *b[i].second) mb = std::max(mb, std::abs(x));
     EXPECT_GT(mb, 0.0) << b[i].first << ": the reference gradient is zero";
-    EXPECT_LE(rel_diff(*a[i].second, *b[i].second), grad_tol) << a[i].first;
+    EXPECT_LE(rel_max_diff(*a[i].second, *b[i].second), grad_tol) << a[i].first;
   }
 }
 
@@ -274,7 +268,7 @@ TEST_P(GpuDraft, FusedAttentionMatchesReferenceAcrossTiles) {
           << "sample " << i;
     auto a = fused.g.named(), b = blocks.g.named();
     for (size_t i = 0; i < a.size(); ++i)
-      EXPECT_LE(rel_diff(*a[i].second, *b[i].second), tol::kGpuTttFusedVsBlocksRel) << a[i].first;
+      EXPECT_LE(rel_max_diff(*a[i].second, *b[i].second), tol::kGpuTttFusedVsBlocksRel) << a[i].first;
   }
 }
 
@@ -453,7 +447,7 @@ TEST(GpuDraftPacked, OverTwoThousandRowsMatchCpuReference) {
       auto a = gpu_g.named();
       auto b = cpu_g.named();
       for (size_t i = 0; i < a.size(); ++i)
-        EXPECT_LE(rel_diff(*a[i].second, *b[i].second), tol::kGpuTttBf16GradRel) << a[i].first;
+        EXPECT_LE(rel_max_diff(*a[i].second, *b[i].second), tol::kGpuTttBf16GradRel) << a[i].first;
     }
     if (::testing::Test::HasFailure()) break;
   }

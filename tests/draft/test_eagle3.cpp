@@ -19,15 +19,7 @@ using namespace talon::eagle3;
 
 namespace {
 
-template <typename T>
-std::vector<T> read(const st::File& f, const std::string& name) {
-  const auto* t = f.find(name);
-  EXPECT_NE(t, nullptr) << name;
-  if (!t) return {};
-  EXPECT_EQ(t->nbytes, size_t(t->numel()) * sizeof(T)) << name;
-  const T* p = reinterpret_cast<const T*>(t->data);
-  return std::vector<T>(p, p + t->numel());
-}
+using talon::testing::read_as;
 
 // One oracle fixture: the draft config, weights, target head and sample it was made with.
 struct OracleCase {
@@ -54,14 +46,14 @@ struct OracleCase {
     c.ttt_steps = std::stoi(meta("K"));
     c.step_decay = std::stod(meta("decay"));
     T = std::stoll(meta("T"));
-    for (auto& [n, v] : w.named()) *v = read<float>(f, std::string("w.") + n);
-    embed = read<float>(f, "target.embed");
-    fnorm = read<float>(f, "target.final_norm");
-    head = read<float>(f, "target.lm_head");
-    ids = read<int32_t>(f, "input_ids");
-    mask = read<uint8_t>(f, "loss_mask");
-    aux = read<float>(f, "aux");
-    hid = read<float>(f, "hidden");
+    for (auto& [n, v] : w.named()) *v = read_as<float>(f, std::string("w.") + n);
+    embed = read_as<float>(f, "target.embed");
+    fnorm = read_as<float>(f, "target.final_norm");
+    head = read_as<float>(f, "target.lm_head");
+    ids = read_as<int32_t>(f, "input_ids");
+    mask = read_as<uint8_t>(f, "loss_mask");
+    aux = read_as<float>(f, "aux");
+    hid = read_as<float>(f, "hidden");
   }
   const std::string& meta(const std::string& k) const { return f.metadata().at(k); }
   TargetHead target() const { return {embed.data(), fnorm.data(), head.data(), c.rms_eps}; }
@@ -78,11 +70,11 @@ TEST_P(Ttt, MatchesTorchOracle) {
   DraftWeights& w = oc.w;
 
   // Draft vocabulary from the loss-masked counts.
-  const auto counts = read<int64_t>(f, "counts");
+  const auto counts = read_as<int64_t>(f, "counts");
   const DraftVocab dv = build_draft_vocab(counts, c.Vd);
-  EXPECT_EQ(dv.kept, read<int64_t>(f, "kept"));
-  EXPECT_EQ(dv.d2t, read<int64_t>(f, "d2t"));
-  EXPECT_EQ(dv.t2d, read<uint8_t>(f, "t2d"));
+  EXPECT_EQ(dv.kept, read_as<int64_t>(f, "kept"));
+  EXPECT_EQ(dv.d2t, read_as<int64_t>(f, "d2t"));
+  EXPECT_EQ(dv.t2d, read_as<uint8_t>(f, "t2d"));
 
   const TargetHead tg = oc.target();
   const Sample s = oc.sample();
@@ -90,14 +82,9 @@ TEST_P(Ttt, MatchesTorchOracle) {
   const TttResult r = ttt_forward(c, w, tg, dv, s, true, &grads);
   // Hand-written backward vs autograd, every weight.
   for (auto& [name, g] : grads.named()) {
-    const auto want = read<double>(f, std::string("grad.") + name);
+    const auto want = read_as<double>(f, std::string("grad.") + name);
     ASSERT_EQ(want.size(), g->size()) << name;
-    double md = 0, mw = 0;
-    for (size_t i = 0; i < want.size(); ++i) {
-      md = std::max(md, std::abs((*g)[i] - want[i]));
-      mw = std::max(mw, std::abs(want[i]));
-    }
-    EXPECT_LE(md / std::max(mw, 1e-12), tol::kTttGradRel) << "grad of " << name << " (max |grad| " << mw << ")";
+    EXPECT_LE(talon::testing::rel_max_diff(*g, want), tol::kTttGradRel) << "grad of " << name;
   }
   // And against central finite differences of the loss itself, a few entries per weight.
   for (const train::Param& p : train::draft_params(w, grads)) {
@@ -116,9 +103,9 @@ TEST_P(Ttt, MatchesTorchOracle) {
       EXPECT_NEAR((*g)[i], fd, tol::kTttFiniteDiffAbs + tol::kTttFiniteDiffRel * std::abs(fd)) << name << "[" << i << "]";
     }
   }
-  const auto loss_k = read<double>(f, "loss_k"), acc_k = read<double>(f, "acc_k"), cond = read<double>(f, "cond_acc_k"),
-             n_k = read<double>(f, "n_k"), loss = read<double>(f, "loss");
-  const auto logits = read<float>(f, "logits");
+  const auto loss_k = read_as<double>(f, "loss_k"), acc_k = read_as<double>(f, "acc_k"), cond = read_as<double>(f, "cond_acc_k"),
+             n_k = read_as<double>(f, "n_k"), loss = read_as<double>(f, "loss");
+  const auto logits = read_as<float>(f, "logits");
   ASSERT_EQ(int64_t(r.loss_k.size()), c.ttt_steps);
   for (int k = 0; k < c.ttt_steps; ++k) {
     const float* want = logits.data() + size_t(k) * size_t(T * c.Vd);
@@ -155,13 +142,13 @@ TEST(TttTraining, LossCurveMatchesTorchAdamW) {
   oc.clip_norm = std::stod(meta("train.clip"));
   oc.schedule = "cosine";
   ASSERT_EQ(meta("train.betas"), "(0.9, 0.95)");
-  const DraftVocab dv = build_draft_vocab(read<int64_t>(f, "counts"), c.Vd);
+  const DraftVocab dv = build_draft_vocab(read_as<int64_t>(f, "counts"), c.Vd);
   DraftWeights& w = fx.w;
   DraftGrads g(w);
   const std::vector<train::Param> ps = train::draft_params(w, g);
   const TargetHead tg = fx.target();
   const Sample s = fx.sample();
-  const auto want_loss = read<double>(f, "train.loss"), want_norm = read<double>(f, "train.grad_norm");
+  const auto want_loss = read_as<double>(f, "train.loss"), want_norm = read_as<double>(f, "train.grad_norm");
   train::AdamW opt(oc);
   for (int64_t step = 0; step < oc.total_steps; ++step) {
     for (auto& p : ps) std::fill(p.g->begin(), p.g->end(), 0.0);
@@ -172,7 +159,7 @@ TEST(TttTraining, LossCurveMatchesTorchAdamW) {
     EXPECT_NEAR(norm, want_norm[size_t(step)], tol::kTrainCurveRel * std::abs(want_norm[size_t(step)])) << "step " << step;
   }
   EXPECT_LT(want_loss.back(), 0.5 * want_loss.front());  // the fixture really trains
-  const auto fc = read<float>(f, "train.final.fc"), nm = read<float>(f, "train.final.norm");
+  const auto fc = read_as<float>(f, "train.final.fc"), nm = read_as<float>(f, "train.final.norm");
   EXPECT_LE(talon::testing::rel_err(w.fc.data(), fc.data(), fc.size()), tol::kTrainCurveRel);
   EXPECT_LE(talon::testing::rel_err(w.norm.data(), nm.data(), nm.size()), tol::kTrainCurveRel);
 }

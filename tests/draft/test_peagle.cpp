@@ -8,6 +8,7 @@
 #include <cmath>
 #include <set>
 
+#include "draft/export.h"
 #include "draft/peagle.h"
 #include "io/safetensors.h"
 #include "tests/test_util.h"
@@ -18,15 +19,9 @@ using namespace talon::eagle3;
 
 namespace {
 
-template <typename T>
-std::vector<T> read(const st::File& f, const std::string& name) {
-  const auto* t = f.find(name);
-  EXPECT_NE(t, nullptr) << name;
-  if (!t) return {};
-  EXPECT_EQ(t->nbytes, size_t(t->numel()) * sizeof(T)) << name;
-  const T* p = reinterpret_cast<const T*>(t->data);
-  return std::vector<T>(p, p + t->numel());
-}
+using talon::testing::read_as;
+using talon::train::exported_weight_names;
+using talon::train::ExportFormat;
 
 struct PCase {
   st::File f;
@@ -57,33 +52,21 @@ struct PCase {
     T = std::stoll(meta("T"));
     depths = std::stoi(meta("depths"));
     mask_token = std::stoi(meta("mask_token"));
-    auto& L = w.layer;
-    const std::pair<const char*, std::vector<float>*> names[] = {
-        {"fc.weight", &L.fc},
-        {"layers.0.input_layernorm.weight", &L.in_ln},
-        {"layers.0.hidden_norm.weight", &L.hidden_norm},
-        {"layers.0.self_attn.q_proj.weight", &L.wq},
-        {"layers.0.self_attn.k_proj.weight", &L.wk},
-        {"layers.0.self_attn.v_proj.weight", &L.wv},
-        {"layers.0.self_attn.o_proj.weight", &L.wo},
-        {"layers.0.post_attention_layernorm.weight", &L.post_ln},
-        {"layers.0.mlp.gate_proj.weight", &L.gate},
-        {"layers.0.mlp.up_proj.weight", &L.up},
-        {"layers.0.mlp.down_proj.weight", &L.down},
-        {"norm.weight", &L.norm},
-        {"lm_head.weight", &L.lm_head},
-        {"mask_hidden", &w.mask_hidden},
-        {"embed_tokens.weight", &w.embed}};
-    for (auto& [n, v] : names) *v = read<float>(f, std::string("w.") + n);
-    fnorm = read<float>(f, "w.verifier_norm.weight");
-    head = read<float>(f, "target_lm_head");
-    ids = read<int32_t>(f, "ids");
-    mask = read<uint8_t>(f, "mask");
-    aux = read<float>(f, "aux");
-    hid = read<float>(f, "hidden");
-    cod.anchor = read<int64_t>(f, "anchor");
-    cod.depth = read<int64_t>(f, "depth");
-    dv.kept = read<int64_t>(f, "kept");
+    // speculators' names, in DraftWeights::named() order (the export's own table).
+    const auto names = exported_weight_names(ExportFormat::Speculators);
+    auto layer = w.layer.named();
+    for (size_t i = 0; i < names.size(); ++i) *layer[i].second = read_as<float>(f, "w." + names[i]);
+    w.mask_hidden = read_as<float>(f, "w.mask_hidden");
+    w.embed = read_as<float>(f, "w.embed_tokens.weight");
+    fnorm = read_as<float>(f, "w.verifier_norm.weight");
+    head = read_as<float>(f, "target_lm_head");
+    ids = read_as<int32_t>(f, "ids");
+    mask = read_as<uint8_t>(f, "mask");
+    aux = read_as<float>(f, "aux");
+    hid = read_as<float>(f, "hidden");
+    cod.anchor = read_as<int64_t>(f, "anchor");
+    cod.depth = read_as<int64_t>(f, "depth");
+    dv.kept = read_as<int64_t>(f, "kept");
     dv.t2d.assign(size_t(c.V), 0);
     for (size_t i = 0; i < dv.kept.size(); ++i) {
       dv.d2t.push_back(dv.kept[i] - int64_t(i));
@@ -94,15 +77,6 @@ struct PCase {
   Sample sample() const { return {ids.data(), mask.data(), aux.data(), hid.data(), T}; }
   std::vector<uint8_t> valid() const { return std::vector<uint8_t>(mask.begin() + 1, mask.end()); }
 };
-
-double rel_max(const std::vector<double>& got, const std::vector<double>& want) {
-  double md = 0, mw = 0;
-  for (size_t i = 0; i < want.size(); ++i) {
-    md = std::max(md, std::abs(got[i] - want[i]));
-    mw = std::max(mw, std::abs(want[i]));
-  }
-  return md / std::max(mw, 1e-12);
-}
 
 // The structure every COD sample has: depth 0 is every position; a chain at depth d >= 1
 // continues one at depth d-1 of the same anchor; its target row is loss-masked; a depth
@@ -144,36 +118,27 @@ TEST_P(PEagle, MatchesSpeculatorsModel) {
   peagle::Grads g(pc.w);
   const peagle::Result r =
       peagle::forward(pc.c, pc.w, pc.target(), pc.dv, pc.sample(), pc.cod, pc.mask_token, &g);
-  const double want_loss = read<double>(pc.f, "loss")[0];
+  const double want_loss = read_as<double>(pc.f, "loss")[0];
   // speculators' model takes RoPE's cos/sin from transformers' rotary embedding, in fp32
   // whatever the model's dtype: the loss agrees to ~1e-8, the gradients to ~1e-7.
   EXPECT_NEAR(r.loss, want_loss, tol::kTttLossRel * std::abs(want_loss));
-  const auto hits = read<double>(pc.f, "acc_sum"), total = read<double>(pc.f, "acc_total");
+  const auto hits = read_as<double>(pc.f, "acc_sum"), total = read_as<double>(pc.f, "acc_total");
   ASSERT_EQ(int64_t(r.total.size()), int64_t(total.size()));
   for (size_t d = 0; d < total.size(); ++d) {
     EXPECT_EQ(double(r.total[d]), total[d]) << "depth " << d;
     EXPECT_EQ(double(r.hits[d]), hits[d]) << "depth " << d;
   }
-  auto& GL = g.layer;
-  const std::pair<const char*, const std::vector<double>*> grads[] = {
-      {"fc.weight", &GL.fc},
-      {"layers.0.input_layernorm.weight", &GL.in_ln},
-      {"layers.0.hidden_norm.weight", &GL.hidden_norm},
-      {"layers.0.self_attn.q_proj.weight", &GL.wq},
-      {"layers.0.self_attn.k_proj.weight", &GL.wk},
-      {"layers.0.self_attn.v_proj.weight", &GL.wv},
-      {"layers.0.self_attn.o_proj.weight", &GL.wo},
-      {"layers.0.post_attention_layernorm.weight", &GL.post_ln},
-      {"layers.0.mlp.gate_proj.weight", &GL.gate},
-      {"layers.0.mlp.up_proj.weight", &GL.up},
-      {"layers.0.mlp.down_proj.weight", &GL.down},
-      {"norm.weight", &GL.norm},
-      {"mask_hidden", &g.mask_hidden},
-      {"embed_tokens.weight", &g.embed}};
+  const auto names = exported_weight_names(ExportFormat::Speculators);
+  auto layer = g.layer.named();
+  std::vector<std::pair<std::string, const std::vector<double>*>> grads;
+  for (size_t i = 0; i < names.size(); ++i)
+    if (names[i] != "lm_head.weight") grads.push_back({names[i], layer[i].second});
+  grads.push_back({"mask_hidden", &g.mask_hidden});
+  grads.push_back({"embed_tokens.weight", &g.embed});
   for (auto& [name, got] : grads) {
-    const auto want = read<double>(pc.f, std::string("g.") + name);
+    const auto want = read_as<double>(pc.f, "g." + name);
     ASSERT_EQ(want.size(), got->size()) << name;
-    EXPECT_LE(rel_max(*got, want), tol::kTttGradRel) << "grad of " << name;
+    EXPECT_LE(talon::testing::rel_max_diff(*got, want), tol::kTttGradRel) << "grad of " << name;
   }
   // The lm_head is frozen (speculators trains no gradient for it): the fixture has none.
   EXPECT_EQ(pc.f.find("g.lm_head.weight"), nullptr);

@@ -152,7 +152,10 @@ assert len(t) == 8 and all(y > x for x, y in zip(t, t[1:])), t
 assert t[-1] == total, (t[-1], total)
 assert [r["tokens_trained"] for r in rows(sys.argv[3])] == t, t
 PY
-grep -A400 'data-chart="cmp_acc0"' "$WORK/cmp.html" | grep -m1 -q "tokens trained on" \
+# Through a file, not a pipe: `grep -q` exits at its first match, and under pipefail the
+# writer's SIGPIPE would fail the check whenever it had not finished writing by then.
+grep -A400 'data-chart="cmp_acc0"' "$WORK/cmp.html" > "$WORK/cmp_acc0.html"
+grep -q "tokens trained on" "$WORK/cmp_acc0.html" \
   && ok "held-back charts of a comparison are drawn against tokens trained on" || bad "cmp x axis"
 printf '%s\n%s\n' "$(head -1 "$WORK/run/metrics.jsonl")" '{"step": "two"}' > "$WORK/bad.jsonl"
 "$TALON" report --run "$WORK/bad.jsonl" --out "$WORK/bad.html" > /dev/null 2> "$WORK/rep2.err"

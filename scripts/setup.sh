@@ -51,4 +51,14 @@ if ! python3 -c "import torch" 2>/dev/null; then
     pip_torch torch
   }
 fi
+# speculators 0.9.0 (vLLM's trainer) loads the P-EAGLE export with its own classes and schema
+# (tests/cli/check_peagle_export.py). Its declared pins (torch <= 2.14.1, transformers <= 5.19)
+# would replace the ones above, and it imports only part of what it declares: the package
+# without dependencies, then what it imports.
+if ! python3 -c "import speculators.models.peagle" 2>/dev/null; then
+  echo "setup: installing speculators 0.9.0 (test oracle)"
+  pip_torch --no-deps speculators==0.9.0
+  pip_torch openai "datasets>=4.0.0,<=5.1.0" hs-connectors==0.9.0 "loguru>=0.7.2,<=0.7.3" pydantic pydantic-settings \
+    typer rich psutil
+fi
 scripts/fetch_model.sh

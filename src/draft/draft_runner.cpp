@@ -27,6 +27,10 @@ DraftModel load_draft(const fs::path& path, const Checkpoint& target) {
     m.vocab = std::move(d.vocab);
     m.aux_layer_ids = std::move(d.aux_layer_ids);
     m.origin = "talon checkpoint " + d.path.string();
+    m.drafter = d.drafter;
+    m.mask_token = int32_t(d.mask_token_id);
+    m.mask_hidden = std::move(d.mask_hidden);
+    m.embed = std::move(d.embed);
     return m;
   }
   train::ExportedDraft d = train::load_exported_draft(path);
@@ -44,6 +48,10 @@ DraftModel load_draft(const fs::path& path, const Checkpoint& target) {
   m.vocab = std::move(d.vocab);
   m.aux_layer_ids = std::move(d.aux_layer_ids);
   m.origin = std::string(train::export_format_name(d.format)) + " export " + path.string();
+  m.drafter = d.drafter;
+  m.mask_token = int32_t(d.mask_token_id);
+  m.mask_hidden = std::move(d.mask_hidden);
+  m.embed = std::move(d.embed);
   return m;
 }
 
@@ -59,13 +67,19 @@ void linear(std::vector<float>& out, const std::vector<float>& in, const std::ve
 class CpuDraftBackend final : public DraftBackend {
  public:
   CpuDraftBackend(const DraftModel& m, const Checkpoint& target) : c_(m.config), w_(m.weights) {
+    inv_ = rope_inv_freq(c_.rope, c_.head_dim);
+    if (!m.embed.empty()) {  // P-EAGLE's own
+      TALON_CHECK(int64_t(m.embed.size()) == c_.V * c_.H, "draft: its embedding has {} values, expected {} x {}",
+                  m.embed.size(), c_.V, c_.H);
+      embed_ = WeightRef{DType::F32, m.embed.data(), {c_.V, c_.H}};
+      return;
+    }
     const std::string name = "model.embed_tokens.weight";
     const CkptTensor* t = target.find(name);
     TALON_CHECK(t, "{}: no tensor '{}' (the draft shares the target's token embedding)", target.source(), name);
     embed_ = target.weight(*t);
     TALON_CHECK(embed_.shape.size() == 2 && embed_.shape[0] == c_.V && embed_.shape[1] == c_.H,
                 "{}: '{}' is not [{}, {}]", target.source(), name, c_.V, c_.H);
-    inv_ = rope_inv_freq(c_.rope, c_.head_dim);
   }
 
   std::string name() const override { return "cpu"; }
@@ -193,6 +207,30 @@ std::unique_ptr<DraftBackend> make_cpu_draft_backend(const DraftModel& m, const 
 struct DraftRunner::Impl {
   std::unique_ptr<DraftBackend> be;
   std::vector<int32_t> tparent, tdepth;  // the tree's nodes (ids from 0)
+  // Appends nodes with these parents to the tree above `len` step-0 rows; the rows that
+  // forward them.
+  DraftRows add_tree_rows(int64_t len, const std::vector<int32_t>& parents) {
+    const int64_t n = int64_t(parents.size()), T0 = int64_t(tparent.size());
+    for (int64_t i = 0; i < n; ++i)
+      TALON_CHECK(parents[size_t(i)] >= -1 && parents[size_t(i)] < T0 + i,
+                  "draft: tree node {} has parent {}, expected -1 or an earlier node", T0 + i, parents[size_t(i)]);
+    // Tree node t sits at cache row len + t, attends to the step-0 rows and to its ancestors
+    // and itself (bits of the rows above len), at RoPE position (last step-0 position) + depth.
+    DraftRows rows;
+    for (int64_t i = 0; i < n; ++i) {
+      const int32_t t = int32_t(T0 + i), par = parents[size_t(i)];
+      tparent.push_back(par);
+      tdepth.push_back(par < 0 ? 1 : tdepth[size_t(par)] + 1);
+      rows.pos.push_back(int32_t(len - 1 + tdepth.back()));
+      rows.len.push_back(int32_t(len));
+      rows.end.push_back(int32_t(len + t + 1));
+      rows.mask.push_back(int32_t(rows.masks.size()));
+      rows.masks.resize(rows.masks.size() + size_t(t / 64 + 1), 0);
+      for (int32_t a = t; a >= 0; a = tparent[size_t(a)])
+        rows.masks[size_t(rows.mask.back() + a / 64)] |= uint64_t(1) << (a % 64);
+    }
+    return rows;
+  }
 };
 
 DraftRunner::DraftRunner(const DraftModel& m, const Checkpoint& target, int device, int64_t max_rows)
@@ -250,32 +288,33 @@ void DraftRunner::extend(const int32_t* next_tokens, const float* aux, int64_t n
 
 void DraftRunner::tree_step(const std::vector<int32_t>& tokens, const std::vector<int32_t>& parents,
                             const float* parent_hidden, float* hidden, float* logits, DraftTop* top) {
-  const int64_t n = int64_t(tokens.size()), T0 = tree_size();
+  const int64_t n = int64_t(tokens.size());
   TALON_CHECK(len_ > 0, "draft: tree_step before any step-0 row");
   TALON_CHECK(int64_t(parents.size()) == n && n > 0, "draft: tree_step with {} tokens and {} parents", n,
               parents.size());
-  for (int64_t i = 0; i < n; ++i)
-    TALON_CHECK(parents[size_t(i)] >= -1 && parents[size_t(i)] < T0,
-                "draft: tree node {} has parent {}, expected -1 or an existing node below {}", T0 + i,
-                parents[size_t(i)], T0);
-  // Tree node t sits at cache row len + t, attends to the step-0 rows and to its ancestors
-  // and itself (bits of the rows above len), at RoPE position (last step-0 position) + depth.
-  DraftRows rows;
-  for (int64_t i = 0; i < n; ++i) {
-    const int32_t t = int32_t(T0 + i), par = parents[size_t(i)];
-    impl_->tparent.push_back(par);
-    impl_->tdepth.push_back(par < 0 ? 1 : impl_->tdepth[size_t(par)] + 1);
-    rows.pos.push_back(int32_t(len_ - 1 + impl_->tdepth.back()));
-    rows.len.push_back(int32_t(len_));
-    rows.end.push_back(int32_t(len_ + t + 1));
-    rows.mask.push_back(int32_t(rows.masks.size()));
-    rows.masks.resize(rows.masks.size() + size_t(t / 64 + 1), 0);
-    for (int32_t a = t; a >= 0; a = impl_->tparent[size_t(a)])
-      rows.masks[size_t(rows.mask.back() + a / 64)] |= uint64_t(1) << (a % 64);
-  }
+  const DraftRows rows = impl_->add_tree_rows(len_, parents);
   const int k = prepare_top(top, n, m_.config.Vd);
   impl_->be->forward(tokens.data(), parent_hidden, false, rows, false, hidden, logits, k,
                      k ? top->ids.data() : nullptr, k ? top->logprob.data() : nullptr);
 }
+
+void DraftRunner::parallel_step(int64_t n, float* logits, DraftTop* top) {
+  TALON_CHECK(m_.parallel(), "draft: a parallel step needs a P-EAGLE draft ({} is {})", m_.origin, m_.drafter);
+  TALON_CHECK(len_ > 0 && n > 0, "draft: parallel step of {} rows after {} step-0 rows", n, len_);
+  const int64_t H = m_.config.H;
+  TALON_CHECK(int64_t(m_.mask_hidden.size()) == 3 * H, "draft: mask_hidden has {} values, expected {}",
+              m_.mask_hidden.size(), 3 * H);
+  std::vector<int32_t> parents(static_cast<size_t>(n));
+  const int32_t T0 = int32_t(tree_size());
+  for (int64_t i = 0; i < n; ++i) parents[size_t(i)] = i == 0 ? -1 : T0 + int32_t(i) - 1;
+  const DraftRows rows = impl_->add_tree_rows(len_, parents);
+  const std::vector<int32_t> tokens(static_cast<size_t>(n), m_.mask_token);
+  std::vector<float> in(static_cast<size_t>(n * 3 * H)), hidden(static_cast<size_t>(n * H));
+  for (int64_t i = 0; i < n; ++i) std::copy(m_.mask_hidden.begin(), m_.mask_hidden.end(), in.begin() + i * 3 * H);
+  const int k = prepare_top(top, n, m_.config.Vd);
+  impl_->be->forward(tokens.data(), in.data(), true, rows, false, hidden.data(), logits, k,
+                     k ? top->ids.data() : nullptr, k ? top->logprob.data() : nullptr);
+}
+
 
 }  // namespace talon::spec

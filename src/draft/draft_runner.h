@@ -26,6 +26,12 @@ struct DraftModel {
   eagle3::DraftVocab vocab;
   std::vector<int64_t> aux_layer_ids;  // Talon's input-of-layer convention
   std::string origin;                  // "talon checkpoint PATH" / "speculators export DIR" / ...
+  // P-EAGLE (drafter "peagle"): the draft's own token embedding [V, H] (else the target's is
+  // used), and what stands in for the unknown tokens of a parallel step.
+  std::string drafter = "eagle3";
+  int32_t mask_token = -1;
+  std::vector<float> mask_hidden, embed;  // [3H], [V, H]
+  bool parallel() const { return drafter == "peagle"; }
 };
 
 // A `talon train` run directory or checkpoint file, or a `talon export` directory (either
@@ -71,6 +77,12 @@ class DraftRunner {
                  float* hidden, float* logits, DraftTop* top = nullptr);
   int64_t tree_size() const;
   void clear_tree();
+
+  // P-EAGLE: n draft positions after the last step-0 row in one forward, as a chain of tree
+  // nodes (node i's parent is node i-1) that read the mask token and mask_hidden (through fc)
+  // instead of drafted tokens and hidden states. Row i predicts the token at depth i + 2 (the
+  // last step-0 row's own logits are depth 1). Outputs logits [n, Vd] (unless null) and top.
+  void parallel_step(int64_t n, float* logits, DraftTop* top = nullptr);
 
   // Target id of a draft-vocabulary id.
   int32_t to_target(int64_t draft_id) const { return int32_t(draft_id + m_.vocab.d2t[size_t(draft_id)]); }

@@ -321,15 +321,36 @@ TrainedDraft load_trained_draft(const fs::path& path, const ModelConfig& tc, con
   std::memcpy(d.vocab.d2t.data(), d2t->data, d2t->nbytes);
   d.vocab.t2d.assign(t2d->data, t2d->data + t2d->nbytes);
   d.vocab.kept = check_vocab_mapping(d.vocab.d2t, d.vocab.t2d, c.V, where);
+
+  // The drafter family (checkpoints written before P-EAGLE existed are EAGLE-3's).
+  if (meta.contains("drafter")) {
+    const json& dr = meta.at("drafter");
+    TALON_CHECK(dr.is_string() && (dr == "eagle3" || dr == "peagle"), "{}: drafter is {}, expected \"eagle3\" or "
+                "\"peagle\"", mw, dr.dump());
+    d.drafter = dr.get<std::string>();
+  }
+  if (d.drafter == "peagle") {
+    d.mask_token_id = int_field(job, "mask_token_id", mw + " job");
+    TALON_CHECK(d.mask_token_id >= 0 && d.mask_token_id < c.V, "{} job: mask_token_id {} is outside [0, {})", mw,
+                d.mask_token_id, c.V);
+    auto read = [&](const char* name, std::vector<float>& v, int64_t n) {
+      const st::TensorView& t = f.get(name, DType::F32, {n});
+      v.resize(size_t(n));
+      std::memcpy(v.data(), t.data, t.nbytes);
+    };
+    read("w.mask_hidden", d.mask_hidden, 3 * c.H);
+    read("w.embed", d.embed, c.V * c.H);
+  }
   return d;
 }
 
-std::string serve_command(ExportFormat f, const fs::path& dir, const std::string& target, int64_t speculative_tokens) {
+std::string serve_command(ExportFormat f, const fs::path& dir, const std::string& target, int64_t speculative_tokens,
+                          bool parallel) {
   const std::string d = fs::absolute(dir).lexically_normal().string();
   if (f == ExportFormat::Speculators)
     return fmt::format("vllm serve {} --speculative-config '{{\"model\": \"{}\", \"method\": \"eagle3\", "
-                       "\"num_speculative_tokens\": {}}}'",
-                       target, d, speculative_tokens);
+                       "{}\"num_speculative_tokens\": {}}}'",
+                       target, d, parallel ? "\"parallel_drafting\": true, " : "", speculative_tokens);
   return fmt::format("python -m sglang.launch_server --model-path {} --speculative-algorithm EAGLE3 "
                      "--speculative-draft-model-path {} --speculative-num-steps {} --speculative-eagle-topk 1 "
                      "--speculative-num-draft-tokens {}",
@@ -350,6 +371,16 @@ ExportReport run_export(const ExportOptions& opt) {
               "export: --model {} gives RoPE as per-frequency factors (GGUF rope_freqs), which a config.json cannot "
               "express; export with the target's HF model directory",
               opt.model.string());
+  const bool peagle = d.drafter == "peagle";
+  if (peagle) {
+    TALON_CHECK(opt.format == ExportFormat::Speculators,
+                "{}: a P-EAGLE draft exports in the speculators format only (vLLM serves it with parallel drafting); "
+                "use --format speculators",
+                where);
+    TALON_CHECK(opt.speculative_tokens <= c.ttt_steps,
+                "export: --speculative-tokens {} is more than the {} draft positions the P-EAGLE draft was trained for",
+                opt.speculative_tokens, c.ttt_steps);
+  }
   if (opt.format == ExportFormat::SGLang) {
     TALON_CHECK(!c.norm_before_residual,
                 "{}: the draft was trained with norm_before_residual = true, which SGLang's LlamaForCausalLMEagle3 "
@@ -395,6 +426,20 @@ ExportReport run_export(const ExportOptions& opt) {
       wr.add(names[i], DType::F32, shapes[i], w.data(), w.size() * 4);
     }
   }
+  std::vector<std::vector<uint16_t>> extra_bf16;
+  if (peagle) {
+    const std::vector<std::pair<std::pair<std::string, std::vector<int64_t>>, const std::vector<float>*>> extra = {
+        {{"embed_tokens.weight", {c.V, c.H}}, &d.embed}, {{"mask_hidden", {1, 1, 3 * c.H}}, &d.mask_hidden}};
+    for (auto& [ns, w] : extra) {
+      if (opt.dtype == DType::BF16) {
+        extra_bf16.emplace_back(w->size());
+        for (size_t k = 0; k < w->size(); ++k) extra_bf16.back()[k] = f32_to_bf16((*w)[k]);
+        wr.add(ns.first, DType::BF16, ns.second, extra_bf16.back().data(), w->size() * 2);
+      } else {
+        wr.add(ns.first, DType::F32, ns.second, w->data(), w->size() * 4);
+      }
+    }
+  }
   wr.add("d2t", DType::I64, {c.Vd}, d.vocab.d2t.data(), d.vocab.d2t.size() * 8);
   wr.add("t2d", DType::BOOL, {c.V}, d.vocab.t2d.data(), d.vocab.t2d.size());
   const json provenance = {{"checkpoint", fs::absolute(d.path).string()},
@@ -430,6 +475,13 @@ ExportReport run_export(const ExportOptions& opt) {
            {"tie_word_embeddings", false},
            {"torch_dtype", opt.dtype == DType::BF16 ? "bfloat16" : "float32"},
            {"talon", provenance}};
+    if (peagle) {
+      cfg["architectures"] = {"PEagleSpeculator"};
+      cfg["speculators_model_type"] = "peagle";
+      cfg["speculators_config"]["algorithm"] = "peagle";
+      cfg["mask_token_id"] = d.mask_token_id;
+      cfg["embed_requires_grad"] = true;
+    }
   } else {
     std::vector<int64_t> sg_ids;
     for (auto id : d.aux_layer_ids) sg_ids.push_back(id - 1);
@@ -447,13 +499,14 @@ ExportReport run_export(const ExportOptions& opt) {
   const std::string cfg_text = cfg.dump(2) + "\n";
   write_file_atomic(tmp.path / kConfigName, cfg_text);
   rep.bytes += cfg_text.size();
-  rep.tensors = int64_t(named.size()) + 2;
+  rep.tensors = int64_t(named.size()) + 2 + (peagle ? 2 : 0);
   if (fs::exists(out)) fs::remove(out);  // empty, checked above
   fs::rename(tmp.path, out);
   tmp.keep = true;
   fsync_dir(out.parent_path());
   rep.out = out;
   rep.verifier = verifier;
+  rep.drafter = d.drafter;
   tlog::info("export: {} step {} -> {} ({}, {}, {} tensors)", where, d.step, out.string(),
              export_format_name(opt.format), opt.dtype == DType::BF16 ? "bf16" : "fp32", rep.tensors);
   return rep;
@@ -474,9 +527,11 @@ ExportedDraft load_exported_draft(const fs::path& dir) {
   DraftConfig& c = e.config;
   if (cfg.contains("speculators_model_type")) {
     const json& t = cfg.at("speculators_model_type");
-    TALON_CHECK(t.is_string() && t.get<std::string>() == "eagle3", "{}: speculators_model_type is {}, expected \"eagle3\"",
-                cw, t.dump());
+    TALON_CHECK(t.is_string() && (t == "eagle3" || t == "peagle"),
+                "{}: speculators_model_type is {}, expected \"eagle3\" or \"peagle\"", cw, t.dump());
     e.format = ExportFormat::Speculators;
+    e.drafter = t.get<std::string>();
+    if (e.drafter == "peagle") e.mask_token_id = int_field(cfg, "mask_token_id", cw);
     layer = &field(cfg, "transformer_layer_config", cw);
     TALON_CHECK(layer->is_object(), "{}: transformer_layer_config must be an object", cw);
     lw = cw + " transformer_layer_config";
@@ -554,9 +609,26 @@ ExportedDraft load_exported_draft(const fs::path& dir) {
   std::memcpy(e.vocab.d2t.data(), d2t.data, d2t.nbytes);
   e.vocab.t2d.assign(t2d.data, t2d.data + t2d.nbytes);
   e.vocab.kept = check_vocab_mapping(e.vocab.d2t, e.vocab.t2d, c.V, ww);
+  std::vector<std::string> extra;
+  if (e.drafter == "peagle") {
+    TALON_CHECK(e.mask_token_id >= 0 && e.mask_token_id < c.V, "{}: mask_token_id {} is outside [0, {})", cw,
+                e.mask_token_id, c.V);
+    auto read = [&](const std::string& name, std::vector<float>& v, const std::vector<int64_t>& shape) {
+      const st::TensorView* t = f.find(name);
+      TALON_CHECK(t, "{}: missing tensor '{}' (a P-EAGLE draft carries it)", ww, name);
+      TALON_CHECK(t->shape == shape && t->dtype == e.dtype, "{}: tensor '{}' is {} {}, expected {} {}", ww, name,
+                  dtype_name(t->dtype), st::shape_str(t->shape), dtype_name(e.dtype), st::shape_str(shape));
+      v.resize(size_t(t->numel()));
+      convert_to_f32(t->dtype, t->data, v.data(), size_t(t->numel()));
+      extra.push_back(name);
+    };
+    read("embed_tokens.weight", e.embed, {c.V, c.H});
+    read("mask_hidden", e.mask_hidden, {1, 1, 3 * c.H});
+  }
   for (auto& t : f.tensors())
-    TALON_CHECK(t.name == "d2t" || t.name == "t2d" || std::find(names.begin(), names.end(), t.name) != names.end(),
-                "{}: unexpected tensor '{}' for the {} format", ww, t.name, export_format_name(e.format));
+    TALON_CHECK(t.name == "d2t" || t.name == "t2d" || std::find(names.begin(), names.end(), t.name) != names.end() ||
+                    std::find(extra.begin(), extra.end(), t.name) != extra.end(),
+                "{}: unexpected tensor '{}' for the {} {} format", ww, t.name, export_format_name(e.format), e.drafter);
   return e;
 }
 

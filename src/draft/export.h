@@ -10,6 +10,10 @@
 //                which is Talon's id - 1 (SGLang adds 1 when it installs the capture).
 // Both carry fc, norm, lm_head, d2t (int64) and t2d (bool) and no embedding (the engines
 // share the target's). Matrices are 2-D [out, in]; norms 1-D.
+// A P-EAGLE draft (`talon train --drafter peagle`) exports in the speculators format only,
+// as speculators 0.9 saves it: speculators_model_type "peagle", mask_token_id,
+// embed_requires_grad, plus its trained embed_tokens.weight [V, H] and mask_hidden
+// [1, 1, 3H]; vLLM serves it as EAGLE-3 with parallel drafting.
 //
 // Nothing half-written: the directory is assembled under a temporary name next to --out,
 // every file fsynced, and renamed into place at the end.
@@ -35,6 +39,9 @@ struct TrainedDraft {
   eagle3::DraftConfig config;  // rope is not in the checkpoint: taken from the target
   eagle3::DraftWeights weights;
   eagle3::DraftVocab vocab;
+  std::string drafter = "eagle3";       // or "peagle"
+  int64_t mask_token_id = -1;           // peagle
+  std::vector<float> mask_hidden, embed;  // peagle: [3H], [V, H]
   std::vector<int64_t> aux_layer_ids;  // Talon's input-of-layer convention
   int64_t final_layer_id = 0;
   std::string convention;
@@ -62,11 +69,14 @@ struct ExportReport {
   int64_t tensors = 0;
   size_t bytes = 0;
   std::string verifier;  // as written in the config
+  std::string drafter;   // eagle3 | peagle
 };
 
 // The command that serves an exported draft `dir` beside `target` (a Hugging Face id or
 // model directory): `vllm serve` for the speculators format, SGLang's launcher for sglang.
-std::string serve_command(ExportFormat f, const fs::path& dir, const std::string& target, int64_t speculative_tokens);
+// `parallel`: a P-EAGLE draft (vLLM's EAGLE-3 with parallel drafting).
+std::string serve_command(ExportFormat f, const fs::path& dir, const std::string& target, int64_t speculative_tokens,
+                          bool parallel = false);
 
 ExportReport run_export(const ExportOptions& opt);
 
@@ -78,6 +88,9 @@ struct ExportedDraft {
   eagle3::DraftConfig config;
   eagle3::DraftWeights weights;
   eagle3::DraftVocab vocab;
+  std::string drafter = "eagle3";       // or "peagle" (speculators format only)
+  int64_t mask_token_id = -1;           // peagle
+  std::vector<float> mask_hidden, embed;  // peagle: [3H], [V, H]
   std::vector<int64_t> aux_layer_ids;  // Talon's convention
   DType dtype = DType::F32;            // as stored
   int64_t speculative_tokens = 0;      // speculators only; 0 for sglang

@@ -42,8 +42,10 @@ CodSample cod_sample(const std::vector<uint8_t>& valid, const CodOptions& o, uin
     std::vector<int64_t> pick = prev;
     if (int64_t(pick.size()) >= want) {
       for (int64_t i = 0; i < want; ++i) {  // a partial Fisher-Yates draw of `want` of them
-        std::uniform_int_distribution<int64_t> u(i, int64_t(pick.size()) - 1);
-        std::swap(pick[size_t(i)], pick[size_t(u(rng))]);
+        // (a bounded draw of our own: std's distributions differ between standard libraries)
+        const uint64_t span = uint64_t(pick.size()) - uint64_t(i);
+        const uint64_t j = uint64_t(i) + uint64_t((unsigned __int128)rng() * span >> 64);
+        std::swap(pick[size_t(i)], pick[size_t(j)]);
       }
       pick.resize(static_cast<size_t>(want));
       std::sort(pick.begin(), pick.end());
@@ -59,6 +61,20 @@ CodSample cod_sample(const std::vector<uint8_t>& valid, const CodOptions& o, uin
   return s;
 }
 
+CodSample all_chains(const std::vector<uint8_t>& valid, int depths) {
+  const int64_t S = int64_t(valid.size());
+  std::vector<int64_t> run(static_cast<size_t>(S + 1), 0);  // run[p]: valid positions p, p+1, ... in a row
+  for (int64_t p = S - 1; p >= 0; --p) run[size_t(p)] = valid[size_t(p)] ? run[size_t(p + 1)] + 1 : 0;
+  CodSample s;
+  for (int d = 0; d < depths; ++d)
+    for (int64_t a = 0; a + d < S; ++a)
+      if (d == 0 || run[size_t(a + 1)] >= d) {
+        s.anchor.push_back(a);
+        s.depth.push_back(d);
+      }
+  return s;
+}
+
 bool attends(const CodSample& s, int64_t q, int64_t kv) {
   const int64_t aq = s.anchor[size_t(q)], ak = s.anchor[size_t(kv)];
   return (s.depth[size_t(kv)] == 0 && aq >= ak) || (aq == ak && s.depth[size_t(q)] >= s.depth[size_t(kv)]);
@@ -69,7 +85,7 @@ Grads::Grads(const Weights& w)
 
 Result forward(const eagle3::DraftConfig& c, const Weights& w, const eagle3::TargetHead& tgt,
                const eagle3::DraftVocab& vocab, const eagle3::Sample& s, const CodSample& cod, int32_t mask_token,
-               Grads* grads) {
+               Grads* grads, std::vector<double>* logits_out) {
   const int64_t T = s.T, H = c.H, nh = c.n_heads, nkv = c.n_kv_heads, hd = c.head_dim, V = c.V, Vd = c.Vd;
   const int64_t N = cod.size(), qd = nh * hd, kvd = nkv * hd, grp = nh / nkv;
   TALON_CHECK(nh > 0 && nkv > 0 && nh % nkv == 0, "P-EAGLE: {} heads not a multiple of {} kv heads", nh, nkv);
@@ -171,6 +187,8 @@ Result forward(const eagle3::DraftConfig& c, const Weights& w, const eagle3::Tar
   for (int64_t d : cod.depth) depths = std::max<int>(depths, int(d) + 1);
   r.hits.assign(static_cast<size_t>(depths), 0);
   r.total.assign(static_cast<size_t>(depths), 0);
+  r.kl.assign(static_cast<size_t>(depths), 0.0);
+  r.outcome.assign(static_cast<size_t>(N), -1);
   for (int64_t n = 0; n < N; ++n) r.counted += s.mask[trow[size_t(n)]] ? 1 : 0;
   const double denom = double(r.counted) + kReductionEps;
   Vec dlogits(grads ? size_t(N * Vd) : 0, 0.0);
@@ -183,16 +201,22 @@ Result forward(const eagle3::DraftConfig& c, const Weights& w, const eagle3::Tar
     double z = 0;
     for (int64_t d = 0; d < Vd; ++d) z += std::exp(lg[d] - mx);
     const double lz = mx + std::log(z);
+    double kl = 0;
     for (int64_t d = 0; d < Vd; ++d) {
       const double p = P[size_t(t * Vd + d)];
-      if (p > 0) kl_sum += p * (std::log(p) - (lg[d] - lz));
+      if (p > 0) kl += p * (std::log(p) - (lg[d] - lz));
       if (grads) dlogits[size_t(n * Vd + d)] = (std::exp(lg[d] - lz) - p) / denom;
     }
+    kl_sum += kl;
     const int64_t dep = cod.depth[size_t(n)];
+    const bool hit = (std::max_element(lg, lg + Vd) - lg) == targ[size_t(t)];
     r.total[size_t(dep)] += 1;
-    r.hits[size_t(dep)] += (std::max_element(lg, lg + Vd) - lg) == targ[size_t(t)];
+    r.hits[size_t(dep)] += hit;
+    r.kl[size_t(dep)] += kl;
+    r.outcome[size_t(n)] = hit ? 1 : 0;
   }
   r.loss = kl_sum / denom;
+  if (logits_out) *logits_out = logits;
   if (!grads) return r;
 
   // Backward (the lm_head is frozen: its gradient is not formed).
@@ -245,6 +269,29 @@ Result forward(const eagle3::DraftConfig& c, const Weights& w, const eagle3::Tar
     for (int64_t i = 0; i < H; ++i) de[i] += dE[size_t(n * H + i)];
   }
   return r;
+}
+
+eagle3::TttResult ttt_view(const CodSample& cod, const Result& r, int depths) {
+  TALON_CHECK(int64_t(r.outcome.size()) == cod.size(), "P-EAGLE: a result of {} elements for a sample of {}",
+              r.outcome.size(), cod.size());
+  // right[a]: the chain anchored at a was right at every depth so far (elements are depth-major).
+  int64_t anchors = 0;
+  for (int64_t a : cod.anchor) anchors = std::max(anchors, a + 1);
+  std::vector<uint8_t> right(static_cast<size_t>(anchors), 1);
+  std::vector<eagle3::StepTally> tally(static_cast<size_t>(depths));
+  for (int64_t n = 0; n < cod.size(); ++n) {
+    const int64_t d = cod.depth[size_t(n)];
+    if (d >= depths) continue;
+    const int8_t o = r.outcome[size_t(n)];
+    tally[size_t(d)].add(o >= 0, o == 1, 0.0, right[size_t(cod.anchor[size_t(n)])]);
+  }
+  eagle3::TttResult t;
+  for (int d = 0; d < depths; ++d) {
+    if (size_t(d) < r.kl.size()) tally[size_t(d)].ce_sum = r.kl[size_t(d)];
+    eagle3::add_step(t, tally[size_t(d)], 1.0);
+  }
+  t.loss = r.loss;
+  return t;
 }
 
 }  // namespace talon::peagle

@@ -34,8 +34,12 @@ struct CodSample {
   int64_t size() const { return int64_t(anchor.size()); }
 };
 // valid[t] (t in [0, T-1)): 1 when position t's target row is loss-masked (mask[t+1]).
-// Deterministic in (valid, options, seed).
+// Deterministic in (valid, options, seed), with the same draw on every platform.
 CodSample cod_sample(const std::vector<uint8_t>& valid, const CodOptions& o, uint64_t seed);
+// Every chain at every depth below `depths`: depth 0 at every position, depth d >= 1 at
+// anchor a when positions a+1 .. a+d are valid (what COD sampling could reach, all of it).
+// The evaluation sample: its per-depth accuracies are those of real drafts from every anchor.
+CodSample all_chains(const std::vector<uint8_t>& valid, int depths);
 // Whether element q attends to element kv (one document).
 bool attends(const CodSample& s, int64_t q, int64_t kv);
 
@@ -54,13 +58,22 @@ struct Result {
   double loss = 0;
   int64_t counted = 0;
   std::vector<int64_t> hits, total;  // per depth: argmax matches and counted elements
+  std::vector<double> kl;            // per depth: summed KL of its counted elements
+  std::vector<int8_t> outcome;       // per element: -1 not counted, 0 missed, 1 argmax right
 };
+
+// The trainer's view of one sample's result: per depth d, loss_k[d] (mean KL), acc_k[d],
+// cond_acc_k[d] (accuracy of the elements whose chain was right at every earlier depth) and
+// n_k[d], over `depths` depths; `loss` is the result's own (speculators') reduction and
+// accept_len 1 + sum_d prod_{j<=d} acc_k[j], as for EAGLE-3.
+eagle3::TttResult ttt_view(const CodSample& cod, const Result& r, int depths);
 
 // Forward over one sample's elements, the loss and per-depth accuracy; with `grads`, the
 // hand-written backward of the loss, accumulated (+=). `tgt` supplies the target's final
-// norm and lm_head (its embed is not read: the drafter has its own, w.embed).
+// norm and lm_head (its embed is not read: the drafter has its own, w.embed). With `logits`,
+// also every element's draft logits [N, Vd].
 Result forward(const eagle3::DraftConfig& c, const Weights& w, const eagle3::TargetHead& tgt,
                const eagle3::DraftVocab& vocab, const eagle3::Sample& s, const CodSample& cod, int32_t mask_token,
-               Grads* grads = nullptr);
+               Grads* grads = nullptr, std::vector<double>* logits = nullptr);
 
 }  // namespace talon::peagle

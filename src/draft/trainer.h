@@ -9,6 +9,7 @@
 #include <string>
 
 #include "draft/eagle3.h"
+#include "draft/peagle.h"
 #include "draft/gpu_draft_options.h"
 #include "draft/optim.h"
 #include "util/file.h"
@@ -27,7 +28,14 @@ struct TrainOptions {
   fs::path out;    // run directory: checkpoint.safetensors, metrics.jsonl
   int64_t draft_vocab = 32000;  // capped at the target vocabulary
   eagle3::DraftShape draft_shape;  // sizes that replace the target-derived ones (0: keep)
-  int ttt_steps = 7;
+  // eagle3: the EAGLE-3 draft with training-time test; peagle: P-EAGLE (all ttt_steps draft
+  // positions in one pass, COD-sampled chains, mask token + learned mask_hidden, trainable
+  // embeddings, frozen lm_head; see draft/peagle.h). CPU only for now.
+  std::string drafter = "eagle3";
+  int64_t mask_token_id = -1;   // peagle: the mask token (-1: the highest id the training data never uses)
+  double cod_ratio = 0.7;       // peagle: depth d keeps max(cod_ratio^d, cod_ratio_min) of the chains
+  double cod_ratio_min = 0.2;
+  int ttt_steps = 7;            // eagle3: TTT steps K; peagle: draft positions (depths) per anchor
   double step_decay = 0.8;
   bool norm_before_residual = false;
   OptimConfig optim;
@@ -61,5 +69,7 @@ TrainReport run_train(const TrainOptions& opt);
 // The optimizer's view of a draft: each weight with its gradient; weight decay applies
 // to the matrices, not to the RMSNorm weights.
 std::vector<Param> draft_params(eagle3::DraftWeights& w, eagle3::DraftGrads& g);
+// P-EAGLE's: the layer's without the frozen lm_head, then mask_hidden and the embeddings.
+std::vector<Param> peagle_params(peagle::Weights& w, peagle::Grads& g);
 
 }  // namespace talon::train

@@ -199,10 +199,22 @@ EvalReport run_eval(const EvalOptions& opt) {
                                           : make_cpu_decoder(*ckpt, 1, cache);
   // After the decoder: a device that is not there is reported before the draft is read.
   const DraftModel dm = load_draft(opt.draft, *ckpt);
-  tlog::info("eval: draft {} (aux layers {}, draft vocabulary {})", dm.origin, fmt::join(dm.aux_layer_ids, ","),
-             dm.config.Vd);
+  tlog::info("eval: {} draft {} (aux layers {}, draft vocabulary {})", dm.parallel() ? "P-EAGLE" : "EAGLE-3",
+             dm.origin, fmt::join(dm.aux_layer_ids, ","), dm.config.Vd);
+  std::vector<SpecConfig> configs = opt.configs;
+  if (dm.parallel()) {
+    if (opt.default_trees)
+      std::erase_if(configs, [](const SpecConfig& c) { return c.mode != SpecConfig::Mode::Chain; });
+    for (const auto& c : configs)
+      TALON_CHECK(c.mode == SpecConfig::Mode::Chain,
+                  "eval: --draft {} is a P-EAGLE draft, which drafts one chain per round in one pass; give --chain "
+                  "configurations only (--no-tree)",
+                  opt.draft.string());
+    TALON_CHECK(!configs.empty(), "eval: no chain configuration for the P-EAGLE draft {} (give --chain)",
+                opt.draft.string());
+  }
   int max_tree_rows = 0;  // draft rows one round adds above the step-0 rows
-  for (const auto& c : opt.configs)
+  for (const auto& c : configs)
     max_tree_rows = std::max(max_tree_rows, c.mode == SpecConfig::Mode::Chain ? c.k : c.topk * c.depth);
   const DeviceSpec ddev = opt.draft_device == "same" ? dev : parse_device(opt.draft_device);
   TALON_CHECK(!ddev.cuda || ddev.devices.size() <= 1, "eval: --draft-device {}: one GPU", opt.draft_device);
@@ -281,7 +293,7 @@ EvalReport run_eval(const EvalOptions& opt) {
   int64_t total_turns = 0;
   for (const auto& q : qs) total_turns += int64_t(q.turns.size());
   tlog::info("eval: {} conversations ({} turns) x {} temperature(s) x {} configuration(s) on {}", qs.size(), total_turns,
-             opt.temperatures.size(), opt.configs.size(), dec->backend());
+             opt.temperatures.size(), configs.size(), dec->backend());
 
   // (temperature, config, category) -> row; "all" aggregates.
   std::map<std::tuple<double, std::string, std::string>, EvalRow> rows;
@@ -292,7 +304,7 @@ EvalReport run_eval(const EvalOptions& opt) {
     r.category = cat;
     return r;
   };
-  Progress progress("eval", int64_t(opt.temperatures.size() * opt.configs.size()) * total_turns, "turns");
+  Progress progress("eval", int64_t(opt.temperatures.size() * configs.size()) * total_turns, "turns");
   bool stopped = false;
   for (double t : opt.temperatures) {
     SamplingParams sp;
@@ -333,7 +345,7 @@ EvalReport run_eval(const EvalOptions& opt) {
       run_conv([&](const std::vector<int32_t>& p, uint64_t stream,
                    DecodeStats& st) { return decode_plain(*dec, 0, p, sp, stream, lim, &st); },
                base, base_out, base_prompts);
-      for (const auto& cfg : opt.configs) {
+      for (const auto& cfg : configs) {
         if (stop_requested()) {
           stopped = true;
           break;

@@ -27,6 +27,7 @@ struct EvalOptions {
   fs::path tokenizer, chat_template;
   std::string fallback_template, template_kwargs, format = "auto";
   std::vector<SpecConfig> configs;
+  bool default_trees = false;  // the trees are the CLI's default: a P-EAGLE draft drops them
   std::vector<double> temperatures{0.0};
   double top_p = 1.0;
   int64_t top_k = 0;

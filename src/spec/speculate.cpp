@@ -145,6 +145,10 @@ std::vector<int32_t> decode_speculative(Decoder& target, int slot, DraftRunner& 
   const DraftModel& dm = draft.model();
   const int64_t V = tc.vocab, H = tc.hidden, Vd = dm.config.Vd;
   const bool sampled_chain = cfg.mode == SpecConfig::Mode::Chain && !params.greedy();
+  TALON_CHECK(!dm.parallel() || cfg.mode == SpecConfig::Mode::Chain,
+              "decode: {} is a P-EAGLE draft, which proposes one chain per round (parallel drafting); use a chain, "
+              "not a tree",
+              dm.origin);
   DecodeStats st;
   st.tried.assign(size_t(cfg.mode == SpecConfig::Mode::Chain ? cfg.k : cfg.depth), 0);
   st.accepted = st.tried;
@@ -216,22 +220,33 @@ std::vector<int32_t> decode_speculative(Decoder& target, int slot, DraftRunner& 
       const int k = int(std::min<int64_t>(cfg.k, room));
       std::vector<float> g = g_last, dl = dl_last, g2(static_cast<size_t>(H)), dl2(static_cast<size_t>(Vd));
       DraftTop top = top_last;
-      for (int i = 0; i < k; ++i) {
-        int32_t d;
+      // The i-th draft token from a row's logits (sampled chain) or its top-1 id (greedy).
+      auto choose = [&](int i, const float* row_logits, int32_t row_top) {
+        int32_t d = row_top;
         if (sampled_chain) {
           // q over target ids: the draft's distribution at the target's temperature/top-k/top-p.
           std::vector<double> qd;
-          sampling_distribution(dl.data(), Vd, params, qd);
+          sampling_distribution(row_logits, Vd, params, qd);
           d = draw(qd, uniform01(params.seed, stream ^ kDraftStream, round * 1024 + uint64_t(i)));
           std::vector<double> q(size_t(V), 0.0);
           for (int64_t j = 0; j < Vd; ++j) q[size_t(draft.to_target(j))] = qd[size_t(j)];
           cand.q.push_back(std::move(q));
-        } else {
-          d = top.ids[0];
         }
         cand.tokens.push_back(draft.to_target(d));
         cand.parents.push_back(i - 1);
         cand.scores.push_back(-double(i));
+      };
+      // P-EAGLE: depth 1 from the last step-0 row, depths 2..k from one parallel step.
+      std::vector<float> pl(dm.parallel() && sampled_chain ? size_t(std::max(k - 1, 0)) * size_t(Vd) : 0);
+      DraftTop ptop;
+      ptop.k = top_last.k;
+      if (dm.parallel() && k > 1)
+        draft.parallel_step(k - 1, sampled_chain ? pl.data() : nullptr, sampled_chain ? nullptr : &ptop);
+      for (int i = 0; i < k && dm.parallel(); ++i)
+        choose(i, i == 0 ? dl.data() : pl.data() + size_t(i - 1) * size_t(Vd),
+               sampled_chain ? 0 : i == 0 ? top.ids[0] : ptop.ids[size_t(i - 1) * size_t(ptop.k)]);
+      for (int i = 0; i < k && !dm.parallel(); ++i) {
+        choose(i, dl.data(), sampled_chain ? 0 : top.ids[0]);
         if (i + 1 < k) {
           draft.tree_step({cand.tokens.back()}, {int32_t(i) - 1}, g.data(), g2.data(), sampled_chain ? dl2.data() : nullptr,
                           sampled_chain ? nullptr : &top);

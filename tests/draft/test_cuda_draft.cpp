@@ -147,6 +147,94 @@ TEST(CudaDraft, RunnerMatchesTheCpuRunner) {
   }
 }
 
+// P-EAGLE on the GPU: the draft's own embedding and the parallel step (mask rows through fc)
+// against the CPU runner, rows of a prompt and chains of 1..7 mask rows, then greedy chains
+// that must equal target-only GPU decoding up to an fp32 near-tie (as above).
+TEST(CudaDraft, PEagleParallelStepMatchesTheCpuRunner) {
+  REQUIRE_GPU();
+  int variant = 0;
+  for (const auto& target : targets()) {
+    const std::string& name = target.first;
+    const std::shared_ptr<Checkpoint>& ck = target.second;
+    const ModelConfig& tc = ck->config();
+    DraftModel m = random_peagle_draft(tc, tc.vocab / 2 + 3, 17 + variant);
+    m.config.norm_before_residual = variant++ % 2 == 1;
+    const int64_t H = tc.hidden, V = tc.vocab, Vd = m.config.Vd;
+    DraftRunner cpu(m, *ck), gpu(m, *ck, 0, 200);
+    std::mt19937 rng(5);
+    std::normal_distribution<float> nd(0.f, 1.f);
+    double worst = 0;
+    for (int n = 1; n <= 7; ++n) {
+      const int64_t rows = n == 1 ? 29 : 2;
+      std::vector<int32_t> toks(static_cast<size_t>(rows));
+      for (auto& t : toks) t = int32_t(rng() % uint32_t(V));
+      std::vector<float> aux(size_t(rows * 3 * H)), hc(static_cast<size_t>(H)), hg(hc.size()),
+          lc(size_t((n + 1) * Vd)), lg(lc.size());
+      for (auto& x : aux) x = nd(rng);
+      cpu.extend(toks.data(), aux.data(), rows, hc.data(), lc.data());
+      gpu.extend(toks.data(), aux.data(), rows, hg.data(), lg.data());
+      cpu.parallel_step(n, lc.data() + Vd);
+      DraftTop top;
+      top.k = 4;
+      gpu.parallel_step(n, lg.data() + Vd, &top);
+      for (int r = 0; r <= n; ++r) {
+        const double e = rel_err(lg.data() + r * Vd, lc.data() + r * Vd, size_t(Vd));
+        EXPECT_LE(e, tol::kCudaDraftRel) << name << " chain of " << n << " row " << r;
+        worst = std::max(worst, e);
+      }
+      std::vector<int32_t> ids(4);
+      std::vector<float> lp(4);
+      for (int r = 0; r < n; ++r) {
+        top_logsoftmax(lg.data() + (r + 1) * Vd, Vd, 4, ids.data(), lp.data());
+        for (int j = 0; j < 4; ++j) EXPECT_EQ(top.ids[size_t(r * 4 + j)], ids[size_t(j)]) << name << " row " << r;
+      }
+      cpu.clear_tree();
+      gpu.clear_tree();
+    }
+    std::printf("cuda P-EAGLE draft %s: worst rel err logits %.4f\n", name.c_str(), worst);
+  }
+  int equal = 0, runs = 0;
+  for (const std::string fx : {"llama_gqa", "qwen3"}) {
+    auto ck = open_checkpoint(golden_fixture(fx));
+    const ModelConfig& tc = ck->config();
+    auto dec = make_cuda_decoder(*ck, 0, 1, 256);
+    auto ref = make_cpu_decoder(*ck, 1, 256);
+    DraftModel m = random_peagle_draft(tc, tc.vocab / 2, 23);
+    DraftRunner run(m, *ck, 0, 256 + 64);
+    std::vector<float> logits(static_cast<size_t>(tc.vocab));
+    SamplingParams greedy;
+    GenLimits lim;
+    lim.max_new_tokens = 30;
+    std::mt19937 rng(4);
+    for (int prompt_i = 0; prompt_i < 3; ++prompt_i) {
+      std::vector<int32_t> prompt(size_t(3 + prompt_i * 5));
+      for (auto& x : prompt) x = int32_t(rng() % uint32_t(tc.vocab));
+      const auto want = decode_plain(*dec, 0, prompt, greedy, 0, lim);
+      for (int k : {2, 5}) {
+        SpecConfig cfg;
+        cfg.k = k;
+        const auto got = decode_speculative(*dec, 0, run, prompt, cfg, greedy, 0, lim);
+        ++runs;
+        size_t i = 0;
+        while (i < got.size() && i < want.size() && got[i] == want[i]) ++i;
+        if (i == want.size() && got.size() == want.size()) {
+          ++equal;
+          continue;
+        }
+        ASSERT_LT(i, std::min(got.size(), want.size())) << fx << " chain " << k << ": lengths differ";
+        std::vector<int32_t> seq = prompt;
+        seq.insert(seq.end(), want.begin(), want.begin() + std::ptrdiff_t(i));
+        ref->reset(0);
+        ref->forward({{0, seq, {}, false}}, {}, logits.data());
+        const double gap = std::fabs(double(logits[size_t(want[i])]) - double(logits[size_t(got[i])]));
+        EXPECT_LT(gap, tol::kCudaGreedyMargin) << fx << " prompt " << prompt_i << " chain " << k << ": token " << i;
+      }
+    }
+  }
+  std::printf("cuda P-EAGLE greedy: %d/%d runs equal\n", equal, runs);
+  EXPECT_GE(equal, runs / 2);
+}
+
 TEST(CudaDraft, BadRequestsAreRefused) {
   REQUIRE_GPU();
   auto ck = open_checkpoint(golden_fixture("llama_gqa"));

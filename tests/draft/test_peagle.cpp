@@ -192,4 +192,53 @@ TEST(PEagleCod, AttentionMask) {
   EXPECT_FALSE(peagle::attends(s, 1, 4));  // depth 0 reads only depth 0
 }
 
+// The trainer's per-depth view of a result, on a hand-made sample: depth 0 anchors 0, 1, 2,
+// 3 (anchor 3 not counted); depth 1 anchors 0 and 2; depth 2 anchor 0.
+TEST(PEagleCod, PerDepthViewForTheTrainer) {
+  peagle::CodSample cod;
+  cod.anchor = {0, 1, 2, 3, 0, 2, 0};
+  cod.depth = {0, 0, 0, 0, 1, 1, 2};
+  peagle::Result r;
+  r.loss = 0.75;
+  r.outcome = {1, 0, 1, -1, 1, 0, 0};
+  r.kl = {0.3, 0.8, 0.9};
+  const auto t = peagle::ttt_view(cod, r, 3);
+  ASSERT_EQ(t.acc_k.size(), 3u);
+  EXPECT_EQ(t.n_k, (std::vector<int64_t>{3, 2, 1}));
+  EXPECT_DOUBLE_EQ(t.acc_k[0], 2.0 / 3);
+  EXPECT_DOUBLE_EQ(t.acc_k[1], 1.0 / 2);
+  EXPECT_DOUBLE_EQ(t.acc_k[2], 0.0);
+  // Depth 1: both chains (anchors 0 and 2) were right at depth 0; one is right now. Depth 2:
+  // anchor 0's chain was right at depths 0 and 1, and misses.
+  EXPECT_DOUBLE_EQ(t.cond_acc_k[0], 2.0 / 3);
+  EXPECT_DOUBLE_EQ(t.cond_acc_k[1], 1.0 / 2);
+  EXPECT_DOUBLE_EQ(t.cond_acc_k[2], 0.0);
+  EXPECT_DOUBLE_EQ(t.loss_k[0], 0.1);
+  EXPECT_DOUBLE_EQ(t.loss_k[1], 0.4);
+  EXPECT_DOUBLE_EQ(t.loss, 0.75);  // the result's own reduction, not a sum of depths
+  EXPECT_DOUBLE_EQ(t.accept_len, 1 + 2.0 / 3 + 2.0 / 3 * 0.5);
+  // A result of another sample is refused.
+  r.outcome.pop_back();
+  EXPECT_THROW(peagle::ttt_view(cod, r, 3), Error);
+}
+
+// The evaluation sample: every chain the sampler could reach. valid = 1 1 0 1 1 1: depth 1
+// needs position a+1 valid (anchors 0, 2, 3, 4), depth 2 positions a+1 and a+2 (anchors 2, 3).
+TEST(PEagleCod, AllChainsKeepsEveryReachableChain) {
+  const auto s = peagle::all_chains({1, 1, 0, 1, 1, 1}, 3);
+  EXPECT_EQ(s.depth, (std::vector<int64_t>{0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 2, 2}));
+  EXPECT_EQ(s.anchor, (std::vector<int64_t>{0, 1, 2, 3, 4, 5, 0, 2, 3, 4, 2, 3}));
+  // Any COD draw on the same positions is a subset of it.
+  peagle::CodOptions o;
+  o.depths = 3;
+  for (uint64_t seed = 0; seed < 20; ++seed) {
+    const auto c = peagle::cod_sample({1, 1, 0, 1, 1, 1}, o, seed);
+    for (int64_t i = 0; i < c.size(); ++i) {
+      bool found = false;
+      for (int64_t j = 0; j < s.size(); ++j) found |= s.anchor[size_t(j)] == c.anchor[size_t(i)] && s.depth[size_t(j)] == c.depth[size_t(i)];
+      EXPECT_TRUE(found) << "seed " << seed << " element (" << c.anchor[size_t(i)] << ", " << c.depth[size_t(i)] << ")";
+    }
+  }
+}
+
 }  // namespace

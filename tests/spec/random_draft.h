@@ -45,6 +45,21 @@ inline spec::DraftModel random_draft(const ModelConfig& tc, int64_t Vd, uint32_t
   return m;
 }
 
+// A random P-EAGLE draft: random_draft's layer plus its own embedding, mask_hidden and mask token.
+inline spec::DraftModel random_peagle_draft(const ModelConfig& tc, int64_t Vd, uint32_t seed, double head_scale = 4.0) {
+  spec::DraftModel m = random_draft(tc, Vd, seed, head_scale);
+  std::mt19937 rng(seed + 101);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  m.drafter = "peagle";
+  m.mask_token = int32_t(tc.vocab - 1);
+  m.mask_hidden.resize(size_t(3 * tc.hidden));
+  for (auto& x : m.mask_hidden) x = nd(rng);
+  m.embed.resize(size_t(tc.vocab * tc.hidden));
+  for (auto& x : m.embed) x = 0.5f * nd(rng);
+  m.origin = "random P-EAGLE";
+  return m;
+}
+
 // The drafting configurations the greedy-equivalence tests run: chains of 1 and 4, a narrow
 // deep tree and a wide shallow one (more than 32 verified nodes).
 inline std::vector<spec::SpecConfig> greedy_test_configs() {

@@ -18,6 +18,7 @@
 #include "tests/test_util.h"
 #include "tests/tolerances.h"
 #include "draft/eagle3.h"
+#include "draft/peagle.h"
 #include "draft/export.h"
 #include "draft/optim.h"
 #include "draft/trainer.h"
@@ -73,6 +74,99 @@ TEST(DraftRunner, TeacherForcedChainsEqualTheTrainingForward) {
     run.clear_tree();
   }
   EXPECT_LE(worst, tol::kDraftRunnerRel);
+}
+
+// P-EAGLE drafting at inference (step-0 rows, then one parallel step of mask rows) against
+// the training forward (draft/peagle.h) on the same elements: anchor p's chain of depths
+// 0..n must give the same logits, which pins positions, masks, mask_hidden through fc and the
+// draft's own embedding to the training convention.
+TEST(DraftRunner, ParallelStepEqualsThePEagleTrainingForward) {
+  auto ck = open_checkpoint(golden_fixture("llama_gqa"));
+  const ModelConfig& tc = ck->config();
+  DraftModel m = random_peagle_draft(tc, tc.vocab / 2, 7);
+  const int64_t T = 12, H = tc.hidden, V = tc.vocab, Vd = m.config.Vd, K = 4;
+  std::mt19937 rng(11);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  std::vector<int32_t> ids(static_cast<size_t>(T));
+  for (auto& x : ids) x = int32_t(rng() % uint32_t(V - 1));
+  std::vector<uint8_t> mask(static_cast<size_t>(T), 1);
+  std::vector<float> aux(size_t(T * 3 * H)), hid(size_t(T * H)), fnorm(static_cast<size_t>(H), 1.f),
+      head(size_t(V * H));
+  for (auto& x : aux) x = nd(rng);
+  for (auto& x : hid) x = nd(rng);
+  for (auto& x : head) x = 0.1f * nd(rng);
+  eagle3::TargetHead th{nullptr, fnorm.data(), head.data(), tc.rms_eps};
+  eagle3::Sample s{ids.data(), mask.data(), aux.data(), hid.data(), T};
+  peagle::Weights pw{m.weights, m.mask_hidden, m.embed};
+
+  DraftRunner run(m, *ck);
+  std::vector<float> g(static_cast<size_t>(H)), lg(static_cast<size_t>(Vd)), pl(size_t(K * Vd));
+  double worst = 0;
+  int compared = 0;
+  for (int64_t p = 0; p + 2 < T; ++p) {
+    const int64_t n = std::min<int64_t>(K - 1, T - 2 - p);  // depths 1..n after anchor p
+    peagle::CodSample cod;
+    for (int64_t a = 0; a + 1 < T; ++a) cod.anchor.push_back(a), cod.depth.push_back(0);
+    for (int64_t d = 1; d <= n; ++d) cod.anchor.push_back(p), cod.depth.push_back(d);
+    std::vector<double> ref64;
+    peagle::forward(m.config, pw, th, m.vocab, s, cod, m.mask_token, nullptr, &ref64);
+    ASSERT_EQ(int64_t(ref64.size()), cod.size() * Vd);
+    const std::vector<float> ref(ref64.begin(), ref64.end());
+    run.reset();
+    std::vector<int32_t> next(ids.begin() + 1, ids.begin() + p + 2);
+    run.extend(next.data(), aux.data(), p + 1, g.data(), lg.data());
+    double e = rel_err(lg.data(), ref.data() + p * Vd, size_t(Vd));
+    EXPECT_LE(e, tol::kDraftRunnerRel) << "anchor " << p << " depth 0";
+    worst = std::max(worst, e);
+    if (n == 0) continue;
+    run.parallel_step(n, pl.data());
+    for (int64_t d = 1; d <= n; ++d) {
+      e = rel_err(pl.data() + (d - 1) * Vd, ref.data() + (T - 1 + d - 1) * Vd, size_t(Vd));
+      EXPECT_LE(e, tol::kDraftRunnerRel) << "anchor " << p << " depth " << d;
+      worst = std::max(worst, e);
+      ++compared;
+    }
+    run.clear_tree();
+  }
+  EXPECT_GT(compared, 20);
+  EXPECT_LE(worst, tol::kDraftRunnerRel);
+  // An EAGLE-3 draft has no parallel step.
+  DraftModel e3 = random_draft(tc, tc.vocab / 2, 7);
+  DraftRunner r3(e3, *ck);
+  r3.extend(&ids[1], aux.data(), 1, g.data(), lg.data());
+  EXPECT_THROW(r3.parallel_step(2, pl.data()), Error);
+}
+
+// Greedy speculation with a P-EAGLE draft (one parallel step per round) leaves target-only
+// greedy decoding unchanged; a tree is refused.
+TEST(Speculate, PEagleChainsKeepGreedyOutputs) {
+  for (const std::string fx : {"llama_gqa", "qwen3"}) {
+    auto ck = open_checkpoint(golden_fixture(fx));
+    const ModelConfig& tc = ck->config();
+    auto dec = make_cpu_decoder(*ck, 1, 256);
+    DraftModel m = random_peagle_draft(tc, tc.vocab / 2, 23);
+    DraftRunner run(m, *ck);
+    SamplingParams greedy;
+    GenLimits lim;
+    lim.max_new_tokens = 30;
+    std::mt19937 rng(4);
+    for (int prompt_i = 0; prompt_i < 3; ++prompt_i) {
+      std::vector<int32_t> prompt(size_t(3 + prompt_i * 5));
+      for (auto& x : prompt) x = int32_t(rng() % uint32_t(tc.vocab));
+      const auto want = decode_plain(*dec, 0, prompt, greedy, 0, lim);
+      for (int k : {1, 2, 5}) {
+        SpecConfig cfg;
+        cfg.k = k;
+        DecodeStats st;
+        const auto got = decode_speculative(*dec, 0, run, prompt, cfg, greedy, 0, lim, &st);
+        EXPECT_EQ(got, want) << fx << " prompt " << prompt_i << " chain " << k;
+        EXPECT_EQ(int64_t(st.tried.size()), k);
+      }
+    }
+    SpecConfig tree;
+    tree.mode = SpecConfig::Mode::Tree;
+    EXPECT_THROW(decode_speculative(*dec, 0, run, {1, 2, 3}, tree, greedy, 0, lim), Error) << fx;
+  }
 }
 
 TEST(DraftTree, SelectionKeepsAncestorsAndOrdersParentsFirst) {

@@ -254,7 +254,7 @@ int inspect_eval(const fs::path& path) {
 bool is_draft_export(const json& cfg) {
   if (!cfg.contains("architectures") || !cfg["architectures"].is_array()) return false;
   for (auto& a : cfg["architectures"])
-    if (a == "Eagle3Speculator" || a == "LlamaForCausalLMEagle3") return true;
+    if (a == "Eagle3Speculator" || a == "PEagleSpeculator" || a == "LlamaForCausalLMEagle3") return true;
   return false;
 }
 
@@ -275,13 +275,18 @@ int inspect_export(const fs::path& dir) {
                                                             fmt::join(engine_ids, ",")));
   int64_t params = 0;
   for (auto& [name, w] : d.weights.named()) params += int64_t(w->size());
+  if (d.drafter == "peagle") {
+    params += int64_t(d.embed.size() + d.mask_hidden.size());
+    std::cout << fmt::format("  drafter       P-EAGLE (parallel drafting), mask token {}, own embeddings\n",
+                             d.mask_token_id);
+  }
   std::cout << fmt::format("  weights       {:.2f}M parameters\n", double(params) / 1e6);
   if (sp) {
     std::cout << fmt::format("  verifier      {}\n", d.verifier);
     std::cout << fmt::format("  proposal      {} speculative tokens\n", d.speculative_tokens);
   }
   std::cout << fmt::format("serve: {}\n", train::serve_command(d.format, dir, sp ? d.verifier : std::string("TARGET"),
-                                                                 sp ? d.speculative_tokens : 3));
+                                                                 sp ? d.speculative_tokens : 3, d.drafter == "peagle"));
   return 0;
 }
 

@@ -95,14 +95,17 @@ int run_generate_command(const spec::GenerateOptions& o) {
 }
 
 CLI::App* add_eval_subcommand(CLI::App& app, EvalCli& o) {
-  auto* c = app.add_subcommand("eval", "Speculative decoding with the target and an EAGLE-3 draft: acceptance length, "
+  auto* c = app.add_subcommand("eval", "Speculative decoding with the target and a draft (EAGLE-3 or P-EAGLE): acceptance length, "
                                        "acceptance per depth and speedup over target-only decoding");
   auto& e = o.opt;
   add_data_options(c, e.inputs, e.model, e.tokenizer, e.chat_template, e.fallback_template, e.template_kwargs, e.format);
   c->add_option("--draft", e.draft, "`talon train` run directory / checkpoint, or a `talon export` directory")->required();
   c->add_option("--out", e.out, "Output directory (eval.json, eval.html)")->required();
   c->add_option("--chain", o.chain, "Chain lengths k, comma-separated")->capture_default_str();
-  c->add_option("--tree", o.tree, "Trees as depth,topk,tokens; several separated by ';'")->capture_default_str();
+  o.tree_opt = c->add_option("--tree", o.tree,
+                             "Trees as depth,topk,tokens; several separated by ';' (not with a P-EAGLE draft, whose "
+                             "default is chains only)")
+                   ->capture_default_str();
   c->add_flag("--no-chain", o.no_chain, "No chain drafting");
   c->add_flag("--no-tree", o.no_tree, "No tree drafting");
   c->add_option("--temperatures", o.temperatures, "Temperatures, comma-separated (0: greedy)")->capture_default_str();
@@ -125,6 +128,7 @@ CLI::App* add_eval_subcommand(CLI::App& app, EvalCli& o) {
 int run_eval_command(EvalCli& o) {
   auto& e = o.opt;
   e.configs.clear();
+  e.default_trees = o.tree_opt && o.tree_opt->count() == 0;
   if (!o.no_chain)
     for (const auto& k : split(o.chain, ',')) {
       spec::SpecConfig c;

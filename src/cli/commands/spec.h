@@ -15,6 +15,7 @@ struct EvalCli {
   spec::EvalOptions opt;
   std::string chain = "3,5,7", tree = "6,8,32", temperatures = "0";
   bool no_tree = false, no_chain = false;
+  CLI::Option* tree_opt = nullptr;  // to tell a --tree given from the default
 };
 CLI::App* add_eval_subcommand(CLI::App& app, EvalCli& o);
 int run_eval_command(EvalCli& o);

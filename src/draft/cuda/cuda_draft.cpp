@@ -56,13 +56,19 @@ class CudaDraftBackend final : public DraftBackend {
     wdown_ = upload(dev_.arena(), {&w.down});
     norm_ = upload(dev_.arena(), {&w.norm});
     lm_head_ = upload(dev_.arena(), {&w.lm_head});
-    const std::string name = "model.embed_tokens.weight";
-    const CkptTensor* t = target.find(name);
-    TALON_CHECK(t, "{}: no tensor '{}' (the draft shares the target's token embedding)", target.source(), name);
-    const WeightRef e = target.weight(*t);
-    TALON_CHECK(e.shape.size() == 2 && e.shape[0] == c.V && e.shape[1] == c.H, "{}: '{}' is not [{}, {}]",
-                target.source(), name, c.V, c.H);
-    embed_ = cuda::upload_weight(e, dev_.arena());
+    if (!m.embed.empty()) {  // P-EAGLE's own
+      TALON_CHECK(int64_t(m.embed.size()) == c.V * c.H, "draft: its embedding has {} values, expected {} x {}",
+                  m.embed.size(), c.V, c.H);
+      embed_ = upload(dev_.arena(), {&m.embed});
+    } else {
+      const std::string name = "model.embed_tokens.weight";
+      const CkptTensor* t = target.find(name);
+      TALON_CHECK(t, "{}: no tensor '{}' (the draft shares the target's token embedding)", target.source(), name);
+      const WeightRef e = target.weight(*t);
+      TALON_CHECK(e.shape.size() == 2 && e.shape[0] == c.V && e.shape[1] == c.H, "{}: '{}' is not [{}, {}]",
+                  target.source(), name, c.V, c.H);
+      embed_ = cuda::upload_weight(e, dev_.arena());
+    }
     const std::vector<float> inv = rope_inv_freq(c.rope, c.head_dim);
     inv_freq_ = dev_.arena().alloc<float>(inv.size());
     CUDA_CHECK(cudaMemcpy(inv_freq_, inv.data(), inv.size() * 4, cudaMemcpyHostToDevice));

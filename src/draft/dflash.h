@@ -1,0 +1,81 @@
+// DFlash on the CPU: the fp64 reference of the block drafter as speculators 0.9.0 trains it
+// (models/dflash): several Qwen3-style decoder layers that predict a whole block of tokens in
+// one pass, conditioned on the target's hidden states through the layers' own keys and
+// values.
+//
+// Layout. Positions t index the sample unshifted (ids, mask, aux, hidden as extract writes
+// them; aux has n_aux target layers, [T, n_aux*H]). The context is C = hidden_norm(fc(aux)),
+// one row per position. A block is anchored at a position a (loss-masked, a + B < T) and
+// holds B rows at positions a .. a+B-1: the token ids[a] (slot 0), then the mask token. In
+// every layer a block row attends to the context rows t < a and to all B rows of its own
+// block (both ways). The context's keys and values are that layer's k/v projections of C
+// (k normed per head, both rotated at their positions); C itself is not updated by the layers.
+// Slot i >= 1 predicts ids[a+i]: its target is the target's distribution from hidden[a+i-1],
+// counted when mask[a+i]. Slot 0 is the given anchor token and not trained.
+// Loss: sum over counted slots of w_i * KL(target || draft) over the draft vocabulary, with
+// w_i = exp(-(i-1)/gamma), divided by (counted slots + 1e-5) (speculators' fixed-exp-decay).
+// Frozen: the token embedding (the target's) and the lm_head (the target's rows of the draft
+// vocabulary).
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "draft/eagle3.h"
+
+namespace talon::dflash {
+
+struct Config {
+  int64_t H = 0, I = 0, n_heads = 0, n_kv_heads = 0, head_dim = 0, V = 0, Vd = 0;
+  int64_t layers = 1, n_aux = 3, block = 8;
+  double rms_eps = 1e-6;
+  RopeConfig rope;
+  double gamma = 4.0;
+};
+
+// One decoder layer, fp32, row-major [out, in] like PyTorch.
+struct Layer {
+  std::vector<float> in_ln;          // [H]
+  std::vector<float> wq, wk, wv;     // [nh*hd, H], [nkv*hd, H] x2
+  std::vector<float> q_norm, k_norm;  // [hd]
+  std::vector<float> wo;             // [H, nh*hd]
+  std::vector<float> post_ln;        // [H]
+  std::vector<float> gate, up, down;  // [I, H], [I, H], [H, I]
+  std::vector<std::pair<const char*, std::vector<float>*>> named();
+};
+struct Weights {
+  std::vector<float> fc;           // [H, n_aux*H]
+  std::vector<float> hidden_norm;  // [H]
+  std::vector<Layer> layers;
+  std::vector<float> norm;     // [H]
+  std::vector<float> lm_head;  // [Vd, H], frozen
+};
+struct LayerGrads {
+  std::vector<double> in_ln, wq, wk, wv, q_norm, k_norm, wo, post_ln, gate, up, down;
+  explicit LayerGrads(Layer& l);
+  std::vector<std::pair<const char*, std::vector<double>*>> named();
+};
+struct Grads {
+  std::vector<double> fc, hidden_norm, norm;
+  std::vector<LayerGrads> layers;
+  explicit Grads(Weights& w);
+};
+
+struct Result {
+  double loss = 0;
+  int64_t counted = 0;
+  std::vector<int64_t> hits, total;  // per slot 0..B-1: argmax matches and counted rows
+};
+
+// Up to max_anchors distinct anchors drawn uniformly from the positions a with mask[a] and
+// a + B < T, ascending. Deterministic in (mask, B, max_anchors, seed) on every platform.
+std::vector<int64_t> select_anchors(const uint8_t* mask, int64_t T, int64_t B, int64_t max_anchors, uint64_t seed);
+
+// Forward over the blocks at `anchors`, the loss and per-slot accuracy; with `grads`, the
+// hand-written backward of the loss, accumulated (+=). `tgt` supplies the target's (frozen)
+// embedding, final norm and lm_head. With `logits`, every block row's logits [n*B, Vd].
+Result forward(const Config& c, const Weights& w, const eagle3::TargetHead& tgt, const eagle3::DraftVocab& vocab,
+               const eagle3::Sample& s, const std::vector<int64_t>& anchors, int32_t mask_token,
+               Grads* grads = nullptr, std::vector<double>* logits = nullptr);
+
+}  // namespace talon::dflash

@@ -3,7 +3,8 @@
 class, Qwen3-style decoder layers with the target context injected as keys and values, the
 anchored-block attention mask, fixed-exp-decay loss weights and its loss reduction), run in
 fp64 on the CPU with eager attention. Writes random small weights, one sample in the
-unshifted layout speculators trains DFlash on, the anchors, and what its model computes: the
+unshifted layout speculators trains DFlash on, the anchors, and what its model computes (with
+its KL in fp64, or its own eager cross-entropy; fixed-exp-decay or D-PACE weights): the
 loss, per-slot accuracy counts, and autograd's gradient of the loss for every trainable
 tensor. The C++ tests (tests/draft/test_dflash.cpp) compare src/draft/dflash.cpp against it.
 
@@ -18,6 +19,7 @@ from safetensors.torch import save_file
 from transformers import Qwen3Config
 
 from speculators.config import SpeculatorsConfig, VerifierConfig
+from speculators.losses.eager import ce_loss
 from speculators.models.dflash import core as dflash_core
 from speculators.models.dflash.config import DFlashSpeculatorConfig
 from speculators.proposals.greedy import GreedyTokenProposalConfig
@@ -86,7 +88,8 @@ def case(c, seed):
     dflash_core.select_anchors = lambda *_: (anchors, torch.ones(anchors.numel(), dtype=torch.bool))
     loss, metrics = m(hidden_states=aux.unsqueeze(0), input_ids=ids.unsqueeze(0), loss_mask=mask.unsqueeze(0),
                       verifier_last_hidden_states=hidden.unsqueeze(0), document_ids=torch.zeros(1, T, dtype=torch.long),
-                      loss_config={"kl_div": (kl_div_fp64, 1.0)}, gamma=c["gamma"],
+                      loss_config={"kl_div": (kl_div_fp64, 1.0)} if c["loss"] == "kl" else {"ce": (ce_loss, 1.0)},
+                      gamma=c["gamma"], per_position_loss_weight=c["weighting"], dpace_alpha=c["alpha"],
                       max_anchors=anchors.numel())[1:]
     loss.backward()
     out = {
@@ -111,9 +114,11 @@ def main():
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     base = dict(H=32, I=48, nh=4, nkv=2, hd=8, V=96, Vd=40, eps=1e-6, theta=10000.0, T=26, prompt=4, L=2, n_aux=3,
-                B=4, anchors=5, mask_token=95, gamma=4.0)
-    for name, over, seed in [("gqa2", {}, 21), ("mha1", {"nkv": 4, "L": 1, "n_aux": 2, "B": 5, "T": 30, "gamma": 2.0,
-                                                         "anchors": 6}, 22)]:
+                B=4, anchors=5, mask_token=95, gamma=4.0, loss="kl", weighting="fixed-exp-decay", alpha=0.5)
+    cases = [("gqa2", {}, 21),
+             ("mha1", {"nkv": 4, "L": 1, "n_aux": 2, "B": 5, "T": 30, "anchors": 6, "loss": "ce", "weighting": "dpace"}, 22),
+             ("gqa3", {"L": 3, "B": 8, "T": 40, "anchors": 4, "weighting": "dpace", "alpha": 0.3}, 23)]
+    for name, over, seed in cases:
         c = {**base, **over}
         out = case(c, seed)
         meta = {k: str(v) for k, v in c.items()}

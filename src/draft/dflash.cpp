@@ -197,31 +197,66 @@ Result forward(const Config& c, const Weights& w, const eagle3::TargetHead& tgt,
   ops::linear(logits, fn, w.lm_head, N, H, Vd);
   if (logits_out) *logits_out = logits;
 
-  // Loss and per-slot accuracy.
+  // Per-slot losses, their weights, the loss and per-slot accuracy.
   Result r;
   r.hits.assign(static_cast<size_t>(B), 0);
   r.total.assign(static_cast<size_t>(B), 0);
   for (int64_t n = 0; n < N; ++n) r.counted += counts(n) ? 1 : 0;
   const double denom = double(r.counted) + kReductionEps;
-  Vec dlogits(grads ? size_t(N * Vd) : 0, 0.0);
+  Vec el(static_cast<size_t>(N), 0.0), lse(static_cast<size_t>(N), 0.0);
   for (int64_t n = 0; n < N; ++n) {
     if (!counts(n)) continue;
-    const int64_t i = n % B;
-    const double wi = std::exp(-double(i - 1) / c.gamma);
     const double* lg = logits.data() + n * Vd;
     const double mx = *std::max_element(lg, lg + Vd);
     double z = 0;
     for (int64_t d = 0; d < Vd; ++d) z += std::exp(lg[d] - mx);
-    const double lz = mx + std::log(z);
-    double kl = 0;
-    for (int64_t d = 0; d < Vd; ++d) {
-      const double p = P[size_t(n * Vd + d)];
-      if (p > 0) kl += p * (std::log(p) - (lg[d] - lz));
-      if (grads) dlogits[size_t(n * Vd + d)] = wi * (std::exp(lg[d] - lz) - p) / denom;
+    const double lz = lse[size_t(n)] = mx + std::log(z);
+    if (c.loss == Config::Loss::CE) {
+      el[size_t(n)] = lz - lg[targ[size_t(n)]];
+    } else {
+      double kl = 0;
+      for (int64_t d = 0; d < Vd; ++d) {
+        const double p = P[size_t(n * Vd + d)];
+        if (p > 0) kl += p * (std::log(p) - (lg[d] - lz));
+      }
+      el[size_t(n)] = kl;
     }
-    r.loss += wi * kl;
+    const int64_t i = n % B;
     r.total[size_t(i)] += 1;
     r.hits[size_t(i)] += (std::max_element(lg, lg + Vd) - lg) == targ[size_t(n)];
+  }
+  Vec wt(static_cast<size_t>(N), 0.0);
+  for (int64_t j = 0; j < nA; ++j) {
+    if (c.weighting == Config::Weighting::ExpDecay) {
+      for (int64_t i = 1; i < B; ++i) wt[size_t(j * B + i)] = std::exp(-double(i - 1) / c.gamma);
+      continue;
+    }
+    Vec prefix(static_cast<size_t>(B));
+    double run = 1;
+    for (int64_t i = 0; i < B; ++i) {
+      const int64_t n = j * B + i;
+      run *= counts(n) ? (1.0 - c.dpace_alpha) * std::exp(-el[size_t(n)]) + c.dpace_alpha : 1.0;
+      prefix[size_t(i)] = run;
+    }
+    double suffix = 0;
+    for (int64_t i = B - 1; i >= 0; --i) {
+      const int64_t n = j * B + i;
+      if (counts(n)) suffix += prefix[size_t(i)];
+      wt[size_t(n)] = counts(n) ? suffix : 0.0;
+    }
+  }
+  Vec dlogits(grads ? size_t(N * Vd) : 0, 0.0);
+  for (int64_t n = 0; n < N; ++n) {
+    if (!counts(n)) continue;
+    r.loss += wt[size_t(n)] * el[size_t(n)];
+    if (!grads) continue;
+    const double* lg = logits.data() + n * Vd;
+    const double f = wt[size_t(n)] / denom;
+    for (int64_t d = 0; d < Vd; ++d) {
+      const double q = std::exp(lg[d] - lse[size_t(n)]);
+      const double p = c.loss == Config::Loss::CE ? (d == targ[size_t(n)] ? 1.0 : 0.0) : P[size_t(n * Vd + d)];
+      dlogits[size_t(n * Vd + d)] = f * (q - p);
+    }
   }
   r.loss /= denom;
   if (!grads) return r;

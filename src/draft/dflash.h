@@ -12,8 +12,13 @@
 // (k normed per head, both rotated at their positions); C itself is not updated by the layers.
 // Slot i >= 1 predicts ids[a+i]: its target is the target's distribution from hidden[a+i-1],
 // counted when mask[a+i]. Slot 0 is the given anchor token and not trained.
-// Loss: sum over counted slots of w_i * KL(target || draft) over the draft vocabulary, with
-// w_i = exp(-(i-1)/gamma), divided by (counted slots + 1e-5) (speculators' fixed-exp-decay).
+// Loss: sum over counted slots of w_i * l_i, divided by (counted slots + 1e-5), where l_i is
+// KL(target || draft) over the draft vocabulary (kl) or the cross-entropy of the target's
+// argmax (ce), and w_i is exp(-(i-1)/gamma) (fixed-exp-decay) or D-PACE's weight: with
+// s_i = (1 - alpha) exp(-l_i) + alpha on counted slots (1 elsewhere) and P_i = prod_{j<=i} s_j,
+// w_i = sum_{k>=i, counted} P_k on counted slots, held constant in the backward.
+// speculators' model defaults to kl + fixed-exp-decay; its trainer's DFlash recipe is
+// ce + dpace (with 5 layers and blocks of 16).
 // Frozen: the token embedding (the target's) and the lm_head (the target's rows of the draft
 // vocabulary).
 #pragma once
@@ -30,7 +35,10 @@ struct Config {
   int64_t layers = 1, n_aux = 3, block = 8;
   double rms_eps = 1e-6;
   RopeConfig rope;
-  double gamma = 4.0;
+  enum class Loss { KL, CE } loss = Loss::KL;
+  enum class Weighting { ExpDecay, DPace } weighting = Weighting::ExpDecay;
+  double gamma = 4.0;        // fixed-exp-decay
+  double dpace_alpha = 0.5;  // D-PACE smoothing
 };
 
 // One decoder layer, fp32, row-major [out, in] like PyTorch.

@@ -1,8 +1,9 @@
 // DFlash's CPU reference (src/draft/dflash.cpp) against speculators 0.9.0's own
 // DFlashDraftModel run in fp64 (tools/dflash_oracle.py -> tests/fixtures/dflash): the loss,
-// per-slot accuracy counts and every trainable gradient, on two layers with GQA and on one
-// layer with as many kv heads as heads, other block sizes, aux widths and decay; Talon's
-// anchor sampler; a planted mask error fails.
+// per-slot accuracy counts and every trainable gradient: two layers with GQA, KL and
+// fixed-exp-decay weights; one layer with as many kv heads as heads, two aux layers,
+// cross-entropy and D-PACE weights; three layers, blocks of 8, KL and D-PACE. Talon's anchor
+// sampler; the context mask's boundary.
 
 #include <gtest/gtest.h>
 
@@ -54,6 +55,9 @@ struct DCase {
     c.n_aux = std::stoll(meta("n_aux"));
     c.block = std::stoll(meta("B"));
     c.gamma = std::stod(meta("gamma"));
+    c.dpace_alpha = std::stod(meta("alpha"));
+    c.loss = meta("loss") == "ce" ? dflash::Config::Loss::CE : dflash::Config::Loss::KL;
+    c.weighting = meta("weighting") == "dpace" ? dflash::Config::Weighting::DPace : dflash::Config::Weighting::ExpDecay;
     T = std::stoll(meta("T"));
     mask_token = std::stoi(meta("mask_token"));
     w.fc = read_as<float>(f, "w.fc.weight");
@@ -131,7 +135,7 @@ TEST_P(DFlash, MatchesSpeculatorsModel) {
   EXPECT_EQ(r2.loss, r.loss);
   EXPECT_EQ(int64_t(logits.size()), int64_t(dc.anchors.size()) * dc.c.block * dc.c.Vd);
 }
-INSTANTIATE_TEST_SUITE_P(Fixtures, DFlash, ::testing::Values("gqa2", "mha1"));
+INSTANTIATE_TEST_SUITE_P(Fixtures, DFlash, ::testing::Values("gqa2", "mha1", "gqa3"));
 
 // The context a block reads stops before its anchor: changing the target's states at the last
 // anchor and after leaves the loss exactly as it was (no block reads them), changing them just

@@ -128,7 +128,7 @@ int main(int argc, char** argv) {
       ->group("");
 
   train::TrainOptions tr;
-  auto* cmd_tr = app.add_subcommand("train", "Train a draft model (EAGLE-3 or P-EAGLE) from an extract dataset (CPU or GPUs)");
+  auto* cmd_tr = app.add_subcommand("train", "Train a draft model (EAGLE-3, P-EAGLE or DFlash) from an extract dataset (CPU or GPUs)");
   cmd_tr->add_option("--data", tr.data, "Feature dataset written by `talon extract` (with --online: `talon prepare` output)")
       ->required();
   cmd_tr->add_flag("--online", tr.online, "Run the target in-process to make each batch's features (no disk)");
@@ -143,9 +143,10 @@ int main(int argc, char** argv) {
                      "Draft kv heads (default: the target's; as many as heads for MLA targets)");
   cmd_tr->add_option("--draft-head-dim", tr.draft_shape.head_dim,
                      "Draft head size (default: the target's; v_head_dim for MLA targets)");
-  cmd_tr->add_option("--drafter", tr.drafter, "eagle3 | peagle (parallel drafting; CPU only for now)")
+  cmd_tr->add_option("--drafter", tr.drafter,
+                     "eagle3 | peagle (parallel drafting) | dflash (block drafter); peagle and dflash: CPU only for now")
       ->capture_default_str()
-      ->check(CLI::IsMember({"eagle3", "peagle"}));
+      ->check(CLI::IsMember({"eagle3", "peagle", "dflash"}));
   cmd_tr->add_option("--ttt-steps", tr.ttt_steps, "Training-time-test steps K (peagle: draft positions per anchor)")
       ->capture_default_str();
   cmd_tr->add_option("--mask-token-id", tr.mask_token_id,
@@ -153,6 +154,18 @@ int main(int argc, char** argv) {
   cmd_tr->add_option("--cod-ratio", tr.cod_ratio, "peagle: depth d trains max(r^d, floor) of the chains")
       ->capture_default_str();
   cmd_tr->add_option("--cod-ratio-min", tr.cod_ratio_min, "peagle: that floor")->capture_default_str();
+  cmd_tr->add_option("--draft-layers", tr.draft_layers, "dflash: decoder layers")->capture_default_str();
+  cmd_tr->add_option("--block-size", tr.block_size, "dflash: tokens per block (the anchor + block-1 drafted)")
+      ->capture_default_str();
+  cmd_tr->add_option("--dflash-loss", tr.dflash_loss, "dflash: ce (the target's argmax) | kl")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"ce", "kl"}));
+  cmd_tr->add_option("--dflash-weighting", tr.dflash_weighting, "dflash: position weights, dpace | fixed-exp-decay")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"dpace", "fixed-exp-decay"}));
+  cmd_tr->add_option("--dflash-gamma", tr.dflash_gamma, "dflash: fixed-exp-decay's gamma")->capture_default_str();
+  cmd_tr->add_option("--dpace-alpha", tr.dpace_alpha, "dflash: D-PACE's confidence smoothing")->capture_default_str();
+  cmd_tr->add_option("--max-anchors", tr.max_anchors, "dflash: blocks drawn per sample")->capture_default_str();
   cmd_tr->add_option("--step-decay", tr.step_decay, "Loss weight decay per TTT step")->capture_default_str();
   cmd_tr->add_flag("--norm-before-residual", tr.norm_before_residual, "Residual from hidden_norm(g) instead of g");
   cmd_tr->add_option("--lr", tr.optim.lr, "Peak learning rate")->capture_default_str()->check(CLI::Validator(
@@ -365,8 +378,7 @@ int main(int argc, char** argv) {
       const bool local = fs::exists(r.verifier);
       std::cout << fmt::format("serve it with the target{}:\n  {}\n",
                                local ? " (a local directory: the draft names this path as its verifier)" : "",
-                               train::serve_command(exo.format, r.out, r.verifier, exo.speculative_tokens,
-                                                   r.drafter == "peagle"));
+                               train::serve_command(exo.format, r.out, r.verifier, r.speculative_tokens, r.drafter));
       return 0;
     }
     if (*cmd_rep) {

@@ -201,7 +201,11 @@ Result forward(const Config& c, const Weights& w, const eagle3::TargetHead& tgt,
   Result r;
   r.hits.assign(static_cast<size_t>(B), 0);
   r.total.assign(static_cast<size_t>(B), 0);
+  r.cond_hits.assign(static_cast<size_t>(B), 0);
+  r.cond_total.assign(static_cast<size_t>(B), 0);
+  r.loss_sum.assign(static_cast<size_t>(B), 0.0);
   for (int64_t n = 0; n < N; ++n) r.counted += counts(n) ? 1 : 0;
+  std::vector<uint8_t> right(static_cast<size_t>(nA), 1);
   const double denom = double(r.counted) + kReductionEps;
   Vec el(static_cast<size_t>(N), 0.0), lse(static_cast<size_t>(N), 0.0);
   for (int64_t n = 0; n < N; ++n) {
@@ -222,8 +226,22 @@ Result forward(const Config& c, const Weights& w, const eagle3::TargetHead& tgt,
       el[size_t(n)] = kl;
     }
     const int64_t i = n % B;
+    const bool hit = (std::max_element(lg, lg + Vd) - lg) == targ[size_t(n)];
     r.total[size_t(i)] += 1;
-    r.hits[size_t(i)] += (std::max_element(lg, lg + Vd) - lg) == targ[size_t(n)];
+    r.hits[size_t(i)] += hit;
+    r.loss_sum[size_t(i)] += el[size_t(n)];
+  }
+  for (int64_t n = 0; n < N; ++n) {  // rows of a block are consecutive, slots ascending
+    const int64_t i = n % B;
+    if (i == 0) continue;
+    uint8_t& ok = right[size_t(n / B)];
+    const bool hit = counts(n) && (std::max_element(logits.data() + n * Vd, logits.data() + (n + 1) * Vd) -
+                                   (logits.data() + n * Vd)) == targ[size_t(n)];
+    if (counts(n) && ok) {
+      r.cond_total[size_t(i)] += 1;
+      r.cond_hits[size_t(i)] += hit;
+    }
+    ok = ok && hit;
   }
   Vec wt(static_cast<size_t>(N), 0.0);
   for (int64_t j = 0; j < nA; ++j) {

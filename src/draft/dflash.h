@@ -73,6 +73,10 @@ struct Result {
   double loss = 0;
   int64_t counted = 0;
   std::vector<int64_t> hits, total;  // per slot 0..B-1: argmax matches and counted rows
+  // Per slot, the counted rows whose block was right (counted and argmax right) at every
+  // slot 1 .. i-1, and their matches: what a verifier accepts position by position.
+  std::vector<int64_t> cond_hits, cond_total;
+  std::vector<double> loss_sum;  // per slot: summed unweighted per-row loss
 };
 
 // Up to max_anchors distinct anchors drawn uniformly from the positions a with mask[a] and

@@ -236,6 +236,10 @@ struct DraftRunner::Impl {
 DraftRunner::DraftRunner(const DraftModel& m, const Checkpoint& target, int device, int64_t max_rows)
     : m_(m), impl_(std::make_unique<Impl>()) {
   const auto& c = m_.config;
+  TALON_CHECK(m_.drafter != "dflash",
+              "{}: a DFlash draft drafts whole blocks, which Talon's decoder does not run yet (EAGLE-3 and P-EAGLE "
+              "drafts only)",
+              m_.origin);
   TALON_CHECK(c.H > 0 && c.n_heads > 0 && c.n_kv_heads > 0 && c.n_heads % c.n_kv_heads == 0,
               "draft: {} query heads and {} kv heads", c.n_heads, c.n_kv_heads);
   impl_->be = device < 0 ? make_cpu_draft_backend(m_, target) : make_cuda_draft_backend(m_, target, device, max_rows);

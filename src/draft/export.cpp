@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <deque>
 #include <cstring>
 #include <nlohmann/json.hpp>
 
@@ -230,6 +231,42 @@ std::vector<std::vector<int64_t>> draft_weight_shapes(const DraftConfig& c) {
           {H},        {c.I, H}, {c.I, H}, {H, c.I},   {H},          {c.Vd, H}};
 }
 
+std::vector<std::pair<std::string, std::vector<float>*>> dflash_named(dflash::Weights& w, const dflash::Config& c) {
+  w.layers.resize(size_t(c.layers));
+  std::vector<std::pair<std::string, std::vector<float>*>> out = {{"fc", &w.fc}, {"hidden_norm", &w.hidden_norm}};
+  for (int64_t l = 0; l < c.layers; ++l)
+    for (auto& [n, v] : w.layers[size_t(l)].named()) out.push_back({fmt::format("layers.{}.{}", l, n), v});
+  out.push_back({"norm", &w.norm});
+  out.push_back({"lm_head", &w.lm_head});
+  return out;
+}
+
+std::vector<std::vector<int64_t>> dflash_weight_shapes(const dflash::Config& c) {
+  const int64_t H = c.H, qd = c.n_heads * c.head_dim, kvd = c.n_kv_heads * c.head_dim, hd = c.head_dim;
+  std::vector<std::vector<int64_t>> out = {{H, c.n_aux * H}, {H}};
+  for (int64_t l = 0; l < c.layers; ++l)
+    for (auto& s : std::vector<std::vector<int64_t>>{{H}, {qd, H}, {kvd, H}, {kvd, H}, {hd}, {hd}, {H, qd}, {H},
+                                                      {c.I, H}, {c.I, H}, {H, c.I}})
+      out.push_back(s);
+  out.push_back({H});
+  out.push_back({c.Vd, H});
+  return out;
+}
+
+std::vector<std::string> dflash_exported_names(const dflash::Config& c) {
+  // Layer::named() order: in_ln, wq, wk, wv, q_norm, k_norm, wo, post_ln, gate, up, down.
+  static const char* const layer[] = {"input_layernorm.weight",  "self_attn.q_proj.weight", "self_attn.k_proj.weight",
+                                      "self_attn.v_proj.weight", "self_attn.q_norm.weight", "self_attn.k_norm.weight",
+                                      "self_attn.o_proj.weight", "post_attention_layernorm.weight",
+                                      "mlp.gate_proj.weight",    "mlp.up_proj.weight",      "mlp.down_proj.weight"};
+  std::vector<std::string> out = {"fc.weight", "hidden_norm.weight"};
+  for (int64_t l = 0; l < c.layers; ++l)
+    for (const char* n : layer) out.push_back(fmt::format("layers.{}.{}", l, n));
+  out.push_back("norm.weight");
+  out.push_back("lm_head.weight");
+  return out;
+}
+
 TrainedDraft load_trained_draft(const fs::path& path, const ModelConfig& tc, const std::string& target_source) {
   TrainedDraft d;
   d.path = fs::is_directory(path) ? path / kCheckpointName : path;
@@ -290,10 +327,43 @@ TrainedDraft load_trained_draft(const fs::path& path, const ModelConfig& tc, con
   TALON_CHECK(d.final_layer_id == tc.n_layers, "{}: final_layer_id is {}, expected the target's layer count {}", mw,
               d.final_layer_id, tc.n_layers);
 
+  // The drafter family (checkpoints written before P-EAGLE existed are EAGLE-3's).
+  if (meta.contains("drafter")) {
+    const json& dr = meta.at("drafter");
+    TALON_CHECK(dr.is_string() && (dr == "eagle3" || dr == "peagle" || dr == "dflash"),
+                "{}: drafter is {}, expected \"eagle3\", \"peagle\" or \"dflash\"", mw, dr.dump());
+    d.drafter = dr.get<std::string>();
+  }
+
   // Weights, stored flat by the trainer.
+  auto read_f32 = [&](const std::string& name, std::vector<float>& v, int64_t n) {
+    const st::TensorView* t = f.find(name);
+    TALON_CHECK(t, "{}: missing tensor '{}'", where, name);
+    TALON_CHECK(t->dtype == DType::F32 && t->numel() == n, "{}: tensor '{}' is {} with {} elements, expected F32 with {}",
+                where, name, dtype_name(t->dtype), t->numel(), n);
+    v.resize(size_t(n));
+    std::memcpy(v.data(), t->data, t->nbytes);
+  };
+  if (d.drafter == "dflash") {
+    dflash::Config& dc = d.dflash;
+    dc.H = c.H, dc.I = c.I, dc.n_heads = c.n_heads, dc.n_kv_heads = c.n_kv_heads, dc.head_dim = c.head_dim;
+    dc.V = c.V, dc.Vd = c.Vd, dc.rms_eps = c.rms_eps, dc.rope = c.rope;
+    dc.layers = int_field(dj, "num_hidden_layers", dw);
+    dc.block = int_field(dj, "block_size", dw);
+    dc.n_aux = int_field(dj, "num_aux_layers", dw);
+    TALON_CHECK(dc.layers >= 1 && dc.block >= 2 && dc.n_aux == int64_t(d.aux_layer_ids.size()),
+                "{}: {} layers, block size {} and {} aux layers (with {} aux layer ids) do not make a DFlash draft", dw,
+                dc.layers, dc.block, dc.n_aux, d.aux_layer_ids.size());
+    d.mask_token_id = int_field(job, "mask_token_id", mw + " job");
+    TALON_CHECK(d.mask_token_id >= 0 && d.mask_token_id < c.V, "{} job: mask_token_id {} is outside [0, {})", mw,
+                d.mask_token_id, c.V);
+    const auto shapes = dflash_weight_shapes(dc);
+    auto named = dflash_named(d.dweights, dc);
+    for (size_t i = 0; i < named.size(); ++i) read_f32("w." + named[i].first, *named[i].second, numel_of(shapes[i]));
+  }
   const auto shapes = draft_weight_shapes(c);
   auto named = d.weights.named();
-  for (size_t i = 0; i < named.size(); ++i) {
+  for (size_t i = 0; i < named.size() && d.drafter != "dflash"; ++i) {
     const std::string name = std::string("w.") + named[i].first;
     const st::TensorView* t = f.find(name);
     TALON_CHECK(t, "{}: missing tensor '{}'", where, name);
@@ -322,13 +392,6 @@ TrainedDraft load_trained_draft(const fs::path& path, const ModelConfig& tc, con
   d.vocab.t2d.assign(t2d->data, t2d->data + t2d->nbytes);
   d.vocab.kept = check_vocab_mapping(d.vocab.d2t, d.vocab.t2d, c.V, where);
 
-  // The drafter family (checkpoints written before P-EAGLE existed are EAGLE-3's).
-  if (meta.contains("drafter")) {
-    const json& dr = meta.at("drafter");
-    TALON_CHECK(dr.is_string() && (dr == "eagle3" || dr == "peagle"), "{}: drafter is {}, expected \"eagle3\" or "
-                "\"peagle\"", mw, dr.dump());
-    d.drafter = dr.get<std::string>();
-  }
   if (d.drafter == "peagle") {
     d.mask_token_id = int_field(job, "mask_token_id", mw + " job");
     TALON_CHECK(d.mask_token_id >= 0 && d.mask_token_id < c.V, "{} job: mask_token_id {} is outside [0, {})", mw,
@@ -345,12 +408,13 @@ TrainedDraft load_trained_draft(const fs::path& path, const ModelConfig& tc, con
 }
 
 std::string serve_command(ExportFormat f, const fs::path& dir, const std::string& target, int64_t speculative_tokens,
-                          bool parallel) {
+                          const std::string& drafter) {
   const std::string d = fs::absolute(dir).lexically_normal().string();
   if (f == ExportFormat::Speculators)
-    return fmt::format("vllm serve {} --speculative-config '{{\"model\": \"{}\", \"method\": \"eagle3\", "
+    return fmt::format("vllm serve {} --speculative-config '{{\"model\": \"{}\", \"method\": \"{}\", "
                        "{}\"num_speculative_tokens\": {}}}'",
-                       target, d, parallel ? "\"parallel_drafting\": true, " : "", speculative_tokens);
+                       target, d, drafter == "dflash" ? "dflash" : "eagle3",
+                       drafter == "peagle" ? "\"parallel_drafting\": true, " : "", speculative_tokens);
   return fmt::format("python -m sglang.launch_server --model-path {} --speculative-algorithm EAGLE3 "
                      "--speculative-draft-model-path {} --speculative-num-steps {} --speculative-eagle-topk 1 "
                      "--speculative-num-draft-tokens {}",
@@ -371,7 +435,14 @@ ExportReport run_export(const ExportOptions& opt) {
               "export: --model {} gives RoPE as per-frequency factors (GGUF rope_freqs), which a config.json cannot "
               "express; export with the target's HF model directory",
               opt.model.string());
-  const bool peagle = d.drafter == "peagle";
+  const bool peagle = d.drafter == "peagle", dfl = d.drafter == "dflash";
+  TALON_CHECK(!dfl || opt.format == ExportFormat::Speculators,
+              "{}: a DFlash draft exports in the speculators format only (vLLM serves it); use --format speculators",
+              where);
+  // DFlash drafts block_size - 1 tokens a round (the block's first row is the verified token).
+  const int64_t spec_tokens = dfl ? d.dflash.block - 1 : opt.speculative_tokens;
+  if (dfl && spec_tokens != opt.speculative_tokens)
+    tlog::info("export: a DFlash draft with blocks of {} proposes {} tokens a round", d.dflash.block, spec_tokens);
   if (peagle) {
     TALON_CHECK(opt.format == ExportFormat::Speculators,
                 "{}: a P-EAGLE draft exports in the speculators format only (vLLM serves it with parallel drafting); "
@@ -410,35 +481,36 @@ ExportReport run_export(const ExportOptions& opt) {
   fs::remove_all(tmp.path);
   fs::create_directories(tmp.path);
 
-  // Tensors, in the engine's names and shapes.
-  const auto names = exported_weight_names(opt.format);
-  const auto shapes = draft_weight_shapes(c);
-  auto named = d.weights.named();
-  std::vector<std::vector<uint16_t>> bf16(named.size());
+  // Tensors, in the engine's names and shapes (bf16 copies live until the file is written).
+  std::deque<std::vector<uint16_t>> bf16;
   st::Writer wr;
-  for (size_t i = 0; i < named.size(); ++i) {
-    const std::vector<float>& w = *named[i].second;
+  int64_t n_tensors = 2;  // d2t, t2d
+  auto add = [&](const std::string& name, const std::vector<int64_t>& shape, const std::vector<float>& w) {
+    TALON_CHECK(int64_t(w.size()) == numel_of(shape), "export: {} has {} values, expected {}", name, w.size(),
+                numel_of(shape));
     if (opt.dtype == DType::BF16) {
-      bf16[i].resize(w.size());
-      for (size_t k = 0; k < w.size(); ++k) bf16[i][k] = f32_to_bf16(w[k]);
-      wr.add(names[i], DType::BF16, shapes[i], bf16[i].data(), bf16[i].size() * 2);
+      bf16.emplace_back(w.size());
+      for (size_t k = 0; k < w.size(); ++k) bf16.back()[k] = f32_to_bf16(w[k]);
+      wr.add(name, DType::BF16, shape, bf16.back().data(), bf16.back().size() * 2);
     } else {
-      wr.add(names[i], DType::F32, shapes[i], w.data(), w.size() * 4);
+      wr.add(name, DType::F32, shape, w.data(), w.size() * 4);
     }
+    ++n_tensors;
+  };
+  if (dfl) {
+    const auto names = dflash_exported_names(d.dflash);
+    const auto shapes = dflash_weight_shapes(d.dflash);
+    auto named = dflash_named(d.dweights, d.dflash);
+    for (size_t i = 0; i < named.size(); ++i) add(names[i], shapes[i], *named[i].second);
+  } else {
+    const auto names = exported_weight_names(opt.format);
+    const auto shapes = draft_weight_shapes(c);
+    auto named = d.weights.named();
+    for (size_t i = 0; i < named.size(); ++i) add(names[i], shapes[i], *named[i].second);
   }
-  std::vector<std::vector<uint16_t>> extra_bf16;
   if (peagle) {
-    const std::vector<std::pair<std::pair<std::string, std::vector<int64_t>>, const std::vector<float>*>> extra = {
-        {{"embed_tokens.weight", {c.V, c.H}}, &d.embed}, {{"mask_hidden", {1, 1, 3 * c.H}}, &d.mask_hidden}};
-    for (auto& [ns, w] : extra) {
-      if (opt.dtype == DType::BF16) {
-        extra_bf16.emplace_back(w->size());
-        for (size_t k = 0; k < w->size(); ++k) extra_bf16.back()[k] = f32_to_bf16((*w)[k]);
-        wr.add(ns.first, DType::BF16, ns.second, extra_bf16.back().data(), w->size() * 2);
-      } else {
-        wr.add(ns.first, DType::F32, ns.second, w->data(), w->size() * 4);
-      }
-    }
+    add("embed_tokens.weight", {c.V, c.H}, d.embed);
+    add("mask_hidden", {1, 1, 3 * c.H}, d.mask_hidden);
   }
   wr.add("d2t", DType::I64, {c.Vd}, d.vocab.d2t.data(), d.vocab.d2t.size() * 8);
   wr.add("t2d", DType::BOOL, {c.V}, d.vocab.t2d.data(), d.vocab.t2d.size());
@@ -468,13 +540,31 @@ ExportReport run_export(const ExportOptions& opt) {
              {"default_proposal_method", "greedy"},
              {"proposal_methods",
               {{{"proposal_type", "greedy"},
-                {"speculative_tokens", opt.speculative_tokens},
+                {"speculative_tokens", spec_tokens},
                 {"verifier_accept_k", 1},
                 {"accept_tolerance", 0.0}}}},
              {"verifier", {{"name_or_path", verifier}, {"architectures", {verifier_architecture(tc.arch)}}}}}},
            {"tie_word_embeddings", false},
            {"torch_dtype", opt.dtype == DType::BF16 ? "bfloat16" : "float32"},
            {"talon", provenance}};
+    if (dfl) {
+      // DFlashSpeculatorConfig: a Qwen3 decoder config of the draft's layers, no EAGLE-3 fields.
+      json layer = layer_config(c, tc, opt.dtype);
+      layer["model_type"] = "qwen3";
+      layer["num_hidden_layers"] = d.dflash.layers;
+      for (const char* k : {"norm_before_residual", "eagle_aux_hidden_state_layer_ids", "target_hidden_size"})
+        cfg.erase(k);
+      cfg["architectures"] = {"DFlashSpeculator"};
+      cfg["speculators_model_type"] = "dflash";
+      cfg["transformer_layer_config"] = layer;
+      cfg["block_size"] = d.dflash.block;
+      cfg["target_hidden_size"] = tc.hidden;
+      cfg["aux_hidden_state_layer_ids"] = d.aux_layer_ids;
+      cfg["mask_token_id"] = d.mask_token_id;
+      cfg["sliding_window_non_causal"] = false;
+      cfg["sample_from_anchor"] = false;
+      cfg["speculators_config"]["algorithm"] = "dflash";
+    }
     if (peagle) {
       cfg["architectures"] = {"PEagleSpeculator"};
       cfg["speculators_model_type"] = "peagle";
@@ -499,7 +589,7 @@ ExportReport run_export(const ExportOptions& opt) {
   const std::string cfg_text = cfg.dump(2) + "\n";
   write_file_atomic(tmp.path / kConfigName, cfg_text);
   rep.bytes += cfg_text.size();
-  rep.tensors = int64_t(named.size()) + 2 + (peagle ? 2 : 0);
+  rep.tensors = n_tensors;
   if (fs::exists(out)) fs::remove(out);  // empty, checked above
   fs::rename(tmp.path, out);
   tmp.keep = true;
@@ -507,6 +597,7 @@ ExportReport run_export(const ExportOptions& opt) {
   rep.out = out;
   rep.verifier = verifier;
   rep.drafter = d.drafter;
+  rep.speculative_tokens = spec_tokens;
   tlog::info("export: {} step {} -> {} ({}, {}, {} tensors)", where, d.step, out.string(),
              export_format_name(opt.format), opt.dtype == DType::BF16 ? "bf16" : "fp32", rep.tensors);
   return rep;
@@ -527,17 +618,25 @@ ExportedDraft load_exported_draft(const fs::path& dir) {
   DraftConfig& c = e.config;
   if (cfg.contains("speculators_model_type")) {
     const json& t = cfg.at("speculators_model_type");
-    TALON_CHECK(t.is_string() && (t == "eagle3" || t == "peagle"),
-                "{}: speculators_model_type is {}, expected \"eagle3\" or \"peagle\"", cw, t.dump());
+    TALON_CHECK(t.is_string() && (t == "eagle3" || t == "peagle" || t == "dflash"),
+                "{}: speculators_model_type is {}, expected \"eagle3\", \"peagle\" or \"dflash\"", cw, t.dump());
     e.format = ExportFormat::Speculators;
     e.drafter = t.get<std::string>();
-    if (e.drafter == "peagle") e.mask_token_id = int_field(cfg, "mask_token_id", cw);
+    if (e.drafter != "eagle3") e.mask_token_id = int_field(cfg, "mask_token_id", cw);
     layer = &field(cfg, "transformer_layer_config", cw);
     TALON_CHECK(layer->is_object(), "{}: transformer_layer_config must be an object", cw);
     lw = cw + " transformer_layer_config";
     c.Vd = int_field(cfg, "draft_vocab_size", cw);
-    c.norm_before_residual = bool_field(cfg, "norm_before_residual", cw);
-    aux = ids_field(cfg, "eagle_aux_hidden_state_layer_ids", cw);
+    if (e.drafter == "dflash") {
+      aux = ids_field(cfg, "aux_hidden_state_layer_ids", cw);
+      e.dflash.block = int_field(cfg, "block_size", cw);
+      TALON_CHECK(e.dflash.block >= 2, "{}: block_size {} (expected >= 2)", cw, e.dflash.block);
+      for (const char* k : {"sample_from_anchor", "sliding_window_non_causal"})
+        TALON_CHECK(!cfg.contains(k) || !bool_field(cfg, k, cw), "{}: {} = true is a variant Talon does not run", cw, k);
+    } else {
+      c.norm_before_residual = bool_field(cfg, "norm_before_residual", cw);
+      aux = ids_field(cfg, "eagle_aux_hidden_state_layer_ids", cw);
+    }
     const json& sc = field(cfg, "speculators_config", cw);
     const std::string sw = cw + " speculators_config";
     const json& pm = field(sc, "proposal_methods", sw);
@@ -572,24 +671,36 @@ ExportedDraft load_exported_draft(const fs::path& dir) {
   c.rms_eps = num_field(*layer, "rms_norm_eps", lw);
   c.rope = parse_rope(*layer, lw);
   const int64_t nl = int_field(*layer, "num_hidden_layers", lw);
-  TALON_CHECK(nl == 1, "{}: num_hidden_layers is {}, expected 1 (one EAGLE-3 decoder layer)", lw, nl);
+  TALON_CHECK(nl == 1 || (e.drafter == "dflash" && nl >= 1),
+              "{}: num_hidden_layers is {}, expected 1 (one EAGLE-3 decoder layer)", lw, nl);
   if (cfg.contains("target_hidden_size") && !cfg["target_hidden_size"].is_null()) {
     const int64_t th = int_field(cfg, "target_hidden_size", cw);
     TALON_CHECK(th == c.H, "{}: target_hidden_size {} differs from hidden_size {}; Talon drafts share the target's width",
                 cw, th, c.H);
   }
   TALON_CHECK(c.Vd >= 1 && c.Vd <= c.V, "{}: draft_vocab_size {} must be in [1, vocab_size {}]", cw, c.Vd, c.V);
-  TALON_CHECK(aux.size() == 3, "{}: {} aux layer ids, expected 3", cw, aux.size());
+  TALON_CHECK(aux.size() == 3 || (e.drafter == "dflash" && !aux.empty()), "{}: {} aux layer ids, expected 3", cw,
+              aux.size());
   for (auto id : aux) TALON_CHECK(id >= 0, "{}: aux layer id {} (Talon convention) is negative", cw, id);
   e.aux_layer_ids = aux;
+  if (e.drafter == "dflash") {
+    dflash::Config& dc = e.dflash;
+    dc.H = c.H, dc.I = c.I, dc.n_heads = c.n_heads, dc.n_kv_heads = c.n_kv_heads, dc.head_dim = c.head_dim;
+    dc.V = c.V, dc.Vd = c.Vd, dc.rms_eps = c.rms_eps, dc.rope = c.rope;
+    dc.layers = nl;
+    dc.n_aux = int64_t(aux.size());
+  }
 
   // Weights: every tensor expected, of the expected shape, and nothing else.
   TALON_CHECK(fs::exists(wpath), "{}: missing", wpath.string());
   const std::string ww = wpath.string();
   st::File f(wpath);
-  const auto names = exported_weight_names(e.format);
-  const auto shapes = draft_weight_shapes(c);
-  auto named = e.weights.named();
+  const bool dfl = e.drafter == "dflash";
+  const auto names = dfl ? dflash_exported_names(e.dflash) : exported_weight_names(e.format);
+  const auto shapes = dfl ? dflash_weight_shapes(e.dflash) : draft_weight_shapes(c);
+  auto named = dfl ? dflash_named(e.dweights, e.dflash) : std::vector<std::pair<std::string, std::vector<float>*>>();
+  if (!dfl)
+    for (auto& [n, v] : e.weights.named()) named.push_back({n, v});
   for (size_t i = 0; i < named.size(); ++i) {
     const st::TensorView* t = f.find(names[i]);
     TALON_CHECK(t, "{}: missing tensor '{}'", ww, names[i]);

@@ -10,6 +10,10 @@
 //                which is Talon's id - 1 (SGLang adds 1 when it installs the capture).
 // Both carry fc, norm, lm_head, d2t (int64) and t2d (bool) and no embedding (the engines
 // share the target's). Matrices are 2-D [out, in]; norms 1-D.
+// A DFlash draft (`--drafter dflash`) exports in the speculators format only, as speculators
+// 0.9 saves DFlashDraftModel: speculators_model_type "dflash", a Qwen3 transformer_layer_config
+// with its layer count, block_size, aux_hidden_state_layer_ids, mask_token_id, and the layers'
+// tensors (no embedding; lm_head kept for a reduced vocabulary); vLLM serves it as "dflash".
 // A P-EAGLE draft (`talon train --drafter peagle`) exports in the speculators format only,
 // as speculators 0.9 saves it: speculators_model_type "peagle", mask_token_id,
 // embed_requires_grad, plus its trained embed_tokens.weight [V, H] and mask_hidden
@@ -23,6 +27,7 @@
 #include <vector>
 
 #include "model/config.h"
+#include "draft/dflash.h"
 #include "draft/eagle3.h"
 #include "util/dtype.h"
 #include "util/file.h"
@@ -39,9 +44,11 @@ struct TrainedDraft {
   eagle3::DraftConfig config;  // rope is not in the checkpoint: taken from the target
   eagle3::DraftWeights weights;
   eagle3::DraftVocab vocab;
-  std::string drafter = "eagle3";       // or "peagle"
-  int64_t mask_token_id = -1;           // peagle
+  std::string drafter = "eagle3";       // or "peagle", "dflash"
+  int64_t mask_token_id = -1;           // peagle, dflash
   std::vector<float> mask_hidden, embed;  // peagle: [3H], [V, H]
+  dflash::Config dflash;                // dflash: its sizes (config/weights above unused but for the sizes)
+  dflash::Weights dweights;             // dflash
   std::vector<int64_t> aux_layer_ids;  // Talon's input-of-layer convention
   int64_t final_layer_id = 0;
   std::string convention;
@@ -69,14 +76,15 @@ struct ExportReport {
   int64_t tensors = 0;
   size_t bytes = 0;
   std::string verifier;  // as written in the config
-  std::string drafter;   // eagle3 | peagle
+  std::string drafter;   // eagle3 | peagle | dflash
+  int64_t speculative_tokens = 0;  // as written in the config
 };
 
 // The command that serves an exported draft `dir` beside `target` (a Hugging Face id or
 // model directory): `vllm serve` for the speculators format, SGLang's launcher for sglang.
-// `parallel`: a P-EAGLE draft (vLLM's EAGLE-3 with parallel drafting).
+// `drafter`: eagle3, peagle (vLLM's EAGLE-3 with parallel drafting) or dflash.
 std::string serve_command(ExportFormat f, const fs::path& dir, const std::string& target, int64_t speculative_tokens,
-                          bool parallel = false);
+                          const std::string& drafter = "eagle3");
 
 ExportReport run_export(const ExportOptions& opt);
 
@@ -88,9 +96,11 @@ struct ExportedDraft {
   eagle3::DraftConfig config;
   eagle3::DraftWeights weights;
   eagle3::DraftVocab vocab;
-  std::string drafter = "eagle3";       // or "peagle" (speculators format only)
-  int64_t mask_token_id = -1;           // peagle
+  std::string drafter = "eagle3";       // or "peagle", "dflash" (speculators format only)
+  int64_t mask_token_id = -1;           // peagle, dflash
   std::vector<float> mask_hidden, embed;  // peagle: [3H], [V, H]
+  dflash::Config dflash;                // dflash
+  dflash::Weights dweights;             // dflash
   std::vector<int64_t> aux_layer_ids;  // Talon's convention
   DType dtype = DType::F32;            // as stored
   int64_t speculative_tokens = 0;      // speculators only; 0 for sglang
@@ -103,5 +113,12 @@ ExportedDraft load_exported_draft(const fs::path& dir);
 std::vector<std::string> exported_weight_names(ExportFormat format);
 // Shape of each draft weight (DraftWeights::named() order) for a config.
 std::vector<std::vector<int64_t>> draft_weight_shapes(const eagle3::DraftConfig& c);
+
+// A DFlash draft's tensors in one order: the trainer's checkpoint names (fc, hidden_norm,
+// layers.L.NAME in Layer::named() order, norm, lm_head) with the weights (sized for c), their
+// shapes, and speculators' names (fc.weight, layers.L.self_attn.q_proj.weight, ...).
+std::vector<std::pair<std::string, std::vector<float>*>> dflash_named(dflash::Weights& w, const dflash::Config& c);
+std::vector<std::vector<int64_t>> dflash_weight_shapes(const dflash::Config& c);
+std::vector<std::string> dflash_exported_names(const dflash::Config& c);
 
 }  // namespace talon::train

@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "draft/dflash.h"
 #include "draft/eagle3.h"
 #include "draft/optim.h"
 
@@ -54,5 +55,9 @@ struct FamilyInit {
   const TrainOptions& opt;
 };
 std::unique_ptr<Family> make_family(const std::string& drafter, const FamilyInit& init);
+
+// The DFlash draft a run trains: the target-derived sizes and the run's --draft-layers,
+// --block-size and objective options; 3 aux layers (extract's).
+dflash::Config dflash_config(const eagle3::DraftConfig& c, const TrainOptions& o);
 
 }  // namespace talon::train

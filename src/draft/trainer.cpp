@@ -21,6 +21,7 @@
 #include "model/model.h"
 #include "data/samples.h"
 #include "draft/draft_gpu.h"
+#include "draft/family.h"
 #include "draft/grad_tree.h"
 #include "util/dist.h"
 #include "util/dtype.h"
@@ -239,7 +240,7 @@ class Trainer {
  public:
   Trainer(const TrainOptions& opt, ProcessGroup& pg, const std::vector<int>& gpus)
       : opt_(opt), pg_(pg), gpus_(gpus), gpu_(gpus.empty() ? -1 : gpus[0]), world_(pg.world()), rank_(pg.rank()),
-        peagle_(opt.drafter == "peagle") {}
+        family_(opt.drafter != "eagle3") {}
 
   TrainReport run() {
     check_options();
@@ -265,15 +266,12 @@ class Trainer {
     TALON_CHECK(opt_.eval_fraction >= 0 && opt_.eval_fraction < 1, "--eval-fraction {}: expected a value in [0, 1)",
                 opt_.eval_fraction);
     TALON_CHECK(opt_.noise >= 0, "--noise {}: expected >= 0", opt_.noise);
-    TALON_CHECK(opt_.drafter == "eagle3" || opt_.drafter == "peagle", "--drafter '{}': expected eagle3 or peagle",
-                opt_.drafter);
-    if (peagle_) {
-      TALON_CHECK(opt_.cod_ratio > 0 && opt_.cod_ratio < 1 && opt_.cod_ratio_min >= 0 && opt_.cod_ratio_min <= 1,
-                  "--cod-ratio {} / --cod-ratio-min {}: expected a ratio in (0, 1) and a floor in [0, 1]",
-                  opt_.cod_ratio, opt_.cod_ratio_min);
-      TALON_CHECK(gpus_.empty(), "--drafter peagle trains on the CPU only for now (--device cpu); the GPU trainer "
-                                 "knows EAGLE-3 only");
-      TALON_CHECK(world_ == 1, "--drafter peagle trains in one process for now ({} were launched)", world_);
+    TALON_CHECK(opt_.drafter == "eagle3" || opt_.drafter == "peagle" || opt_.drafter == "dflash",
+                "--drafter '{}': expected eagle3, peagle or dflash", opt_.drafter);
+    if (family_) {
+      TALON_CHECK(gpus_.empty(), "--drafter {} trains on the CPU only for now (--device cpu); the GPU trainer knows "
+                                 "EAGLE-3 only", opt_.drafter);
+      TALON_CHECK(world_ == 1, "--drafter {} trains in one process for now ({} were launched)", opt_.drafter, world_);
     }
     TALON_CHECK(opt_.optim.lr > 0 && std::isfinite(opt_.optim.lr), "--lr {}: expected a positive learning rate",
                 opt_.optim.lr);
@@ -435,44 +433,23 @@ class Trainer {
       v.resize(size_t(n));
       for (auto& x : v) x = float(0.02 * r.normal());
     };
-    const int64_t qd = c_.n_heads * c_.head_dim, kvd = c_.n_kv_heads * c_.head_dim;
-    mat(w_.fc, H * 3 * H);
-    mat(w_.wq, qd * 2 * H);
-    mat(w_.wk, kvd * 2 * H);
-    mat(w_.wv, kvd * 2 * H);
-    mat(w_.wo, H * qd);
-    mat(w_.gate, c_.I * H);
-    mat(w_.up, c_.I * H);
-    mat(w_.down, H * c_.I);
-    mat(w_.lm_head, c_.Vd * H);
-    for (auto* v : {&w_.in_ln, &w_.hidden_norm, &w_.post_ln, &w_.norm}) v->assign(size_t(H), 1.0f);
-    if (peagle_) {
-      // As speculators starts P-EAGLE: the target's embeddings (then trained) and its lm_head
-      // rows of the draft vocabulary (kept frozen); mask_hidden ~ N(0, 1).
-      for (int64_t d = 0; d < c_.Vd; ++d)
-        std::copy(head_.begin() + dv_.kept[size_t(d)] * H, head_.begin() + (dv_.kept[size_t(d)] + 1) * H,
-                  w_.lm_head.begin() + d * H);
-      pw_.embed = embed_;
-      pw_.mask_hidden.resize(size_t(3 * H));
-      for (auto& x : pw_.mask_hidden) x = float(r.normal());
-      if (opt_.mask_token_id >= 0) {
-        TALON_CHECK(opt_.mask_token_id < V_, "--mask-token-id {}: outside the target's vocabulary of {}",
-                    opt_.mask_token_id, V_);
-        mask_token_ = int32_t(opt_.mask_token_id);
-      } else {  // the highest id no sample uses (its embedding row is then the mask's alone)
-        std::vector<uint8_t> used(static_cast<size_t>(V_), 0);
-        for (auto* set : {&samples_, &eval_})
-          for (auto& ts : *set)
-            for (int32_t id : ts.ids) used[size_t(id)] = 1;
-        mask_token_ = -1;
-        for (int64_t id = V_ - 1; id >= 0 && mask_token_ < 0; --id)
-          if (!used[size_t(id)]) mask_token_ = int32_t(id);
-        TALON_CHECK(mask_token_ >= 0, "--drafter peagle: the data uses every one of the {} token ids; choose a mask "
-                                      "token with --mask-token-id", V_);
-      }
-      pgrads_ = std::make_unique<peagle::Grads>(pw_);
-      params_ = peagle_params(pw_, *pgrads_);
+    if (family_) {  // its own weights, drawn from the same seeded source
+      resolve_mask_token();
+      fam_ = make_family(opt_.drafter, FamilyInit{c_, tgt_, dv_, embed_, head_, [&r] { return r.normal(); },
+                                                  mask_token_, opt_});
+      params_ = fam_->params();
     } else {
+      const int64_t qd = c_.n_heads * c_.head_dim, kvd = c_.n_kv_heads * c_.head_dim;
+      mat(w_.fc, H * 3 * H);
+      mat(w_.wq, qd * 2 * H);
+      mat(w_.wk, kvd * 2 * H);
+      mat(w_.wv, kvd * 2 * H);
+      mat(w_.wo, H * qd);
+      mat(w_.gate, c_.I * H);
+      mat(w_.up, c_.I * H);
+      mat(w_.down, H * c_.I);
+      mat(w_.lm_head, c_.Vd * H);
+      for (auto* v : {&w_.in_ln, &w_.hidden_norm, &w_.post_ln, &w_.norm}) v->assign(size_t(H), 1.0f);
       grads_ = std::make_unique<DraftGrads>(w_);
       params_ = draft_params(w_, *grads_);
     }
@@ -500,15 +477,33 @@ class Trainer {
       job_["online"] = true;
       job_["aux_layer_ids"] = aux_ids_;
     }
-    if (peagle_) {  // (likewise: only P-EAGLE jobs)
-      job_["drafter"] = opt_.drafter;
-      job_["mask_token_id"] = mask_token_;
-      job_["cod_ratio"] = opt_.cod_ratio;
-      job_["cod_ratio_min"] = opt_.cod_ratio_min;
+    if (fam_) {  // (likewise: only the other families' jobs)
+      const json fj = fam_->job();
+      for (auto& [k, v] : fj.items()) job_[k] = v;
     }
     if (opt_.draft_shape.any())  // (likewise: only jobs that change the draft's sizes)
       job_["draft_shape"] = {{"intermediate_size", c_.I}, {"num_attention_heads", c_.n_heads},
                              {"num_key_value_heads", c_.n_kv_heads}, {"head_dim", c_.head_dim}};
+  }
+
+  // The mask token of the families that have one: --mask-token-id, else the highest id that no
+  // training or held-back sample uses (its embedding row then serves the mask alone).
+  void resolve_mask_token() {
+    if (opt_.mask_token_id >= 0) {
+      TALON_CHECK(opt_.mask_token_id < V_, "--mask-token-id {}: outside the target's vocabulary of {}",
+                  opt_.mask_token_id, V_);
+      mask_token_ = int32_t(opt_.mask_token_id);
+      return;
+    }
+    std::vector<uint8_t> used(static_cast<size_t>(V_), 0);
+    for (auto* set : {&samples_, &eval_})
+      for (auto& ts : *set)
+        for (int32_t id : ts.ids) used[size_t(id)] = 1;
+    mask_token_ = -1;
+    for (int64_t id = V_ - 1; id >= 0 && mask_token_ < 0; --id)
+      if (!used[size_t(id)]) mask_token_ = int32_t(id);
+    TALON_CHECK(mask_token_ >= 0, "--drafter {}: the data uses every one of the {} token ids; choose a mask token "
+                                  "with --mask-token-id", opt_.drafter, V_);
   }
 
   // A checkpoint of this job in --out: its weights, moments and step (metrics logged after
@@ -772,29 +767,20 @@ class Trainer {
   // CPU. The gradients end up as weight * the sum over every process's samples.
   std::vector<TttResult> run_samples(const std::vector<eagle3::Sample>& batch, const std::vector<int64_t>& mine,
                                      double weight, bool backward) {
-    if (peagle_) return run_peagle(batch, weight, backward);
+    if (fam_) return run_family(batch, weight, backward);
     return dev_ ? run_gpu(batch, mine, weight, backward) : run_cpu(batch, mine, weight, backward);
   }
 
-  // P-EAGLE on the CPU, one process: each sample's COD draw is seeded by (seed, step, slot in
-  // the batch), so a resumed run draws the same; gradients add up in sample order. Without
-  // `backward` (evaluation) every chain is kept at every depth (peagle::all_chains), so the
-  // accuracies are those of real K-token drafts from every anchor.
-  std::vector<TttResult> run_peagle(const std::vector<eagle3::Sample>& batch, double weight, bool backward) {
+  // The other families on the CPU, one process: what a sample draws (COD elements, anchors) is
+  // seeded by (seed, step, slot in the batch), so a resumed run draws the same; gradients add
+  // up in sample order. Without `backward` (evaluation) each family uses its deterministic
+  // evaluation sample (every chain, every anchor).
+  std::vector<TttResult> run_family(const std::vector<eagle3::Sample>& batch, double weight, bool backward) {
     std::vector<TttResult> res(batch.size());
     if (backward)
       for (auto& p : params_) std::fill(p.g->begin(), p.g->end(), 0.0);
-    const peagle::CodOptions o{c_.ttt_steps, opt_.cod_ratio, opt_.cod_ratio_min};
-    for (size_t i = 0; i < batch.size(); ++i) {
-      const eagle3::Sample& sm = batch[i];
-      std::vector<uint8_t> valid(static_cast<size_t>(sm.T - 1));
-      for (int64_t t = 0; t + 1 < sm.T; ++t) valid[size_t(t)] = sm.mask[t + 1];
-      const uint64_t seed = opt_.seed * 0x9e3779b97f4a7c15ull + uint64_t(step_) * 1315423911ull + i;
-      const peagle::CodSample cod =
-          backward ? peagle::cod_sample(valid, o, seed) : peagle::all_chains(valid, c_.ttt_steps);
-      const peagle::Result r = peagle::forward(c_, pw_, tgt_, dv_, sm, cod, mask_token_, backward ? pgrads_.get() : nullptr);
-      res[i] = peagle::ttt_view(cod, r, c_.ttt_steps);
-    }
+    for (size_t i = 0; i < batch.size(); ++i)
+      res[i] = fam_->run(batch[i], opt_.seed * 0x9e3779b97f4a7c15ull + uint64_t(step_) * 1315423911ull + i, backward);
     if (backward)
       for (auto& p : params_)
         for (auto& g : *p.g) g *= weight;
@@ -947,8 +933,9 @@ class Trainer {
       wr.add(std::string("v.") + nm, DType::F32, {int64_t(adam_->v()[i].size())}, adam_->v()[i].data(),
              adam_->v()[i].size() * 4);
     }
-    if (peagle_)  // frozen: no moments, but the exporter and the evaluator read it here
-      wr.add("w.lm_head", DType::F32, {int64_t(w_.lm_head.size())}, w_.lm_head.data(), w_.lm_head.size() * 4);
+    if (fam_)  // frozen: no moments, but the exporter and the evaluator read them here
+      for (auto& [name, v] : fam_->frozen())
+        wr.add("w." + name, DType::F32, {int64_t(v->size())}, v->data(), v->size() * 4);
     wr.add("d2t", DType::I64, {int64_t(dv_.d2t.size())}, dv_.d2t.data(), dv_.d2t.size() * 8);
     wr.add("t2d", DType::U8, {int64_t(dv_.t2d.size())}, dv_.t2d.data(), dv_.t2d.size());
     json st = {{"job", job_},
@@ -962,6 +949,10 @@ class Trainer {
                {"final_layer_id", final_id_},
                {"convention", convention_},
                {"online", opt_.online}};
+    if (fam_) {
+      const json fd = fam_->draft();
+      for (auto& [k, v] : fd.items()) st["draft"][k] = v;
+    }
     wr.set_metadata("talon.train", st.dump());
     wr.set_checksum(true);
     wr.write(cpath_);
@@ -989,7 +980,7 @@ class Trainer {
       es[size_t(mine[k])].aux = feats[k].aux;
       es[size_t(mine[k])].hidden = feats[k].hidden;
     }
-    const Summary m = summarize(run_samples(es, mine, 0.0, false), c_.ttt_steps);
+    const Summary m = summarize(run_samples(es, mine, 0.0, false), width());
     slots_->release(2);
     log_metrics(json{{"split", "eval"}, {"step", done}, {"samples", es.size()}, {"loss", m.loss},
                      {"loss_exact", exact(m.loss)}, {"acc", m.acc}, {"cond_acc", m.cond_acc},
@@ -1046,7 +1037,7 @@ class Trainer {
     } else {
       adam_->step(params_);
     }
-    const Summary m = summarize(res, c_.ttt_steps);
+    const Summary m = summarize(res, width());
     const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0_).count();
     const double tps = secs > 0 ? double(tokens_) / secs : 0.0;
     if (world_ > 1) {  // every process applied the same update from the same gradients
@@ -1067,12 +1058,10 @@ class Trainer {
   TrainReport train() {
     tlog::info("train: {} samples (+{} held back for eval), {} draft, draft vocab {} of {}, K={} {}, {} optimizer "
                "steps of {} sample(s), lr {}, on {}{}",
-               samples_.size(), eval_.size(), opt_.drafter, c_.Vd, V_, c_.ttt_steps, peagle_ ? "depths" : "steps",
+               samples_.size(), eval_.size(), opt_.drafter, c_.Vd, V_, width(), family_ ? "positions" : "steps",
                total_steps_, opt_.batch_samples, oc_.lr, opt_.device,
                world_ > 1 ? fmt::format(" x {} processes", world_) : std::string());
-    if (peagle_)
-      tlog::info("P-EAGLE: mask token {}, COD keeps max({}^d, {}) of the chains at depth d; embeddings trained, "
-                 "lm_head frozen", mask_token_, opt_.cod_ratio, opt_.cod_ratio_min);
+    if (fam_) tlog::info("{}", fam_->describe());
     Progress progress("train", total_steps_, "step", step_);
     TrainReport rep;
     rep.total_steps = total_steps_;
@@ -1108,7 +1097,8 @@ class Trainer {
   ProcessGroup& pg_;
   const std::vector<int> gpus_;
   const int gpu_, world_, rank_;
-  const bool peagle_;  // --drafter peagle
+  const bool family_;  // --drafter other than eagle3 (draft/family.h)
+  int width() const { return fam_ ? fam_->width() : c_.ttt_steps; }  // metric entries per sample
   std::unique_ptr<Checkpoint> ckpt_;
   std::unique_ptr<DirLock> lock_;
   const ModelConfig* tc_ = nullptr;
@@ -1125,11 +1115,10 @@ class Trainer {
   DraftVocab dv_;
   int64_t steps_per_epoch_ = 0, total_steps_ = 0;
   OptimConfig oc_;
-  peagle::Weights pw_;         // P-EAGLE's extra weights; its layer is the draft's own
-  DraftWeights& w_ = pw_.layer;
-  std::unique_ptr<DraftGrads> grads_;            // eagle3
-  std::unique_ptr<peagle::Grads> pgrads_;        // peagle
-  int32_t mask_token_ = -1;                      // peagle
+  DraftWeights w_;                     // eagle3
+  std::unique_ptr<DraftGrads> grads_;  // eagle3
+  std::unique_ptr<Family> fam_;        // the other families: their weights and gradients
+  int32_t mask_token_ = -1;            // peagle, dflash
   std::vector<Param> params_;
   std::unique_ptr<AdamW> adam_;
   json job_;

@@ -30,11 +30,21 @@ struct TrainOptions {
   eagle3::DraftShape draft_shape;  // sizes that replace the target-derived ones (0: keep)
   // eagle3: the EAGLE-3 draft with training-time test; peagle: P-EAGLE (all ttt_steps draft
   // positions in one pass, COD-sampled chains, mask token + learned mask_hidden, trainable
-  // embeddings, frozen lm_head; see draft/peagle.h). CPU only for now.
+  // embeddings, frozen lm_head; see draft/peagle.h); dflash: the block drafter (draft/dflash.h).
+  // peagle and dflash train on the CPU only for now (draft/family.h).
   std::string drafter = "eagle3";
-  int64_t mask_token_id = -1;   // peagle: the mask token (-1: the highest id the training data never uses)
+  int64_t mask_token_id = -1;   // peagle, dflash: the mask token (-1: the highest id the data never uses)
   double cod_ratio = 0.7;       // peagle: depth d keeps max(cod_ratio^d, cod_ratio_min) of the chains
   double cod_ratio_min = 0.2;
+  // dflash (speculators' DFlash recipe by default): layers, block size, per-slot loss (ce | kl)
+  // and position weights (dpace | fixed-exp-decay), anchors drawn per sample.
+  int64_t draft_layers = 5;
+  int64_t block_size = 16;
+  std::string dflash_loss = "ce";
+  std::string dflash_weighting = "dpace";
+  double dflash_gamma = 4.0;
+  double dpace_alpha = 0.5;
+  int64_t max_anchors = 512;
   int ttt_steps = 7;            // eagle3: TTT steps K; peagle: draft positions (depths) per anchor
   double step_decay = 0.8;
   bool norm_before_residual = false;

@@ -15,7 +15,7 @@ losses() { python3 -c "import json,sys; print(' '.join(json.loads(l)['loss_exact
 
 "$TALON" train "${args[@]}" --out "$WORK/ref" > /dev/null 2> "$WORK/ref.err" && ok "uninterrupted P-EAGLE run" \
   || bad "train: $(tail -3 "$WORK/ref.err")"
-grep -q "P-EAGLE: mask token 49151" "$WORK/ref.err" && ok "mask token: the highest id the data never uses" \
+grep -q "P-EAGLE: 3 depths, mask token 49151" "$WORK/ref.err" && ok "mask token: the highest id the data never uses" \
   || bad "mask token: $(grep P-EAGLE "$WORK/ref.err")"
 python3 - "$WORK/ref/metrics.jsonl" <<'PY' && ok "6 train lines and one held-back line, 3 depths each" || bad "metrics: $(cat "$WORK/ref/metrics.jsonl")"
 import json, math, sys

@@ -254,7 +254,8 @@ int inspect_eval(const fs::path& path) {
 bool is_draft_export(const json& cfg) {
   if (!cfg.contains("architectures") || !cfg["architectures"].is_array()) return false;
   for (auto& a : cfg["architectures"])
-    if (a == "Eagle3Speculator" || a == "PEagleSpeculator" || a == "LlamaForCausalLMEagle3") return true;
+    if (a == "Eagle3Speculator" || a == "PEagleSpeculator" || a == "DFlashSpeculator" || a == "LlamaForCausalLMEagle3")
+      return true;
   return false;
 }
 
@@ -274,7 +275,13 @@ int inspect_export(const fs::path& dir) {
                            sp ? std::string() : fmt::format("; stored as {} (SGLang's convention)",
                                                             fmt::join(engine_ids, ",")));
   int64_t params = 0;
-  for (auto& [name, w] : d.weights.named()) params += int64_t(w->size());
+  if (d.drafter == "dflash") {
+    for (auto& [name, w] : train::dflash_named(d.dweights, d.dflash)) params += int64_t(w->size());
+    std::cout << fmt::format("  drafter       DFlash (block drafter): {} layers, blocks of {}, {} aux layers, mask token {}\n",
+                             d.dflash.layers, d.dflash.block, d.dflash.n_aux, d.mask_token_id);
+  } else {
+    for (auto& [name, w] : d.weights.named()) params += int64_t(w->size());
+  }
   if (d.drafter == "peagle") {
     params += int64_t(d.embed.size() + d.mask_hidden.size());
     std::cout << fmt::format("  drafter       P-EAGLE (parallel drafting), mask token {}, own embeddings\n",
@@ -286,7 +293,7 @@ int inspect_export(const fs::path& dir) {
     std::cout << fmt::format("  proposal      {} speculative tokens\n", d.speculative_tokens);
   }
   std::cout << fmt::format("serve: {}\n", train::serve_command(d.format, dir, sp ? d.verifier : std::string("TARGET"),
-                                                                 sp ? d.speculative_tokens : 3, d.drafter == "peagle"));
+                                                                 sp ? d.speculative_tokens : 3, d.drafter));
   return 0;
 }
 

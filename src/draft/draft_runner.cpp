@@ -31,6 +31,8 @@ DraftModel load_draft(const fs::path& path, const Checkpoint& target) {
     m.mask_token = int32_t(d.mask_token_id);
     m.mask_hidden = std::move(d.mask_hidden);
     m.embed = std::move(d.embed);
+    m.dflash = d.dflash;
+    m.dweights = std::move(d.dweights);
     return m;
   }
   train::ExportedDraft d = train::load_exported_draft(path);
@@ -52,6 +54,8 @@ DraftModel load_draft(const fs::path& path, const Checkpoint& target) {
   m.mask_token = int32_t(d.mask_token_id);
   m.mask_hidden = std::move(d.mask_hidden);
   m.embed = std::move(d.embed);
+  m.dflash = d.dflash;
+  m.dweights = std::move(d.dweights);
   return m;
 }
 
@@ -206,6 +210,9 @@ std::unique_ptr<DraftBackend> make_cpu_draft_backend(const DraftModel& m, const 
 
 struct DraftRunner::Impl {
   std::unique_ptr<DraftBackend> be;
+  // DFlash: the target's embedding (fp32), the context rows (aux) so far and the last token.
+  std::vector<float> embed, ctx;
+  int32_t last_token = -1;
   std::vector<int32_t> tparent, tdepth;  // the tree's nodes (ids from 0)
   // Appends nodes with these parents to the tree above `len` step-0 rows; the rows that
   // forward them.
@@ -236,10 +243,22 @@ struct DraftRunner::Impl {
 DraftRunner::DraftRunner(const DraftModel& m, const Checkpoint& target, int device, int64_t max_rows)
     : m_(m), impl_(std::make_unique<Impl>()) {
   const auto& c = m_.config;
-  TALON_CHECK(m_.drafter != "dflash",
-              "{}: a DFlash draft drafts whole blocks, which Talon's decoder does not run yet (EAGLE-3 and P-EAGLE "
-              "drafts only)",
-              m_.origin);
+  if (m_.block()) {
+    TALON_CHECK(device < 0,
+                "{}: DFlash drafting runs on the CPU only for now (--draft-device cpu; the target may stay on a GPU)",
+                m_.origin);
+    TALON_CHECK(int64_t(m_.dweights.layers.size()) == m_.dflash.layers && m_.dflash.block >= 2,
+                "{}: a DFlash draft without its layers", m_.origin);
+    const CkptTensor* t = target.find("model.embed_tokens.weight");
+    TALON_CHECK(t, "{}: no tensor 'model.embed_tokens.weight' (a DFlash draft reads the target's embedding)",
+                target.source());
+    const WeightRef e = target.weight(*t);
+    TALON_CHECK(e.shape.size() == 2 && e.shape[0] == m_.dflash.V && e.shape[1] == m_.dflash.H,
+                "{}: the embedding is not [{}, {}]", target.source(), m_.dflash.V, m_.dflash.H);
+    impl_->embed.resize(size_t(m_.dflash.V * m_.dflash.H));
+    convert_to_f32(e.dtype, e.data, impl_->embed.data(), impl_->embed.size());
+    return;
+  }
   TALON_CHECK(c.H > 0 && c.n_heads > 0 && c.n_kv_heads > 0 && c.n_heads % c.n_kv_heads == 0,
               "draft: {} query heads and {} kv heads", c.n_heads, c.n_kv_heads);
   impl_->be = device < 0 ? make_cpu_draft_backend(m_, target) : make_cuda_draft_backend(m_, target, device, max_rows);
@@ -247,7 +266,7 @@ DraftRunner::DraftRunner(const DraftModel& m, const Checkpoint& target, int devi
 
 DraftRunner::~DraftRunner() = default;
 
-std::string DraftRunner::backend() const { return impl_->be->name(); }
+std::string DraftRunner::backend() const { return impl_->be ? impl_->be->name() : std::string("cpu"); }
 
 void DraftRunner::reset() {
   len_ = 0;
@@ -257,7 +276,7 @@ void DraftRunner::reset() {
 int64_t DraftRunner::tree_size() const { return int64_t(impl_->tparent.size()); }
 
 void DraftRunner::clear_tree() {
-  impl_->be->truncate(len_);
+  if (impl_->be) impl_->be->truncate(len_);
   impl_->tparent.clear();
   impl_->tdepth.clear();
 }
@@ -277,6 +296,14 @@ void DraftRunner::extend(const int32_t* next_tokens, const float* aux, int64_t n
                          float* logits_last, DraftTop* top) {
   TALON_CHECK(n > 0, "draft: extend with no rows");
   TALON_CHECK(tree_size() == 0, "draft: extend with {} tree rows pending (clear_tree first)", tree_size());
+  if (m_.block()) {
+    const int64_t w = m_.dflash.n_aux * m_.dflash.H;
+    if (len_ == 0) impl_->ctx.clear();
+    impl_->ctx.insert(impl_->ctx.end(), aux, aux + n * w);
+    impl_->last_token = next_tokens[n - 1];
+    len_ += n;
+    return;
+  }
   DraftRows rows;  // step-0 rows: causal over the step-0 rows before them
   for (int64_t i = 0; i < n; ++i) {
     rows.pos.push_back(int32_t(len_ + i));
@@ -300,6 +327,33 @@ void DraftRunner::tree_step(const std::vector<int32_t>& tokens, const std::vecto
   const int k = prepare_top(top, n, m_.config.Vd);
   impl_->be->forward(tokens.data(), parent_hidden, false, rows, false, hidden, logits, k,
                      k ? top->ids.data() : nullptr, k ? top->logprob.data() : nullptr);
+}
+
+void DraftRunner::block_step(int64_t n, float* logits, DraftTop* top) {
+  TALON_CHECK(m_.block(), "draft: a block step needs a DFlash draft ({} is {})", m_.origin, m_.drafter);
+  const dflash::Config& c = m_.dflash;
+  TALON_CHECK(len_ > 0 && n >= 1 && n < c.block, "draft: block step of {} rows (blocks of {}) after {} context rows",
+              n, c.block, len_);
+  TALON_CHECK(impl_->last_token >= 0 && impl_->last_token < c.V, "draft: block token {} outside the vocabulary",
+              impl_->last_token);
+  // One sample: the context rows, then the block's rows (their aux is never read: a block
+  // reads the context before its anchor); nothing counted, so no target row is read.
+  const int64_t T = len_ + c.block + 1, w = c.n_aux * c.H;
+  std::vector<int32_t> ids(static_cast<size_t>(T), 0);
+  ids[size_t(len_)] = impl_->last_token;
+  std::vector<uint8_t> mask(static_cast<size_t>(T), 0);
+  std::vector<float> aux(size_t(T * w), 0.0f), hidden;
+  std::copy(impl_->ctx.begin(), impl_->ctx.begin() + len_ * w, aux.begin());
+  const eagle3::TargetHead tgt{impl_->embed.data(), nullptr, nullptr, c.rms_eps};
+  const eagle3::Sample s{ids.data(), mask.data(), aux.data(), hidden.data(), T};
+  std::vector<double> lg;
+  dflash::forward(c, m_.dweights, tgt, m_.vocab, s, {len_}, m_.mask_token, nullptr, &lg);
+  std::vector<float> rows(size_t(n * c.Vd));
+  for (int64_t i = 0; i < n * c.Vd; ++i) rows[size_t(i)] = float(lg[size_t(c.Vd + i)]);  // positions 1..n
+  if (logits) std::copy(rows.begin(), rows.end(), logits);
+  const int k = prepare_top(top, n, c.Vd);
+  for (int64_t r = 0; r < n && k > 0; ++r)
+    top_logsoftmax(rows.data() + r * c.Vd, c.Vd, k, top->ids.data() + r * k, top->logprob.data() + r * k);
 }
 
 void DraftRunner::parallel_step(int64_t n, float* logits, DraftTop* top) {

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "model/checkpoint.h"
+#include "draft/dflash.h"
 #include "draft/eagle3.h"
 #include "util/file.h"
 
@@ -32,6 +33,12 @@ struct DraftModel {
   int32_t mask_token = -1;
   std::vector<float> mask_hidden, embed;  // [3H], [V, H]
   bool parallel() const { return drafter == "peagle"; }
+  // DFlash (drafter "dflash"): its own layers and sizes (config/weights above keep only the
+  // shared sizes and the vocabulary).
+  dflash::Config dflash;
+  dflash::Weights dweights;
+  bool block() const { return drafter == "dflash"; }
+  bool chain_only() const { return parallel() || block(); }  // drafts one chain a round
 };
 
 // A `talon train` run directory or checkpoint file, or a `talon export` directory (either
@@ -83,6 +90,13 @@ class DraftRunner {
   // instead of drafted tokens and hidden states. Row i predicts the token at depth i + 2 (the
   // last step-0 row's own logits are depth 1). Outputs logits [n, Vd] (unless null) and top.
   void parallel_step(int64_t n, float* logits, DraftTop* top = nullptr);
+
+  // DFlash: the block anchored at the next position (length()), whose first row is the last
+  // token extend() was given and whose context is every row extended so far; outputs the
+  // logits [n, Vd] of block positions 1..n (n <= block - 1) and top. For a DFlash draft,
+  // extend() only appends context rows (its hidden / logits outputs are not written). On the
+  // CPU, with the fp64 reference (draft/dflash.h) recomputing the context each call.
+  void block_step(int64_t n, float* logits, DraftTop* top = nullptr);
 
   // Target id of a draft-vocabulary id.
   int32_t to_target(int64_t draft_id) const { return int32_t(draft_id + m_.vocab.d2t[size_t(draft_id)]); }

@@ -199,24 +199,28 @@ EvalReport run_eval(const EvalOptions& opt) {
                                           : make_cpu_decoder(*ckpt, 1, cache);
   // After the decoder: a device that is not there is reported before the draft is read.
   const DraftModel dm = load_draft(opt.draft, *ckpt);
-  tlog::info("eval: {} draft {} (aux layers {}, draft vocabulary {})", dm.parallel() ? "P-EAGLE" : "EAGLE-3",
+  tlog::info("eval: {} draft {} (aux layers {}, draft vocabulary {})",
+             dm.parallel() ? "P-EAGLE" : dm.block() ? "DFlash" : "EAGLE-3",
              dm.origin, fmt::join(dm.aux_layer_ids, ","), dm.config.Vd);
   std::vector<SpecConfig> configs = opt.configs;
-  if (dm.parallel()) {
+  if (dm.chain_only()) {
     if (opt.default_trees)
       std::erase_if(configs, [](const SpecConfig& c) { return c.mode != SpecConfig::Mode::Chain; });
     for (const auto& c : configs)
       TALON_CHECK(c.mode == SpecConfig::Mode::Chain,
-                  "eval: --draft {} is a P-EAGLE draft, which drafts one chain per round in one pass; give --chain "
+                  "eval: --draft {} is a {} draft, which drafts one chain per round in one pass; give --chain "
                   "configurations only (--no-tree)",
-                  opt.draft.string());
-    TALON_CHECK(!configs.empty(), "eval: no chain configuration for the P-EAGLE draft {} (give --chain)",
-                opt.draft.string());
+                  opt.draft.string(), dm.parallel() ? "P-EAGLE" : "DFlash");
+    TALON_CHECK(!configs.empty(), "eval: no chain configuration for the draft {} (give --chain)", opt.draft.string());
   }
   int max_tree_rows = 0;  // draft rows one round adds above the step-0 rows
   for (const auto& c : configs)
     max_tree_rows = std::max(max_tree_rows, c.mode == SpecConfig::Mode::Chain ? c.k : c.topk * c.depth);
-  const DeviceSpec ddev = opt.draft_device == "same" ? dev : parse_device(opt.draft_device);
+  DeviceSpec ddev = opt.draft_device == "same" ? dev : parse_device(opt.draft_device);
+  if (dm.block() && ddev.cuda && opt.draft_device == "same") {  // (an explicit GPU is refused by the runner)
+    tlog::info("eval: DFlash drafting runs on the CPU for now; the target stays on {}", opt.device);
+    ddev = parse_device("cpu");
+  }
   TALON_CHECK(!ddev.cuda || ddev.devices.size() <= 1, "eval: --draft-device {}: one GPU", opt.draft_device);
   DraftRunner draft(dm, *ckpt, ddev.cuda ? (ddev.devices.empty() ? 0 : ddev.devices[0]) : -1,
                     cache + max_tree_rows + 1);

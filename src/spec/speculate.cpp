@@ -145,10 +145,9 @@ std::vector<int32_t> decode_speculative(Decoder& target, int slot, DraftRunner& 
   const DraftModel& dm = draft.model();
   const int64_t V = tc.vocab, H = tc.hidden, Vd = dm.config.Vd;
   const bool sampled_chain = cfg.mode == SpecConfig::Mode::Chain && !params.greedy();
-  TALON_CHECK(!dm.parallel() || cfg.mode == SpecConfig::Mode::Chain,
-              "decode: {} is a P-EAGLE draft, which proposes one chain per round (parallel drafting); use a chain, "
-              "not a tree",
-              dm.origin);
+  TALON_CHECK(!dm.chain_only() || cfg.mode == SpecConfig::Mode::Chain,
+              "decode: {} is a {} draft, which proposes one chain per round; use a chain, not a tree", dm.origin,
+              dm.parallel() ? "P-EAGLE" : "DFlash");
   DecodeStats st;
   st.tried.assign(size_t(cfg.mode == SpecConfig::Mode::Chain ? cfg.k : cfg.depth), 0);
   st.accepted = st.tried;
@@ -217,7 +216,8 @@ std::vector<int32_t> decode_speculative(Decoder& target, int slot, DraftRunner& 
     const auto td = Clock::now();
     DraftTree cand;
     if (cfg.mode == SpecConfig::Mode::Chain) {
-      const int k = int(std::min<int64_t>(cfg.k, room));
+      // (a DFlash block drafts at most block - 1 tokens)
+      const int k = int(std::min<int64_t>({int64_t(cfg.k), room, dm.block() ? dm.dflash.block - 1 : int64_t(cfg.k)}));
       std::vector<float> g = g_last, dl = dl_last, g2(static_cast<size_t>(H)), dl2(static_cast<size_t>(Vd));
       DraftTop top = top_last;
       // The i-th draft token from a row's logits (sampled chain) or its top-1 id (greedy).
@@ -245,7 +245,14 @@ std::vector<int32_t> decode_speculative(Decoder& target, int slot, DraftRunner& 
       for (int i = 0; i < k && dm.parallel(); ++i)
         choose(i, i == 0 ? dl.data() : pl.data() + size_t(i - 1) * size_t(Vd),
                sampled_chain ? 0 : i == 0 ? top.ids[0] : ptop.ids[size_t(i - 1) * size_t(ptop.k)]);
-      for (int i = 0; i < k && !dm.parallel(); ++i) {
+      // DFlash: all k from the block at the next position.
+      if (dm.block() && k > 0) {
+        pl.resize(sampled_chain ? size_t(k) * size_t(Vd) : 0);
+        draft.block_step(k, sampled_chain ? pl.data() : nullptr, sampled_chain ? nullptr : &ptop);
+        for (int i = 0; i < k; ++i)
+          choose(i, pl.data() + size_t(i) * size_t(Vd), sampled_chain ? 0 : ptop.ids[size_t(i) * size_t(ptop.k)]);
+      }
+      for (int i = 0; i < k && !dm.chain_only(); ++i) {
         choose(i, dl.data(), sampled_chain ? 0 : top.ids[0]);
         if (i + 1 < k) {
           draft.tree_step({cand.tokens.back()}, {int32_t(i) - 1}, g.data(), g2.data(), sampled_chain ? dl2.data() : nullptr,

@@ -3,8 +3,8 @@
 # position metrics and a held-back evaluation over every anchor; a stopped run resumes to the
 # same losses bit for bit; the export loads strictly in speculators 0.9.0 and its forward
 # reproduces Talon's held-back loss (check_dflash_export.py), with speculators' recipe
-# (cross-entropy, D-PACE) and with KL and fixed-exp-decay weights; inspect reads it; what is
-# not built yet (GPU training, block drafting in eval) is refused by name.
+# (cross-entropy, D-PACE) and with KL and fixed-exp-decay weights; inspect reads it; eval
+# drafts a block per round with greedy output equal to the target's; misuse is refused.
 source "$(dirname "$0")/lib.sh"
 GGUF=${TALON_SMOLLM2_GGUF:-$SRC/.cache/models/SmolLM2-135M-Instruct.Q4_1.gguf}
 [ -f "$GGUF" ] || { echo "missing $GGUF (run scripts/fetch_model.sh)"; exit 1; }
@@ -73,9 +73,28 @@ msg=$(python3 "$SRC/tests/cli/check_dflash_export.py" "$WORK/kl/checkpoint.safet
   && ok "--format sglang refused, nothing written" || bad "sglang: $(tail -2 "$WORK/sg.err")"
 "$TALON" inspect "$WORK/x-bf16" > "$WORK/i.out" 2>&1 && grep -q "DFlash (block drafter): 2 layers, blocks of 4" "$WORK/i.out" \
   && ok "inspect reads the DFlash export" || bad "inspect: $(cat "$WORK/i.out")"
-echo '{"conversations": [{"role": "user", "content": "Hi"}]}' > "$WORK/chats.jsonl"
-"$TALON" eval --model "$GGUF" --data "$WORK/chats.jsonl" --max-new-tokens 4 --chain 3 --draft "$WORK/x-bf16" \
-  --out "$WORK/ev" > /dev/null 2> "$WORK/ev.err"
-[ $? -ne 0 ] && grep -q "a DFlash draft drafts whole blocks, which Talon's decoder does not run yet" "$WORK/ev.err" \
-  && ok "eval refuses a DFlash draft by name (block drafting not built)" || bad "eval: $(tail -2 "$WORK/ev.err")"
+# eval: one block per round (its first row the last verified token), greedy equal to the target.
+python3 - "$WORK/chats.jsonl" <<'PY'
+import json, sys
+with open(sys.argv[1], "w") as f:
+    for q in ["Name three colors.", "What is 2 + 2?"]:
+        f.write(json.dumps({"conversations": [{"role": "user", "content": q}]}) + "\n")
+PY
+for d in "$WORK/ref" "$WORK/x-fp32"; do
+  "$TALON" eval --model "$GGUF" --data "$WORK/chats.jsonl" --max-new-tokens 12 --chain 3,5 --draft "$d" \
+    --out "$WORK/ev-$(basename "$d")" > /dev/null 2> "$WORK/ev.err" || bad "eval $d: $(tail -3 "$WORK/ev.err")"
+  python3 - "$WORK/ev-$(basename "$d")/eval.json" <<'PY' && ok "eval $(basename "$d"): greedy DFlash blocks equal target-only decoding, chains capped at block - 1" || bad "eval.json $d"
+import json, sys
+rows = json.load(open(sys.argv[1]))["results"]
+assert {r["config"] for r in rows} == {"chain-3", "chain-5"}, {r["config"] for r in rows}
+for r in rows:
+    assert r["greedy_equal"]["differ"] == 0 and r["greedy_equal"]["compared"] == r["turns"] > 0, r
+    assert r["speculative"]["tau"] >= 1.0, r
+PY
+done
+grep -q "DFlash draft" "$WORK/ev.err" && ok "eval names the drafter family" || bad "eval log: $(head -5 "$WORK/ev.err")"
+"$TALON" eval --model "$GGUF" --data "$WORK/chats.jsonl" --max-new-tokens 4 --tree "3,3,6" --draft "$WORK/ref" \
+  --out "$WORK/ev-tree" > /dev/null 2> "$WORK/tree.err"
+[ $? -ne 0 ] && grep -q "is a DFlash draft, which drafts one chain per round" "$WORK/tree.err" \
+  && ok "a tree with a DFlash draft is refused" || bad "tree: $(tail -2 "$WORK/tree.err")"
 finish

@@ -60,6 +60,33 @@ inline spec::DraftModel random_peagle_draft(const ModelConfig& tc, int64_t Vd, u
   return m;
 }
 
+// A random DFlash draft: `layers` Qwen3-style layers with blocks of `block`, the target's sizes
+// and 3 aux layers; weights at `scale` / sqrt(fan_in), norms near 1.
+inline spec::DraftModel random_dflash_draft(const ModelConfig& tc, int64_t Vd, uint32_t seed, int64_t layers = 2,
+                                            int64_t block = 4) {
+  spec::DraftModel m = random_draft(tc, Vd, seed);
+  m.drafter = "dflash";
+  m.mask_token = int32_t(tc.vocab - 1);
+  dflash::Config& c = m.dflash;
+  c.H = m.config.H, c.I = m.config.I, c.n_heads = m.config.n_heads, c.n_kv_heads = m.config.n_kv_heads;
+  c.head_dim = m.config.head_dim, c.V = m.config.V, c.Vd = m.config.Vd, c.rms_eps = m.config.rms_eps;
+  c.rope = m.config.rope, c.layers = layers, c.block = block, c.n_aux = 3;
+  std::mt19937 rng(seed + 202);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  const auto shapes = train::dflash_weight_shapes(c);
+  auto named = train::dflash_named(m.dweights, c);
+  for (size_t i = 0; i < named.size(); ++i) {
+    int64_t n = 1;
+    for (auto d : shapes[i]) n *= d;
+    named[i].second->resize(size_t(n));
+    const bool norm = shapes[i].size() == 1;
+    const double sc = norm ? 0.1 : (named[i].first == "lm_head" ? 4.0 : 1.0) / std::sqrt(double(shapes[i][1]));
+    for (auto& x : *named[i].second) x = norm ? 1.f + float(sc) * nd(rng) : float(sc) * nd(rng);
+  }
+  m.origin = "random DFlash";
+  return m;
+}
+
 // The drafting configurations the greedy-equivalence tests run: chains of 1 and 4, a narrow
 // deep tree and a wide shallow one (more than 32 verified nodes).
 inline std::vector<spec::SpecConfig> greedy_test_configs() {

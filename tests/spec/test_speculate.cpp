@@ -169,6 +169,78 @@ TEST(Speculate, PEagleChainsKeepGreedyOutputs) {
   }
 }
 
+// DFlash drafting at inference (context rows by extend, then a block at the next position)
+// against the training forward on the same block: the logits of positions 1..B-1 agree.
+TEST(DraftRunner, BlockStepEqualsTheDFlashTrainingForward) {
+  auto ck = open_checkpoint(golden_fixture("llama_gqa"));
+  const ModelConfig& tc = ck->config();
+  DraftModel m = random_dflash_draft(tc, tc.vocab / 2, 9);
+  const int64_t T = 14, H = tc.hidden, V = tc.vocab, Vd = m.config.Vd, B = m.dflash.block;
+  std::mt19937 rng(12);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  std::vector<int32_t> ids(static_cast<size_t>(T));
+  for (auto& x : ids) x = int32_t(rng() % uint32_t(V - 1));
+  std::vector<uint8_t> mask(static_cast<size_t>(T), 0);
+  std::vector<float> aux(size_t(T * 3 * H)), hid(size_t(T * H), 0.f);
+  for (auto& x : aux) x = nd(rng);
+  const auto ew = ck->weight(*ck->find("model.embed_tokens.weight"));
+  std::vector<float> embed(size_t(V * H));
+  convert_to_f32(ew.dtype, ew.data, embed.data(), embed.size());
+  const eagle3::TargetHead th{embed.data(), nullptr, nullptr, tc.rms_eps};
+  const eagle3::Sample s{ids.data(), mask.data(), aux.data(), hid.data(), T};
+  DraftRunner run(m, *ck);
+  std::vector<float> lg(size_t((B - 1) * Vd));
+  double worst = 0;
+  for (int64_t p = 1; p + B < T; ++p) {
+    std::vector<double> ref64;
+    dflash::forward(m.dflash, m.dweights, th, m.vocab, s, {p}, m.mask_token, nullptr, &ref64);
+    const std::vector<float> ref(ref64.begin() + Vd, ref64.end());  // positions 1..B-1
+    run.reset();
+    std::vector<int32_t> next(ids.begin() + 1, ids.begin() + p + 1);  // last: ids[p], the block's token
+    run.extend(next.data(), aux.data(), p, nullptr, nullptr);
+    run.block_step(B - 1, lg.data());
+    const double e = rel_err(lg.data(), ref.data(), lg.size());
+    EXPECT_LE(e, tol::kDraftRunnerRel) << "anchor " << p;
+    worst = std::max(worst, e);
+  }
+  EXPECT_LE(worst, tol::kDraftRunnerRel);
+  EXPECT_THROW(run.block_step(B, lg.data()), Error) << "more than block - 1 positions";
+  EXPECT_THROW(DraftRunner(m, *ck, 0, 64), Error) << "DFlash drafting runs on the CPU only";
+}
+
+// Greedy speculation with a DFlash draft (one block per round) leaves target-only greedy
+// decoding unchanged; chains longer than the block are capped at block - 1; a tree is refused.
+TEST(Speculate, DFlashChainsKeepGreedyOutputs) {
+  for (const std::string fx : {"llama_gqa", "qwen3"}) {
+    auto ck = open_checkpoint(golden_fixture(fx));
+    const ModelConfig& tc = ck->config();
+    auto dec = make_cpu_decoder(*ck, 1, 256);
+    DraftModel m = random_dflash_draft(tc, tc.vocab / 2, 29);
+    DraftRunner run(m, *ck);
+    SamplingParams greedy;
+    GenLimits lim;
+    lim.max_new_tokens = 24;
+    std::mt19937 rng(6);
+    for (int prompt_i = 0; prompt_i < 3; ++prompt_i) {
+      std::vector<int32_t> prompt(size_t(3 + prompt_i * 5));
+      for (auto& x : prompt) x = int32_t(rng() % uint32_t(tc.vocab));
+      const auto want = decode_plain(*dec, 0, prompt, greedy, 0, lim);
+      for (int k : {1, 3, 6}) {
+        SpecConfig cfg;
+        cfg.k = k;
+        DecodeStats st;
+        const auto got = decode_speculative(*dec, 0, run, prompt, cfg, greedy, 0, lim, &st);
+        EXPECT_EQ(got, want) << fx << " prompt " << prompt_i << " chain " << k;
+        for (size_t d = size_t(m.dflash.block - 1); d < st.tried.size(); ++d)
+          EXPECT_EQ(st.tried[d], 0) << "depth " << d + 1 << " beyond the block";
+      }
+    }
+    SpecConfig tree;
+    tree.mode = SpecConfig::Mode::Tree;
+    EXPECT_THROW(decode_speculative(*dec, 0, run, {1, 2, 3}, tree, greedy, 0, lim), Error) << fx;
+  }
+}
+
 TEST(DraftTree, SelectionKeepsAncestorsAndOrdersParentsFirst) {
   DraftTree c;
   // depth 1: a(-0.1) b(-2); depth 2 under a: c(-0.5) d(-0.3); under b: e(-2.1); depth 3 under d: f(-0.3)

@@ -12,7 +12,7 @@ secs=${1:-smoke}
 smoke=0
 [ "$secs" = smoke ] && secs=15 && smoke=1
 shift || true
-all=(gguf safetensors json tokenizer jinja dataset manifest)
+all=(gguf safetensors json tokenizer jinja dataset manifest export)
 targets=("$@")
 [ ${#targets[@]} -eq 0 ] && targets=("${all[@]}")
 # Unity build: see scripts/sanitize.sh. Each fuzz target links only the layer it parses with.

@@ -480,6 +480,8 @@ class Trainer {
     if (fam_) {  // (likewise: only the other families' jobs)
       const json fj = fam_->job();
       for (auto& [k, v] : fj.items()) job_[k] = v;
+      if (opt_.drafter == "dflash")  // EAGLE-3's settings that a DFlash draft does not read
+        for (const char* k : {"ttt_steps", "step_decay", "norm_before_residual"}) job_.erase(k);
     }
     if (opt_.draft_shape.any())  // (likewise: only jobs that change the draft's sizes)
       job_["draft_shape"] = {{"intermediate_size", c_.I}, {"num_attention_heads", c_.n_heads},

@@ -44,7 +44,17 @@ OutputDir::OutputDir(const fs::path& out, const RankInfo& rk, const Plan& plan, 
       my_progress_(out / fmt::format("progress.rank-{}.json", rk.rank)),
       mpath_(out / kManifestName),
       lock_(lock_dir(out, rk, gpus)) {
-  if (fs::exists(mpath_)) {
+  bool have = fs::exists(mpath_);
+  if (!have) {
+    bool foreign = false;
+    for (auto& e : fs::directory_iterator(out_)) foreign = foreign || !ours(e.path().filename().string());
+    // Another rank may have created the manifest (and begun writing shards) since the check
+    // above: with several ranks, that is the manifest to join, not a foreign directory.
+    if (foreign && multi_ && fs::exists(mpath_)) have = true;
+    else if (foreign)
+      fail("{}: directory is not empty and has no {}; refusing to write into it", out_.string(), kManifestName);
+  }
+  if (have) {
     manifest_ = read_manifest(out_);
     std::vector<std::string> diffs;
     for (const char* k : kPinned)
@@ -57,9 +67,6 @@ OutputDir::OutputDir(const fs::path& out, const RankInfo& rk, const Plan& plan, 
   } else {
     // Any rank may create it (ranks start in any order); concurrent creators write the
     // same pinned fields, atomically.
-    for (auto& e : fs::directory_iterator(out_))
-      if (!ours(e.path().filename().string()))
-        fail("{}: directory is not empty and has no {}; refusing to write into it", out_.string(), kManifestName);
     manifest_ = plan.want;
     manifest_["status"] = "in_progress";
     manifest_["shards"] = json::array();

@@ -129,17 +129,26 @@ int main(int argc, char** argv) {
       dec->reset(0);
       std::printf("prefill  1 x %lld tokens: %.1f ms, %.0f tokens/s\n", (long long)context, s * 1e3, double(context) / s);
     }
-    std::printf("%6s %8s %12s %12s %12s %10s\n", "slots", "context", "ms/step", "tokens/s", "no-logits", "GB/s");
+    // A step of B one-token slots three ways: eager launches with fp32 logits to the host
+    // (the engine before CUDA graphs), a replayed graph with logits to the host (sampling),
+    // and a replayed graph with greedy ids picked on the device (greedy generate and eval).
+    // The floor: every weight byte and each slot's cached K/V read once at 4.8 TB/s.
+    std::printf("%6s %8s %10s %10s %10s %12s %10s %10s %8s\n", "slots", "context", "eager ms", "graph ms", "greedy ms",
+                "greedy tok/s", "GB/s", "floor ms", "of floor");
     for (int B : batches) {
-      for (int s = 0; s < n_slots; ++s) cuda::decoder_assume_length(*dec, s, context);
       std::vector<float> lg(size_t(B) * size_t(c.vocab));
-      double per[2] = {0, 0};
-      for (int mode = 0; mode < 2; ++mode) {  // 0: logits to the host, 1: none
+      std::vector<int32_t> ids(static_cast<size_t>(B));
+      double per[3] = {0, 0, 0};
+      for (int mode = 0; mode < 3; ++mode) {
+        cuda::decoder_use_graphs(*dec, mode > 0);
         for (int s = 0; s < B; ++s) cuda::decoder_assume_length(*dec, s, context);
         auto step = [&] {
           std::vector<DecodeRequest> reqs;
           for (int s = 0; s < B; ++s) reqs.push_back({s, {tok()}, {}, true});
-          dec->forward(reqs, Capture{}, mode == 0 ? lg.data() : nullptr);
+          if (mode == 2)
+            dec->forward_greedy(reqs, Capture{}, ids.data());
+          else
+            dec->forward(reqs, Capture{}, lg.data());
           for (int s = 0; s < B; ++s) dec->commit_all(s);
         };
         step();
@@ -149,13 +158,16 @@ int main(int argc, char** argv) {
         per[mode] = (now() - a) / double(steps);
       }
       const double bytes = weight_bytes + double(B) * double(context + 2 + steps / 2) * kv_per_token;
-      std::printf("%6d %8lld %12.2f %12.0f %12.0f %10.0f\n", B, (long long)context, per[0] * 1e3, B / per[0], B / per[1],
-                  bytes / per[1] / 1e9);
+      const double floor_s = bytes / 4.8e12;
+      std::printf("%6d %8lld %10.3f %10.3f %10.3f %12.0f %10.0f %10.3f %7.0f%%\n", B, (long long)context, per[0] * 1e3,
+                  per[1] * 1e3, per[2] * 1e3, B / per[2], bytes / per[2] / 1e9, floor_s * 1e3, 100 * floor_s / per[2]);
     }
+    cuda::decoder_use_graphs(*dec, true);
     {
       // The verify-step cost at batch 1: one target pass over n pending tokens (a chain of
-      // k+1, or a random tree of N) against one token, at this context; logits to the host.
-      std::printf("verify cost at batch 1, context %lld (median of 9):\n", (long long)context);
+      // k+1, or a random tree of N) against one token, at this context; greedy ids back (as
+      // greedy eval runs), graphs replayed after the first two of each shape.
+      std::printf("verify cost at batch 1, context %lld (median of 9, greedy ids):\n", (long long)context);
       double one = 0;
       std::map<std::pair<int64_t, int>, double> verify_ms;  // (tokens, chain) -> ms
       for (int64_t n : {1, 2, 4, 6, 8, 16, 32, 64}) {
@@ -167,12 +179,12 @@ int main(int argc, char** argv) {
             r.tokens.push_back(tok());
             if (!chain) r.parents.push_back(i == 0 ? -1 : int32_t(rng() % uint32_t(i)));
           }
-          std::vector<float> lg(size_t(n) * size_t(c.vocab));
+          std::vector<int32_t> top(static_cast<size_t>(n));
           std::vector<double> ts;
           for (int i = 0; i < 11; ++i) {
             cuda::decoder_assume_length(*dec, 0, context);
             const double a = now();
-            dec->forward({r}, Capture{}, lg.data());
+            dec->forward_greedy({r}, Capture{}, top.data());
             ts.push_back(now() - a);
             dec->commit(0, {});
           }

@@ -49,6 +49,12 @@ class Decoder {
   // when a request would exceed max_len or has a malformed parents list.
   virtual void forward(const std::vector<DecodeRequest>& reqs, const Capture& capture, float* logits) = 0;
 
+  // The same forward, giving for each logits row (the rows `forward` would return, in its
+  // order) only its greedy token: the argmax, ties to the lower id, of the logits `forward`
+  // computes. A decoder that can pick on the device overrides this and copies back ids, not
+  // [rows, V] floats; the default runs `forward` and picks on the host.
+  virtual void forward_greedy(const std::vector<DecodeRequest>& reqs, const Capture& capture, int32_t* ids);
+
   // Keeps the pending tokens at `keep` (indices into the slot's last request, increasing,
   // each one's parent the previous kept one: a path from the committed prefix) and drops
   // the others. commit(slot, {}) drops them all.
@@ -66,5 +72,8 @@ class Decoder {
 // Depth of each pending token of a request (0 for tokens that follow the prefix); throws
 // naming the index when parents is malformed (wrong length, parent >= own index, < -1).
 std::vector<int32_t> request_depths(const DecodeRequest& r);
+
+// Logits rows of a forward: each request's tokens when all_logits, else one.
+int64_t logits_rows(const std::vector<DecodeRequest>& reqs);
 
 }  // namespace talon

@@ -422,20 +422,25 @@ GenerateReport run_generate(const GenerateOptions& opt) {
       req_slot.push_back(s);
     }
     if (reqs.empty()) break;  // nothing running and nothing queued
-    logits.resize(reqs.size() * size_t(mc.vocab));
-    dec->forward(reqs, Capture{}, logits.data());
-    // Every slot's next token, slots in parallel (each draws from its own stream, so the
-    // tokens do not depend on the thread count).
     picked.resize(reqs.size());
     const int64_t n_reqs = int64_t(reqs.size());
+    if (opt.sampling.greedy()) {
+      // Greedy: the decoder picks each slot's argmax where the logits are.
+      dec->forward_greedy(reqs, Capture{}, picked.data());
+    } else {
+      logits.resize(reqs.size() * size_t(mc.vocab));
+      dec->forward(reqs, Capture{}, logits.data());
+      // Every slot's next token, slots in parallel (each draws from its own stream, so the
+      // tokens do not depend on the thread count).
 #pragma omp parallel if (n_reqs >= 4)
-    {
-      std::vector<double> scratch;
+      {
+        std::vector<double> scratch;
 #pragma omp for schedule(dynamic, 4)
-      for (int64_t i = 0; i < n_reqs; ++i) {
-        const Active& a = slots[size_t(req_slot[size_t(i)])];
-        picked[size_t(i)] = sample_token(logits.data() + size_t(i) * size_t(mc.vocab), mc.vocab, opt.sampling,
-                                         a.stream, uint64_t(a.gen.size()), scratch);
+        for (int64_t i = 0; i < n_reqs; ++i) {
+          const Active& a = slots[size_t(req_slot[size_t(i)])];
+          picked[size_t(i)] = sample_token(logits.data() + size_t(i) * size_t(mc.vocab), mc.vocab, opt.sampling,
+                                           a.stream, uint64_t(a.gen.size()), scratch);
+        }
       }
     }
     int64_t produced = 0;

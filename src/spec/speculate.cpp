@@ -114,16 +114,25 @@ std::vector<int32_t> decode_plain(Decoder& target, int slot, const std::vector<i
   std::vector<double> scratch;
   std::vector<int32_t> out;
   DecodeStats st;
+  // Greedy decoding asks the target for its argmax only (picked where the logits are).
+  const bool greedy = params.greedy();
+  int32_t top1 = 0;
+  auto pass = [&](const DecodeRequest& r) {
+    if (greedy)
+      target.forward_greedy({r}, Capture{}, &top1);
+    else
+      target.forward({r}, Capture{}, logits.data());
+  };
   target.reset(slot);
-  target.forward({{slot, prompt, {}, false}}, Capture{}, logits.data());
+  pass({slot, prompt, {}, false});
   target.commit_all(slot);
   st.prefill_seconds = since(t0);
   bool done = limits.max_new_tokens <= 0;
   while (!done) {
-    const int32_t tok = sample_token(logits.data(), V, params, stream, uint64_t(out.size()), scratch);
+    const int32_t tok = greedy ? top1 : sample_token(logits.data(), V, params, stream, uint64_t(out.size()), scratch);
     done = append_tokens(out, {tok}, limits);
     if (done || target.length(slot) + 1 > target.max_len()) break;
-    target.forward({{slot, {tok}, {}, true}}, Capture{}, logits.data());
+    pass({slot, {tok}, {}, true});
     target.commit_all(slot);
     ++st.rounds;
   }
@@ -154,7 +163,9 @@ std::vector<int32_t> decode_speculative(Decoder& target, int slot, DraftRunner& 
 
   // Target pass with the draft's aux layers captured (fp32, one row per token).
   std::vector<float> aux_rows;  // [rows, 3, H] as captured: three [rows, H] blocks
-  std::vector<float> logits;
+  std::vector<float> logits;    // sampling: [rows, V]
+  std::vector<int32_t> top1;    // greedy: the argmax of each row
+  const bool greedy = params.greedy();
   auto run_target = [&](const DecodeRequest& r) {
     const int64_t n = int64_t(r.tokens.size());
     aux_rows.assign(size_t(3 * n * H), 0.f);
@@ -163,9 +174,15 @@ std::vector<int32_t> decode_speculative(Decoder& target, int slot, DraftRunner& 
       cap.layers.push_back(int(dm.aux_layer_ids[size_t(i)]));
       cap.out.push_back(aux_rows.data() + i * n * H);
     }
-    logits.resize(size_t((r.all_logits ? n : 1) * V));  // every entry is written by the forward
     const auto ts = Clock::now();
-    target.forward({r}, cap, logits.data());
+    if (greedy) {
+      // Acceptance needs only each row's argmax: the target picks it where the logits are.
+      top1.resize(size_t(r.all_logits ? n : 1));
+      target.forward_greedy({r}, cap, top1.data());
+    } else {
+      logits.resize(size_t((r.all_logits ? n : 1) * V));  // every entry is written by the forward
+      target.forward({r}, cap, logits.data());
+    }
     st.target_seconds += since(ts);
   };
   // concat(h[a0], h[a1], h[a2]) of the chosen rows, [rows.size(), 3H].
@@ -184,7 +201,7 @@ std::vector<int32_t> decode_speculative(Decoder& target, int slot, DraftRunner& 
   target.commit_all(slot);
   std::vector<double> p, scratch;
   std::vector<int32_t> out;
-  int32_t next = sample_token(logits.data(), V, params, stream, 0, scratch);
+  int32_t next = greedy ? top1[0] : sample_token(logits.data(), V, params, stream, 0, scratch);
   bool done = limits.max_new_tokens <= 0 || append_tokens(out, {next}, limits);
   std::vector<float> g_last(static_cast<size_t>(H)), dl_last(static_cast<size_t>(Vd));
   // What drafting reads of each draft row: the logits for a sampled chain (its proposal
@@ -328,14 +345,13 @@ std::vector<int32_t> decode_speculative(Decoder& target, int slot, DraftRunner& 
     int32_t bonus = -1;
     uint64_t draws = 0;
     auto u = [&] { return uniform01(params.seed, stream ^ kAcceptStream, round * 4096 + draws++); };
-    const bool greedy = params.greedy();
     for (;;) {
       const int32_t at = path.back();
       int32_t kept = -1, best = -1;
       if (greedy) {
         // A child is kept iff it is the target's argmax (what the one-hot distribution below
         // would decide, without building it).
-        best = argmax(logits.data() + int64_t(at) * V, V);
+        best = top1[size_t(at)];
         for (int32_t c : children[size_t(at)])
           if (req.tokens[size_t(c)] == best) {
             kept = c;

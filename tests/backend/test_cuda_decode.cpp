@@ -12,9 +12,11 @@
 #include "tests/gpu_test.h"
 
 #include <algorithm>
+#include <cstring>
 #include <random>
 
 #include "backend/backend.h"
+#include "backend/cuda/cuda_decoder.h"
 #include "model/decode.h"
 #include "model/model.h"
 #include "model/random_checkpoint.h"
@@ -217,6 +219,82 @@ TEST_P(CudaDecode, GreedyDecodingPicksTheSameTokens) {
   }
   std::printf("cuda decode %s: greedy agree %d/%d (margin >= %.2f)\n", GetParam().c_str(), agree, checked,
               tol::kCudaGreedyMargin);
+}
+
+// Replayed CUDA graphs against eager launches, and greedy ids picked on the device against
+// the host's argmax of the logits: two CUDA decoders run the same requests (repeated shapes:
+// one-token steps of three slots, chain-4 verifies, a 7-node tree, captures in both dtypes,
+// a context growing past a power of two), one with graphs and one without; logits and
+// captures must be bit-identical (same kernels, same arguments), and every few steps the
+// graph decoder gives ids only, which must equal the argmax (ties to the lower id) of the
+// other's logits.
+TEST_P(CudaDecode, GraphReplayAndDeviceArgmaxMatchEagerLaunches) {
+  REQUIRE_GPU();
+  auto ck = open_checkpoint(golden_fixture(GetParam()));
+  auto ga = make_cuda_decoder(*ck, 0, 3, 160), gb = make_cuda_decoder(*ck, 0, 3, 160);
+  cuda::decoder_use_graphs(*gb, false);
+  const ModelConfig& c = ga->config();
+  const int64_t V = c.vocab, H = c.hidden;
+  const int layer = int(c.n_layers / 2);
+  std::mt19937 rng(41);
+  int greedy_rows = 0;
+  auto both = [&](const std::vector<DecodeRequest>& reqs, const std::string& what, bool greedy, DType dt) {
+    const int64_t NL = logit_rows(reqs);
+    int64_t N = 0;
+    for (auto& r : reqs) N += int64_t(r.tokens.size());
+    const size_t esz = dt == DType::BF16 ? 2 : 4;
+    std::vector<uint8_t> ca(size_t(N * H) * esz, 0xa5), cb(size_t(N * H) * esz, 0x5a);
+    Capture pa({layer}, {reinterpret_cast<float*>(ca.data())}), pb({layer}, {reinterpret_cast<float*>(cb.data())});
+    pa.dtype = pb.dtype = dt;
+    std::vector<float> lb(size_t(NL * V), NAN);
+    gb->forward(reqs, pb, lb.data());
+    if (greedy) {
+      std::vector<int32_t> ids(size_t(NL), -1);
+      ga->forward_greedy(reqs, pa, ids.data());
+      for (int64_t r = 0; r < NL; ++r) {
+        const float* l = lb.data() + r * V;
+        int64_t best = 0;
+        for (int64_t i = 1; i < V; ++i)
+          if (l[i] > l[best]) best = i;
+        EXPECT_EQ(ids[size_t(r)], int32_t(best)) << what << ": greedy row " << r;
+        ++greedy_rows;
+      }
+    } else {
+      std::vector<float> la(size_t(NL * V), NAN);
+      ga->forward(reqs, pa, la.data());
+      EXPECT_EQ(std::memcmp(la.data(), lb.data(), la.size() * 4), 0) << what << ": logits differ";
+    }
+    EXPECT_EQ(std::memcmp(ca.data(), cb.data(), ca.size()), 0) << what << ": captures differ";
+  };
+  auto commit = [&](int slot, const std::vector<int32_t>& keep) {
+    ga->commit(slot, keep);
+    gb->commit(slot, keep);
+  };
+  both({{0, random_ids(rng, 5, V), {}, false}, {1, random_ids(rng, 9, V), {}, true}, {2, random_ids(rng, 2, V), {}, false}},
+       "prefill", false, DType::F32);
+  for (int s = 0; s < 3; ++s) {
+    ga->commit_all(s);
+    gb->commit_all(s);
+  }
+  for (int step = 0; step < 40; ++step) {
+    const std::string what = "step " + std::to_string(step);
+    const DType dt = step % 3 == 0 ? DType::BF16 : DType::F32;
+    if (step % 8 == 7) {
+      // A chain-4 verify on slot 0 and a 7-node tree on slot 2; keep a path of each.
+      both({{0, random_ids(rng, 4, V), {}, true}, {2, random_ids(rng, 7, V), {-1, 0, 0, 1, 1, 2, 4}, true}}, what,
+           step % 16 == 15, dt);
+      commit(0, {0, 1});
+      commit(2, {0, 1, 4, 6});
+      continue;
+    }
+    std::vector<DecodeRequest> reqs;
+    for (int s = 0; s < 3; ++s) reqs.push_back({s, random_ids(rng, 1, V), {}, true});
+    both(reqs, what, step % 4 == 1, dt);
+    for (int s = 0; s < 3; ++s) commit(s, {0});
+  }
+  EXPECT_GT(cuda::decoder_graph_launches(*ga), 20) << "the repeated shapes should have replayed graphs";
+  EXPECT_EQ(cuda::decoder_graph_launches(*gb), 0);
+  EXPECT_GT(greedy_rows, 20);
 }
 
 INSTANTIATE_TEST_SUITE_P(Fixtures, CudaDecode,

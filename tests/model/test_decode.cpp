@@ -3,6 +3,7 @@
 // commits of a path followed by further decoding, captures, and malformed requests.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <random>
 
 #include "model/decode.h"
@@ -156,6 +157,41 @@ TEST(Decode, SlidingWindowMatchesTheFullForward) {
   for (int i = 0; i < 3; ++i) {
     const auto f = full_forward(*model, {ids.begin(), ids.begin() + 7 + i}, 0);
     EXPECT_LE(rel_err(lg.data() + i * V, f.logits.data(), size_t(V)), tol::kDecodeRel) << i;
+  }
+}
+
+// forward_greedy (the default: forward, then the argmax on the host) gives one id per logits
+// row, in forward's row order: a prefill's last row, every row of an all-logits chain and
+// of a tree, slots mixed in one call. Checked against a twin decoder's logits, scanned here.
+TEST(Decode, GreedyIdsFollowTheLogitsRows) {
+  for (const char* name : {"llama_gqa", "deepseek_v3"}) {
+    SCOPED_TRACE(name);
+    auto ck = open_checkpoint(golden_fixture(name));
+    auto a = make_cpu_decoder(*ck, 2, 40), b = make_cpu_decoder(*ck, 2, 40);
+    const int64_t V = a->config().vocab;
+    std::mt19937 rng(7);
+    const std::vector<std::vector<DecodeRequest>> calls = {
+        {{0, random_ids(rng, 6, V), {}, false}, {1, random_ids(rng, 3, V), {}, true}},
+        {{1, random_ids(rng, 1, V), {}, true}, {0, random_ids(rng, 5, V), {-1, 0, 0, 2, 1}, true}},
+        {{0, random_ids(rng, 4, V), {}, false}}};
+    int rows = 0;
+    for (const auto& reqs : calls) {
+      const int64_t NL = logits_rows(reqs);
+      std::vector<float> lb(size_t(NL * V));
+      std::vector<int32_t> ids(size_t(NL), -1);
+      b->forward(reqs, Capture{}, lb.data());
+      a->forward_greedy(reqs, Capture{}, ids.data());
+      for (int64_t r = 0; r < NL; ++r, ++rows) {
+        const float* l = lb.data() + r * V;
+        const int32_t want = int32_t(std::max_element(l, l + V) - l);  // first of the maxima
+        EXPECT_EQ(ids[size_t(r)], want) << "row " << r;
+      }
+      for (const auto& r : reqs) {
+        a->commit(r.slot, {0});
+        b->commit(r.slot, {0});
+      }
+    }
+    EXPECT_EQ(rows, 1 + 3 + 1 + 5 + 1);
   }
 }
 

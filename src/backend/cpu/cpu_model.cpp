@@ -236,6 +236,25 @@ void Decoder::commit_all(int slot) {
   commit(slot, keep);
 }
 
+int64_t logits_rows(const std::vector<DecodeRequest>& reqs) {
+  int64_t n = 0;
+  for (const DecodeRequest& r : reqs) n += r.all_logits ? int64_t(r.tokens.size()) : 1;
+  return n;
+}
+
+void Decoder::forward_greedy(const std::vector<DecodeRequest>& reqs, const Capture& cap, int32_t* ids) {
+  const int64_t rows = logits_rows(reqs), V = config().vocab;
+  std::vector<float> logits(size_t(rows) * size_t(V));
+  forward(reqs, cap, logits.data());
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* l = logits.data() + r * V;
+    int64_t best = 0;
+    for (int64_t i = 1; i < V; ++i)
+      if (l[i] > l[best]) best = i;
+    ids[r] = int32_t(best);
+  }
+}
+
 std::vector<int32_t> request_depths(const DecodeRequest& r) {
   const size_t n = r.tokens.size();
   std::vector<int32_t> d(n);

@@ -14,8 +14,14 @@
 
 #include <cuda_runtime.h>
 
+#include <fmt/ranges.h>
+
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
+#include <map>
+#include <set>
+#include <string>
 
 #include "backend/backend.h"
 #include "backend/cuda/check.h"
@@ -77,6 +83,13 @@ class CudaDecoder final : public Decoder {
     len_.assign(size_t(n_slots), 0);
     parents_.resize(size_t(n_slots));
     pending_.assign(size_t(n_slots), 0);
+    const char* g = std::getenv("TALON_CUDA_GRAPHS");
+    graphs_on_ = !(g && std::string(g) == "0");
+  }
+
+  ~CudaDecoder() override {
+    dev_.activate();
+    drop_graphs();
   }
 
   const ModelConfig& config() const override { return cfg_; }
@@ -86,6 +99,130 @@ class CudaDecoder final : public Decoder {
   int64_t length(int slot) const override { return len_[size_t(check_slot(slot))]; }
 
   void forward(const std::vector<DecodeRequest>& reqs, const Capture& cap, float* logits) override {
+    run(reqs, cap, logits, nullptr);
+  }
+
+  void forward_greedy(const std::vector<DecodeRequest>& reqs, const Capture& cap, int32_t* ids) override {
+    run(reqs, cap, nullptr, ids);
+  }
+
+  void use_graphs(bool on) {
+    graphs_on_ = on;
+    drop_graphs();
+  }
+  int64_t graph_launches() const { return graph_launches_; }
+
+  void commit(int slot, const std::vector<int32_t>& keep) override {
+    check_slot(slot);
+    const int64_t n = pending_[size_t(slot)], len = len_[size_t(slot)];
+    const auto& par = parents_[size_t(slot)];
+    int32_t prev = -1;
+    for (size_t i = 0; i < keep.size(); ++i) {
+      const int32_t k = keep[i];
+      TALON_CHECK(k >= 0 && k < n && k > prev && par[size_t(k)] == prev,
+                  "decoder: commit of slot {}: token {} (entry {}) does not continue the kept path", slot, k, i);
+      prev = k;
+    }
+    // Kept rows that are not in place move down, in order (decode_ops.h: kv_cache_move).
+    std::vector<int32_t> pairs;
+    const int64_t base = int64_t(slot) * max_len_ + len;
+    for (size_t i = 0; i < keep.size(); ++i)
+      if (int64_t(keep[i]) != int64_t(i)) {
+        pairs.push_back(int32_t(base + keep[i]));
+        pairs.push_back(int32_t(base + int64_t(i)));
+      }
+    if (!pairs.empty()) {
+      dev_.activate();
+      CUDA_CHECK(cudaMemcpyAsync(move_pairs_, pairs.data(), pairs.size() * 4, cudaMemcpyHostToDevice, dev_.stream()));
+      // No wait: the next forward is ordered after the move on the stream, and a copy from
+      // pageable memory has read `pairs` when it returns.
+      cuda::kv_cache_move(cache_ptrs_, int64_t(2 * kc_.size()), move_pairs_, int64_t(pairs.size() / 2),
+                          cfg_.n_kv_heads * cfg_.head_dim, dev_.stream());
+    }
+    len_[size_t(slot)] += int64_t(keep.size());
+    pending_[size_t(slot)] = 0;
+    parents_[size_t(slot)].clear();
+  }
+
+  void reset(int slot) override {
+    check_slot(slot);
+    len_[size_t(slot)] = 0;
+    pending_[size_t(slot)] = 0;
+    parents_[size_t(slot)].clear();
+  }
+
+  void assume_length(int slot, int64_t len) {
+    check_slot(slot);
+    TALON_CHECK(len >= 0 && len <= max_len_, "decoder: length {} outside [0, {}]", len, max_len_);
+    if (!filled_) {
+      dev_.activate();
+      const size_t n = len_.size() * size_t(max_len_) * size_t(cfg_.n_kv_heads * cfg_.head_dim) * 2;
+      for (size_t l = 0; l < kc_.size(); ++l) {
+        CUDA_CHECK(cudaMemsetAsync(kc_[l], 0x3c, n, dev_.stream()));  // bf16 0x3c3c: about 0.0115
+        CUDA_CHECK(cudaMemsetAsync(vc_[l], 0x3c, n, dev_.stream()));
+      }
+      CUDA_CHECK(cudaStreamSynchronize(dev_.stream()));
+      filled_ = true;
+    }
+    len_[size_t(slot)] = len;
+    pending_[size_t(slot)] = 0;
+    parents_[size_t(slot)].clear();
+  }
+
+ private:
+  // Activations of one forward, grown on demand (capacities in n_*). Graphs hold these
+  // pointers, so growing drops every graph.
+  struct Acts {
+    DeviceArena arena;
+    int64_t n_tokens = 0, n_logits = 0, n_part = 0, n_cap = 0, n_in = 0;
+    float *x, *part, *logits32;
+    bf16 *xn, *qkv, *att, *tmp, *gu, *act, *sel, *logits;
+    uint8_t* cap;   // captured rows, one [n_tokens, H] block (fp32 or bf16) per captured layer
+    int32_t* top1;  // greedy ids of the logits rows
+    uint8_t* in;    // the packed inputs of a forward (ids, positions, rows, ...), n_in bytes
+  };
+  // Pinned host mirror of Acts::in and of the greedy ids.
+  struct Pinned {
+    void* p = nullptr;
+    size_t bytes = 0;
+    ~Pinned() {
+      if (p) cudaFreeHost(p);
+    }
+    void ensure(size_t b) {
+      if (b <= bytes) return;
+      if (p) CUDA_CHECK(cudaFreeHost(p));
+      p = nullptr;
+      CUDA_CHECK(cudaHostAlloc(&p, b, cudaHostAllocPortable));
+      bytes = b;
+    }
+  };
+  // Where each input of a forward sits in the packed block (byte offsets): fixed by the
+  // forward's shape, so a graph captured for that shape reads the next forward's inputs.
+  struct Layout {
+    size_t ids, pos, rows, logit_rows, masks, seq_start, tiles, bytes;
+  };
+  static Layout layout(int64_t N, int64_t NL, int64_t n_masks, int64_t n_seq_start, int64_t n_tiles) {
+    Layout l{};
+    size_t off = 0;
+    auto place = [&](size_t bytes) {
+      const size_t at = off;
+      off += (bytes + 15) / 16 * 16;
+      return at;
+    };
+    l.ids = place(size_t(N) * 4);
+    l.pos = place(size_t(N) * 4);
+    l.rows = place(size_t(N) * sizeof(DecodeRow));
+    l.logit_rows = place(size_t(NL) * 4);
+    l.masks = place(size_t(n_masks) * 8);
+    l.seq_start = place(size_t(n_seq_start) * 8);
+    l.tiles = place(size_t(n_tiles) * 4);
+    l.bytes = off;
+    return l;
+  }
+
+  // One forward: host bookkeeping, the packed inputs up in one copy, the layer stack (from a
+  // CUDA graph when this shape ran before), then logits or greedy ids and captures down.
+  void run(const std::vector<DecodeRequest>& reqs, const Capture& cap, float* logits, int32_t* ids) {
     dev_.activate();
     const ModelConfig& c = cfg_;
     const int64_t H = c.hidden, hd = c.head_dim, V = c.vocab, W = c.sliding_window;
@@ -143,166 +280,173 @@ class CudaDecoder final : public Decoder {
       seq_start.push_back(int64_t(rows.size()));
       parents.push_back(std::move(par));
     }
-    const int64_t N = int64_t(rows.size()), NL = logits ? int64_t(logit_rows.size()) : 0;
+    const int64_t N = int64_t(rows.size()), NL = (logits || ids) ? int64_t(logit_rows.size()) : 0;
     if (N == 0) return;
     const bool flash = prefill && cuda::flash_attention_supported(hd);
     const std::vector<int32_t> tiles =
         flash ? cuda::attention_tiles(seq_start.data(), int64_t(reqs.size())) : std::vector<int32_t>{};
-    // Splits of the key range: enough blocks to fill the GPU several times over.
-    const int64_t T = cuda::kDecodeTile, n_tiles = (max_keys + T - 1) / T;
-    int64_t splits = std::clamp<int64_t>((4 * dev_.multiprocessors() + N * nkv - 1) / (N * nkv), 1, std::max<int64_t>(1, n_tiles));
+    // Splits of the key range: enough blocks to fill the GPU several times over, sized for
+    // the key count rounded up to a power of two, so that one shape (and its graph) serves
+    // a slot's steps until its context doubles; splits past a row's keys are empty.
+    const int64_t T = cuda::kDecodeTile;
+    int64_t key_cap = T;
+    while (key_cap < max_keys) key_cap *= 2;
+    const int64_t n_tiles = key_cap / T;
+    int64_t splits = std::clamp<int64_t>((4 * dev_.multiprocessors() + N * nkv - 1) / (N * nkv), 1, n_tiles);
     const int64_t split_len = (n_tiles + splits - 1) / splits * T;
-    splits = std::max<int64_t>(1, (max_keys + split_len - 1) / split_len);
-    ensure_acts(N, int64_t(reqs.size()), NL, flash ? N * nh * (hd + 2) : N * nh * splits * (hd + 2),
-                int64_t(masks.size()), int64_t(tiles.size()));
+    splits = (key_cap + split_len - 1) / split_len;
+    const size_t esz = dtype_size(cap.dtype);
+    const int64_t n_cap = int64_t(cap.layers.size());
+    const Layout lay = layout(N, NL, int64_t(masks.size()), flash ? int64_t(seq_start.size()) : 0,
+                              int64_t(tiles.size()));
+    ensure_acts(N, NL, flash ? 0 : N * nh * splits * (hd + 2), n_cap, int64_t(lay.bytes));
     Acts& a = *acts_;
-    CUDA_CHECK(cudaMemcpyAsync(a.ids, tokens.data(), size_t(N) * 4, cudaMemcpyHostToDevice, dev_.stream()));
-    CUDA_CHECK(cudaMemcpyAsync(a.pos, pos.data(), size_t(N) * 4, cudaMemcpyHostToDevice, dev_.stream()));
-    CUDA_CHECK(cudaMemcpyAsync(a.rows, rows.data(), size_t(N) * sizeof(DecodeRow), cudaMemcpyHostToDevice, dev_.stream()));
-    if (!masks.empty())
-      CUDA_CHECK(cudaMemcpyAsync(a.masks, masks.data(), masks.size() * 8, cudaMemcpyHostToDevice, dev_.stream()));
-    if (NL > 0)
-      CUDA_CHECK(cudaMemcpyAsync(a.logit_rows, logit_rows.data(), size_t(NL) * 4, cudaMemcpyHostToDevice, dev_.stream()));
+
+    // The packed inputs: staged in pinned memory, one copy up.
+    in_h_.ensure(lay.bytes);
+    auto* hb = static_cast<uint8_t*>(in_h_.p);
+    std::memcpy(hb + lay.ids, tokens.data(), size_t(N) * 4);
+    std::memcpy(hb + lay.pos, pos.data(), size_t(N) * 4);
+    std::memcpy(hb + lay.rows, rows.data(), size_t(N) * sizeof(DecodeRow));
+    if (NL > 0) std::memcpy(hb + lay.logit_rows, logit_rows.data(), size_t(NL) * 4);
+    if (!masks.empty()) std::memcpy(hb + lay.masks, masks.data(), masks.size() * 8);
     if (flash) {
-      CUDA_CHECK(cudaMemcpyAsync(a.seq_start, seq_start.data(), seq_start.size() * 8, cudaMemcpyHostToDevice, dev_.stream()));
-      CUDA_CHECK(cudaMemcpyAsync(a.tiles, tiles.data(), tiles.size() * 4, cudaMemcpyHostToDevice, dev_.stream()));
+      std::memcpy(hb + lay.seq_start, seq_start.data(), seq_start.size() * 8);
+      std::memcpy(hb + lay.tiles, tiles.data(), tiles.size() * 4);
+    }
+    CUDA_CHECK(cudaMemcpyAsync(a.in, hb, lay.bytes, cudaMemcpyHostToDevice, dev_.stream()));
+    const auto* d_ids = reinterpret_cast<const int32_t*>(a.in + lay.ids);
+    const auto* d_pos = reinterpret_cast<const int32_t*>(a.in + lay.pos);
+    const auto* d_rows = reinterpret_cast<const DecodeRow*>(a.in + lay.rows);
+    const auto* d_logit_rows = reinterpret_cast<const int32_t*>(a.in + lay.logit_rows);
+    const auto* d_masks = reinterpret_cast<const uint64_t*>(a.in + lay.masks);
+    const auto* d_seq_start = reinterpret_cast<const int64_t*>(a.in + lay.seq_start);
+    const auto* d_tiles = reinterpret_cast<const int32_t*>(a.in + lay.tiles);
+    cudaStream_t st = dev_.stream();
+
+    // Everything from the embedding to the logits or greedy ids, on device buffers only.
+    auto device_work = [&] {
+      // Captures: rows are the packed tokens in order, kept on the device (the residual
+      // stream is overwritten by the next layer) and copied down after the forward.
+      auto capture = [&](int64_t layer_id) {
+        for (int64_t i = 0; i < n_cap; ++i) {
+          if (cap.layers[size_t(i)] != layer_id) continue;
+          uint8_t* dst = a.cap + size_t(i) * size_t(a.n_tokens * H) * 4;
+          if (cap.dtype == DType::BF16)
+            cuda::f32_to_bf16(reinterpret_cast<bf16*>(dst), a.x, N * H, st);
+          else
+            CUDA_CHECK(cudaMemcpyAsync(dst, a.x, size_t(N * H) * 4, cudaMemcpyDeviceToDevice, st));
+        }
+      };
+      cuda::DenseHooks hooks;
+      hooks.capture = capture;
+      hooks.attention = [&](int64_t l) {
+        cuda::kv_cache_write(kc_[size_t(l)], vc_[size_t(l)], a.qkv, ldqkv, d_rows, N, nh, nkv, hd, max_len_, st);
+        if (flash)
+          cuda::flash_attention_forward(a.att, a.qkv, ldqkv, d_seq_start, d_tiles, int64_t(tiles.size() / 2), nh, nkv,
+                                        hd, W, st);
+        else
+          cuda::decode_attention(a.att, a.part, a.qkv, ldqkv, kc_[size_t(l)], vc_[size_t(l)], d_rows, d_masks, N, nh,
+                                 nkv, hd, max_len_, splits, split_len, st);
+      };
+      cuda::dense_stack_forward(w_, c, N, {d_ids, d_pos, a.x, a.xn, a.qkv, a.att, a.tmp, a.gu, a.act}, dev_.gemm(), st,
+                                hooks);
+      if (NL > 0) {
+        // Only the rows that want logits go through the LM head.
+        const bf16* in = a.xn;
+        if (NL < N) {
+          cuda::gather_rows(a.sel, a.xn, d_logit_rows, NL, H, st);
+          in = a.sel;
+        }
+        dev_.gemm().forward(a.logits, in, w_.lm_head, NL, H, V, st);
+        if (ids)
+          cuda::argmax_rows(a.top1, a.logits, NL, V, st);
+        else
+          cuda::bf16_to_f32(a.logits32, a.logits, NL * V, st);
+      }
+    };
+    // A graph per shape, captured the second time the shape runs (the first, eager run
+    // also makes cuBLAS's plans and kernel attributes, which capture must not do).
+    const bool graphable = graphs_on_ && !flash && !cuda::debug_sync();
+    cudaGraphExec_t exec = nullptr;
+    std::string key;
+    if (graphable) {
+      key = fmt::format("{}/{}/{}/{}/{}/{}/{}/{}", N, NL, masks.size(), splits, split_len, ids ? 1 : 0,
+                        int(cap.dtype), fmt::join(cap.layers, ","));
+      auto it = graphs_.find(key);
+      if (it != graphs_.end()) {
+        exec = it->second;
+      } else if (shapes_seen_.count(key)) {
+        if (graphs_.size() >= kMaxGraphs) drop_graphs();
+        cudaGraph_t g = nullptr;
+        CUDA_CHECK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
+        try {
+          device_work();
+        } catch (...) {
+          cudaStreamEndCapture(st, &g);
+          if (g) cudaGraphDestroy(g);
+          throw;
+        }
+        CUDA_CHECK(cudaStreamEndCapture(st, &g));
+        const cudaError_t e = cudaGraphInstantiate(&exec, g, 0);
+        cudaGraphDestroy(g);
+        CUDA_CHECK(e);
+        graphs_.emplace(key, exec);
+      } else {
+        shapes_seen_.insert(key);
+      }
+    }
+    if (exec) {
+      CUDA_CHECK(cudaGraphLaunch(exec, st));
+      ++graph_launches_;
+    } else {
+      device_work();
     }
 
-    // Captures: rows are the packed tokens in order, copied straight to the host on the
-    // compute stream (the residual stream is overwritten by the next layer).
-    const size_t esz = dtype_size(cap.dtype);
-    auto capture = [&](int64_t layer_id) {
-      for (size_t i = 0; i < cap.layers.size(); ++i) {
-        if (cap.layers[i] != layer_id) continue;
-        const void* src = a.x;
-        if (cap.dtype == DType::BF16) {
-          cuda::f32_to_bf16(a.cap, a.x, N * H, dev_.stream());
-          src = a.cap;
-        }
-        CUDA_CHECK(cudaMemcpy2DAsync(cap.out[i], size_t(cap.stride(i, H)) * esz, src, size_t(H) * esz,
-                                     size_t(H) * esz, size_t(N), cudaMemcpyDeviceToHost, dev_.stream()));
-      }
-    };
-    cuda::DenseHooks hooks;
-    hooks.capture = capture;
-    hooks.attention = [&](int64_t l) {
-      cuda::kv_cache_write(kc_[size_t(l)], vc_[size_t(l)], a.qkv, ldqkv, a.rows, N, nh, nkv, hd, max_len_, dev_.stream());
-      if (flash)
-        cuda::flash_attention_forward(a.att, a.qkv, ldqkv, a.seq_start, a.tiles, int64_t(tiles.size() / 2), nh, nkv,
-                                      hd, W, dev_.stream());
-      else
-        cuda::decode_attention(a.att, a.part, a.qkv, ldqkv, kc_[size_t(l)], vc_[size_t(l)], a.rows, a.masks, N, nh,
-                               nkv, hd, max_len_, splits, split_len, dev_.stream());
-    };
-    cuda::dense_stack_forward(w_, c, N, {a.ids, a.pos, a.x, a.xn, a.qkv, a.att, a.tmp, a.gu, a.act}, dev_.gemm(),
-                              dev_.stream(), hooks);
-    if (NL > 0) {
-      // Only the rows that want logits go through the LM head.
-      const bf16* in = a.xn;
-      if (NL < N) {
-        cuda::gather_rows(a.sel, a.xn, a.logit_rows, NL, H, dev_.stream());
-        in = a.sel;
-      }
-      dev_.gemm().forward(a.logits, in, w_.lm_head, NL, H, V, dev_.stream());
-      cuda::bf16_to_f32(a.logits32, a.logits, NL * V, dev_.stream());
-      CUDA_CHECK(cudaMemcpyAsync(logits, a.logits32, size_t(NL * V) * 4, cudaMemcpyDeviceToHost, dev_.stream()));
+    // Results down.
+    for (int64_t i = 0; i < n_cap; ++i)
+      CUDA_CHECK(cudaMemcpy2DAsync(cap.out[size_t(i)], size_t(cap.stride(size_t(i), H)) * esz,
+                                   a.cap + size_t(i) * size_t(a.n_tokens * H) * 4, size_t(H) * esz, size_t(H) * esz,
+                                   size_t(N), cudaMemcpyDeviceToHost, st));
+    if (NL > 0 && ids) {
+      out_h_.ensure(size_t(NL) * 4);
+      CUDA_CHECK(cudaMemcpyAsync(out_h_.p, a.top1, size_t(NL) * 4, cudaMemcpyDeviceToHost, st));
+    } else if (NL > 0) {
+      CUDA_CHECK(cudaMemcpyAsync(logits, a.logits32, size_t(NL * V) * 4, cudaMemcpyDeviceToHost, st));
     }
-    CUDA_CHECK(cudaStreamSynchronize(dev_.stream()));
+    CUDA_CHECK(cudaStreamSynchronize(st));
+    if (NL > 0 && ids) std::memcpy(ids, out_h_.p, size_t(NL) * 4);
     for (size_t ri = 0; ri < reqs.size(); ++ri) {
       pending_[size_t(reqs[ri].slot)] = int64_t(reqs[ri].tokens.size());
       parents_[size_t(reqs[ri].slot)] = std::move(parents[ri]);
     }
   }
 
-  void commit(int slot, const std::vector<int32_t>& keep) override {
-    check_slot(slot);
-    const int64_t n = pending_[size_t(slot)], len = len_[size_t(slot)];
-    const auto& par = parents_[size_t(slot)];
-    int32_t prev = -1;
-    for (size_t i = 0; i < keep.size(); ++i) {
-      const int32_t k = keep[i];
-      TALON_CHECK(k >= 0 && k < n && k > prev && par[size_t(k)] == prev,
-                  "decoder: commit of slot {}: token {} (entry {}) does not continue the kept path", slot, k, i);
-      prev = k;
-    }
-    // Kept rows that are not in place move down, in order (decode_ops.h: kv_cache_move).
-    std::vector<int32_t> pairs;
-    const int64_t base = int64_t(slot) * max_len_ + len;
-    for (size_t i = 0; i < keep.size(); ++i)
-      if (int64_t(keep[i]) != int64_t(i)) {
-        pairs.push_back(int32_t(base + keep[i]));
-        pairs.push_back(int32_t(base + int64_t(i)));
-      }
-    if (!pairs.empty()) {
-      dev_.activate();
-      CUDA_CHECK(cudaMemcpyAsync(move_pairs_, pairs.data(), pairs.size() * 4, cudaMemcpyHostToDevice, dev_.stream()));
-      cuda::kv_cache_move(cache_ptrs_, int64_t(2 * kc_.size()), move_pairs_, int64_t(pairs.size() / 2),
-                          cfg_.n_kv_heads * cfg_.head_dim, dev_.stream());
-      CUDA_CHECK(cudaStreamSynchronize(dev_.stream()));
-    }
-    len_[size_t(slot)] += int64_t(keep.size());
-    pending_[size_t(slot)] = 0;
-    parents_[size_t(slot)].clear();
-  }
-
-  void reset(int slot) override {
-    check_slot(slot);
-    len_[size_t(slot)] = 0;
-    pending_[size_t(slot)] = 0;
-    parents_[size_t(slot)].clear();
-  }
-
-  void assume_length(int slot, int64_t len) {
-    check_slot(slot);
-    TALON_CHECK(len >= 0 && len <= max_len_, "decoder: length {} outside [0, {}]", len, max_len_);
-    if (!filled_) {
-      dev_.activate();
-      const size_t n = len_.size() * size_t(max_len_) * size_t(cfg_.n_kv_heads * cfg_.head_dim) * 2;
-      for (size_t l = 0; l < kc_.size(); ++l) {
-        CUDA_CHECK(cudaMemsetAsync(kc_[l], 0x3c, n, dev_.stream()));  // bf16 0x3c3c: about 0.0115
-        CUDA_CHECK(cudaMemsetAsync(vc_[l], 0x3c, n, dev_.stream()));
-      }
-      CUDA_CHECK(cudaStreamSynchronize(dev_.stream()));
-      filled_ = true;
-    }
-    len_[size_t(slot)] = len;
-    pending_[size_t(slot)] = 0;
-    parents_[size_t(slot)].clear();
-  }
-
- private:
-  // Activations of one forward, grown on demand (capacities in n_*).
-  struct Acts {
-    DeviceArena arena;
-    int64_t n_tokens = 0, n_seqs = 0, n_logits = 0, n_part = 0, n_masks = 0, n_tiles = 0;
-    float *x, *part, *logits32;
-    bf16 *xn, *qkv, *att, *tmp, *gu, *act, *cap, *sel, *logits;
-    int32_t *ids, *pos, *logit_rows, *tiles;
-    int64_t* seq_start;
-    DecodeRow* rows;
-    uint64_t* masks;
-  };
-
   int check_slot(int slot) const {
     TALON_CHECK(slot >= 0 && slot < int(len_.size()), "decoder: slot {} outside [0, {})", slot, len_.size());
     return slot;
   }
 
-  void ensure_acts(int64_t N, int64_t S, int64_t NL, int64_t part, int64_t n_masks, int64_t n_tiles) {
-    if (acts_ && acts_->n_tokens >= N && acts_->n_seqs >= S && acts_->n_logits >= NL && acts_->n_part >= part &&
-        acts_->n_masks >= n_masks && acts_->n_tiles >= n_tiles)
+  void drop_graphs() {
+    for (auto& [k, e] : graphs_) cudaGraphExecDestroy(e);
+    graphs_.clear();
+    shapes_seen_.clear();
+  }
+
+  void ensure_acts(int64_t N, int64_t NL, int64_t part, int64_t n_cap, int64_t in_bytes) {
+    if (acts_ && acts_->n_tokens >= N && acts_->n_logits >= NL && acts_->n_part >= part && acts_->n_cap >= n_cap &&
+        acts_->n_in >= in_bytes)
       return;
     auto grow = [&](int64_t want, int64_t Acts::*have) { return std::max<int64_t>({want, acts_ ? (*acts_).*have : 0, 1}); };
-    const int64_t n = grow(N, &Acts::n_tokens), s = grow(S, &Acts::n_seqs), nl = grow(NL, &Acts::n_logits),
-                  np = grow(part, &Acts::n_part), nm = grow(n_masks, &Acts::n_masks),
-                  nt = grow(std::max(n_tiles, 2 * cuda::attention_max_tiles(n, s)), &Acts::n_tiles);
+    const int64_t n = grow(N, &Acts::n_tokens), nl = grow(NL, &Acts::n_logits), np = grow(part, &Acts::n_part),
+                  nc = grow(n_cap, &Acts::n_cap), ni = grow(in_bytes, &Acts::n_in);
     const ModelConfig& c = cfg_;
     const int64_t qd = w_.nh * c.head_dim, ld = qd + 2 * w_.nkv * c.head_dim;
+    drop_graphs();
     acts_.reset();
     auto a = std::make_unique<Acts>();
     a->x = a->arena.alloc<float>(size_t(n * c.hidden));
     a->xn = a->arena.alloc<bf16>(size_t(n * c.hidden));
-    a->cap = a->arena.alloc<bf16>(size_t(n * c.hidden));
     a->qkv = a->arena.alloc<bf16>(size_t(n * ld));
     a->att = a->arena.alloc<bf16>(size_t(n * qd));
     a->tmp = a->arena.alloc<bf16>(size_t(n * c.hidden));
@@ -311,15 +455,11 @@ class CudaDecoder final : public Decoder {
     a->sel = a->arena.alloc<bf16>(size_t(nl * c.hidden));
     a->logits = a->arena.alloc<bf16>(size_t(nl * c.vocab));
     a->logits32 = a->arena.alloc<float>(size_t(nl * c.vocab));
+    a->top1 = a->arena.alloc<int32_t>(size_t(nl));
     a->part = a->arena.alloc<float>(size_t(np));
-    a->ids = a->arena.alloc<int32_t>(size_t(n));
-    a->pos = a->arena.alloc<int32_t>(size_t(n));
-    a->logit_rows = a->arena.alloc<int32_t>(size_t(nl));
-    a->tiles = a->arena.alloc<int32_t>(size_t(nt));
-    a->seq_start = a->arena.alloc<int64_t>(size_t(s + 1));
-    a->rows = a->arena.alloc<DecodeRow>(size_t(n));
-    a->masks = a->arena.alloc<uint64_t>(size_t(nm));
-    a->n_tokens = n, a->n_seqs = s, a->n_logits = nl, a->n_part = np, a->n_masks = nm, a->n_tiles = nt;
+    a->cap = a->arena.alloc<uint8_t>(size_t(nc * n * c.hidden * 4));
+    a->in = a->arena.alloc<uint8_t>(size_t(ni));
+    a->n_tokens = n, a->n_logits = nl, a->n_part = np, a->n_cap = nc, a->n_in = ni;
     acts_ = std::move(a);
   }
 
@@ -343,6 +483,13 @@ class CudaDecoder final : public Decoder {
   std::vector<int64_t> len_;
   std::vector<std::vector<int32_t>> parents_;  // of each slot's pending tokens
   std::unique_ptr<Acts> acts_;
+  Pinned in_h_, out_h_;
+  // Graphs by shape key (see run); a shape's first forward runs eagerly.
+  static constexpr size_t kMaxGraphs = 256;
+  std::map<std::string, cudaGraphExec_t> graphs_;
+  std::set<std::string> shapes_seen_;
+  bool graphs_on_ = true;
+  int64_t graph_launches_ = 0;
 };
 
 }  // namespace
@@ -356,11 +503,16 @@ std::unique_ptr<Decoder> make_cuda_decoder(const Checkpoint& ckpt, int device, i
 }
 
 namespace cuda {
-void decoder_assume_length(Decoder& d, int slot, int64_t len) {
+namespace {
+CudaDecoder& as_cuda(Decoder& d, const char* who) {
   auto* cd = dynamic_cast<CudaDecoder*>(&d);
-  TALON_CHECK(cd != nullptr, "decoder_assume_length: {} is not a CUDA decoder", d.backend());
-  cd->assume_length(slot, len);
+  TALON_CHECK(cd != nullptr, "{}: {} is not a CUDA decoder", who, d.backend());
+  return *cd;
 }
+}  // namespace
+void decoder_assume_length(Decoder& d, int slot, int64_t len) { as_cuda(d, "decoder_assume_length").assume_length(slot, len); }
+void decoder_use_graphs(Decoder& d, bool on) { as_cuda(d, "decoder_use_graphs").use_graphs(on); }
+int64_t decoder_graph_launches(Decoder& d) { return as_cuda(d, "decoder_graph_launches").graph_launches(); }
 }  // namespace cuda
 
 }  // namespace talon

@@ -1,4 +1,4 @@
-// Internal to the CUDA backend: hooks of the cached decoder for benchmarks.
+// Internal to the CUDA backend: hooks of the cached decoder for benchmarks and tests.
 #pragma once
 #include <cstdint>
 
@@ -10,5 +10,12 @@ namespace talon::cuda {
 // computing them (their keys and values are whatever the cache holds: a constant fill
 // written once on the first call, so no NaN can come out of them).
 void decoder_assume_length(Decoder& d, int slot, int64_t len);
+
+// Whether forwards of a shape that ran before replay a captured CUDA graph (default on;
+// TALON_CUDA_GRAPHS=0 in the environment turns it off for a whole run). Switching drops
+// the graphs made so far.
+void decoder_use_graphs(Decoder& d, bool on);
+// Forwards served by a graph so far.
+int64_t decoder_graph_launches(Decoder& d);
 
 }  // namespace talon::cuda

@@ -48,6 +48,11 @@ void gather_rows(bf16* out, const bf16* in, const int32_t* idx, int64_t n, int64
 // lower index) and lp[r, 0..k) their log-softmax values over the row. k <= V.
 void topk_logsoftmax(int32_t* ids, float* lp, const float* logits, int64_t rows, int64_t V, int k, cudaStream_t s);
 
+// ids[r] = argmax of row r of logits [rows, V] (bf16), ties to the lower index: the greedy
+// token, the same one the host's argmax picks over these values converted to fp32 (exactly
+// representable). NaN entries are never picked; a row of NaNs gives 0.
+void argmax_rows(int32_t* ids, const bf16* logits, int64_t rows, int64_t V, cudaStream_t s);
+
 // For each (src, dst) pair of absolute cache rows (s * max_len + j), in order, copies that
 // row of every buffer in `caches` (a device array of n_bufs pointers: every layer's K and
 // V). Pairs run one after another within a buffer, so a commit's path can move down onto

@@ -51,10 +51,37 @@ TEST_P(CudaGemm, MatchesCpuMatmul) {
   EXPECT_TRUE(all_finite(y));
   EXPECT_TRUE(dy.guards_intact());
   EXPECT_LE(rel_err(y.data(), ref.data(), y.size()), tol::kCudaBf16Out);
+  // The fp32-output product (the LM head's), same shape.
+  Guarded<float> d32(static_cast<size_t>(N * O));
+  g.forward(d32.ptr(), dx.ptr(), dw.ptr(), N, K, O, nullptr);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  auto y32 = d32.download();
+  EXPECT_TRUE(all_finite(y32));
+  EXPECT_TRUE(d32.guards_intact());
+  EXPECT_LE(rel_err(y32.data(), ref.data(), y32.size()), tol::kCudaBf16Out);
+  // Shapes the skinny kernel takes: called directly, so a silent fallback cannot hide it.
+  if (N <= cuda::kSkinnyMaxRows && K % 8 == 0) {
+    Guarded<bf16> ds(static_cast<size_t>(N * O));
+    ASSERT_TRUE(cuda::skinny_gemm(ds.ptr(), dx.ptr(), dw.ptr(), N, K, O, nullptr));
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    auto ys = to_f32(ds.download());
+    EXPECT_TRUE(ds.guards_intact());
+    EXPECT_LE(rel_err(ys.data(), ref.data(), ys.size()), tol::kCudaBf16Out);
+  } else if (K % 8 != 0) {
+    EXPECT_FALSE(cuda::skinny_gemm(dy.ptr(), dx.ptr(), dw.ptr(), N, K, O, nullptr));
+  }
 }
 INSTANTIATE_TEST_SUITE_P(Shapes, CudaGemm,
                          ::testing::Values(GemmShape{1, 64, 64}, GemmShape{7, 40, 97}, GemmShape{130, 576, 192},
-                                           GemmShape{33, 1536, 576}, GemmShape{512, 4096, 1024}));
+                                           GemmShape{33, 1536, 576}, GemmShape{512, 4096, 1024},
+                                           // the skinny kernel: N 1..8, K a multiple of 8 (odd
+                                           // chunk counts, tails shorter than a warp's pass), O
+                                           // not a multiple of a block's 8 columns
+                                           GemmShape{1, 576, 1728}, GemmShape{2, 4096, 1001}, GemmShape{3, 8, 5},
+                                           GemmShape{4, 1544, 77}, GemmShape{5, 2056, 300}, GemmShape{6, 24, 9},
+                                           GemmShape{8, 14336, 64}, GemmShape{8, 1536, 1153},
+                                           // K not a multiple of 8: cuBLASLt even at N = 1
+                                           GemmShape{1, 100, 33}));
 
 TEST(CudaOps, EmbeddingIsExact) {
   REQUIRE_GPU();

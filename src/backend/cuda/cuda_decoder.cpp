@@ -20,7 +20,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <map>
-#include <set>
 #include <string>
 
 #include "backend/backend.h"
@@ -179,6 +178,7 @@ class CudaDecoder final : public Decoder {
     bf16 *xn, *qkv, *att, *tmp, *gu, *act, *sel, *logits;
     uint8_t* cap;   // captured rows, one [n_tokens, H] block (fp32 or bf16) per captured layer
     int32_t* top1;  // greedy ids of the logits rows
+    int* counters;  // decode_attention's split counters, [n_tokens, nh], zero between launches
     uint8_t* in;    // the packed inputs of a forward (ids, positions, rows, ...), n_in bytes
   };
   // Pinned host mirror of Acts::in and of the greedy ids.
@@ -286,11 +286,14 @@ class CudaDecoder final : public Decoder {
     const std::vector<int32_t> tiles =
         flash ? cuda::attention_tiles(seq_start.data(), int64_t(reqs.size())) : std::vector<int32_t>{};
     // Splits of the key range: enough blocks to fill the GPU several times over, sized for
-    // the key count rounded up to a power of two, so that one shape (and its graph) serves
-    // a slot's steps until its context doubles; splits past a row's keys are empty.
+    // the key count rounded up to a step of at least 256 keys and an eighth of its power of
+    // two, so that one shape (and its graph) serves a slot's next steps, at most ~1/8 of the
+    // keys' blocks idle (splits past a row's keys are empty).
     const int64_t T = cuda::kDecodeTile;
-    int64_t key_cap = T;
-    while (key_cap < max_keys) key_cap *= 2;
+    int64_t pow2 = 1;
+    while (pow2 * 2 <= max_keys) pow2 *= 2;
+    const int64_t gran = std::max<int64_t>(256, pow2 / 8);
+    const int64_t key_cap = (max_keys + gran - 1) / gran * gran;
     const int64_t n_tiles = key_cap / T;
     int64_t splits = std::clamp<int64_t>((4 * dev_.multiprocessors() + N * nkv - 1) / (N * nkv), 1, n_tiles);
     const int64_t split_len = (n_tiles + splits - 1) / splits * T;
@@ -340,14 +343,20 @@ class CudaDecoder final : public Decoder {
       };
       cuda::DenseHooks hooks;
       hooks.capture = capture;
+      hooks.attention_rotates = true;
       hooks.attention = [&](int64_t l) {
-        cuda::kv_cache_write(kc_[size_t(l)], vc_[size_t(l)], a.qkv, ldqkv, d_rows, N, nh, nkv, hd, max_len_, st);
-        if (flash)
+        if (flash) {
+          cuda::rope_forward(a.qkv, ldqkv, d_pos, w_.inv_freq, N, nh, hd, st);
+          cuda::rope_forward(a.qkv + nh * hd, ldqkv, d_pos, w_.inv_freq, N, nkv, hd, st);
+          cuda::kv_cache_write(kc_[size_t(l)], vc_[size_t(l)], a.qkv, ldqkv, d_rows, N, nh, nkv, hd, max_len_, st);
           cuda::flash_attention_forward(a.att, a.qkv, ldqkv, d_seq_start, d_tiles, int64_t(tiles.size() / 2), nh, nkv,
                                         hd, W, st);
-        else
+        } else {
+          cuda::rope_kv_cache_write(kc_[size_t(l)], vc_[size_t(l)], a.qkv, ldqkv, d_pos, w_.inv_freq, d_rows, N, nh,
+                                    nkv, hd, max_len_, st);
           cuda::decode_attention(a.att, a.part, a.qkv, ldqkv, kc_[size_t(l)], vc_[size_t(l)], d_rows, d_masks, N, nh,
-                                 nkv, hd, max_len_, splits, split_len, st);
+                                 nkv, hd, max_len_, splits, split_len, st, a.counters);
+        }
       };
       cuda::dense_stack_forward(w_, c, N, {d_ids, d_pos, a.x, a.xn, a.qkv, a.att, a.tmp, a.gu, a.act}, dev_.gemm(), st,
                                 hooks);
@@ -365,8 +374,9 @@ class CudaDecoder final : public Decoder {
           cuda::bf16_to_f32(a.logits32, a.logits, NL * V, st);
       }
     };
-    // A graph per shape, captured the second time the shape runs (the first, eager run
-    // also makes cuBLAS's plans and kernel attributes, which capture must not do).
+    // A graph per shape, captured the third time the shape runs (the earlier, eager runs
+    // also make cuBLAS's plans and kernel attributes, which capture must not do; a shape
+    // seen once or twice, common in batched generation, is not worth a capture).
     const bool graphable = graphs_on_ && !flash && !cuda::debug_sync();
     cudaGraphExec_t exec = nullptr;
     std::string key;
@@ -376,7 +386,7 @@ class CudaDecoder final : public Decoder {
       auto it = graphs_.find(key);
       if (it != graphs_.end()) {
         exec = it->second;
-      } else if (shapes_seen_.count(key)) {
+      } else if (shapes_seen_.size() < 4096 && ++shapes_seen_[key] >= 3) {
         if (graphs_.size() >= kMaxGraphs) drop_graphs();
         cudaGraph_t g = nullptr;
         CUDA_CHECK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
@@ -392,8 +402,6 @@ class CudaDecoder final : public Decoder {
         cudaGraphDestroy(g);
         CUDA_CHECK(e);
         graphs_.emplace(key, exec);
-      } else {
-        shapes_seen_.insert(key);
       }
     }
     if (exec) {
@@ -459,6 +467,8 @@ class CudaDecoder final : public Decoder {
     a->part = a->arena.alloc<float>(size_t(np));
     a->cap = a->arena.alloc<uint8_t>(size_t(nc * n * c.hidden * 4));
     a->in = a->arena.alloc<uint8_t>(size_t(ni));
+    a->counters = a->arena.alloc<int>(size_t(n * w_.nh));
+    CUDA_CHECK(cudaMemsetAsync(a->counters, 0, size_t(n * w_.nh) * sizeof(int), dev_.stream()));
     a->n_tokens = n, a->n_logits = nl, a->n_part = np, a->n_cap = nc, a->n_in = ni;
     acts_ = std::move(a);
   }
@@ -487,7 +497,7 @@ class CudaDecoder final : public Decoder {
   // Graphs by shape key (see run); a shape's first forward runs eagerly.
   static constexpr size_t kMaxGraphs = 256;
   std::map<std::string, cudaGraphExec_t> graphs_;
-  std::set<std::string> shapes_seen_;
+  std::map<std::string, int> shapes_seen_;  // eager runs per shape
   bool graphs_on_ = true;
   int64_t graph_launches_ = 0;
 };

@@ -34,6 +34,35 @@ __global__ void kv_write_kernel(bf16* kc, bf16* vc, const bf16* qkv, int64_t ld,
   }
 }
 
+// One block per row: rotate the nh q heads and nkv k heads (pairs (i, i + hd/2), angle
+// pos * inv_freq[i] in fp32 as rope_kernel does), then copy k and v into the cache.
+__global__ void rope_kv_write_kernel(bf16* kc, bf16* vc, bf16* qkv, int64_t ld, const int32_t* pos,
+                                     const float* inv_freq, const DecodeRow* rows, int nh, int nkv, int hd,
+                                     int64_t max_len) {
+  const int64_t r = blockIdx.x;
+  const int half = hd / 2, heads = nh + nkv;
+  bf16* x = qkv + r * ld;
+  const float p = float(pos[r]);
+  for (int idx = threadIdx.x; idx < heads * half; idx += blockDim.x) {
+    const int h = idx / half, i = idx % half;
+    float sn, cs;
+    sincosf(float(1.f) * p * inv_freq[i], &sn, &cs);
+    bf16* hp = x + int64_t(h) * hd;
+    const float a = __bfloat162float(hp[i]), b = __bfloat162float(hp[i + half]);
+    hp[i] = __float2bfloat16(a * cs - b * sn);
+    hp[i + half] = __float2bfloat16(b * cs + a * sn);
+  }
+  __syncthreads();
+  const DecodeRow row = rows[r];
+  const int64_t kvd = int64_t(nkv) * hd;
+  const int64_t dst = (int64_t(row.slot) * max_len + row.end - 1) * kvd;
+  const bf16* src = x + int64_t(nh) * hd;
+  for (int64_t i = threadIdx.x; i < kvd; i += blockDim.x) {
+    kc[dst + i] = src[i];
+    vc[dst + i] = src[kvd + i];
+  }
+}
+
 // Block (row r, head block hb, split z): query heads h0 .. h0 + G - 1 of kv head kh, keys
 // [lo + z * split_len, min(end, lo + (z + 1) * split_len)) in tiles of kDecodeTile.
 // Shared memory: q [G, hd] fp32 (pre-scaled by log2(e) / sqrt(hd), softmax in the exp2
@@ -45,7 +74,8 @@ __global__ void kv_write_kernel(bf16* kc, bf16* vc, const bf16* qkv, int64_t ld,
 template <bool kVec>
 __global__ void __launch_bounds__(kThreads) decode_attention_kernel(
     float* part, const bf16* qkv, int64_t ld, const bf16* kc, const bf16* vc, const DecodeRow* rows,
-    const uint64_t* masks, int nh, int nkv, int hd, int64_t max_len, int n_splits, int split_len, int G) {
+    const uint64_t* masks, int nh, int nkv, int hd, int64_t max_len, int n_splits, int split_len, int G, bf16* out,
+    int* counters) {
   constexpr int T = kDecodeTile;
   const int r = blockIdx.x, split = blockIdx.z, tid = threadIdx.x, lane = tid % kWarp, warp = tid / kWarp;
   const int group = nh / nkv, chunks = group / G;
@@ -174,26 +204,79 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(
     p[0] = ms[tid];
     p[1] = ls[tid];
   }
+  if (counters == nullptr) return;  // decode_combine_kernel merges the splits
+  // The last split block of (row, head block) to finish merges every split of its heads
+  // (as decode_combine_kernel does), then re-arms the counter for the next launch.
+  __shared__ int last;
+  __threadfence();
+  __syncthreads();
+  int* counter = counters + int64_t(r) * gridDim.y + blockIdx.y;
+  if (tid == 0) last = atomicAdd(counter, 1) == n_splits - 1;
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  for (int g = warp; g < G; g += kThreads / kWarp) {
+    const float* p = part + (int64_t(r) * nh + h0 + g) * n_splits * (hd + 2);
+    float M = -INFINITY;
+    for (int z = lane; z < n_splits; z += kWarp) M = fmaxf(M, __ldcg(p + z * (hd + 2) + hd));
+    M = warp_max(M);
+    float L = 0.f;
+    for (int z = lane; z < n_splits; z += kWarp) {
+      const float m = __ldcg(p + z * (hd + 2) + hd);
+      if (m != -INFINITY) L += __ldcg(p + z * (hd + 2) + hd + 1) * exp2f(m - M);
+    }
+    L = warp_sum(L);
+    for (int d = lane; d < hd; d += kWarp) {
+      float acc = 0.f;
+#pragma unroll 4
+      for (int z = 0; z < n_splits; ++z) {
+        const float m = __ldcg(p + z * (hd + 2) + hd);
+        if (m != -INFINITY) acc += __ldcg(p + z * (hd + 2) + d) * exp2f(m - M);
+      }
+      out[(int64_t(r) * nh + h0 + g) * hd + d] = __float2bfloat16(acc / L);
+    }
+  }
+  if (tid == 0) *counter = 0;
 }
 
-// One block per (row, head): merges the splits' partial outputs by their maxima.
+// One block per (row, head): merges the splits' partial outputs by their maxima. The
+// splits' (max, sum) pairs go to shared memory first (one load per thread, all in flight),
+// then each thread sums its output dims over the splits with independent loads.
 __global__ void decode_combine_kernel(bf16* out, const float* part, int hd, int n_splits) {
+  extern __shared__ float wsh[];  // [n_splits] weights, then 2 for M and L
   const int64_t rh = blockIdx.x;
   const float* p = part + rh * n_splits * (hd + 2);
-  float M = -INFINITY;
-  for (int s = 0; s < n_splits; ++s) M = fmaxf(M, p[s * (hd + 2) + hd]);
-  float L = 0.f;
-  for (int s = 0; s < n_splits; ++s) {
+  float m_local = -INFINITY;
+  for (int s = threadIdx.x; s < n_splits; s += blockDim.x) {
     const float m = p[s * (hd + 2) + hd];
-    if (m != -INFINITY) L += p[s * (hd + 2) + hd + 1] * exp2f(m - M);
+    wsh[s] = m;
+    m_local = fmaxf(m_local, m);
   }
+  __shared__ float red[32];
+  m_local = warp_max(m_local);
+  if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = m_local;
+  __syncthreads();
+  float M = -INFINITY;
+  for (int w = 0; w < int(blockDim.x / 32); ++w) M = fmaxf(M, red[w]);
+  float l_local = 0.f;
+  for (int s = threadIdx.x; s < n_splits; s += blockDim.x) {
+    const float m = wsh[s];
+    const float e = m == -INFINITY ? 0.f : exp2f(m - M);
+    wsh[s] = e;
+    l_local += p[s * (hd + 2) + hd + 1] * e;
+  }
+  __syncthreads();  // every thread has read red[] and written its weights
+  l_local = warp_sum(l_local);
+  if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = l_local;
+  __syncthreads();
+  float L = 0.f;
+  for (int w = 0; w < int(blockDim.x / 32); ++w) L += red[w];
+  const float inv = 1.f / L;
   for (int d = threadIdx.x; d < hd; d += blockDim.x) {
     float acc = 0.f;
-    for (int s = 0; s < n_splits; ++s) {
-      const float m = p[s * (hd + 2) + hd];
-      if (m != -INFINITY) acc += p[s * (hd + 2) + d] * exp2f(m - M);
-    }
-    out[rh * hd + d] = __float2bfloat16(acc / L);
+#pragma unroll 8
+    for (int s = 0; s < n_splits; ++s) acc += p[s * (hd + 2) + d] * wsh[s];
+    out[rh * hd + d] = __float2bfloat16(acc * inv);
   }
 }
 
@@ -223,9 +306,18 @@ void kv_cache_write(bf16* kc, bf16* vc, const bf16* qkv, int64_t ld, const Decod
   CUDA_LAUNCH_CHECK();
 }
 
+void rope_kv_cache_write(bf16* kc, bf16* vc, bf16* qkv, int64_t ld, const int32_t* pos, const float* inv_freq,
+                         const DecodeRow* rows, int64_t N, int64_t nh, int64_t nkv, int64_t hd, int64_t max_len,
+                         cudaStream_t s) {
+  if (N == 0) return;
+  rope_kv_write_kernel<<<unsigned(N), 128, 0, s>>>(kc, vc, qkv, ld, pos, inv_freq, rows, int(nh), int(nkv), int(hd),
+                                                   max_len);
+  CUDA_LAUNCH_CHECK();
+}
+
 void decode_attention(bf16* out, float* part, const bf16* qkv, int64_t ld, const bf16* kc, const bf16* vc,
                       const DecodeRow* rows, const uint64_t* masks, int64_t N, int64_t nh, int64_t nkv, int64_t hd,
-                      int64_t max_len, int64_t n_splits, int64_t split_len, cudaStream_t s) {
+                      int64_t max_len, int64_t n_splits, int64_t split_len, cudaStream_t s, int* counters) {
   if (N == 0) return;
   if (hd > 256) fail_msg("decode attention: head_dim " + std::to_string(hd) + " > 256 unsupported");
   // Query heads per block: the largest divisor of the group size with G * hd <= 2048 (at
@@ -241,12 +333,14 @@ void decode_attention(bf16* out, float* part, const bf16* qkv, int64_t ld, const
   auto launch = [&](auto kernel) {
     if (smem > 48 * 1024) CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
     kernel<<<grid, kThreads, smem, s>>>(part, qkv, ld, kc, vc, rows, masks, int(nh), int(nkv), int(hd), max_len,
-                                        int(n_splits), int(split_len), int(G));
+                                        int(n_splits), int(split_len), int(G), out, counters);
   };
   if (vec) launch(decode_attention_kernel<true>);
   else launch(decode_attention_kernel<false>);
   CUDA_LAUNCH_CHECK();
-  decode_combine_kernel<<<unsigned(N * nh), 64, 0, s>>>(out, part, int(hd), int(n_splits));
+  if (counters) return;
+  decode_combine_kernel<<<unsigned(N * nh), unsigned(hd > 64 ? 128 : 64), size_t(n_splits) * 4, s>>>(out, part, int(hd),
+                                                                                                      int(n_splits));
   CUDA_LAUNCH_CHECK();
 }
 

@@ -31,15 +31,24 @@ inline constexpr int kDecodeTile = 64;
 void kv_cache_write(bf16* kc, bf16* vc, const bf16* qkv, int64_t ld, const DecodeRow* rows, int64_t N, int64_t nh,
                     int64_t nkv, int64_t hd, int64_t max_len, cudaStream_t s);
 
+// RoPE of each row's q and k heads in place in the fused qkv rows (the rotation of
+// ops.h: rope_forward, fp32 angles), then kv_cache_write of the rotated k and of v: one
+// launch instead of three.
+void rope_kv_cache_write(bf16* kc, bf16* vc, bf16* qkv, int64_t ld, const int32_t* pos, const float* inv_freq,
+                         const DecodeRow* rows, int64_t N, int64_t nh, int64_t nkv, int64_t hd, int64_t max_len,
+                         cudaStream_t s);
+
 // Attention of N query rows (q at column 0 of the fused qkv) against the cache, flash-
 // decoding style: the key range of each row is cut into n_splits pieces of split_len keys
 // (a multiple of kDecodeTile); each (row, kv head, split) block handles all the query heads
 // of that kv head (GQA: each key is read once for the whole group), keeping an online
 // softmax in fp32; then a combine pass merges the splits into out[N, nh * hd] (bf16).
-// part must hold N * nh * n_splits * (hd + 2) floats.
+// part must hold N * nh * n_splits * (hd + 2) floats. With `counters` (N * nh ints, zero
+// before the first call; each launch leaves them zero) there is no combine pass: the last
+// block of each (row, kv head) to finish merges its heads' splits (one launch, not two).
 void decode_attention(bf16* out, float* part, const bf16* qkv, int64_t ld, const bf16* kc, const bf16* vc,
                       const DecodeRow* rows, const uint64_t* masks, int64_t N, int64_t nh, int64_t nkv, int64_t hd,
-                      int64_t max_len, int64_t n_splits, int64_t split_len, cudaStream_t s);
+                      int64_t max_len, int64_t n_splits, int64_t split_len, cudaStream_t s, int* counters = nullptr);
 
 // out[i, :] = in[idx[i], :] for n rows of C bf16 values (the rows that need logits).
 void gather_rows(bf16* out, const bf16* in, const int32_t* idx, int64_t n, int64_t C, cudaStream_t s);

@@ -25,8 +25,10 @@ void dense_stack_forward(const DenseDeviceWeights& w, const ModelConfig& c, int6
       head_rmsnorm_forward(a.qkv, ldqkv, L.q_norm, N, nh, hd, eps, s);
       head_rmsnorm_forward(a.qkv + qd, ldqkv, L.k_norm, N, nkv, hd, eps, s);
     }
-    rope_forward(a.qkv, ldqkv, a.pos, w.inv_freq, N, nh, hd, s);
-    rope_forward(a.qkv + qd, ldqkv, a.pos, w.inv_freq, N, nkv, hd, s);
+    if (!hooks.attention_rotates) {
+      rope_forward(a.qkv, ldqkv, a.pos, w.inv_freq, N, nh, hd, s);
+      rope_forward(a.qkv + qd, ldqkv, a.pos, w.inv_freq, N, nkv, hd, s);
+    }
     hooks.attention(l);
     gemm.forward(a.tmp, a.att, L.wo, N, qd, H, s);
     if (hooks.allreduce) hooks.allreduce(a.tmp, N * H, s);

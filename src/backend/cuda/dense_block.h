@@ -28,6 +28,9 @@ struct DenseHooks {
   std::function<void(int64_t layer_id)> capture;
   // Layer `layer`'s q|k|v (after bias, qk-norm and RoPE) are in qkv: write att.
   std::function<void(int64_t layer)> attention;
+  // True: qkv reaches `attention` before RoPE, which the hook applies itself (the cached
+  // decoder fuses it with its cache write).
+  bool attention_rotates = false;
   // Sums n partial values across the tensor-parallel group in place (empty: one rank).
   std::function<void(bf16*, int64_t, cudaStream_t)> allreduce;
 };

@@ -61,7 +61,22 @@ void accumulate(void* dst, const void* src, int64_t n, bool bf16, cudaStream_t s
 void f32_to_bf16(bf16* out, const float* in, int64_t n, cudaStream_t s);
 void bf16_to_f32(float* out, const bf16* in, int64_t n, cudaStream_t s);
 
-// out[N, O] (bf16) = in[N, K] (bf16) @ w[O, K]^T, fp32 accumulation, through cuBLASLt.
+// Decoding's skinny products (gemv.cu): out[N, O] = in[N, K] @ w[O, K]^T for
+// 1 <= N <= kSkinnyMaxRows, one warp per output column, fp32 accumulation. False (nothing
+// launched) when the shape or alignment does not fit: K % 8 != 0 or pointers not 16-byte
+// aligned.
+inline constexpr int64_t kSkinnyMaxRows = 8;
+// Gemm::forward takes the skinny kernel up to this many rows: measured on an H200 at the
+// Llama-3.1-8B shape, it beats cuBLASLt at one row (a whole decode step 5.37 -> 4.98 ms) but
+// not from two rows on, where its per-row fp32 dot products, not the weight bytes, set the
+// time (a 4-token verify 7.2 ms against cuBLASLt's ~5.6).
+inline constexpr int64_t kSkinnyAutoRows = 1;
+bool skinny_gemm(bf16* out, const bf16* in, const bf16* w, int64_t N, int64_t K, int64_t O, cudaStream_t s);
+bool skinny_gemm(float* out, const bf16* in, const bf16* w, int64_t N, int64_t K, int64_t O, cudaStream_t s);
+
+// out[N, O] (bf16) = in[N, K] (bf16) @ w[O, K]^T, fp32 accumulation, through cuBLASLt; up to
+// kSkinnyAutoRows rows through skinny_gemm instead (TALON_CUDA_GEMV=0 in the environment:
+// cuBLASLt for every shape).
 class Gemm {
  public:
   Gemm();

@@ -215,26 +215,39 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(
   __syncthreads();
   if (!last) return;
   __threadfence();
+  // Each head's split weights exp2(m - M) / L into shared memory (the K tile's space, free
+  // now: [G, n_splits] floats, within it by the launcher's check), one warp per head; then
+  // every thread sums its (head, dim) outputs over the splits with independent loads.
+  float* wts = reinterpret_cast<float*>(ks);
   for (int g = warp; g < G; g += kThreads / kWarp) {
     const float* p = part + (int64_t(r) * nh + h0 + g) * n_splits * (hd + 2);
     float M = -INFINITY;
-    for (int z = lane; z < n_splits; z += kWarp) M = fmaxf(M, __ldcg(p + z * (hd + 2) + hd));
+    for (int z = lane; z < n_splits; z += kWarp) {
+      const float m = __ldcg(p + z * (hd + 2) + hd);
+      wts[g * n_splits + z] = m;
+      M = fmaxf(M, m);
+    }
     M = warp_max(M);
     float L = 0.f;
     for (int z = lane; z < n_splits; z += kWarp) {
-      const float m = __ldcg(p + z * (hd + 2) + hd);
-      if (m != -INFINITY) L += __ldcg(p + z * (hd + 2) + hd + 1) * exp2f(m - M);
+      const float m = wts[g * n_splits + z];
+      const float e = m == -INFINITY ? 0.f : exp2f(m - M);
+      wts[g * n_splits + z] = e;
+      L += __ldcg(p + z * (hd + 2) + hd + 1) * e;
     }
     L = warp_sum(L);
-    for (int d = lane; d < hd; d += kWarp) {
-      float acc = 0.f;
-#pragma unroll 4
-      for (int z = 0; z < n_splits; ++z) {
-        const float m = __ldcg(p + z * (hd + 2) + hd);
-        if (m != -INFINITY) acc += __ldcg(p + z * (hd + 2) + d) * exp2f(m - M);
-      }
-      out[(int64_t(r) * nh + h0 + g) * hd + d] = __float2bfloat16(acc / L);
-    }
+    __syncwarp();
+    for (int z = lane; z < n_splits; z += kWarp) wts[g * n_splits + z] /= L;
+  }
+  __syncthreads();
+  for (int i = tid; i < G * hd; i += kThreads) {
+    const int g = i / hd, d = i % hd;
+    const float* p = part + (int64_t(r) * nh + h0 + g) * n_splits * (hd + 2) + d;
+    const float* wg = wts + g * n_splits;
+    float acc = 0.f;
+#pragma unroll 8
+    for (int z = 0; z < n_splits; ++z) acc += __ldcg(p + z * (hd + 2)) * wg[z];
+    out[(int64_t(r) * nh + h0 + g) * hd + d] = __float2bfloat16(acc);
   }
   if (tid == 0) *counter = 0;
 }
@@ -335,6 +348,8 @@ void decode_attention(bf16* out, float* part, const bf16* qkv, int64_t ld, const
     kernel<<<grid, kThreads, smem, s>>>(part, qkv, ld, kc, vc, rows, masks, int(nh), int(nkv), int(hd), max_len,
                                         int(n_splits), int(split_len), int(G), out, counters);
   };
+  // The in-kernel merge keeps [G, n_splits] weights where the K tile was.
+  if (counters && size_t(G * n_splits) * 4 > size_t(kDecodeTile * hdp) * 2) counters = nullptr;
   if (vec) launch(decode_attention_kernel<true>);
   else launch(decode_attention_kernel<false>);
   CUDA_LAUNCH_CHECK();

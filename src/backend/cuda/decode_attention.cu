@@ -1,5 +1,6 @@
 // Kernels of the cached decoder (decode_ops.h): cache writes and moves, the row gather for
 // logits, and flash-decoding attention of new tokens against their slot's cached keys.
+#include <algorithm>
 #include <cfloat>
 #include <string>
 
@@ -34,32 +35,35 @@ __global__ void kv_write_kernel(bf16* kc, bf16* vc, const bf16* qkv, int64_t ld,
   }
 }
 
-// One block per row: rotate the nh q heads and nkv k heads (pairs (i, i + hd/2), angle
-// pos * inv_freq[i] in fp32 as rope_kernel does), then copy k and v into the cache.
+// One block per (row, head) of the nh q heads and nkv k heads, a thread per rotated pair
+// (i, i + hd/2), angle pos * inv_freq[i] in fp32 as rope_kernel computes it; a k head's block
+// also writes its rotated k and its v head into the cache.
 __global__ void rope_kv_write_kernel(bf16* kc, bf16* vc, bf16* qkv, int64_t ld, const int32_t* pos,
                                      const float* inv_freq, const DecodeRow* rows, int nh, int nkv, int hd,
                                      int64_t max_len) {
   const int64_t r = blockIdx.x;
-  const int half = hd / 2, heads = nh + nkv;
-  bf16* x = qkv + r * ld;
+  const int h = blockIdx.y, half = hd / 2;
+  bf16* hp = qkv + r * ld + int64_t(h) * hd;
   const float p = float(pos[r]);
-  for (int idx = threadIdx.x; idx < heads * half; idx += blockDim.x) {
-    const int h = idx / half, i = idx % half;
+  int64_t dst = -1;
+  if (h >= nh) {
+    const DecodeRow row = rows[r];
+    dst = ((int64_t(row.slot) * max_len + row.end - 1) * nkv + (h - nh)) * hd;
+  }
+  for (int i = threadIdx.x; i < half; i += blockDim.x) {
     float sn, cs;
     sincosf(float(1.f) * p * inv_freq[i], &sn, &cs);
-    bf16* hp = x + int64_t(h) * hd;
     const float a = __bfloat162float(hp[i]), b = __bfloat162float(hp[i + half]);
-    hp[i] = __float2bfloat16(a * cs - b * sn);
-    hp[i + half] = __float2bfloat16(b * cs + a * sn);
-  }
-  __syncthreads();
-  const DecodeRow row = rows[r];
-  const int64_t kvd = int64_t(nkv) * hd;
-  const int64_t dst = (int64_t(row.slot) * max_len + row.end - 1) * kvd;
-  const bf16* src = x + int64_t(nh) * hd;
-  for (int64_t i = threadIdx.x; i < kvd; i += blockDim.x) {
-    kc[dst + i] = src[i];
-    vc[dst + i] = src[kvd + i];
+    const bf16 x0 = __float2bfloat16(a * cs - b * sn), x1 = __float2bfloat16(b * cs + a * sn);
+    hp[i] = x0;
+    hp[i + half] = x1;
+    if (dst >= 0) {
+      const bf16* vp = hp + int64_t(nkv) * hd;  // the v head of this k head
+      kc[dst + i] = x0;
+      kc[dst + i + half] = x1;
+      vc[dst + i] = vp[i];
+      vc[dst + i + half] = vp[i + half];
+    }
   }
 }
 
@@ -323,8 +327,9 @@ void rope_kv_cache_write(bf16* kc, bf16* vc, bf16* qkv, int64_t ld, const int32_
                          const DecodeRow* rows, int64_t N, int64_t nh, int64_t nkv, int64_t hd, int64_t max_len,
                          cudaStream_t s) {
   if (N == 0) return;
-  rope_kv_write_kernel<<<unsigned(N), 128, 0, s>>>(kc, vc, qkv, ld, pos, inv_freq, rows, int(nh), int(nkv), int(hd),
-                                                   max_len);
+  const dim3 grid(unsigned(N), unsigned(nh + nkv));
+  rope_kv_write_kernel<<<grid, unsigned(std::min<int64_t>(128, std::max<int64_t>(32, hd / 2))), 0, s>>>(
+      kc, vc, qkv, ld, pos, inv_freq, rows, int(nh), int(nkv), int(hd), max_len);
   CUDA_LAUNCH_CHECK();
 }
 

@@ -38,6 +38,8 @@ class DraftBackend {
                        float* hidden, float* logits, int top_k, int32_t* top_ids, float* top_lp) = 0;
   // Drops every cached row at or above n.
   virtual void truncate(int64_t n) = 0;
+  // Forwards served by a replayed CUDA graph so far (0 where there are none).
+  virtual int64_t graph_replays() const { return 0; }
 };
 
 // The top_k ids and log-softmax values of one row of n logits (the CPU's arithmetic: fp64 sums).

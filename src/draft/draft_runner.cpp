@@ -267,6 +267,7 @@ DraftRunner::DraftRunner(const DraftModel& m, const Checkpoint& target, int devi
 DraftRunner::~DraftRunner() = default;
 
 std::string DraftRunner::backend() const { return impl_->be ? impl_->be->name() : std::string("cpu"); }
+int64_t DraftRunner::graph_replays() const { return impl_->be ? impl_->be->graph_replays() : 0; }
 
 void DraftRunner::reset() {
   len_ = 0;

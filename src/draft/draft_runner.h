@@ -67,6 +67,8 @@ class DraftRunner {
 
   const DraftModel& model() const { return m_; }
   std::string backend() const;
+  // Forwards the backend served from replayed CUDA graphs (tests, benchmarks).
+  int64_t graph_replays() const;
   int64_t length() const { return len_; }  // step-0 rows cached
   void reset();
 

@@ -21,6 +21,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <random>
 
 #include "backend/backend.h"
@@ -145,6 +146,75 @@ TEST(CudaDraft, RunnerMatchesTheCpuRunner) {
     tree(extend(1, "before the chain"), 6, 1, "chain");
     std::printf("cuda draft %s: worst rel err hidden %.4f, logits %.4f\n", name.c_str(), worst_h, worst_l);
   }
+}
+
+// Replayed CUDA graphs against eager launches: two GPU runners (one made with
+// TALON_CUDA_GRAPHS=0) draft the same rounds (step-0 rows of 2 and 1, a chain of three
+// one-node steps, a 2 x 4 tree), shapes repeating round after round; every hidden state,
+// logit row and top-k entry must be bit-identical, and the first runner must have replayed.
+TEST(CudaDraft, GraphReplayMatchesEagerLaunches) {
+  REQUIRE_GPU();
+  auto ck = open_checkpoint(golden_fixture("llama_gqa"));
+  const ModelConfig& tc = ck->config();
+  DraftModel m = random_draft(tc, tc.vocab / 2 + 3, 5);
+  const int64_t H = tc.hidden, V = tc.vocab, Vd = m.config.Vd;
+  DraftRunner ga(m, *ck, 0, 400);
+  setenv("TALON_CUDA_GRAPHS", "0", 1);
+  DraftRunner gb(m, *ck, 0, 400);
+  unsetenv("TALON_CUDA_GRAPHS");
+  std::mt19937 rng(3);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  auto same = [](const std::vector<float>& a, const std::vector<float>& b) { return a == b; };
+  auto same_top = [](const DraftTop& a, const DraftTop& b) { return a.ids == b.ids && a.logprob == b.logprob; };
+  auto extend = [&](int64_t n, const std::string& what) {
+    std::vector<int32_t> toks(static_cast<size_t>(n));
+    for (auto& t : toks) t = int32_t(rng() % uint32_t(V));
+    std::vector<float> aux(size_t(n * 3 * H));
+    for (auto& x : aux) x = nd(rng);
+    std::vector<float> ha(static_cast<size_t>(H)), hb(ha.size()), la(static_cast<size_t>(Vd)), lb(la.size());
+    DraftTop ta, tb;
+    ta.k = tb.k = 4;
+    ga.extend(toks.data(), aux.data(), n, ha.data(), la.data(), &ta);
+    gb.extend(toks.data(), aux.data(), n, hb.data(), lb.data(), &tb);
+    EXPECT_TRUE(same(ha, hb) && same(la, lb) && same_top(ta, tb)) << what;
+    return ha;
+  };
+  auto step = [&](const std::vector<int32_t>& pars, const std::vector<float>& ph, const std::string& what) {
+    const int64_t n = int64_t(pars.size());
+    std::vector<int32_t> toks(static_cast<size_t>(n));
+    for (auto& t : toks) t = int32_t(rng() % uint32_t(V));
+    std::vector<float> ha(size_t(n * H)), hb(ha.size()), la(size_t(n * Vd)), lb(la.size());
+    DraftTop ta, tb;
+    ta.k = tb.k = 8;
+    ga.tree_step(toks, pars, ph.data(), ha.data(), la.data(), &ta);
+    gb.tree_step(toks, pars, ph.data(), hb.data(), lb.data(), &tb);
+    EXPECT_TRUE(same(ha, hb) && same(la, lb) && same_top(ta, tb)) << what;
+    return ha;
+  };
+  extend(30, "prompt");
+  for (int round = 0; round < 8; ++round) {
+    const std::string r = "round " + std::to_string(round) + ": ";
+    const auto g = extend(round % 2 ? 2 : 1, r + "step-0");
+    // A chain of three single nodes.
+    const int64_t base = ga.tree_size();
+    auto h = step({-1}, g, r + "chain 1");
+    h = step({int32_t(base)}, h, r + "chain 2");
+    step({int32_t(base + 1)}, h, r + "chain 3");
+    ga.clear_tree();
+    gb.clear_tree();
+    // A tree: 4 children of the root, then 4 grandchildren.
+    std::vector<float> ph;
+    for (int i = 0; i < 4; ++i) ph.insert(ph.end(), g.begin(), g.end());
+    const auto h1 = step({-1, -1, -1, -1}, ph, r + "tree 1");
+    std::vector<float> ph2(h1.begin(), h1.begin() + 2 * H);
+    ph2.insert(ph2.end(), h1.begin(), h1.begin() + 2 * H);
+    const int32_t b = int32_t(ga.tree_size()) - 4;
+    step({b, b + 1, b, b + 1}, ph2, r + "tree 2");
+    ga.clear_tree();
+    gb.clear_tree();
+  }
+  EXPECT_GT(ga.graph_replays(), 10);
+  EXPECT_EQ(gb.graph_replays(), 0);
 }
 
 // P-EAGLE on the GPU: the draft's own embedding and the parallel step (mask rows through fc)

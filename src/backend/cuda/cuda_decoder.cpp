@@ -27,6 +27,7 @@
 #include "backend/cuda/decode_ops.h"
 #include "backend/cuda/dense_block.h"
 #include "backend/cuda/device.h"
+#include "backend/cuda/graph_cache.h"
 #include "backend/cuda/ops.h"
 #include "backend/cuda/weights.h"
 #include "model/decode.h"
@@ -82,8 +83,6 @@ class CudaDecoder final : public Decoder {
     len_.assign(size_t(n_slots), 0);
     parents_.resize(size_t(n_slots));
     pending_.assign(size_t(n_slots), 0);
-    const char* g = std::getenv("TALON_CUDA_GRAPHS");
-    graphs_on_ = !(g && std::string(g) == "0");
     // Attention's key splits are merged by a separate combine launch: measured faster on an
     // H200 than the last split block merging them (8B shape, batch 1: 4.84 vs 5.02 ms a
     // step; SmolLM2 0.94 vs 1.01 ms). TALON_CUDA_SPLIT_MERGE=1 takes the in-kernel merge.
@@ -93,7 +92,7 @@ class CudaDecoder final : public Decoder {
 
   ~CudaDecoder() override {
     dev_.activate();
-    drop_graphs();
+    graphs_.clear();
   }
 
   const ModelConfig& config() const override { return cfg_; }
@@ -110,11 +109,8 @@ class CudaDecoder final : public Decoder {
     run(reqs, cap, nullptr, ids);
   }
 
-  void use_graphs(bool on) {
-    graphs_on_ = on;
-    drop_graphs();
-  }
-  int64_t graph_launches() const { return graph_launches_; }
+  void use_graphs(bool on) { graphs_.set_enabled(on); }
+  int64_t graph_launches() const { return graphs_.replays(); }
 
   void commit(int slot, const std::vector<int32_t>& keep) override {
     check_slot(slot);
@@ -290,19 +286,8 @@ class CudaDecoder final : public Decoder {
     const bool flash = prefill && cuda::flash_attention_supported(hd);
     const std::vector<int32_t> tiles =
         flash ? cuda::attention_tiles(seq_start.data(), int64_t(reqs.size())) : std::vector<int32_t>{};
-    // Splits of the key range: enough blocks to fill the GPU several times over, sized for
-    // the key count rounded up to a step of at least 256 keys and an eighth of its power of
-    // two, so that one shape (and its graph) serves a slot's next steps, at most ~1/8 of the
-    // keys' blocks idle (splits past a row's keys are empty).
-    const int64_t T = cuda::kDecodeTile;
-    int64_t pow2 = 1;
-    while (pow2 * 2 <= max_keys) pow2 *= 2;
-    const int64_t gran = std::max<int64_t>(256, pow2 / 8);
-    const int64_t key_cap = (max_keys + gran - 1) / gran * gran;
-    const int64_t n_tiles = key_cap / T;
-    int64_t splits = std::clamp<int64_t>((4 * dev_.multiprocessors() + N * nkv - 1) / (N * nkv), 1, n_tiles);
-    const int64_t split_len = (n_tiles + splits - 1) / splits * T;
-    splits = (key_cap + split_len - 1) / split_len;
+    const cuda::DecodeSplits ks = cuda::decode_splits(max_keys, N, nkv, dev_.multiprocessors());
+    const int64_t splits = ks.splits, split_len = ks.split_len;
     const size_t esz = dtype_size(cap.dtype);
     const int64_t n_cap = int64_t(cap.layers.size());
     const Layout lay = layout(N, NL, int64_t(masks.size()), flash ? int64_t(seq_start.size()) : 0,
@@ -379,42 +364,10 @@ class CudaDecoder final : public Decoder {
           cuda::bf16_to_f32(a.logits32, a.logits, NL * V, st);
       }
     };
-    // A graph per shape, captured the third time the shape runs (the earlier, eager runs
-    // also make cuBLAS's plans and kernel attributes, which capture must not do; a shape
-    // seen once or twice, common in batched generation, is not worth a capture).
-    const bool graphable = graphs_on_ && !flash && !cuda::debug_sync();
-    cudaGraphExec_t exec = nullptr;
-    std::string key;
-    if (graphable) {
-      key = fmt::format("{}/{}/{}/{}/{}/{}/{}/{}", N, NL, masks.size(), splits, split_len, ids ? 1 : 0,
-                        int(cap.dtype), fmt::join(cap.layers, ","));
-      auto it = graphs_.find(key);
-      if (it != graphs_.end()) {
-        exec = it->second;
-      } else if (shapes_seen_.size() < 4096 && ++shapes_seen_[key] >= 3) {
-        if (graphs_.size() >= kMaxGraphs) drop_graphs();
-        cudaGraph_t g = nullptr;
-        CUDA_CHECK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
-        try {
-          device_work();
-        } catch (...) {
-          cudaStreamEndCapture(st, &g);
-          if (g) cudaGraphDestroy(g);
-          throw;
-        }
-        CUDA_CHECK(cudaStreamEndCapture(st, &g));
-        const cudaError_t e = cudaGraphInstantiate(&exec, g, 0);
-        cudaGraphDestroy(g);
-        CUDA_CHECK(e);
-        graphs_.emplace(key, exec);
-      }
-    }
-    if (exec) {
-      CUDA_CHECK(cudaGraphLaunch(exec, st));
-      ++graph_launches_;
-    } else {
-      device_work();
-    }
+    // A graph per shape (graph_cache.h); prefills (the packed attention) run eagerly.
+    graphs_.run(fmt::format("{}/{}/{}/{}/{}/{}/{}/{}", N, NL, masks.size(), splits, split_len, ids ? 1 : 0,
+                            int(cap.dtype), fmt::join(cap.layers, ",")),
+                st, device_work, !flash);
 
     // Results down.
     for (int64_t i = 0; i < n_cap; ++i)
@@ -440,12 +393,6 @@ class CudaDecoder final : public Decoder {
     return slot;
   }
 
-  void drop_graphs() {
-    for (auto& [k, e] : graphs_) cudaGraphExecDestroy(e);
-    graphs_.clear();
-    shapes_seen_.clear();
-  }
-
   void ensure_acts(int64_t N, int64_t NL, int64_t part, int64_t n_cap, int64_t in_bytes) {
     if (acts_ && acts_->n_tokens >= N && acts_->n_logits >= NL && acts_->n_part >= part && acts_->n_cap >= n_cap &&
         acts_->n_in >= in_bytes)
@@ -455,7 +402,7 @@ class CudaDecoder final : public Decoder {
                   nc = grow(n_cap, &Acts::n_cap), ni = grow(in_bytes, &Acts::n_in);
     const ModelConfig& c = cfg_;
     const int64_t qd = w_.nh * c.head_dim, ld = qd + 2 * w_.nkv * c.head_dim;
-    drop_graphs();
+    graphs_.clear();
     acts_.reset();
     auto a = std::make_unique<Acts>();
     a->x = a->arena.alloc<float>(size_t(n * c.hidden));
@@ -499,13 +446,8 @@ class CudaDecoder final : public Decoder {
   std::vector<std::vector<int32_t>> parents_;  // of each slot's pending tokens
   std::unique_ptr<Acts> acts_;
   Pinned in_h_, out_h_;
-  // Graphs by shape key (see run); a shape's first forward runs eagerly.
-  static constexpr size_t kMaxGraphs = 256;
-  std::map<std::string, cudaGraphExec_t> graphs_;
-  std::map<std::string, int> shapes_seen_;  // eager runs per shape
-  bool graphs_on_ = true;
+  cuda::GraphCache graphs_;  // of run()'s device work, by shape
   bool merge_in_kernel_ = false;
-  int64_t graph_launches_ = 0;
 };
 
 }  // namespace

@@ -316,6 +316,19 @@ __global__ void kv_move_kernel(bf16* const* caches, const int32_t* pairs, int64_
 
 }  // namespace
 
+DecodeSplits decode_splits(int64_t max_keys, int64_t N, int64_t nkv, int multiprocessors) {
+  const int64_t T = kDecodeTile;
+  int64_t pow2 = 1;
+  while (pow2 * 2 <= max_keys) pow2 *= 2;
+  const int64_t gran = std::max<int64_t>(256, pow2 / 8);
+  const int64_t key_cap = (std::max<int64_t>(max_keys, 1) + gran - 1) / gran * gran;
+  const int64_t n_tiles = key_cap / T;
+  int64_t splits = std::clamp<int64_t>((4 * multiprocessors + N * nkv - 1) / (N * nkv), 1, n_tiles);
+  const int64_t split_len = (n_tiles + splits - 1) / splits * T;
+  splits = (key_cap + split_len - 1) / split_len;
+  return {splits, split_len};
+}
+
 void kv_cache_write(bf16* kc, bf16* vc, const bf16* qkv, int64_t ld, const DecodeRow* rows, int64_t N, int64_t nh,
                     int64_t nkv, int64_t hd, int64_t max_len, cudaStream_t s) {
   if (N == 0) return;

@@ -26,6 +26,16 @@ struct DecodeRow {
 // Keys per tile of the decode-attention kernel; a split covers a multiple of it.
 inline constexpr int kDecodeTile = 64;
 
+// How decode_attention cuts the key range of N rows with at most max_keys keys each:
+// enough (row, kv head, split) blocks to fill the GPU several times over, for the key count
+// rounded up to a step of at least 256 keys and an eighth of its power of two, so that one
+// launch shape (and a CUDA graph holding it) serves the next steps of a growing context,
+// with at most ~1/8 of the blocks idle (splits past a row's keys are empty).
+struct DecodeSplits {
+  int64_t splits, split_len;
+};
+DecodeSplits decode_splits(int64_t max_keys, int64_t N, int64_t nkv, int multiprocessors);
+
 // kc / vc[rows[r].slot, rows[r].end - 1, :, :] = k / v of row r (k at column nh*hd of the
 // fused qkv rows, v after it), for all N rows.
 void kv_cache_write(bf16* kc, bf16* vc, const bf16* qkv, int64_t ld, const DecodeRow* rows, int64_t N, int64_t nh,

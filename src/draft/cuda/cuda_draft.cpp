@@ -4,11 +4,15 @@
 // (decode_ops.h): the runner's rows are already in its convention, with one slot.
 #include <cuda_runtime.h>
 
+#include <fmt/format.h>
+
 #include <algorithm>
+#include <cstring>
 
 #include "backend/cuda/check.h"
 #include "backend/cuda/decode_ops.h"
 #include "backend/cuda/device.h"
+#include "backend/cuda/graph_cache.h"
 #include "backend/cuda/ops.h"
 #include "backend/cuda/weights.h"
 #include "model/model.h"
@@ -82,6 +86,7 @@ class CudaDraftBackend final : public DraftBackend {
   std::string name() const override { return dev_.name(); }
 
   void truncate(int64_t) override {}  // rows are addressed by index; nothing to free
+  int64_t graph_replays() const override { return graphs_.replays(); }
 
   void forward(const int32_t* tokens, const float* in, bool from_aux, const DraftRows& dr, bool last_only,
                float* hidden, float* logits, int top_k, int32_t* top_ids, float* top_lp) override {
@@ -91,6 +96,7 @@ class CudaDraftBackend final : public DraftBackend {
     const int64_t qd = nh * hd, ld = qd + 2 * nkv * hd, Vd = c.Vd;
     const float eps = float(c.rms_eps);
     if (N == 0) return;
+    TALON_CHECK(top_k <= kMaxTop, "draft: top-k {} above {} on the GPU", top_k, kMaxTop);
     std::vector<DecodeRow> rows(static_cast<size_t>(N));
     int64_t max_keys = 0;
     for (int64_t r = 0; r < N; ++r) {
@@ -102,85 +108,114 @@ class CudaDraftBackend final : public DraftBackend {
       rows[size_t(r)] = DecodeRow{0, 0, dr.len[size_t(r)], end, dr.mask[size_t(r)]};
       max_keys = std::max<int64_t>(max_keys, end);
     }
-    const int64_t T = cuda::kDecodeTile, n_tiles = (max_keys + T - 1) / T;
-    int64_t splits = std::clamp<int64_t>((4 * dev_.multiprocessors() + N * nkv - 1) / (N * nkv), 1, std::max<int64_t>(1, n_tiles));
-    const int64_t split_len = (n_tiles + splits - 1) / splits * T;
-    splits = std::max<int64_t>(1, (max_keys + split_len - 1) / split_len);
-    ensure_acts(N, N * nh * splits * (hd + 2), int64_t(dr.masks.size()));
-    Acts& a = *acts_;
-    cudaStream_t s = dev_.stream();
+    const cuda::DecodeSplits ks = cuda::decode_splits(max_keys, N, nkv, dev_.multiprocessors());
+    const int64_t splits = ks.splits, split_len = ks.split_len;
     const int64_t in_w = from_aux ? 3 * H : H;
-    CUDA_CHECK(cudaMemcpyAsync(a.ids, tokens, size_t(N) * 4, cudaMemcpyHostToDevice, s));
-    CUDA_CHECK(cudaMemcpyAsync(a.pos, dr.pos.data(), size_t(N) * 4, cudaMemcpyHostToDevice, s));
-    CUDA_CHECK(cudaMemcpyAsync(a.rows, rows.data(), size_t(N) * sizeof(DecodeRow), cudaMemcpyHostToDevice, s));
-    if (!dr.masks.empty())
-      CUDA_CHECK(cudaMemcpyAsync(a.masks, dr.masks.data(), dr.masks.size() * 8, cudaMemcpyHostToDevice, s));
-    CUDA_CHECK(cudaMemcpyAsync(a.in, in, size_t(N * in_w) * 4, cudaMemcpyHostToDevice, s));
-    // Input: [norm(embedding) | norm(g)], g = fc(aux) or the parent's hidden state.
-    cuda::embedding_forward(a.e, a.ids, embed_, N, H, c.V, s);
-    cuda::add_rmsnorm_forward(a.en, a.e, nullptr, in_ln_, N, H, eps, s);
-    if (from_aux) {
-      cuda::f32_to_bf16(a.aux, a.in, N * 3 * H, s);
-      dev_.gemm().forward(a.tmp, a.aux, fc_, N, 3 * H, H, s);
-      cuda::bf16_to_f32(a.x, a.tmp, N * H, s);
-    } else {
-      CUDA_CHECK(cudaMemcpyAsync(a.x, a.in, size_t(N * H) * 4, cudaMemcpyDeviceToDevice, s));
+    // The inputs packed at offsets fixed by the shape (a replayed graph reads them there):
+    // staged in pinned memory, one copy up.
+    size_t off = 0;
+    auto place = [&](size_t bytes) {
+      const size_t at = off;
+      off += (bytes + 15) / 16 * 16;
+      return at;
+    };
+    const size_t o_ids = place(size_t(N) * 4), o_pos = place(size_t(N) * 4), o_rows = place(size_t(N) * sizeof(DecodeRow)),
+                 o_masks = place(dr.masks.size() * 8), o_in = place(size_t(N * in_w) * 4);
+    ensure_acts(N, N * nh * splits * (hd + 2), int64_t(off));
+    Acts& a = *acts_;
+    if (staged_bytes_ < off) {
+      if (staged_) CUDA_CHECK(cudaFreeHost(staged_));
+      staged_ = nullptr;
+      CUDA_CHECK(cudaHostAlloc(&staged_, off, cudaHostAllocPortable));
+      staged_bytes_ = off;
     }
-    cuda::add_rmsnorm_forward(a.gn, a.x, nullptr, hidden_norm_, N, H, eps, s);
-    CUDA_CHECK(cudaMemcpy2DAsync(a.xin, size_t(2 * H) * 2, a.en, size_t(H) * 2, size_t(H) * 2, size_t(N),
-                                 cudaMemcpyDeviceToDevice, s));
-    CUDA_CHECK(cudaMemcpy2DAsync(a.xin + H, size_t(2 * H) * 2, a.gn, size_t(H) * 2, size_t(H) * 2, size_t(N),
-                                 cudaMemcpyDeviceToDevice, s));
-    // Attention over the cache.
-    dev_.gemm().forward(a.qkv, a.xin, wqkv_, N, 2 * H, ld, s);
-    cuda::rope_forward(a.qkv, ld, a.pos, inv_freq_, N, nh, hd, s);
-    cuda::rope_forward(a.qkv + qd, ld, a.pos, inv_freq_, N, nkv, hd, s);
-    cuda::kv_cache_write(kc_, vc_, a.qkv, ld, a.rows, N, nh, nkv, hd, max_rows_, s);
-    cuda::decode_attention(a.att, a.part, a.qkv, ld, kc_, vc_, a.rows, a.masks, N, nh, nkv, hd, max_rows_, splits,
-                           split_len, s);
-    dev_.gemm().forward(a.tmp, a.att, wo_, N, qd, H, s);
-    if (c.norm_before_residual) cuda::bf16_to_f32(a.x, a.gn, N * H, s);
-    cuda::add_rmsnorm_forward(a.hm, a.x, a.tmp, post_ln_, N, H, eps, s);
-    // MLP, then the final norm and the draft-vocabulary head.
-    dev_.gemm().forward(a.gu, a.hm, wgu_, N, H, 2 * I, s);
-    cuda::swiglu_forward(a.act, a.gu, N, I, s);
-    dev_.gemm().forward(a.tmp, a.act, wdown_, N, I, H, s);
-    cuda::add_rmsnorm_forward(a.hm, a.x, a.tmp, norm_, N, H, eps, s);
+    auto* hb = static_cast<uint8_t*>(staged_);
+    std::memcpy(hb + o_ids, tokens, size_t(N) * 4);
+    std::memcpy(hb + o_pos, dr.pos.data(), size_t(N) * 4);
+    std::memcpy(hb + o_rows, rows.data(), size_t(N) * sizeof(DecodeRow));
+    if (!dr.masks.empty()) std::memcpy(hb + o_masks, dr.masks.data(), dr.masks.size() * 8);
+    std::memcpy(hb + o_in, in, size_t(N * in_w) * 4);
+    cudaStream_t s = dev_.stream();
+    CUDA_CHECK(cudaMemcpyAsync(a.inputs, hb, off, cudaMemcpyHostToDevice, s));
+    const auto* ids = reinterpret_cast<const int32_t*>(a.inputs + o_ids);
+    const auto* pos = reinterpret_cast<const int32_t*>(a.inputs + o_pos);
+    const auto* drows = reinterpret_cast<const DecodeRow*>(a.inputs + o_rows);
+    const auto* masks = reinterpret_cast<const uint64_t*>(a.inputs + o_masks);
+    const auto* din = reinterpret_cast<const float*>(a.inputs + o_in);
     const int64_t first = last_only ? N - 1 : 0, n_out = N - first;
-    dev_.gemm().forward(a.lg, a.hm + first * H, lm_head_, n_out, H, Vd, s);
-    cuda::bf16_to_f32(a.lg32, a.lg, n_out * Vd, s);
+
+    auto device_work = [&] {
+      // Input: [norm(embedding) | norm(g)], g = fc(aux) or the parent's hidden state.
+      cuda::embedding_forward(a.e, ids, embed_, N, H, c.V, s);
+      cuda::add_rmsnorm_forward(a.en, a.e, nullptr, in_ln_, N, H, eps, s);
+      if (from_aux) {
+        cuda::f32_to_bf16(a.aux, din, N * 3 * H, s);
+        dev_.gemm().forward(a.tmp, a.aux, fc_, N, 3 * H, H, s);
+        cuda::bf16_to_f32(a.x, a.tmp, N * H, s);
+      } else {
+        CUDA_CHECK(cudaMemcpyAsync(a.x, din, size_t(N * H) * 4, cudaMemcpyDeviceToDevice, s));
+      }
+      cuda::add_rmsnorm_forward(a.gn, a.x, nullptr, hidden_norm_, N, H, eps, s);
+      CUDA_CHECK(cudaMemcpy2DAsync(a.xin, size_t(2 * H) * 2, a.en, size_t(H) * 2, size_t(H) * 2, size_t(N),
+                                   cudaMemcpyDeviceToDevice, s));
+      CUDA_CHECK(cudaMemcpy2DAsync(a.xin + H, size_t(2 * H) * 2, a.gn, size_t(H) * 2, size_t(H) * 2, size_t(N),
+                                   cudaMemcpyDeviceToDevice, s));
+      // Attention over the cache.
+      dev_.gemm().forward(a.qkv, a.xin, wqkv_, N, 2 * H, ld, s);
+      cuda::rope_kv_cache_write(kc_, vc_, a.qkv, ld, pos, inv_freq_, drows, N, nh, nkv, hd, max_rows_, s);
+      cuda::decode_attention(a.att, a.part, a.qkv, ld, kc_, vc_, drows, masks, N, nh, nkv, hd, max_rows_, splits,
+                             split_len, s);
+      dev_.gemm().forward(a.tmp, a.att, wo_, N, qd, H, s);
+      if (c.norm_before_residual) cuda::bf16_to_f32(a.x, a.gn, N * H, s);
+      cuda::add_rmsnorm_forward(a.hm, a.x, a.tmp, post_ln_, N, H, eps, s);
+      // MLP, then the final norm and the draft-vocabulary head.
+      dev_.gemm().forward(a.gu, a.hm, wgu_, N, H, 2 * I, s);
+      cuda::swiglu_forward(a.act, a.gu, N, I, s);
+      dev_.gemm().forward(a.tmp, a.act, wdown_, N, I, H, s);
+      cuda::add_rmsnorm_forward(a.hm, a.x, a.tmp, norm_, N, H, eps, s);
+      dev_.gemm().forward(a.lg, a.hm + first * H, lm_head_, n_out, H, Vd, s);
+      cuda::bf16_to_f32(a.lg32, a.lg, n_out * Vd, s);
+      if (top_k > 0) cuda::topk_logsoftmax(a.top_ids, a.top_lp, a.lg32, n_out, Vd, top_k, s);
+    };
+    graphs_.run(fmt::format("{}/{}/{}/{}/{}/{}/{}", N, int(from_aux), int(last_only), dr.masks.size(), splits,
+                            split_len, top_k),
+                s, device_work);
     CUDA_CHECK(cudaMemcpyAsync(hidden, a.x + first * H, size_t(n_out * H) * 4, cudaMemcpyDeviceToHost, s));
     if (logits) CUDA_CHECK(cudaMemcpyAsync(logits, a.lg32, size_t(n_out * Vd) * 4, cudaMemcpyDeviceToHost, s));
     if (top_k > 0) {
-      TALON_CHECK(top_k <= kMaxTop, "draft: top-k {} above {} on the GPU", top_k, kMaxTop);
-      cuda::topk_logsoftmax(a.top_ids, a.top_lp, a.lg32, n_out, Vd, top_k, s);
       CUDA_CHECK(cudaMemcpyAsync(top_ids, a.top_ids, size_t(n_out * top_k) * 4, cudaMemcpyDeviceToHost, s));
       CUDA_CHECK(cudaMemcpyAsync(top_lp, a.top_lp, size_t(n_out * top_k) * 4, cudaMemcpyDeviceToHost, s));
     }
     CUDA_CHECK(cudaStreamSynchronize(s));
   }
 
+  ~CudaDraftBackend() override {
+    dev_.activate();
+    graphs_.clear();
+    if (staged_) cudaFreeHost(staged_);
+  }
+
  private:
   struct Acts {
     DeviceArena arena;
-    int64_t n = 0, n_part = 0, n_masks = 0;
-    float *in, *e, *x, *part, *lg32, *top_lp;
+    int64_t n = 0, n_part = 0, n_inputs = 0;
+    float *e, *x, *part, *lg32, *top_lp;
     bf16 *aux, *en, *gn, *xin, *qkv, *att, *tmp, *hm, *gu, *act, *lg;
-    int32_t *ids, *pos, *top_ids;
-    DecodeRow* rows;
-    uint64_t* masks;
+    int32_t* top_ids;
+    uint8_t* inputs;  // the packed inputs of a forward (ids, positions, rows, masks, in)
   };
 
-  void ensure_acts(int64_t N, int64_t part, int64_t n_masks) {
-    if (acts_ && acts_->n >= N && acts_->n_part >= part && acts_->n_masks >= n_masks) return;
+  // Graphs hold the buffers' addresses: growing them drops every graph.
+  void ensure_acts(int64_t N, int64_t part, int64_t input_bytes) {
+    if (acts_ && acts_->n >= N && acts_->n_part >= part && acts_->n_inputs >= input_bytes) return;
     const int64_t n = std::max<int64_t>({N, acts_ ? acts_->n : 0, 1});
     const int64_t np = std::max<int64_t>({part, acts_ ? acts_->n_part : 0, 1});
-    const int64_t nm = std::max<int64_t>({n_masks, acts_ ? acts_->n_masks : 0, 1});
+    const int64_t ni = std::max<int64_t>({input_bytes, acts_ ? acts_->n_inputs : 0, 1});
     const auto& c = c_;
     const int64_t H = c.H, qd = c.n_heads * c.head_dim, ld = qd + 2 * c.n_kv_heads * c.head_dim;
+    graphs_.clear();
     acts_.reset();
     auto a = std::make_unique<Acts>();
-    a->in = a->arena.alloc<float>(size_t(n * 3 * H));
     a->e = a->arena.alloc<float>(size_t(n * H));
     a->x = a->arena.alloc<float>(size_t(n * H));
     a->part = a->arena.alloc<float>(size_t(np));
@@ -196,13 +231,10 @@ class CudaDraftBackend final : public DraftBackend {
     a->gu = a->arena.alloc<bf16>(size_t(n * 2 * c.I));
     a->act = a->arena.alloc<bf16>(size_t(n * c.I));
     a->lg = a->arena.alloc<bf16>(size_t(n * c.Vd));
-    a->ids = a->arena.alloc<int32_t>(size_t(n));
-    a->pos = a->arena.alloc<int32_t>(size_t(n));
-    a->rows = a->arena.alloc<DecodeRow>(size_t(n));
     a->top_ids = a->arena.alloc<int32_t>(size_t(n * kMaxTop));
     a->top_lp = a->arena.alloc<float>(size_t(n * kMaxTop));
-    a->masks = a->arena.alloc<uint64_t>(size_t(nm));
-    a->n = n, a->n_part = np, a->n_masks = nm;
+    a->inputs = a->arena.alloc<uint8_t>(size_t(ni));
+    a->n = n, a->n_part = np, a->n_inputs = ni;
     acts_ = std::move(a);
   }
 
@@ -219,6 +251,9 @@ class CudaDraftBackend final : public DraftBackend {
   float* inv_freq_;
   bf16 *kc_, *vc_;
   std::unique_ptr<Acts> acts_;
+  void* staged_ = nullptr;  // pinned staging of the packed inputs
+  size_t staged_bytes_ = 0;
+  cuda::GraphCache graphs_;  // of forward()'s device work, by shape
 };
 
 }  // namespace

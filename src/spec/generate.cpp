@@ -315,6 +315,7 @@ GenerateReport run_generate(const GenerateOptions& opt) {
     int64_t conv = -1;
     std::vector<int32_t> prompt, gen;
     bool prefilled = false;
+    int64_t fed = 0;  // prompt tokens already in the cache (a long prompt goes in chunks)
     int64_t max_new = 0;
     uint64_t stream = 0;
   };
@@ -363,6 +364,7 @@ GenerateReport run_generate(const GenerateOptions& opt) {
     a.prompt = std::move(ids);
     a.gen.clear();
     a.prefilled = false;
+    a.fed = 0;
     a.max_new = std::min<int64_t>(opt.max_new_tokens, opt.max_len - int64_t(a.prompt.size()));
     a.stream = uint64_t(ci) * 4096 + uint64_t(r.seg);
     rep.prompt_tokens += int64_t(a.prompt.size());
@@ -405,19 +407,25 @@ GenerateReport run_generate(const GenerateOptions& opt) {
         if (start_turn(s, ci)) break;
       }
     }
-    // One forward: decodes for running slots, prompts for new ones up to the prefill budget.
+    // One forward: a decode step of every running slot, and prompt tokens of new ones up to
+    // the prefill budget: a prompt longer than what is left of it goes in chunks over the
+    // next forwards, beside the decode steps (which never wait for a whole long prompt).
     std::vector<DecodeRequest> reqs;
     std::vector<int> req_slot;
-    int64_t prefill = 0;
+    std::vector<uint8_t> produces;  // the request's last row gives the slot's next token
+    int64_t budget = opt.max_prefill_tokens;
     for (int s = 0; s < batch; ++s) {
       Active& a = slots[size_t(s)];
       if (a.conv < 0) continue;
       if (!a.prefilled) {
-        if (prefill > 0 && prefill + int64_t(a.prompt.size()) > opt.max_prefill_tokens) continue;
-        prefill += int64_t(a.prompt.size());
-        reqs.push_back({s, a.prompt, {}, false});
+        const int64_t take = std::min<int64_t>(int64_t(a.prompt.size()) - a.fed, budget);
+        if (take <= 0) continue;
+        budget -= take;
+        reqs.push_back({s, std::vector<int32_t>(a.prompt.begin() + a.fed, a.prompt.begin() + a.fed + take), {}, false});
+        produces.push_back(a.fed + take == int64_t(a.prompt.size()));
       } else {
         reqs.push_back({s, {a.gen.back()}, {}, true});
+        produces.push_back(1);
       }
       req_slot.push_back(s);
     }
@@ -437,6 +445,7 @@ GenerateReport run_generate(const GenerateOptions& opt) {
         std::vector<double> scratch;
 #pragma omp for schedule(dynamic, 4)
         for (int64_t i = 0; i < n_reqs; ++i) {
+          if (!produces[size_t(i)]) continue;  // a prompt chunk: no token yet
           const Active& a = slots[size_t(req_slot[size_t(i)])];
           picked[size_t(i)] = sample_token(logits.data() + size_t(i) * size_t(mc.vocab), mc.vocab, opt.sampling,
                                            a.stream, uint64_t(a.gen.size()), scratch);
@@ -448,7 +457,11 @@ GenerateReport run_generate(const GenerateOptions& opt) {
       const int s = req_slot[i];
       Active& a = slots[size_t(s)];
       dec->commit_all(s);
-      a.prefilled = true;
+      if (!a.prefilled) {
+        a.fed += int64_t(reqs[i].tokens.size());
+        if (!produces[i]) continue;
+        a.prefilled = true;
+      }
       const int32_t t = picked[i];
       a.gen.push_back(t);
       ++produced;

@@ -39,7 +39,7 @@ struct GenerateOptions {
   int64_t max_new_tokens = 1024;  // per assistant turn
   int64_t max_len = 4096;         // prompt + answer tokens per turn (the KV cache per slot)
   int batch = 0;                  // concurrent sequences (0: 8 on CPU, 256 on GPU)
-  int64_t max_prefill_tokens = 8192;  // prompt tokens admitted per forward
+  int64_t max_prefill_tokens = 8192;  // prompt tokens per forward (longer prompts go in chunks)
   std::vector<std::string> stop;  // stop strings (the answer is cut before them)
   int64_t limit = 0;              // first N conversations only (0: all)
   std::string device = "cpu";     // cpu | cuda | cuda:N

@@ -52,6 +52,15 @@ cp -r "$WORK/g_ref" "$WORK/g_changed" && echo '{}' >> "$WORK/g_changed/generated
 # The batch size does not change greedy output (per-row arithmetic is independent of packing).
 "$TALON" "${gen[@]}" --batch 1 --out "$WORK/g_b1" > /dev/null 2>&1
 cmp -s "$WORK/g_ref/generated.jsonl" "$WORK/g_b1/generated.jsonl" && ok "batch 1 == batch 3" || bad "batch size changed the output"
+# Nor does prefilling each prompt in chunks of 7 tokens beside the other slots' decode steps
+# (every templated prompt here is longer than 7), greedy and sampled.
+"$TALON" "${gen[@]}" --batch 3 --max-prefill-tokens 7 --out "$WORK/g_chunk" > /dev/null 2>&1
+cmp -s "$WORK/g_ref/generated.jsonl" "$WORK/g_chunk/generated.jsonl" && ok "prompts prefilled in chunks: same output" \
+  || bad "chunked prefill changed the output"
+"$TALON" "${gen[@]}" --batch 3 --temperature 0.8 --seed 3 --out "$WORK/g_t1" > /dev/null 2>&1
+"$TALON" "${gen[@]}" --batch 2 --temperature 0.8 --seed 3 --max-prefill-tokens 5 --out "$WORK/g_t1c" > /dev/null 2>&1
+[ -s "$WORK/g_t1/generated.jsonl" ] && cmp -s "$WORK/g_t1/generated.jsonl" "$WORK/g_t1c/generated.jsonl" \
+  && ok "sampled: chunked prefill and another batch draw the same tokens" || bad "sampled output changed with chunking"
 
 # kill -9 once the first conversations are journaled, then rerun.
 "$TALON" "${gen[@]}" --batch 2 --out "$WORK/g_kill" > /dev/null 2>&1 &

@@ -70,7 +70,7 @@ CLI::App* add_generate_subcommand(CLI::App& app, spec::GenerateOptions& o) {
   c->add_option("--seed", o.sampling.seed, "Sampling seed (per-sequence streams: the same tokens in any batch)")
       ->capture_default_str();
   c->add_option("--batch", o.batch, "Concurrent sequences (0: 8 on CPU, 256 on a GPU)")->capture_default_str();
-  c->add_option("--max-prefill-tokens", o.max_prefill_tokens, "Prompt tokens admitted per forward")
+  c->add_option("--max-prefill-tokens", o.max_prefill_tokens, "Prompt tokens per forward; a longer prompt is prefilled in chunks beside the running decode steps")
       ->capture_default_str();
   c->add_option("--stop", o.stop, "Stop string (repeatable); the answer is cut before it");
   c->add_option("--limit", o.limit, "Only the first N conversations (0: all)")->capture_default_str();

@@ -271,7 +271,6 @@ class Trainer {
     if (family_) {
       TALON_CHECK(gpus_.empty(), "--drafter {} trains on the CPU only for now (--device cpu); the GPU trainer knows "
                                  "EAGLE-3 only", opt_.drafter);
-      TALON_CHECK(world_ == 1, "--drafter {} trains in one process for now ({} were launched)", opt_.drafter, world_);
     }
     TALON_CHECK(opt_.optim.lr > 0 && std::isfinite(opt_.optim.lr), "--lr {}: expected a positive learning rate",
                 opt_.optim.lr);
@@ -769,23 +768,94 @@ class Trainer {
   // CPU. The gradients end up as weight * the sum over every process's samples.
   std::vector<TttResult> run_samples(const std::vector<eagle3::Sample>& batch, const std::vector<int64_t>& mine,
                                      double weight, bool backward) {
-    if (fam_) return run_family(batch, weight, backward);
+    if (fam_) return run_family(batch, mine, weight, backward);
     return dev_ ? run_gpu(batch, mine, weight, backward) : run_cpu(batch, mine, weight, backward);
   }
 
-  // The other families on the CPU, one process: what a sample draws (COD elements, anchors) is
-  // seeded by (seed, step, slot in the batch), so a resumed run draws the same; gradients add
-  // up in sample order. Without `backward` (evaluation) each family uses its deterministic
-  // evaluation sample (every chain, every anchor).
-  std::vector<TttResult> run_family(const std::vector<eagle3::Sample>& batch, double weight, bool backward) {
+  // The other families on the CPU: what a sample draws (COD elements, anchors) is seeded by
+  // (seed, step, slot in the batch), so a resumed run draws the same. Gradients are summed in
+  // the canonical tree over the step's samples (grad_tree.h), as EAGLE-3's CPU path does, so
+  // one process and any number of them (each computing its block of samples) give the same
+  // bits. Without `backward` (evaluation) each family uses its deterministic evaluation
+  // sample (every chain, every anchor).
+  using FamGrads = std::vector<std::vector<double>>;  // one per params_ entry
+  std::vector<TttResult> run_family(const std::vector<eagle3::Sample>& batch, const std::vector<int64_t>& mine,
+                                    double weight, bool backward) {
     std::vector<TttResult> res(batch.size());
-    if (backward)
+    const int64_t B = int64_t(batch.size());
+    auto seed_of = [&](int64_t i) { return opt_.seed * 0x9e3779b97f4a7c15ull + uint64_t(step_) * 1315423911ull + uint64_t(i); };
+    if (!backward) {
+      for (int64_t i : mine) res[size_t(i)] = fam_->run(batch[size_t(i)], seed_of(i), false);
+      gather_results(res, mine, {}, nullptr);
+      return res;
+    }
+    auto add = [](FamGrads& d, const FamGrads& s) {
+      for (size_t q = 0; q < d.size(); ++q)
+        for (size_t k = 0; k < d[q].size(); ++k) d[q][k] += s[q][k];
+    };
+    // A sample's gradient: the family adds into params_'s buffers, zeroed first.
+    auto leaf = [&](int64_t i, FamGrads& out) {
       for (auto& p : params_) std::fill(p.g->begin(), p.g->end(), 0.0);
-    for (size_t i = 0; i < batch.size(); ++i)
-      res[i] = fam_->run(batch[i], opt_.seed * 0x9e3779b97f4a7c15ull + uint64_t(step_) * 1315423911ull + i, backward);
-    if (backward)
-      for (auto& p : params_)
-        for (auto& g : *p.g) g *= weight;
+      res[size_t(i)] = fam_->run(batch[size_t(i)], seed_of(i), true);
+      out.resize(params_.size());
+      for (size_t q = 0; q < params_.size(); ++q) out[q] = *params_[q].g;
+    };
+    auto scratch = [this](int level) -> FamGrads& {
+      if (fam_scratch_.size() <= size_t(level)) fam_scratch_.resize(size_t(level) + 1);
+      return fam_scratch_[size_t(level)];
+    };
+    auto none = [](TreeNode) -> const FamGrads* { return nullptr; };
+    FamGrads root;
+    std::vector<TreeNode> pieces;
+    std::vector<FamGrads> piece_sums;
+    if (world_ == 1) {
+      tree_sum(B, TreeNode{tree_levels(B), 0}, root, add, leaf, none, scratch);
+    } else {
+      if (!mine.empty()) {
+        pieces = tree_pieces(B, mine.front(), mine.back() + 1);
+        piece_sums.resize(pieces.size());
+        for (size_t j = 0; j < pieces.size(); ++j) tree_sum(B, pieces[j], piece_sums[j], add, leaf, none, scratch);
+      }
+      // Every process's pieces to every process, which finishes the tree from them.
+      std::string blob;
+      put_pod(blob, uint64_t(pieces.size()));
+      for (size_t j = 0; j < pieces.size(); ++j) {
+        put_pod(blob, pieces[j].level);
+        put_pod(blob, pieces[j].index);
+        for (const auto& v : piece_sums[j]) put_pods(blob, v);
+      }
+      std::vector<std::string> theirs;
+      gather_results(res, mine, blob, &theirs);
+      std::vector<std::pair<TreeNode, FamGrads>> known;
+      for (int r = 0; r < world_; ++r) {
+        PodReader in(theirs[size_t(r)], fmt::format("train: gradient pieces of rank {}", r));
+        const uint64_t n = in.get<uint64_t>();
+        for (uint64_t k = 0; k < n; ++k) {
+          TreeNode t;
+          t.level = in.get<int>();
+          t.index = in.get<int64_t>();
+          FamGrads g(params_.size());
+          for (size_t q = 0; q < params_.size(); ++q) {
+            g[q] = in.get_vec<double>();
+            TALON_CHECK(g[q].size() == params_[q].g->size(), "train: gradient piece {} of rank {}: {} values, expected {}",
+                        params_[q].name, r, g[q].size(), params_[q].g->size());
+          }
+          known.emplace_back(t, std::move(g));
+        }
+      }
+      auto lookup = [&](TreeNode t) -> const FamGrads* {
+        for (auto& [n, g] : known)
+          if (n == t) return &g;
+        return nullptr;
+      };
+      auto no_leaf = [](int64_t i, FamGrads&) { fail("train: no process sent the gradient of sample {}", i); };
+      tree_sum(B, TreeNode{tree_levels(B), 0}, root, add, no_leaf, lookup, scratch);
+    }
+    for (size_t q = 0; q < params_.size(); ++q) {
+      std::vector<double>& g = *params_[q].g;
+      g = std::move(root[q]);
+      for (auto& x : g) x *= weight;
+    }
     return res;
   }
 
@@ -1120,6 +1190,7 @@ class Trainer {
   DraftWeights w_;                     // eagle3
   std::unique_ptr<DraftGrads> grads_;  // eagle3
   std::unique_ptr<Family> fam_;        // the other families: their weights and gradients
+  std::vector<FamGrads> fam_scratch_;  // run_family's tree buffers, one per level
   int32_t mask_token_ = -1;            // peagle, dflash
   std::vector<Param> params_;
   std::unique_ptr<AdamW> adam_;

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # talon train across processes (CPU, MPI): mpirun -np 2 logs the same losses,
-# gradient norms and evaluations, bit for bit, as one process; a run stopped at one world
+# gradient norms and evaluations, bit for bit, as one process (EAGLE-3, P-EAGLE and DFlash); a run stopped at one world
 # size and resumed at another continues with the same bits; rank variables without an MPI
 # launcher are refused on the CPU; ranks that disagree on the job end the whole job
 # (no hang). Skips (77) where Open MPI's mpirun is not installed.
@@ -66,6 +66,30 @@ grep -q "resuming from .* at step 3 of 6" "$WORK/r23b.err" && ok "3 processes re
 mpi 2 "$TALON" train "${base[@]}" --out "$WORK/r12" > /dev/null 2> "$WORK/r12.err"
 [ "$(record "$WORK/r12/metrics.jsonl")" = "$ref" ] && ok "stopped as one process, resumed with 2: identical bits" \
   || bad "1 -> 2: $(tail -2 "$WORK/r12.err") $(diff <(echo "$ref") <(record "$WORK/r12/metrics.jsonl") | head -4)"
+
+# The other drafter families: one process and two give the same bits (their gradients are
+# summed in the same tree), and a run stopped with two processes resumes as one.
+fam_peagle=(--drafter peagle)
+fam_dflash=(--drafter dflash --draft-layers 2 --block-size 4 --max-anchors 8)
+for fam in peagle dflash; do
+  declare -n extra="fam_$fam"
+  fargs=("${extra[@]}" "${base[@]}")
+  "$TALON" train "${fargs[@]}" --out "$WORK/${fam}1" > /dev/null 2> "$WORK/${fam}1.err" \
+    || bad "$fam, one process: $(tail -3 "$WORK/${fam}1.err")"
+  fref=$(record "$WORK/${fam}1/metrics.jsonl")
+  mpi 2 "$TALON" train "${fargs[@]}" --out "$WORK/${fam}2" > /dev/null 2> "$WORK/${fam}2.err"
+  rc=$?
+  if [ $rc -eq 0 ] && [ -n "$fref" ] && [ "$(record "$WORK/${fam}2/metrics.jsonl")" = "$fref" ] \
+     && cmp -s "$WORK/${fam}1/checkpoint.safetensors" "$WORK/${fam}2/checkpoint.safetensors"; then
+    ok "$fam: mpirun -np 2 logs the same numbers and writes the same checkpoint as one process"
+  else
+    bad "$fam, 2 processes (rc $rc): $(tail -3 "$WORK/${fam}2.err") | $(diff <(echo "$fref") <(record "$WORK/${fam}2/metrics.jsonl") | head -4)"
+  fi
+  mpi 2 "$TALON" train "${fargs[@]}" --out "$WORK/${fam}r" --stop-after-steps 3 > /dev/null 2>&1
+  "$TALON" train "${fargs[@]}" --out "$WORK/${fam}r" > /dev/null 2> "$WORK/${fam}r.err"
+  [ "$(record "$WORK/${fam}r/metrics.jsonl")" = "$fref" ] && ok "$fam: stopped with 2 processes, resumed as one: identical bits" \
+    || bad "$fam 2 -> 1: $(tail -2 "$WORK/${fam}r.err") $(diff <(echo "$fref") <(record "$WORK/${fam}r/metrics.jsonl") | head -4)"
+done
 
 # Refusals.
 RANK=0 WORLD_SIZE=2 "$TALON" train "${base[@]}" --out "$WORK/x1" > /dev/null 2> "$WORK/e1"

@@ -1,6 +1,7 @@
 // The fp64 CPU reference's building blocks, shared by every drafter family's reference
-// (EAGLE-3 in eagle3.cpp, P-EAGLE in peagle.cpp): products, RMSNorm, RoPE, one attention
-// head, the layer's second half, and their backward passes, each with one fixed summation
+// (EAGLE-3 in eagle3.cpp, P-EAGLE in peagle.cpp, DFlash in dflash.cpp): products, RMSNorm,
+// RoPE, one attention head, the layer's second half, the target's draft-vocabulary
+// distribution and the loss rows, and their backward passes, each with one fixed summation
 // order whatever the thread count.
 #pragma once
 #include <algorithm>
@@ -25,6 +26,29 @@ inline double dot(const double* x, const float* w, int64_t K) {
   for (; k < K; ++k) acc += x[k] * double(w[k]);
   return acc;
 }
+
+// log(sum_d exp(lg[d])) over n logits, shifted by their maximum.
+inline double log_sum_exp(const double* lg, int64_t n) {
+  const double mx = *std::max_element(lg, lg + n);
+  double z = 0;
+  for (int64_t d = 0; d < n; ++d) z += std::exp(lg[d] - mx);
+  return mx + std::log(z);
+}
+
+// KL(p || softmax(lg)) = sum over p[d] > 0 of p[d] (log p[d] - (lg[d] - lz)), lz the logits'
+// log_sum_exp.
+inline double kl_row(const double* p, const double* lg, double lz, int64_t n) {
+  double kl = 0;
+  for (int64_t d = 0; d < n; ++d)
+    if (p[d] > 0) kl += p[d] * (std::log(p[d]) - (lg[d] - lz));
+  return kl;
+}
+
+// The target's distribution over the draft vocabulary at one hidden state h [H]: softmax over
+// d of final_norm(h) . lm_head[kept[d]], into p[Vd]; returns the argmax of those logits
+// (the first of ties).
+inline int64_t target_draft_row(const float* h, const TargetHead& tgt, const DraftVocab& vocab, int64_t H,
+                                double* p);
 
 // y[n, o] = sum_k x[n, k] * w[o, k]. Threads split rows; each output element has one
 // fixed summation order, so results do not depend on the thread count.
@@ -192,6 +216,19 @@ inline Vec tail_backward(const Tail& a, const Vec& dlogits, Vec dg2_in, const Dr
     rmsnorm_backward(dg1.data() + n * H, &G.post_ln, dhm.data() + n * H, a.g1.data() + n * H, w.post_ln.data(), H,
                      c.rms_eps);
   return dg1;
+}
+
+inline int64_t target_draft_row(const float* h, const TargetHead& tgt, const DraftVocab& vocab, int64_t H,
+                                double* p) {
+  const int64_t Vd = int64_t(vocab.kept.size());
+  Vec x(h, h + H), hn(static_cast<size_t>(H)), lg(static_cast<size_t>(Vd));
+  rmsnorm(hn.data(), x.data(), tgt.final_norm, H, tgt.rms_eps);
+  for (int64_t d = 0; d < Vd; ++d) lg[size_t(d)] = dot(hn.data(), tgt.lm_head + vocab.kept[size_t(d)] * H, H);
+  const double mx = *std::max_element(lg.begin(), lg.end());
+  double z = 0;
+  for (double v : lg) z += std::exp(v - mx);
+  for (int64_t d = 0; d < Vd; ++d) p[d] = std::exp(lg[size_t(d)] - mx) / z;
+  return std::max_element(lg.begin(), lg.end()) - lg.begin();
 }
 
 }  // namespace talon::eagle3::ops

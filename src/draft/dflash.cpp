@@ -116,16 +116,9 @@ Result forward(const Config& c, const Weights& w, const eagle3::TargetHead& tgt,
   std::vector<int64_t> targ(static_cast<size_t>(N), 0);
 #pragma omp parallel for schedule(dynamic, 4)
   for (int64_t n = 0; n < N; ++n) {
-    if (!counts(n)) continue;
-    const int64_t t = pos[size_t(n)] - 1;
-    Vec h(s.hidden + t * H, s.hidden + (t + 1) * H), hn(static_cast<size_t>(H)), lg(static_cast<size_t>(Vd));
-    ops::rmsnorm(hn.data(), h.data(), tgt.final_norm, H, tgt.rms_eps);
-    for (int64_t d = 0; d < Vd; ++d) lg[size_t(d)] = ops::dot(hn.data(), tgt.lm_head + vocab.kept[size_t(d)] * H, H);
-    const double mx = *std::max_element(lg.begin(), lg.end());
-    double z = 0;
-    for (double x : lg) z += std::exp(x - mx);
-    for (int64_t d = 0; d < Vd; ++d) P[size_t(n * Vd + d)] = std::exp(lg[size_t(d)] - mx) / z;
-    targ[size_t(n)] = std::max_element(lg.begin(), lg.end()) - lg.begin();
+    if (counts(n))
+      targ[size_t(n)] =
+          ops::target_draft_row(s.hidden + (pos[size_t(n)] - 1) * H, tgt, vocab, H, P.data() + n * Vd);
   }
 
   // Context: C = hidden_norm(fc(aux)), every position.
@@ -211,20 +204,8 @@ Result forward(const Config& c, const Weights& w, const eagle3::TargetHead& tgt,
   for (int64_t n = 0; n < N; ++n) {
     if (!counts(n)) continue;
     const double* lg = logits.data() + n * Vd;
-    const double mx = *std::max_element(lg, lg + Vd);
-    double z = 0;
-    for (int64_t d = 0; d < Vd; ++d) z += std::exp(lg[d] - mx);
-    const double lz = lse[size_t(n)] = mx + std::log(z);
-    if (c.loss == Config::Loss::CE) {
-      el[size_t(n)] = lz - lg[targ[size_t(n)]];
-    } else {
-      double kl = 0;
-      for (int64_t d = 0; d < Vd; ++d) {
-        const double p = P[size_t(n * Vd + d)];
-        if (p > 0) kl += p * (std::log(p) - (lg[d] - lz));
-      }
-      el[size_t(n)] = kl;
-    }
+    const double lz = lse[size_t(n)] = ops::log_sum_exp(lg, Vd);
+    el[size_t(n)] = c.loss == Config::Loss::CE ? lz - lg[targ[size_t(n)]] : ops::kl_row(P.data() + n * Vd, lg, lz, Vd);
     const int64_t i = n % B;
     const bool hit = (std::max_element(lg, lg + Vd) - lg) == targ[size_t(n)];
     r.total[size_t(i)] += 1;

@@ -118,15 +118,7 @@ Result forward(const eagle3::DraftConfig& c, const Weights& w, const eagle3::Tar
   for (int64_t n = 0; n < N; ++n) need[size_t(trow[size_t(n)])] = 1;
 #pragma omp parallel for schedule(dynamic, 4)
   for (int64_t t = 0; t < T; ++t) {
-    if (!need[size_t(t)]) continue;
-    Vec h(s.hidden + t * H, s.hidden + (t + 1) * H), hn(static_cast<size_t>(H)), lg(static_cast<size_t>(Vd));
-    ops::rmsnorm(hn.data(), h.data(), tgt.final_norm, H, tgt.rms_eps);
-    for (int64_t d = 0; d < Vd; ++d) lg[size_t(d)] = ops::dot(hn.data(), tgt.lm_head + vocab.kept[size_t(d)] * H, H);
-    const double mx = *std::max_element(lg.begin(), lg.end());
-    double z = 0;
-    for (double x : lg) z += std::exp(x - mx);
-    for (int64_t d = 0; d < Vd; ++d) P[size_t(t * Vd + d)] = std::exp(lg[size_t(d)] - mx) / z;
-    targ[size_t(t)] = std::max_element(lg.begin(), lg.end()) - lg.begin();
+    if (need[size_t(t)]) targ[size_t(t)] = ops::target_draft_row(s.hidden + t * H, tgt, vocab, H, P.data() + t * Vd);
   }
 
   // Inputs: x = [in_ln(embed[tok]), hidden_norm(g)], g = fc(aux or mask_hidden).
@@ -197,16 +189,11 @@ Result forward(const eagle3::DraftConfig& c, const Weights& w, const eagle3::Tar
     const int64_t t = trow[size_t(n)];
     if (!s.mask[t]) continue;
     const double* lg = logits.data() + n * Vd;
-    const double mx = *std::max_element(lg, lg + Vd);
-    double z = 0;
-    for (int64_t d = 0; d < Vd; ++d) z += std::exp(lg[d] - mx);
-    const double lz = mx + std::log(z);
-    double kl = 0;
-    for (int64_t d = 0; d < Vd; ++d) {
-      const double p = P[size_t(t * Vd + d)];
-      if (p > 0) kl += p * (std::log(p) - (lg[d] - lz));
-      if (grads) dlogits[size_t(n * Vd + d)] = (std::exp(lg[d] - lz) - p) / denom;
-    }
+    const double* p = P.data() + t * Vd;
+    const double lz = ops::log_sum_exp(lg, Vd);
+    const double kl = ops::kl_row(p, lg, lz, Vd);
+    if (grads)
+      for (int64_t d = 0; d < Vd; ++d) dlogits[size_t(n * Vd + d)] = (std::exp(lg[d] - lz) - p[d]) / denom;
     kl_sum += kl;
     const int64_t dep = cod.depth[size_t(n)];
     const bool hit = (std::max_element(lg, lg + Vd) - lg) == targ[size_t(t)];

@@ -65,7 +65,19 @@ DraftVocab build_draft_vocab(const std::vector<int64_t>& counts, int64_t vd) {
       dv.t2d[size_t(j)] = 1;
     }
   std::sort(dv.kept.begin(), dv.kept.end());
-  for (int64_t i = 0; i < vd; ++i) dv.d2t.push_back(dv.kept[size_t(i)] - i);
+  return draft_vocab_of(std::move(dv.kept), V);
+}
+
+DraftVocab draft_vocab_of(std::vector<int64_t> kept, int64_t V) {
+  DraftVocab dv;
+  dv.t2d.assign(static_cast<size_t>(V), 0);
+  for (size_t i = 0; i < kept.size(); ++i) {
+    TALON_CHECK(kept[i] >= 0 && kept[i] < V && (i == 0 || kept[i] > kept[i - 1]),
+                "draft vocabulary: kept id {} (entry {}) is out of order or outside [0, {})", kept[i], i, V);
+    dv.t2d[size_t(kept[i])] = 1;
+    dv.d2t.push_back(kept[i] - int64_t(i));
+  }
+  dv.kept = std::move(kept);
   return dv;
 }
 

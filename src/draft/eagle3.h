@@ -23,6 +23,9 @@ struct DraftVocab {
 };
 // counts[V]: loss-masked occurrences of each target token. Fails unless 1 <= Vd <= V.
 DraftVocab build_draft_vocab(const std::vector<int64_t>& counts, int64_t vd);
+// The vocabulary of these kept target ids (strictly ascending, each in [0, V)): d2t and t2d
+// filled in. Fails naming the first id out of order or out of range.
+DraftVocab draft_vocab_of(std::vector<int64_t> kept, int64_t V);
 
 struct DraftConfig {
   int64_t H = 0, I = 0, n_heads = 0, n_kv_heads = 0, head_dim = 0, V = 0, Vd = 0;

@@ -198,4 +198,14 @@ TEST(DraftVocab, KeepsMostFrequentTiesLowPadsLowSorted) {
   EXPECT_THROW(build_draft_vocab(counts, 0), Error);
 }
 
+TEST(DraftVocab, FromKeptIds) {
+  const DraftVocab a = draft_vocab_of({0, 2, 3, 7}, 8);
+  EXPECT_EQ(a.d2t, (std::vector<int64_t>{0, 1, 1, 4}));
+  EXPECT_EQ(a.t2d, (std::vector<uint8_t>{1, 0, 1, 1, 0, 0, 0, 1}));
+  for (const std::vector<int64_t>& bad : {std::vector<int64_t>{2, 2}, {3, 1}, {-1, 2}, {1, 8}}) {
+    const std::string msg = talon::testing::error_of([&] { draft_vocab_of(bad, 8); });
+    EXPECT_NE(msg.find("out of order or outside [0, 8)"), std::string::npos) << msg;
+  }
+}
+
 }  // namespace

@@ -66,12 +66,7 @@ struct PCase {
     hid = read_as<float>(f, "hidden");
     cod.anchor = read_as<int64_t>(f, "anchor");
     cod.depth = read_as<int64_t>(f, "depth");
-    dv.kept = read_as<int64_t>(f, "kept");
-    dv.t2d.assign(size_t(c.V), 0);
-    for (size_t i = 0; i < dv.kept.size(); ++i) {
-      dv.d2t.push_back(dv.kept[i] - int64_t(i));
-      dv.t2d[size_t(dv.kept[i])] = 1;
-    }
+    dv = eagle3::draft_vocab_of(read_as<int64_t>(f, "kept"), c.V);
   }
   TargetHead target() const { return {nullptr, fnorm.data(), head.data(), c.rms_eps}; }
   Sample sample() const { return {ids.data(), mask.data(), aux.data(), hid.data(), T}; }

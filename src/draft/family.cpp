@@ -33,6 +33,16 @@ std::vector<uint8_t> valid_rows(const eagle3::Sample& s) {
 
 // ---- P-EAGLE -------------------------------------------------------------------------------
 
+// The optimizer's view of P-EAGLE: the layer's weights without the frozen lm_head, then
+// mask_hidden and the (trained) embeddings.
+std::vector<Param> peagle_params(peagle::Weights& w, peagle::Grads& g) {
+  std::vector<Param> ps = draft_params(w.layer, g.layer);
+  std::erase_if(ps, [](const Param& p) { return std::string(p.name) == "lm_head"; });
+  ps.push_back({"mask_hidden", &w.mask_hidden, &g.mask_hidden, false});
+  ps.push_back({"embed", &w.embed, &g.embed, true});
+  return ps;
+}
+
 class PEagleFamily final : public Family {
  public:
   explicit PEagleFamily(const FamilyInit& in) : c_(in.c), tgt_(in.tgt), dv_(in.dv), mask_token_(in.mask_token) {

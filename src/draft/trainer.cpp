@@ -224,14 +224,6 @@ std::vector<Param> draft_params(DraftWeights& w, DraftGrads& g) {
   return ps;
 }
 
-std::vector<Param> peagle_params(peagle::Weights& w, peagle::Grads& g) {
-  std::vector<Param> ps = draft_params(w.layer, g.layer);
-  std::erase_if(ps, [](const Param& p) { return std::string(p.name) == "lm_head"; });
-  ps.push_back({"mask_hidden", &w.mask_hidden, &g.mask_hidden, false});
-  ps.push_back({"embed", &w.embed, &g.embed, true});
-  return ps;
-}
-
 namespace {
 
 // One `talon train` run on one process of a job: setup (samples, target head, draft, resume,

@@ -9,7 +9,6 @@
 #include <string>
 
 #include "draft/eagle3.h"
-#include "draft/peagle.h"
 #include "draft/gpu_draft_options.h"
 #include "draft/optim.h"
 #include "util/file.h"
@@ -79,7 +78,5 @@ TrainReport run_train(const TrainOptions& opt);
 // The optimizer's view of a draft: each weight with its gradient; weight decay applies
 // to the matrices, not to the RMSNorm weights.
 std::vector<Param> draft_params(eagle3::DraftWeights& w, eagle3::DraftGrads& g);
-// P-EAGLE's: the layer's without the frozen lm_head, then mask_hidden and the embeddings.
-std::vector<Param> peagle_params(peagle::Weights& w, peagle::Grads& g);
 
 }  // namespace talon::train

@@ -527,16 +527,12 @@ ExportReport run_export(const ExportOptions& opt) {
   const std::string verifier = opt.verifier.empty() ? fs::absolute(opt.model).lexically_normal().string() : opt.verifier;
   json cfg;
   if (opt.format == ExportFormat::Speculators) {
-    cfg = {{"architectures", {"Eagle3Speculator"}},
-           {"speculators_model_type", "eagle3"},
-           {"speculators_version", kSpeculatorsVersion},
+    // What every family's config has (speculators' SpeculatorModelConfig), then each one's.
+    cfg = {{"speculators_version", kSpeculatorsVersion},
            {"draft_vocab_size", c.Vd},
-           {"norm_before_residual", c.norm_before_residual},
            {"target_hidden_size", tc.hidden},
-           {"eagle_aux_hidden_state_layer_ids", d.aux_layer_ids},
-           {"transformer_layer_config", layer_config(c, tc, opt.dtype)},
            {"speculators_config",
-            {{"algorithm", "eagle3"},
+            {{"algorithm", d.drafter},
              {"default_proposal_method", "greedy"},
              {"proposal_methods",
               {{{"proposal_type", "greedy"},
@@ -547,31 +543,27 @@ ExportReport run_export(const ExportOptions& opt) {
            {"tie_word_embeddings", false},
            {"torch_dtype", opt.dtype == DType::BF16 ? "bfloat16" : "float32"},
            {"talon", provenance}};
+    json layer = layer_config(c, tc, opt.dtype);
     if (dfl) {
       // DFlashSpeculatorConfig: a Qwen3 decoder config of the draft's layers, no EAGLE-3 fields.
-      json layer = layer_config(c, tc, opt.dtype);
       layer["model_type"] = "qwen3";
       layer["num_hidden_layers"] = d.dflash.layers;
-      for (const char* k : {"norm_before_residual", "eagle_aux_hidden_state_layer_ids", "target_hidden_size"})
-        cfg.erase(k);
-      cfg["architectures"] = {"DFlashSpeculator"};
-      cfg["speculators_model_type"] = "dflash";
-      cfg["transformer_layer_config"] = layer;
-      cfg["block_size"] = d.dflash.block;
-      cfg["target_hidden_size"] = tc.hidden;
-      cfg["aux_hidden_state_layer_ids"] = d.aux_layer_ids;
-      cfg["mask_token_id"] = d.mask_token_id;
-      cfg["sliding_window_non_causal"] = false;
-      cfg["sample_from_anchor"] = false;
-      cfg["speculators_config"]["algorithm"] = "dflash";
+      cfg.update({{"architectures", {"DFlashSpeculator"}},
+                  {"speculators_model_type", "dflash"},
+                  {"block_size", d.dflash.block},
+                  {"aux_hidden_state_layer_ids", d.aux_layer_ids},
+                  {"mask_token_id", d.mask_token_id},
+                  {"sliding_window_non_causal", false},
+                  {"sample_from_anchor", false}});
+    } else {
+      // Eagle3SpeculatorConfig; P-EAGLE's adds the mask token and trained embeddings.
+      cfg.update({{"architectures", {peagle ? "PEagleSpeculator" : "Eagle3Speculator"}},
+                  {"speculators_model_type", peagle ? "peagle" : "eagle3"},
+                  {"norm_before_residual", c.norm_before_residual},
+                  {"eagle_aux_hidden_state_layer_ids", d.aux_layer_ids}});
+      if (peagle) cfg.update({{"mask_token_id", d.mask_token_id}, {"embed_requires_grad", true}});
     }
-    if (peagle) {
-      cfg["architectures"] = {"PEagleSpeculator"};
-      cfg["speculators_model_type"] = "peagle";
-      cfg["speculators_config"]["algorithm"] = "peagle";
-      cfg["mask_token_id"] = d.mask_token_id;
-      cfg["embed_requires_grad"] = true;
-    }
+    cfg["transformer_layer_config"] = layer;
   } else {
     std::vector<int64_t> sg_ids;
     for (auto id : d.aux_layer_ids) sg_ids.push_back(id - 1);

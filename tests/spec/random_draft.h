@@ -99,37 +99,65 @@ inline std::vector<spec::SpecConfig> greedy_test_configs() {
   return cfgs;
 }
 
-// The greedy-equivalence driver shared by the CPU and GPU tests: 4 random prompts, each
-// decoded greedily by the target alone (40 new tokens) and speculatively with every
-// configuration of greedy_test_configs(); `judge(prompt_i, prompt, want, cfg, got, stats)`
-// decides whether each speculative output may stand beside the target-only one. Afterwards
-// the tree configurations must have accepted draft tokens (tau > 1), so the acceptance path
+// What run_greedy_comparisons runs: the configurations, how many random prompts, and how
+// many new tokens each decoding makes.
+struct GreedyRuns {
+  std::vector<spec::SpecConfig> configs = greedy_test_configs();
+  int prompts = 4;
+  int64_t max_new_tokens = 40;
+};
+
+// The greedy-equivalence driver shared by the CPU and GPU tests and by every drafter family:
+// random prompts (from a fixed seed), each decoded greedily by the target alone and
+// speculatively with every configuration; `judge(prompt_i, prompt, want, cfg, got, stats)`
+// decides whether each speculative output may stand beside the target-only one. Where tree
+// configurations ran, they must have accepted draft tokens (tau > 1), so the acceptance path
 // is exercised, not only rejections. Call it under ASSERT_NO_FATAL_FAILURE.
 inline void run_greedy_comparisons(
     Decoder& dec, spec::DraftRunner& run, int64_t vocab, const std::string& what,
     const std::function<void(int, const std::vector<int32_t>&, const std::vector<int32_t>&, const spec::SpecConfig&,
-                             const std::vector<int32_t>&, const spec::DecodeStats&)>& judge) {
+                             const std::vector<int32_t>&, const spec::DecodeStats&)>& judge,
+    const GreedyRuns& runs = {}) {
   spec::SamplingParams greedy;
   spec::GenLimits lim;
-  lim.max_new_tokens = 40;
+  lim.max_new_tokens = runs.max_new_tokens;
   std::mt19937 rng(4);
   spec::DecodeStats tree_stats;
-  for (int prompt_i = 0; prompt_i < 4; ++prompt_i) {
+  bool trees = false;
+  for (int prompt_i = 0; prompt_i < runs.prompts; ++prompt_i) {
     std::vector<int32_t> prompt(size_t(3 + prompt_i * 5));
     for (auto& x : prompt) x = int32_t(rng() % uint32_t(vocab));
     const auto want = spec::decode_plain(dec, 0, prompt, greedy, 0, lim);
     ASSERT_EQ(int64_t(want.size()), lim.max_new_tokens);
-    for (const auto& cfg : greedy_test_configs()) {
+    for (const auto& cfg : runs.configs) {
       spec::DecodeStats st;
       const auto got = spec::decode_speculative(dec, 0, run, prompt, cfg, greedy, 0, lim, &st);
-      if (cfg.mode == spec::SpecConfig::Mode::Tree) tree_stats.add(st);
+      if (cfg.mode == spec::SpecConfig::Mode::Tree) {
+        tree_stats.add(st);
+        trees = true;
+      }
       judge(prompt_i, prompt, want, cfg, got, st);
     }
   }
+  if (!trees) return;
   int64_t acc = 0;
   for (auto a : tree_stats.accepted) acc += a;
   EXPECT_GT(acc, 0) << what;
   EXPECT_GT(tree_stats.tau(), 1.0) << what;
+}
+
+// Chains of these lengths, for the families that draft one chain a round.
+inline GreedyRuns greedy_chains(std::initializer_list<int> ks, int64_t max_new_tokens) {
+  GreedyRuns r;
+  r.configs.clear();
+  for (int k : ks) {
+    spec::SpecConfig c;
+    c.k = k;
+    r.configs.push_back(c);
+  }
+  r.prompts = 3;
+  r.max_new_tokens = max_new_tokens;
+  return r;
 }
 
 }  // namespace talon::testing

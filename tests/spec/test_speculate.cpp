@@ -146,26 +146,17 @@ TEST(Speculate, PEagleChainsKeepGreedyOutputs) {
     auto dec = make_cpu_decoder(*ck, 1, 256);
     DraftModel m = random_peagle_draft(tc, tc.vocab / 2, 23);
     DraftRunner run(m, *ck);
-    SamplingParams greedy;
-    GenLimits lim;
-    lim.max_new_tokens = 30;
-    std::mt19937 rng(4);
-    for (int prompt_i = 0; prompt_i < 3; ++prompt_i) {
-      std::vector<int32_t> prompt(size_t(3 + prompt_i * 5));
-      for (auto& x : prompt) x = int32_t(rng() % uint32_t(tc.vocab));
-      const auto want = decode_plain(*dec, 0, prompt, greedy, 0, lim);
-      for (int k : {1, 2, 5}) {
-        SpecConfig cfg;
-        cfg.k = k;
-        DecodeStats st;
-        const auto got = decode_speculative(*dec, 0, run, prompt, cfg, greedy, 0, lim, &st);
-        EXPECT_EQ(got, want) << fx << " prompt " << prompt_i << " chain " << k;
-        EXPECT_EQ(int64_t(st.tried.size()), k);
-      }
-    }
+    ASSERT_NO_FATAL_FAILURE(run_greedy_comparisons(
+        *dec, run, tc.vocab, fx,
+        [&](int prompt_i, const std::vector<int32_t>&, const std::vector<int32_t>& want, const SpecConfig& cfg,
+            const std::vector<int32_t>& got, const DecodeStats& st) {
+          EXPECT_EQ(got, want) << fx << " prompt " << prompt_i << " " << cfg.name();
+          EXPECT_EQ(int64_t(st.tried.size()), cfg.k);
+        },
+        greedy_chains({1, 2, 5}, 30)));
     SpecConfig tree;
     tree.mode = SpecConfig::Mode::Tree;
-    EXPECT_THROW(decode_speculative(*dec, 0, run, {1, 2, 3}, tree, greedy, 0, lim), Error) << fx;
+    EXPECT_THROW(decode_speculative(*dec, 0, run, {1, 2, 3}, tree, SamplingParams{}, 0, GenLimits{}), Error) << fx;
   }
 }
 
@@ -217,27 +208,18 @@ TEST(Speculate, DFlashChainsKeepGreedyOutputs) {
     auto dec = make_cpu_decoder(*ck, 1, 256);
     DraftModel m = random_dflash_draft(tc, tc.vocab / 2, 29);
     DraftRunner run(m, *ck);
-    SamplingParams greedy;
-    GenLimits lim;
-    lim.max_new_tokens = 24;
-    std::mt19937 rng(6);
-    for (int prompt_i = 0; prompt_i < 3; ++prompt_i) {
-      std::vector<int32_t> prompt(size_t(3 + prompt_i * 5));
-      for (auto& x : prompt) x = int32_t(rng() % uint32_t(tc.vocab));
-      const auto want = decode_plain(*dec, 0, prompt, greedy, 0, lim);
-      for (int k : {1, 3, 6}) {
-        SpecConfig cfg;
-        cfg.k = k;
-        DecodeStats st;
-        const auto got = decode_speculative(*dec, 0, run, prompt, cfg, greedy, 0, lim, &st);
-        EXPECT_EQ(got, want) << fx << " prompt " << prompt_i << " chain " << k;
-        for (size_t d = size_t(m.dflash.block - 1); d < st.tried.size(); ++d)
-          EXPECT_EQ(st.tried[d], 0) << "depth " << d + 1 << " beyond the block";
-      }
-    }
+    ASSERT_NO_FATAL_FAILURE(run_greedy_comparisons(
+        *dec, run, tc.vocab, fx,
+        [&](int prompt_i, const std::vector<int32_t>&, const std::vector<int32_t>& want, const SpecConfig& cfg,
+            const std::vector<int32_t>& got, const DecodeStats& st) {
+          EXPECT_EQ(got, want) << fx << " prompt " << prompt_i << " " << cfg.name();
+          for (size_t d = size_t(m.dflash.block - 1); d < st.tried.size(); ++d)
+            EXPECT_EQ(st.tried[d], 0) << "depth " << d + 1 << " beyond the block";
+        },
+        greedy_chains({1, 3, 6}, 24)));
     SpecConfig tree;
     tree.mode = SpecConfig::Mode::Tree;
-    EXPECT_THROW(decode_speculative(*dec, 0, run, {1, 2, 3}, tree, greedy, 0, lim), Error) << fx;
+    EXPECT_THROW(decode_speculative(*dec, 0, run, {1, 2, 3}, tree, SamplingParams{}, 0, GenLimits{}), Error) << fx;
   }
 }
 

@@ -340,4 +340,93 @@ Result forward(const Config& c, const Weights& w, const eagle3::TargetHead& tgt,
   return r;
 }
 
+void extend_context(const Config& c, const Weights& w, const float* aux, int64_t n, ContextCache& cc) {
+  const int64_t H = c.H, AW = c.n_aux * H, nkv = c.n_kv_heads, hd = c.head_dim, kvd = nkv * hd;
+  TALON_CHECK(n >= 0 && int64_t(w.layers.size()) == c.layers && int64_t(w.fc.size()) == H * AW,
+              "DFlash: context of {} rows for {} layers ({} given), fc of {} values", n, c.layers, w.layers.size(),
+              w.fc.size());
+  if (n == 0) return;
+  const std::vector<float> inv = rope_inv_freq(c.rope, hd);
+  const Vec a(aux, aux + n * AW);
+  Vec F, C(static_cast<size_t>(n * H));
+  ops::linear(F, a, w.fc, n, AW, H);
+  for (int64_t t = 0; t < n; ++t) ops::rmsnorm(C.data() + t * H, F.data() + t * H, w.hidden_norm.data(), H, c.rms_eps);
+  cc.k.resize(size_t(c.layers));
+  cc.v.resize(size_t(c.layers));
+  for (int64_t l = 0; l < c.layers; ++l) {
+    const Layer& L = w.layers[size_t(l)];
+    Vec kr, vr;
+    ops::linear(kr, C, L.wk, n, H, kvd);
+    ops::linear(vr, C, L.wv, n, H, kvd);
+    Vec& K = cc.k[size_t(l)];
+    const size_t at = K.size();
+    K.resize(at + size_t(n * kvd));
+    for (int64_t t = 0; t < n; ++t)
+      head_norm_rope(K.data() + at + size_t(t * kvd), kr.data() + t * kvd, nkv, hd, L.k_norm, c.rms_eps, cc.rows + t,
+                     inv);
+    cc.v[size_t(l)].insert(cc.v[size_t(l)].end(), vr.begin(), vr.end());
+  }
+  cc.rows += n;
+}
+
+std::vector<double> block_logits(const Config& c, const Weights& w, const float* embed, const ContextCache& cc,
+                                 int32_t first, int32_t mask_token) {
+  const int64_t H = c.H, I = c.I, nh = c.n_heads, nkv = c.n_kv_heads, hd = c.head_dim, B = c.block, Vd = c.Vd;
+  const int64_t qd = nh * hd, kvd = nkv * hd, grp = nh / nkv, a = cc.rows;
+  TALON_CHECK(first >= 0 && first < c.V && mask_token >= 0 && mask_token < c.V,
+              "DFlash: block tokens {} / {} outside the vocabulary of {}", first, mask_token, c.V);
+  TALON_CHECK(a == 0 || int64_t(cc.k.size()) == c.layers, "DFlash: a context cache of {} layers for {}", cc.k.size(),
+              c.layers);
+  const std::vector<float> inv = rope_inv_freq(c.rope, hd);
+  const double scale = 1.0 / std::sqrt(double(hd));
+  Vec X(static_cast<size_t>(B * H));
+  for (int64_t n = 0; n < B; ++n) {
+    const int64_t tok = n == 0 ? first : mask_token;
+    for (int64_t e = 0; e < H; ++e) X[size_t(n * H + e)] = double(embed[tok * H + e]);
+  }
+  for (int64_t l = 0; l < c.layers; ++l) {
+    const Layer& L = w.layers[size_t(l)];
+    Vec xn(static_cast<size_t>(B * H)), q_raw, kb_raw, vb;
+    for (int64_t n = 0; n < B; ++n) ops::rmsnorm(xn.data() + n * H, X.data() + n * H, L.in_ln.data(), H, c.rms_eps);
+    ops::linear(q_raw, xn, L.wq, B, H, qd);
+    ops::linear(kb_raw, xn, L.wk, B, H, kvd);
+    ops::linear(vb, xn, L.wv, B, H, kvd);
+    Vec q(q_raw.size()), kb(kb_raw.size());
+    for (int64_t n = 0; n < B; ++n) {
+      head_norm_rope(q.data() + n * qd, q_raw.data() + n * qd, nh, hd, L.q_norm, c.rms_eps, a + n, inv);
+      head_norm_rope(kb.data() + n * kvd, kb_raw.data() + n * kvd, nkv, hd, L.k_norm, c.rms_eps, a + n, inv);
+    }
+    const double* kc = a ? cc.k[size_t(l)].data() : nullptr;
+    const double* vc = a ? cc.v[size_t(l)].data() : nullptr;
+    Vec att(static_cast<size_t>(B * qd), 0.0);
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int64_t n = 0; n < B; ++n) {
+      Vec probs;
+      for (int64_t h = 0; h < nh; ++h) {
+        const int64_t off = (h / grp) * hd;
+        std::vector<const double*> kr, vr;  // the context rows, then the block's (bidirectional)
+        for (int64_t t = 0; t < a; ++t) kr.push_back(kc + t * kvd + off), vr.push_back(vc + t * kvd + off);
+        for (int64_t m = 0; m < B; ++m) kr.push_back(kb.data() + m * kvd + off), vr.push_back(vb.data() + m * kvd + off);
+        ops::attend_head(q.data() + n * qd + h * hd, kr, vr, hd, scale, att.data() + n * qd + h * hd, probs);
+      }
+    }
+    Vec o;
+    ops::linear(o, att, L.wo, B, qd, H);
+    Vec x1(static_cast<size_t>(B * H)), hm(static_cast<size_t>(B * H), 0.0);
+    for (int64_t i = 0; i < B * H; ++i) x1[size_t(i)] = X[size_t(i)] + o[size_t(i)];
+    for (int64_t n = 0; n < B; ++n) ops::rmsnorm(hm.data() + n * H, x1.data() + n * H, L.post_ln.data(), H, c.rms_eps);
+    Vec ga, up, down;
+    ops::linear(ga, hm, L.gate, B, H, I);
+    ops::linear(up, hm, L.up, B, H, I);
+    Vec act(ga.size());
+    for (size_t i = 0; i < ga.size(); ++i) act[i] = ga[i] / (1.0 + std::exp(-ga[i])) * up[i];
+    ops::linear(down, act, L.down, B, I, H);
+    for (int64_t i = 0; i < B * H; ++i) X[size_t(i)] = x1[size_t(i)] + down[size_t(i)];
+  }
+  Vec fn(static_cast<size_t>(B * H)), logits;
+  for (int64_t n = 0; n < B; ++n) ops::rmsnorm(fn.data() + n * H, X.data() + n * H, w.norm.data(), H, c.rms_eps);
+  ops::linear(logits, fn, w.lm_head, B, H, Vd);
+  return logits;
+}
+
 }  // namespace talon::dflash

@@ -90,4 +90,20 @@ Result forward(const Config& c, const Weights& w, const eagle3::TargetHead& tgt,
                const eagle3::Sample& s, const std::vector<int64_t>& anchors, int32_t mask_token,
                Grads* grads = nullptr, std::vector<double>* logits = nullptr);
 
+// Drafting at inference, with the context cached: a context row's keys and values in each
+// layer depend only on that row's aux states, so they are computed once, when the row joins
+// (extend_context), and each block reads them (block_logits) instead of recomputing the whole
+// context per round. The arithmetic is forward()'s row for row, so the logits are the same.
+struct ContextCache {
+  int64_t rows = 0;
+  std::vector<std::vector<double>> k, v;  // per layer [rows, n_kv_heads * head_dim]; k normed + RoPE
+};
+// Appends n context rows (aux fp32 [n, n_aux * H]) at positions cache.rows ...
+void extend_context(const Config& c, const Weights& w, const float* aux, int64_t n, ContextCache& cache);
+// Logits [block, Vd] of the block at anchor cache.rows (the next position): slot 0 holds
+// `first`, the others the mask token; it attends every cached row and its own block. `embed`
+// is the target's token embedding [V, H].
+std::vector<double> block_logits(const Config& c, const Weights& w, const float* embed, const ContextCache& cache,
+                                 int32_t first, int32_t mask_token);
+
 }  // namespace talon::dflash

@@ -210,8 +210,10 @@ std::unique_ptr<DraftBackend> make_cpu_draft_backend(const DraftModel& m, const 
 
 struct DraftRunner::Impl {
   std::unique_ptr<DraftBackend> be;
-  // DFlash: the target's embedding (fp32), the context rows (aux) so far and the last token.
-  std::vector<float> embed, ctx;
+  // DFlash: the target's embedding (fp32), the context so far (each row's keys and values in
+  // every layer, dflash.h: ContextCache) and the last token.
+  std::vector<float> embed;
+  dflash::ContextCache ctx;
   int32_t last_token = -1;
   std::vector<int32_t> tparent, tdepth;  // the tree's nodes (ids from 0)
   // Appends nodes with these parents to the tree above `len` step-0 rows; the rows that
@@ -298,9 +300,8 @@ void DraftRunner::extend(const int32_t* next_tokens, const float* aux, int64_t n
   TALON_CHECK(n > 0, "draft: extend with no rows");
   TALON_CHECK(tree_size() == 0, "draft: extend with {} tree rows pending (clear_tree first)", tree_size());
   if (m_.block()) {
-    const int64_t w = m_.dflash.n_aux * m_.dflash.H;
-    if (len_ == 0) impl_->ctx.clear();
-    impl_->ctx.insert(impl_->ctx.end(), aux, aux + n * w);
+    if (len_ == 0) impl_->ctx = dflash::ContextCache{};
+    dflash::extend_context(m_.dflash, m_.dweights, aux, n, impl_->ctx);
     impl_->last_token = next_tokens[n - 1];
     len_ += n;
     return;
@@ -337,18 +338,9 @@ void DraftRunner::block_step(int64_t n, float* logits, DraftTop* top) {
               n, c.block, len_);
   TALON_CHECK(impl_->last_token >= 0 && impl_->last_token < c.V, "draft: block token {} outside the vocabulary",
               impl_->last_token);
-  // One sample: the context rows, then the block's rows (their aux is never read: a block
-  // reads the context before its anchor); nothing counted, so no target row is read.
-  const int64_t T = len_ + c.block + 1, w = c.n_aux * c.H;
-  std::vector<int32_t> ids(static_cast<size_t>(T), 0);
-  ids[size_t(len_)] = impl_->last_token;
-  std::vector<uint8_t> mask(static_cast<size_t>(T), 0);
-  std::vector<float> aux(size_t(T * w), 0.0f), hidden;
-  std::copy(impl_->ctx.begin(), impl_->ctx.begin() + len_ * w, aux.begin());
-  const eagle3::TargetHead tgt{impl_->embed.data(), nullptr, nullptr, c.rms_eps};
-  const eagle3::Sample s{ids.data(), mask.data(), aux.data(), hidden.data(), T};
-  std::vector<double> lg;
-  dflash::forward(c, m_.dweights, tgt, m_.vocab, s, {len_}, m_.mask_token, nullptr, &lg);
+  TALON_CHECK(impl_->ctx.rows == len_, "draft: {} context rows cached for {} extended", impl_->ctx.rows, len_);
+  const std::vector<double> lg =
+      dflash::block_logits(c, m_.dweights, impl_->embed.data(), impl_->ctx, impl_->last_token, m_.mask_token);
   std::vector<float> rows(size_t(n * c.Vd));
   for (int64_t i = 0; i < n * c.Vd; ++i) rows[size_t(i)] = float(lg[size_t(c.Vd + i)]);  // positions 1..n
   if (logits) std::copy(rows.begin(), rows.end(), logits);

@@ -97,7 +97,7 @@ class DraftRunner {
   // token extend() was given and whose context is every row extended so far; outputs the
   // logits [n, Vd] of block positions 1..n (n <= block - 1) and top. For a DFlash draft,
   // extend() only appends context rows (its hidden / logits outputs are not written). On the
-  // CPU, with the fp64 reference (draft/dflash.h) recomputing the context each call.
+  // CPU, in fp64 against the context's cached keys and values (draft/dflash.h: block_logits).
   void block_step(int64_t n, float* logits, DraftTop* top = nullptr);
 
   // Target id of a draft-vocabulary id.

@@ -764,6 +764,55 @@ class Trainer {
     return dev_ ? run_gpu(batch, mine, weight, backward) : run_cpu(batch, mine, weight, backward);
   }
 
+  // Several processes on CPUs: the step's results and gradient tree finished on every process
+  // (grad_tree.h). This process's `pieces` (their sums in sums[0 ..]) go with its results to
+  // every process, which rebuilds every process's pieces (make(): an empty buffer; parts(buf):
+  // its named fp64 vectors, as many and as long as root's) and sums the whole tree into root.
+  // Without `backward`, only the results travel.
+  template <class Buf, class Parts, class Make, class Add, class Scratch>
+  void finish_tree(int64_t B, std::vector<TttResult>& res, const std::vector<int64_t>& mine,
+                   const std::vector<TreeNode>& pieces, std::vector<Buf>& sums, bool backward, Buf& root, Parts parts,
+                   Make make, Add add, Scratch scratch) {
+    std::string blob;
+    if (backward) {
+      put_pod(blob, uint64_t(pieces.size()));
+      for (size_t j = 0; j < pieces.size(); ++j) {
+        put_pod(blob, pieces[j].level);
+        put_pod(blob, pieces[j].index);
+        for (auto& [name, v] : parts(sums[j])) put_pods(blob, *v);
+      }
+    }
+    std::vector<std::string> theirs;
+    gather_results(res, mine, blob, &theirs);
+    if (!backward) return;
+    const auto ref = parts(root);
+    std::vector<std::pair<TreeNode, Buf>> known;
+    for (int r = 0; r < world_; ++r) {
+      PodReader in(theirs[size_t(r)], fmt::format("train: gradient pieces of rank {}", r));
+      const uint64_t n = in.get<uint64_t>();
+      for (uint64_t k = 0; k < n; ++k) {
+        TreeNode t;
+        t.level = in.get<int>();
+        t.index = in.get<int64_t>();
+        known.emplace_back(t, make());
+        auto dst = parts(known.back().second);
+        for (size_t q = 0; q < dst.size(); ++q) {
+          *dst[q].second = in.get_vec<double>();
+          TALON_CHECK(dst[q].second->size() == ref[q].second->size(),
+                      "train: gradient piece {} of rank {}: {} values, expected {}", dst[q].first, r,
+                      dst[q].second->size(), ref[q].second->size());
+        }
+      }
+    }
+    auto lookup = [&](TreeNode t) -> const Buf* {
+      for (auto& [n, g] : known)
+        if (n == t) return &g;
+      return nullptr;
+    };
+    auto no_leaf = [](int64_t i, Buf&) { fail("train: no process sent the gradient of sample {}", i); };
+    tree_sum(B, TreeNode{tree_levels(B), 0}, root, add, no_leaf, lookup, scratch);
+  }
+
   // The other families on the CPU: what a sample draws (COD elements, anchors) is seeded by
   // (seed, step, slot in the batch), so a resumed run draws the same. Gradients are summed in
   // the canonical tree over the step's samples (grad_tree.h), as EAGLE-3's CPU path does, so
@@ -771,6 +820,12 @@ class Trainer {
   // bits. Without `backward` (evaluation) each family uses its deterministic evaluation
   // sample (every chain, every anchor).
   using FamGrads = std::vector<std::vector<double>>;  // one per params_ entry
+  // A family gradient's vectors named as params_ (the buffer holds one per entry).
+  std::vector<std::pair<const char*, std::vector<double>*>> fam_parts(FamGrads& g) {
+    std::vector<std::pair<const char*, std::vector<double>*>> out;
+    for (size_t q = 0; q < params_.size(); ++q) out.emplace_back(params_[q].name, &g[q]);
+    return out;
+  }
   std::vector<TttResult> run_family(const std::vector<eagle3::Sample>& batch, const std::vector<int64_t>& mine,
                                     double weight, bool backward) {
     std::vector<TttResult> res(batch.size());
@@ -808,40 +863,10 @@ class Trainer {
         piece_sums.resize(pieces.size());
         for (size_t j = 0; j < pieces.size(); ++j) tree_sum(B, pieces[j], piece_sums[j], add, leaf, none, scratch);
       }
-      // Every process's pieces to every process, which finishes the tree from them.
-      std::string blob;
-      put_pod(blob, uint64_t(pieces.size()));
-      for (size_t j = 0; j < pieces.size(); ++j) {
-        put_pod(blob, pieces[j].level);
-        put_pod(blob, pieces[j].index);
-        for (const auto& v : piece_sums[j]) put_pods(blob, v);
-      }
-      std::vector<std::string> theirs;
-      gather_results(res, mine, blob, &theirs);
-      std::vector<std::pair<TreeNode, FamGrads>> known;
-      for (int r = 0; r < world_; ++r) {
-        PodReader in(theirs[size_t(r)], fmt::format("train: gradient pieces of rank {}", r));
-        const uint64_t n = in.get<uint64_t>();
-        for (uint64_t k = 0; k < n; ++k) {
-          TreeNode t;
-          t.level = in.get<int>();
-          t.index = in.get<int64_t>();
-          FamGrads g(params_.size());
-          for (size_t q = 0; q < params_.size(); ++q) {
-            g[q] = in.get_vec<double>();
-            TALON_CHECK(g[q].size() == params_[q].g->size(), "train: gradient piece {} of rank {}: {} values, expected {}",
-                        params_[q].name, r, g[q].size(), params_[q].g->size());
-          }
-          known.emplace_back(t, std::move(g));
-        }
-      }
-      auto lookup = [&](TreeNode t) -> const FamGrads* {
-        for (auto& [n, g] : known)
-          if (n == t) return &g;
-        return nullptr;
-      };
-      auto no_leaf = [](int64_t i, FamGrads&) { fail("train: no process sent the gradient of sample {}", i); };
-      tree_sum(B, TreeNode{tree_levels(B), 0}, root, add, no_leaf, lookup, scratch);
+      root.resize(params_.size());
+      for (size_t q = 0; q < params_.size(); ++q) root[q].resize(params_[q].g->size());  // the sizes pieces must have
+      finish_tree(B, res, mine, pieces, piece_sums, true, root, [this](FamGrads& g) { return fam_parts(g); },
+                  [this] { return FamGrads(params_.size()); }, add, scratch);
     }
     for (size_t q = 0; q < params_.size(); ++q) {
       std::vector<double>& g = *params_[q].g;
@@ -903,48 +928,9 @@ class Trainer {
       while (pieces_buf_.size() < pieces.size()) pieces_buf_.emplace_back(w_);
       for (size_t j = 0; j < pieces.size(); ++j) tree_sum(B, pieces[j], pieces_buf_[j], add, leaf, none, scratch);
     }
-    if (world_ > 1) {
-      // Every process's pieces to every process, which finishes the tree from them.
-      std::string mine_pieces;
-      if (backward) {
-        put_pod(mine_pieces, uint64_t(pieces.size()));
-        for (size_t j = 0; j < pieces.size(); ++j) {
-          put_pod(mine_pieces, pieces[j].level);
-          put_pod(mine_pieces, pieces[j].index);
-          for (auto& [name, v] : pieces_buf_[j].named()) put_pods(mine_pieces, *v);
-        }
-      }
-      std::vector<std::string> theirs;
-      gather_results(res, mine, mine_pieces, &theirs);
-      if (backward) {
-        std::vector<std::pair<TreeNode, DraftGrads>> known;
-        auto ref = grads_->named();
-        for (int r = 0; r < world_; ++r) {
-          PodReader in(theirs[size_t(r)], fmt::format("train: gradient pieces of rank {}", r));
-          const uint64_t n = in.get<uint64_t>();
-          for (uint64_t k = 0; k < n; ++k) {
-            TreeNode t;
-            t.level = in.get<int>();
-            t.index = in.get<int64_t>();
-            known.emplace_back(t, DraftGrads(w_));
-            auto dst = known.back().second.named();
-            for (size_t q = 0; q < dst.size(); ++q) {
-              *dst[q].second = in.get_vec<double>();
-              TALON_CHECK(dst[q].second->size() == ref[q].second->size(),
-                          "train: gradient piece {} of rank {}: {} values, expected {}", dst[q].first, r,
-                          dst[q].second->size(), ref[q].second->size());
-            }
-          }
-        }
-        auto lookup = [&](TreeNode t) -> const DraftGrads* {
-          for (auto& [n, g] : known)
-            if (n == t) return &g;
-          return nullptr;
-        };
-        auto no_leaf = [](int64_t i, DraftGrads&) { fail("train: no process sent the gradient of sample {}", i); };
-        tree_sum(B, TreeNode{tree_levels(B), 0}, *grads_, add, no_leaf, lookup, scratch);
-      }
-    }
+    if (world_ > 1)
+      finish_tree(B, res, mine, pieces, pieces_buf_, backward, *grads_, [](DraftGrads& g) { return g.named(); },
+                  [this] { return DraftGrads(w_); }, add, scratch);
     if (backward)
       for (auto& p : params_)
         for (auto& g : *p.g) g *= weight;

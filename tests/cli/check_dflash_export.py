@@ -23,11 +23,11 @@ import glob
 import json
 import sys
 
-import gguf
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from export_checks import GgufTarget, strict_load
 from speculators import SpeculatorModelConfig
 from speculators.losses.eager import ce_loss
 from speculators.models.dflash import DFlashDraftModel, DFlashSpeculatorConfig
@@ -79,20 +79,12 @@ assert cfg.speculators_config.proposal_methods[0].speculative_tokens == B - 1
 # Strict load.
 cfg.transformer_layer_config._attn_implementation = "eager"
 model = DFlashDraftModel(cfg).to(torch.float64)
-res = model.load_state_dict({k: v.to(torch.float64) if v.is_floating_point() else v for k, v in sd.items()},
-                            strict=False)
-assert not res.unexpected_keys, f"unexpected keys {res.unexpected_keys}"
-allowed = set(model._keys_to_ignore_on_save)
-assert set(res.missing_keys) == allowed, f"missing {res.missing_keys}, the model itself omits {allowed}"
+strict_load(model, sd)
 
 # The target's embedding, final norm and lm_head (tied: token_embd) from the GGUF.
-r = gguf.GGUFReader(gguf_path)
-t = {x.name: x for x in r.tensors}
-def deq(name):
-    x = t[name]
-    return torch.from_numpy(gguf.quants.dequantize(x.data, x.tensor_type).copy()).to(torch.float64)
+deq = GgufTarget(gguf_path)
 embed = deq("token_embd.weight")
-head = deq("output.weight") if "output.weight" in t else embed
+head = deq.lm_head()
 kept = sd["d2t"] + torch.arange(Vd)
 with torch.no_grad():
     model.embed_tokens.weight.copy_(embed)

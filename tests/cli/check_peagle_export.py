@@ -22,11 +22,11 @@ import glob
 import json
 import sys
 
-import gguf
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from export_checks import GgufTarget, strict_load
 from speculators import SpeculatorModelConfig
 from speculators.losses import resolve_loss_config
 from speculators.models.peagle import PEagleDraftModel, PEagleSpeculatorConfig
@@ -80,19 +80,11 @@ assert raw["eagle_aux_hidden_state_layer_ids"] == meta["aux_layer_ids"], raw
 # Strict load.
 cfg.transformer_layer_config._attn_implementation = "eager"
 model = PEagleDraftModel(cfg).to(torch.float64)
-res = model.load_state_dict({k: v.to(torch.float64) if v.is_floating_point() else v for k, v in sd.items()},
-                            strict=False)
-assert not res.unexpected_keys, f"unexpected keys {res.unexpected_keys}"
-allowed = set(model._keys_to_ignore_on_save)
-assert set(res.missing_keys) == allowed, f"missing {res.missing_keys}, speculators itself omits {allowed}"
+strict_load(model, sd)
 
 # The verifier's head from the GGUF target (tied embeddings: lm_head = token_embd), kept rows.
-r = gguf.GGUFReader(gguf_path)
-t = {x.name: x for x in r.tensors}
-def deq(name):
-    x = t[name]
-    return torch.from_numpy(gguf.quants.dequantize(x.data, x.tensor_type).copy()).to(torch.float64)
-head = deq("output.weight") if "output.weight" in t else deq("token_embd.weight")
+deq = GgufTarget(gguf_path)
+head = deq.lm_head()
 kept = sd["d2t"] + torch.arange(Vd)
 with torch.no_grad():
     model.verifier_lm_head.weight.copy_(head[kept])

@@ -17,9 +17,11 @@
 
 #include "backend/backend.h"
 #include "backend/cuda/cuda_decoder.h"
+#include "backend/cuda/decode_ops.h"
 #include "model/decode.h"
 #include "model/model.h"
 #include "model/random_checkpoint.h"
+#include "tests/cuda_harness.h"
 #include "tests/decode_checks.h"
 #include "tests/test_util.h"
 #include "tests/tolerances.h"
@@ -381,6 +383,121 @@ TEST(CudaDecode, ACacheThatDoesNotFitIsRefusedWithTheNumbers) {
   const std::string msg = error_of([&] { make_cuda_decoder(*ck, 0, 1, int64_t(1) << 30); });
   EXPECT_NE(msg.find("the KV cache needs 576.00 GiB"), std::string::npos) << msg;
   EXPECT_NE(msg.find("tokens each"), std::string::npos) << msg;
+}
+
+// The two attention kernels of the decoder against an fp64 reference on random caches: the
+// per-row kernel alone, and the verify tiles beside it (plan_attention), over a chain of 4 on
+// a long prefix (several key splits), a 100-node tree (two mask words per deep row, more
+// vectors than one tile), a single row, and a sliding-window chain on an empty slot (rows
+// with different lo); GQA groups of 3 and 4 and plain multi-head attention.
+TEST(CudaDecodeAttention, VerifyTilesAndPerRowKernelMatchTheReference) {
+  REQUIRE_GPU();
+  struct Shape {
+    int64_t nh, nkv, hd;
+  };
+  int sms = 0;
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
+  for (const Shape sh : {Shape{9, 3, 64}, Shape{32, 8, 128}, Shape{4, 4, 64}, Shape{8, 2, 128}}) {
+    const int64_t nh = sh.nh, nkv = sh.nkv, hd = sh.hd, n_slots = 4, max_len = 900, W = 3;
+    const std::string tag = fmt::format("nh {} nkv {} hd {}", nh, nkv, hd);
+    std::mt19937 rng(uint32_t(nh * 1000 + hd));
+    std::vector<cuda::DecodeRow> rows;
+    std::vector<uint64_t> masks;
+    auto chain = [&](int slot, int len, int n, int64_t window) {
+      for (int i = 0; i < n; ++i) {
+        const int p = len + i;
+        const int lo = window > 0 ? std::max<int>(0, p - int(window) + 1) : 0;
+        rows.push_back({slot, lo, len, len + i + 1, -1});
+      }
+    };
+    chain(0, 700, 4, 0);
+    {  // slot 1: a random 100-node tree over 37 committed tokens
+      const int len = 37, n = 100;
+      std::vector<int> par(n);
+      for (int i = 0; i < n; ++i) par[size_t(i)] = i == 0 ? -1 : int(rng() % uint32_t(i + 1)) - 1;
+      for (int i = 0; i < n; ++i) {
+        const int at = int(masks.size());
+        masks.resize(masks.size() + size_t(i / 64 + 1), 0);
+        for (int a = i; a >= 0; a = par[size_t(a)]) masks[size_t(at + a / 64)] |= uint64_t(1) << (a % 64);
+        rows.push_back({1, 0, len, len + i + 1, at});
+      }
+    }
+    chain(2, 300, 1, 0);
+    chain(3, 0, 5, W);
+    const int64_t N = int64_t(rows.size()), ld = (nh + 2 * nkv) * hd, kvd = nkv * hd;
+    const auto qkv = randn(size_t(N * ld), 3);
+    const auto kc = randn(size_t(n_slots * max_len * kvd), 4), vc = randn(size_t(n_slots * max_len * kvd), 5);
+    // fp64 reference: softmax over each row's visible keys of its slot.
+    std::vector<double> ref(size_t(N * nh * hd), 0.0);
+    for (int64_t r = 0; r < N; ++r) {
+      const cuda::DecodeRow& row = rows[size_t(r)];
+      for (int64_t h = 0; h < nh; ++h) {
+        const int64_t kh = h / (nh / nkv);
+        std::vector<double> sc;
+        std::vector<int64_t> keys;
+        for (int64_t j = row.lo; j < row.end; ++j) {
+          if (j >= row.len && row.mask >= 0) {
+            const int64_t a = j - row.len;
+            if (!((masks[size_t(row.mask + a / 64)] >> (a % 64)) & 1)) continue;
+          }
+          double d = 0;
+          for (int64_t i = 0; i < hd; ++i)
+            d += double(qkv[size_t(r * ld + h * hd + i)]) *
+                 double(kc[size_t((row.slot * max_len + j) * kvd + kh * hd + i)]);
+          sc.push_back(d / std::sqrt(double(hd)));
+          keys.push_back(j);
+        }
+        const double mx = *std::max_element(sc.begin(), sc.end());
+        double sum = 0;
+        for (double& x : sc) sum += (x = std::exp(x - mx));
+        for (size_t k = 0; k < keys.size(); ++k)
+          for (int64_t i = 0; i < hd; ++i)
+            ref[size_t((r * nh + h) * hd + i)] +=
+                sc[k] / sum * double(vc[size_t((row.slot * max_len + keys[k]) * kvd + kh * hd + i)]);
+      }
+    }
+    Guarded<__nv_bfloat16> d_qkv(qkv.size()), d_kc(kc.size()), d_vc(vc.size()), d_out(size_t(N * nh * hd));
+    d_qkv.upload(to_bf16(qkv));
+    d_kc.upload(to_bf16(kc));
+    d_vc.upload(to_bf16(vc));
+    for (const bool tiles : {false, true}) {
+      const std::string what = tag + (tiles ? ", tiles" : ", rows only");
+      const cuda::AttentionPlan plan = cuda::plan_attention(rows.data(), N, nh, nkv, tiles);
+      EXPECT_EQ(plan.tiles.empty(), !tiles) << what;
+      if (tiles) EXPECT_EQ(plan.single.size(), 1u) << what;  // the lone row of slot 2
+      const int64_t blocks = tiles ? int64_t(plan.single.size() + plan.tiles.size()) : N;
+      const cuda::DecodeSplits ks = cuda::decode_splits(plan.max_keys, blocks, nkv, sms);
+      Guarded<float> part(size_t(N * nh * ks.splits * (hd + 2)));
+      Guarded<cuda::DecodeRow> d_rows(rows.size());
+      d_rows.upload(rows);
+      Guarded<uint64_t> d_masks(masks.size());
+      d_masks.upload(masks);
+      Guarded<int32_t> d_single(std::max<size_t>(plan.single.size(), 1));
+      if (!plan.single.empty()) cudaMemcpy(d_single.ptr(), plan.single.data(), plan.single.size() * 4, cudaMemcpyHostToDevice);
+      Guarded<cuda::AttentionTile> d_tiles(std::max<size_t>(plan.tiles.size(), 1));
+      if (!plan.tiles.empty())
+        cudaMemcpy(d_tiles.ptr(), plan.tiles.data(), plan.tiles.size() * sizeof(cuda::AttentionTile),
+                   cudaMemcpyHostToDevice);
+      cuda::AttentionWork work{d_single.ptr(), int64_t(plan.single.size()), d_tiles.ptr(), int64_t(plan.tiles.size())};
+      cuda::decode_attention(reinterpret_cast<cuda::bf16*>(d_out.ptr()), part.ptr(),
+                             reinterpret_cast<const cuda::bf16*>(d_qkv.ptr()), ld, reinterpret_cast<const cuda::bf16*>(d_kc.ptr()),
+                             reinterpret_cast<const cuda::bf16*>(d_vc.ptr()), d_rows.ptr(), d_masks.ptr(), N, nh, nkv, hd,
+                             max_len, ks.splits, ks.split_len, nullptr, nullptr, tiles ? &work : nullptr);
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess) << what;
+      const auto out = to_f32(d_out.download());
+      EXPECT_TRUE(d_out.guards_intact()) << what;
+      EXPECT_TRUE(part.guards_intact()) << what;
+      for (int64_t rh = 0; rh < N * nh; ++rh) {
+        double err = 0, norm = 0;
+        for (int64_t i = 0; i < hd; ++i) {
+          const double want = ref[size_t(rh * hd + i)], got = out[size_t(rh * hd + i)];
+          err = std::max(err, std::fabs(got - want));
+          norm = std::max(norm, std::fabs(want));
+        }
+        ASSERT_LE(err, 8e-3 * std::max(norm, 0.1)) << what << ": row " << rh / nh << ", head " << rh % nh;
+      }
+    }
+  }
 }
 
 // The real SmolLM2 (head_dim 64: prefill goes through the tensor-core attention, decoding

@@ -88,6 +88,11 @@ class CudaDecoder final : public Decoder {
     // step; SmolLM2 0.94 vs 1.01 ms). TALON_CUDA_SPLIT_MERGE=1 takes the in-kernel merge.
     const char* m = std::getenv("TALON_CUDA_SPLIT_MERGE");
     merge_in_kernel_ = m && std::string(m) == "1";
+    // A request's rows (a verify chain or tree) read the committed prefix once per tile of
+    // query vectors, not once per row (decode_ops.h: AttentionTile). TALON_CUDA_VERIFY_TILES=0
+    // sends every row through the per-row kernel.
+    const char* v = std::getenv("TALON_CUDA_VERIFY_TILES");
+    verify_tiles_ = !(v && std::string(v) == "0");
   }
 
   ~CudaDecoder() override {
@@ -200,9 +205,10 @@ class CudaDecoder final : public Decoder {
   // Where each input of a forward sits in the packed block (byte offsets): fixed by the
   // forward's shape, so a graph captured for that shape reads the next forward's inputs.
   struct Layout {
-    size_t ids, pos, rows, logit_rows, masks, seq_start, tiles, bytes;
+    size_t ids, pos, rows, logit_rows, masks, seq_start, tiles, single, vtiles, bytes;
   };
-  static Layout layout(int64_t N, int64_t NL, int64_t n_masks, int64_t n_seq_start, int64_t n_tiles) {
+  static Layout layout(int64_t N, int64_t NL, int64_t n_masks, int64_t n_seq_start, int64_t n_tiles, int64_t n_single,
+                       int64_t n_vtiles) {
     Layout l{};
     size_t off = 0;
     auto place = [&](size_t bytes) {
@@ -217,6 +223,8 @@ class CudaDecoder final : public Decoder {
     l.masks = place(size_t(n_masks) * 8);
     l.seq_start = place(size_t(n_seq_start) * 8);
     l.tiles = place(size_t(n_tiles) * 4);
+    l.single = place(size_t(n_single) * 4);
+    l.vtiles = place(size_t(n_vtiles) * sizeof(cuda::AttentionTile));
     l.bytes = off;
     return l;
   }
@@ -286,12 +294,20 @@ class CudaDecoder final : public Decoder {
     const bool flash = prefill && cuda::flash_attention_supported(hd);
     const std::vector<int32_t> tiles =
         flash ? cuda::attention_tiles(seq_start.data(), int64_t(reqs.size())) : std::vector<int32_t>{};
-    const cuda::DecodeSplits ks = cuda::decode_splits(max_keys, N, nkv, dev_.multiprocessors());
+    // Rows sharing a slot go through the tile kernel together (plan_attention); with no such
+    // group every row keeps the per-row kernel, as single-token steps do.
+    cuda::AttentionPlan plan;
+    if (!flash)
+      plan = cuda::plan_attention(rows.data(), N, nh, nkv, verify_tiles_ && cuda::verify_attention_supported(hd));
+    const bool tiled = !plan.tiles.empty();
+    const int64_t n_single = tiled ? int64_t(plan.single.size()) : 0, n_vtiles = int64_t(plan.tiles.size());
+    const cuda::DecodeSplits ks = tiled ? cuda::decode_splits(plan.max_keys, n_single + n_vtiles, nkv, dev_.multiprocessors())
+                                        : cuda::decode_splits(max_keys, N, nkv, dev_.multiprocessors());
     const int64_t splits = ks.splits, split_len = ks.split_len;
     const size_t esz = dtype_size(cap.dtype);
     const int64_t n_cap = int64_t(cap.layers.size());
     const Layout lay = layout(N, NL, int64_t(masks.size()), flash ? int64_t(seq_start.size()) : 0,
-                              int64_t(tiles.size()));
+                              int64_t(tiles.size()), n_single, n_vtiles);
     ensure_acts(N, NL, flash ? 0 : N * nh * splits * (hd + 2), n_cap, int64_t(lay.bytes));
     Acts& a = *acts_;
 
@@ -307,6 +323,10 @@ class CudaDecoder final : public Decoder {
       std::memcpy(hb + lay.seq_start, seq_start.data(), seq_start.size() * 8);
       std::memcpy(hb + lay.tiles, tiles.data(), tiles.size() * 4);
     }
+    if (tiled) {
+      if (n_single > 0) std::memcpy(hb + lay.single, plan.single.data(), size_t(n_single) * 4);
+      std::memcpy(hb + lay.vtiles, plan.tiles.data(), size_t(n_vtiles) * sizeof(cuda::AttentionTile));
+    }
     CUDA_CHECK(cudaMemcpyAsync(a.in, hb, lay.bytes, cudaMemcpyHostToDevice, dev_.stream()));
     const auto* d_ids = reinterpret_cast<const int32_t*>(a.in + lay.ids);
     const auto* d_pos = reinterpret_cast<const int32_t*>(a.in + lay.pos);
@@ -315,6 +335,13 @@ class CudaDecoder final : public Decoder {
     const auto* d_masks = reinterpret_cast<const uint64_t*>(a.in + lay.masks);
     const auto* d_seq_start = reinterpret_cast<const int64_t*>(a.in + lay.seq_start);
     const auto* d_tiles = reinterpret_cast<const int32_t*>(a.in + lay.tiles);
+    cuda::AttentionWork work;
+    if (tiled) {
+      work.single = reinterpret_cast<const int32_t*>(a.in + lay.single);
+      work.n_single = n_single;
+      work.tiles = reinterpret_cast<const cuda::AttentionTile*>(a.in + lay.vtiles);
+      work.n_tiles = n_vtiles;
+    }
     cudaStream_t st = dev_.stream();
 
     // Everything from the embedding to the logits or greedy ids, on device buffers only.
@@ -345,7 +372,8 @@ class CudaDecoder final : public Decoder {
           cuda::rope_kv_cache_write(kc_[size_t(l)], vc_[size_t(l)], a.qkv, ldqkv, d_pos, w_.inv_freq, d_rows, N, nh,
                                     nkv, hd, max_len_, st);
           cuda::decode_attention(a.att, a.part, a.qkv, ldqkv, kc_[size_t(l)], vc_[size_t(l)], d_rows, d_masks, N, nh,
-                                 nkv, hd, max_len_, splits, split_len, st, merge_in_kernel_ ? a.counters : nullptr);
+                                 nkv, hd, max_len_, splits, split_len, st, merge_in_kernel_ ? a.counters : nullptr,
+                                 tiled ? &work : nullptr);
         }
       };
       cuda::dense_stack_forward(w_, c, N, {d_ids, d_pos, a.x, a.xn, a.qkv, a.att, a.tmp, a.gu, a.act}, dev_.gemm(), st,
@@ -365,8 +393,8 @@ class CudaDecoder final : public Decoder {
       }
     };
     // A graph per shape (graph_cache.h); prefills (the packed attention) run eagerly.
-    graphs_.run(fmt::format("{}/{}/{}/{}/{}/{}/{}/{}", N, NL, masks.size(), splits, split_len, ids ? 1 : 0,
-                            int(cap.dtype), fmt::join(cap.layers, ",")),
+    graphs_.run(fmt::format("{}/{}/{}/{}/{}/{}/{}/{}/{}/{}", N, NL, masks.size(), splits, split_len, n_single, n_vtiles,
+                            ids ? 1 : 0, int(cap.dtype), fmt::join(cap.layers, ",")),
                 st, device_work, !flash);
 
     // Results down.
@@ -448,6 +476,10 @@ class CudaDecoder final : public Decoder {
   Pinned in_h_, out_h_;
   cuda::GraphCache graphs_;  // of run()'s device work, by shape
   bool merge_in_kernel_ = false;
+  bool verify_tiles_ = true;
+
+ public:
+  void use_verify_tiles(bool on) { verify_tiles_ = on; }
 };
 
 }  // namespace
@@ -470,6 +502,7 @@ CudaDecoder& as_cuda(Decoder& d, const char* who) {
 }  // namespace
 void decoder_assume_length(Decoder& d, int slot, int64_t len) { as_cuda(d, "decoder_assume_length").assume_length(slot, len); }
 void decoder_use_graphs(Decoder& d, bool on) { as_cuda(d, "decoder_use_graphs").use_graphs(on); }
+void decoder_use_verify_tiles(Decoder& d, bool on) { as_cuda(d, "decoder_use_verify_tiles").use_verify_tiles(on); }
 int64_t decoder_graph_launches(Decoder& d) { return as_cuda(d, "decoder_graph_launches").graph_launches(); }
 }  // namespace cuda
 

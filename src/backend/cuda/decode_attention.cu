@@ -1,11 +1,14 @@
 // Kernels of the cached decoder (decode_ops.h): cache writes and moves, the row gather for
 // logits, and flash-decoding attention of new tokens against their slot's cached keys.
 #include <algorithm>
+#include <cmath>
 #include <cfloat>
+#include <climits>
 #include <string>
 
 #include "backend/cuda/check.h"
 #include "backend/cuda/decode_ops.h"
+#include "backend/cuda/tensor_core.cuh"
 #include "backend/cuda/warp.cuh"
 
 namespace talon::cuda {
@@ -79,9 +82,9 @@ template <bool kVec>
 __global__ void __launch_bounds__(kThreads) decode_attention_kernel(
     float* part, const bf16* qkv, int64_t ld, const bf16* kc, const bf16* vc, const DecodeRow* rows,
     const uint64_t* masks, int nh, int nkv, int hd, int64_t max_len, int n_splits, int split_len, int G, bf16* out,
-    int* counters) {
+    int* counters, const int32_t* row_idx) {
   constexpr int T = kDecodeTile;
-  const int r = blockIdx.x, split = blockIdx.z, tid = threadIdx.x, lane = tid % kWarp, warp = tid / kWarp;
+  const int r = row_idx ? row_idx[blockIdx.x] : int(blockIdx.x), split = blockIdx.z, tid = threadIdx.x, lane = tid % kWarp, warp = tid / kWarp;
   const int group = nh / nkv, chunks = group / G;
   const int kh = blockIdx.y / chunks, h0 = kh * group + (blockIdx.y % chunks) * G;
   const int hdp = kVec ? hd + 8 : hd + 2;
@@ -256,6 +259,206 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(
   if (tid == 0) *counter = 0;
 }
 
+constexpr int kPad = 8;  // bf16 elements of padding per shared row of the verify kernel
+
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+
+// Block (tile, kv head kh, split z): the tile's query vectors (decode_ops.h: AttentionTile)
+// against keys [klo + z * split_len, ...) of the union [klo, kend) of its rows' key ranges
+// (the last split runs to kend), in tiles of kKeys keys; 4 warps, 16 vectors each, warps
+// past the tile's vectors only help with the loads. Each vector's keys are its row's:
+// [lo, end), pending ones (>= len) only where its tree mask has the bit. The partial result
+// goes to part as decode_attention_kernel writes it: unnormalised output, max (log2 domain
+// of the scaled scores, -inf when no key was visible), sum.
+template <int D>
+__global__ void __launch_bounds__(kThreads) verify_attention_kernel(
+    float* part, const bf16* qkv, int64_t ld, const bf16* kc, const bf16* vc, const DecodeRow* rows,
+    const uint64_t* masks, const AttentionTile* tiles, int nh, int nkv, int64_t max_len, int n_splits, int split_len,
+    float scale_log2) {
+  constexpr int kM = kTileVectors, kKeys = 64;
+  __shared__ __align__(16) bf16 ks[kM][D + kPad];  // also stages the Q tile
+  __shared__ __align__(16) bf16 vs[kKeys][D + kPad];
+  __shared__ int v_lo[kM], v_end[kM], v_mask[kM];
+  __shared__ int s_range[2];
+  const AttentionTile tile = tiles[blockIdx.x];
+  const int kh = blockIdx.y, z = blockIdx.z, group = nh / nkv, nv = tile.n_rows * group;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const DecodeRow first = rows[tile.first_row];
+  const int len = first.len;
+  const int64_t kvd = int64_t(nkv) * D;
+  const bf16* kbase = kc + int64_t(first.slot) * max_len * kvd + int64_t(kh) * D;
+  const bf16* vbase = vc + int64_t(first.slot) * max_len * kvd + int64_t(kh) * D;
+
+  if (threadIdx.x == 0) {
+    s_range[0] = INT_MAX;
+    s_range[1] = 0;
+  }
+  __syncthreads();
+  if (threadIdx.x < kM) {
+    const int v = tile.first_vector + int(threadIdx.x);
+    int lo = 0, end = 0, mask = -1;  // vectors past the group see no key
+    if (v < nv) {
+      const DecodeRow rw = rows[tile.first_row + v / group];
+      lo = rw.lo, end = rw.end, mask = rw.mask;
+      atomicMin(&s_range[0], lo);
+      atomicMax(&s_range[1], end);
+    }
+    v_lo[threadIdx.x] = lo, v_end[threadIdx.x] = end, v_mask[threadIdx.x] = mask;
+  }
+  // The Q tile through the K buffer: vector v's head slice of its row (zero past the group).
+  constexpr int kChunks = D / 8;
+  for (int i = threadIdx.x; i < kM * kChunks; i += kThreads) {
+    const int vi = i / kChunks, c = (i % kChunks) * 8, v = tile.first_vector + vi;
+    uint4 val = make_uint4(0, 0, 0, 0);
+    if (v < nv)
+      val = *reinterpret_cast<const uint4*>(qkv + int64_t(tile.first_row + v / group) * ld +
+                                            int64_t(kh * group + v % group) * D + c);
+    *reinterpret_cast<uint4*>(&ks[vi][c]) = val;
+  }
+  __syncthreads();
+  const bool active = tile.first_vector + warp * 16 < nv;
+  uint32_t qf[D / 16][4];
+  if (active) {
+#pragma unroll
+    for (int kc2 = 0; kc2 < D / 16; ++kc2)
+      ldmatrix_x4(qf[kc2][0], qf[kc2][1], qf[kc2][2], qf[kc2][3],
+                  &ks[warp * 16 + (lane % 8) + 8 * ((lane / 8) % 2)][kc2 * 16 + 8 * (lane / 16)]);
+  }
+  const int klo = s_range[0], kend = s_range[1];
+  const int k0 = klo + z * split_len, k1 = z == n_splits - 1 ? kend : min(kend, k0 + split_len);
+  // This thread's two vectors (rows g and g + 8 of its warp's 16).
+  int my_lo[2], my_end[2], my_mask[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int vi = warp * 16 + g + 8 * r;
+    my_lo[r] = v_lo[vi], my_end[r] = v_end[vi], my_mask[r] = v_mask[vi];
+  }
+  __syncthreads();  // the Q tile is in registers; ks is free for keys
+
+  float o[D / 8][4];
+#pragma unroll
+  for (int i = 0; i < D / 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
+  float m_run[2] = {-FLT_MAX, -FLT_MAX}, l_run[2] = {0.f, 0.f};
+
+  for (int t0 = k0; t0 < k1; t0 += kKeys) {
+    const int nt = min(kKeys, k1 - t0);
+    for (int i = threadIdx.x; i < kKeys * kChunks; i += kThreads) {
+      const int j = i / kChunks, c = (i % kChunks) * 8;
+      if (j < nt) {
+        copy16_async(&ks[j][c], kbase + int64_t(t0 + j) * kvd + c);
+        copy16_async(&vs[j][c], vbase + int64_t(t0 + j) * kvd + c);
+      } else {  // zero, so that a masked key's value cannot turn 0 * v into NaN
+        *reinterpret_cast<uint4*>(&ks[j][c]) = make_uint4(0, 0, 0, 0);
+        *reinterpret_cast<uint4*>(&vs[j][c]) = make_uint4(0, 0, 0, 0);
+      }
+    }
+    asm volatile("cp.async.wait_all;\n" ::: "memory");
+    __syncthreads();
+    if (active) {
+      float sc[kKeys / 8][4];
+#pragma unroll
+      for (int i = 0; i < kKeys / 8; ++i) sc[i][0] = sc[i][1] = sc[i][2] = sc[i][3] = 0.f;
+#pragma unroll
+      for (int kc2 = 0; kc2 < D / 16; ++kc2) {
+#pragma unroll
+        for (int nb = 0; nb < kKeys / 16; ++nb) {
+          uint32_t b0, b1, b2, b3;
+          ldmatrix_x4(b0, b1, b2, b3, &ks[nb * 16 + (lane % 8) + 8 * (lane / 16)][kc2 * 16 + 8 * ((lane / 8) % 2)]);
+          mma_bf16(sc[2 * nb], qf[kc2], b0, b1);
+          mma_bf16(sc[2 * nb + 1], qf[kc2], b2, b3);
+        }
+      }
+      float mx[2] = {-FLT_MAX, -FLT_MAX};
+#pragma unroll
+      for (int n8 = 0; n8 < kKeys / 8; ++n8)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int r = e / 2, key = t0 + n8 * 8 + 2 * t + (e % 2);
+          bool visible = key < k1 && key >= my_lo[r] && key < my_end[r];
+          if (visible && key >= len && my_mask[r] >= 0) {
+            const int a = key - len;
+            visible = (masks[my_mask[r] + a / 64] >> (a % 64)) & 1ull;
+          }
+          const float v = visible ? sc[n8][e] * scale_log2 : -INFINITY;
+          sc[n8][e] = v;
+          mx[r] = fmaxf(mx[r], v);
+        }
+      float corr[2];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+        const float m_new = fmaxf(m_run[r], mx[r]);
+        corr[r] = exp2f(m_run[r] - m_new);
+        m_run[r] = m_new;
+        l_run[r] *= corr[r];
+      }
+      uint32_t pf[kKeys / 16][4], pl[kKeys / 16][4];
+#pragma unroll
+      for (int n8 = 0; n8 < kKeys / 8; ++n8) {
+        float p[4], lo[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          p[e] = exp2f(sc[n8][e] - m_run[e / 2]);  // hidden keys: exp2(-inf) = 0
+          l_run[e / 2] += p[e];
+          lo[e] = p[e] - __bfloat162float(__float2bfloat16(p[e]));
+        }
+        pf[n8 / 2][(n8 % 2) * 2 + 0] = pack_bf16(p[0], p[1]);
+        pf[n8 / 2][(n8 % 2) * 2 + 1] = pack_bf16(p[2], p[3]);
+        pl[n8 / 2][(n8 % 2) * 2 + 0] = pack_bf16(lo[0], lo[1]);
+        pl[n8 / 2][(n8 % 2) * 2 + 1] = pack_bf16(lo[2], lo[3]);
+      }
+#pragma unroll
+      for (int dt = 0; dt < D / 8; ++dt) {
+        o[dt][0] *= corr[0];
+        o[dt][1] *= corr[0];
+        o[dt][2] *= corr[1];
+        o[dt][3] *= corr[1];
+      }
+#pragma unroll
+      for (int kc2 = 0; kc2 < kKeys / 16; ++kc2) {
+        const uint32_t a[4] = {pf[kc2][0], pf[kc2][1], pf[kc2][2], pf[kc2][3]};
+        const uint32_t al[4] = {pl[kc2][0], pl[kc2][1], pl[kc2][2], pl[kc2][3]};
+#pragma unroll
+        for (int dp = 0; dp < D / 16; ++dp) {
+          uint32_t b0, b1, b2, b3;
+          ldmatrix_x4_trans(b0, b1, b2, b3, &vs[kc2 * 16 + (lane % 8) + 8 * ((lane / 8) % 2)][dp * 16 + 8 * (lane / 16)]);
+          mma_bf16(o[2 * dp], a, b0, b1);
+          mma_bf16(o[2 * dp + 1], a, b2, b3);
+          mma_bf16(o[2 * dp], al, b0, b1);
+          mma_bf16(o[2 * dp + 1], al, b2, b3);
+        }
+      }
+    }
+    __syncthreads();
+  }
+  if (!active) return;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 1);
+    l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 2);
+  }
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int v = tile.first_vector + warp * 16 + g + 8 * r;
+    if (v >= nv) continue;
+    const int64_t row = tile.first_row + v / group, h = int64_t(kh) * group + v % group;
+    float* p = part + ((row * nh + h) * n_splits + z) * (D + 2);
+#pragma unroll
+    for (int dt = 0; dt < D / 8; ++dt) {
+      p[dt * 8 + 2 * t] = o[dt][2 * r];
+      p[dt * 8 + 2 * t + 1] = o[dt][2 * r + 1];
+    }
+    if (t == 0) {
+      p[D] = l_run[r] > 0.f ? m_run[r] : -INFINITY;
+      p[D + 1] = l_run[r];
+    }
+  }
+}
+
 // One block per (row, head): merges the splits' partial outputs by their maxima. The
 // splits' (max, sum) pairs go to shared memory first (one load per thread, all in flight),
 // then each thread sums its output dims over the splits with independent loads.
@@ -346,10 +549,42 @@ void rope_kv_cache_write(bf16* kc, bf16* vc, bf16* qkv, int64_t ld, const int32_
   CUDA_LAUNCH_CHECK();
 }
 
+bool verify_attention_supported(int64_t hd) { return hd == 64 || hd == 128; }
+
+AttentionPlan plan_attention(const DecodeRow* rows, int64_t N, int64_t nh, int64_t nkv, bool tiles_ok) {
+  AttentionPlan p;
+  const int64_t group = nkv > 0 ? nh / nkv : 1;
+  for (int64_t r = 0; r < N;) {
+    int64_t e = r + 1;
+    while (e < N && rows[e].slot == rows[r].slot && rows[e].len == rows[r].len) ++e;
+    const int64_t n = e - r;
+    if (tiles_ok && n >= 2) {
+      int64_t lo = rows[r].lo, end = rows[r].end;
+      for (int64_t i = r; i < e; ++i) lo = std::min<int64_t>(lo, rows[i].lo), end = std::max<int64_t>(end, rows[i].end);
+      p.max_keys = std::max(p.max_keys, end - lo);
+      for (int64_t v = 0; v < n * group; v += kTileVectors)
+        p.tiles.push_back({int32_t(r), int32_t(n), int32_t(v), 0});
+    } else {
+      for (int64_t i = r; i < e; ++i) {
+        p.single.push_back(int32_t(i));
+        p.max_keys = std::max<int64_t>(p.max_keys, rows[i].end - rows[i].lo);
+      }
+    }
+    r = e;
+  }
+  return p;
+}
+
 void decode_attention(bf16* out, float* part, const bf16* qkv, int64_t ld, const bf16* kc, const bf16* vc,
                       const DecodeRow* rows, const uint64_t* masks, int64_t N, int64_t nh, int64_t nkv, int64_t hd,
-                      int64_t max_len, int64_t n_splits, int64_t split_len, cudaStream_t s, int* counters) {
+                      int64_t max_len, int64_t n_splits, int64_t split_len, cudaStream_t s, int* counters,
+                      const AttentionWork* work) {
   if (N == 0) return;
+  if (work && work->n_tiles > 0 && !verify_attention_supported(hd))
+    fail_msg("verify attention: head_dim " + std::to_string(hd) + " unsupported");
+  const int64_t n_rows_blocks = work ? work->n_single : N;
+  const int32_t* row_idx = work ? work->single : nullptr;
+  if (work) counters = nullptr;
   if (hd > 256) fail_msg("decode attention: head_dim " + std::to_string(hd) + " > 256 unsupported");
   // Query heads per block: the largest divisor of the group size with G * hd <= 2048 (at
   // most 8 heads), so each thread holds at most kMaxPairs outputs.
@@ -360,17 +595,33 @@ void decode_attention(bf16* out, float* part, const bf16* qkv, int64_t ld, const
   const bool vec = hd % 8 == 0;
   const int64_t hdp = vec ? hd + 8 : hd + 2;
   const size_t smem = size_t((G * hd + G * kDecodeTile + 3 * G + 3) / 4 * 4) * 4 + size_t(2 * kDecodeTile * hdp) * 2;
-  const dim3 grid(unsigned(N), unsigned(nkv * (group / G)), unsigned(n_splits));
+  const dim3 grid(unsigned(n_rows_blocks), unsigned(nkv * (group / G)), unsigned(n_splits));
   auto launch = [&](auto kernel) {
     if (smem > 48 * 1024) CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
     kernel<<<grid, kThreads, smem, s>>>(part, qkv, ld, kc, vc, rows, masks, int(nh), int(nkv), int(hd), max_len,
-                                        int(n_splits), int(split_len), int(G), out, counters);
+                                        int(n_splits), int(split_len), int(G), out, counters, row_idx);
   };
   // The in-kernel merge keeps [G, n_splits] weights where the K tile was.
   if (counters && size_t(G * n_splits) * 4 > size_t(kDecodeTile * hdp) * 2) counters = nullptr;
-  if (vec) launch(decode_attention_kernel<true>);
-  else launch(decode_attention_kernel<false>);
-  CUDA_LAUNCH_CHECK();
+  if (n_rows_blocks > 0) {
+    if (vec) launch(decode_attention_kernel<true>);
+    else launch(decode_attention_kernel<false>);
+    CUDA_LAUNCH_CHECK();
+  }
+  if (work && work->n_tiles > 0) {
+    if (ld % 8 != 0) fail_msg("verify attention: row stride must be a multiple of 8 elements");
+    const dim3 tgrid(unsigned(work->n_tiles), unsigned(nkv), unsigned(n_splits));
+    const float scale_log2 = float(1.0 / std::sqrt(double(hd)) * double(kLog2e));
+    if (hd == 64)
+      verify_attention_kernel<64><<<tgrid, kThreads, 0, s>>>(part, qkv, ld, kc, vc, rows, masks, work->tiles, int(nh),
+                                                              int(nkv), max_len, int(n_splits), int(split_len),
+                                                              scale_log2);
+    else
+      verify_attention_kernel<128><<<tgrid, kThreads, 0, s>>>(part, qkv, ld, kc, vc, rows, masks, work->tiles, int(nh),
+                                                               int(nkv), max_len, int(n_splits), int(split_len),
+                                                               scale_log2);
+    CUDA_LAUNCH_CHECK();
+  }
   if (counters) return;
   decode_combine_kernel<<<unsigned(N * nh), unsigned(hd > 64 ? 128 : 64), size_t(n_splits) * 4, s>>>(out, part, int(hd),
                                                                                                       int(n_splits));

@@ -12,6 +12,7 @@
 // masks[mask ...] (its ancestors and itself, already filtered by the sliding window).
 #pragma once
 #include <cstdint>
+#include <vector>
 
 #include "backend/cuda/ops.h"
 
@@ -48,6 +49,36 @@ void rope_kv_cache_write(bf16* kc, bf16* vc, bf16* qkv, int64_t ld, const int32_
                          const DecodeRow* rows, int64_t N, int64_t nh, int64_t nkv, int64_t hd, int64_t max_len,
                          cudaStream_t s);
 
+// Verify attention: rows of one forward that share a slot and a committed length (a
+// request's chain or tree of pending tokens) attend to the same committed prefix. Reading it
+// once per row costs the prefix bytes times the row count; a tile of such rows reads each
+// key once for all of them. A tile holds up to kTileVectors query vectors of one row group:
+// vector v of the group is query head (v % group) of kv head blockIdx.y, row first_row + v /
+// group (group = nh / nkv), and S = Q K^T, O += P V run on tensor cores (mma.sync bf16,
+// fp32 accumulators, P kept as a hi + lo pair of bf16 terms, as in attention.cu).
+inline constexpr int kTileVectors = 64;
+struct AttentionTile {
+  int32_t first_row, n_rows, first_vector, unused;
+};
+// Which rows of a forward go through the per-row kernel (`single`) and which through tiles,
+// and the key count decode_splits should be sized for (a tile spans its rows' union of keys).
+// Groups of at least two rows become tiles when `tiles_ok` (verify_attention_supported and
+// not switched off); every other row stays single.
+struct AttentionPlan {
+  std::vector<int32_t> single;
+  std::vector<AttentionTile> tiles;
+  int64_t max_keys = 0;
+};
+bool verify_attention_supported(int64_t hd);
+AttentionPlan plan_attention(const DecodeRow* rows, int64_t N, int64_t nh, int64_t nkv, bool tiles_ok);
+// The plan's lists on the device, for decode_attention.
+struct AttentionWork {
+  const int32_t* single = nullptr;
+  int64_t n_single = 0;
+  const AttentionTile* tiles = nullptr;
+  int64_t n_tiles = 0;
+};
+
 // Attention of N query rows (q at column 0 of the fused qkv) against the cache, flash-
 // decoding style: the key range of each row is cut into n_splits pieces of split_len keys
 // (a multiple of kDecodeTile); each (row, kv head, split) block handles all the query heads
@@ -56,9 +87,13 @@ void rope_kv_cache_write(bf16* kc, bf16* vc, bf16* qkv, int64_t ld, const int32_
 // part must hold N * nh * n_splits * (hd + 2) floats. With `counters` (N * nh ints, zero
 // before the first call; each launch leaves them zero) there is no combine pass: the last
 // block of each (row, kv head) to finish merges its heads' splits (one launch, not two).
+// With `work` (a plan_attention of these rows, on the device), the per-row kernel runs only
+// over work->single and the tiles go through the verify kernel (see AttentionTile); both
+// write the same partial results, merged by one combine pass (counters are then unused).
 void decode_attention(bf16* out, float* part, const bf16* qkv, int64_t ld, const bf16* kc, const bf16* vc,
                       const DecodeRow* rows, const uint64_t* masks, int64_t N, int64_t nh, int64_t nkv, int64_t hd,
-                      int64_t max_len, int64_t n_splits, int64_t split_len, cudaStream_t s, int* counters = nullptr);
+                      int64_t max_len, int64_t n_splits, int64_t split_len, cudaStream_t s, int* counters = nullptr,
+                      const AttentionWork* work = nullptr);
 
 // out[i, :] = in[idx[i], :] for n rows of C bf16 values (the rows that need logits).
 void gather_rows(bf16* out, const bf16* in, const int32_t* idx, int64_t n, int64_t C, cudaStream_t s);

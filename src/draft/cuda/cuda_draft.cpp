@@ -7,7 +7,9 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
+#include <string>
 
 #include "backend/cuda/check.h"
 #include "backend/cuda/decode_ops.h"
@@ -108,7 +110,15 @@ class CudaDraftBackend final : public DraftBackend {
       rows[size_t(r)] = DecodeRow{0, 0, dr.len[size_t(r)], end, dr.mask[size_t(r)]};
       max_keys = std::max<int64_t>(max_keys, end);
     }
-    const cuda::DecodeSplits ks = cuda::decode_splits(max_keys, N, nkv, dev_.multiprocessors());
+    // A tree step's rows share the step-0 prefix: one tile of query vectors reads it once
+    // (decode_ops.h: AttentionTile). TALON_CUDA_VERIFY_TILES=0 keeps the per-row kernel.
+    const char* vt = std::getenv("TALON_CUDA_VERIFY_TILES");
+    const cuda::AttentionPlan plan = cuda::plan_attention(
+        rows.data(), N, nh, nkv, !(vt && std::string(vt) == "0") && cuda::verify_attention_supported(hd));
+    const bool tiled = !plan.tiles.empty();
+    const int64_t n_single = tiled ? int64_t(plan.single.size()) : 0, n_vtiles = int64_t(plan.tiles.size());
+    const cuda::DecodeSplits ks = tiled ? cuda::decode_splits(plan.max_keys, n_single + n_vtiles, nkv, dev_.multiprocessors())
+                                        : cuda::decode_splits(max_keys, N, nkv, dev_.multiprocessors());
     const int64_t splits = ks.splits, split_len = ks.split_len;
     const int64_t in_w = from_aux ? 3 * H : H;
     // The inputs packed at offsets fixed by the shape (a replayed graph reads them there):
@@ -120,7 +130,8 @@ class CudaDraftBackend final : public DraftBackend {
       return at;
     };
     const size_t o_ids = place(size_t(N) * 4), o_pos = place(size_t(N) * 4), o_rows = place(size_t(N) * sizeof(DecodeRow)),
-                 o_masks = place(dr.masks.size() * 8), o_in = place(size_t(N * in_w) * 4);
+                 o_masks = place(dr.masks.size() * 8), o_in = place(size_t(N * in_w) * 4),
+                 o_single = place(size_t(n_single) * 4), o_tiles = place(size_t(n_vtiles) * sizeof(cuda::AttentionTile));
     ensure_acts(N, N * nh * splits * (hd + 2), int64_t(off));
     Acts& a = *acts_;
     if (staged_bytes_ < off) {
@@ -135,6 +146,8 @@ class CudaDraftBackend final : public DraftBackend {
     std::memcpy(hb + o_rows, rows.data(), size_t(N) * sizeof(DecodeRow));
     if (!dr.masks.empty()) std::memcpy(hb + o_masks, dr.masks.data(), dr.masks.size() * 8);
     std::memcpy(hb + o_in, in, size_t(N * in_w) * 4);
+    if (n_single > 0) std::memcpy(hb + o_single, plan.single.data(), size_t(n_single) * 4);
+    if (tiled) std::memcpy(hb + o_tiles, plan.tiles.data(), size_t(n_vtiles) * sizeof(cuda::AttentionTile));
     cudaStream_t s = dev_.stream();
     CUDA_CHECK(cudaMemcpyAsync(a.inputs, hb, off, cudaMemcpyHostToDevice, s));
     const auto* ids = reinterpret_cast<const int32_t*>(a.inputs + o_ids);
@@ -142,6 +155,8 @@ class CudaDraftBackend final : public DraftBackend {
     const auto* drows = reinterpret_cast<const DecodeRow*>(a.inputs + o_rows);
     const auto* masks = reinterpret_cast<const uint64_t*>(a.inputs + o_masks);
     const auto* din = reinterpret_cast<const float*>(a.inputs + o_in);
+    const cuda::AttentionWork work{reinterpret_cast<const int32_t*>(a.inputs + o_single), n_single,
+                                   reinterpret_cast<const cuda::AttentionTile*>(a.inputs + o_tiles), n_vtiles};
     const int64_t first = last_only ? N - 1 : 0, n_out = N - first;
 
     auto device_work = [&] {
@@ -164,7 +179,7 @@ class CudaDraftBackend final : public DraftBackend {
       dev_.gemm().forward(a.qkv, a.xin, wqkv_, N, 2 * H, ld, s);
       cuda::rope_kv_cache_write(kc_, vc_, a.qkv, ld, pos, inv_freq_, drows, N, nh, nkv, hd, max_rows_, s);
       cuda::decode_attention(a.att, a.part, a.qkv, ld, kc_, vc_, drows, masks, N, nh, nkv, hd, max_rows_, splits,
-                             split_len, s);
+                             split_len, s, nullptr, tiled ? &work : nullptr);
       dev_.gemm().forward(a.tmp, a.att, wo_, N, qd, H, s);
       if (c.norm_before_residual) cuda::bf16_to_f32(a.x, a.gn, N * H, s);
       cuda::add_rmsnorm_forward(a.hm, a.x, a.tmp, post_ln_, N, H, eps, s);
@@ -177,8 +192,8 @@ class CudaDraftBackend final : public DraftBackend {
       cuda::bf16_to_f32(a.lg32, a.lg, n_out * Vd, s);
       if (top_k > 0) cuda::topk_logsoftmax(a.top_ids, a.top_lp, a.lg32, n_out, Vd, top_k, s);
     };
-    graphs_.run(fmt::format("{}/{}/{}/{}/{}/{}/{}", N, int(from_aux), int(last_only), dr.masks.size(), splits,
-                            split_len, top_k),
+    graphs_.run(fmt::format("{}/{}/{}/{}/{}/{}/{}/{}/{}", N, int(from_aux), int(last_only), dr.masks.size(), splits,
+                            split_len, top_k, n_single, n_vtiles),
                 s, device_work);
     CUDA_CHECK(cudaMemcpyAsync(hidden, a.x + first * H, size_t(n_out * H) * 4, cudaMemcpyDeviceToHost, s));
     if (logits) CUDA_CHECK(cudaMemcpyAsync(logits, a.lg32, size_t(n_out * Vd) * 4, cudaMemcpyDeviceToHost, s));

@@ -464,7 +464,9 @@ TEST(CudaDecodeAttention, VerifyTilesAndPerRowKernelMatchTheReference) {
       const std::string what = tag + (tiles ? ", tiles" : ", rows only");
       const cuda::AttentionPlan plan = cuda::plan_attention(rows.data(), N, nh, nkv, tiles);
       EXPECT_EQ(plan.tiles.empty(), !tiles) << what;
-      if (tiles) EXPECT_EQ(plan.single.size(), 1u) << what;  // the lone row of slot 2
+      if (tiles) {
+        EXPECT_EQ(plan.single.size(), 1u) << what;  // the lone row of slot 2
+      }
       const int64_t blocks = tiles ? int64_t(plan.single.size() + plan.tiles.size()) : N;
       const cuda::DecodeSplits ks = cuda::decode_splits(plan.max_keys, blocks, nkv, sms);
       Guarded<float> part(size_t(N * nh * ks.splits * (hd + 2)));

@@ -1,5 +1,9 @@
 #include "backend/cuda/dense_block.h"
 
+#include <cstdint>
+
+#include "backend/cuda/check.h"
+
 namespace talon::cuda {
 
 void dense_stack_forward(const DenseDeviceWeights& w, const ModelConfig& c, int64_t N, const DenseActs& a, Gemm& gemm,
@@ -9,7 +13,36 @@ void dense_stack_forward(const DenseDeviceWeights& w, const ModelConfig& c, int6
   const float eps = float(c.rms_eps);
   embedding_forward(a.x, a.ids, w.embed, N, H, V, s);
   const bf16* pending = nullptr;  // residual branch output not yet added to x
-  for (int64_t l = 0; l < c.n_layers; ++l) {
+  // One token: norms, residual adds and SwiGLU ride in the skinny products (ops.h:
+  // skinny_fused): 7 launches a layer instead of 10. Not with a
+  // tensor-parallel all-reduce, which must see each branch output before it is added.
+  bool fuse = N == 1 && !hooks.allreduce && skinny_fusion_enabled() && skinny_fused_fits(H) &&
+              skinny_fused_fits(qd) && skinny_fused_fits(I);
+  for (size_t l = 0; l < w.layers.size() && fuse; ++l)
+    for (const bf16* p : {w.layers[l].wqkv, w.layers[l].wo, w.layers[l].wgu, w.layers[l].wdown})
+      fuse = fuse && reinterpret_cast<uintptr_t>(p) % 16 == 0;
+  for (int64_t l = 0; l < c.n_layers && fuse; ++l) {
+    const DenseLayerDev& L = w.layers[size_t(l)];
+    hooks.capture(l);  // x = h[l]: the last layer's products went straight into it
+    auto run = [&](const SkinnyFused& f, const bf16* wt, int64_t K, int64_t O) {
+      if (!skinny_fused(f, wt, K, O, s)) fail_msg("dense stack: a fused one-row product was refused");
+    };
+    run({SkinnyIn::Norm, nullptr, a.x, L.attn_norm, eps, a.qkv, nullptr}, L.wqkv, H, ldqkv);
+    if (L.bqkv) bias_forward(a.qkv, ldqkv, L.bqkv, N, ldqkv, s);
+    if (L.q_norm) {
+      head_rmsnorm_forward(a.qkv, ldqkv, L.q_norm, N, nh, hd, eps, s);
+      head_rmsnorm_forward(a.qkv + qd, ldqkv, L.k_norm, N, nkv, hd, eps, s);
+    }
+    if (!hooks.attention_rotates) {
+      rope_forward(a.qkv, ldqkv, a.pos, w.inv_freq, N, nh, hd, s);
+      rope_forward(a.qkv + qd, ldqkv, a.pos, w.inv_freq, N, nkv, hd, s);
+    }
+    hooks.attention(l);
+    run({SkinnyIn::Plain, a.att, nullptr, nullptr, 0.f, nullptr, a.x}, L.wo, qd, H);
+    run({SkinnyIn::Norm, nullptr, a.x, L.mlp_norm, eps, a.gu, nullptr}, L.wgu, H, 2 * I);
+    run({SkinnyIn::Swiglu, a.gu, nullptr, nullptr, 0.f, nullptr, a.x}, L.wdown, I, H);
+  }
+  for (int64_t l = 0; l < c.n_layers && !fuse; ++l) {
     const DenseLayerDev& L = w.layers[size_t(l)];
     // x += pending (previous MLP); capture h[l]; xn = norm(x)
     if (pending) {

@@ -7,6 +7,8 @@
 #include <cstdint>
 
 #include "backend/cuda/check.h"
+#include "backend/cuda/kernels/reduce.cuh"
+#include "backend/cuda/kernels/swiglu.cuh"
 #include "backend/cuda/ops.h"
 
 namespace talon::cuda {
@@ -61,6 +63,56 @@ __global__ void __launch_bounds__(kGemvWarps * 32) skinny_kernel(Out* out, const
   }
 }
 
+// One row with its neighbours folded in (ops.h: skinny_fused). The block first forms the
+// input row in shared memory when it is a norm or a SwiGLU of another row (every block the
+// same values: the formulas and rounding of rmsnorm_forward and swiglu_forward), then each
+// warp takes one column as skinny_kernel does.
+template <int kIn, bool kAdd>
+__global__ void __launch_bounds__(kGemvWarps * 32) skinny_fused_kernel(bf16* out, float* residual, const uint4* in,
+                                                                         const float* x, const bf16* g, float eps,
+                                                                         const uint4* w, int K, int O) {
+  extern __shared__ uint4 staged[];
+  __shared__ float sh[33];
+  const int K8 = K / 8, tid = threadIdx.x, lane = tid % 32;
+  const uint4* src = in;
+  if constexpr (kIn == int(SkinnyIn::Norm)) {
+    float ss = 0.f;
+    for (int c = tid; c < K; c += blockDim.x) ss += x[c] * x[c];
+    ss = block_sum(ss, sh);
+    const float k = rsqrtf(ss / float(K) + eps);
+    bf16* xb = reinterpret_cast<bf16*>(staged);
+    for (int c = tid; c < K; c += blockDim.x) xb[c] = __float2bfloat16(x[c] * k * __bfloat162float(g[c]));
+    __syncthreads();
+    src = staged;
+  } else if constexpr (kIn == int(SkinnyIn::Swiglu)) {
+    const bf16* gu = reinterpret_cast<const bf16*>(in);  // [gate K | up K]
+    bf16* xb = reinterpret_cast<bf16*>(staged);
+    for (int c = tid; c < K; c += blockDim.x)
+      xb[c] = __float2bfloat16(silu_times(__bfloat162float(gu[c]), __bfloat162float(gu[K + c])));
+    __syncthreads();
+    src = staged;
+  }
+  const int o = blockIdx.x * kGemvWarps + tid / 32;
+  if (o >= O) return;
+  const uint4* wr = w + int64_t(o) * K8;
+  float acc = 0.f;
+  int c = lane;
+  for (; c + 32 * (kUnroll - 1) < K8; c += 32 * kUnroll) {
+    uint4 wv[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) wv[u] = __ldcs(wr + c + 32 * u);
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) acc += dot8(wv[u], src[c + 32 * u]);
+  }
+  for (; c < K8; c += 32) acc += dot8(__ldcs(wr + c), src[c]);
+  for (int sft = 16; sft > 0; sft >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, sft);
+  if (lane != 0) return;
+  if constexpr (kAdd)
+    residual[o] += __bfloat162float(__float2bfloat16(acc));  // the branch output in bf16, as the unfused path
+  else
+    out[o] = __float2bfloat16(acc);
+}
+
 template <class Out>
 void launch(Out* out, const bf16* in, const bf16* w, int64_t N, int64_t K, int64_t O, cudaStream_t s) {
   const dim3 grid(unsigned((O + kGemvWarps - 1) / kGemvWarps)), block(kGemvWarps * 32);
@@ -96,6 +148,29 @@ bool skinny_gemm(bf16* out, const bf16* in, const bf16* w, int64_t N, int64_t K,
 bool skinny_gemm(float* out, const bf16* in, const bf16* w, int64_t N, int64_t K, int64_t O, cudaStream_t s) {
   if (!fits(in, w, N, K, O)) return false;
   launch(out, in, w, N, K, O, s);
+  return true;
+}
+
+bool skinny_fused_fits(int64_t K) { return K > 0 && K % 8 == 0 && K <= kSkinnyFusedMaxK; }
+
+bool skinny_fused(const SkinnyFused& f, const bf16* w, int64_t K, int64_t O, cudaStream_t s) {
+  if (!skinny_fused_fits(K) || O >= (int64_t(1) << 31) || (f.residual == nullptr) == (f.out == nullptr)) return false;
+  if (reinterpret_cast<uintptr_t>(w) % 16 != 0 || reinterpret_cast<uintptr_t>(f.in) % 16 != 0) return false;
+  const dim3 grid(unsigned((O + kGemvWarps - 1) / kGemvWarps)), block(kGemvWarps * 32);
+  const size_t smem = f.kind == SkinnyIn::Plain ? 0 : size_t(K) * 2;
+  const auto* in = reinterpret_cast<const uint4*>(f.in);
+  const auto* wv = reinterpret_cast<const uint4*>(w);
+  const int Ki = int(K), Oi = int(O);
+  auto go = [&](auto kernel) {
+    kernel<<<grid, block, smem, s>>>(f.out, f.residual, in, f.x, f.norm_w, f.eps, wv, Ki, Oi);
+  };
+  const bool add = f.residual != nullptr;
+  switch (f.kind) {
+    case SkinnyIn::Plain: add ? go(skinny_fused_kernel<int(SkinnyIn::Plain), true>) : go(skinny_fused_kernel<int(SkinnyIn::Plain), false>); break;
+    case SkinnyIn::Norm: add ? go(skinny_fused_kernel<int(SkinnyIn::Norm), true>) : go(skinny_fused_kernel<int(SkinnyIn::Norm), false>); break;
+    case SkinnyIn::Swiglu: add ? go(skinny_fused_kernel<int(SkinnyIn::Swiglu), true>) : go(skinny_fused_kernel<int(SkinnyIn::Swiglu), false>); break;
+  }
+  CUDA_LAUNCH_CHECK();
   return true;
 }
 

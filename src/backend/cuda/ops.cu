@@ -215,19 +215,25 @@ Gemm::~Gemm() {
   cublasLtDestroy(impl_->lt);
 }
 
-namespace {
-bool skinny_on() {
+bool skinny_enabled() {
   static const bool on = [] {
     const char* e = std::getenv("TALON_CUDA_GEMV");
     return !(e && e[0] == '0');
   }();
   return on;
 }
-}  // namespace
+
+bool skinny_fusion_enabled() {
+  static const bool on = [] {
+    const char* e = std::getenv("TALON_CUDA_FUSE");
+    return skinny_enabled() && !(e && e[0] == '0');
+  }();
+  return on;
+}
 
 void Gemm::forward(bf16* out, const bf16* in, const bf16* w, int64_t N, int64_t K, int64_t O, cudaStream_t s) {
   if (N == 0) return;
-  if (N <= kSkinnyAutoRows && skinny_on() && skinny_gemm(out, in, w, N, K, O, s)) return;
+  if (N <= kSkinnyAutoRows && skinny_enabled() && skinny_gemm(out, in, w, N, K, O, s)) return;
   auto& p = impl_->plan(N, K, O, false);
   const float alpha = 1.f, beta = 0.f;
   CUBLAS_CHECK(cublasLtMatmul(impl_->lt, p.op, &alpha, w, p.a, in, p.b, &beta, out, p.c, out, p.c, &p.algo,
@@ -237,7 +243,7 @@ void Gemm::forward(bf16* out, const bf16* in, const bf16* w, int64_t N, int64_t 
 
 void Gemm::forward(float* out, const bf16* in, const bf16* w, int64_t N, int64_t K, int64_t O, cudaStream_t s) {
   if (N == 0) return;
-  if (N <= kSkinnyAutoRows && skinny_on() && skinny_gemm(out, in, w, N, K, O, s)) return;
+  if (N <= kSkinnyAutoRows && skinny_enabled() && skinny_gemm(out, in, w, N, K, O, s)) return;
   auto& p = impl_->plan(N, K, O, true);
   const float alpha = 1.f, beta = 0.f;
   CUBLAS_CHECK(cublasLtMatmul(impl_->lt, p.op, &alpha, w, p.a, in, p.b, &beta, out, p.c, out, p.c, &p.algo,

@@ -74,6 +74,38 @@ inline constexpr int64_t kSkinnyAutoRows = 1;
 bool skinny_gemm(bf16* out, const bf16* in, const bf16* w, int64_t N, int64_t K, int64_t O, cudaStream_t s);
 bool skinny_gemm(float* out, const bf16* in, const bf16* w, int64_t N, int64_t K, int64_t O, cudaStream_t s);
 
+// One-row products with the layer's small neighbours folded in (gemv.cu), for decoding one
+// token (dense_block.cpp): instead of norm -> product or product -> residual add as two
+// launches, the input row is formed by every block in shared memory and the output can go
+// straight into the residual stream. Inputs:
+//   Plain:  in (bf16, K values);
+//   Norm:   rmsnorm(x) * norm_w of the fp32 row x (K values, eps), rounded to bf16, the
+//           formula of rmsnorm_forward;
+//   Swiglu: silu(gate) * up of the bf16 row in = [gate K | up K], rounded to bf16, the formula
+//           of swiglu_forward.
+// Output: out[o] = bf16(acc), or residual[o] += bf16(acc) (fp32 residual; the branch output
+// rounded to bf16 as the unfused path adds it). Exactly one of out and residual is set. False
+// (nothing launched) when K is not a multiple of 8, K > kSkinnyFusedMaxK (the staged row must
+// fit in shared memory), or a pointer is not 16-byte aligned.
+enum class SkinnyIn { Plain, Norm, Swiglu };
+inline constexpr int64_t kSkinnyFusedMaxK = 16384;  // 32 KiB of staged bf16
+struct SkinnyFused {
+  SkinnyIn kind = SkinnyIn::Plain;
+  const bf16* in = nullptr;      // Plain, Swiglu
+  const float* x = nullptr;      // Norm
+  const bf16* norm_w = nullptr;  // Norm
+  float eps = 0.f;
+  bf16* out = nullptr;
+  float* residual = nullptr;
+};
+bool skinny_fused_fits(int64_t K);
+bool skinny_fused(const SkinnyFused& f, const bf16* w, int64_t K, int64_t O, cudaStream_t s);
+// Whether Gemm takes skinny products at all (TALON_CUDA_GEMV=0 turns them off) and whether the
+// dense stack folds norms, residual adds and SwiGLU into them at one token
+// (TALON_CUDA_FUSE=0 turns that off).
+bool skinny_enabled();
+bool skinny_fusion_enabled();
+
 // out[N, O] (bf16) = in[N, K] (bf16) @ w[O, K]^T, fp32 accumulation, through cuBLASLt; up to
 // kSkinnyAutoRows rows through skinny_gemm instead (TALON_CUDA_GEMV=0 in the environment:
 // cuBLASLt for every shape).

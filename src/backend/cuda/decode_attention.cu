@@ -463,6 +463,7 @@ __global__ void __launch_bounds__(kThreads) verify_attention_kernel(
 // splits' (max, sum) pairs go to shared memory first (one load per thread, all in flight),
 // then each thread sums its output dims over the splits with independent loads.
 __global__ void decode_combine_kernel(bf16* out, const float* part, int hd, int n_splits) {
+  allow_dependents();  // the o product prefetches its weights meanwhile (warp.cuh)
   extern __shared__ float wsh[];  // [n_splits] weights, then 2 for M and L
   const int64_t rh = blockIdx.x;
   const float* p = part + rh * n_splits * (hd + 2);

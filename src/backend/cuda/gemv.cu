@@ -10,6 +10,7 @@
 #include "backend/cuda/kernels/reduce.cuh"
 #include "backend/cuda/kernels/swiglu.cuh"
 #include "backend/cuda/ops.h"
+#include "backend/cuda/warp.cuh"
 
 namespace talon::cuda {
 
@@ -17,6 +18,7 @@ namespace {
 
 constexpr int kGemvWarps = 8;  // output columns per block
 constexpr int kUnroll = 4;     // 16-byte weight loads in flight per lane
+constexpr int kPrefetch = 8;   // 16-byte weight loads per lane issued before the inputs are ready
 
 __device__ __forceinline__ float lo_bf16(uint32_t w) { return __uint_as_float(w << 16); }
 __device__ __forceinline__ float hi_bf16(uint32_t w) { return __uint_as_float(w & 0xffff0000u); }
@@ -30,17 +32,32 @@ __device__ __forceinline__ float dot8(const uint4& a, const uint4& b) {
 __device__ __forceinline__ void store_out(bf16* p, float v) { *p = __float2bfloat16(v); }
 __device__ __forceinline__ void store_out(float* p, float v) { *p = v; }
 
-// Warp w of block b: column o = b * kGemvWarps + w. K8 = K / 8 chunks of 16 bytes.
+// Warp w of block b: column o = b * kGemvWarps + w. K8 = K / 8 chunks of 16 bytes. The first
+// kPrefetch chunks of each lane's weights are loaded before grid_dependency_wait(): launched
+// with launch_dependent, the kernel streams weights while the kernel before it finishes.
 template <int kN, class Out>
 __global__ void __launch_bounds__(kGemvWarps * 32) skinny_kernel(Out* out, const uint4* in, const uint4* w, int K8, int O) {
+  allow_dependents();
   const int lane = threadIdx.x % 32;
   const int o = blockIdx.x * kGemvWarps + threadIdx.x / 32;
-  if (o >= O) return;
+  if (o >= O) {
+    grid_dependency_wait();
+    return;
+  }
   const uint4* wr = w + int64_t(o) * K8;
+  uint4 pre[kPrefetch];
+#pragma unroll
+  for (int u = 0; u < kPrefetch; ++u) pre[u] = lane + 32 * u < K8 ? __ldcs(wr + lane + 32 * u) : uint4{};
+  grid_dependency_wait();
   float acc[kN];
 #pragma unroll
   for (int n = 0; n < kN; ++n) acc[n] = 0.f;
-  int c = lane;
+#pragma unroll
+  for (int u = 0; u < kPrefetch; ++u)
+    if (lane + 32 * u < K8)
+#pragma unroll
+      for (int n = 0; n < kN; ++n) acc[n] += dot8(pre[u], __ldg(in + int64_t(n) * K8 + lane + 32 * u));
+  int c = lane + 32 * kPrefetch;
   for (; c + 32 * (kUnroll - 1) < K8; c += 32 * kUnroll) {
     uint4 wv[kUnroll];
 #pragma unroll
@@ -73,7 +90,14 @@ __global__ void __launch_bounds__(kGemvWarps * 32) skinny_fused_kernel(bf16* out
                                                                          const uint4* w, int K, int O) {
   extern __shared__ uint4 staged[];
   __shared__ float sh[33];
+  allow_dependents();
   const int K8 = K / 8, tid = threadIdx.x, lane = tid % 32;
+  const int o = blockIdx.x * kGemvWarps + tid / 32;
+  const uint4* wr = w + int64_t(o < O ? o : 0) * K8;
+  uint4 pre[kPrefetch];
+#pragma unroll
+  for (int u = 0; u < kPrefetch; ++u) pre[u] = o < O && lane + 32 * u < K8 ? __ldcs(wr + lane + 32 * u) : uint4{};
+  grid_dependency_wait();
   const uint4* src = in;
   if constexpr (kIn == int(SkinnyIn::Norm)) {
     float ss = 0.f;
@@ -92,11 +116,12 @@ __global__ void __launch_bounds__(kGemvWarps * 32) skinny_fused_kernel(bf16* out
     __syncthreads();
     src = staged;
   }
-  const int o = blockIdx.x * kGemvWarps + tid / 32;
   if (o >= O) return;
-  const uint4* wr = w + int64_t(o) * K8;
   float acc = 0.f;
-  int c = lane;
+#pragma unroll
+  for (int u = 0; u < kPrefetch; ++u)
+    if (lane + 32 * u < K8) acc += dot8(pre[u], src[lane + 32 * u]);
+  int c = lane + 32 * kPrefetch;
   for (; c + 32 * (kUnroll - 1) < K8; c += 32 * kUnroll) {
     uint4 wv[kUnroll];
 #pragma unroll
@@ -113,23 +138,41 @@ __global__ void __launch_bounds__(kGemvWarps * 32) skinny_fused_kernel(bf16* out
     out[o] = __float2bfloat16(acc);
 }
 
+// A launch that may overlap the end of the kernel before it on the stream (warp.cuh:
+// grid_dependency_wait), where dependent_launch_enabled().
+template <class... P, class... A>
+void launch_dependent(void (*kernel)(P...), dim3 grid, dim3 block, size_t smem, cudaStream_t s, A... args) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = s;
+  cudaLaunchAttribute attr = {};
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = &attr;
+  cfg.numAttrs = dependent_launch_enabled() ? 1 : 0;
+  CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, P(args)...));
+  CUDA_LAUNCH_CHECK();
+}
+
 template <class Out>
 void launch(Out* out, const bf16* in, const bf16* w, int64_t N, int64_t K, int64_t O, cudaStream_t s) {
   const dim3 grid(unsigned((O + kGemvWarps - 1) / kGemvWarps)), block(kGemvWarps * 32);
   const auto* x = reinterpret_cast<const uint4*>(in);
   const auto* wv = reinterpret_cast<const uint4*>(w);
   const int K8 = int(K / 8), Oi = int(O);
+  auto go = [&](auto kernel) { launch_dependent(kernel, grid, block, 0, s, out, x, wv, K8, Oi); };
   switch (N) {
-    case 1: skinny_kernel<1><<<grid, block, 0, s>>>(out, x, wv, K8, Oi); break;
-    case 2: skinny_kernel<2><<<grid, block, 0, s>>>(out, x, wv, K8, Oi); break;
-    case 3: skinny_kernel<3><<<grid, block, 0, s>>>(out, x, wv, K8, Oi); break;
-    case 4: skinny_kernel<4><<<grid, block, 0, s>>>(out, x, wv, K8, Oi); break;
-    case 5: skinny_kernel<5><<<grid, block, 0, s>>>(out, x, wv, K8, Oi); break;
-    case 6: skinny_kernel<6><<<grid, block, 0, s>>>(out, x, wv, K8, Oi); break;
-    case 7: skinny_kernel<7><<<grid, block, 0, s>>>(out, x, wv, K8, Oi); break;
-    default: skinny_kernel<8><<<grid, block, 0, s>>>(out, x, wv, K8, Oi); break;
+    case 1: go(skinny_kernel<1, Out>); break;
+    case 2: go(skinny_kernel<2, Out>); break;
+    case 3: go(skinny_kernel<3, Out>); break;
+    case 4: go(skinny_kernel<4, Out>); break;
+    case 5: go(skinny_kernel<5, Out>); break;
+    case 6: go(skinny_kernel<6, Out>); break;
+    case 7: go(skinny_kernel<7, Out>); break;
+    default: go(skinny_kernel<8, Out>); break;
   }
-  CUDA_LAUNCH_CHECK();
 }
 
 bool fits(const bf16* in, const bf16* w, int64_t N, int64_t K, int64_t O) {
@@ -162,7 +205,7 @@ bool skinny_fused(const SkinnyFused& f, const bf16* w, int64_t K, int64_t O, cud
   const auto* wv = reinterpret_cast<const uint4*>(w);
   const int Ki = int(K), Oi = int(O);
   auto go = [&](auto kernel) {
-    kernel<<<grid, block, smem, s>>>(f.out, f.residual, in, f.x, f.norm_w, f.eps, wv, Ki, Oi);
+    launch_dependent(kernel, grid, block, smem, s, f.out, f.residual, in, f.x, f.norm_w, f.eps, wv, Ki, Oi);
   };
   const bool add = f.residual != nullptr;
   switch (f.kind) {
@@ -170,7 +213,6 @@ bool skinny_fused(const SkinnyFused& f, const bf16* w, int64_t K, int64_t O, cud
     case SkinnyIn::Norm: add ? go(skinny_fused_kernel<int(SkinnyIn::Norm), true>) : go(skinny_fused_kernel<int(SkinnyIn::Norm), false>); break;
     case SkinnyIn::Swiglu: add ? go(skinny_fused_kernel<int(SkinnyIn::Swiglu), true>) : go(skinny_fused_kernel<int(SkinnyIn::Swiglu), false>); break;
   }
-  CUDA_LAUNCH_CHECK();
   return true;
 }
 

@@ -30,6 +30,7 @@ constexpr int kWarp = 32;
 
 
 __global__ void embedding_kernel(float* out, const int32_t* ids, const bf16* table, int64_t C, int64_t V) {
+  allow_dependents();
   const int64_t n = blockIdx.x;
   const int32_t id = ids[n];
   for (int64_t c = threadIdx.x; c < C; c += blockDim.x)
@@ -219,6 +220,18 @@ bool skinny_enabled() {
   static const bool on = [] {
     const char* e = std::getenv("TALON_CUDA_GEMV");
     return !(e && e[0] == '0');
+  }();
+  return on;
+}
+
+bool dependent_launch_enabled() {
+  static const bool on = [] {
+    const char* e = std::getenv("TALON_CUDA_PDL");
+    if (e && e[0] == '0') return false;
+    int dev = 0, major = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess)
+      return false;
+    return major >= 9;
   }();
   return on;
 }

@@ -105,6 +105,10 @@ bool skinny_fused(const SkinnyFused& f, const bf16* w, int64_t K, int64_t O, cud
 // (TALON_CUDA_FUSE=0 turns that off).
 bool skinny_enabled();
 bool skinny_fusion_enabled();
+// Whether the skinny products launch as programmatic dependents of the kernel before them
+// (Hopper's griddepcontrol: their weights stream while that kernel finishes): on GPUs of
+// compute capability 9.0 and up, unless TALON_CUDA_PDL=0.
+bool dependent_launch_enabled();
 
 // out[N, O] (bf16) = in[N, K] (bf16) @ w[O, K]^T, fp32 accumulation, through cuBLASLt; up to
 // kSkinnyAutoRows rows through skinny_gemm instead (TALON_CUDA_GEMV=0 in the environment:

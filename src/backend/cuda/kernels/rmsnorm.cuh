@@ -30,6 +30,7 @@ namespace {
 template <bool kWarpRow, class Y, class X, class A, class W>
 __global__ void rmsnorm_forward_kernel(Y* y, NormRows ry, X* x, NormRows rx, const A* add, const W* w, int64_t rows,
                                        int64_t C, float eps) {
+  allow_dependents();  // the product after a norm prefetches its weights meanwhile (warp.cuh)
   __shared__ float sh[33];
   const int64_t r = kWarpRow ? (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32 : int64_t(blockIdx.x);
   const int lane = kWarpRow ? int(threadIdx.x % 32) : int(threadIdx.x), step = kWarpRow ? 32 : int(blockDim.x);

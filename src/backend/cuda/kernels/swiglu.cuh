@@ -18,6 +18,7 @@
 
 #include "backend/cuda/check.h"
 #include "backend/cuda/kernels/convert.cuh"
+#include "backend/cuda/warp.cuh"
 
 namespace talon::cuda {
 namespace {
@@ -32,6 +33,7 @@ __device__ __forceinline__ void swiglu_grad(float d, float g, float u, float* dg
 
 template <class A, class T>
 __global__ void swiglu_forward_kernel(A* act, const T* g, const T* u, int64_t ld, int64_t N, int64_t I) {
+  allow_dependents();  // the down product prefetches its weights meanwhile (warp.cuh)
   const int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (idx >= N * I) return;
   const int64_t at = (idx / I) * ld + idx % I;
@@ -70,6 +72,7 @@ __device__ __forceinline__ uint4 pack8(const float (&f)[8]) {
 // One thread per 8 values: vector v of the [N, I/8] grid (ld8 = ld / 8, I8 = I / 8).
 __global__ void swiglu_forward_x8_kernel(__nv_bfloat16* act, const __nv_bfloat16* g, const __nv_bfloat16* u,
                                          int64_t ld8, int64_t N, int64_t I8) {
+  allow_dependents();
   const int64_t v = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (v >= N * I8) return;
   const int64_t at = (v / I8) * ld8 + v % I8;

@@ -13,36 +13,27 @@ void dense_stack_forward(const DenseDeviceWeights& w, const ModelConfig& c, int6
   const float eps = float(c.rms_eps);
   embedding_forward(a.x, a.ids, w.embed, N, H, V, s);
   const bf16* pending = nullptr;  // residual branch output not yet added to x
-  // One token: residual adds ride in the o and down products (ops.h: skinny_fused), and so do
-  // the norms and SwiGLU where their rows are short enough for every block to form them
-  // cheaply: at most kFoldMaxK values. Measured on an H200 (bench/RESULTS.md): SmolLM2
-  // (576 / 1536) 0.93 -> 0.83 ms a token with everything folded; the 8B shape (4096 / 14336)
-  // went 4.9 -> 6.0 ms when its norms and SwiGLU were folded (each block's prologue of 16-56
-  // values a thread delays its weight stream). Not with a tensor-parallel all-reduce, which
-  // must see each branch output before it is added.
+  // One token of a small model: the norms, SwiGLU and residual adds ride in the skinny
+  // products (ops.h: skinny_fused), 7 launches a layer instead of 10. Only where every block can
+  // form its input row cheaply (hidden and intermediate sizes at most kFoldMaxK). Measured on
+  // an H200 (bench/RESULTS.md): SmolLM2 (576 / 1536) 0.90-0.93 -> 0.83 ms a token; the 8B
+  // shape (4096 / 14336) went 4.9 -> 6.0 ms with everything folded (each block's prologue of
+  // 16-56 values a thread delays its weight stream) and 4.77 -> 4.91 ms with the residual adds
+  // alone, so it keeps the unfused layer. Not with a tensor-parallel all-reduce, which must see
+  // each branch output before it is added.
   constexpr int64_t kFoldMaxK = 2048;
-  bool fuse = N == 1 && !hooks.allreduce && skinny_fusion_enabled() && skinny_fused_fits(H) &&
-              skinny_fused_fits(qd) && skinny_fused_fits(I);
+  bool fuse = N == 1 && !hooks.allreduce && skinny_fusion_enabled() && H <= kFoldMaxK && I <= kFoldMaxK &&
+              skinny_fused_fits(H) && skinny_fused_fits(qd) && skinny_fused_fits(I);
   for (size_t l = 0; l < w.layers.size() && fuse; ++l)
     for (const bf16* p : {w.layers[l].wqkv, w.layers[l].wo, w.layers[l].wgu, w.layers[l].wdown})
       fuse = fuse && reinterpret_cast<uintptr_t>(p) % 16 == 0;
-  const bool fold_norm = H <= kFoldMaxK, fold_swiglu = I <= kFoldMaxK;
   for (int64_t l = 0; l < c.n_layers && fuse; ++l) {
     const DenseLayerDev& L = w.layers[size_t(l)];
     hooks.capture(l);  // x = h[l]: the last layer's products went straight into it
     auto run = [&](const SkinnyFused& f, const bf16* wt, int64_t K, int64_t O) {
       if (!skinny_fused(f, wt, K, O, s)) fail_msg("dense stack: a fused one-row product was refused");
     };
-    // out = norm(x) @ wt^T, the norm folded in or a launch of its own.
-    auto normed = [&](bf16* out, const bf16* norm_w, const bf16* wt, int64_t O) {
-      if (fold_norm) {
-        run({SkinnyIn::Norm, nullptr, a.x, norm_w, eps, out, nullptr}, wt, H, O);
-      } else {
-        add_rmsnorm_forward(a.xn, a.x, nullptr, norm_w, N, H, eps, s);
-        run({SkinnyIn::Plain, a.xn, nullptr, nullptr, 0.f, out, nullptr}, wt, H, O);
-      }
-    };
-    normed(a.qkv, L.attn_norm, L.wqkv, ldqkv);
+    run({SkinnyIn::Norm, nullptr, a.x, L.attn_norm, eps, a.qkv, nullptr}, L.wqkv, H, ldqkv);
     if (L.bqkv) bias_forward(a.qkv, ldqkv, L.bqkv, N, ldqkv, s);
     if (L.q_norm) {
       head_rmsnorm_forward(a.qkv, ldqkv, L.q_norm, N, nh, hd, eps, s);
@@ -54,13 +45,8 @@ void dense_stack_forward(const DenseDeviceWeights& w, const ModelConfig& c, int6
     }
     hooks.attention(l);
     run({SkinnyIn::Plain, a.att, nullptr, nullptr, 0.f, nullptr, a.x}, L.wo, qd, H);
-    normed(a.gu, L.mlp_norm, L.wgu, 2 * I);
-    if (fold_swiglu) {
-      run({SkinnyIn::Swiglu, a.gu, nullptr, nullptr, 0.f, nullptr, a.x}, L.wdown, I, H);
-    } else {
-      swiglu_forward(a.act, a.gu, N, I, s);
-      run({SkinnyIn::Plain, a.act, nullptr, nullptr, 0.f, nullptr, a.x}, L.wdown, I, H);
-    }
+    run({SkinnyIn::Norm, nullptr, a.x, L.mlp_norm, eps, a.gu, nullptr}, L.wgu, H, 2 * I);
+    run({SkinnyIn::Swiglu, a.gu, nullptr, nullptr, 0.f, nullptr, a.x}, L.wdown, I, H);
   }
   for (int64_t l = 0; l < c.n_layers && !fuse; ++l) {
     const DenseLayerDev& L = w.layers[size_t(l)];

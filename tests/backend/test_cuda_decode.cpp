@@ -223,6 +223,35 @@ TEST_P(CudaDecode, GreedyDecodingPicksTheSameTokens) {
               tol::kCudaGreedyMargin);
 }
 
+// One-token steps of one slot, where the layers fold their norms, SwiGLU and residual adds
+// into the skinny products (the fixtures are small enough), and the same steps with folding
+// off: both against the CPU decoder, and the two GPU paths may differ only by rounding.
+TEST_P(CudaDecode, OneTokenStepsFoldedOrNotMatchTheCpu) {
+  REQUIRE_GPU();
+  auto ck = open_checkpoint(golden_fixture(GetParam()));
+  Twin t(*ck, 1, 64);
+  auto plain = make_cuda_decoder(*ck, 0, 1, 64);
+  cuda::decoder_fold_one_token(*plain, false);
+  const int64_t V = t.c().vocab;
+  const int layer = int(t.c().n_layers / 2);
+  std::mt19937 rng(53);
+  std::vector<int32_t> history = random_ids(rng, 6, V);
+  t.forward({{0, history, {}, false}}, "prefill", layer);
+  plain->forward({{0, history, {}, false}}, Capture{}, nullptr);
+  t.commit_all(0);
+  plain->commit_all(0);
+  for (int i = 0; i < 12; ++i) {
+    const std::vector<DecodeRequest> reqs = {{0, random_ids(rng, 1, V), {}, true}};
+    const std::string what = "step " + std::to_string(i);
+    std::vector<float> lp(static_cast<size_t>(V));
+    plain->forward(reqs, Capture{}, lp.data());
+    const std::vector<float> lc = t.forward(reqs, what, layer);  // the folded GPU path vs the CPU
+    EXPECT_LE(rel_err(lp.data(), lc.data(), size_t(V)), tol::kCudaDecodeRel) << what << ": unfolded logits";
+    t.commit_all(0);
+    plain->commit_all(0);
+  }
+}
+
 // Replayed CUDA graphs against eager launches, and greedy ids picked on the device against
 // the host's argmax of the logits: two CUDA decoders run the same requests (repeated shapes:
 // one-token steps of three slots, chain-4 verifies, a 7-node tree, captures in both dtypes,

@@ -89,10 +89,8 @@ class CudaDecoder final : public Decoder {
     const char* m = std::getenv("TALON_CUDA_SPLIT_MERGE");
     merge_in_kernel_ = m && std::string(m) == "1";
     // A request's rows (a verify chain or tree) read the committed prefix once per tile of
-    // query vectors, not once per row (decode_ops.h: AttentionTile). TALON_CUDA_VERIFY_TILES=0
-    // sends every row through the per-row kernel.
-    const char* v = std::getenv("TALON_CUDA_VERIFY_TILES");
-    verify_tiles_ = !(v && std::string(v) == "0");
+    // query vectors, not once per row (decode_ops.h: AttentionTile).
+    verify_tiles_ = cuda::verify_tiles_enabled();
   }
 
   ~CudaDecoder() override {
@@ -361,6 +359,7 @@ class CudaDecoder final : public Decoder {
       cuda::DenseHooks hooks;
       hooks.capture = capture;
       hooks.attention_rotates = true;
+      hooks.fold_one_token = fold_;
       hooks.attention = [&](int64_t l) {
         if (flash) {
           cuda::rope_forward(a.qkv, ldqkv, d_pos, w_.inv_freq, N, nh, hd, st);
@@ -477,9 +476,14 @@ class CudaDecoder final : public Decoder {
   cuda::GraphCache graphs_;  // of run()'s device work, by shape
   bool merge_in_kernel_ = false;
   bool verify_tiles_ = true;
+  bool fold_ = true;
 
  public:
   void use_verify_tiles(bool on) { verify_tiles_ = on; }
+  void fold_one_token(bool on) {
+    fold_ = on;
+    graphs_.clear();  // graphs hold the launches of the other choice
+  }
 };
 
 }  // namespace
@@ -503,6 +507,7 @@ CudaDecoder& as_cuda(Decoder& d, const char* who) {
 void decoder_assume_length(Decoder& d, int slot, int64_t len) { as_cuda(d, "decoder_assume_length").assume_length(slot, len); }
 void decoder_use_graphs(Decoder& d, bool on) { as_cuda(d, "decoder_use_graphs").use_graphs(on); }
 void decoder_use_verify_tiles(Decoder& d, bool on) { as_cuda(d, "decoder_use_verify_tiles").use_verify_tiles(on); }
+void decoder_fold_one_token(Decoder& d, bool on) { as_cuda(d, "decoder_fold_one_token").fold_one_token(on); }
 int64_t decoder_graph_launches(Decoder& d) { return as_cuda(d, "decoder_graph_launches").graph_launches(); }
 }  // namespace cuda
 

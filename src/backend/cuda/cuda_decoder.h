@@ -21,5 +21,9 @@ int64_t decoder_graph_launches(Decoder& d);
 // (decode_ops.h: AttentionTile; default on, TALON_CUDA_VERIFY_TILES=0 turns it off for a
 // whole run), or every row runs the per-row kernel.
 void decoder_use_verify_tiles(Decoder& d, bool on);
+// Whether a one-token forward of a small model folds its norms, SwiGLU and residual adds into
+// the skinny products (dense_block.h: DenseHooks::fold_one_token; default on,
+// TALON_CUDA_FUSE=0 turns it off for a whole run).
+void decoder_fold_one_token(Decoder& d, bool on);
 
 }  // namespace talon::cuda

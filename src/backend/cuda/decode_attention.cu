@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cfloat>
 #include <climits>
+#include <cstdlib>
 #include <string>
 
 #include "backend/cuda/check.h"
@@ -551,6 +552,14 @@ void rope_kv_cache_write(bf16* kc, bf16* vc, bf16* qkv, int64_t ld, const int32_
 }
 
 bool verify_attention_supported(int64_t hd) { return hd == 64 || hd == 128; }
+
+bool verify_tiles_enabled() {
+  static const bool on = [] {
+    const char* e = std::getenv("TALON_CUDA_VERIFY_TILES");
+    return !(e && std::string(e) == "0");
+  }();
+  return on;
+}
 
 AttentionPlan plan_attention(const DecodeRow* rows, int64_t N, int64_t nh, int64_t nkv, bool tiles_ok) {
   AttentionPlan p;

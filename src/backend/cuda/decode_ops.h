@@ -70,6 +70,8 @@ struct AttentionPlan {
   int64_t max_keys = 0;
 };
 bool verify_attention_supported(int64_t hd);
+// False when TALON_CUDA_VERIFY_TILES=0 is set: every row through the per-row kernel.
+bool verify_tiles_enabled();
 AttentionPlan plan_attention(const DecodeRow* rows, int64_t N, int64_t nh, int64_t nkv, bool tiles_ok);
 // The plan's lists on the device, for decode_attention.
 struct AttentionWork {

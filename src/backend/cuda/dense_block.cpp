@@ -22,7 +22,7 @@ void dense_stack_forward(const DenseDeviceWeights& w, const ModelConfig& c, int6
   // alone, so it keeps the unfused layer. Not with a tensor-parallel all-reduce, which must see
   // each branch output before it is added.
   constexpr int64_t kFoldMaxK = 2048;
-  bool fuse = N == 1 && !hooks.allreduce && skinny_fusion_enabled() && H <= kFoldMaxK && I <= kFoldMaxK &&
+  bool fuse = N == 1 && hooks.fold_one_token && !hooks.allreduce && skinny_fusion_enabled() && H <= kFoldMaxK && I <= kFoldMaxK &&
               skinny_fused_fits(H) && skinny_fused_fits(qd) && skinny_fused_fits(I);
   for (size_t l = 0; l < w.layers.size() && fuse; ++l)
     for (const bf16* p : {w.layers[l].wqkv, w.layers[l].wo, w.layers[l].wgu, w.layers[l].wdown})

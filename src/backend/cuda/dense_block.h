@@ -31,6 +31,9 @@ struct DenseHooks {
   // True: qkv reaches `attention` before RoPE, which the hook applies itself (the cached
   // decoder fuses it with its cache write).
   bool attention_rotates = false;
+  // One-token forwards of small models may fold norms, SwiGLU and residual adds into the
+  // skinny products (dense_block.cpp); false keeps the unfused layer.
+  bool fold_one_token = true;
   // Sums n partial values across the tensor-parallel group in place (empty: one rank).
   std::function<void(bf16*, int64_t, cudaStream_t)> allreduce;
 };

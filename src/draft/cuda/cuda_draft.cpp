@@ -7,9 +7,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <cstring>
-#include <string>
 
 #include "backend/cuda/check.h"
 #include "backend/cuda/decode_ops.h"
@@ -111,10 +109,9 @@ class CudaDraftBackend final : public DraftBackend {
       max_keys = std::max<int64_t>(max_keys, end);
     }
     // A tree step's rows share the step-0 prefix: one tile of query vectors reads it once
-    // (decode_ops.h: AttentionTile). TALON_CUDA_VERIFY_TILES=0 keeps the per-row kernel.
-    const char* vt = std::getenv("TALON_CUDA_VERIFY_TILES");
+    // (decode_ops.h: AttentionTile).
     const cuda::AttentionPlan plan = cuda::plan_attention(
-        rows.data(), N, nh, nkv, !(vt && std::string(vt) == "0") && cuda::verify_attention_supported(hd));
+        rows.data(), N, nh, nkv, cuda::verify_tiles_enabled() && cuda::verify_attention_supported(hd));
     const bool tiled = !plan.tiles.empty();
     const int64_t n_single = tiled ? int64_t(plan.single.size()) : 0, n_vtiles = int64_t(plan.tiles.size());
     const cuda::DecodeSplits ks = tiled ? cuda::decode_splits(plan.max_keys, n_single + n_vtiles, nkv, dev_.multiprocessors())

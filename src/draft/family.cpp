@@ -89,6 +89,13 @@ class PEagleFamily final : public Family {
             {"cod_ratio_min", cod_.ratio_min}};
   }
   json draft() const override { return json::object(); }
+  // The embedding rows a sample's elements read (peagle.cpp): its tokens after the first (the
+  // next token of each depth-0 anchor) and the mask token of every deeper element.
+  const char* row_sparse_param() const override { return "embed"; }
+  void touched_rows(const eagle3::Sample& s, std::vector<int64_t>& rows) const override {
+    for (int64_t t = 1; t < s.T; ++t) rows.push_back(s.ids[t]);
+    rows.push_back(mask_token_);
+  }
   std::string describe() const override {
     return fmt::format("P-EAGLE: {} depths, mask token {}, COD keeps max({}^d, {}) of the chains at depth d; "
                        "embeddings trained, lm_head frozen",

@@ -39,6 +39,12 @@ class Family {
   virtual nlohmann::json job() const = 0;
   virtual nlohmann::json draft() const = 0;
   virtual std::string describe() const = 0;  // one log line
+  // A trainable table of rows (the embedding) whose per-sample gradient touches only the rows
+  // touched_rows() adds for that sample; the trainer then sums those gradients over the step's
+  // rows alone instead of the whole table (a vocabulary x hidden copy per sample and tree
+  // level). nullptr: no such table.
+  virtual const char* row_sparse_param() const { return nullptr; }
+  virtual void touched_rows(const eagle3::Sample& s, std::vector<int64_t>& rows) const {}
 };
 
 // What a family is made from: the target-derived draft sizes, the target's frozen head and

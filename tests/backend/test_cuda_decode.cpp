@@ -491,13 +491,12 @@ TEST(CudaDecodeAttention, VerifyTilesAndPerRowKernelMatchTheReference) {
     d_vc.upload(to_bf16(vc));
     for (const bool tiles : {false, true}) {
       const std::string what = tag + (tiles ? ", tiles" : ", rows only");
-      const cuda::AttentionPlan plan = cuda::plan_attention(rows.data(), N, nh, nkv, tiles);
+      const cuda::AttentionPlan plan = cuda::plan_attention(rows.data(), N, nh, nkv, hd, tiles, sms);
       EXPECT_EQ(plan.tiles.empty(), !tiles) << what;
       if (tiles) {
         EXPECT_EQ(plan.single.size(), 1u) << what;  // the lone row of slot 2
       }
-      const int64_t blocks = tiles ? int64_t(plan.single.size() + plan.tiles.size()) : N;
-      const cuda::DecodeSplits ks = cuda::decode_splits(plan.max_keys, blocks, nkv, sms);
+      const cuda::DecodeSplits ks = plan.splits;
       Guarded<float> part(size_t(N * nh * ks.splits * (hd + 2)));
       Guarded<cuda::DecodeRow> d_rows(rows.size());
       d_rows.upload(rows);

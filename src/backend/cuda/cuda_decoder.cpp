@@ -88,9 +88,6 @@ class CudaDecoder final : public Decoder {
     // step; SmolLM2 0.94 vs 1.01 ms). TALON_CUDA_SPLIT_MERGE=1 takes the in-kernel merge.
     const char* m = std::getenv("TALON_CUDA_SPLIT_MERGE");
     merge_in_kernel_ = m && std::string(m) == "1";
-    // A request's rows (a verify chain or tree) read the committed prefix once per tile of
-    // query vectors, not once per row (decode_ops.h: AttentionTile).
-    verify_tiles_ = cuda::verify_tiles_enabled();
   }
 
   ~CudaDecoder() override {
@@ -243,7 +240,6 @@ class CudaDecoder final : public Decoder {
     std::vector<std::vector<int32_t>> parents;
     std::vector<uint8_t> seen(len_.size(), 0);
     bool prefill = true;  // every request a chain on an empty slot
-    int64_t max_keys = 0;
     for (const DecodeRequest& r : reqs) {
       check_slot(r.slot);
       TALON_CHECK(!seen[size_t(r.slot)], "decoder: slot {} appears twice in one forward", r.slot);
@@ -275,7 +271,6 @@ class CudaDecoder final : public Decoder {
           for (int64_t a = i; a >= 0; a = par[size_t(a)])
             if (W <= 0 || p - (len + depth[size_t(a)]) < W) masks[size_t(d.mask + a / 64)] |= uint64_t(1) << (a % 64);
         }
-        max_keys = std::max<int64_t>(max_keys, d.end - d.lo);
         rows.push_back(d);
         tokens.push_back(tok);
         pos.push_back(int32_t(p));
@@ -294,14 +289,11 @@ class CudaDecoder final : public Decoder {
         flash ? cuda::attention_tiles(seq_start.data(), int64_t(reqs.size())) : std::vector<int32_t>{};
     // Rows sharing a slot go through the tile kernel together (plan_attention); with no such
     // group every row keeps the per-row kernel, as single-token steps do.
-    cuda::AttentionPlan plan;
-    if (!flash)
-      plan = cuda::plan_attention(rows.data(), N, nh, nkv, verify_tiles_ && cuda::verify_attention_supported(hd));
+    const cuda::AttentionPlan plan =
+        cuda::plan_attention(rows.data(), N, nh, nkv, hd, verify_tiles_ && !flash, dev_.multiprocessors());
     const bool tiled = !plan.tiles.empty();
     const int64_t n_single = tiled ? int64_t(plan.single.size()) : 0, n_vtiles = int64_t(plan.tiles.size());
-    const cuda::DecodeSplits ks = tiled ? cuda::decode_splits(plan.max_keys, n_single + n_vtiles, nkv, dev_.multiprocessors())
-                                        : cuda::decode_splits(max_keys, N, nkv, dev_.multiprocessors());
-    const int64_t splits = ks.splits, split_len = ks.split_len;
+    const int64_t splits = plan.splits.splits, split_len = plan.splits.split_len;
     const size_t esz = dtype_size(cap.dtype);
     const int64_t n_cap = int64_t(cap.layers.size());
     const Layout lay = layout(N, NL, int64_t(masks.size()), flash ? int64_t(seq_start.size()) : 0,
@@ -475,11 +467,12 @@ class CudaDecoder final : public Decoder {
   Pinned in_h_, out_h_;
   cuda::GraphCache graphs_;  // of run()'s device work, by shape
   bool merge_in_kernel_ = false;
-  bool verify_tiles_ = true;
+  // A request's rows (a verify chain or tree) read the committed prefix once per tile of query
+  // vectors, not once per row (decode_ops.h: AttentionTile).
+  bool verify_tiles_ = cuda::verify_tiles_enabled();
   bool fold_ = true;
 
  public:
-  void use_verify_tiles(bool on) { verify_tiles_ = on; }
   void fold_one_token(bool on) {
     fold_ = on;
     graphs_.clear();  // graphs hold the launches of the other choice
@@ -506,7 +499,6 @@ CudaDecoder& as_cuda(Decoder& d, const char* who) {
 }  // namespace
 void decoder_assume_length(Decoder& d, int slot, int64_t len) { as_cuda(d, "decoder_assume_length").assume_length(slot, len); }
 void decoder_use_graphs(Decoder& d, bool on) { as_cuda(d, "decoder_use_graphs").use_graphs(on); }
-void decoder_use_verify_tiles(Decoder& d, bool on) { as_cuda(d, "decoder_use_verify_tiles").use_verify_tiles(on); }
 void decoder_fold_one_token(Decoder& d, bool on) { as_cuda(d, "decoder_fold_one_token").fold_one_token(on); }
 int64_t decoder_graph_launches(Decoder& d) { return as_cuda(d, "decoder_graph_launches").graph_launches(); }
 }  // namespace cuda

@@ -17,10 +17,6 @@ void decoder_assume_length(Decoder& d, int slot, int64_t len);
 void decoder_use_graphs(Decoder& d, bool on);
 // Forwards served by a graph so far.
 int64_t decoder_graph_launches(Decoder& d);
-// Whether a request's rows (a verify chain or tree) share the tile attention kernel
-// (decode_ops.h: AttentionTile; default on, TALON_CUDA_VERIFY_TILES=0 turns it off for a
-// whole run), or every row runs the per-row kernel.
-void decoder_use_verify_tiles(Decoder& d, bool on);
 // Whether a one-token forward of a small model folds its norms, SwiGLU and residual adds into
 // the skinny products (dense_block.h: DenseHooks::fold_one_token; default on,
 // TALON_CUDA_FUSE=0 turns it off for a whole run).

@@ -561,8 +561,10 @@ bool verify_tiles_enabled() {
   return on;
 }
 
-AttentionPlan plan_attention(const DecodeRow* rows, int64_t N, int64_t nh, int64_t nkv, bool tiles_ok) {
+AttentionPlan plan_attention(const DecodeRow* rows, int64_t N, int64_t nh, int64_t nkv, int64_t hd, bool tiles_ok,
+                             int multiprocessors) {
   AttentionPlan p;
+  tiles_ok = tiles_ok && verify_attention_supported(hd);
   const int64_t group = nkv > 0 ? nh / nkv : 1;
   for (int64_t r = 0; r < N;) {
     int64_t e = r + 1;
@@ -582,6 +584,7 @@ AttentionPlan plan_attention(const DecodeRow* rows, int64_t N, int64_t nh, int64
     }
     r = e;
   }
+  p.splits = decode_splits(p.max_keys, int64_t(p.single.size() + p.tiles.size()), nkv, multiprocessors);
   return p;
 }
 

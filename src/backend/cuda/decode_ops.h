@@ -61,18 +61,22 @@ struct AttentionTile {
   int32_t first_row, n_rows, first_vector, unused;
 };
 // Which rows of a forward go through the per-row kernel (`single`) and which through tiles,
-// and the key count decode_splits should be sized for (a tile spans its rows' union of keys).
-// Groups of at least two rows become tiles when `tiles_ok` (verify_attention_supported and
-// not switched off); every other row stays single.
+// and the key splits of both (decode_splits over the blocks of a kv head: single rows plus
+// tiles, for the most keys any of them spans; a tile spans its rows' union). Groups of at least
+// two rows become tiles when `tiles_ok` and the head size has a tile kernel
+// (verify_attention_supported); every other row stays single. No tiles: every row is single
+// and `work()` is null, so decode_attention runs as it always did.
 struct AttentionPlan {
   std::vector<int32_t> single;
   std::vector<AttentionTile> tiles;
   int64_t max_keys = 0;
+  DecodeSplits splits{1, 0};
 };
 bool verify_attention_supported(int64_t hd);
 // False when TALON_CUDA_VERIFY_TILES=0 is set: every row through the per-row kernel.
 bool verify_tiles_enabled();
-AttentionPlan plan_attention(const DecodeRow* rows, int64_t N, int64_t nh, int64_t nkv, bool tiles_ok);
+AttentionPlan plan_attention(const DecodeRow* rows, int64_t N, int64_t nh, int64_t nkv, int64_t hd, bool tiles_ok,
+                             int multiprocessors);
 // The plan's lists on the device, for decode_attention.
 struct AttentionWork {
   const int32_t* single = nullptr;

@@ -98,7 +98,6 @@ class CudaDraftBackend final : public DraftBackend {
     if (N == 0) return;
     TALON_CHECK(top_k <= kMaxTop, "draft: top-k {} above {} on the GPU", top_k, kMaxTop);
     std::vector<DecodeRow> rows(static_cast<size_t>(N));
-    int64_t max_keys = 0;
     for (int64_t r = 0; r < N; ++r) {
       const int32_t end = dr.end[size_t(r)];
       TALON_CHECK(end >= 1 && end <= max_rows_, "draft: row {} goes to cache row {}, outside the GPU cache of {} rows", r,
@@ -106,17 +105,14 @@ class CudaDraftBackend final : public DraftBackend {
       TALON_CHECK(tokens[r] >= 0 && tokens[r] < c.V, "draft: token id {} (row {}) outside the vocabulary [0, {})",
                   tokens[r], r, c.V);
       rows[size_t(r)] = DecodeRow{0, 0, dr.len[size_t(r)], end, dr.mask[size_t(r)]};
-      max_keys = std::max<int64_t>(max_keys, end);
     }
     // A tree step's rows share the step-0 prefix: one tile of query vectors reads it once
     // (decode_ops.h: AttentionTile).
-    const cuda::AttentionPlan plan = cuda::plan_attention(
-        rows.data(), N, nh, nkv, cuda::verify_tiles_enabled() && cuda::verify_attention_supported(hd));
+    const cuda::AttentionPlan plan =
+        cuda::plan_attention(rows.data(), N, nh, nkv, hd, cuda::verify_tiles_enabled(), dev_.multiprocessors());
     const bool tiled = !plan.tiles.empty();
     const int64_t n_single = tiled ? int64_t(plan.single.size()) : 0, n_vtiles = int64_t(plan.tiles.size());
-    const cuda::DecodeSplits ks = tiled ? cuda::decode_splits(plan.max_keys, n_single + n_vtiles, nkv, dev_.multiprocessors())
-                                        : cuda::decode_splits(max_keys, N, nkv, dev_.multiprocessors());
-    const int64_t splits = ks.splits, split_len = ks.split_len;
+    const int64_t splits = plan.splits.splits, split_len = plan.splits.split_len;
     const int64_t in_w = from_aux ? 3 * H : H;
     // The inputs packed at offsets fixed by the shape (a replayed graph reads them there):
     // staged in pinned memory, one copy up.

@@ -27,7 +27,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from export_checks import GgufTarget, strict_load
+from export_checks import GgufTarget, check_tensors, read_checkpoint, strict_load
 from speculators import SpeculatorModelConfig
 from speculators.losses.eager import ce_loss
 from speculators.models.dflash import DFlashDraftModel, DFlashSpeculatorConfig
@@ -36,9 +36,7 @@ from speculators.models.dflash import core as dflash_core
 ckpt_path, out_dir, dtype, gguf_path, feat_dir, max_len, eval_loss = sys.argv[1:8]
 max_len, eval_loss = int(max_len), float(eval_loss)
 
-with safe_open(ckpt_path, framework="pt") as f:
-    meta = json.loads(f.metadata()["talon.train"])
-    ckpt = {k: f.get_tensor(k) for k in f.keys()}
+meta, ckpt = read_checkpoint(ckpt_path)
 d, job = meta["draft"], meta["job"]
 assert meta["drafter"] == "dflash", meta.get("drafter")
 H, I, V, Vd = d["hidden_size"], d["intermediate_size"], d["vocab_size"], d["draft_vocab_size"]
@@ -57,15 +55,7 @@ for l in range(L):
     for t, e, shape in layer:
         table[f"layers.{l}.{t}"] = (f"layers.{l}.{e}", shape)
 sd = load_file(f"{out_dir}/model.safetensors")
-want = {n for n, _ in table.values()} | {"d2t", "t2d"}
-assert set(sd) == want, f"tensor set: extra {set(sd) - want}, missing {want - set(sd)}"
-wdt = torch.float32 if dtype == "fp32" else torch.bfloat16
-iv = torch.int32 if dtype == "fp32" else torch.int16
-for tname, (ename, shape) in table.items():
-    got, ref = sd[ename], ckpt["w." + tname].reshape(shape).to(wdt)
-    assert list(got.shape) == shape and got.dtype == wdt, (ename, got.shape, got.dtype)
-    assert torch.equal(got.view(iv), ref.view(iv)), f"{ename}: not the checkpoint's {dtype} values"
-assert torch.equal(sd["d2t"], ckpt["d2t"]) and torch.equal(sd["t2d"], ckpt["t2d"].to(torch.bool))
+check_tensors(sd, ckpt, table, dtype)
 
 # Config through speculators' own loader and schema.
 cfg = SpeculatorModelConfig.from_pretrained(out_dir)

@@ -12,16 +12,14 @@ ids as is; SGLang: minus 1, under eagle_config).
 import json
 import sys
 
-import numpy as np
-import torch
-from safetensors import safe_open
+from safetensors.torch import load_file
+
+from export_checks import check_tensors, read_checkpoint
 
 ckpt_path, out_dir, fmt, dtype, spec_tokens = sys.argv[1:6]
 spec_tokens = int(spec_tokens)
 
-with safe_open(ckpt_path, framework="pt") as f:
-    meta = json.loads(f.metadata()["talon.train"])
-    ckpt = {k: f.get_tensor(k) for k in f.keys()}
+meta, ckpt = read_checkpoint(ckpt_path)
 d = meta["draft"]
 H, I, V, Vd = d["hidden_size"], d["intermediate_size"], d["vocab_size"], d["draft_vocab_size"]
 qd, kvd = d["num_attention_heads"] * d["head_dim"], d["num_key_value_heads"] * d["head_dim"]
@@ -45,30 +43,9 @@ table = {
     "lm_head": ("lm_head.weight", [Vd, H]),
 }
 
-with safe_open(f"{out_dir}/model.safetensors", framework="pt") as f:
-    out = {k: f.get_tensor(k) for k in f.keys()}
-want = {n for n, _ in table.values()} | {"d2t", "t2d"}
-assert set(out) == want, f"tensor set differs: extra {set(out) - want}, missing {want - set(out)}"
-
-want_dtype = torch.float32 if dtype == "fp32" else torch.bfloat16
-for tname, (ename, shape) in table.items():
-    src = ckpt["w." + tname]
-    got = out[ename]
-    assert list(got.shape) == shape, f"{ename}: shape {list(got.shape)}, expected {shape}"
-    assert got.dtype == want_dtype, f"{ename}: dtype {got.dtype}, expected {want_dtype}"
-    ref = src.reshape(shape).to(want_dtype)
-    same = torch.equal(got.view(torch.int32 if dtype == "fp32" else torch.int16),
-                       ref.view(torch.int32 if dtype == "fp32" else torch.int16))
-    assert same, f"{ename}: values differ from the checkpoint's {'bits' if dtype == 'fp32' else 'bf16 rounding'}"
-
-d2t, t2d = out["d2t"], out["t2d"]
-assert d2t.dtype == torch.int64 and list(d2t.shape) == [Vd], (d2t.dtype, d2t.shape)
-assert t2d.dtype == torch.bool and list(t2d.shape) == [V], (t2d.dtype, t2d.shape)
-assert torch.equal(d2t, ckpt["d2t"]), "d2t differs from the checkpoint"
-assert torch.equal(t2d, ckpt["t2d"].to(torch.bool)), "t2d differs from the checkpoint"
-kept = (d2t + torch.arange(Vd)).numpy()
-assert np.all(np.diff(kept) > 0) and kept[0] >= 0 and kept[-1] < V, "d2t does not map to ascending target ids"
-assert np.array_equal(np.nonzero(t2d.numpy())[0], kept), "t2d is not the set d2t maps to"
+out = load_file(f"{out_dir}/model.safetensors")
+check_tensors(out, ckpt, table, dtype)
+assert list(out["d2t"].shape) == [Vd] and list(out["t2d"].shape) == [V], (out["d2t"].shape, out["t2d"].shape)
 
 cfg = json.load(open(f"{out_dir}/config.json"))
 want_torch_dtype = "float32" if dtype == "fp32" else "bfloat16"

@@ -26,7 +26,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from export_checks import GgufTarget, strict_load
+from export_checks import GgufTarget, check_tensors, read_checkpoint, strict_load
 from speculators import SpeculatorModelConfig
 from speculators.losses import resolve_loss_config
 from speculators.models.peagle import PEagleDraftModel, PEagleSpeculatorConfig
@@ -36,9 +36,7 @@ ckpt_path, out_dir, dtype, gguf_path, feat_dir, max_len, eval_loss = sys.argv[1:
 max_len, eval_loss = int(max_len), float(eval_loss)
 torch.manual_seed(0)
 
-with safe_open(ckpt_path, framework="pt") as f:
-    meta = json.loads(f.metadata()["talon.train"])
-    ckpt = {k: f.get_tensor(k) for k in f.keys()}
+meta, ckpt = read_checkpoint(ckpt_path)
 d, job = meta["draft"], meta["job"]
 H, I, V, Vd = d["hidden_size"], d["intermediate_size"], d["vocab_size"], d["draft_vocab_size"]
 qd, kvd = d["num_attention_heads"] * d["head_dim"], d["num_key_value_heads"] * d["head_dim"]
@@ -57,15 +55,7 @@ table = {
     "mask_hidden": ("mask_hidden", [1, 1, 3 * H]),
 }
 sd = load_file(f"{out_dir}/model.safetensors")
-want = {n for n, _ in table.values()} | {"d2t", "t2d"}
-assert set(sd) == want, f"tensor set: extra {set(sd) - want}, missing {want - set(sd)}"
-wdt = torch.float32 if dtype == "fp32" else torch.bfloat16
-for tname, (ename, shape) in table.items():
-    got, ref = sd[ename], ckpt["w." + tname].reshape(shape).to(wdt)
-    assert list(got.shape) == shape and got.dtype == wdt, (ename, got.shape, got.dtype)
-    iv = torch.int32 if dtype == "fp32" else torch.int16
-    assert torch.equal(got.view(iv), ref.view(iv)), f"{ename}: not the checkpoint's {dtype} values"
-assert torch.equal(sd["d2t"], ckpt["d2t"]) and torch.equal(sd["t2d"], ckpt["t2d"].to(torch.bool))
+check_tensors(sd, ckpt, table, dtype)
 
 # Config through speculators' own loader and schema.
 cfg = SpeculatorModelConfig.from_pretrained(out_dir)

@@ -48,7 +48,6 @@ T_TRAIN=$(( $(ms) - t0 ))
 nshards=$(ls "$WORK"/ref_feat/shard-*.safetensors | wc -l)
 ok "reference runs: prepare ${T_PREP} ms, extract ${T_EXTR} ms ($nshards shards), train ${T_TRAIN} ms"
 
-losses() { python3 -c "import json,sys; print(' '.join(json.loads(l)['loss_exact'] for l in open(sys.argv[1])))" "$1"; }
 REF_LOSSES=$(losses "$WORK/ref_run/metrics.jsonl")
 # same_STAGE DIR: the stage's outputs in DIR equal the reference's, byte for byte.
 same_prepare() { cmp -s "$WORK/ref_tok/tokens.jsonl" "$1/tokens.jsonl" && cmp -s "$WORK/ref_tok/manifest.json" "$1/manifest.json"; }

@@ -57,6 +57,23 @@ demo_features() {
   TALON_SMOLLM2_GGUF=$g bash "$SRC/tests/cli/fixture/demo_features.sh" "$TALON" "$SRC" "$d/demo" > /dev/null 2>&1 &&
     mv "$d/demo/tok" "$d/demo/feat" "$d/" && rmdir "$d/demo"
 }
+# losses FILE: the exact losses of a metrics.jsonl, one line, space-separated.
+losses() { python3 -c "import json,sys; print(' '.join(json.loads(l)['loss_exact'] for l in open(sys.argv[1])))" "$1"; }
+# stop_resume_checked DIR REF WHAT ARGS...: `talon train ARGS --out DIR` stopped after 3 steps
+# must exit nonzero with a resume hint (stderr in DIR.err); run again, it must resume at step 3
+# and end with exactly the losses REF (WHAT: what else had to repeat, for the message).
+stop_resume_checked() {
+  local dir=$1 ref=$2 what=$3 rc
+  shift 3
+  "$TALON" train "$@" --out "$dir" --stop-after-steps 3 > /dev/null 2> "$dir.err"
+  rc=$?
+  [ $rc -ne 0 ] && grep -q "resume with: .*train" "$dir.err" && ok "stopped run exits $rc with a resume hint" \
+    || bad "stop: rc $rc $(tail -2 "$dir.err")"
+  "$TALON" train "$@" --out "$dir" > /dev/null 2> "$dir.2.err"
+  grep -q "resuming from .* at step 3 of" "$dir.2.err" && ok "resumed at step 3" || bad "$(grep -i resum "$dir.2.err")"
+  [ "$(losses "$dir/metrics.jsonl")" = "$ref" ] && ok "stop + resume: identical losses$what" \
+    || bad "losses differ: $(losses "$dir/metrics.jsonl") vs $ref"
+}
 # stop_checked DIR PID ERR WHAT WAIT: `talon stop DIR --wait WAIT` must signal exactly PID,
 # which exits 143 (or 0 when it had finished) having printed a resume hint to ERR.
 stop_checked() {

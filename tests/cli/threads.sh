@@ -41,7 +41,6 @@ same "$WORK/ranks" && ok "two concurrent ranks: identical" || bad "ranks differ:
 # step boundary (its prefetch abandoned) and resumed logs the losses of an uninterrupted run.
 targs=(--data "$WORK/ref" --model "$MODEL" --draft-vocab 32 --max-length 64 --ttt-steps 2 --max-steps 6
        --batch-samples 3 --seed 3)
-losses() { python3 -c "import json,sys; print(' '.join(json.loads(l)['loss_exact'] for l in open(sys.argv[1])))" "$1"; }
 "$TALON" train "${targs[@]}" --out "$WORK/tr" > /dev/null 2> "$WORK/e" && ok "train: uninterrupted" || bad "train: $(tail -2 "$WORK/e")"
 "$TALON" train "${targs[@]}" --out "$WORK/tr2" --stop-after-steps 2 > /dev/null 2> "$WORK/e"
 [ $? -ne 0 ] && grep -q "resume with:" "$WORK/e" && ok "train: stopped after 2 steps with a resume hint" || bad "train stop: $(tail -2 "$WORK/e")"

@@ -9,7 +9,6 @@ demo_features "$WORK" && ok "features extracted" || bad "prepare + extract"
 base=(--data "$WORK/feat" --model "$GGUF" --draft-vocab 256 --max-length 128 --ttt-steps 3 --max-steps 8 --epochs 2
       --save-every 2 --lr 1e-3 --warmup-steps 2 --batch-samples 2)
 args=("${base[@]}" --seed 5)
-losses() { python3 -c "import json,sys; print(' '.join(json.loads(l)['loss_exact'] for l in open(sys.argv[1])))" "$1"; }
 
 "$TALON" train "${args[@]}" --out "$WORK/ref" > "$WORK/ref.out" 2> "$WORK/ref.err" && ok "uninterrupted run" || bad "train: $(tail -3 "$WORK/ref.err")"
 python3 - "$WORK/ref/metrics.jsonl" <<'PY' && ok "8 train metric lines (loss, acc and cond_acc per TTT step, lr schedule, grad norm) and one eval line on the held-back split" || bad "metrics: $(head -2 "$WORK/ref/metrics.jsonl")"
@@ -30,12 +29,7 @@ PY
 ref=$(losses "$WORK/ref/metrics.jsonl")
 
 # Stop at a step boundary (as a signal would), then resume.
-"$TALON" train "${args[@]}" --out "$WORK/hook" --stop-after-steps 3 > /dev/null 2> "$WORK/hook.err"
-rc=$?
-[ $rc -ne 0 ] && grep -q "resume with: .*train" "$WORK/hook.err" && ok "stopped run exits $rc with a resume hint" || bad "stop: rc $rc $(tail -2 "$WORK/hook.err")"
-"$TALON" train "${args[@]}" --out "$WORK/hook" > /dev/null 2> "$WORK/hook2.err"
-grep -q "resuming from .* at step 3 of 8" "$WORK/hook2.err" && ok "resumed at step 3" || bad "$(grep -i resum "$WORK/hook2.err")"
-[ "$(losses "$WORK/hook/metrics.jsonl")" = "$ref" ] && ok "stop + resume: identical losses" || bad "losses differ: $(losses "$WORK/hook/metrics.jsonl") vs $ref"
+stop_resume_checked "$WORK/hook" "$ref" "" "${args[@]}"
 
 # kill -9 after the first checkpoint.
 "$TALON" train "${args[@]}" --out "$WORK/k9" > /dev/null 2>&1 &

@@ -10,7 +10,6 @@ source "$(dirname "$0")/lib.sh"
 DS=$SRC/tests/fixtures/golden/deepseek_v3
 KIMI=$SRC/tests/fixtures/golden/kimi_k2_int4
 CHECK="$SRC/tests/cli/check_export.py"
-losses() { python3 -c "import json,sys; print(' '.join(json.loads(l)['loss_exact'] for l in open(sys.argv[1])))" "$1"; }
 
 tokens 10 96 7 24 > "$WORK/tok.jsonl"
 "$TALON" extract --model "$DS" --data "$WORK/tok.jsonl" --layers 1,2,3 --out "$WORK/feat" > /dev/null 2> "$WORK/x.err" \

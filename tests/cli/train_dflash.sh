@@ -12,7 +12,6 @@ demo_features "$WORK" && ok "features extracted" || bad "prepare + extract"
 base=(--data "$WORK/feat" --model "$GGUF" --draft-vocab 256 --max-length 128 --epochs 2 --save-every 2 --lr 1e-3
       --batch-samples 2 --seed 5)
 args=(--drafter dflash --draft-layers 2 --block-size 4 --max-anchors 16 --max-steps 6 "${base[@]}")
-losses() { python3 -c "import json,sys; print(' '.join(json.loads(l)['loss_exact'] for l in open(sys.argv[1])))" "$1"; }
 last_loss() { python3 -c "import json,sys; print([json.loads(l) for l in open(sys.argv[1])][-1]['loss_exact'])" "$1"; }
 
 "$TALON" train "${args[@]}" --out "$WORK/ref" > /dev/null 2> "$WORK/ref.err" && ok "uninterrupted DFlash run" \
@@ -32,13 +31,7 @@ assert rows[-1]["loss"] < rows[0]["loss"], [r["loss"] for r in rows]
 PY
 ref=$(losses "$WORK/ref/metrics.jsonl")
 
-"$TALON" train "${args[@]}" --out "$WORK/hook" --stop-after-steps 3 > /dev/null 2> "$WORK/hook.err"
-rc=$?
-[ $rc -ne 0 ] && grep -q "resume with: .*train" "$WORK/hook.err" && ok "stopped run exits $rc with a resume hint" \
-  || bad "stop: rc $rc $(tail -2 "$WORK/hook.err")"
-"$TALON" train "${args[@]}" --out "$WORK/hook" > /dev/null 2> "$WORK/hook2.err"
-[ "$(losses "$WORK/hook/metrics.jsonl")" = "$ref" ] && ok "stop + resume: identical losses (anchor draws included)" \
-  || bad "losses differ: $(losses "$WORK/hook/metrics.jsonl") vs $ref"
+stop_resume_checked "$WORK/hook" "$ref" " (anchor draws included)" "${args[@]}"
 "$TALON" train --drafter dflash --draft-layers 3 --block-size 4 --max-anchors 16 --max-steps 6 "${base[@]}" --out "$WORK/hook" \
   > /dev/null 2> "$WORK/other.err"
 [ $? -ne 0 ] && grep -q "belongs to a different training job.*draft_layers" "$WORK/other.err" \

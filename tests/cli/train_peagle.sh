@@ -11,7 +11,6 @@ demo_features "$WORK" && ok "features extracted" || bad "prepare + extract"
 base=(--data "$WORK/feat" --model "$GGUF" --draft-vocab 256 --max-length 128 --ttt-steps 3 --max-steps 6 --epochs 2
       --save-every 2 --lr 1e-3 --batch-samples 2 --seed 5)
 args=(--drafter peagle "${base[@]}")
-losses() { python3 -c "import json,sys; print(' '.join(json.loads(l)['loss_exact'] for l in open(sys.argv[1])))" "$1"; }
 
 "$TALON" train "${args[@]}" --out "$WORK/ref" > /dev/null 2> "$WORK/ref.err" && ok "uninterrupted P-EAGLE run" \
   || bad "train: $(tail -3 "$WORK/ref.err")"
@@ -30,13 +29,7 @@ assert sum(r["loss"] > 0 for r in rows) >= 4 and all(r["grad_norm"] >= 0 for r i
 PY
 ref=$(losses "$WORK/ref/metrics.jsonl")
 
-"$TALON" train "${args[@]}" --out "$WORK/hook" --stop-after-steps 3 > /dev/null 2> "$WORK/hook.err"
-rc=$?
-[ $rc -ne 0 ] && grep -q "resume with: .*train" "$WORK/hook.err" && ok "stopped run exits $rc with a resume hint" \
-  || bad "stop: rc $rc $(tail -2 "$WORK/hook.err")"
-"$TALON" train "${args[@]}" --out "$WORK/hook" > /dev/null 2> "$WORK/hook2.err"
-[ "$(losses "$WORK/hook/metrics.jsonl")" = "$ref" ] && ok "stop + resume: identical losses (COD draws included)" \
-  || bad "losses differ: $(losses "$WORK/hook/metrics.jsonl") vs $ref"
+stop_resume_checked "$WORK/hook" "$ref" " (COD draws included)" "${args[@]}"
 "$TALON" train "${base[@]}" --out "$WORK/hook" > /dev/null 2> "$WORK/other.err"
 [ $? -ne 0 ] && grep -q "belongs to a different training job.*drafter" "$WORK/other.err" \
   && ok "an EAGLE-3 run does not resume a P-EAGLE checkpoint" || bad "other drafter: $(tail -2 "$WORK/other.err")"

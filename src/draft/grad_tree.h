@@ -83,4 +83,51 @@ void tree_sum(int64_t B, TreeNode n, Buf& out, Add&& add, Leaf&& leaf, Known&& k
   add(out, tmp);
 }
 
+// A table of rows (width values each) whose per-sample gradients touch only some rows: the
+// tree carries those rows alone, compacted in ascending row order. Summing the compact rows
+// adds the same values in the same order as summing the whole table (the rows outside are
+// zero in every sample), so the sums are the same to the bit.
+struct RowSubset {
+  std::vector<int64_t> rows;  // ascending, unique, within [0, n_rows)
+  int64_t width = 0;
+
+  // rows: any order, repeats and ids outside [0, n_rows) allowed (dropped).
+  RowSubset(std::vector<int64_t> r, int64_t n_rows, int64_t w) : rows(std::move(r)), width(w) {
+    std::erase_if(rows, [&](int64_t x) { return x < 0 || x >= n_rows; });
+    std::sort(rows.begin(), rows.end());
+    rows.erase(std::unique(rows.begin(), rows.end()), rows.end());
+  }
+  size_t size() const { return rows.size() * size_t(width); }
+  // out = the subset's rows of the dense table.
+  void gather(const std::vector<double>& dense, std::vector<double>& out) const {
+    out.resize(size());
+    for (size_t k = 0; k < rows.size(); ++k)
+      std::copy(dense.begin() + rows[k] * width, dense.begin() + (rows[k] + 1) * width, out.begin() + int64_t(k) * width);
+  }
+  // Zeroes the subset's rows of the dense table.
+  void zero(std::vector<double>& dense) const {
+    for (int64_t r : rows) std::fill(dense.begin() + r * width, dense.begin() + (r + 1) * width, 0.0);
+  }
+  // dense = the compact rows times scale, zero everywhere else.
+  void scatter(const std::vector<double>& compact, double scale, std::vector<double>& dense) const {
+    std::fill(dense.begin(), dense.end(), 0.0);
+    for (size_t k = 0; k < rows.size(); ++k)
+      for (int64_t i = 0; i < width; ++i)
+        dense[size_t(rows[k] * width + i)] = compact[k * size_t(width) + size_t(i)] * scale;
+  }
+  // The first row outside the subset with a nonzero value in the dense table, or -1.
+  int64_t stray_row(const std::vector<double>& dense) const {
+    size_t k = 0;
+    for (int64_t r = 0; r * width < int64_t(dense.size()); ++r) {
+      if (k < rows.size() && rows[k] == r) {
+        ++k;
+        continue;
+      }
+      for (int64_t i = 0; i < width; ++i)
+        if (dense[size_t(r * width + i)] != 0.0) return r;
+    }
+    return -1;
+  }
+};
+
 }  // namespace talon::train

@@ -8,6 +8,7 @@
 #include <cmath>
 #include <fstream>
 #include <future>
+#include <optional>
 #include <nlohmann/json.hpp>
 #include <random>
 #include <sstream>
@@ -841,46 +842,37 @@ class Trainer {
         for (size_t k = 0; k < d[q].size(); ++k) d[q][k] += s[q][k];
     };
     // A row-sparse table (Family::row_sparse_param) goes through the tree as the step's rows
-    // only: R = every row any sample of the step touches, sorted (the same on every process,
-    // which all see the whole batch). Rows outside R stay zero: the same sums, fewer bytes.
-    int64_t sq = -1, width = 0;
-    std::vector<int64_t> rows;
+    // only (grad_tree.h: RowSubset): every row any sample of the step touches, the same on
+    // every process, which all see the whole batch.
+    int64_t sq = -1;
+    std::optional<RowSubset> sub;
     if (const char* name = fam_->row_sparse_param()) {
       for (size_t q = 0; q < params_.size(); ++q)
         if (std::string(params_[q].name) == name) sq = int64_t(q);
       TALON_CHECK(sq >= 0, "train: the family's row-sparse table {} is not one of its parameters", name);
-      const std::vector<double>& g = *params_[size_t(sq)].g;
-      width = c_.H;
-      TALON_CHECK(width > 0 && int64_t(g.size()) % width == 0, "train: {} has {} values, not rows of {}", name, g.size(),
-                  width);
+      const int64_t width = c_.H, n = int64_t(params_[size_t(sq)].g->size());
+      TALON_CHECK(width > 0 && n % width == 0, "train: {} has {} values, not rows of {}", name, n, width);
+      std::vector<int64_t> rows;
       for (const auto& smp : batch) fam_->touched_rows(smp, rows);
-      const int64_t n_rows = int64_t(g.size()) / width;
-      std::erase_if(rows, [&](int64_t r) { return r < 0 || r >= n_rows; });  // the family refuses those itself
-      std::sort(rows.begin(), rows.end());
-      rows.erase(std::unique(rows.begin(), rows.end()), rows.end());
+      sub.emplace(std::move(rows), n / width, width);  // ids out of range: the family refuses them itself
     }
     for (size_t q = 0; q < params_.size(); ++q) std::fill(params_[q].g->begin(), params_[q].g->end(), 0.0);
     // A sample's gradient: the family adds into params_'s buffers, zeroed first (a row-sparse
-    // table only on R: the rest was zeroed above and nothing writes there).
+    // table only on its rows: the rest was zeroed above and nothing writes there).
     auto leaf = [&](int64_t i, FamGrads& out) {
       for (size_t q = 0; q < params_.size(); ++q) {
-        std::vector<double>& g = *params_[q].g;
-        if (int64_t(q) != sq)
-          std::fill(g.begin(), g.end(), 0.0);
+        if (int64_t(q) == sq)
+          sub->zero(*params_[q].g);
         else
-          for (int64_t r : rows) std::fill(g.begin() + r * width, g.begin() + (r + 1) * width, 0.0);
+          std::fill(params_[q].g->begin(), params_[q].g->end(), 0.0);
       }
       res[size_t(i)] = fam_->run(batch[size_t(i)], seed_of(i), true);
       out.resize(params_.size());
       for (size_t q = 0; q < params_.size(); ++q) {
-        if (int64_t(q) != sq) {
+        if (int64_t(q) == sq)
+          sub->gather(*params_[q].g, out[q]);
+        else
           out[q] = *params_[q].g;
-          continue;
-        }
-        const std::vector<double>& g = *params_[q].g;
-        out[q].resize(rows.size() * size_t(width));
-        for (size_t k = 0; k < rows.size(); ++k)
-          std::copy(g.begin() + rows[k] * width, g.begin() + (rows[k] + 1) * width, out[q].begin() + int64_t(k) * width);
       }
     };
     auto scratch = [this](int level) -> FamGrads& {
@@ -901,26 +893,19 @@ class Trainer {
       }
       root.resize(params_.size());
       for (size_t q = 0; q < params_.size(); ++q)  // the sizes pieces must have
-        root[q].resize(int64_t(q) == sq ? rows.size() * size_t(width) : params_[q].g->size());
+        root[q].resize(int64_t(q) == sq ? sub->size() : params_[q].g->size());
       finish_tree(B, res, mine, pieces, piece_sums, true, root, [this](FamGrads& g) { return fam_parts(g); },
                   [this] { return FamGrads(params_.size()); }, add, scratch);
     }
     for (size_t q = 0; q < params_.size(); ++q) {
       std::vector<double>& g = *params_[q].g;
       if (int64_t(q) == sq) {
-        // The last sample's gradient is still in g: a row outside R there means the family
-        // touched a row it did not declare, whose gradient the tree would have dropped.
-        std::vector<uint8_t> in_r(g.size() / size_t(width), 0);
-        for (int64_t r : rows) in_r[size_t(r)] = 1;
-        for (size_t r = 0; r < in_r.size(); ++r)
-          for (int64_t k = 0; k < width && !in_r[r]; ++k)
-            TALON_CHECK(g[r * size_t(width) + size_t(k)] == 0.0,
-                        "train: {} row {} has a gradient but the family did not list it in touched_rows",
-                        params_[q].name, r);
-        std::fill(g.begin(), g.end(), 0.0);
-        for (size_t k = 0; k < rows.size(); ++k)
-          for (int64_t i = 0; i < width; ++i)
-            g[size_t(rows[k] * width + i)] = root[q][k * size_t(width) + size_t(i)] * weight;
+        // The last sample's gradient is still in g: a row outside the subset there means the
+        // family touched a row it did not declare, whose gradient the tree would have dropped.
+        const int64_t stray = sub->stray_row(g);
+        TALON_CHECK(stray < 0, "train: {} row {} has a gradient but the family did not list it in touched_rows",
+                    params_[q].name, stray);
+        sub->scatter(root[q], weight, g);
         continue;
       }
       g = std::move(root[q]);

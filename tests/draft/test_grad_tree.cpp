@@ -130,5 +130,62 @@ TEST(GradTree, IsThePairwiseTreeAndComputesEverySampleOnce) {
   EXPECT_TRUE(some_order_matters) << "the data should make the summation order visible";
 }
 
+// RowSubset: the rows kept (sorted, unique, in range), gather / zero / scatter, and a stray
+// row found wherever it is.
+TEST(GradTree, RowSubsetKeepsSortedRowsAndFindsStrays) {
+  const RowSubset sub({9, 5, -1, 2, 5, 10, 100}, 10, 3);
+  EXPECT_EQ(sub.rows, (std::vector<int64_t>{2, 5, 9}));
+  EXPECT_EQ(sub.size(), 9u);
+  Buf dense(30);
+  for (size_t i = 0; i < dense.size(); ++i) dense[i] = double(i) + 0.5;
+  Buf compact;
+  sub.gather(dense, compact);
+  EXPECT_EQ(compact, (Buf{6.5, 7.5, 8.5, 15.5, 16.5, 17.5, 27.5, 28.5, 29.5}));
+  EXPECT_EQ(sub.stray_row(dense), 0);
+  Buf back(30, -1.0);
+  sub.scatter(compact, 2.0, back);
+  for (int64_t r = 0; r < 10; ++r)
+    for (int64_t i = 0; i < 3; ++i) {
+      const bool kept = r == 2 || r == 5 || r == 9;
+      EXPECT_EQ(back[size_t(r * 3 + i)], kept ? 2.0 * dense[size_t(r * 3 + i)] : 0.0) << r << "," << i;
+    }
+  EXPECT_EQ(sub.stray_row(back), -1);
+  for (int64_t r : {0, 3, 8}) {
+    Buf d = back;
+    d[size_t(r * 3 + 2)] = -1e-300;
+    EXPECT_EQ(sub.stray_row(d), r);
+  }
+  sub.zero(back);
+  EXPECT_EQ(back, Buf(30, 0.0));
+  EXPECT_EQ(RowSubset({}, 10, 3).stray_row(Buf(30, 0.0)), -1);
+}
+
+// The tree over compact rows gives the bits of the tree over the whole table, for one
+// process and for several: samples touch a few rows each (the rest exactly zero), with
+// magnitudes spread so that any change of summation order would show.
+TEST(GradTree, RowSubsetSumsAreTheDenseSumsToTheBit) {
+  const int64_t n_rows = 50, width = 4, B = 7;
+  std::mt19937_64 rng(17);
+  std::vector<Buf> dense(static_cast<size_t>(B), Buf(size_t(n_rows * width), 0.0));
+  std::vector<int64_t> touched;
+  const std::vector<Buf> values = sample_grads(B, size_t(n_rows * width), 18);
+  for (int64_t b = 0; b < B; ++b)
+    for (int k = 0; k < 6; ++k) {
+      const int64_t r = int64_t(rng() % 20);  // rows 0..19 only; 20..49 never touched
+      touched.push_back(r);
+      for (int64_t i = 0; i < width; ++i)
+        dense[size_t(b)][size_t(r * width + i)] = values[size_t(b)][size_t(r * width + i)];
+    }
+  const RowSubset sub(touched, n_rows, width);
+  std::vector<Buf> compact(static_cast<size_t>(B));
+  for (int64_t b = 0; b < B; ++b) sub.gather(dense[size_t(b)], compact[size_t(b)]);
+  const Buf want = split_sum(dense, 1);
+  for (int w : {1, 2, 3}) {
+    Buf got(want.size(), 7.0);
+    sub.scatter(split_sum(compact, w), 1.0, got);
+    EXPECT_TRUE(same_bits(got, want)) << w << " processes";
+  }
+}
+
 }  // namespace
 }  // namespace talon::train

@@ -64,8 +64,8 @@ struct AttentionTile {
 // and the key splits of both (decode_splits over the blocks of a kv head: single rows plus
 // tiles, for the most keys any of them spans; a tile spans its rows' union). Groups of at least
 // two rows become tiles when `tiles_ok` and the head size has a tile kernel
-// (verify_attention_supported); every other row stays single. No tiles: every row is single
-// and `work()` is null, so decode_attention runs as it always did.
+// (verify_attention_supported); every other row stays single. No tiles: every row is single,
+// and callers pass decode_attention no AttentionWork, so it runs the per-row kernel as before.
 struct AttentionPlan {
   std::vector<int32_t> single;
   std::vector<AttentionTile> tiles;

@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # One GPU call for the CUDA cached decoder: build (scripts/gpu_build.sh), the CUDA and decoder
 # tests, then talon_bench_decode on the random 8B shape (contexts 2048 and 512) and the
-# SmolLM2 shape, plus the real SmolLM2 when TALON_SMOLLM2_GGUF names it. Logs go to $OUT
+# SmolLM2 shape, batch 1 again with each decode switch off, plus the real SmolLM2 when
+# TALON_SMOLLM2_GGUF names it. Logs go to $OUT
 # (the device tool's output folder) when set, else to build/. Run from the repository root
-# after `tar -xzf .gpucarry/deps.tar.gz`.
+# after `tar -xzf .gpucarry/deps.tgz` (made here by scripts/pack_deps.sh, then
+# `tar czf .gpucarry/deps.tgz .deps`; carry it with the call).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 log=${OUT:-build}
@@ -18,6 +20,15 @@ for args in "--context 2048 --batches 1,32,256" "--context 512 --batches 1,32,25
             "--shape smollm2 --context 2048 --batches 1,32,256"; do
   echo "== talon_bench_decode $args"
   build/talon_bench_decode $args 2>&1 | tee -a "$log/bench.log"
+done
+# Batch 1 with each switch of the decode path off in turn (docs/reference.md), so that what each
+# one buys is measured in the same call: verify tiles, folded one-token layers, dependent launches.
+for sw in TALON_CUDA_VERIFY_TILES TALON_CUDA_FUSE TALON_CUDA_PDL; do
+  for shape in "--context 2048" "--shape smollm2 --context 512 --draft-vocab 8192"; do
+    echo "== $sw=0 talon_bench_decode $shape --batches 1"
+    env "$sw=0" build/talon_bench_decode $shape --batches 1 2>&1 | tee -a "$log/bench.log" |
+      grep -E "^ +1 |chain   4|tree   32|round"
+  done
 done
 if [ -n "${TALON_SMOLLM2_GGUF:-}" ] && [ -f "$TALON_SMOLLM2_GGUF" ]; then
   echo "== talon_bench_decode --model $TALON_SMOLLM2_GGUF"

@@ -22,6 +22,20 @@ void dense_stack_forward(const DenseDeviceWeights& w, const ModelConfig& c, int6
   // alone, so it keeps the unfused layer. Not with a tensor-parallel all-reduce, which must see
   // each branch output before it is added.
   constexpr int64_t kFoldMaxK = 2048;
+  // From the fused q|k|v rows to att: bias, Qwen3's q/k norms, RoPE (unless the hook rotates),
+  // then the attention hook; the same in the folded and unfolded layers.
+  auto attend = [&](int64_t l, const DenseLayerDev& L) {
+    if (L.bqkv) bias_forward(a.qkv, ldqkv, L.bqkv, N, ldqkv, s);
+    if (L.q_norm) {
+      head_rmsnorm_forward(a.qkv, ldqkv, L.q_norm, N, nh, hd, eps, s);
+      head_rmsnorm_forward(a.qkv + qd, ldqkv, L.k_norm, N, nkv, hd, eps, s);
+    }
+    if (!hooks.attention_rotates) {
+      rope_forward(a.qkv, ldqkv, a.pos, w.inv_freq, N, nh, hd, s);
+      rope_forward(a.qkv + qd, ldqkv, a.pos, w.inv_freq, N, nkv, hd, s);
+    }
+    hooks.attention(l);
+  };
   bool fuse = N == 1 && hooks.fold_one_token && !hooks.allreduce && skinny_fusion_enabled() && H <= kFoldMaxK && I <= kFoldMaxK &&
               skinny_fused_fits(H) && skinny_fused_fits(qd) && skinny_fused_fits(I);
   for (size_t l = 0; l < w.layers.size() && fuse; ++l)
@@ -34,16 +48,7 @@ void dense_stack_forward(const DenseDeviceWeights& w, const ModelConfig& c, int6
       if (!skinny_fused(f, wt, K, O, s)) fail_msg("dense stack: a fused one-row product was refused");
     };
     run({SkinnyIn::Norm, nullptr, a.x, L.attn_norm, eps, a.qkv, nullptr}, L.wqkv, H, ldqkv);
-    if (L.bqkv) bias_forward(a.qkv, ldqkv, L.bqkv, N, ldqkv, s);
-    if (L.q_norm) {
-      head_rmsnorm_forward(a.qkv, ldqkv, L.q_norm, N, nh, hd, eps, s);
-      head_rmsnorm_forward(a.qkv + qd, ldqkv, L.k_norm, N, nkv, hd, eps, s);
-    }
-    if (!hooks.attention_rotates) {
-      rope_forward(a.qkv, ldqkv, a.pos, w.inv_freq, N, nh, hd, s);
-      rope_forward(a.qkv + qd, ldqkv, a.pos, w.inv_freq, N, nkv, hd, s);
-    }
-    hooks.attention(l);
+    attend(l, L);
     run({SkinnyIn::Plain, a.att, nullptr, nullptr, 0.f, nullptr, a.x}, L.wo, qd, H);
     run({SkinnyIn::Norm, nullptr, a.x, L.mlp_norm, eps, a.gu, nullptr}, L.wgu, H, 2 * I);
     run({SkinnyIn::Swiglu, a.gu, nullptr, nullptr, 0.f, nullptr, a.x}, L.wdown, I, H);
@@ -59,16 +64,7 @@ void dense_stack_forward(const DenseDeviceWeights& w, const ModelConfig& c, int6
       add_rmsnorm_forward(a.xn, a.x, nullptr, L.attn_norm, N, H, eps, s);
     }
     gemm.forward(a.qkv, a.xn, L.wqkv, N, H, ldqkv, s);
-    if (L.bqkv) bias_forward(a.qkv, ldqkv, L.bqkv, N, ldqkv, s);
-    if (L.q_norm) {
-      head_rmsnorm_forward(a.qkv, ldqkv, L.q_norm, N, nh, hd, eps, s);
-      head_rmsnorm_forward(a.qkv + qd, ldqkv, L.k_norm, N, nkv, hd, eps, s);
-    }
-    if (!hooks.attention_rotates) {
-      rope_forward(a.qkv, ldqkv, a.pos, w.inv_freq, N, nh, hd, s);
-      rope_forward(a.qkv + qd, ldqkv, a.pos, w.inv_freq, N, nkv, hd, s);
-    }
-    hooks.attention(l);
+    attend(l, L);
     gemm.forward(a.tmp, a.att, L.wo, N, qd, H, s);
     if (hooks.allreduce) hooks.allreduce(a.tmp, N * H, s);
     add_rmsnorm_forward(a.xn, a.x, a.tmp, L.mlp_norm, N, H, eps, s);

@@ -195,18 +195,7 @@ __global__ void sort_kernel(int32_t* order, int32_t* pos, int32_t* offsets, int3
 
 // ---- Tensor-core grouped GEMM (see the top of the file) ----
 
-// 16 bytes global -> shared, asynchronously; when !valid the destination is zero-filled and
-// src is not read.
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src), "r"(valid ? 16 : 0)
-               : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-// Waits until at most N of this thread's committed copy groups are still in flight.
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
+// cp_async16 / cp_async_commit / cp_async_wait: tensor_core.cuh.
 
 // The two int4 values in the low byte of x (stored q + 8; the low nibble is the lower k) as
 // a bf16 pair (q0, q1), exact: the nibble n is put in the mantissa of 128.0 (bf16 0x4300,

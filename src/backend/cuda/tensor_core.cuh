@@ -1,5 +1,6 @@
 // Internal to the CUDA backend: the warp-level tensor-core primitives the flash attention
-// (attention.cu) and the grouped expert GEMM (moe.cu) are built from, as inline PTX.
+// (attention.cu), the decode and TTT attention and the grouped expert GEMM (moe.cu) are built
+// from, as inline PTX.
 #pragma once
 #include <cstdint>
 
@@ -8,6 +9,20 @@ namespace {
 
 // A generic pointer into shared memory as the 32-bit shared-window address PTX expects.
 __device__ __forceinline__ uint32_t smem_addr(const void* p) { return uint32_t(__cvta_generic_to_shared(p)); }
+
+// 16 bytes global -> shared, asynchronously (cp.async, bypassing L1); when !valid the
+// destination is zero-filled and src is not read (it must still be a valid address).
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid = true) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src), "r"(valid ? 16 : 0)
+               : "memory");
+}
+// Closes this thread's copies issued since the last commit into one group.
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+// Waits until at most N of this thread's committed copy groups are still in flight.
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
 
 // Four 8x8 b16 matrices from shared memory (lane l gives the row address of matrix l / 8).
 __device__ __forceinline__ void ldmatrix_x4(uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3, const void* p) {

@@ -49,7 +49,7 @@ __device__ __forceinline__ void stage(bf16* dst, const bf16* base, int64_t ld, i
   }
 }
 
-// As stage(), through cp.async (no registers; completes at cp_wait): rows past `rows` are
+// As stage(), through cp.async (no registers; completes at cp_async_wait): rows past `rows` are
 // zero-filled by the copy itself.
 template <int D>
 __device__ __forceinline__ void stage_async(bf16* dst, const bf16* base, int64_t ld, int64_t r0, int64_t rows, int R) {
@@ -58,14 +58,8 @@ __device__ __forceinline__ void stage_async(bf16* dst, const bf16* base, int64_t
     const int r = i / kChunks, c = (i % kChunks) * 8;
     const bool in = r0 + r < rows;
     const bf16* src = in ? base + (r0 + r) * ld + c : base;
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst + r * (D + kPad) + c)), "l"(src),
-                 "r"(in ? 16 : 0));
+    cp_async16(dst + r * (D + kPad) + c, src, in);
   }
-}
-__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void cp_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
 // A fragment (16 x 16, rows row0.., k slice kc) from a row-major tile in shared memory.
@@ -146,17 +140,17 @@ __device__ __forceinline__ void stream_kv(bf16* kb, bf16* vb, const bf16* kbase,
   const int64_t n_it = last / TN + 1;
   stage_async<D>(kb, kbase, kvd, 0, len, TN);
   stage_async<D>(vb, vbase, kvd, 0, len, TN);
-  cp_commit();
+  cp_async_commit();
   for (int64_t it = 0; it < n_it; ++it) {
     const int64_t j0 = it * TN;
     const int buf = int(it & 1);
     if (it + 1 < n_it) {
       stage_async<D>(kb + (buf ^ 1) * kBuf, kbase, kvd, j0 + TN, len, TN);
       stage_async<D>(vb + (buf ^ 1) * kBuf, vbase, kvd, j0 + TN, len, TN);
-      cp_commit();
-      cp_wait<1>();
+      cp_async_commit();
+      cp_async_wait<1>();
     } else {
-      cp_wait<0>();
+      cp_async_wait<0>();
     }
     __syncthreads();
     body(j0, kb + buf * kBuf, vb + buf * kBuf);
@@ -384,7 +378,7 @@ __global__ void __launch_bounds__(kThreads) dkv_kernel(float* part, const float*
   stage_async<D>(ksm, a.k0 + s0 * kvd + int64_t(kh) * D, kvd, k0, len, kRows);
   stage_async<D>(vsm, a.v0 + s0 * kvd + int64_t(kh) * D, kvd, k0, len, kRows);
   issue(k0, 0);
-  cp_commit();
+  cp_async_commit();
   fetch(k0);
   put(0);
   float dk[D / 8][4], dv[D / 8][4];
@@ -396,11 +390,11 @@ __global__ void __launch_bounds__(kThreads) dkv_kernel(float* part, const float*
     const int buf = int(it & 1);
     if (it + 1 < n_it) {
       issue(i0 + TQ, buf ^ 1);
-      cp_commit();
+      cp_async_commit();
       fetch(i0 + TQ);
-      cp_wait<1>();
+      cp_async_wait<1>();
     } else {
-      cp_wait<0>();
+      cp_async_wait<0>();
     }
     __syncthreads();
     const bf16* qs = qb + buf * TQ * (D + kPad);

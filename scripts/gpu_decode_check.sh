@@ -22,8 +22,9 @@ for args in "--context 2048 --batches 1,32,256" "--context 512 --batches 1,32,25
   build/talon_bench_decode $args 2>&1 | tee -a "$log/bench.log"
 done
 # Batch 1 with each switch of the decode path off in turn (docs/reference.md), so that what each
-# one buys is measured in the same call: verify tiles, folded one-token layers, dependent launches.
-for sw in TALON_CUDA_VERIFY_TILES TALON_CUDA_FUSE TALON_CUDA_PDL; do
+# one buys is measured in the same call: verify tiles, lone rows in tiles, folded one-token
+# layers, dependent launches.
+for sw in TALON_CUDA_VERIFY_TILES TALON_CUDA_LONE_TILES TALON_CUDA_FUSE TALON_CUDA_PDL; do
   for shape in "--context 2048" "--shape smollm2 --context 512 --draft-vocab 8192"; do
     echo "== $sw=0 talon_bench_decode $shape --batches 1"
     env "$sw=0" build/talon_bench_decode $shape --batches 1 2>&1 | tee -a "$log/bench.log" |

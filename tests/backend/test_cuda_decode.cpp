@@ -4,6 +4,7 @@
 // slots at once, trees (also wider than one 64-bit mask word), commits of a path followed
 // by more decoding, a sliding window, long contexts (attention split over keys), greedy
 // decoding, malformed requests and a cache that does not fit. Skips without a GPU.
+#include <limits>
 #include <gtest/gtest.h>
 
 #ifdef TALON_HAVE_CUDA
@@ -489,12 +490,16 @@ TEST(CudaDecodeAttention, VerifyTilesAndPerRowKernelMatchTheReference) {
     d_qkv.upload(to_bf16(qkv));
     d_kc.upload(to_bf16(kc));
     d_vc.upload(to_bf16(vc));
-    for (const bool tiles : {false, true}) {
-      const std::string what = tag + (tiles ? ", tiles" : ", rows only");
-      const cuda::AttentionPlan plan = cuda::plan_attention(rows.data(), N, nh, nkv, hd, tiles, sms);
+    // Modes: rows only; tiles for groups (the lone row of slot 2 stays single); every row in
+    // tiles, the lone row too (as at large batch, lone_tile_rows).
+    for (const int mode : {0, 1, 2}) {
+      const bool tiles = mode > 0;
+      const std::string what = tag + (mode == 0 ? ", rows only" : mode == 1 ? ", tiles" : ", tiles for lone rows too");
+      const cuda::AttentionPlan plan = cuda::plan_attention(rows.data(), N, nh, nkv, hd, tiles, sms,
+                                                            mode == 2 ? 1 : std::numeric_limits<int64_t>::max());
       EXPECT_EQ(plan.tiles.empty(), !tiles) << what;
       if (tiles) {
-        EXPECT_EQ(plan.single.size(), 1u) << what;  // the lone row of slot 2
+        EXPECT_EQ(plan.single.size(), mode == 1 ? 1u : 0u) << what;
       }
       const cuda::DecodeSplits ks = plan.splits;
       Guarded<float> part(size_t(N * nh * ks.splits * (hd + 2)));

@@ -5,6 +5,7 @@
 #include <cfloat>
 #include <climits>
 #include <cstdlib>
+#include <limits>
 #include <string>
 
 #include "backend/cuda/check.h"
@@ -21,11 +22,6 @@ constexpr int kThreads = 128;               // 4 warps per attention block
 constexpr int kMaxPairs = 16;               // (query head, dim) pairs per thread: G * hd <= 2048
 constexpr float kLog2e = 1.4426950408889634f;
 
-
-__device__ __forceinline__ void copy16_async(bf16* smem_dst, const bf16* global_src) {
-  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem_dst));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(global_src) : "memory");
-}
 
 __global__ void kv_write_kernel(bf16* kc, bf16* vc, const bf16* qkv, int64_t ld, const DecodeRow* rows, int64_t nh,
                                 int64_t nkv, int64_t hd, int64_t max_len) {
@@ -122,10 +118,11 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(
       const int cpr = hd / 8;  // 16-byte chunks per row
       for (int i = tid; i < nt * cpr; i += kThreads) {
         const int j = i / cpr, c = i % cpr;
-        copy16_async(ks + j * hdp + c * 8, kbase + int64_t(t0 + j) * kvd + c * 8);
-        copy16_async(vs + j * hdp + c * 8, vbase + int64_t(t0 + j) * kvd + c * 8);
+        cp_async16(ks + j * hdp + c * 8, kbase + int64_t(t0 + j) * kvd + c * 8);
+        cp_async16(vs + j * hdp + c * 8, vbase + int64_t(t0 + j) * kvd + c * 8);
       }
-      asm volatile("cp.async.wait_all;\n" ::: "memory");
+      cp_async_commit();
+      cp_async_wait<0>();
     } else {
       for (int i = tid; i < nt * hd; i += kThreads) {
         const int j = i / hd, d = i % hd;
@@ -261,32 +258,145 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(
 }
 
 constexpr int kPad = 8;  // bf16 elements of padding per shared row of the verify kernel
+constexpr int kVerifyKeys = 64;  // keys per tile of the verify kernel
+
+// Dynamic shared memory of verify_attention_kernel<D, S>: S stages of K and V tiles.
+__host__ __device__ constexpr size_t verify_smem_bytes(int D, int S) { return size_t(2) * S * kVerifyKeys * (D + kPad) * 2; }
+
+template <int D_, int S_>
+struct VerifyShape {
+  static constexpr int D = D_, S = S_;
+};
+
+// Key-tile stages of the verify kernel: double buffering. Three stages measured the same
+// on the H200 (8B shape, 256 slots at 2048: 25.9 ms a step either way).
+constexpr int kVerifyStages = 2;
 
 __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
   return *reinterpret_cast<uint32_t*>(&v);
 }
 
+// One warp's 16 query vectors (its A fragments qf; this lane's rows g and g + 8 have key
+// ranges my_lo / my_end and tree masks my_mask) against NB blocks of 16 keys in shared memory
+// (kt / vt: rows 0 .. 16 NB - 1, key key0 + j at row j; keys >= k1 are zero rows): S = QK^T on
+// tensor cores, hidden keys to -inf, the online softmax (running max m_run and sum l_run of
+// the lane's two rows, log2 domain), and O += P V with P as a hi + lo pair of bf16 terms.
+template <int D, int NB>
+__device__ __forceinline__ void attend_key_blocks(float (&o)[D / 8][4], float (&m_run)[2], float (&l_run)[2],
+                                                  const uint32_t (&qf)[D / 16][4], const bf16 (*kt)[D + kPad],
+                                                  const bf16 (*vt)[D + kPad], int key0, int k1, const int (&my_lo)[2],
+                                                  const int (&my_end)[2], const int (&my_mask)[2], int len,
+                                                  const uint64_t* masks, float scale_log2, int lane) {
+  const int t = lane % 4;
+  float sc[2 * NB][4];
+#pragma unroll
+  for (int i = 0; i < 2 * NB; ++i) sc[i][0] = sc[i][1] = sc[i][2] = sc[i][3] = 0.f;
+#pragma unroll
+  for (int kc2 = 0; kc2 < D / 16; ++kc2) {
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb) {
+      uint32_t b0, b1, b2, b3;
+      ldmatrix_x4(b0, b1, b2, b3, &kt[nb * 16 + (lane % 8) + 8 * (lane / 16)][kc2 * 16 + 8 * ((lane / 8) % 2)]);
+      mma_bf16(sc[2 * nb], qf[kc2], b0, b1);
+      mma_bf16(sc[2 * nb + 1], qf[kc2], b2, b3);
+    }
+  }
+  float mx[2] = {-FLT_MAX, -FLT_MAX};
+#pragma unroll
+  for (int n8 = 0; n8 < 2 * NB; ++n8)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int r = e / 2, key = key0 + n8 * 8 + 2 * t + (e % 2);
+      bool visible = key < k1 && key >= my_lo[r] && key < my_end[r];
+      if (visible && key >= len && my_mask[r] >= 0) {
+        const int a = key - len;
+        visible = (masks[my_mask[r] + a / 64] >> (a % 64)) & 1ull;
+      }
+      const float v = visible ? sc[n8][e] * scale_log2 : -INFINITY;
+      sc[n8][e] = v;
+      mx[r] = fmaxf(mx[r], v);
+    }
+  float corr[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+    mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+    const float m_new = fmaxf(m_run[r], mx[r]);
+    corr[r] = exp2f(m_run[r] - m_new);
+    m_run[r] = m_new;
+    l_run[r] *= corr[r];
+  }
+  uint32_t pf[NB][4], pl[NB][4];
+#pragma unroll
+  for (int n8 = 0; n8 < 2 * NB; ++n8) {
+    float p[4], lo[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      p[e] = exp2f(sc[n8][e] - m_run[e / 2]);  // hidden keys: exp2(-inf) = 0
+      l_run[e / 2] += p[e];
+      lo[e] = p[e] - __bfloat162float(__float2bfloat16(p[e]));
+    }
+    pf[n8 / 2][(n8 % 2) * 2 + 0] = pack_bf16(p[0], p[1]);
+    pf[n8 / 2][(n8 % 2) * 2 + 1] = pack_bf16(p[2], p[3]);
+    pl[n8 / 2][(n8 % 2) * 2 + 0] = pack_bf16(lo[0], lo[1]);
+    pl[n8 / 2][(n8 % 2) * 2 + 1] = pack_bf16(lo[2], lo[3]);
+  }
+#pragma unroll
+  for (int dt = 0; dt < D / 8; ++dt) {
+    o[dt][0] *= corr[0];
+    o[dt][1] *= corr[0];
+    o[dt][2] *= corr[1];
+    o[dt][3] *= corr[1];
+  }
+#pragma unroll
+  for (int kc2 = 0; kc2 < NB; ++kc2) {
+#pragma unroll
+    for (int dp = 0; dp < D / 16; ++dp) {
+      uint32_t b0, b1, b2, b3;
+      ldmatrix_x4_trans(b0, b1, b2, b3, &vt[kc2 * 16 + (lane % 8) + 8 * ((lane / 8) % 2)][dp * 16 + 8 * (lane / 16)]);
+      mma_bf16(o[2 * dp], pf[kc2], b0, b1);
+      mma_bf16(o[2 * dp + 1], pf[kc2], b2, b3);
+      mma_bf16(o[2 * dp], pl[kc2], b0, b1);
+      mma_bf16(o[2 * dp + 1], pl[kc2], b2, b3);
+    }
+  }
+}
+
 // Block (tile, kv head kh, split z): the tile's query vectors (decode_ops.h: AttentionTile)
 // against keys [klo + z * split_len, ...) of the union [klo, kend) of its rows' key ranges
-// (the last split runs to kend), in tiles of kKeys keys; 4 warps, 16 vectors each, warps
-// past the tile's vectors only help with the loads. Each vector's keys are its row's:
-// [lo, end), pending ones (>= len) only where its tree mask has the bit. The partial result
-// goes to part as decode_attention_kernel writes it: unnormalised output, max (log2 domain
-// of the scaled scores, -inf when no key was visible), sum.
-template <int D>
+// (the last split runs to kend), in tiles of kKeys keys, S - 1 tiles loading ahead of the
+// one in use. Each vector's keys are its row's: [lo, end), pending ones (>= len) only where
+// its tree mask has the bit. The partial result goes to part as decode_attention_kernel
+// writes it: unnormalised output, max (log2 domain of the scaled scores, -inf when no key
+// was visible), sum.
+// Two ways to share the work among the 4 warps:
+// * a tile of more than 16 vectors: warp w takes vectors 16w .. 16w + 15 against every key
+//   (warps past the tile's vectors only help with the loads);
+// * a tile of at most 16 vectors (a lone row's query heads of one kv head, as in batched
+//   decoding, or a short chain): every warp takes all of them, against its own quarter of
+//   each key tile, and the four partial softmaxes merge at the end through shared memory.
+template <int D, int S>
 __global__ void __launch_bounds__(kThreads) verify_attention_kernel(
     float* part, const bf16* qkv, int64_t ld, const bf16* kc, const bf16* vc, const DecodeRow* rows,
     const uint64_t* masks, const AttentionTile* tiles, int nh, int nkv, int64_t max_len, int n_splits, int split_len,
     float scale_log2) {
-  constexpr int kM = kTileVectors, kKeys = 64;
-  __shared__ __align__(16) bf16 ks[kM][D + kPad];  // also stages the Q tile
-  __shared__ __align__(16) bf16 vs[kKeys][D + kPad];
+  constexpr int kM = kTileVectors, kKeys = kVerifyKeys, kWarps = kThreads / 32;
+  static_assert(kM <= kKeys && kKeys == 16 * kWarps, "the Q tile is staged in the first K buffer; 16 keys a warp");
+  static_assert(verify_smem_bytes(D, S) >= size_t(kWarps * 16 * (D + 2)) * 4, "the split-keys merge fits the buffers");
+  // S stages of K and V tiles in dynamic shared memory (verify_smem_bytes): ks[S][kKeys][D +
+  // kPad], then vs likewise. Stage 0's K buffer stages the Q tile first; the split-keys merge
+  // reuses the whole buffer at the end.
+  extern __shared__ __align__(16) unsigned char vsmem[];
+  auto ks = reinterpret_cast<bf16(*)[kKeys][D + kPad]>(vsmem);
+  auto vs = reinterpret_cast<bf16(*)[kKeys][D + kPad]>(vsmem + size_t(S) * kKeys * (D + kPad) * sizeof(bf16));
   __shared__ int v_lo[kM], v_end[kM], v_mask[kM];
   __shared__ int s_range[2];
   const AttentionTile tile = tiles[blockIdx.x];
   const int kh = blockIdx.y, z = blockIdx.z, group = nh / nkv, nv = tile.n_rows * group;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const bool split_keys = nv - tile.first_vector <= 16;
+  const int qrow0 = split_keys ? 0 : warp * 16;  // this warp's first vector in the tile
   const DecodeRow first = rows[tile.first_row];
   const int len = first.len;
   const int64_t kvd = int64_t(nkv) * D;
@@ -317,16 +427,16 @@ __global__ void __launch_bounds__(kThreads) verify_attention_kernel(
     if (v < nv)
       val = *reinterpret_cast<const uint4*>(qkv + int64_t(tile.first_row + v / group) * ld +
                                             int64_t(kh * group + v % group) * D + c);
-    *reinterpret_cast<uint4*>(&ks[vi][c]) = val;
+    *reinterpret_cast<uint4*>(&ks[0][vi][c]) = val;
   }
   __syncthreads();
-  const bool active = tile.first_vector + warp * 16 < nv;
+  const bool active = split_keys || tile.first_vector + qrow0 < nv;
   uint32_t qf[D / 16][4];
   if (active) {
 #pragma unroll
     for (int kc2 = 0; kc2 < D / 16; ++kc2)
       ldmatrix_x4(qf[kc2][0], qf[kc2][1], qf[kc2][2], qf[kc2][3],
-                  &ks[warp * 16 + (lane % 8) + 8 * ((lane / 8) % 2)][kc2 * 16 + 8 * (lane / 16)]);
+                  &ks[0][qrow0 + (lane % 8) + 8 * ((lane / 8) % 2)][kc2 * 16 + 8 * (lane / 16)]);
   }
   const int klo = s_range[0], kend = s_range[1];
   const int k0 = klo + z * split_len, k1 = z == n_splits - 1 ? kend : min(kend, k0 + split_len);
@@ -334,7 +444,7 @@ __global__ void __launch_bounds__(kThreads) verify_attention_kernel(
   int my_lo[2], my_end[2], my_mask[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    const int vi = warp * 16 + g + 8 * r;
+    const int vi = qrow0 + g + 8 * r;
     my_lo[r] = v_lo[vi], my_end[r] = v_end[vi], my_mask[r] = v_mask[vi];
   }
   __syncthreads();  // the Q tile is in registers; ks is free for keys
@@ -344,119 +454,105 @@ __global__ void __launch_bounds__(kThreads) verify_attention_kernel(
   for (int i = 0; i < D / 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
   float m_run[2] = {-FLT_MAX, -FLT_MAX}, l_run[2] = {0.f, 0.f};
 
-  for (int t0 = k0; t0 < k1; t0 += kKeys) {
-    const int nt = min(kKeys, k1 - t0);
+  // Key tile `it` goes to stage it % S, S - 1 tiles ahead of the one in use, so that the
+  // copies of the next tiles are in flight while this one is multiplied. Keys past k1 are
+  // zero-filled, so that a masked key's value cannot turn 0 * v into NaN.
+  const int n_iter = k1 > k0 ? (k1 - k0 + kKeys - 1) / kKeys : 0;
+  auto load = [&](int it) {
+    const int t0 = k0 + it * kKeys, nt = min(kKeys, k1 - t0), st = it % S;
     for (int i = threadIdx.x; i < kKeys * kChunks; i += kThreads) {
       const int j = i / kChunks, c = (i % kChunks) * 8;
-      if (j < nt) {
-        copy16_async(&ks[j][c], kbase + int64_t(t0 + j) * kvd + c);
-        copy16_async(&vs[j][c], vbase + int64_t(t0 + j) * kvd + c);
-      } else {  // zero, so that a masked key's value cannot turn 0 * v into NaN
-        *reinterpret_cast<uint4*>(&ks[j][c]) = make_uint4(0, 0, 0, 0);
-        *reinterpret_cast<uint4*>(&vs[j][c]) = make_uint4(0, 0, 0, 0);
-      }
+      const int64_t off = int64_t(j < nt ? t0 + j : t0) * kvd + c;
+      cp_async16(&ks[st][j][c], kbase + off, j < nt);
+      cp_async16(&vs[st][j][c], vbase + off, j < nt);
     }
-    asm volatile("cp.async.wait_all;\n" ::: "memory");
-    __syncthreads();
-    if (active) {
-      float sc[kKeys / 8][4];
+  };
 #pragma unroll
-      for (int i = 0; i < kKeys / 8; ++i) sc[i][0] = sc[i][1] = sc[i][2] = sc[i][3] = 0.f;
-#pragma unroll
-      for (int kc2 = 0; kc2 < D / 16; ++kc2) {
-#pragma unroll
-        for (int nb = 0; nb < kKeys / 16; ++nb) {
-          uint32_t b0, b1, b2, b3;
-          ldmatrix_x4(b0, b1, b2, b3, &ks[nb * 16 + (lane % 8) + 8 * (lane / 16)][kc2 * 16 + 8 * ((lane / 8) % 2)]);
-          mma_bf16(sc[2 * nb], qf[kc2], b0, b1);
-          mma_bf16(sc[2 * nb + 1], qf[kc2], b2, b3);
-        }
-      }
-      float mx[2] = {-FLT_MAX, -FLT_MAX};
-#pragma unroll
-      for (int n8 = 0; n8 < kKeys / 8; ++n8)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int r = e / 2, key = t0 + n8 * 8 + 2 * t + (e % 2);
-          bool visible = key < k1 && key >= my_lo[r] && key < my_end[r];
-          if (visible && key >= len && my_mask[r] >= 0) {
-            const int a = key - len;
-            visible = (masks[my_mask[r] + a / 64] >> (a % 64)) & 1ull;
-          }
-          const float v = visible ? sc[n8][e] * scale_log2 : -INFINITY;
-          sc[n8][e] = v;
-          mx[r] = fmaxf(mx[r], v);
-        }
-      float corr[2];
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
-        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-        const float m_new = fmaxf(m_run[r], mx[r]);
-        corr[r] = exp2f(m_run[r] - m_new);
-        m_run[r] = m_new;
-        l_run[r] *= corr[r];
-      }
-      uint32_t pf[kKeys / 16][4], pl[kKeys / 16][4];
-#pragma unroll
-      for (int n8 = 0; n8 < kKeys / 8; ++n8) {
-        float p[4], lo[4];
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          p[e] = exp2f(sc[n8][e] - m_run[e / 2]);  // hidden keys: exp2(-inf) = 0
-          l_run[e / 2] += p[e];
-          lo[e] = p[e] - __bfloat162float(__float2bfloat16(p[e]));
-        }
-        pf[n8 / 2][(n8 % 2) * 2 + 0] = pack_bf16(p[0], p[1]);
-        pf[n8 / 2][(n8 % 2) * 2 + 1] = pack_bf16(p[2], p[3]);
-        pl[n8 / 2][(n8 % 2) * 2 + 0] = pack_bf16(lo[0], lo[1]);
-        pl[n8 / 2][(n8 % 2) * 2 + 1] = pack_bf16(lo[2], lo[3]);
-      }
-#pragma unroll
-      for (int dt = 0; dt < D / 8; ++dt) {
-        o[dt][0] *= corr[0];
-        o[dt][1] *= corr[0];
-        o[dt][2] *= corr[1];
-        o[dt][3] *= corr[1];
-      }
-#pragma unroll
-      for (int kc2 = 0; kc2 < kKeys / 16; ++kc2) {
-        const uint32_t a[4] = {pf[kc2][0], pf[kc2][1], pf[kc2][2], pf[kc2][3]};
-        const uint32_t al[4] = {pl[kc2][0], pl[kc2][1], pl[kc2][2], pl[kc2][3]};
-#pragma unroll
-        for (int dp = 0; dp < D / 16; ++dp) {
-          uint32_t b0, b1, b2, b3;
-          ldmatrix_x4_trans(b0, b1, b2, b3, &vs[kc2 * 16 + (lane % 8) + 8 * ((lane / 8) % 2)][dp * 16 + 8 * (lane / 16)]);
-          mma_bf16(o[2 * dp], a, b0, b1);
-          mma_bf16(o[2 * dp + 1], a, b2, b3);
-          mma_bf16(o[2 * dp], al, b0, b1);
-          mma_bf16(o[2 * dp + 1], al, b2, b3);
-        }
-      }
-    }
+  for (int it = 0; it < S - 1; ++it) {
+    if (it < n_iter) load(it);
+    cp_async_commit();
+  }
+  for (int it = 0; it < n_iter; ++it) {
+    const int t0 = k0 + it * kKeys, st = it % S;
+    // Stage (it + S - 1) % S was last read in iteration it - 1, which ended in a barrier.
+    if (it + S - 1 < n_iter) load(it + S - 1);
+    cp_async_commit();
+    cp_async_wait<S - 1>();  // this thread's copies of tile `it` have landed ...
+    __syncthreads();         // ... and everyone's
+    if (split_keys)
+      attend_key_blocks<D, 1>(o, m_run, l_run, qf, ks[st] + warp * 16, vs[st] + warp * 16, t0 + warp * 16, k1, my_lo,
+                              my_end, my_mask, len, masks, scale_log2, lane);
+    else if (active)
+      attend_key_blocks<D, kKeys / 16>(o, m_run, l_run, qf, ks[st], vs[st], t0, k1, my_lo, my_end, my_mask, len, masks,
+                                       scale_log2, lane);
     __syncthreads();
   }
+  cp_async_wait<0>();  // only empty groups can be left; the buffers are free from here on
   if (!active) return;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 1);
     l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 2);
   }
+  auto out_of = [&](int vi) {  // vector vi of the tile: its [D + 2] partial
+    const int v = tile.first_vector + vi;
+    const int64_t row = tile.first_row + v / group, h = int64_t(kh) * group + v % group;
+    return part + ((row * nh + h) * n_splits + z) * (D + 2);
+  };
+  if (!split_keys) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int vi = qrow0 + g + 8 * r;
+      if (tile.first_vector + vi >= nv) continue;
+      float* p = out_of(vi);
+#pragma unroll
+      for (int dt = 0; dt < D / 8; ++dt) {
+        p[dt * 8 + 2 * t] = o[dt][2 * r];
+        p[dt * 8 + 2 * t + 1] = o[dt][2 * r + 1];
+      }
+      if (t == 0) {
+        p[D] = l_run[r] > 0.f ? m_run[r] : -INFINITY;
+        p[D + 1] = l_run[r];
+      }
+    }
+    return;
+  }
+  // Split keys: warp w's [16, D] output and (max, sum) per vector into shared memory, then
+  // each (vector, dim) sums the warps' outputs scaled by exp2(m_w - M) (0 for a warp that saw
+  // no key of the vector).
+  float* so = reinterpret_cast<float*>(vsmem);  // [kWarps][16][D]
+  float* sm = so + kWarps * 16 * D;             // [kWarps][16] maxima, then [kWarps][16] sums
+  float* sl = sm + kWarps * 16;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    const int v = tile.first_vector + warp * 16 + g + 8 * r;
-    if (v >= nv) continue;
-    const int64_t row = tile.first_row + v / group, h = int64_t(kh) * group + v % group;
-    float* p = part + ((row * nh + h) * n_splits + z) * (D + 2);
+    float* orow = so + (warp * 16 + g + 8 * r) * D;
 #pragma unroll
     for (int dt = 0; dt < D / 8; ++dt) {
-      p[dt * 8 + 2 * t] = o[dt][2 * r];
-      p[dt * 8 + 2 * t + 1] = o[dt][2 * r + 1];
+      orow[dt * 8 + 2 * t] = o[dt][2 * r];
+      orow[dt * 8 + 2 * t + 1] = o[dt][2 * r + 1];
     }
     if (t == 0) {
-      p[D] = l_run[r] > 0.f ? m_run[r] : -INFINITY;
-      p[D + 1] = l_run[r];
+      sm[warp * 16 + g + 8 * r] = l_run[r] > 0.f ? m_run[r] : -INFINITY;
+      sl[warp * 16 + g + 8 * r] = l_run[r];
     }
+  }
+  __syncthreads();
+  const int n_out = min(16, nv - tile.first_vector);
+  for (int i = threadIdx.x; i < n_out * (D + 2); i += kThreads) {
+    const int vi = i / (D + 2), d = i % (D + 2);
+    float M = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) M = fmaxf(M, sm[w * 16 + vi]);
+    float acc = 0.f;
+    if (M != -INFINITY) {
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) {
+        const float m = sm[w * 16 + vi];
+        const float e = m == -INFINITY ? 0.f : exp2f(m - M);
+        acc += e * (d < D ? so[(w * 16 + vi) * D + d] : sl[w * 16 + vi]);
+      }
+    }
+    out_of(vi)[d] = d == D ? M : acc;
   }
 }
 
@@ -561,16 +657,39 @@ bool verify_tiles_enabled() {
   return on;
 }
 
+int64_t lone_tile_rows() {
+  static const int64_t n = [] {
+    const char* e = std::getenv("TALON_CUDA_LONE_TILES");
+    if (!e || !*e) return kLoneTileRows;
+    char* end = nullptr;
+    const long long v = std::strtoll(e, &end, 10);
+    if (*end != '\0' || v < 0) fail_msg(std::string("TALON_CUDA_LONE_TILES: expected a whole number >= 0, got '") + e + "'");
+    return v == 0 ? std::numeric_limits<int64_t>::max() : int64_t(v);
+  }();
+  return n;
+}
+
 AttentionPlan plan_attention(const DecodeRow* rows, int64_t N, int64_t nh, int64_t nkv, int64_t hd, bool tiles_ok,
-                             int multiprocessors) {
+                             int multiprocessors, int64_t lone_tiles) {
   AttentionPlan p;
   tiles_ok = tiles_ok && verify_attention_supported(hd);
   const int64_t group = nkv > 0 ? nh / nkv : 1;
-  for (int64_t r = 0; r < N;) {
+  auto group_end = [&](int64_t r) {
     int64_t e = r + 1;
     while (e < N && rows[e].slot == rows[r].slot && rows[e].len == rows[r].len) ++e;
+    return e;
+  };
+  int64_t lone = 0;
+  for (int64_t r = 0; r < N;) {
+    const int64_t e = group_end(r);
+    lone += e - r == 1;
+    r = e;
+  }
+  const int64_t min_rows = lone >= lone_tiles ? 1 : 2;
+  for (int64_t r = 0; r < N;) {
+    const int64_t e = group_end(r);
     const int64_t n = e - r;
-    if (tiles_ok && n >= 2) {
+    if (tiles_ok && n >= min_rows) {
       int64_t lo = rows[r].lo, end = rows[r].end;
       for (int64_t i = r; i < e; ++i) lo = std::min<int64_t>(lo, rows[i].lo), end = std::max<int64_t>(end, rows[i].end);
       p.max_keys = std::max(p.max_keys, end - lo);
@@ -625,14 +744,23 @@ void decode_attention(bf16* out, float* part, const bf16* qkv, int64_t ld, const
     if (ld % 8 != 0) fail_msg("verify attention: row stride must be a multiple of 8 elements");
     const dim3 tgrid(unsigned(work->n_tiles), unsigned(nkv), unsigned(n_splits));
     const float scale_log2 = float(1.0 / std::sqrt(double(hd)) * double(kLog2e));
-    if (hd == 64)
-      verify_attention_kernel<64><<<tgrid, kThreads, 0, s>>>(part, qkv, ld, kc, vc, rows, masks, work->tiles, int(nh),
-                                                              int(nkv), max_len, int(n_splits), int(split_len),
-                                                              scale_log2);
-    else
-      verify_attention_kernel<128><<<tgrid, kThreads, 0, s>>>(part, qkv, ld, kc, vc, rows, masks, work->tiles, int(nh),
-                                                               int(nkv), max_len, int(n_splits), int(split_len),
-                                                               scale_log2);
+    auto run = [&](auto tag) {
+      constexpr int D = decltype(tag)::D, S = decltype(tag)::S;
+      constexpr size_t smem = verify_smem_bytes(D, S);
+      // Above 48 KiB a kernel must opt in: once per instantiation (not a stream operation,
+      // so graph capture is unaffected).
+      static const bool opted = [] {
+        CUDA_CHECK(cudaFuncSetAttribute(verify_attention_kernel<D, S>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        int(smem)));
+        return true;
+      }();
+      (void)opted;
+      verify_attention_kernel<D, S><<<tgrid, kThreads, smem, s>>>(part, qkv, ld, kc, vc, rows, masks, work->tiles,
+                                                                  int(nh), int(nkv), max_len, int(n_splits),
+                                                                  int(split_len), scale_log2);
+    };
+    if (hd == 64) run(VerifyShape<64, kVerifyStages>{});
+    else run(VerifyShape<128, kVerifyStages>{});
     CUDA_LAUNCH_CHECK();
   }
   if (counters) return;

@@ -64,7 +64,8 @@ struct AttentionTile {
 // and the key splits of both (decode_splits over the blocks of a kv head: single rows plus
 // tiles, for the most keys any of them spans; a tile spans its rows' union). Groups of at least
 // two rows become tiles when `tiles_ok` and the head size has a tile kernel
-// (verify_attention_supported); every other row stays single. No tiles: every row is single,
+// (verify_attention_supported), and so do lone rows when there are enough of them (below);
+// every other row stays single. No tiles: every row is single,
 // and callers pass decode_attention no AttentionWork, so it runs the per-row kernel as before.
 struct AttentionPlan {
   std::vector<int32_t> single;
@@ -75,8 +76,15 @@ struct AttentionPlan {
 bool verify_attention_supported(int64_t hd);
 // False when TALON_CUDA_VERIFY_TILES=0 is set: every row through the per-row kernel.
 bool verify_tiles_enabled();
+// Lone rows (one-token steps of distinct slots) go through tiles too when there are at least
+// `lone_tiles` of them: one row's query heads of a kv head fill a tile only partly, but at
+// large batch the tensor-core kernel reads the cache faster than the per-row kernel's
+// CUDA-core products. lone_tile_rows() is that count: kLoneTileRows, or
+// TALON_CUDA_LONE_TILES=n (0: never).
+inline constexpr int64_t kLoneTileRows = 1;
+int64_t lone_tile_rows();
 AttentionPlan plan_attention(const DecodeRow* rows, int64_t N, int64_t nh, int64_t nkv, int64_t hd, bool tiles_ok,
-                             int multiprocessors);
+                             int multiprocessors, int64_t lone_tiles = lone_tile_rows());
 // The plan's lists on the device, for decode_attention.
 struct AttentionWork {
   const int32_t* single = nullptr;

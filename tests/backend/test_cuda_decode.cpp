@@ -491,17 +491,26 @@ TEST(CudaDecodeAttention, VerifyTilesAndPerRowKernelMatchTheReference) {
     d_kc.upload(to_bf16(kc));
     d_vc.upload(to_bf16(vc));
     // Modes: rows only; tiles for groups (the lone row of slot 2 stays single); every row in
-    // tiles, the lone row too (as at large batch, lone_tile_rows).
-    for (const int mode : {0, 1, 2}) {
+    // tiles, the lone row too (as lone_tile_rows has it by default); and every row in tiles
+    // with one key split, where the tiles write the output without a combine pass.
+    for (const int mode : {0, 1, 2, 3}) {
       const bool tiles = mode > 0;
-      const std::string what = tag + (mode == 0 ? ", rows only" : mode == 1 ? ", tiles" : ", tiles for lone rows too");
+      const std::string what = tag + (mode == 0   ? ", rows only"
+                                       : mode == 1 ? ", tiles"
+                                       : mode == 2 ? ", tiles for lone rows too"
+                                                   : ", tiles, one split");
       const cuda::AttentionPlan plan = cuda::plan_attention(rows.data(), N, nh, nkv, hd, tiles, sms,
-                                                            mode == 2 ? 1 : std::numeric_limits<int64_t>::max());
+                                                            mode >= 2 ? 1 : std::numeric_limits<int64_t>::max());
       EXPECT_EQ(plan.tiles.empty(), !tiles) << what;
       if (tiles) {
         EXPECT_EQ(plan.single.size(), mode == 1 ? 1u : 0u) << what;
       }
-      const cuda::DecodeSplits ks = plan.splits;
+      const cuda::DecodeSplits ks =
+          mode == 3 ? cuda::DecodeSplits{1, (plan.max_keys + cuda::kDecodeTile - 1) / cuda::kDecodeTile * cuda::kDecodeTile}
+                    : plan.splits;
+      if (mode == 2) {
+        EXPECT_GT(ks.splits, 1) << what;  // so that mode 3 is a different path
+      }
       Guarded<float> part(size_t(N * nh * ks.splits * (hd + 2)));
       Guarded<cuda::DecodeRow> d_rows(rows.size());
       d_rows.upload(rows);

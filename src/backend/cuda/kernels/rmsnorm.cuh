@@ -81,10 +81,11 @@ void rmsnorm_forward(Y* y, NormRows ry, X* x, NormRows rx, const A* add, const W
   ry.C = rx.C = C;
   if (C <= 256)  // a warp per row: eight rows a block
     rmsnorm_forward_kernel<true><<<unsigned((rows * 32 + 255) / 256), 256, 0, s>>>(y, ry, x, rx, add, w, rows, C, eps);
-  else  // a block per row; decode-sized calls (few rows, one block each) get 1024 threads, so
-        // that each thread has few dependent loads instead of C / 256
-    rmsnorm_forward_kernel<false><<<unsigned(rows), rows <= 64 && C >= 2048 ? 1024 : 256, 0, s>>>(y, ry, x, rx, add, w,
-                                                                                                   rows, C, eps);
+  else  // a block per row; decode-sized calls (up to 512 rows: two blocks an SM at most) get
+        // 1024 threads, so that each thread has few dependent loads instead of C / 256 (256
+        // rows of 4096: 15.6 us with 256 threads, on an H200)
+    rmsnorm_forward_kernel<false><<<unsigned(rows), rows <= 512 && C >= 2048 ? 1024 : 256, 0, s>>>(y, ry, x, rx, add, w,
+                                                                                                    rows, C, eps);
 }
 
 inline void rmsnorm_backward(float* dx, int64_t lddx, float* wrow, const float* dy, int64_t lddy, const float* x,

@@ -415,6 +415,67 @@ TEST(CudaDecode, ACacheThatDoesNotFitIsRefusedWithTheNumbers) {
   EXPECT_NE(msg.find("tokens each"), std::string::npos) << msg;
 }
 
+// plan_attention is host code (no GPU needed): which rows go through tiles, how the tiles cut
+// a group's vectors, and the key range the splits are sized for, on a forward that mixes a
+// verify chain, a 20-row tree, lone one-token rows and rows of one slot at different lengths.
+TEST(DecodePlan, GroupsLoneRowsAndTiles) {
+  const int64_t nh = 32, nkv = 8, group = nh / nkv;
+  std::vector<cuda::DecodeRow> rows;
+  for (int i = 0; i < 4; ++i) rows.push_back({0, 0, 700, 701 + i, -1});   // slot 0: chain of 4
+  for (int i = 0; i < 20; ++i) rows.push_back({1, 0, 37, 38 + i, 0});     // slot 1: tree of 20
+  rows.push_back({2, 0, 300, 301, -1});                                    // slot 2: one token
+  rows.push_back({3, 5, 90, 91, -1});                                      // slot 3: one token
+  rows.push_back({3, 0, 95, 96, -1});  // slot 3 again at another length: a group of its own
+  const int64_t N = int64_t(rows.size());
+  const auto lone_never = std::numeric_limits<int64_t>::max();
+  auto vectors_of = [&](const cuda::AttentionPlan& p, int32_t first_row) {
+    int64_t n = 0;
+    for (const auto& t : p.tiles)
+      if (t.first_row == first_row) n += std::min<int64_t>(cuda::kTileVectors, t.n_rows * group - t.first_vector);
+    return n;
+  };
+  {  // groups of two or more rows in tiles, lone rows single
+    const cuda::AttentionPlan p = cuda::plan_attention(rows.data(), N, nh, nkv, 128, true, 132, lone_never);
+    EXPECT_EQ(p.single, (std::vector<int32_t>{24, 25, 26}));
+    EXPECT_EQ(vectors_of(p, 0), 4 * group);
+    EXPECT_EQ(vectors_of(p, 4), 20 * group);
+    // 80 vectors of the tree: tiles of at most kTileVectors, each starting where the last ended
+    int64_t expect_first = 0;
+    for (const auto& t : p.tiles)
+      if (t.first_row == 4) {
+        EXPECT_EQ(t.n_rows, 20);
+        EXPECT_EQ(t.first_vector, expect_first);
+        expect_first += cuda::kTileVectors;
+      }
+    EXPECT_EQ(p.max_keys, 704);  // the chain's last row: keys [0, 704)
+  }
+  {  // three lone rows reach a threshold of 3: every row in tiles
+    const cuda::AttentionPlan p = cuda::plan_attention(rows.data(), N, nh, nkv, 128, true, 132, 3);
+    EXPECT_TRUE(p.single.empty());
+    for (int32_t r : {24, 25, 26}) {
+      EXPECT_EQ(vectors_of(p, r), group) << "row " << r;
+    }
+    EXPECT_EQ(p.max_keys, 704);
+  }
+  {  // ... but not a threshold of 4
+    const cuda::AttentionPlan p = cuda::plan_attention(rows.data(), N, nh, nkv, 128, true, 132, 4);
+    EXPECT_EQ(p.single.size(), 3u);
+  }
+  {  // no tiles when they are off or the head size has no tile kernel
+    for (const auto& [ok, hd] : {std::pair{false, int64_t(128)}, std::pair{true, int64_t(96)}}) {
+      const cuda::AttentionPlan p = cuda::plan_attention(rows.data(), N, nh, nkv, hd, ok, 132, 1);
+      EXPECT_TRUE(p.tiles.empty()) << "hd " << hd;
+      EXPECT_EQ(int64_t(p.single.size()), N) << "hd " << hd;
+    }
+  }
+  {  // the splits cover every key: splits x split_len >= the longest range, in whole tiles
+    const cuda::AttentionPlan p = cuda::plan_attention(rows.data(), N, nh, nkv, 128, true, 132, 1);
+    EXPECT_GE(p.splits.splits * p.splits.split_len, p.max_keys);
+    EXPECT_EQ(p.splits.split_len % cuda::kDecodeTile, 0);
+    EXPECT_LT((p.splits.splits - 1) * p.splits.split_len, std::max<int64_t>(p.max_keys, 256) + 256);
+  }
+}
+
 // The two attention kernels of the decoder against an fp64 reference on random caches: the
 // per-row kernel alone, and the verify tiles beside it (plan_attention), over a chain of 4 on
 // a long prefix (several key splits), a 100-node tree (two mask words per deep row, more

@@ -496,15 +496,12 @@ __global__ void __launch_bounds__(kThreads) verify_attention_kernel(
     l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 1);
     l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 2);
   }
-  auto out_of = [&](int vi) {  // vector vi of the tile: its [D + 2] partial
+  auto row_head = [&](int vi) {  // vector vi of the tile: row * nh + its query head
     const int v = tile.first_vector + vi;
-    const int64_t row = tile.first_row + v / group, h = int64_t(kh) * group + v % group;
-    return part + ((row * nh + h) * n_splits + z) * (D + 2);
+    return (int64_t(tile.first_row) + v / group) * nh + int64_t(kh) * group + v % group;
   };
-  auto out_row = [&](int vi) {  // with `out`: vector vi's normalised [D] output
-    const int v = tile.first_vector + vi;
-    return out + ((int64_t(tile.first_row) + v / group) * nh + int64_t(kh) * group + v % group) * D;
-  };
+  auto out_of = [&](int vi) { return part + (row_head(vi) * n_splits + z) * (D + 2); };  // its [D + 2] partial
+  auto out_row = [&](int vi) { return out + row_head(vi) * D; };  // with `out`: its normalised [D] output
   if (!split_keys) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -552,29 +549,9 @@ __global__ void __launch_bounds__(kThreads) verify_attention_kernel(
   }
   __syncthreads();
   const int n_out = min(16, nv - tile.first_vector);
-  if (out) {
-    for (int i = threadIdx.x; i < n_out * D; i += kThreads) {
-      const int vi = i / D, d = i % D;
-      float M = -INFINITY;
-#pragma unroll
-      for (int w = 0; w < kWarps; ++w) M = fmaxf(M, sm[w * 16 + vi]);
-      float acc = 0.f, L = 0.f;
-      if (M != -INFINITY) {
-#pragma unroll
-        for (int w = 0; w < kWarps; ++w) {
-          const float m = sm[w * 16 + vi];
-          const float e = m == -INFINITY ? 0.f : exp2f(m - M);
-          acc += e * so[(w * 16 + vi) * D + d];
-          L += e * sl[w * 16 + vi];
-        }
-      }
-      out_row(vi)[d] = __float2bfloat16(L > 0.f ? acc / L : 0.f);
-    }
-    return;
-  }
-  for (int i = threadIdx.x; i < n_out * (D + 2); i += kThreads) {
-    const int vi = i / (D + 2), d = i % (D + 2);
-    float M = -INFINITY;
+  // Vector vi's maximum M over the warps, and its merged output dim d (d == D: the sum).
+  auto merged = [&](int vi, int d, float& M) {
+    M = -INFINITY;
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) M = fmaxf(M, sm[w * 16 + vi]);
     float acc = 0.f;
@@ -586,6 +563,21 @@ __global__ void __launch_bounds__(kThreads) verify_attention_kernel(
         acc += e * (d < D ? so[(w * 16 + vi) * D + d] : sl[w * 16 + vi]);
       }
     }
+    return acc;
+  };
+  if (out) {
+    for (int i = threadIdx.x; i < n_out * D; i += kThreads) {
+      const int vi = i / D, d = i % D;
+      float M;
+      const float acc = merged(vi, d, M), L = merged(vi, D, M);
+      out_row(vi)[d] = __float2bfloat16(L > 0.f ? acc / L : 0.f);
+    }
+    return;
+  }
+  for (int i = threadIdx.x; i < n_out * (D + 2); i += kThreads) {
+    const int vi = i / (D + 2), d = i % (D + 2);
+    float M;
+    const float acc = merged(vi, min(d, D), M);
     out_of(vi)[d] = d == D ? M : acc;
   }
 }

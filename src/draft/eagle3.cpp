@@ -154,10 +154,52 @@ TttResult ttt_forward(const DraftConfig& c, const DraftWeights& w, const TargetH
     }
   }
 
+  // The rows each step computes. Step 0: every row (its keys are every later query's
+  // context). Step k >= 1: the rows that some step j >= k still counts for: a row's later steps
+  // read only its own earlier ones (its diagonal keys and hidden state), so a row no later
+  // loss counts for has no effect on the loss, the metrics or any gradient. In chat data
+  // these are most prompt rows. With keep_logits every row is kept (the caller reads them all).
+  // rows[k]: step k's rows, ascending; at[k][t]: row t's index in rows[k], -1 when absent.
+  std::vector<int64_t> last_count(static_cast<size_t>(T), -1);
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t j = 0; j < K; ++j) {
+      const int64_t tp = t + 1 + j;
+      if (tp < T && s.mask[tp] && in_vocab[size_t(tp)]) last_count[size_t(t)] = j;
+    }
+  std::vector<std::vector<int64_t>> rows(static_cast<size_t>(K)), at(static_cast<size_t>(K));
+  for (int64_t k = 0; k < K; ++k) {
+    at[size_t(k)].assign(size_t(T), -1);
+    for (int64_t t = 0; t < T; ++t)
+      if (k == 0 || keep_logits || last_count[size_t(t)] >= k) {
+        at[size_t(k)][size_t(t)] = int64_t(rows[size_t(k)].size());
+        rows[size_t(k)].push_back(t);
+      }
+  }
+  // Rows of step `from`'s layout moved to step `to`'s (to > from: a subset; to < from: a
+  // superset, zero elsewhere), W values a row.
+  auto relayout = [&](const Vec& x, int64_t from, int64_t to, int64_t W) {
+    const std::vector<int64_t>& dst = rows[size_t(to)];
+    const std::vector<int64_t>& src = rows[size_t(from)];
+    if (dst.size() == src.size()) return x;
+    Vec y(dst.size() * size_t(W), 0.0);
+    if (to > from) {
+      for (size_t i = 0; i < dst.size(); ++i) {
+        const int64_t f = at[size_t(from)][size_t(dst[i])];
+        std::copy(x.begin() + f * W, x.begin() + (f + 1) * W, y.begin() + int64_t(i) * W);
+      }
+    } else {
+      for (size_t i = 0; i < src.size(); ++i) {
+        const int64_t f = at[size_t(to)][size_t(src[i])];
+        std::copy(x.begin() + int64_t(i) * W, x.begin() + int64_t(i + 1) * W, y.begin() + f * W);
+      }
+    }
+    return y;
+  };
+
   TttResult r;
   Vec A(s.aux, s.aux + T * 3 * H), g;
   linear(g, A, w.fc, T, 3 * H, H);
-  std::vector<Vec> keys, vals;  // per step: [T, kvd]
+  std::vector<Vec> keys, vals;  // per step: [rows of the step, kvd]
   // What the backward pass needs from each step.
   struct Saved {
     Vec e, g, xin, q, att;
@@ -168,34 +210,37 @@ TttResult ttt_forward(const DraftConfig& c, const DraftWeights& w, const TargetH
   std::vector<uint8_t> right(static_cast<size_t>(T), 1);
   r.accept_len = 1;
   for (int64_t k = 0; k < K; ++k) {
+    const std::vector<int64_t>& rk = rows[size_t(k)];
+    const int64_t n = int64_t(rk.size());
+    if (k > 0) g = relayout(g, k - 1, k, H);
     // Inputs: token x[t+1+k] (teacher forcing) and the hidden state g.
-    Vec xin(static_cast<size_t>(T * 2 * H)), tmp(static_cast<size_t>(H)), E(static_cast<size_t>(T * H));
-    for (int64_t t = 0; t < T; ++t) {
-      const int64_t tp = t + 1 + k;
+    Vec xin(static_cast<size_t>(n * 2 * H)), E(static_cast<size_t>(n * H));
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t tp = rk[size_t(i)] + 1 + k;
       const int32_t tok = tp < T ? s.ids[tp] : 0;
       TALON_CHECK(tok >= 0 && tok < V, "draft: token id {} outside the vocabulary", tok);
-      std::copy(tgt.embed + int64_t(tok) * H, tgt.embed + (int64_t(tok) + 1) * H, E.begin() + t * H);
-      rmsnorm(xin.data() + t * 2 * H, E.data() + t * H, w.in_ln.data(), H, c.rms_eps);
-      rmsnorm(xin.data() + t * 2 * H + H, g.data() + t * H, w.hidden_norm.data(), H, c.rms_eps);
+      std::copy(tgt.embed + int64_t(tok) * H, tgt.embed + (int64_t(tok) + 1) * H, E.begin() + i * H);
+      rmsnorm(xin.data() + i * 2 * H, E.data() + i * H, w.in_ln.data(), H, c.rms_eps);
+      rmsnorm(xin.data() + i * 2 * H + H, g.data() + i * H, w.hidden_norm.data(), H, c.rms_eps);
     }
     Vec q, kk, vv;
-    linear(q, xin, w.wq, T, 2 * H, qd);
-    linear(kk, xin, w.wk, T, 2 * H, kvd);
-    linear(vv, xin, w.wv, T, 2 * H, kvd);
-    for (int64_t t = 0; t < T; ++t) {
-      rope(q.data() + t * qd, nh, hd, t + k, inv);
-      rope(kk.data() + t * kvd, nkv, hd, t + k, inv);
+    linear(q, xin, w.wq, n, 2 * H, qd);
+    linear(kk, xin, w.wk, n, 2 * H, kvd);
+    linear(vv, xin, w.wv, n, 2 * H, kvd);
+    for (int64_t i = 0; i < n; ++i) {
+      rope(q.data() + i * qd, nh, hd, rk[size_t(i)] + k, inv);
+      rope(kk.data() + i * kvd, nkv, hd, rk[size_t(i)] + k, inv);
     }
     keys.push_back(kk);
     vals.push_back(vv);
     // Attention: step-0 keys at positions <= t, plus the key at t of every step 1..k.
-    Vec att(static_cast<size_t>(T * qd), 0.0);
+    Vec att(static_cast<size_t>(n * qd), 0.0);
     const double scale = 1.0 / std::sqrt(double(hd));
     std::vector<const double*> kp, vp;
     Vec p;
-    for (int64_t t = 0; t < T; ++t)
+    for (int64_t i = 0; i < n; ++i)
       for (int64_t h = 0; h < nh; ++h) {
-        const int64_t off = (h / grp) * hd;
+        const int64_t t = rk[size_t(i)], off = (h / grp) * hd;
         kp.clear();
         vp.clear();
         for (int64_t pos = 0; pos <= t; ++pos) {
@@ -203,29 +248,30 @@ TttResult ttt_forward(const DraftConfig& c, const DraftWeights& w, const TargetH
           vp.push_back(vals[0].data() + pos * kvd + off);
         }
         for (int64_t j = 1; j <= k; ++j) {
-          kp.push_back(keys[size_t(j)].data() + t * kvd + off);
-          vp.push_back(vals[size_t(j)].data() + t * kvd + off);
+          const int64_t tj = at[size_t(j)][size_t(t)];  // present: rows[k] is within rows[j]
+          kp.push_back(keys[size_t(j)].data() + tj * kvd + off);
+          vp.push_back(vals[size_t(j)].data() + tj * kvd + off);
         }
-        attend_head(q.data() + t * qd + h * hd, kp, vp, hd, scale, att.data() + t * qd + h * hd, p);
+        attend_head(q.data() + i * qd + h * hd, kp, vp, hd, scale, att.data() + i * qd + h * hd, p);
       }
-    Vec o, res(static_cast<size_t>(T * H));
-    linear(o, att, w.wo, T, qd, H);
-    for (int64_t t = 0; t < T; ++t) {
+    Vec o, res(static_cast<size_t>(n * H));
+    linear(o, att, w.wo, n, qd, H);
+    for (int64_t i = 0; i < n; ++i) {
       if (c.norm_before_residual)
-        rmsnorm(res.data() + t * H, g.data() + t * H, w.hidden_norm.data(), H, c.rms_eps);
+        rmsnorm(res.data() + i * H, g.data() + i * H, w.hidden_norm.data(), H, c.rms_eps);
       else
-        std::copy(g.begin() + t * H, g.begin() + (t + 1) * H, res.begin() + t * H);
+        std::copy(g.begin() + i * H, g.begin() + (i + 1) * H, res.begin() + i * H);
     }
     Tail tail;
     Vec logits;
-    tail_forward(tail, logits, res, o, w, c, T);
+    tail_forward(tail, logits, res, o, w, c, n);
 
-    // Loss and metrics over the positions that count at this step.
+    // Loss and metrics over the positions that count at this step (rows left out never do).
     StepTally tally;
-    Vec dlogits(grads ? size_t(T * Vd) : 0, 0.0);  // d(sum of CE) / d logits, scaled below
-    for (int64_t t = 0; t < T; ++t) {
-      const int64_t tp = t + 1 + k;
-      const double* lg = logits.data() + t * Vd;
+    Vec dlogits(grads ? size_t(n * Vd) : 0, 0.0);  // d(sum of CE) / d logits, scaled below
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t t = rk[size_t(i)], tp = t + 1 + k;
+      const double* lg = logits.data() + i * Vd;
       const int64_t arg = std::max_element(lg, lg + Vd) - lg;
       const bool counts = tp < T && s.mask[tp] && in_vocab[size_t(tp)];
       const bool hit = counts && arg == tgt_arg[size_t(tp)];
@@ -237,15 +283,15 @@ TttResult ttt_forward(const DraftConfig& c, const DraftWeights& w, const TargetH
         const double lz = mx + std::log(z);
         for (int64_t d = 0; d < Vd; ++d) ce -= P[size_t(tp * Vd + d)] * (lg[d] - lz);
         if (grads)
-          for (int64_t d = 0; d < Vd; ++d) dlogits[size_t(t * Vd + d)] = std::exp(lg[d] - lz) - P[size_t(tp * Vd + d)];
+          for (int64_t d = 0; d < Vd; ++d) dlogits[size_t(i * Vd + d)] = std::exp(lg[d] - lz) - P[size_t(tp * Vd + d)];
       }
       tally.add(counts, hit, ce, right[size_t(t)]);
     }
-    const int64_t n = tally.n;
+    const int64_t n_counted = tally.n;
     add_step(r, tally, std::pow(c.step_decay, double(k)));
     if (keep_logits) r.logits.emplace_back(logits.begin(), logits.end());
     if (grads) {
-      const double scale_k = n ? std::pow(c.step_decay, double(k)) / double(n) : 0.0;
+      const double scale_k = n_counted ? std::pow(c.step_decay, double(k)) / double(n_counted) : 0.0;
       for (auto& d : dlogits) d *= scale_k;
       saved.push_back({std::move(E), g, std::move(xin), q, std::move(att), tail, std::move(dlogits)});
     }
@@ -254,66 +300,73 @@ TttResult ttt_forward(const DraftConfig& c, const DraftWeights& w, const TargetH
   if (!grads) return r;
 
   // Backward, last step first. Step k's keys and values receive gradient from the
-  // queries of steps k..K-1, all processed before step k itself.
+  // queries of steps k..K-1, all processed before step k itself. Each step's arrays are in
+  // its own row layout (rows[k]).
   DraftGrads& G = *grads;
-  std::vector<Vec> dK(static_cast<size_t>(K), Vec(static_cast<size_t>(T * kvd), 0.0)),
-      dV(static_cast<size_t>(K), Vec(static_cast<size_t>(T * kvd), 0.0));
-  Vec dg_next(static_cast<size_t>(T * H), 0.0);  // gradient into step k's output g2 from step k+1
+  std::vector<Vec> dK, dV;
+  for (int64_t k = 0; k < K; ++k) {
+    dK.emplace_back(rows[size_t(k)].size() * size_t(kvd), 0.0);
+    dV.emplace_back(rows[size_t(k)].size() * size_t(kvd), 0.0);
+  }
+  // The gradient into step k's output g2 from step k + 1.
+  Vec dg_next(rows[size_t(K - 1)].size() * size_t(H), 0.0);
   const double scale = 1.0 / std::sqrt(double(hd));
   for (int64_t k = K - 1; k >= 0; --k) {
     Saved& S = saved[size_t(k)];
-    const Vec dg1 = tail_backward(S.tail, S.dlogits, dg_next, w, G, true, c, T);
+    const std::vector<int64_t>& rk = rows[size_t(k)];
+    const int64_t n = int64_t(rk.size());
+    const Vec dg1 = tail_backward(S.tail, S.dlogits, dg_next, w, G, true, c, n);
     // g1 = r + o_proj(att)
-    Vec datt(static_cast<size_t>(T * qd), 0.0);
-    linear_backward(&datt, &G.wo, dg1, S.att, w.wo, T, qd, H);
+    Vec datt(static_cast<size_t>(n * qd), 0.0);
+    linear_backward(&datt, &G.wo, dg1, S.att, w.wo, n, qd, H);
     // Attention (probabilities recomputed): keys/values of step 0 at positions <= t, step j at t.
-    Vec dq(static_cast<size_t>(T * qd), 0.0), p;
+    Vec dq(static_cast<size_t>(n * qd), 0.0), p;
     std::vector<const double*> kp, vp;
     std::vector<double*> dkp, dvp;
-    for (int64_t t = 0; t < T; ++t)
+    for (int64_t i = 0; i < n; ++i)
       for (int64_t h = 0; h < nh; ++h) {
-        const int64_t off = (h / grp) * hd;
+        const int64_t t = rk[size_t(i)], off = (h / grp) * hd;
         kp.clear();
         vp.clear();
         dkp.clear();
         dvp.clear();
-        auto key = [&](int64_t j, int64_t pos) {
-          kp.push_back(keys[size_t(j)].data() + pos * kvd + off);
-          vp.push_back(vals[size_t(j)].data() + pos * kvd + off);
-          dkp.push_back(dK[size_t(j)].data() + pos * kvd + off);
-          dvp.push_back(dV[size_t(j)].data() + pos * kvd + off);
+        auto key = [&](int64_t j, int64_t row) {
+          kp.push_back(keys[size_t(j)].data() + row * kvd + off);
+          vp.push_back(vals[size_t(j)].data() + row * kvd + off);
+          dkp.push_back(dK[size_t(j)].data() + row * kvd + off);
+          dvp.push_back(dV[size_t(j)].data() + row * kvd + off);
         };
         for (int64_t pos = 0; pos <= t; ++pos) key(0, pos);
-        for (int64_t j = 1; j <= k; ++j) key(j, t);
-        const double* qp = S.q.data() + t * qd + h * hd;
+        for (int64_t j = 1; j <= k; ++j) key(j, at[size_t(j)][size_t(t)]);
+        const double* qp = S.q.data() + i * qd + h * hd;
         attend_head(qp, kp, vp, hd, scale, nullptr, p);
-        attend_head_backward(qp, datt.data() + t * qd + h * hd, kp, vp, p, hd, scale, dq.data() + t * qd + h * hd,
+        attend_head_backward(qp, datt.data() + i * qd + h * hd, kp, vp, p, hd, scale, dq.data() + i * qd + h * hd,
                              dkp, dvp);
       }
     // RoPE is a rotation: its backward rotates by the negative angle.
     Vec& dKk = dK[size_t(k)];
-    for (int64_t t = 0; t < T; ++t) {
-      rope(dq.data() + t * qd, nh, hd, -(t + k), inv);
-      rope(dKk.data() + t * kvd, nkv, hd, -(t + k), inv);
+    for (int64_t i = 0; i < n; ++i) {
+      rope(dq.data() + i * qd, nh, hd, -(rk[size_t(i)] + k), inv);
+      rope(dKk.data() + i * kvd, nkv, hd, -(rk[size_t(i)] + k), inv);
     }
-    Vec dxin(static_cast<size_t>(T * 2 * H), 0.0);
-    linear_backward(&dxin, &G.wq, dq, S.xin, w.wq, T, 2 * H, qd);
-    linear_backward(&dxin, &G.wk, dKk, S.xin, w.wk, T, 2 * H, kvd);
-    linear_backward(&dxin, &G.wv, dV[size_t(k)], S.xin, w.wv, T, 2 * H, kvd);
+    Vec dxin(static_cast<size_t>(n * 2 * H), 0.0);
+    linear_backward(&dxin, &G.wq, dq, S.xin, w.wq, n, 2 * H, qd);
+    linear_backward(&dxin, &G.wk, dKk, S.xin, w.wk, n, 2 * H, kvd);
+    linear_backward(&dxin, &G.wv, dV[size_t(k)], S.xin, w.wv, n, 2 * H, kvd);
     // xin = [in_ln(e), hidden_norm(g)] (the embedding is frozen); r = g or hidden_norm(g).
-    Vec dg(static_cast<size_t>(T * H), 0.0);
-    for (int64_t t = 0; t < T; ++t) {
-      rmsnorm_backward(nullptr, &G.in_ln, dxin.data() + t * 2 * H, S.e.data() + t * H, w.in_ln.data(), H, c.rms_eps);
-      rmsnorm_backward(dg.data() + t * H, &G.hidden_norm, dxin.data() + t * 2 * H + H, S.g.data() + t * H,
+    Vec dg(static_cast<size_t>(n * H), 0.0);
+    for (int64_t i = 0; i < n; ++i) {
+      rmsnorm_backward(nullptr, &G.in_ln, dxin.data() + i * 2 * H, S.e.data() + i * H, w.in_ln.data(), H, c.rms_eps);
+      rmsnorm_backward(dg.data() + i * H, &G.hidden_norm, dxin.data() + i * 2 * H + H, S.g.data() + i * H,
                        w.hidden_norm.data(), H, c.rms_eps);
       if (c.norm_before_residual)
-        rmsnorm_backward(dg.data() + t * H, &G.hidden_norm, dg1.data() + t * H, S.g.data() + t * H,
+        rmsnorm_backward(dg.data() + i * H, &G.hidden_norm, dg1.data() + i * H, S.g.data() + i * H,
                          w.hidden_norm.data(), H, c.rms_eps);
       else
-        for (int64_t i = 0; i < H; ++i) dg[size_t(t * H + i)] += dg1[size_t(t * H + i)];
+        for (int64_t x = 0; x < H; ++x) dg[size_t(i * H + x)] += dg1[size_t(i * H + x)];
     }
     if (k > 0) {
-      dg_next = std::move(dg);
+      dg_next = relayout(dg, k, k - 1, H);
     } else {
       linear_backward(nullptr, &G.fc, dg, A, w.fc, T, 3 * H, H);  // g0 = fc(aux)
     }

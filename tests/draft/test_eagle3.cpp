@@ -124,6 +124,52 @@ TEST_P(Ttt, MatchesTorchOracle) {
 }
 INSTANTIATE_TEST_SUITE_P(Fixtures, Ttt, ::testing::Values("gqa", "nbr"));
 
+// Rows no later loss counts for are left out of steps >= 1 (a row's later steps read only its
+// own earlier ones), and with keep_logits every row is computed. Both must give the same
+// losses, metrics and gradients, equal as values: on each fixture with its own mask, with a
+// prompt-like span of unmasked tokens at the start and in the middle, and with one loss token.
+TEST_P(Ttt, RowsNoLaterLossReadsChangeNothing) {
+  OracleCase oc(GetParam());
+  const DraftConfig& c = oc.c;
+  const int64_t T = oc.T;
+  const DraftVocab dv = build_draft_vocab(read_as<int64_t>(oc.f, "counts"), c.Vd);
+  const TargetHead tg = oc.target();
+  const std::vector<uint8_t> own = oc.mask;
+  std::vector<std::vector<uint8_t>> masks{own, own};
+  for (int64_t t = 0; t < T; ++t)
+    if (t < T / 3 || (t >= T / 2 && t < T / 2 + 3)) masks[1][size_t(t)] = 0;
+  for (int64_t p : {T - 2, T / 2, T / 3 + 1, int64_t(3)}) {  // one loss token
+    masks.emplace_back(size_t(T), 0);
+    masks.back()[size_t(p)] = 1;
+  }
+  int64_t single_counted = 0;
+  for (size_t m = 0; m < masks.size(); ++m) {
+    oc.mask = masks[m];
+    const Sample s = oc.sample();
+    DraftGrads all(oc.w), some(oc.w);
+    const TttResult a = ttt_forward(c, oc.w, tg, dv, s, true, &all);
+    const TttResult b = ttt_forward(c, oc.w, tg, dv, s, false, &some);
+    EXPECT_EQ(a.loss, b.loss) << "mask " << m;
+    EXPECT_EQ(a.loss_k, b.loss_k) << "mask " << m;
+    EXPECT_EQ(a.acc_k, b.acc_k) << "mask " << m;
+    EXPECT_EQ(a.cond_acc_k, b.cond_acc_k) << "mask " << m;
+    EXPECT_EQ(a.n_k, b.n_k) << "mask " << m;
+    EXPECT_EQ(a.accept_len, b.accept_len) << "mask " << m;
+    const auto na = all.named(), nb = some.named();
+    for (size_t q = 0; q < na.size(); ++q) {
+      EXPECT_EQ(*na[q].second, *nb[q].second) << "mask " << m << ", grad of " << na[q].first;
+    }
+    double gsum = 0;
+    for (double x : *na[0].second) gsum += std::abs(x);
+    if (m < 2) {
+      EXPECT_GT(gsum, 0) << "mask " << m;  // a loss counted, so the comparison is not of zeros
+    } else {
+      single_counted += gsum > 0;
+    }
+  }
+  EXPECT_GT(single_counted, 0);  // some one-token mask had a target in the draft vocabulary
+}
+
 // 20 AdamW steps (warm-up + cosine, weight decay on matrices, global-norm clipping) on
 // the gqa fixture: the loss curve, gradient norms and final weights match PyTorch's
 // torch.optim.AdamW + LambdaLR + clip_grad_norm_ run by the oracle.

@@ -66,6 +66,11 @@ msg=$(python3 "$SRC/tests/cli/check_dflash_export.py" "$WORK/kl/checkpoint.safet
   && ok "--format sglang refused, nothing written" || bad "sglang: $(tail -2 "$WORK/sg.err")"
 "$TALON" inspect "$WORK/x-bf16" > "$WORK/i.out" 2>&1 && grep -q "DFlash (block drafter): 2 layers, blocks of 4" "$WORK/i.out" \
   && ok "inspect reads the DFlash export" || bad "inspect: $(cat "$WORK/i.out")"
+# bench/families_peer.py (the peer of the families' training speed: speculators' own model and
+# training step) runs on the export's shape.
+out=$(python3 "$SRC/bench/families_peer.py" "$WORK/x-fp32" --tokens 128 --steps 1 --warmup 0 --device cpu 2>/dev/null | tail -n 1)
+python3 -c "import json, sys; d = json.loads(sys.argv[1]); assert d['family'] == 'dflash' and d['tokens_per_s'] > 0" "$out" \
+  && ok "bench/families_peer.py trains speculators' DFlash model on the export's shape" || bad "peer: $out"
 # eval: one block per round (its first row the last verified token), greedy equal to the target.
 python3 - "$WORK/chats.jsonl" <<'PY'
 import json, sys

@@ -65,6 +65,11 @@ with open(sys.argv[1], "w") as f:
     for q in qs:
         f.write(json.dumps({"conversations": [{"role": "user", "content": q}]}) + "\n")
 PY
+# bench/families_peer.py (the peer of the families' training speed: speculators' own model and
+# training step) runs on the export's shape.
+out=$(python3 "$SRC/bench/families_peer.py" "$WORK/x-fp32" --tokens 128 --steps 1 --warmup 0 --device cpu 2>/dev/null | tail -n 1)
+python3 -c "import json, sys; d = json.loads(sys.argv[1]); assert d['family'] == 'peagle' and d['tokens_per_s'] > 0" "$out" \
+  && ok "bench/families_peer.py trains speculators' P-EAGLE model on the export's shape" || bad "peer: $out"
 for d in "$WORK/ref" "$WORK/x-fp32"; do
   "$TALON" eval --model "$GGUF" --data "$WORK/chats.jsonl" --max-new-tokens 16 --chain 3 --draft "$d" \
     --out "$WORK/ev-$(basename "$d")" > "$WORK/ev.out" 2> "$WORK/ev.err" || bad "eval $d: $(tail -3 "$WORK/ev.err")"

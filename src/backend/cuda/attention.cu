@@ -31,11 +31,6 @@ constexpr int kTileM = 64;  // query rows per block (16 per warp)
 constexpr int kThreads = 128;
 constexpr int kPad = 8;  // bf16 elements of padding per smem row (breaks bank conflicts)
 
-__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
-  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<uint32_t*>(&v);
-}
-
 // Copies rows [r0, r0 + R) of a head slice (D columns, row stride ld) into smem; rows
 // at or past `rows` are zero.
 template <int D, int R>
@@ -121,40 +116,13 @@ __global__ void __launch_bounds__(kThreads) flash_attention_kernel(bf16* out, co
         mx[r] = fmaxf(mx[r], v);
       }
     float corr[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
-      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-      const float m_new = fmaxf(m_run[r], mx[r]);
-      corr[r] = exp2f(m_run[r] - m_new);
-      m_run[r] = m_new;
-      l_run[r] *= corr[r];
-    }
+    online_softmax_step(mx, m_run, l_run, corr);
     // P = P_hi + P_lo, both bf16: two P V products keep P to ~16 mantissa bits (one
     // bf16 rounding of P would add up to 2^-9 relative error per weight), for a few
     // percent more attention work.
     uint32_t pf[kTileN / 16][4], pl[kTileN / 16][4];
-#pragma unroll
-    for (int nt = 0; nt < kTileN / 8; ++nt) {
-      float p[4], lo[4];
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        p[e] = exp2f(s[nt][e] - m_run[e / 2]);  // masked entries: exp2(-inf) = 0
-        l_run[e / 2] += p[e];
-        lo[e] = p[e] - __bfloat162float(__float2bfloat16(p[e]));
-      }
-      pf[nt / 2][(nt % 2) * 2 + 0] = pack_bf16(p[0], p[1]);
-      pf[nt / 2][(nt % 2) * 2 + 1] = pack_bf16(p[2], p[3]);
-      pl[nt / 2][(nt % 2) * 2 + 0] = pack_bf16(lo[0], lo[1]);
-      pl[nt / 2][(nt % 2) * 2 + 1] = pack_bf16(lo[2], lo[3]);
-    }
-#pragma unroll
-    for (int dt = 0; dt < D / 8; ++dt) {
-      o[dt][0] *= corr[0];
-      o[dt][1] *= corr[0];
-      o[dt][2] *= corr[1];
-      o[dt][3] *= corr[1];
-    }
+    probs_hi_lo(s, m_run, l_run, pf, pl);  // masked entries: exp2(-inf) = 0
+    scale_rows(o, corr);
     // pf[kc] = {row g keys 2t.., row g+8 keys 2t.., row g keys 8+2t.., row g+8 keys 8+2t..} of the
     // 16-key slice kc: exactly the A fragment {a0, a1, a2, a3} of m16n8k16.
 #pragma unroll

@@ -274,11 +274,6 @@ struct VerifyShape {
 // on the H200 (8B shape, 256 slots at 2048: 25.9 ms a step either way).
 constexpr int kVerifyStages = 2;
 
-__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
-  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<uint32_t*>(&v);
-}
-
 // One warp's 16 query vectors (its A fragments qf; this lane's rows g and g + 8 have key
 // ranges my_lo / my_end and tree masks my_mask) against NB blocks of 16 keys in shared memory
 // (kt / vt: rows 0 .. 16 NB - 1, key key0 + j at row j; keys >= k1 are zero rows): S = QK^T on
@@ -320,37 +315,10 @@ __device__ __forceinline__ void attend_key_blocks(float (&o)[D / 8][4], float (&
       mx[r] = fmaxf(mx[r], v);
     }
   float corr[2];
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
-    mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-    const float m_new = fmaxf(m_run[r], mx[r]);
-    corr[r] = exp2f(m_run[r] - m_new);
-    m_run[r] = m_new;
-    l_run[r] *= corr[r];
-  }
+  online_softmax_step(mx, m_run, l_run, corr);
   uint32_t pf[NB][4], pl[NB][4];
-#pragma unroll
-  for (int n8 = 0; n8 < 2 * NB; ++n8) {
-    float p[4], lo[4];
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      p[e] = exp2f(sc[n8][e] - m_run[e / 2]);  // hidden keys: exp2(-inf) = 0
-      l_run[e / 2] += p[e];
-      lo[e] = p[e] - __bfloat162float(__float2bfloat16(p[e]));
-    }
-    pf[n8 / 2][(n8 % 2) * 2 + 0] = pack_bf16(p[0], p[1]);
-    pf[n8 / 2][(n8 % 2) * 2 + 1] = pack_bf16(p[2], p[3]);
-    pl[n8 / 2][(n8 % 2) * 2 + 0] = pack_bf16(lo[0], lo[1]);
-    pl[n8 / 2][(n8 % 2) * 2 + 1] = pack_bf16(lo[2], lo[3]);
-  }
-#pragma unroll
-  for (int dt = 0; dt < D / 8; ++dt) {
-    o[dt][0] *= corr[0];
-    o[dt][1] *= corr[0];
-    o[dt][2] *= corr[1];
-    o[dt][3] *= corr[1];
-  }
+  probs_hi_lo(sc, m_run, l_run, pf, pl);  // hidden keys: exp2(-inf) = 0
+  scale_rows(o, corr);
 #pragma unroll
   for (int kc2 = 0; kc2 < NB; ++kc2) {
 #pragma unroll

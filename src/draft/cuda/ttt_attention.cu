@@ -31,11 +31,6 @@ constexpr int kThreads = 128;
 constexpr int kPad = 8;  // bf16 elements of padding per shared-memory row (bank conflicts)
 constexpr float kLog2e = 1.4426950408889634f;
 
-__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
-  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<uint32_t*>(&v);
-}
-
 // Rows [r0, r0 + R) of a head slice (D columns, row stride ld) into shared memory with row
 // pitch D + kPad; rows at or past `rows` are zero.
 template <int D>
@@ -105,8 +100,8 @@ template <int NT>
 __device__ __forceinline__ void to_frags(uint32_t (&f)[NT / 16][4], const float (&x)[NT / 8][4]) {
 #pragma unroll
   for (int nt = 0; nt < NT / 8; ++nt) {
-    f[nt / 2][(nt % 2) * 2 + 0] = pack2(x[nt][0], x[nt][1]);
-    f[nt / 2][(nt % 2) * 2 + 1] = pack2(x[nt][2], x[nt][3]);
+    f[nt / 2][(nt % 2) * 2 + 0] = pack_bf16(x[nt][0], x[nt][1]);
+    f[nt / 2][(nt % 2) * 2 + 1] = pack_bf16(x[nt][2], x[nt][3]);
   }
 }
 
@@ -218,15 +213,7 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(float* out, float* ls
         mx[r] = fmaxf(mx[r], v);
       }
     float corr[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
-      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-      const float m_new = fmaxf(m_run[r], mx[r]);
-      corr[r] = exp2f(m_run[r] - m_new);
-      m_run[r] = m_new;
-      l_run[r] *= corr[r];
-    }
+    online_softmax_step(mx, m_run, l_run, corr);
 #pragma unroll
     for (int nt = 0; nt < TN / 8; ++nt)
 #pragma unroll
@@ -234,13 +221,7 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(float* out, float* ls
         s[nt][e] = exp2f(s[nt][e] - m_run[e / 2]);  // masked: exp2(-inf) = 0
         l_run[e / 2] += s[nt][e];
       }
-#pragma unroll
-    for (int dt = 0; dt < D / 8; ++dt) {
-      o[dt][0] *= corr[0];
-      o[dt][1] *= corr[0];
-      o[dt][2] *= corr[1];
-      o[dt][3] *= corr[1];
-    }
+    scale_rows(o, corr);
     uint32_t pf[TN / 16][4];
     to_frags<TN>(pf, s);
     times_tile<D, TN>(o, pf, vs, lane);

@@ -25,6 +25,7 @@
 #include "model/checkpoint.h"
 #include "model/decode.h"
 #include "model/random_checkpoint.h"
+#include "model/sampling.h"
 #include "draft/draft_runner.h"
 #include "draft/export.h"
 #include "util/error.h"
@@ -130,23 +131,37 @@ int main(int argc, char** argv) {
       std::printf("prefill  1 x %lld tokens: %.1f ms, %.0f tokens/s\n", (long long)context, s * 1e3, double(context) / s);
     }
     // A step of B one-token slots three ways: eager launches with fp32 logits to the host
-    // (the engine before CUDA graphs), a replayed graph with logits to the host (sampling),
-    // and a replayed graph with greedy ids picked on the device (greedy generate and eval).
+    // (the engine before CUDA graphs), a replayed graph with logits to the host, and a
+    // replayed graph with greedy ids picked on the device (greedy generate and eval).
     // The floor: every weight byte and each slot's cached K/V read once at 4.8 TB/s.
-    std::printf("%6s %8s %10s %10s %10s %12s %10s %10s %8s\n", "slots", "context", "eager ms", "graph ms", "greedy ms",
-                "greedy tok/s", "GB/s", "floor ms", "of floor");
+    // Then sampled steps (generate at temperature > 0), graphs replayed: T 0.7 drawn on the
+    // device, T 0.7 with top-p 0.95 on the device, and T 0.7 with logits to the host and the
+    // host's sampler (TALON_CUDA_SAMPLE=0, what every sampled step cost before).
+    std::printf("%6s %8s %10s %10s %10s %12s %10s %10s %8s %9s %9s %9s\n", "slots", "context", "eager ms", "graph ms",
+                "greedy ms", "greedy tok/s", "GB/s", "floor ms", "of floor", "T ms", "T+p ms", "host ms");
     for (int B : batches) {
       std::vector<float> lg(size_t(B) * size_t(c.vocab));
       std::vector<int32_t> ids(static_cast<size_t>(B));
-      double per[3] = {0, 0, 0};
-      for (int mode = 0; mode < 3; ++mode) {
+      std::vector<double> us(static_cast<size_t>(B));
+      double per[6] = {0, 0, 0, 0, 0, 0};
+      uint64_t counter = 0;
+      for (int mode = 0; mode < 6; ++mode) {
         cuda::decoder_use_graphs(*dec, mode > 0);
         for (int s = 0; s < B; ++s) cuda::decoder_assume_length(*dec, s, context);
+        SamplingParams sp;
+        sp.temperature = 0.7;
+        sp.top_p = mode == 4 ? 0.95 : 1.0;
         auto step = [&] {
           std::vector<DecodeRequest> reqs;
           for (int s = 0; s < B; ++s) reqs.push_back({s, {tok()}, {}, true});
+          for (int s = 0; s < B; ++s) us[size_t(s)] = uniform01(1, uint64_t(s), counter);
+          ++counter;
           if (mode == 2)
             dec->forward_greedy(reqs, Capture{}, ids.data());
+          else if (mode == 3 || mode == 4)
+            dec->forward_sample(reqs, Capture{}, sp, us.data(), ids.data());
+          else if (mode == 5)
+            dec->Decoder::forward_sample(reqs, Capture{}, sp, us.data(), ids.data());
           else
             dec->forward(reqs, Capture{}, lg.data());
           for (int s = 0; s < B; ++s) dec->commit_all(s);
@@ -159,8 +174,9 @@ int main(int argc, char** argv) {
       }
       const double bytes = weight_bytes + double(B) * double(context + 2 + steps / 2) * kv_per_token;
       const double floor_s = bytes / 4.8e12;
-      std::printf("%6d %8lld %10.3f %10.3f %10.3f %12.0f %10.0f %10.3f %7.0f%%\n", B, (long long)context, per[0] * 1e3,
-                  per[1] * 1e3, per[2] * 1e3, B / per[2], bytes / per[2] / 1e9, floor_s * 1e3, 100 * floor_s / per[2]);
+      std::printf("%6d %8lld %10.3f %10.3f %10.3f %12.0f %10.0f %10.3f %7.0f%% %9.3f %9.3f %9.3f\n", B,
+                  (long long)context, per[0] * 1e3, per[1] * 1e3, per[2] * 1e3, B / per[2], bytes / per[2] / 1e9,
+                  floor_s * 1e3, 100 * floor_s / per[2], per[3] * 1e3, per[4] * 1e3, per[5] * 1e3);
     }
     cuda::decoder_use_graphs(*dec, true);
     {

@@ -20,6 +20,7 @@
 
 #include "model/checkpoint.h"
 #include "model/model.h"
+#include "model/sampling.h"
 
 namespace talon {
 
@@ -54,6 +55,15 @@ class Decoder {
   // computes. A decoder that can pick on the device overrides this and copies back ids, not
   // [rows, V] floats; the default runs `forward` and picks on the host.
   virtual void forward_greedy(const std::vector<DecodeRequest>& reqs, const Capture& capture, int32_t* ids);
+
+  // The same forward, giving for each logits row the token sampling draws from it:
+  // draw(sampling_distribution(row, p), u[row]) (sampling.h), with u[row] in [0, 1) the
+  // caller's uniform number for that row (uniform01 of its sequence's stream and position).
+  // Greedy parameters give forward_greedy's ids. A decoder that can sample on the device
+  // overrides this and copies back ids; the default runs `forward` and samples on the host.
+  // Each row's token depends on that row's logits, p and u only: not on the other rows.
+  virtual void forward_sample(const std::vector<DecodeRequest>& reqs, const Capture& capture, const SamplingParams& p,
+                              const double* u, int32_t* ids);
 
   // Keeps the pending tokens at `keep` (indices into the slot's last request, increasing,
   // each one's parent the previous kept one: a path from the committed prefix) and drops

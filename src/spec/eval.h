@@ -13,7 +13,7 @@
 #include <string>
 #include <vector>
 
-#include "spec/sampling.h"
+#include "model/sampling.h"
 #include "spec/speculate.h"
 #include "util/file.h"
 

@@ -323,7 +323,7 @@ GenerateReport run_generate(const GenerateOptions& opt) {
   Journal journal(opt.out / kJournal);
   Progress progress("generate", n_convs, "conversations", int64_t(done.size()));
   auto last_sync = Clock::now();
-  std::vector<float> logits;
+  std::vector<double> uniforms;
   std::vector<int32_t> picked;
   int64_t finished_convs = 0;
 
@@ -436,21 +436,16 @@ GenerateReport run_generate(const GenerateOptions& opt) {
       // Greedy: the decoder picks each slot's argmax where the logits are.
       dec->forward_greedy(reqs, Capture{}, picked.data());
     } else {
-      logits.resize(reqs.size() * size_t(mc.vocab));
-      dec->forward(reqs, Capture{}, logits.data());
-      // Every slot's next token, slots in parallel (each draws from its own stream, so the
-      // tokens do not depend on the thread count).
-#pragma omp parallel if (n_reqs >= 4)
-      {
-        std::vector<double> scratch;
-#pragma omp for schedule(dynamic, 4)
-        for (int64_t i = 0; i < n_reqs; ++i) {
-          if (!produces[size_t(i)]) continue;  // a prompt chunk: no token yet
-          const Active& a = slots[size_t(req_slot[size_t(i)])];
-          picked[size_t(i)] = sample_token(logits.data() + size_t(i) * size_t(mc.vocab), mc.vocab, opt.sampling,
-                                           a.stream, uint64_t(a.gen.size()), scratch);
-        }
+      // Each row's uniform number comes from its sequence's stream and position, so a
+      // sequence draws the same tokens alone or among hundreds; the decoder samples where
+      // the logits are (on the device for the CUDA decoder) and only ids come back.
+      uniforms.assign(reqs.size(), 0.0);
+      for (int64_t i = 0; i < n_reqs; ++i) {
+        if (!produces[size_t(i)]) continue;  // a prompt chunk: no token yet
+        const Active& a = slots[size_t(req_slot[size_t(i)])];
+        uniforms[size_t(i)] = uniform01(opt.sampling.seed, a.stream, uint64_t(a.gen.size()));
       }
+      dec->forward_sample(reqs, Capture{}, opt.sampling, uniforms.data(), picked.data());
     }
     int64_t produced = 0;
     for (size_t i = 0; i < reqs.size(); ++i) {

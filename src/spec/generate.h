@@ -20,7 +20,7 @@
 #include <vector>
 
 #include "data/chat_formats.h"
-#include "spec/sampling.h"
+#include "model/sampling.h"
 #include "text/tokenizer.h"
 #include "util/file.h"
 

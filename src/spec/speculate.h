@@ -22,7 +22,7 @@
 
 #include "model/decode.h"
 #include "draft/draft_runner.h"
-#include "spec/sampling.h"
+#include "model/sampling.h"
 
 namespace talon::spec {
 

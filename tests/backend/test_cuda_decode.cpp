@@ -24,6 +24,7 @@
 #include "model/random_checkpoint.h"
 #include "tests/cuda_harness.h"
 #include "tests/decode_checks.h"
+#include "tests/sampling_reference.h"
 #include "tests/test_util.h"
 #include "tests/tolerances.h"
 #include "util/error.h"
@@ -259,7 +260,7 @@ TEST_P(CudaDecode, OneTokenStepsFoldedOrNotMatchTheCpu) {
 // a context growing past a power of two), one with graphs and one without; logits and
 // captures must be bit-identical (same kernels, same arguments), and every few steps the
 // graph decoder gives ids only, which must equal the argmax (ties to the lower id) of the
-// other's logits.
+// other's logits, or the ids the sampling oracle draws from them (tests/sampling_reference.h).
 TEST_P(CudaDecode, GraphReplayAndDeviceArgmaxMatchEagerLaunches) {
   REQUIRE_GPU();
   auto ck = open_checkpoint(golden_fixture(GetParam()));
@@ -270,7 +271,11 @@ TEST_P(CudaDecode, GraphReplayAndDeviceArgmaxMatchEagerLaunches) {
   const int layer = int(c.n_layers / 2);
   std::mt19937 rng(41);
   int greedy_rows = 0;
-  auto both = [&](const std::vector<DecodeRequest>& reqs, const std::string& what, bool greedy, DType dt) {
+  // mode 0: logits from both; 1: greedy ids from ga; 2: sampled ids from ga (parameters
+  // changing from call to call, so a replayed graph must read them as inputs).
+  int sampled_rows = 0, sample_call = 0;
+  auto both = [&](const std::vector<DecodeRequest>& reqs, const std::string& what, int mode, DType dt) {
+    const bool greedy = mode == 1;
     const int64_t NL = logit_rows(reqs);
     int64_t N = 0;
     for (auto& r : reqs) N += int64_t(r.tokens.size());
@@ -291,6 +296,27 @@ TEST_P(CudaDecode, GraphReplayAndDeviceArgmaxMatchEagerLaunches) {
         EXPECT_EQ(ids[size_t(r)], int32_t(best)) << what << ": greedy row " << r;
         ++greedy_rows;
       }
+    } else if (mode == 2) {
+      struct P {
+        double t;
+        int64_t k;
+        double p;
+      };
+      const P sets[] = {{0.7, 0, 1}, {1.0, 0, 0.9}, {1.5, 40, 1}, {0.5, 10, 0.8}};
+      const P prm = sets[sample_call++ % 4];
+      SamplingParams sp;
+      sp.temperature = prm.t, sp.top_k = prm.k, sp.top_p = prm.p;
+      std::vector<double> u(static_cast<size_t>(NL));
+      for (int64_t r = 0; r < NL; ++r) u[size_t(r)] = uniform01(3, uint64_t(sample_call), uint64_t(r));
+      std::vector<int32_t> ids(size_t(NL), -1);
+      ga->forward_sample(reqs, pa, sp, u.data(), ids.data());
+      for (int64_t r = 0; r < NL; ++r) {
+        const auto want = reference_draw(lb.data() + r * V, V, prm.t, prm.k, prm.p, u[size_t(r)]);
+        if (!want.ambiguous) {
+          EXPECT_EQ(ids[size_t(r)], want.id) << what << ": sampled row " << r;
+        }
+        ++sampled_rows;
+      }
     } else {
       std::vector<float> la(size_t(NL * V), NAN);
       ga->forward(reqs, pa, la.data());
@@ -303,7 +329,7 @@ TEST_P(CudaDecode, GraphReplayAndDeviceArgmaxMatchEagerLaunches) {
     gb->commit(slot, keep);
   };
   both({{0, random_ids(rng, 5, V), {}, false}, {1, random_ids(rng, 9, V), {}, true}, {2, random_ids(rng, 2, V), {}, false}},
-       "prefill", false, DType::F32);
+       "prefill", 0, DType::F32);
   for (int s = 0; s < 3; ++s) {
     ga->commit_all(s);
     gb->commit_all(s);
@@ -314,19 +340,20 @@ TEST_P(CudaDecode, GraphReplayAndDeviceArgmaxMatchEagerLaunches) {
     if (step % 8 == 7) {
       // A chain-4 verify on slot 0 and a 7-node tree on slot 2; keep a path of each.
       both({{0, random_ids(rng, 4, V), {}, true}, {2, random_ids(rng, 7, V), {-1, 0, 0, 1, 1, 2, 4}, true}}, what,
-           step % 16 == 15, dt);
+           step % 16 == 15 ? 1 : step % 16 == 7 ? 2 : 0, dt);
       commit(0, {0, 1});
       commit(2, {0, 1, 4, 6});
       continue;
     }
     std::vector<DecodeRequest> reqs;
     for (int s = 0; s < 3; ++s) reqs.push_back({s, random_ids(rng, 1, V), {}, true});
-    both(reqs, what, step % 4 == 1, dt);
+    both(reqs, what, step % 4 == 1 ? 1 : step % 4 == 3 ? 2 : 0, dt);
     for (int s = 0; s < 3; ++s) commit(s, {0});
   }
   EXPECT_GT(cuda::decoder_graph_launches(*ga), 20) << "the repeated shapes should have replayed graphs";
   EXPECT_EQ(cuda::decoder_graph_launches(*gb), 0);
   EXPECT_GT(greedy_rows, 20);
+  EXPECT_GT(sampled_rows, 20);
 }
 
 INSTANTIATE_TEST_SUITE_P(Fixtures, CudaDecode,
@@ -418,6 +445,116 @@ TEST(CudaDecode, ACacheThatDoesNotFitIsRefusedWithTheNumbers) {
 // plan_attention is host code (no GPU needed): which rows go through tiles, how the tiles cut
 // a group's vectors, and the key range the splits are sized for, on a forward that mixes a
 // verify chain, a 20-row tree, lone one-token rows and rows of one slot at different lengths.
+// cuda::sample_rows against the sampling oracle (tests/sampling_reference.h) on bf16 rows:
+// vocabularies from 1 id to past 128k (odd sizes), rows with many equal logits (coarse
+// values), one dominant logit, a flat row, -inf and NaN entries; temperatures from 0 (the
+// argmax) to 2, top-k from 1 to past V, top-p from 0.05 to 1, and u at 0, near 1 and
+// random. Ids must match except where the oracle says the draw hangs on rounding; the same
+// row must give the same id at another position of a larger batch and on a second run.
+TEST(CudaSample, DrawsWhatTheReferenceDraws) {
+  REQUIRE_GPU();
+  struct P {
+    double t;
+    int64_t k;
+    double p;
+  };
+  const std::vector<P> sets = {{0, 0, 1},     {0.7, 0, 1},   {1.0, 0, 0.9},  {1.3, 50, 1},   {0.5, 1, 1},
+                               {2.0, 0, 0.05}, {1.0, 7, 0.95}, {0.9, 0, 0.999}, {0.6, 1000, 0.5}};
+  std::mt19937 rng(2026);
+  int strict = 0, ambiguous = 0;
+  for (const int64_t V : {int64_t(1), int64_t(3), int64_t(1000), int64_t(4097), int64_t(49152), int64_t(128259)}) {
+    for (int kind = 0; kind < 5; ++kind) {
+      // Rows of this V and kind, one per (parameter set, u).
+      std::vector<float> row(static_cast<size_t>(V));
+      std::normal_distribution<float> nd(0.f, 3.f);
+      for (int64_t i = 0; i < V; ++i) {
+        float x = nd(rng);
+        if (kind == 1) x = std::round(x);  // many ties
+        if (kind == 2) x = -x * x;
+        if (kind == 3) x = 0.25f;  // flat
+        row[size_t(i)] = x;
+      }
+      if (kind == 2) row[size_t(rng() % uint32_t(V))] = 30.f;  // one dominant id
+      if (kind == 4 && V > 4) {
+        row[size_t(rng() % uint32_t(V))] = -INFINITY;
+        row[1] = NAN;  // never picked; the oracle below sees it as -inf
+      }
+      const auto row16 = to_bf16(row);
+      std::vector<float> seen = to_f32(row16);  // the values the device reads
+      for (float& x : seen)
+        if (std::isnan(x)) x = -INFINITY;
+      std::vector<P> prm;
+      std::vector<double> us;
+      for (const P& p : sets)
+        for (const double u : {0.0, 1.0 - 0x1.0p-53, uniform01(9, uint64_t(V), uint64_t(kind)),
+                               uniform01(10, uint64_t(V), uint64_t(kind))}) {
+          prm.push_back(p);
+          us.push_back(u);
+        }
+      const int64_t R = int64_t(prm.size());
+      std::vector<__nv_bfloat16> all;
+      for (int64_t r = 0; r < R; ++r) all.insert(all.end(), row16.begin(), row16.end());
+      // One launch per parameter set (the parameters are per launch), rows = its u values.
+      Guarded<__nv_bfloat16> d_logits(all.size());
+      d_logits.upload(all);
+      Guarded<double> d_u(us.size());
+      d_u.upload(us);
+      Guarded<cuda::DeviceSampling> d_prm(sets.size());
+      std::vector<cuda::DeviceSampling> dp;
+      for (const P& p : sets) dp.push_back({p.t, p.p, p.k});
+      d_prm.upload(dp);
+      Guarded<int32_t> d_ids{size_t(R)};
+      const int64_t per = R / int64_t(sets.size());
+      for (int run = 0; run < 2; ++run) {
+        for (size_t si = 0; si < sets.size(); ++si)
+          cuda::sample_rows(d_ids.ptr() + si * size_t(per),
+                            reinterpret_cast<const cuda::bf16*>(d_logits.ptr()) + si * size_t(per * V), per, V,
+                            d_prm.ptr() + si, d_u.ptr() + si * size_t(per), nullptr);
+        ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+        const auto ids = d_ids.download();
+        EXPECT_TRUE(d_ids.guards_intact());
+        for (int64_t r = 0; r < R; ++r) {
+          const P& p = prm[size_t(r)];
+          const auto want = reference_draw(seen.data(), V, p.t, p.k, p.p, us[size_t(r)]);
+          const std::string what = fmt::format("V {} kind {} T {} top_k {} top_p {} u {}", V, kind, p.t, p.k, p.p,
+                                               us[size_t(r)]);
+          ASSERT_TRUE(ids[size_t(r)] >= 0 && ids[size_t(r)] < V) << what;
+          EXPECT_FALSE(kind == 4 && V > 4 && ids[size_t(r)] == 1) << what << ": picked a NaN";
+          if (run == 1) continue;
+          if (want.ambiguous) {
+            ambiguous += r % 4 >= 2;  // u near 1 hangs on rounding by design; random u should not
+            continue;
+          }
+          ++strict;
+          EXPECT_EQ(ids[size_t(r)], want.id) << what;
+        }
+        if (run == 1) continue;
+        // The same rows again at other positions of one bigger launch (parameter set 2).
+        const int64_t big = 37;
+        std::vector<__nv_bfloat16> many;
+        std::vector<double> ub(static_cast<size_t>(big));
+        for (int64_t r = 0; r < big; ++r) {
+          many.insert(many.end(), row16.begin(), row16.end());
+          ub[size_t(r)] = us[size_t(2 * per + r % per)];
+        }
+        Guarded<__nv_bfloat16> d_many(many.size());
+        d_many.upload(many);
+        Guarded<double> d_ub(ub.size());
+        d_ub.upload(ub);
+        Guarded<int32_t> d_big{size_t(big)};
+        cuda::sample_rows(d_big.ptr(), reinterpret_cast<const cuda::bf16*>(d_many.ptr()), big, V, d_prm.ptr() + 2,
+                          d_ub.ptr(), nullptr);
+        ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+        const auto got = d_big.download();
+        for (int64_t r = 0; r < big; ++r)
+          EXPECT_EQ(got[size_t(r)], ids[size_t(2 * per + r % per)]) << "V " << V << " kind " << kind << " position " << r;
+      }
+    }
+  }
+  EXPECT_GT(strict, 700);
+  EXPECT_LT(ambiguous, 20);
+}
+
 TEST(DecodePlan, GroupsLoneRowsAndTiles) {
   const int64_t nh = 32, nkv = 8, group = nh / nkv;
   std::vector<cuda::DecodeRow> rows;

@@ -10,6 +10,7 @@
 #include "backend/backend.h"
 #include "model/model.h"
 #include "tests/decode_checks.h"
+#include "tests/sampling_reference.h"
 #include "tests/test_util.h"
 #include "tests/tolerances.h"
 
@@ -193,6 +194,53 @@ TEST(Decode, GreedyIdsFollowTheLogitsRows) {
     }
     EXPECT_EQ(rows, 1 + 3 + 1 + 5 + 1);
   }
+}
+
+// forward_sample (the default: forward, then sampling on the host) draws one id per logits
+// row with that row's uniform number, in forward's row order; checked against a twin
+// decoder's logits and the sampling oracle (tests/sampling_reference.h) for several
+// parameter sets, greedy included.
+TEST(Decode, SampledIdsFollowTheLogitsRows) {
+  auto ck = open_checkpoint(golden_fixture("llama_gqa"));
+  struct P {
+    double t;
+    int64_t k;
+    double p;
+  };
+  int checked = 0, ambiguous = 0;
+  for (const P prm : {P{0, 0, 1}, P{0.8, 0, 1}, P{1.3, 5, 1}, P{0.7, 0, 0.6}, P{1.0, 7, 0.9}}) {
+    SCOPED_TRACE(fmt::format("T {} top_k {} top_p {}", prm.t, prm.k, prm.p));
+    SamplingParams sp;
+    sp.temperature = prm.t, sp.top_k = prm.k, sp.top_p = prm.p;
+    auto a = make_cpu_decoder(*ck, 2, 40), b = make_cpu_decoder(*ck, 2, 40);
+    const int64_t V = a->config().vocab;
+    std::mt19937 rng(11);
+    const std::vector<std::vector<DecodeRequest>> calls = {
+        {{0, random_ids(rng, 6, V), {}, false}, {1, random_ids(rng, 3, V), {}, true}},
+        {{1, random_ids(rng, 1, V), {}, true}, {0, random_ids(rng, 5, V), {-1, 0, 0, 2, 1}, true}}};
+    for (const auto& reqs : calls) {
+      const int64_t NL = logits_rows(reqs);
+      std::vector<float> lb(size_t(NL * V));
+      std::vector<int32_t> ids(size_t(NL), -1);
+      std::vector<double> u(static_cast<size_t>(NL));
+      for (int64_t r = 0; r < NL; ++r) u[size_t(r)] = uniform01(5, uint64_t(checked), uint64_t(r));
+      b->forward(reqs, Capture{}, lb.data());
+      a->forward_sample(reqs, Capture{}, sp, u.data(), ids.data());
+      for (int64_t r = 0; r < NL; ++r, ++checked) {
+        const auto want = reference_draw(lb.data() + r * V, V, prm.t, prm.k, prm.p, u[size_t(r)]);
+        if (!want.ambiguous) {
+          EXPECT_EQ(ids[size_t(r)], want.id) << "row " << r;
+        }
+        ambiguous += want.ambiguous;
+      }
+      for (const auto& r : reqs) {
+        a->commit(r.slot, {0});
+        b->commit(r.slot, {0});
+      }
+    }
+  }
+  EXPECT_EQ(checked, 5 * (1 + 3 + 1 + 5));
+  EXPECT_LE(ambiguous, 1);
 }
 
 TEST(Decode, MalformedRequestsAreRefused) {

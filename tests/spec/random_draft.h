@@ -118,7 +118,7 @@ inline void run_greedy_comparisons(
     const std::function<void(int, const std::vector<int32_t>&, const std::vector<int32_t>&, const spec::SpecConfig&,
                              const std::vector<int32_t>&, const spec::DecodeStats&)>& judge,
     const GreedyRuns& runs = {}) {
-  spec::SamplingParams greedy;
+  SamplingParams greedy;
   spec::GenLimits lim;
   lim.max_new_tokens = runs.max_new_tokens;
   std::mt19937 rng(4);

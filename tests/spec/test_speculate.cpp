@@ -12,7 +12,7 @@
 #include "model/decode.h"
 #include "backend/backend.h"
 #include "model/model.h"
-#include "spec/sampling.h"
+#include "model/sampling.h"
 #include "spec/speculate.h"
 #include "tests/spec/random_draft.h"
 #include "tests/test_util.h"

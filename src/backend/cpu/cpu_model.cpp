@@ -255,6 +255,27 @@ void Decoder::forward_greedy(const std::vector<DecodeRequest>& reqs, const Captu
   }
 }
 
+void Decoder::forward_sample(const std::vector<DecodeRequest>& reqs, const Capture& cap, const SamplingParams& p,
+                             const double* u, int32_t* ids) {
+  if (p.greedy()) {
+    forward_greedy(reqs, cap, ids);
+    return;
+  }
+  const int64_t rows = logits_rows(reqs), V = config().vocab;
+  std::vector<float> logits(size_t(rows) * size_t(V));
+  forward(reqs, cap, logits.data());
+  // Rows in parallel: each depends on its own logits and u only.
+#pragma omp parallel if (rows >= 4)
+  {
+    std::vector<double> dist;
+#pragma omp for schedule(dynamic, 4)
+    for (int64_t r = 0; r < rows; ++r) {
+      sampling_distribution(logits.data() + r * V, V, p, dist);
+      ids[r] = draw(dist, u[r]);
+    }
+  }
+}
+
 std::vector<int32_t> request_depths(const DecodeRequest& r) {
   const size_t n = r.tokens.size();
   std::vector<int32_t> d(n);

@@ -88,6 +88,10 @@ class CudaDecoder final : public Decoder {
     // step; SmolLM2 0.94 vs 1.01 ms). TALON_CUDA_SPLIT_MERGE=1 takes the in-kernel merge.
     const char* m = std::getenv("TALON_CUDA_SPLIT_MERGE");
     merge_in_kernel_ = m && std::string(m) == "1";
+    // Sampling at temperature > 0 draws on the device (cuda::sample_rows) unless
+    // TALON_CUDA_SAMPLE=0, which copies fp32 logits down and samples on the host.
+    const char* sm = std::getenv("TALON_CUDA_SAMPLE");
+    device_sampling_ = !(sm && std::string(sm) == "0");
   }
 
   ~CudaDecoder() override {
@@ -107,6 +111,13 @@ class CudaDecoder final : public Decoder {
 
   void forward_greedy(const std::vector<DecodeRequest>& reqs, const Capture& cap, int32_t* ids) override {
     run(reqs, cap, nullptr, ids);
+  }
+
+  void forward_sample(const std::vector<DecodeRequest>& reqs, const Capture& cap, const SamplingParams& p,
+                      const double* u, int32_t* ids) override {
+    if (p.greedy()) return run(reqs, cap, nullptr, ids);
+    if (!device_sampling_) return Decoder::forward_sample(reqs, cap, p, u, ids);
+    run(reqs, cap, nullptr, ids, &p, u);
   }
 
   void use_graphs(bool on) { graphs_.set_enabled(on); }
@@ -200,10 +211,10 @@ class CudaDecoder final : public Decoder {
   // Where each input of a forward sits in the packed block (byte offsets): fixed by the
   // forward's shape, so a graph captured for that shape reads the next forward's inputs.
   struct Layout {
-    size_t ids, pos, rows, logit_rows, masks, seq_start, tiles, single, vtiles, bytes;
+    size_t ids, pos, rows, logit_rows, masks, seq_start, tiles, single, vtiles, sampling, uniforms, bytes;
   };
   static Layout layout(int64_t N, int64_t NL, int64_t n_masks, int64_t n_seq_start, int64_t n_tiles, int64_t n_single,
-                       int64_t n_vtiles) {
+                       int64_t n_vtiles, bool sampling) {
     Layout l{};
     size_t off = 0;
     auto place = [&](size_t bytes) {
@@ -220,13 +231,17 @@ class CudaDecoder final : public Decoder {
     l.tiles = place(size_t(n_tiles) * 4);
     l.single = place(size_t(n_single) * 4);
     l.vtiles = place(size_t(n_vtiles) * sizeof(cuda::AttentionTile));
+    l.sampling = place(sampling ? sizeof(cuda::DeviceSampling) : 0);
+    l.uniforms = place(sampling ? size_t(NL) * 8 : 0);
     l.bytes = off;
     return l;
   }
 
   // One forward: host bookkeeping, the packed inputs up in one copy, the layer stack (from a
-  // CUDA graph when this shape ran before), then logits or greedy ids and captures down.
-  void run(const std::vector<DecodeRequest>& reqs, const Capture& cap, float* logits, int32_t* ids) {
+  // CUDA graph when this shape ran before), then logits, or greedy or sampled ids (with
+  // `sp`: drawn with the uniforms u, one a logits row), and captures down.
+  void run(const std::vector<DecodeRequest>& reqs, const Capture& cap, float* logits, int32_t* ids,
+           const SamplingParams* sp = nullptr, const double* u = nullptr) {
     dev_.activate();
     const ModelConfig& c = cfg_;
     const int64_t H = c.hidden, hd = c.head_dim, V = c.vocab, W = c.sliding_window;
@@ -296,8 +311,9 @@ class CudaDecoder final : public Decoder {
     const int64_t splits = plan.splits.splits, split_len = plan.splits.split_len;
     const size_t esz = dtype_size(cap.dtype);
     const int64_t n_cap = int64_t(cap.layers.size());
+    const bool sampled = sp && ids && NL > 0;
     const Layout lay = layout(N, NL, int64_t(masks.size()), flash ? int64_t(seq_start.size()) : 0,
-                              int64_t(tiles.size()), n_single, n_vtiles);
+                              int64_t(tiles.size()), n_single, n_vtiles, sampled);
     ensure_acts(N, NL, flash ? 0 : N * nh * splits * (hd + 2), n_cap, int64_t(lay.bytes));
     Acts& a = *acts_;
 
@@ -316,6 +332,11 @@ class CudaDecoder final : public Decoder {
     if (tiled) {
       if (n_single > 0) std::memcpy(hb + lay.single, plan.single.data(), size_t(n_single) * 4);
       std::memcpy(hb + lay.vtiles, plan.tiles.data(), size_t(n_vtiles) * sizeof(cuda::AttentionTile));
+    }
+    if (sampled) {
+      const cuda::DeviceSampling ds{sp->temperature, sp->top_p, sp->top_k};
+      std::memcpy(hb + lay.sampling, &ds, sizeof ds);
+      std::memcpy(hb + lay.uniforms, u, size_t(NL) * 8);
     }
     CUDA_CHECK(cudaMemcpyAsync(a.in, hb, lay.bytes, cudaMemcpyHostToDevice, dev_.stream()));
     const auto* d_ids = reinterpret_cast<const int32_t*>(a.in + lay.ids);
@@ -377,7 +398,10 @@ class CudaDecoder final : public Decoder {
           in = a.sel;
         }
         dev_.gemm().forward(a.logits, in, w_.lm_head, NL, H, V, st);
-        if (ids)
+        if (sampled)
+          cuda::sample_rows(a.top1, a.logits, NL, V, reinterpret_cast<const cuda::DeviceSampling*>(a.in + lay.sampling),
+                            reinterpret_cast<const double*>(a.in + lay.uniforms), st);
+        else if (ids)
           cuda::argmax_rows(a.top1, a.logits, NL, V, st);
         else
           cuda::bf16_to_f32(a.logits32, a.logits, NL * V, st);
@@ -385,7 +409,7 @@ class CudaDecoder final : public Decoder {
     };
     // A graph per shape (graph_cache.h); prefills (the packed attention) run eagerly.
     graphs_.run(fmt::format("{}/{}/{}/{}/{}/{}/{}/{}/{}/{}", N, NL, masks.size(), splits, split_len, n_single, n_vtiles,
-                            ids ? 1 : 0, int(cap.dtype), fmt::join(cap.layers, ",")),
+                            sampled ? 2 : ids ? 1 : 0, int(cap.dtype), fmt::join(cap.layers, ",")),
                 st, device_work, !flash);
 
     // Results down.
@@ -467,6 +491,7 @@ class CudaDecoder final : public Decoder {
   Pinned in_h_, out_h_;
   cuda::GraphCache graphs_;  // of run()'s device work, by shape
   bool merge_in_kernel_ = false;
+  bool device_sampling_ = true;
   // A request's rows (a verify chain or tree) read the committed prefix once per tile of query
   // vectors, not once per row (decode_ops.h: AttentionTile).
   bool verify_tiles_ = cuda::verify_tiles_enabled();

@@ -122,6 +122,21 @@ void topk_logsoftmax(int32_t* ids, float* lp, const float* logits, int64_t rows,
 // representable). NaN entries are never picked; a row of NaNs gives 0.
 void argmax_rows(int32_t* ids, const bf16* logits, int64_t rows, int64_t V, cudaStream_t s);
 
+// Sampling parameters as sample_rows reads them, from device memory (so that one CUDA graph
+// of a forward serves any parameters).
+struct DeviceSampling {
+  double temperature;  // <= 0: the argmax
+  double top_p;        // 1: off
+  int64_t top_k;       // 0 or >= V: off
+};
+
+// ids[r] = the token drawn from row r of logits [rows, V] (bf16) with uniforms[r] in [0, 1):
+// the host's draw(sampling_distribution(row, p), u) (model/sampling.h) over these values
+// converted to fp32, up to the order of fp64 additions (see sample.cu). Deterministic: the
+// same row, parameters and u give the same id in any batch. NaN entries are never picked.
+void sample_rows(int32_t* ids, const bf16* logits, int64_t rows, int64_t V, const DeviceSampling* params,
+                 const double* uniforms, cudaStream_t s);
+
 // For each (src, dst) pair of absolute cache rows (s * max_len + j), in order, copies that
 // row of every buffer in `caches` (a device array of n_bufs pointers: every layer's K and
 // V). Pairs run one after another within a buffer, so a commit's path can move down onto

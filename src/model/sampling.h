@@ -5,7 +5,7 @@
 #include <cstdint>
 #include <vector>
 
-namespace talon::spec {
+namespace talon {
 
 struct SamplingParams {
   double temperature = 0;  // 0: greedy (argmax, ties to the lower id)
@@ -35,4 +35,4 @@ int32_t draw(const std::vector<double>& probs, double u);
 int32_t sample_token(const float* logits, int64_t V, const SamplingParams& p, uint64_t stream, uint64_t counter,
                      std::vector<double>& scratch);
 
-}  // namespace talon::spec
+}  // namespace talon

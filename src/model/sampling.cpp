@@ -1,4 +1,4 @@
-#include "spec/sampling.h"
+#include "model/sampling.h"
 
 #include <algorithm>
 #include <cmath>
@@ -6,7 +6,7 @@
 
 #include "util/error.h"
 
-namespace talon::spec {
+namespace talon {
 
 void SamplingParams::validate() const {
   TALON_CHECK(temperature >= 0 && std::isfinite(temperature), "--temperature must be >= 0 (got {})", temperature);
@@ -108,4 +108,4 @@ int32_t sample_token(const float* logits, int64_t V, const SamplingParams& p, ui
   return draw(scratch, uniform01(p.seed, stream, counter));
 }
 
-}  // namespace talon::spec
+}  // namespace talon

@@ -334,7 +334,7 @@ class CudaDecoder final : public Decoder {
       std::memcpy(hb + lay.vtiles, plan.tiles.data(), size_t(n_vtiles) * sizeof(cuda::AttentionTile));
     }
     if (sampled) {
-      const cuda::DeviceSampling ds{sp->temperature, sp->top_p, sp->top_k};
+      const cuda::DeviceSampling ds{sp->temperature, sp->top_p, sp->top_k, 0};
       std::memcpy(hb + lay.sampling, &ds, sizeof ds);
       std::memcpy(hb + lay.uniforms, u, size_t(NL) * 8);
     }

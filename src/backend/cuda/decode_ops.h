@@ -128,6 +128,7 @@ struct DeviceSampling {
   double temperature;  // <= 0: the argmax
   double top_p;        // 1: off
   int64_t top_k;       // 0 or >= V: off
+  int64_t search_only = 0;  // 1: top-p's threshold by the bit-by-bit search alone (tests)
 };
 
 // ids[r] = the token drawn from row r of logits [rows, V] (bf16) with uniforms[r] in [0, 1):

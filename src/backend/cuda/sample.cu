@@ -9,10 +9,12 @@
 //
 // How, with a bf16 row: probability is monotone in the logit, and a bf16 logit maps to a
 // 16-bit key that orders like its value, so the cut is a key threshold plus how many of the
-// ids at that key (lowest first) are kept. The threshold is found bit by bit (16 passes over
-// the row, each a block reduction): for top-k, the largest key with at least k ids at or
-// above it; for top-p, the largest key whose ids at or above it hold top_p of the mass. The
-// draw gives each thread a contiguous chunk of ids: chunk masses are scanned in a fixed
+// ids at that key (lowest first) are kept: for top-k, the largest key with at least k ids at
+// or above it; for top-p, the largest key whose ids at or above it hold top_p of the mass.
+// Two 256-bin histograms (high byte, then low byte within the chosen high byte) find it: with
+// exact counts for top-k; for top-p with fixed-point masses that give a candidate, confirmed
+// (or moved a key at a time) by exact fp64 sums, with a bit-by-bit search as the last resort.
+// The draw gives each thread a contiguous chunk of ids: chunk masses are scanned in a fixed
 // order, the thread whose chunk holds u * total walks it. Every reduction has a fixed order,
 // so the same row, parameters and u give the same id in any batch and on every run.
 #include <cfloat>
@@ -94,6 +96,11 @@ __device__ Scan<T> block_scan(T v, T* lane_v, T* warp_base) {
   return s;
 }
 
+struct Located {
+  int bin;       // the bin where the sum from the top reaches what was asked
+  double above;  // the sum over the bins above it (and what came before)
+};
+
 __global__ void __launch_bounds__(kSampleThreads)
     sample_kernel(int32_t* ids, const bf16* logits, int V, const DeviceSampling* prm, const double* uniforms) {
   __shared__ double shd[kSampleWarps];
@@ -104,6 +111,9 @@ __global__ void __launch_bounds__(kSampleThreads)
   __shared__ int lane_i[kSampleThreads];
   __shared__ int base_i[kSampleWarps + 1];
   __shared__ int picked;
+  __shared__ unsigned long long hist[256];
+  __shared__ int loc_bin;
+  __shared__ double loc_above;
   const uint16_t* x = reinterpret_cast<const uint16_t*>(logits) + size_t(blockIdx.x) * size_t(V);
   const double T = prm->temperature, top_p = prm->top_p;
   const int64_t top_k = prm->top_k;
@@ -152,6 +162,60 @@ __global__ void __launch_bounds__(kSampleThreads)
     return block_sum(s, shd);
   };
 
+  // 256-bin histograms over one byte of the key: level 1 the high byte of every id, level 2
+  // the low byte of the ids whose high byte is `hi`. Counts are exact; masses are fixed point
+  // (weight x 2^40, integers, so the sums do not depend on the order of the atomics) and only
+  // locate a candidate threshold, which exact fp64 passes then confirm.
+  auto histogram = [&](bool counts, int level, uint32_t hi) {
+    for (int i = tid; i < 256; i += kSampleThreads) hist[i] = 0;
+    __syncthreads();
+    for (int i0 = 0; i0 < V; i0 += kSampleThreads) {
+      const int i = i0 + tid;
+      uint32_t bin = 0xffffffffu;
+      unsigned long long add = 0;
+      if (i < V) {
+        const uint32_t b = x[i];
+        const uint32_t k = key16(b);
+        if (!nan16(b) && (level == 1 || (k >> 8) == hi)) {
+          bin = level == 1 ? k >> 8 : k & 255u;
+          add = counts ? 1ull : __double2ull_rn(weight(b) * 0x1p40);
+        }
+      }
+      if (counts) {
+        // Lanes of one bin add once (most ids share a few low bins).
+        const unsigned peers = __match_any_sync(0xffffffffu, bin);
+        if (bin != 0xffffffffu && tid % 32 == __ffs(peers) - 1) atomicAdd(&hist[bin], (unsigned long long)__popc(peers));
+      } else if (add > 0) {
+        atomicAdd(&hist[bin], add);
+      }
+    }
+    __syncthreads();
+  };
+  // The highest bin at which the sum from the top, starting at `above`, reaches `need`
+  // (thread 0; the answer and the sum above it go to every thread). 0 when none does.
+  auto locate = [&](double above, double need) {
+    if (tid == 0) {
+      double cum = above;
+      int at = 0;
+      double before = above;
+      for (int i = 255; i >= 0; --i) {
+        before = cum;
+        cum += double(hist[i]);
+        if (cum >= need) {
+          at = i;
+          break;
+        }
+      }
+      loc_bin = at;
+      loc_above = before;
+    }
+    __syncthreads();
+    const int at = loc_bin;
+    const double before = loc_above;
+    __syncthreads();
+    return Located{at, before};
+  };
+
   // The cut: ids with a key above `theta`, and the first `ties` ids at `theta` (cut false:
   // every id).
   bool cut = false;
@@ -159,28 +223,67 @@ __global__ void __launch_bounds__(kSampleThreads)
   int ties = 0;
   const bool cut_k = top_k > 0 && top_k < V;
   int64_t keep_k = V;
-  uint32_t theta_k = 0;
-  int ties_k = 0;
   if (cut_k) {
-    const int k = int(top_k);
-    uint32_t t = 0;
-    for (int bit = 15; bit >= 0; --bit) {
-      const uint32_t c = t | (1u << bit);
-      if (count_ge(c) >= k) t = c;
-    }
-    theta_k = t;
-    ties_k = k - count_ge(t + 1);
-    keep_k = k;
-    cut = true, theta = theta_k, ties = ties_k;
+    // The k-th id in rank order has key theta_k: fewer than k ids above it, k or more at or
+    // above it. Exact from two count histograms.
+    const double k = double(top_k);
+    histogram(true, 1, 0);
+    const Located h = locate(0, k);
+    histogram(true, 2, uint32_t(h.bin));
+    const Located l = locate(h.above, k);
+    theta = (uint32_t(h.bin) << 8) | uint32_t(l.bin);
+    ties = int(top_k - int64_t(l.above));
+    keep_k = top_k;
+    cut = true;
   }
   if (top_p < 1) {
-    const double target = top_p * mass_ge(0);
-    uint32_t t = 0;
-    for (int bit = 15; bit >= 0; --bit) {
-      const uint32_t c = t | (1u << bit);
-      if (mass_ge(c) >= target) t = c;
+    // The threshold key t: ids at or above it hold top_p of the mass, those above it less.
+    // A candidate from two fixed-point histograms, then exact fp64 checks, moving t a key at
+    // a time while they fail (rounding near a boundary); after a few misses, bit by bit.
+    histogram(false, 1, 0);
+    double zs = 0;
+    for (int i = tid; i < V; i += kSampleThreads) zs += weight(x[i]);
+    const double z = block_sum(zs, shd), target = top_p * z;
+    double total_f = 0;
+    if (tid == 0)
+      for (int i = 0; i < 256; ++i) total_f += double(hist[i]);
+    const Located h = locate(0, top_p * total_f);  // (thread 0's total is the one read)
+    histogram(false, 2, uint32_t(h.bin));
+    const Located l = locate(h.above, top_p * total_f);
+    uint32_t t = (uint32_t(h.bin) << 8) | uint32_t(l.bin);
+    double above = 0, at_or_above = 0;
+    bool found = false;
+    for (int tries = 0; tries < (prm->search_only ? 0 : 8) && !found; ++tries) {
+      double sa = 0, sb = 0;
+      for (int i = tid; i < V; i += kSampleThreads) {
+        const uint32_t b = x[i];
+        if (nan16(b)) continue;
+        const uint32_t k = key16(b);
+        if (k < t) continue;
+        const double w = weight(b);
+        sb += w;
+        if (k > t) sa += w;
+      }
+      above = block_sum(sa, shd);
+      at_or_above = block_sum(sb, shd);
+      if (at_or_above < target) {
+        if (t == 0) break;
+        --t;
+      } else if (above >= target) {
+        if (t == 0xffffu) break;
+        ++t;
+      } else {
+        found = true;
+      }
     }
-    const double above = mass_ge(t + 1);
+    if (!found) {
+      t = 0;
+      for (int bit = 15; bit >= 0; --bit) {
+        const uint32_t c = t | (1u << bit);
+        if (mass_ge(c) >= target) t = c;
+      }
+      above = mass_ge(t + 1);
+    }
     const int n_above = count_ge(t + 1), n_at = count_ge(t) - n_above;
     const double w = weight(bits_of_key(t));
     // The ids at key t are added one at a time, as the host adds them in rank order.

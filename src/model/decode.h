@@ -77,6 +77,9 @@ class Decoder {
  protected:
   // Pending token count per slot, for commit_all; kept by the implementations.
   std::vector<int64_t> pending_;
+  // The default forward_greedy / forward_sample's logits, kept between calls (at 256 rows of
+  // a 49k vocabulary a fresh 50 MB buffer every step costs more than the sampling).
+  std::vector<float> host_logits_;
 };
 
 // Depth of each pending token of a request (0 for tokens that follow the prefix); throws

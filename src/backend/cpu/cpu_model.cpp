@@ -244,7 +244,8 @@ int64_t logits_rows(const std::vector<DecodeRequest>& reqs) {
 
 void Decoder::forward_greedy(const std::vector<DecodeRequest>& reqs, const Capture& cap, int32_t* ids) {
   const int64_t rows = logits_rows(reqs), V = config().vocab;
-  std::vector<float> logits(size_t(rows) * size_t(V));
+  std::vector<float>& logits = host_logits_;
+  logits.resize(size_t(rows) * size_t(V));
   forward(reqs, cap, logits.data());
   for (int64_t r = 0; r < rows; ++r) {
     const float* l = logits.data() + r * V;
@@ -262,7 +263,8 @@ void Decoder::forward_sample(const std::vector<DecodeRequest>& reqs, const Captu
     return;
   }
   const int64_t rows = logits_rows(reqs), V = config().vocab;
-  std::vector<float> logits(size_t(rows) * size_t(V));
+  std::vector<float>& logits = host_logits_;
+  logits.resize(size_t(rows) * size_t(V));
   forward(reqs, cap, logits.data());
   // Rows in parallel: each depends on its own logits and u only.
 #pragma omp parallel if (rows >= 4)

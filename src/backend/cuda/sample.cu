@@ -30,6 +30,8 @@ namespace {
 
 constexpr int kSampleThreads = 1024;
 constexpr int kSampleWarps = kSampleThreads / 32;
+// High-byte bins top-p counts key by key (16 x 256 keys: 16 KB of shared memory).
+constexpr int kWindowBins = 16;
 
 __device__ __forceinline__ bool nan16(uint32_t b) { return (b & 0x7fffu) > 0x7f80u; }
 __device__ __forceinline__ float value16(uint32_t b) { return __uint_as_float(b << 16); }
@@ -97,8 +99,8 @@ __device__ Scan<T> block_scan(T v, T* lane_v, T* warp_base) {
 }
 
 struct Located {
-  int bin;       // the bin where the sum from the top reaches what was asked
-  double above;  // the sum over the bins above it (and what came before)
+  int bin;        // the bin where the count from the top reaches what was asked
+  int64_t above;  // the count over the bins above it (and what came before)
 };
 
 __global__ void __launch_bounds__(kSampleThreads)
@@ -111,9 +113,13 @@ __global__ void __launch_bounds__(kSampleThreads)
   __shared__ int lane_i[kSampleThreads];
   __shared__ int base_i[kSampleWarps + 1];
   __shared__ int picked;
-  __shared__ unsigned long long hist[256];
-  __shared__ int loc_bin;
-  __shared__ double loc_above;
+  __shared__ uint32_t hist[256];
+  __shared__ uint32_t window[kWindowBins * 256];
+  __shared__ double bound_lo[256], bound_hi[256];
+  __shared__ int loc_bin, loc_at;
+  __shared__ int64_t loc_above;
+  __shared__ uint32_t loc_t;
+  __shared__ double loc_mass;
   const uint16_t* x = reinterpret_cast<const uint16_t*>(logits) + size_t(blockIdx.x) * size_t(V);
   const double T = prm->temperature, top_p = prm->top_p;
   const int64_t top_k = prm->top_k;
@@ -162,45 +168,34 @@ __global__ void __launch_bounds__(kSampleThreads)
     return block_sum(s, shd);
   };
 
-  // 256-bin histograms over one byte of the key: level 1 the high byte of every id, level 2
-  // the low byte of the ids whose high byte is `hi`. Counts are exact; masses are fixed point
-  // (weight x 2^40, integers, so the sums do not depend on the order of the atomics) and only
-  // locate a candidate threshold, which exact fp64 passes then confirm.
-  auto histogram = [&](bool counts, int level, uint32_t hi) {
+  // Counts of ids by one byte of the key (256 bins, 32-bit integer atomics, the lanes of a
+  // warp that fall in one bin adding once): level 1 the high byte of every id; level 2 the
+  // low byte of the ids whose high byte is `hi`. Exact whatever the order of the atomics.
+  auto histogram = [&](int level, uint32_t hi) {
     for (int i = tid; i < 256; i += kSampleThreads) hist[i] = 0;
     __syncthreads();
     for (int i0 = 0; i0 < V; i0 += kSampleThreads) {
       const int i = i0 + tid;
       uint32_t bin = 0xffffffffu;
-      unsigned long long add = 0;
       if (i < V) {
         const uint32_t b = x[i];
         const uint32_t k = key16(b);
-        if (!nan16(b) && (level == 1 || (k >> 8) == hi)) {
-          bin = level == 1 ? k >> 8 : k & 255u;
-          add = counts ? 1ull : __double2ull_rn(weight(b) * 0x1p40);
-        }
+        if (!nan16(b) && (level == 1 || (k >> 8) == hi)) bin = level == 1 ? k >> 8 : k & 255u;
       }
-      if (counts) {
-        // Lanes of one bin add once (most ids share a few low bins).
-        const unsigned peers = __match_any_sync(0xffffffffu, bin);
-        if (bin != 0xffffffffu && tid % 32 == __ffs(peers) - 1) atomicAdd(&hist[bin], (unsigned long long)__popc(peers));
-      } else if (add > 0) {
-        atomicAdd(&hist[bin], add);
-      }
+      const unsigned peers = __match_any_sync(0xffffffffu, bin);
+      if (bin != 0xffffffffu && tid % 32 == __ffs(peers) - 1) atomicAdd(&hist[bin], uint32_t(__popc(peers)));
     }
     __syncthreads();
   };
-  // The highest bin at which the sum from the top, starting at `above`, reaches `need`
-  // (thread 0; the answer and the sum above it go to every thread). 0 when none does.
-  auto locate = [&](double above, double need) {
+  // The highest bin at which the count from the top, starting at `above`, reaches `need`,
+  // and the count above it (thread 0 scans; every thread gets the answer).
+  auto locate = [&](int64_t above, int64_t need) {
     if (tid == 0) {
-      double cum = above;
+      int64_t cum = above, before = above;
       int at = 0;
-      double before = above;
       for (int i = 255; i >= 0; --i) {
         before = cum;
-        cum += double(hist[i]);
+        cum += hist[i];
         if (cum >= need) {
           at = i;
           break;
@@ -210,10 +205,9 @@ __global__ void __launch_bounds__(kSampleThreads)
       loc_above = before;
     }
     __syncthreads();
-    const int at = loc_bin;
-    const double before = loc_above;
+    const Located r{loc_bin, loc_above};
     __syncthreads();
-    return Located{at, before};
+    return r;
   };
 
   // The cut: ids with a key above `theta`, and the first `ties` ids at `theta` (cut false:
@@ -226,55 +220,116 @@ __global__ void __launch_bounds__(kSampleThreads)
   if (cut_k) {
     // The k-th id in rank order has key theta_k: fewer than k ids above it, k or more at or
     // above it. Exact from two count histograms.
-    const double k = double(top_k);
-    histogram(true, 1, 0);
-    const Located h = locate(0, k);
-    histogram(true, 2, uint32_t(h.bin));
-    const Located l = locate(h.above, k);
+    histogram(1, 0);
+    const Located h = locate(0, top_k);
+    histogram(2, uint32_t(h.bin));
+    const Located l = locate(h.above, top_k);
     theta = (uint32_t(h.bin) << 8) | uint32_t(l.bin);
-    ties = int(top_k - int64_t(l.above));
+    ties = int(top_k - l.above);
     keep_k = top_k;
     cut = true;
   }
   if (top_p < 1) {
-    // The threshold key t: ids at or above it hold top_p of the mass, those above it less.
-    // A candidate from two fixed-point histograms, then exact fp64 checks, moving t a key at
-    // a time while they fail (rounding near a boundary); after a few misses, bit by bit.
-    histogram(false, 1, 0);
+    // The threshold key t: the largest key whose ids at or above it hold top_p of the mass.
+    // Level 1 counts ids by high byte; a bin's mass lies between its count times the weight
+    // of its lowest and of its highest key, which bounds the bins t can be in. Those bins (at
+    // most kWindowBins of them) are then counted key by key, each key's mass is its count
+    // times its weight, and a scan from the top finds t; the mass above the window is summed
+    // id by id. When the bounds leave a wider window, a bit-by-bit search over exact sums.
+    histogram(1, 0);
     double zs = 0;
     for (int i = tid; i < V; i += kSampleThreads) zs += weight(x[i]);
     const double z = block_sum(zs, shd), target = top_p * z;
-    double total_f = 0;
-    if (tid == 0)
-      for (int i = 0; i < 256; ++i) total_f += double(hist[i]);
-    const Located h = locate(0, top_p * total_f);  // (thread 0's total is the one read)
-    histogram(false, 2, uint32_t(h.bin));
-    const Located l = locate(h.above, top_p * total_f);
-    uint32_t t = (uint32_t(h.bin) << 8) | uint32_t(l.bin);
-    double above = 0, at_or_above = 0;
+    const uint32_t kmax = key16(__float_as_uint(m) >> 16);
+    if (tid < 256) {
+      const uint32_t lo = uint32_t(tid) << 8, hi = min(lo | 255u, kmax);
+      const double c = double(hist[tid]);
+      bound_lo[tid] = c > 0 && lo <= kmax ? c * weight(bits_of_key(lo)) : 0.0;
+      bound_hi[tid] = c > 0 && lo <= kmax ? c * weight(bits_of_key(hi)) : 0.0;
+    }
+    __syncthreads();
+    if (tid == 0) {
+      double cl = 0, cu = 0;
+      int ha = -1, hb = -1;
+      for (int i = 255; i >= 0 && ha < 0; --i) {
+        cl += bound_lo[i];
+        cu += bound_hi[i];
+        if (hb < 0 && cu >= target) hb = i;
+        if (cl >= target) ha = i;
+      }
+      loc_bin = hb < 0 ? -1 : (ha < 0 ? 0 : ha) | (hb << 8);
+    }
+    __syncthreads();
+    const int hab = loc_bin;
+    __syncthreads();
+    const int ha = hab & 255, hb = hab >> 8;
+    uint32_t t = 0;
+    double above = 0;
+    int n_above = 0, n_at = 0;
     bool found = false;
-    for (int tries = 0; tries < (prm->search_only ? 0 : 8) && !found; ++tries) {
-      double sa = 0, sb = 0;
-      for (int i = tid; i < V; i += kSampleThreads) {
-        const uint32_t b = x[i];
-        if (nan16(b)) continue;
-        const uint32_t k = key16(b);
-        if (k < t) continue;
-        const double w = weight(b);
-        sb += w;
-        if (k > t) sa += w;
+    if (hab >= 0 && hb - ha < kWindowBins && !prm->search_only) {
+      const uint32_t base = uint32_t(ha) << 8, top = (uint32_t(hb) << 8) | 255u, n_keys = top - base + 1;
+      for (uint32_t i = tid; i < n_keys; i += kSampleThreads) window[i] = 0;
+      __syncthreads();
+      double sa = 0;
+      int na = 0;
+      for (int i0 = 0; i0 < V; i0 += kSampleThreads) {
+        const int i = i0 + tid;
+        uint32_t slot = 0xffffffffu;
+        if (i < V) {
+          const uint32_t b = x[i];
+          const uint32_t k = key16(b);
+          if (!nan16(b)) {
+            if (k > top)
+              sa += weight(b), ++na;
+            else if (k >= base)
+              slot = k - base;
+          }
+        }
+        const unsigned peers = __match_any_sync(0xffffffffu, slot);
+        if (slot != 0xffffffffu && tid % 32 == __ffs(peers) - 1) atomicAdd(&window[slot], uint32_t(__popc(peers)));
       }
-      above = block_sum(sa, shd);
-      at_or_above = block_sum(sb, shd);
-      if (at_or_above < target) {
-        if (t == 0) break;
-        --t;
-      } else if (above >= target) {
-        if (t == 0xffffu) break;
-        ++t;
-      } else {
+      const double above_win = block_sum(sa, shd);
+      const int n_above_win = block_sum(na, shi);  // its syncs also end the window's atomics
+      // Each thread a run of keys from the top down; runs scanned in that order.
+      const int per = int((n_keys + kSampleThreads - 1) / kSampleThreads);
+      const int r0 = tid * per, r1 = min(int(n_keys), r0 + per);  // offsets down from `top`
+      double ms = 0;
+      int cs = 0;
+      for (int r = r0; r < r1; ++r) {
+        const uint32_t c = window[top - base - uint32_t(r)];
+        if (c) ms += double(c) * weight(bits_of_key(top - uint32_t(r))), cs += int(c);
+      }
+      const Scan<double> sm = block_scan(ms, lane_d, base_d);
+      const Scan<int> sc = block_scan(cs, lane_i, base_i);
+      if (tid == 0) loc_bin = -1;
+      __syncthreads();
+      if (above_win + sm.prefix < target && target <= above_win + sm.next && cs > 0) {
+        double acc = above_win + sm.prefix;
+        int cnt = n_above_win + sc.prefix;
+        uint32_t last = 0;
+        int last_n = 0, last_c = 0;
+        double last_acc = acc;
+        bool hit = false;
+        for (int r = r0; r < r1 && !hit; ++r) {
+          const uint32_t k = top - uint32_t(r), c = window[k - base];
+          if (!c) continue;
+          const double before = acc;
+          acc += double(c) * weight(bits_of_key(k));
+          last = k, last_n = cnt, last_c = int(c), last_acc = before;
+          cnt += int(c);
+          hit = acc >= target;
+        }
+        // (Rounding may leave the walk short of the scan's end: its last key is t then.)
+        loc_t = last, loc_above = last_n, loc_at = last_c, loc_mass = last_acc;
+        loc_bin = 1;
+      }
+      __syncthreads();
+      if (loc_bin == 1) {
         found = true;
+        t = loc_t, n_above = int(loc_above), n_at = loc_at, above = loc_mass;
       }
+      __syncthreads();
     }
     if (!found) {
       t = 0;
@@ -283,8 +338,8 @@ __global__ void __launch_bounds__(kSampleThreads)
         if (mass_ge(c) >= target) t = c;
       }
       above = mass_ge(t + 1);
+      n_above = count_ge(t + 1), n_at = count_ge(t) - n_above;
     }
-    const int n_above = count_ge(t + 1), n_at = count_ge(t) - n_above;
     const double w = weight(bits_of_key(t));
     // The ids at key t are added one at a time, as the host adds them in rank order.
     int j = 1;

@@ -83,77 +83,96 @@ INSTANTIATE_TEST_SUITE_P(Shapes, CudaGemm,
                                            // K not a multiple of 8: cuBLASLt even at N = 1
                                            GemmShape{1, 100, 33}));
 
-// The one-row products with a norm, a SwiGLU or a residual add folded in (ops.h:
-// skinny_fused) against the CPU: rmsnorm and swiglu formed in double then rounded to bf16 as
-// the unfused kernels round them, the product in double, the residual add of the bf16 branch
-// output; odd column counts and short rows; rows too long or not a multiple of 8 refused.
+// The skinny products with a norm, a SwiGLU or a residual add folded in (ops.h:
+// skinny_fused), for 1, 3 and 8 rows, against the CPU: rmsnorm and swiglu formed in double
+// then rounded to bf16 as the unfused kernels round them, the product in double, the residual
+// add of the bf16 branch output; odd column counts and short rows; rows too long (alone or
+// together) or not a multiple of 8 refused.
 TEST(CudaOps, SkinnyFusedProductsMatchCpu) {
   REQUIRE_GPU();
   auto round_bf16 = [](double v) { return double(bf16_to_f32(f32_to_bf16(float(v)))); };
   struct Shape {
     int64_t K, O;
   };
-  for (const Shape sh : {Shape{576, 1728}, Shape{4096, 1001}, Shape{8, 5}, Shape{1544, 77}, Shape{14336, 64}}) {
-    const int64_t K = sh.K, O = sh.O;
-    const std::string tag = fmt::format("K {} O {}", K, O);
-    const auto w = randn(size_t(O * K), 7, 0.1f), g = randn(size_t(K), 8, 0.5f), gu = randn(size_t(2 * K), 9);
-    std::vector<float> x(static_cast<size_t>(K));
-    std::mt19937 rng(10);
-    std::normal_distribution<float> nd(0.f, 2.f);
-    for (auto& v : x) v = nd(rng);  // an fp32 residual row, not bf16-representable
-    const float eps = 1e-5f;
-    // The staged inputs as the unfused kernels would write them.
-    std::vector<double> xn(static_cast<size_t>(K)), act(static_cast<size_t>(K));
-    double ss = 0;
-    for (float v : x) ss += double(v) * v;
-    const double k = 1.0 / std::sqrt(ss / double(K) + eps);
-    for (int64_t c = 0; c < K; ++c) {
-      xn[size_t(c)] = round_bf16(double(x[size_t(c)]) * k * g[size_t(c)]);
-      const double gv = gu[size_t(c)], uv = gu[size_t(K + c)];
-      act[size_t(c)] = round_bf16(gv / (1.0 + std::exp(-gv)) * uv);
+  int checked = 0;
+  for (const int64_t R : {int64_t(1), int64_t(3), int64_t(8)}) {
+    for (const Shape sh : {Shape{576, 1728}, Shape{4096, 1001}, Shape{8, 5}, Shape{1544, 77}, Shape{14336, 64}}) {
+      const int64_t K = sh.K, O = sh.O;
+      const std::string tag = fmt::format("rows {} K {} O {}", R, K, O);
+      if (!cuda::skinny_fused_fits(K, R)) {
+        EXPECT_GT(K * R, cuda::kSkinnyFusedMaxK) << tag;
+        continue;
+      }
+      const auto w = randn(size_t(O * K), 7, 0.1f), g = randn(size_t(K), 8, 0.5f),
+                 gu = randn(size_t(R * 2 * K), uint32_t(9 + R));
+      std::vector<float> x(size_t(R * K));
+      std::mt19937 rng(uint32_t(10 + R));
+      std::normal_distribution<float> nd(0.f, 2.f);
+      for (auto& v : x) v = nd(rng);  // fp32 residual rows, not bf16-representable
+      const float eps = 1e-5f;
+      // The staged inputs as the unfused kernels would write them, row by row.
+      std::vector<double> xn(size_t(R * K)), act(size_t(R * K)), plain(size_t(R * K));
+      for (int64_t r = 0; r < R; ++r) {
+        double ss = 0;
+        for (int64_t c = 0; c < K; ++c) ss += double(x[size_t(r * K + c)]) * x[size_t(r * K + c)];
+        const double k = 1.0 / std::sqrt(ss / double(K) + eps);
+        for (int64_t c = 0; c < K; ++c) {
+          xn[size_t(r * K + c)] = round_bf16(double(x[size_t(r * K + c)]) * k * g[size_t(c)]);
+          const double gv = gu[size_t(r * 2 * K + c)], uv = gu[size_t(r * 2 * K + K + c)];
+          act[size_t(r * K + c)] = round_bf16(gv / (1.0 + std::exp(-gv)) * uv);
+          plain[size_t(r * K + c)] = gu[size_t(r * K + c)];  // Plain reads in as [R, K]
+        }
+      }
+      auto product = [&](const std::vector<double>& in) {
+        std::vector<float> y(size_t(R * O));
+        for (int64_t r = 0; r < R; ++r)
+          for (int64_t o = 0; o < O; ++o) {
+            double acc = 0;
+            for (int64_t c = 0; c < K; ++c) acc += in[size_t(r * K + c)] * double(w[size_t(o * K + c)]);
+            y[size_t(r * O + o)] = float(acc);
+          }
+        return y;
+      };
+      const std::vector<float> want_norm = product(xn), want_swiglu = product(act), want_plain = product(plain);
+      Guarded<bf16> dw(static_cast<size_t>(O * K)), dg(static_cast<size_t>(K)), dgu(size_t(R * 2 * K)),
+          dout(size_t(R * O));
+      Guarded<float> dx(size_t(R * K)), dres(size_t(R * O));
+      dw.upload(to_bf16(w));
+      dg.upload(to_bf16(g));
+      dgu.upload(to_bf16(gu));
+      dx.upload(x);
+      const std::vector<float> res0 = randn(size_t(R * O), 11);
+      auto check = [&](const cuda::SkinnyFused& f, const std::vector<float>& want, const std::string& what) {
+        dres.upload(res0);
+        ASSERT_TRUE(cuda::skinny_fused(f, dw.ptr(), K, O, nullptr)) << tag << what;
+        ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess) << tag << what;
+        std::vector<float> got;
+        if (f.out) {
+          got = to_f32(dout.download());
+        } else {
+          got = dres.download();
+          for (int64_t o = 0; o < R * O; ++o) got[size_t(o)] -= res0[size_t(o)];
+        }
+        EXPECT_TRUE(all_finite(got)) << tag << what;
+        for (int64_t r = 0; r < R; ++r)
+          EXPECT_LE(rel_err(got.data() + r * O, want.data() + r * O, size_t(O)), tol::kCudaBf16Out)
+              << tag << what << ", row " << r;
+        EXPECT_TRUE(dout.guards_intact() && dres.guards_intact() && dx.guards_intact()) << tag << what;
+        ++checked;
+      };
+      check({cuda::SkinnyIn::Norm, nullptr, dx.ptr(), dg.ptr(), eps, dout.ptr(), nullptr, R}, want_norm, ": norm");
+      check({cuda::SkinnyIn::Norm, nullptr, dx.ptr(), dg.ptr(), eps, nullptr, dres.ptr(), R}, want_norm, ": norm, add");
+      check({cuda::SkinnyIn::Swiglu, dgu.ptr(), nullptr, nullptr, 0.f, nullptr, dres.ptr(), R}, want_swiglu,
+            ": swiglu, add");
+      check({cuda::SkinnyIn::Plain, dgu.ptr(), nullptr, nullptr, 0.f, nullptr, dres.ptr(), R}, want_plain, ": plain, add");
+      check({cuda::SkinnyIn::Plain, dgu.ptr(), nullptr, nullptr, 0.f, dout.ptr(), nullptr, R}, want_plain, ": plain");
     }
-    auto product = [&](const std::vector<double>& in) {
-      std::vector<float> y(static_cast<size_t>(O));
-      for (int64_t o = 0; o < O; ++o) {
-        double acc = 0;
-        for (int64_t c = 0; c < K; ++c) acc += in[size_t(c)] * double(w[size_t(o * K + c)]);
-        y[size_t(o)] = float(acc);
-      }
-      return y;
-    };
-    const std::vector<float> want_norm = product(xn), want_swiglu = product(act),
-                             want_plain = product(std::vector<double>(gu.begin(), gu.begin() + K));
-    Guarded<bf16> dw(static_cast<size_t>(O * K)), dg(static_cast<size_t>(K)), dgu(static_cast<size_t>(2 * K)), dout(static_cast<size_t>(O));
-    Guarded<float> dx(static_cast<size_t>(K)), dres(static_cast<size_t>(O));
-    dw.upload(to_bf16(w));
-    dg.upload(to_bf16(g));
-    dgu.upload(to_bf16(gu));
-    dx.upload(x);
-    const std::vector<float> res0 = randn(size_t(O), 11);
-    auto check = [&](const cuda::SkinnyFused& f, const std::vector<float>& want, const std::string& what) {
-      dres.upload(res0);
-      ASSERT_TRUE(cuda::skinny_fused(f, dw.ptr(), K, O, nullptr)) << tag << what;
-      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess) << tag << what;
-      std::vector<float> got;
-      if (f.out) {
-        got = to_f32(dout.download());
-      } else {
-        got = dres.download();
-        for (int64_t o = 0; o < O; ++o) got[size_t(o)] -= res0[size_t(o)];
-      }
-      EXPECT_TRUE(all_finite(got)) << tag << what;
-      EXPECT_LE(rel_err(got.data(), want.data(), got.size()), tol::kCudaBf16Out) << tag << what;
-      EXPECT_TRUE(dout.guards_intact() && dres.guards_intact() && dx.guards_intact()) << tag << what;
-    };
-    check({cuda::SkinnyIn::Norm, nullptr, dx.ptr(), dg.ptr(), eps, dout.ptr(), nullptr}, want_norm, ": norm");
-    check({cuda::SkinnyIn::Norm, nullptr, dx.ptr(), dg.ptr(), eps, nullptr, dres.ptr()}, want_norm, ": norm, add");
-    check({cuda::SkinnyIn::Swiglu, dgu.ptr(), nullptr, nullptr, 0.f, nullptr, dres.ptr()}, want_swiglu, ": swiglu, add");
-    check({cuda::SkinnyIn::Plain, dgu.ptr(), nullptr, nullptr, 0.f, nullptr, dres.ptr()}, want_plain, ": plain, add");
-    check({cuda::SkinnyIn::Plain, dgu.ptr(), nullptr, nullptr, 0.f, dout.ptr(), nullptr}, want_plain, ": plain");
   }
+  EXPECT_EQ(checked, 5 * (5 + 4 + 3));  // 14336 x 3 and x 8, 4096 x 8 are refused
   EXPECT_FALSE(cuda::skinny_fused_fits(100));
   EXPECT_FALSE(cuda::skinny_fused_fits(cuda::kSkinnyFusedMaxK + 8));
   EXPECT_TRUE(cuda::skinny_fused_fits(cuda::kSkinnyFusedMaxK));
+  EXPECT_FALSE(cuda::skinny_fused_fits(576, cuda::kSkinnyMaxRows + 1));
 }
 
 TEST(CudaOps, EmbeddingIsExact) {

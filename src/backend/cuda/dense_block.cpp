@@ -36,8 +36,12 @@ void dense_stack_forward(const DenseDeviceWeights& w, const ModelConfig& c, int6
     }
     hooks.attention(l);
   };
-  bool fuse = N == 1 && hooks.fold_one_token && !hooks.allreduce && skinny_fusion_enabled() && H <= kFoldMaxK && I <= kFoldMaxK &&
-              skinny_fused_fits(H) && skinny_fused_fits(qd) && skinny_fused_fits(I);
+  // Up to kSkinnyMaxRows rows (a short verify chain or draft step) fold the same way: each
+  // block stages every row's input. SmolLM2 on an H200, a 4-token verify: bench/RESULTS.md
+  // (2026-12-04, sampling on the device).
+  bool fuse = N >= 1 && N <= skinny_fusion_rows() && hooks.fold_one_token && !hooks.allreduce && skinny_fusion_enabled() &&
+              H <= kFoldMaxK && I <= kFoldMaxK && skinny_fused_fits(H, N) && skinny_fused_fits(qd, N) &&
+              skinny_fused_fits(I, N);
   for (size_t l = 0; l < w.layers.size() && fuse; ++l)
     for (const bf16* p : {w.layers[l].wqkv, w.layers[l].wo, w.layers[l].wgu, w.layers[l].wdown})
       fuse = fuse && reinterpret_cast<uintptr_t>(p) % 16 == 0;
@@ -45,13 +49,13 @@ void dense_stack_forward(const DenseDeviceWeights& w, const ModelConfig& c, int6
     const DenseLayerDev& L = w.layers[size_t(l)];
     hooks.capture(l);  // x = h[l]: the last layer's products went straight into it
     auto run = [&](const SkinnyFused& f, const bf16* wt, int64_t K, int64_t O) {
-      if (!skinny_fused(f, wt, K, O, s)) fail_msg("dense stack: a fused one-row product was refused");
+      if (!skinny_fused(f, wt, K, O, s)) fail_msg("dense stack: a fused skinny product was refused");
     };
-    run({SkinnyIn::Norm, nullptr, a.x, L.attn_norm, eps, a.qkv, nullptr}, L.wqkv, H, ldqkv);
+    run({SkinnyIn::Norm, nullptr, a.x, L.attn_norm, eps, a.qkv, nullptr, N}, L.wqkv, H, ldqkv);
     attend(l, L);
-    run({SkinnyIn::Plain, a.att, nullptr, nullptr, 0.f, nullptr, a.x}, L.wo, qd, H);
-    run({SkinnyIn::Norm, nullptr, a.x, L.mlp_norm, eps, a.gu, nullptr}, L.wgu, H, 2 * I);
-    run({SkinnyIn::Swiglu, a.gu, nullptr, nullptr, 0.f, nullptr, a.x}, L.wdown, I, H);
+    run({SkinnyIn::Plain, a.att, nullptr, nullptr, 0.f, nullptr, a.x, N}, L.wo, qd, H);
+    run({SkinnyIn::Norm, nullptr, a.x, L.mlp_norm, eps, a.gu, nullptr, N}, L.wgu, H, 2 * I);
+    run({SkinnyIn::Swiglu, a.gu, nullptr, nullptr, 0.f, nullptr, a.x, N}, L.wdown, I, H);
   }
   for (int64_t l = 0; l < c.n_layers && !fuse; ++l) {
     const DenseLayerDev& L = w.layers[size_t(l)];

@@ -80,11 +80,12 @@ __global__ void __launch_bounds__(kGemvWarps * 32) skinny_kernel(Out* out, const
   }
 }
 
-// One row with its neighbours folded in (ops.h: skinny_fused). The block first forms the
-// input row in shared memory when it is a norm or a SwiGLU of another row (every block the
+// kN rows with their neighbours folded in (ops.h: skinny_fused). The block first forms the
+// input rows in shared memory when they are norms or SwiGLUs of other rows (every block the
 // same values: the formulas and rounding of rmsnorm_forward and swiglu_forward), then each
-// warp takes one column as skinny_kernel does.
-template <int kIn, bool kAdd>
+// warp takes one column as skinny_kernel does, one accumulator per row. Row n of the inputs
+// starts n * K values in (Swiglu: n * 2K), of the outputs n * O.
+template <int kIn, bool kAdd, int kN>
 __global__ void __launch_bounds__(kGemvWarps * 32) skinny_fused_kernel(bf16* out, float* residual, const uint4* in,
                                                                          const float* x, const bf16* g, float eps,
                                                                          const uint4* w, int K, int O) {
@@ -100,42 +101,61 @@ __global__ void __launch_bounds__(kGemvWarps * 32) skinny_fused_kernel(bf16* out
   grid_dependency_wait();
   const uint4* src = in;
   if constexpr (kIn == int(SkinnyIn::Norm)) {
-    float ss = 0.f;
-    for (int c = tid; c < K; c += blockDim.x) ss += x[c] * x[c];
-    ss = block_sum(ss, sh);
-    const float k = rsqrtf(ss / float(K) + eps);
     bf16* xb = reinterpret_cast<bf16*>(staged);
-    for (int c = tid; c < K; c += blockDim.x) xb[c] = __float2bfloat16(x[c] * k * __bfloat162float(g[c]));
-    __syncthreads();
+    for (int n = 0; n < kN; ++n) {
+      const float* xr = x + int64_t(n) * K;
+      float ss = 0.f;
+      for (int c = tid; c < K; c += blockDim.x) ss += xr[c] * xr[c];
+      ss = block_sum(ss, sh);
+      const float k = rsqrtf(ss / float(K) + eps);
+      for (int c = tid; c < K; c += blockDim.x) xb[n * K + c] = __float2bfloat16(xr[c] * k * __bfloat162float(g[c]));
+      __syncthreads();  // sh is read by every thread before the next row's sum reuses it
+    }
     src = staged;
   } else if constexpr (kIn == int(SkinnyIn::Swiglu)) {
-    const bf16* gu = reinterpret_cast<const bf16*>(in);  // [gate K | up K]
+    const bf16* gu = reinterpret_cast<const bf16*>(in);  // row n: [gate K | up K]
     bf16* xb = reinterpret_cast<bf16*>(staged);
-    for (int c = tid; c < K; c += blockDim.x)
-      xb[c] = __float2bfloat16(silu_times(__bfloat162float(gu[c]), __bfloat162float(gu[K + c])));
+    for (int n = 0; n < kN; ++n)
+      for (int c = tid; c < K; c += blockDim.x)
+        xb[n * K + c] = __float2bfloat16(
+            silu_times(__bfloat162float(gu[int64_t(n) * 2 * K + c]), __bfloat162float(gu[int64_t(n) * 2 * K + K + c])));
     __syncthreads();
     src = staged;
   }
   if (o >= O) return;
-  float acc = 0.f;
+  float acc[kN];
+#pragma unroll
+  for (int n = 0; n < kN; ++n) acc[n] = 0.f;
 #pragma unroll
   for (int u = 0; u < kPrefetch; ++u)
-    if (lane + 32 * u < K8) acc += dot8(pre[u], src[lane + 32 * u]);
+    if (lane + 32 * u < K8)
+#pragma unroll
+      for (int n = 0; n < kN; ++n) acc[n] += dot8(pre[u], src[n * K8 + lane + 32 * u]);
   int c = lane + 32 * kPrefetch;
   for (; c + 32 * (kUnroll - 1) < K8; c += 32 * kUnroll) {
     uint4 wv[kUnroll];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) wv[u] = __ldcs(wr + c + 32 * u);
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) acc += dot8(wv[u], src[c + 32 * u]);
+    for (int u = 0; u < kUnroll; ++u)
+#pragma unroll
+      for (int n = 0; n < kN; ++n) acc[n] += dot8(wv[u], src[n * K8 + c + 32 * u]);
   }
-  for (; c < K8; c += 32) acc += dot8(__ldcs(wr + c), src[c]);
-  for (int sft = 16; sft > 0; sft >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, sft);
-  if (lane != 0) return;
-  if constexpr (kAdd)
-    residual[o] += __bfloat162float(__float2bfloat16(acc));  // the branch output in bf16, as the unfused path
-  else
-    out[o] = __float2bfloat16(acc);
+  for (; c < K8; c += 32) {
+    const uint4 wv = __ldcs(wr + c);
+#pragma unroll
+    for (int n = 0; n < kN; ++n) acc[n] += dot8(wv, src[n * K8 + c]);
+  }
+#pragma unroll
+  for (int n = 0; n < kN; ++n) {
+    float v = acc[n];
+    for (int sft = 16; sft > 0; sft >>= 1) v += __shfl_xor_sync(0xffffffffu, v, sft);
+    if (lane != 0) continue;
+    if constexpr (kAdd)
+      residual[int64_t(n) * O + o] += __bfloat162float(__float2bfloat16(v));  // the branch output in bf16, as the unfused path
+    else
+      out[int64_t(n) * O + o] = __float2bfloat16(v);
+  }
 }
 
 // A launch that may overlap the end of the kernel before it on the stream (warp.cuh:
@@ -194,24 +214,53 @@ bool skinny_gemm(float* out, const bf16* in, const bf16* w, int64_t N, int64_t K
   return true;
 }
 
-bool skinny_fused_fits(int64_t K) { return K > 0 && K % 8 == 0 && K <= kSkinnyFusedMaxK; }
+bool skinny_fused_fits(int64_t K, int64_t rows) {
+  return K > 0 && K % 8 == 0 && rows >= 1 && rows <= kSkinnyMaxRows && K * rows <= kSkinnyFusedMaxK;
+}
 
-bool skinny_fused(const SkinnyFused& f, const bf16* w, int64_t K, int64_t O, cudaStream_t s) {
-  if (!skinny_fused_fits(K) || O >= (int64_t(1) << 31) || (f.residual == nullptr) == (f.out == nullptr)) return false;
-  if (reinterpret_cast<uintptr_t>(w) % 16 != 0 || reinterpret_cast<uintptr_t>(f.in) % 16 != 0) return false;
-  const dim3 grid(unsigned((O + kGemvWarps - 1) / kGemvWarps)), block(kGemvWarps * 32);
-  const size_t smem = f.kind == SkinnyIn::Plain ? 0 : size_t(K) * 2;
-  const auto* in = reinterpret_cast<const uint4*>(f.in);
-  const auto* wv = reinterpret_cast<const uint4*>(w);
-  const int Ki = int(K), Oi = int(O);
+namespace {
+template <int kIn, bool kAdd>
+void launch_fused(const SkinnyFused& f, dim3 grid, dim3 block, size_t smem, cudaStream_t s, const uint4* in,
+                  const uint4* wv, int Ki, int Oi) {
   auto go = [&](auto kernel) {
     launch_dependent(kernel, grid, block, smem, s, f.out, f.residual, in, f.x, f.norm_w, f.eps, wv, Ki, Oi);
   };
+  switch (f.rows) {
+    case 1: go(skinny_fused_kernel<kIn, kAdd, 1>); break;
+    case 2: go(skinny_fused_kernel<kIn, kAdd, 2>); break;
+    case 3: go(skinny_fused_kernel<kIn, kAdd, 3>); break;
+    case 4: go(skinny_fused_kernel<kIn, kAdd, 4>); break;
+    case 5: go(skinny_fused_kernel<kIn, kAdd, 5>); break;
+    case 6: go(skinny_fused_kernel<kIn, kAdd, 6>); break;
+    case 7: go(skinny_fused_kernel<kIn, kAdd, 7>); break;
+    default: go(skinny_fused_kernel<kIn, kAdd, 8>); break;
+  }
+}
+}  // namespace
+
+bool skinny_fused(const SkinnyFused& f, const bf16* w, int64_t K, int64_t O, cudaStream_t s) {
+  if (!skinny_fused_fits(K, f.rows) || O >= (int64_t(1) << 31) || (f.residual == nullptr) == (f.out == nullptr))
+    return false;
+  if (reinterpret_cast<uintptr_t>(w) % 16 != 0 || reinterpret_cast<uintptr_t>(f.in) % 16 != 0) return false;
+  const dim3 grid(unsigned((O + kGemvWarps - 1) / kGemvWarps)), block(kGemvWarps * 32);
+  const size_t smem = f.kind == SkinnyIn::Plain ? 0 : size_t(K * f.rows) * 2;
+  const auto* in = reinterpret_cast<const uint4*>(f.in);
+  const auto* wv = reinterpret_cast<const uint4*>(w);
+  const int Ki = int(K), Oi = int(O);
   const bool add = f.residual != nullptr;
   switch (f.kind) {
-    case SkinnyIn::Plain: add ? go(skinny_fused_kernel<int(SkinnyIn::Plain), true>) : go(skinny_fused_kernel<int(SkinnyIn::Plain), false>); break;
-    case SkinnyIn::Norm: add ? go(skinny_fused_kernel<int(SkinnyIn::Norm), true>) : go(skinny_fused_kernel<int(SkinnyIn::Norm), false>); break;
-    case SkinnyIn::Swiglu: add ? go(skinny_fused_kernel<int(SkinnyIn::Swiglu), true>) : go(skinny_fused_kernel<int(SkinnyIn::Swiglu), false>); break;
+    case SkinnyIn::Plain:
+      add ? launch_fused<int(SkinnyIn::Plain), true>(f, grid, block, smem, s, in, wv, Ki, Oi)
+          : launch_fused<int(SkinnyIn::Plain), false>(f, grid, block, smem, s, in, wv, Ki, Oi);
+      break;
+    case SkinnyIn::Norm:
+      add ? launch_fused<int(SkinnyIn::Norm), true>(f, grid, block, smem, s, in, wv, Ki, Oi)
+          : launch_fused<int(SkinnyIn::Norm), false>(f, grid, block, smem, s, in, wv, Ki, Oi);
+      break;
+    case SkinnyIn::Swiglu:
+      add ? launch_fused<int(SkinnyIn::Swiglu), true>(f, grid, block, smem, s, in, wv, Ki, Oi)
+          : launch_fused<int(SkinnyIn::Swiglu), false>(f, grid, block, smem, s, in, wv, Ki, Oi);
+      break;
   }
   return true;
 }

@@ -1,5 +1,6 @@
 #include <cublasLt.h>
 
+#include <algorithm>
 #include <cfloat>
 #include <cstdlib>
 #include <map>
@@ -242,6 +243,15 @@ bool skinny_fusion_enabled() {
     return skinny_enabled() && !(e && e[0] == '0');
   }();
   return on;
+}
+
+int64_t skinny_fusion_rows() {
+  static const int64_t rows = [] {
+    const char* e = std::getenv("TALON_CUDA_FUSE_ROWS");
+    const long v = e && *e ? std::strtol(e, nullptr, 10) : long(kSkinnyMaxRows);
+    return std::clamp<int64_t>(v, 1, kSkinnyMaxRows);
+  }();
+  return rows;
 }
 
 void Gemm::forward(bf16* out, const bf16* in, const bf16* w, int64_t N, int64_t K, int64_t O, cudaStream_t s) {

@@ -74,8 +74,8 @@ inline constexpr int64_t kSkinnyAutoRows = 1;
 bool skinny_gemm(bf16* out, const bf16* in, const bf16* w, int64_t N, int64_t K, int64_t O, cudaStream_t s);
 bool skinny_gemm(float* out, const bf16* in, const bf16* w, int64_t N, int64_t K, int64_t O, cudaStream_t s);
 
-// One-row products with the layer's small neighbours folded in (gemv.cu), for decoding one
-// token (dense_block.cpp): instead of norm -> product or product -> residual add as two
+// Products of 1 to kSkinnyMaxRows rows with the layer's small neighbours folded in (gemv.cu),
+// for decoding one token or verifying a short chain (dense_block.cpp): instead of norm -> product or product -> residual add as two
 // launches, the input row is formed by every block in shared memory and the output can go
 // straight into the residual stream. Inputs:
 //   Plain:  in (bf16, K values);
@@ -97,14 +97,20 @@ struct SkinnyFused {
   float eps = 0.f;
   bf16* out = nullptr;
   float* residual = nullptr;
+  int64_t rows = 1;  // 1..kSkinnyMaxRows rows, each laid out as the one-row case, one after another
 };
-bool skinny_fused_fits(int64_t K);
+// Whether `rows` rows of K inputs can go through skinny_fused (their staged bf16 copies,
+// rows x K values, must fit in kSkinnyFusedMaxK).
+bool skinny_fused_fits(int64_t K, int64_t rows = 1);
 bool skinny_fused(const SkinnyFused& f, const bf16* w, int64_t K, int64_t O, cudaStream_t s);
 // Whether Gemm takes skinny products at all (TALON_CUDA_GEMV=0 turns them off) and whether the
 // dense stack folds norms, residual adds and SwiGLU into them at one token
 // (TALON_CUDA_FUSE=0 turns that off).
 bool skinny_enabled();
 bool skinny_fusion_enabled();
+// The most rows a forward may have to be folded (TALON_CUDA_FUSE_ROWS, 1..kSkinnyMaxRows,
+// default kSkinnyMaxRows; 1 folds one-token forwards only).
+int64_t skinny_fusion_rows();
 // Whether the skinny products launch as programmatic dependents of the kernel before them
 // (Hopper's griddepcontrol: their weights stream while that kernel finishes): on GPUs of
 // compute capability 9.0 and up, unless TALON_CUDA_PDL=0.

@@ -90,7 +90,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32) skinny_fused_kernel(bf16* out
                                                                          const float* x, const bf16* g, float eps,
                                                                          const uint4* w, int K, int O) {
   extern __shared__ uint4 staged[];
-  __shared__ float sh[33];
+  __shared__ float sh[33 * kN];
   allow_dependents();
   const int K8 = K / 8, tid = threadIdx.x, lane = tid % 32;
   const int o = blockIdx.x * kGemvWarps + tid / 32;
@@ -101,16 +101,36 @@ __global__ void __launch_bounds__(kGemvWarps * 32) skinny_fused_kernel(bf16* out
   grid_dependency_wait();
   const uint4* src = in;
   if constexpr (kIn == int(SkinnyIn::Norm)) {
+    // Every row's sum of squares in one pass and one block reduction; per row the additions
+    // of block_sum (reduce.cuh), so the staged values are rmsnorm_forward's.
     bf16* xb = reinterpret_cast<bf16*>(staged);
+    float ss[kN];
+#pragma unroll
+    for (int n = 0; n < kN; ++n) ss[n] = 0.f;
+    for (int c = tid; c < K; c += blockDim.x)
+#pragma unroll
+      for (int n = 0; n < kN; ++n) ss[n] += x[int64_t(n) * K + c] * x[int64_t(n) * K + c];
+    const int wi = tid >> 5, nw = int(blockDim.x >> 5);
+#pragma unroll
     for (int n = 0; n < kN; ++n) {
-      const float* xr = x + int64_t(n) * K;
-      float ss = 0.f;
-      for (int c = tid; c < K; c += blockDim.x) ss += xr[c] * xr[c];
-      ss = block_sum(ss, sh);
-      const float k = rsqrtf(ss / float(K) + eps);
-      for (int c = tid; c < K; c += blockDim.x) xb[n * K + c] = __float2bfloat16(xr[c] * k * __bfloat162float(g[c]));
-      __syncthreads();  // sh is read by every thread before the next row's sum reuses it
+      ss[n] = warp_sum(ss[n]);
+      if (lane == 0) sh[n * 33 + wi] = ss[n];
     }
+    __syncthreads();
+    if (wi == 0)
+#pragma unroll
+      for (int n = 0; n < kN; ++n) {
+        float v = lane < nw ? sh[n * 33 + lane] : 0.f;
+        v = warp_sum(v);
+        if (lane == 0) sh[n * 33 + 32] = v;
+      }
+    __syncthreads();
+    for (int n = 0; n < kN; ++n) {
+      const float k = rsqrtf(sh[n * 33 + 32] / float(K) + eps);
+      const float* xr = x + int64_t(n) * K;
+      for (int c = tid; c < K; c += blockDim.x) xb[n * K + c] = __float2bfloat16(xr[c] * k * __bfloat162float(g[c]));
+    }
+    __syncthreads();
     src = staged;
   } else if constexpr (kIn == int(SkinnyIn::Swiglu)) {
     const bf16* gu = reinterpret_cast<const bf16*>(in);  // row n: [gate K | up K]

@@ -36,9 +36,8 @@ void dense_stack_forward(const DenseDeviceWeights& w, const ModelConfig& c, int6
     }
     hooks.attention(l);
   };
-  // Up to kSkinnyMaxRows rows (a short verify chain or draft step) fold the same way: each
-  // block stages every row's input. SmolLM2 on an H200, a 4-token verify: bench/RESULTS.md
-  // (2026-12-04, sampling on the device).
+  // A forward of a few rows (skinny_fusion_rows(): 2 by default) folds the same way, each
+  // block staging every row's input; beyond that the unfolded layer is faster (ops.h).
   bool fuse = N >= 1 && N <= skinny_fusion_rows() && hooks.fold_one_token && !hooks.allreduce && skinny_fusion_enabled() &&
               H <= kFoldMaxK && I <= kFoldMaxK && skinny_fused_fits(H, N) && skinny_fused_fits(qd, N) &&
               skinny_fused_fits(I, N);

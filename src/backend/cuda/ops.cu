@@ -248,7 +248,7 @@ bool skinny_fusion_enabled() {
 int64_t skinny_fusion_rows() {
   static const int64_t rows = [] {
     const char* e = std::getenv("TALON_CUDA_FUSE_ROWS");
-    const long v = e && *e ? std::strtol(e, nullptr, 10) : long(kSkinnyMaxRows);
+    const long v = e && *e ? std::strtol(e, nullptr, 10) : long(kSkinnyFoldRows);
     return std::clamp<int64_t>(v, 1, kSkinnyMaxRows);
   }();
   return rows;

@@ -109,7 +109,11 @@ bool skinny_fused(const SkinnyFused& f, const bf16* w, int64_t K, int64_t O, cud
 bool skinny_enabled();
 bool skinny_fusion_enabled();
 // The most rows a forward may have to be folded (TALON_CUDA_FUSE_ROWS, 1..kSkinnyMaxRows,
-// default kSkinnyMaxRows; 1 folds one-token forwards only).
+// default kSkinnyFoldRows; 1 folds one-token forwards only). Every block forms every row's
+// input, so the prologue grows with the rows: SmolLM2 on an H200 (bench/RESULTS.md,
+// 2026-12-04), a verify of 2 tokens 1.065 -> 0.837 ms folded, of 4 tokens 1.079 -> 1.138,
+// of 8 tokens 1.076 -> 1.729.
+inline constexpr int64_t kSkinnyFoldRows = 2;
 int64_t skinny_fusion_rows();
 // Whether the skinny products launch as programmatic dependents of the kernel before them
 // (Hopper's griddepcontrol: their weights stream while that kernel finishes): on GPUs of

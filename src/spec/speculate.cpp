@@ -109,19 +109,20 @@ std::vector<int32_t> decode_plain(Decoder& target, int slot, const std::vector<i
                                   DecodeStats* stats) {
   TALON_CHECK(!prompt.empty(), "decode: empty prompt");
   const auto t0 = Clock::now();
-  const int64_t V = target.config().vocab;
-  std::vector<float> logits(static_cast<size_t>(V));
-  std::vector<double> scratch;
   std::vector<int32_t> out;
   DecodeStats st;
-  // Greedy decoding asks the target for its argmax only (picked where the logits are).
+  // The target gives the next token only, picked where the logits are: its argmax, or its
+  // draw with the uniform number of this sequence's next position (on a GPU, no logits come
+  // down; the same tokens as sampling the logits on the host, sample_token).
   const bool greedy = params.greedy();
-  int32_t top1 = 0;
+  int32_t next = 0;
   auto pass = [&](const DecodeRequest& r) {
-    if (greedy)
-      target.forward_greedy({r}, Capture{}, &top1);
-    else
-      target.forward({r}, Capture{}, logits.data());
+    if (greedy) {
+      target.forward_greedy({r}, Capture{}, &next);
+    } else {
+      const double u = uniform01(params.seed, stream, uint64_t(out.size()));
+      target.forward_sample({r}, Capture{}, params, &u, &next);
+    }
   };
   target.reset(slot);
   pass({slot, prompt, {}, false});
@@ -129,7 +130,7 @@ std::vector<int32_t> decode_plain(Decoder& target, int slot, const std::vector<i
   st.prefill_seconds = since(t0);
   bool done = limits.max_new_tokens <= 0;
   while (!done) {
-    const int32_t tok = greedy ? top1 : sample_token(logits.data(), V, params, stream, uint64_t(out.size()), scratch);
+    const int32_t tok = next;
     done = append_tokens(out, {tok}, limits);
     if (done || target.length(slot) + 1 > target.max_len()) break;
     pass({slot, {tok}, {}, true});

@@ -20,10 +20,32 @@ if want gen; then
     "$train/ultrachat_eval" "$train/mt_bench_101" "$train/self_instruct" "$train/gsm8k" --out "$gen" \
     --device cuda:0 --batch 256 --max-new-tokens 1024 --max-len 2048 --temperature 0.7 --top-p 0.95 \
     --seed "$SEED" 2>&1 | grep -v "no room under\|no user turn" | tail -3
+  if [ ! -f "$gen/generated.jsonl" ] && [ -f "$gen/progress.jsonl" ]; then
+    # Stopped by the time limit: the finished conversations (the journal's kept lines, less
+    # their index) feed the later stages; a rerun of this stage resumes the job.
+    python3 - "$gen/progress.jsonl" "$work/gen_s${SEED}_partial.jsonl" <<'PY'
+import json, sys
+n = 0
+with open(sys.argv[2], "w") as f:
+    for line in open(sys.argv[1]):
+        if not line.strip():
+            continue
+        j = json.loads(line)
+        if j.get("skipped"):
+            continue
+        j.pop("index", None)
+        f.write(json.dumps(j) + "\n")
+        n += 1
+print(f"  {n} finished conversations -> {sys.argv[2]}")
+PY
+  fi
 fi
+# prepare reads the whole job's output, or what a stopped job finished.
+gen_out=$gen/generated.jsonl
+[ -f "$gen_out" ] || gen_out=$work/gen_s${SEED}_partial.jsonl
 if want prep; then
   rm -rf "$work/tok"
-  timed prepare $T prepare --model "$gguf" --data "$gen/generated.jsonl" --out "$work/tok" --max-length 2048 2>&1 | tail -2
+  timed prepare $T prepare --model "$gguf" --data "$gen_out" --out "$work/tok" --max-length 2048 2>&1 | tail -2
 fi
 if want extract; then
   rm -rf "$work/feat"

@@ -31,6 +31,13 @@ for sw in TALON_CUDA_VERIFY_TILES TALON_CUDA_LONE_TILES TALON_CUDA_FUSE TALON_CU
       grep -E "^ +1 |chain   4|tree   32|round"
   done
 done
+# Products and folding of short verifies (2-8 rows) on the small shape: skinny products up to
+# n rows (TALON_CUDA_GEMV_ROWS), folded layers up to n rows (TALON_CUDA_FUSE_ROWS).
+for sw in "TALON_CUDA_GEMV_ROWS=1" "TALON_CUDA_GEMV_ROWS=8" "TALON_CUDA_GEMV_ROWS=8 TALON_CUDA_FUSE_ROWS=1"; do
+  echo "== $sw talon_bench_decode --shape smollm2 --context 512 --batches 1 --draft-vocab 8192"
+  env $sw build/talon_bench_decode --shape smollm2 --context 512 --batches 1 --draft-vocab 8192 2>&1 |
+    tee -a "$log/bench.log" | grep -E "chain   [1248] |chain-3 |tree d6"
+done
 if [ -n "${TALON_SMOLLM2_GGUF:-}" ] && [ -f "$TALON_SMOLLM2_GGUF" ]; then
   echo "== talon_bench_decode --model $TALON_SMOLLM2_GGUF"
   build/talon_bench_decode --model "$TALON_SMOLLM2_GGUF" --context 2048 --batches 1,32,256 2>&1 | tee -a "$log/bench.log"

@@ -254,9 +254,18 @@ int64_t skinny_fusion_rows() {
   return rows;
 }
 
+int64_t skinny_auto_rows() {
+  static const int64_t rows = [] {
+    const char* e = std::getenv("TALON_CUDA_GEMV_ROWS");
+    const long v = e && *e ? std::strtol(e, nullptr, 10) : long(kSkinnyAutoRows);
+    return std::clamp<int64_t>(v, 1, kSkinnyMaxRows);
+  }();
+  return rows;
+}
+
 void Gemm::forward(bf16* out, const bf16* in, const bf16* w, int64_t N, int64_t K, int64_t O, cudaStream_t s) {
   if (N == 0) return;
-  if (N <= kSkinnyAutoRows && skinny_enabled() && skinny_gemm(out, in, w, N, K, O, s)) return;
+  if (N <= skinny_auto_rows() && skinny_enabled() && skinny_gemm(out, in, w, N, K, O, s)) return;
   auto& p = impl_->plan(N, K, O, false);
   const float alpha = 1.f, beta = 0.f;
   CUBLAS_CHECK(cublasLtMatmul(impl_->lt, p.op, &alpha, w, p.a, in, p.b, &beta, out, p.c, out, p.c, &p.algo,
@@ -266,7 +275,7 @@ void Gemm::forward(bf16* out, const bf16* in, const bf16* w, int64_t N, int64_t 
 
 void Gemm::forward(float* out, const bf16* in, const bf16* w, int64_t N, int64_t K, int64_t O, cudaStream_t s) {
   if (N == 0) return;
-  if (N <= kSkinnyAutoRows && skinny_enabled() && skinny_gemm(out, in, w, N, K, O, s)) return;
+  if (N <= skinny_auto_rows() && skinny_enabled() && skinny_gemm(out, in, w, N, K, O, s)) return;
   auto& p = impl_->plan(N, K, O, true);
   const float alpha = 1.f, beta = 0.f;
   CUBLAS_CHECK(cublasLtMatmul(impl_->lt, p.op, &alpha, w, p.a, in, p.b, &beta, out, p.c, out, p.c, &p.algo,

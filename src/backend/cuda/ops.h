@@ -71,6 +71,10 @@ inline constexpr int64_t kSkinnyMaxRows = 8;
 // not from two rows on, where its per-row fp32 dot products, not the weight bytes, set the
 // time (a 4-token verify 7.2 ms against cuBLASLt's ~5.6).
 inline constexpr int64_t kSkinnyAutoRows = 1;
+// The most rows Gemm::forward gives the skinny kernel: TALON_CUDA_GEMV_ROWS (1..kSkinnyMaxRows),
+// default kSkinnyAutoRows. Small models may gain from more (not measured yet: SmolLM2's
+// 2-8 token verifies take cuBLASLt and cost ~1.6x a token).
+int64_t skinny_auto_rows();
 bool skinny_gemm(bf16* out, const bf16* in, const bf16* w, int64_t N, int64_t K, int64_t O, cudaStream_t s);
 bool skinny_gemm(float* out, const bf16* in, const bf16* w, int64_t N, int64_t K, int64_t O, cudaStream_t s);
 

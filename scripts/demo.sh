@@ -49,6 +49,8 @@ How to read the eval table above:
   tau       mean tokens accepted per target forward (1 = no gain; each round yields the
             accepted draft tokens plus one token of the target's own).
   speedup   tokens/s with the draft over tokens/s of the target alone, measured in the same run.
+  break-even  a round's cost (one verify pass + the drafting) in target-only tokens: speculation
+            pays when tau exceeds it (speedup ~ tau / break-even).
   greedy=   at temperature 0, how many answers came out token for token equal to the target's
             own greedy answer (speculation must not change the output).
 TXT
@@ -56,10 +58,11 @@ if [ "$dev" = cpu ]; then
   cat <<'TXT'
 This was a 2-minute CPU run: a draft trained on a few hundred tokens, and a target whose CPU
 forward pass costs about as much as the draft's, so tau stays near 1 and the speedup below 1
-is expected. On one H200, a SmolLM2 drafter trained on 2,700 conversations the target answered
-itself (bench/sweep_smollm2_gpu.sh, 4 epochs, --ttt-steps 3) reaches tau 1.60 at 1.19x the
-target's speed (chain-3) and tau 2.26 at 1.16x (tree d6 k8 n32) on dev prompts it never saw,
-and chain-3 tau 1.76 at 1.31x on prompts like its training data;
+is expected. On one H200, a SmolLM2 drafter trained on 5,700 conversations the target answered
+itself in one minute (bench/regen_smollm2_gpu.sh, 4 epochs, --ttt-steps 3) reaches tau 1.61
+(chain-3) and 2.28 (tree d6 k8 n32) on dev prompts it never saw. The 135M target itself decodes
+a token in 0.69 ms there, and a verify pass of 4 tokens costs 1.6x that, so those rounds break
+even only at tau ~2 and run at 0.78x (at the 8B shape a 4-token verify costs 1.1x a token);
 bench/RESULTS.md has the figures and how they were measured.
 TXT
 fi

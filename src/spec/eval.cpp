@@ -22,6 +22,11 @@ namespace talon::spec {
 
 using json = nlohmann::ordered_json;
 
+double EvalRow::break_even_tau() const {
+  const double token = base.round_ms();
+  return token > 0 ? spec.round_ms() / token : 0;
+}
+
 double EvalRow::speedup() const {
   const double s = spec.seconds > 0 ? double(spec.new_tokens) / spec.seconds : 0;
   const double b = base.seconds > 0 ? double(base.new_tokens) / base.seconds : 0;
@@ -49,7 +54,12 @@ json stats_json(const DecodeStats& s) {
           {"tokens_per_s", s.seconds > 0 ? double(s.new_tokens) / s.seconds : 0.0},
           {"target_seconds", s.target_seconds},
           {"draft_seconds", s.draft_seconds},
-          {"prefill_seconds", s.prefill_seconds}};
+          {"prefill_seconds", s.prefill_seconds},
+          {"round_seconds", s.round_seconds},
+          {"round_target_seconds", s.round_target_seconds},
+          {"round_ms", s.round_ms()},
+          {"verify_ms", s.verify_ms()},
+          {"draft_ms", s.draft_ms()}};
 }
 
 // A grouped bar chart: one group per label, one bar per series. Bars rise from `base` (1 for
@@ -124,13 +134,15 @@ std::string render_eval_html(const json& doc, const std::vector<EvalRow>& rows) 
                    train::html_escape(doc["backend"].get<std::string>()), train::html_escape(doc["draft"].get<std::string>()),
                    train::html_escape(doc.value("draft_backend", std::string("cpu"))), doc["max_new_tokens"].get<int64_t>());
   o += "<table><tr><th>T</th><th>config</th><th>category</th><th>turns</th><th>tau</th><th>tok/s</th>"
-       "<th>baseline tok/s</th><th>speedup</th><th>greedy equal</th></tr>\n";
+       "<th>baseline tok/s</th><th>speedup</th><th title=\"a round's cost in target-only tokens: speculation pays "
+       "when tau exceeds it\">break-even tau</th><th>verify ms</th><th>draft ms</th><th>greedy equal</th></tr>\n";
   for (const auto& r : rows)
     o += fmt::format("<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{:.3f}</td><td>{:.1f}</td><td>{:.1f}</td>"
-                     "<td>{:.3f}</td><td>{}</td></tr>\n",
+                     "<td>{:.3f}</td><td>{:.2f}</td><td>{:.3f}</td><td>{:.3f}</td><td>{}</td></tr>\n",
                      r.temperature, train::html_escape(r.config), train::html_escape(r.category), r.turns, r.spec.tau(),
                      r.spec.seconds > 0 ? r.spec.new_tokens / r.spec.seconds : 0.0,
-                     r.base.seconds > 0 ? r.base.new_tokens / r.base.seconds : 0.0, r.speedup(),
+                     r.base.seconds > 0 ? r.base.new_tokens / r.base.seconds : 0.0, r.speedup(), r.break_even_tau(),
+                     r.spec.verify_ms(), r.spec.draft_ms(),
                      r.temperature > 0 ? std::string("-")
                                        : fmt::format("{}/{}{}", r.compared - r.greedy_mismatches, r.compared,
                                                      r.greedy_near_ties ? fmt::format(" ({} near-ties)", r.greedy_near_ties)
@@ -419,7 +431,7 @@ EvalReport run_eval(const EvalOptions& opt) {
   for (const auto& r : rep.rows) {
     json j = {{"temperature", r.temperature}, {"config", r.config},     {"category", r.category},
               {"conversations", r.conversations}, {"turns", r.turns}, {"tau", r.spec.tau()},
-              {"speedup", r.speedup()}};
+              {"speedup", r.speedup()}, {"break_even_tau", r.break_even_tau()}};
     if (r.temperature <= 0)
       j["greedy_equal"] = {{"compared", r.compared}, {"differ", r.greedy_mismatches}, {"near_ties", r.greedy_near_ties}};
     j["speculative"] = stats_json(r.spec);

@@ -49,6 +49,9 @@ struct EvalRow {
   int64_t greedy_near_ties = 0;  // of the mismatches: GPU near-ties (see run_eval), not errors
   DecodeStats spec, base;
   double speedup() const;
+  // A speculative round's cost in target-only tokens (both after the prefill): the tau at
+  // which speculation breaks even; speedup ~ tau / break_even_tau.
+  double break_even_tau() const;
 };
 
 struct EvalReport {

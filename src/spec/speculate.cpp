@@ -74,6 +74,8 @@ void DecodeStats::add(const DecodeStats& o) {
   target_seconds += o.target_seconds;
   draft_seconds += o.draft_seconds;
   prefill_seconds += o.prefill_seconds;
+  round_seconds += o.round_seconds;
+  round_target_seconds += o.round_target_seconds;
 }
 
 DraftTree select_tree(const DraftTree& c, int n) {
@@ -140,6 +142,7 @@ std::vector<int32_t> decode_plain(Decoder& target, int slot, const std::vector<i
   st.new_tokens = int64_t(out.size());
   st.seconds = since(t0);
   st.target_seconds = st.seconds;
+  st.round_seconds = st.round_target_seconds = std::max(0.0, st.seconds - st.prefill_seconds);
   if (stats) stats->add(st);
   return out;
 }
@@ -224,6 +227,7 @@ std::vector<int32_t> decode_speculative(Decoder& target, int slot, DraftRunner& 
     st.draft_seconds += since(ts);
   }
   st.prefill_seconds = since(t0);
+  const double prefill_target_seconds = st.target_seconds;
 
   uint64_t round = 0;
   while (!done) {
@@ -416,6 +420,8 @@ std::vector<int32_t> decode_speculative(Decoder& target, int slot, DraftRunner& 
   }
   st.new_tokens = int64_t(out.size());
   st.seconds = since(t0);
+  st.round_seconds = std::max(0.0, st.seconds - st.prefill_seconds);
+  st.round_target_seconds = st.target_seconds - prefill_target_seconds;
   if (stats) stats->add(st);
   return out;
 }

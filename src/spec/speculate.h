@@ -53,8 +53,15 @@ struct DecodeStats {
   int64_t drafted = 0;     // draft tokens sent to verification
   std::vector<int64_t> tried, accepted;  // per draft depth d (index d-1): reached, and kept
   double seconds = 0, target_seconds = 0, draft_seconds = 0, prefill_seconds = 0;
+  // After the prefill: the time of the rounds (target passes and, speculating, drafting) and
+  // of their target passes alone.
+  double round_seconds = 0, round_target_seconds = 0;
   // Mean tokens per target pass after the prefill (tau, the acceptance length).
   double tau() const;
+  // Mean milliseconds of a round, of its target pass, and of its drafting (0 without rounds).
+  double round_ms() const { return rounds ? 1e3 * round_seconds / double(rounds) : 0; }
+  double verify_ms() const { return rounds ? 1e3 * round_target_seconds / double(rounds) : 0; }
+  double draft_ms() const { return rounds ? 1e3 * (round_seconds - round_target_seconds) / double(rounds) : 0; }
   void add(const DecodeStats& o);
 };
 

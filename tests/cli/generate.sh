@@ -128,6 +128,13 @@ for r in rows:
     assert s["tau"] >= 1.0 and len(s["accept_rate_per_depth"]) >= 2, s
     assert s["target_passes"] > 0 and r["baseline"]["new_tokens"] == s["new_tokens"], r
     assert r["speedup"] > 0
+    # Round costs: rounds after the prefill, their target passes, the break-even tau.
+    b = r["baseline"]
+    assert 0 < s["round_seconds"] <= s["seconds"] and 0 < s["round_target_seconds"] <= s["round_seconds"], s
+    assert b["round_target_seconds"] == b["round_seconds"] > 0 and b["draft_ms"] == 0, b
+    assert abs(s["verify_ms"] + s["draft_ms"] - s["round_ms"]) <= 1e-9 * s["round_ms"], s
+    assert abs(s["round_ms"] - 1e3 * s["round_seconds"] / s["target_passes"]) <= 1e-9 * s["round_ms"], s
+    assert abs(r["break_even_tau"] * b["round_ms"] - s["round_ms"]) <= 1e-9 * s["round_ms"], r
 PY
 grep -q "<svg" "$WORK/ev/eval.html" && ok "eval.html has charts" || bad "eval.html"
 python3 "$SRC/tests/cli/check_charts.py" "$WORK/ev/eval.html" "$WORK" 3 > "$WORK/charts.out" 2>&1 \

@@ -149,16 +149,21 @@ int run_eval_command(EvalCli& o) {
   e.temperatures.clear();
   for (const auto& t : split(o.temperatures, ',')) e.temperatures.push_back(to_double(t, "--temperatures"));
   const auto r = spec::run_eval(e);
-  std::cout << fmt::format("{:<6} {:<16} {:<14} {:>6} {:>7} {:>9} {:>9} {:>8} {:>9}\n", "T", "config", "category",
-                           "turns", "tau", "tok/s", "base", "speedup", "greedy=");
+  // break-even: a round's cost in target-only tokens (verify + draft ms over a token's ms);
+  // speculation pays when tau exceeds it.
+  std::cout << fmt::format("{:<6} {:<16} {:<14} {:>6} {:>7} {:>9} {:>9} {:>8} {:>10} {:>18} {:>9}\n", "T", "config",
+                           "category", "turns", "tau", "tok/s", "base", "speedup", "break-even", "verify+draft ms",
+                           "greedy=");
   for (const auto& row : r.rows) {
     if (row.category != "all") continue;
-    std::cout << fmt::format("{:<6} {:<16} {:<14} {:>6} {:>7.3f} {:>9.1f} {:>9.1f} {:>8.3f} {:>9}\n", row.temperature,
-                             row.config, row.category, row.turns, row.spec.tau(),
-                             row.spec.seconds > 0 ? row.spec.new_tokens / row.spec.seconds : 0.0,
-                             row.base.seconds > 0 ? row.base.new_tokens / row.base.seconds : 0.0, row.speedup(),
-                             row.temperature > 0 ? std::string("-")
-                                                 : fmt::format("{}/{}", row.compared - row.greedy_mismatches, row.compared));
+    std::cout << fmt::format(
+        "{:<6} {:<16} {:<14} {:>6} {:>7.3f} {:>9.1f} {:>9.1f} {:>8.3f} {:>10.2f} {:>18} {:>9}\n", row.temperature,
+        row.config, row.category, row.turns, row.spec.tau(),
+        row.spec.seconds > 0 ? row.spec.new_tokens / row.spec.seconds : 0.0,
+        row.base.seconds > 0 ? row.base.new_tokens / row.base.seconds : 0.0, row.speedup(), row.break_even_tau(),
+        fmt::format("{:.3f}+{:.3f}", row.spec.verify_ms(), row.spec.draft_ms()),
+        row.temperature > 0 ? std::string("-")
+                            : fmt::format("{}/{}", row.compared - row.greedy_mismatches, row.compared));
   }
   std::cout << fmt::format("  output: {}\n          {}\n", r.json_path.string(), r.html_path.string());
   // Greedy differences: errors, except GPU near-ties (run_eval checks each against the fp32

@@ -151,6 +151,7 @@ table = [l.split() for l in out if l.strip() and l.split()[0].replace(".", "").i
 assert len(table) == len(rows), (len(table), len(rows))
 for t, r in zip(table, rows):
     assert t[1] == r["config"] and t[2] == r["category"] and abs(float(t[4]) - r["tau"]) < 6e-4, (t, r)
+    assert abs(float(t[6]) - r["break_even_tau"]) < 6e-3, (t, r)
 PY
 "$TALON" export --checkpoint "$WORK/run" --model "$GGUF" --verifier HuggingFaceTB/SmolLM2-135M-Instruct --format speculators --dtype fp32 --out "$WORK/exp" > /dev/null 2>&1 \
   || bad "export"

@@ -237,14 +237,18 @@ int inspect_eval(const fs::path& path) {
   std::cout << fmt::format("  decoding      max new tokens {}, top_p {}, top_k {}, seed {}\n",
                            doc.value("max_new_tokens", json()).dump(), doc.value("top_p", json()).dump(),
                            doc.value("top_k", json()).dump(), doc.value("seed", json()).dump());
-  std::cout << fmt::format("  {:>5}  {:<16} {:<14} {:>6} {:>7} {:>8}\n", "temp", "config", "category", "turns", "tau",
-                           "speedup");
+  std::cout << fmt::format("  {:>5}  {:<16} {:<14} {:>6} {:>7} {:>8} {:>10}\n", "temp", "config", "category", "turns",
+                           "tau", "speedup", "break-even");
   if (doc.contains("results") && doc["results"].is_array())
     for (auto& r : doc["results"]) {
       if (!r.is_object()) continue;
-      std::cout << fmt::format("  {:>5.2f}  {:<16} {:<14} {:>6} {:>7.3f} {:>7.2f}x\n", r.value("temperature", 0.0),
+      // break-even: a round's cost in target-only tokens (older eval.json files lack it).
+      const double be = r.contains("break_even_tau") && r["break_even_tau"].is_number() ? r["break_even_tau"].get<double>()
+                                                                                         : 0.0;
+      std::cout << fmt::format("  {:>5.2f}  {:<16} {:<14} {:>6} {:>7.3f} {:>7.2f}x {:>10}\n", r.value("temperature", 0.0),
                                r.value("config", std::string()), r.value("category", std::string()),
-                               r.value("turns", 0), r.value("tau", 0.0), r.value("speedup", 0.0));
+                               r.value("turns", 0), r.value("tau", 0.0), r.value("speedup", 0.0),
+                               be > 0 ? fmt::format("{:.2f}", be) : std::string("-"));
     }
   const fs::path html = p.parent_path() / "eval.html";
   if (fs::exists(html)) std::cout << fmt::format("  page          {}\n", html.string());

@@ -245,21 +245,23 @@ bool skinny_fusion_enabled() {
   return on;
 }
 
+namespace {
+// A row count from the environment variable `name`, clamped to 1..kSkinnyMaxRows; `dflt`
+// when it is unset or empty.
+int64_t rows_from_env(const char* name, int64_t dflt) {
+  const char* e = std::getenv(name);
+  const long v = e && *e ? std::strtol(e, nullptr, 10) : long(dflt);
+  return std::clamp<int64_t>(v, 1, kSkinnyMaxRows);
+}
+}  // namespace
+
 int64_t skinny_fusion_rows() {
-  static const int64_t rows = [] {
-    const char* e = std::getenv("TALON_CUDA_FUSE_ROWS");
-    const long v = e && *e ? std::strtol(e, nullptr, 10) : long(kSkinnyFoldRows);
-    return std::clamp<int64_t>(v, 1, kSkinnyMaxRows);
-  }();
+  static const int64_t rows = rows_from_env("TALON_CUDA_FUSE_ROWS", kSkinnyFoldRows);
   return rows;
 }
 
 int64_t skinny_auto_rows() {
-  static const int64_t rows = [] {
-    const char* e = std::getenv("TALON_CUDA_GEMV_ROWS");
-    const long v = e && *e ? std::strtol(e, nullptr, 10) : long(kSkinnyAutoRows);
-    return std::clamp<int64_t>(v, 1, kSkinnyMaxRows);
-  }();
+  static const int64_t rows = rows_from_env("TALON_CUDA_GEMV_ROWS", kSkinnyAutoRows);
   return rows;
 }
 

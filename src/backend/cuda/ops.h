@@ -79,9 +79,10 @@ bool skinny_gemm(bf16* out, const bf16* in, const bf16* w, int64_t N, int64_t K,
 bool skinny_gemm(float* out, const bf16* in, const bf16* w, int64_t N, int64_t K, int64_t O, cudaStream_t s);
 
 // Products of 1 to kSkinnyMaxRows rows with the layer's small neighbours folded in (gemv.cu),
-// for decoding one token or verifying a short chain (dense_block.cpp): instead of norm -> product or product -> residual add as two
-// launches, the input row is formed by every block in shared memory and the output can go
-// straight into the residual stream. Inputs:
+// for decoding one token or verifying a short chain (dense_block.cpp): instead of norm ->
+// product or product -> residual add as two launches, the input rows are formed by every
+// block in shared memory and the output can go straight into the residual stream. Inputs
+// (per row):
 //   Plain:  in (bf16, K values);
 //   Norm:   rmsnorm(x) * norm_w of the fp32 row x (K values, eps), rounded to bf16, the
 //           formula of rmsnorm_forward;
@@ -108,7 +109,7 @@ struct SkinnyFused {
 bool skinny_fused_fits(int64_t K, int64_t rows = 1);
 bool skinny_fused(const SkinnyFused& f, const bf16* w, int64_t K, int64_t O, cudaStream_t s);
 // Whether Gemm takes skinny products at all (TALON_CUDA_GEMV=0 turns them off) and whether the
-// dense stack folds norms, residual adds and SwiGLU into them at one token
+// dense stack folds norms, residual adds and SwiGLU into them for forwards of a few rows
 // (TALON_CUDA_FUSE=0 turns that off).
 bool skinny_enabled();
 bool skinny_fusion_enabled();

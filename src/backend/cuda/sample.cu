@@ -11,9 +11,11 @@
 // 16-bit key that orders like its value, so the cut is a key threshold plus how many of the
 // ids at that key (lowest first) are kept: for top-k, the largest key with at least k ids at
 // or above it; for top-p, the largest key whose ids at or above it hold top_p of the mass.
-// Two 256-bin histograms (high byte, then low byte within the chosen high byte) find it: with
-// exact counts for top-k; for top-p with fixed-point masses that give a candidate, confirmed
-// (or moved a key at a time) by exact fp64 sums, with a bit-by-bit search as the last resort.
+// Counts of ids by key find it: for top-k, two 256-bin histograms (high byte, then low byte
+// within the chosen high byte), exact; for top-p, the high-byte counts bound each bin's mass
+// (count times the weights of its lowest and highest keys), the bins the threshold can be in
+// are counted key by key and scanned from the top with fp64 masses, and a bit-by-bit search
+// over exact sums is the last resort.
 // The draw gives each thread a contiguous chunk of ids: chunk masses are scanned in a fixed
 // order, the thread whose chunk holds u * total walks it. Every reduction has a fixed order,
 // so the same row, parameters and u give the same id in any batch and on every run.
@@ -96,6 +98,13 @@ __device__ Scan<T> block_scan(T v, T* lane_v, T* warp_base) {
   s.next = lane == 31 ? warp_base[w + 1] : warp_base[w] + lane_v[threadIdx.x + 1];
   s.total = warp_base[kSampleWarps];
   return s;
+}
+
+// counts[bin] += 1 for every lane of the warp with this bin (0xffffffff: none), one atomic
+// per distinct bin: most ids of a row share a few bins. Every lane of the warp must call it.
+__device__ __forceinline__ void count_once(uint32_t* counts, uint32_t bin) {
+  const unsigned peers = __match_any_sync(0xffffffffu, bin);
+  if (bin != 0xffffffffu && int(threadIdx.x % 32) == __ffs(peers) - 1) atomicAdd(&counts[bin], uint32_t(__popc(peers)));
 }
 
 struct Located {
@@ -182,8 +191,7 @@ __global__ void __launch_bounds__(kSampleThreads)
         const uint32_t k = key16(b);
         if (!nan16(b) && (level == 1 || (k >> 8) == hi)) bin = level == 1 ? k >> 8 : k & 255u;
       }
-      const unsigned peers = __match_any_sync(0xffffffffu, bin);
-      if (bin != 0xffffffffu && tid % 32 == __ffs(peers) - 1) atomicAdd(&hist[bin], uint32_t(__popc(peers)));
+      count_once(hist, bin);
     }
     __syncthreads();
   };
@@ -286,8 +294,7 @@ __global__ void __launch_bounds__(kSampleThreads)
               slot = k - base;
           }
         }
-        const unsigned peers = __match_any_sync(0xffffffffu, slot);
-        if (slot != 0xffffffffu && tid % 32 == __ffs(peers) - 1) atomicAdd(&window[slot], uint32_t(__popc(peers)));
+        count_once(window, slot);
       }
       const double above_win = block_sum(sa, shd);
       const int n_above_win = block_sum(na, shi);  // its syncs also end the window's atomics

@@ -397,6 +397,48 @@ TEST(CudaDecode, RealHeadSizesOnRandomModels) {
   }
 }
 
+// Folded forwards (small models, up to kSkinnyFoldRows rows) compute each row on its own
+// terms: the products one row at a time in the same order, the attention in the same tiles,
+// the LM head through the same skinny kernel. So a verify of a chain of 2-4 tokens must give
+// the very logits (bit for bit) that one-token steps give for the same tokens, and greedy
+// speculative decoding picks what target-only decoding picks, near-ties included. Slot 0 takes
+// the tokens one at a time, slot 1 as one chain, from the same prefix; a model with SmolLM2's
+// head layout (9 query heads over 3 kv heads of 64) and with a 4:1 group of 128.
+TEST(CudaDecode, FoldedVerifyComputesWhatOneTokenStepsCompute) {
+  REQUIRE_GPU();
+  for (const int64_t hd : {64, 128}) {
+    ModelConfig c;
+    c.arch = Arch::Llama;
+    c.n_layers = 3, c.hidden = hd == 64 ? 576 : 512, c.intermediate = hd == 64 ? 1536 : 1024, c.vocab = 1000;
+    c.head_dim = hd, c.n_heads = hd == 64 ? 9 : 4, c.n_kv_heads = hd == 64 ? 3 : 1, c.rms_eps = 1e-5;
+    c.max_position = 4096;
+    auto ck = make_random_checkpoint(c, 0.2f, uint64_t(hd) + 7);
+    auto dec = make_cuda_decoder(*ck, 0, 2, 256);
+    std::mt19937 rng(31);
+    const std::vector<int32_t> prefix = random_ids(rng, 37, c.vocab);
+    for (int slot : {0, 1}) {
+      dec->forward({{slot, prefix, {}, false}}, Capture{}, nullptr);
+      dec->commit_all(slot);
+    }
+    for (const int64_t n : {2, 4, 3}) {
+      const std::vector<int32_t> toks = random_ids(rng, n, c.vocab);
+      std::vector<float> steps(size_t(n * c.vocab)), chain(size_t(n * c.vocab));
+      for (int64_t i = 0; i < n; ++i) {
+        dec->forward({{0, {toks[size_t(i)]}, {}, true}}, Capture{}, steps.data() + i * c.vocab);
+        dec->commit_all(0);
+      }
+      dec->forward({{1, toks, {}, true}}, Capture{}, chain.data());
+      dec->commit_all(1);
+      for (int64_t i = 0; i < n; ++i) {
+        int64_t differ = 0;
+        for (int64_t v = 0; v < c.vocab; ++v)
+          differ += std::memcmp(&steps[size_t(i * c.vocab + v)], &chain[size_t(i * c.vocab + v)], 4) != 0;
+        EXPECT_EQ(differ, 0) << "hd " << hd << ", chain of " << n << ": row " << i << " differs from its one-token step";
+      }
+    }
+  }
+}
+
 TEST(CudaDecode, SlidingWindow) {
   REQUIRE_GPU();
   // The mistral fixture with a 5-token window: prefill, trees, decoding well past the window.
@@ -452,6 +494,67 @@ TEST(CudaDecode, ACacheThatDoesNotFitIsRefusedWithTheNumbers) {
 // argmax) to 2, top-k from 1 to past V, top-p from 0.05 to 1, and u at 0, near 1 and
 // random. Ids must match except where the oracle says the draw hangs on rounding; the same
 // row must give the same id at another position of a larger batch and on a second run.
+// topk_logsoftmax (the draft's top-k on the device) against the definition: the k largest
+// values, ties to the lower id, each with its value minus log(sum(exp(row))), on rows with
+// many ties, -inf and NaN entries (NaN is never picked; its row's log-probabilities are not
+// checked, as a NaN logit has none), for k on both sides
+// of the per-thread list sizes (4, 8, 16) and V from 1 to past 128k.
+TEST(CudaTopk, PicksAndLogProbsFollowTheDefinition) {
+  REQUIRE_GPU();
+  std::mt19937 rng(77);
+  int checked = 0;
+  for (const int64_t V : {int64_t(1), int64_t(5), int64_t(257), int64_t(8192), int64_t(32000), int64_t(128259)}) {
+    for (const int k : {1, 3, 4, 5, 8, 9, 10, 16, 17, 40}) {
+      if (k > V) continue;
+      const int64_t R = 4;
+      std::vector<float> rows(static_cast<size_t>(R * V));
+      std::normal_distribution<float> nd(0.f, 4.f);
+      for (int64_t r = 0; r < R; ++r)
+        for (int64_t i = 0; i < V; ++i) {
+          float x = nd(rng);
+          if (r == 1) x = std::round(x);  // many ties
+          if (r == 2) x = float(int(rng() % 3));  // nearly flat: ties decide most picks
+          rows[size_t(r * V + i)] = x;
+        }
+      if (V > 3) {
+        rows[size_t(3 * V + 0)] = NAN;
+        rows[size_t(3 * V + 1)] = -INFINITY;
+        rows[size_t(3 * V + V - 1)] = 40.f;  // the best id is the last one
+      }
+      Guarded<float> d_logits(rows.size());
+      d_logits.upload(rows);
+      Guarded<int32_t> d_ids(static_cast<size_t>(R * k));
+      Guarded<float> d_lp(static_cast<size_t>(R * k));
+      cuda::topk_logsoftmax(d_ids.ptr(), d_lp.ptr(), d_logits.ptr(), R, V, k, nullptr);
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      const auto ids = d_ids.download();
+      const auto lp = d_lp.download();
+      EXPECT_TRUE(d_ids.guards_intact() && d_lp.guards_intact());
+      for (int64_t r = 0; r < R; ++r) {
+        const float* x = rows.data() + r * V;
+        std::vector<int32_t> order;
+        for (int32_t i = 0; i < int32_t(V); ++i)
+          if (!std::isnan(x[i])) order.push_back(i);
+        std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return x[a] > x[b]; });
+        double m = -INFINITY, z = 0;
+        for (int32_t i : order) m = std::max(m, double(x[i]));
+        for (int32_t i : order) z += std::exp(double(x[i]) - m);
+        const double lse = m + std::log(z);
+        const std::string tag = fmt::format("V {} k {} row {}", V, k, r);
+        for (int j = 0; j < k && j < int(order.size()); ++j) {
+          ASSERT_EQ(ids[size_t(r * k + j)], order[size_t(j)]) << tag << " pick " << j;
+          const double want = double(x[order[size_t(j)]]) - lse;
+          if (r != 3 || V <= 3) {
+            EXPECT_NEAR(lp[size_t(r * k + j)], want, 1e-4 * std::max(1.0, std::fabs(want))) << tag << " pick " << j;
+          }
+        }
+        ++checked;
+      }
+    }
+  }
+  EXPECT_GT(checked, 150);
+}
+
 TEST(CudaSample, DrawsWhatTheReferenceDraws) {
   REQUIRE_GPU();
   struct P {

@@ -11,6 +11,7 @@
 #include "tests/gpu_test.h"
 
 #include <cmath>
+#include <cstring>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <random>
@@ -67,6 +68,12 @@ TEST_P(CudaGemm, MatchesCpuMatmul) {
     auto ys = to_f32(ds.download());
     EXPECT_TRUE(ds.guards_intact());
     EXPECT_LE(rel_err(ys.data(), ref.data(), ys.size()), tol::kCudaBf16Out);
+    // A row's outputs do not depend on the rows beside it: the last row alone, bit for bit.
+    Guarded<bf16> d1(static_cast<size_t>(O));
+    ASSERT_TRUE(cuda::skinny_gemm(d1.ptr(), dx.ptr() + (N - 1) * K, dw.ptr(), 1, K, O, nullptr));
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    const auto one = d1.download(), all = ds.download();
+    EXPECT_EQ(std::memcmp(one.data(), all.data() + (N - 1) * O, size_t(O) * sizeof(bf16)), 0) << "last row alone";
   } else if (K % 8 != 0) {
     EXPECT_FALSE(cuda::skinny_gemm(dy.ptr(), dx.ptr(), dw.ptr(), N, K, O, nullptr));
   }
@@ -80,6 +87,8 @@ INSTANTIATE_TEST_SUITE_P(Shapes, CudaGemm,
                                            GemmShape{1, 576, 1728}, GemmShape{2, 4096, 1001}, GemmShape{3, 8, 5},
                                            GemmShape{4, 1544, 77}, GemmShape{5, 2056, 300}, GemmShape{6, 24, 9},
                                            GemmShape{8, 14336, 64}, GemmShape{8, 1536, 1153},
+                                           // short rows, many columns (an LM head: four columns a warp)
+                                           GemmShape{1, 576, 49157}, GemmShape{4, 760, 8193}, GemmShape{8, 8, 8200},
                                            // K not a multiple of 8: cuBLASLt even at N = 1
                                            GemmShape{1, 100, 33}));
 

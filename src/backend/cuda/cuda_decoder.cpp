@@ -388,8 +388,8 @@ class CudaDecoder final : public Decoder {
                                  tiled ? &work : nullptr);
         }
       };
-      cuda::dense_stack_forward(w_, c, N, {d_ids, d_pos, a.x, a.xn, a.qkv, a.att, a.tmp, a.gu, a.act}, dev_.gemm(), st,
-                                hooks);
+      const bool folded = cuda::dense_stack_forward(
+          w_, c, N, {d_ids, d_pos, a.x, a.xn, a.qkv, a.att, a.tmp, a.gu, a.act}, dev_.gemm(), st, hooks);
       if (NL > 0) {
         // Only the rows that want logits go through the LM head.
         const bf16* in = a.xn;
@@ -397,7 +397,11 @@ class CudaDecoder final : public Decoder {
           cuda::gather_rows(a.sel, a.xn, d_logit_rows, NL, H, st);
           in = a.sel;
         }
-        dev_.gemm().forward(a.logits, in, w_.lm_head, NL, H, V, st);
+        // After folded layers the LM head stays on the skinny kernel too (a row's logits are
+        // then the same bits in a one-token step and in a verify: greedy speculative decoding
+        // picks what target-only decoding picks, near-ties included).
+        if (!(folded && NL <= cuda::kSkinnyMaxRows && cuda::skinny_gemm(a.logits, in, w_.lm_head, NL, H, V, st)))
+          dev_.gemm().forward(a.logits, in, w_.lm_head, NL, H, V, st);
         if (sampled)
           cuda::sample_rows(a.top1, a.logits, NL, V, reinterpret_cast<const cuda::DeviceSampling*>(a.in + lay.sampling),
                             reinterpret_cast<const double*>(a.in + lay.uniforms), st);

@@ -6,7 +6,7 @@
 
 namespace talon::cuda {
 
-void dense_stack_forward(const DenseDeviceWeights& w, const ModelConfig& c, int64_t N, const DenseActs& a, Gemm& gemm,
+bool dense_stack_forward(const DenseDeviceWeights& w, const ModelConfig& c, int64_t N, const DenseActs& a, Gemm& gemm,
                          cudaStream_t s, const DenseHooks& hooks) {
   const int64_t H = c.hidden, I = w.inter, hd = c.head_dim, V = c.vocab;
   const int64_t nh = w.nh, nkv = w.nkv, qd = nh * hd, ldqkv = qd + 2 * nkv * hd;
@@ -36,8 +36,10 @@ void dense_stack_forward(const DenseDeviceWeights& w, const ModelConfig& c, int6
     }
     hooks.attention(l);
   };
-  // A forward of a few rows (skinny_fusion_rows(): 2 by default) folds the same way, each
-  // block staging every row's input; beyond that the unfolded layer is faster (ops.h).
+  // A forward of a few rows (skinny_fusion_rows(): 4 by default) folds the same way, each
+  // block staging every row's input; beyond that the unfolded layer is faster (ops.h). Each
+  // row's products are then the bits of that row alone: a verify of up to 4 tokens computes
+  // what one-token steps compute.
   bool fuse = N >= 1 && N <= skinny_fusion_rows() && hooks.fold_one_token && !hooks.allreduce && skinny_fusion_enabled() &&
               H <= kFoldMaxK && I <= kFoldMaxK && skinny_fused_fits(H, N) && skinny_fused_fits(qd, N) &&
               skinny_fused_fits(I, N);
@@ -80,6 +82,7 @@ void dense_stack_forward(const DenseDeviceWeights& w, const ModelConfig& c, int6
   // h[L] = x + last MLP output; the final norm follows (only needed for logits).
   add_rmsnorm_forward(a.xn, a.x, pending, w.final_norm, N, H, eps, s);
   hooks.capture(c.n_layers);
+  return fuse;
 }
 
 }  // namespace talon::cuda

@@ -38,8 +38,10 @@ struct DenseHooks {
   std::function<void(bf16*, int64_t, cudaStream_t)> allreduce;
 };
 
-// Embedding, every layer, and xn = final_norm(h[L]) for the LM head, on stream s.
-void dense_stack_forward(const DenseDeviceWeights& w, const ModelConfig& c, int64_t N, const DenseActs& a, Gemm& gemm,
+// Embedding, every layer, and xn = final_norm(h[L]) for the LM head, on stream s. True when
+// the layers were folded (every row's products through skinny_fused, one row at a time in the
+// same order whatever the row count), so that a caller can keep the LM head on the same terms.
+bool dense_stack_forward(const DenseDeviceWeights& w, const ModelConfig& c, int64_t N, const DenseActs& a, Gemm& gemm,
                          cudaStream_t s, const DenseHooks& hooks);
 
 }  // namespace talon::cuda

@@ -5,6 +5,7 @@
 // (a weight row), streamed in 16-byte loads with several in flight per lane, and keeps one
 // fp32 accumulator per input row.
 #include <cstdint>
+#include <type_traits>
 
 #include "backend/cuda/check.h"
 #include "backend/cuda/kernels/reduce.cuh"
@@ -27,6 +28,15 @@ __device__ __forceinline__ float dot8(const uint4& a, const uint4& b) {
   return lo_bf16(a.x) * lo_bf16(b.x) + hi_bf16(a.x) * hi_bf16(b.x) + lo_bf16(a.y) * lo_bf16(b.y) +
          hi_bf16(a.y) * hi_bf16(b.y) + lo_bf16(a.z) * lo_bf16(b.z) + hi_bf16(a.z) * hi_bf16(b.z) +
          lo_bf16(a.w) * lo_bf16(b.w) + hi_bf16(a.w) * hi_bf16(b.w);
+}
+
+// silu(g) * u of 8 bf16 pairs, rounded to bf16 as swiglu_forward rounds them.
+__device__ __forceinline__ uint32_t swiglu2(uint32_t g, uint32_t u) {
+  const __nv_bfloat162 r = __floats2bfloat162_rn(silu_times(lo_bf16(g), lo_bf16(u)), silu_times(hi_bf16(g), hi_bf16(u)));
+  return *reinterpret_cast<const uint32_t*>(&r);
+}
+__device__ __forceinline__ uint4 swiglu8(const uint4& g, const uint4& u) {
+  return uint4{swiglu2(g.x, u.x), swiglu2(g.y, u.y), swiglu2(g.z, u.z), swiglu2(g.w, u.w)};
 }
 
 __device__ __forceinline__ void store_out(bf16* p, float v) { *p = __float2bfloat16(v); }
@@ -80,6 +90,52 @@ __global__ void __launch_bounds__(kGemvWarps * 32) skinny_kernel(Out* out, const
   }
 }
 
+// Short rows and many columns (an LM head over a small hidden size: K8 <= kShortChunks * 32,
+// O >= kShortMinO): each lane has at most kShortChunks weight loads per column, too few to
+// cover the memory latency, so a warp takes kShortCols columns and issues all their loads at
+// once. Each column's sums run in skinny_kernel's order (chunks lane, lane + 32, ..., then
+// the warp's butterfly), so the bits are skinny_kernel's.
+constexpr int kShortCols = 4, kShortChunks = 3;
+constexpr int64_t kShortMinO = 8192;
+
+template <int kN, class Out>
+__global__ void __launch_bounds__(kGemvWarps * 32) skinny_short_kernel(Out* out, const uint4* in, const uint4* w, int K8,
+                                                                       int O) {
+  allow_dependents();
+  const int lane = threadIdx.x % 32;
+  const int o0 = (blockIdx.x * kGemvWarps + threadIdx.x / 32) * kShortCols;
+  uint4 wv[kShortCols][kShortChunks];
+#pragma unroll
+  for (int j = 0; j < kShortCols; ++j)
+#pragma unroll
+    for (int u = 0; u < kShortChunks; ++u)
+      wv[j][u] = o0 + j < O && lane + 32 * u < K8 ? __ldcs(w + int64_t(o0 + j) * K8 + lane + 32 * u) : uint4{};
+  grid_dependency_wait();
+  float acc[kShortCols][kN];
+#pragma unroll
+  for (int j = 0; j < kShortCols; ++j)
+#pragma unroll
+    for (int n = 0; n < kN; ++n) acc[j][n] = 0.f;
+#pragma unroll
+  for (int u = 0; u < kShortChunks; ++u) {
+    if (lane + 32 * u >= K8) break;
+#pragma unroll
+    for (int n = 0; n < kN; ++n) {
+      const uint4 x = __ldg(in + int64_t(n) * K8 + lane + 32 * u);
+#pragma unroll
+      for (int j = 0; j < kShortCols; ++j) acc[j][n] += dot8(wv[j][u], x);
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < kShortCols; ++j)
+#pragma unroll
+    for (int n = 0; n < kN; ++n) {
+      float v = acc[j][n];
+      for (int sft = 16; sft > 0; sft >>= 1) v += __shfl_xor_sync(0xffffffffu, v, sft);
+      if (lane == 0 && o0 + j < O) store_out(out + int64_t(n) * O + o0 + j, v);
+    }
+}
+
 // kN rows with their neighbours folded in (ops.h: skinny_fused). The block first forms the
 // input rows in shared memory when they are norms or SwiGLUs of other rows (every block the
 // same values: the formulas and rounding of rmsnorm_forward and swiglu_forward), then each
@@ -100,6 +156,11 @@ __global__ void __launch_bounds__(kGemvWarps * 32) skinny_fused_kernel(bf16* out
   for (int u = 0; u < kPrefetch; ++u) pre[u] = o < O && lane + 32 * u < K8 ? __ldcs(wr + lane + 32 * u) : uint4{};
   grid_dependency_wait();
   const uint4* src = in;
+  // The prologue's loads are issued kStage at a time for every row (all of them in flight, not
+  // one round trip per row and value); each thread still takes its values in rmsnorm_forward's
+  // order, and the out-of-range ones add 0, so the sums are the same bits.
+  constexpr int kStage = 4;
+  const int step = int(blockDim.x);
   if constexpr (kIn == int(SkinnyIn::Norm)) {
     // Every row's sum of squares in one pass and one block reduction; per row the additions
     // of block_sum (reduce.cuh), so the staged values are rmsnorm_forward's.
@@ -107,9 +168,17 @@ __global__ void __launch_bounds__(kGemvWarps * 32) skinny_fused_kernel(bf16* out
     float ss[kN];
 #pragma unroll
     for (int n = 0; n < kN; ++n) ss[n] = 0.f;
-    for (int c = tid; c < K; c += blockDim.x)
+    for (int c0 = tid; c0 < K; c0 += kStage * step) {
+      float v[kStage][kN];
 #pragma unroll
-      for (int n = 0; n < kN; ++n) ss[n] += x[int64_t(n) * K + c] * x[int64_t(n) * K + c];
+      for (int u = 0; u < kStage; ++u)
+#pragma unroll
+        for (int n = 0; n < kN; ++n) v[u][n] = c0 + u * step < K ? x[int64_t(n) * K + c0 + u * step] : 0.f;
+#pragma unroll
+      for (int u = 0; u < kStage; ++u)
+#pragma unroll
+        for (int n = 0; n < kN; ++n) ss[n] += v[u][n] * v[u][n];
+    }
     const int wi = tid >> 5, nw = int(blockDim.x >> 5);
 #pragma unroll
     for (int n = 0; n < kN; ++n) {
@@ -125,20 +194,39 @@ __global__ void __launch_bounds__(kGemvWarps * 32) skinny_fused_kernel(bf16* out
         if (lane == 0) sh[n * 33 + 32] = v;
       }
     __syncthreads();
-    for (int n = 0; n < kN; ++n) {
-      const float k = rsqrtf(sh[n * 33 + 32] / float(K) + eps);
-      const float* xr = x + int64_t(n) * K;
-      for (int c = tid; c < K; c += blockDim.x) xb[n * K + c] = __float2bfloat16(xr[c] * k * __bfloat162float(g[c]));
+    float k[kN];
+#pragma unroll
+    for (int n = 0; n < kN; ++n) k[n] = rsqrtf(sh[n * 33 + 32] / float(K) + eps);
+    for (int c0 = tid; c0 < K; c0 += kStage * step) {
+      float gv[kStage], v[kStage][kN];
+#pragma unroll
+      for (int u = 0; u < kStage; ++u) {
+        const bool in_range = c0 + u * step < K;
+        gv[u] = in_range ? __bfloat162float(g[c0 + u * step]) : 0.f;
+#pragma unroll
+        for (int n = 0; n < kN; ++n) v[u][n] = in_range ? x[int64_t(n) * K + c0 + u * step] : 0.f;
+      }
+#pragma unroll
+      for (int u = 0; u < kStage; ++u)
+        if (c0 + u * step < K)
+#pragma unroll
+          for (int n = 0; n < kN; ++n) xb[n * K + c0 + u * step] = __float2bfloat16(v[u][n] * k[n] * gv[u]);
     }
     __syncthreads();
     src = staged;
   } else if constexpr (kIn == int(SkinnyIn::Swiglu)) {
-    const bf16* gu = reinterpret_cast<const bf16*>(in);  // row n: [gate K | up K]
-    bf16* xb = reinterpret_cast<bf16*>(staged);
-    for (int n = 0; n < kN; ++n)
-      for (int c = tid; c < K; c += blockDim.x)
-        xb[n * K + c] = __float2bfloat16(
-            silu_times(__bfloat162float(gu[int64_t(n) * 2 * K + c]), __bfloat162float(gu[int64_t(n) * 2 * K + K + c])));
+    // 8 values a thread per row (16-byte loads of gate and up), the arithmetic of swiglu_forward.
+    const uint4* gu = in;  // row n: [gate K | up K], 2 * K8 chunks
+    for (int c = tid; c < K8; c += step) {
+      uint4 gv[kN], uv[kN];
+#pragma unroll
+      for (int n = 0; n < kN; ++n) {
+        gv[n] = gu[int64_t(n) * 2 * K8 + c];
+        uv[n] = gu[int64_t(n) * 2 * K8 + K8 + c];
+      }
+#pragma unroll
+      for (int n = 0; n < kN; ++n) staged[n * K8 + c] = swiglu8(gv[n], uv[n]);
+    }
     __syncthreads();
     src = staged;
   }
@@ -198,20 +286,31 @@ void launch_dependent(void (*kernel)(P...), dim3 grid, dim3 block, size_t smem, 
 
 template <class Out>
 void launch(Out* out, const bf16* in, const bf16* w, int64_t N, int64_t K, int64_t O, cudaStream_t s) {
-  const dim3 grid(unsigned((O + kGemvWarps - 1) / kGemvWarps)), block(kGemvWarps * 32);
   const auto* x = reinterpret_cast<const uint4*>(in);
   const auto* wv = reinterpret_cast<const uint4*>(w);
   const int K8 = int(K / 8), Oi = int(O);
+  // The kernel depends on the shape only, never on N: a row's outputs are the same bits
+  // whatever the row count.
+  const bool short_rows = K8 <= 32 * kShortChunks && O >= kShortMinO;
+  const int per_block = kGemvWarps * (short_rows ? kShortCols : 1);
+  const dim3 grid(unsigned((O + per_block - 1) / per_block)), block(kGemvWarps * 32);
   auto go = [&](auto kernel) { launch_dependent(kernel, grid, block, 0, s, out, x, wv, K8, Oi); };
+  auto pick = [&](auto rows) {
+    constexpr int n = decltype(rows)::value;
+    if (short_rows)
+      go(skinny_short_kernel<n, Out>);
+    else
+      go(skinny_kernel<n, Out>);
+  };
   switch (N) {
-    case 1: go(skinny_kernel<1, Out>); break;
-    case 2: go(skinny_kernel<2, Out>); break;
-    case 3: go(skinny_kernel<3, Out>); break;
-    case 4: go(skinny_kernel<4, Out>); break;
-    case 5: go(skinny_kernel<5, Out>); break;
-    case 6: go(skinny_kernel<6, Out>); break;
-    case 7: go(skinny_kernel<7, Out>); break;
-    default: go(skinny_kernel<8, Out>); break;
+    case 1: pick(std::integral_constant<int, 1>{}); break;
+    case 2: pick(std::integral_constant<int, 2>{}); break;
+    case 3: pick(std::integral_constant<int, 3>{}); break;
+    case 4: pick(std::integral_constant<int, 4>{}); break;
+    case 5: pick(std::integral_constant<int, 5>{}); break;
+    case 6: pick(std::integral_constant<int, 6>{}); break;
+    case 7: pick(std::integral_constant<int, 7>{}); break;
+    default: pick(std::integral_constant<int, 8>{}); break;
   }
 }
 

@@ -109,12 +109,13 @@ void embedding_forward(float* out, const int32_t* ids, const bf16* table, int64_
 }
 
 void add_rmsnorm_forward(bf16* out, float* x, const bf16* add, const bf16* w, int64_t N, int64_t C, float eps,
-                         cudaStream_t s) {
+                         cudaStream_t s, int64_t ld_out) {
   if (N == 0) return;
+  const NormRows ry{ld_out > 0 ? ld_out : C};
   if (add)
-    rmsnorm_forward(out, NormRows{C}, x, NormRows{C}, add, w, N, C, eps, s);
+    rmsnorm_forward(out, ry, x, NormRows{C}, add, w, N, C, eps, s);
   else
-    rmsnorm_forward<bf16, float, void>(out, NormRows{C}, x, NormRows{C}, nullptr, w, N, C, eps, s);
+    rmsnorm_forward<bf16, float, void>(out, ry, x, NormRows{C}, nullptr, w, N, C, eps, s);
   CUDA_LAUNCH_CHECK();
 }
 

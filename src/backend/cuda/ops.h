@@ -21,9 +21,10 @@ void embedding_forward(float* out, const int32_t* ids, const bf16* table, int64_
                        cudaStream_t s);
 
 // Optionally x[N, C] += add[N, C] (fp32 += bf16; add may be null), then
-// out[N, C] (bf16) = x / rms(x) * w. One block per row.
+// out[N, C] (bf16) = x / rms(x) * w. One block per row. Row r of out starts at r * ld_out
+// (0: C), e.g. one half of a wider row.
 void add_rmsnorm_forward(bf16* out, float* x, const bf16* add, const bf16* w, int64_t N, int64_t C, float eps,
-                         cudaStream_t s);
+                         cudaStream_t s, int64_t ld_out = 0);
 
 // In place on rows of width `n_heads*hd` at stride `ld`: RMSNorm over each head's hd
 // values (qwen3 q/k norm), w[hd].
@@ -116,9 +117,10 @@ bool skinny_fusion_enabled();
 // The most rows a forward may have to be folded (TALON_CUDA_FUSE_ROWS, 1..kSkinnyMaxRows,
 // default kSkinnyFoldRows; 1 folds one-token forwards only). Every block forms every row's
 // input, so the prologue grows with the rows: SmolLM2 on an H200 (bench/RESULTS.md,
-// 2026-12-04), a verify of 2 tokens 1.065 -> 0.837 ms folded, of 4 tokens 1.079 -> 1.138,
-// of 8 tokens 1.076 -> 1.729.
-inline constexpr int64_t kSkinnyFoldRows = 2;
+// 2026-12-05), verifies of 2 / 4 / 8 tokens 1.040 / 1.056 / 1.055 ms unfolded against
+// 0.743 / 0.901 / 1.418 folded (the prologue's loads all in flight; before that 4 tokens took
+// 1.138 and 8 took 1.729).
+inline constexpr int64_t kSkinnyFoldRows = 4;
 int64_t skinny_fusion_rows();
 // Whether the skinny products launch as programmatic dependents of the kernel before them
 // (Hopper's griddepcontrol: their weights stream while that kernel finishes): on GPUs of

@@ -155,7 +155,8 @@ class CudaDraftBackend final : public DraftBackend {
     auto device_work = [&] {
       // Input: [norm(embedding) | norm(g)], g = fc(aux) or the parent's hidden state.
       cuda::embedding_forward(a.e, ids, embed_, N, H, c.V, s);
-      cuda::add_rmsnorm_forward(a.en, a.e, nullptr, in_ln_, N, H, eps, s);
+      // Both norms write straight into their halves of the layer input rows.
+      cuda::add_rmsnorm_forward(a.xin, a.e, nullptr, in_ln_, N, H, eps, s, 2 * H);
       if (from_aux) {
         cuda::f32_to_bf16(a.aux, din, N * 3 * H, s);
         dev_.gemm().forward(a.tmp, a.aux, fc_, N, 3 * H, H, s);
@@ -163,11 +164,13 @@ class CudaDraftBackend final : public DraftBackend {
       } else {
         CUDA_CHECK(cudaMemcpyAsync(a.x, din, size_t(N * H) * 4, cudaMemcpyDeviceToDevice, s));
       }
-      cuda::add_rmsnorm_forward(a.gn, a.x, nullptr, hidden_norm_, N, H, eps, s);
-      CUDA_CHECK(cudaMemcpy2DAsync(a.xin, size_t(2 * H) * 2, a.en, size_t(H) * 2, size_t(H) * 2, size_t(N),
-                                   cudaMemcpyDeviceToDevice, s));
-      CUDA_CHECK(cudaMemcpy2DAsync(a.xin + H, size_t(2 * H) * 2, a.gn, size_t(H) * 2, size_t(H) * 2, size_t(N),
-                                   cudaMemcpyDeviceToDevice, s));
+      if (c.norm_before_residual) {  // the normed g is also the residual: keep a contiguous copy
+        cuda::add_rmsnorm_forward(a.gn, a.x, nullptr, hidden_norm_, N, H, eps, s);
+        CUDA_CHECK(cudaMemcpy2DAsync(a.xin + H, size_t(2 * H) * 2, a.gn, size_t(H) * 2, size_t(H) * 2, size_t(N),
+                                     cudaMemcpyDeviceToDevice, s));
+      } else {
+        cuda::add_rmsnorm_forward(a.xin + H, a.x, nullptr, hidden_norm_, N, H, eps, s, 2 * H);
+      }
       // Attention over the cache.
       dev_.gemm().forward(a.qkv, a.xin, wqkv_, N, 2 * H, ld, s);
       cuda::rope_kv_cache_write(kc_, vc_, a.qkv, ld, pos, inv_freq_, drows, N, nh, nkv, hd, max_rows_, s);
@@ -208,7 +211,7 @@ class CudaDraftBackend final : public DraftBackend {
     DeviceArena arena;
     int64_t n = 0, n_part = 0, n_inputs = 0;
     float *e, *x, *part, *lg32, *top_lp;
-    bf16 *aux, *en, *gn, *xin, *qkv, *att, *tmp, *hm, *gu, *act, *lg;
+    bf16 *aux, *gn, *xin, *qkv, *att, *tmp, *hm, *gu, *act, *lg;
     int32_t* top_ids;
     uint8_t* inputs;  // the packed inputs of a forward (ids, positions, rows, masks, in)
   };
@@ -229,7 +232,6 @@ class CudaDraftBackend final : public DraftBackend {
     a->part = a->arena.alloc<float>(size_t(np));
     a->lg32 = a->arena.alloc<float>(size_t(n * c.Vd));
     a->aux = a->arena.alloc<bf16>(size_t(n * 3 * H));
-    a->en = a->arena.alloc<bf16>(size_t(n * H));
     a->gn = a->arena.alloc<bf16>(size_t(n * H));
     a->xin = a->arena.alloc<bf16>(size_t(n * 2 * H));
     a->qkv = a->arena.alloc<bf16>(size_t(n * ld));

@@ -88,7 +88,11 @@ int main(int argc, char** argv) {
   app.add_option("--model", model_path, "a real checkpoint instead (HF directory or .gguf)");
   app.add_option("--context", context, "committed tokens per slot")->capture_default_str();
   app.add_option("--batches", batches, "slots decoding at once")->delimiter(',');
-  app.add_option("--steps", steps, "timed steps per batch size")->capture_default_str();
+  app.add_option("--steps", steps, "timed steps per batch size (0: no batch table)")->capture_default_str();
+  std::vector<int64_t> verify_tokens = {1, 2, 4, 6, 8, 16, 32, 64};
+  app.add_option("--verify-tokens", verify_tokens, "pending-token counts of the batch-1 verify table")
+      ->delimiter(',')
+      ->capture_default_str();
   app.add_option("--tree", tree, "tree size per slot for the verification case (0: skip)")->capture_default_str();
   app.add_option("--draft-vocab", draft_vocab, "time an EAGLE-3 draft layer with this draft vocabulary (0: skip)")
       ->capture_default_str();
@@ -139,7 +143,7 @@ int main(int argc, char** argv) {
     // host's sampler (TALON_CUDA_SAMPLE=0, what every sampled step cost before).
     std::printf("%6s %8s %10s %10s %10s %12s %10s %10s %8s %9s %9s %9s\n", "slots", "context", "eager ms", "graph ms",
                 "greedy ms", "greedy tok/s", "GB/s", "floor ms", "of floor", "T ms", "T+p ms", "host ms");
-    for (int B : batches) {
+    for (int B : steps > 0 ? batches : std::vector<int>{}) {
       std::vector<float> lg(size_t(B) * size_t(c.vocab));
       std::vector<int32_t> ids(static_cast<size_t>(B));
       std::vector<double> us(static_cast<size_t>(B));
@@ -186,8 +190,8 @@ int main(int argc, char** argv) {
       std::printf("verify cost at batch 1, context %lld (median of 9, greedy ids):\n", (long long)context);
       double one = 0;
       std::map<std::pair<int64_t, int>, double> verify_ms;  // (tokens, chain) -> ms
-      for (int64_t n : {1, 2, 4, 6, 8, 16, 32, 64}) {
-        if (n > max_len - context) break;
+      for (int64_t n : verify_tokens) {
+        if (n < 1 || n > max_len - context) continue;
         for (int chain = 1; chain >= 0; --chain) {
           if (n == 1 && !chain) continue;
           DecodeRequest r{0, {}, {}, true};
@@ -206,7 +210,7 @@ int main(int argc, char** argv) {
           }
           std::sort(ts.begin() + 2, ts.end());
           const double med = ts[2 + 4];
-          if (n == 1) one = med;
+          if (n == 1 || one == 0) one = med;
           verify_ms[{n, chain}] = med * 1e3;
           std::printf("  %-5s %3lld tokens: %7.3f ms  (%.2fx one token)\n", chain ? "chain" : "tree", (long long)n,
                       med * 1e3, med / one);
@@ -263,7 +267,7 @@ int main(int argc, char** argv) {
         std::printf("  projected batch-1 speedup = tau x %.3f ms / round:\n", one * 1e3);
         auto vms = [&](int64_t n, int chain) {
           auto it = verify_ms.find({n, chain});
-          return it == verify_ms.end() ? -1.0 : it->second;
+          return it == verify_ms.end() ? std::nan("") : it->second;
         };
         struct Cfg { const char* name; double round; };
         const std::vector<Cfg> cfgs = {
@@ -272,6 +276,7 @@ int main(int argc, char** argv) {
             {"chain-7", vms(8, 1) + ext_ms + 6 * step_ms[1]},
             {"tree d6 k8 n32", vms(32, 0) + ext_ms + 5 * step_ms[8]}};
         for (const auto& cf : cfgs) {
+          if (!(cf.round > 0)) continue;  // its verify length was not in --verify-tokens
           std::printf("    %-15s round %.3f ms:", cf.name, cf.round);
           for (double tau : {1.5, 2.0, 3.0, 4.0, 5.0, 6.0}) std::printf("  tau %.1f -> %.2fx", tau, tau * one * 1e3 / cf.round);
           std::printf("\n");

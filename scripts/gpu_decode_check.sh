@@ -16,7 +16,9 @@ git log -1 --format='commit %h %s' 2>/dev/null || true
 build/tests/talon_tests --gtest_filter='*Cuda*:*Decode*:*RandomCheckpoint*' --gtest_brief=1 > "$log/tests.log" 2>&1
 echo "tests rc $?"
 grep -vE "^\[ +(RUN|OK) +\]" "$log/tests.log" | grep -v '^$' | tail -40
-for args in "--context 2048 --batches 1,32,256" "--context 512 --batches 1,32,256 --tree 0" \
+# QUICK=1: the tests and the short-verify table only (no batch tables, no switch sweep).
+quick=${QUICK:-0}
+[ "$quick" = 1 ] || for args in "--context 2048 --batches 1,32,256" "--context 512 --batches 1,32,256 --tree 0" \
             "--shape smollm2 --context 2048 --batches 1,32,256"; do
   echo "== talon_bench_decode $args"
   build/talon_bench_decode $args 2>&1 | tee -a "$log/bench.log"
@@ -24,7 +26,7 @@ done
 # Batch 1 with each switch of the decode path off in turn (docs/reference.md), so that what each
 # one buys is measured in the same call: verify tiles, lone rows in tiles, folded one-token
 # layers, dependent launches.
-for sw in TALON_CUDA_VERIFY_TILES TALON_CUDA_LONE_TILES TALON_CUDA_FUSE TALON_CUDA_PDL; do
+[ "$quick" = 1 ] || for sw in TALON_CUDA_VERIFY_TILES TALON_CUDA_LONE_TILES TALON_CUDA_FUSE TALON_CUDA_PDL; do
   for shape in "--context 2048" "--shape smollm2 --context 512 --draft-vocab 8192"; do
     echo "== $sw=0 talon_bench_decode $shape --batches 1"
     env "$sw=0" build/talon_bench_decode $shape --batches 1 2>&1 | tee -a "$log/bench.log" |
@@ -33,7 +35,8 @@ for sw in TALON_CUDA_VERIFY_TILES TALON_CUDA_LONE_TILES TALON_CUDA_FUSE TALON_CU
 done
 # Products and folding of short verifies (2-8 rows) on the small shape: skinny products up to
 # n rows (TALON_CUDA_GEMV_ROWS), folded layers up to n rows (TALON_CUDA_FUSE_ROWS).
-for sw in "TALON_CUDA_GEMV_ROWS=1" "TALON_CUDA_GEMV_ROWS=8" "TALON_CUDA_GEMV_ROWS=8 TALON_CUDA_FUSE_ROWS=1"; do
+for sw in "TALON_CUDA_FUSE_ROWS=1" "TALON_CUDA_FUSE_ROWS=2" "TALON_CUDA_FUSE_ROWS=4" "TALON_CUDA_FUSE_ROWS=8" \
+          "TALON_CUDA_GEMV_ROWS=8 TALON_CUDA_FUSE_ROWS=1" "TALON_CUDA_GEMV_ROWS=8 TALON_CUDA_FUSE_ROWS=8"; do
   echo "== $sw talon_bench_decode --shape smollm2 --context 512 --batches 1 --draft-vocab 8192"
   env $sw build/talon_bench_decode --shape smollm2 --context 512 --batches 1 --draft-vocab 8192 2>&1 |
     tee -a "$log/bench.log" | grep -E "chain   [1248] |chain-3 |tree d6"

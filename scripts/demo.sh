@@ -57,8 +57,9 @@ TXT
 if [ "$dev" = cpu ]; then
   cat <<'TXT'
 This was a 2-minute CPU run: a draft trained on a few hundred tokens, so tau stays near 1 and
-the speedup below 1 is expected (on 2 CPU cores a SmolLM2 token costs ~14 ms, a 4-token verify
-~1.8x that and a draft step ~0.8 ms, so even a trained drafter breaks even only at tau ~2). On one H200, a SmolLM2 drafter trained on 5,700
+the speedup below 1 is expected (on 2 CPU cores a SmolLM2 token costs ~13 ms, a 4-token verify
+~1.3x that and a draft step ~0.6 ms: the GPU-trained drafter below, at tau 1.61, runs at
+~1.05x there). On one H200, a SmolLM2 drafter trained on 5,700
 conversations the target answered itself in one minute (bench/regen_smollm2_gpu.sh, 4 epochs,
 --ttt-steps 3) reaches tau 1.61 (chain-3) and 2.28 (tree d6 k8 n32) on dev prompts it never
 saw. The 135M target decodes a token in ~0.62 ms there and a verify pass of 4 tokens costs

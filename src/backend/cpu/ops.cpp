@@ -66,7 +66,14 @@ void tile(float* out, int64_t ldo, const float* x, int64_t ldx, const float* w, 
           const float* bias) {
   vec acc[TT][OO] = {};
   const int64_t K8 = K - K % kLanes;
+  // The weight rows two tiles on (matmul_forward walks contiguous rows) are fetched while
+  // this tile multiplies, a cache line a row every 16 values: with several rows a tile is
+  // bound by its multiply-adds, and without this the memory sat idle meanwhile. A prefetch
+  // past the end of the matrix is harmless (no fault).
+  const float* ahead = w + 2 * OO * ldw;
   for (int64_t k = 0; k < K8; k += kLanes) {
+    if (k % 16 == 0)
+      for (int o = 0; o < OO; ++o) __builtin_prefetch(ahead + o * ldw + k, 0, 3);
     vec wv[OO];
     for (int o = 0; o < OO; ++o) wv[o] = loadv(w + o * ldw + k);
     for (int t = 0; t < TT; ++t) {

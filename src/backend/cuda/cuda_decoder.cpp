@@ -397,10 +397,11 @@ class CudaDecoder final : public Decoder {
           cuda::gather_rows(a.sel, a.xn, d_logit_rows, NL, H, st);
           in = a.sel;
         }
-        // After folded layers the LM head stays on the skinny kernel too (a row's logits are
-        // then the same bits in a one-token step and in a verify: greedy speculative decoding
-        // picks what target-only decoding picks, near-ties included).
-        if (!(folded && NL <= cuda::kSkinnyMaxRows && cuda::skinny_gemm(a.logits, in, w_.lm_head, NL, H, V, st)))
+        // After folded layers (at most kSkinnyMaxRows rows) the LM head stays on the skinny
+        // kernel too (a row's logits are then the same bits in a one-token step and in a
+        // verify: greedy speculative decoding picks what target-only decoding picks, near-ties
+        // included); skinny_gemm refuses what it cannot take.
+        if (!(folded && cuda::skinny_gemm(a.logits, in, w_.lm_head, NL, H, V, st)))
           dev_.gemm().forward(a.logits, in, w_.lm_head, NL, H, V, st);
         if (sampled)
           cuda::sample_rows(a.top1, a.logits, NL, V, reinterpret_cast<const cuda::DeviceSampling*>(a.in + lay.sampling),

@@ -84,8 +84,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32) skinny_kernel(Out* out, const
   }
 #pragma unroll
   for (int n = 0; n < kN; ++n) {
-    float v = acc[n];
-    for (int s = 16; s > 0; s >>= 1) v += __shfl_xor_sync(0xffffffffu, v, s);
+    const float v = warp_sum(acc[n]);
     if (lane == 0) store_out(out + int64_t(n) * O + o, v);
   }
 }
@@ -130,8 +129,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32) skinny_short_kernel(Out* out,
   for (int j = 0; j < kShortCols; ++j)
 #pragma unroll
     for (int n = 0; n < kN; ++n) {
-      float v = acc[j][n];
-      for (int sft = 16; sft > 0; sft >>= 1) v += __shfl_xor_sync(0xffffffffu, v, sft);
+      const float v = warp_sum(acc[j][n]);
       if (lane == 0 && o0 + j < O) store_out(out + int64_t(n) * O + o0 + j, v);
     }
 }
@@ -256,8 +254,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32) skinny_fused_kernel(bf16* out
   }
 #pragma unroll
   for (int n = 0; n < kN; ++n) {
-    float v = acc[n];
-    for (int sft = 16; sft > 0; sft >>= 1) v += __shfl_xor_sync(0xffffffffu, v, sft);
+    const float v = warp_sum(acc[n]);
     if (lane != 0) continue;
     if constexpr (kAdd)
       residual[int64_t(n) * O + o] += __bfloat162float(__float2bfloat16(v));  // the branch output in bf16, as the unfused path
@@ -284,6 +281,21 @@ void launch_dependent(void (*kernel)(P...), dim3 grid, dim3 block, size_t smem, 
   CUDA_LAUNCH_CHECK();
 }
 
+// Calls f with std::integral_constant<int, n> for n = N, 1 <= N <= kSkinnyMaxRows (8).
+template <class F>
+void with_rows(int64_t N, F&& f) {
+  switch (N) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 5: f(std::integral_constant<int, 5>{}); break;
+    case 6: f(std::integral_constant<int, 6>{}); break;
+    case 7: f(std::integral_constant<int, 7>{}); break;
+    default: f(std::integral_constant<int, 8>{}); break;
+  }
+}
+
 template <class Out>
 void launch(Out* out, const bf16* in, const bf16* w, int64_t N, int64_t K, int64_t O, cudaStream_t s) {
   const auto* x = reinterpret_cast<const uint4*>(in);
@@ -295,23 +307,13 @@ void launch(Out* out, const bf16* in, const bf16* w, int64_t N, int64_t K, int64
   const int per_block = kGemvWarps * (short_rows ? kShortCols : 1);
   const dim3 grid(unsigned((O + per_block - 1) / per_block)), block(kGemvWarps * 32);
   auto go = [&](auto kernel) { launch_dependent(kernel, grid, block, 0, s, out, x, wv, K8, Oi); };
-  auto pick = [&](auto rows) {
+  with_rows(N, [&](auto rows) {
     constexpr int n = decltype(rows)::value;
     if (short_rows)
       go(skinny_short_kernel<n, Out>);
     else
       go(skinny_kernel<n, Out>);
-  };
-  switch (N) {
-    case 1: pick(std::integral_constant<int, 1>{}); break;
-    case 2: pick(std::integral_constant<int, 2>{}); break;
-    case 3: pick(std::integral_constant<int, 3>{}); break;
-    case 4: pick(std::integral_constant<int, 4>{}); break;
-    case 5: pick(std::integral_constant<int, 5>{}); break;
-    case 6: pick(std::integral_constant<int, 6>{}); break;
-    case 7: pick(std::integral_constant<int, 7>{}); break;
-    default: pick(std::integral_constant<int, 8>{}); break;
-  }
+  });
 }
 
 bool fits(const bf16* in, const bf16* w, int64_t N, int64_t K, int64_t O) {
@@ -344,16 +346,7 @@ void launch_fused(const SkinnyFused& f, dim3 grid, dim3 block, size_t smem, cuda
   auto go = [&](auto kernel) {
     launch_dependent(kernel, grid, block, smem, s, f.out, f.residual, in, f.x, f.norm_w, f.eps, wv, Ki, Oi);
   };
-  switch (f.rows) {
-    case 1: go(skinny_fused_kernel<kIn, kAdd, 1>); break;
-    case 2: go(skinny_fused_kernel<kIn, kAdd, 2>); break;
-    case 3: go(skinny_fused_kernel<kIn, kAdd, 3>); break;
-    case 4: go(skinny_fused_kernel<kIn, kAdd, 4>); break;
-    case 5: go(skinny_fused_kernel<kIn, kAdd, 5>); break;
-    case 6: go(skinny_fused_kernel<kIn, kAdd, 6>); break;
-    case 7: go(skinny_fused_kernel<kIn, kAdd, 7>); break;
-    default: go(skinny_fused_kernel<kIn, kAdd, 8>); break;
-  }
+  with_rows(f.rows, [&](auto rows) { go(skinny_fused_kernel<kIn, kAdd, decltype(rows)::value>); });
 }
 }  // namespace
 

@@ -40,6 +40,15 @@ class DraftBackend {
   virtual void truncate(int64_t n) = 0;
   // Forwards served by a replayed CUDA graph so far (0 where there are none).
   virtual int64_t graph_replays() const { return 0; }
+  // A greedy chain in one go, where the backend can (false: not here; the runner then calls
+  // forward once per step): `forward(tokens, in, from_aux, first, last_only)` with the top-1
+  // of its last row, then one one-row forward per steps[j], whose token is the target id of
+  // the argmax of the row before it (draft id d -> d + d2t[d]) and whose input is that row's
+  // hidden state. ids[0 .. steps.size()]: the argmax draft ids, the same as those calls give.
+  virtual bool chain(const int32_t* tokens, const float* in, bool from_aux, const DraftRows& first,
+                     const std::vector<DraftRows>& steps, int32_t* ids) {
+    return false;
+  }
 };
 
 // The top_k ids and log-softmax values of one row of n logits (the CPU's arithmetic: fp64 sums).

@@ -319,6 +319,35 @@ void DraftRunner::extend(const int32_t* next_tokens, const float* aux, int64_t n
   len_ += n;
 }
 
+std::vector<int32_t> DraftRunner::extend_chain(const int32_t* next_tokens, const float* aux, int64_t n, int k) {
+  TALON_CHECK(!m_.chain_only(), "draft: {} drafts its chain in one pass, not step by step", m_.origin);
+  TALON_CHECK(n > 0 && k >= 1, "draft: extend_chain of {} rows and a chain of {}", n, k);
+  TALON_CHECK(tree_size() == 0, "draft: extend with {} tree rows pending (clear_tree first)", tree_size());
+  DraftRows first;  // step-0 rows, as extend()
+  for (int64_t i = 0; i < n; ++i) {
+    first.pos.push_back(int32_t(len_ + i));
+    first.len.push_back(int32_t(len_));
+    first.end.push_back(int32_t(len_ + i + 1));
+    first.mask.push_back(-1);
+  }
+  std::vector<DraftRows> steps;
+  for (int j = 0; j + 1 < k; ++j) steps.push_back(impl_->add_tree_rows(len_ + n, {j == 0 ? -1 : int32_t(j - 1)}));
+  std::vector<int32_t> ids(static_cast<size_t>(k));
+  if (!impl_->be->chain(next_tokens, aux, true, first, steps, ids.data())) {
+    const int64_t H = m_.config.H;
+    std::vector<float> h(static_cast<size_t>(H)), h2(h.size());
+    float lp = 0;
+    impl_->be->forward(next_tokens, aux, true, first, true, h.data(), nullptr, 1, &ids[0], &lp);
+    for (int j = 0; j + 1 < k; ++j) {
+      const int32_t tok = to_target(ids[size_t(j)]);
+      impl_->be->forward(&tok, h.data(), false, steps[size_t(j)], false, h2.data(), nullptr, 1, &ids[size_t(j + 1)], &lp);
+      h.swap(h2);
+    }
+  }
+  len_ += n;
+  return ids;
+}
+
 void DraftRunner::tree_step(const std::vector<int32_t>& tokens, const std::vector<int32_t>& parents,
                             const float* parent_hidden, float* hidden, float* logits, DraftTop* top) {
   const int64_t n = int64_t(tokens.size());

@@ -78,6 +78,13 @@ class DraftRunner {
   void extend(const int32_t* next_tokens, const float* aux, int64_t n, float* hidden_last, float* logits_last,
               DraftTop* top = nullptr);
 
+  // Greedy chain drafting in one call: extend(next_tokens, aux, n) and then k - 1 tree steps
+  // down one chain, each node's token the argmax of the row above it. Returns the k draft ids
+  // (draft vocabulary; to_target maps them): the argmax of the last step-0 row, then of each
+  // node. The same ids as extend + tree_step with top-1, in one forward pass list (on a GPU,
+  // one graph, one copy up and one down); the nodes stay in the tree until clear_tree.
+  std::vector<int32_t> extend_chain(const int32_t* next_tokens, const float* aux, int64_t n, int k);
+
   // One draft step over tree nodes: node i has token tokens[i] (a target id) and parent
   // parents[i] (an earlier tree node, or -1: the last step-0 row). parent_hidden[i] is that
   // parent's hidden state. Appends the nodes to the tree; outputs hidden [n, H] and logits

@@ -215,6 +215,19 @@ std::vector<int32_t> decode_speculative(Decoder& target, int slot, DraftRunner& 
   top_last.k = sampled_chain ? 0 : cfg.mode == SpecConfig::Mode::Chain ? 1 : int(std::min<int64_t>(cfg.topk, Vd));
   float* const dl_out = sampled_chain ? dl_last.data() : nullptr;
   DraftTop* const top_out = sampled_chain ? nullptr : &top_last;
+  // A greedy EAGLE-3 chain is drafted with the extension that precedes it, in one call
+  // (DraftRunner::extend_chain: on a GPU one graph and one copy down instead of a round trip per
+  // step): chain_ids holds the next round's draft ids, for as many tokens as it will have room for.
+  const bool fast_chain = greedy && cfg.mode == SpecConfig::Mode::Chain && !dm.chain_only();
+  std::vector<int32_t> chain_ids;
+  auto extend_draft = [&](const int32_t* toks, const float* aux, int64_t n) {
+    if (fast_chain) {
+      const int64_t room = target.max_len() - target.length(slot) - 1;
+      chain_ids = draft.extend_chain(toks, aux, n, int(std::clamp<int64_t>(room, 1, cfg.k)));
+    } else {
+      draft.extend(toks, aux, n, g_last.data(), dl_out, top_out);
+    }
+  };
   {
     std::vector<int32_t> rows(prompt.size()), nexts(prompt.size());
     for (size_t i = 0; i < prompt.size(); ++i) {
@@ -223,7 +236,7 @@ std::vector<int32_t> decode_speculative(Decoder& target, int slot, DraftRunner& 
     }
     const auto a = aux_of(rows, int64_t(prompt.size()));
     const auto ts = Clock::now();
-    draft.extend(nexts.data(), a.data(), int64_t(prompt.size()), g_last.data(), dl_out, top_out);
+    extend_draft(nexts.data(), a.data(), int64_t(prompt.size()));
     st.draft_seconds += since(ts);
   }
   st.prefill_seconds = since(t0);
@@ -274,7 +287,12 @@ std::vector<int32_t> decode_speculative(Decoder& target, int slot, DraftRunner& 
         for (int i = 0; i < k; ++i)
           choose(i, pl.data() + size_t(i) * size_t(Vd), sampled_chain ? 0 : ptop.ids[size_t(i) * size_t(ptop.k)]);
       }
-      for (int i = 0; i < k && !dm.chain_only(); ++i) {
+      for (int i = 0; i < k && fast_chain; ++i) {
+        TALON_CHECK(i < int(chain_ids.size()), "decode: the drafted chain has {} tokens, the round wants {}",
+                    chain_ids.size(), k);
+        choose(i, nullptr, chain_ids[size_t(i)]);
+      }
+      for (int i = 0; i < k && !dm.chain_only() && !fast_chain; ++i) {
         choose(i, dl.data(), sampled_chain ? 0 : top.ids[0]);
         if (i + 1 < k) {
           draft.tree_step({cand.tokens.back()}, {int32_t(i) - 1}, g.data(), g2.data(), sampled_chain ? dl2.data() : nullptr,
@@ -414,7 +432,7 @@ std::vector<int32_t> decode_speculative(Decoder& target, int slot, DraftRunner& 
     // The draft reads the committed rows: row path[i] with the token that followed it.
     const auto a = aux_of(path, n);
     const auto ts = Clock::now();
-    draft.extend(fresh.data(), a.data(), int64_t(path.size()), g_last.data(), dl_out, top_out);
+    extend_draft(fresh.data(), a.data(), int64_t(path.size()));
     st.draft_seconds += since(ts);
     next = bonus;
   }

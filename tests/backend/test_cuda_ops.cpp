@@ -19,6 +19,7 @@
 #include "backend/backend.h"
 #include "backend/cpu/ops.h"
 #include "backend/cuda/ops.h"
+#include "backend/cuda/decode_ops.h"
 #include "model/model.h"
 #include "tests/test_util.h"
 #include "util/error.h"
@@ -182,6 +183,91 @@ TEST(CudaOps, SkinnyFusedProductsMatchCpu) {
   EXPECT_FALSE(cuda::skinny_fused_fits(cuda::kSkinnyFusedMaxK + 8));
   EXPECT_TRUE(cuda::skinny_fused_fits(cuda::kSkinnyFusedMaxK));
   EXPECT_FALSE(cuda::skinny_fused_fits(576, cuda::kSkinnyMaxRows + 1));
+}
+
+// The q|k|v product with RoPE and the cache write in its epilogue (ops.h: SkinnyRope) writes
+// exactly what the product followed by rope_kv_cache_write writes: the rotated q and k rows,
+// the cache rows of k and v (rows of several slots, at their own positions), and nothing else
+// (the rest of both caches keeps its sentinel). Shapes it cannot take are refused.
+TEST(CudaOps, RopeInTheQkvProductWritesWhatTheRopeKernelWrites) {
+  REQUIRE_GPU();
+  struct Heads {
+    int nh, nkv, hd;
+  };
+  int checked = 0;
+  for (const Heads hs : {Heads{9, 3, 64}, Heads{4, 1, 128}, Heads{2, 2, 8}}) {
+    for (const int64_t R : {int64_t(1), int64_t(3), int64_t(4)}) {
+      const int64_t K = 576, O = int64_t(hs.nh + 2 * hs.nkv) * hs.hd, kvd = int64_t(hs.nkv) * hs.hd, max_len = 40;
+      const int n_slots = 3;
+      const std::string tag = fmt::format("heads {}/{}x{} rows {}", hs.nh, hs.nkv, hs.hd, R);
+      const auto w = randn(size_t(O * K), 17, 0.1f), g = randn(size_t(K), 18, 0.5f), x = randn(size_t(R * K), 19, 2.f);
+      std::vector<float> inv(size_t(hs.hd / 2));
+      for (int i = 0; i < hs.hd / 2; ++i) inv[size_t(i)] = float(std::pow(10000.0, -2.0 * i / hs.hd));
+      std::vector<int32_t> pos(static_cast<size_t>(R));
+      std::vector<cuda::DecodeRow> rows(static_cast<size_t>(R));
+      for (int64_t r = 0; r < R; ++r) {
+        const int32_t slot = int32_t((r * 2 + 1) % n_slots), end = int32_t(5 + 7 * r);
+        rows[size_t(r)] = cuda::DecodeRow{slot, 0, end - 1, end, -1};
+        pos[size_t(r)] = int32_t(1000 * r + 3 * r + 11);  // large angles too
+      }
+      Guarded<bf16> dw(static_cast<size_t>(O * K)), dg(static_cast<size_t>(K)), q1(static_cast<size_t>(R * O)), q2(static_cast<size_t>(R * O));
+      Guarded<float> dx(static_cast<size_t>(R * K)), dinv(inv.size());
+      Guarded<int32_t> dpos(static_cast<size_t>(R));
+      Guarded<cuda::DecodeRow> drows(static_cast<size_t>(R));
+      const size_t cache = size_t(n_slots * max_len * kvd);
+      Guarded<bf16> k1(cache), v1(cache), k2(cache), v2(cache);
+      dw.upload(to_bf16(w));
+      dg.upload(to_bf16(g));
+      dx.upload(x);
+      dinv.upload(inv);
+      dpos.upload(pos);
+      drows.upload(rows);
+      const std::vector<bf16> sentinel = to_bf16(std::vector<float>(cache, std::nanf("")));  // no product writes NaN
+      Guarded<bf16> xb(static_cast<size_t>(R * K));  // a Plain input: the bf16 rows themselves
+      xb.upload(to_bf16(x));
+      const float eps = 1e-5f;
+      for (const bool plain : {false, true}) {
+        const std::string what = tag + (plain ? ", plain input" : ", norm input");
+        for (auto* c : {&k1, &v1, &k2, &v2}) c->upload(sentinel);
+        const cuda::SkinnyFused base =
+            plain ? cuda::SkinnyFused{cuda::SkinnyIn::Plain, xb.ptr(), nullptr, nullptr, 0.f, q1.ptr(), nullptr, R}
+                  : cuda::SkinnyFused{cuda::SkinnyIn::Norm, nullptr, dx.ptr(), dg.ptr(), eps, q1.ptr(), nullptr, R};
+        // Reference: the folded product alone, then the separate kernel.
+        ASSERT_TRUE(cuda::skinny_fused(base, dw.ptr(), K, O, nullptr)) << what;
+        cuda::rope_kv_cache_write(k1.ptr(), v1.ptr(), q1.ptr(), O, dpos.ptr(), dinv.ptr(), drows.ptr(), R, hs.nh,
+                                  hs.nkv, hs.hd, max_len, nullptr);
+        cuda::SkinnyRope rope;
+        rope.pos = dpos.ptr(), rope.inv_freq = dinv.ptr(), rope.rows = drows.ptr(), rope.kc = k2.ptr(), rope.vc = v2.ptr();
+        rope.nh = hs.nh, rope.nkv = hs.nkv, rope.hd = hs.hd, rope.max_len = max_len;
+        cuda::SkinnyFused f = base;
+        f.out = q2.ptr();
+        f.rope = &rope;
+        ASSERT_TRUE(cuda::skinny_fused(f, dw.ptr(), K, O, nullptr)) << what;
+        ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess) << what;
+        const auto a = q1.download(), b = q2.download();
+        EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(bf16)), 0) << what << ": q|k|v rows";
+        EXPECT_EQ(std::memcmp(k1.download().data(), k2.download().data(), cache * sizeof(bf16)), 0) << what << ": k cache";
+        EXPECT_EQ(std::memcmp(v1.download().data(), v2.download().data(), cache * sizeof(bf16)), 0) << what << ": v cache";
+        // The rows written are the rows' own (the reference wrote them; the rest is sentinel).
+        const auto kc = k2.download();
+        int64_t written = 0;
+        for (const bf16 v : kc) written += std::memcmp(&v, &sentinel[0], sizeof(bf16)) != 0;
+        EXPECT_EQ(written, R * kvd) << what;
+        EXPECT_TRUE(q2.guards_intact() && k2.guards_intact() && v2.guards_intact()) << what;
+        EXPECT_TRUE(all_finite(to_f32(b))) << what;
+        ++checked;
+        // Refused: a residual output, a SwiGLU input, a column count that is not (nh + 2 nkv) hd.
+        cuda::SkinnyFused bad = f;
+        bad.out = nullptr, bad.residual = dx.ptr();
+        EXPECT_FALSE(cuda::skinny_fused(bad, dw.ptr(), K, O, nullptr)) << what;
+        bad = f;
+        bad.kind = cuda::SkinnyIn::Swiglu, bad.in = q1.ptr();
+        EXPECT_FALSE(cuda::skinny_fused(bad, dw.ptr(), K, O, nullptr)) << what;
+        EXPECT_FALSE(cuda::skinny_fused(f, dw.ptr(), K, O - 8, nullptr)) << what;
+      }
+    }
+  }
+  EXPECT_EQ(checked, 18);
 }
 
 TEST(CudaOps, EmbeddingIsExact) {

@@ -12,6 +12,7 @@
 // so a speculative output may leave the target-only one only at a token where the fp32 CPU
 // reference's logits of the two tokens are closer than kCudaGreedyMargin (checked on the
 // common prefix); anywhere else the outputs must be equal.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #ifdef TALON_HAVE_CUDA
@@ -215,6 +216,63 @@ TEST(CudaDraft, GraphReplayMatchesEagerLaunches) {
   }
   EXPECT_GT(ga.graph_replays(), 10);
   EXPECT_EQ(gb.graph_replays(), 0);
+}
+
+// A greedy chain drafted in one graph (DraftRunner::extend_chain: the step tokens mapped to
+// target ids and the hidden states passed on the device) against the same chain drafted step
+// by step (extend, then tree_step with top-1 fed the previous step's argmax and hidden state
+// through the host) by a second GPU runner: the same draft ids, round after round, for
+// extensions of 1-5 rows and chains of 1-6 tokens, a draft vocabulary smaller than the target's
+// (ids mapped through d2t), both with and without norm_before_residual. The CPU runner's
+// extend_chain (no chain on its backend: the runner's own loop) must give its step-by-step ids
+// too.
+TEST(CudaDraft, ChainInOneGraphDraftsWhatStepByStepDrafts) {
+  REQUIRE_GPU();
+  int variant = 0;
+  for (const auto& target : targets()) {
+    const std::string& name = target.first;
+    const std::shared_ptr<Checkpoint>& ck = target.second;
+    const ModelConfig& tc = ck->config();
+    DraftModel m = random_draft(tc, tc.vocab / 2 + 3, 17 + variant);
+    m.config.norm_before_residual = variant++ % 2 == 1;
+    const int64_t H = tc.hidden, V = tc.vocab;
+    DraftRunner one(m, *ck, 0, 400), steps(m, *ck, 0, 400), cpu_one(m, *ck), cpu_steps(m, *ck);
+    std::mt19937 rng(5);
+    std::normal_distribution<float> nd(0.f, 1.f);
+    // extend + (k - 1) top-1 tree steps, as decoding drafted a chain before extend_chain.
+    auto step_by_step = [&](DraftRunner& r, const std::vector<int32_t>& toks, const std::vector<float>& aux, int k) {
+      std::vector<float> h(static_cast<size_t>(H)), h2(h.size());
+      DraftTop top;
+      top.k = 1;
+      r.extend(toks.data(), aux.data(), int64_t(toks.size()), h.data(), nullptr, &top);
+      std::vector<int32_t> ids = {top.ids[0]};
+      for (int j = 1; j < k; ++j) {
+        r.tree_step({r.to_target(ids.back())}, {j == 1 ? -1 : int32_t(r.tree_size()) - 1}, h.data(), h2.data(), nullptr,
+                    &top);
+        ids.push_back(top.ids[0]);
+        h.swap(h2);
+      }
+      return ids;
+    };
+    int rounds = 0;
+    for (const auto& [n, k] : std::vector<std::pair<int64_t, int>>{{20, 4}, {3, 5}, {1, 1}, {2, 2}, {1, 6}, {5, 3}, {1, 3}}) {
+      std::vector<int32_t> toks(static_cast<size_t>(n));
+      for (auto& t : toks) t = int32_t(rng() % uint32_t(V));
+      std::vector<float> aux(size_t(n * 3 * H));
+      for (auto& x : aux) x = nd(rng);
+      const std::string what = fmt::format("{} (norm before residual {}): extend {} rows, chain of {}", name,
+                                           m.config.norm_before_residual, n, k);
+      const std::vector<int32_t> a = one.extend_chain(toks.data(), aux.data(), n, k);
+      const std::vector<int32_t> b = step_by_step(steps, toks, aux, k);
+      EXPECT_EQ(a, b) << what;
+      EXPECT_EQ(one.tree_size(), k - 1) << what;
+      EXPECT_EQ(cpu_one.extend_chain(toks.data(), aux.data(), n, k), step_by_step(cpu_steps, toks, aux, k)) << what;
+      for (DraftRunner* r : {&one, &steps, &cpu_one, &cpu_steps}) r->clear_tree();
+      ++rounds;
+    }
+    EXPECT_EQ(rounds, 7);
+    EXPECT_EQ(one.length(), steps.length());
+  }
 }
 
 // P-EAGLE on the GPU: the draft's own embedding and the parallel step (mask rows through fc)

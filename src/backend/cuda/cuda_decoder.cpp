@@ -373,7 +373,17 @@ class CudaDecoder final : public Decoder {
       hooks.capture = capture;
       hooks.attention_rotates = true;
       hooks.fold_one_token = fold_;
-      hooks.attention = [&](int64_t l) {
+      // One-token steps and short verifies (folded layers): RoPE and the cache write ride in the
+      // q|k|v product's epilogue.
+      hooks.rope_cache = [&](int64_t l, cuda::SkinnyRope& r) {
+        if (flash || !fold_rope_) return false;
+        r.rows = d_rows;
+        r.kc = kc_[size_t(l)];
+        r.vc = vc_[size_t(l)];
+        r.max_len = max_len_;
+        return true;
+      };
+      hooks.attention = [&](int64_t l, bool cached) {
         if (flash) {
           cuda::rope_forward(a.qkv, ldqkv, d_pos, w_.inv_freq, N, nh, hd, st);
           cuda::rope_forward(a.qkv + nh * hd, ldqkv, d_pos, w_.inv_freq, N, nkv, hd, st);
@@ -381,8 +391,9 @@ class CudaDecoder final : public Decoder {
           cuda::flash_attention_forward(a.att, a.qkv, ldqkv, d_seq_start, d_tiles, int64_t(tiles.size() / 2), nh, nkv,
                                         hd, W, st);
         } else {
-          cuda::rope_kv_cache_write(kc_[size_t(l)], vc_[size_t(l)], a.qkv, ldqkv, d_pos, w_.inv_freq, d_rows, N, nh,
-                                    nkv, hd, max_len_, st);
+          if (!cached)
+            cuda::rope_kv_cache_write(kc_[size_t(l)], vc_[size_t(l)], a.qkv, ldqkv, d_pos, w_.inv_freq, d_rows, N, nh,
+                                      nkv, hd, max_len_, st);
           cuda::decode_attention(a.att, a.part, a.qkv, ldqkv, kc_[size_t(l)], vc_[size_t(l)], d_rows, d_masks, N, nh,
                                  nkv, hd, max_len_, splits, split_len, st, merge_in_kernel_ ? a.counters : nullptr,
                                  tiled ? &work : nullptr);
@@ -501,11 +512,21 @@ class CudaDecoder final : public Decoder {
   // vectors, not once per row (decode_ops.h: AttentionTile).
   bool verify_tiles_ = cuda::verify_tiles_enabled();
   bool fold_ = true;
+  bool fold_rope_ = fold_rope_enabled();
+
+  static bool fold_rope_enabled() {
+    const char* e = std::getenv("TALON_CUDA_FOLD_ROPE");
+    return !(e && e[0] == '0');
+  }
 
  public:
   void fold_one_token(bool on) {
     fold_ = on;
     graphs_.clear();  // graphs hold the launches of the other choice
+  }
+  void fold_rope(bool on) {
+    fold_rope_ = on;
+    graphs_.clear();
   }
 };
 
@@ -530,6 +551,7 @@ CudaDecoder& as_cuda(Decoder& d, const char* who) {
 void decoder_assume_length(Decoder& d, int slot, int64_t len) { as_cuda(d, "decoder_assume_length").assume_length(slot, len); }
 void decoder_use_graphs(Decoder& d, bool on) { as_cuda(d, "decoder_use_graphs").use_graphs(on); }
 void decoder_fold_one_token(Decoder& d, bool on) { as_cuda(d, "decoder_fold_one_token").fold_one_token(on); }
+void decoder_fold_rope(Decoder& d, bool on) { as_cuda(d, "decoder_fold_rope").fold_rope(on); }
 int64_t decoder_graph_launches(Decoder& d) { return as_cuda(d, "decoder_graph_launches").graph_launches(); }
 }  // namespace cuda
 

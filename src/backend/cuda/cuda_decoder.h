@@ -21,5 +21,8 @@ int64_t decoder_graph_launches(Decoder& d);
 // the skinny products (dense_block.h: DenseHooks::fold_one_token; default on,
 // TALON_CUDA_FUSE=0 turns it off for a whole run).
 void decoder_fold_one_token(Decoder& d, bool on);
+// Whether folded forwards also fold RoPE and the cache write into the q|k|v product (ops.h:
+// SkinnyRope; default on, TALON_CUDA_FOLD_ROPE=0 turns it off for a whole run).
+void decoder_fold_rope(Decoder& d, bool on);
 
 }  // namespace talon::cuda

@@ -121,7 +121,7 @@ class CudaDenseModel final : public Model {
     };
     cuda::DenseHooks hooks;
     hooks.capture = capture;
-    hooks.attention = [&](int64_t) {
+    hooks.attention = [&](int64_t, bool) {
       if (flash)
         cuda::flash_attention_forward(a.att, a.qkv, ldqkv, a.seq_start, a.tiles, int64_t(tiles.size() / 2), nh, nkv,
                                       hd, c.sliding_window, stream);

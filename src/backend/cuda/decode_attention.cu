@@ -592,6 +592,11 @@ __global__ void decode_combine_kernel(bf16* out, const float* part, int hd, int 
   }
 }
 
+__global__ void offset_ids_kernel(int32_t* out, const int32_t* in, const int64_t* offsets, int64_t n) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < n) out[i] = int32_t(in[i] + offsets[in[i]]);
+}
+
 __global__ void gather_rows_kernel(bf16* out, const bf16* in, const int32_t* idx, int64_t C) {
   const int64_t i = blockIdx.x;
   const bf16* src = in + int64_t(idx[i]) * C;
@@ -766,6 +771,12 @@ void decode_attention(bf16* out, float* part, const bf16* qkv, int64_t ld, const
   if (counters || direct) return;
   decode_combine_kernel<<<unsigned(N * nh), unsigned(hd > 64 ? 128 : 64), size_t(n_splits) * 4, s>>>(out, part, int(hd),
                                                                                                       int(n_splits));
+  CUDA_LAUNCH_CHECK();
+}
+
+void offset_ids(int32_t* out, const int32_t* in, const int64_t* offsets, int64_t n, cudaStream_t s) {
+  if (n == 0) return;
+  offset_ids_kernel<<<unsigned((n + 127) / 128), 128, 0, s>>>(out, in, offsets, n);
   CUDA_LAUNCH_CHECK();
 }
 

@@ -110,6 +110,9 @@ void decode_attention(bf16* out, float* part, const bf16* qkv, int64_t ld, const
                       int64_t max_len, int64_t n_splits, int64_t split_len, cudaStream_t s, int* counters = nullptr,
                       const AttentionWork* work = nullptr);
 
+// out[i] = in[i] + offsets[in[i]] for n ids (a draft vocabulary's ids to target ids).
+void offset_ids(int32_t* out, const int32_t* in, const int64_t* offsets, int64_t n, cudaStream_t s);
+
 // out[i, :] = in[idx[i], :] for n rows of C bf16 values (the rows that need logits).
 void gather_rows(bf16* out, const bf16* in, const int32_t* idx, int64_t n, int64_t C, cudaStream_t s);
 

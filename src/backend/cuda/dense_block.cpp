@@ -34,7 +34,7 @@ bool dense_stack_forward(const DenseDeviceWeights& w, const ModelConfig& c, int6
       rope_forward(a.qkv, ldqkv, a.pos, w.inv_freq, N, nh, hd, s);
       rope_forward(a.qkv + qd, ldqkv, a.pos, w.inv_freq, N, nkv, hd, s);
     }
-    hooks.attention(l);
+    hooks.attention(l, false);
   };
   // A forward of a few rows (skinny_fusion_rows(): 4 by default) folds the same way, each
   // block staging every row's input; beyond that the unfolded layer is faster (ops.h). Each
@@ -52,8 +52,23 @@ bool dense_stack_forward(const DenseDeviceWeights& w, const ModelConfig& c, int6
     auto run = [&](const SkinnyFused& f, const bf16* wt, int64_t K, int64_t O) {
       if (!skinny_fused(f, wt, K, O, s)) fail_msg("dense stack: a fused skinny product was refused");
     };
-    run({SkinnyIn::Norm, nullptr, a.x, L.attn_norm, eps, a.qkv, nullptr, N}, L.wqkv, H, ldqkv);
-    attend(l, L);
+    // RoPE and the cache write in the q|k|v product's epilogue where the hook gives a cache and
+    // the shape fits (skinny_fused refuses, launching nothing, what it cannot take).
+    SkinnyRope rope;
+    SkinnyFused fq{SkinnyIn::Norm, nullptr, a.x, L.attn_norm, eps, a.qkv, nullptr, N};
+    fq.rope = &rope;
+    const bool one_launch = !L.bqkv && !L.q_norm && hooks.rope_cache && hooks.rope_cache(l, rope) && [&] {
+      rope.pos = a.pos;
+      rope.inv_freq = w.inv_freq;
+      rope.nh = int(nh), rope.nkv = int(nkv), rope.hd = int(hd);
+      return skinny_fused(fq, L.wqkv, H, ldqkv, s);
+    }();
+    if (one_launch) {
+      hooks.attention(l, true);
+    } else {
+      run({SkinnyIn::Norm, nullptr, a.x, L.attn_norm, eps, a.qkv, nullptr, N}, L.wqkv, H, ldqkv);
+      attend(l, L);
+    }
     run({SkinnyIn::Plain, a.att, nullptr, nullptr, 0.f, nullptr, a.x, N}, L.wo, qd, H);
     run({SkinnyIn::Norm, nullptr, a.x, L.mlp_norm, eps, a.gu, nullptr, N}, L.wgu, H, 2 * I);
     run({SkinnyIn::Swiglu, a.gu, nullptr, nullptr, 0.f, nullptr, a.x, N}, L.wdown, I, H);

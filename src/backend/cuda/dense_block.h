@@ -26,8 +26,14 @@ struct DenseHooks {
   // h[layer_id] (input-of-layer convention; L: after the last layer, before the final norm)
   // is in x; called once for each layer id 0..L in order.
   std::function<void(int64_t layer_id)> capture;
-  // Layer `layer`'s q|k|v (after bias, qk-norm and RoPE) are in qkv: write att.
-  std::function<void(int64_t layer)> attention;
+  // Layer `layer`'s q|k|v (after bias, qk-norm and RoPE) are in qkv: write att. `cached`:
+  // the product already rotated q and k and wrote k and v to the cache (rope_cache below).
+  std::function<void(int64_t layer, bool cached)> attention;
+  // The cached decoder: where layer `layer`'s rotated k and v go (ops.h: SkinnyRope). When
+  // set and it returns true, a folded layer without bias or q/k norms has its q|k|v product
+  // rotate q and k and write the cache in its epilogue (one launch less a layer), and
+  // `attention` is told so.
+  std::function<bool(int64_t layer, SkinnyRope& out)> rope_cache;
   // True: qkv reaches `attention` before RoPE, which the hook applies itself (the cached
   // decoder fuses it with its cache write).
   bool attention_rotates = false;

@@ -8,6 +8,7 @@
 #include <type_traits>
 
 #include "backend/cuda/check.h"
+#include "backend/cuda/decode_ops.h"
 #include "backend/cuda/kernels/reduce.cuh"
 #include "backend/cuda/kernels/swiglu.cuh"
 #include "backend/cuda/ops.h"
@@ -139,15 +140,27 @@ __global__ void __launch_bounds__(kGemvWarps * 32) skinny_short_kernel(Out* out,
 // same values: the formulas and rounding of rmsnorm_forward and swiglu_forward), then each
 // warp takes one column as skinny_kernel does, one accumulator per row. Row n of the inputs
 // starts n * K values in (Swiglu: n * 2K), of the outputs n * O.
-template <int kIn, bool kAdd, int kN>
+//
+// kRope (ops.h: SkinnyRope): the columns of a block are four rotation pairs of one q or k
+// head (warps 0-3 columns i0 .. i0 + 3 of the head, warps 4-7 the same plus hd/2) or, past the
+// q and k heads, eight v columns; the epilogue rotates and writes the cache as
+// rope_kv_write_kernel does (decode_attention.cu), from the same bf16-rounded products.
+__device__ __forceinline__ int rope_column(int b, int wi, const SkinnyRope& r) {
+  const int half = r.hd / 2, rope_blocks = (r.nh + r.nkv) * r.hd / kGemvWarps;
+  if (b >= rope_blocks) return b * kGemvWarps + wi;
+  const int per_head = half / 4, h = b / per_head, i0 = (b % per_head) * 4;
+  return h * r.hd + i0 + (wi & 3) + (wi >> 2) * half;
+}
+
+template <int kIn, bool kAdd, int kN, bool kRope = false>
 __global__ void __launch_bounds__(kGemvWarps * 32) skinny_fused_kernel(bf16* out, float* residual, const uint4* in,
                                                                          const float* x, const bf16* g, float eps,
-                                                                         const uint4* w, int K, int O) {
+                                                                         const uint4* w, int K, int O, SkinnyRope rope) {
   extern __shared__ uint4 staged[];
   __shared__ float sh[33 * kN];
   allow_dependents();
   const int K8 = K / 8, tid = threadIdx.x, lane = tid % 32;
-  const int o = blockIdx.x * kGemvWarps + tid / 32;
+  const int o = kRope ? rope_column(int(blockIdx.x), tid / 32, rope) : int(blockIdx.x) * kGemvWarps + tid / 32;
   const uint4* wr = w + int64_t(o < O ? o : 0) * K8;
   uint4 pre[kPrefetch];
 #pragma unroll
@@ -252,6 +265,42 @@ __global__ void __launch_bounds__(kGemvWarps * 32) skinny_fused_kernel(bf16* out
 #pragma unroll
     for (int n = 0; n < kN; ++n) acc[n] += dot8(wv, src[n * K8 + c]);
   }
+  if constexpr (kRope) {
+    // Every block has 8 live columns (O is a multiple of 8): the products meet in shared memory.
+    __shared__ float rv[kN][kGemvWarps];
+#pragma unroll
+    for (int n = 0; n < kN; ++n) {
+      const float v = warp_sum(acc[n]);
+      if (lane == 0) rv[n][tid / 32] = __bfloat162float(__float2bfloat16(v));
+    }
+    __syncthreads();
+    const int b = int(blockIdx.x), half = rope.hd / 2, kvd = rope.nkv * rope.hd;
+    if (b < (rope.nh + rope.nkv) * rope.hd / kGemvWarps) {
+      if (tid >= 4 * kN) return;
+      const int n = tid / 4, j = tid % 4, per_head = half / 4, h = b / per_head, i = (b % per_head) * 4 + j;
+      float sn, cs;
+      sincosf(float(1.f) * float(rope.pos[n]) * rope.inv_freq[i], &sn, &cs);
+      const float a = rv[n][j], bb = rv[n][j + 4];
+      const bf16 x0 = __float2bfloat16(a * cs - bb * sn), x1 = __float2bfloat16(bb * cs + a * sn);
+      bf16* hp = out + int64_t(n) * O + int64_t(h) * rope.hd;
+      hp[i] = x0;
+      hp[i + half] = x1;
+      if (h >= rope.nh) {
+        const DecodeRow row = rope.rows[n];
+        const int64_t dst = ((int64_t(row.slot) * rope.max_len + row.end - 1) * rope.nkv + (h - rope.nh)) * rope.hd;
+        rope.kc[dst + i] = x0;
+        rope.kc[dst + i + half] = x1;
+      }
+    } else {
+      if (tid >= kGemvWarps * kN) return;
+      const int n = tid / kGemvWarps, oc = b * kGemvWarps + tid % kGemvWarps;
+      const bf16 v = __float2bfloat16(rv[n][tid % kGemvWarps]);
+      out[int64_t(n) * O + oc] = v;
+      const DecodeRow row = rope.rows[n];
+      rope.vc[(int64_t(row.slot) * rope.max_len + row.end - 1) * kvd + oc - (rope.nh + rope.nkv) * rope.hd] = v;
+    }
+    return;
+  }
 #pragma unroll
   for (int n = 0; n < kN; ++n) {
     const float v = warp_sum(acc[n]);
@@ -340,13 +389,14 @@ bool skinny_fused_fits(int64_t K, int64_t rows) {
 }
 
 namespace {
-template <int kIn, bool kAdd>
+template <int kIn, bool kAdd, bool kRope = false>
 void launch_fused(const SkinnyFused& f, dim3 grid, dim3 block, size_t smem, cudaStream_t s, const uint4* in,
                   const uint4* wv, int Ki, int Oi) {
+  const SkinnyRope rope = f.rope ? *f.rope : SkinnyRope{};
   auto go = [&](auto kernel) {
-    launch_dependent(kernel, grid, block, smem, s, f.out, f.residual, in, f.x, f.norm_w, f.eps, wv, Ki, Oi);
+    launch_dependent(kernel, grid, block, smem, s, f.out, f.residual, in, f.x, f.norm_w, f.eps, wv, Ki, Oi, rope);
   };
-  with_rows(f.rows, [&](auto rows) { go(skinny_fused_kernel<kIn, kAdd, decltype(rows)::value>); });
+  with_rows(f.rows, [&](auto rows) { go(skinny_fused_kernel<kIn, kAdd, decltype(rows)::value, kRope>); });
 }
 }  // namespace
 
@@ -360,6 +410,17 @@ bool skinny_fused(const SkinnyFused& f, const bf16* w, int64_t K, int64_t O, cud
   const auto* wv = reinterpret_cast<const uint4*>(w);
   const int Ki = int(K), Oi = int(O);
   const bool add = f.residual != nullptr;
+  if (f.rope) {
+    const SkinnyRope& r = *f.rope;
+    if (f.kind == SkinnyIn::Swiglu || add || r.hd <= 0 || r.hd % 8 != 0 || r.nh <= 0 || r.nkv <= 0 ||
+        O != int64_t(r.nh + 2 * r.nkv) * r.hd || !r.pos || !r.inv_freq || !r.rows || !r.kc || !r.vc)
+      return false;
+    if (f.kind == SkinnyIn::Norm)
+      launch_fused<int(SkinnyIn::Norm), false, true>(f, grid, block, smem, s, in, wv, Ki, Oi);
+    else
+      launch_fused<int(SkinnyIn::Plain), false, true>(f, grid, block, smem, s, in, wv, Ki, Oi);
+    return true;
+  }
   switch (f.kind) {
     case SkinnyIn::Plain:
       add ? launch_fused<int(SkinnyIn::Plain), true>(f, grid, block, smem, s, in, wv, Ki, Oi)

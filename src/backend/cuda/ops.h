@@ -95,6 +95,21 @@ bool skinny_gemm(float* out, const bf16* in, const bf16* w, int64_t N, int64_t K
 // fit in shared memory), or a pointer is not 16-byte aligned.
 enum class SkinnyIn { Plain, Norm, Swiglu };
 inline constexpr int64_t kSkinnyFusedMaxK = 16384;  // 32 KiB of staged bf16
+// RoPE and the cache write of a decoder's fused q|k|v product (decode_ops.h:
+// rope_kv_cache_write) as the product's epilogue: out is then the q|k|v rows (nh q heads, nkv
+// k heads, nkv v heads of hd values), O = (nh + 2 nkv) hd. Each block computes four rotation
+// pairs (i, i + hd/2) of one q or k head, or eight v columns, and writes what
+// rope_kv_cache_write writes, with its arithmetic: q and k rotated in out, the rotated k and
+// the v of row r at cache row rows[r].end - 1 of slot rows[r].slot. Saves that launch.
+struct DecodeRow;
+struct SkinnyRope {
+  const int32_t* pos = nullptr;  // [rows]
+  const float* inv_freq = nullptr;  // [hd / 2]
+  const DecodeRow* rows = nullptr;  // [rows]
+  bf16 *kc = nullptr, *vc = nullptr;
+  int nh = 0, nkv = 0, hd = 0;
+  int64_t max_len = 0;
+};
 struct SkinnyFused {
   SkinnyIn kind = SkinnyIn::Plain;
   const bf16* in = nullptr;      // Plain, Swiglu
@@ -104,6 +119,9 @@ struct SkinnyFused {
   bf16* out = nullptr;
   float* residual = nullptr;
   int64_t rows = 1;  // 1..kSkinnyMaxRows rows, each laid out as the one-row case, one after another
+  // Norm or Plain inputs with `out` only: the RoPE + cache-write epilogue (refused when O, hd
+  // or the outputs do not fit it: hd a multiple of 8, O = (nh + 2 nkv) hd).
+  const SkinnyRope* rope = nullptr;
 };
 // Whether `rows` rows of K inputs can go through skinny_fused (their staged bf16 copies,
 // rows x K values, must fit in kSkinnyFusedMaxK).

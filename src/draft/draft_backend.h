@@ -51,6 +51,27 @@ class DraftBackend {
   }
 };
 
+// A DFlash draft's arithmetic on a GPU (dflash.h: extend_context and block_logits with bf16
+// weights and caches, fp32 accumulation and residual): the context rows' keys and values in
+// every layer are cached when the rows join; a block reads them.
+class DFlashBackend {
+ public:
+  virtual ~DFlashBackend() = default;
+  virtual std::string name() const = 0;
+  // Drops the context (the next extend starts at position 0).
+  virtual void reset() = 0;
+  // Appends n context rows: aux fp32 [n, n_aux * H], at positions rows() ...
+  virtual void extend(const float* aux, int64_t n) = 0;
+  virtual int64_t rows() const = 0;
+  // The block anchored at position rows(): slot 0 holds `first`, the others `mask_token`.
+  // Outputs slots 1..n (n < block): logits [n, Vd] unless null, and with top_k > 0 their top_k
+  // draft ids and log-softmax values [n, top_k].
+  virtual void block(int32_t first, int32_t mask_token, int64_t n, float* logits, int top_k, int32_t* top_ids,
+                     float* top_lp) = 0;
+};
+std::unique_ptr<DFlashBackend> make_cuda_dflash_backend(const DraftModel& m, const Checkpoint& target, int device,
+                                                        int64_t max_rows);
+
 // The top_k ids and log-softmax values of one row of n logits (the CPU's arithmetic: fp64 sums).
 void top_logsoftmax(const float* logits, int64_t n, int k, int32_t* ids, float* lp);
 

@@ -210,8 +210,9 @@ std::unique_ptr<DraftBackend> make_cpu_draft_backend(const DraftModel& m, const 
 
 struct DraftRunner::Impl {
   std::unique_ptr<DraftBackend> be;
-  // DFlash: the target's embedding (fp32), the context so far (each row's keys and values in
-  // every layer, dflash.h: ContextCache) and the last token.
+  std::unique_ptr<DFlashBackend> dfl;  // DFlash on a GPU
+  // DFlash on the CPU: the target's embedding (fp32), the context so far (each row's keys and
+  // values in every layer, dflash.h: ContextCache); and the last token.
   std::vector<float> embed;
   dflash::ContextCache ctx;
   int32_t last_token = -1;
@@ -246,11 +247,13 @@ DraftRunner::DraftRunner(const DraftModel& m, const Checkpoint& target, int devi
     : m_(m), impl_(std::make_unique<Impl>()) {
   const auto& c = m_.config;
   if (m_.block()) {
-    TALON_CHECK(device < 0,
-                "{}: DFlash drafting runs on the CPU only for now (--draft-device cpu; the target may stay on a GPU)",
-                m_.origin);
     TALON_CHECK(int64_t(m_.dweights.layers.size()) == m_.dflash.layers && m_.dflash.block >= 2,
                 "{}: a DFlash draft without its layers", m_.origin);
+    if (device >= 0) {
+      TALON_CHECK(max_rows > 0, "draft: a GPU DFlash draft needs room for its context (max_rows {})", max_rows);
+      impl_->dfl = make_cuda_dflash_backend(m_, target, device, max_rows);
+      return;
+    }
     const CkptTensor* t = target.find("model.embed_tokens.weight");
     TALON_CHECK(t, "{}: no tensor 'model.embed_tokens.weight' (a DFlash draft reads the target's embedding)",
                 target.source());
@@ -268,7 +271,9 @@ DraftRunner::DraftRunner(const DraftModel& m, const Checkpoint& target, int devi
 
 DraftRunner::~DraftRunner() = default;
 
-std::string DraftRunner::backend() const { return impl_->be ? impl_->be->name() : std::string("cpu"); }
+std::string DraftRunner::backend() const {
+  return impl_->be ? impl_->be->name() : impl_->dfl ? impl_->dfl->name() : std::string("cpu");
+}
 int64_t DraftRunner::graph_replays() const { return impl_->be ? impl_->be->graph_replays() : 0; }
 
 void DraftRunner::reset() {
@@ -300,8 +305,13 @@ void DraftRunner::extend(const int32_t* next_tokens, const float* aux, int64_t n
   TALON_CHECK(n > 0, "draft: extend with no rows");
   TALON_CHECK(tree_size() == 0, "draft: extend with {} tree rows pending (clear_tree first)", tree_size());
   if (m_.block()) {
-    if (len_ == 0) impl_->ctx = dflash::ContextCache{};
-    dflash::extend_context(m_.dflash, m_.dweights, aux, n, impl_->ctx);
+    if (impl_->dfl) {
+      if (len_ == 0) impl_->dfl->reset();
+      impl_->dfl->extend(aux, n);
+    } else {
+      if (len_ == 0) impl_->ctx = dflash::ContextCache{};
+      dflash::extend_context(m_.dflash, m_.dweights, aux, n, impl_->ctx);
+    }
     impl_->last_token = next_tokens[n - 1];
     len_ += n;
     return;
@@ -367,6 +377,13 @@ void DraftRunner::block_step(int64_t n, float* logits, DraftTop* top) {
               n, c.block, len_);
   TALON_CHECK(impl_->last_token >= 0 && impl_->last_token < c.V, "draft: block token {} outside the vocabulary",
               impl_->last_token);
+  if (impl_->dfl) {
+    TALON_CHECK(impl_->dfl->rows() == len_, "draft: {} context rows cached for {} extended", impl_->dfl->rows(), len_);
+    const int k = prepare_top(top, n, c.Vd);
+    impl_->dfl->block(impl_->last_token, m_.mask_token, n, logits, k, k ? top->ids.data() : nullptr,
+                      k ? top->logprob.data() : nullptr);
+    return;
+  }
   TALON_CHECK(impl_->ctx.rows == len_, "draft: {} context rows cached for {} extended", impl_->ctx.rows, len_);
   const std::vector<double> lg =
       dflash::block_logits(c, m_.dweights, impl_->embed.data(), impl_->ctx, impl_->last_token, m_.mask_token);

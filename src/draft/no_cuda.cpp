@@ -20,4 +20,7 @@ namespace talon::spec {
 std::unique_ptr<DraftBackend> make_cuda_draft_backend(const DraftModel&, const Checkpoint&, int, int64_t) {
   fail("this build has no CUDA backend (nvcc was not found when it was configured): run the draft with --device cpu");
 }
+std::unique_ptr<DFlashBackend> make_cuda_dflash_backend(const DraftModel&, const Checkpoint&, int, int64_t) {
+  fail("this build has no CUDA backend (nvcc was not found when it was configured): run the draft with --device cpu");
+}
 }  // namespace talon::spec

@@ -228,11 +228,7 @@ EvalReport run_eval(const EvalOptions& opt) {
   int max_tree_rows = 0;  // draft rows one round adds above the step-0 rows
   for (const auto& c : configs)
     max_tree_rows = std::max(max_tree_rows, c.mode == SpecConfig::Mode::Chain ? c.k : c.topk * c.depth);
-  DeviceSpec ddev = opt.draft_device == "same" ? dev : parse_device(opt.draft_device);
-  if (dm.block() && ddev.cuda && opt.draft_device == "same") {  // (an explicit GPU is refused by the runner)
-    tlog::info("eval: DFlash drafting runs on the CPU for now; the target stays on {}", opt.device);
-    ddev = parse_device("cpu");
-  }
+  const DeviceSpec ddev = opt.draft_device == "same" ? dev : parse_device(opt.draft_device);
   TALON_CHECK(!ddev.cuda || ddev.devices.size() <= 1, "eval: --draft-device {}: one GPU", opt.draft_device);
   DraftRunner draft(dm, *ckpt, ddev.cuda ? (ddev.devices.empty() ? 0 : ddev.devices[0]) : -1,
                     cache + max_tree_rows + 1);

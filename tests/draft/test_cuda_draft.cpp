@@ -363,6 +363,100 @@ TEST(CudaDraft, PEagleParallelStepMatchesTheCpuRunner) {
   EXPECT_GE(equal, runs / 2);
 }
 
+// DFlash on the GPU (src/draft/cuda/cuda_dflash.cpp) against the fp64 CPU runner: the context
+// arrives in pieces (a prompt, then 1-3 rows at a time, as verified tokens do), and after each
+// piece the block at the next position gives logits within the bf16 tolerance and a top-k equal
+// to the host's over those logits; two layer counts and block sizes, four targets (GQA groups,
+// head sizes 64 and 128, Qwen3 norms). Then greedy chains with the target and the draft both on
+// the GPU against target-only GPU decoding (equal, or parting at an fp32 near-tie).
+TEST(CudaDraft, DFlashBlocksMatchTheCpuRunner) {
+  REQUIRE_GPU();
+  int variant = 0;
+  for (const auto& target : targets()) {
+    const std::string& name = target.first;
+    const std::shared_ptr<Checkpoint>& ck = target.second;
+    const ModelConfig& tc = ck->config();
+    const int64_t layers = variant % 2 ? 3 : 2, block = variant % 2 ? 6 : 4;
+    DraftModel m = random_dflash_draft(tc, tc.vocab / 2 + 3, 31 + variant++, layers, block);
+    const int64_t H = tc.hidden, V = tc.vocab, Vd = m.config.Vd;
+    DraftRunner cpu(m, *ck), gpu(m, *ck, 0, 200);
+    EXPECT_EQ(gpu.backend(), "cuda:0");
+    std::mt19937 rng(8);
+    std::normal_distribution<float> nd(0.f, 1.f);
+    double worst = 0;
+    int blocks = 0;
+    for (const int64_t n : {29, 1, 2, 3, 1, 1, 2}) {
+      std::vector<int32_t> toks(static_cast<size_t>(n));
+      for (auto& t : toks) t = int32_t(rng() % uint32_t(V - 1));
+      std::vector<float> aux(size_t(n * 3 * H));
+      for (auto& x : aux) x = nd(rng);
+      cpu.extend(toks.data(), aux.data(), n, nullptr, nullptr);
+      gpu.extend(toks.data(), aux.data(), n, nullptr, nullptr);
+      for (int64_t k = 1; k < block; k += block - 2) {
+        std::vector<float> lc(size_t(k * Vd)), lg(lc.size());
+        DraftTop top;
+        top.k = 4;
+        cpu.block_step(k, lc.data());
+        gpu.block_step(k, lg.data(), &top);
+        std::vector<int32_t> ids(4);
+        std::vector<float> lp(4);
+        for (int64_t r = 0; r < k; ++r) {
+          const double e = rel_err(lg.data() + r * Vd, lc.data() + r * Vd, size_t(Vd));
+          EXPECT_LE(e, tol::kCudaDraftRel) << name << " context " << cpu.length() << " slot " << r + 1;
+          worst = std::max(worst, e);
+          top_logsoftmax(lg.data() + r * Vd, Vd, 4, ids.data(), lp.data());
+          for (int j = 0; j < 4; ++j)
+            EXPECT_EQ(top.ids[size_t(r * 4 + j)], ids[size_t(j)]) << name << " slot " << r + 1 << " rank " << j;
+        }
+        ++blocks;
+      }
+    }
+    EXPECT_EQ(blocks, 14) << name;
+    std::printf("cuda DFlash draft %s (%lld layers, block %lld): worst rel err logits %.4f\n", name.c_str(),
+                (long long)layers, (long long)block, worst);
+  }
+  int equal = 0, runs = 0;
+  for (const std::string fx : {"llama_gqa", "qwen3"}) {
+    auto ck = open_checkpoint(golden_fixture(fx));
+    const ModelConfig& tc = ck->config();
+    auto dec = make_cuda_decoder(*ck, 0, 1, 256);
+    auto ref = make_cpu_decoder(*ck, 1, 256);
+    DraftModel m = random_dflash_draft(tc, tc.vocab / 2, 37, 2, 5);
+    DraftRunner run(m, *ck, 0, 256 + 64);
+    std::vector<float> logits(static_cast<size_t>(tc.vocab));
+    SamplingParams greedy;
+    GenLimits lim;
+    lim.max_new_tokens = 30;
+    std::mt19937 rng(6);
+    for (int prompt_i = 0; prompt_i < 3; ++prompt_i) {
+      std::vector<int32_t> prompt(size_t(3 + prompt_i * 5));
+      for (auto& x : prompt) x = int32_t(rng() % uint32_t(tc.vocab - 1));
+      const auto want = decode_plain(*dec, 0, prompt, greedy, 0, lim);
+      for (int k : {2, 4}) {
+        SpecConfig cfg;
+        cfg.k = k;
+        const auto got = decode_speculative(*dec, 0, run, prompt, cfg, greedy, 0, lim);
+        ++runs;
+        size_t i = 0;
+        while (i < got.size() && i < want.size() && got[i] == want[i]) ++i;
+        if (i == want.size() && got.size() == want.size()) {
+          ++equal;
+          continue;
+        }
+        ASSERT_LT(i, std::min(got.size(), want.size())) << fx << " chain " << k << ": lengths differ";
+        std::vector<int32_t> seq = prompt;
+        seq.insert(seq.end(), want.begin(), want.begin() + std::ptrdiff_t(i));
+        ref->reset(0);
+        ref->forward({{0, seq, {}, false}}, {}, logits.data());
+        const double gap = std::fabs(double(logits[size_t(want[i])]) - double(logits[size_t(got[i])]));
+        EXPECT_LT(gap, tol::kCudaGreedyMargin) << fx << " prompt " << prompt_i << " chain " << k << ": token " << i;
+      }
+    }
+  }
+  std::printf("cuda DFlash greedy: %d/%d runs equal\n", equal, runs);
+  EXPECT_GE(equal, runs / 2);
+}
+
 TEST(CudaDraft, BadRequestsAreRefused) {
   REQUIRE_GPU();
   auto ck = open_checkpoint(golden_fixture("llama_gqa"));

@@ -13,6 +13,7 @@
 #include <cuda_runtime.h>
 
 #include <CLI/CLI.hpp>
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <functional>
@@ -75,6 +76,31 @@ spec::DraftModel random_draft(const ModelConfig& tc, int64_t Vd) {
   return m;
 }
 
+// A random DFlash draft (dflash.h) on the target's sizes: `layers` layers, blocks of `block`.
+spec::DraftModel random_dflash(const ModelConfig& tc, int64_t Vd, int64_t layers, int64_t block) {
+  spec::DraftModel m = random_draft(tc, Vd);
+  m.drafter = "dflash";
+  m.mask_token = int32_t(tc.vocab - 1);
+  dflash::Config& c = m.dflash;
+  c.H = m.config.H, c.I = m.config.I, c.n_heads = m.config.n_heads, c.n_kv_heads = m.config.n_kv_heads;
+  c.head_dim = m.config.head_dim, c.V = m.config.V, c.Vd = m.config.Vd, c.rms_eps = m.config.rms_eps;
+  c.rope = m.config.rope, c.layers = layers, c.block = block, c.n_aux = 3;
+  const auto shapes = train::dflash_weight_shapes(c);
+  auto named = train::dflash_named(m.dweights, c);
+  uint64_t x = 1181783497276652981ull;
+  for (size_t i = 0; i < named.size(); ++i) {
+    int64_t n = 1;
+    for (auto d : shapes[i]) n *= d;
+    named[i].second->resize(size_t(n));
+    const float a = shapes[i].size() == 1 ? 0.f : float(std::sqrt(3.0 / double(shapes[i][1])));
+    for (auto& w : *named[i].second) {
+      x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+      w = shapes[i].size() == 1 ? 1.f : a * (float(x >> 40) / float(1 << 24) * 2.f - 1.f);
+    }
+  }
+  return m;
+}
+
 double now() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
 
 }  // namespace
@@ -94,6 +120,9 @@ int main(int argc, char** argv) {
       ->delimiter(',')
       ->capture_default_str();
   app.add_option("--tree", tree, "tree size per slot for the verification case (0: skip)")->capture_default_str();
+  int64_t dflash_layers = 0, dflash_block = 16;
+  app.add_option("--dflash-layers", dflash_layers, "also time a DFlash draft of this many layers (0: skip)");
+  app.add_option("--dflash-block", dflash_block, "its block size")->capture_default_str();
   app.add_option("--draft-vocab", draft_vocab, "time an EAGLE-3 draft layer with this draft vocabulary (0: skip)")
       ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
@@ -293,6 +322,34 @@ int main(int argc, char** argv) {
           std::printf("\n");
         }
       }
+    }
+    if (dflash_layers > 0 && draft_vocab > 0) {
+      // A DFlash round's draft work at this context: one verified row joins the context, then
+      // the block at the next position gives block - 1 draft tokens (greedy top-1 ids).
+      const spec::DraftModel dm = random_dflash(c, draft_vocab, dflash_layers, dflash_block);
+      spec::DraftRunner run(dm, *ck, 0, context + 256);
+      const int64_t H = c.hidden;
+      std::vector<float> aux(size_t(context * 3 * H), 0.01f);
+      std::vector<int32_t> ids(static_cast<size_t>(context));
+      for (auto& t : ids) t = tok();
+      run.extend(ids.data(), aux.data(), context - 1, nullptr, nullptr);
+      spec::DraftTop top;
+      top.k = 1;
+      std::vector<double> ext, blk;
+      for (int i = 0; i < 11; ++i) {
+        double a = now();
+        run.extend(ids.data(), aux.data(), 1, nullptr, nullptr);
+        ext.push_back(now() - a);
+        a = now();
+        run.block_step(dflash_block - 1, nullptr, &top);
+        blk.push_back(now() - a);
+      }
+      std::sort(ext.begin() + 2, ext.end());
+      std::sort(blk.begin() + 2, blk.end());
+      std::printf("DFlash draft (%lld layers, block %lld, Vd %lld) on the GPU, context %lld, median of 9: context row "
+                  "%.3f ms, block of %lld tokens %.3f ms\n",
+                  (long long)dflash_layers, (long long)dflash_block, (long long)draft_vocab, (long long)context,
+                  ext[6] * 1e3, (long long)(dflash_block - 1), blk[6] * 1e3);
     }
     if (tree > 0) {
       // Verification: 32 slots (or fewer) each with a random tree of `tree` tokens.

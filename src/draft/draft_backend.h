@@ -49,6 +49,18 @@ class DraftBackend {
                      const std::vector<DraftRows>& steps, int32_t* ids) {
     return false;
   }
+  // An EAGLE-2 dynamic tree in one go, where the backend can (false: not here; the runner then
+  // expands it step by step). The root's k children are candidates 0..k-1 (root_tok target ids,
+  // root_score their log-probabilities, hidden state root_hidden [H]); steps[j] are the rows of
+  // expansion step j (k rows each; their masks hold only the first step's bits, the others are
+  // made on the device). Each step forwards the k best candidates so far of the depth before
+  // (DraftRunner::expand_tree) and adds their k children each. Outputs, per candidate: target
+  // id, parent candidate (-1: the root), score, and the runner node it was forwarded as (-1).
+  virtual bool tree(const std::vector<int32_t>& root_tok, const std::vector<double>& root_score,
+                    const float* root_hidden, const std::vector<DraftRows>& steps, std::vector<int32_t>& tok,
+                    std::vector<int32_t>& par, std::vector<double>& score, std::vector<int32_t>& runner) {
+    return false;
+  }
 };
 
 // A DFlash draft's arithmetic on a GPU (dflash.h: extend_context and block_logits with bf16

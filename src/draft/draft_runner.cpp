@@ -358,6 +358,106 @@ std::vector<int32_t> DraftRunner::extend_chain(const int32_t* next_tokens, const
   return ids;
 }
 
+void DraftRunner::expand_tree(const DraftTop& top, const float* hidden, int depth, std::vector<int32_t>& tokens,
+                              std::vector<int32_t>& parents, std::vector<double>& scores, bool on_device) {
+  TALON_CHECK(!m_.chain_only(), "draft: {} drafts one chain a round, not a tree", m_.origin);
+  TALON_CHECK(len_ > 0 && depth >= 1, "draft: a tree of depth {} after {} step-0 rows", depth, len_);
+  const int k = top.k;
+  TALON_CHECK(k >= 1 && int64_t(top.ids.size()) >= k && int64_t(top.logprob.size()) >= k, "draft: a root top-k of {}",
+              k);
+  const int64_t H = m_.config.H;
+  tokens.clear(), parents.clear(), scores.clear();
+  for (int j = 0; j < k; ++j) {
+    tokens.push_back(to_target(top.ids[size_t(j)]));
+    parents.push_back(-1);
+    scores.push_back(double(top.logprob[size_t(j)]));
+  }
+  if (depth == 1) return;
+  // The k best of the candidates [first, end) (score descending, ties to the lower index).
+  auto best = [&](size_t first) {
+    std::vector<int32_t> idx(scores.size() - first);
+    std::iota(idx.begin(), idx.end(), int32_t(first));
+    const size_t n = std::min(idx.size(), size_t(k));
+    std::partial_sort(idx.begin(), idx.begin() + std::ptrdiff_t(n), idx.end(), [&](int32_t a, int32_t b) {
+      return scores[size_t(a)] > scores[size_t(b)] || (scores[size_t(a)] == scores[size_t(b)] && a < b);
+    });
+    idx.resize(n);
+    return idx;
+  };
+  const int64_t T0 = tree_size();
+  if (on_device) {
+    // The rows of every step: node ids follow one another, each step's parents are made on the
+    // device; only the first step's (the root's children: own bits) are known here.
+    std::vector<DraftRows> steps;
+    for (int d = 2; d <= depth; ++d) {
+      DraftRows r;
+      for (int i = 0; i < k; ++i) {
+        const int32_t t = int32_t(T0 + int64_t(d - 2) * k + i);
+        r.pos.push_back(int32_t(len_ - 1 + d - 1));
+        r.len.push_back(int32_t(len_));
+        r.end.push_back(int32_t(len_ + t + 1));
+        r.mask.push_back(int32_t(r.masks.size()));
+        r.masks.resize(r.masks.size() + size_t(t / 64 + 1), 0);
+        if (d == 2) r.masks[size_t(r.mask.back() + t / 64)] |= uint64_t(1) << (t % 64);
+      }
+      steps.push_back(std::move(r));
+    }
+    std::vector<int32_t> tok, par, run;
+    std::vector<double> sc;
+    if (impl_->be->tree(tokens, scores, hidden, steps, tok, par, sc, run)) {
+      tokens = tok, parents = par, scores = sc;
+      // The runner's own record of the forwarded nodes (node = run[c] for candidate c).
+      std::vector<int32_t> node_parent(static_cast<size_t>(int64_t(depth - 1) * k), -1),
+          node_depth(node_parent.size(), 0);
+      std::vector<int32_t> cand_depth(tokens.size(), 1);
+      for (size_t c = 0; c < tokens.size(); ++c) {
+        if (parents[c] >= 0) cand_depth[c] = cand_depth[size_t(parents[c])] + 1;
+        if (run[c] < 0) continue;
+        const int64_t at = run[c] - T0;
+        TALON_CHECK(at >= 0 && at < int64_t(node_parent.size()), "draft: the device tree forwarded node {}", run[c]);
+        node_parent[size_t(at)] = parents[c] < 0 ? -1 : run[size_t(parents[c])];
+        node_depth[size_t(at)] = cand_depth[c];
+      }
+      impl_->tparent.insert(impl_->tparent.end(), node_parent.begin(), node_parent.end());
+      impl_->tdepth.insert(impl_->tdepth.end(), node_depth.begin(), node_depth.end());
+      return;
+    }
+  }
+  // Step by step: forward the frontier, add its children, keep the k best.
+  std::vector<int32_t> runner_id(tokens.size(), -1), frontier(static_cast<size_t>(k));
+  std::iota(frontier.begin(), frontier.end(), 0);
+  std::vector<std::vector<float>> hid;  // per forwarded node
+  DraftTop st;
+  st.k = k;
+  for (int d = 2; d <= depth; ++d) {
+    std::vector<int32_t> toks, pars;
+    std::vector<float> ph;
+    for (int32_t f : frontier) {
+      toks.push_back(tokens[size_t(f)]);
+      const int32_t p = parents[size_t(f)];
+      pars.push_back(p < 0 ? -1 : runner_id[size_t(p)]);
+      const float* h = p < 0 ? hidden : hid[size_t(runner_id[size_t(p)] - T0)].data();
+      ph.insert(ph.end(), h, h + H);
+    }
+    const int64_t base = tree_size(), n = int64_t(frontier.size());
+    std::vector<float> hs(size_t(n * H));
+    tree_step(toks, pars, ph.data(), hs.data(), nullptr, &st);
+    const size_t first_new = tokens.size();
+    for (int64_t i = 0; i < n; ++i) {
+      const int32_t f = frontier[size_t(i)];
+      runner_id[size_t(f)] = int32_t(base + i);
+      hid.emplace_back(hs.begin() + i * H, hs.begin() + (i + 1) * H);
+      for (int j = 0; j < k; ++j) {
+        tokens.push_back(to_target(st.ids[size_t(i * k + j)]));
+        parents.push_back(f);
+        scores.push_back(scores[size_t(f)] + double(st.logprob[size_t(i * k + j)]));
+        runner_id.push_back(-1);
+      }
+    }
+    frontier = best(first_new);
+  }
+}
+
 void DraftRunner::tree_step(const std::vector<int32_t>& tokens, const std::vector<int32_t>& parents,
                             const float* parent_hidden, float* hidden, float* logits, DraftTop* top) {
   const int64_t n = int64_t(tokens.size());

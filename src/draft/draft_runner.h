@@ -85,6 +85,17 @@ class DraftRunner {
   // one graph, one copy up and one down); the nodes stay in the tree until clear_tree.
   std::vector<int32_t> extend_chain(const int32_t* next_tokens, const float* aux, int64_t n, int k);
 
+  // EAGLE-2 dynamic-tree drafting below the last step-0 row: its top-k (`top`, the k of the
+  // tree) and hidden state are the root; candidates are the root's k children, then for each
+  // depth 2..depth the k children of each of the k best-scoring candidates of the depth before
+  // (score: the sum of log-probabilities down the path; ties to the earlier candidate), those
+  // k forwarded as one tree step. Outputs every candidate: target id, parent candidate (-1: the
+  // root) and score, in that order. On a GPU the whole expansion is one graph (one copy up,
+  // one down); elsewhere, or with on_device false, one tree_step per depth. The forwarded nodes
+  // stay in the tree until clear_tree.
+  void expand_tree(const DraftTop& top, const float* hidden, int depth, std::vector<int32_t>& tokens,
+                   std::vector<int32_t>& parents, std::vector<double>& scores, bool on_device = true);
+
   // One draft step over tree nodes: node i has token tokens[i] (a target id) and parent
   // parents[i] (an earlier tree node, or -1: the last step-0 row). parent_hidden[i] is that
   // parent's hidden state. Appends the nodes to the tree; outputs hidden [n, H] and logits

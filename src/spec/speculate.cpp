@@ -28,17 +28,6 @@ bool append_tokens(std::vector<int32_t>& out, const std::vector<int32_t>& toks, 
   return false;
 }
 
-// The k largest entries (ties: lower index first).
-std::vector<int32_t> top_indices(const std::vector<double>& v, int k) {
-  std::vector<int32_t> idx(v.size());
-  std::iota(idx.begin(), idx.end(), 0);
-  k = std::min<int>(k, int(v.size()));
-  std::partial_sort(idx.begin(), idx.begin() + k, idx.end(), [&](int32_t a, int32_t b) {
-    return v[size_t(a)] > v[size_t(b)] || (v[size_t(a)] == v[size_t(b)] && a < b);
-  });
-  idx.resize(size_t(k));
-  return idx;
-}
 }  // namespace
 
 std::string SpecConfig::name() const {
@@ -302,48 +291,8 @@ std::vector<int32_t> decode_speculative(Decoder& target, int slot, DraftRunner& 
         }
       }
     } else {
-      // EAGLE-2 dynamic tree. Candidates carry the draft-runner node they were forwarded as.
-      std::vector<int32_t> runner_id;        // per candidate: its runner node once forwarded, else -1
-      std::vector<std::vector<float>> hid;   // per forwarded runner node: hidden state
-      auto add_children = [&](const DraftTop& t, int64_t row, int32_t parent, double base) {
-        for (int j = 0; j < t.k; ++j) {
-          cand.tokens.push_back(draft.to_target(t.ids[size_t(row * t.k + j)]));
-          cand.parents.push_back(parent);
-          cand.scores.push_back(base + double(t.logprob[size_t(row * t.k + j)]));
-          runner_id.push_back(-1);
-        }
-      };
-      add_children(top_last, 0, -1, 0.0);
-      DraftTop top;
-      top.k = top_last.k;
-      std::vector<int32_t> frontier(cand.tokens.size());
-      std::iota(frontier.begin(), frontier.end(), 0);
-      for (int d = 2; d <= cfg.depth; ++d) {
-        // Forward the frontier nodes.
-        std::vector<int32_t> toks, pars;
-        std::vector<float> ph;
-        for (int32_t f : frontier) {
-          toks.push_back(cand.tokens[size_t(f)]);
-          const int32_t par = cand.parents[size_t(f)];
-          pars.push_back(par < 0 ? -1 : runner_id[size_t(par)]);
-          const std::vector<float>& h = par < 0 ? g_last : hid[size_t(runner_id[size_t(par)])];
-          ph.insert(ph.end(), h.begin(), h.end());
-        }
-        const int64_t base_id = draft.tree_size(), n = int64_t(frontier.size());
-        std::vector<float> hs(size_t(n * H));
-        draft.tree_step(toks, pars, ph.data(), hs.data(), nullptr, &top);
-        const size_t first_new = cand.tokens.size();
-        for (int64_t i = 0; i < n; ++i) {
-          runner_id[size_t(frontier[size_t(i)])] = int32_t(base_id + i);
-          hid.emplace_back(hs.begin() + i * H, hs.begin() + (i + 1) * H);
-          add_children(top, i, frontier[size_t(i)], cand.scores[size_t(frontier[size_t(i)])]);
-        }
-        // Next frontier: the best topk of this depth's new candidates.
-        std::vector<double> sc(cand.tokens.size() - first_new);
-        for (size_t i = 0; i < sc.size(); ++i) sc[i] = cand.scores[first_new + i];
-        frontier.clear();
-        for (int32_t i : top_indices(sc, cfg.topk)) frontier.push_back(int32_t(first_new + size_t(i)));
-      }
+      // EAGLE-2 dynamic tree (DraftRunner::expand_tree: on a GPU one graph for all depths).
+      draft.expand_tree(top_last, g_last.data(), cfg.depth, cand.tokens, cand.parents, cand.scores);
     }
     draft.clear_tree();
     const DraftTree tree =

@@ -24,6 +24,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <random>
+#include <tuple>
 
 #include "backend/backend.h"
 #include "model/decode.h"
@@ -272,6 +273,56 @@ TEST(CudaDraft, ChainInOneGraphDraftsWhatStepByStepDrafts) {
     }
     EXPECT_EQ(rounds, 7);
     EXPECT_EQ(one.length(), steps.length());
+  }
+}
+
+// An EAGLE-2 tree expanded in one graph (DraftRunner::expand_tree: the best k candidates picked,
+// their tokens, hidden states and attention masks made on the device) against the same runner
+// code expanding step by step through the host (on_device false) on a second GPU runner: the
+// same candidates (target ids, parents, scores bit for bit), rounds after extensions of 1-3
+// rows, depths 1-6, k 1, 4, 8 and 16 (two mask words past 64 nodes at depth 6, k 16), four targets.
+TEST(CudaDraft, TreeInOneGraphExpandsWhatStepByStepExpands) {
+  REQUIRE_GPU();
+  int variant = 0;
+  for (const auto& target : targets()) {
+    const std::string& name = target.first;
+    const std::shared_ptr<Checkpoint>& ck = target.second;
+    const ModelConfig& tc = ck->config();
+    DraftModel m = random_draft(tc, tc.vocab / 2 + 3, 41 + variant);
+    m.config.norm_before_residual = variant++ % 2 == 1;
+    const int64_t H = tc.hidden, V = tc.vocab;
+    DraftRunner one(m, *ck, 0, 600), steps(m, *ck, 0, 600);
+    std::mt19937 rng(9);
+    std::normal_distribution<float> nd(0.f, 1.f);
+    int rounds = 0;
+    for (const auto& [n, depth, k] : std::vector<std::tuple<int64_t, int, int>>{
+             {25, 2, 4}, {1, 6, 8}, {3, 4, 4}, {2, 3, 1}, {1, 6, 16}, {1, 1, 4}}) {
+      std::vector<int32_t> toks(static_cast<size_t>(n));
+      for (auto& t : toks) t = int32_t(rng() % uint32_t(V));
+      std::vector<float> aux(size_t(n * 3 * H));
+      for (auto& x : aux) x = nd(rng);
+      std::vector<float> ha(static_cast<size_t>(H)), hb(ha.size());
+      DraftTop ta, tb;
+      ta.k = tb.k = k;
+      one.extend(toks.data(), aux.data(), n, ha.data(), nullptr, &ta);
+      steps.extend(toks.data(), aux.data(), n, hb.data(), nullptr, &tb);
+      ASSERT_EQ(ha, hb);
+      std::vector<int32_t> t1, p1, t2, p2;
+      std::vector<double> s1, s2;
+      one.expand_tree(ta, ha.data(), depth, t1, p1, s1, true);
+      steps.expand_tree(tb, hb.data(), depth, t2, p2, s2, false);
+      const std::string what = fmt::format("{}: extend {}, depth {}, k {}", name, n, depth, k);
+      EXPECT_EQ(t1.size(), size_t(k + (depth - 1) * k * k)) << what;
+      EXPECT_EQ(t1, t2) << what;
+      EXPECT_EQ(p1, p2) << what;
+      EXPECT_EQ(s1, s2) << what;
+      EXPECT_EQ(one.tree_size(), steps.tree_size()) << what;
+      EXPECT_EQ(one.tree_size(), int64_t(depth - 1) * k) << what;
+      one.clear_tree();
+      steps.clear_tree();
+      ++rounds;
+    }
+    EXPECT_EQ(rounds, 6);
   }
 }
 

@@ -18,6 +18,7 @@
 #include "model/model.h"
 #include "draft/draft_backend.h"
 #include "draft/draft_runner.h"
+#include "draft/cuda/draft_tree.h"
 #include "util/dtype.h"
 #include "util/error.h"
 #include "util/log.h"
@@ -155,6 +156,101 @@ class CudaDraftBackend final : public DraftBackend {
     CUDA_CHECK(cudaMemcpyAsync(out_ids_, a.top_ids, size_t(n_steps + 1) * 4, cudaMemcpyDeviceToHost, s));
     CUDA_CHECK(cudaStreamSynchronize(s));
     std::memcpy(ids, out_ids_, size_t(n_steps + 1) * 4);
+    return true;
+  }
+
+  bool tree(const std::vector<int32_t>& root_tok, const std::vector<double>& root_score, const float* root_hidden,
+            const std::vector<DraftRows>& steps, std::vector<int32_t>& tok, std::vector<int32_t>& par,
+            std::vector<double>& score, std::vector<int32_t>& runner) override {
+    dev_.activate();
+    const auto& c = c_;
+    const int64_t H = c.H, k = int64_t(root_tok.size()), n_steps = int64_t(steps.size());
+    if (k < 1 || k > kMaxTop || n_steps < 1) return false;
+    const int64_t C = k + n_steps * k * k;  // candidates
+    // Plans of every step (k rows from hidden states, top-k of each row), then the candidate
+    // arrays and the frontier, all in the packed inputs (one copy up).
+    std::vector<Step> plans;
+    size_t off = 0;
+    for (const DraftRows& r : steps) {
+      TALON_CHECK(r.size() == k, "draft: a tree step of {} rows, expected {}", r.size(), k);
+      plans.push_back(plan(nullptr, false, r, false, int(k), off));
+      off = plans.back().end;
+    }
+    auto place = [&](size_t bytes) {
+      const size_t at = off;
+      off += (bytes + 15) / 16 * 16;
+      return at;
+    };
+    const size_t o_score = place(size_t(C) * 8), o_tok = place(size_t(C) * 4), o_par = place(size_t(C) * 4),
+                 o_run = place(size_t(C) * 4), o_front = place(size_t(k) * 4), o_moff = place(size_t(n_steps * k) * 4);
+    int64_t most_part = 0;
+    for (const Step& st : plans) most_part = std::max(most_part, st.part);
+    ensure_acts(k, most_part, int64_t(off));
+    Acts& a = *acts_;
+    uint8_t* hb = staging(off);
+    stage(plans[0], hb, nullptr, nullptr, steps[0]);
+    // Step 0's rows are the root's children: their tokens, the root's hidden state, own bits.
+    std::vector<float> hin(size_t(k * H));
+    for (int64_t i = 0; i < k; ++i) std::copy_n(root_hidden, H, hin.data() + i * H);
+    std::memcpy(hb + plans[0].o_ids, root_tok.data(), size_t(k) * 4);
+    std::memcpy(hb + plans[0].o_in, hin.data(), hin.size() * 4);
+    for (int64_t j = 1; j < n_steps; ++j) stage(plans[size_t(j)], hb, nullptr, nullptr, steps[size_t(j)]);
+    std::vector<int32_t> moff(size_t(n_steps * k)), init_par(size_t(k), -1), init_run(size_t(k), -1),
+        front(static_cast<size_t>(k));
+    for (int64_t j = 0; j < n_steps; ++j)
+      for (int64_t i = 0; i < k; ++i) moff[size_t(j * k + i)] = steps[size_t(j)].mask[size_t(i)];
+    for (int64_t i = 0; i < k; ++i) front[size_t(i)] = int32_t(i);
+    std::memcpy(hb + o_score, root_score.data(), size_t(k) * 8);
+    std::memcpy(hb + o_tok, root_tok.data(), size_t(k) * 4);
+    std::memcpy(hb + o_par, init_par.data(), size_t(k) * 4);
+    std::memcpy(hb + o_run, init_run.data(), size_t(k) * 4);
+    std::memcpy(hb + o_front, front.data(), size_t(k) * 4);
+    std::memcpy(hb + o_moff, moff.data(), moff.size() * 4);
+    cudaStream_t s = dev_.stream();
+    CUDA_CHECK(cudaMemcpyAsync(a.inputs, hb, off, cudaMemcpyHostToDevice, s));
+    auto* d_score = reinterpret_cast<double*>(a.inputs + o_score);
+    auto* d_tok = reinterpret_cast<int32_t*>(a.inputs + o_tok);
+    auto* d_par = reinterpret_cast<int32_t*>(a.inputs + o_par);
+    auto* d_run = reinterpret_cast<int32_t*>(a.inputs + o_run);
+    auto* d_front = reinterpret_cast<int32_t*>(a.inputs + o_front);
+    const auto* d_moff = reinterpret_cast<const int32_t*>(a.inputs + o_moff);
+    std::string key = "tree/" + std::to_string(k);
+    for (const Step& st : plans) key += "|" + this->key(st);
+    graphs_.run(key, s, [&] {
+      for (int64_t j = 0; j < n_steps; ++j) {
+        const Step& st = plans[size_t(j)];
+        enqueue(st, nullptr, j == 0 ? nullptr : a.hnext, a.top_ids, a.top_lp);
+        cuda::TreeExpandArgs ta;
+        ta.k = int(k);
+        ta.top_ids = a.top_ids, ta.top_lp = a.top_lp, ta.frontier = d_front;
+        ta.cand_tok = d_tok, ta.cand_par = d_par, ta.cand_runner = d_run, ta.cand_score = d_score;
+        ta.first_new = int(k + j * k * k);
+        ta.base_id = steps[size_t(j)].end[0] - steps[size_t(j)].len[0] - 1;
+        ta.d2t = d2t_;
+        if (j + 1 < n_steps) {
+          const Step& nx = plans[size_t(j + 1)];
+          ta.next_ids = reinterpret_cast<int32_t*>(a.inputs + nx.o_ids);
+          ta.next_hidden = a.hnext;
+          ta.cur_hidden = a.x;
+          ta.H = int(H);
+          ta.next_masks = reinterpret_cast<uint64_t*>(a.inputs + nx.o_masks);
+          ta.cur_masks = reinterpret_cast<const uint64_t*>(a.inputs + st.o_masks);
+          ta.cur_mask_off = d_moff + j * k;
+          ta.next_mask_off = d_moff + (j + 1) * k;
+          ta.next_base_id = steps[size_t(j + 1)].end[0] - steps[size_t(j + 1)].len[0] - 1;
+        }
+        cuda::tree_expand(ta, s);
+      }
+    });
+    tok.resize(size_t(C));
+    par.resize(size_t(C));
+    score.resize(size_t(C));
+    runner.resize(size_t(C));
+    CUDA_CHECK(cudaMemcpyAsync(tok.data(), d_tok, size_t(C) * 4, cudaMemcpyDeviceToHost, s));
+    CUDA_CHECK(cudaMemcpyAsync(par.data(), d_par, size_t(C) * 4, cudaMemcpyDeviceToHost, s));
+    CUDA_CHECK(cudaMemcpyAsync(score.data(), d_score, size_t(C) * 8, cudaMemcpyDeviceToHost, s));
+    CUDA_CHECK(cudaMemcpyAsync(runner.data(), d_run, size_t(C) * 4, cudaMemcpyDeviceToHost, s));
+    CUDA_CHECK(cudaStreamSynchronize(s));
     return true;
   }
 
@@ -339,6 +435,7 @@ class CudaDraftBackend final : public DraftBackend {
     float *e, *x, *part, *lg32, *top_lp;
     bf16 *aux, *gn, *xin, *qkv, *att, *tmp, *hm, *gu, *act, *lg;
     int32_t *top_ids, *chain_ids;  // chain_ids: a chain's step tokens, [kMaxTop]
+    float* hnext;                  // a tree step's input hidden states, [n, H]
     uint8_t* inputs;  // the packed inputs of a forward (ids, positions, rows, masks, in)
   };
 
@@ -369,6 +466,7 @@ class CudaDraftBackend final : public DraftBackend {
     a->lg = a->arena.alloc<bf16>(size_t(n * c.Vd));
     a->top_ids = a->arena.alloc<int32_t>(size_t(n * kMaxTop));
     a->chain_ids = a->arena.alloc<int32_t>(size_t(kMaxTop));
+    a->hnext = a->arena.alloc<float>(size_t(n * H));
     a->top_lp = a->arena.alloc<float>(size_t(n * kMaxTop));
     a->inputs = a->arena.alloc<uint8_t>(size_t(ni));
     a->n = n, a->n_part = np, a->n_inputs = ni;

@@ -51,15 +51,10 @@ ModelConfig shape_config(const std::string& shape) {
   return c;
 }
 
-// A random EAGLE-3 draft with the target's sizes: uniform weights of variance 1/fan_in from a
-// fast generator (the 8B shape has 425M of them), norms 1.
-spec::DraftModel random_draft(const ModelConfig& tc, int64_t Vd) {
-  spec::DraftModel m;
-  m.config = eagle3::draft_config_for(tc, Vd);
-  const auto& c = m.config;
-  const auto shapes = train::draft_weight_shapes(c);
-  auto named = m.weights.named();
-  uint64_t x = 88172645463325252ull;
+// Sizes each named tensor by its shape and fills it: uniform weights of variance 1/fan_in from a
+// fast generator (the 8B shape has 425M of them), norms (1-D tensors) 1.
+template <class Named>
+void fill_random(const Named& named, const std::vector<std::vector<int64_t>>& shapes, uint64_t x) {
   for (size_t i = 0; i < named.size(); ++i) {
     int64_t n = 1;
     for (auto d : shapes[i]) n *= d;
@@ -70,6 +65,14 @@ spec::DraftModel random_draft(const ModelConfig& tc, int64_t Vd) {
       w = shapes[i].size() == 1 ? 1.f : a * (float(x >> 40) / float(1 << 24) * 2.f - 1.f);
     }
   }
+}
+
+// A random EAGLE-3 draft with the target's sizes (fill_random).
+spec::DraftModel random_draft(const ModelConfig& tc, int64_t Vd) {
+  spec::DraftModel m;
+  m.config = eagle3::draft_config_for(tc, Vd);
+  const auto& c = m.config;
+  fill_random(m.weights.named(), train::draft_weight_shapes(c), 88172645463325252ull);
   std::vector<int64_t> counts(size_t(c.V), 1);
   m.vocab = eagle3::build_draft_vocab(counts, c.Vd);
   m.aux_layer_ids = {2, tc.n_layers / 2, tc.n_layers - 3};
@@ -85,19 +88,7 @@ spec::DraftModel random_dflash(const ModelConfig& tc, int64_t Vd, int64_t layers
   c.H = m.config.H, c.I = m.config.I, c.n_heads = m.config.n_heads, c.n_kv_heads = m.config.n_kv_heads;
   c.head_dim = m.config.head_dim, c.V = m.config.V, c.Vd = m.config.Vd, c.rms_eps = m.config.rms_eps;
   c.rope = m.config.rope, c.layers = layers, c.block = block, c.n_aux = 3;
-  const auto shapes = train::dflash_weight_shapes(c);
-  auto named = train::dflash_named(m.dweights, c);
-  uint64_t x = 1181783497276652981ull;
-  for (size_t i = 0; i < named.size(); ++i) {
-    int64_t n = 1;
-    for (auto d : shapes[i]) n *= d;
-    named[i].second->resize(size_t(n));
-    const float a = shapes[i].size() == 1 ? 0.f : float(std::sqrt(3.0 / double(shapes[i][1])));
-    for (auto& w : *named[i].second) {
-      x ^= x << 13, x ^= x >> 7, x ^= x << 17;
-      w = shapes[i].size() == 1 ? 1.f : a * (float(x >> 40) / float(1 << 24) * 2.f - 1.f);
-    }
-  }
+  fill_random(train::dflash_named(m.dweights, c), train::dflash_weight_shapes(c), 1181783497276652981ull);
   return m;
 }
 

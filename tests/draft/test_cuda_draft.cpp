@@ -23,6 +23,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <functional>
 #include <random>
 #include <tuple>
 
@@ -56,6 +57,54 @@ std::vector<std::pair<std::string, std::shared_ptr<Checkpoint>>> targets() {
     out.emplace_back("random hd " + std::to_string(hd), make_random_checkpoint(c, 0.2f, uint64_t(hd)));
   }
   return out;
+}
+
+// Greedy chains with the target and the draft both on the GPU against target-only GPU decoding,
+// on the llama_gqa and qwen3 fixtures, three prompts (token ids below vocab - spare), chains of
+// each k: equal, or parting only where the fp32 CPU reference's logits of the two tokens are
+// closer than kCudaGreedyMargin (checked on the common prefix); at least half of the runs equal.
+void expect_greedy_chains_on_gpu(const std::function<DraftModel(const ModelConfig&)>& make_draft,
+                                 const std::vector<int>& ks, uint32_t seed, uint32_t spare, const char* label) {
+  int equal = 0, runs = 0;
+  for (const std::string fx : {"llama_gqa", "qwen3"}) {
+    auto ck = open_checkpoint(golden_fixture(fx));
+    const ModelConfig& tc = ck->config();
+    auto dec = make_cuda_decoder(*ck, 0, 1, 256);
+    auto ref = make_cpu_decoder(*ck, 1, 256);
+    DraftModel m = make_draft(tc);
+    DraftRunner run(m, *ck, 0, 256 + 64);
+    std::vector<float> logits(static_cast<size_t>(tc.vocab));
+    SamplingParams greedy;
+    GenLimits lim;
+    lim.max_new_tokens = 30;
+    std::mt19937 rng(seed);
+    for (int prompt_i = 0; prompt_i < 3; ++prompt_i) {
+      std::vector<int32_t> prompt(size_t(3 + prompt_i * 5));
+      for (auto& x : prompt) x = int32_t(rng() % (uint32_t(tc.vocab) - spare));
+      const auto want = decode_plain(*dec, 0, prompt, greedy, 0, lim);
+      for (int k : ks) {
+        SpecConfig cfg;
+        cfg.k = k;
+        const auto got = decode_speculative(*dec, 0, run, prompt, cfg, greedy, 0, lim);
+        ++runs;
+        size_t i = 0;
+        while (i < got.size() && i < want.size() && got[i] == want[i]) ++i;
+        if (i == want.size() && got.size() == want.size()) {
+          ++equal;
+          continue;
+        }
+        ASSERT_LT(i, std::min(got.size(), want.size())) << fx << " chain " << k << ": lengths differ";
+        std::vector<int32_t> seq = prompt;
+        seq.insert(seq.end(), want.begin(), want.begin() + std::ptrdiff_t(i));
+        ref->reset(0);
+        ref->forward({{0, seq, {}, false}}, {}, logits.data());
+        const double gap = std::fabs(double(logits[size_t(want[i])]) - double(logits[size_t(got[i])]));
+        EXPECT_LT(gap, tol::kCudaGreedyMargin) << fx << " prompt " << prompt_i << " chain " << k << ": token " << i;
+      }
+    }
+  }
+  std::printf("cuda %s greedy: %d/%d runs equal\n", label, equal, runs);
+  EXPECT_GE(equal, runs / 2);
 }
 
 TEST(CudaDraft, RunnerMatchesTheCpuRunner) {
@@ -372,46 +421,8 @@ TEST(CudaDraft, PEagleParallelStepMatchesTheCpuRunner) {
     }
     std::printf("cuda P-EAGLE draft %s: worst rel err logits %.4f\n", name.c_str(), worst);
   }
-  int equal = 0, runs = 0;
-  for (const std::string fx : {"llama_gqa", "qwen3"}) {
-    auto ck = open_checkpoint(golden_fixture(fx));
-    const ModelConfig& tc = ck->config();
-    auto dec = make_cuda_decoder(*ck, 0, 1, 256);
-    auto ref = make_cpu_decoder(*ck, 1, 256);
-    DraftModel m = random_peagle_draft(tc, tc.vocab / 2, 23);
-    DraftRunner run(m, *ck, 0, 256 + 64);
-    std::vector<float> logits(static_cast<size_t>(tc.vocab));
-    SamplingParams greedy;
-    GenLimits lim;
-    lim.max_new_tokens = 30;
-    std::mt19937 rng(4);
-    for (int prompt_i = 0; prompt_i < 3; ++prompt_i) {
-      std::vector<int32_t> prompt(size_t(3 + prompt_i * 5));
-      for (auto& x : prompt) x = int32_t(rng() % uint32_t(tc.vocab));
-      const auto want = decode_plain(*dec, 0, prompt, greedy, 0, lim);
-      for (int k : {2, 5}) {
-        SpecConfig cfg;
-        cfg.k = k;
-        const auto got = decode_speculative(*dec, 0, run, prompt, cfg, greedy, 0, lim);
-        ++runs;
-        size_t i = 0;
-        while (i < got.size() && i < want.size() && got[i] == want[i]) ++i;
-        if (i == want.size() && got.size() == want.size()) {
-          ++equal;
-          continue;
-        }
-        ASSERT_LT(i, std::min(got.size(), want.size())) << fx << " chain " << k << ": lengths differ";
-        std::vector<int32_t> seq = prompt;
-        seq.insert(seq.end(), want.begin(), want.begin() + std::ptrdiff_t(i));
-        ref->reset(0);
-        ref->forward({{0, seq, {}, false}}, {}, logits.data());
-        const double gap = std::fabs(double(logits[size_t(want[i])]) - double(logits[size_t(got[i])]));
-        EXPECT_LT(gap, tol::kCudaGreedyMargin) << fx << " prompt " << prompt_i << " chain " << k << ": token " << i;
-      }
-    }
-  }
-  std::printf("cuda P-EAGLE greedy: %d/%d runs equal\n", equal, runs);
-  EXPECT_GE(equal, runs / 2);
+  expect_greedy_chains_on_gpu(
+      [](const ModelConfig& tc) { return random_peagle_draft(tc, tc.vocab / 2, 23); }, {2, 5}, 4, 0, "P-EAGLE");
 }
 
 // DFlash on the GPU (src/draft/cuda/cuda_dflash.cpp) against the fp64 CPU runner: the context
@@ -466,46 +477,8 @@ TEST(CudaDraft, DFlashBlocksMatchTheCpuRunner) {
     std::printf("cuda DFlash draft %s (%lld layers, block %lld): worst rel err logits %.4f\n", name.c_str(),
                 (long long)layers, (long long)block, worst);
   }
-  int equal = 0, runs = 0;
-  for (const std::string fx : {"llama_gqa", "qwen3"}) {
-    auto ck = open_checkpoint(golden_fixture(fx));
-    const ModelConfig& tc = ck->config();
-    auto dec = make_cuda_decoder(*ck, 0, 1, 256);
-    auto ref = make_cpu_decoder(*ck, 1, 256);
-    DraftModel m = random_dflash_draft(tc, tc.vocab / 2, 37, 2, 5);
-    DraftRunner run(m, *ck, 0, 256 + 64);
-    std::vector<float> logits(static_cast<size_t>(tc.vocab));
-    SamplingParams greedy;
-    GenLimits lim;
-    lim.max_new_tokens = 30;
-    std::mt19937 rng(6);
-    for (int prompt_i = 0; prompt_i < 3; ++prompt_i) {
-      std::vector<int32_t> prompt(size_t(3 + prompt_i * 5));
-      for (auto& x : prompt) x = int32_t(rng() % uint32_t(tc.vocab - 1));
-      const auto want = decode_plain(*dec, 0, prompt, greedy, 0, lim);
-      for (int k : {2, 4}) {
-        SpecConfig cfg;
-        cfg.k = k;
-        const auto got = decode_speculative(*dec, 0, run, prompt, cfg, greedy, 0, lim);
-        ++runs;
-        size_t i = 0;
-        while (i < got.size() && i < want.size() && got[i] == want[i]) ++i;
-        if (i == want.size() && got.size() == want.size()) {
-          ++equal;
-          continue;
-        }
-        ASSERT_LT(i, std::min(got.size(), want.size())) << fx << " chain " << k << ": lengths differ";
-        std::vector<int32_t> seq = prompt;
-        seq.insert(seq.end(), want.begin(), want.begin() + std::ptrdiff_t(i));
-        ref->reset(0);
-        ref->forward({{0, seq, {}, false}}, {}, logits.data());
-        const double gap = std::fabs(double(logits[size_t(want[i])]) - double(logits[size_t(got[i])]));
-        EXPECT_LT(gap, tol::kCudaGreedyMargin) << fx << " prompt " << prompt_i << " chain " << k << ": token " << i;
-      }
-    }
-  }
-  std::printf("cuda DFlash greedy: %d/%d runs equal\n", equal, runs);
-  EXPECT_GE(equal, runs / 2);
+  expect_greedy_chains_on_gpu(
+      [](const ModelConfig& tc) { return random_dflash_draft(tc, tc.vocab / 2, 37, 2, 5); }, {2, 4}, 6, 1, "DFlash");
 }
 
 TEST(CudaDraft, BadRequestsAreRefused) {

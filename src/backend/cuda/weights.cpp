@@ -61,6 +61,18 @@ void copy_bf16(bf16* dst, const float* src, size_t n) {
   CUDA_CHECK(cudaMemcpy(dst, b.data(), n * 2, cudaMemcpyHostToDevice));
 }
 
+bf16* upload_bf16(DeviceArena& arena, std::initializer_list<const std::vector<float>*> parts) {
+  size_t n = 0;
+  for (const auto* p : parts) n += p->size();
+  bf16* d = arena.alloc<bf16>(n);
+  size_t at = 0;
+  for (const auto* p : parts) {
+    copy_bf16(d + at, p->data(), p->size());
+    at += p->size();
+  }
+  return d;
+}
+
 bf16* upload_weight(const WeightRef& w, DeviceArena& arena) {
   const Part p{arena.alloc<bf16>(size_t(dim_r(w) * dim_c(w))), &w, 0, dim_r(w), 0, dim_c(w)};
   std::vector<float> f32;

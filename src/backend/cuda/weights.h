@@ -2,6 +2,7 @@
 // by the dense model (cuda_model.cpp) and the cached decoder (cuda_decoder.cpp).
 #pragma once
 #include <cstdint>
+#include <initializer_list>
 #include <vector>
 
 #include "backend/cuda/check.h"
@@ -29,6 +30,10 @@ struct DenseDeviceWeights {
 
 // Host fp32 values -> device bf16 at dst (which holds n values).
 void copy_bf16(bf16* dst, const float* src, size_t n);
+
+// Host fp32 arrays -> one new bf16 device block in `arena`, the parts concatenated in order
+// (row-major blocks stacked: a fused weight such as q|k|v).
+bf16* upload_bf16(DeviceArena& arena, std::initializer_list<const std::vector<float>*> parts);
 
 // One whole checkpoint weight into new bf16 device memory: bf16 copied as stored, other
 // dtypes converted a row at a time (never the whole tensor widened to fp32 on the host).

@@ -36,17 +36,6 @@ using cuda::bf16;
 using cuda::DecodeRow;
 using cuda::DeviceArena;
 
-bf16* upload(DeviceArena& arena, std::initializer_list<const std::vector<float>*> parts) {
-  size_t n = 0;
-  for (const auto* p : parts) n += p->size();
-  bf16* d = arena.alloc<bf16>(n);
-  size_t at = 0;
-  for (const auto* p : parts) {
-    cuda::copy_bf16(d + at, p->data(), p->size());
-    at += p->size();
-  }
-  return d;
-}
 
 class CudaDFlashBackend final : public DFlashBackend {
  public:
@@ -63,21 +52,21 @@ class CudaDFlashBackend final : public DFlashBackend {
                 "dflash: {} query heads over {} kv heads of {}: not a layout the GPU kernels take", c.n_heads,
                 c.n_kv_heads, c.head_dim);
     cap_ = max_rows + c.block;
-    fc_ = upload(dev_.arena(), {&w.fc});
-    hidden_norm_ = upload(dev_.arena(), {&w.hidden_norm});
-    norm_ = upload(dev_.arena(), {&w.norm});
-    lm_head_ = upload(dev_.arena(), {&w.lm_head});
+    fc_ = cuda::upload_bf16(dev_.arena(), {&w.fc});
+    hidden_norm_ = cuda::upload_bf16(dev_.arena(), {&w.hidden_norm});
+    norm_ = cuda::upload_bf16(dev_.arena(), {&w.norm});
+    lm_head_ = cuda::upload_bf16(dev_.arena(), {&w.lm_head});
     const int64_t kvd = c.n_kv_heads * c.head_dim;
     for (const dflash::Layer& L : w.layers) {
       LayerDev d;
-      d.in_ln = upload(dev_.arena(), {&L.in_ln});
-      d.wqkv = upload(dev_.arena(), {&L.wq, &L.wk, &L.wv});
-      d.q_norm = upload(dev_.arena(), {&L.q_norm});
-      d.k_norm = upload(dev_.arena(), {&L.k_norm});
-      d.wo = upload(dev_.arena(), {&L.wo});
-      d.post_ln = upload(dev_.arena(), {&L.post_ln});
-      d.wgu = upload(dev_.arena(), {&L.gate, &L.up});
-      d.down = upload(dev_.arena(), {&L.down});
+      d.in_ln = cuda::upload_bf16(dev_.arena(), {&L.in_ln});
+      d.wqkv = cuda::upload_bf16(dev_.arena(), {&L.wq, &L.wk, &L.wv});
+      d.q_norm = cuda::upload_bf16(dev_.arena(), {&L.q_norm});
+      d.k_norm = cuda::upload_bf16(dev_.arena(), {&L.k_norm});
+      d.wo = cuda::upload_bf16(dev_.arena(), {&L.wo});
+      d.post_ln = cuda::upload_bf16(dev_.arena(), {&L.post_ln});
+      d.wgu = cuda::upload_bf16(dev_.arena(), {&L.gate, &L.up});
+      d.down = cuda::upload_bf16(dev_.arena(), {&L.down});
       d.kc = dev_.arena().alloc<bf16>(size_t(cap_ * kvd));
       d.vc = dev_.arena().alloc<bf16>(size_t(cap_ * kvd));
       layers_.push_back(d);

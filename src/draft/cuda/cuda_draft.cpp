@@ -31,18 +31,6 @@ using cuda::bf16;
 using cuda::DecodeRow;
 using cuda::DeviceArena;
 
-// Host fp32 -> device bf16, the parts concatenated (row-major blocks stacked in order).
-bf16* upload(DeviceArena& arena, std::initializer_list<const std::vector<float>*> parts) {
-  size_t n = 0;
-  for (const auto* p : parts) n += p->size();
-  bf16* d = arena.alloc<bf16>(n);
-  size_t at = 0;
-  for (const auto* p : parts) {
-    cuda::copy_bf16(d + at, p->data(), p->size());
-    at += p->size();
-  }
-  return d;
-}
 
 class CudaDraftBackend final : public DraftBackend {
  public:
@@ -51,20 +39,20 @@ class CudaDraftBackend final : public DraftBackend {
       : dev_(checked(device, max_rows), "draft"), c_(m.config), max_rows_(max_rows) {
     const auto& c = c_;
     const auto& w = m.weights;
-    fc_ = upload(dev_.arena(), {&w.fc});
-    in_ln_ = upload(dev_.arena(), {&w.in_ln});
-    hidden_norm_ = upload(dev_.arena(), {&w.hidden_norm});
-    wqkv_ = upload(dev_.arena(), {&w.wq, &w.wk, &w.wv});
-    wo_ = upload(dev_.arena(), {&w.wo});
-    post_ln_ = upload(dev_.arena(), {&w.post_ln});
-    wgu_ = upload(dev_.arena(), {&w.gate, &w.up});
-    wdown_ = upload(dev_.arena(), {&w.down});
-    norm_ = upload(dev_.arena(), {&w.norm});
-    lm_head_ = upload(dev_.arena(), {&w.lm_head});
+    fc_ = cuda::upload_bf16(dev_.arena(), {&w.fc});
+    in_ln_ = cuda::upload_bf16(dev_.arena(), {&w.in_ln});
+    hidden_norm_ = cuda::upload_bf16(dev_.arena(), {&w.hidden_norm});
+    wqkv_ = cuda::upload_bf16(dev_.arena(), {&w.wq, &w.wk, &w.wv});
+    wo_ = cuda::upload_bf16(dev_.arena(), {&w.wo});
+    post_ln_ = cuda::upload_bf16(dev_.arena(), {&w.post_ln});
+    wgu_ = cuda::upload_bf16(dev_.arena(), {&w.gate, &w.up});
+    wdown_ = cuda::upload_bf16(dev_.arena(), {&w.down});
+    norm_ = cuda::upload_bf16(dev_.arena(), {&w.norm});
+    lm_head_ = cuda::upload_bf16(dev_.arena(), {&w.lm_head});
     if (!m.embed.empty()) {  // P-EAGLE's own
       TALON_CHECK(int64_t(m.embed.size()) == c.V * c.H, "draft: its embedding has {} values, expected {} x {}",
                   m.embed.size(), c.V, c.H);
-      embed_ = upload(dev_.arena(), {&m.embed});
+      embed_ = cuda::upload_bf16(dev_.arena(), {&m.embed});
     } else {
       const std::string name = "model.embed_tokens.weight";
       const CkptTensor* t = target.find(name);

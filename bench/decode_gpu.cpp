@@ -8,6 +8,10 @@
 // weights, the target's sizes): one step-0 row and tree steps of 1, 8 and 10 nodes at this
 // context, and the batch-1 speedup those costs and the verify costs allow at a given mean
 // acceptance length tau: tau x (one-token step) / (verify + draft steps of one round).
+// --model random:kimi-k2:LAYERS[:bf16] runs the DeepSeek-family decoder (absorbed MLA over a
+// latent cache, MoE) at the Kimi-K2 layer shapes; its floor counts the weights a step touches:
+// every dense matrix, and per MoE layer the routed experts B slots x top-k picks reach when
+// routing is uniform (E (1 - (1 - k/E)^B) of them), plus the latent cache.
 //   talon_bench_decode [--shape llama3-8b|smollm2] [--model PATH] [--context 2048]
 //                      [--batches 1,32,256] [--steps 16] [--tree 32] [--draft-vocab 32000]
 #include <cuda_runtime.h>
@@ -120,7 +124,9 @@ int main(int argc, char** argv) {
   try {
     const double t0 = now();
     std::unique_ptr<Checkpoint> ck =
-        model_path.empty() ? make_random_checkpoint(shape_config(shape)) : open_checkpoint(model_path);
+        model_path.empty()                    ? make_random_checkpoint(shape_config(shape))
+        : is_random_model_spec(model_path) ? open_random_model_spec(model_path)
+                                           : open_checkpoint(model_path);
     const ModelConfig& c = ck->config();
     const int n_slots = *std::max_element(batches.begin(), batches.end());
     const int64_t max_len = context + std::max<int64_t>({steps + 2, tree, 64}) + 1;
@@ -136,7 +142,28 @@ int main(int argc, char** argv) {
     const double weight_bytes = 2.0 * double(c.vocab * c.hidden +
                                              c.n_layers * (c.hidden * (c.n_heads + 2 * c.n_kv_heads) * c.head_dim +
                                                            c.n_heads * c.head_dim * c.hidden + 3 * c.hidden * c.intermediate));
-    const double kv_per_token = 2.0 * 2 * double(c.n_layers * c.n_kv_heads * c.head_dim);
+    double kv_per_token = 2.0 * 2 * double(c.n_layers * c.n_kv_heads * c.head_dim);
+    // The DeepSeek family: weight bytes touched by a step of B slots (see the top).
+    std::function<double(int)> step_weight_bytes = [&](int) { return weight_bytes; };
+    if (is_deepseek(c.arch)) {
+      const DeepseekConfig& d = c.ds;
+      const double qk = double(d.qk_head_dim()), nh = double(c.n_heads), H = double(c.hidden);
+      const double attn = (d.q_lora_rank > 0 ? H * double(d.q_lora_rank) + double(d.q_lora_rank) * nh * qk : H * nh * qk) +
+                          H * double(d.kv_lora_rank + d.qk_rope_head_dim) +
+                          double(d.kv_lora_rank) * nh * double(d.qk_nope_head_dim + d.v_head_dim) +
+                          nh * double(d.v_head_dim) * H;
+      const int64_t dense_layers = std::min<int64_t>(d.first_k_dense_replace, c.n_layers);
+      const double expert = 3.0 * H * double(d.moe_intermediate_size) * (d.int4_group > 0 ? 0.5 + 2.0 / double(d.int4_group) : 2.0);
+      const double fixed = 2.0 * (double(c.vocab) * H + double(c.n_layers) * attn +
+                                  double(dense_layers) * 3.0 * H * double(c.intermediate) +
+                                  double(c.n_layers - dense_layers) * double(d.n_shared_experts) * 3.0 * H *
+                                      double(d.moe_intermediate_size));
+      const double E = double(d.n_routed_experts), k = double(d.num_experts_per_tok);
+      step_weight_bytes = [=](int B) {
+        return fixed + double(c.n_layers - dense_layers) * E * (1.0 - std::pow(1.0 - k / E, double(B))) * expert;
+      };
+      kv_per_token = 2.0 * double(c.n_layers * (d.kv_lora_rank + d.qk_rope_head_dim));
+    }
     std::mt19937 rng(1);
     auto tok = [&] { return int32_t(rng() % uint32_t(c.vocab)); };
 
@@ -196,7 +223,7 @@ int main(int argc, char** argv) {
         for (int64_t i = 0; i < steps; ++i) step();
         per[mode] = (now() - a) / double(steps);
       }
-      const double bytes = weight_bytes + double(B) * double(context + 2 + steps / 2) * kv_per_token;
+      const double bytes = step_weight_bytes(B) + double(B) * double(context + 2 + steps / 2) * kv_per_token;
       const double floor_s = bytes / 4.8e12;
       std::printf("%6d %8lld %10.3f %10.3f %10.3f %12.0f %10.0f %10.3f %7.0f%% %9.3f %9.3f %9.3f\n", B,
                   (long long)context, per[0] * 1e3, per[1] * 1e3, per[2] * 1e3, B / per[2], bytes / per[2] / 1e9,

@@ -49,12 +49,39 @@ int64_t logit_rows(const std::vector<DecodeRequest>& reqs) {
   return n;
 }
 
+// Whether a model routes tokens to experts (a DeepSeek-family model with MoE layers).
+bool routes(const ModelConfig& c) { return is_deepseek(c.arch) && c.ds.first_k_dense_replace < c.n_layers; }
+
 // The CPU reference and the CUDA decoder driven in lockstep.
+// Rows of a model that routes to experts are held to the tolerance only in bulk: routing is
+// discrete, and where a token's k-th and (k+1)-th expert scores are closer than the bf16
+// rounding of the GPU's residual stream (~1e-2 relative), the two sides pick different experts
+// and that row (and the rows attending to it) differ by O(1). Such rows are counted, and at most
+// kMaxFlipRows of all compared rows may exceed the tolerance (the dense-layer variants of
+// DeepSeekLatentSizesOnRandomModels hold MLA itself to every row).
 struct Twin {
+  static constexpr double kMaxFlipRows = 0.1;
   std::unique_ptr<Decoder> cpu, gpu;
+  bool bulk = false;
+  int64_t rows = 0, over = 0;
   const ModelConfig& c() const { return cpu->config(); }
   Twin(const Checkpoint& ck, int slots, int64_t max_len)
-      : cpu(make_cpu_decoder(ck, slots, max_len)), gpu(make_cuda_decoder(ck, 0, slots, max_len)) {}
+      : cpu(make_cpu_decoder(ck, slots, max_len)), gpu(make_cuda_decoder(ck, 0, slots, max_len)),
+        bulk(routes(ck.config())) {}
+  ~Twin() {
+    if (!bulk || rows == 0) return;
+    EXPECT_LE(double(over), kMaxFlipRows * double(rows)) << over << " of " << rows << " rows beyond the tolerance";
+    std::printf("cuda decode (experts routed): %lld of %lld rows beyond %.2f\n", (long long)over, (long long)rows,
+                tol::kCudaDecodeRel);
+  }
+  void check(double err, const std::string& what) {
+    ++rows;
+    if (!bulk) {
+      EXPECT_LE(err, tol::kCudaDecodeRel) << what;
+      return;
+    }
+    over += err > tol::kCudaDecodeRel;
+  }
 
   // Runs the requests on both, capturing `layer` (F32 or BF16 on the GPU side), and checks
   // every logit row and capture row; returns the CPU's logits.
@@ -78,14 +105,12 @@ struct Twin {
     cpu->forward(reqs, ca, la.data());
     gpu->forward(reqs, cb, lb.data());
     for (int64_t r = 0; r < NL; ++r)
-      EXPECT_LE(rel_err(lb.data() + r * V, la.data() + r * V, size_t(V)), tol::kCudaDecodeRel)
-          << what << ": logit row " << r;
+      check(rel_err(lb.data() + r * V, la.data() + r * V, size_t(V)), what + ": logit row " + std::to_string(r));
     if (layer >= 0) {
       if (cap_dtype == DType::BF16)
         for (size_t i = 0; i < hb.size(); ++i) hb[i] = bf16_to_f32(hb16[i]);
       for (int64_t r = 0; r < N; ++r)
-        EXPECT_LE(rel_err(hb.data() + r * H, ha.data() + r * H, size_t(H)), tol::kCudaDecodeRel)
-            << what << ": capture row " << r;
+        check(rel_err(hb.data() + r * H, ha.data() + r * H, size_t(H)), what + ": capture row " + std::to_string(r));
     }
     return la;
   }
@@ -216,13 +241,19 @@ TEST_P(CudaDecode, GreedyDecodingPicksTheSameTokens) {
       if (sorted[0] - sorted[1] >= tol::kCudaGreedyMargin) {
         ++checked;
         agree += got == want;
-        EXPECT_EQ(got, want) << "slot " << s << ", step " << step;
+        if (!routes(t.c())) {
+          EXPECT_EQ(got, want) << "slot " << s << ", step " << step;
+        }
       }
       reqs[size_t(s)] = {s, {want}, {}, true};
     }
   }
   std::printf("cuda decode %s: greedy agree %d/%d (margin >= %.2f)\n", GetParam().c_str(), agree, checked,
               tol::kCudaGreedyMargin);
+  // With experts routed, a near-tie routing choice can move a clear margin (see Twin).
+  if (routes(t.c())) {
+    EXPECT_GE(double(agree), (1.0 - Twin::kMaxFlipRows) * double(checked));
+  }
 }
 
 // One-token steps of one slot, where the layers fold their norms, SwiGLU and residual adds
@@ -231,6 +262,7 @@ TEST_P(CudaDecode, GreedyDecodingPicksTheSameTokens) {
 TEST_P(CudaDecode, OneTokenStepsFoldedOrNotMatchTheCpu) {
   REQUIRE_GPU();
   auto ck = open_checkpoint(golden_fixture(GetParam()));
+  if (is_deepseek(ck->config().arch)) GTEST_SKIP() << "the DeepSeek-family decoder has no folded one-token layers";
   Twin t(*ck, 1, 64);
   auto plain = make_cuda_decoder(*ck, 0, 1, 64);
   cuda::decoder_fold_one_token(*plain, false);
@@ -359,6 +391,50 @@ TEST_P(CudaDecode, GraphReplayAndDeviceArgmaxMatchEagerLaunches) {
 
 INSTANTIATE_TEST_SUITE_P(Fixtures, CudaDecode,
                          ::testing::Values("llama_gqa", "llama_tied", "qwen2", "qwen3", "mistral"));
+// The DeepSeek family (cuda_deepseek_decoder.cpp: MLA absorbed over a latent cache, MoE):
+// plain, without q LoRA, FP8-block and int4 experts.
+INSTANTIATE_TEST_SUITE_P(DeepSeek, CudaDecode,
+                         ::testing::Values("deepseek_v2", "deepseek_v3", "deepseek_v3_noqlora", "deepseek_v3_fp8",
+                                           "kimi_k2_int4"));
+
+// The latent sizes of DeepSeek-V3 / Kimi-K2 (kv LoRA 512, rope 64, nope 128, v 128: 576 values a
+// cached token, 16-byte loads) with 16 heads (the attention kernel's widest head group) and
+// narrow other widths, against the CPU decoder: long prefills (the keys cut into splits), a
+// chunk onto a non-empty slot beside a step and a tree, then steps; and a 32-head variant
+// without q LoRA; every layer dense (each row checked) and with MoE layers (int4, bf16 experts).
+TEST(CudaDecode, DeepSeekLatentSizesOnRandomModels) {
+  REQUIRE_GPU();
+  for (const int variant : {0, 1, 2, 3}) {
+    // 0, 1: every layer dense (no routing: each row is held to the tolerance); 2, 3: MoE.
+    const int64_t nh = variant % 2 ? 32 : 16;
+    ModelConfig c = kimi_k2_shape(2, variant == 2);
+    c.hidden = 256, c.intermediate = 384, c.vocab = 384, c.n_heads = c.n_kv_heads = nh;
+    c.ds.n_routed_experts = 16, c.ds.num_experts_per_tok = 4, c.ds.moe_intermediate_size = 64;
+    if (nh == 32) c.ds.q_lora_rank = 0;
+    if (variant < 2) c.ds.first_k_dense_replace = c.n_layers;
+    c.max_position = 4096;
+    auto ck = make_random_checkpoint(c, 0.05f, uint64_t(variant + 1));
+    Twin t(*ck, 3, 700);
+    const std::string tag = "variant " + std::to_string(variant) + ": ";
+    std::mt19937 rng(31);
+    t.forward({{0, random_ids(rng, 520, c.vocab), {}, true}, {2, random_ids(rng, 40, c.vocab), {}, false}},
+              tag + "prefill", 1);
+    t.commit_all(0);
+    t.commit_all(2);
+    t.forward({{0, random_ids(rng, 1, c.vocab), {}, true}, {1, random_ids(rng, 90, c.vocab), {}, true},
+               {2, random_ids(rng, 6, c.vocab), {-1, 0, 0, 1, 3, 3}, true}},
+              tag + "mixed", 2, DType::BF16);
+    t.commit_all(0);
+    t.commit_all(1);
+    t.commit(2, {0, 1, 3, 5});
+    for (int step = 0; step < 4; ++step) {
+      std::vector<DecodeRequest> reqs;
+      for (int s = 0; s < 3; ++s) reqs.push_back({s, random_ids(rng, 1, c.vocab), {}, true});
+      t.forward(reqs, tag + "step " + std::to_string(step));
+      for (int s = 0; s < 3; ++s) t.commit_all(s);
+    }
+  }
+}
 
 // Random models with the head sizes of real ones (64 and 128, GQA 4:1 and 2:1; one with a
 // sliding window): prefill of empty slots goes through the tensor-core attention, the rest

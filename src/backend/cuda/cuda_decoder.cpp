@@ -25,6 +25,7 @@
 #include "backend/backend.h"
 #include "backend/cuda/check.h"
 #include "backend/cuda/decode_ops.h"
+#include "backend/cuda/decode_slots.h"
 #include "backend/cuda/dense_block.h"
 #include "backend/cuda/device.h"
 #include "backend/cuda/graph_cache.h"
@@ -44,10 +45,11 @@ using cuda::DeviceArena;
 
 std::string gib(double b) { return fmt::format("{:.2f} GiB", b / double(1ll << 30)); }
 
-class CudaDecoder final : public Decoder {
+class CudaDecoder final : public Decoder, public cuda::DecoderControls {
  public:
   CudaDecoder(const Checkpoint& ckpt, int device, int n_slots, int64_t max_len)
-      : dev_(checked(n_slots, max_len, device), "decoder"), cfg_(ckpt.config()), max_len_(max_len) {
+      : dev_(checked(n_slots, max_len, device), "decoder"), cfg_(ckpt.config()), max_len_(max_len),
+        slots_(n_slots, max_len) {
     const ModelConfig& c = cfg_;
     const int device_ = dev_.index();
     w_ = cuda::upload_dense_weights(ckpt, device_, 0, 1, dev_.arena());
@@ -80,8 +82,6 @@ class CudaDecoder final : public Decoder {
     CUDA_CHECK(cudaMemcpy(cache_ptrs_, bufs.data(), bufs.size() * sizeof(bf16*), cudaMemcpyHostToDevice));
     move_pairs_ = cache_arena_.alloc<int32_t>(size_t(2 * max_len));
     tlog::info("cuda:{}: decoder with {} slots x {} tokens: KV cache {}", device_, n_slots, max_len, gib(cache_bytes));
-    len_.assign(size_t(n_slots), 0);
-    parents_.resize(size_t(n_slots));
     pending_.assign(size_t(n_slots), 0);
     // Attention's key splits are merged by a separate combine launch: measured faster on an
     // H200 than the last split block merging them (8B shape, batch 1: 4.84 vs 5.02 ms a
@@ -101,9 +101,9 @@ class CudaDecoder final : public Decoder {
 
   const ModelConfig& config() const override { return cfg_; }
   std::string backend() const override { return dev_.name(); }
-  int n_slots() const override { return int(len_.size()); }
+  int n_slots() const override { return slots_.size(); }
   int64_t max_len() const override { return max_len_; }
-  int64_t length(int slot) const override { return len_[size_t(check_slot(slot))]; }
+  int64_t length(int slot) const override { return slots_.length(slot); }
 
   void forward(const std::vector<DecodeRequest>& reqs, const Capture& cap, float* logits) override {
     run(reqs, cap, logits, nullptr);
@@ -120,28 +120,12 @@ class CudaDecoder final : public Decoder {
     run(reqs, cap, nullptr, ids, &p, u);
   }
 
-  void use_graphs(bool on) { graphs_.set_enabled(on); }
-  int64_t graph_launches() const { return graphs_.replays(); }
+  void use_graphs(bool on) override { graphs_.set_enabled(on); }
+  int64_t graph_launches() const override { return graphs_.replays(); }
 
   void commit(int slot, const std::vector<int32_t>& keep) override {
-    check_slot(slot);
-    const int64_t n = pending_[size_t(slot)], len = len_[size_t(slot)];
-    const auto& par = parents_[size_t(slot)];
-    int32_t prev = -1;
-    for (size_t i = 0; i < keep.size(); ++i) {
-      const int32_t k = keep[i];
-      TALON_CHECK(k >= 0 && k < n && k > prev && par[size_t(k)] == prev,
-                  "decoder: commit of slot {}: token {} (entry {}) does not continue the kept path", slot, k, i);
-      prev = k;
-    }
     // Kept rows that are not in place move down, in order (decode_ops.h: kv_cache_move).
-    std::vector<int32_t> pairs;
-    const int64_t base = int64_t(slot) * max_len_ + len;
-    for (size_t i = 0; i < keep.size(); ++i)
-      if (int64_t(keep[i]) != int64_t(i)) {
-        pairs.push_back(int32_t(base + keep[i]));
-        pairs.push_back(int32_t(base + int64_t(i)));
-      }
+    const std::vector<int32_t> pairs = slots_.commit(slot, keep, pending_);
     if (!pairs.empty()) {
       dev_.activate();
       CUDA_CHECK(cudaMemcpyAsync(move_pairs_, pairs.data(), pairs.size() * 4, cudaMemcpyHostToDevice, dev_.stream()));
@@ -150,24 +134,16 @@ class CudaDecoder final : public Decoder {
       cuda::kv_cache_move(cache_ptrs_, int64_t(2 * kc_.size()), move_pairs_, int64_t(pairs.size() / 2),
                           cfg_.n_kv_heads * cfg_.head_dim, dev_.stream());
     }
-    len_[size_t(slot)] += int64_t(keep.size());
-    pending_[size_t(slot)] = 0;
-    parents_[size_t(slot)].clear();
   }
 
-  void reset(int slot) override {
-    check_slot(slot);
-    len_[size_t(slot)] = 0;
-    pending_[size_t(slot)] = 0;
-    parents_[size_t(slot)].clear();
-  }
+  void reset(int slot) override { slots_.reset(slot, pending_); }
 
-  void assume_length(int slot, int64_t len) {
-    check_slot(slot);
+  void assume_length(int slot, int64_t len) override {
+    slots_.check(slot);
     TALON_CHECK(len >= 0 && len <= max_len_, "decoder: length {} outside [0, {}]", len, max_len_);
     if (!filled_) {
       dev_.activate();
-      const size_t n = len_.size() * size_t(max_len_) * size_t(cfg_.n_kv_heads * cfg_.head_dim) * 2;
+      const size_t n = size_t(slots_.size()) * size_t(max_len_) * size_t(cfg_.n_kv_heads * cfg_.head_dim) * 2;
       for (size_t l = 0; l < kc_.size(); ++l) {
         CUDA_CHECK(cudaMemsetAsync(kc_[l], 0x3c, n, dev_.stream()));  // bf16 0x3c3c: about 0.0115
         CUDA_CHECK(cudaMemsetAsync(vc_[l], 0x3c, n, dev_.stream()));
@@ -175,9 +151,7 @@ class CudaDecoder final : public Decoder {
       CUDA_CHECK(cudaStreamSynchronize(dev_.stream()));
       filled_ = true;
     }
-    len_[size_t(slot)] = len;
-    pending_[size_t(slot)] = 0;
-    parents_[size_t(slot)].clear();
+    slots_.reset(slot, pending_, len);
   }
 
  private:
@@ -248,55 +222,12 @@ class CudaDecoder final : public Decoder {
     const int64_t nh = w_.nh, nkv = w_.nkv, ldqkv = (nh + 2 * nkv) * hd;
     cap.validate(c.n_layers);
     // Rows: what each new token attends to (decode_ops.h) and its RoPE position.
-    std::vector<DecodeRow> rows;
-    std::vector<uint64_t> masks;
-    std::vector<int32_t> tokens, pos, logit_rows;
-    std::vector<int64_t> seq_start{0};
-    std::vector<std::vector<int32_t>> parents;
-    std::vector<uint8_t> seen(len_.size(), 0);
-    bool prefill = true;  // every request a chain on an empty slot
-    for (const DecodeRequest& r : reqs) {
-      check_slot(r.slot);
-      TALON_CHECK(!seen[size_t(r.slot)], "decoder: slot {} appears twice in one forward", r.slot);
-      seen[size_t(r.slot)] = 1;
-      TALON_CHECK(pending_[size_t(r.slot)] == 0, "decoder: slot {} has {} uncommitted tokens from its last forward",
-                  r.slot, pending_[size_t(r.slot)]);
-      const int64_t n = int64_t(r.tokens.size()), len = len_[size_t(r.slot)];
-      TALON_CHECK(n > 0, "decoder: request for slot {} has no tokens", r.slot);
-      TALON_CHECK(len + n <= max_len_, "decoder: slot {} would hold {} tokens, more than max_len {}", r.slot, len + n,
-                  max_len_);
-      const std::vector<int32_t> depth = request_depths(r);
-      std::vector<int32_t> par(static_cast<size_t>(n));
-      for (int64_t i = 0; i < n; ++i) par[size_t(i)] = r.parents.empty() ? int32_t(i - 1) : r.parents[size_t(i)];
-      const bool chain = r.parents.empty();
-      prefill = prefill && chain && len == 0;
-      const int64_t first = int64_t(rows.size());
-      for (int64_t i = 0; i < n; ++i) {
-        const int32_t tok = r.tokens[size_t(i)];
-        TALON_CHECK(tok >= 0 && tok < V, "decoder: token id {} (slot {}, index {}) is outside the vocabulary [0, {})",
-                    tok, r.slot, i, V);
-        const int64_t p = len + depth[size_t(i)];
-        const int64_t win_lo = W > 0 ? std::max<int64_t>(0, p - W + 1) : 0;
-        DecodeRow d{r.slot, int32_t(win_lo), int32_t(len), int32_t(len + i + 1), -1};
-        if (!chain) {
-          // Ancestors-or-self inside the window, as bits of the pending rows.
-          d.lo = int32_t(std::min(win_lo, len));
-          d.mask = int32_t(masks.size());
-          masks.resize(masks.size() + size_t(i / 64 + 1), 0);
-          for (int64_t a = i; a >= 0; a = par[size_t(a)])
-            if (W <= 0 || p - (len + depth[size_t(a)]) < W) masks[size_t(d.mask + a / 64)] |= uint64_t(1) << (a % 64);
-        }
-        rows.push_back(d);
-        tokens.push_back(tok);
-        pos.push_back(int32_t(p));
-      }
-      if (r.all_logits)
-        for (int64_t i = 0; i < n; ++i) logit_rows.push_back(int32_t(first + i));
-      else
-        logit_rows.push_back(int32_t(first + n - 1));
-      seq_start.push_back(int64_t(rows.size()));
-      parents.push_back(std::move(par));
-    }
+    cuda::DecodeBatch batch = slots_.plan(reqs, pending_, V, W);
+    const std::vector<DecodeRow>& rows = batch.rows;
+    const std::vector<uint64_t>& masks = batch.masks;
+    const std::vector<int32_t>&tokens = batch.tokens, &pos = batch.pos, &logit_rows = batch.logit_rows;
+    const std::vector<int64_t>& seq_start = batch.seq_start;
+    const bool prefill = batch.prefill;
     const int64_t N = int64_t(rows.size()), NL = (logits || ids) ? int64_t(logit_rows.size()) : 0;
     if (N == 0) return;
     const bool flash = prefill && cuda::flash_attention_supported(hd);
@@ -441,15 +372,7 @@ class CudaDecoder final : public Decoder {
     }
     CUDA_CHECK(cudaStreamSynchronize(st));
     if (NL > 0 && ids) std::memcpy(ids, out_h_.p, size_t(NL) * 4);
-    for (size_t ri = 0; ri < reqs.size(); ++ri) {
-      pending_[size_t(reqs[ri].slot)] = int64_t(reqs[ri].tokens.size());
-      parents_[size_t(reqs[ri].slot)] = std::move(parents[ri]);
-    }
-  }
-
-  int check_slot(int slot) const {
-    TALON_CHECK(slot >= 0 && slot < int(len_.size()), "decoder: slot {} outside [0, {})", slot, len_.size());
-    return slot;
+    slots_.ran(reqs, batch, pending_);
   }
 
   void ensure_acts(int64_t N, int64_t NL, int64_t part, int64_t n_cap, int64_t in_bytes) {
@@ -495,14 +418,13 @@ class CudaDecoder final : public Decoder {
   cuda::Device dev_;  // first: destroyed last (device.h)
   ModelConfig cfg_;
   int64_t max_len_;
+  cuda::DecodeSlots slots_;
   DeviceArena cache_arena_;
   cuda::DenseDeviceWeights w_;
   std::vector<bf16*> kc_, vc_;   // per layer [n_slots, max_len, nkv, hd]
   bf16** cache_ptrs_ = nullptr;  // device array of every layer's K and V pointers, for moves
   int32_t* move_pairs_ = nullptr;
   bool filled_ = false;
-  std::vector<int64_t> len_;
-  std::vector<std::vector<int32_t>> parents_;  // of each slot's pending tokens
   std::unique_ptr<Acts> acts_;
   Pinned in_h_, out_h_;
   cuda::GraphCache graphs_;  // of run()'s device work, by shape
@@ -533,25 +455,27 @@ class CudaDecoder final : public Decoder {
 }  // namespace
 
 std::unique_ptr<Decoder> make_cuda_decoder(const Checkpoint& ckpt, int device, int n_slots, int64_t max_len) {
-  TALON_CHECK(!is_deepseek(ckpt.config().arch),
-              "{}: {} has no CUDA decoder yet (generate and eval run this family on the CPU: --device cpu); "
-              "see docs/deepseek.md",
-              ckpt.source(), arch_name(ckpt.config().arch));
+  if (is_deepseek(ckpt.config().arch)) return cuda::make_deepseek_decoder(ckpt, device, n_slots, max_len);
   return std::make_unique<CudaDecoder>(ckpt, device, n_slots, max_len);
 }
 
 namespace cuda {
 namespace {
-CudaDecoder& as_cuda(Decoder& d, const char* who) {
-  auto* cd = dynamic_cast<CudaDecoder*>(&d);
+DecoderControls& as_cuda(Decoder& d, const char* who) {
+  auto* cd = dynamic_cast<DecoderControls*>(&d);
   TALON_CHECK(cd != nullptr, "{}: {} is not a CUDA decoder", who, d.backend());
+  return *cd;
+}
+CudaDecoder& as_dense(Decoder& d, const char* who) {
+  auto* cd = dynamic_cast<CudaDecoder*>(&d);
+  TALON_CHECK(cd != nullptr, "{}: {} is not the dense CUDA decoder", who, d.backend());
   return *cd;
 }
 }  // namespace
 void decoder_assume_length(Decoder& d, int slot, int64_t len) { as_cuda(d, "decoder_assume_length").assume_length(slot, len); }
 void decoder_use_graphs(Decoder& d, bool on) { as_cuda(d, "decoder_use_graphs").use_graphs(on); }
-void decoder_fold_one_token(Decoder& d, bool on) { as_cuda(d, "decoder_fold_one_token").fold_one_token(on); }
-void decoder_fold_rope(Decoder& d, bool on) { as_cuda(d, "decoder_fold_rope").fold_rope(on); }
+void decoder_fold_one_token(Decoder& d, bool on) { as_dense(d, "decoder_fold_one_token").fold_one_token(on); }
+void decoder_fold_rope(Decoder& d, bool on) { as_dense(d, "decoder_fold_rope").fold_rope(on); }
 int64_t decoder_graph_launches(Decoder& d) { return as_cuda(d, "decoder_graph_launches").graph_launches(); }
 }  // namespace cuda
 

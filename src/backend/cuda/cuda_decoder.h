@@ -1,10 +1,23 @@
 // Internal to the CUDA backend: hooks of the cached decoder for benchmarks and tests.
 #pragma once
 #include <cstdint>
+#include <memory>
 
 #include "model/decode.h"
 
 namespace talon::cuda {
+
+// What every CUDA decoder offers the hooks below.
+class DecoderControls {
+ public:
+  virtual ~DecoderControls() = default;
+  virtual void assume_length(int slot, int64_t len) = 0;
+  virtual void use_graphs(bool on) = 0;
+  virtual int64_t graph_launches() const = 0;
+};
+
+// The DeepSeek-family decoder (cuda_deepseek_decoder.cpp); make_cuda_decoder picks it.
+std::unique_ptr<Decoder> make_deepseek_decoder(const Checkpoint& ckpt, int device, int n_slots, int64_t max_len);
 
 // Benchmarks only: marks the first `len` rows of a CUDA decoder's slot as committed without
 // computing them (their keys and values are whatever the cache holds: a constant fill
@@ -17,7 +30,7 @@ void decoder_assume_length(Decoder& d, int slot, int64_t len);
 void decoder_use_graphs(Decoder& d, bool on);
 // Forwards served by a graph so far.
 int64_t decoder_graph_launches(Decoder& d);
-// Whether a one-token forward of a small model folds its norms, SwiGLU and residual adds into
+// The dense decoder only (others refuse): whether a one-token forward of a small model folds its norms, SwiGLU and residual adds into
 // the skinny products (dense_block.h: DenseHooks::fold_one_token; default on,
 // TALON_CUDA_FUSE=0 turns it off for a whole run).
 void decoder_fold_one_token(Decoder& d, bool on);

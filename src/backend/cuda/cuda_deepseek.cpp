@@ -28,6 +28,7 @@
 #include "backend/cuda/collective.h"
 #include "backend/cuda/cuda_model.h"
 #include "backend/cuda/deepseek_ops.h"
+#include "backend/cuda/deepseek_weights.h"
 #include "backend/cuda/device.h"
 #include "backend/cuda/moe.h"
 #include "backend/cuda/moe_weights.h"
@@ -46,48 +47,7 @@ namespace {
 using cuda::bf16;
 using cuda::DeviceArena;
 
-constexpr float kLatentNormEps = 1e-6f;  // q_a / kv_a layernorms (transformers' RMSNorm default)
-
-// A block of a weight: rows [r0, r1) and columns [c0, c1) (r1 / c1 < 0: to the end).
-struct Part {
-  const QuantWeight* w;
-  int64_t r0 = 0, r1 = -1, c0 = 0, c1 = -1;
-};
-
-// Dequantized (any storage), sliced and stacked row-wise: [sum of rows, cols] bf16.
-bf16* upload_linear(std::initializer_list<Part> parts, DeviceArena& arena) {
-  size_t n = 0;
-  for (Part p : parts) {
-    if (p.r1 < 0) p.r1 = p.w->rows;
-    if (p.c1 < 0) p.c1 = p.w->cols;
-    n += size_t((p.r1 - p.r0) * (p.c1 - p.c0));
-  }
-  bf16* d = arena.alloc<bf16>(n);
-  size_t at = 0;
-  std::vector<float> f, sub;
-  for (Part p : parts) {
-    const int64_t R = p.w->rows, C = p.w->cols, r1 = p.r1 < 0 ? R : p.r1, c1 = p.c1 < 0 ? C : p.c1;
-    f.resize(size_t(R * C));
-    dequantize(*p.w, f.data());
-    const int64_t w = c1 - p.c0;
-    sub.resize(size_t((r1 - p.r0) * w));
-    for (int64_t r = p.r0; r < r1; ++r) std::copy_n(f.data() + r * C + p.c0, w, sub.data() + (r - p.r0) * w);
-    cuda::copy_bf16(d + at, sub.data(), sub.size());
-    at += sub.size();
-  }
-  return d;
-}
-
-struct LayerDev {
-  bf16 *attn_norm, *mlp_norm, *q_a_norm = nullptr, *kv_a_norm;
-  bf16 *q = nullptr, *q_a = nullptr, *kv_a, *kv_b, *o;
-  bf16 *gu = nullptr, *down = nullptr;  // dense MLP, or the shared experts (null when none)
-  int64_t inter = 0;
-  bool moe = false;
-  float* router = nullptr;  // [E, H] fp32
-  cuda::MoeLayerDev experts;
-};
-
+using LayerDev = cuda::DeepseekLayerDev;
 using Par = cuda::DeepseekParallel;
 
 class CudaDeepseekModel final : public Model {
@@ -95,7 +55,6 @@ class CudaDeepseekModel final : public Model {
   CudaDeepseekModel(const Checkpoint& ckpt, int device, const Par& par)
       : dev_(device, "deepseek model"), cfg_(ckpt.config()), par_(par) {
     const ModelConfig& c = cfg_;
-    const DeepseekConfig& d = c.ds;
     const int n = par_.size, rk = par_.rank;
     const bool tp = par_.mode == Par::Mode::Tensor;
     TALON_CHECK(n >= 1 && rk >= 0 && rk < n && (n == 1 || par_.comm), "deepseek rank {} of {}: bad parallel setup", rk,
@@ -103,49 +62,10 @@ class CudaDeepseekModel final : public Model {
     TALON_CHECK(!tp || c.n_heads % n == 0, "--tp {}: the model's {} attention heads must divide by it", n, c.n_heads);
     TALON_CHECK(n == 1 || c.ds.n_routed_experts % n == 0, "--{} {}: the model's {} routed experts must divide by it",
                 tp ? "tp" : "ep", n, c.ds.n_routed_experts);
-    nh_ = tp ? c.n_heads / n : c.n_heads;
-    const int64_t h0 = tp ? rk * nh_ : 0, qk = d.qk_head_dim(), nv = d.qk_nope_head_dim + d.v_head_dim;
-    const DeepseekWeights w = bind_deepseek_weights(ckpt);
-    embed_ = cuda::upload_weight(w.embed, dev_.arena());
-    lm_head_ = cuda::upload_weight(w.lm_head, dev_.arena());
-    final_norm_ = cuda::upload_weight(w.final_norm, dev_.arena());
-    for (const DeepseekLayer& l : w.layers) {
-      LayerDev L;
-      L.attn_norm = cuda::upload_weight(l.attn_norm, dev_.arena());
-      L.mlp_norm = cuda::upload_weight(l.mlp_norm, dev_.arena());
-      L.kv_a_norm = cuda::upload_weight(l.kv_a_norm, dev_.arena());
-      if (d.q_lora_rank > 0) {
-        L.q_a_norm = cuda::upload_weight(l.q_a_norm, dev_.arena());
-        L.q_a = upload_linear({{&l.q_a}}, dev_.arena());
-        L.q = upload_linear({{&l.q_b, h0 * qk, (h0 + nh_) * qk}}, dev_.arena());
-      } else {
-        L.q = upload_linear({{&l.q_proj, h0 * qk, (h0 + nh_) * qk}}, dev_.arena());
-      }
-      L.kv_a = upload_linear({{&l.kv_a}}, dev_.arena());
-      L.kv_b = upload_linear({{&l.kv_b, h0 * nv, (h0 + nh_) * nv}}, dev_.arena());
-      L.o = upload_linear({{&l.o_proj, 0, -1, h0 * d.v_head_dim, (h0 + nh_) * d.v_head_dim}}, dev_.arena());
-      L.moe = l.moe;
-      const DeepseekMlp* mlp = l.moe ? (l.shared.gate.empty() ? nullptr : &l.shared) : &l.dense;
-      if (mlp) {
-        const int64_t I = mlp->gate.rows;
-        TALON_CHECK(!tp || I % n == 0, "--tp {}: layer {} MLP width {} must divide by it", n, layers_.size(), I);
-        L.inter = tp ? I / n : I;
-        const int64_t i0 = tp ? rk * L.inter : 0, i1 = i0 + L.inter;
-        L.gu = upload_linear({{&mlp->gate, i0, i1}, {&mlp->up, i0, i1}}, dev_.arena());
-        L.down = upload_linear({{&mlp->down, 0, -1, i0, i1}}, dev_.arena());
-      }
-      if (l.moe) {
-        const std::vector<float> r = weight_to_f32(l.router);
-        L.router = dev_.arena().alloc<float>(r.size());
-        CUDA_CHECK(cudaMemcpy(L.router, r.data(), r.size() * 4, cudaMemcpyHostToDevice));
-        const int64_t per = c.ds.n_routed_experts / n;
-        L.experts = cuda::upload_moe_layer(l, c, dev_.arena(), n > 1 ? rk * per : 0, n > 1 ? per : -1);
-      }
-      layers_.push_back(L);
-    }
-    const std::vector<float> inv = rope_inv_freq(c.rope, d.qk_rope_head_dim);
-    inv_freq_ = dev_.arena().alloc<float>(inv.size());
-    CUDA_CHECK(cudaMemcpy(inv_freq_, inv.data(), inv.size() * 4, cudaMemcpyHostToDevice));
+    cuda::DeepseekDevWeights w = cuda::upload_deepseek_weights(ckpt, dev_.arena(), par_);
+    embed_ = w.embed, lm_head_ = w.lm_head, final_norm_ = w.final_norm, inv_freq_ = w.inv_freq;
+    layers_ = std::move(w.layers);
+    nh_ = w.nh;
     tlog::info("cuda:{}: {} weights on the device{}: {:.2f} GiB", dev_.index(), arch_name(c.arch),
                n > 1 ? fmt::format(" ({} rank {} of {})", tp ? "tensor-parallel" : "expert-parallel", rk, n) : "",
                double(dev_.arena().bytes()) / double(1ll << 30));
@@ -160,7 +80,7 @@ class CudaDeepseekModel final : public Model {
     const DeepseekConfig& d = c.ds;
     const int64_t N = b.n_tokens(), H = c.hidden, V = c.vocab, nh = nh_;
     const int64_t nope = d.qk_nope_head_dim, rope = d.qk_rope_head_dim, qk = nope + rope, vd = d.v_head_dim;
-    const int64_t kvr = d.kv_lora_rank, qr = d.q_lora_rank;
+    const int64_t kvr = d.kv_lora_rank;
     const float eps = float(c.rms_eps);
     cap.validate(c.n_layers, b);
     const bool tp = par_.mode == Par::Mode::Tensor;
@@ -223,21 +143,8 @@ class CudaDeepseekModel final : public Model {
     for (int64_t l = 0; l < c.n_layers; ++l) {
       const LayerDev& L = layers_[size_t(l)];
       capture(l);
-      cuda::add_rmsnorm_forward(a.xn, a.x, nullptr, L.attn_norm, N, H, eps, s);
       // ---- MLA
-      if (qr > 0) {
-        dev_.gemm().forward(a.qa, a.xn, L.q_a, N, H, qr, s);
-        cuda::bf16_to_f32(a.t32, a.qa, N * qr, s);
-        cuda::add_rmsnorm_forward(a.qa, a.t32, nullptr, L.q_a_norm, N, qr, kLatentNormEps, s);
-        dev_.gemm().forward(a.q, a.qa, L.q, N, qr, nh * qk, s);
-      } else {
-        dev_.gemm().forward(a.q, a.xn, L.q, N, H, nh * qk, s);
-      }
-      dev_.gemm().forward(a.ckv, a.xn, L.kv_a, N, H, kvr + rope, s);
-      CUDA_CHECK(cudaMemcpy2DAsync(a.lat, size_t(kvr) * 2, a.ckv, size_t(kvr + rope) * 2, size_t(kvr) * 2, size_t(N),
-                                   cudaMemcpyDeviceToDevice, s));
-      cuda::bf16_to_f32(a.t32, a.lat, N * kvr, s);
-      cuda::add_rmsnorm_forward(a.lat, a.t32, nullptr, L.kv_a_norm, N, kvr, kLatentNormEps, s);
+      cuda::mla_project(L, c, nh, a.x, {a.xn, a.qa, a.q, a.ckv, a.lat, a.t32}, N, dev_.gemm(), s);
       dev_.gemm().forward(a.kv, a.lat, L.kv_b, N, kvr, nh * (nope + vd), s);
       cuda::mla_assemble(a.qkv, a.q, a.kv, a.ckv, kvr + rope, kvr, a.pos, inv_freq_, N, nh, nope, rope, vd,
                          d.rope_interleave, float(c.rope.attention_factor), q_scale, s);
@@ -250,25 +157,13 @@ class CudaDeepseekModel final : public Model {
       dev_.gemm().forward(a.part, a.attv, L.o, N, nh * vd, H, s);  // tensor parallel: this rank's heads
       if (tp) par_.comm->all_reduce(par_.rank, a.part, N * H, DType::F32, s);
       cuda::add_f32(a.x, a.part, N * H, s);
-      cuda::add_rmsnorm_forward(a.xn, a.x, nullptr, L.mlp_norm, N, H, eps, s);
       // ---- MLP: dense, or routed experts (+ shared experts)
-      if (L.moe) {
-        const auto& r = L.experts.routing;
-        cuda::rmsnorm_f32(a.xn32, a.x, L.mlp_norm, N, H, eps, s);
-        cuda::router_logits_f32(a.rlog, a.xn32, L.router, N, r.n_experts, H, s);
-        if (par_.size == 1)
-          cuda::moe_forward(a.moe_out, a.xn, a.rlog, L.experts.router_bias, N, H, r, L.experts.experts, a.moe, s);
-        else
-          moe_parallel(L, N);
-        cuda::add_f32(a.x, a.moe_out, N * H, s);
-      }
-      if (L.gu) {
-        dev_.gemm().forward(a.gu, a.xn, L.gu, N, H, 2 * L.inter, s);
-        cuda::swiglu_forward(a.act, a.gu, N, L.inter, s);
-        dev_.gemm().forward(a.part, a.act, L.down, N, L.inter, H, s);  // tensor parallel: this rank's slice
-        if (tp) par_.comm->all_reduce(par_.rank, a.part, N * H, DType::F32, s);
-        cuda::add_f32(a.x, a.part, N * H, s);
-      }
+      std::function<void()> routed;
+      std::function<void(float*, int64_t)> reduce;
+      if (par_.size > 1) routed = [&] { moe_parallel(L, N); };
+      if (tp) reduce = [&](float* p, int64_t n) { par_.comm->all_reduce(par_.rank, p, n, DType::F32, s); };
+      cuda::deepseek_mlp(L, c, a.x, {a.xn, a.gu, a.act, a.xn32, a.rlog, a.moe_out, a.part, &a.moe}, N, dev_.gemm(), s,
+                         routed, reduce);
     }
     cuda::add_rmsnorm_forward(a.xn, a.x, nullptr, final_norm_, N, H, eps, s);
     capture(c.n_layers);

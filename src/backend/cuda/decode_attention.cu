@@ -774,6 +774,13 @@ void decode_attention(bf16* out, float* part, const bf16* qkv, int64_t ld, const
   CUDA_LAUNCH_CHECK();
 }
 
+void decode_combine(bf16* out, const float* part, int64_t rows_heads, int64_t hd, int64_t n_splits, cudaStream_t s) {
+  if (rows_heads == 0) return;
+  decode_combine_kernel<<<unsigned(rows_heads), unsigned(hd > 64 ? 128 : 64), size_t(n_splits) * 4, s>>>(
+      out, part, int(hd), int(n_splits));
+  CUDA_LAUNCH_CHECK();
+}
+
 void offset_ids(int32_t* out, const int32_t* in, const int64_t* offsets, int64_t n, cudaStream_t s) {
   if (n == 0) return;
   offset_ids_kernel<<<unsigned((n + 127) / 128), 128, 0, s>>>(out, in, offsets, n);

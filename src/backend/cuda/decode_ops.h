@@ -110,6 +110,10 @@ void decode_attention(bf16* out, float* part, const bf16* qkv, int64_t ld, const
                       int64_t max_len, int64_t n_splits, int64_t split_len, cudaStream_t s, int* counters = nullptr,
                       const AttentionWork* work = nullptr);
 
+// The combine pass of decode_attention on its own: out[rh, :hd] (bf16) = the splits of part
+// [rows_heads, n_splits, hd + 2] (unnormalised output, max in the log2 domain, sum) merged.
+void decode_combine(bf16* out, const float* part, int64_t rows_heads, int64_t hd, int64_t n_splits, cudaStream_t s);
+
 // out[i] = in[i] + offsets[in[i]] for n ids (a draft vocabulary's ids to target ids).
 void offset_ids(int32_t* out, const int32_t* in, const int64_t* offsets, int64_t n, cudaStream_t s);
 

@@ -3,6 +3,7 @@
 #pragma once
 #include <cstdint>
 
+#include "backend/cuda/decode_ops.h"
 #include "backend/cuda/ops.h"
 
 namespace talon::cuda {
@@ -27,5 +28,31 @@ void router_logits_f32(float* logits, const float* x, const float* W, int64_t N,
 
 // x[n] += y[n] (fp32).
 void add_f32(float* x, const float* y, int64_t n, cudaStream_t s);
+
+// ---- MLA in its absorbed form, for the cached decoder (mla_decode.cu, cuda_deepseek_decoder.cpp).
+// The latent cache of a layer is one bf16 buffer [n_slots, max_len, kvr + rope]: per token the
+// normalized latent c, then k_pe with RoPE applied; rows follow decode_ops.h (DecodeRow). A
+// query row holds, per head, [q_lat | q_pe]: q_lat = W_UK(h)^T q_nope(h) (kvr values) and the
+// rotated q_pe (rope values), fp32.
+
+// For each of the N rows: the rotated q_pe of every head into qd[n, h, kvr ..] (row stride
+// ldqd floats, head stride kvr + rope) from q [N, ldq] (head h at h (nope + rope), q_pe after
+// its nope part); and the row's cache entry [lat(n) | rotated k_pe(n)] (k_pe at column kvr of
+// ckv rows of ld_ckv) at cache row rows[n].end - 1 of its slot. RoPE as mla_assemble.
+void mla_decode_prepare(float* qd, int64_t ldqd, const bf16* q, int64_t ldq, const bf16* ckv, int64_t ld_ckv,
+                        const bf16* lat, const int32_t* pos, const float* inv_freq, const DecodeRow* rows, bf16* cache,
+                        int64_t N, int64_t nh, int64_t nope, int64_t rope, int64_t kvr, int64_t max_len,
+                        bool interleaved, float attn_factor, cudaStream_t s);
+
+// out[N, nh, kvr] (bf16) = per row and head, softmax(scale * [q_lat | q_pe] . [c | k_pe]) over
+// the row's keys (DecodeRow: [lo, end), pending ones by its mask) times c, with the keys cut
+// into n_splits pieces of split_len (decode_splits with nkv = mla_head_blocks(nh)) merged by
+// decode_combine. qd [N, nh, kvr + rope] fp32; part holds N * nh * n_splits * (kvr + 2) floats.
+// kvr <= 512.
+void mla_decode_attention(bf16* out, float* part, const float* qd, const bf16* cache, const DecodeRow* rows,
+                          const uint64_t* masks, int64_t N, int64_t nh, int64_t kvr, int64_t rope, int64_t max_len,
+                          int64_t n_splits, int64_t split_len, float scale, cudaStream_t s);
+// Blocks per (row, split) of mla_decode_attention: the heads go in groups of up to 16.
+int64_t mla_head_blocks(int64_t nh);
 
 }  // namespace talon::cuda

@@ -1,0 +1,390 @@
+// The CUDA cached decoder (model/decode.h) of the DeepSeek-V2/V3 family (Kimi-K2 included) on
+// one GPU: the packed forward's layer halves (deepseek_weights.h: MLA projections, MLP or
+// mixture of experts, fp32 residual, bf16 weights) around MLA in its absorbed form, which
+// attends over a latent cache of kvr + rope values a token instead of per-head keys and
+// values (576 against 128 x 2 x 192 at the Kimi-K2 shape):
+//
+//   q_lat(h) = W_UK(h)^T q_nope(h)                       one strided-batched GEMM over heads
+//   [q_lat | rot(q_pe)] . [c | rot(k_pe)] for each key   mla_decode_attention (deepseek_ops.h)
+//   o_lat(h) = softmax(...) c;  o(h) = W_UV(h) o_lat(h)  a second batched GEMM
+//
+// W_UK and W_UV are read in place from kv_b ([nh (nope + vd), kvr], per head nope rows of
+// W_UK then vd rows of W_UV). The CPU twin is CpuDeepseekDecoder (cpu_deepseek.cpp), the same
+// arithmetic in fp32. Slots, rows and commits follow decode_slots.h; a forward's launches are
+// a CUDA graph per shape after the shape's second run (graph_cache.h), prefills included
+// (every forward attends over the cache).
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+
+#include <fmt/ranges.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "backend/backend.h"
+#include "backend/cuda/check.h"
+#include "backend/cuda/cuda_decoder.h"
+#include "backend/cuda/cuda_model.h"
+#include "backend/cuda/decode_ops.h"
+#include "backend/cuda/decode_slots.h"
+#include "backend/cuda/deepseek_ops.h"
+#include "backend/cuda/deepseek_weights.h"
+#include "backend/cuda/device.h"
+#include "backend/cuda/graph_cache.h"
+#include "backend/cuda/ops.h"
+#include "model/deepseek.h"
+#include "util/error.h"
+#include "util/log.h"
+
+namespace talon::cuda {
+
+namespace {
+
+std::string gib(double b) { return fmt::format("{:.2f} GiB", b / double(1ll << 30)); }
+
+// C[b] = op(A[b]) B[b] for b < batch (column-major, cuBLAS's conventions), bf16 operands and
+// fp32 accumulation; C bf16 or fp32.
+void gemm_batched(cublasHandle_t h, cublasOperation_t ta, int64_t m, int64_t n, int64_t k, const bf16* A, int64_t lda,
+                  int64_t sA, const bf16* B, int64_t ldb, int64_t sB, void* C, cudaDataType ct, int64_t ldc, int64_t sC,
+                  int64_t batch) {
+  const float one = 1.f, zero = 0.f;
+  CUBLAS_CHECK(cublasGemmStridedBatchedEx(h, ta, CUBLAS_OP_N, int(m), int(n), int(k), &one, A, CUDA_R_16BF, int(lda), sA,
+                                          B, CUDA_R_16BF, int(ldb), sB, &zero, C, ct, int(ldc), sC, int(batch),
+                                          CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+}
+
+class CudaDeepseekDecoder final : public Decoder, public DecoderControls {
+ public:
+  CudaDeepseekDecoder(const Checkpoint& ckpt, int device, int n_slots, int64_t max_len)
+      : slots_(n_slots, max_len), dev_(device, "decoder"), cfg_(ckpt.config()), max_len_(max_len) {
+    const ModelConfig& c = cfg_;
+    const DeepseekConfig& d = c.ds;
+    TALON_CHECK(d.kv_lora_rank <= 512 && d.kv_lora_rank % 2 == 0,
+                "{}: kv_lora_rank {} is not supported by the CUDA decoder (even, at most 512)", ckpt.source(),
+                d.kv_lora_rank);
+    w_ = upload_deepseek_weights(ckpt, dev_.arena(), {});
+    // The latent cache: per layer [n_slots, max_len, kvr + rope] bf16, checked against what is
+    // free after the weights, keeping room for one forward's activations per slot.
+    const int64_t width = d.kv_lora_rank + d.qk_rope_head_dim, L = c.n_layers;
+    const int64_t per_token = L * width * 2;
+    const double cache_bytes = double(per_token) * double(n_slots) * double(max_len);
+    const double reserve = double(1ll << 30) + double(n_slots) * double(c.vocab * 6 + c.hidden * 24);
+    const auto [free_b, total_b] = dev_.memory();
+    if (cache_bytes + reserve > double(free_b)) {
+      const double room = double(free_b) - reserve;
+      const int64_t fit = room > 0 ? int64_t(room / double(per_token) / double(n_slots)) : 0;
+      fail("cuda:{}: the latent cache needs {} ({} layers x {} slots x {} tokens x {} latent + rope values x 2 bytes) "
+           "plus {} kept for activations, but only {} of {} is free after {} of weights; {} slots fit at most {} "
+           "tokens each",
+           dev_.index(), gib(cache_bytes), L, n_slots, max_len, width, gib(reserve), gib(double(free_b)),
+           gib(double(total_b)), gib(double(dev_.arena().bytes())), n_slots, fit);
+    }
+    std::vector<bf16*> bufs;
+    for (int64_t l = 0; l < L; ++l) cache_.push_back(cache_arena_.alloc<bf16>(size_t(n_slots) * size_t(max_len) * size_t(width)));
+    cache_ptrs_ = cache_arena_.alloc<bf16*>(cache_.size());
+    CUDA_CHECK(cudaMemcpy(cache_ptrs_, cache_.data(), cache_.size() * sizeof(bf16*), cudaMemcpyHostToDevice));
+    move_pairs_ = cache_arena_.alloc<int32_t>(size_t(2 * max_len));
+    tlog::info("cuda:{}: {} decoder with {} slots x {} tokens: latent cache {}", dev_.index(), arch_name(c.arch),
+               n_slots, max_len, gib(cache_bytes));
+    pending_.assign(size_t(n_slots), 0);
+    const char* sm = std::getenv("TALON_CUDA_SAMPLE");
+    device_sampling_ = !(sm && std::string(sm) == "0");
+  }
+
+  ~CudaDeepseekDecoder() override {
+    dev_.activate();
+    graphs_.clear();
+  }
+
+  const ModelConfig& config() const override { return cfg_; }
+  std::string backend() const override { return dev_.name() + " (absorbed MLA)"; }
+  int n_slots() const override { return slots_.size(); }
+  int64_t max_len() const override { return max_len_; }
+  int64_t length(int slot) const override { return slots_.length(slot); }
+
+  void forward(const std::vector<DecodeRequest>& reqs, const Capture& cap, float* logits) override {
+    run(reqs, cap, logits, nullptr);
+  }
+  void forward_greedy(const std::vector<DecodeRequest>& reqs, const Capture& cap, int32_t* ids) override {
+    run(reqs, cap, nullptr, ids);
+  }
+  void forward_sample(const std::vector<DecodeRequest>& reqs, const Capture& cap, const SamplingParams& p,
+                      const double* u, int32_t* ids) override {
+    if (p.greedy()) return run(reqs, cap, nullptr, ids);
+    if (!device_sampling_) return Decoder::forward_sample(reqs, cap, p, u, ids);
+    run(reqs, cap, nullptr, ids, &p, u);
+  }
+
+  void commit(int slot, const std::vector<int32_t>& keep) override {
+    const std::vector<int32_t> pairs = slots_.commit(slot, keep, pending_);
+    if (pairs.empty()) return;
+    dev_.activate();
+    CUDA_CHECK(cudaMemcpyAsync(move_pairs_, pairs.data(), pairs.size() * 4, cudaMemcpyHostToDevice, dev_.stream()));
+    kv_cache_move(cache_ptrs_, int64_t(cache_.size()), move_pairs_, int64_t(pairs.size() / 2),
+                  cfg_.ds.kv_lora_rank + cfg_.ds.qk_rope_head_dim, dev_.stream());
+  }
+  void reset(int slot) override { slots_.reset(slot, pending_); }
+
+  // DecoderControls
+  void assume_length(int slot, int64_t len) override {
+    slots_.check(slot);
+    if (!filled_) {
+      dev_.activate();
+      const size_t n = size_t(slots_.size()) * size_t(max_len_) * size_t(cfg_.ds.kv_lora_rank + cfg_.ds.qk_rope_head_dim) * 2;
+      for (bf16* c : cache_) CUDA_CHECK(cudaMemsetAsync(c, 0x3c, n, dev_.stream()));  // bf16 0x3c3c: about 0.0115
+      CUDA_CHECK(cudaStreamSynchronize(dev_.stream()));
+      filled_ = true;
+    }
+    slots_.reset(slot, pending_, len);
+  }
+  void use_graphs(bool on) override { graphs_.set_enabled(on); }
+  int64_t graph_launches() const override { return graphs_.replays(); }
+
+ private:
+  struct Acts {
+    DeviceArena arena;
+    int64_t n_tokens = 0, n_logits = 0, n_part = 0, n_cap = 0, n_in = 0;
+    float *x, *t32, *xn32, *rlog, *moe_out, *part, *qd, *apart, *logits32;
+    bf16 *xn, *qa, *q, *ckv, *lat, *olat, *attv, *gu, *act, *sel, *logits;
+    uint8_t* cap;
+    int32_t* top1;
+    uint8_t* in;
+    MoeScratch moe;
+  };
+  struct Pinned {
+    void* p = nullptr;
+    size_t bytes = 0;
+    ~Pinned() {
+      if (p) cudaFreeHost(p);
+    }
+    void ensure(size_t b) {
+      if (b <= bytes) return;
+      if (p) CUDA_CHECK(cudaFreeHost(p));
+      p = nullptr;
+      CUDA_CHECK(cudaHostAlloc(&p, b, cudaHostAllocPortable));
+      bytes = b;
+    }
+  };
+  struct Layout {
+    size_t ids, pos, rows, logit_rows, masks, sampling, uniforms, bytes;
+  };
+  static Layout layout(int64_t N, int64_t NL, int64_t n_masks, bool sampling) {
+    Layout l{};
+    size_t off = 0;
+    auto place = [&](size_t bytes) {
+      const size_t at = off;
+      off += (bytes + 15) / 16 * 16;
+      return at;
+    };
+    l.ids = place(size_t(N) * 4);
+    l.pos = place(size_t(N) * 4);
+    l.rows = place(size_t(N) * sizeof(DecodeRow));
+    l.logit_rows = place(size_t(NL) * 4);
+    l.masks = place(size_t(n_masks) * 8);
+    l.sampling = place(sampling ? sizeof(DeviceSampling) : 0);
+    l.uniforms = place(sampling ? size_t(NL) * 8 : 0);
+    l.bytes = off;
+    return l;
+  }
+
+  void run(const std::vector<DecodeRequest>& reqs, const Capture& cap, float* logits, int32_t* ids,
+           const SamplingParams* sp = nullptr, const double* u = nullptr) {
+    dev_.activate();
+    const ModelConfig& c = cfg_;
+    const DeepseekConfig& d = c.ds;
+    const int64_t H = c.hidden, V = c.vocab, nh = w_.nh;
+    const int64_t nope = d.qk_nope_head_dim, rope = d.qk_rope_head_dim, qk = nope + rope, vd = d.v_head_dim;
+    const int64_t kvr = d.kv_lora_rank, D = kvr + rope;
+    cap.validate(c.n_layers);
+    DecodeBatch batch = slots_.plan(reqs, pending_, V);
+    const int64_t N = int64_t(batch.rows.size()), NL = (logits || ids) ? int64_t(batch.logit_rows.size()) : 0;
+    if (N == 0) return;
+    int64_t max_keys = 0;
+    for (const DecodeRow& r : batch.rows) max_keys = std::max<int64_t>(max_keys, r.end - r.lo);
+    const DecodeSplits ks = decode_splits(max_keys, N, mla_head_blocks(nh), dev_.multiprocessors());
+    const int64_t splits = ks.splits, split_len = ks.split_len;
+    const bool sampled = sp && ids && NL > 0;
+    const Layout lay = layout(N, NL, int64_t(batch.masks.size()), sampled);
+    const int64_t n_cap = int64_t(cap.layers.size());
+    ensure_acts(N, NL, N * nh * splits * (kvr + 2), n_cap, int64_t(lay.bytes));
+    Acts& a = *acts_;
+
+    in_h_.ensure(lay.bytes);
+    auto* hb = static_cast<uint8_t*>(in_h_.p);
+    std::memcpy(hb + lay.ids, batch.tokens.data(), size_t(N) * 4);
+    std::memcpy(hb + lay.pos, batch.pos.data(), size_t(N) * 4);
+    std::memcpy(hb + lay.rows, batch.rows.data(), size_t(N) * sizeof(DecodeRow));
+    if (NL > 0) std::memcpy(hb + lay.logit_rows, batch.logit_rows.data(), size_t(NL) * 4);
+    if (!batch.masks.empty()) std::memcpy(hb + lay.masks, batch.masks.data(), batch.masks.size() * 8);
+    if (sampled) {
+      const DeviceSampling ds{sp->temperature, sp->top_p, sp->top_k, 0};
+      std::memcpy(hb + lay.sampling, &ds, sizeof ds);
+      std::memcpy(hb + lay.uniforms, u, size_t(NL) * 8);
+    }
+    cudaStream_t st = dev_.stream();
+    CUDA_CHECK(cudaMemcpyAsync(a.in, hb, lay.bytes, cudaMemcpyHostToDevice, st));
+    const auto* d_ids = reinterpret_cast<const int32_t*>(a.in + lay.ids);
+    const auto* d_pos = reinterpret_cast<const int32_t*>(a.in + lay.pos);
+    const auto* d_rows = reinterpret_cast<const DecodeRow*>(a.in + lay.rows);
+    const auto* d_logit_rows = reinterpret_cast<const int32_t*>(a.in + lay.logit_rows);
+    const auto* d_masks = reinterpret_cast<const uint64_t*>(a.in + lay.masks);
+    const float scale = float(d.softmax_scale), af = float(c.rope.attention_factor);
+
+    auto device_work = [&] {
+      cublasHandle_t blas = dev_.blas();
+      auto capture = [&](int64_t layer_id) {
+        for (int64_t i = 0; i < n_cap; ++i) {
+          if (cap.layers[size_t(i)] != layer_id) continue;
+          uint8_t* dst = a.cap + size_t(i) * size_t(a.n_tokens * H) * 4;
+          if (cap.dtype == DType::BF16)
+            f32_to_bf16(reinterpret_cast<bf16*>(dst), a.x, N * H, st);
+          else
+            CUDA_CHECK(cudaMemcpyAsync(dst, a.x, size_t(N * H) * 4, cudaMemcpyDeviceToDevice, st));
+        }
+      };
+      embedding_forward(a.x, d_ids, w_.embed, N, H, V, st);
+      for (int64_t l = 0; l < c.n_layers; ++l) {
+        const DeepseekLayerDev& L = w_.layers[size_t(l)];
+        capture(l);
+        mla_project(L, c, nh, a.x, {a.xn, a.qa, a.q, a.ckv, a.lat, a.t32}, N, dev_.gemm(), st);
+        // q_lat(h) [kvr, N] = W_UK(h) (col-major [kvr, nope], in place in kv_b) x q_nope(h)
+        gemm_batched(blas, CUBLAS_OP_N, kvr, N, nope, L.kv_b, kvr, (nope + vd) * kvr, a.q, nh * qk, qk, a.qd,
+                     CUDA_R_32F, nh * D, D, nh);
+        mla_decode_prepare(a.qd, nh * D, a.q, nh * qk, a.ckv, kvr + rope, a.lat, d_pos, w_.inv_freq, d_rows,
+                           cache_[size_t(l)], N, nh, nope, rope, kvr, max_len_, d.rope_interleave, af, st);
+        mla_decode_attention(a.olat, a.apart, a.qd, cache_[size_t(l)], d_rows, d_masks, N, nh, kvr, rope, max_len_,
+                             splits, split_len, scale, st);
+        // o(h) [vd, N] = W_UV(h) (row-major [vd, kvr] after W_UK(h)) x o_lat(h)
+        gemm_batched(blas, CUBLAS_OP_T, vd, N, kvr, L.kv_b + nope * kvr, kvr, (nope + vd) * kvr, a.olat, nh * kvr, kvr,
+                     a.attv, CUDA_R_16BF, nh * vd, vd, nh);
+        dev_.gemm().forward(a.part, a.attv, L.o, N, nh * vd, H, st);
+        add_f32(a.x, a.part, N * H, st);
+        deepseek_mlp(L, c, a.x, {a.xn, a.gu, a.act, a.xn32, a.rlog, a.moe_out, a.part, &a.moe}, N, dev_.gemm(), st);
+      }
+      add_rmsnorm_forward(a.xn, a.x, nullptr, w_.final_norm, N, H, float(c.rms_eps), st);
+      capture(c.n_layers);
+      if (NL > 0) {
+        const bf16* in = a.xn;
+        if (NL < N) {
+          gather_rows(a.sel, a.xn, d_logit_rows, NL, H, st);
+          in = a.sel;
+        }
+        dev_.gemm().forward(a.logits, in, w_.lm_head, NL, H, V, st);
+        if (sampled)
+          sample_rows(a.top1, a.logits, NL, V, reinterpret_cast<const DeviceSampling*>(a.in + lay.sampling),
+                      reinterpret_cast<const double*>(a.in + lay.uniforms), st);
+        else if (ids)
+          argmax_rows(a.top1, a.logits, NL, V, st);
+        else
+          bf16_to_f32(a.logits32, a.logits, NL * V, st);
+      }
+    };
+    graphs_.run(fmt::format("{}/{}/{}/{}/{}/{}/{}/{}", N, NL, batch.masks.size(), splits, split_len,
+                            sampled ? 2 : ids ? 1 : 0, int(cap.dtype), fmt::join(cap.layers, ",")),
+                st, device_work, !batch.prefill);
+
+    const size_t esz = dtype_size(cap.dtype);
+    for (int64_t i = 0; i < n_cap; ++i)
+      CUDA_CHECK(cudaMemcpy2DAsync(cap.out[size_t(i)], size_t(cap.stride(size_t(i), H)) * esz,
+                                   a.cap + size_t(i) * size_t(a.n_tokens * H) * 4, size_t(H) * esz, size_t(H) * esz,
+                                   size_t(N), cudaMemcpyDeviceToHost, st));
+    if (NL > 0 && ids) {
+      out_h_.ensure(size_t(NL) * 4);
+      CUDA_CHECK(cudaMemcpyAsync(out_h_.p, a.top1, size_t(NL) * 4, cudaMemcpyDeviceToHost, st));
+    } else if (NL > 0) {
+      CUDA_CHECK(cudaMemcpyAsync(logits, a.logits32, size_t(NL * V) * 4, cudaMemcpyDeviceToHost, st));
+    }
+    CUDA_CHECK(cudaStreamSynchronize(st));
+    if (NL > 0 && ids) std::memcpy(ids, out_h_.p, size_t(NL) * 4);
+    slots_.ran(reqs, batch, pending_);
+  }
+
+  void ensure_acts(int64_t N, int64_t NL, int64_t part, int64_t n_cap, int64_t in_bytes) {
+    if (acts_ && acts_->n_tokens >= N && acts_->n_logits >= NL && acts_->n_part >= part && acts_->n_cap >= n_cap &&
+        acts_->n_in >= in_bytes)
+      return;
+    auto grow = [&](int64_t want, int64_t Acts::*have) { return std::max<int64_t>({want, acts_ ? (*acts_).*have : 0, 1}); };
+    const int64_t n = grow(N, &Acts::n_tokens), nl = grow(NL, &Acts::n_logits), np = grow(part, &Acts::n_part),
+                  nc = grow(n_cap, &Acts::n_cap), ni = grow(in_bytes, &Acts::n_in);
+    const ModelConfig& c = cfg_;
+    const DeepseekConfig& d = c.ds;
+    const int64_t H = c.hidden, nh = w_.nh, qk = d.qk_head_dim(), vd = d.v_head_dim, kvr = d.kv_lora_rank;
+    const int64_t rope = d.qk_rope_head_dim, qr = std::max<int64_t>(d.q_lora_rank, 1);
+    int64_t inter = 1, E = 1;
+    const DeepseekLayerDev* moe_layer = nullptr;
+    for (const auto& L : w_.layers) {
+      inter = std::max(inter, L.inter);
+      if (L.moe) E = std::max<int64_t>(E, L.experts.routing.n_experts), moe_layer = &L;
+    }
+    graphs_.clear();
+    acts_.reset();
+    auto a = std::make_unique<Acts>();
+    auto& ar = a->arena;
+    a->x = ar.alloc<float>(size_t(n * H));
+    a->t32 = ar.alloc<float>(size_t(n * std::max(qr, kvr)));
+    a->xn32 = ar.alloc<float>(size_t(n * H));
+    a->rlog = ar.alloc<float>(size_t(n * E));
+    a->moe_out = ar.alloc<float>(size_t(n * H));
+    a->part = ar.alloc<float>(size_t(n * H));
+    a->qd = ar.alloc<float>(size_t(n * nh * (kvr + rope)));
+    a->apart = ar.alloc<float>(size_t(np));
+    a->logits32 = ar.alloc<float>(size_t(nl * c.vocab));
+    a->xn = ar.alloc<bf16>(size_t(n * H));
+    a->qa = ar.alloc<bf16>(size_t(n * qr));
+    a->q = ar.alloc<bf16>(size_t(n * nh * qk));
+    a->ckv = ar.alloc<bf16>(size_t(n * (kvr + rope)));
+    a->lat = ar.alloc<bf16>(size_t(n * kvr));
+    a->olat = ar.alloc<bf16>(size_t(n * nh * kvr));
+    a->attv = ar.alloc<bf16>(size_t(n * nh * vd));
+    a->gu = ar.alloc<bf16>(size_t(n * 2 * inter));
+    a->act = ar.alloc<bf16>(size_t(n * inter));
+    a->sel = ar.alloc<bf16>(size_t(nl * H));
+    a->logits = ar.alloc<bf16>(size_t(nl * c.vocab));
+    a->cap = ar.alloc<uint8_t>(size_t(nc * n * H * 4));
+    a->top1 = ar.alloc<int32_t>(size_t(nl));
+    a->in = ar.alloc<uint8_t>(size_t(ni));
+    if (moe_layer) {
+      const auto sz = moe_scratch_elems(n, moe_layer->experts.routing, H, moe_layer->experts.experts.gate.O);
+      MoeScratch& m = a->moe;
+      m.idx = ar.alloc<int32_t>(size_t(sz.idx));
+      m.order = ar.alloc<int32_t>(size_t(sz.order));
+      m.pos = ar.alloc<int32_t>(size_t(sz.pos));
+      m.offsets = ar.alloc<int32_t>(size_t(sz.offsets));
+      m.tiles = ar.alloc<int32_t>(size_t(sz.tiles));
+      m.n_tiles = ar.alloc<int32_t>(1);
+      m.weights = ar.alloc<float>(size_t(sz.weights));
+      m.g = ar.alloc<float>(size_t(sz.g));
+      m.u = ar.alloc<float>(size_t(sz.g));
+      m.y = ar.alloc<float>(size_t(sz.y));
+      m.act = ar.alloc<bf16>(size_t(sz.act));
+      m.capacity = n;
+    }
+    a->n_tokens = n, a->n_logits = nl, a->n_part = np, a->n_cap = nc, a->n_in = ni;
+    acts_ = std::move(a);
+  }
+
+  DecodeSlots slots_;  // first: checks the shape before anything is allocated
+  Device dev_;         // destroyed after everything it allocated (device.h)
+  ModelConfig cfg_;
+  int64_t max_len_;
+  DeviceArena cache_arena_;
+  DeepseekDevWeights w_;
+  std::vector<bf16*> cache_;     // per layer [n_slots, max_len, kvr + rope]
+  bf16** cache_ptrs_ = nullptr;  // device array of the layers' caches, for moves
+  int32_t* move_pairs_ = nullptr;
+  bool filled_ = false;
+  std::unique_ptr<Acts> acts_;
+  Pinned in_h_, out_h_;
+  GraphCache graphs_;
+  bool device_sampling_ = true;
+};
+
+}  // namespace
+
+std::unique_ptr<Decoder> make_deepseek_decoder(const Checkpoint& ckpt, int device, int n_slots, int64_t max_len) {
+  TALON_CHECK(is_deepseek(ckpt.config().arch), "{}: not a DeepSeek-family model", ckpt.source());
+  return std::make_unique<CudaDeepseekDecoder>(ckpt, device, n_slots, max_len);
+}
+
+}  // namespace talon::cuda

@@ -1,0 +1,149 @@
+// The DeepSeek-family weights on the device and the layer halves both CUDA paths share
+// (deepseek_weights.h).
+#include "backend/cuda/deepseek_weights.h"
+
+#include <algorithm>
+
+#include "backend/cuda/check.h"
+#include "backend/cuda/deepseek_ops.h"
+#include "backend/cuda/weights.h"
+#include "model/deepseek.h"
+#include "util/error.h"
+
+namespace talon::cuda {
+
+namespace {
+
+constexpr float kLatentNormEps = 1e-6f;  // q_a / kv_a layernorms (transformers' RMSNorm default)
+
+// A block of a weight: rows [r0, r1) and columns [c0, c1) (r1 / c1 < 0: to the end).
+struct Part {
+  const QuantWeight* w;
+  int64_t r0 = 0, r1 = -1, c0 = 0, c1 = -1;
+};
+
+// Dequantized (any storage), sliced and stacked row-wise: [sum of rows, cols] bf16.
+bf16* upload_linear(std::initializer_list<Part> parts, DeviceArena& arena) {
+  size_t n = 0;
+  for (Part p : parts) {
+    if (p.r1 < 0) p.r1 = p.w->rows;
+    if (p.c1 < 0) p.c1 = p.w->cols;
+    n += size_t((p.r1 - p.r0) * (p.c1 - p.c0));
+  }
+  bf16* d = arena.alloc<bf16>(n);
+  size_t at = 0;
+  std::vector<float> f, sub;
+  for (Part p : parts) {
+    const int64_t R = p.w->rows, C = p.w->cols, r1 = p.r1 < 0 ? R : p.r1, c1 = p.c1 < 0 ? C : p.c1;
+    f.resize(size_t(R * C));
+    dequantize(*p.w, f.data());
+    const int64_t w = c1 - p.c0;
+    sub.resize(size_t((r1 - p.r0) * w));
+    for (int64_t r = p.r0; r < r1; ++r) std::copy_n(f.data() + r * C + p.c0, w, sub.data() + (r - p.r0) * w);
+    copy_bf16(d + at, sub.data(), sub.size());
+    at += sub.size();
+  }
+  return d;
+}
+
+}  // namespace
+
+DeepseekDevWeights upload_deepseek_weights(const Checkpoint& ckpt, DeviceArena& arena, const DeepseekParallel& par) {
+  const ModelConfig& c = ckpt.config();
+  const DeepseekConfig& d = c.ds;
+  const int n = par.size, rk = par.rank;
+  const bool tp = par.mode == DeepseekParallel::Mode::Tensor;
+  DeepseekDevWeights w;
+  w.nh = tp ? c.n_heads / n : c.n_heads;
+  const int64_t h0 = tp ? rk * w.nh : 0, qk = d.qk_head_dim(), nv = d.qk_nope_head_dim + d.v_head_dim;
+  const DeepseekWeights src = bind_deepseek_weights(ckpt);
+  w.embed = upload_weight(src.embed, arena);
+  w.lm_head = upload_weight(src.lm_head, arena);
+  w.final_norm = upload_weight(src.final_norm, arena);
+  for (const DeepseekLayer& l : src.layers) {
+    DeepseekLayerDev L;
+    L.attn_norm = upload_weight(l.attn_norm, arena);
+    L.mlp_norm = upload_weight(l.mlp_norm, arena);
+    L.kv_a_norm = upload_weight(l.kv_a_norm, arena);
+    if (d.q_lora_rank > 0) {
+      L.q_a_norm = upload_weight(l.q_a_norm, arena);
+      L.q_a = upload_linear({{&l.q_a}}, arena);
+      L.q = upload_linear({{&l.q_b, h0 * qk, (h0 + w.nh) * qk}}, arena);
+    } else {
+      L.q = upload_linear({{&l.q_proj, h0 * qk, (h0 + w.nh) * qk}}, arena);
+    }
+    L.kv_a = upload_linear({{&l.kv_a}}, arena);
+    L.kv_b = upload_linear({{&l.kv_b, h0 * nv, (h0 + w.nh) * nv}}, arena);
+    L.o = upload_linear({{&l.o_proj, 0, -1, h0 * d.v_head_dim, (h0 + w.nh) * d.v_head_dim}}, arena);
+    L.moe = l.moe;
+    const DeepseekMlp* mlp = l.moe ? (l.shared.gate.empty() ? nullptr : &l.shared) : &l.dense;
+    if (mlp) {
+      const int64_t I = mlp->gate.rows;
+      TALON_CHECK(!tp || I % n == 0, "--tp {}: layer {} MLP width {} must divide by it", n, w.layers.size(), I);
+      L.inter = tp ? I / n : I;
+      const int64_t i0 = tp ? rk * L.inter : 0, i1 = i0 + L.inter;
+      L.gu = upload_linear({{&mlp->gate, i0, i1}, {&mlp->up, i0, i1}}, arena);
+      L.down = upload_linear({{&mlp->down, 0, -1, i0, i1}}, arena);
+    }
+    if (l.moe) {
+      const std::vector<float> r = weight_to_f32(l.router);
+      L.router = arena.alloc<float>(r.size());
+      CUDA_CHECK(cudaMemcpy(L.router, r.data(), r.size() * 4, cudaMemcpyHostToDevice));
+      const int64_t per = c.ds.n_routed_experts / n;
+      L.experts = upload_moe_layer(l, c, arena, n > 1 ? rk * per : 0, n > 1 ? per : -1);
+    }
+    w.layers.push_back(L);
+  }
+  const std::vector<float> inv = rope_inv_freq(c.rope, d.qk_rope_head_dim);
+  w.inv_freq = arena.alloc<float>(inv.size());
+  CUDA_CHECK(cudaMemcpy(w.inv_freq, inv.data(), inv.size() * 4, cudaMemcpyHostToDevice));
+  return w;
+}
+
+void mla_project(const DeepseekLayerDev& L, const ModelConfig& c, int64_t nh, float* x, const MlaBuffers& b,
+                 int64_t N, Gemm& gemm, cudaStream_t s) {
+  const DeepseekConfig& d = c.ds;
+  const int64_t H = c.hidden, qk = d.qk_head_dim(), kvr = d.kv_lora_rank, rope = d.qk_rope_head_dim;
+  const int64_t qr = d.q_lora_rank;
+  add_rmsnorm_forward(b.xn, x, nullptr, L.attn_norm, N, H, float(c.rms_eps), s);
+  if (qr > 0) {
+    gemm.forward(b.qa, b.xn, L.q_a, N, H, qr, s);
+    bf16_to_f32(b.t32, b.qa, N * qr, s);
+    add_rmsnorm_forward(b.qa, b.t32, nullptr, L.q_a_norm, N, qr, kLatentNormEps, s);
+    gemm.forward(b.q, b.qa, L.q, N, qr, nh * qk, s);
+  } else {
+    gemm.forward(b.q, b.xn, L.q, N, H, nh * qk, s);
+  }
+  gemm.forward(b.ckv, b.xn, L.kv_a, N, H, kvr + rope, s);
+  CUDA_CHECK(cudaMemcpy2DAsync(b.lat, size_t(kvr) * 2, b.ckv, size_t(kvr + rope) * 2, size_t(kvr) * 2, size_t(N),
+                               cudaMemcpyDeviceToDevice, s));
+  bf16_to_f32(b.t32, b.lat, N * kvr, s);
+  add_rmsnorm_forward(b.lat, b.t32, nullptr, L.kv_a_norm, N, kvr, kLatentNormEps, s);
+}
+
+void deepseek_mlp(const DeepseekLayerDev& L, const ModelConfig& c, float* x, const MlpBuffers& b, int64_t N,
+                  Gemm& gemm, cudaStream_t s, const std::function<void()>& routed,
+                  const std::function<void(float*, int64_t)>& reduce) {
+  const int64_t H = c.hidden;
+  const float eps = float(c.rms_eps);
+  add_rmsnorm_forward(b.xn, x, nullptr, L.mlp_norm, N, H, eps, s);
+  if (L.moe) {
+    const auto& r = L.experts.routing;
+    rmsnorm_f32(b.xn32, x, L.mlp_norm, N, H, eps, s);
+    router_logits_f32(b.rlog, b.xn32, L.router, N, r.n_experts, H, s);
+    if (routed)
+      routed();
+    else
+      moe_forward(b.moe_out, b.xn, b.rlog, L.experts.router_bias, N, H, r, L.experts.experts, *b.moe, s);
+    add_f32(x, b.moe_out, N * H, s);
+  }
+  if (L.gu) {
+    gemm.forward(b.gu, b.xn, L.gu, N, H, 2 * L.inter, s);
+    swiglu_forward(b.act, b.gu, N, L.inter, s);
+    gemm.forward(b.part, b.act, L.down, N, L.inter, H, s);  // tensor parallel: this rank's slice
+    if (reduce) reduce(b.part, N * H);
+    add_f32(x, b.part, N * H, s);
+  }
+}
+
+}  // namespace talon::cuda

@@ -249,15 +249,22 @@ TEST_P(CudaMoe, MatchesTheCpuReference) {
   r.topk_group = cs.topk_group, r.norm_topk = cs.norm, r.routed_scale = cs.scale;
   DevMatrix dg(gate), du(up), dd(down);
   float* d_bias = to_dev(bias);
-  const auto got = run_gpu_moe(xb, logits, cs.bias ? d_bias : nullptr, N, H, r, {dg.m, du.m, dd.m});
+  // Both expert GEMM paths: the tensor-core tiles (skinny off) and, for the 148 routed slots
+  // here (some experts get more than one pass of 8 rows), the decode-sized kernel.
+  for (const int64_t skinny : {int64_t(0), int64_t(1024)}) {
+    cuda::moe_skinny_max_slots(skinny);
+    const auto got = run_gpu_moe(xb, logits, cs.bias ? d_bias : nullptr, N, H, r, {dg.m, du.m, dd.m});
+    const std::string tag = std::string(cs.name) + (skinny ? " (decode-sized kernel)" : " (tiles)");
+    EXPECT_EQ(got.idx, idx) << tag << ": routing picked other experts";
+    for (size_t i = 0; i < got.weights.size(); ++i)
+      EXPECT_NEAR(got.weights[i], wts[i], 1e-5 * std::max(1.f, std::fabs(wts[i]))) << i;
+    const double err = talon::testing::rel_err(got.out.data(), want.data(), got.out.size());
+    EXPECT_LE(err, 1e-4) << tag;
+    std::printf("cuda moe %s (%s experts, H %lld, Im %lld): routing %s, output rel err %.2e\n", tag.c_str(),
+                cs.storage(), (long long)H, (long long)Im, got.idx == idx ? "equal" : "DIFFERENT", err);
+  }
+  cuda::moe_skinny_max_slots(256);
   cudaFree(d_bias);
-  EXPECT_EQ(got.idx, idx) << cs.name << ": routing picked other experts";
-  for (size_t i = 0; i < got.weights.size(); ++i)
-    EXPECT_NEAR(got.weights[i], wts[i], 1e-5 * std::max(1.f, std::fabs(wts[i]))) << i;
-  const double err = talon::testing::rel_err(got.out.data(), want.data(), got.out.size());
-  EXPECT_LE(err, 1e-4) << cs.name;
-  std::printf("cuda moe %s (%s experts, H %lld, Im %lld): routing %s, output rel err %.2e\n", cs.name, cs.storage(),
-              (long long)H, (long long)Im, got.idx == idx ? "equal" : "DIFFERENT", err);
 }
 
 using M = MoeTopk;

@@ -23,7 +23,9 @@
 
 #include <cfloat>
 #include <climits>
+#include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <string>
 
 #include "backend/cuda/check.h"
@@ -38,6 +40,7 @@ namespace {
 
 constexpr int kTileRows = 64;  // routed rows per GEMM tile (the sort's tile list; both GEMM kernels)
 constexpr int kMaxExperts = 4096;
+constexpr int64_t kSkinnyDefaultSlots = 256;  // moe.h: moe_skinny_max_slots
 
 // Tensor-core GEMM.
 constexpr int kTcCols = 128;             // outputs per block
@@ -524,7 +527,121 @@ __global__ void combine_kernel(float* out, const float* y, const float* w, const
   }
 }
 
+// ---- Decode-sized grouped GEMV: few routed rows an expert ----
+
+// At decode sizes an expert sees a few rows (batch 1 of Kimi-K2: one row each for 8 of 384
+// experts), and a 64-row tensor-core tile would spend its pipeline on one row: the bytes of
+// the weights, not the products, decide. Here a block takes one tile of the sort (an expert
+// and up to kTileRows of its sorted rows) and kSkOut outputs per warp, 8 warps; each lane
+// reads 16 bytes of weight row at a time (32 int4 values, or 8 bf16) for each of its outputs
+// and multiplies them with up to kSkRows input rows at once (rows past that: another pass).
+// int4: a word's 8 products are summed in fp32 and times the fp32 scale of the word's group,
+// so q * scale is never rounded to bf16 (as the tensor-core kernel). Lanes' partial sums meet
+// by shuffles. Needs I % 32 == 0 and a group a multiple of 8 (int4), I % 8 == 0 (bf16), and
+// 16-byte aligned rows.
+constexpr int kSkRows = 8, kSkOut = 2, kSkWarps = 8, kSkCols = kSkWarps * kSkOut;
+
+template <int WF, bool GATHER>
+__global__ void __launch_bounds__(kSkWarps * 32)
+    skinny_grouped_kernel(float* out, const bf16* in, int64_t ld_in, const int32_t* order, int K,
+                          const int32_t* tiles, const int32_t* n_tiles, const int32_t* offsets, ExpertMatrix m) {
+  constexpr bool INT4 = WF == kWInt4;
+  constexpr int kPer = INT4 ? 32 : 8;  // weights a lane reads at a time (16 bytes)
+  if (int(blockIdx.x) >= *n_tiles) return;
+  const int e = tiles[2 * blockIdx.x], r0 = tiles[2 * blockIdx.x + 1];
+  const int rows = min(kTileRows, offsets[e + 1] - r0);
+  const int O = int(m.O), I = int(m.I), lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int o0 = int(blockIdx.y) * kSkCols + warp * kSkOut;
+  if (o0 >= O) return;
+  const int64_t words = I / 8, groups = INT4 ? (I + m.group - 1) / m.group : 0;
+  for (int rb = 0; rb < rows; rb += kSkRows) {
+    const int nr = min(kSkRows, rows - rb);
+    const bf16* xr[kSkRows];
+#pragma unroll
+    for (int r = 0; r < kSkRows; ++r) {
+      const int rr = r < nr ? r0 + rb + r : r0 + rb;
+      xr[r] = in + int64_t(GATHER ? order[rr] / K : rr) * ld_in;
+    }
+    float acc[kSkRows][kSkOut];
+#pragma unroll
+    for (int r = 0; r < kSkRows; ++r)
+#pragma unroll
+      for (int j = 0; j < kSkOut; ++j) acc[r][j] = 0.f;
+    for (int k0 = lane * kPer; k0 < I; k0 += 32 * kPer) {
+      uint4 w[kSkOut];
+      float sc[kSkOut][kPer / 8];
+#pragma unroll
+      for (int j = 0; j < kSkOut; ++j) {
+        const int o = min(o0 + j, O - 1);
+        if constexpr (INT4) {
+          w[j] = *reinterpret_cast<const uint4*>(m.packed + (int64_t(e) * O + o) * words + k0 / 8);
+#pragma unroll
+          for (int q = 0; q < 4; ++q)
+            sc[j][q] = __bfloat162float(m.scale[(int64_t(e) * O + o) * groups + (k0 + 8 * q) / m.group]);
+        } else {
+          w[j] = *reinterpret_cast<const uint4*>(m.w + (int64_t(e) * O + o) * I + k0);
+        }
+      }
+#pragma unroll
+      for (int q = 0; q < kPer / 8; ++q) {  // 8 weights (one int4 word, or the whole bf16 load) at a time
+        float wf[kSkOut][8];
+#pragma unroll
+        for (int j = 0; j < kSkOut; ++j) {
+          if constexpr (INT4) {
+            const uint32_t word = (&w[j].x)[q];
+#pragma unroll
+            for (int b = 0; b < 8; ++b) wf[j][b] = float(int((word >> (4 * b)) & 15u) - 8);
+          } else {
+            const bf16* wb = reinterpret_cast<const bf16*>(&w[j]);
+#pragma unroll
+            for (int b = 0; b < 8; ++b) wf[j][b] = __bfloat162float(wb[b]);
+          }
+        }
+#pragma unroll
+        for (int r = 0; r < kSkRows; ++r) {
+          if (r >= nr) break;
+          const uint4 xv = *reinterpret_cast<const uint4*>(xr[r] + k0 + 8 * q);
+          const bf16* xb = reinterpret_cast<const bf16*>(&xv);
+          float xf[8];
+#pragma unroll
+          for (int b = 0; b < 8; ++b) xf[b] = __bfloat162float(xb[b]);
+#pragma unroll
+          for (int j = 0; j < kSkOut; ++j) {
+            float part = 0.f;
+#pragma unroll
+            for (int b = 0; b < 8; ++b) part += wf[j][b] * xf[b];
+            if constexpr (INT4)
+              acc[r][j] += part * sc[j][q];
+            else
+              acc[r][j] += part;
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < kSkRows; ++r) {
+      if (r >= nr) break;
+#pragma unroll
+      for (int j = 0; j < kSkOut; ++j) {
+        const float v = warp_sum(acc[r][j]);
+        if (lane == 0 && o0 + j < O) out[int64_t(r0 + rb + r) * O + o0 + j] = v;
+      }
+    }
+  }
+}
+
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
+
+// Routed slots (N x top-k) up to which moe_forward takes the decode-sized kernel: see
+// moe_skinny_max_slots in moe.h.
+int64_t g_skinny_max_slots = -1;
+int64_t skinny_max_slots() {
+  if (g_skinny_max_slots < 0) {
+    const char* e = std::getenv("TALON_CUDA_MOE_SKINNY");
+    g_skinny_max_slots = e && *e ? std::max<int64_t>(0, std::atoll(e)) : kSkinnyDefaultSlots;
+  }
+  return g_skinny_max_slots;
+}
 
 // rows[p] = in[order[p] / K], ids[p] = idx[order[p]] % per_rank.
 __global__ void gather_sorted_kernel(bf16* rows, int32_t* ids, const bf16* in, const int32_t* order, const int32_t* idx,
@@ -542,13 +659,30 @@ __global__ void unsort_kernel(float* out, const float* in, const int32_t* pos, i
   for (int64_t h = threadIdx.x; h < H; h += blockDim.x) out[int64_t(i) * H + h] = src[h];
 }
 
+// slots: the routed rows of this call (NK); a non-empty tile holds at least one, so the grid
+// needs at most min(max_tiles, slots) tiles.
 void grouped_gemm(float* out, const bf16* in, int64_t ld_in, bool gather, const MoeScratch& sc, int K, int64_t max_tiles,
-                  const ExpertMatrix& m, cudaStream_t s) {
+                  int64_t slots, const ExpertMatrix& m, cudaStream_t s) {
   const bool int4 = m.packed != nullptr, fp8 = m.fp8 != nullptr;
   if (int(int4) + int(fp8) + int(m.w != nullptr) != 1)
     fail_msg("moe: expert weights need exactly one of bf16, int4 and fp8 storage");
   if (int4 && (m.group <= 0 || !m.scale)) fail_msg("moe: int4 expert weights need a group size and scales");
   if (fp8 && (m.bo <= 0 || m.bi <= 0 || !m.block_scale)) fail_msg("moe: fp8 expert weights need block sizes and scales");
+  max_tiles = std::min(max_tiles, slots);
+  const bool skinny_fits = !fp8 && slots <= skinny_max_slots() && ld_in % 8 == 0 && aligned16(in) &&
+                           (int4 ? m.I % 32 == 0 && m.group % 8 == 0 && aligned16(m.packed) : m.I % 8 == 0 && aligned16(m.w));
+  if (skinny_fits) {
+    const dim3 grid(static_cast<unsigned>(max_tiles), static_cast<unsigned>((m.O + kSkCols - 1) / kSkCols));
+    auto go = [&](auto kernel) {
+      kernel<<<grid, kSkWarps * 32, 0, s>>>(out, in, ld_in, sc.order, K, sc.tiles, sc.n_tiles, sc.offsets, m);
+    };
+    if (int4)
+      gather ? go(skinny_grouped_kernel<kWInt4, true>) : go(skinny_grouped_kernel<kWInt4, false>);
+    else
+      gather ? go(skinny_grouped_kernel<kWBf16, true>) : go(skinny_grouped_kernel<kWBf16, false>);
+    CUDA_LAUNCH_CHECK();
+    return;
+  }
   if (int4 ? m.group % 16 == 0 : fp8 ? m.bi % 16 == 0 : true) {
     const dim3 grid(unsigned(max_tiles), unsigned((m.O + kTcCols - 1) / kTcCols));
     const bool vec_a = ld_in % 8 == 0 && m.I % 8 == 0 && aligned16(in);
@@ -587,6 +721,8 @@ int64_t max_tiles(int64_t NK, int64_t E) { return (NK + kTileRows - 1) / kTileRo
 
 }  // namespace
 
+void moe_skinny_max_slots(int64_t slots) { g_skinny_max_slots = std::max<int64_t>(0, slots); }
+
 MoeScratchSizes moe_scratch_elems(int64_t n, const MoeRouting& r, int64_t H, int64_t Im) {
   const int64_t NK = n * r.top_k;
   return {NK, NK, NK, r.n_experts + 1, 2 * max_tiles(NK, r.n_experts) + 1, NK, NK * Im, NK * H, NK * Im};
@@ -622,10 +758,10 @@ void moe_forward(float* out, const bf16* xn, const float* router_logits, const f
   sort_kernel<<<1, 1024, 0, s>>>(sc.order, sc.pos, sc.offsets, sc.tiles, sc.n_tiles, sc.idx, int(NK), r.n_experts);
   CUDA_LAUNCH_CHECK();
   const int64_t T = max_tiles(NK, r.n_experts);
-  grouped_gemm(sc.g, xn, H, true, sc, K, T, ex.gate, s);
-  grouped_gemm(sc.u, xn, H, true, sc, K, T, ex.up, s);
+  grouped_gemm(sc.g, xn, H, true, sc, K, T, NK, ex.gate, s);
+  grouped_gemm(sc.u, xn, H, true, sc, K, T, NK, ex.up, s);
   launch_swiglu_forward(sc.act, sc.g, sc.u, Im, NK, Im, s);
-  grouped_gemm(sc.y, sc.act, Im, false, sc, K, T, ex.down, s);
+  grouped_gemm(sc.y, sc.act, Im, false, sc, K, T, NK, ex.down, s);
   combine_kernel<<<unsigned(N), 256, 0, s>>>(out, sc.y, sc.weights, sc.pos, K, H);
   CUDA_LAUNCH_CHECK();
 }
@@ -659,10 +795,10 @@ void moe_experts_forward(float* y, const bf16* rows, const int32_t* ids, int64_t
   sort_kernel<<<1, 1024, 0, s>>>(sc.order, sc.pos, sc.offsets, sc.tiles, sc.n_tiles, ids, int(R), E_local);
   CUDA_LAUNCH_CHECK();
   const int64_t T = max_tiles(R, E_local);
-  grouped_gemm(sc.g, rows, H, true, sc, 1, T, ex.gate, s);
-  grouped_gemm(sc.u, rows, H, true, sc, 1, T, ex.up, s);
+  grouped_gemm(sc.g, rows, H, true, sc, 1, T, R, ex.gate, s);
+  grouped_gemm(sc.u, rows, H, true, sc, 1, T, R, ex.up, s);
   launch_swiglu_forward(sc.act, sc.g, sc.u, Im, R, Im, s);
-  grouped_gemm(sc.y, sc.act, Im, false, sc, 1, T, ex.down, s);
+  grouped_gemm(sc.y, sc.act, Im, false, sc, 1, T, R, ex.down, s);
   unsort_kernel<<<unsigned(R), 256, 0, s>>>(y, sc.y, sc.pos, H);
   CUDA_LAUNCH_CHECK();
 }

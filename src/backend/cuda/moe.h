@@ -74,6 +74,12 @@ void moe_route(int32_t* idx, float* weights, const float* logits, const float* b
 void moe_forward(float* out, const bf16* xn, const float* router_logits, const float* bias, int64_t N, int64_t H,
                  const MoeRouting& r, const MoeExperts& ex, const MoeScratch& sc, cudaStream_t s);
 
+// Calls with at most this many routed slots (tokens x top-k) run their bf16 and int4 expert
+// GEMMs on a decode-sized kernel (a few rows an expert: bytes decide, moe.cu) instead of the
+// tensor-core tiles; FP8 always takes the tiles. Default 256, TALON_CUDA_MOE_SKINNY=n in the
+// environment, or this call (tests; 0: never).
+void moe_skinny_max_slots(int64_t slots);
+
 // ---- Expert parallelism: one rank's pieces of moe_forward (cuda_deepseek.cpp moves the rows
 // between ranks). Routing is global; experts are split in equal contiguous windows, rank d
 // owning ids [d * per_rank, (d + 1) * per_rank), so after sorting slots by expert id the

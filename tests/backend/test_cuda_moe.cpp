@@ -220,12 +220,22 @@ struct Case {
 
 class CudaMoe : public ::testing::TestWithParam<Case> {};
 
+void check_moe_case(const Case& cs, int64_t N);
+
+// 37 tokens (several experts get more than 8 rows: more than one pass of the decode-sized
+// kernel), and decode sizes: 3 tokens and 1 (every expert one row at most).
 TEST_P(CudaMoe, MatchesTheCpuReference) {
   REQUIRE_GPU();
-  const Case& cs = GetParam();
-  const int64_t N = 37, H = cs.H, Im = cs.Im, E = 16;
+  for (const int64_t n_tokens : {int64_t(37), int64_t(3), int64_t(1)}) {
+    SCOPED_TRACE("tokens " + std::to_string(n_tokens));
+    check_moe_case(GetParam(), n_tokens);
+  }
+}
+
+void check_moe_case(const Case& cs, int64_t N) {
+  const int64_t H = cs.H, Im = cs.Im, E = 16;
   const int K = 4;
-  std::mt19937 rng(7);
+  std::mt19937 rng(uint32_t(7 + N));
   std::normal_distribution<float> nd(0.f, 1.f);
   std::vector<uint16_t> xb(size_t(N * H));
   std::vector<float> x(size_t(N * H)), logits(size_t(N * E)), bias(static_cast<size_t>(E));
@@ -249,8 +259,7 @@ TEST_P(CudaMoe, MatchesTheCpuReference) {
   r.topk_group = cs.topk_group, r.norm_topk = cs.norm, r.routed_scale = cs.scale;
   DevMatrix dg(gate), du(up), dd(down);
   float* d_bias = to_dev(bias);
-  // Both expert GEMM paths: the tensor-core tiles (skinny off) and, for the 148 routed slots
-  // here (some experts get more than one pass of 8 rows), the decode-sized kernel.
+  // Both expert GEMM paths: the tensor-core tiles (skinny off) and the decode-sized kernel.
   for (const int64_t skinny : {int64_t(0), int64_t(1024)}) {
     cuda::moe_skinny_max_slots(skinny);
     const auto got = run_gpu_moe(xb, logits, cs.bias ? d_bias : nullptr, N, H, r, {dg.m, du.m, dd.m});
@@ -259,9 +268,15 @@ TEST_P(CudaMoe, MatchesTheCpuReference) {
     for (size_t i = 0; i < got.weights.size(); ++i)
       EXPECT_NEAR(got.weights[i], wts[i], 1e-5 * std::max(1.f, std::fabs(wts[i]))) << i;
     const double err = talon::testing::rel_err(got.out.data(), want.data(), got.out.size());
-    EXPECT_LE(err, 1e-4) << tag;
-    std::printf("cuda moe %s (%s experts, H %lld, Im %lld): routing %s, output rel err %.2e\n", tag.c_str(),
-                cs.storage(), (long long)H, (long long)Im, got.idx == idx ? "equal" : "DIFFERENT", err);
+    // Both sides round the SwiGLU activations to bf16; where an activation lies at a rounding
+    // boundary, fp32 summation-order noise can round it the other way on one side: one bf16 step
+    // (2^-8 relative) of one activation times its down-projection weights, measured up to 2e-4
+    // of the output's largest value (FP8 on the CUDA-core kernel, 37 tokens). A wrong weight,
+    // scale or row gives O(1).
+    EXPECT_LE(err, 5e-4) << tag;
+    std::printf("cuda moe %s (%s experts, H %lld, Im %lld, %lld tokens): routing %s, output rel err %.2e\n",
+                tag.c_str(), cs.storage(), (long long)H, (long long)Im, (long long)N, got.idx == idx ? "equal" : "DIFFERENT",
+                err);
   }
   cuda::moe_skinny_max_slots(256);
   cudaFree(d_bias);

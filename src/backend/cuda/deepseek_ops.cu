@@ -1,5 +1,6 @@
 // DeepSeek-family kernels (deepseek_ops.h).
 #include <algorithm>
+#include <cstdint>
 
 #include "backend/cuda/check.h"
 #include "backend/cuda/deepseek_ops.h"
@@ -60,8 +61,10 @@ __global__ void unpad_kernel(bf16* out, const bf16* in, int64_t N, int nh, int q
   }
 }
 
-// One warp per (token, expert) dot product.
-__global__ void router_kernel(float* logits, const float* x, const float* W, int64_t N, int64_t E, int64_t H) {
+// One warp per (token, expert) dot product; 16-byte loads, four in flight a lane, when H and
+// the rows allow (the same summation order for every N).
+__global__ void router_kernel(float* logits, const float* x, const float* W, int64_t N, int64_t E, int64_t H,
+                              bool vec) {
   const int lane = threadIdx.x % 32;
   const int64_t warps = int64_t(gridDim.x) * blockDim.x / 32;
   for (int64_t warp = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) / 32; warp < N * E; warp += warps) {
@@ -69,7 +72,17 @@ __global__ void router_kernel(float* logits, const float* x, const float* W, int
     const float* a = x + n * H;
     const float* b = W + e * H;
     float acc = 0.f;
-    for (int64_t i = lane; i < H; i += 32) acc += a[i] * b[i];
+    if (vec) {
+      const float4* a4 = reinterpret_cast<const float4*>(a);
+      const float4* b4 = reinterpret_cast<const float4*>(b);
+#pragma unroll 4
+      for (int64_t i = lane; i < H / 4; i += 32) {
+        const float4 u = a4[i], v = b4[i];
+        acc += u.x * v.x + u.y * v.y + u.z * v.z + u.w * v.w;
+      }
+    } else {
+      for (int64_t i = lane; i < H; i += 32) acc += a[i] * b[i];
+    }
     acc = warp_sum(acc);
     if (lane == 0) logits[warp] = acc;
   }
@@ -107,7 +120,9 @@ void rmsnorm_f32(float* out, const float* x, const bf16* w, int64_t N, int64_t C
 
 void router_logits_f32(float* logits, const float* x, const float* W, int64_t N, int64_t E, int64_t H, cudaStream_t s) {
   if (N == 0) return;
-  router_kernel<<<grid_for(N * E * 32, 256), 256, 0, s>>>(logits, x, W, N, E, H);
+  // Blocks of two warps: at decode sizes (E dot products) more SMs take part.
+  const bool vec = H % 4 == 0 && (reinterpret_cast<uintptr_t>(x) & 15) == 0 && (reinterpret_cast<uintptr_t>(W) & 15) == 0;
+  router_kernel<<<grid_for(N * E * 32, 64), 64, 0, s>>>(logits, x, W, N, E, H, vec);
   CUDA_LAUNCH_CHECK();
 }
 

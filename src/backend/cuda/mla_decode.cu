@@ -18,9 +18,10 @@ constexpr int kThreads = 256, kWarps = kThreads / 32;
 constexpr int kKeys = 32;       // keys per tile: one per lane in the softmax update
 constexpr int kMaxLatent = 512;  // kvr: one value pair per thread
 
-// The rotation of pair element j of a rope vector (as mla_assemble_kernel).
-__device__ __forceinline__ float rotate(const bf16* v, int j, int rope, bool interleaved, float pos,
-                                        const float* inv_freq, float af) {
+// The rotation of pair element j of a rope vector (as mla_assemble_kernel), with the row's
+// cos / sin (times attn_factor) of each pair in cs / sn.
+__device__ __forceinline__ float rotate(const bf16* v, int j, int rope, bool interleaved, const float* cs,
+                                        const float* sn) {
   const int half = rope / 2;
   int p, ia, ib;
   bool first;
@@ -29,29 +30,37 @@ __device__ __forceinline__ float rotate(const bf16* v, int j, int rope, bool int
   } else {
     p = j % half, ia = p, ib = p + half, first = j < half;
   }
-  const float ang = pos * inv_freq[p];
-  const float c = float(cos(double(ang))) * af, s = float(sin(double(ang))) * af;
+  const float c = cs[p], s = sn[p];
   const float a = __bfloat162float(v[ia]), b = __bfloat162float(v[ib]);
   return first ? a * c - b * s : b * c + a * s;
 }
 
+// Block per row: the row's rope / 2 angles once (fp64 cos / sin, as mla_assemble_kernel), then
+// every head's q_pe and the cache row.
 __global__ void mla_prepare_kernel(float* qd, int64_t ldqd, const bf16* q, int64_t ldq, const bf16* ckv, int64_t ld_ckv,
                                    const bf16* lat, const int32_t* pos, const float* inv_freq, const DecodeRow* rows,
                                    bf16* cache, int nh, int nope, int rope, int kvr, int64_t max_len, bool interleaved,
                                    float af) {
+  extern __shared__ float trig[];  // [rope / 2] cos, then [rope / 2] sin
   const int64_t n = blockIdx.x;
   const float p = float(pos[n]);
-  const int qk = nope + rope, D = kvr + rope;
+  const int qk = nope + rope, D = kvr + rope, half = rope / 2;
+  for (int i = threadIdx.x; i < half; i += blockDim.x) {
+    const float ang = p * inv_freq[i];
+    trig[i] = float(cos(double(ang))) * af;
+    trig[half + i] = float(sin(double(ang))) * af;
+  }
+  __syncthreads();
   for (int t = threadIdx.x; t < nh * rope; t += blockDim.x) {
     const int h = t / rope, j = t % rope;
-    qd[n * ldqd + int64_t(h) * D + kvr + j] = rotate(q + n * ldq + int64_t(h) * qk + nope, j, rope, interleaved, p,
-                                                     inv_freq, af);
+    qd[n * ldqd + int64_t(h) * D + kvr + j] = rotate(q + n * ldq + int64_t(h) * qk + nope, j, rope, interleaved, trig,
+                                                     trig + half);
   }
   const DecodeRow r = rows[n];
   bf16* dst = cache + (int64_t(r.slot) * max_len + r.end - 1) * D;
   for (int i = threadIdx.x; i < kvr; i += blockDim.x) dst[i] = lat[n * kvr + i];
   for (int j = threadIdx.x; j < rope; j += blockDim.x)
-    dst[kvr + j] = __float2bfloat16(rotate(ckv + n * ld_ckv + kvr, j, rope, interleaved, p, inv_freq, af));
+    dst[kvr + j] = __float2bfloat16(rotate(ckv + n * ld_ckv + kvr, j, rope, interleaved, trig, trig + half));
 }
 
 // Block (row r, head block hb, split z): heads hb * G .. hb * G + G - 1 against keys
@@ -193,7 +202,7 @@ void mla_decode_prepare(float* qd, int64_t ldqd, const bf16* q, int64_t ldq, con
                         int64_t N, int64_t nh, int64_t nope, int64_t rope, int64_t kvr, int64_t max_len,
                         bool interleaved, float attn_factor, cudaStream_t s) {
   if (N == 0) return;
-  mla_prepare_kernel<<<unsigned(N), 256, 0, s>>>(qd, ldqd, q, ldq, ckv, ld_ckv, lat, pos, inv_freq, rows, cache, int(nh),
+  mla_prepare_kernel<<<unsigned(N), 256, size_t(rope) * 4, s>>>(qd, ldqd, q, ldq, ckv, ld_ckv, lat, pos, inv_freq, rows, cache, int(nh),
                                                  int(nope), int(rope), int(kvr), max_len, interleaved, attn_factor);
   CUDA_LAUNCH_CHECK();
 }

@@ -27,6 +27,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <string>
+#include <type_traits>
 
 #include "backend/cuda/check.h"
 #include "backend/cuda/kernels/swiglu.cuh"
@@ -113,7 +114,9 @@ __global__ void route_kernel(int32_t* idx, float* weights, const float* logits, 
   // Groups allowed (bit g of `allowed`); all of them for plain greedy.
   uint32_t allowed = 0xffffffffu;
   const int per_group = E / n_group;
-  if (method != 0) {
+  // Keeping topk_group of n_group groups keeps them all when topk_group >= n_group (Kimi-K2:
+  // one group); the group scores, one lane scanning a whole group, are then not needed.
+  if (method != 0 && topk_group < n_group) {
     float gs = -INFINITY;
     if (lane < n_group) {
       const float* c = choice + lane * per_group;
@@ -518,9 +521,10 @@ __global__ void core_grouped_gemm_kernel(float* out, const bf16* in, int64_t ld_
 }
 
 // out[n, :] = sum_t w[n, t] * y[pos[n K + t], :], in slot (= expert id) order.
+// Blocks (n, chunk of H): at decode sizes one block a token left most SMs idle.
 __global__ void combine_kernel(float* out, const float* y, const float* w, const int32_t* pos, int K, int64_t H) {
   const int n = blockIdx.x;
-  for (int64_t h = threadIdx.x; h < H; h += blockDim.x) {
+  for (int64_t h = blockIdx.y * int64_t(blockDim.x) + threadIdx.x; h < H; h += int64_t(gridDim.y) * blockDim.x) {
     float acc = 0.f;
     for (int t = 0; t < K; ++t) acc += y[int64_t(pos[n * K + t]) * H + h] * w[n * K + t];
     out[int64_t(n) * H + h] = acc;
@@ -539,9 +543,12 @@ __global__ void combine_kernel(float* out, const float* y, const float* w, const
 // so q * scale is never rounded to bf16 (as the tensor-core kernel). Lanes' partial sums meet
 // by shuffles. Needs I % 32 == 0 and a group a multiple of 8 (int4), I % 8 == 0 (bf16), and
 // 16-byte aligned rows.
-constexpr int kSkRows = 8, kSkOut = 2, kSkWarps = 8, kSkCols = kSkWarps * kSkOut;
+constexpr int kSkOut = 2, kSkWarps = 8, kSkCols = kSkWarps * kSkOut;
 
-template <int WF, bool GATHER>
+// R: input rows a pass (1, 2, 4 or 8: the fewest that hold every expert's rows when the
+// caller knows a bound, as one token reaches an expert at most once). The next 16 bytes of
+// each output's row are loaded while the current ones are multiplied.
+template <int WF, bool GATHER, int R>
 __global__ void __launch_bounds__(kSkWarps * 32)
     skinny_grouped_kernel(float* out, const bf16* in, int64_t ld_in, const int32_t* order, int K,
                           const int32_t* tiles, const int32_t* n_tiles, const int32_t* offsets, ExpertMatrix m) {
@@ -554,32 +561,46 @@ __global__ void __launch_bounds__(kSkWarps * 32)
   const int o0 = int(blockIdx.y) * kSkCols + warp * kSkOut;
   if (o0 >= O) return;
   const int64_t words = I / 8, groups = INT4 ? (I + m.group - 1) / m.group : 0;
-  for (int rb = 0; rb < rows; rb += kSkRows) {
-    const int nr = min(kSkRows, rows - rb);
-    const bf16* xr[kSkRows];
+  const uint4* wrow[kSkOut];
 #pragma unroll
-    for (int r = 0; r < kSkRows; ++r) {
+  for (int j = 0; j < kSkOut; ++j) {
+    const int64_t o = int64_t(e) * O + min(o0 + j, O - 1);
+    wrow[j] = INT4 ? reinterpret_cast<const uint4*>(m.packed + o * words)
+                   : reinterpret_cast<const uint4*>(m.w + o * I);
+  }
+  for (int rb = 0; rb < rows; rb += R) {
+    const int nr = min(R, rows - rb);
+    const bf16* xr[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
       const int rr = r < nr ? r0 + rb + r : r0 + rb;
       xr[r] = in + int64_t(GATHER ? order[rr] / K : rr) * ld_in;
     }
-    float acc[kSkRows][kSkOut];
+    float acc[R][kSkOut];
 #pragma unroll
-    for (int r = 0; r < kSkRows; ++r)
+    for (int r = 0; r < R; ++r)
 #pragma unroll
       for (int j = 0; j < kSkOut; ++j) acc[r][j] = 0.f;
-    for (int k0 = lane * kPer; k0 < I; k0 += 32 * kPer) {
-      uint4 w[kSkOut];
+    int k0 = lane * kPer;
+    uint4 w[kSkOut];
+    if (k0 < I) {
+#pragma unroll
+      for (int j = 0; j < kSkOut; ++j) w[j] = wrow[j][k0 / kPer];
+    }
+    for (; k0 < I; k0 += 32 * kPer) {
+      uint4 wn[kSkOut];
+      const int kn = k0 + 32 * kPer;
+      if (kn < I) {
+#pragma unroll
+        for (int j = 0; j < kSkOut; ++j) wn[j] = wrow[j][kn / kPer];
+      }
       float sc[kSkOut][kPer / 8];
+      if constexpr (INT4) {
 #pragma unroll
-      for (int j = 0; j < kSkOut; ++j) {
-        const int o = min(o0 + j, O - 1);
-        if constexpr (INT4) {
-          w[j] = *reinterpret_cast<const uint4*>(m.packed + (int64_t(e) * O + o) * words + k0 / 8);
+        for (int j = 0; j < kSkOut; ++j) {
+          const bf16* srow = m.scale + (int64_t(e) * O + min(o0 + j, O - 1)) * groups;
 #pragma unroll
-          for (int q = 0; q < 4; ++q)
-            sc[j][q] = __bfloat162float(m.scale[(int64_t(e) * O + o) * groups + (k0 + 8 * q) / m.group]);
-        } else {
-          w[j] = *reinterpret_cast<const uint4*>(m.w + (int64_t(e) * O + o) * I + k0);
+          for (int q = 0; q < 4; ++q) sc[j][q] = __bfloat162float(srow[(k0 + 8 * q) / m.group]);
         }
       }
 #pragma unroll
@@ -598,7 +619,7 @@ __global__ void __launch_bounds__(kSkWarps * 32)
           }
         }
 #pragma unroll
-        for (int r = 0; r < kSkRows; ++r) {
+        for (int r = 0; r < R; ++r) {
           if (r >= nr) break;
           const uint4 xv = *reinterpret_cast<const uint4*>(xr[r] + k0 + 8 * q);
           const bf16* xb = reinterpret_cast<const bf16*>(&xv);
@@ -617,9 +638,13 @@ __global__ void __launch_bounds__(kSkWarps * 32)
           }
         }
       }
+      if (kn < I) {
+#pragma unroll
+        for (int j = 0; j < kSkOut; ++j) w[j] = wn[j];
+      }
     }
 #pragma unroll
-    for (int r = 0; r < kSkRows; ++r) {
+    for (int r = 0; r < R; ++r) {
       if (r >= nr) break;
 #pragma unroll
       for (int j = 0; j < kSkOut; ++j) {
@@ -661,8 +686,9 @@ __global__ void unsort_kernel(float* out, const float* in, const int32_t* pos, i
 
 // slots: the routed rows of this call (NK); a non-empty tile holds at least one, so the grid
 // needs at most min(max_tiles, slots) tiles.
+// max_rows: a bound on any expert's rows (the token count: a token reaches an expert once).
 void grouped_gemm(float* out, const bf16* in, int64_t ld_in, bool gather, const MoeScratch& sc, int K, int64_t max_tiles,
-                  int64_t slots, const ExpertMatrix& m, cudaStream_t s) {
+                  int64_t slots, int64_t max_rows, const ExpertMatrix& m, cudaStream_t s) {
   const bool int4 = m.packed != nullptr, fp8 = m.fp8 != nullptr;
   if (int(int4) + int(fp8) + int(m.w != nullptr) != 1)
     fail_msg("moe: expert weights need exactly one of bf16, int4 and fp8 storage");
@@ -676,10 +702,21 @@ void grouped_gemm(float* out, const bf16* in, int64_t ld_in, bool gather, const 
     auto go = [&](auto kernel) {
       kernel<<<grid, kSkWarps * 32, 0, s>>>(out, in, ld_in, sc.order, K, sc.tiles, sc.n_tiles, sc.offsets, m);
     };
-    if (int4)
-      gather ? go(skinny_grouped_kernel<kWInt4, true>) : go(skinny_grouped_kernel<kWInt4, false>);
+    auto pick = [&](auto rows) {
+      constexpr int R = decltype(rows)::value;
+      if (int4)
+        gather ? go(skinny_grouped_kernel<kWInt4, true, R>) : go(skinny_grouped_kernel<kWInt4, false, R>);
+      else
+        gather ? go(skinny_grouped_kernel<kWBf16, true, R>) : go(skinny_grouped_kernel<kWBf16, false, R>);
+    };
+    if (max_rows <= 1)
+      pick(std::integral_constant<int, 1>{});
+    else if (max_rows <= 2)
+      pick(std::integral_constant<int, 2>{});
+    else if (max_rows <= 4)
+      pick(std::integral_constant<int, 4>{});
     else
-      gather ? go(skinny_grouped_kernel<kWBf16, true>) : go(skinny_grouped_kernel<kWBf16, false>);
+      pick(std::integral_constant<int, 8>{});
     CUDA_LAUNCH_CHECK();
     return;
   }
@@ -715,6 +752,11 @@ void grouped_gemm(float* out, const bf16* in, int64_t ld_in, bool gather, const 
       gather ? go(core_grouped_gemm_kernel<kWFp8, true>) : go(core_grouped_gemm_kernel<kWFp8, false>);
   }
   CUDA_LAUNCH_CHECK();
+}
+
+dim3 combine_grid(int64_t N, int64_t H) {
+  return dim3(static_cast<unsigned>(N),
+              static_cast<unsigned>(std::clamp<int64_t>(256 / std::max<int64_t>(N, 1), 1, (H + 255) / 256)));
 }
 
 int64_t max_tiles(int64_t NK, int64_t E) { return (NK + kTileRows - 1) / kTileRows + E; }
@@ -758,11 +800,11 @@ void moe_forward(float* out, const bf16* xn, const float* router_logits, const f
   sort_kernel<<<1, 1024, 0, s>>>(sc.order, sc.pos, sc.offsets, sc.tiles, sc.n_tiles, sc.idx, int(NK), r.n_experts);
   CUDA_LAUNCH_CHECK();
   const int64_t T = max_tiles(NK, r.n_experts);
-  grouped_gemm(sc.g, xn, H, true, sc, K, T, NK, ex.gate, s);
-  grouped_gemm(sc.u, xn, H, true, sc, K, T, NK, ex.up, s);
+  grouped_gemm(sc.g, xn, H, true, sc, K, T, NK, N, ex.gate, s);
+  grouped_gemm(sc.u, xn, H, true, sc, K, T, NK, N, ex.up, s);
   launch_swiglu_forward(sc.act, sc.g, sc.u, Im, NK, Im, s);
-  grouped_gemm(sc.y, sc.act, Im, false, sc, K, T, NK, ex.down, s);
-  combine_kernel<<<unsigned(N), 256, 0, s>>>(out, sc.y, sc.weights, sc.pos, K, H);
+  grouped_gemm(sc.y, sc.act, Im, false, sc, K, T, NK, N, ex.down, s);
+  combine_kernel<<<combine_grid(N, H), 256, 0, s>>>(out, sc.y, sc.weights, sc.pos, K, H);
   CUDA_LAUNCH_CHECK();
 }
 
@@ -795,17 +837,17 @@ void moe_experts_forward(float* y, const bf16* rows, const int32_t* ids, int64_t
   sort_kernel<<<1, 1024, 0, s>>>(sc.order, sc.pos, sc.offsets, sc.tiles, sc.n_tiles, ids, int(R), E_local);
   CUDA_LAUNCH_CHECK();
   const int64_t T = max_tiles(R, E_local);
-  grouped_gemm(sc.g, rows, H, true, sc, 1, T, R, ex.gate, s);
-  grouped_gemm(sc.u, rows, H, true, sc, 1, T, R, ex.up, s);
+  grouped_gemm(sc.g, rows, H, true, sc, 1, T, R, R, ex.gate, s);
+  grouped_gemm(sc.u, rows, H, true, sc, 1, T, R, R, ex.up, s);
   launch_swiglu_forward(sc.act, sc.g, sc.u, Im, R, Im, s);
-  grouped_gemm(sc.y, sc.act, Im, false, sc, 1, T, R, ex.down, s);
+  grouped_gemm(sc.y, sc.act, Im, false, sc, 1, T, R, R, ex.down, s);
   unsort_kernel<<<unsigned(R), 256, 0, s>>>(y, sc.y, sc.pos, H);
   CUDA_LAUNCH_CHECK();
 }
 
 void moe_combine(float* out, const float* y, int64_t N, int64_t H, int K, const MoeScratch& sc, cudaStream_t s) {
   if (N == 0) return;
-  combine_kernel<<<unsigned(N), 256, 0, s>>>(out, y, sc.weights, sc.pos, K, H);
+  combine_kernel<<<combine_grid(N, H), 256, 0, s>>>(out, y, sc.weights, sc.pos, K, H);
   CUDA_LAUNCH_CHECK();
 }
 

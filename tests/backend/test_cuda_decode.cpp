@@ -19,6 +19,7 @@
 #include "backend/backend.h"
 #include "backend/cuda/cuda_decoder.h"
 #include "backend/cuda/decode_ops.h"
+#include "backend/cuda/decode_slots.h"
 #include "model/decode.h"
 #include "model/model.h"
 #include "model/random_checkpoint.h"
@@ -767,6 +768,94 @@ TEST(CudaSample, DrawsWhatTheReferenceDraws) {
   }
   EXPECT_GT(strict, 700);
   EXPECT_LT(ambiguous, 20);
+}
+
+// The host half of the CUDA decoders (decode_slots.h) against model/decode.h's contract, worked
+// out by hand: rows, positions, tree masks, logit rows, the sliding window, refusals, and the
+// cache moves a commit of a tree path makes. No GPU needed.
+TEST(DecodeSlots, PlansRowsAndCommitMovesByTheContract) {
+  cuda::DecodeSlots slots(3, 100);
+  std::vector<int64_t> pending(3, 0);
+  const int64_t V = 50;
+  // A 3-token prefill of slot 0, last logits only.
+  std::vector<DecodeRequest> reqs = {{0, {7, 8, 9}, {}, false}};
+  cuda::DecodeBatch b = slots.plan(reqs, pending, V);
+  ASSERT_EQ(b.rows.size(), 3u);
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_EQ(b.rows[size_t(i)].slot, 0);
+    EXPECT_EQ(b.rows[size_t(i)].lo, 0);
+    EXPECT_EQ(b.rows[size_t(i)].len, 0);
+    EXPECT_EQ(b.rows[size_t(i)].end, i + 1);
+    EXPECT_EQ(b.rows[size_t(i)].mask, -1);
+  }
+  EXPECT_EQ(b.pos, (std::vector<int32_t>{0, 1, 2}));
+  EXPECT_EQ(b.tokens, (std::vector<int32_t>{7, 8, 9}));
+  EXPECT_EQ(b.logit_rows, (std::vector<int32_t>{2}));
+  EXPECT_EQ(b.seq_start, (std::vector<int64_t>{0, 3}));
+  EXPECT_TRUE(b.prefill);
+  slots.ran(reqs, b, pending);
+  EXPECT_EQ(pending[0], 3);
+  EXPECT_TRUE(slots.commit(0, {0, 1, 2}, pending).empty());  // a chain kept whole stays in place
+  EXPECT_EQ(slots.length(0), 3);
+  EXPECT_EQ(pending[0], 0);
+
+  // A tree on slot 0 (0 <- 1, 0 <- 2 <- 3) beside a 2-token chain on the empty slot 2.
+  reqs = {{0, {1, 2, 3, 4}, {-1, 0, 0, 2}, true}, {2, {5, 6}, {}, true}};
+  b = slots.plan(reqs, pending, V);
+  ASSERT_EQ(b.rows.size(), 6u);
+  EXPECT_FALSE(b.prefill);
+  EXPECT_EQ(b.pos, (std::vector<int32_t>{3, 4, 4, 5, 0, 1}));  // length + depth
+  EXPECT_EQ(b.logit_rows, (std::vector<int32_t>{0, 1, 2, 3, 4, 5}));
+  EXPECT_EQ(b.seq_start, (std::vector<int64_t>{0, 4, 6}));
+  const uint64_t bits[4] = {0b1, 0b11, 0b101, 0b1101};  // ancestors and self
+  for (int i = 0; i < 4; ++i) {
+    const cuda::DecodeRow& r = b.rows[size_t(i)];
+    EXPECT_EQ(r.len, 3);
+    EXPECT_EQ(r.lo, 0);
+    EXPECT_EQ(r.end, 3 + i + 1);  // its own cache row is end - 1
+    ASSERT_GE(r.mask, 0);
+    EXPECT_EQ(b.masks[size_t(r.mask)], bits[i]) << "row " << i;
+  }
+  EXPECT_EQ(b.rows[4].mask, -1);
+  EXPECT_EQ(b.rows[5].end, 2);
+  slots.ran(reqs, b, pending);
+  // Keeping the path 0, 2, 3 moves cache rows 3 + 2 -> 3 + 1 and 3 + 3 -> 3 + 2 of slot 0.
+  EXPECT_EQ(slots.commit(0, {0, 2, 3}, pending), (std::vector<int32_t>{5, 4, 6, 5}));
+  EXPECT_EQ(slots.length(0), 6);
+  EXPECT_NE(error_of([&] { slots.commit(2, {1}, pending); }).find("does not continue the kept path"), std::string::npos);
+  EXPECT_TRUE(slots.commit(2, {0, 1}, pending).empty());
+  EXPECT_EQ(slots.length(2), 2);
+  // Kept rows of slot 2 sit at flat rows 2 * 100 + ...: a moved row of slot 2 names them.
+  reqs = {{2, {1, 2}, {-1, -1}, true}};
+  b = slots.plan(reqs, pending, V);
+  slots.ran(reqs, b, pending);
+  EXPECT_EQ(slots.commit(2, {1}, pending), (std::vector<int32_t>{203, 202}));
+
+  // A sliding window of 2 keys: row at position p sees [p - 1, p].
+  reqs = {{1, {1, 2, 3}, {}, true}};
+  b = slots.plan(reqs, pending, V, 2);
+  EXPECT_EQ(b.rows[0].lo, 0);
+  EXPECT_EQ(b.rows[1].lo, 0);
+  EXPECT_EQ(b.rows[2].lo, 1);
+
+  // Refusals, each naming what is wrong.
+  auto refused = [&](const std::vector<DecodeRequest>& r, const std::string& want) {
+    const std::string e = error_of([&] { slots.plan(r, pending, V); });
+    EXPECT_NE(e.find(want), std::string::npos) << e;
+  };
+  refused({{0, {1}, {}, true}, {0, {2}, {}, true}}, "appears twice");
+  refused({{3, {1}, {}, true}}, "slot 3 outside [0, 3)");
+  refused({{0, {50}, {}, true}}, "outside the vocabulary");
+  refused({{0, std::vector<int32_t>(95, 1), {}, true}}, "more than max_len 100");
+  refused({{0, {}, {}, true}}, "has no tokens");
+  std::vector<int64_t> busy = pending;
+  busy[1] = 2;
+  EXPECT_NE(error_of([&] { slots.plan({{1, {1}, {}, true}}, busy, V); }).find("uncommitted"), std::string::npos);
+  slots.reset(0, pending);
+  EXPECT_EQ(slots.length(0), 0);
+  slots.reset(0, pending, 40);
+  EXPECT_EQ(slots.length(0), 40);
+  EXPECT_NE(error_of([] { cuda::DecodeSlots bad(0, 10); }).find("must be positive"), std::string::npos);
 }
 
 TEST(DecodePlan, GroupsLoneRowsAndTiles) {

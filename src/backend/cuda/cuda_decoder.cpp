@@ -167,21 +167,6 @@ class CudaDecoder final : public Decoder, public cuda::DecoderControls {
     int* counters;  // decode_attention's split counters, [n_tokens, nh], zero between launches
     uint8_t* in;    // the packed inputs of a forward (ids, positions, rows, ...), n_in bytes
   };
-  // Pinned host mirror of Acts::in and of the greedy ids.
-  struct Pinned {
-    void* p = nullptr;
-    size_t bytes = 0;
-    ~Pinned() {
-      if (p) cudaFreeHost(p);
-    }
-    void ensure(size_t b) {
-      if (b <= bytes) return;
-      if (p) CUDA_CHECK(cudaFreeHost(p));
-      p = nullptr;
-      CUDA_CHECK(cudaHostAlloc(&p, b, cudaHostAllocPortable));
-      bytes = b;
-    }
-  };
   // Where each input of a forward sits in the packed block (byte offsets): fixed by the
   // forward's shape, so a graph captured for that shape reads the next forward's inputs.
   struct Layout {
@@ -190,24 +175,19 @@ class CudaDecoder final : public Decoder, public cuda::DecoderControls {
   static Layout layout(int64_t N, int64_t NL, int64_t n_masks, int64_t n_seq_start, int64_t n_tiles, int64_t n_single,
                        int64_t n_vtiles, bool sampling) {
     Layout l{};
-    size_t off = 0;
-    auto place = [&](size_t bytes) {
-      const size_t at = off;
-      off += (bytes + 15) / 16 * 16;
-      return at;
-    };
-    l.ids = place(size_t(N) * 4);
-    l.pos = place(size_t(N) * 4);
-    l.rows = place(size_t(N) * sizeof(DecodeRow));
-    l.logit_rows = place(size_t(NL) * 4);
-    l.masks = place(size_t(n_masks) * 8);
-    l.seq_start = place(size_t(n_seq_start) * 8);
-    l.tiles = place(size_t(n_tiles) * 4);
-    l.single = place(size_t(n_single) * 4);
-    l.vtiles = place(size_t(n_vtiles) * sizeof(cuda::AttentionTile));
-    l.sampling = place(sampling ? sizeof(cuda::DeviceSampling) : 0);
-    l.uniforms = place(sampling ? size_t(NL) * 8 : 0);
-    l.bytes = off;
+    cuda::PackedOffsets o;
+    l.ids = o.place(size_t(N) * 4);
+    l.pos = o.place(size_t(N) * 4);
+    l.rows = o.place(size_t(N) * sizeof(DecodeRow));
+    l.logit_rows = o.place(size_t(NL) * 4);
+    l.masks = o.place(size_t(n_masks) * 8);
+    l.seq_start = o.place(size_t(n_seq_start) * 8);
+    l.tiles = o.place(size_t(n_tiles) * 4);
+    l.single = o.place(size_t(n_single) * 4);
+    l.vtiles = o.place(size_t(n_vtiles) * sizeof(cuda::AttentionTile));
+    l.sampling = o.place(sampling ? sizeof(cuda::DeviceSampling) : 0);
+    l.uniforms = o.place(sampling ? size_t(NL) * 8 : 0);
+    l.bytes = o.bytes();
     return l;
   }
 
@@ -249,8 +229,7 @@ class CudaDecoder final : public Decoder, public cuda::DecoderControls {
     Acts& a = *acts_;
 
     // The packed inputs: staged in pinned memory, one copy up.
-    in_h_.ensure(lay.bytes);
-    auto* hb = static_cast<uint8_t*>(in_h_.p);
+    uint8_t* hb = in_h_.ensure(lay.bytes);
     std::memcpy(hb + lay.ids, tokens.data(), size_t(N) * 4);
     std::memcpy(hb + lay.pos, pos.data(), size_t(N) * 4);
     std::memcpy(hb + lay.rows, rows.data(), size_t(N) * sizeof(DecodeRow));
@@ -366,12 +345,12 @@ class CudaDecoder final : public Decoder, public cuda::DecoderControls {
                                    size_t(N), cudaMemcpyDeviceToHost, st));
     if (NL > 0 && ids) {
       out_h_.ensure(size_t(NL) * 4);
-      CUDA_CHECK(cudaMemcpyAsync(out_h_.p, a.top1, size_t(NL) * 4, cudaMemcpyDeviceToHost, st));
+      CUDA_CHECK(cudaMemcpyAsync(out_h_.data(), a.top1, size_t(NL) * 4, cudaMemcpyDeviceToHost, st));
     } else if (NL > 0) {
       CUDA_CHECK(cudaMemcpyAsync(logits, a.logits32, size_t(NL * V) * 4, cudaMemcpyDeviceToHost, st));
     }
     CUDA_CHECK(cudaStreamSynchronize(st));
-    if (NL > 0 && ids) std::memcpy(ids, out_h_.p, size_t(NL) * 4);
+    if (NL > 0 && ids) std::memcpy(ids, out_h_.data(), size_t(NL) * 4);
     slots_.ran(reqs, batch, pending_);
   }
 
@@ -426,7 +405,7 @@ class CudaDecoder final : public Decoder, public cuda::DecoderControls {
   int32_t* move_pairs_ = nullptr;
   bool filled_ = false;
   std::unique_ptr<Acts> acts_;
-  Pinned in_h_, out_h_;
+  cuda::PinnedBuffer in_h_, out_h_;  // staging of Acts::in; the greedy ids coming down
   cuda::GraphCache graphs_;  // of run()'s device work, by shape
   bool merge_in_kernel_ = false;
   bool device_sampling_ = true;

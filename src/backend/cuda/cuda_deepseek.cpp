@@ -257,25 +257,9 @@ class CudaDeepseekModel final : public Model {
     ep_.y_recv = ar.alloc<float>(size_t(r * H));
     cuda::MoeRouting top1;
     top1.n_experts = per, top1.top_k = 1;
-    alloc_moe_scratch(ep_.sc, ar, r, top1, Im);
+    cuda::alloc_moe_scratch(ep_.sc, ar, r, top1, cfg_.hidden, Im);
     ep_.nk = nk, ep_.r = r;
     return ep_;
-  }
-
-  void alloc_moe_scratch(cuda::MoeScratch& m, DeviceArena& ar, int64_t n, const cuda::MoeRouting& r, int64_t Im) {
-    const auto sz = cuda::moe_scratch_elems(n, r, cfg_.hidden, Im);
-    m.idx = ar.alloc<int32_t>(size_t(sz.idx));
-    m.order = ar.alloc<int32_t>(size_t(sz.order));
-    m.pos = ar.alloc<int32_t>(size_t(sz.pos));
-    m.offsets = ar.alloc<int32_t>(size_t(sz.offsets));
-    m.tiles = ar.alloc<int32_t>(size_t(sz.tiles));
-    m.n_tiles = ar.alloc<int32_t>(1);
-    m.weights = ar.alloc<float>(size_t(sz.weights));
-    m.g = ar.alloc<float>(size_t(sz.g));
-    m.u = ar.alloc<float>(size_t(sz.g));
-    m.y = ar.alloc<float>(size_t(sz.y));
-    m.act = ar.alloc<bf16>(size_t(sz.act));
-    m.capacity = n;
   }
 
   struct Acts {
@@ -331,7 +315,7 @@ class CudaDeepseekModel final : public Model {
     const LayerDev* moe_layer = nullptr;
     for (const auto& L : layers_)
       if (L.moe) moe_layer = &L;
-    if (moe_layer) alloc_moe_scratch(a->moe, ar, n, moe_layer->experts.routing, moe_layer->experts.experts.gate.O);
+    if (moe_layer) cuda::alloc_moe_scratch(a->moe, ar, n, moe_layer->experts.routing, H, moe_layer->experts.experts.gate.O);
     a->n = n, a->seqs = sq;
     acts_ = std::move(a);
   }

@@ -152,39 +152,20 @@ class CudaDeepseekDecoder final : public Decoder, public DecoderControls {
     uint8_t* in;
     MoeScratch moe;
   };
-  struct Pinned {
-    void* p = nullptr;
-    size_t bytes = 0;
-    ~Pinned() {
-      if (p) cudaFreeHost(p);
-    }
-    void ensure(size_t b) {
-      if (b <= bytes) return;
-      if (p) CUDA_CHECK(cudaFreeHost(p));
-      p = nullptr;
-      CUDA_CHECK(cudaHostAlloc(&p, b, cudaHostAllocPortable));
-      bytes = b;
-    }
-  };
   struct Layout {
     size_t ids, pos, rows, logit_rows, masks, sampling, uniforms, bytes;
   };
   static Layout layout(int64_t N, int64_t NL, int64_t n_masks, bool sampling) {
     Layout l{};
-    size_t off = 0;
-    auto place = [&](size_t bytes) {
-      const size_t at = off;
-      off += (bytes + 15) / 16 * 16;
-      return at;
-    };
-    l.ids = place(size_t(N) * 4);
-    l.pos = place(size_t(N) * 4);
-    l.rows = place(size_t(N) * sizeof(DecodeRow));
-    l.logit_rows = place(size_t(NL) * 4);
-    l.masks = place(size_t(n_masks) * 8);
-    l.sampling = place(sampling ? sizeof(DeviceSampling) : 0);
-    l.uniforms = place(sampling ? size_t(NL) * 8 : 0);
-    l.bytes = off;
+    PackedOffsets o;
+    l.ids = o.place(size_t(N) * 4);
+    l.pos = o.place(size_t(N) * 4);
+    l.rows = o.place(size_t(N) * sizeof(DecodeRow));
+    l.logit_rows = o.place(size_t(NL) * 4);
+    l.masks = o.place(size_t(n_masks) * 8);
+    l.sampling = o.place(sampling ? sizeof(DeviceSampling) : 0);
+    l.uniforms = o.place(sampling ? size_t(NL) * 8 : 0);
+    l.bytes = o.bytes();
     return l;
   }
 
@@ -210,8 +191,7 @@ class CudaDeepseekDecoder final : public Decoder, public DecoderControls {
     ensure_acts(N, NL, N * nh * splits * (kvr + 2), n_cap, int64_t(lay.bytes));
     Acts& a = *acts_;
 
-    in_h_.ensure(lay.bytes);
-    auto* hb = static_cast<uint8_t*>(in_h_.p);
+    uint8_t* hb = in_h_.ensure(lay.bytes);
     std::memcpy(hb + lay.ids, batch.tokens.data(), size_t(N) * 4);
     std::memcpy(hb + lay.pos, batch.pos.data(), size_t(N) * 4);
     std::memcpy(hb + lay.rows, batch.rows.data(), size_t(N) * sizeof(DecodeRow));
@@ -291,12 +271,12 @@ class CudaDeepseekDecoder final : public Decoder, public DecoderControls {
                                    size_t(N), cudaMemcpyDeviceToHost, st));
     if (NL > 0 && ids) {
       out_h_.ensure(size_t(NL) * 4);
-      CUDA_CHECK(cudaMemcpyAsync(out_h_.p, a.top1, size_t(NL) * 4, cudaMemcpyDeviceToHost, st));
+      CUDA_CHECK(cudaMemcpyAsync(out_h_.data(), a.top1, size_t(NL) * 4, cudaMemcpyDeviceToHost, st));
     } else if (NL > 0) {
       CUDA_CHECK(cudaMemcpyAsync(logits, a.logits32, size_t(NL * V) * 4, cudaMemcpyDeviceToHost, st));
     }
     CUDA_CHECK(cudaStreamSynchronize(st));
-    if (NL > 0 && ids) std::memcpy(ids, out_h_.p, size_t(NL) * 4);
+    if (NL > 0 && ids) std::memcpy(ids, out_h_.data(), size_t(NL) * 4);
     slots_.ran(reqs, batch, pending_);
   }
 
@@ -344,22 +324,7 @@ class CudaDeepseekDecoder final : public Decoder, public DecoderControls {
     a->cap = ar.alloc<uint8_t>(size_t(nc * n * H * 4));
     a->top1 = ar.alloc<int32_t>(size_t(nl));
     a->in = ar.alloc<uint8_t>(size_t(ni));
-    if (moe_layer) {
-      const auto sz = moe_scratch_elems(n, moe_layer->experts.routing, H, moe_layer->experts.experts.gate.O);
-      MoeScratch& m = a->moe;
-      m.idx = ar.alloc<int32_t>(size_t(sz.idx));
-      m.order = ar.alloc<int32_t>(size_t(sz.order));
-      m.pos = ar.alloc<int32_t>(size_t(sz.pos));
-      m.offsets = ar.alloc<int32_t>(size_t(sz.offsets));
-      m.tiles = ar.alloc<int32_t>(size_t(sz.tiles));
-      m.n_tiles = ar.alloc<int32_t>(1);
-      m.weights = ar.alloc<float>(size_t(sz.weights));
-      m.g = ar.alloc<float>(size_t(sz.g));
-      m.u = ar.alloc<float>(size_t(sz.g));
-      m.y = ar.alloc<float>(size_t(sz.y));
-      m.act = ar.alloc<bf16>(size_t(sz.act));
-      m.capacity = n;
-    }
+    if (moe_layer) alloc_moe_scratch(a->moe, ar, n, moe_layer->experts.routing, H, moe_layer->experts.experts.gate.O);
     a->n_tokens = n, a->n_logits = nl, a->n_part = np, a->n_cap = nc, a->n_in = ni;
     acts_ = std::move(a);
   }
@@ -375,7 +340,7 @@ class CudaDeepseekDecoder final : public Decoder, public DecoderControls {
   int32_t* move_pairs_ = nullptr;
   bool filled_ = false;
   std::unique_ptr<Acts> acts_;
-  Pinned in_h_, out_h_;
+  PinnedBuffer in_h_, out_h_;  // staging of Acts::in; the greedy ids coming down
   GraphCache graphs_;
   bool device_sampling_ = true;
 };

@@ -100,6 +100,22 @@ DeepseekDevWeights upload_deepseek_weights(const Checkpoint& ckpt, DeviceArena& 
   return w;
 }
 
+void alloc_moe_scratch(MoeScratch& m, DeviceArena& ar, int64_t n, const MoeRouting& r, int64_t H, int64_t Im) {
+  const auto sz = moe_scratch_elems(n, r, H, Im);
+  m.idx = ar.alloc<int32_t>(size_t(sz.idx));
+  m.order = ar.alloc<int32_t>(size_t(sz.order));
+  m.pos = ar.alloc<int32_t>(size_t(sz.pos));
+  m.offsets = ar.alloc<int32_t>(size_t(sz.offsets));
+  m.tiles = ar.alloc<int32_t>(size_t(sz.tiles));
+  m.n_tiles = ar.alloc<int32_t>(1);
+  m.weights = ar.alloc<float>(size_t(sz.weights));
+  m.g = ar.alloc<float>(size_t(sz.g));
+  m.u = ar.alloc<float>(size_t(sz.g));
+  m.y = ar.alloc<float>(size_t(sz.y));
+  m.act = ar.alloc<bf16>(size_t(sz.act));
+  m.capacity = n;
+}
+
 void mla_project(const DeepseekLayerDev& L, const ModelConfig& c, int64_t nh, float* x, const MlaBuffers& b,
                  int64_t N, Gemm& gemm, cudaStream_t s) {
   const DeepseekConfig& d = c.ds;

@@ -64,4 +64,7 @@ void deepseek_mlp(const DeepseekLayerDev& L, const ModelConfig& c, float* x, con
                   Gemm& gemm, cudaStream_t s, const std::function<void()>& routed = nullptr,
                   const std::function<void(float*, int64_t)>& reduce = nullptr);
 
+// Scratch of moe_forward for up to n tokens of routing r (experts of width Im), from `arena`.
+void alloc_moe_scratch(MoeScratch& m, DeviceArena& arena, int64_t n, const MoeRouting& r, int64_t H, int64_t Im);
+
 }  // namespace talon::cuda

@@ -10,6 +10,9 @@
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
+#include <cstdint>
+
 #include <cstddef>
 #include <memory>
 #include <string>
@@ -44,6 +47,51 @@ class DeviceArena {
  private:
   std::vector<void*> ptrs_;
   size_t bytes_ = 0;
+};
+
+// A page-locked host buffer that grows on demand: the staging of a forward's packed inputs
+// (copied up in one cudaMemcpyAsync) or of results coming down. Growing frees the old block,
+// so a caller whose earlier copy from it may still be in flight waits for its stream first.
+class PinnedBuffer {
+ public:
+  PinnedBuffer() = default;
+  PinnedBuffer(const PinnedBuffer&) = delete;
+  PinnedBuffer& operator=(const PinnedBuffer&) = delete;
+  ~PinnedBuffer() {
+    if (p_) cudaFreeHost(p_);
+  }
+  // At least `bytes` (kept when already that large).
+  uint8_t* ensure(size_t bytes) {
+    if (bytes > bytes_ || !p_) {
+      if (p_) CUDA_CHECK(cudaFreeHost(p_));
+      p_ = nullptr;
+      CUDA_CHECK(cudaHostAlloc(&p_, std::max<size_t>(bytes, 1), cudaHostAllocPortable));
+      bytes_ = std::max<size_t>(bytes, 1);
+    }
+    return static_cast<uint8_t*>(p_);
+  }
+  uint8_t* data() const { return static_cast<uint8_t*>(p_); }
+
+ private:
+  void* p_ = nullptr;
+  size_t bytes_ = 0;
+};
+
+// Byte offsets of the parts of one packed block of inputs, each 16-byte aligned (so a part
+// holding int4 / uint4 data can be read with vector loads). Fixed by a forward's shape, so a
+// CUDA graph captured for that shape reads the next forward's inputs at the same places.
+class PackedOffsets {
+ public:
+  explicit PackedOffsets(size_t base = 0) : off_(base) {}
+  size_t place(size_t bytes) {
+    const size_t at = off_;
+    off_ += (bytes + 15) / 16 * 16;
+    return at;
+  }
+  size_t bytes() const { return off_; }
+
+ private:
+  size_t off_ = 0;
 };
 
 class Device {

@@ -88,7 +88,6 @@ class CudaDFlashBackend final : public DFlashBackend {
   ~CudaDFlashBackend() override {
     dev_.activate();
     graphs_.clear();
-    if (staged_) cudaFreeHost(staged_);
   }
 
   std::string name() const override { return dev_.name(); }
@@ -103,16 +102,11 @@ class CudaDFlashBackend final : public DFlashBackend {
     const float eps = float(c.rms_eps);
     TALON_CHECK(rows_ + n + c.block <= cap_, "dflash: {} context rows after {} leave no room for a block in {} rows", n,
                 rows_, cap_);
-    size_t off = 0;
-    auto place = [&](size_t bytes) {
-      const size_t at = off;
-      off += (bytes + 15) / 16 * 16;
-      return at;
-    };
-    const size_t o_pos = place(size_t(n) * 4), o_rows = place(size_t(n) * sizeof(DecodeRow)),
-                 o_aux = place(size_t(n * AW) * 4);
+    cuda::PackedOffsets po;
+    const size_t o_pos = po.place(size_t(n) * 4), o_rows = po.place(size_t(n) * sizeof(DecodeRow)),
+                 o_aux = po.place(size_t(n * AW) * 4), off = po.bytes();
     ensure(n, 0, off);
-    uint8_t* hb = staging(off);
+    uint8_t* hb = staged_.ensure(off);
     for (int64_t i = 0; i < n; ++i) {
       const int32_t p = int32_t(rows_ + i);
       std::memcpy(hb + o_pos + size_t(i) * 4, &p, 4);
@@ -168,17 +162,13 @@ class CudaDFlashBackend final : public DFlashBackend {
     const bool tiled = !plan.tiles.empty();
     const int64_t n_single = tiled ? int64_t(plan.single.size()) : 0, n_tiles = int64_t(plan.tiles.size());
     const int64_t splits = plan.splits.splits, split_len = plan.splits.split_len;
-    size_t off = 0;
-    auto place = [&](size_t bytes) {
-      const size_t at = off;
-      off += (bytes + 15) / 16 * 16;
-      return at;
-    };
-    const size_t o_ids = place(size_t(B) * 4), o_pos = place(size_t(B) * 4), o_wr = place(size_t(B) * sizeof(DecodeRow)),
-                 o_ar = place(size_t(B) * sizeof(DecodeRow)), o_single = place(size_t(n_single) * 4),
-                 o_tiles = place(size_t(n_tiles) * sizeof(cuda::AttentionTile));
+    cuda::PackedOffsets po;
+    const size_t o_ids = po.place(size_t(B) * 4), o_pos = po.place(size_t(B) * 4),
+                 o_wr = po.place(size_t(B) * sizeof(DecodeRow)), o_ar = po.place(size_t(B) * sizeof(DecodeRow)),
+                 o_single = po.place(size_t(n_single) * 4), o_tiles = po.place(size_t(n_tiles) * sizeof(cuda::AttentionTile)),
+                 off = po.bytes();
     ensure(B, B * nh * splits * (hd + 2), off);
-    uint8_t* hb = staging(off);
+    uint8_t* hb = staged_.ensure(off);
     std::memcpy(hb + o_ids, ids.data(), size_t(B) * 4);
     std::memcpy(hb + o_pos, pos.data(), size_t(B) * 4);
     std::memcpy(hb + o_wr, wr.data(), size_t(B) * sizeof(DecodeRow));
@@ -267,16 +257,6 @@ class CudaDFlashBackend final : public DFlashBackend {
     acts_ = std::move(a);
   }
 
-  uint8_t* staging(size_t bytes) {
-    if (staged_bytes_ < bytes) {
-      if (staged_) CUDA_CHECK(cudaFreeHost(staged_));
-      staged_ = nullptr;
-      CUDA_CHECK(cudaHostAlloc(&staged_, bytes, cudaHostAllocPortable));
-      staged_bytes_ = bytes;
-    }
-    return static_cast<uint8_t*>(staged_);
-  }
-
   cuda::Device dev_;  // first: destroyed last (device.h)
   dflash::Config c_;
   int64_t cap_ = 0, rows_ = 0;
@@ -284,8 +264,7 @@ class CudaDFlashBackend final : public DFlashBackend {
   float* inv_freq_;
   std::vector<LayerDev> layers_;
   std::unique_ptr<Acts> acts_;
-  void* staged_ = nullptr;
-  size_t staged_bytes_ = 0;
+  cuda::PinnedBuffer staged_;  // the packed inputs on their way up
   cuda::GraphCache graphs_;
 };
 

@@ -91,7 +91,7 @@ class CudaDraftBackend final : public DraftBackend {
     const Step st = plan(tokens, from_aux, dr, last_only, top_k, 0);
     ensure_acts(st.N, st.part, int64_t(st.end));
     Acts& a = *acts_;
-    uint8_t* hb = staging(st.end);
+    uint8_t* hb = staged_.ensure(st.end);
     stage(st, hb, tokens, in, dr);
     cudaStream_t s = dev_.stream();
     CUDA_CHECK(cudaMemcpyAsync(a.inputs, hb, st.end, cudaMemcpyHostToDevice, s));
@@ -126,7 +126,7 @@ class CudaDraftBackend final : public DraftBackend {
     const size_t bytes = plans.back().end;
     ensure_acts(most_rows, most_part, int64_t(bytes));
     Acts& a = *acts_;
-    uint8_t* hb = staging(bytes);
+    uint8_t* hb = staged_.ensure(bytes);
     stage(plans[0], hb, tokens, in, first);
     for (int64_t j = 0; j < n_steps; ++j) stage(plans[size_t(j + 1)], hb, nullptr, nullptr, steps[size_t(j)]);
     cudaStream_t s = dev_.stream();
@@ -158,24 +158,21 @@ class CudaDraftBackend final : public DraftBackend {
     // Plans of every step (k rows from hidden states, top-k of each row), then the candidate
     // arrays and the frontier, all in the packed inputs (one copy up).
     std::vector<Step> plans;
-    size_t off = 0;
+    size_t end = 0;
     for (const DraftRows& r : steps) {
       TALON_CHECK(r.size() == k, "draft: a tree step of {} rows, expected {}", r.size(), k);
-      plans.push_back(plan(nullptr, false, r, false, int(k), off));
-      off = plans.back().end;
+      plans.push_back(plan(nullptr, false, r, false, int(k), end));
+      end = plans.back().end;
     }
-    auto place = [&](size_t bytes) {
-      const size_t at = off;
-      off += (bytes + 15) / 16 * 16;
-      return at;
-    };
-    const size_t o_score = place(size_t(C) * 8), o_tok = place(size_t(C) * 4), o_par = place(size_t(C) * 4),
-                 o_run = place(size_t(C) * 4), o_front = place(size_t(k) * 4), o_moff = place(size_t(n_steps * k) * 4);
+    cuda::PackedOffsets po(end);
+    const size_t o_score = po.place(size_t(C) * 8), o_tok = po.place(size_t(C) * 4), o_par = po.place(size_t(C) * 4),
+                 o_run = po.place(size_t(C) * 4), o_front = po.place(size_t(k) * 4),
+                 o_moff = po.place(size_t(n_steps * k) * 4), off = po.bytes();
     int64_t most_part = 0;
     for (const Step& st : plans) most_part = std::max(most_part, st.part);
     ensure_acts(k, most_part, int64_t(off));
     Acts& a = *acts_;
-    uint8_t* hb = staging(off);
+    uint8_t* hb = staged_.ensure(off);
     stage(plans[0], hb, nullptr, nullptr, steps[0]);
     // Step 0's rows are the root's children: their tokens, the root's hidden state, own bits.
     std::vector<float> hin(size_t(k * H));
@@ -245,7 +242,6 @@ class CudaDraftBackend final : public DraftBackend {
   ~CudaDraftBackend() override {
     dev_.activate();
     graphs_.clear();
-    if (staged_) cudaFreeHost(staged_);
     if (out_ids_) cudaFreeHost(out_ids_);
   }
 
@@ -293,20 +289,15 @@ class CudaDraftBackend final : public DraftBackend {
     st.fold = !c.norm_before_residual && N <= cuda::skinny_fusion_rows() && cuda::skinny_fusion_enabled() &&
               H <= 2048 && I <= 2048 && hd % 8 == 0 && cuda::skinny_fused_fits(2 * H, N) &&
               cuda::skinny_fused_fits(qd, N) && cuda::skinny_fused_fits(H, N) && cuda::skinny_fused_fits(I, N);
-    size_t off = base;
-    auto place = [&](size_t bytes) {
-      const size_t at = off;
-      off += (bytes + 15) / 16 * 16;
-      return at;
-    };
-    st.o_ids = place(size_t(N) * 4);
-    st.o_pos = place(size_t(N) * 4);
-    st.o_rows = place(size_t(N) * sizeof(DecodeRow));
-    st.o_masks = place(dr.masks.size() * 8);
-    st.o_in = place(size_t(N * st.in_w) * 4);
-    st.o_single = place(size_t(st.n_single()) * 4);
-    st.o_tiles = place(size_t(st.n_tiles()) * sizeof(cuda::AttentionTile));
-    st.end = off;
+    cuda::PackedOffsets po(base);
+    st.o_ids = po.place(size_t(N) * 4);
+    st.o_pos = po.place(size_t(N) * 4);
+    st.o_rows = po.place(size_t(N) * sizeof(DecodeRow));
+    st.o_masks = po.place(dr.masks.size() * 8);
+    st.o_in = po.place(size_t(N * st.in_w) * 4);
+    st.o_single = po.place(size_t(st.n_single()) * 4);
+    st.o_tiles = po.place(size_t(st.n_tiles()) * sizeof(cuda::AttentionTile));
+    st.end = po.bytes();
     return st;
   }
 
@@ -328,17 +319,6 @@ class CudaDraftBackend final : public DraftBackend {
     return fmt::format("{}/{}/{}/{}/{}/{}/{}/{}/{}/{}", st.N, int(st.from_aux), st.first, st.o_in - st.o_masks,
                        st.attn.splits.splits, st.attn.splits.split_len, st.top_k, st.n_single(), st.n_tiles(),
                        int(st.fold));
-  }
-
-  // Pinned staging of at least `bytes`.
-  uint8_t* staging(size_t bytes) {
-    if (staged_bytes_ < bytes) {
-      if (staged_) CUDA_CHECK(cudaFreeHost(staged_));
-      staged_ = nullptr;
-      CUDA_CHECK(cudaHostAlloc(&staged_, bytes, cudaHostAllocPortable));
-      staged_bytes_ = bytes;
-    }
-    return static_cast<uint8_t*>(staged_);
   }
 
   // The device work of one forward. ids: device token ids (null: the staged ones); hidden_src:
@@ -475,8 +455,7 @@ class CudaDraftBackend final : public DraftBackend {
   int64_t* d2t_;  // [Vd]: target id = draft id + d2t[draft id]
   bf16 *kc_, *vc_;
   std::unique_ptr<Acts> acts_;
-  void* staged_ = nullptr;  // pinned staging of the packed inputs
-  size_t staged_bytes_ = 0;
+  cuda::PinnedBuffer staged_;  // pinned staging of the packed inputs
   int32_t* out_ids_ = nullptr;  // pinned: a chain's ids on their way down
   cuda::GraphCache graphs_;  // of forward()'s device work, by shape
 };

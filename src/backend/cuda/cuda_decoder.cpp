@@ -168,28 +168,22 @@ class CudaDecoder final : public Decoder, public cuda::DecoderControls {
     uint8_t* in;    // the packed inputs of a forward (ids, positions, rows, ...), n_in bytes
   };
   // Where each input of a forward sits in the packed block (byte offsets): fixed by the
-  // forward's shape, so a graph captured for that shape reads the next forward's inputs.
+  // forward's shape, so a graph captured for that shape reads the next forward's inputs. The
+  // common inputs (decode_slots.h), then the packed attention's (prefills) and the verify
+  // tiles' lists.
   struct Layout {
-    size_t ids, pos, rows, logit_rows, masks, seq_start, tiles, single, vtiles, sampling, uniforms, bytes;
-  };
-  static Layout layout(int64_t N, int64_t NL, int64_t n_masks, int64_t n_seq_start, int64_t n_tiles, int64_t n_single,
-                       int64_t n_vtiles, bool sampling) {
-    Layout l{};
     cuda::PackedOffsets o;
-    l.ids = o.place(size_t(N) * 4);
-    l.pos = o.place(size_t(N) * 4);
-    l.rows = o.place(size_t(N) * sizeof(DecodeRow));
-    l.logit_rows = o.place(size_t(NL) * 4);
-    l.masks = o.place(size_t(n_masks) * 8);
-    l.seq_start = o.place(size_t(n_seq_start) * 8);
-    l.tiles = o.place(size_t(n_tiles) * 4);
-    l.single = o.place(size_t(n_single) * 4);
-    l.vtiles = o.place(size_t(n_vtiles) * sizeof(cuda::AttentionTile));
-    l.sampling = o.place(sampling ? sizeof(cuda::DeviceSampling) : 0);
-    l.uniforms = o.place(sampling ? size_t(NL) * 8 : 0);
-    l.bytes = o.bytes();
-    return l;
-  }
+    cuda::DecodeInputs in;
+    size_t seq_start, tiles, single, vtiles;
+    Layout(const cuda::DecodeBatch& b, bool sampled, int64_t n_seq_start, int64_t n_tiles, int64_t n_single,
+           int64_t n_vtiles)
+        : in(o, b, sampled),
+          seq_start(o.place(size_t(n_seq_start) * 8)),
+          tiles(o.place(size_t(n_tiles) * 4)),
+          single(o.place(size_t(n_single) * 4)),
+          vtiles(o.place(size_t(n_vtiles) * sizeof(cuda::AttentionTile))) {}
+    size_t bytes() const { return o.bytes(); }
+  };
 
   // One forward: host bookkeeping, the packed inputs up in one copy, the layer stack (from a
   // CUDA graph when this shape ran before), then logits, or greedy or sampled ids (with
@@ -205,12 +199,10 @@ class CudaDecoder final : public Decoder, public cuda::DecoderControls {
     cuda::DecodeBatch batch = slots_.plan(reqs, pending_, V, W);
     const std::vector<DecodeRow>& rows = batch.rows;
     const std::vector<uint64_t>& masks = batch.masks;
-    const std::vector<int32_t>&tokens = batch.tokens, &pos = batch.pos, &logit_rows = batch.logit_rows;
     const std::vector<int64_t>& seq_start = batch.seq_start;
-    const bool prefill = batch.prefill;
-    const int64_t N = int64_t(rows.size()), NL = (logits || ids) ? int64_t(logit_rows.size()) : 0;
+    const int64_t N = int64_t(rows.size()), NL = (logits || ids) ? int64_t(batch.logit_rows.size()) : 0;
     if (N == 0) return;
-    const bool flash = prefill && cuda::flash_attention_supported(hd);
+    const bool flash = batch.prefill && cuda::flash_attention_supported(hd);
     const std::vector<int32_t> tiles =
         flash ? cuda::attention_tiles(seq_start.data(), int64_t(reqs.size())) : std::vector<int32_t>{};
     // Rows sharing a slot go through the tile kernel together (plan_attention); with no such
@@ -220,21 +212,15 @@ class CudaDecoder final : public Decoder, public cuda::DecoderControls {
     const bool tiled = !plan.tiles.empty();
     const int64_t n_single = tiled ? int64_t(plan.single.size()) : 0, n_vtiles = int64_t(plan.tiles.size());
     const int64_t splits = plan.splits.splits, split_len = plan.splits.split_len;
-    const size_t esz = dtype_size(cap.dtype);
     const int64_t n_cap = int64_t(cap.layers.size());
     const bool sampled = sp && ids && NL > 0;
-    const Layout lay = layout(N, NL, int64_t(masks.size()), flash ? int64_t(seq_start.size()) : 0,
-                              int64_t(tiles.size()), n_single, n_vtiles, sampled);
-    ensure_acts(N, NL, flash ? 0 : N * nh * splits * (hd + 2), n_cap, int64_t(lay.bytes));
+    const Layout lay(batch, sampled, flash ? int64_t(seq_start.size()) : 0, int64_t(tiles.size()), n_single, n_vtiles);
+    ensure_acts(N, NL, flash ? 0 : N * nh * splits * (hd + 2), n_cap, int64_t(lay.bytes()));
     Acts& a = *acts_;
 
     // The packed inputs: staged in pinned memory, one copy up.
-    uint8_t* hb = in_h_.ensure(lay.bytes);
-    std::memcpy(hb + lay.ids, tokens.data(), size_t(N) * 4);
-    std::memcpy(hb + lay.pos, pos.data(), size_t(N) * 4);
-    std::memcpy(hb + lay.rows, rows.data(), size_t(N) * sizeof(DecodeRow));
-    if (NL > 0) std::memcpy(hb + lay.logit_rows, logit_rows.data(), size_t(NL) * 4);
-    if (!masks.empty()) std::memcpy(hb + lay.masks, masks.data(), masks.size() * 8);
+    uint8_t* hb = in_h_.ensure(lay.bytes());
+    lay.in.stage(hb, batch, sampled ? sp : nullptr, u);
     if (flash) {
       std::memcpy(hb + lay.seq_start, seq_start.data(), seq_start.size() * 8);
       std::memcpy(hb + lay.tiles, tiles.data(), tiles.size() * 4);
@@ -243,17 +229,12 @@ class CudaDecoder final : public Decoder, public cuda::DecoderControls {
       if (n_single > 0) std::memcpy(hb + lay.single, plan.single.data(), size_t(n_single) * 4);
       std::memcpy(hb + lay.vtiles, plan.tiles.data(), size_t(n_vtiles) * sizeof(cuda::AttentionTile));
     }
-    if (sampled) {
-      const cuda::DeviceSampling ds{sp->temperature, sp->top_p, sp->top_k, 0};
-      std::memcpy(hb + lay.sampling, &ds, sizeof ds);
-      std::memcpy(hb + lay.uniforms, u, size_t(NL) * 8);
-    }
-    CUDA_CHECK(cudaMemcpyAsync(a.in, hb, lay.bytes, cudaMemcpyHostToDevice, dev_.stream()));
-    const auto* d_ids = reinterpret_cast<const int32_t*>(a.in + lay.ids);
-    const auto* d_pos = reinterpret_cast<const int32_t*>(a.in + lay.pos);
-    const auto* d_rows = reinterpret_cast<const DecodeRow*>(a.in + lay.rows);
-    const auto* d_logit_rows = reinterpret_cast<const int32_t*>(a.in + lay.logit_rows);
-    const auto* d_masks = reinterpret_cast<const uint64_t*>(a.in + lay.masks);
+    CUDA_CHECK(cudaMemcpyAsync(a.in, hb, lay.bytes(), cudaMemcpyHostToDevice, dev_.stream()));
+    const auto* d_ids = reinterpret_cast<const int32_t*>(a.in + lay.in.ids);
+    const auto* d_pos = reinterpret_cast<const int32_t*>(a.in + lay.in.pos);
+    const auto* d_rows = reinterpret_cast<const DecodeRow*>(a.in + lay.in.rows);
+    const auto* d_logit_rows = reinterpret_cast<const int32_t*>(a.in + lay.in.logit_rows);
+    const auto* d_masks = reinterpret_cast<const uint64_t*>(a.in + lay.in.masks);
     const auto* d_seq_start = reinterpret_cast<const int64_t*>(a.in + lay.seq_start);
     const auto* d_tiles = reinterpret_cast<const int32_t*>(a.in + lay.tiles);
     cuda::AttentionWork work;
@@ -269,16 +250,7 @@ class CudaDecoder final : public Decoder, public cuda::DecoderControls {
     auto device_work = [&] {
       // Captures: rows are the packed tokens in order, kept on the device (the residual
       // stream is overwritten by the next layer) and copied down after the forward.
-      auto capture = [&](int64_t layer_id) {
-        for (int64_t i = 0; i < n_cap; ++i) {
-          if (cap.layers[size_t(i)] != layer_id) continue;
-          uint8_t* dst = a.cap + size_t(i) * size_t(a.n_tokens * H) * 4;
-          if (cap.dtype == DType::BF16)
-            cuda::f32_to_bf16(reinterpret_cast<bf16*>(dst), a.x, N * H, st);
-          else
-            CUDA_CHECK(cudaMemcpyAsync(dst, a.x, size_t(N * H) * 4, cudaMemcpyDeviceToDevice, st));
-        }
-      };
+      auto capture = [&](int64_t layer_id) { cuda::capture_residual(a.cap, a.n_tokens, cap, layer_id, a.x, N, H, st); };
       cuda::DenseHooks hooks;
       hooks.capture = capture;
       hooks.attention_rotates = true;
@@ -313,24 +285,16 @@ class CudaDecoder final : public Decoder, public cuda::DecoderControls {
           w_, c, N, {d_ids, d_pos, a.x, a.xn, a.qkv, a.att, a.tmp, a.gu, a.act}, dev_.gemm(), st, hooks);
       if (NL > 0) {
         // Only the rows that want logits go through the LM head.
-        const bf16* in = a.xn;
-        if (NL < N) {
-          cuda::gather_rows(a.sel, a.xn, d_logit_rows, NL, H, st);
-          in = a.sel;
-        }
+        const bf16* in = cuda::logits_input(a.sel, a.xn, d_logit_rows, NL, N, H, st);
         // After folded layers (at most kSkinnyMaxRows rows) the LM head stays on the skinny
         // kernel too (a row's logits are then the same bits in a one-token step and in a
         // verify: greedy speculative decoding picks what target-only decoding picks, near-ties
         // included); skinny_gemm refuses what it cannot take.
         if (!(folded && cuda::skinny_gemm(a.logits, in, w_.lm_head, NL, H, V, st)))
           dev_.gemm().forward(a.logits, in, w_.lm_head, NL, H, V, st);
-        if (sampled)
-          cuda::sample_rows(a.top1, a.logits, NL, V, reinterpret_cast<const cuda::DeviceSampling*>(a.in + lay.sampling),
-                            reinterpret_cast<const double*>(a.in + lay.uniforms), st);
-        else if (ids)
-          cuda::argmax_rows(a.top1, a.logits, NL, V, st);
-        else
-          cuda::bf16_to_f32(a.logits32, a.logits, NL * V, st);
+        cuda::finish_logits(a.top1, a.logits32, a.logits, NL, V,
+                            sampled ? reinterpret_cast<const cuda::DeviceSampling*>(a.in + lay.in.sampling) : nullptr,
+                            reinterpret_cast<const double*>(a.in + lay.in.uniforms), ids != nullptr, st);
       }
     };
     // A graph per shape (graph_cache.h); prefills (the packed attention) run eagerly.
@@ -338,19 +302,7 @@ class CudaDecoder final : public Decoder, public cuda::DecoderControls {
                             sampled ? 2 : ids ? 1 : 0, int(cap.dtype), fmt::join(cap.layers, ",")),
                 st, device_work, !flash);
 
-    // Results down.
-    for (int64_t i = 0; i < n_cap; ++i)
-      CUDA_CHECK(cudaMemcpy2DAsync(cap.out[size_t(i)], size_t(cap.stride(size_t(i), H)) * esz,
-                                   a.cap + size_t(i) * size_t(a.n_tokens * H) * 4, size_t(H) * esz, size_t(H) * esz,
-                                   size_t(N), cudaMemcpyDeviceToHost, st));
-    if (NL > 0 && ids) {
-      out_h_.ensure(size_t(NL) * 4);
-      CUDA_CHECK(cudaMemcpyAsync(out_h_.data(), a.top1, size_t(NL) * 4, cudaMemcpyDeviceToHost, st));
-    } else if (NL > 0) {
-      CUDA_CHECK(cudaMemcpyAsync(logits, a.logits32, size_t(NL * V) * 4, cudaMemcpyDeviceToHost, st));
-    }
-    CUDA_CHECK(cudaStreamSynchronize(st));
-    if (NL > 0 && ids) std::memcpy(ids, out_h_.data(), size_t(NL) * 4);
+    cuda::results_down(cap, a.cap, a.n_tokens, N, H, NL, a.top1, ids, a.logits32, logits, V, out_h_, st);
     slots_.ran(reqs, batch, pending_);
   }
 

@@ -152,23 +152,6 @@ class CudaDeepseekDecoder final : public Decoder, public DecoderControls {
     uint8_t* in;
     MoeScratch moe;
   };
-  struct Layout {
-    size_t ids, pos, rows, logit_rows, masks, sampling, uniforms, bytes;
-  };
-  static Layout layout(int64_t N, int64_t NL, int64_t n_masks, bool sampling) {
-    Layout l{};
-    PackedOffsets o;
-    l.ids = o.place(size_t(N) * 4);
-    l.pos = o.place(size_t(N) * 4);
-    l.rows = o.place(size_t(N) * sizeof(DecodeRow));
-    l.logit_rows = o.place(size_t(NL) * 4);
-    l.masks = o.place(size_t(n_masks) * 8);
-    l.sampling = o.place(sampling ? sizeof(DeviceSampling) : 0);
-    l.uniforms = o.place(sampling ? size_t(NL) * 8 : 0);
-    l.bytes = o.bytes();
-    return l;
-  }
-
   void run(const std::vector<DecodeRequest>& reqs, const Capture& cap, float* logits, int32_t* ids,
            const SamplingParams* sp = nullptr, const double* u = nullptr) {
     dev_.activate();
@@ -186,24 +169,16 @@ class CudaDeepseekDecoder final : public Decoder, public DecoderControls {
     const DecodeSplits ks = decode_splits(max_keys, N, mla_head_blocks(nh), dev_.multiprocessors());
     const int64_t splits = ks.splits, split_len = ks.split_len;
     const bool sampled = sp && ids && NL > 0;
-    const Layout lay = layout(N, NL, int64_t(batch.masks.size()), sampled);
+    PackedOffsets po;
+    const DecodeInputs lay(po, batch, sampled);
     const int64_t n_cap = int64_t(cap.layers.size());
-    ensure_acts(N, NL, N * nh * splits * (kvr + 2), n_cap, int64_t(lay.bytes));
+    ensure_acts(N, NL, N * nh * splits * (kvr + 2), n_cap, int64_t(po.bytes()));
     Acts& a = *acts_;
 
-    uint8_t* hb = in_h_.ensure(lay.bytes);
-    std::memcpy(hb + lay.ids, batch.tokens.data(), size_t(N) * 4);
-    std::memcpy(hb + lay.pos, batch.pos.data(), size_t(N) * 4);
-    std::memcpy(hb + lay.rows, batch.rows.data(), size_t(N) * sizeof(DecodeRow));
-    if (NL > 0) std::memcpy(hb + lay.logit_rows, batch.logit_rows.data(), size_t(NL) * 4);
-    if (!batch.masks.empty()) std::memcpy(hb + lay.masks, batch.masks.data(), batch.masks.size() * 8);
-    if (sampled) {
-      const DeviceSampling ds{sp->temperature, sp->top_p, sp->top_k, 0};
-      std::memcpy(hb + lay.sampling, &ds, sizeof ds);
-      std::memcpy(hb + lay.uniforms, u, size_t(NL) * 8);
-    }
+    uint8_t* hb = in_h_.ensure(po.bytes());
+    lay.stage(hb, batch, sampled ? sp : nullptr, u);
     cudaStream_t st = dev_.stream();
-    CUDA_CHECK(cudaMemcpyAsync(a.in, hb, lay.bytes, cudaMemcpyHostToDevice, st));
+    CUDA_CHECK(cudaMemcpyAsync(a.in, hb, po.bytes(), cudaMemcpyHostToDevice, st));
     const auto* d_ids = reinterpret_cast<const int32_t*>(a.in + lay.ids);
     const auto* d_pos = reinterpret_cast<const int32_t*>(a.in + lay.pos);
     const auto* d_rows = reinterpret_cast<const DecodeRow*>(a.in + lay.rows);
@@ -213,16 +188,7 @@ class CudaDeepseekDecoder final : public Decoder, public DecoderControls {
 
     auto device_work = [&] {
       cublasHandle_t blas = dev_.blas();
-      auto capture = [&](int64_t layer_id) {
-        for (int64_t i = 0; i < n_cap; ++i) {
-          if (cap.layers[size_t(i)] != layer_id) continue;
-          uint8_t* dst = a.cap + size_t(i) * size_t(a.n_tokens * H) * 4;
-          if (cap.dtype == DType::BF16)
-            f32_to_bf16(reinterpret_cast<bf16*>(dst), a.x, N * H, st);
-          else
-            CUDA_CHECK(cudaMemcpyAsync(dst, a.x, size_t(N * H) * 4, cudaMemcpyDeviceToDevice, st));
-        }
-      };
+      auto capture = [&](int64_t layer_id) { capture_residual(a.cap, a.n_tokens, cap, layer_id, a.x, N, H, st); };
       embedding_forward(a.x, d_ids, w_.embed, N, H, V, st);
       for (int64_t l = 0; l < c.n_layers; ++l) {
         const DeepseekLayerDev& L = w_.layers[size_t(l)];
@@ -245,38 +211,17 @@ class CudaDeepseekDecoder final : public Decoder, public DecoderControls {
       add_rmsnorm_forward(a.xn, a.x, nullptr, w_.final_norm, N, H, float(c.rms_eps), st);
       capture(c.n_layers);
       if (NL > 0) {
-        const bf16* in = a.xn;
-        if (NL < N) {
-          gather_rows(a.sel, a.xn, d_logit_rows, NL, H, st);
-          in = a.sel;
-        }
-        dev_.gemm().forward(a.logits, in, w_.lm_head, NL, H, V, st);
-        if (sampled)
-          sample_rows(a.top1, a.logits, NL, V, reinterpret_cast<const DeviceSampling*>(a.in + lay.sampling),
-                      reinterpret_cast<const double*>(a.in + lay.uniforms), st);
-        else if (ids)
-          argmax_rows(a.top1, a.logits, NL, V, st);
-        else
-          bf16_to_f32(a.logits32, a.logits, NL * V, st);
+        dev_.gemm().forward(a.logits, logits_input(a.sel, a.xn, d_logit_rows, NL, N, H, st), w_.lm_head, NL, H, V, st);
+        finish_logits(a.top1, a.logits32, a.logits, NL, V,
+                      sampled ? reinterpret_cast<const DeviceSampling*>(a.in + lay.sampling) : nullptr,
+                      reinterpret_cast<const double*>(a.in + lay.uniforms), ids != nullptr, st);
       }
     };
     graphs_.run(fmt::format("{}/{}/{}/{}/{}/{}/{}/{}", N, NL, batch.masks.size(), splits, split_len,
                             sampled ? 2 : ids ? 1 : 0, int(cap.dtype), fmt::join(cap.layers, ",")),
                 st, device_work, !batch.prefill);
 
-    const size_t esz = dtype_size(cap.dtype);
-    for (int64_t i = 0; i < n_cap; ++i)
-      CUDA_CHECK(cudaMemcpy2DAsync(cap.out[size_t(i)], size_t(cap.stride(size_t(i), H)) * esz,
-                                   a.cap + size_t(i) * size_t(a.n_tokens * H) * 4, size_t(H) * esz, size_t(H) * esz,
-                                   size_t(N), cudaMemcpyDeviceToHost, st));
-    if (NL > 0 && ids) {
-      out_h_.ensure(size_t(NL) * 4);
-      CUDA_CHECK(cudaMemcpyAsync(out_h_.data(), a.top1, size_t(NL) * 4, cudaMemcpyDeviceToHost, st));
-    } else if (NL > 0) {
-      CUDA_CHECK(cudaMemcpyAsync(logits, a.logits32, size_t(NL * V) * 4, cudaMemcpyDeviceToHost, st));
-    }
-    CUDA_CHECK(cudaStreamSynchronize(st));
-    if (NL > 0 && ids) std::memcpy(ids, out_h_.data(), size_t(NL) * 4);
+    results_down(cap, a.cap, a.n_tokens, N, H, NL, a.top1, ids, a.logits32, logits, V, out_h_, st);
     slots_.ran(reqs, batch, pending_);
   }
 

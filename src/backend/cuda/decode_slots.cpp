@@ -2,7 +2,11 @@
 #include "backend/cuda/decode_slots.h"
 
 #include <algorithm>
+#include <cstring>
 
+#include "backend/cuda/check.h"
+#include "backend/cuda/ops.h"
+#include "util/dtype.h"
 #include "util/error.h"
 
 namespace talon::cuda {
@@ -106,6 +110,75 @@ void DecodeSlots::reset(int slot, std::vector<int64_t>& pending, int64_t len) {
   len_[size_t(slot)] = len;
   pending[size_t(slot)] = 0;
   parents_[size_t(slot)].clear();
+}
+
+DecodeInputs::DecodeInputs(PackedOffsets& o, const DecodeBatch& b, bool sampled) {
+  const size_t N = b.rows.size(), NL = b.logit_rows.size();
+  ids = o.place(N * 4);
+  pos = o.place(N * 4);
+  rows = o.place(N * sizeof(DecodeRow));
+  logit_rows = o.place(NL * 4);
+  masks = o.place(b.masks.size() * 8);
+  sampling = o.place(sampled ? sizeof(DeviceSampling) : 0);
+  uniforms = o.place(sampled ? NL * 8 : 0);
+}
+
+void DecodeInputs::stage(uint8_t* hb, const DecodeBatch& b, const SamplingParams* sp, const double* u) const {
+  const size_t N = b.rows.size(), NL = b.logit_rows.size();
+  std::memcpy(hb + ids, b.tokens.data(), N * 4);
+  std::memcpy(hb + pos, b.pos.data(), N * 4);
+  std::memcpy(hb + rows, b.rows.data(), N * sizeof(DecodeRow));
+  if (NL > 0) std::memcpy(hb + logit_rows, b.logit_rows.data(), NL * 4);
+  if (!b.masks.empty()) std::memcpy(hb + masks, b.masks.data(), b.masks.size() * 8);
+  if (sp) {
+    const DeviceSampling ds{sp->temperature, sp->top_p, sp->top_k, 0};
+    std::memcpy(hb + sampling, &ds, sizeof ds);
+    std::memcpy(hb + uniforms, u, NL * 8);
+  }
+}
+
+void capture_residual(uint8_t* dev, int64_t rows, const Capture& cap, int64_t layer_id, const float* x, int64_t N,
+                      int64_t H, cudaStream_t s) {
+  for (size_t i = 0; i < cap.layers.size(); ++i) {
+    if (cap.layers[i] != layer_id) continue;
+    uint8_t* dst = dev + i * size_t(rows * H) * 4;
+    if (cap.dtype == DType::BF16)
+      f32_to_bf16(reinterpret_cast<bf16*>(dst), x, N * H, s);
+    else
+      CUDA_CHECK(cudaMemcpyAsync(dst, x, size_t(N * H) * 4, cudaMemcpyDeviceToDevice, s));
+  }
+}
+
+const bf16* logits_input(bf16* sel, const bf16* xn, const int32_t* logit_rows, int64_t NL, int64_t N, int64_t H,
+                         cudaStream_t s) {
+  if (NL >= N) return xn;
+  gather_rows(sel, xn, logit_rows, NL, H, s);
+  return sel;
+}
+
+void finish_logits(int32_t* top1, float* logits32, const bf16* logits, int64_t NL, int64_t V,
+                   const DeviceSampling* sampling, const double* uniforms, bool ids, cudaStream_t s) {
+  if (sampling)
+    sample_rows(top1, logits, NL, V, sampling, uniforms, s);
+  else if (ids)
+    argmax_rows(top1, logits, NL, V, s);
+  else
+    bf16_to_f32(logits32, logits, NL * V, s);
+}
+
+void results_down(const Capture& cap, const uint8_t* cap_dev, int64_t cap_rows, int64_t N, int64_t H, int64_t NL,
+                  const int32_t* top1, int32_t* ids, const float* logits32, float* logits, int64_t V,
+                  PinnedBuffer& staging, cudaStream_t s) {
+  const size_t esz = dtype_size(cap.dtype);
+  for (size_t i = 0; i < cap.layers.size(); ++i)
+    CUDA_CHECK(cudaMemcpy2DAsync(cap.out[i], size_t(cap.stride(i, H)) * esz, cap_dev + i * size_t(cap_rows * H) * 4,
+                                 size_t(H) * esz, size_t(H) * esz, size_t(N), cudaMemcpyDeviceToHost, s));
+  if (NL > 0 && ids)
+    CUDA_CHECK(cudaMemcpyAsync(staging.ensure(size_t(NL) * 4), top1, size_t(NL) * 4, cudaMemcpyDeviceToHost, s));
+  else if (NL > 0)
+    CUDA_CHECK(cudaMemcpyAsync(logits, logits32, size_t(NL * V) * 4, cudaMemcpyDeviceToHost, s));
+  CUDA_CHECK(cudaStreamSynchronize(s));
+  if (NL > 0 && ids) std::memcpy(ids, staging.data(), size_t(NL) * 4);
 }
 
 }  // namespace talon::cuda

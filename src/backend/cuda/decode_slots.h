@@ -3,13 +3,18 @@
 // Per slot it keeps the committed length and the parents of the pending tokens; it checks a
 // forward's requests and lays out their rows (what each new token attends to, decode_ops.h:
 // DecodeRow, and its RoPE position), and turns a commit into the cache moves that bring the
-// kept rows down. The caches themselves, and their layouts, stay with each decoder.
+// kept rows down. It also holds the input and output plumbing both forwards share: the packed
+// inputs every forward has, captures, the logits rows' last step, and the results coming down.
+// The caches themselves, and their layouts, stay with each decoder.
 #pragma once
 #include <cstdint>
 #include <vector>
 
 #include "backend/cuda/decode_ops.h"
+#include "backend/cuda/device.h"
 #include "model/decode.h"
+#include "model/model.h"
+#include "model/sampling.h"
 
 namespace talon::cuda {
 
@@ -51,5 +56,36 @@ class DecodeSlots {
   std::vector<int64_t> len_;
   std::vector<std::vector<int32_t>> parents_;  // of each slot's pending tokens
 };
+
+// The inputs every decoder forward packs (PackedOffsets) and copies up in one block: token ids,
+// positions, rows, logits rows, tree masks, and with sampling its parameters and uniforms.
+struct DecodeInputs {
+  size_t ids, pos, rows, logit_rows, masks, sampling, uniforms;
+  DecodeInputs(PackedOffsets& o, const DecodeBatch& b, bool sampled);
+  // Writes them at their offsets of the staging block hb (sp, u: with sampling).
+  void stage(uint8_t* hb, const DecodeBatch& b, const SamplingParams* sp, const double* u) const;
+};
+
+// Capture rows: one block of `rows` x H 4-byte values per captured layer at dev. For every
+// captured layer that is layer_id, the residual x [N, H] (fp32) into its block, as bf16 or
+// fp32 as cap says.
+void capture_residual(uint8_t* dev, int64_t rows, const Capture& cap, int64_t layer_id, const float* x, int64_t N,
+                      int64_t H, cudaStream_t s);
+
+// The LM head's input: the final normed rows xn [N, H] themselves when every row wants logits,
+// else the logits rows gathered into sel.
+const bf16* logits_input(bf16* sel, const bf16* xn, const int32_t* logit_rows, int64_t NL, int64_t N, int64_t H,
+                         cudaStream_t s);
+
+// The logits rows' last step on the device: ids drawn (sampling: parameters and uniforms in
+// device memory) or the argmax (ids without sampling) into top1, or fp32 logits into logits32.
+void finish_logits(int32_t* top1, float* logits32, const bf16* logits, int64_t NL, int64_t V,
+                   const DeviceSampling* sampling, const double* uniforms, bool ids, cudaStream_t s);
+
+// Results down, then waits for the stream: the capture blocks (capture_residual) into cap's
+// buffers, and the ids (through the pinned `staging`) or the fp32 logits of the NL logits rows.
+void results_down(const Capture& cap, const uint8_t* cap_dev, int64_t cap_rows, int64_t N, int64_t H, int64_t NL,
+                  const int32_t* top1, int32_t* ids, const float* logits32, float* logits, int64_t V,
+                  PinnedBuffer& staging, cudaStream_t s);
 
 }  // namespace talon::cuda

@@ -4,6 +4,7 @@
 
 #include "backend/cuda/check.h"
 #include "backend/cuda/deepseek_ops.h"
+#include "backend/cuda/kernels/mla_rope.cuh"
 #include "backend/cuda/kernels/rmsnorm.cuh"
 #include "backend/cuda/warp.cuh"
 
@@ -28,14 +29,7 @@ __global__ void mla_assemble_kernel(bf16* qkv, const bf16* q, const bf16* kv, co
       qv = __bfloat162float(q[(n * nh + h) * qk + i]);
       kval = __bfloat162float(kvrow[i]);
     } else {
-      const int j = i - nope, half = rope / 2;
-      int p, ia, ib;
-      bool first;
-      if (interleaved) {
-        p = j / 2, ia = 2 * p, ib = 2 * p + 1, first = (j % 2) == 0;
-      } else {
-        p = j % half, ia = p, ib = p + half, first = j < half;
-      }
+      const auto [p, ia, ib, first] = mla_rope_pair(i - nope, rope, interleaved);
       const float ang = float(pos[n]) * inv_freq[p];
       const float c = float(cos(double(ang))) * af, s = float(sin(double(ang))) * af;
       const bf16* qp = q + (n * nh + h) * qk + nope;

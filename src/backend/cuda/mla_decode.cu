@@ -7,6 +7,7 @@
 
 #include "backend/cuda/check.h"
 #include "backend/cuda/deepseek_ops.h"
+#include "backend/cuda/kernels/mla_rope.cuh"
 #include "backend/cuda/warp.cuh"
 
 namespace talon::cuda {
@@ -22,14 +23,7 @@ constexpr int kMaxLatent = 512;  // kvr: one value pair per thread
 // cos / sin (times attn_factor) of each pair in cs / sn.
 __device__ __forceinline__ float rotate(const bf16* v, int j, int rope, bool interleaved, const float* cs,
                                         const float* sn) {
-  const int half = rope / 2;
-  int p, ia, ib;
-  bool first;
-  if (interleaved) {
-    p = j / 2, ia = 2 * p, ib = 2 * p + 1, first = (j % 2) == 0;
-  } else {
-    p = j % half, ia = p, ib = p + half, first = j < half;
-  }
+  const auto [p, ia, ib, first] = mla_rope_pair(j, rope, interleaved);
   const float c = cs[p], s = sn[p];
   const float a = __bfloat162float(v[ia]), b = __bfloat162float(v[ib]);
   return first ? a * c - b * s : b * c + a * s;

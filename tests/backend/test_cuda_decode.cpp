@@ -127,6 +127,35 @@ struct Twin {
   }
 };
 
+// Three slots against the CPU decoder (random ids from `seed`): prefills of slot 0 (all
+// logits, capture of layer 1) and slot 2 (last logits); a chunk of prefill onto the empty slot
+// 1 beside a decode step on slot 0 and a 6-node tree on slot 2 (bf16 capture of layer 2), a
+// path of the tree kept; optionally a second chunk onto slot 1; then one-token steps of all.
+void run_three_slot_scenario(Twin& t, int64_t V, const std::string& tag, uint32_t seed, int64_t prefill0,
+                             int64_t prefill2, int64_t second_chunk, int steps) {
+  std::mt19937 rng(seed);
+  t.forward({{0, random_ids(rng, prefill0, V), {}, true}, {2, random_ids(rng, prefill2, V), {}, false}},
+            tag + "prefill", 1);
+  t.commit_all(0);
+  t.commit_all(2);
+  t.forward({{0, random_ids(rng, 1, V), {}, true}, {1, random_ids(rng, 90, V), {}, true},
+             {2, random_ids(rng, 6, V), {-1, 0, 0, 1, 3, 3}, true}},
+            tag + "mixed", 2, DType::BF16);
+  t.commit_all(0);
+  t.commit_all(1);
+  t.commit(2, {0, 1, 3, 5});
+  if (second_chunk > 0) {
+    t.forward({{1, random_ids(rng, second_chunk, V), {}, false}}, tag + "second chunk");
+    t.commit_all(1);
+  }
+  for (int step = 0; step < steps; ++step) {
+    std::vector<DecodeRequest> reqs;
+    for (int s = 0; s < 3; ++s) reqs.push_back({s, random_ids(rng, 1, V), {}, true});
+    t.forward(reqs, tag + "step " + std::to_string(step));
+    for (int s = 0; s < 3; ++s) t.commit_all(s);
+  }
+}
+
 class CudaDecode : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(CudaDecode, ChainPrefillAndTokenByTokenDecodingOfSeveralSlots) {
@@ -416,24 +445,7 @@ TEST(CudaDecode, DeepSeekLatentSizesOnRandomModels) {
     c.max_position = 4096;
     auto ck = make_random_checkpoint(c, 0.05f, uint64_t(variant + 1));
     Twin t(*ck, 3, 700);
-    const std::string tag = "variant " + std::to_string(variant) + ": ";
-    std::mt19937 rng(31);
-    t.forward({{0, random_ids(rng, 520, c.vocab), {}, true}, {2, random_ids(rng, 40, c.vocab), {}, false}},
-              tag + "prefill", 1);
-    t.commit_all(0);
-    t.commit_all(2);
-    t.forward({{0, random_ids(rng, 1, c.vocab), {}, true}, {1, random_ids(rng, 90, c.vocab), {}, true},
-               {2, random_ids(rng, 6, c.vocab), {-1, 0, 0, 1, 3, 3}, true}},
-              tag + "mixed", 2, DType::BF16);
-    t.commit_all(0);
-    t.commit_all(1);
-    t.commit(2, {0, 1, 3, 5});
-    for (int step = 0; step < 4; ++step) {
-      std::vector<DecodeRequest> reqs;
-      for (int s = 0; s < 3; ++s) reqs.push_back({s, random_ids(rng, 1, c.vocab), {}, true});
-      t.forward(reqs, tag + "step " + std::to_string(step));
-      for (int s = 0; s < 3; ++s) t.commit_all(s);
-    }
+    run_three_slot_scenario(t, c.vocab, "variant " + std::to_string(variant) + ": ", 31, 520, 40, 0, 4);
   }
 }
 
@@ -450,27 +462,7 @@ TEST(CudaDecode, RealHeadSizesOnRandomModels) {
     c.sliding_window = hd == 128 ? 100 : 0;
     auto ck = make_random_checkpoint(c, 0.2f, uint64_t(hd));
     Twin t(*ck, 3, 400);
-    const std::string tag = "hd " + std::to_string(hd) + ": ";
-    std::mt19937 rng(29);
-    t.forward({{0, random_ids(rng, 150, c.vocab), {}, true}, {2, random_ids(rng, 70, c.vocab), {}, false}},
-              tag + "prefill", 1);
-    t.commit_all(0);
-    t.commit_all(2);
-    // A chunk of prefill onto a non-empty slot, beside a decode step and a tree.
-    t.forward({{0, random_ids(rng, 1, c.vocab), {}, true}, {1, random_ids(rng, 90, c.vocab), {}, true},
-               {2, random_ids(rng, 6, c.vocab), {-1, 0, 0, 1, 3, 3}, true}},
-              tag + "mixed", 2, DType::BF16);
-    t.commit_all(0);
-    t.commit_all(1);
-    t.commit(2, {0, 1, 3, 5});
-    t.forward({{1, random_ids(rng, 80, c.vocab), {}, false}}, tag + "second chunk");
-    t.commit_all(1);
-    for (int step = 0; step < 5; ++step) {
-      std::vector<DecodeRequest> reqs;
-      for (int s = 0; s < 3; ++s) reqs.push_back({s, random_ids(rng, 1, c.vocab), {}, true});
-      t.forward(reqs, tag + "step " + std::to_string(step));
-      for (int s = 0; s < 3; ++s) t.commit_all(s);
-    }
+    run_three_slot_scenario(t, c.vocab, "hd " + std::to_string(hd) + ": ", 29, 150, 70, 80, 5);
   }
 }
 

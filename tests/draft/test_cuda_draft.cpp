@@ -59,6 +59,29 @@ std::vector<std::pair<std::string, std::shared_ptr<Checkpoint>>> targets() {
   return out;
 }
 
+// Where a speculative output `got` first parts from the target-only `want` (both after
+// `prompt`): equal when they never do; else the index and, when it lies inside both, the gap
+// between the two tokens' logits of the fp32 reference `ref` on the common prefix.
+struct Parting {
+  bool equal = false, inside = false;
+  size_t at = 0;
+  double gap = 0;
+};
+Parting first_parting(Decoder& ref, const std::vector<int32_t>& prompt, const std::vector<int32_t>& want,
+                      const std::vector<int32_t>& got, std::vector<float>& logits) {
+  Parting p;
+  while (p.at < got.size() && p.at < want.size() && got[p.at] == want[p.at]) ++p.at;
+  p.equal = p.at == want.size() && got.size() == want.size();
+  p.inside = p.at < std::min(got.size(), want.size());
+  if (p.equal || !p.inside) return p;
+  std::vector<int32_t> seq = prompt;
+  seq.insert(seq.end(), want.begin(), want.begin() + std::ptrdiff_t(p.at));
+  ref.reset(0);
+  ref.forward({{0, seq, {}, false}}, {}, logits.data());
+  p.gap = std::fabs(double(logits[size_t(want[p.at])]) - double(logits[size_t(got[p.at])]));
+  return p;
+}
+
 // Greedy chains with the target and the draft both on the GPU against target-only GPU decoding,
 // on the llama_gqa and qwen3 fixtures, three prompts (token ids below vocab - spare), chains of
 // each k: equal, or parting only where the fp32 CPU reference's logits of the two tokens are
@@ -87,19 +110,13 @@ void expect_greedy_chains_on_gpu(const std::function<DraftModel(const ModelConfi
         cfg.k = k;
         const auto got = decode_speculative(*dec, 0, run, prompt, cfg, greedy, 0, lim);
         ++runs;
-        size_t i = 0;
-        while (i < got.size() && i < want.size() && got[i] == want[i]) ++i;
-        if (i == want.size() && got.size() == want.size()) {
+        const Parting pt = first_parting(*ref, prompt, want, got, logits);
+        if (pt.equal) {
           ++equal;
           continue;
         }
-        ASSERT_LT(i, std::min(got.size(), want.size())) << fx << " chain " << k << ": lengths differ";
-        std::vector<int32_t> seq = prompt;
-        seq.insert(seq.end(), want.begin(), want.begin() + std::ptrdiff_t(i));
-        ref->reset(0);
-        ref->forward({{0, seq, {}, false}}, {}, logits.data());
-        const double gap = std::fabs(double(logits[size_t(want[i])]) - double(logits[size_t(got[i])]));
-        EXPECT_LT(gap, tol::kCudaGreedyMargin) << fx << " prompt " << prompt_i << " chain " << k << ": token " << i;
+        ASSERT_TRUE(pt.inside) << fx << " chain " << k << ": lengths differ";
+        EXPECT_LT(pt.gap, tol::kCudaGreedyMargin) << fx << " prompt " << prompt_i << " chain " << k << ": token " << pt.at;
       }
     }
   }
@@ -516,22 +533,16 @@ TEST(CudaDraft, GreedySpeculationEqualsTargetOnlyGreedyOnTheGpu) {
         [&](int prompt_i, const std::vector<int32_t>& prompt, const std::vector<int32_t>& want, const SpecConfig& cfg,
             const std::vector<int32_t>& got, const DecodeStats&) {
           ++runs;
-          size_t i = 0;
-          while (i < got.size() && i < want.size() && got[i] == want[i]) ++i;
-          if (i == want.size() && got.size() == want.size()) {
+          const Parting pt = first_parting(*ref, prompt, want, got, logits);
+          if (pt.equal) {
             ++equal;
             return;
           }
-          ASSERT_LT(i, std::min(got.size(), want.size())) << fx << " " << cfg.name() << ": lengths differ";
+          ASSERT_TRUE(pt.inside) << fx << " " << cfg.name() << ": lengths differ";
           // The first difference must be a near-tie of the fp32 reference on the common prefix.
-          std::vector<int32_t> seq = prompt;
-          seq.insert(seq.end(), want.begin(), want.begin() + std::ptrdiff_t(i));
-          ref->reset(0);
-          ref->forward({{0, seq, {}, false}}, {}, logits.data());
-          const double gap = std::fabs(double(logits[size_t(want[i])]) - double(logits[size_t(got[i])]));
-          EXPECT_LT(gap, tol::kCudaGreedyMargin)
-              << fx << " prompt " << prompt_i << " " << cfg.name() << ": token " << i << " is " << got[i]
-              << " instead of " << want[i] << ", fp32 logits apart by " << gap;
+          EXPECT_LT(pt.gap, tol::kCudaGreedyMargin)
+              << fx << " prompt " << prompt_i << " " << cfg.name() << ": token " << pt.at << " is " << got[pt.at]
+              << " instead of " << want[pt.at] << ", fp32 logits apart by " << pt.gap;
           ++ties;
         }));
   }
@@ -561,19 +572,13 @@ TEST(CudaDraft, GreedySpeculationOnDeepSeekTargetsOnTheGpu) {
         [&](int, const std::vector<int32_t>& prompt, const std::vector<int32_t>& want, const SpecConfig& cfg,
             const std::vector<int32_t>& got, const DecodeStats&) {
           ++runs;
-          size_t i = 0;
-          while (i < got.size() && i < want.size() && got[i] == want[i]) ++i;
-          if (i == want.size() && got.size() == want.size()) {
+          const Parting pt = first_parting(*ref, prompt, want, got, logits);
+          if (pt.equal) {
             ++equal;
             return;
           }
-          ASSERT_LT(i, std::min(got.size(), want.size())) << fx << " " << cfg.name() << ": lengths differ";
-          std::vector<int32_t> seq = prompt;
-          seq.insert(seq.end(), want.begin(), want.begin() + std::ptrdiff_t(i));
-          ref->reset(0);
-          ref->forward({{0, seq, {}, false}}, {}, logits.data());
-          const double gap = std::fabs(double(logits[size_t(want[i])]) - double(logits[size_t(got[i])]));
-          (gap < tol::kCudaGreedyMargin ? ties : other) += 1;
+          ASSERT_TRUE(pt.inside) << fx << " " << cfg.name() << ": lengths differ";
+          (pt.gap < tol::kCudaGreedyMargin ? ties : other) += 1;
         }));
   }
   std::printf("cuda speculative greedy on DeepSeek targets: %d/%d runs equal, %d part at an fp32 near-tie, %d "

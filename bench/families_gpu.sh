@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The drafter families on one GPU machine, end to end on SmolLM2 and the demo chats: EAGLE-3
-# trained on the GPU, P-EAGLE and DFlash trained on the CPU (their GPU trainers are not built),
+# The drafter families on one GPU machine, end to end on SmolLM2 and the demo chats: EAGLE-3,
+# P-EAGLE and DFlash trained on the GPU,
 # then `talon eval` with the target on the GPU for each: greedy equality with target-only GPU
 # decoding (near-ties named), tau and per-position acceptance. A plumbing check, not a quality
 # measurement: 8 demo chats train nothing useful.
@@ -13,14 +13,10 @@ TALON_SMOLLM2_GGUF=$G bash tests/cli/fixture/demo_features.sh "$T" "$PWD" "$W/de
 common=(--data "$W/demo/feat" --model "$G" --draft-vocab 2048 --max-length 256 --max-steps 24 --epochs 3 --lr 1e-3
         --batch-samples 2 --eval-fraction 0.15)
 $T train "${common[@]}" --ttt-steps 3 --device cuda --out "$W/e3" 2>&1 | grep -E "train complete|eval after|error"
-$T train "${common[@]}" --drafter peagle --ttt-steps 3 --out "$W/pe" 2>&1 | grep -E "train complete|eval after|error"
-$T train "${common[@]}" --drafter dflash --draft-layers 2 --block-size 4 --max-anchors 32 --out "$W/df" 2>&1 |
+$T train "${common[@]}" --drafter peagle --ttt-steps 3 --device cuda --out "$W/pe" 2>&1 |
   grep -E "train complete|eval after|error"
-if $T train "${common[@]}" --drafter peagle --device cuda --out "$W/pe-gpu" > "$W/pe-gpu.log" 2>&1; then
-  echo "FAIL: --drafter peagle --device cuda was not refused"
-else
-  grep -E "error" "$W/pe-gpu.log"
-fi
+$T train "${common[@]}" --drafter dflash --draft-layers 2 --block-size 4 --max-anchors 32 --device cuda \
+  --out "$W/df" 2>&1 | grep -E "train complete|eval after|error"
 for d in e3 pe df; do
   $T eval --model "$G" --data examples/demo_chats.jsonl --limit 6 --max-new-tokens 48 --chain 3 --no-tree \
     --draft "$W/$d" --device cuda --out "$W/ev-$d" 2>&1 | grep -E "draft on|error|differs" | head -5

@@ -1,13 +1,17 @@
 // The EAGLE-3 draft trainer on a GPU: the same objective, gradients and AdamW update as
 // the CPU reference (eagle3::ttt_forward, train::AdamW), with samples packed into one
-// batch per call. Built only with the CUDA backend; elsewhere the factory fails clearly.
+// batch per call. It also trains P-EAGLE (draft/peagle.h: the same layer, all depths in one
+// pass) against peagle::forward, and DFlash (draft/dflash.h, its own engine) against
+// dflash::forward. Built only with the CUDA backend; elsewhere the factory fails clearly.
 #pragma once
 #include <memory>
 #include <string>
 #include <vector>
 
+#include "draft/dflash.h"
 #include "draft/eagle3.h"
 #include "draft/gpu_draft_options.h"
+#include "draft/peagle.h"
 #include "draft/optim.h"
 #include "util/dist.h"
 
@@ -18,9 +22,33 @@ namespace talon::eagle3 {
 enum class GpuMath { F32, TF32, BF16 };
 GpuMath parse_gpu_math(const std::string& s);
 
+// Which drafter the GPU trainer trains: EAGLE-3; P-EAGLE with its mask token and COD
+// sampling (each sample's elements drawn from the seed run() is given for it, as
+// peagle::cod_sample; without a backward, peagle::all_chains); or DFlash (dflash.h) with its
+// configuration, mask token and anchors (up to max_anchors a sample drawn from its seed, as
+// dflash::select_anchors; without a backward, every candidate).
+struct GpuFamily {
+  std::string drafter = "eagle3";  // eagle3 | peagle | dflash
+  int32_t mask_token = -1;
+  peagle::CodOptions cod;
+  dflash::Config dflash;
+  int64_t max_anchors = 512;
+};
+
 class GpuDraftTrainer {
  public:
+  using Named = std::vector<std::pair<std::string, const std::vector<float>*>>;
+  using NamedOut = std::vector<std::pair<std::string, std::vector<float>*>>;
   virtual ~GpuDraftTrainer() = default;
+  // Any family's tensors by name: DraftWeights::named()'s and P-EAGLE's mask_hidden and
+  // embed, or DFlash's (the CPU family's names, lm_head included). set_tensors needs every
+  // one; the get functions fill those asked for (gradients as the last clip left them).
+  virtual void set_tensors(const Named& w) = 0;
+  virtual void get_tensors(const NamedOut& w) = 0;
+  virtual void get_tensor_grads(const NamedOut& g) = 0;
+  // The trained tensors, in the order of set_moments / get_moments (P-EAGLE and DFlash:
+  // without the frozen lm_head; as the CPU family's params()).
+  virtual std::vector<std::string> trainable() const = 0;
   virtual void set_weights(DraftWeights& w) = 0;
   virtual void get_weights(DraftWeights& w) = 0;
   virtual void get_grads(DraftGrads& g) = 0;
@@ -28,9 +56,11 @@ class GpuDraftTrainer {
   virtual void get_moments(std::vector<std::vector<float>>& m, std::vector<std::vector<float>>& v) = 0;
   // Forward of every sample (packed into one batch); with backward, adds
   // weight * d(loss_i)/d(weights) for each sample i to the gradients (zeroed first when
-  // asked). Per-sample results as ttt_forward's (logits are not kept).
+  // asked). Per-sample results as ttt_forward's (logits are not kept). P-EAGLE and DFlash:
+  // seeds[i] draws sample i's elements or anchors when training; results as the CPU
+  // family's run() gives them.
   virtual std::vector<TttResult> run(const std::vector<Sample>& batch, double weight, bool backward,
-                                     bool zero_grads) = 0;
+                                     bool zero_grads, const std::vector<uint64_t>& seeds = {}) = 0;
   // As train::clip_grad_norm and train::AdamW::step (t_before: updates already applied).
   virtual double clip_grad_norm(double max_norm) = 0;
   virtual void adamw_step(const train::OptimConfig& c, int64_t t_before) = 0;
@@ -69,6 +99,7 @@ std::unique_ptr<GpuDraftTrainer> make_gpu_draft_trainer(const DraftConfig& c, co
                                                         const DraftVocab& vocab, const std::vector<int>& devices,
                                                         GpuMath math, int64_t max_rows,
                                                         const GpuGroup& group = {},
-                                                        const GpuDraftOptions& opt = {});
+                                                        const GpuDraftOptions& opt = {},
+                                                        const GpuFamily& family = {});
 
 }  // namespace talon::eagle3

@@ -6,7 +6,7 @@
 namespace talon::eagle3 {
 std::unique_ptr<GpuDraftTrainer> make_gpu_draft_trainer(const DraftConfig&, const TargetHead&, const DraftVocab&,
                                                         const std::vector<int>&, GpuMath, int64_t, const GpuGroup&,
-                                                        const GpuDraftOptions&) {
+                                                        const GpuDraftOptions&, const GpuFamily&) {
   fail("this build has no CUDA backend (nvcc was not found when it was configured): train with --device cpu");
 }
 std::string nccl_unique_id() { fail("this build has no CUDA backend: NCCL is not available"); }

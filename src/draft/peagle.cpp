@@ -14,7 +14,6 @@ namespace talon::peagle {
 namespace {
 using Vec = std::vector<double>;
 namespace ops = eagle3::ops;
-constexpr double kReductionEps = 1e-5;  // added to the counted elements, as speculators does
 }  // namespace
 
 CodSample cod_sample(const std::vector<uint8_t>& valid, const CodOptions& o, uint64_t seed) {

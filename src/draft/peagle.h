@@ -54,6 +54,9 @@ struct Grads {
   explicit Grads(const Weights& w);
 };
 
+// Added to the number of counted elements in the loss's denominator, as speculators does.
+inline constexpr double kReductionEps = 1e-5;
+
 struct Result {
   double loss = 0;
   int64_t counted = 0;

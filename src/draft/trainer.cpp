@@ -261,10 +261,6 @@ class Trainer {
     TALON_CHECK(opt_.noise >= 0, "--noise {}: expected >= 0", opt_.noise);
     TALON_CHECK(opt_.drafter == "eagle3" || opt_.drafter == "peagle" || opt_.drafter == "dflash",
                 "--drafter '{}': expected eagle3, peagle or dflash", opt_.drafter);
-    if (family_) {
-      TALON_CHECK(gpus_.empty(), "--drafter {} trains on the CPU only for now (--device cpu); the GPU trainer knows "
-                                 "EAGLE-3 only", opt_.drafter);
-    }
     TALON_CHECK(opt_.optim.lr > 0 && std::isfinite(opt_.optim.lr), "--lr {}: expected a positive learning rate",
                 opt_.optim.lr);
     TALON_CHECK(opt_.optim.schedule == "cosine" || opt_.optim.schedule == "linear" || opt_.optim.schedule == "constant",
@@ -590,9 +586,28 @@ class Trainer {
         if (rank_ == 0) group.nccl_id = nccl_unique_id();
         pg_.broadcast(group.nccl_id, 0);
       }
+      GpuFamily fam;
+      fam.drafter = opt_.drafter;
+      fam.mask_token = mask_token_;
+      fam.cod = {c_.ttt_steps, opt_.cod_ratio, opt_.cod_ratio_min};
+      if (opt_.drafter == "dflash") {
+        fam.dflash = dflash_config(c_, opt_);
+        fam.max_anchors = opt_.max_anchors;
+      }
       dev_ = make_gpu_draft_trainer(c_, tgt_, dv_, gpus_, parse_gpu_math(opt_.gpu_math),
-                                    std::max(opt_.max_batch_tokens, longest), group, opt_.gpu_engine);
-      dev_->set_weights(w_);
+                                    std::max(opt_.max_batch_tokens, longest), group, opt_.gpu_engine, fam);
+      if (fam_) {  // the family's tensors by name; the device trains them in params_'s order
+        std::vector<std::string> want;
+        for (auto& p : params_) want.push_back(p.name);
+        TALON_CHECK(dev_->trainable() == want, "train: the GPU trainer's tensors ({}) are not the {} family's ({})",
+                    fmt::join(dev_->trainable(), ","), opt_.drafter, fmt::join(want, ","));
+        GpuDraftTrainer::Named named;
+        for (auto& p : params_) named.emplace_back(p.name, p.w);
+        for (auto& [name, v] : fam_->frozen()) named.emplace_back(name, v);
+        dev_->set_tensors(named);
+      } else {
+        dev_->set_weights(w_);
+      }
       if (step_ > 0) dev_->set_moments(adam_->m(), adam_->v());
       tlog::info("train on cuda:{} ({} matrix products{}), {:.2f} GiB of device buffers per GPU for {} tokens per "
                  "micro-batch",
@@ -761,8 +776,8 @@ class Trainer {
   // CPU. The gradients end up as weight * the sum over every process's samples.
   std::vector<TttResult> run_samples(const std::vector<eagle3::Sample>& batch, const std::vector<int64_t>& mine,
                                      double weight, bool backward) {
-    if (fam_) return run_family(batch, mine, weight, backward);
-    return dev_ ? run_gpu(batch, mine, weight, backward) : run_cpu(batch, mine, weight, backward);
+    if (dev_) return run_gpu(batch, mine, weight, backward);
+    return fam_ ? run_family(batch, mine, weight, backward) : run_cpu(batch, mine, weight, backward);
   }
 
   // Several processes on CPUs: the step's results and gradient tree finished on every process
@@ -831,7 +846,7 @@ class Trainer {
                                     double weight, bool backward) {
     std::vector<TttResult> res(batch.size());
     const int64_t B = int64_t(batch.size());
-    auto seed_of = [&](int64_t i) { return opt_.seed * 0x9e3779b97f4a7c15ull + uint64_t(step_) * 1315423911ull + uint64_t(i); };
+    auto seed_of = [&](int64_t i) { return sample_seed(i); };
     if (!backward) {
       for (int64_t i : mine) res[size_t(i)] = fam_->run(batch[size_t(i)], seed_of(i), false);
       gather_results(res, mine, {}, nullptr);
@@ -914,6 +929,13 @@ class Trainer {
     return res;
   }
 
+  // What sample i of this step's batch draws (P-EAGLE's COD elements, DFlash's anchors): seeded
+  // by (seed, step, slot), so a resumed run, any number of processes and either device draw
+  // the same.
+  uint64_t sample_seed(int64_t i) const {
+    return opt_.seed * 0x9e3779b97f4a7c15ull + uint64_t(step_) * 1315423911ull + uint64_t(i);
+  }
+
   std::vector<TttResult> run_gpu(const std::vector<eagle3::Sample>& batch, const std::vector<int64_t>& mine,
                                  double weight, bool backward) {
     std::vector<TttResult> res(batch.size());
@@ -925,10 +947,11 @@ class Trainer {
     for (auto& m : micro_batches(lengths)) {
       std::vector<eagle3::Sample> micro;
       std::vector<int64_t> at;
+      std::vector<uint64_t> seeds;
       for (int64_t i : m)
-        if (is_mine[size_t(i)]) micro.push_back(batch[size_t(i)]), at.push_back(i);
+        if (is_mine[size_t(i)]) micro.push_back(batch[size_t(i)]), at.push_back(i), seeds.push_back(sample_seed(i));
       if (!micro.empty()) {
-        auto r = dev_->run(micro, weight, backward, first);
+        auto r = dev_->run(micro, weight, backward, first, seeds);
         for (size_t k = 0; k < at.size(); ++k) res[size_t(at[k])] = std::move(r[k]);
       } else if (backward && first) {
         dev_->zero_grads();
@@ -1008,7 +1031,13 @@ class Trainer {
   void save() {
     if (rank_ != 0) return;
     if (dev_) {
-      dev_->get_weights(w_);
+      if (fam_) {
+        GpuDraftTrainer::NamedOut out;
+        for (auto& p : params_) out.emplace_back(p.name, p.w);
+        dev_->get_tensors(out);
+      } else {
+        dev_->get_weights(w_);
+      }
       if (step_ > 0) dev_->get_moments(adam_->m(), adam_->v());
     }
     st::Writer wr;

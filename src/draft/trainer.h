@@ -30,7 +30,7 @@ struct TrainOptions {
   // eagle3: the EAGLE-3 draft with training-time test; peagle: P-EAGLE (all ttt_steps draft
   // positions in one pass, COD-sampled chains, mask token + learned mask_hidden, trainable
   // embeddings, frozen lm_head; see draft/peagle.h); dflash: the block drafter (draft/dflash.h).
-  // peagle and dflash train on the CPU only for now (draft/family.h).
+  // Every family trains on the CPU or on GPUs (draft/family.h, draft/draft_gpu.h).
   std::string drafter = "eagle3";
   int64_t mask_token_id = -1;   // peagle, dflash: the mask token (-1: the highest id the data never uses)
   double cod_ratio = 0.7;       // peagle: depth d keeps max(cod_ratio^d, cod_ratio_min) of the chains

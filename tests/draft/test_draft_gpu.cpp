@@ -21,7 +21,9 @@
 #include "tests/tolerances.h"
 #include "draft/draft_gpu.h"
 #include "draft/eagle3.h"
+#include "draft/dflash.h"
 #include "draft/optim.h"
+#include "draft/peagle.h"
 #include "draft/trainer.h"
 #include "util/error.h"
 
@@ -714,6 +716,609 @@ TEST(GpuDraftDataParallel, TwoGpusMatchOneAndAreDeterministic) {
     EXPECT_LE(double(off), tol::kGpuTttWeightOffFraction * double(a[i].second->size())) << a[i].first;
   }
 }
+
+// ---- P-EAGLE on the GPU against peagle::forward (the fp64 reference, itself checked against
+// speculators' PEagleDraftModel): the EAGLE-3 layer of Case plus a trained embedding and
+// mask_hidden, COD-sampled elements from per-sample seeds (all chains when evaluating).
+struct PeCase {
+  Case cs;
+  peagle::Weights w;
+  int32_t mask_token;
+  peagle::CodOptions cod;
+  PeCase(bool nbr, uint32_t seed, std::vector<int> lengths) : cs(nbr, seed, std::move(lengths)) {
+    std::mt19937 rng(seed + 1);
+    std::normal_distribution<float> nd(0.f, 1.f);
+    w.layer = cs.w;
+    w.embed = cs.embed;
+    w.mask_hidden.resize(size_t(3 * cs.c.H));
+    for (auto& x : w.mask_hidden) x = nd(rng);
+    mask_token = int32_t(cs.c.V - 1);
+    cod = {cs.c.ttt_steps, 0.7, 0.2};
+  }
+  GpuFamily family() const {
+    GpuFamily f;
+    f.drafter = "peagle";
+    f.mask_token = mask_token;
+    f.cod = cod;
+    return f;
+  }
+  GpuDraftTrainer::Named named() {
+    GpuDraftTrainer::Named n;
+    for (auto& [name, v] : w.layer.named()) n.emplace_back(name, v);
+    n.emplace_back("mask_hidden", &w.mask_hidden);
+    n.emplace_back("embed", &w.embed);
+    return n;
+  }
+  // The trainable tensors and their gradients, as the CPU family's params() lists them.
+  static std::vector<train::Param> params(peagle::Weights& w, peagle::Grads& g) {
+    std::vector<train::Param> ps = train::draft_params(w.layer, g.layer);
+    std::erase_if(ps, [](const train::Param& p) { return std::string(p.name) == "lm_head"; });
+    ps.push_back({"mask_hidden", &w.mask_hidden, &g.mask_hidden, false});
+    ps.push_back({"embed", &w.embed, &g.embed, true});
+    return ps;
+  }
+  std::vector<uint64_t> seeds(uint64_t base) const {
+    std::vector<uint64_t> v;
+    for (size_t i = 0; i < cs.samples.size(); ++i) v.push_back(base * 1000003ull + i);
+    return v;
+  }
+  peagle::CodSample elements(const Sample& s, bool train, uint64_t seed) const {
+    std::vector<uint8_t> valid(size_t(std::max<int64_t>(s.T - 1, 0)));
+    for (int64_t t = 0; t + 1 < s.T; ++t) valid[size_t(t)] = s.mask[t + 1];
+    return train ? peagle::cod_sample(valid, cod, seed) : peagle::all_chains(valid, cs.c.ttt_steps);
+  }
+  // CPU reference of one call: per-sample results; with train, gradients (x weight) into g.
+  std::vector<TttResult> cpu(const peagle::Weights& ww, const std::vector<Sample>& batch, bool train,
+                             const std::vector<uint64_t>& sd, double weight, peagle::Grads* g) const {
+    std::vector<TttResult> out;
+    peagle::Grads mine(ww);
+    for (size_t i = 0; i < batch.size(); ++i) {
+      const peagle::CodSample e = elements(batch[i], train, train ? sd[i] : 0);
+      const peagle::Result r =
+          peagle::forward(cs.c, ww, cs.target(), cs.dv, batch[i], e, mask_token, train ? &mine : nullptr);
+      out.push_back(peagle::ttt_view(e, r, cs.c.ttt_steps));
+    }
+    if (g) {
+      auto add = [weight](std::vector<double>& d, const std::vector<double>& s) {
+        for (size_t k = 0; k < d.size(); ++k) d[k] += weight * s[k];
+      };
+      auto a = g->layer.named(), b = mine.layer.named();
+      for (size_t i = 0; i < a.size(); ++i) add(*a[i].second, *b[i].second);
+      add(g->mask_hidden, mine.mask_hidden);
+      add(g->embed, mine.embed);
+    }
+    return out;
+  }
+};
+
+std::unique_ptr<GpuDraftTrainer> make_pe(PeCase& pc, const std::vector<int>& devices, GpuMath math,
+                                         int64_t max_rows) {
+  auto t = make_gpu_draft_trainer(pc.cs.c, pc.cs.target(), pc.cs.dv, devices, math, max_rows, {}, g_eng, pc.family());
+  t->set_tensors(pc.named());
+  return t;
+}
+
+std::vector<double> as_double(const std::vector<float>& v) { return {v.begin(), v.end()}; }
+
+void check_peagle_against_cpu(PeCase& pc, GpuMath math, bool train, double loss_tol, double grad_tol,
+                              int64_t max_rows = 96) {
+  const auto batch = pc.cs.batch();
+  const double weight = 1.0 / double(batch.size());
+  const auto seeds = pc.seeds(7);
+  peagle::Grads cg(pc.w);
+  const auto cpu = pc.cpu(pc.w, batch, train, seeds, weight, train ? &cg : nullptr);
+  auto gpu = make_pe(pc, {0}, math, max_rows);
+  const auto res = gpu->run(batch, weight, train, true, train ? seeds : std::vector<uint64_t>{});
+  ASSERT_EQ(res.size(), cpu.size());
+  int64_t deep = 0;
+  for (size_t i = 0; i < res.size(); ++i) {
+    ASSERT_EQ(res[i].n_k, cpu[i].n_k) << "sample " << i;
+    for (size_t k = 1; k < cpu[i].n_k.size(); ++k) deep += cpu[i].n_k[k];
+    EXPECT_NEAR(res[i].loss, cpu[i].loss, loss_tol * std::max(1.0, std::abs(cpu[i].loss))) << "sample " << i;
+    for (size_t k = 0; k < cpu[i].loss_k.size(); ++k)
+      EXPECT_NEAR(res[i].loss_k[k], cpu[i].loss_k[k], loss_tol * std::max(1.0, cpu[i].loss_k[k])) << i << " depth " << k;
+    if (math == GpuMath::F32) {
+      EXPECT_EQ(res[i].acc_k, cpu[i].acc_k) << "sample " << i;
+      EXPECT_EQ(res[i].cond_acc_k, cpu[i].cond_acc_k) << "sample " << i;
+    }
+  }
+  EXPECT_GT(deep, 10) << "too few elements past depth 0 for the test to mean much";
+  if (!train) return;
+  std::vector<std::vector<float>> got(16);
+  GpuDraftTrainer::NamedOut out;
+  std::vector<std::string> names;
+  for (auto& [name, v] : pc.w.layer.named()) names.push_back(name);
+  names.insert(names.end(), {"mask_hidden", "embed"});
+  for (size_t i = 0; i < names.size(); ++i) out.emplace_back(names[i], &got[i]);
+  gpu->get_tensor_grads(out);
+  std::vector<const std::vector<double>*> want;
+  for (auto& [name, v] : cg.layer.named()) want.push_back(v);
+  want.push_back(&cg.mask_hidden);
+  want.push_back(&cg.embed);
+  for (size_t i = 0; i < names.size(); ++i) {
+    if (names[i] == "lm_head") {  // frozen: never formed
+      EXPECT_TRUE(std::all_of(got[i].begin(), got[i].end(), [](float x) { return x == 0.f; })) << "lm_head gradient";
+      continue;
+    }
+    double mb = 0;
+    for (double x : *want[i]) mb = std::max(mb, std::abs(x));
+    EXPECT_GT(mb, 0.0) << names[i] << ": the reference gradient is zero";
+    ASSERT_EQ(got[i].size(), want[i]->size()) << names[i];
+    EXPECT_LE(rel_max_diff(as_double(got[i]), *want[i]), grad_tol) << names[i];
+  }
+}
+
+TEST_P(GpuDraft, PEagleMatchesCpuReference) {
+  REQUIRE_GPU();
+  PeCase pc(GetParam(), 4242, {30, 7, 22, 2, 17});
+  pc.cs.favour_draft_vocab(0.3f);
+  for (auto& m : pc.cs.samples[1].mask) m = 0;  // a prompt only: no element counts
+  check_peagle_against_cpu(pc, GpuMath::F32, true, tol::kGpuTttLossRel, tol::kGpuTttGradRel);
+  check_peagle_against_cpu(pc, GpuMath::F32, false, tol::kGpuTttLossRel, tol::kGpuTttGradRel);
+  {
+    ScopedOpt f([](GpuDraftOptions& o) { o.lm_grad_in_backward = true; });
+    check_peagle_against_cpu(pc, GpuMath::F32, true, tol::kGpuTttLossRel, tol::kGpuTttGradRel);
+  }
+  {
+    ScopedOpt e([](GpuDraftOptions& o) { o.logit_rows = 5; });
+    check_peagle_against_cpu(pc, GpuMath::F32, true, tol::kGpuTttLossRel, tol::kGpuTttGradRel);
+  }
+  check_peagle_against_cpu(pc, GpuMath::BF16, true, tol::kGpuTttBf16LossRel, tol::kGpuTttBf16GradRel);
+  check_peagle_against_cpu(pc, GpuMath::BF16, false, tol::kGpuTttBf16LossRel, tol::kGpuTttBf16GradRel);
+}
+
+// A P-EAGLE batch without its seeds, a mask token outside the vocabulary and a drafter
+// without a GPU trainer are refused.
+TEST(GpuDraftPEagle, RefusesBadSetups) {
+  REQUIRE_GPU();
+  PeCase pc(false, 5, {9, 6});
+  auto gpu = make_pe(pc, {0}, GpuMath::F32, 32);
+  EXPECT_THROW(gpu->run(pc.cs.batch(), 0.5, true, true), Error);
+  GpuFamily bad = pc.family();
+  bad.mask_token = int32_t(pc.cs.c.V);
+  EXPECT_THROW(make_gpu_draft_trainer(pc.cs.c, pc.cs.target(), pc.cs.dv, {0}, GpuMath::F32, 32, {}, g_eng, bad), Error);
+  GpuFamily df = pc.family();
+  df.drafter = "dflash";
+  EXPECT_THROW(make_gpu_draft_trainer(pc.cs.c, pc.cs.target(), pc.cs.dv, {0}, GpuMath::F32, 32, {}, g_eng, df), Error);
+}
+
+// Optimizer steps (two micro-batches a step, clipping on, weight decay on the embedding and
+// not on mask_hidden) against the CPU family's AdamW; the frozen lm_head stays bit for bit;
+// two GPU runs are identical.
+TEST_P(GpuDraft, PEagleAdamWStepsMatchCpuAndAreDeterministic) {
+  REQUIRE_GPU();
+  PeCase pc(GetParam(), 616, {13, 7, 22, 9});
+  const auto batch = pc.cs.batch();
+  train::OptimConfig oc;
+  oc.lr = 1e-3;
+  oc.weight_decay = 0.1;
+  oc.warmup_steps = 2;
+  oc.total_steps = 4;
+  oc.clip_norm = 0.05;
+  peagle::Weights cw = pc.w;
+  peagle::Grads cg(cw);
+  auto params = PeCase::params(cw, cg);
+  train::AdamW adam(oc);
+  std::vector<std::unique_ptr<GpuDraftTrainer>> gpus;
+  for (int r = 0; r < 2; ++r) gpus.push_back(make_pe(pc, {0}, GpuMath::F32, 40));
+  std::vector<std::string> want;
+  for (auto& p : params) want.push_back(p.name);
+  EXPECT_EQ(gpus[0]->trainable(), want);
+  for (int step = 0; step < 4; ++step) {
+    const auto seeds = pc.seeds(uint64_t(step) + 1);
+    for (auto& p : params) std::fill(p.g->begin(), p.g->end(), 0.0);
+    double cpu_loss = 0;
+    for (auto& r : pc.cpu(cw, batch, true, seeds, 0.25, &cg)) cpu_loss += r.loss / 4.0;
+    const double cn = train::clip_grad_norm(params, oc.clip_norm);
+    adam.step(params);
+    for (auto& gpu : gpus) {
+      std::vector<Sample> m1(batch.begin(), batch.begin() + 2), m2(batch.begin() + 2, batch.end());
+      std::vector<uint64_t> s1(seeds.begin(), seeds.begin() + 2), s2(seeds.begin() + 2, seeds.end());
+      double loss = 0;
+      for (auto& r : gpu->run(m1, 0.25, true, true, s1)) loss += r.loss / 4.0;
+      for (auto& r : gpu->run(m2, 0.25, true, false, s2)) loss += r.loss / 4.0;
+      EXPECT_NEAR(loss, cpu_loss, tol::kGpuTttLossRel * std::max(1.0, cpu_loss)) << "step " << step;
+      const double gn = gpu->clip_grad_norm(oc.clip_norm);
+      EXPECT_NEAR(gn, cn, tol::kGpuTttGradRel * cn) << "step " << step;
+      gpu->adamw_step(oc, step);
+    }
+  }
+  std::vector<std::vector<float>> a(15), b(15);
+  GpuDraftTrainer::NamedOut oa, ob;
+  std::vector<std::string> names;
+  for (auto& [name, v] : pc.w.layer.named()) names.push_back(name);
+  names.insert(names.end(), {"mask_hidden", "embed"});
+  for (size_t i = 0; i < names.size(); ++i) {
+    oa.emplace_back(names[i], &a[i]);
+    ob.emplace_back(names[i], &b[i]);
+  }
+  gpus[0]->get_tensors(oa);
+  gpus[1]->get_tensors(ob);
+  std::vector<const std::vector<float>*> cpu_w, init_w;
+  for (auto& [name, v] : cw.layer.named()) cpu_w.push_back(v);
+  cpu_w.insert(cpu_w.end(), {&cw.mask_hidden, &cw.embed});
+  for (auto& [name, v] : pc.w.layer.named()) init_w.push_back(v);
+  init_w.insert(init_w.end(), {&pc.w.mask_hidden, &pc.w.embed});
+  for (size_t i = 0; i < names.size(); ++i) {
+    EXPECT_EQ(a[i], b[i]) << names[i] << ": two runs on the same inputs differ";
+    if (names[i] == "lm_head") {
+      EXPECT_EQ(a[i], *init_w[i]) << "the frozen lm_head moved";
+      continue;
+    }
+    double moved = 0;
+    size_t off = 0;
+    for (size_t j = 0; j < a[i].size(); ++j) {
+      moved = std::max(moved, double(std::abs((*cpu_w[i])[j] - (*init_w[i])[j])));
+      off += std::abs(a[i][j] - (*cpu_w[i])[j]) > 0.01 * oc.lr;
+    }
+    EXPECT_GT(moved, 1e-4) << names[i] << " did not train";
+    EXPECT_LE(double(off), tol::kGpuTttWeightOffFraction * double(a[i].size())) << names[i];
+  }
+  std::vector<std::vector<float>> m, v;
+  gpus[0]->get_moments(m, v);
+  ASSERT_EQ(m.size(), params.size());
+  for (size_t i = 0; i < m.size(); ++i) {
+    double d = 0, mx = 0;
+    for (size_t j = 0; j < m[i].size(); ++j) {
+      d = std::max(d, double(std::abs(m[i][j] - adam.m()[i][j])));
+      mx = std::max(mx, double(std::abs(adam.m()[i][j])));
+    }
+    EXPECT_LE(d, tol::kGpuTttGradRel * mx) << "first moment of " << params[i].name;
+  }
+  // Moments round-trip through set_moments (a resume) into a fresh trainer.
+  auto fresh = make_pe(pc, {0}, GpuMath::F32, 40);
+  fresh->set_moments(m, v);
+  std::vector<std::vector<float>> m2, v2;
+  fresh->get_moments(m2, v2);
+  EXPECT_EQ(m2, m);
+  EXPECT_EQ(v2, v);
+}
+
+// ---- DFlash on the GPU against dflash::forward (the fp64 reference, itself checked against
+// speculators' DFlashDraftModel): packed samples of different lengths, GQA, two layers, blocks
+// of 4; KL with fixed-exp-decay and cross-entropy with D-PACE; anchors drawn from per-sample
+// seeds when training, every candidate when evaluating.
+struct DfCase {
+  dflash::Config c;
+  dflash::Weights w;
+  DraftVocab dv;
+  std::vector<float> embed, fnorm, head;
+  std::vector<Case::S> samples;
+  int32_t mask_token;
+  int64_t max_anchors = 5;
+  DfCase(uint32_t seed, std::vector<int> lengths, bool ce_dpace, int64_t layers = 2, int64_t block = 4) {
+    std::mt19937 rng(seed);
+    std::normal_distribution<float> nd(0.f, 1.f);
+    c.H = 64, c.I = 96, c.n_heads = 4, c.n_kv_heads = 2, c.head_dim = 16, c.V = 211, c.Vd = 60;
+    c.rms_eps = 1e-6;
+    c.rope.theta = 10000;
+    c.layers = layers, c.n_aux = 3, c.block = block;
+    c.loss = ce_dpace ? dflash::Config::Loss::CE : dflash::Config::Loss::KL;
+    c.weighting = ce_dpace ? dflash::Config::Weighting::DPace : dflash::Config::Weighting::ExpDecay;
+    c.gamma = 2.5;
+    c.dpace_alpha = 0.3;
+    auto fill = [&](std::vector<float>& v, size_t n, float sd) {
+      v.resize(n);
+      for (auto& x : v) x = sd * nd(rng);
+    };
+    auto norm_w = [&](std::vector<float>& v, size_t n) {
+      v.resize(n);
+      for (auto& x : v) x = 1.f + 0.1f * nd(rng);
+    };
+    const size_t H = size_t(c.H), qd = size_t(c.n_heads * c.head_dim), kvd = size_t(c.n_kv_heads * c.head_dim);
+    fill(w.fc, H * 3 * H, 0.08f);
+    norm_w(w.hidden_norm, H);
+    w.layers.resize(size_t(layers));
+    for (auto& L : w.layers) {
+      norm_w(L.in_ln, H);
+      fill(L.wq, qd * H, 0.15f);
+      fill(L.wk, kvd * H, 0.15f);
+      fill(L.wv, kvd * H, 0.15f);
+      norm_w(L.q_norm, size_t(c.head_dim));
+      norm_w(L.k_norm, size_t(c.head_dim));
+      fill(L.wo, H * qd, 0.1f);
+      norm_w(L.post_ln, H);
+      fill(L.gate, size_t(c.I) * H, 0.1f);
+      fill(L.up, size_t(c.I) * H, 0.1f);
+      fill(L.down, H * size_t(c.I), 0.1f);
+    }
+    norm_w(w.norm, H);
+    fill(embed, size_t(c.V) * H, 1.f);
+    fill(head, size_t(c.V) * H, 0.3f);
+    norm_w(fnorm, H);
+    std::vector<int64_t> counts(size_t(c.V), 0);
+    for (int T : lengths) {
+      Case::S sm;
+      for (int t = 0; t < T; ++t) {
+        sm.ids.push_back(int32_t(rng() % uint32_t(c.V - 1)));
+        sm.mask.push_back(uint8_t(rng() % 5 != 0));
+        if (sm.mask.back()) counts[size_t(sm.ids.back())]++;
+      }
+      fill(sm.aux, size_t(T) * 3 * H, 1.f);
+      fill(sm.hid, size_t(T) * H, 1.f);
+      samples.push_back(std::move(sm));
+    }
+    dv = build_draft_vocab(counts, c.Vd);
+    w.lm_head.resize(size_t(c.Vd) * H);
+    for (int64_t d = 0; d < c.Vd; ++d)
+      std::copy(head.begin() + dv.kept[size_t(d)] * int64_t(H), head.begin() + (dv.kept[size_t(d)] + 1) * int64_t(H),
+                w.lm_head.begin() + d * int64_t(H));
+    mask_token = int32_t(c.V - 1);
+  }
+  TargetHead target() const { return {embed.data(), fnorm.data(), head.data(), 1e-5}; }
+  std::vector<Sample> batch() const {
+    std::vector<Sample> b;
+    for (auto& sm : samples)
+      b.push_back({sm.ids.data(), sm.mask.data(), sm.aux.data(), sm.hid.data(), int64_t(sm.ids.size())});
+    return b;
+  }
+  GpuFamily family() const {
+    GpuFamily f;
+    f.drafter = "dflash";
+    f.mask_token = mask_token;
+    f.dflash = c;
+    f.max_anchors = max_anchors;
+    return f;
+  }
+  // The family's tensor names, the weights and a gradient's vectors in that order.
+  std::vector<std::string> names() const {
+    std::vector<std::string> n = {"fc", "hidden_norm"};
+    for (int64_t l = 0; l < c.layers; ++l) {
+      dflash::Layer probe;
+      for (auto& [t, v] : probe.named()) n.push_back(fmt::format("layers.{}.{}", l, t));
+    }
+    n.insert(n.end(), {"norm", "lm_head"});
+    return n;
+  }
+  std::vector<std::vector<float>*> tensors(dflash::Weights& x) const {
+    std::vector<std::vector<float>*> t = {&x.fc, &x.hidden_norm};
+    for (auto& L : x.layers)
+      for (auto& [n, v] : L.named()) t.push_back(v);
+    t.insert(t.end(), {&x.norm, &x.lm_head});
+    return t;
+  }
+  static std::vector<std::vector<double>*> grads(dflash::Grads& g) {
+    std::vector<std::vector<double>*> t = {&g.fc, &g.hidden_norm};
+    for (auto& L : g.layers)
+      for (auto& [n, v] : L.named()) t.push_back(v);
+    t.push_back(&g.norm);
+    return t;
+  }
+  GpuDraftTrainer::Named named() {
+    GpuDraftTrainer::Named out;
+    const auto n = names();
+    const auto t = tensors(w);
+    for (size_t i = 0; i < n.size(); ++i) out.emplace_back(n[i], t[i]);
+    return out;
+  }
+  std::vector<uint64_t> seeds(uint64_t base) const {
+    std::vector<uint64_t> v;
+    for (size_t i = 0; i < samples.size(); ++i) v.push_back(base * 7919ull + i);
+    return v;
+  }
+  // The CPU reference of one call, as the trainer's DFlash family reports it; with train,
+  // weight * the gradients into g.
+  std::vector<TttResult> cpu(const dflash::Weights& ww, const std::vector<Sample>& batch, bool train,
+                             const std::vector<uint64_t>& sd, double weight, dflash::Grads* g) const {
+    std::vector<TttResult> out;
+    dflash::Weights wc = ww;
+    dflash::Grads mine(wc);
+    for (size_t i = 0; i < batch.size(); ++i) {
+      const auto anchors = dflash::select_anchors(batch[i].mask, batch[i].T, c.block, train ? max_anchors : batch[i].T,
+                                                  train ? sd[i] : 0);
+      TttResult t;
+      if (anchors.empty()) {
+        for (int64_t k = 1; k < c.block; ++k) add_step(t, StepTally{}, 1.0);
+        out.push_back(t);
+        continue;
+      }
+      const dflash::Result r =
+          dflash::forward(c, ww, target(), dv, batch[i], anchors, mask_token, train ? &mine : nullptr);
+      for (int64_t k = 1; k < c.block; ++k) {
+        StepTally st;
+        st.n = r.total[size_t(k)];
+        st.hits = r.hits[size_t(k)];
+        st.cond_n = r.cond_total[size_t(k)];
+        st.cond_hits = r.cond_hits[size_t(k)];
+        st.ce_sum = r.loss_sum[size_t(k)];
+        add_step(t, st, 1.0);
+      }
+      t.loss = r.loss;
+      out.push_back(t);
+    }
+    if (g) {
+      auto a = grads(*g), b = grads(mine);
+      for (size_t q = 0; q < a.size(); ++q)
+        for (size_t k = 0; k < a[q]->size(); ++k) (*a[q])[k] += weight * (*b[q])[k];
+    }
+    return out;
+  }
+};
+
+std::unique_ptr<GpuDraftTrainer> make_df(DfCase& dc, const std::vector<int>& devices, GpuMath math, int64_t max_rows) {
+  auto t = make_gpu_draft_trainer(eagle3::DraftConfig{}, dc.target(), dc.dv, devices, math, max_rows, {}, g_eng,
+                                  dc.family());
+  t->set_tensors(dc.named());
+  return t;
+}
+
+void check_dflash_against_cpu(DfCase& dc, GpuMath math, bool train, double loss_tol, double grad_tol,
+                              int64_t max_rows) {
+  const auto batch = dc.batch();
+  const double weight = 1.0 / double(batch.size());
+  const auto seeds = dc.seeds(3);
+  dflash::Grads cg(dc.w);
+  const auto cpu = dc.cpu(dc.w, batch, train, seeds, weight, train ? &cg : nullptr);
+  auto gpu = make_df(dc, {0}, math, max_rows);
+  const auto res = gpu->run(batch, weight, train, true, train ? seeds : std::vector<uint64_t>{});
+  ASSERT_EQ(res.size(), cpu.size());
+  int64_t counted = 0;
+  for (size_t i = 0; i < res.size(); ++i) {
+    ASSERT_EQ(res[i].n_k, cpu[i].n_k) << "sample " << i;
+    for (auto n : cpu[i].n_k) counted += n;
+    EXPECT_NEAR(res[i].loss, cpu[i].loss, loss_tol * std::max(1.0, std::abs(cpu[i].loss))) << "sample " << i;
+    for (size_t k = 0; k < cpu[i].loss_k.size(); ++k)
+      EXPECT_NEAR(res[i].loss_k[k], cpu[i].loss_k[k], loss_tol * std::max(1.0, cpu[i].loss_k[k])) << i << " slot " << k;
+    if (math == GpuMath::F32) {
+      EXPECT_EQ(res[i].acc_k, cpu[i].acc_k) << "sample " << i;
+      EXPECT_EQ(res[i].cond_acc_k, cpu[i].cond_acc_k) << "sample " << i;
+    }
+  }
+  EXPECT_GT(counted, 20) << "too few slots count for the test to mean much";
+  if (!train) return;
+  const auto names = dc.names();
+  std::vector<std::vector<float>> got(names.size());
+  GpuDraftTrainer::NamedOut out;
+  for (size_t i = 0; i < names.size(); ++i) out.emplace_back(names[i], &got[i]);
+  gpu->get_tensor_grads(out);
+  const auto want = DfCase::grads(cg);
+  for (size_t i = 0; i < names.size(); ++i) {
+    if (names[i] == "lm_head") {
+      EXPECT_TRUE(std::all_of(got[i].begin(), got[i].end(), [](float x) { return x == 0.f; })) << "lm_head gradient";
+      continue;
+    }
+    double mb = 0;
+    for (double x : *want[i]) mb = std::max(mb, std::abs(x));
+    EXPECT_GT(mb, 0.0) << names[i] << ": the reference gradient is zero";
+    ASSERT_EQ(got[i].size(), want[i]->size()) << names[i];
+    EXPECT_LE(rel_max_diff(as_double(got[i]), *want[i]), grad_tol) << names[i];
+  }
+}
+
+class GpuDFlash : public ::testing::TestWithParam<bool> {};
+
+TEST_P(GpuDFlash, MatchesCpuReference) {
+  REQUIRE_GPU();
+  DfCase dc(31 + uint32_t(GetParam()), {30, 9, 22, 3, 17}, GetParam());
+  for (auto& m : dc.samples[1].mask) m = 0;  // a prompt only: no anchor
+  dc.max_anchors = 12;
+  // A budget that holds the whole batch in one engine call, then one of 32 rows: passes of 8
+  // blocks that split a sample's blocks across calls.
+  for (int64_t rows : {200, 32}) {
+    SCOPED_TRACE(fmt::format("budget {}", rows));
+    check_dflash_against_cpu(dc, GpuMath::F32, true, tol::kGpuTttLossRel, tol::kGpuTttGradRel, rows);
+    check_dflash_against_cpu(dc, GpuMath::F32, false, tol::kGpuTttLossRel, tol::kGpuTttGradRel, rows);
+  }
+  check_dflash_against_cpu(dc, GpuMath::BF16, true, tol::kGpuTttBf16LossRel, tol::kGpuTttBf16GradRel, 96);
+  check_dflash_against_cpu(dc, GpuMath::TF32, false, tol::kGpuTttBf16LossRel, tol::kGpuTttBf16GradRel, 96);
+}
+
+// Three layers and blocks of 8 on longer samples.
+TEST(GpuDFlashShapes, ThreeLayersBlocksOfEight) {
+  REQUIRE_GPU();
+  DfCase dc(77, {60, 41, 12}, false, 3, 8);
+  dc.max_anchors = 6;
+  check_dflash_against_cpu(dc, GpuMath::F32, true, tol::kGpuTttLossRel, tol::kGpuTttGradRel, 128);
+}
+
+// A batch without seeds, a bad mask token and a batch over the budget are refused.
+TEST(GpuDFlashSetup, RefusesBadSetups) {
+  REQUIRE_GPU();
+  DfCase dc(5, {12, 9}, false);
+  auto gpu = make_df(dc, {0}, GpuMath::F32, 32);
+  EXPECT_THROW(gpu->run(dc.batch(), 0.5, true, true), Error);
+  GpuFamily bad = dc.family();
+  bad.mask_token = int32_t(dc.c.V);
+  EXPECT_THROW(make_gpu_draft_trainer(eagle3::DraftConfig{}, dc.target(), dc.dv, {0}, GpuMath::F32, 32, {}, g_eng, bad),
+               Error);
+  DfCase big(6, {40}, false);
+  auto small = make_df(big, {0}, GpuMath::F32, 16);
+  EXPECT_THROW(small->run(big.batch(), 1.0, true, true, big.seeds(1)), Error);
+}
+
+// AdamW steps (two micro-batches a step, clipping on) against the CPU family's, the frozen
+// lm_head untouched, two GPU runs identical, moments through a resume.
+TEST_P(GpuDFlash, AdamWStepsMatchCpuAndAreDeterministic) {
+  REQUIRE_GPU();
+  DfCase dc(909, {20, 14, 25, 11}, GetParam());
+  const auto batch = dc.batch();
+  train::OptimConfig oc;
+  oc.lr = 1e-3;
+  oc.weight_decay = 0.1;
+  oc.warmup_steps = 1;
+  oc.total_steps = 4;
+  oc.clip_norm = 0.05;
+  dflash::Weights cw = dc.w;
+  dflash::Grads cg(cw);
+  std::vector<train::Param> params;
+  {
+    const auto n = dc.names();
+    const auto t = dc.tensors(cw);
+    const auto g = DfCase::grads(cg);
+    for (size_t i = 0; i + 1 < n.size(); ++i)
+      params.push_back({n[i].c_str(), t[i], g[i],
+                        n[i].find("norm") == std::string::npos && n[i].find("_ln") == std::string::npos});
+  }
+  const auto names = dc.names();
+  train::AdamW adam(oc);
+  std::vector<std::unique_ptr<GpuDraftTrainer>> gpus;
+  for (int r = 0; r < 2; ++r) gpus.push_back(make_df(dc, {0}, GpuMath::F32, 64));
+  std::vector<std::string> want(names.begin(), names.end() - 1);
+  EXPECT_EQ(gpus[0]->trainable(), want);
+  for (int step = 0; step < 4; ++step) {
+    const auto seeds = dc.seeds(uint64_t(step) + 1);
+    for (auto& p : params) std::fill(p.g->begin(), p.g->end(), 0.0);
+    double cpu_loss = 0;
+    for (auto& r : dc.cpu(cw, batch, true, seeds, 0.25, &cg)) cpu_loss += r.loss / 4.0;
+    const double cn = train::clip_grad_norm(params, oc.clip_norm);
+    adam.step(params);
+    for (auto& gpu : gpus) {
+      std::vector<Sample> m1(batch.begin(), batch.begin() + 2), m2(batch.begin() + 2, batch.end());
+      std::vector<uint64_t> s1(seeds.begin(), seeds.begin() + 2), s2(seeds.begin() + 2, seeds.end());
+      double loss = 0;
+      for (auto& r : gpu->run(m1, 0.25, true, true, s1)) loss += r.loss / 4.0;
+      for (auto& r : gpu->run(m2, 0.25, true, false, s2)) loss += r.loss / 4.0;
+      EXPECT_NEAR(loss, cpu_loss, tol::kGpuTttLossRel * std::max(1.0, cpu_loss)) << "step " << step;
+      const double gn = gpu->clip_grad_norm(oc.clip_norm);
+      EXPECT_NEAR(gn, cn, tol::kGpuTttGradRel * cn) << "step " << step;
+      gpu->adamw_step(oc, step);
+    }
+  }
+  std::vector<std::vector<float>> a(names.size()), b(names.size());
+  GpuDraftTrainer::NamedOut oa, ob;
+  for (size_t i = 0; i < names.size(); ++i) {
+    oa.emplace_back(names[i], &a[i]);
+    ob.emplace_back(names[i], &b[i]);
+  }
+  gpus[0]->get_tensors(oa);
+  gpus[1]->get_tensors(ob);
+  const auto cpu_w = dc.tensors(cw), init_w = dc.tensors(dc.w);
+  for (size_t i = 0; i < names.size(); ++i) {
+    EXPECT_EQ(a[i], b[i]) << names[i] << ": two runs on the same inputs differ";
+    if (names[i] == "lm_head") {
+      EXPECT_EQ(a[i], *init_w[i]) << "the frozen lm_head moved";
+      continue;
+    }
+    double moved = 0;
+    size_t off = 0;
+    for (size_t j = 0; j < a[i].size(); ++j) {
+      moved = std::max(moved, double(std::abs((*cpu_w[i])[j] - (*init_w[i])[j])));
+      off += std::abs(a[i][j] - (*cpu_w[i])[j]) > 0.01 * oc.lr;
+    }
+    EXPECT_GT(moved, 1e-4) << names[i] << " did not train";
+    EXPECT_LE(double(off), tol::kGpuTttWeightOffFraction * double(a[i].size())) << names[i];
+  }
+  std::vector<std::vector<float>> m, v;
+  gpus[0]->get_moments(m, v);
+  ASSERT_EQ(m.size(), params.size());
+  for (size_t i = 0; i < m.size(); ++i) {
+    double d = 0, mx = 0;
+    for (size_t j = 0; j < m[i].size(); ++j) {
+      d = std::max(d, double(std::abs(m[i][j] - adam.m()[i][j])));
+      mx = std::max(mx, double(std::abs(adam.m()[i][j])));
+    }
+    EXPECT_LE(d, tol::kGpuTttGradRel * mx) << "first moment of " << params[i].name;
+  }
+  auto fresh = make_df(dc, {0}, GpuMath::F32, 64);
+  fresh->set_moments(m, v);
+  std::vector<std::vector<float>> m2, v2;
+  fresh->get_moments(m2, v2);
+  EXPECT_EQ(m2, m);
+  EXPECT_EQ(v2, v);
+}
+
+INSTANTIATE_TEST_SUITE_P(Objective, GpuDFlash, ::testing::Values(false, true),
+                         [](const auto& i) { return i.param ? std::string("CeDPace") : std::string("KlExpDecay"); });
 
 INSTANTIATE_TEST_SUITE_P(Residual, GpuDraft, ::testing::Values(false, true),
                          [](const auto& i) { return i.param ? std::string("NormBeforeResidual") : std::string("Plain"); });

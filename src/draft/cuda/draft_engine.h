@@ -26,13 +26,20 @@ struct DraftDims {
   float target_eps = 1e-5f;  // the target's final norm
   int K = 7;                 // TTT steps
   bool norm_before_residual = false;
+  // P-EAGLE (draft/peagle.h) instead of EAGLE-3: step k >= 1 of row a is the element (a, k),
+  // fed the mask token's embedding and fc(mask_hidden) instead of the next token and the
+  // previous step's output; the embedding and mask_hidden are trained, the lm_head is not,
+  // and which elements have a loss comes with the batch (DraftBatch::counts).
+  bool peagle = false;
+  int32_t mask_token = -1;
 };
 
 // Matrix products: exact fp32, TF32 tensor cores, or bf16 tensor cores (fp32 storage and
 // accumulation, inputs rounded to bf16 inside cuBLAS).
 enum class DraftMath { F32, TF32, BF16 };
 
-// The 13 draft tensors in eagle3::DraftWeights::named() order, and their sizes.
+// The 13 draft tensors in eagle3::DraftWeights::named() order, and their sizes; P-EAGLE adds
+// mask_hidden [3H] and embed [V, H] after them.
 constexpr int kDraftTensors = 13;
 std::vector<int64_t> draft_tensor_sizes(const DraftDims& d);
 
@@ -53,6 +60,9 @@ struct DraftBatch {  // host pointers, N packed rows
     int64_t rows;
   };
   std::vector<Part> parts;
+  // P-EAGLE: counts[k * N + n] = 1 when element (row n, step k) has a loss (COD-sampled and
+  // its target row loss-masked); only those get draft logits. Null for EAGLE-3 (loss_rows()).
+  const uint8_t* counts = nullptr;
 };
 
 // Whether p points into page-locked host memory (cudaHostAlloc or cudaHostRegister), from
@@ -103,6 +113,9 @@ class DraftEngine {
   // its argmax, whether the full-vocab argmax is a draft token) for its target_rows().
   // Returns in_vocab [N] (0 on the other rows).
   std::vector<uint8_t> prepare(const DraftBatch& b);
+  // The entropy of the target distribution over the draft vocabulary at each row of the
+  // prepared batch (0 on rows no loss reads): cross-entropy minus it is the KL divergence.
+  const std::vector<float>& target_entropy() const;
   // All K steps over the prepared batch. With backward, also adds the gradient of
   // sum_rows row_scale[k*N + n] * ce_k[n] to the gradients (zeroed first when asked).
   void run(const std::vector<float>& row_scale, bool backward, bool zero_grads, DraftRowStats& out);

@@ -11,6 +11,7 @@
 #include "backend/cuda/device.h"
 #include "draft/cuda/draft_engine.h"
 #include "draft/cuda/ttt_attention.h"
+#include "draft/cuda/train_kernels.cuh"
 #include "backend/cuda/kernels/cast.cuh"
 #include "backend/cuda/kernels/convert.cuh"
 #include "backend/cuda/kernels/rmsnorm.cuh"
@@ -30,14 +31,16 @@ namespace talon::cuda {
 std::vector<int64_t> draft_tensor_sizes(const DraftDims& d) {
   const int64_t qd = d.nh * d.hd, kvd = d.nkv * d.hd, H = d.H;
   // fc, in_ln, hidden_norm, wq, wk, wv, wo, post_ln, gate, up, down, norm, lm_head
-  return {H * 3 * H, H, H, qd * 2 * H, kvd * 2 * H, kvd * 2 * H, H * qd, H, d.I * H, d.I * H, H * d.I, H, d.Vd * H};
+  std::vector<int64_t> n = {H * 3 * H, H, H, qd * 2 * H, kvd * 2 * H, kvd * 2 * H, H * qd, H, d.I * H, d.I * H, H * d.I,
+                            H, d.Vd * H};
+  if (d.peagle) n.insert(n.end(), {3 * H, d.V * H});  // mask_hidden, embed
+  return n;
 }
 
 namespace {
 
-enum T : int { FC, IN_LN, HNORM, WQ, WK, WV, WO, POST_LN, GATE, UP, DOWN, NORM, LM };
+enum T : int { FC, IN_LN, HNORM, WQ, WK, WV, WO, POST_LN, GATE, UP, DOWN, NORM, LM, MASKH, EMBED };
 
-unsigned nblocks(int64_t n, int per) { return unsigned((n + per - 1) / per); }
 
 
 // Max with the lowest index among equal maxima (std::max_element's choice).
@@ -101,44 +104,20 @@ __device__ void block_softmax_state(float& m, float& z, int64_t& i, float* shm, 
 }
 
 // ---------------------------------------------------------------- row ops
-// dw[c] += sum_n rows[n, c]: 32 columns per block, 8 row lanes each summing every 8th row
-// (fp64), then the 8 partials in lane order; a fixed order for every element.
-__global__ void colsum_kernel(float* dw, const float* rows, int64_t N, int64_t C) {
-  __shared__ double part[8][33];
-  const int64_t c = int64_t(blockIdx.x) * 32 + threadIdx.x;
-  double s = 0;
-  if (c < C)
-    for (int64_t n = threadIdx.y; n < N; n += 8) s += double(rows[n * C + c]);
-  part[threadIdx.y][threadIdx.x] = s;
-  __syncthreads();
-  if (threadIdx.y == 0 && c < C) {
-    double t = 0;
-    for (int y = 0; y < 8; ++y) t += part[y][threadIdx.x];
-    dw[c] += float(t);
-  }
-}
-
 // E[n, :] = embed[token fed at step k]: x[t+1+k] of the row's own sample, 0 past its end.
-
 template <class Emb>
 __global__ void gather_kernel(float* E, const Emb* embed, const int32_t* ids, const int32_t* pos,
-                              const int32_t* len, int64_t H, int k) {
+                              const int32_t* len, int64_t H, int k, int32_t fixed) {
   const int64_t n = blockIdx.x;
   const int tp = pos[n] + 1 + k;
-  const int64_t tok = tp < len[n] ? ids[n + 1 + k] : 0;
+  // P-EAGLE (fixed >= 0): the mask token at every step after the first.
+  const int64_t tok = k > 0 && fixed >= 0 ? fixed : tp < len[n] ? ids[n + 1 + k] : 0;
   for (int64_t c = threadIdx.x; c < H; c += blockDim.x) E[n * H + c] = load_f(embed + tok * H + c);
 }
 
 // out[0..n) = bf16(in[0..n)), rounded to nearest even (the rounding cuBLAS applies to fp32
 // operands under CUBLAS_COMPUTE_32F_FAST_16BF).
 void cast_bf16(__nv_bfloat16* out, const float* in, int64_t n, cudaStream_t s) { cast(out, in, n, s); }
-
-// out = a (row stride lda) + b
-__global__ void add_kernel(float* out, const float* a, int64_t lda, const float* b, int64_t N, int64_t C) {
-  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i >= N * C) return;
-  out[i] = a[(i / C) * lda + i % C] + b[i];
-}
 
 
 // out[i, :] = x[rows[i], :] for one block per i (C columns).
@@ -155,6 +134,26 @@ __global__ void rows_scatter_kernel(float* out, const float* y, const int32_t* s
   float* o = out + int64_t(blockIdx.x) * C;
   const float* yr = y + int64_t(j < 0 ? 0 : j) * C;
   for (int64_t c = threadIdx.x; c < C; c += blockDim.x) o[c] = j < 0 ? 0.f : yr[c];
+}
+
+// out[n, :] = row[:] for n < N (C columns).
+__global__ void broadcast_row_kernel(float* out, const float* row, int64_t N, int64_t C) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < N * C) out[i] = row[i % C];
+}
+
+// P-EAGLE's embedding gradient of the first step: for the i-th distinct token tok[i], its row of
+// g += the sum of dE's rows rows[off[i] .. off[i+1]) (ascending), in that order: no atomics, so
+// the same bits on every run. One block per distinct token.
+__global__ void embed_scatter_kernel(float* g, const float* dE, const int32_t* tok, const int32_t* off,
+                                     const int32_t* rows, int64_t H) {
+  const int32_t a = off[blockIdx.x], b = off[blockIdx.x + 1];
+  float* gr = g + int64_t(tok[blockIdx.x]) * H;
+  for (int64_t c = threadIdx.x; c < H; c += blockDim.x) {
+    float t = 0.f;
+    for (int32_t j = a; j < b; ++j) t += dE[int64_t(rows[j]) * H + c];
+    gr[c] += t;
+  }
 }
 
 // ---------------------------------------------------------------- attention
@@ -539,8 +538,9 @@ __device__ __forceinline__ float load1(const __nv_bfloat16* p) { return __bfloat
 // full-vocab argmax decides in_vocab; the distribution over the kept ids is P
 // (renormalised; fp32, or bf16 with bf16 operands), its argmax tgt_arg.
 template <class PT>
-__global__ void target_row_kernel(PT* P, int32_t* tgt_arg, uint8_t* in_vocab, const float* full, const int64_t* kept,
-                                  const uint8_t* t2d, int64_t V, int64_t Vd, const int32_t* rows, int64_t row0) {
+__global__ void target_row_kernel(PT* P, int32_t* tgt_arg, uint8_t* in_vocab, float* ent, const float* full,
+                                  const int64_t* kept, const uint8_t* t2d, int64_t V, int64_t Vd, const int32_t* rows,
+                                  int64_t row0) {
   __shared__ float shv[33];
   __shared__ int64_t shi[33];
   const int64_t r = rows[row0 + blockIdx.x];  // the batch row of full's row blockIdx.x
@@ -556,16 +556,25 @@ __global__ void target_row_kernel(PT* P, int32_t* tgt_arg, uint8_t* in_vocab, co
   for (int64_t d = threadIdx.x; d < Vd; d += blockDim.x)
     if (f[kept[d]] > mv) mv = f[kept[d]], mi = d;
   block_argmax(mv, mi, shv, shi);
-  float z = 0;
-  for (int64_t d = threadIdx.x; d < Vd; d += blockDim.x) z += expf(f[kept[d]] - mv);
+  float z = 0, zx = 0;  // sums of e^(x - max) and of e^(x - max) (x - max)
+  for (int64_t d = threadIdx.x; d < Vd; d += blockDim.x) {
+    const float x = f[kept[d]] - mv, e = expf(x);
+    z += e;
+    zx += e * x;
+  }
   z = block_sum(z, shv);
+  zx = block_sum(zx, shv);
   PT* pr = P + r * Vd;
   for (int64_t d = threadIdx.x; d < Vd; d += blockDim.x) store_as(pr + d, expf(f[kept[d]] - mv) / z);
-  if (threadIdx.x == 0) tgt_arg[r] = int32_t(mi);
+  if (threadIdx.x == 0) {
+    tgt_arg[r] = int32_t(mi);
+    ent[r] = logf(z) - zx / z;  // -sum p log p, p = e^(x - max) / z
+  }
 }
 
 // Step k, logits row i = row0 + blockIdx.x of the step's list, batch row n = rows[i] (target
-// row n+1+k): cross-entropy against P, hit, counts; with scale, the logits become
+// row n+1+k): cross-entropy against P, hit, counts (sel[n] when given: P-EAGLE's elements;
+// else the row's target is in its sample, loss-masked and in_vocab); with scale, the logits become
 // d(objective)/d(logits) in place, or that gradient goes to grad_b as bf16 when given (it
 // is then only the operand of the lm_head's two products). logits and grad_b hold one chunk
 // of rows, from row0 (row blockIdx.x there); row_scale, ce, hit and counts are indexed by
@@ -574,11 +583,11 @@ template <class PT>
 __global__ void loss_kernel(float* logits, const PT* P, const int32_t* tgt_arg, const uint8_t* in_vocab,
                             const uint8_t* mask, const int32_t* pos, const int32_t* len, int64_t Vd, int k,
                             const int32_t* rows, int64_t row0, const float* row_scale, __nv_bfloat16* grad_b,
-                            float* ce, uint8_t* hit, uint8_t* counts) {
+                            float* ce, uint8_t* hit, uint8_t* counts, const uint8_t* sel) {
   __shared__ float shv[33], shz[33];
   __shared__ int64_t shi[33];
   const int64_t n = rows[row0 + blockIdx.x], tr = n + 1 + k;
-  const bool cnt = pos[n] + 1 + k < len[n] && mask[tr] && in_vocab[tr];
+  const bool cnt = sel ? sel[n] != 0 : pos[n] + 1 + k < len[n] && mask[tr] && in_vocab[tr];
   float* lg = logits + int64_t(blockIdx.x) * Vd;
   // One read of the row for its maximum, first argmax and sum of exp (an online softmax:
   // the sum rescaled whenever the maximum grows), in float4 loads when rows allow.
@@ -647,47 +656,6 @@ __global__ void loss_kernel(float* logits, const PT* P, const int32_t* tgt_arg, 
     hit[n] = cnt && arg == tgt_arg[tr];
   }
 }
-
-// ---------------------------------------------------------------- optimizer
-constexpr int kNormBlocks = 240;
-
-__global__ void sumsq_kernel(double* partial, const float* g, int64_t n) {
-  __shared__ double sh[256];
-  double s = 0;
-  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
-    s += double(g[i]) * double(g[i]);
-  sh[threadIdx.x] = s;
-  __syncthreads();
-  for (int o = blockDim.x / 2; o > 0; o >>= 1) {
-    if (threadIdx.x < o) sh[threadIdx.x] += sh[threadIdx.x + o];
-    __syncthreads();
-  }
-  if (threadIdx.x == 0) partial[blockIdx.x] = sh[0];
-}
-
-__global__ void scale_kernel(float* x, float s, int64_t n) {
-  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i < n) x[i] *= s;
-}
-
-// One AdamW update of n values. The gradient is read times gscale (the clipping factor, applied
-// here instead of in a pass of its own: the same product, so the same bits); with wb, the
-// weights' bf16 copy is written too (the bits cast_bf16 gives).
-__global__ void adamw_kernel(float* w, float* m, float* v, const float* g, int64_t n, float decay, float step,
-                             float sbc2, float b1, float b2, float eps, float gscale, __nv_bfloat16* wb) {
-  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i >= n) return;
-  const float gj = gscale == 1.f ? g[i] : g[i] * gscale;
-  float wj = w[i] * decay;
-  const float mj = b1 * m[i] + (1.0f - b1) * gj;
-  const float vj = b2 * v[i] + (1.0f - b2) * gj * gj;
-  wj -= step * mj / (sqrtf(vj) / sbc2 + eps);
-  w[i] = wj;
-  m[i] = mj;
-  v[i] = vj;
-  if (wb) wb[i] = __float2bfloat16_rn(wj);
-}
-
 
 // n zeroed values of device memory. The zeros are written on the engine's stream s, and are in
 // place when this returns: a plain cudaMemset goes to the legacy default stream, which the
@@ -836,6 +804,21 @@ struct DraftEngine::Impl {
   std::vector<int32_t> trows;
   LossRows lr;
   int32_t *trow_d = nullptr, *lrow_d = nullptr, *lslot_d = nullptr;
+  // The target distribution's entropy per batch row (ent, and its host copy from prepare()).
+  float* ent = nullptr;
+  std::vector<float> h_ent;
+  // P-EAGLE (d.peagle). gm [R, H]: fc(mask_hidden) in every row, the input of every step after
+  // the first (mrow [H]: that row); gmsum [H]: its gradient summed over rows and steps; gemb
+  // [H]: the mask token's embedding gradient, summed likewise; sel [K, R]: the batch's elements
+  // with a loss (DraftBatch::counts). The first step's tokens grouped by id for its embedding
+  // gradient: distinct ids etok [n_etok], their rows erow[eoff[i] .. eoff[i+1]).
+  float *gm = nullptr, *mrow = nullptr, *gmsum = nullptr, *gemb = nullptr;
+  uint8_t* sel = nullptr;
+  int32_t *etok = nullptr, *eoff = nullptr, *erow = nullptr;
+  int64_t n_etok = 0;
+  std::vector<int32_t> h_etok, h_eoff, h_erow;
+  // The hidden input of step k: the previous step's output (EAGLE-3), or P-EAGLE's gm.
+  float* gin(int k) { return d.peagle && k > 0 ? gm : gs[size_t(k)]; }
 
   // Everything allocated so far is freed, also when the constructor threw halfway.
   ~Impl() {
@@ -948,7 +931,7 @@ struct DraftEngine::Impl {
   float grad_scale = 1.f;
   void scale_grads() {
     if (grad_scale == 1.f) return;
-    for (int t = 0; t < kDraftTensors; ++t) {
+    for (int t = 0; t < int(sizes.size()); ++t) {
       scale_kernel<<<nblocks(sizes[size_t(t)], 256), 256, 0, s>>>(g(t), grad_scale, sizes[size_t(t)]);
       CUDA_LAUNCH_CHECK();
     }
@@ -1053,10 +1036,11 @@ struct DraftEngine::Impl {
   }
   // E = the embeddings of the tokens step k feeds.
   void gather(int k) {
+    const int32_t fixed = d.peagle ? d.mask_token : -1;
     if (embed_b)
-      gather_kernel<<<unsigned(N), 256, 0, s>>>(E, embed_b, ids, pos, len, d.H, k);
+      gather_kernel<<<unsigned(N), 256, 0, s>>>(E, embed_b, ids, pos, len, d.H, k, fixed);
     else
-      gather_kernel<<<unsigned(N), 256, 0, s>>>(E, embed, ids, pos, len, d.H, k);
+      gather_kernel<<<unsigned(N), 256, 0, s>>>(E, embed, ids, pos, len, d.H, k, fixed);
     CUDA_LAUNCH_CHECK();
   }
   // RoPE of step k over x in place, or into out_b as bf16 (x left as it was); sign -1 rotates
@@ -1093,7 +1077,7 @@ struct DraftEngine::Impl {
     float* x = att[size_t(k)];
     return qa_bf16 ? Twin(*this, x, N * qd, bf16_in(x)) : Twin(*this, x, N * qd);
   }
-  // out = g1 of step k = r + o_proj(att[k]), r = gs[k] (or hidden_norm(gs[k]), the second
+  // out = g1 of step k = r + o_proj(att[k]), r = gin(k) (or hidden_norm(gin(k)), the second
   // half of xin[k], with norm_before_residual); the product goes to tmp first (out may be
   // tmp). The forward and the backward's recompute both come here: the same product on the
   // same operands, so the same bits.
@@ -1106,7 +1090,7 @@ struct DraftEngine::Impl {
     if (d.norm_before_residual)
       add_kernel<<<nblocks(N * d.H, 256), 256, 0, s>>>(out, xin[ks] + d.H, 2 * d.H, tmp, N, d.H);
     else
-      add_kernel<<<nblocks(N * d.H, 256), 256, 0, s>>>(out, gs[ks], d.H, tmp, N, d.H);
+      add_kernel<<<nblocks(N * d.H, 256), 256, 0, s>>>(out, gin(k), d.H, tmp, N, d.H);
     CUDA_LAUNCH_CHECK();
   }
   // f(P) with the target distribution as it is stored: bf16 (Ph) or fp32 (P).
@@ -1146,19 +1130,20 @@ struct DraftEngine::Impl {
       with_target_dist([&](auto* p) {
         loss_kernel<<<unsigned(n), 512, 0, s>>>(logits, p, tgt_arg, in_vocab, mask, pos, len, Vd, k, rows, r0,
                                                  grad ? rs + k * N : nullptr, whole ? lgb + r0 * Vd : nullptr,
-                                                 ce + k * N, hit + k * N, cnt + k * N);
+                                                 ce + k * N, hit + k * N, cnt + k * N,
+                                                 d.peagle ? sel + k * N : nullptr);
       });
       CUDA_LAUNCH_CHECK();
       if (grad && !whole) {
         mark(back_phase);
-        linear_dw(g(LM), logits, E + r0 * H, H, n, H, Vd);
+        if (!d.peagle) linear_dw(g(LM), logits, E + r0 * H, H, n, H, Vd);  // P-EAGLE's lm_head is frozen
         linear_dx(tmp + r0 * H, H, logits, w(LM), n, H, Vd, 0.f);
       }
     }
     if (!grad) return;
     mark(back_phase);
-    if (whole && nk > 0) {  // dW_lm[Vd, H] += lgb^T E;  tmp[nk, H] = lgb W_lm
-      gemm_raw(CUBLAS_OP_N, CUBLAS_OP_T, H, Vd, nk, operand(E, nk * H, 1), H, lgb, Vd, 1.f, g(LM), H);
+    if (whole && nk > 0) {  // dW_lm[Vd, H] += lgb^T E (not for P-EAGLE's frozen one);  tmp[nk, H] = lgb W_lm
+      if (!d.peagle) gemm_raw(CUBLAS_OP_N, CUBLAS_OP_T, H, Vd, nk, operand(E, nk * H, 1), H, lgb, Vd, 1.f, g(LM), H);
       gemm_raw(CUBLAS_OP_N, CUBLAS_OP_N, H, nk, Vd, operand(w(LM), Vd * H, 0), H, lgb, Vd, 0.f, tmp, H);
     }
     rows_scatter_kernel<<<unsigned(N), 256, 0, s>>>(dfn, tmp, lslot_d + k * N, H);
@@ -1347,6 +1332,9 @@ DraftEngine::DraftEngine(int device, const DraftDims& dd, DraftMath math, const 
   if (dd.hd > 32 * kMaxHdPerLane || dd.hd % 2 != 0)
     fail_msg("draft on GPU: head_dim " + std::to_string(dd.hd) + " is not supported (even, at most 256)");
   if (dd.nkv <= 0 || dd.nh % dd.nkv != 0) fail_msg("draft on GPU: heads must be a multiple of kv heads");
+  if (dd.peagle && (dd.mask_token < 0 || dd.mask_token >= dd.V))
+    fail_msg("draft on GPU: P-EAGLE's mask token " + std::to_string(dd.mask_token) + " is outside the vocabulary of " +
+             std::to_string(dd.V));
   // Options, checked before anything is allocated.
   I.bf16_operands = math == DraftMath::BF16 && !opt.fp32_operands;
   const std::string& att_s = opt.attention;
@@ -1393,13 +1381,17 @@ DraftEngine::DraftEngine(int device, const DraftDims& dd, DraftMath math, const 
         CUDA_CHECK(cudaDeviceSynchronize());
       }
     };
-    I.embed_b = I.alloc<__nv_bfloat16>(size_t(V * H));
-    up_bf16(I.embed_b, embed);
+    if (!dd.peagle) {  // P-EAGLE reads its own (trained) embedding, a weight
+      I.embed_b = I.alloc<__nv_bfloat16>(size_t(V * H));
+      up_bf16(I.embed_b, embed);
+    }
     I.lmb = I.alloc<__nv_bfloat16>(size_t(V * H));
     up_bf16(I.lmb, lm_head);
   } else {
-    I.embed = I.alloc<float>(size_t(V * H));
-    up(I.embed, embed, V * H);
+    if (!dd.peagle) {
+      I.embed = I.alloc<float>(size_t(V * H));
+      up(I.embed, embed, V * H);
+    }
     I.lm = I.alloc<float>(size_t(V * H));
     up(I.lm, lm_head, V * H);
   }
@@ -1424,7 +1416,18 @@ DraftEngine::DraftEngine(int device, const DraftDims& dd, DraftMath math, const 
   I.G = I.alloc<float>(size_t(total));
   I.M = I.alloc<float>(size_t(total));
   I.Vm = I.alloc<float>(size_t(total));
-  I.partial = I.alloc<double>(size_t(kDraftTensors * kNormBlocks));
+  I.partial = I.alloc<double>(I.sizes.size() * size_t(kNormBlocks));
+  if (dd.peagle) {
+    I.embed = I.W + I.offs[EMBED];
+    I.gm = I.alloc<float>(size_t(R * H));
+    I.mrow = I.alloc<float>(size_t(H));
+    I.gmsum = I.alloc<float>(size_t(H));
+    I.gemb = I.alloc<float>(size_t(H));
+    I.sel = I.alloc<uint8_t>(size_t(K * R));
+    I.etok = I.alloc<int32_t>(size_t(R));
+    I.eoff = I.alloc<int32_t>(size_t(R + 1));
+    I.erow = I.alloc<int32_t>(size_t(R));
+  }
 
   const int64_t Idim = dd.I, qd = I.qd, kvd = I.kvd;
   I.ids = I.alloc<int32_t>(size_t(R));
@@ -1436,6 +1439,7 @@ DraftEngine::DraftEngine(int device, const DraftDims& dd, DraftMath math, const 
   I.lslot_d = I.alloc<int32_t>(size_t(K * R));
   I.mask = I.alloc<uint8_t>(size_t(R));
   I.in_vocab = I.alloc<uint8_t>(size_t(R));
+  I.ent = I.alloc<float>(size_t(R));
   I.hit = I.alloc<uint8_t>(size_t(K * R));
   I.cnt = I.alloc<uint8_t>(size_t(K * R));
   I.ce = I.alloc<float>(size_t(K * R));
@@ -1584,7 +1588,8 @@ void DraftEngine::zero_grads() {
 // not ordered with s).
 static void copy_tensors(float* base, const std::vector<int64_t>& offs, const std::vector<int64_t>& sizes,
                          const std::vector<float*>& host, bool to_host, cudaStream_t s) {
-  if (host.size() != sizes.size()) fail_msg("draft on GPU: expected 13 tensors");
+  if (host.size() != sizes.size())
+    fail_msg("draft on GPU: " + std::to_string(host.size()) + " tensors given, expected " + std::to_string(sizes.size()));
   for (size_t i = 0; i < sizes.size(); ++i) {
     if (to_host)
       CUDA_CHECK(cudaMemcpyAsync(host[i], base + offs[i], size_t(sizes[i]) * 4, cudaMemcpyDeviceToHost, s));
@@ -1712,6 +1717,7 @@ std::vector<uint8_t> DraftEngine::prepare(const DraftBatch& b) {
   const int64_t nt = int64_t(I.trows.size());
   if (nt > 0) cp(I.trow_d, I.trows.data(), size_t(nt) * 4);
   CUDA_CHECK(cudaMemsetAsync(I.in_vocab, 0, size_t(N), I.s));
+  CUDA_CHECK(cudaMemsetAsync(I.ent, 0, size_t(N) * 4, I.s));
   I.mark("target distribution (full logits, P)");
   for (int64_t r0 = 0; r0 < nt; r0 += I.chunk) {
     const int64_t n = std::min(I.chunk, nt - r0);
@@ -1724,23 +1730,69 @@ std::vector<uint8_t> DraftEngine::prepare(const DraftBatch& b) {
     else
       I.linear(I.full, V, I.hn, H, I.lm, n, H, V);
     I.with_target_dist([&](auto* p) {
-      target_row_kernel<<<unsigned(n), 512, 0, I.s>>>(p, I.tgt_arg, I.in_vocab, I.full, I.kept, I.t2d, V, I.d.Vd,
-                                                       I.trow_d, r0);
+      target_row_kernel<<<unsigned(n), 512, 0, I.s>>>(p, I.tgt_arg, I.in_vocab, I.ent, I.full, I.kept, I.t2d, V,
+                                                       I.d.Vd, I.trow_d, r0);
     });
     CUDA_LAUNCH_CHECK();
   }
   I.mark("end");
   std::vector<uint8_t> iv(static_cast<size_t>(N));
+  I.h_ent.resize(size_t(N));
   CUDA_CHECK(cudaMemcpyAsync(iv.data(), I.in_vocab, size_t(N), cudaMemcpyDeviceToHost, I.s));
+  CUDA_CHECK(cudaMemcpyAsync(I.h_ent.data(), I.ent, size_t(N) * 4, cudaMemcpyDeviceToHost, I.s));
   CUDA_CHECK(cudaStreamSynchronize(I.s));
   I.collect();
   // Each step's rows that count, for run() (uploaded on the stream run() uses).
   const int64_t K = I.d.K;
-  I.lr = loss_rows(K, N, b.mask, b.pos, b.len, iv.data());
+  if (!I.d.peagle) {
+    I.lr = loss_rows(K, N, b.mask, b.pos, b.len, iv.data());
+  } else {
+    // The batch's elements (each must read a loss-masked target row of its own sample), and the
+    // first step's rows grouped by the token they feed, for its embedding gradient.
+    if (!b.counts) fail_msg("draft on GPU: a P-EAGLE batch needs its elements (DraftBatch::counts)");
+    LossRows& r = I.lr;
+    r.rows.assign(size_t(K * N), 0);
+    r.slot.assign(size_t(K * N), -1);
+    r.count.assign(size_t(K), 0);
+    for (int64_t k = 0; k < K; ++k)
+      for (int64_t n = 0; n < N; ++n) {
+        if (!b.counts[k * N + n]) continue;
+        if (int64_t(b.pos[n]) + 1 + k >= int64_t(b.len[n]) || !b.mask[n + 1 + k])
+          fail_msg("draft on GPU: P-EAGLE element (row " + std::to_string(n) + ", depth " + std::to_string(k) +
+                   ") has no loss-masked target row in its sample");
+        const int64_t c = r.count[size_t(k)]++;
+        r.rows[size_t(k * N + c)] = int32_t(n);
+        r.slot[size_t(k * N + n)] = int32_t(c);
+      }
+    cp(I.sel, b.counts, size_t(K * N));
+    std::vector<std::pair<int32_t, int32_t>> tr;  // (token, row) of rows whose next token is in the sample
+    for (int64_t n = 0; n < N; ++n)
+      if (b.pos[n] + 1 < b.len[n]) tr.push_back({b.ids[n + 1], int32_t(n)});
+    std::sort(tr.begin(), tr.end());
+    I.h_etok.clear();
+    I.h_eoff.clear();
+    I.h_erow.clear();
+    for (size_t i = 0; i < tr.size(); ++i) {
+      if (i == 0 || tr[i].first != tr[i - 1].first) {
+        I.h_etok.push_back(tr[i].first);
+        I.h_eoff.push_back(int32_t(i));
+      }
+      I.h_erow.push_back(tr[i].second);
+    }
+    I.h_eoff.push_back(int32_t(tr.size()));
+    I.n_etok = int64_t(I.h_etok.size());
+    if (I.n_etok > 0) {
+      cp(I.etok, I.h_etok.data(), I.h_etok.size() * 4);
+      cp(I.erow, I.h_erow.data(), I.h_erow.size() * 4);
+    }
+    cp(I.eoff, I.h_eoff.data(), I.h_eoff.size() * 4);
+  }
   cp(I.lrow_d, I.lr.rows.data(), size_t(K * N) * 4);
   cp(I.lslot_d, I.lr.slot.data(), size_t(K * N) * 4);
   return iv;
 }
+
+const std::vector<float>& DraftEngine::target_entropy() const { return p_->h_ent; }
 
 void DraftEngine::run(const std::vector<float>& row_scale, bool backward, bool zero_grads, DraftRowStats& out) {
   Impl& I = *p_;
@@ -1772,16 +1824,21 @@ void DraftEngine::run(const std::vector<float>& row_scale, bool backward, bool z
   CUDA_CHECK(cudaStreamWaitEvent(s, I.aux_ready, 0));
   I.mark("forward: products and norms");
   I.linear(I.gs[0], H, I.aux, 3 * H, I.w(FC), N, 3 * H, H);
+  if (d.peagle && K > 1) {  // every later step reads fc(mask_hidden) in every row
+    I.linear(I.mrow, H, I.w(MASKH), 3 * H, I.w(FC), 1, 3 * H, H);
+    broadcast_row_kernel<<<nblocks(N * H, 256), 256, 0, s>>>(I.gm, I.mrow, N, H);
+    CUDA_LAUNCH_CHECK();
+  }
   for (int k = 0; k < K; ++k) {
     float* xin = I.xin[size_t(k)];
     I.mark("forward: products and norms");
     I.gather(k);
     if (I.xin_bf16) {  // bf16 rows of 2H: the second half starts H bf16 values in
       I.rmsnorm(I.bf16_in(xin), 2 * H, I.E, H, I.w(IN_LN), H, d.eps, N);
-      I.rmsnorm(I.bf16_in(xin) + H, 2 * H, I.gs[size_t(k)], H, I.w(HNORM), H, d.eps, N);
+      I.rmsnorm(I.bf16_in(xin) + H, 2 * H, I.gin(k), H, I.w(HNORM), H, d.eps, N);
     } else {
       I.rmsnorm(xin, 2 * H, I.E, H, I.w(IN_LN), H, d.eps, N);
-      I.rmsnorm(xin + H, 2 * H, I.gs[size_t(k)], H, I.w(HNORM), H, d.eps, N);
+      I.rmsnorm(xin + H, 2 * H, I.gin(k), H, I.w(HNORM), H, d.eps, N);
     }
     float* kk = I.keys + k * I.R * kvd;
     float* vv = I.vals + k * I.R * kvd;
@@ -1841,7 +1898,11 @@ void DraftEngine::run(const std::vector<float>& row_scale, bool backward, bool z
   if (zero_grads && !fused_lm) CUDA_CHECK(cudaMemsetAsync(I.G, 0, size_t(total) * 4, s));
   CUDA_CHECK(cudaMemsetAsync(I.dK, 0, size_t(K * I.R * kvd) * 4, s));
   CUDA_CHECK(cudaMemsetAsync(I.dV, 0, size_t(K * I.R * kvd) * 4, s));
-  CUDA_CHECK(cudaMemsetAsync(I.dgn, 0, size_t(N * H) * 4, s));
+  CUDA_CHECK(cudaMemsetAsync(I.dgn, 0, size_t(N * H) * 4, s));  // P-EAGLE: stays 0 (no recurrence)
+  if (d.peagle) {
+    CUDA_CHECK(cudaMemsetAsync(I.gmsum, 0, size_t(H) * 4, s));
+    CUDA_CHECK(cudaMemsetAsync(I.gemb, 0, size_t(H) * 4, s));
+  }
   for (int k = int(K) - 1; k >= 0; --k) {
     const size_t ks = size_t(k);
     float* xin = I.xin[ks];
@@ -1916,19 +1977,45 @@ void DraftEngine::run(const std::vector<float>& row_scale, bool backward, bool z
     }
     // xin = [in_ln(e), hidden_norm(g)]; r = g or hidden_norm(g).
     I.gather(k);
-    I.rmsnorm_backward(nullptr, 0, I.g(IN_LN), I.dxin, 2 * H, I.E, H, I.w(IN_LN), H);
+    if (!d.peagle) {
+      I.rmsnorm_backward(nullptr, 0, I.g(IN_LN), I.dxin, 2 * H, I.E, H, I.w(IN_LN), H);
+    } else {
+      // The embedding is trained: dE into tmp (idle since the post-attention norm's
+      // backward), summed into the mask token's row (later steps) or each token's (the first).
+      CUDA_CHECK(cudaMemsetAsync(I.tmp, 0, size_t(N * H) * 4, s));
+      I.rmsnorm_backward(I.tmp, H, I.g(IN_LN), I.dxin, 2 * H, I.E, H, I.w(IN_LN), H);
+      if (k > 0) {
+        colsum_kernel<<<nblocks(H, 32), dim3(32, 8), 0, s>>>(I.gemb, I.tmp, N, H);
+      } else if (I.n_etok > 0) {
+        embed_scatter_kernel<<<unsigned(I.n_etok), 256, 0, s>>>(I.g(EMBED), I.tmp, I.etok, I.eoff, I.erow, H);
+      }
+      CUDA_LAUNCH_CHECK();
+    }
     CUDA_CHECK(cudaMemsetAsync(I.dg, 0, size_t(N * H) * 4, s));
-    I.rmsnorm_backward(I.dg, H, I.g(HNORM), I.dxin + H, 2 * H, I.gs[ks], H, I.w(HNORM), H);
+    I.rmsnorm_backward(I.dg, H, I.g(HNORM), I.dxin + H, 2 * H, I.gin(k), H, I.w(HNORM), H);
     if (d.norm_before_residual) {
-      I.rmsnorm_backward(I.dg, H, I.g(HNORM), I.dg1, H, I.gs[ks], H, I.w(HNORM), H);
+      I.rmsnorm_backward(I.dg, H, I.g(HNORM), I.dg1, H, I.gin(k), H, I.w(HNORM), H);
     } else {
       add_kernel<<<nblocks(N * H, 256), 256, 0, s>>>(I.dg, I.dg, H, I.dg1, N, H);
       CUDA_LAUNCH_CHECK();
     }
-    if (k > 0)
-      std::swap(I.dg, I.dgn);
-    else
+    if (k == 0) {
       I.linear_dw(I.g(FC), I.dg, I.aux, 3 * H, N, 3 * H, H);
+    } else if (!d.peagle) {
+      std::swap(I.dg, I.dgn);
+    } else {  // dg is the gradient of gm's rows, all fc(mask_hidden)
+      colsum_kernel<<<nblocks(H, 32), dim3(32, 8), 0, s>>>(I.gmsum, I.dg, N, H);
+      CUDA_LAUNCH_CHECK();
+    }
+  }
+  if (d.peagle && K > 1) {
+    // gm = fc(mask_hidden) in every row: d fc += gmsum mask_hidden^T, d mask_hidden += fc^T gmsum;
+    // the mask token's embedding row takes the later steps' sum.
+    I.linear_dw(I.g(FC), I.gmsum, I.w(MASKH), 3 * H, 1, 3 * H, H);
+    I.linear_dx(I.g(MASKH), 3 * H, I.gmsum, I.w(FC), 1, 3 * H, H, 1.f);
+    float* me = I.g(EMBED) + int64_t(d.mask_token) * H;
+    add_kernel<<<nblocks(H, 256), 256, 0, s>>>(me, me, H, I.gemb, 1, H);
+    CUDA_LAUNCH_CHECK();
   }
   I.mark("end");
   CUDA_CHECK(cudaStreamSynchronize(s));
@@ -1941,11 +2028,12 @@ double DraftEngine::clip_grad_norm(double max_norm) {
   Impl& I = *p_;
   CUDA_CHECK(cudaSetDevice(I.device));
   I.scale_grads();
-  for (int t = 0; t < kDraftTensors; ++t) {
+  const int nt = int(I.sizes.size());  // P-EAGLE's frozen lm_head has a zero gradient
+  for (int t = 0; t < nt; ++t) {
     sumsq_kernel<<<kNormBlocks, 256, 0, I.s>>>(I.partial + t * kNormBlocks, I.g(t), I.sizes[size_t(t)]);
     CUDA_LAUNCH_CHECK();
   }
-  std::vector<double> part(size_t(kDraftTensors * kNormBlocks));
+  std::vector<double> part(size_t(nt * kNormBlocks));
   CUDA_CHECK(cudaMemcpyAsync(part.data(), I.partial, part.size() * 8, cudaMemcpyDeviceToHost, I.s));
   CUDA_CHECK(cudaStreamSynchronize(I.s));
   double ss = 0;
@@ -1961,10 +2049,13 @@ double DraftEngine::clip_grad_norm(double max_norm) {
 void DraftEngine::adamw(double lr, double beta1, double beta2, double eps, double weight_decay,
                         const std::vector<uint8_t>& decay_on, int64_t t_after) {
   Impl& I = *p_;
-  if (decay_on.size() != size_t(kDraftTensors)) fail_msg("draft on GPU: expected 13 weight-decay flags");
+  if (decay_on.size() != I.sizes.size())
+    fail_msg("draft on GPU: " + std::to_string(decay_on.size()) + " weight-decay flags, expected " +
+             std::to_string(I.sizes.size()));
   CUDA_CHECK(cudaSetDevice(I.device));
   const double bc1 = 1.0 - std::pow(beta1, double(t_after)), bc2 = 1.0 - std::pow(beta2, double(t_after));
-  for (int t = 0; t < kDraftTensors; ++t) {
+  for (int t = 0; t < int(I.sizes.size()); ++t) {
+    if (I.d.peagle && t == LM) continue;  // frozen
     const float decay = decay_on[size_t(t)] ? float(1.0 - lr * weight_decay) : 1.0f;
     const int64_t n = I.sizes[size_t(t)], o = I.offs[size_t(t)];
     adamw_kernel<<<nblocks(n, 256), 256, 0, I.s>>>(I.W + o, I.M + o, I.Vm + o, I.G + o, n, decay, float(lr / bc1),

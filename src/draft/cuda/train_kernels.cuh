@@ -1,0 +1,81 @@
+// Kernels the GPU draft trainers share (draft_train.cu, dflash_train.cu): column sums for weight
+// gradients of per-row norms, a strided add, and the optimizer's sum of squares, scaling and
+// AdamW update. Every reduction has a fixed order (the same bits on every run). Included by .cu
+// files only; each gets its own copy.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace talon::cuda {
+namespace {
+
+inline unsigned nblocks(int64_t n, int per) { return unsigned((n + per - 1) / per); }
+
+// dw[c] += sum_n rows[n, c]: 32 columns per block, 8 row lanes each summing every 8th row
+// (fp64), then the 8 partials in lane order; a fixed order for every element.
+__global__ void colsum_kernel(float* dw, const float* rows, int64_t N, int64_t C) {
+  __shared__ double part[8][33];
+  const int64_t c = int64_t(blockIdx.x) * 32 + threadIdx.x;
+  double s = 0;
+  if (c < C)
+    for (int64_t n = threadIdx.y; n < N; n += 8) s += double(rows[n * C + c]);
+  part[threadIdx.y][threadIdx.x] = s;
+  __syncthreads();
+  if (threadIdx.y == 0 && c < C) {
+    double t = 0;
+    for (int y = 0; y < 8; ++y) t += part[y][threadIdx.x];
+    dw[c] += float(t);
+  }
+}
+
+// out = a (row stride lda) + b
+__global__ void add_kernel(float* out, const float* a, int64_t lda, const float* b, int64_t N, int64_t C) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= N * C) return;
+  out[i] = a[(i / C) * lda + i % C] + b[i];
+}
+
+
+constexpr int kNormBlocks = 240;
+
+__global__ void sumsq_kernel(double* partial, const float* g, int64_t n) {
+  __shared__ double sh[256];
+  double s = 0;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+    s += double(g[i]) * double(g[i]);
+  sh[threadIdx.x] = s;
+  __syncthreads();
+  for (int o = blockDim.x / 2; o > 0; o >>= 1) {
+    if (threadIdx.x < o) sh[threadIdx.x] += sh[threadIdx.x + o];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) partial[blockIdx.x] = sh[0];
+}
+
+__global__ void scale_kernel(float* x, float s, int64_t n) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < n) x[i] *= s;
+}
+
+// One AdamW update of n values. The gradient is read times gscale (the clipping factor, applied
+// here instead of in a pass of its own: the same product, so the same bits); with wb, the
+// weights' bf16 copy is written too (the bits cast_bf16 gives).
+__global__ void adamw_kernel(float* w, float* m, float* v, const float* g, int64_t n, float decay, float step,
+                             float sbc2, float b1, float b2, float eps, float gscale, __nv_bfloat16* wb) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  const float gj = gscale == 1.f ? g[i] : g[i] * gscale;
+  float wj = w[i] * decay;
+  const float mj = b1 * m[i] + (1.0f - b1) * gj;
+  const float vj = b2 * v[i] + (1.0f - b2) * gj * gj;
+  wj -= step * mj / (sqrtf(vj) / sbc2 + eps);
+  w[i] = wj;
+  m[i] = mj;
+  v[i] = vj;
+  if (wb) wb[i] = __float2bfloat16_rn(wj);
+}
+
+}  // namespace
+}  // namespace talon::cuda

@@ -6,7 +6,10 @@
 // first copies into its pinned staging.
 //   talon_bench_train [--shape llama3-8b|kimi-k2|smollm2] [--seq 2048] [--samples 2] [--steps 6]
 //                     [--math bf16|tf32|f32] [--ttt 7] [--draft-vocab 32000] [--peak-tflops 779]
-//                     [--staged]
+//                     [--staged] [--drafter eagle3|peagle|dflash] [--draft-layers 5] [--block-size 16]
+//                     [--max-anchors 512] [--dflash-loss ce|kl] [--dflash-weighting dpace|fixed-exp-decay]
+// --drafter peagle trains P-EAGLE with --ttt depths (COD ratio 0.7, floor 0.2), dflash the block
+// drafter; bench/train_peer_families.py is their peer (speculators' own model classes).
 #include <cuda_runtime.h>
 
 #include <CLI/CLI.hpp>
@@ -25,7 +28,15 @@ using namespace talon;
 using namespace talon::eagle3;
 
 int main(int argc, char** argv) {
-  CLI::App app{"EAGLE-3 draft training throughput on one GPU (random weights and features)"};
+  CLI::App app{"Draft training throughput on one GPU (random weights and features)"};
+  std::string drafter = "eagle3", df_loss = "ce", df_weighting = "dpace";
+  int64_t df_layers = 5, df_block = 16, df_anchors = 512;
+  app.add_option("--drafter", drafter, "eagle3 | peagle | dflash")->capture_default_str();
+  app.add_option("--draft-layers", df_layers, "dflash: decoder layers")->capture_default_str();
+  app.add_option("--block-size", df_block, "dflash: block size")->capture_default_str();
+  app.add_option("--max-anchors", df_anchors, "dflash: blocks per sample")->capture_default_str();
+  app.add_option("--dflash-loss", df_loss, "dflash: ce | kl")->capture_default_str();
+  app.add_option("--dflash-weighting", df_weighting, "dflash: dpace | fixed-exp-decay")->capture_default_str();
   std::string shape = "llama3-8b", math = "bf16";
   int64_t seq = 2048, samples = 2, steps = 6, vd = 32000;
   int ttt = 7, n_gpus = 1;
@@ -138,9 +149,65 @@ int main(int argc, char** argv) {
     }
     const float* aux_p = resident ? aux_d : aux.get();
     const float* hid_p = resident ? hid_d : hid.get();
+    GpuFamily fam;
+    fam.drafter = drafter;
+    fam.mask_token = int32_t(c.V - 1);
+    fam.cod = {c.ttt_steps, 0.7, 0.2};
+    std::vector<float> mask_hidden, pe_embed;
+    dflash::Weights dw;
+    if (drafter == "dflash") {
+      dflash::Config& d = fam.dflash;
+      d.H = c.H, d.I = c.I, d.n_heads = c.n_heads, d.n_kv_heads = c.n_kv_heads, d.head_dim = c.head_dim, d.V = c.V;
+      d.Vd = c.Vd, d.rms_eps = 1e-6, d.rope = c.rope, d.layers = df_layers, d.n_aux = 3, d.block = df_block;
+      if (df_loss != "ce" && df_loss != "kl") fail("--dflash-loss {}: expected ce or kl", df_loss);
+      if (df_weighting != "dpace" && df_weighting != "fixed-exp-decay")
+        fail("--dflash-weighting {}: expected dpace or fixed-exp-decay", df_weighting);
+      d.loss = df_loss == "ce" ? dflash::Config::Loss::CE : dflash::Config::Loss::KL;
+      d.weighting = df_weighting == "dpace" ? dflash::Config::Weighting::DPace : dflash::Config::Weighting::ExpDecay;
+      fam.max_anchors = df_anchors;
+      fill(dw.fc, H * 3 * H, 0.02f);
+      dw.hidden_norm.assign(H, 1.f);
+      dw.layers.resize(size_t(df_layers));
+      for (auto& L : dw.layers) {
+        fill(L.wq, qd * H, 0.02f);
+        fill(L.wk, kvd * H, 0.02f);
+        fill(L.wv, kvd * H, 0.02f);
+        fill(L.wo, H * qd, 0.02f);
+        fill(L.gate, size_t(c.I) * H, 0.02f);
+        fill(L.up, size_t(c.I) * H, 0.02f);
+        fill(L.down, H * size_t(c.I), 0.02f);
+        for (auto* v : {&L.in_ln, &L.post_ln}) v->assign(H, 1.f);
+        for (auto* v : {&L.q_norm, &L.k_norm}) v->assign(size_t(c.head_dim), 1.f);
+      }
+      dw.norm.assign(H, 1.f);
+      dw.lm_head.resize(size_t(c.Vd) * H);
+      for (int64_t v = 0; v < c.Vd; ++v)
+        std::copy(head.begin() + dv.kept[size_t(v)] * int64_t(H), head.begin() + (dv.kept[size_t(v)] + 1) * int64_t(H),
+                  dw.lm_head.begin() + v * int64_t(H));
+    } else if (drafter == "peagle") {
+      fill(mask_hidden, 3 * H, 1.f);
+      pe_embed = embed;
+    } else if (drafter != "eagle3") {
+      fail("--drafter {}: expected eagle3, peagle or dflash", drafter);
+    }
     auto gpu = make_gpu_draft_trainer(c, {embed.data(), fnorm.data(), head.data(), 1e-5}, dv, devices, parse_gpu_math(math), N, {},
-                                      eng);
-    gpu->set_weights(w);
+                                      eng, fam);
+    if (drafter == "eagle3") {
+      gpu->set_weights(w);
+    } else if (drafter == "peagle") {
+      GpuDraftTrainer::Named named;
+      for (auto& [n, v] : w.named()) named.emplace_back(n, v);
+      named.emplace_back("mask_hidden", &mask_hidden);
+      named.emplace_back("embed", &pe_embed);
+      gpu->set_tensors(named);
+    } else {
+      GpuDraftTrainer::Named named = {{"fc", &dw.fc}, {"hidden_norm", &dw.hidden_norm}};
+      for (size_t l = 0; l < dw.layers.size(); ++l)
+        for (auto& [n, v] : dw.layers[l].named()) named.emplace_back(fmt::format("layers.{}.{}", l, n), v);
+      named.emplace_back("norm", &dw.norm);
+      named.emplace_back("lm_head", &dw.lm_head);
+      gpu->set_tensors(named);
+    }
     std::vector<Sample> batch;
     for (int64_t s = 0; s < samples; ++s)
       batch.push_back({ids.data() + s * seq, mask.data() + s * seq, aux_p + s * seq * 3 * c.H,
@@ -150,7 +217,9 @@ int main(int argc, char** argv) {
     for (int64_t st = 0; st < steps; ++st) {
       cudaDeviceSynchronize();
       const auto t0 = std::chrono::steady_clock::now();
-      const auto res = gpu->run(batch, 1.0 / double(samples), true, true);
+      std::vector<uint64_t> seeds;
+      for (int64_t s = 0; s < samples; ++s) seeds.push_back(uint64_t(st) * 1000003ull + uint64_t(s));
+      const auto res = gpu->run(batch, 1.0 / double(samples), true, true, seeds);
       gpu->clip_grad_norm(0.5);
       gpu->adamw_step(oc, st);
       const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -182,6 +251,13 @@ int main(int argc, char** argv) {
     const size_t nt = times.size();
     const double med = nt % 2 ? times[nt / 2] : 0.5 * (times[nt / 2 - 1] + times[nt / 2]);
     const double tps = double(N) / med;
+    if (drafter != "eagle3") {  // the FLOP count below is EAGLE-3's
+      std::printf("drafter %s, shape %s seq %lld x %lld samples, math %s, %d GPU(s): %.0f tokens/s (median of %zu "
+                  "steps, %.1f ms a step); device memory %.1f GiB (buffers %.1f GiB)\n",
+                  drafter.c_str(), shape.c_str(), (long long)seq, (long long)samples, math.c_str(), n_gpus, tps, nt,
+                  1000 * med, double(free0 - free1) / double(1 << 30), double(gpu->device_bytes()) / double(1 << 30));
+      return 0;
+    }
     std::printf("shape %s seq %lld x %lld samples, K=%d, math %s, %d GPU(s): %.0f tokens/s (median of %zu steps), "
                 "%.1f GFLOP/token (no "
                 "attention), %.1f%% of %.0f TFLOP/s per GPU; device memory %.1f GiB (buffers %.1f GiB)\n",

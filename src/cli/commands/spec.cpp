@@ -95,7 +95,7 @@ int run_generate_command(const spec::GenerateOptions& o) {
 }
 
 CLI::App* add_eval_subcommand(CLI::App& app, EvalCli& o) {
-  auto* c = app.add_subcommand("eval", "Speculative decoding with the target and a draft (EAGLE-3 or P-EAGLE): acceptance length, "
+  auto* c = app.add_subcommand("eval", "Speculative decoding with the target and a draft (EAGLE-3, P-EAGLE or DFlash): acceptance length, "
                                        "acceptance per depth and speedup over target-only decoding");
   auto& e = o.opt;
   add_data_options(c, e.inputs, e.model, e.tokenizer, e.chat_template, e.fallback_template, e.template_kwargs, e.format);

@@ -659,12 +659,16 @@ void DFlashEngine::forward(const DFlashBatch& b, DFlashRowStats& out) {
   I.h_cq0.assign(size_t(Tc), 0);
   I.h_cq1.assign(size_t(Tc), 0);
   I.h_bpos.resize(size_t(N));
+  std::vector<int64_t> seen;  // the samples whose blocks came already (each sample's must be together)
   for (int64_t j = 0; j < nb;) {
     const int64_t c0 = b.blk_ctx0[j], ce = b.blk_ctx_end[j];
+    if (std::find(seen.begin(), seen.end(), c0) != seen.end())
+      fail_msg("DFlash on GPU: the blocks of the sample at row " + std::to_string(c0) + " are not together");
+    seen.push_back(c0);
     int64_t je = j;
     while (je < nb && b.blk_ctx0[je] == c0) {
       const int64_t a = b.blk_anchor[je];
-      if (b.blk_ctx_end[je] != ce || c0 < 0 || ce > Tc || a < 0 || c0 + a + B > ce ||
+      if (b.blk_ctx_end[je] != ce || c0 < 0 || ce > Tc || a < 0 || c0 + a + B >= ce ||
           (je > j && a <= b.blk_anchor[je - 1]))
         fail_msg("DFlash on GPU: block " + std::to_string(je) + " (sample rows " + std::to_string(c0) + ".." +
                  std::to_string(ce) + ", anchor " + std::to_string(a) +
@@ -843,6 +847,7 @@ void DFlashEngine::backward(const std::vector<float>& row_scale, bool zero_grads
   I.rmsnorm_backward(I.dF, I.g(1), I.dC, I.F, I.w(1), Tc, H, d.eps);
   I.linear_dw(I.g(0), I.dF, I.aux, Tc, I.AW, H);
   CUDA_CHECK(cudaStreamSynchronize(s));
+  I.have_forward = false;  // the logits now hold their gradient: another backward needs a forward
 }
 
 double DFlashEngine::clip_grad_norm(double max_norm) {

@@ -150,9 +150,9 @@ __global__ void embed_scatter_kernel(float* g, const float* dE, const int32_t* t
   const int32_t a = off[blockIdx.x], b = off[blockIdx.x + 1];
   float* gr = g + int64_t(tok[blockIdx.x]) * H;
   for (int64_t c = threadIdx.x; c < H; c += blockDim.x) {
-    float t = 0.f;
-    for (int32_t j = a; j < b; ++j) t += dE[int64_t(rows[j]) * H + c];
-    gr[c] += t;
+    double t = 0;  // fp64, as colsum_kernel: a frequent token sums thousands of rows
+    for (int32_t j = a; j < b; ++j) t += double(dE[int64_t(rows[j]) * H + c]);
+    gr[c] += float(t);
   }
 }
 
@@ -556,20 +556,20 @@ __global__ void target_row_kernel(PT* P, int32_t* tgt_arg, uint8_t* in_vocab, fl
   for (int64_t d = threadIdx.x; d < Vd; d += blockDim.x)
     if (f[kept[d]] > mv) mv = f[kept[d]], mi = d;
   block_argmax(mv, mi, shv, shi);
-  float z = 0, zx = 0;  // sums of e^(x - max) and of e^(x - max) (x - max)
-  for (int64_t d = threadIdx.x; d < Vd; d += blockDim.x) {
-    const float x = f[kept[d]] - mv, e = expf(x);
-    z += e;
-    zx += e * x;
-  }
+  float z = 0;
+  for (int64_t d = threadIdx.x; d < Vd; d += blockDim.x) z += expf(f[kept[d]] - mv);
   z = block_sum(z, shv);
-  zx = block_sum(zx, shv);
   PT* pr = P + r * Vd;
   for (int64_t d = threadIdx.x; d < Vd; d += blockDim.x) store_as(pr + d, expf(f[kept[d]] - mv) / z);
-  if (threadIdx.x == 0) {
-    tgt_arg[r] = int32_t(mi);
-    ent[r] = logf(z) - zx / z;  // -sum p log p, p = e^(x - max) / z
-  }
+  if (threadIdx.x == 0) tgt_arg[r] = int32_t(mi);
+  if (!ent) return;
+  // -sum p log p over P as stored (bf16 or fp32), the P the cross-entropy reads: cross-entropy
+  // minus it is that P's KL. Each thread reads back what it stored.
+  const float lz = logf(z);
+  float e = 0;
+  for (int64_t d = threadIdx.x; d < Vd; d += blockDim.x) e += load_f(pr + d) * (f[kept[d]] - mv - lz);
+  e = block_sum(e, shv);
+  if (threadIdx.x == 0) ent[r] = -e;
 }
 
 // Step k, logits row i = row0 + blockIdx.x of the step's list, batch row n = rows[i] (target
@@ -1730,8 +1730,8 @@ std::vector<uint8_t> DraftEngine::prepare(const DraftBatch& b) {
     else
       I.linear(I.full, V, I.hn, H, I.lm, n, H, V);
     I.with_target_dist([&](auto* p) {
-      target_row_kernel<<<unsigned(n), 512, 0, I.s>>>(p, I.tgt_arg, I.in_vocab, I.ent, I.full, I.kept, I.t2d, V,
-                                                       I.d.Vd, I.trow_d, r0);
+      target_row_kernel<<<unsigned(n), 512, 0, I.s>>>(p, I.tgt_arg, I.in_vocab, I.d.peagle ? I.ent : nullptr,
+                                                       I.full, I.kept, I.t2d, V, I.d.Vd, I.trow_d, r0);
     });
     CUDA_LAUNCH_CHECK();
   }

@@ -14,6 +14,7 @@
 #include "backend/cuda/check.h"
 #include "backend/cuda/device.h"
 #include "backend/cuda/kernel_ops.h"
+#include "backend/cuda/kernels/reduce.cuh"
 #include "backend/cuda/warp.cuh"
 #include "draft/cuda/dflash_engine.h"
 #include "draft/cuda/train_kernels.cuh"
@@ -33,49 +34,20 @@ constexpr int kLayerTensors = 11;  // in_ln wq wk wv q_norm k_norm wo post_ln ga
 enum LT : int { L_IN, L_WQ, L_WK, L_WV, L_QN, L_KN, L_WO, L_POST, L_GATE, L_UP, L_DOWN };
 constexpr int kMaxHdLane = 8;  // head_dim <= 256
 
-// ---------------------------------------------------------------- block reductions
-// Sum over the block; every thread gets it. sh: 33 floats of shared memory.
-__device__ float dfl_block_sum(float v, float* sh) {
-  v = warp_sum(v);
-  const int w = threadIdx.x >> 5, l = threadIdx.x & 31, nw = blockDim.x >> 5;
-  __syncthreads();
-  if (l == 0) sh[w] = v;
-  __syncthreads();
-  if (w == 0) {
-    v = l < nw ? sh[l] : 0.f;
-    v = warp_sum(v);
-    if (l == 0) sh[32] = v;
-  }
-  __syncthreads();
-  return sh[32];
-}
-// Maximum and the lowest index holding it, over the block; every thread gets both.
-__device__ void dfl_block_argmax(float& v, int& i, float* shv, int* shi) {
-  for (int o = 16; o > 0; o >>= 1) {
-    const float ov = __shfl_xor_sync(0xffffffffu, v, o);
-    const int oi = __shfl_xor_sync(0xffffffffu, i, o);
-    if (ov > v || (ov == v && oi < i)) v = ov, i = oi;
-  }
-  const int w = threadIdx.x >> 5, l = threadIdx.x & 31, nw = blockDim.x >> 5;
-  __syncthreads();
-  if (l == 0) shv[w] = v, shi[w] = i;
-  __syncthreads();
-  if (w == 0) {
-    v = l < nw ? shv[l] : -INFINITY;
-    i = l < nw ? shi[l] : INT32_MAX;
-    for (int o = 16; o > 0; o >>= 1) {
-      const float ov = __shfl_xor_sync(0xffffffffu, v, o);
-      const int oi = __shfl_xor_sync(0xffffffffu, i, o);
-      if (ov > v || (ov == v && oi < i)) v = ov, i = oi;
-    }
-    if (l == 0) shv[32] = v, shi[32] = i;
-  }
-  __syncthreads();
-  v = shv[32];
-  i = shi[32];
+// ---------------------------------------------------------------- rows
+// Softmax statistics of a row x[0..n) over the block: its maximum m, the first index holding
+// it, and z = sum exp(x - m). Every thread gets them.
+__device__ void dfl_row_stats(const float* x, int64_t n, float& m, int64_t& mi, float& z, float* shv, int64_t* shi) {
+  m = -INFINITY;
+  mi = INT64_MAX;
+  for (int64_t d = threadIdx.x; d < n; d += blockDim.x)
+    if (x[d] > m) m = x[d], mi = d;
+  block_argmax(m, mi, shv, shi);
+  z = 0;
+  for (int64_t d = threadIdx.x; d < n; d += blockDim.x) z += expf(x[d] - m);
+  z = block_sum(z, shv);
 }
 
-// ---------------------------------------------------------------- rows
 // out[n, :] = src[idx[n], :], zeros where idx[n] < 0. One block per row.
 __global__ void dfl_gather_kernel(float* out, const float* src, const int32_t* idx, int64_t C) {
   const int64_t n = blockIdx.x;
@@ -87,20 +59,15 @@ __global__ void dfl_gather_kernel(float* out, const float* src, const int32_t* i
 // first argmax. Rows without a target (trow < 0) are left alone.
 __global__ void dfl_target_kernel(float* x, int32_t* targ, const int32_t* trow, int64_t Vd) {
   __shared__ float shv[33];
-  __shared__ int shi[33];
+  __shared__ int64_t shi[33];
   const int64_t n = blockIdx.x;
   if (trow[n] < 0) return;
   float* r = x + n * Vd;
-  float m = -INFINITY;
-  int mi = INT32_MAX;
-  for (int64_t d = threadIdx.x; d < Vd; d += blockDim.x)
-    if (r[d] > m) m = r[d], mi = int(d);
-  dfl_block_argmax(m, mi, shv, shi);
-  float z = 0;
-  for (int64_t d = threadIdx.x; d < Vd; d += blockDim.x) z += expf(r[d] - m);
-  z = dfl_block_sum(z, shv);
+  float m, z;
+  int64_t mi;
+  dfl_row_stats(r, Vd, m, mi, z, shv, shi);
   for (int64_t d = threadIdx.x; d < Vd; d += blockDim.x) r[d] = expf(r[d] - m) / z;
-  if (threadIdx.x == 0) targ[n] = mi;
+  if (threadIdx.x == 0) targ[n] = int32_t(mi);
 }
 
 // Per row with a target: the draft logits' log-sum-exp (lz), the row's loss (KL(P || draft) or the
@@ -108,7 +75,7 @@ __global__ void dfl_target_kernel(float* x, int32_t* targ, const int32_t* trow, 
 __global__ void dfl_loss_kernel(const float* lg, const float* P, const int32_t* targ, const int32_t* trow, int64_t Vd,
                                 bool ce, float* lz, float* loss, uint8_t* hit) {
   __shared__ float shv[33];
-  __shared__ int shi[33];
+  __shared__ int64_t shi[33];
   const int64_t n = blockIdx.x;
   if (trow[n] < 0) {
     if (threadIdx.x == 0) lz[n] = 0.f, loss[n] = 0.f, hit[n] = 0;
@@ -116,20 +83,15 @@ __global__ void dfl_loss_kernel(const float* lg, const float* P, const int32_t* 
   }
   const float* r = lg + n * Vd;
   const float* p = P + n * Vd;
-  float m = -INFINITY;
-  int mi = INT32_MAX;
-  for (int64_t d = threadIdx.x; d < Vd; d += blockDim.x)
-    if (r[d] > m) m = r[d], mi = int(d);
-  dfl_block_argmax(m, mi, shv, shi);
-  float z = 0;
-  for (int64_t d = threadIdx.x; d < Vd; d += blockDim.x) z += expf(r[d] - m);
-  z = dfl_block_sum(z, shv);
+  float m, z;
+  int64_t mi;
+  dfl_row_stats(r, Vd, m, mi, z, shv, shi);
   const float L = m + logf(z);
   float e = 0;
   if (!ce)
     for (int64_t d = threadIdx.x; d < Vd; d += blockDim.x)
       if (p[d] > 0.f) e += p[d] * (logf(p[d]) - (r[d] - L));
-  e = ce ? 0.f : dfl_block_sum(e, shv);
+  e = ce ? 0.f : block_sum(e, shv);
   if (threadIdx.x == 0) {
     const int t = targ[n];
     lz[n] = L;

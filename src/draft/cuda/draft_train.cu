@@ -14,6 +14,7 @@
 #include "draft/cuda/train_kernels.cuh"
 #include "backend/cuda/kernels/cast.cuh"
 #include "backend/cuda/kernels/convert.cuh"
+#include "backend/cuda/kernels/reduce.cuh"
 #include "backend/cuda/kernels/rmsnorm.cuh"
 #include "backend/cuda/kernels/rope.cuh"
 #include "backend/cuda/kernels/swiglu.cuh"
@@ -42,32 +43,6 @@ namespace {
 enum T : int { FC, IN_LN, HNORM, WQ, WK, WV, WO, POST_LN, GATE, UP, DOWN, NORM, LM, MASKH, EMBED };
 
 
-
-// Max with the lowest index among equal maxima (std::max_element's choice).
-__device__ void block_argmax(float& v, int64_t& i, float* shv, int64_t* shi) {
-  for (int o = 16; o > 0; o >>= 1) {
-    const float ov = __shfl_xor_sync(0xffffffffu, v, o);
-    const int64_t oi = __shfl_xor_sync(0xffffffffu, i, o);
-    if (ov > v || (ov == v && oi < i)) v = ov, i = oi;
-  }
-  const int w = threadIdx.x >> 5, l = threadIdx.x & 31, nw = blockDim.x >> 5;
-  __syncthreads();
-  if (l == 0) shv[w] = v, shi[w] = i;
-  __syncthreads();
-  if (w == 0) {
-    v = l < nw ? shv[l] : -INFINITY;
-    i = l < nw ? shi[l] : INT64_MAX;
-    for (int o = 16; o > 0; o >>= 1) {
-      const float ov = __shfl_xor_sync(0xffffffffu, v, o);
-      const int64_t oi = __shfl_xor_sync(0xffffffffu, i, o);
-      if (ov > v || (ov == v && oi < i)) v = ov, i = oi;
-    }
-    if (l == 0) shv[32] = v, shi[32] = i;
-  }
-  __syncthreads();
-  v = shv[32];
-  i = shi[32];
-}
 
 // Merges every thread's (maximum, sum of exp relative to it, first index of the maximum)
 // into the whole block's; every thread gets the result.

@@ -1,6 +1,9 @@
 // Block-wide reductions for the kernels of kernels/ (a block is a multiple of 32 threads).
 // Summed in the same order on every run.
 #pragma once
+#include <cmath>
+#include <cstdint>
+
 #include "backend/cuda/warp.cuh"
 
 namespace talon::cuda {
@@ -20,6 +23,33 @@ __device__ __forceinline__ float block_sum(float v, float* sh) {
   }
   __syncthreads();
   return sh[32];
+}
+
+// Maximum over the block and the lowest index holding it (std::max_element's choice); every
+// thread gets both. shv, shi: 33 entries of shared memory each.
+__device__ __forceinline__ void block_argmax(float& v, int64_t& i, float* shv, int64_t* shi) {
+  for (int o = 16; o > 0; o >>= 1) {
+    const float ov = __shfl_xor_sync(0xffffffffu, v, o);
+    const int64_t oi = __shfl_xor_sync(0xffffffffu, i, o);
+    if (ov > v || (ov == v && oi < i)) v = ov, i = oi;
+  }
+  const int w = threadIdx.x >> 5, l = threadIdx.x & 31, nw = blockDim.x >> 5;
+  __syncthreads();
+  if (l == 0) shv[w] = v, shi[w] = i;
+  __syncthreads();
+  if (w == 0) {
+    v = l < nw ? shv[l] : -INFINITY;
+    i = l < nw ? shi[l] : INT64_MAX;
+    for (int o = 16; o > 0; o >>= 1) {
+      const float ov = __shfl_xor_sync(0xffffffffu, v, o);
+      const int64_t oi = __shfl_xor_sync(0xffffffffu, i, o);
+      if (ov > v || (ov == v && oi < i)) v = ov, i = oi;
+    }
+    if (l == 0) shv[32] = v, shi[32] = i;
+  }
+  __syncthreads();
+  v = shv[32];
+  i = shi[32];
 }
 
 }  // namespace

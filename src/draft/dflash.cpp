@@ -62,6 +62,22 @@ Grads::Grads(Weights& w) : fc(w.fc.size(), 0.0), hidden_norm(w.hidden_norm.size(
   for (auto& l : w.layers) layers.emplace_back(l);
 }
 
+eagle3::TttResult ttt_view(const Result& r, int64_t block) {
+  auto at = [](const auto& v, int64_t i) { return size_t(i) < v.size() ? v[size_t(i)] : 0; };
+  eagle3::TttResult t;
+  for (int64_t i = 1; i < block; ++i) {
+    eagle3::StepTally st;
+    st.n = at(r.total, i);
+    st.hits = at(r.hits, i);
+    st.cond_n = at(r.cond_total, i);
+    st.cond_hits = at(r.cond_hits, i);
+    st.ce_sum = at(r.loss_sum, i);
+    eagle3::add_step(t, st, 1.0);
+  }
+  t.loss = r.loss;
+  return t;
+}
+
 std::vector<int64_t> select_anchors(const uint8_t* mask, int64_t T, int64_t B, int64_t max_anchors, uint64_t seed) {
   TALON_CHECK(B >= 2 && max_anchors >= 1, "DFlash: block size {} (expected >= 2) and {} anchors (expected >= 1)", B,
               max_anchors);

@@ -79,6 +79,11 @@ struct Result {
   std::vector<double> loss_sum;  // per slot: summed unweighted per-row loss
 };
 
+// The trainer's view of one sample's result: per block position i = 1 .. block-1, its
+// accuracy, its accuracy on blocks right at every earlier position (cond_acc), and its mean
+// per-row loss; `loss` is the result's own. A default Result (no anchors) gives empty tallies.
+eagle3::TttResult ttt_view(const Result& r, int64_t block);
+
 // Up to max_anchors distinct anchors drawn uniformly from the positions a with mask[a] and
 // a + B < T, ascending. Deterministic in (mask, B, max_anchors, seed) on every platform.
 std::vector<int64_t> select_anchors(const uint8_t* mask, int64_t T, int64_t B, int64_t max_anchors, uint64_t seed);

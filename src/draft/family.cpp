@@ -172,27 +172,9 @@ class DFlashFamily final : public Family {
     // Training draws up to --max-anchors anchors; the evaluation takes every candidate.
     const std::vector<int64_t> anchors =
         dflash::select_anchors(s.mask, s.T, c_.block, backward ? max_anchors_ : s.T, backward ? seed : 0);
-    eagle3::TttResult t;
-    if (anchors.empty()) {  // nothing to predict in this sample
-      for (int i = 1; i < c_.block; ++i) eagle3::add_step(t, eagle3::StepTally{}, 1.0);
-      return t;
-    }
-    std::vector<double> logits;
-    const dflash::Result r =
-        dflash::forward(c_, w_, tgt_, dv_, s, anchors, mask_token_, backward ? g_.get() : nullptr);
-    // Per position 1 .. B-1 of a block: accuracy, and accuracy where every earlier position of
-    // the block was right (what a verifier accepts).
-    for (int i = 1; i < c_.block; ++i) {
-      eagle3::StepTally st;
-      st.n = r.total[size_t(i)];
-      st.hits = r.hits[size_t(i)];
-      st.cond_n = r.cond_total[size_t(i)];
-      st.cond_hits = r.cond_hits[size_t(i)];
-      st.ce_sum = r.loss_sum[size_t(i)];
-      eagle3::add_step(t, st, 1.0);
-    }
-    t.loss = r.loss;
-    return t;
+    if (anchors.empty()) return dflash::ttt_view(dflash::Result{}, c_.block);  // nothing to predict
+    return dflash::ttt_view(
+        dflash::forward(c_, w_, tgt_, dv_, s, anchors, mask_token_, backward ? g_.get() : nullptr), c_.block);
   }
   json job() const override {
     return {{"drafter", "dflash"}, {"mask_token_id", mask_token_}, {"draft_layers", c_.layers},

@@ -1106,25 +1106,10 @@ struct DfCase {
     for (size_t i = 0; i < batch.size(); ++i) {
       const auto anchors = dflash::select_anchors(batch[i].mask, batch[i].T, c.block, train ? max_anchors : batch[i].T,
                                                   train ? sd[i] : 0);
-      TttResult t;
-      if (anchors.empty()) {
-        for (int64_t k = 1; k < c.block; ++k) add_step(t, StepTally{}, 1.0);
-        out.push_back(t);
-        continue;
-      }
       const dflash::Result r =
-          dflash::forward(c, ww, target(), dv, batch[i], anchors, mask_token, train ? &mine : nullptr);
-      for (int64_t k = 1; k < c.block; ++k) {
-        StepTally st;
-        st.n = r.total[size_t(k)];
-        st.hits = r.hits[size_t(k)];
-        st.cond_n = r.cond_total[size_t(k)];
-        st.cond_hits = r.cond_hits[size_t(k)];
-        st.ce_sum = r.loss_sum[size_t(k)];
-        add_step(t, st, 1.0);
-      }
-      t.loss = r.loss;
-      out.push_back(t);
+          anchors.empty() ? dflash::Result{}
+                          : dflash::forward(c, ww, target(), dv, batch[i], anchors, mask_token, train ? &mine : nullptr);
+      out.push_back(dflash::ttt_view(r, c.block));
     }
     if (g) {
       auto a = grads(*g), b = grads(mine);

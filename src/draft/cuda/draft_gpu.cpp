@@ -589,17 +589,7 @@ class CudaDFlashTrainer final : public DeviceTrainer {
       dflash::Result& r = res[i];
       r.counted = counted[i];
       r.loss /= double(counted[i]) + peagle::kReductionEps;
-      TttResult& t = out[i];
-      for (int64_t k = 1; k < B; ++k) {
-        StepTally st;
-        st.n = r.total[size_t(k)];
-        st.hits = r.hits[size_t(k)];
-        st.cond_n = r.cond_total[size_t(k)];
-        st.cond_hits = r.cond_hits[size_t(k)];
-        st.ce_sum = r.loss_sum[size_t(k)];
-        add_step(t, st, 1.0);
-      }
-      t.loss = r.loss;
+      out[i] = dflash::ttt_view(r, B);
     }
     return out;
   }

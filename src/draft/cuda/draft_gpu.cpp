@@ -18,6 +18,87 @@ namespace talon::eagle3 {
 
 namespace {
 
+// A family's tensors by name, for an engine that holds `names` (sizes `sizes`) in that order:
+// named_pointers gives the host arrays of `w` in that order, each checked; fetch_named fills
+// those `out` asks for from get(pointers), which copies every engine tensor to the host.
+std::vector<const float*> named_pointers(const GpuDraftTrainer::Named& w, const std::vector<std::string>& names,
+                                         const std::vector<int64_t>& sizes) {
+  std::vector<const float*> p;
+  for (size_t i = 0; i < names.size(); ++i) {
+    const std::vector<float>* v = nullptr;
+    for (auto& [n, x] : w)
+      if (n == names[i]) v = x;
+    TALON_CHECK(v, "draft on GPU: tensor {} was not given", names[i]);
+    TALON_CHECK(int64_t(v->size()) == sizes[i], "draft weight {}: {} values, expected {}", names[i], v->size(),
+                sizes[i]);
+    p.push_back(v->data());
+  }
+  return p;
+}
+template <class Get>
+void fetch_named(const GpuDraftTrainer::NamedOut& out, const std::vector<std::string>& names,
+                 const std::vector<int64_t>& sizes, Get&& get) {
+  const auto index = [&](const std::string& n) {
+    const auto it = std::find(names.begin(), names.end(), n);
+    TALON_CHECK(it != names.end(), "draft on GPU: no tensor named {}", n);
+    return size_t(it - names.begin());
+  };
+  for (auto& [n, v] : out) (void)index(n);
+  std::vector<std::vector<float>> all(sizes.size());
+  std::vector<float*> p;
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    all[i].resize(size_t(sizes[i]));
+    p.push_back(all[i].data());
+  }
+  get(p);
+  for (auto& [n, v] : out) *v = std::move(all[index(n)]);
+}
+
+// An engine's optimizer moments, one pair per tensor, from and to trainable() order (`tr`: the
+// engine index of each trainable tensor); frozen tensors get zeros, which AdamW never reads.
+template <class Engine>
+void put_moments(Engine& eng, const std::vector<std::string>& names, const std::vector<int64_t>& sizes,
+                 const std::vector<size_t>& tr, const std::vector<std::vector<float>>& m,
+                 const std::vector<std::vector<float>>& v) {
+  TALON_CHECK(m.size() == tr.size() && v.size() == tr.size(), "optimizer state: {} tensors, expected {}", m.size(),
+              tr.size());
+  std::vector<std::vector<float>> zm(sizes.size()), zv(sizes.size());
+  std::vector<const float*> pm(sizes.size()), pv(sizes.size());
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    zm[i].assign(size_t(sizes[i]), 0.f);
+    zv[i].assign(size_t(sizes[i]), 0.f);
+    pm[i] = zm[i].data();
+    pv[i] = zv[i].data();
+  }
+  for (size_t j = 0; j < tr.size(); ++j) {
+    const size_t i = tr[j];
+    TALON_CHECK(int64_t(m[j].size()) == sizes[i] && int64_t(v[j].size()) == sizes[i],
+                "optimizer state: tensor {} has {} values, expected {}", names[i], m[j].size(), sizes[i]);
+    pm[i] = m[j].data();
+    pv[i] = v[j].data();
+  }
+  eng.set_moments(pm, pv);
+}
+template <class Engine>
+void take_moments(Engine& eng, const std::vector<int64_t>& sizes, const std::vector<size_t>& tr,
+                  std::vector<std::vector<float>>& m, std::vector<std::vector<float>>& v) {
+  std::vector<std::vector<float>> am(sizes.size()), av(sizes.size());
+  std::vector<float*> pm, pv;
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    am[i].resize(size_t(sizes[i]));
+    av[i].resize(size_t(sizes[i]));
+    pm.push_back(am[i].data());
+    pv.push_back(av[i].data());
+  }
+  eng.get_moments(pm, pv);
+  m.assign(tr.size(), {});
+  v.assign(tr.size(), {});
+  for (size_t j = 0; j < tr.size(); ++j) {
+    m[j] = std::move(am[tr[j]]);
+    v[j] = std::move(av[tr[j]]);
+  }
+}
+
 // One GPU's trainer, with what data parallel needs of it: the gradient buffer (every tensor,
 // padded), its length and the stream its work runs on.
 class DeviceTrainer : public GpuDraftTrainer {
@@ -59,19 +140,14 @@ class CudaDraftTrainer final : public DeviceTrainer {
   }
 
   void set_tensors(const Named& w) override {
-    const auto sizes = cuda::draft_tensor_sizes(dims());
-    std::vector<const float*> p;
-    for (size_t i = 0; i < names_.size(); ++i) {
-      const std::vector<float>* v = find(w, names_[i]);
-      TALON_CHECK(v, "draft on GPU: tensor {} was not given", names_[i]);
-      TALON_CHECK(int64_t(v->size()) == sizes[i], "draft weight {}: {} values, expected {}", names_[i], v->size(),
-                  sizes[i]);
-      p.push_back(v->data());
-    }
-    eng_->set_weights(p);
+    eng_->set_weights(named_pointers(w, names_, cuda::draft_tensor_sizes(dims())));
   }
-  void get_tensors(const NamedOut& w) override { fetch(w, false); }
-  void get_tensor_grads(const NamedOut& g) override { fetch(g, true); }
+  void get_tensors(const NamedOut& w) override {
+    fetch_named(w, names_, cuda::draft_tensor_sizes(dims()), [&](const std::vector<float*>& p) { eng_->get_weights(p); });
+  }
+  void get_tensor_grads(const NamedOut& g) override {
+    fetch_named(g, names_, cuda::draft_tensor_sizes(dims()), [&](const std::vector<float*>& p) { eng_->get_grads(p); });
+  }
   std::vector<std::string> trainable() const override {
     std::vector<std::string> t;
     for (auto& n : names_)
@@ -107,45 +183,10 @@ class CudaDraftTrainer final : public DeviceTrainer {
   // Moments in trainable() order; the engine holds one pair per tensor (P-EAGLE's frozen
   // lm_head: zeros, never read).
   void set_moments(const std::vector<std::vector<float>>& m, const std::vector<std::vector<float>>& v) override {
-    const auto sizes = cuda::draft_tensor_sizes(dims());
-    const auto tr = trainable_index();
-    TALON_CHECK(m.size() == tr.size() && v.size() == tr.size(), "optimizer state: {} tensors, expected {}", m.size(),
-                tr.size());
-    std::vector<std::vector<float>> zm(sizes.size()), zv(sizes.size());
-    std::vector<const float*> pm(sizes.size()), pv(sizes.size());
-    for (size_t i = 0; i < sizes.size(); ++i) {
-      zm[i].assign(size_t(sizes[i]), 0.f);
-      zv[i].assign(size_t(sizes[i]), 0.f);
-      pm[i] = zm[i].data();
-      pv[i] = zv[i].data();
-    }
-    for (size_t j = 0; j < tr.size(); ++j) {
-      const size_t i = tr[j];
-      TALON_CHECK(int64_t(m[j].size()) == sizes[i] && int64_t(v[j].size()) == sizes[i],
-                  "optimizer state: tensor {} has {} values, expected {}", names_[i], m[j].size(), sizes[i]);
-      pm[i] = m[j].data();
-      pv[i] = v[j].data();
-    }
-    eng_->set_moments(pm, pv);
+    put_moments(*eng_, names_, cuda::draft_tensor_sizes(dims()), trainable_index(), m, v);
   }
   void get_moments(std::vector<std::vector<float>>& m, std::vector<std::vector<float>>& v) override {
-    const auto sizes = cuda::draft_tensor_sizes(dims());
-    std::vector<std::vector<float>> am(sizes.size()), av(sizes.size());
-    std::vector<float*> pm, pv;
-    for (size_t i = 0; i < sizes.size(); ++i) {
-      am[i].resize(size_t(sizes[i]));
-      av[i].resize(size_t(sizes[i]));
-      pm.push_back(am[i].data());
-      pv.push_back(av[i].data());
-    }
-    eng_->get_moments(pm, pv);
-    const auto tr = trainable_index();
-    m.assign(tr.size(), {});
-    v.assign(tr.size(), {});
-    for (size_t j = 0; j < tr.size(); ++j) {
-      m[j] = std::move(am[tr[j]]);
-      v[j] = std::move(av[tr[j]]);
-    }
+    take_moments(*eng_, cuda::draft_tensor_sizes(dims()), trainable_index(), m, v);
   }
 
   std::vector<TttResult> run(const std::vector<Sample>& batch, double weight, bool backward, bool zero_grads,
@@ -381,28 +422,6 @@ class CudaDraftTrainer final : public DeviceTrainer {
     d.mask_token = fam_.mask_token;
     return d;
   }
-  static const std::vector<float>* find(const Named& w, const std::string& name) {
-    for (auto& [n, v] : w)
-      if (n == name) return v;
-    return nullptr;
-  }
-  // The engine's tensors (or gradients) into those of `out` that it names.
-  void fetch(const NamedOut& out, bool grads) {
-    const auto sizes = cuda::draft_tensor_sizes(dims());
-    for (auto& [n, v] : out)
-      TALON_CHECK(std::find(names_.begin(), names_.end(), n) != names_.end(), "draft on GPU: no tensor named {}", n);
-    std::vector<std::vector<float>> all(sizes.size());
-    std::vector<float*> p;
-    for (size_t i = 0; i < sizes.size(); ++i) {
-      all[i].resize(size_t(sizes[i]));
-      p.push_back(all[i].data());
-    }
-    if (grads)
-      eng_->get_grads(p);
-    else
-      eng_->get_weights(p);
-    for (auto& [n, v] : out) *v = std::move(all[size_t(std::find(names_.begin(), names_.end(), n) - names_.begin())]);
-  }
   // Engine tensor index of each trainable() entry.
   std::vector<size_t> trainable_index() const {
     std::vector<size_t> ix;
@@ -479,56 +498,29 @@ class CudaDFlashTrainer final : public DeviceTrainer {
       decay_.push_back(n != "lm_head" && n.find("norm") == std::string::npos && n.find("_ln") == std::string::npos);
   }
 
-  void set_tensors(const Named& w) override {
-    std::vector<const float*> p;
-    for (size_t i = 0; i < names_.size(); ++i) {
-      const std::vector<float>* v = nullptr;
-      for (auto& [n, x] : w)
-        if (n == names_[i]) v = x;
-      TALON_CHECK(v, "draft on GPU: tensor {} was not given", names_[i]);
-      TALON_CHECK(int64_t(v->size()) == sizes_[i], "DFlash weight {}: {} values, expected {}", names_[i], v->size(),
-                  sizes_[i]);
-      p.push_back(v->data());
-    }
-    eng_->set_weights(p);
+  void set_tensors(const Named& w) override { eng_->set_weights(named_pointers(w, names_, sizes_)); }
+  void get_tensors(const NamedOut& w) override {
+    fetch_named(w, names_, sizes_, [&](const std::vector<float*>& p) { eng_->get_weights(p); });
   }
-  void get_tensors(const NamedOut& w) override { fetch(w, false); }
-  void get_tensor_grads(const NamedOut& g) override { fetch(g, true); }
+  void get_tensor_grads(const NamedOut& g) override {
+    fetch_named(g, names_, sizes_, [&](const std::vector<float*>& p) { eng_->get_grads(p); });
+  }
   std::vector<std::string> trainable() const override {
     return std::vector<std::string>(names_.begin(), names_.end() - 1);  // the lm_head (last) is frozen
+  }
+  std::vector<size_t> trainable_index() const {
+    std::vector<size_t> ix(names_.size() - 1);
+    for (size_t i = 0; i < ix.size(); ++i) ix[i] = i;
+    return ix;
   }
   void set_weights(DraftWeights&) override { fail("draft on GPU: a DFlash draft's tensors go through set_tensors"); }
   void get_weights(DraftWeights&) override { fail("draft on GPU: a DFlash draft's tensors come through get_tensors"); }
   void get_grads(DraftGrads&) override { fail("draft on GPU: a DFlash draft's gradients come through get_tensor_grads"); }
   void set_moments(const std::vector<std::vector<float>>& m, const std::vector<std::vector<float>>& v) override {
-    const size_t nt = names_.size() - 1;
-    TALON_CHECK(m.size() == nt && v.size() == nt, "optimizer state: {} tensors, expected {}", m.size(), nt);
-    std::vector<float> zm(size_t(sizes_.back()), 0.f), zv(size_t(sizes_.back()), 0.f);
-    std::vector<const float*> pm, pv;
-    for (size_t i = 0; i < nt; ++i) {
-      TALON_CHECK(int64_t(m[i].size()) == sizes_[i] && int64_t(v[i].size()) == sizes_[i],
-                  "optimizer state: tensor {} has {} values, expected {}", names_[i], m[i].size(), sizes_[i]);
-      pm.push_back(m[i].data());
-      pv.push_back(v[i].data());
-    }
-    pm.push_back(zm.data());
-    pv.push_back(zv.data());
-    eng_->set_moments(pm, pv);
+    put_moments(*eng_, names_, sizes_, trainable_index(), m, v);
   }
   void get_moments(std::vector<std::vector<float>>& m, std::vector<std::vector<float>>& v) override {
-    std::vector<std::vector<float>> am(sizes_.size()), av(sizes_.size());
-    std::vector<float*> pm, pv;
-    for (size_t i = 0; i < sizes_.size(); ++i) {
-      am[i].resize(size_t(sizes_[i]));
-      av[i].resize(size_t(sizes_[i]));
-      pm.push_back(am[i].data());
-      pv.push_back(av[i].data());
-    }
-    eng_->get_moments(pm, pv);
-    am.pop_back();
-    av.pop_back();
-    m = std::move(am);
-    v = std::move(av);
+    take_moments(*eng_, sizes_, trainable_index(), m, v);
   }
 
   std::vector<TttResult> run(const std::vector<Sample>& batch, double weight, bool backward, bool zero_grads,
@@ -701,21 +693,6 @@ class CudaDFlashTrainer final : public DeviceTrainer {
       }
     }
     if (backward) eng_->backward(scale, zero);
-  }
-  void fetch(const NamedOut& out, bool grads) {
-    for (auto& [n, v] : out)
-      TALON_CHECK(std::find(names_.begin(), names_.end(), n) != names_.end(), "draft on GPU: no DFlash tensor {}", n);
-    std::vector<std::vector<float>> all(sizes_.size());
-    std::vector<float*> p;
-    for (size_t i = 0; i < sizes_.size(); ++i) {
-      all[i].resize(size_t(sizes_[i]));
-      p.push_back(all[i].data());
-    }
-    if (grads)
-      eng_->get_grads(p);
-    else
-      eng_->get_weights(p);
-    for (auto& [n, v] : out) *v = std::move(all[size_t(std::find(names_.begin(), names_.end(), n) - names_.begin())]);
   }
 
   dflash::Config c_;

@@ -846,9 +846,8 @@ class Trainer {
                                     double weight, bool backward) {
     std::vector<TttResult> res(batch.size());
     const int64_t B = int64_t(batch.size());
-    auto seed_of = [&](int64_t i) { return sample_seed(i); };
     if (!backward) {
-      for (int64_t i : mine) res[size_t(i)] = fam_->run(batch[size_t(i)], seed_of(i), false);
+      for (int64_t i : mine) res[size_t(i)] = fam_->run(batch[size_t(i)], sample_seed(i), false);
       gather_results(res, mine, {}, nullptr);
       return res;
     }
@@ -881,7 +880,7 @@ class Trainer {
         else
           std::fill(params_[q].g->begin(), params_[q].g->end(), 0.0);
       }
-      res[size_t(i)] = fam_->run(batch[size_t(i)], seed_of(i), true);
+      res[size_t(i)] = fam_->run(batch[size_t(i)], sample_seed(i), true);
       out.resize(params_.size());
       for (size_t q = 0; q < params_.size(); ++q) {
         if (int64_t(q) == sq)

@@ -113,8 +113,9 @@ class DraftEngine {
   // its argmax, whether the full-vocab argmax is a draft token) for its target_rows().
   // Returns in_vocab [N] (0 on the other rows).
   std::vector<uint8_t> prepare(const DraftBatch& b);
-  // The entropy of the target distribution over the draft vocabulary at each row of the
-  // prepared batch (0 on rows no loss reads): cross-entropy minus it is the KL divergence.
+  // P-EAGLE: the entropy of the target distribution over the draft vocabulary at each row of
+  // the prepared batch (0 on rows no loss reads): cross-entropy minus it is the KL divergence.
+  // Empty for EAGLE-3.
   const std::vector<float>& target_entropy() const;
   // All K steps over the prepared batch. With backward, also adds the gradient of
   // sum_rows row_scale[k*N + n] * ce_k[n] to the gradients (zeroed first when asked).

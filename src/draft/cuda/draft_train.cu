@@ -779,7 +779,8 @@ struct DraftEngine::Impl {
   std::vector<int32_t> trows;
   LossRows lr;
   int32_t *trow_d = nullptr, *lrow_d = nullptr, *lslot_d = nullptr;
-  // The target distribution's entropy per batch row (ent, and its host copy from prepare()).
+  // P-EAGLE: the target distribution's entropy per batch row (ent, and its host copy from
+  // prepare()); null for EAGLE-3, whose loss does not read it.
   float* ent = nullptr;
   std::vector<float> h_ent;
   // P-EAGLE (d.peagle). gm [R, H]: fc(mask_hidden) in every row, the input of every step after
@@ -1414,7 +1415,7 @@ DraftEngine::DraftEngine(int device, const DraftDims& dd, DraftMath math, const 
   I.lslot_d = I.alloc<int32_t>(size_t(K * R));
   I.mask = I.alloc<uint8_t>(size_t(R));
   I.in_vocab = I.alloc<uint8_t>(size_t(R));
-  I.ent = I.alloc<float>(size_t(R));
+  if (dd.peagle) I.ent = I.alloc<float>(size_t(R));  // only P-EAGLE's loss reads the entropy
   I.hit = I.alloc<uint8_t>(size_t(K * R));
   I.cnt = I.alloc<uint8_t>(size_t(K * R));
   I.ce = I.alloc<float>(size_t(K * R));
@@ -1692,7 +1693,7 @@ std::vector<uint8_t> DraftEngine::prepare(const DraftBatch& b) {
   const int64_t nt = int64_t(I.trows.size());
   if (nt > 0) cp(I.trow_d, I.trows.data(), size_t(nt) * 4);
   CUDA_CHECK(cudaMemsetAsync(I.in_vocab, 0, size_t(N), I.s));
-  CUDA_CHECK(cudaMemsetAsync(I.ent, 0, size_t(N) * 4, I.s));
+  if (I.ent) CUDA_CHECK(cudaMemsetAsync(I.ent, 0, size_t(N) * 4, I.s));
   I.mark("target distribution (full logits, P)");
   for (int64_t r0 = 0; r0 < nt; r0 += I.chunk) {
     const int64_t n = std::min(I.chunk, nt - r0);
@@ -1705,16 +1706,18 @@ std::vector<uint8_t> DraftEngine::prepare(const DraftBatch& b) {
     else
       I.linear(I.full, V, I.hn, H, I.lm, n, H, V);
     I.with_target_dist([&](auto* p) {
-      target_row_kernel<<<unsigned(n), 512, 0, I.s>>>(p, I.tgt_arg, I.in_vocab, I.d.peagle ? I.ent : nullptr,
+      target_row_kernel<<<unsigned(n), 512, 0, I.s>>>(p, I.tgt_arg, I.in_vocab, I.ent,
                                                        I.full, I.kept, I.t2d, V, I.d.Vd, I.trow_d, r0);
     });
     CUDA_LAUNCH_CHECK();
   }
   I.mark("end");
   std::vector<uint8_t> iv(static_cast<size_t>(N));
-  I.h_ent.resize(size_t(N));
   CUDA_CHECK(cudaMemcpyAsync(iv.data(), I.in_vocab, size_t(N), cudaMemcpyDeviceToHost, I.s));
-  CUDA_CHECK(cudaMemcpyAsync(I.h_ent.data(), I.ent, size_t(N) * 4, cudaMemcpyDeviceToHost, I.s));
+  if (I.ent) {
+    I.h_ent.resize(size_t(N));
+    CUDA_CHECK(cudaMemcpyAsync(I.h_ent.data(), I.ent, size_t(N) * 4, cudaMemcpyDeviceToHost, I.s));
+  }
   CUDA_CHECK(cudaStreamSynchronize(I.s));
   I.collect();
   // Each step's rows that count, for run() (uploaded on the stream run() uses).

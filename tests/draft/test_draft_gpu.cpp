@@ -717,6 +717,57 @@ TEST(GpuDraftDataParallel, TwoGpusMatchOneAndAreDeterministic) {
   }
 }
 
+// After the same optimizer steps on two GPU trainers (g0, g1) and on the CPU family (cpu_w,
+// AdamW `adam` over `params`), for tensors `names` that started as init_w: the two GPUs agree
+// to the bit; each trained tensor moved on the CPU and tracks it on the GPU; the frozen
+// lm_head is unchanged; g0's moments track AdamW's and come back unchanged through `fresh`'s
+// set_moments (a resume).
+void expect_steps_track_cpu(const std::vector<std::string>& names, GpuDraftTrainer& g0, GpuDraftTrainer& g1,
+                            const std::vector<const std::vector<float>*>& cpu_w,
+                            const std::vector<const std::vector<float>*>& init_w,
+                            const std::vector<train::Param>& params, train::AdamW& adam, double lr,
+                            GpuDraftTrainer& fresh) {
+  std::vector<std::vector<float>> a(names.size()), b(names.size());
+  GpuDraftTrainer::NamedOut oa, ob;
+  for (size_t i = 0; i < names.size(); ++i) {
+    oa.emplace_back(names[i], &a[i]);
+    ob.emplace_back(names[i], &b[i]);
+  }
+  g0.get_tensors(oa);
+  g1.get_tensors(ob);
+  for (size_t i = 0; i < names.size(); ++i) {
+    EXPECT_EQ(a[i], b[i]) << names[i] << ": two runs on the same inputs differ";
+    if (names[i] == "lm_head") {
+      EXPECT_EQ(a[i], *init_w[i]) << "the frozen lm_head moved";
+      continue;
+    }
+    double moved = 0;
+    size_t off = 0;
+    for (size_t j = 0; j < a[i].size(); ++j) {
+      moved = std::max(moved, double(std::abs((*cpu_w[i])[j] - (*init_w[i])[j])));
+      off += std::abs(a[i][j] - (*cpu_w[i])[j]) > 0.01 * lr;
+    }
+    EXPECT_GT(moved, 1e-4) << names[i] << " did not train";
+    EXPECT_LE(double(off), tol::kGpuTttWeightOffFraction * double(a[i].size())) << names[i];
+  }
+  std::vector<std::vector<float>> m, v;
+  g0.get_moments(m, v);
+  ASSERT_EQ(m.size(), params.size());
+  for (size_t i = 0; i < m.size(); ++i) {
+    double d = 0, mx = 0;
+    for (size_t j = 0; j < m[i].size(); ++j) {
+      d = std::max(d, double(std::abs(m[i][j] - adam.m()[i][j])));
+      mx = std::max(mx, double(std::abs(adam.m()[i][j])));
+    }
+    EXPECT_LE(d, tol::kGpuTttGradRel * mx) << "first moment of " << params[i].name;
+  }
+  fresh.set_moments(m, v);
+  std::vector<std::vector<float>> m2, v2;
+  fresh.get_moments(m2, v2);
+  EXPECT_EQ(m2, m);
+  EXPECT_EQ(v2, v);
+}
+
 // ---- P-EAGLE on the GPU against peagle::forward (the fp64 reference, itself checked against
 // speculators' PEagleDraftModel): the EAGLE-3 layer of Case plus a trained embedding and
 // mask_hidden, COD-sampled elements from per-sample seeds (all chains when evaluating).
@@ -923,55 +974,16 @@ TEST_P(GpuDraft, PEagleAdamWStepsMatchCpuAndAreDeterministic) {
       gpu->adamw_step(oc, step);
     }
   }
-  std::vector<std::vector<float>> a(15), b(15);
-  GpuDraftTrainer::NamedOut oa, ob;
   std::vector<std::string> names;
   for (auto& [name, v] : pc.w.layer.named()) names.push_back(name);
   names.insert(names.end(), {"mask_hidden", "embed"});
-  for (size_t i = 0; i < names.size(); ++i) {
-    oa.emplace_back(names[i], &a[i]);
-    ob.emplace_back(names[i], &b[i]);
-  }
-  gpus[0]->get_tensors(oa);
-  gpus[1]->get_tensors(ob);
   std::vector<const std::vector<float>*> cpu_w, init_w;
   for (auto& [name, v] : cw.layer.named()) cpu_w.push_back(v);
   cpu_w.insert(cpu_w.end(), {&cw.mask_hidden, &cw.embed});
   for (auto& [name, v] : pc.w.layer.named()) init_w.push_back(v);
   init_w.insert(init_w.end(), {&pc.w.mask_hidden, &pc.w.embed});
-  for (size_t i = 0; i < names.size(); ++i) {
-    EXPECT_EQ(a[i], b[i]) << names[i] << ": two runs on the same inputs differ";
-    if (names[i] == "lm_head") {
-      EXPECT_EQ(a[i], *init_w[i]) << "the frozen lm_head moved";
-      continue;
-    }
-    double moved = 0;
-    size_t off = 0;
-    for (size_t j = 0; j < a[i].size(); ++j) {
-      moved = std::max(moved, double(std::abs((*cpu_w[i])[j] - (*init_w[i])[j])));
-      off += std::abs(a[i][j] - (*cpu_w[i])[j]) > 0.01 * oc.lr;
-    }
-    EXPECT_GT(moved, 1e-4) << names[i] << " did not train";
-    EXPECT_LE(double(off), tol::kGpuTttWeightOffFraction * double(a[i].size())) << names[i];
-  }
-  std::vector<std::vector<float>> m, v;
-  gpus[0]->get_moments(m, v);
-  ASSERT_EQ(m.size(), params.size());
-  for (size_t i = 0; i < m.size(); ++i) {
-    double d = 0, mx = 0;
-    for (size_t j = 0; j < m[i].size(); ++j) {
-      d = std::max(d, double(std::abs(m[i][j] - adam.m()[i][j])));
-      mx = std::max(mx, double(std::abs(adam.m()[i][j])));
-    }
-    EXPECT_LE(d, tol::kGpuTttGradRel * mx) << "first moment of " << params[i].name;
-  }
-  // Moments round-trip through set_moments (a resume) into a fresh trainer.
   auto fresh = make_pe(pc, {0}, GpuMath::F32, 40);
-  fresh->set_moments(m, v);
-  std::vector<std::vector<float>> m2, v2;
-  fresh->get_moments(m2, v2);
-  EXPECT_EQ(m2, m);
-  EXPECT_EQ(v2, v);
+  expect_steps_track_cpu(names, *gpus[0], *gpus[1], cpu_w, init_w, params, adam, oc.lr, *fresh);
 }
 
 // ---- DFlash on the GPU against dflash::forward (the fp64 reference, itself checked against
@@ -1259,47 +1271,10 @@ TEST_P(GpuDFlash, AdamWStepsMatchCpuAndAreDeterministic) {
       gpu->adamw_step(oc, step);
     }
   }
-  std::vector<std::vector<float>> a(names.size()), b(names.size());
-  GpuDraftTrainer::NamedOut oa, ob;
-  for (size_t i = 0; i < names.size(); ++i) {
-    oa.emplace_back(names[i], &a[i]);
-    ob.emplace_back(names[i], &b[i]);
-  }
-  gpus[0]->get_tensors(oa);
-  gpus[1]->get_tensors(ob);
-  const auto cpu_w = dc.tensors(cw), init_w = dc.tensors(dc.w);
-  for (size_t i = 0; i < names.size(); ++i) {
-    EXPECT_EQ(a[i], b[i]) << names[i] << ": two runs on the same inputs differ";
-    if (names[i] == "lm_head") {
-      EXPECT_EQ(a[i], *init_w[i]) << "the frozen lm_head moved";
-      continue;
-    }
-    double moved = 0;
-    size_t off = 0;
-    for (size_t j = 0; j < a[i].size(); ++j) {
-      moved = std::max(moved, double(std::abs((*cpu_w[i])[j] - (*init_w[i])[j])));
-      off += std::abs(a[i][j] - (*cpu_w[i])[j]) > 0.01 * oc.lr;
-    }
-    EXPECT_GT(moved, 1e-4) << names[i] << " did not train";
-    EXPECT_LE(double(off), tol::kGpuTttWeightOffFraction * double(a[i].size())) << names[i];
-  }
-  std::vector<std::vector<float>> m, v;
-  gpus[0]->get_moments(m, v);
-  ASSERT_EQ(m.size(), params.size());
-  for (size_t i = 0; i < m.size(); ++i) {
-    double d = 0, mx = 0;
-    for (size_t j = 0; j < m[i].size(); ++j) {
-      d = std::max(d, double(std::abs(m[i][j] - adam.m()[i][j])));
-      mx = std::max(mx, double(std::abs(adam.m()[i][j])));
-    }
-    EXPECT_LE(d, tol::kGpuTttGradRel * mx) << "first moment of " << params[i].name;
-  }
+  const auto cw_t = dc.tensors(cw), init_t = dc.tensors(dc.w);
+  const std::vector<const std::vector<float>*> cpu_w(cw_t.begin(), cw_t.end()), init_w(init_t.begin(), init_t.end());
   auto fresh = make_df(dc, {0}, GpuMath::F32, 64);
-  fresh->set_moments(m, v);
-  std::vector<std::vector<float>> m2, v2;
-  fresh->get_moments(m2, v2);
-  EXPECT_EQ(m2, m);
-  EXPECT_EQ(v2, v);
+  expect_steps_track_cpu(names, *gpus[0], *gpus[1], cpu_w, init_w, params, adam, oc.lr, *fresh);
 }
 
 INSTANTIATE_TEST_SUITE_P(Objective, GpuDFlash, ::testing::Values(false, true),

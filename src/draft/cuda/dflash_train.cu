@@ -561,51 +561,32 @@ DFlashEngine::DFlashEngine(int device, const DFlashDims& dd, DraftMath math, con
 
 DFlashEngine::~DFlashEngine() = default;
 
-static void dflash_copy(float* base, const std::vector<int64_t>& offs, const std::vector<int64_t>& sizes,
-                        const std::vector<float*>& host, bool to_host, cudaStream_t s) {
-  if (host.size() != sizes.size())
-    fail_msg("DFlash on GPU: " + std::to_string(host.size()) + " tensors given, expected " +
-             std::to_string(sizes.size()));
-  for (size_t i = 0; i < sizes.size(); ++i) {
-    if (to_host)
-      CUDA_CHECK(cudaMemcpyAsync(host[i], base + offs[i], size_t(sizes[i]) * 4, cudaMemcpyDeviceToHost, s));
-    else
-      CUDA_CHECK(cudaMemcpyAsync(base + offs[i], host[i], size_t(sizes[i]) * 4, cudaMemcpyHostToDevice, s));
-  }
-  CUDA_CHECK(cudaStreamSynchronize(s));
-}
-static std::vector<float*> dflash_unconst(const std::vector<const float*>& v) {
-  std::vector<float*> o;
-  for (auto* p : v) o.push_back(const_cast<float*>(p));
-  return o;
-}
-
 void DFlashEngine::set_weights(const std::vector<const float*>& w) {
   Impl& I = *p_;
   I.dev->activate();
-  dflash_copy(I.W, I.offs, I.sizes, dflash_unconst(w), false, I.s);
+  copy_tensors(I.W, I.offs, I.sizes, unconst(w), false, I.s);
 }
 void DFlashEngine::get_weights(const std::vector<float*>& w) {
   Impl& I = *p_;
   I.dev->activate();
-  dflash_copy(I.W, I.offs, I.sizes, w, true, I.s);
+  copy_tensors(I.W, I.offs, I.sizes, w, true, I.s);
 }
 void DFlashEngine::get_grads(const std::vector<float*>& g) {
   Impl& I = *p_;
   I.dev->activate();
-  dflash_copy(I.G, I.offs, I.sizes, g, true, I.s);
+  copy_tensors(I.G, I.offs, I.sizes, g, true, I.s);
 }
 void DFlashEngine::set_moments(const std::vector<const float*>& m, const std::vector<const float*>& v) {
   Impl& I = *p_;
   I.dev->activate();
-  dflash_copy(I.M, I.offs, I.sizes, dflash_unconst(m), false, I.s);
-  dflash_copy(I.Vm, I.offs, I.sizes, dflash_unconst(v), false, I.s);
+  copy_tensors(I.M, I.offs, I.sizes, unconst(m), false, I.s);
+  copy_tensors(I.Vm, I.offs, I.sizes, unconst(v), false, I.s);
 }
 void DFlashEngine::get_moments(const std::vector<float*>& m, const std::vector<float*>& v) {
   Impl& I = *p_;
   I.dev->activate();
-  dflash_copy(I.M, I.offs, I.sizes, m, true, I.s);
-  dflash_copy(I.Vm, I.offs, I.sizes, v, true, I.s);
+  copy_tensors(I.M, I.offs, I.sizes, m, true, I.s);
+  copy_tensors(I.Vm, I.offs, I.sizes, v, true, I.s);
 }
 
 void DFlashEngine::forward(const DFlashBatch& b, DFlashRowStats& out) {

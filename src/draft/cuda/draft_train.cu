@@ -1559,28 +1559,6 @@ void DraftEngine::zero_grads() {
   CUDA_CHECK(cudaMemsetAsync(p_->G, 0, size_t(grad_elems()) * 4, p_->s));
 }
 
-// On the engine's stream s, drained before returning: ordered with everything else the engine
-// runs (a cudaMemcpy from pageable memory can return before its copy has landed, and it is
-// not ordered with s).
-static void copy_tensors(float* base, const std::vector<int64_t>& offs, const std::vector<int64_t>& sizes,
-                         const std::vector<float*>& host, bool to_host, cudaStream_t s) {
-  if (host.size() != sizes.size())
-    fail_msg("draft on GPU: " + std::to_string(host.size()) + " tensors given, expected " + std::to_string(sizes.size()));
-  for (size_t i = 0; i < sizes.size(); ++i) {
-    if (to_host)
-      CUDA_CHECK(cudaMemcpyAsync(host[i], base + offs[i], size_t(sizes[i]) * 4, cudaMemcpyDeviceToHost, s));
-    else
-      CUDA_CHECK(cudaMemcpyAsync(base + offs[i], host[i], size_t(sizes[i]) * 4, cudaMemcpyHostToDevice, s));
-  }
-  CUDA_CHECK(cudaStreamSynchronize(s));
-}
-
-static std::vector<float*> unconst(const std::vector<const float*>& v) {
-  std::vector<float*> o;
-  for (auto* p : v) o.push_back(const_cast<float*>(p));
-  return o;
-}
-
 void DraftEngine::set_weights(const std::vector<const float*>& w) {
   CUDA_CHECK(cudaSetDevice(p_->device));
   copy_tensors(p_->W, p_->offs, p_->sizes, unconst(w), false, p_->s);

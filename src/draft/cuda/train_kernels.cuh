@@ -1,12 +1,17 @@
 // Kernels the GPU draft trainers share (draft_train.cu, dflash_train.cu): column sums for weight
 // gradients of per-row norms, a strided add, and the optimizer's sum of squares, scaling and
-// AdamW update. Every reduction has a fixed order (the same bits on every run). Included by .cu
-// files only; each gets its own copy.
+// AdamW update; and the copies of their flat tensor buffers to and from the host. Every
+// reduction has a fixed order (the same bits on every run). Included by .cu files only; each
+// gets its own copy.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <string>
+#include <vector>
+
+#include "backend/cuda/check.h"
 
 namespace talon::cuda {
 namespace {
@@ -75,6 +80,29 @@ __global__ void adamw_kernel(float* w, float* m, float* v, const float* g, int64
   m[i] = mj;
   v[i] = vj;
   if (wb) wb[i] = __float2bfloat16_rn(wj);
+}
+
+// Host arrays to or from the tensors of one flat buffer (tensor i at base + offs[i]), on the
+// engine's stream s, drained before returning: ordered with everything else the engine
+// runs (a cudaMemcpy from pageable memory can return before its copy has landed, and it is
+// not ordered with s).
+inline void copy_tensors(float* base, const std::vector<int64_t>& offs, const std::vector<int64_t>& sizes,
+                         const std::vector<float*>& host, bool to_host, cudaStream_t s) {
+  if (host.size() != sizes.size())
+    fail_msg("draft on GPU: " + std::to_string(host.size()) + " tensors given, expected " + std::to_string(sizes.size()));
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    if (to_host)
+      CUDA_CHECK(cudaMemcpyAsync(host[i], base + offs[i], size_t(sizes[i]) * 4, cudaMemcpyDeviceToHost, s));
+    else
+      CUDA_CHECK(cudaMemcpyAsync(base + offs[i], host[i], size_t(sizes[i]) * 4, cudaMemcpyHostToDevice, s));
+  }
+  CUDA_CHECK(cudaStreamSynchronize(s));
+}
+
+inline std::vector<float*> unconst(const std::vector<const float*>& v) {
+  std::vector<float*> o;
+  for (auto* p : v) o.push_back(const_cast<float*>(p));
+  return o;
 }
 
 }  // namespace

@@ -22,7 +22,8 @@ std::unique_ptr<Model> make_cpu_model(const Checkpoint& ckpt);
 std::unique_ptr<Model> make_cpu_deepseek_model(const Checkpoint& ckpt, bool absorbed_mla = false);
 // The cached decoder of that family (the absorbed form over a latent + k_pe cache);
 // make_cpu_decoder dispatches to it.
-std::unique_ptr<Decoder> make_cpu_deepseek_decoder(const Checkpoint& ckpt, int n_slots, int64_t max_len);
+std::unique_ptr<Decoder> make_cpu_deepseek_decoder(const Checkpoint& ckpt, int n_slots, int64_t max_len,
+                                                   int64_t cache_tokens = 0);
 // The same family on one GPU (backend/cuda/cuda_deepseek.cpp); make_cuda_model dispatches here.
 std::unique_ptr<Model> make_cuda_deepseek_model(const Checkpoint& ckpt, int device);
 
@@ -73,12 +74,17 @@ struct GpuInfo {
 std::vector<GpuInfo> list_gpus();
 
 // The fp32 reference (same arithmetic as make_cpu_model's forward). Slots grow on demand up
-// to max_len tokens each.
-std::unique_ptr<Decoder> make_cpu_decoder(const Checkpoint& ckpt, int n_slots, int64_t max_len);
+// to max_len tokens each, within a capacity of cache_tokens rows counted in pages as a paged
+// cache counts them (model/decode.h; 0: every slot full at once).
+std::unique_ptr<Decoder> make_cpu_decoder(const Checkpoint& ckpt, int n_slots, int64_t max_len,
+                                          int64_t cache_tokens = 0);
 
-// A CUDA decoder on one GPU: the KV cache is allocated up front (n_slots x max_len tokens),
-// bf16 weights and cache, fp32 accumulation. Throws when the build has no CUDA backend or
-// the cache does not fit, naming the numbers.
-std::unique_ptr<Decoder> make_cuda_decoder(const Checkpoint& ckpt, int device, int n_slots, int64_t max_len);
+// A CUDA decoder on one GPU: bf16 weights and cache, fp32 accumulation. The KV cache is a pool
+// of pages (model/kv_pages.h) allocated up front, shared by the n_slots slots of at most
+// max_len tokens: cache_tokens rows, or with 0 enough for every slot full at once when that
+// fits the free memory, else as many pages as fit (at least one max_len sequence). Throws
+// when the build has no CUDA backend or the cache does not fit, naming the numbers.
+std::unique_ptr<Decoder> make_cuda_decoder(const Checkpoint& ckpt, int device, int n_slots, int64_t max_len,
+                                           int64_t cache_tokens = 0);
 
 }  // namespace talon

@@ -10,7 +10,7 @@ std::unique_ptr<Model> make_cuda_model(const Checkpoint&, int) {
 std::unique_ptr<Model> make_cuda_model(const Checkpoint&, const GpuOptions&) {
   fail("this build has no CUDA backend (nvcc was not found when it was configured)");
 }
-std::unique_ptr<Decoder> make_cuda_decoder(const Checkpoint&, int, int, int64_t) {
+std::unique_ptr<Decoder> make_cuda_decoder(const Checkpoint&, int, int, int64_t, int64_t) {
   fail("this build has no CUDA backend (nvcc was not found when it was configured): use --device cpu");
 }
 std::unique_ptr<Model> make_cuda_deepseek_model(const Checkpoint&, int) {

@@ -41,6 +41,15 @@ class Decoder {
   virtual int64_t max_len() const = 0;
   // Committed tokens of a slot.
   virtual int64_t length(int slot) const = 0;
+  // The cache: the slots share cache_capacity() token rows, held in pages of page_rows()
+  // tokens (model/kv_pages.h), enough at any time for a slot's committed and pending tokens.
+  // A forward that needs more pages than are free throws before running, changing nothing;
+  // a scheduler keeps the sum of cache_rows(tokens) of its running sequences within the
+  // capacity (generate). n_slots() x max_len() when every slot can be full at once.
+  virtual int64_t page_rows() const { return 1; }
+  virtual int64_t cache_capacity() const { return int64_t(n_slots()) * max_len(); }
+  // Rows a sequence of `tokens` tokens holds: whole pages.
+  int64_t cache_rows(int64_t tokens) const { return (tokens + page_rows() - 1) / page_rows() * page_rows(); }
 
   // Runs every request's tokens against its slot (each slot at most once per call). Output
   // rows follow the requests in order and, within one, its tokens in order: `logits` gets

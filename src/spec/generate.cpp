@@ -8,6 +8,7 @@
 #include <chrono>
 #include <deque>
 #include <map>
+#include <optional>
 #include <nlohmann/json.hpp>
 #include <set>
 
@@ -192,6 +193,7 @@ GenerateReport run_generate(const GenerateOptions& opt) {
   TALON_CHECK(opt.max_len > 1, "--max-len must be > 1 (got {})", opt.max_len);
   TALON_CHECK(opt.batch >= 0, "--batch must be >= 0 (got {})", opt.batch);
   TALON_CHECK(opt.max_prefill_tokens > 0, "--max-prefill-tokens must be > 0 (got {})", opt.max_prefill_tokens);
+  TALON_CHECK(opt.kv_cache_tokens >= 0, "--kv-cache-tokens must be >= 0 (got {})", opt.kv_cache_tokens);
   const ChatFormat forced = parse_chat_format(opt.format);
   const ojson kwargs = parse_template_kwargs(opt.template_kwargs);
   const auto files = expand_inputs(opt.inputs);
@@ -275,8 +277,10 @@ GenerateReport run_generate(const GenerateOptions& opt) {
   const std::vector<int32_t> eos = eos_ids(tok, opt.model);
   TALON_CHECK(!eos.empty(), "generate: the tokenizer names no end-of-sequence token; generation could not stop");
   const int batch = opt.batch > 0 ? opt.batch : (dev.cuda ? 256 : 8);
-  std::unique_ptr<Decoder> dec = dev.cuda ? make_cuda_decoder(*ckpt, dev.devices.empty() ? 0 : dev.devices[0], batch, opt.max_len)
-                                          : make_cpu_decoder(*ckpt, batch, opt.max_len);
+  std::unique_ptr<Decoder> dec =
+      dev.cuda ? make_cuda_decoder(*ckpt, dev.devices.empty() ? 0 : dev.devices[0], batch, opt.max_len, opt.kv_cache_tokens)
+               : make_cpu_decoder(*ckpt, batch, opt.max_len, opt.kv_cache_tokens);
+  rep.cache_tokens = dec->cache_capacity();
 
   fs::create_directories(opt.out);
   DirLock lock(opt.out, run_record("generate", dev.cuda ? dev.devices : std::vector<int>{}));
@@ -286,8 +290,10 @@ GenerateReport run_generate(const GenerateOptions& opt) {
   rep.resumed = int64_t(done.size());
   if (rep.resumed) tlog::info("{}: {} of {} conversations already generated; continuing", opt.out.string(), rep.resumed, n_convs);
 
-  tlog::info("generate: {} conversations ({} to do) with {} on {}, {} slots x {} tokens, eos ids [{}], {}", n_convs,
-             n_convs - rep.resumed, opt.model.string(), dec->backend(), batch, opt.max_len, fmt::join(eos, ", "),
+  tlog::info("generate: {} conversations ({} to do) with {} on {}, {} slots x {} tokens sharing a {}-token KV cache, "
+             "eos ids [{}], {}",
+             n_convs, n_convs - rep.resumed, opt.model.string(), dec->backend(), batch, opt.max_len,
+             dec->cache_capacity(), fmt::join(eos, ", "),
              opt.sampling.greedy() ? std::string("greedy")
                                    : fmt::format("T={} top_p={} top_k={} seed={}", opt.sampling.temperature,
                                                  opt.sampling.top_p, opt.sampling.top_k, opt.sampling.seed));
@@ -317,6 +323,7 @@ GenerateReport run_generate(const GenerateOptions& opt) {
     bool prefilled = false;
     int64_t fed = 0;  // prompt tokens already in the cache (a long prompt goes in chunks)
     int64_t max_new = 0;
+    int64_t reserved = 0;  // cache rows held for this turn: its prompt and answer, in pages
     uint64_t stream = 0;
   };
   std::vector<Active> slots(static_cast<size_t>(batch));
@@ -337,9 +344,13 @@ GenerateReport run_generate(const GenerateOptions& opt) {
     ++finished_convs;
     progress.advance(1);
   };
-  // Starts the next turn of conversation ci in slot s; false when the conversation ends
-  // (its prompt no longer fits).
-  auto start_turn = [&](int s, int64_t ci) {
+  // The next turn of conversation ci, rendered and tokenized: its prompt, or nothing when the
+  // conversation ends there (its prompt no longer fits under --max-len).
+  struct Staged {
+    int64_t conv = -1;
+    std::vector<int32_t> prompt;
+  };
+  auto prepare_turn = [&](int64_t ci) -> std::optional<Staged> {
     ConvRun& r = runs[size_t(ci)];
     const Conv& c = convs[size_t(ci)];
     for (const auto& m : c.segments[r.seg]) r.messages.push_back(m);
@@ -357,19 +368,30 @@ GenerateReport run_generate(const GenerateOptions& opt) {
       } else {
         finish_conv(ci, nullptr);
       }
-      return false;
+      return std::nullopt;
     }
+    return Staged{ci, std::move(ids)};
+  };
+  // Cache rows a turn holds at most: its prompt and every answer token but the last are fed.
+  auto turn_rows = [&](const Staged& t) {
+    return dec->cache_rows(int64_t(t.prompt.size()) +
+                           std::min<int64_t>(opt.max_new_tokens, opt.max_len - int64_t(t.prompt.size())));
+  };
+  int64_t reserved = 0;  // cache rows held for the running turns
+  auto start_turn = [&](int s, Staged&& t) {
+    const int64_t ci = t.conv;
     Active& a = slots[size_t(s)];
     a.conv = ci;
-    a.prompt = std::move(ids);
+    a.reserved = turn_rows(t);
+    reserved += a.reserved;
+    a.prompt = std::move(t.prompt);
     a.gen.clear();
     a.prefilled = false;
     a.fed = 0;
     a.max_new = std::min<int64_t>(opt.max_new_tokens, opt.max_len - int64_t(a.prompt.size()));
-    a.stream = uint64_t(ci) * 4096 + uint64_t(r.seg);
+    a.stream = uint64_t(ci) * 4096 + uint64_t(runs[size_t(ci)].seg);
     rep.prompt_tokens += int64_t(a.prompt.size());
     dec->reset(s);
-    return true;
   };
   // The answer text: special tokens and the eos dropped, cut at the first stop string.
   auto answer_text = [&](const std::vector<int32_t>& gen) {
@@ -392,21 +414,36 @@ GenerateReport run_generate(const GenerateOptions& opt) {
     return false;
   };
 
+  std::optional<Staged> staged;  // the queue's head turn, prepared, waiting for a slot or cache room
   bool stopped = false;
   while (true) {
     if (stop_requested()) {
       stopped = true;
       break;
     }
-    // Fill free slots.
-    for (int s = 0; s < batch && !queue.empty(); ++s) {
+    // Fill free slots, in queue order, while the cache can hold each new turn whole beside
+    // the running ones (the next turn waits at the head of the queue until it can).
+    int64_t running = 0;
+    for (const Active& a : slots) running += a.conv >= 0;
+    for (int s = 0; s < batch; ++s) {
       if (slots[size_t(s)].conv >= 0) continue;
-      while (!queue.empty()) {
+      while (!staged && !queue.empty()) {
         const int64_t ci = queue.front();
         queue.pop_front();
-        if (start_turn(s, ci)) break;
+        staged = prepare_turn(ci);
       }
+      if (!staged) break;
+      if (reserved + turn_rows(*staged) > dec->cache_capacity()) {
+        TALON_CHECK(running > 0, "generate: a {}-token turn does not fit the {}-token KV cache alone (internal error)",
+                    turn_rows(*staged), dec->cache_capacity());
+        ++rep.waits_for_cache;
+        break;
+      }
+      start_turn(s, std::move(*staged));
+      staged.reset();
+      ++running;
     }
+    rep.peak_running = std::max(rep.peak_running, running);
     // One forward: a decode step of every running slot, and prompt tokens of new ones up to
     // the prefill budget: a prompt longer than what is left of it goes in chunks over the
     // next forwards, beside the decode steps (which never wait for a whole long prompt).
@@ -468,6 +505,9 @@ GenerateReport run_generate(const GenerateOptions& opt) {
       r.messages.push_back(ojson{{"role", "assistant"}, {"content", answer_text(a.gen)}});
       ++rep.turns;
       a.conv = -1;
+      reserved -= a.reserved;
+      a.reserved = 0;
+      dec->reset(s);  // its pages go back to the cache now, not when the slot is reused
       if (++r.seg < convs[size_t(ci)].segments.size()) {
         queue.push_front(ci);
       } else {
@@ -527,6 +567,9 @@ GenerateReport run_generate(const GenerateOptions& opt) {
                      {"skipped_examples", skipped},
                      {"leading_assistant_turns_dropped", rep.leading_assistant_dropped},
                      {"turns_cut_by_max_len", rep.truncated_turns}}},
+                   {"kv_cache", {{"tokens", rep.cache_tokens}, {"page_tokens", dec->page_rows()},
+                                 {"slots", batch}, {"peak_running", rep.peak_running},
+                                 {"forwards_with_a_turn_waiting_for_room", rep.waits_for_cache}}},
                    {"this_run", {{"turns", rep.turns}, {"new_tokens", rep.new_tokens}, {"seconds", rep.seconds},
                                  {"tokens_per_second", rep.tokens_per_second}}}};
   write_file_atomic(opt.out / kManifest, manifest.dump(2) + "\n");

@@ -1,6 +1,9 @@
 // `talon generate`: the target model regenerates every assistant turn of a chat dataset
 // (the EAGLE-3 recipe: drafts learn the target's own answers), turn by turn in context,
-// with continuous batching over the decoder's slots.
+// with continuous batching over the decoder's slots. The slots share a paged KV cache
+// (model/decode.h): a turn starts only when the cache can hold its whole prompt and answer
+// (prompt + max_new_tokens rows, in pages) beside the running ones, in queue order, so a
+// cache smaller than batch x max_len runs fewer turns at once and never overflows.
 //
 // Per conversation: system messages are kept; each user turn is followed by a generated
 // assistant turn (rendered with the chat template, add_generation_prompt = true, and the
@@ -40,6 +43,7 @@ struct GenerateOptions {
   int64_t max_len = 4096;         // prompt + answer tokens per turn (the KV cache per slot)
   int batch = 0;                  // concurrent sequences (0: 8 on CPU, 256 on GPU)
   int64_t max_prefill_tokens = 8192;  // prompt tokens per forward (longer prompts go in chunks)
+  int64_t kv_cache_tokens = 0;    // the KV cache's token rows (0: batch x max_len, on a GPU what fits)
   std::vector<std::string> stop;  // stop strings (the answer is cut before them)
   int64_t limit = 0;              // first N conversations only (0: all)
   std::string device = "cpu";     // cpu | cuda | cuda:N
@@ -52,6 +56,7 @@ struct GenerateReport {
   GenerateStatus status = GenerateStatus::Complete;
   int64_t conversations = 0, resumed = 0, turns = 0, new_tokens = 0, prompt_tokens = 0;
   int64_t skipped = 0, leading_assistant_dropped = 0, truncated_turns = 0;
+  int64_t cache_tokens = 0, peak_running = 0, waits_for_cache = 0;  // capacity, most turns at once, forwards a turn waited
   double seconds = 0, tokens_per_second = 0;
   fs::path out;
 };

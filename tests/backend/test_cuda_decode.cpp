@@ -66,8 +66,8 @@ struct Twin {
   bool bulk = false;
   int64_t rows = 0, over = 0;
   const ModelConfig& c() const { return cpu->config(); }
-  Twin(const Checkpoint& ck, int slots, int64_t max_len)
-      : cpu(make_cpu_decoder(ck, slots, max_len)), gpu(make_cuda_decoder(ck, 0, slots, max_len)),
+  Twin(const Checkpoint& ck, int slots, int64_t max_len, int64_t cache_tokens = 0)
+      : cpu(make_cpu_decoder(ck, slots, max_len, cache_tokens)), gpu(make_cuda_decoder(ck, 0, slots, max_len, cache_tokens)),
         bulk(routes(ck.config())) {}
   ~Twin() {
     if (!bulk || rows == 0) return;
@@ -184,6 +184,53 @@ TEST_P(CudaDecode, ChainPrefillAndTokenByTokenDecodingOfSeveralSlots) {
       t.forward({{1, random_ids(rng, 5, V), {}, false}}, "refill");
       t.commit_all(1);
     }
+  }
+}
+
+// A paged cache smaller than its slots' max_len (model/kv_pages.h): 4 slots of up to 300 tokens
+// share 512 rows (8 pages of 64). Slots grow across page boundaries in turn, are reset and
+// refilled (their pages then come back in another order, so no slot's rows are contiguous), a
+// tree is verified and a path committed across a page boundary, against the CPU decoder with
+// the same capacity. A forward past the capacity is refused on both sides, naming the full
+// cache, and changes nothing: the same slots decode on afterwards.
+TEST_P(CudaDecode, SlotsShareAPagedCacheSmallerThanTheirMaxLen) {
+  REQUIRE_GPU();
+  auto ck = open_checkpoint(golden_fixture(GetParam()));
+  Twin t(*ck, 4, 300, 512);
+  EXPECT_EQ(t.gpu->cache_capacity(), 512);
+  EXPECT_EQ(t.gpu->page_rows(), cuda::kPageRows);
+  const int64_t V = t.c().vocab;
+  std::mt19937 rng(41);
+  t.forward({{0, random_ids(rng, 70, V), {}, false}, {1, random_ids(rng, 50, V), {}, true}}, "prefill");
+  t.commit_all(0);
+  t.commit_all(1);
+  for (int step = 0; step < 20; ++step) {  // slot 1 crosses into its second page
+    t.forward({{1, random_ids(rng, 1, V), {}, true}, {0, random_ids(rng, 1, V), {}, true}}, "step " + std::to_string(step));
+    t.commit_all(0);
+    t.commit_all(1);
+  }
+  t.cpu->reset(0);
+  t.gpu->reset(0);
+  t.forward({{2, random_ids(rng, 140, V), {}, false}, {3, random_ids(rng, 60, V), {}, true}}, "refill");
+  t.commit_all(2);
+  t.commit_all(3);
+  // A 6-node tree on slot 3 (60 committed: its pending rows straddle the page boundary).
+  const std::vector<int32_t> parents = {-1, 0, 0, 1, 3, 2};
+  t.forward({{3, random_ids(rng, 6, V), parents, true}, {2, random_ids(rng, 1, V), {}, true}}, "tree");
+  t.commit(3, {0, 1, 3, 4});
+  t.commit_all(2);
+  const std::string cpu_err = error_of([&] { t.cpu->forward({{0, random_ids(rng, 290, V), {}, false}}, Capture{}, nullptr); });
+  const std::string gpu_err = error_of([&] { t.gpu->forward({{0, random_ids(rng, 290, V), {}, false}}, Capture{}, nullptr); });
+  EXPECT_NE(cpu_err.find("the KV cache is full"), std::string::npos) << cpu_err;
+  EXPECT_NE(gpu_err.find("the KV cache is full"), std::string::npos) << gpu_err;
+  EXPECT_EQ(t.gpu->length(0), 0);
+  for (int step = 0; step < 12; ++step) {
+    std::vector<DecodeRequest> reqs;
+    for (int s : {1, 2, 3}) reqs.push_back({s, random_ids(rng, 1, V), {}, true});
+    if (step == 3) reqs.push_back({0, random_ids(rng, 30, V), {}, true});
+    if (step > 3) reqs.push_back({0, random_ids(rng, 1, V), {}, true});
+    t.forward(reqs, "after the refusal, step " + std::to_string(step));
+    for (auto& r : reqs) t.commit_all(r.slot);
   }
 }
 
@@ -817,11 +864,16 @@ TEST(DecodeSlots, PlansRowsAndCommitMovesByTheContract) {
   EXPECT_NE(error_of([&] { slots.commit(2, {1}, pending); }).find("does not continue the kept path"), std::string::npos);
   EXPECT_TRUE(slots.commit(2, {0, 1}, pending).empty());
   EXPECT_EQ(slots.length(2), 2);
-  // Kept rows of slot 2 sit at flat rows 2 * 100 + ...: a moved row of slot 2 names them.
+  // Moves name physical rows of the page pool (pages of kPageRows, handed out from page 0 on):
+  // slot 0 took page 0 with its prefill, slot 2 page 1 with its chain, so rows 3 -> 2 of slot 2
+  // are rows P + 3 -> P + 2.
+  const int32_t P = int32_t(cuda::kPageRows);
   reqs = {{2, {1, 2}, {-1, -1}, true}};
   b = slots.plan(reqs, pending, V);
   slots.ran(reqs, b, pending);
-  EXPECT_EQ(slots.commit(2, {1}, pending), (std::vector<int32_t>{203, 202}));
+  EXPECT_EQ(slots.commit(2, {1}, pending), (std::vector<int32_t>{P + 3, P + 2}));
+  EXPECT_EQ(slots.pages().held(0), 1);
+  EXPECT_EQ(slots.pages().held(2), 1);
 
   // A sliding window of 2 keys: row at position p sees [p - 1, p].
   reqs = {{1, {1, 2, 3}, {}, true}};
@@ -847,7 +899,46 @@ TEST(DecodeSlots, PlansRowsAndCommitMovesByTheContract) {
   EXPECT_EQ(slots.length(0), 0);
   slots.reset(0, pending, 40);
   EXPECT_EQ(slots.length(0), 40);
-  EXPECT_NE(error_of([] { cuda::DecodeSlots bad(0, 10); }).find("must be positive"), std::string::npos);
+  EXPECT_NE(error_of([] { cuda::DecodeSlots bad(0, 10); }).find("at least one slot"), std::string::npos);
+
+  // A pool of 3 pages for 2 slots of up to 2 pages each: slot 0 grows into its second page
+  // beside slot 1's first; then slot 1 cannot take two more pages, and the refusal changes
+  // nothing; slot 0's reset gives its pages back, and slot 1's second page is the last one
+  // slot 0 gave back, so its rows P..2P-1 move to physical page 1.
+  cuda::DecodeSlots small(2, 2 * P, 3 * P);
+  std::vector<int64_t> pend(2, 0);
+  reqs = {{0, std::vector<int32_t>(size_t(P + 5), 1), {}, false}, {1, {1, 2}, {}, false}};
+  b = small.plan(reqs, pend, V);
+  small.ran(reqs, b, pend);
+  small.commit(0, std::vector<int32_t>([&] {
+                 std::vector<int32_t> k(size_t(P + 5));
+                 for (int32_t i = 0; i < P + 5; ++i) k[size_t(i)] = i;
+                 return k;
+               }()),
+               pend);
+  small.commit(1, {0, 1}, pend);
+  EXPECT_EQ(small.pages().table(), (std::vector<int32_t>{0, 1, 2, -1}));
+  EXPECT_EQ(small.pages().free_pages(), 0);
+  const std::string full = error_of([&] { small.plan({{1, std::vector<int32_t>(size_t(P), 1), {}, true}}, pend, V); });
+  EXPECT_NE(full.find("the KV cache is full"), std::string::npos) << full;
+  EXPECT_NE(full.find("slot 1"), std::string::npos) << full;
+  EXPECT_EQ(small.pages().table(), (std::vector<int32_t>{0, 1, 2, -1}));
+  small.reset(0, pend);
+  EXPECT_EQ(small.pages().free_pages(), 2);
+  // A P-token tree on slot 1 (2 committed): tokens 0 .. P - 2 follow the prefix, token P - 1
+  // follows token 0. Its rows 2 .. P + 1 take a second page: page 0, the last one slot 0 gave back.
+  std::vector<int32_t> par(size_t(P), -1);
+  par.back() = 0;
+  reqs = {{1, std::vector<int32_t>(size_t(P), 1), par, true}};
+  b = small.plan(reqs, pend, V);
+  EXPECT_EQ(small.pages().table(), (std::vector<int32_t>{-1, -1, 2, 0}));
+  small.ran(reqs, b, pend);
+  // Keeping 0, P - 1: token P - 1 at slot row P + 1 (physical 0 * P + 1) moves to slot row 3
+  // (physical 2P + 3); token 0 stays at row 2. Slot 1 then holds 4 rows: its second page goes back.
+  EXPECT_EQ(small.commit(1, {0, P - 1}, pend), (std::vector<int32_t>{1, 2 * P + 3}));
+  EXPECT_EQ(small.length(1), 4);
+  EXPECT_EQ(small.pages().table(), (std::vector<int32_t>{-1, -1, 2, -1}));
+  EXPECT_EQ(small.pages().free_pages(), 2);
 }
 
 TEST(DecodePlan, GroupsLoneRowsAndTiles) {
@@ -983,6 +1074,31 @@ TEST(CudaDecodeAttention, VerifyTilesAndPerRowKernelMatchTheReference) {
     d_qkv.upload(to_bf16(qkv));
     d_kc.upload(to_bf16(kc));
     d_vc.upload(to_bf16(vc));
+    // The same caches paged (ops.h: CacheMap): every slot's pages of kPageRows rows placed at
+    // shuffled pages of a pool with two spare pages, whose rows (and the unused tails) are NaN,
+    // so that a key read from the wrong page shows. Same keys, same arithmetic: the outputs
+    // must equal the flat cache's bit for bit.
+    const int64_t mp = (max_len + cuda::kPageRows - 1) / cuda::kPageRows, n_pool = n_slots * mp + 2;
+    std::vector<int32_t> table(size_t(n_slots * mp));
+    {
+      std::vector<int32_t> perm(static_cast<size_t>(n_pool));
+      for (int64_t i = 0; i < n_pool; ++i) perm[size_t(i)] = int32_t(i);
+      std::shuffle(perm.begin(), perm.end(), rng);
+      std::copy_n(perm.begin(), table.size(), table.begin());
+    }
+    std::vector<float> pkc(size_t(n_pool * cuda::kPageRows * kvd), std::nanf("")), pvc = pkc;
+    for (int64_t sl = 0; sl < n_slots; ++sl)
+      for (int64_t j = 0; j < max_len; ++j) {
+        const int64_t phys = int64_t(table[size_t(sl * mp + j / cuda::kPageRows)]) * cuda::kPageRows + j % cuda::kPageRows;
+        std::copy_n(kc.begin() + (sl * max_len + j) * kvd, kvd, pkc.begin() + phys * kvd);
+        std::copy_n(vc.begin() + (sl * max_len + j) * kvd, kvd, pvc.begin() + phys * kvd);
+      }
+    Guarded<__nv_bfloat16> d_pkc(pkc.size()), d_pvc(pvc.size()), d_pout(size_t(N * nh * hd));
+    d_pkc.upload(to_bf16(pkc));
+    d_pvc.upload(to_bf16(pvc));
+    Guarded<int32_t> d_table(table.size());
+    d_table.upload(table);
+    const cuda::CacheMap paged(d_table.ptr(), mp);
     // Modes: rows only; tiles for groups (the lone row of slot 2 stays single); every row in
     // tiles, the lone row too (as lone_tile_rows has it by default); and every row in tiles
     // with one key split, where the tiles write the output without a combine pass.
@@ -1024,6 +1140,13 @@ TEST(CudaDecodeAttention, VerifyTilesAndPerRowKernelMatchTheReference) {
       const auto out = to_f32(d_out.download());
       EXPECT_TRUE(d_out.guards_intact()) << what;
       EXPECT_TRUE(part.guards_intact()) << what;
+      cuda::decode_attention(reinterpret_cast<cuda::bf16*>(d_pout.ptr()), part.ptr(),
+                             reinterpret_cast<const cuda::bf16*>(d_qkv.ptr()), ld,
+                             reinterpret_cast<const cuda::bf16*>(d_pkc.ptr()),
+                             reinterpret_cast<const cuda::bf16*>(d_pvc.ptr()), d_rows.ptr(), d_masks.ptr(), N, nh, nkv,
+                             hd, paged, ks.splits, ks.split_len, nullptr, nullptr, tiles ? &work : nullptr);
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess) << what << ", paged";
+      EXPECT_EQ(to_f32(d_pout.download()), out) << what << ": the paged cache gave other outputs";
       for (int64_t rh = 0; rh < N * nh; ++rh) {
         double err = 0, norm = 0;
         for (int64_t i = 0; i < hd; ++i) {

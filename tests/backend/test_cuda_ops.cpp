@@ -238,7 +238,7 @@ TEST(CudaOps, RopeInTheQkvProductWritesWhatTheRopeKernelWrites) {
                                   hs.nkv, hs.hd, max_len, nullptr);
         cuda::SkinnyRope rope;
         rope.pos = dpos.ptr(), rope.inv_freq = dinv.ptr(), rope.rows = drows.ptr(), rope.kc = k2.ptr(), rope.vc = v2.ptr();
-        rope.nh = hs.nh, rope.nkv = hs.nkv, rope.hd = hs.hd, rope.max_len = max_len;
+        rope.nh = hs.nh, rope.nkv = hs.nkv, rope.hd = hs.hd, rope.cache = max_len;
         cuda::SkinnyFused f = base;
         f.out = q2.ptr();
         f.rope = &rope;

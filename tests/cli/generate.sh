@@ -57,6 +57,22 @@ cmp -s "$WORK/g_ref/generated.jsonl" "$WORK/g_b1/generated.jsonl" && ok "batch 1
 "$TALON" "${gen[@]}" --batch 3 --max-prefill-tokens 7 --out "$WORK/g_chunk" > /dev/null 2>&1
 cmp -s "$WORK/g_ref/generated.jsonl" "$WORK/g_chunk/generated.jsonl" && ok "prompts prefilled in chunks: same output" \
   || bad "chunked prefill changed the output"
+# A KV cache smaller than batch x max-len (128 rows in pages of 16 for 3 slots): turns wait for
+# room instead of failing a forward, fewer run at once, and the output is the same.
+"$TALON" "${gen[@]}" --batch 3 --max-len 128 --kv-cache-tokens 128 --out "$WORK/g_kv" > /dev/null 2> "$WORK/kv.err" \
+  || bad "generate with a small KV cache: $(tail -3 "$WORK/kv.err")"
+python3 - "$WORK/g_kv/manifest.json" <<'PY' && cmp -s "$WORK/g_ref/generated.jsonl" "$WORK/g_kv/generated.jsonl" \
+  && ok "a KV cache smaller than batch x max-len: turns wait for room, same output" || bad "small KV cache: $(cat "$WORK/g_kv/manifest.json" 2>/dev/null | head -c 600)"
+import json, sys
+m = json.load(open(sys.argv[1]))
+kv = m["kv_cache"]
+assert kv["tokens"] == 128 and kv["page_tokens"] == 16 and kv["slots"] == 3, kv
+assert 1 <= kv["peak_running"] < 3 and kv["forwards_with_a_turn_waiting_for_room"] > 0, kv
+assert m["counts"]["turns_cut_by_max_len"] == 0, m["counts"]
+PY
+"$TALON" "${gen[@]}" --max-len 128 --kv-cache-tokens 100 --out "$WORK/g_kv_small" > /dev/null 2> "$WORK/kvs.err"
+[ $? -ne 0 ] && grep -q "cannot hold one sequence of max_len 128" "$WORK/kvs.err" && [ ! -e "$WORK/g_kv_small" ] \
+  && ok "a KV cache below one max-len sequence is refused before anything is written" || bad "$(cat "$WORK/kvs.err")"
 "$TALON" "${gen[@]}" --batch 3 --temperature 0.8 --seed 3 --out "$WORK/g_t1" > /dev/null 2>&1
 "$TALON" "${gen[@]}" --batch 2 --temperature 0.8 --seed 3 --max-prefill-tokens 5 --out "$WORK/g_t1c" > /dev/null 2>&1
 [ -s "$WORK/g_t1/generated.jsonl" ] && cmp -s "$WORK/g_t1/generated.jsonl" "$WORK/g_t1c/generated.jsonl" \

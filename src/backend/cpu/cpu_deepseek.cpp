@@ -352,9 +352,9 @@ class CpuDeepseekModel final : public Model {
 // row attends to its slot's cached rows (cpu::KvSlots).
 class CpuDeepseekDecoder final : public cpu::KvSlots {
  public:
-  CpuDeepseekDecoder(const Checkpoint& ckpt, int n_slots, int64_t max_len)
+  CpuDeepseekDecoder(const Checkpoint& ckpt, int n_slots, int64_t max_len, int64_t cache_tokens)
       : KvSlots(n_slots, ckpt.config().n_layers, ckpt.config().ds.kv_lora_rank + ckpt.config().ds.qk_rope_head_dim,
-                max_len),
+                max_len, cache_tokens),
         m_(ckpt, true) {}
   const ModelConfig& config() const override { return m_.config(); }
   std::string backend() const override { return "cpu (absorbed MLA)"; }
@@ -398,9 +398,10 @@ class CpuDeepseekDecoder final : public cpu::KvSlots {
 
 }  // namespace
 
-std::unique_ptr<Decoder> make_cpu_deepseek_decoder(const Checkpoint& ckpt, int n_slots, int64_t max_len) {
+std::unique_ptr<Decoder> make_cpu_deepseek_decoder(const Checkpoint& ckpt, int n_slots, int64_t max_len,
+                                                   int64_t cache_tokens) {
   TALON_CHECK(is_deepseek(ckpt.config().arch), "{}: not a DeepSeek-family model", ckpt.source());
-  return std::make_unique<CpuDeepseekDecoder>(ckpt, n_slots, max_len);
+  return std::make_unique<CpuDeepseekDecoder>(ckpt, n_slots, max_len, cache_tokens);
 }
 
 std::unique_ptr<Model> make_cpu_deepseek_model(const Checkpoint& ckpt, bool absorbed_mla) {

@@ -164,8 +164,9 @@ class CpuDenseModel final : public Model {
 // floats) in fp32 (cpu::KvSlots keeps the committed and pending rows).
 class CpuDecoder final : public cpu::KvSlots {
  public:
-  CpuDecoder(const Checkpoint& ckpt, int n_slots, int64_t max_len)
-      : KvSlots(n_slots, ckpt.config().n_layers, 2 * ckpt.config().n_kv_heads * ckpt.config().head_dim, max_len),
+  CpuDecoder(const Checkpoint& ckpt, int n_slots, int64_t max_len, int64_t cache_tokens)
+      : KvSlots(n_slots, ckpt.config().n_layers, 2 * ckpt.config().n_kv_heads * ckpt.config().head_dim, max_len,
+                cache_tokens),
         w_(ckpt) {}
   const ModelConfig& config() const override { return w_.cfg; }
   std::string backend() const override { return "cpu"; }
@@ -224,9 +225,9 @@ std::unique_ptr<Model> make_cpu_model(const Checkpoint& ckpt) {
   return std::make_unique<CpuDenseModel>(ckpt);
 }
 
-std::unique_ptr<Decoder> make_cpu_decoder(const Checkpoint& ckpt, int n_slots, int64_t max_len) {
-  if (is_deepseek(ckpt.config().arch)) return make_cpu_deepseek_decoder(ckpt, n_slots, max_len);
-  return std::make_unique<CpuDecoder>(ckpt, n_slots, max_len);
+std::unique_ptr<Decoder> make_cpu_decoder(const Checkpoint& ckpt, int n_slots, int64_t max_len, int64_t cache_tokens) {
+  if (is_deepseek(ckpt.config().arch)) return make_cpu_deepseek_decoder(ckpt, n_slots, max_len, cache_tokens);
+  return std::make_unique<CpuDecoder>(ckpt, n_slots, max_len, cache_tokens);
 }
 
 void Decoder::commit_all(int slot) {

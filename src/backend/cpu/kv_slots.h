@@ -4,6 +4,9 @@
 // tokens first and after them the pending tokens of the slot's last forward. It plans a
 // forward (the packed rows, their positions, the logit rows), lists the cache rows a row
 // attends to, and commits or drops pending rows; the pending counts are Decoder::pending_.
+// Its rows are plain per-slot vectors, but it keeps the page accounting of a paged cache
+// (model/kv_pages.h, pages of kPageRows tokens) and refuses a forward past the capacity as
+// the CUDA decoders do, so that schedulers are tested against the same contract on the CPU.
 // The arithmetic (config, backend, forward) stays with each model's decoder.
 #pragma once
 #include <algorithm>
@@ -11,6 +14,7 @@
 #include <vector>
 
 #include "model/decode.h"
+#include "model/kv_pages.h"
 #include "util/error.h"
 
 namespace talon::cpu {
@@ -33,6 +37,9 @@ class KvSlots : public Decoder {
   int n_slots() const override { return int(slots_.size()); }
   int64_t max_len() const override { return max_len_; }
   int64_t length(int slot) const override { return at(slot).len; }
+  int64_t page_rows() const override { return pages_.page_rows(); }
+  int64_t cache_capacity() const override { return pages_.capacity(); }
+  static constexpr int64_t kPageRows = 16;
 
   void commit(int slot, const std::vector<int32_t>& keep) override {
     Slot& s = at(slot);
@@ -50,6 +57,7 @@ class KvSlots : public Decoder {
           std::copy_n(l.data() + (s.len + keep[i]) * width_, width_, l.data() + (s.len + int64_t(i)) * width_);
     s.len += int64_t(keep.size());
     for (auto& l : s.rows) l.resize(size_t(s.len * width_));
+    pages_.resize(slot, s.len);
     pending_[size_t(slot)] = 0;
     s.parents.clear();
   }
@@ -60,12 +68,13 @@ class KvSlots : public Decoder {
     for (auto& l : s.rows) std::vector<float>().swap(l);
     s.parents.clear();
     pending_[size_t(slot)] = 0;
+    pages_.resize(slot, 0);
   }
 
  protected:
-  KvSlots(int n_slots, int64_t n_layers, int64_t width, int64_t max_len) : width_(width), max_len_(max_len) {
-    TALON_CHECK(n_slots > 0 && max_len > 0, "decoder: need at least one slot and one token (got {} x {})", n_slots,
-                max_len);
+  // cache_tokens: the capacity in token rows (0: every slot full at once).
+  KvSlots(int n_slots, int64_t n_layers, int64_t width, int64_t max_len, int64_t cache_tokens = 0)
+      : width_(width), max_len_(max_len), pages_(n_slots, max_len, kPageRows, cache_tokens) {
     slots_.resize(size_t(n_slots));
     for (auto& s : slots_) s.rows.resize(size_t(n_layers));
     pending_.assign(size_t(n_slots), 0);
@@ -76,6 +85,7 @@ class KvSlots : public Decoder {
   Plan plan_forward(const std::vector<DecodeRequest>& reqs) {
     Plan p;
     std::vector<uint8_t> seen(slots_.size(), 0);
+    std::vector<std::pair<int, int64_t>> grow;
     for (size_t ri = 0; ri < reqs.size(); ++ri) {
       const DecodeRequest& r = reqs[ri];
       Slot& s = at(r.slot);
@@ -101,8 +111,11 @@ class KvSlots : public Decoder {
         for (int64_t i = 0; i < n; ++i) p.logit_rows.push_back(first + i);
       else
         p.logit_rows.push_back(first + n - 1);
-      for (auto& l : s.rows) l.resize(size_t((s.len + n) * width_));
+      grow.emplace_back(r.slot, s.len + n);
     }
+    pages_.resize(grow);  // throws, changing nothing, when the pages run out
+    for (const auto& [slot, rows] : grow)
+      for (auto& l : at(slot).rows) l.resize(size_t(rows * width_));
     return p;
   }
 
@@ -153,6 +166,7 @@ class KvSlots : public Decoder {
   const Slot& at(int slot) const { return slots_[size_t(check(slot))]; }
 
   int64_t width_, max_len_;
+  KvPages pages_;
   std::vector<Slot> slots_;
 };
 

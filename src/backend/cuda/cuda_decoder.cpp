@@ -47,41 +47,39 @@ std::string gib(double b) { return fmt::format("{:.2f} GiB", b / double(1ll << 3
 
 class CudaDecoder final : public Decoder, public cuda::DecoderControls {
  public:
-  CudaDecoder(const Checkpoint& ckpt, int device, int n_slots, int64_t max_len)
-      : dev_(checked(n_slots, max_len, device), "decoder"), cfg_(ckpt.config()), max_len_(max_len),
-        slots_(n_slots, max_len) {
+  CudaDecoder(const Checkpoint& ckpt, int device, int n_slots, int64_t max_len, int64_t cache_tokens)
+      : dev_(checked(n_slots, max_len, device), "decoder"), cfg_(ckpt.config()), max_len_(max_len) {
     const ModelConfig& c = cfg_;
     const int device_ = dev_.index();
     w_ = cuda::upload_dense_weights(ckpt, device_, 0, 1, dev_.arena());
-    // The cache: per layer K and V [n_slots, max_len, nkv, hd] bf16, checked against what
-    // is free after the weights, keeping room for the activations of one forward per slot.
+    // The cache: per layer K and V [pool rows, nkv, hd] bf16 in pages shared by the slots
+    // (decode_slots.h), sized against what is free after the weights, keeping room for the
+    // activations of one forward per slot.
     const int64_t kvd = c.n_kv_heads * c.head_dim, L = c.n_layers;
     const int64_t per_token = L * 2 * kvd * 2;
-    const double cache_bytes = double(per_token) * double(n_slots) * double(max_len);
     const int64_t ldqkv = (c.n_heads + 2 * c.n_kv_heads) * c.head_dim;
     const double reserve = double(1ll << 30) +
                            double(n_slots) * double(c.vocab * 6 + c.hidden * 12 + ldqkv * 2 + c.intermediate * 6);
     const auto [free_b, total_b] = dev_.memory();
-    if (cache_bytes + reserve > double(free_b)) {
-      const double room = double(free_b) - reserve;
-      const int64_t fit = room > 0 ? int64_t(room / double(per_token) / double(n_slots)) : 0;
-      fail("cuda:{}: the KV cache needs {} ({} layers x K,V x {} slots x {} tokens x {} kv heads x {} head_dim x 2 "
-           "bytes) plus {} kept for activations, but only {} of {} is free after {} of weights; {} slots fit at most "
-           "{} tokens each",
-           device_, gib(cache_bytes), L, n_slots, max_len, c.n_kv_heads, c.head_dim, gib(reserve), gib(double(free_b)),
-           gib(double(total_b)), gib(double(w_.weight_bytes)), n_slots, fit);
-    }
+    const bool fixed = cuda::kv_pages_fixed();
+    const int64_t rows = cuda::cache_pool_rows(
+        device_, n_slots, max_len, fixed ? 0 : cache_tokens, double(per_token), reserve, double(free_b),
+        double(total_b), double(w_.weight_bytes),
+        fmt::format("{} layers x K,V x {} kv heads x {} head_dim x 2 bytes", L, c.n_kv_heads, c.head_dim));
+    slots_ = std::make_unique<cuda::DecodeSlots>(n_slots, max_len, rows, fixed);
     std::vector<bf16*> bufs;
     for (int64_t l = 0; l < L; ++l) {
-      kc_.push_back(cache_arena_.alloc<bf16>(size_t(n_slots) * size_t(max_len) * size_t(kvd)));
-      vc_.push_back(cache_arena_.alloc<bf16>(size_t(n_slots) * size_t(max_len) * size_t(kvd)));
+      kc_.push_back(cache_arena_.alloc<bf16>(size_t(rows) * size_t(kvd)));
+      vc_.push_back(cache_arena_.alloc<bf16>(size_t(rows) * size_t(kvd)));
       bufs.push_back(kc_.back());
       bufs.push_back(vc_.back());
     }
     cache_ptrs_ = cache_arena_.alloc<bf16*>(bufs.size());
     CUDA_CHECK(cudaMemcpy(cache_ptrs_, bufs.data(), bufs.size() * sizeof(bf16*), cudaMemcpyHostToDevice));
     move_pairs_ = cache_arena_.alloc<int32_t>(size_t(2 * max_len));
-    tlog::info("cuda:{}: decoder with {} slots x {} tokens: KV cache {}", device_, n_slots, max_len, gib(cache_bytes));
+    page_table_ = cache_arena_.alloc<int32_t>(size_t(n_slots) * size_t(slots_->pages().max_pages()));
+    tlog::info("cuda:{}: decoder with {} slots x {} tokens: KV cache {} tokens in pages of {} ({})", device_, n_slots,
+               max_len, rows, cuda::kPageRows, gib(double(per_token) * double(rows)));
     pending_.assign(size_t(n_slots), 0);
     // Attention's key splits are merged by a separate combine launch: measured faster on an
     // H200 than the last split block merging them (8B shape, batch 1: 4.84 vs 5.02 ms a
@@ -101,9 +99,11 @@ class CudaDecoder final : public Decoder, public cuda::DecoderControls {
 
   const ModelConfig& config() const override { return cfg_; }
   std::string backend() const override { return dev_.name(); }
-  int n_slots() const override { return slots_.size(); }
+  int n_slots() const override { return slots_->size(); }
   int64_t max_len() const override { return max_len_; }
-  int64_t length(int slot) const override { return slots_.length(slot); }
+  int64_t length(int slot) const override { return slots_->length(slot); }
+  int64_t page_rows() const override { return slots_->pages().page_rows(); }
+  int64_t cache_capacity() const override { return slots_->pages().capacity(); }
 
   void forward(const std::vector<DecodeRequest>& reqs, const Capture& cap, float* logits) override {
     run(reqs, cap, logits, nullptr);
@@ -125,7 +125,7 @@ class CudaDecoder final : public Decoder, public cuda::DecoderControls {
 
   void commit(int slot, const std::vector<int32_t>& keep) override {
     // Kept rows that are not in place move down, in order (decode_ops.h: kv_cache_move).
-    const std::vector<int32_t> pairs = slots_.commit(slot, keep, pending_);
+    const std::vector<int32_t> pairs = slots_->commit(slot, keep, pending_);
     if (!pairs.empty()) {
       dev_.activate();
       CUDA_CHECK(cudaMemcpyAsync(move_pairs_, pairs.data(), pairs.size() * 4, cudaMemcpyHostToDevice, dev_.stream()));
@@ -136,14 +136,14 @@ class CudaDecoder final : public Decoder, public cuda::DecoderControls {
     }
   }
 
-  void reset(int slot) override { slots_.reset(slot, pending_); }
+  void reset(int slot) override { slots_->reset(slot, pending_); }
 
   void assume_length(int slot, int64_t len) override {
-    slots_.check(slot);
+    slots_->check(slot);
     TALON_CHECK(len >= 0 && len <= max_len_, "decoder: length {} outside [0, {}]", len, max_len_);
     if (!filled_) {
       dev_.activate();
-      const size_t n = size_t(slots_.size()) * size_t(max_len_) * size_t(cfg_.n_kv_heads * cfg_.head_dim) * 2;
+      const size_t n = size_t(slots_->cache_rows()) * size_t(cfg_.n_kv_heads * cfg_.head_dim) * 2;
       for (size_t l = 0; l < kc_.size(); ++l) {
         CUDA_CHECK(cudaMemsetAsync(kc_[l], 0x3c, n, dev_.stream()));  // bf16 0x3c3c: about 0.0115
         CUDA_CHECK(cudaMemsetAsync(vc_[l], 0x3c, n, dev_.stream()));
@@ -151,7 +151,7 @@ class CudaDecoder final : public Decoder, public cuda::DecoderControls {
       CUDA_CHECK(cudaStreamSynchronize(dev_.stream()));
       filled_ = true;
     }
-    slots_.reset(slot, pending_, len);
+    slots_->reset(slot, pending_, len);
   }
 
  private:
@@ -196,7 +196,9 @@ class CudaDecoder final : public Decoder, public cuda::DecoderControls {
     const int64_t nh = w_.nh, nkv = w_.nkv, ldqkv = (nh + 2 * nkv) * hd;
     cap.validate(c.n_layers);
     // Rows: what each new token attends to (decode_ops.h) and its RoPE position.
-    cuda::DecodeBatch batch = slots_.plan(reqs, pending_, V, W);
+    cuda::DecodeBatch batch = slots_->plan(reqs, pending_, V, W);
+    slots_->sync_pages(page_table_, dev_.stream());
+    const cuda::CacheMap map = slots_->cache_map(page_table_);
     const std::vector<DecodeRow>& rows = batch.rows;
     const std::vector<uint64_t>& masks = batch.masks;
     const std::vector<int64_t>& seq_start = batch.seq_start;
@@ -262,22 +264,22 @@ class CudaDecoder final : public Decoder, public cuda::DecoderControls {
         r.rows = d_rows;
         r.kc = kc_[size_t(l)];
         r.vc = vc_[size_t(l)];
-        r.max_len = max_len_;
+        r.cache = map;
         return true;
       };
       hooks.attention = [&](int64_t l, bool cached) {
         if (flash) {
           cuda::rope_forward(a.qkv, ldqkv, d_pos, w_.inv_freq, N, nh, hd, st);
           cuda::rope_forward(a.qkv + nh * hd, ldqkv, d_pos, w_.inv_freq, N, nkv, hd, st);
-          cuda::kv_cache_write(kc_[size_t(l)], vc_[size_t(l)], a.qkv, ldqkv, d_rows, N, nh, nkv, hd, max_len_, st);
+          cuda::kv_cache_write(kc_[size_t(l)], vc_[size_t(l)], a.qkv, ldqkv, d_rows, N, nh, nkv, hd, map, st);
           cuda::flash_attention_forward(a.att, a.qkv, ldqkv, d_seq_start, d_tiles, int64_t(tiles.size() / 2), nh, nkv,
                                         hd, W, st);
         } else {
           if (!cached)
             cuda::rope_kv_cache_write(kc_[size_t(l)], vc_[size_t(l)], a.qkv, ldqkv, d_pos, w_.inv_freq, d_rows, N, nh,
-                                      nkv, hd, max_len_, st);
+                                      nkv, hd, map, st);
           cuda::decode_attention(a.att, a.part, a.qkv, ldqkv, kc_[size_t(l)], vc_[size_t(l)], d_rows, d_masks, N, nh,
-                                 nkv, hd, max_len_, splits, split_len, st, merge_in_kernel_ ? a.counters : nullptr,
+                                 nkv, hd, map, splits, split_len, st, merge_in_kernel_ ? a.counters : nullptr,
                                  tiled ? &work : nullptr);
         }
       };
@@ -303,7 +305,7 @@ class CudaDecoder final : public Decoder, public cuda::DecoderControls {
                 st, device_work, !flash);
 
     cuda::results_down(cap, a.cap, a.n_tokens, N, H, NL, a.top1, ids, a.logits32, logits, V, out_h_, st);
-    slots_.ran(reqs, batch, pending_);
+    slots_->ran(reqs, batch, pending_);
   }
 
   void ensure_acts(int64_t N, int64_t NL, int64_t part, int64_t n_cap, int64_t in_bytes) {
@@ -341,20 +343,19 @@ class CudaDecoder final : public Decoder, public cuda::DecoderControls {
   // Checked before anything is allocated.
   static int checked(int n_slots, int64_t max_len, int device) {
     TALON_CHECK(n_slots > 0 && max_len > 0, "decoder: n_slots {} and max_len {} must be positive", n_slots, max_len);
-    TALON_CHECK(int64_t(n_slots) * max_len < (int64_t(1) << 31),
-                "decoder: {} slots x {} tokens is more cache rows than 2^31", n_slots, max_len);
     return device;
   }
 
   cuda::Device dev_;  // first: destroyed last (device.h)
   ModelConfig cfg_;
   int64_t max_len_;
-  cuda::DecodeSlots slots_;
+  std::unique_ptr<cuda::DecodeSlots> slots_;  // sized once the weights are up
   DeviceArena cache_arena_;
   cuda::DenseDeviceWeights w_;
-  std::vector<bf16*> kc_, vc_;   // per layer [n_slots, max_len, nkv, hd]
+  std::vector<bf16*> kc_, vc_;   // per layer [pool rows, nkv, hd], paged (decode_slots.h)
   bf16** cache_ptrs_ = nullptr;  // device array of every layer's K and V pointers, for moves
   int32_t* move_pairs_ = nullptr;
+  int32_t* page_table_ = nullptr;  // [n_slots, max_pages] (DecodeSlots::sync_pages)
   bool filled_ = false;
   std::unique_ptr<Acts> acts_;
   cuda::PinnedBuffer in_h_, out_h_;  // staging of Acts::in; the greedy ids coming down
@@ -385,9 +386,11 @@ class CudaDecoder final : public Decoder, public cuda::DecoderControls {
 
 }  // namespace
 
-std::unique_ptr<Decoder> make_cuda_decoder(const Checkpoint& ckpt, int device, int n_slots, int64_t max_len) {
-  if (is_deepseek(ckpt.config().arch)) return cuda::make_deepseek_decoder(ckpt, device, n_slots, max_len);
-  return std::make_unique<CudaDecoder>(ckpt, device, n_slots, max_len);
+std::unique_ptr<Decoder> make_cuda_decoder(const Checkpoint& ckpt, int device, int n_slots, int64_t max_len,
+                                           int64_t cache_tokens) {
+  if (is_deepseek(ckpt.config().arch))
+    return cuda::make_deepseek_decoder(ckpt, device, n_slots, max_len, cache_tokens);
+  return std::make_unique<CudaDecoder>(ckpt, device, n_slots, max_len, cache_tokens);
 }
 
 namespace cuda {

@@ -17,7 +17,8 @@ class DecoderControls {
 };
 
 // The DeepSeek-family decoder (cuda_deepseek_decoder.cpp); make_cuda_decoder picks it.
-std::unique_ptr<Decoder> make_deepseek_decoder(const Checkpoint& ckpt, int device, int n_slots, int64_t max_len);
+std::unique_ptr<Decoder> make_deepseek_decoder(const Checkpoint& ckpt, int device, int n_slots, int64_t max_len,
+                                               int64_t cache_tokens);
 
 // Benchmarks only: marks the first `len` rows of a CUDA decoder's slot as committed without
 // computing them (their keys and values are whatever the cache holds: a constant fill

@@ -56,37 +56,34 @@ void gemm_batched(cublasHandle_t h, cublasOperation_t ta, int64_t m, int64_t n, 
 
 class CudaDeepseekDecoder final : public Decoder, public DecoderControls {
  public:
-  CudaDeepseekDecoder(const Checkpoint& ckpt, int device, int n_slots, int64_t max_len)
-      : slots_(n_slots, max_len), dev_(device, "decoder"), cfg_(ckpt.config()), max_len_(max_len) {
+  CudaDeepseekDecoder(const Checkpoint& ckpt, int device, int n_slots, int64_t max_len, int64_t cache_tokens)
+      : dev_(checked(n_slots, max_len, device), "decoder"), cfg_(ckpt.config()), max_len_(max_len) {
     const ModelConfig& c = cfg_;
     const DeepseekConfig& d = c.ds;
     TALON_CHECK(d.kv_lora_rank <= 512 && d.kv_lora_rank % 2 == 0,
                 "{}: kv_lora_rank {} is not supported by the CUDA decoder (even, at most 512)", ckpt.source(),
                 d.kv_lora_rank);
     w_ = upload_deepseek_weights(ckpt, dev_.arena(), {});
-    // The latent cache: per layer [n_slots, max_len, kvr + rope] bf16, checked against what is
-    // free after the weights, keeping room for one forward's activations per slot.
+    // The latent cache: per layer [pool rows, kvr + rope] bf16 in pages shared by the slots
+    // (decode_slots.h), sized against what is free after the weights, keeping room for one
+    // forward's activations per slot.
     const int64_t width = d.kv_lora_rank + d.qk_rope_head_dim, L = c.n_layers;
     const int64_t per_token = L * width * 2;
-    const double cache_bytes = double(per_token) * double(n_slots) * double(max_len);
     const double reserve = double(1ll << 30) + double(n_slots) * double(c.vocab * 6 + c.hidden * 24);
     const auto [free_b, total_b] = dev_.memory();
-    if (cache_bytes + reserve > double(free_b)) {
-      const double room = double(free_b) - reserve;
-      const int64_t fit = room > 0 ? int64_t(room / double(per_token) / double(n_slots)) : 0;
-      fail("cuda:{}: the latent cache needs {} ({} layers x {} slots x {} tokens x {} latent + rope values x 2 bytes) "
-           "plus {} kept for activations, but only {} of {} is free after {} of weights; {} slots fit at most {} "
-           "tokens each",
-           dev_.index(), gib(cache_bytes), L, n_slots, max_len, width, gib(reserve), gib(double(free_b)),
-           gib(double(total_b)), gib(double(dev_.arena().bytes())), n_slots, fit);
-    }
-    std::vector<bf16*> bufs;
-    for (int64_t l = 0; l < L; ++l) cache_.push_back(cache_arena_.alloc<bf16>(size_t(n_slots) * size_t(max_len) * size_t(width)));
+    const bool fixed = kv_pages_fixed();
+    const int64_t rows =
+        cache_pool_rows(dev_.index(), n_slots, max_len, fixed ? 0 : cache_tokens, double(per_token), reserve,
+                        double(free_b), double(total_b), double(dev_.arena().bytes()),
+                        fmt::format("{} layers x {} latent + rope values x 2 bytes", L, width));
+    slots_ = std::make_unique<DecodeSlots>(n_slots, max_len, rows, fixed);
+    for (int64_t l = 0; l < L; ++l) cache_.push_back(cache_arena_.alloc<bf16>(size_t(rows) * size_t(width)));
     cache_ptrs_ = cache_arena_.alloc<bf16*>(cache_.size());
     CUDA_CHECK(cudaMemcpy(cache_ptrs_, cache_.data(), cache_.size() * sizeof(bf16*), cudaMemcpyHostToDevice));
     move_pairs_ = cache_arena_.alloc<int32_t>(size_t(2 * max_len));
-    tlog::info("cuda:{}: {} decoder with {} slots x {} tokens: latent cache {}", dev_.index(), arch_name(c.arch),
-               n_slots, max_len, gib(cache_bytes));
+    page_table_ = cache_arena_.alloc<int32_t>(size_t(n_slots) * size_t(slots_->pages().max_pages()));
+    tlog::info("cuda:{}: {} decoder with {} slots x {} tokens: latent cache {} tokens in pages of {} ({})", dev_.index(),
+               arch_name(c.arch), n_slots, max_len, rows, kPageRows, gib(double(per_token) * double(rows)));
     pending_.assign(size_t(n_slots), 0);
     const char* sm = std::getenv("TALON_CUDA_SAMPLE");
     device_sampling_ = !(sm && std::string(sm) == "0");
@@ -99,9 +96,11 @@ class CudaDeepseekDecoder final : public Decoder, public DecoderControls {
 
   const ModelConfig& config() const override { return cfg_; }
   std::string backend() const override { return dev_.name() + " (absorbed MLA)"; }
-  int n_slots() const override { return slots_.size(); }
+  int n_slots() const override { return slots_->size(); }
   int64_t max_len() const override { return max_len_; }
-  int64_t length(int slot) const override { return slots_.length(slot); }
+  int64_t length(int slot) const override { return slots_->length(slot); }
+  int64_t page_rows() const override { return slots_->pages().page_rows(); }
+  int64_t cache_capacity() const override { return slots_->pages().capacity(); }
 
   void forward(const std::vector<DecodeRequest>& reqs, const Capture& cap, float* logits) override {
     run(reqs, cap, logits, nullptr);
@@ -117,26 +116,26 @@ class CudaDeepseekDecoder final : public Decoder, public DecoderControls {
   }
 
   void commit(int slot, const std::vector<int32_t>& keep) override {
-    const std::vector<int32_t> pairs = slots_.commit(slot, keep, pending_);
+    const std::vector<int32_t> pairs = slots_->commit(slot, keep, pending_);
     if (pairs.empty()) return;
     dev_.activate();
     CUDA_CHECK(cudaMemcpyAsync(move_pairs_, pairs.data(), pairs.size() * 4, cudaMemcpyHostToDevice, dev_.stream()));
     kv_cache_move(cache_ptrs_, int64_t(cache_.size()), move_pairs_, int64_t(pairs.size() / 2),
                   cfg_.ds.kv_lora_rank + cfg_.ds.qk_rope_head_dim, dev_.stream());
   }
-  void reset(int slot) override { slots_.reset(slot, pending_); }
+  void reset(int slot) override { slots_->reset(slot, pending_); }
 
   // DecoderControls
   void assume_length(int slot, int64_t len) override {
-    slots_.check(slot);
+    slots_->check(slot);
     if (!filled_) {
       dev_.activate();
-      const size_t n = size_t(slots_.size()) * size_t(max_len_) * size_t(cfg_.ds.kv_lora_rank + cfg_.ds.qk_rope_head_dim) * 2;
+      const size_t n = size_t(slots_->cache_rows()) * size_t(cfg_.ds.kv_lora_rank + cfg_.ds.qk_rope_head_dim) * 2;
       for (bf16* c : cache_) CUDA_CHECK(cudaMemsetAsync(c, 0x3c, n, dev_.stream()));  // bf16 0x3c3c: about 0.0115
       CUDA_CHECK(cudaStreamSynchronize(dev_.stream()));
       filled_ = true;
     }
-    slots_.reset(slot, pending_, len);
+    slots_->reset(slot, pending_, len);
   }
   void use_graphs(bool on) override { graphs_.set_enabled(on); }
   int64_t graph_launches() const override { return graphs_.replays(); }
@@ -161,7 +160,9 @@ class CudaDeepseekDecoder final : public Decoder, public DecoderControls {
     const int64_t nope = d.qk_nope_head_dim, rope = d.qk_rope_head_dim, qk = nope + rope, vd = d.v_head_dim;
     const int64_t kvr = d.kv_lora_rank, D = kvr + rope;
     cap.validate(c.n_layers);
-    DecodeBatch batch = slots_.plan(reqs, pending_, V);
+    DecodeBatch batch = slots_->plan(reqs, pending_, V);
+    slots_->sync_pages(page_table_, dev_.stream());
+    const CacheMap map = slots_->cache_map(page_table_);
     const int64_t N = int64_t(batch.rows.size()), NL = (logits || ids) ? int64_t(batch.logit_rows.size()) : 0;
     if (N == 0) return;
     int64_t max_keys = 0;
@@ -198,8 +199,8 @@ class CudaDeepseekDecoder final : public Decoder, public DecoderControls {
         gemm_batched(blas, CUBLAS_OP_N, kvr, N, nope, L.kv_b, kvr, (nope + vd) * kvr, a.q, nh * qk, qk, a.qd,
                      CUDA_R_32F, nh * D, D, nh);
         mla_decode_prepare(a.qd, nh * D, a.q, nh * qk, a.ckv, kvr + rope, a.lat, d_pos, w_.inv_freq, d_rows,
-                           cache_[size_t(l)], N, nh, nope, rope, kvr, max_len_, d.rope_interleave, af, st);
-        mla_decode_attention(a.olat, a.apart, a.qd, cache_[size_t(l)], d_rows, d_masks, N, nh, kvr, rope, max_len_,
+                           cache_[size_t(l)], N, nh, nope, rope, kvr, map, d.rope_interleave, af, st);
+        mla_decode_attention(a.olat, a.apart, a.qd, cache_[size_t(l)], d_rows, d_masks, N, nh, kvr, rope, map,
                              splits, split_len, scale, st);
         // o(h) [vd, N] = W_UV(h) (row-major [vd, kvr] after W_UK(h)) x o_lat(h)
         gemm_batched(blas, CUBLAS_OP_T, vd, N, kvr, L.kv_b + nope * kvr, kvr, (nope + vd) * kvr, a.olat, nh * kvr, kvr,
@@ -222,7 +223,7 @@ class CudaDeepseekDecoder final : public Decoder, public DecoderControls {
                 st, device_work, !batch.prefill);
 
     results_down(cap, a.cap, a.n_tokens, N, H, NL, a.top1, ids, a.logits32, logits, V, out_h_, st);
-    slots_.ran(reqs, batch, pending_);
+    slots_->ran(reqs, batch, pending_);
   }
 
   void ensure_acts(int64_t N, int64_t NL, int64_t part, int64_t n_cap, int64_t in_bytes) {
@@ -274,13 +275,18 @@ class CudaDeepseekDecoder final : public Decoder, public DecoderControls {
     acts_ = std::move(a);
   }
 
-  DecodeSlots slots_;  // first: checks the shape before anything is allocated
+  static int checked(int n_slots, int64_t max_len, int device) {
+    TALON_CHECK(n_slots > 0 && max_len > 0, "decoder: n_slots {} and max_len {} must be positive", n_slots, max_len);
+    return device;
+  }
+  std::unique_ptr<DecodeSlots> slots_;  // sized once the weights are up
   Device dev_;         // destroyed after everything it allocated (device.h)
   ModelConfig cfg_;
   int64_t max_len_;
   DeviceArena cache_arena_;
   DeepseekDevWeights w_;
-  std::vector<bf16*> cache_;     // per layer [n_slots, max_len, kvr + rope]
+  std::vector<bf16*> cache_;     // per layer [pool rows, kvr + rope], paged (decode_slots.h)
+  int32_t* page_table_ = nullptr;  // [n_slots, max_pages] (DecodeSlots::sync_pages)
   bf16** cache_ptrs_ = nullptr;  // device array of the layers' caches, for moves
   int32_t* move_pairs_ = nullptr;
   bool filled_ = false;
@@ -292,9 +298,10 @@ class CudaDeepseekDecoder final : public Decoder, public DecoderControls {
 
 }  // namespace
 
-std::unique_ptr<Decoder> make_deepseek_decoder(const Checkpoint& ckpt, int device, int n_slots, int64_t max_len) {
+std::unique_ptr<Decoder> make_deepseek_decoder(const Checkpoint& ckpt, int device, int n_slots, int64_t max_len,
+                                               int64_t cache_tokens) {
   TALON_CHECK(is_deepseek(ckpt.config().arch), "{}: not a DeepSeek-family model", ckpt.source());
-  return std::make_unique<CudaDeepseekDecoder>(ckpt, device, n_slots, max_len);
+  return std::make_unique<CudaDeepseekDecoder>(ckpt, device, n_slots, max_len, cache_tokens);
 }
 
 }  // namespace talon::cuda

@@ -24,10 +24,10 @@ constexpr float kLog2e = 1.4426950408889634f;
 
 
 __global__ void kv_write_kernel(bf16* kc, bf16* vc, const bf16* qkv, int64_t ld, const DecodeRow* rows, int64_t nh,
-                                int64_t nkv, int64_t hd, int64_t max_len) {
+                                int64_t nkv, int64_t hd, CacheMap cache) {
   const int64_t r = blockIdx.x, kvd = nkv * hd;
   const DecodeRow row = rows[r];
-  const int64_t dst = (int64_t(row.slot) * max_len + row.end - 1) * kvd;
+  const int64_t dst = cache.row(row.slot, row.end - 1) * kvd;
   const bf16* src = qkv + r * ld + nh * hd;
   for (int64_t i = threadIdx.x; i < kvd; i += blockDim.x) {
     kc[dst + i] = src[i];
@@ -41,7 +41,7 @@ __global__ void kv_write_kernel(bf16* kc, bf16* vc, const bf16* qkv, int64_t ld,
 // also write its rotated k and its v head into the cache.
 __global__ void rope_kv_write_kernel(bf16* kc, bf16* vc, bf16* qkv, int64_t ld, const int32_t* pos,
                                      const float* inv_freq, const DecodeRow* rows, int nh, int nkv, int hd,
-                                     int64_t max_len) {
+                                     CacheMap cache) {
   const int64_t r = blockIdx.x;
   const int h = blockIdx.y * blockDim.y + threadIdx.y, half = hd / 2;
   if (h >= nh + nkv) return;
@@ -50,7 +50,7 @@ __global__ void rope_kv_write_kernel(bf16* kc, bf16* vc, bf16* qkv, int64_t ld, 
   int64_t dst = -1;
   if (h >= nh) {
     const DecodeRow row = rows[r];
-    dst = ((int64_t(row.slot) * max_len + row.end - 1) * nkv + (h - nh)) * hd;
+    dst = (cache.row(row.slot, row.end - 1) * nkv + (h - nh)) * hd;
   }
   for (int i = threadIdx.x; i < half; i += blockDim.x) {
     float sn, cs;
@@ -80,7 +80,7 @@ __global__ void rope_kv_write_kernel(bf16* kc, bf16* vc, bf16* qkv, int64_t ld, 
 template <bool kVec>
 __global__ void __launch_bounds__(kThreads) decode_attention_kernel(
     float* part, const bf16* qkv, int64_t ld, const bf16* kc, const bf16* vc, const DecodeRow* rows,
-    const uint64_t* masks, int nh, int nkv, int hd, int64_t max_len, int n_splits, int split_len, int G, bf16* out,
+    const uint64_t* masks, int nh, int nkv, int hd, CacheMap cache, int n_splits, int split_len, int G, bf16* out,
     int* counters, const int32_t* row_idx) {
   constexpr int T = kDecodeTile;
   const int r = row_idx ? row_idx[blockIdx.x] : int(blockIdx.x), split = blockIdx.z, tid = threadIdx.x, lane = tid % kWarp, warp = tid / kWarp;
@@ -109,8 +109,9 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(
   for (int k = 0; k < kMaxPairs; ++k) o[k] = 0.f;
 
   const int64_t kvd = int64_t(nkv) * hd;
-  const bf16* kbase = kc + int64_t(row.slot) * max_len * kvd + int64_t(kh) * hd;
-  const bf16* vbase = vc + int64_t(row.slot) * max_len * kvd + int64_t(kh) * hd;
+  // Key t of the slot at kbase + cache.row(slot, t) * kvd (paged or flat, ops.h: CacheMap).
+  const bf16* kbase = kc + int64_t(kh) * hd;
+  const bf16* vbase = vc + int64_t(kh) * hd;
   const int k0 = row.lo + split * split_len, k1 = min(row.end, k0 + split_len);
   for (int t0 = k0; t0 < k1; t0 += T) {
     const int nt = min(T, k1 - t0);
@@ -120,16 +121,18 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(
       const int cpr = hd / 8;  // 16-byte chunks per row
       for (int i = tid; i < nt * cpr; i += kThreads) {
         const int j = i / cpr, c = i % cpr;
-        cp_async16(ks + j * hdp + c * 8, kbase + int64_t(t0 + j) * kvd + c * 8);
-        cp_async16(vs + j * hdp + c * 8, vbase + int64_t(t0 + j) * kvd + c * 8);
+        const int64_t off = cache.row(row.slot, t0 + j) * kvd + c * 8;
+        cp_async16(ks + j * hdp + c * 8, kbase + off);
+        cp_async16(vs + j * hdp + c * 8, vbase + off);
       }
       cp_async_commit();
       cp_async_wait<0>();
     } else {
       for (int i = tid; i < nt * hd; i += kThreads) {
         const int j = i / hd, d = i % hd;
-        ks[j * hdp + d] = kbase[int64_t(t0 + j) * kvd + d];
-        vs[j * hdp + d] = vbase[int64_t(t0 + j) * kvd + d];
+        const int64_t off = cache.row(row.slot, t0 + j) * kvd + d;
+        ks[j * hdp + d] = kbase[off];
+        vs[j * hdp + d] = vbase[off];
       }
     }
     __syncthreads();
@@ -349,7 +352,7 @@ __device__ __forceinline__ void attend_key_blocks(float (&o)[D / 8][4], float (&
 template <int D, int S>
 __global__ void __launch_bounds__(kThreads) verify_attention_kernel(
     float* part, const bf16* qkv, int64_t ld, const bf16* kc, const bf16* vc, const DecodeRow* rows,
-    const uint64_t* masks, const AttentionTile* tiles, int nh, int nkv, int64_t max_len, int n_splits, int split_len,
+    const uint64_t* masks, const AttentionTile* tiles, int nh, int nkv, CacheMap cache, int n_splits, int split_len,
     float scale_log2, bf16* out) {
   constexpr int kM = kTileVectors, kKeys = kVerifyKeys, kWarps = kThreads / 32;
   static_assert(kM <= kKeys && kKeys == 16 * kWarps, "the Q tile is staged in the first K buffer; 16 keys a warp");
@@ -370,8 +373,8 @@ __global__ void __launch_bounds__(kThreads) verify_attention_kernel(
   const DecodeRow first = rows[tile.first_row];
   const int len = first.len;
   const int64_t kvd = int64_t(nkv) * D;
-  const bf16* kbase = kc + int64_t(first.slot) * max_len * kvd + int64_t(kh) * D;
-  const bf16* vbase = vc + int64_t(first.slot) * max_len * kvd + int64_t(kh) * D;
+  const bf16* kbase = kc + int64_t(kh) * D;  // key t at + cache.row(first.slot, t) * kvd
+  const bf16* vbase = vc + int64_t(kh) * D;
 
   if (threadIdx.x == 0) {
     s_range[0] = INT_MAX;
@@ -432,7 +435,7 @@ __global__ void __launch_bounds__(kThreads) verify_attention_kernel(
     const int t0 = k0 + it * kKeys, nt = min(kKeys, k1 - t0), st = it % S;
     for (int i = threadIdx.x; i < kKeys * kChunks; i += kThreads) {
       const int j = i / kChunks, c = (i % kChunks) * 8;
-      const int64_t off = int64_t(j < nt ? t0 + j : t0) * kvd + c;
+      const int64_t off = cache.row(first.slot, j < nt ? t0 + j : t0) * kvd + c;
       cp_async16(&ks[st][j][c], kbase + off, j < nt);
       cp_async16(&vs[st][j][c], vbase + off, j < nt);
     }
@@ -630,14 +633,14 @@ DecodeSplits decode_splits(int64_t max_keys, int64_t N, int64_t nkv, int multipr
 }
 
 void kv_cache_write(bf16* kc, bf16* vc, const bf16* qkv, int64_t ld, const DecodeRow* rows, int64_t N, int64_t nh,
-                    int64_t nkv, int64_t hd, int64_t max_len, cudaStream_t s) {
+                    int64_t nkv, int64_t hd, CacheMap cache, cudaStream_t s) {
   if (N == 0) return;
-  kv_write_kernel<<<unsigned(N), 128, 0, s>>>(kc, vc, qkv, ld, rows, nh, nkv, hd, max_len);
+  kv_write_kernel<<<unsigned(N), 128, 0, s>>>(kc, vc, qkv, ld, rows, nh, nkv, hd, cache);
   CUDA_LAUNCH_CHECK();
 }
 
 void rope_kv_cache_write(bf16* kc, bf16* vc, bf16* qkv, int64_t ld, const int32_t* pos, const float* inv_freq,
-                         const DecodeRow* rows, int64_t N, int64_t nh, int64_t nkv, int64_t hd, int64_t max_len,
+                         const DecodeRow* rows, int64_t N, int64_t nh, int64_t nkv, int64_t hd, CacheMap cache,
                          cudaStream_t s) {
   if (N == 0) return;
   // A thread per pair of up to 256 pairs a block, heads side by side: at 256 rows of the 8B
@@ -645,7 +648,7 @@ void rope_kv_cache_write(bf16* kc, bf16* vc, bf16* qkv, int64_t ld, const int32_
   const int64_t tx = std::min<int64_t>(128, std::max<int64_t>(32, hd / 2)), ty = std::max<int64_t>(1, 256 / tx);
   const dim3 grid(unsigned(N), unsigned((nh + nkv + ty - 1) / ty));
   rope_kv_write_kernel<<<grid, dim3(unsigned(tx), unsigned(ty)), 0, s>>>(kc, vc, qkv, ld, pos, inv_freq, rows, int(nh),
-                                                                         int(nkv), int(hd), max_len);
+                                                                         int(nkv), int(hd), cache);
   CUDA_LAUNCH_CHECK();
 }
 
@@ -711,7 +714,7 @@ AttentionPlan plan_attention(const DecodeRow* rows, int64_t N, int64_t nh, int64
 
 void decode_attention(bf16* out, float* part, const bf16* qkv, int64_t ld, const bf16* kc, const bf16* vc,
                       const DecodeRow* rows, const uint64_t* masks, int64_t N, int64_t nh, int64_t nkv, int64_t hd,
-                      int64_t max_len, int64_t n_splits, int64_t split_len, cudaStream_t s, int* counters,
+                      CacheMap cache, int64_t n_splits, int64_t split_len, cudaStream_t s, int* counters,
                       const AttentionWork* work) {
   if (N == 0) return;
   if (work && work->n_tiles > 0 && !verify_attention_supported(hd))
@@ -732,7 +735,7 @@ void decode_attention(bf16* out, float* part, const bf16* qkv, int64_t ld, const
   const dim3 grid(unsigned(n_rows_blocks), unsigned(nkv * (group / G)), unsigned(n_splits));
   auto launch = [&](auto kernel) {
     if (smem > 48 * 1024) CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-    kernel<<<grid, kThreads, smem, s>>>(part, qkv, ld, kc, vc, rows, masks, int(nh), int(nkv), int(hd), max_len,
+    kernel<<<grid, kThreads, smem, s>>>(part, qkv, ld, kc, vc, rows, masks, int(nh), int(nkv), int(hd), cache,
                                         int(n_splits), int(split_len), int(G), out, counters, row_idx);
   };
   // The in-kernel merge keeps [G, n_splits] weights where the K tile was.
@@ -761,7 +764,7 @@ void decode_attention(bf16* out, float* part, const bf16* qkv, int64_t ld, const
       }();
       (void)opted;
       verify_attention_kernel<D, S><<<tgrid, kThreads, smem, s>>>(part, qkv, ld, kc, vc, rows, masks, work->tiles,
-                                                                  int(nh), int(nkv), max_len, int(n_splits),
+                                                                  int(nh), int(nkv), cache, int(n_splits),
                                                                   int(split_len), scale_log2, direct ? out : nullptr);
     };
     if (hd == 64) run(VerifyShape<64, kVerifyStages>{});

@@ -1,7 +1,8 @@
 // CUDA kernels of the cached decoder (cuda_decoder.cpp, decode_attention.cu).
 //
-// KV cache layout: one bf16 buffer per layer and per K / V, [n_slots, max_len, nkv, hd]
-// (row `j` of slot `s` at (s * max_len + j) * nkv * hd). A forward packs every request's
+// KV cache layout: one bf16 buffer per layer and per K / V, [rows, nkv, hd]: row `j` of slot
+// `s` at cache.row(s, j) * nkv * hd (ops.h: CacheMap; the decoders page their caches, the
+// draft's caches are flat, [n_slots, max_len, nkv, hd]). A forward packs every request's
 // new tokens into N rows; row r's new key and value go to cache row
 // `rows[r].end - 1` of its slot (= committed length + index within its request), so
 // pending tokens sit right after the committed prefix, in request order.
@@ -40,13 +41,13 @@ DecodeSplits decode_splits(int64_t max_keys, int64_t N, int64_t nkv, int multipr
 // kc / vc[rows[r].slot, rows[r].end - 1, :, :] = k / v of row r (k at column nh*hd of the
 // fused qkv rows, v after it), for all N rows.
 void kv_cache_write(bf16* kc, bf16* vc, const bf16* qkv, int64_t ld, const DecodeRow* rows, int64_t N, int64_t nh,
-                    int64_t nkv, int64_t hd, int64_t max_len, cudaStream_t s);
+                    int64_t nkv, int64_t hd, CacheMap cache, cudaStream_t s);
 
 // RoPE of each row's q and k heads in place in the fused qkv rows (the rotation of
 // ops.h: rope_forward, fp32 angles), then kv_cache_write of the rotated k and of v: one
 // launch instead of three.
 void rope_kv_cache_write(bf16* kc, bf16* vc, bf16* qkv, int64_t ld, const int32_t* pos, const float* inv_freq,
-                         const DecodeRow* rows, int64_t N, int64_t nh, int64_t nkv, int64_t hd, int64_t max_len,
+                         const DecodeRow* rows, int64_t N, int64_t nh, int64_t nkv, int64_t hd, CacheMap cache,
                          cudaStream_t s);
 
 // Verify attention: rows of one forward that share a slot and a committed length (a
@@ -107,7 +108,7 @@ struct AttentionWork {
 // write the same partial results, merged by one combine pass (counters are then unused).
 void decode_attention(bf16* out, float* part, const bf16* qkv, int64_t ld, const bf16* kc, const bf16* vc,
                       const DecodeRow* rows, const uint64_t* masks, int64_t N, int64_t nh, int64_t nkv, int64_t hd,
-                      int64_t max_len, int64_t n_splits, int64_t split_len, cudaStream_t s, int* counters = nullptr,
+                      CacheMap cache, int64_t n_splits, int64_t split_len, cudaStream_t s, int* counters = nullptr,
                       const AttentionWork* work = nullptr);
 
 // The combine pass of decode_attention on its own: out[rh, :hd] (bf16) = the splits of part
@@ -145,7 +146,7 @@ struct DeviceSampling {
 void sample_rows(int32_t* ids, const bf16* logits, int64_t rows, int64_t V, const DeviceSampling* params,
                  const double* uniforms, cudaStream_t s);
 
-// For each (src, dst) pair of absolute cache rows (s * max_len + j), in order, copies that
+// For each (src, dst) pair of physical cache rows (CacheMap::row), in order, copies that
 // row of every buffer in `caches` (a device array of n_bufs pointers: every layer's K and
 // V). Pairs run one after another within a buffer, so a commit's path can move down onto
 // rows that earlier pairs read from.

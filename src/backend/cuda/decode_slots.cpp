@@ -2,19 +2,20 @@
 #include "backend/cuda/decode_slots.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
+#include <string>
 
 #include "backend/cuda/check.h"
 #include "backend/cuda/ops.h"
 #include "util/dtype.h"
 #include "util/error.h"
+#include "util/log.h"
 
 namespace talon::cuda {
 
-DecodeSlots::DecodeSlots(int n_slots, int64_t max_len) : max_len_(max_len) {
-  TALON_CHECK(n_slots > 0 && max_len > 0, "decoder: n_slots {} and max_len {} must be positive", n_slots, max_len);
-  TALON_CHECK(int64_t(n_slots) * max_len < (int64_t(1) << 31), "decoder: {} slots x {} tokens is more cache rows than 2^31",
-              n_slots, max_len);
+DecodeSlots::DecodeSlots(int n_slots, int64_t max_len, int64_t cache_tokens, bool fixed)
+    : max_len_(max_len), pages_(n_slots, max_len, kPageRows, cache_tokens, fixed) {
   len_.assign(size_t(n_slots), 0);
   parents_.resize(size_t(n_slots));
 }
@@ -25,9 +26,10 @@ int DecodeSlots::check(int slot) const {
 }
 
 DecodeBatch DecodeSlots::plan(const std::vector<DecodeRequest>& reqs, const std::vector<int64_t>& pending, int64_t V,
-                              int64_t W) const {
+                              int64_t W) {
   DecodeBatch b;
   std::vector<uint8_t> seen(len_.size(), 0);
+  std::vector<std::pair<int, int64_t>> grow;
   for (const DecodeRequest& r : reqs) {
     check(r.slot);
     TALON_CHECK(!seen[size_t(r.slot)], "decoder: slot {} appears twice in one forward", r.slot);
@@ -69,7 +71,9 @@ DecodeBatch DecodeSlots::plan(const std::vector<DecodeRequest>& reqs, const std:
       b.logit_rows.push_back(int32_t(first + n - 1));
     b.seq_start.push_back(int64_t(b.rows.size()));
     b.parents.push_back(std::move(par));
+    grow.emplace_back(r.slot, len + n);
   }
+  pages_.resize(grow);  // throws, changing nothing, when the pool is short
   return b;
 }
 
@@ -92,24 +96,70 @@ std::vector<int32_t> DecodeSlots::commit(int slot, const std::vector<int32_t>& k
     prev = k;
   }
   std::vector<int32_t> pairs;
-  const int64_t base = int64_t(slot) * max_len_ + len;
   for (size_t i = 0; i < keep.size(); ++i)
     if (int64_t(keep[i]) != int64_t(i)) {
-      pairs.push_back(int32_t(base + keep[i]));
-      pairs.push_back(int32_t(base + int64_t(i)));
+      pairs.push_back(int32_t(pages_.row(slot, len + keep[i])));
+      pairs.push_back(int32_t(pages_.row(slot, len + int64_t(i))));
     }
   len_[size_t(slot)] += int64_t(keep.size());
   pending[size_t(slot)] = 0;
   parents_[size_t(slot)].clear();
+  pages_.resize(slot, len_[size_t(slot)]);
   return pairs;
 }
 
 void DecodeSlots::reset(int slot, std::vector<int64_t>& pending, int64_t len) {
   check(slot);
   TALON_CHECK(len >= 0 && len <= max_len_, "decoder: length {} outside [0, {}]", len, max_len_);
+  pages_.resize(slot, len);
   len_[size_t(slot)] = len;
   pending[size_t(slot)] = 0;
   parents_[size_t(slot)].clear();
+}
+
+void DecodeSlots::sync_pages(int32_t* table, cudaStream_t s) {
+  std::vector<int> dirty = pages_.take_dirty();
+  if (pages_.fixed()) return;  // the kernels do not read the table
+  const int64_t mp = pages_.max_pages();
+  const int32_t* host = pages_.table().data();
+  // A copy from pageable memory has read its source when it returns (the table may change
+  // right after); past a few slots one copy of the whole table costs less than many.
+  if (!synced_ || int64_t(dirty.size()) * 8 > int64_t(size())) {
+    CUDA_CHECK(cudaMemcpyAsync(table, host, size_t(size()) * size_t(mp) * 4, cudaMemcpyHostToDevice, s));
+    synced_ = true;
+    return;
+  }
+  for (int slot : dirty)
+    CUDA_CHECK(cudaMemcpyAsync(table + int64_t(slot) * mp, host + int64_t(slot) * mp, size_t(mp) * 4,
+                               cudaMemcpyHostToDevice, s));
+}
+
+bool kv_pages_fixed() {
+  const char* e = std::getenv("TALON_CUDA_KV_PAGED");
+  return e && std::string(e) == "0";
+}
+
+int64_t cache_pool_rows(int device, int n_slots, int64_t max_len, int64_t cache_tokens, double per_token, double reserve,
+                        double free_b, double total_b, double weight_bytes, const std::string& layout) {
+  auto gib = [](double b) { return fmt::format("{:.2f} GiB", b / double(1ll << 30)); };
+  const int64_t page = kPageRows, seq = (max_len + page - 1) / page * page;
+  const int64_t full = int64_t(n_slots) * seq;
+  const int64_t want = cache_tokens > 0 ? std::min((cache_tokens + page - 1) / page * page, full) : full;
+  const double room = double(free_b) - reserve;
+  const int64_t fit = room > 0 ? int64_t(room / per_token) / page * page : 0;
+  if (double(want) * per_token <= room) return want;
+  if (cache_tokens <= 0 && fit >= seq) {
+    tlog::info("cuda:{}: {} slots x {} tokens ({}) do not fit beside the weights and activations; the KV cache gets "
+               "the {} tokens that do ({}), and slots share them",
+               device, n_slots, max_len, gib(double(full) * per_token), fit, gib(double(fit) * per_token));
+    return fit;
+  }
+  fail("cuda:{}: the KV cache needs {} ({} tokens x {}) plus {} kept for activations, but only {} of {} is free after "
+       "{} of weights; {} tokens fit{}",
+       device, gib(double(want) * per_token), want, layout, gib(reserve), gib(free_b), gib(total_b), gib(weight_bytes),
+       fit,
+       fit < seq ? fmt::format(", less than one sequence of max_len {}: lower --max-len", max_len)
+                 : std::string(": lower --kv-cache-tokens"));
 }
 
 DecodeInputs::DecodeInputs(PackedOffsets& o, const DecodeBatch& b, bool sampled) {

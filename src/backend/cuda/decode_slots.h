@@ -3,7 +3,10 @@
 // Per slot it keeps the committed length and the parents of the pending tokens; it checks a
 // forward's requests and lays out their rows (what each new token attends to, decode_ops.h:
 // DecodeRow, and its RoPE position), and turns a commit into the cache moves that bring the
-// kept rows down. It also holds the input and output plumbing both forwards share: the packed
+// kept rows down, and it owns the cache's page pool (model/kv_pages.h, pages of kPageRows
+// rows): a slot holds pages for its committed and pending rows, and the decoders address
+// their caches through cache_map(), a device copy of the page table that sync_pages() keeps
+// current. It also holds the input and output plumbing both forwards share: the packed
 // inputs every forward has, captures, the logits rows' last step, and the results coming down.
 // The caches themselves, and their layouts, stay with each decoder.
 #pragma once
@@ -13,6 +16,7 @@
 #include "backend/cuda/decode_ops.h"
 #include "backend/cuda/device.h"
 #include "model/decode.h"
+#include "model/kv_pages.h"
 #include "model/model.h"
 #include "model/sampling.h"
 
@@ -30,32 +34,62 @@ struct DecodeBatch {
 
 class DecodeSlots {
  public:
-  DecodeSlots(int n_slots, int64_t max_len);
+  // cache_tokens: the page pool's rows (0: every slot full at once; KvPages). fixed: each slot
+  // keeps its own max_pages pages and the kernels address a flat [n_slots, max_pages *
+  // kPageRows] cache without the table (kv_pages_fixed()).
+  DecodeSlots(int n_slots, int64_t max_len, int64_t cache_tokens = 0, bool fixed = false);
   int size() const { return int(len_.size()); }
   int64_t max_len() const { return max_len_; }
   int64_t length(int slot) const { return len_[size_t(check(slot))]; }
   // Throws naming the slot when it is out of range.
   int check(int slot) const;
+  const KvPages& pages() const { return pages_; }
+  // Rows a cache buffer needs: the whole pool.
+  int64_t cache_rows() const { return pages_.capacity(); }
 
   // Checks the requests (each slot once, nothing pending, within max_len, token ids below
-  // `vocab`, well-formed parents) and lays out their rows. window > 0: a sliding window of
+  // `vocab`, well-formed parents), takes the pages their rows need (throwing, with nothing
+  // changed, when the pool is short) and lays out their rows. window > 0: a sliding window of
   // that many keys (the token itself included).
   DecodeBatch plan(const std::vector<DecodeRequest>& reqs, const std::vector<int64_t>& pending, int64_t vocab,
-                   int64_t window = 0) const;
+                   int64_t window = 0);
   // After the forward ran: each request's tokens are its slot's pending tree.
   void ran(const std::vector<DecodeRequest>& reqs, DecodeBatch& b, std::vector<int64_t>& pending);
   // Checks `keep` (a path from the committed prefix through the slot's pending tree) and
-  // commits it; returns the cache moves as (from, to) pairs of flat cache rows
-  // (slot * max_len + row), in order, for the kept rows that are not in place.
+  // commits it; returns the cache moves as (from, to) pairs of physical cache rows
+  // (CacheMap::row), in order, for the kept rows that are not in place. The slot's pages past
+  // its new length go back to the pool.
   std::vector<int32_t> commit(int slot, const std::vector<int32_t>& keep, std::vector<int64_t>& pending);
   // Empties a slot, or (benchmarks) declares its first `len` rows committed.
   void reset(int slot, std::vector<int64_t>& pending, int64_t len = 0);
 
+  // The page table on the device: `table` holds [size(), pages().max_pages()] ints. Copies the
+  // rows of slots whose pages changed since the last call (all of them on the first) on `s`,
+  // before the forward that reads them.
+  void sync_pages(int32_t* table, cudaStream_t s);
+  CacheMap cache_map(const int32_t* table) const {
+    return pages_.fixed() ? CacheMap(pages_.max_pages() * kPageRows) : CacheMap(table, pages_.max_pages());
+  }
+
  private:
   int64_t max_len_;
+  KvPages pages_;
   std::vector<int64_t> len_;
   std::vector<std::vector<int32_t>> parents_;  // of each slot's pending tokens
+  bool synced_ = false;
 };
+
+// How many token rows a decoder's page pool gets. cache_tokens > 0: that many (throwing when
+// they do not fit). 0: every slot full at once (n_slots x max_len) when that fits, else as many
+// whole pages as fit. "Fits": per_token bytes a row, plus `reserve` bytes kept for activations,
+// within free_b. Throws with the numbers when less than one max_len sequence would fit;
+// `layout` spells out a token's bytes for that message.
+// TALON_CUDA_KV_PAGED=0: the decoders keep a fixed flat cache (DecodeSlots' `fixed`) instead of
+// the shared page pool, to measure what paging costs; the pool is then every slot full.
+bool kv_pages_fixed();
+
+int64_t cache_pool_rows(int device, int n_slots, int64_t max_len, int64_t cache_tokens, double per_token, double reserve,
+                        double free_b, double total_b, double weight_bytes, const std::string& layout);
 
 // The inputs every decoder forward packs (PackedOffsets) and copies up in one block: token ids,
 // positions, rows, logits rows, tree masks, and with sampling its parameters and uniforms.

@@ -30,8 +30,9 @@ void router_logits_f32(float* logits, const float* x, const float* W, int64_t N,
 void add_f32(float* x, const float* y, int64_t n, cudaStream_t s);
 
 // ---- MLA in its absorbed form, for the cached decoder (mla_decode.cu, cuda_deepseek_decoder.cpp).
-// The latent cache of a layer is one bf16 buffer [n_slots, max_len, kvr + rope]: per token the
-// normalized latent c, then k_pe with RoPE applied; rows follow decode_ops.h (DecodeRow). A
+// The latent cache of a layer is one bf16 buffer [rows, kvr + rope], row j of slot s at
+// map.row(s, j) (paged, ops.h: CacheMap): per token the normalized latent c, then k_pe with
+// RoPE applied; rows follow decode_ops.h (DecodeRow). A
 // query row holds, per head, [q_lat | q_pe]: q_lat = W_UK(h)^T q_nope(h) (kvr values) and the
 // rotated q_pe (rope values), fp32.
 
@@ -41,7 +42,7 @@ void add_f32(float* x, const float* y, int64_t n, cudaStream_t s);
 // ckv rows of ld_ckv) at cache row rows[n].end - 1 of its slot. RoPE as mla_assemble.
 void mla_decode_prepare(float* qd, int64_t ldqd, const bf16* q, int64_t ldq, const bf16* ckv, int64_t ld_ckv,
                         const bf16* lat, const int32_t* pos, const float* inv_freq, const DecodeRow* rows, bf16* cache,
-                        int64_t N, int64_t nh, int64_t nope, int64_t rope, int64_t kvr, int64_t max_len,
+                        int64_t N, int64_t nh, int64_t nope, int64_t rope, int64_t kvr, CacheMap map,
                         bool interleaved, float attn_factor, cudaStream_t s);
 
 // out[N, nh, kvr] (bf16) = per row and head, softmax(scale * [q_lat | q_pe] . [c | k_pe]) over
@@ -50,7 +51,7 @@ void mla_decode_prepare(float* qd, int64_t ldqd, const bf16* q, int64_t ldq, con
 // decode_combine. qd [N, nh, kvr + rope] fp32; part holds N * nh * n_splits * (kvr + 2) floats.
 // kvr <= 512.
 void mla_decode_attention(bf16* out, float* part, const float* qd, const bf16* cache, const DecodeRow* rows,
-                          const uint64_t* masks, int64_t N, int64_t nh, int64_t kvr, int64_t rope, int64_t max_len,
+                          const uint64_t* masks, int64_t N, int64_t nh, int64_t kvr, int64_t rope, CacheMap map,
                           int64_t n_splits, int64_t split_len, float scale, cudaStream_t s);
 // Blocks per (row, split) of mla_decode_attention: the heads go in groups of up to 16.
 int64_t mla_head_blocks(int64_t nh);

@@ -287,7 +287,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32) skinny_fused_kernel(bf16* out
       hp[i + half] = x1;
       if (h >= rope.nh) {
         const DecodeRow row = rope.rows[n];
-        const int64_t dst = ((int64_t(row.slot) * rope.max_len + row.end - 1) * rope.nkv + (h - rope.nh)) * rope.hd;
+        const int64_t dst = (rope.cache.row(row.slot, row.end - 1) * rope.nkv + (h - rope.nh)) * rope.hd;
         rope.kc[dst + i] = x0;
         rope.kc[dst + i + half] = x1;
       }
@@ -297,7 +297,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32) skinny_fused_kernel(bf16* out
       const bf16 v = __float2bfloat16(rv[n][tid % kGemvWarps]);
       out[int64_t(n) * O + oc] = v;
       const DecodeRow row = rope.rows[n];
-      rope.vc[(int64_t(row.slot) * rope.max_len + row.end - 1) * kvd + oc - (rope.nh + rope.nkv) * rope.hd] = v;
+      rope.vc[rope.cache.row(row.slot, row.end - 1) * kvd + oc - (rope.nh + rope.nkv) * rope.hd] = v;
     }
     return;
   }

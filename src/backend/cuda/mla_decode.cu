@@ -33,7 +33,7 @@ __device__ __forceinline__ float rotate(const bf16* v, int j, int rope, bool int
 // every head's q_pe and the cache row.
 __global__ void mla_prepare_kernel(float* qd, int64_t ldqd, const bf16* q, int64_t ldq, const bf16* ckv, int64_t ld_ckv,
                                    const bf16* lat, const int32_t* pos, const float* inv_freq, const DecodeRow* rows,
-                                   bf16* cache, int nh, int nope, int rope, int kvr, int64_t max_len, bool interleaved,
+                                   bf16* cache, int nh, int nope, int rope, int kvr, CacheMap map, bool interleaved,
                                    float af) {
   extern __shared__ float trig[];  // [rope / 2] cos, then [rope / 2] sin
   const int64_t n = blockIdx.x;
@@ -51,7 +51,7 @@ __global__ void mla_prepare_kernel(float* qd, int64_t ldqd, const bf16* q, int64
                                                      trig + half);
   }
   const DecodeRow r = rows[n];
-  bf16* dst = cache + (int64_t(r.slot) * max_len + r.end - 1) * D;
+  bf16* dst = cache + map.row(r.slot, r.end - 1) * D;
   for (int i = threadIdx.x; i < kvr; i += blockDim.x) dst[i] = lat[n * kvr + i];
   for (int j = threadIdx.x; j < rope; j += blockDim.x)
     dst[kvr + j] = __float2bfloat16(rotate(ckv + n * ld_ckv + kvr, j, rope, interleaved, trig, trig + half));
@@ -67,7 +67,7 @@ __global__ void mla_prepare_kernel(float* qd, int64_t ldqd, const bf16* q, int64
 template <int G>
 __global__ void __launch_bounds__(kThreads) mla_attention_kernel(float* part, const float* qd, const bf16* cache,
                                                                  const DecodeRow* rows, const uint64_t* masks, int nh,
-                                                                 int kvr, int rope, int64_t max_len, int n_splits,
+                                                                 int kvr, int rope, CacheMap map, int n_splits,
                                                                  int split_len, float scale_log2) {
   const int D = kvr + rope;
   const int r = blockIdx.x, h0 = blockIdx.y * G, z = blockIdx.z;
@@ -87,7 +87,7 @@ __global__ void __launch_bounds__(kThreads) mla_attention_kernel(float* part, co
   float o[G][2];
 #pragma unroll
   for (int g = 0; g < G; ++g) o[g][0] = o[g][1] = 0.f;
-  const bf16* base = cache + int64_t(row.slot) * max_len * D;
+  const bf16* base = cache;  // key t at + map.row(row.slot, t) * D (paged or flat, ops.h: CacheMap)
   for (int k0 = k_lo; k0 < k_hi; k0 += kKeys) {
     const int nt = min(kKeys, k_hi - k0);
     __syncthreads();  // the previous tile's readers are done (and the queries are in)
@@ -96,13 +96,13 @@ __global__ void __launch_bounds__(kThreads) mla_attention_kernel(float* part, co
       for (int i = tid; i < kKeys * chunks; i += kThreads) {
         const int t = i / chunks, c = (i % chunks) * 8;
         uint4 v = make_uint4(0, 0, 0, 0);
-        if (t < nt) v = *reinterpret_cast<const uint4*>(base + int64_t(k0 + t) * D + c);
+        if (t < nt) v = *reinterpret_cast<const uint4*>(base + map.row(row.slot, k0 + t) * D + c);
         *reinterpret_cast<uint4*>(ks + t * D + c) = v;
       }
     } else {
       for (int i = tid; i < kKeys * D; i += kThreads) {
         const int t = i / D;
-        ks[i] = t < nt ? base[int64_t(k0) * D + i] : __float2bfloat16(0.f);
+        ks[i] = t < nt ? base[map.row(row.slot, k0 + t) * D + i % D] : __float2bfloat16(0.f);
       }
     }
     __syncthreads();
@@ -173,13 +173,13 @@ __global__ void __launch_bounds__(kThreads) mla_attention_kernel(float* part, co
 
 template <int G>
 void launch_attention(const dim3& grid, float* part, const float* qd, const bf16* cache, const DecodeRow* rows,
-                      const uint64_t* masks, int nh, int kvr, int rope, int64_t max_len, int n_splits, int split_len,
+                      const uint64_t* masks, int nh, int kvr, int rope, CacheMap map, int n_splits, int split_len,
                       float scale_log2, cudaStream_t s) {
   const int D = kvr + rope;
   const size_t smem = size_t((G * D + G * kKeys + 3 * G + 3) / 4 * 4) * 4 + size_t(kKeys * D) * 2;
   if (smem > 48 * 1024)
     CUDA_CHECK(cudaFuncSetAttribute(mla_attention_kernel<G>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-  mla_attention_kernel<G><<<grid, kThreads, smem, s>>>(part, qd, cache, rows, masks, nh, kvr, rope, max_len, n_splits,
+  mla_attention_kernel<G><<<grid, kThreads, smem, s>>>(part, qd, cache, rows, masks, nh, kvr, rope, map, n_splits,
                                                        split_len, scale_log2);
 }
 
@@ -193,16 +193,16 @@ int64_t mla_head_blocks(int64_t nh) {
 
 void mla_decode_prepare(float* qd, int64_t ldqd, const bf16* q, int64_t ldq, const bf16* ckv, int64_t ld_ckv,
                         const bf16* lat, const int32_t* pos, const float* inv_freq, const DecodeRow* rows, bf16* cache,
-                        int64_t N, int64_t nh, int64_t nope, int64_t rope, int64_t kvr, int64_t max_len,
+                        int64_t N, int64_t nh, int64_t nope, int64_t rope, int64_t kvr, CacheMap map,
                         bool interleaved, float attn_factor, cudaStream_t s) {
   if (N == 0) return;
   mla_prepare_kernel<<<unsigned(N), 256, size_t(rope) * 4, s>>>(qd, ldqd, q, ldq, ckv, ld_ckv, lat, pos, inv_freq, rows, cache, int(nh),
-                                                 int(nope), int(rope), int(kvr), max_len, interleaved, attn_factor);
+                                                 int(nope), int(rope), int(kvr), map, interleaved, attn_factor);
   CUDA_LAUNCH_CHECK();
 }
 
 void mla_decode_attention(bf16* out, float* part, const float* qd, const bf16* cache, const DecodeRow* rows,
-                          const uint64_t* masks, int64_t N, int64_t nh, int64_t kvr, int64_t rope, int64_t max_len,
+                          const uint64_t* masks, int64_t N, int64_t nh, int64_t kvr, int64_t rope, CacheMap map,
                           int64_t n_splits, int64_t split_len, float scale, cudaStream_t s) {
   if (N == 0) return;
   if (kvr > kMaxLatent || kvr % 2 != 0)
@@ -211,7 +211,7 @@ void mla_decode_attention(bf16* out, float* part, const float* qd, const bf16* c
   const dim3 grid(static_cast<unsigned>(N), static_cast<unsigned>(blocks), static_cast<unsigned>(n_splits));
   const float sl = scale * kLog2e;
   auto go = [&](auto g) {
-    launch_attention<decltype(g)::value>(grid, part, qd, cache, rows, masks, int(nh), int(kvr), int(rope), max_len,
+    launch_attention<decltype(g)::value>(grid, part, qd, cache, rows, masks, int(nh), int(kvr), int(rope), map,
                                          int(n_splits), int(split_len), sl, s);
   };
   switch (G) {

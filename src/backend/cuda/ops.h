@@ -102,13 +102,35 @@ inline constexpr int64_t kSkinnyFusedMaxK = 16384;  // 32 KiB of staged bf16
 // rope_kv_cache_write writes, with its arithmetic: q and k rotated in out, the rotated k and
 // the v of row r at cache row rows[r].end - 1 of slot rows[r].slot. Saves that launch.
 struct DecodeRow;
+
+// Where a slot's cache rows live in a cache buffer. Paged (the decoders' caches,
+// model/kv_pages.h): row j of slot s at physical row pages[s * max_pages + j / kPageRows] *
+// kPageRows + j % kPageRows. Flat (pages null: the draft's and DFlash's own caches, and a
+// plain max_len converts to one): at s * max_len + j.
+inline constexpr int kPageRows = 64;
+struct CacheMap {
+  int64_t max_len = 0;
+  const int32_t* pages = nullptr;  // device [n_slots, max_pages], or null
+  int32_t max_pages = 0;
+  CacheMap() = default;
+  CacheMap(int64_t flat_max_len) : max_len(flat_max_len) {}  // NOLINT: a flat cache
+  CacheMap(const int32_t* table, int64_t pages_per_slot)
+      : max_len(pages_per_slot * kPageRows), pages(table), max_pages(int32_t(pages_per_slot)) {}
+#ifdef __CUDACC__
+  __device__ __forceinline__ int64_t row(int slot, int64_t j) const {
+    return pages ? int64_t(pages[int64_t(slot) * max_pages + j / kPageRows]) * kPageRows + j % kPageRows
+                 : int64_t(slot) * max_len + j;
+  }
+#endif
+};
+
 struct SkinnyRope {
   const int32_t* pos = nullptr;  // [rows]
   const float* inv_freq = nullptr;  // [hd / 2]
   const DecodeRow* rows = nullptr;  // [rows]
   bf16 *kc = nullptr, *vc = nullptr;
   int nh = 0, nkv = 0, hd = 0;
-  int64_t max_len = 0;
+  CacheMap cache;
 };
 struct SkinnyFused {
   SkinnyIn kind = SkinnyIn::Plain;

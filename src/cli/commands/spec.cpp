@@ -72,6 +72,10 @@ CLI::App* add_generate_subcommand(CLI::App& app, spec::GenerateOptions& o) {
   c->add_option("--batch", o.batch, "Concurrent sequences (0: 8 on CPU, 256 on a GPU)")->capture_default_str();
   c->add_option("--max-prefill-tokens", o.max_prefill_tokens, "Prompt tokens per forward; a longer prompt is prefilled in chunks beside the running decode steps")
       ->capture_default_str();
+  c->add_option("--kv-cache-tokens", o.kv_cache_tokens,
+                "Token rows of the KV cache the sequences share in pages (0: batch x max-len, on a GPU at most what "
+                "fits); a turn starts when its prompt + max-new-tokens fit beside the running ones")
+      ->capture_default_str();
   c->add_option("--stop", o.stop, "Stop string (repeatable); the answer is cut before it");
   c->add_option("--limit", o.limit, "Only the first N conversations (0: all)")->capture_default_str();
   c->add_option("--device", o.device, "cpu | cuda | cuda:N")->capture_default_str();

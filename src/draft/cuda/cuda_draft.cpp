@@ -367,7 +367,7 @@ class CudaDraftBackend final : public DraftBackend {
       };
       cuda::SkinnyRope rope;
       rope.pos = pos, rope.inv_freq = inv_freq_, rope.rows = drows, rope.kc = kc_, rope.vc = vc_;
-      rope.nh = int(nh), rope.nkv = int(nkv), rope.hd = int(hd), rope.max_len = max_rows_;
+      rope.nh = int(nh), rope.nkv = int(nkv), rope.hd = int(hd), rope.cache = max_rows_;
       cuda::SkinnyFused fq{cuda::SkinnyIn::Plain, a.xin, nullptr, nullptr, 0.f, a.qkv, nullptr, N};
       fq.rope = &rope;
       run(fq, wqkv_, 2 * H, ld);

@@ -28,6 +28,24 @@ DeviceSpec parse_device(const std::string& spec, bool allow_repeats) {
   return d;
 }
 
+std::unique_ptr<Decoder> make_decoder(const Checkpoint& ckpt, const DeviceSpec& dev, int tp, bool share_gpus,
+                                      int n_slots, int64_t max_len, int64_t cache_tokens) {
+  TALON_CHECK(tp >= 1, "--tp must be >= 1 (got {})", tp);
+  TALON_CHECK(dev.cuda || tp == 1, "--tp {} needs --device cuda", tp);
+  if (!dev.cuda) return make_cpu_decoder(ckpt, n_slots, max_len, cache_tokens);
+  GpuOptions go;
+  go.tp = tp;
+  go.share_devices = share_gpus;
+  go.devices = dev.devices;
+  if (go.devices.empty())  // cuda: the first tp GPUs
+    for (int r = 0; r < tp; ++r) go.devices.push_back(r);
+  if (share_gpus && go.devices.size() == 1)  // --share-gpus on one GPU: every rank on it
+    go.devices.assign(size_t(tp), go.devices[0]);
+  TALON_CHECK(int(go.devices.size()) == tp, "--tp {} needs {} GPUs (--device cuda:0,1,...), got {}{}", tp, tp,
+              go.devices.size(), tp > 1 ? "" : "; give --tp for several");
+  return make_cuda_decoder(ckpt, go, n_slots, max_len, cache_tokens);
+}
+
 GpuMemoryPlan plan_gpu_memory(const ModelConfig& c, const GpuOptions& o) {
   const int64_t tp = std::max(1, o.tp), H = c.hidden, I = c.intermediate / tp, hd = c.head_dim;
   const int64_t qd = c.n_heads / tp * hd, kvd = c.n_kv_heads / tp * hd, V = c.vocab;

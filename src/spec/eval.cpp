@@ -203,12 +203,11 @@ EvalReport run_eval(const EvalOptions& opt) {
   const auto files = expand_inputs(opt.inputs);
   ChatTokenizer ct = load_chat_tokenizer(opt.model, opt.tokenizer, opt.chat_template, opt.fallback_template, "eval");
   auto ckpt = open_checkpoint(opt.model);
-  const DeviceSpec dev = parse_device(opt.device);
+  const DeviceSpec dev = parse_device(opt.device, opt.share_gpus);
   int max_draft = 0;
   for (const auto& c : opt.configs) max_draft = std::max(max_draft, c.max_draft_tokens());
   const int64_t cache = opt.max_len + max_draft + 2;
-  std::unique_ptr<Decoder> dec = dev.cuda ? make_cuda_decoder(*ckpt, dev.devices.empty() ? 0 : dev.devices[0], 1, cache)
-                                          : make_cpu_decoder(*ckpt, 1, cache);
+  std::unique_ptr<Decoder> dec = make_decoder(*ckpt, dev, opt.tp, opt.share_gpus, 1, cache);
   // After the decoder: a device that is not there is reported before the draft is read.
   const DraftModel dm = load_draft(opt.draft, *ckpt);
   tlog::info("eval: {} draft {} (aux layers {}, draft vocabulary {})",
@@ -228,7 +227,8 @@ EvalReport run_eval(const EvalOptions& opt) {
   int max_tree_rows = 0;  // draft rows one round adds above the step-0 rows
   for (const auto& c : configs)
     max_tree_rows = std::max(max_tree_rows, c.mode == SpecConfig::Mode::Chain ? c.k : c.topk * c.depth);
-  const DeviceSpec ddev = opt.draft_device == "same" ? dev : parse_device(opt.draft_device);
+  DeviceSpec ddev = opt.draft_device == "same" ? dev : parse_device(opt.draft_device);
+  if (opt.draft_device == "same" && ddev.devices.size() > 1) ddev.devices.resize(1);  // a group's first GPU
   TALON_CHECK(!ddev.cuda || ddev.devices.size() <= 1, "eval: --draft-device {}: one GPU", opt.draft_device);
   DraftRunner draft(dm, *ckpt, ddev.cuda ? (ddev.devices.empty() ? 0 : ddev.devices[0]) : -1,
                     cache + max_tree_rows + 1);

@@ -38,7 +38,9 @@ struct EvalOptions {
   int64_t limit_per_file = 0;  // conversations of each input file (0: all): a few per category
   int64_t max_turns = 0;  // turns per conversation (0: all)
   std::string device = "cpu";
-  std::string draft_device = "same";  // cpu | cuda:N | same (the target's device)
+  std::string draft_device = "same";  // cpu | cuda:N | same (the target's first device)
+  int tp = 1;                          // tensor-parallel GPUs of the target (DeepSeek family)
+  bool share_gpus = false;             // its ranks may share a GPU
 };
 
 struct EvalRow {

@@ -201,9 +201,7 @@ GenerateReport run_generate(const GenerateOptions& opt) {
   const auto& tok = *ct.tok;
   const auto& tpl = *ct.tpl;
   const std::string tpl_sha = sha256_hex(tpl.source().data(), tpl.source().size());
-  const DeviceSpec dev = parse_device(opt.device);
-  TALON_CHECK(!dev.cuda || dev.devices.size() <= 1, "generate: --device {}: one GPU per run for now (cuda:N)",
-              opt.device);
+  const DeviceSpec dev = parse_device(opt.device, opt.share_gpus);
   auto ckpt = open_checkpoint(opt.model);
   const ModelConfig& mc = ckpt->config();
   TALON_CHECK(int64_t(tok.vocab_size()) <= mc.vocab, "{}: the tokenizer has {} ids but the model's vocabulary is {}",
@@ -277,9 +275,7 @@ GenerateReport run_generate(const GenerateOptions& opt) {
   const std::vector<int32_t> eos = eos_ids(tok, opt.model);
   TALON_CHECK(!eos.empty(), "generate: the tokenizer names no end-of-sequence token; generation could not stop");
   const int batch = opt.batch > 0 ? opt.batch : (dev.cuda ? 256 : 8);
-  std::unique_ptr<Decoder> dec =
-      dev.cuda ? make_cuda_decoder(*ckpt, dev.devices.empty() ? 0 : dev.devices[0], batch, opt.max_len, opt.kv_cache_tokens)
-               : make_cpu_decoder(*ckpt, batch, opt.max_len, opt.kv_cache_tokens);
+  std::unique_ptr<Decoder> dec = make_decoder(*ckpt, dev, opt.tp, opt.share_gpus, batch, opt.max_len, opt.kv_cache_tokens);
   rep.cache_tokens = dec->cache_capacity();
 
   fs::create_directories(opt.out);

@@ -46,7 +46,9 @@ struct GenerateOptions {
   int64_t kv_cache_tokens = 0;    // the KV cache's token rows (0: batch x max_len, on a GPU what fits)
   std::vector<std::string> stop;  // stop strings (the answer is cut before them)
   int64_t limit = 0;              // first N conversations only (0: all)
-  std::string device = "cpu";     // cpu | cuda | cuda:N
+  std::string device = "cpu";     // cpu | cuda | cuda:N | cuda:N,M,... (with tp)
+  int tp = 1;                     // tensor-parallel GPUs (DeepSeek family)
+  bool share_gpus = false;        // ranks may share a GPU (collectives by device copies)
   double flush_seconds = 2.0;     // journal fsync interval
 };
 

@@ -69,6 +69,9 @@ struct Twin {
   Twin(const Checkpoint& ck, int slots, int64_t max_len, int64_t cache_tokens = 0)
       : cpu(make_cpu_decoder(ck, slots, max_len, cache_tokens)), gpu(make_cuda_decoder(ck, 0, slots, max_len, cache_tokens)),
         bulk(routes(ck.config())) {}
+  // Against another GPU decoder (a tensor-parallel group).
+  Twin(const Checkpoint& ck, int slots, int64_t max_len, std::unique_ptr<Decoder> other)
+      : cpu(make_cpu_decoder(ck, slots, max_len)), gpu(std::move(other)), bulk(routes(ck.config())) {}
   ~Twin() {
     if (!bulk || rows == 0) return;
     EXPECT_LE(double(over), kMaxFlipRows * double(rows)) << over << " of " << rows << " rows beyond the tolerance";
@@ -479,6 +482,64 @@ INSTANTIATE_TEST_SUITE_P(DeepSeek, CudaDecode,
 // narrow other widths, against the CPU decoder: long prefills (the keys cut into splits), a
 // chunk onto a non-empty slot beside a step and a tree, then steps; and a 32-head variant
 // without q LoRA; every layer dense (each row checked) and with MoE layers (int4, bf16 experts).
+// Tensor-parallel decoding of the DeepSeek family (decoder_group.cpp): two ranks sharing this
+// GPU (device-copy collectives), each with half the heads, half of every MLP and its window of
+// routed experts, against the CPU decoder: the three-slot scenario (prefills, a tree and a kept
+// path, chunks, captures from rank 0), greedy ids picked on the device, and malformed requests
+// refused by the group's host mirror before any rank runs, after which it still decodes.
+TEST(CudaDecode, TensorParallelDeepSeekGroupMatchesTheCpu) {
+  REQUIRE_GPU();
+  for (const char* fx : {"deepseek_v3", "kimi_k2_int4"}) {
+    auto ck = open_checkpoint(golden_fixture(fx));
+    GpuOptions go;
+    go.devices = {0, 0};
+    go.tp = 2;
+    go.share_devices = true;
+    auto group = make_cuda_decoder(*ck, go, 3, 300);
+    EXPECT_NE(group->backend().find("tp 2"), std::string::npos) << group->backend();
+    Twin t(*ck, 3, 300, std::move(group));
+    const int64_t V = t.c().vocab;
+    run_three_slot_scenario(t, V, std::string(fx) + " tp 2: ", 53, 90, 30, 40, 5);
+    {  // refusals by the host mirror leave the group's collectives usable (the helper decodes after them)
+      auto small = make_cuda_decoder(*ck, go, 2, 8);
+      expect_malformed_requests_refused(*small);
+      std::vector<int32_t> id(1, -1);
+      small->forward_greedy({{0, {5, 6, 7}, {}, false}}, Capture{}, id.data());
+      EXPECT_GE(id[0], 0) << fx;
+    }
+    std::mt19937 rng(8);
+    for (int s = 0; s < 3; ++s) {
+      t.cpu->reset(s);
+      t.gpu->reset(s);
+    }
+    std::vector<DecodeRequest> reqs;
+    for (int s = 0; s < 3; ++s) reqs.push_back({s, random_ids(rng, 10 + 7 * s, V), {}, false});
+    t.forward(reqs, std::string(fx) + " tp 2: refilled");
+    for (int s = 0; s < 3; ++s) t.commit_all(s);
+    // Greedy ids from rank 0 against the CPU's argmax where the margin is clear.
+    int checked = 0, agree = 0;
+    for (int step = 0; step < 8; ++step) {
+      reqs.clear();
+      for (int s = 0; s < 3; ++s) reqs.push_back({s, random_ids(rng, 1, V), {}, true});
+      std::vector<float> la(size_t(3 * V));
+      std::vector<int32_t> ids(3, -1);
+      t.cpu->forward(reqs, Capture{}, la.data());
+      t.gpu->forward_greedy(reqs, Capture{}, ids.data());
+      for (int s = 0; s < 3; ++s) {
+        t.commit_all(s);
+        const float* a = la.data() + s * V;
+        std::vector<float> sorted(a, a + V);
+        std::partial_sort(sorted.begin(), sorted.begin() + 2, sorted.end(), std::greater<float>());
+        if (sorted[0] - sorted[1] < tol::kCudaGreedyMargin) continue;
+        ++checked;
+        agree += ids[size_t(s)] == int32_t(std::max_element(a, a + V) - a);
+      }
+    }
+    EXPECT_GT(checked, 6) << fx;
+    EXPECT_GE(agree, checked - 1) << fx << ": routed experts may flip one clear row at most";
+  }
+}
+
 TEST(CudaDecode, DeepSeekLatentSizesOnRandomModels) {
   REQUIRE_GPU();
   for (const int variant : {0, 1, 2, 3}) {

@@ -73,6 +73,9 @@ PY
 "$TALON" "${gen[@]}" --max-len 128 --kv-cache-tokens 100 --out "$WORK/g_kv_small" > /dev/null 2> "$WORK/kvs.err"
 [ $? -ne 0 ] && grep -q "cannot hold one sequence of max_len 128" "$WORK/kvs.err" && [ ! -e "$WORK/g_kv_small" ] \
   && ok "a KV cache below one max-len sequence is refused before anything is written" || bad "$(cat "$WORK/kvs.err")"
+"$TALON" "${gen[@]}" --tp 2 --out "$WORK/g_tp" > /dev/null 2> "$WORK/tp.err"
+[ $? -ne 0 ] && grep -q "\-\-tp 2 needs --device cuda" "$WORK/tp.err" && [ ! -e "$WORK/g_tp" ] \
+  && ok "--tp on the CPU is refused before anything is written" || bad "$(cat "$WORK/tp.err")"
 "$TALON" "${gen[@]}" --batch 3 --temperature 0.8 --seed 3 --out "$WORK/g_t1" > /dev/null 2>&1
 "$TALON" "${gen[@]}" --batch 2 --temperature 0.8 --seed 3 --max-prefill-tokens 5 --out "$WORK/g_t1c" > /dev/null 2>&1
 [ -s "$WORK/g_t1/generated.jsonl" ] && cmp -s "$WORK/g_t1/generated.jsonl" "$WORK/g_t1c/generated.jsonl" \

@@ -386,6 +386,25 @@ class CudaDecoder final : public Decoder, public cuda::DecoderControls {
 
 }  // namespace
 
+std::unique_ptr<Decoder> make_cuda_decoder(const Checkpoint& ckpt, const GpuOptions& go, int n_slots, int64_t max_len,
+                                           int64_t cache_tokens) {
+  TALON_CHECK(go.tp >= 1 && go.ep == 1, "decoding: --tp {} --ep {}: tensor parallelism only (--tp >= 1)", go.tp, go.ep);
+  TALON_CHECK(!go.devices.empty(), "decoding: no device given");
+  if (go.tp == 1) {
+    TALON_CHECK(go.devices.size() == 1, "decoding on {} devices needs --tp {}", go.devices.size(), go.devices.size());
+    return make_cuda_decoder(ckpt, go.devices[0], n_slots, max_len, cache_tokens);
+  }
+  int present = 0;
+  if (cudaGetDeviceCount(&present) != cudaSuccess || present == 0) fail("--device cuda: no CUDA device available");
+  for (size_t i = 0; i < go.devices.size(); ++i) {
+    TALON_CHECK(go.devices[i] >= 0 && go.devices[i] < present, "cuda:{}: only {} CUDA device(s) present", go.devices[i],
+                present);
+    for (size_t j = 0; j < i && !go.share_devices; ++j)
+      TALON_CHECK(go.devices[i] != go.devices[j], "cuda:{} is listed twice", go.devices[i]);
+  }
+  return cuda::make_deepseek_decoder_group(ckpt, go, n_slots, max_len, cache_tokens);
+}
+
 std::unique_ptr<Decoder> make_cuda_decoder(const Checkpoint& ckpt, int device, int n_slots, int64_t max_len,
                                            int64_t cache_tokens) {
   if (is_deepseek(ckpt.config().arch))

@@ -3,6 +3,8 @@
 #include <cstdint>
 #include <memory>
 
+#include "backend/backend.h"
+#include "backend/cuda/cuda_model.h"
 #include "model/decode.h"
 
 namespace talon::cuda {
@@ -19,6 +21,12 @@ class DecoderControls {
 // The DeepSeek-family decoder (cuda_deepseek_decoder.cpp); make_cuda_decoder picks it.
 std::unique_ptr<Decoder> make_deepseek_decoder(const Checkpoint& ckpt, int device, int n_slots, int64_t max_len,
                                                int64_t cache_tokens);
+// One rank of a tensor-parallel group of them (its share of the weights, cuda_model.h).
+std::unique_ptr<Decoder> make_deepseek_rank_decoder(const Checkpoint& ckpt, int device, int n_slots, int64_t max_len,
+                                                    int64_t cache_tokens, const DeepseekParallel& par);
+// The group: go.tp ranks on go.devices (decoder_group.cpp).
+std::unique_ptr<Decoder> make_deepseek_decoder_group(const Checkpoint& ckpt, const GpuOptions& go, int n_slots,
+                                                     int64_t max_len, int64_t cache_tokens);
 
 // Benchmarks only: marks the first `len` rows of a CUDA decoder's slot as committed without
 // computing them (their keys and values are whatever the cache holds: a constant fill

@@ -53,7 +53,7 @@ using Par = cuda::DeepseekParallel;
 class CudaDeepseekModel final : public Model {
  public:
   CudaDeepseekModel(const Checkpoint& ckpt, int device, const Par& par)
-      : dev_(device, "deepseek model"), cfg_(ckpt.config()), par_(par) {
+      : dev_(device, "deepseek model"), cfg_(ckpt.config()), par_(par), moe_par_(par, ckpt.config().hidden) {
     const ModelConfig& c = cfg_;
     const int n = par_.size, rk = par_.rank;
     const bool tp = par_.mode == Par::Mode::Tensor;
@@ -88,7 +88,9 @@ class CudaDeepseekModel final : public Model {
       // An expert-parallel rank without tokens still serves its experts to the others.
       if (par_.mode == Par::Mode::Expert)
         for (const LayerDev& L : layers_)
-          if (L.moe) moe_parallel(L, 0);
+          if (L.moe)
+            moe_par_.run(L, 0, nullptr, acts_ ? acts_->xn : nullptr, acts_ ? &acts_->moe : nullptr, nullptr,
+                         dev_.stream());
       return;
     }
     for (int64_t i = 0; i < N; ++i)
@@ -160,7 +162,7 @@ class CudaDeepseekModel final : public Model {
       // ---- MLP: dense, or routed experts (+ shared experts)
       std::function<void()> routed;
       std::function<void(float*, int64_t)> reduce;
-      if (par_.size > 1) routed = [&] { moe_parallel(L, N); };
+      if (par_.size > 1) routed = [&] { moe_par_.run(L, N, a.rlog, a.xn, &a.moe, a.moe_out, s); };
       if (tp) reduce = [&](float* p, int64_t n) { par_.comm->all_reduce(par_.rank, p, n, DType::F32, s); };
       cuda::deepseek_mlp(L, c, a.x, {a.xn, a.gu, a.act, a.xn32, a.rlog, a.moe_out, a.part, &a.moe}, N, dev_.gemm(), s,
                          routed, reduce);
@@ -176,92 +178,6 @@ class CudaDeepseekModel final : public Model {
   }
 
  private:
-  // The routed experts of one MoE layer across the group, for this rank's N tokens (router
-  // logits in acts_->rlog, normalized input in acts_->xn): a.moe_out = what moe_forward
-  // gives on one GPU (summed over ranks under tensor parallelism).
-  void moe_parallel(const LayerDev& L, int64_t N) {
-    const auto& r = L.experts.routing;
-    const int n = par_.size, rk = par_.rank, K = r.top_k, per = r.n_experts / n;
-    const int64_t H = cfg_.hidden, NK = N * K, Im = L.experts.experts.gate.O;
-    const bool tp = par_.mode == Par::Mode::Tensor;
-    cudaStream_t s = dev_.stream();
-    std::vector<int32_t> off(size_t(r.n_experts) + 1, 0);
-    if (N > 0) {
-      cuda::moe_route_sort(acts_->rlog, L.experts.router_bias, N, r, acts_->moe, s);
-      CUDA_CHECK(cudaMemcpyAsync(off.data(), acts_->moe.offsets, off.size() * 4, cudaMemcpyDeviceToHost, s));
-      CUDA_CHECK(cudaStreamSynchronize(s));
-    }
-    // Slots bound for rank d: sorted positions [off[d per], off[(d + 1) per]).
-    std::vector<int64_t> cnt(static_cast<size_t>(n)), got(static_cast<size_t>(n), 0);
-    for (int d = 0; d < n; ++d) cnt[size_t(d)] = off[size_t((d + 1) * per)] - off[size_t(d * per)];
-    int64_t R = 0;
-    if (tp) {
-      R = cnt[size_t(rk)];
-    } else {
-      const std::vector<int64_t> all = par_.comm->exchange(rk, cnt);
-      for (int src = 0; src < n; ++src) R += got[size_t(src)] = all[size_t(src * n + rk)];
-    }
-    Ep& e = ensure_ep(NK, R, per, Im);
-    cuda::moe_gather_sorted(e.send_rows, e.send_ids, acts_ ? acts_->xn : nullptr, H, K, NK, per, acts_ ? acts_->moe : e.sc,
-                            s);
-    const bf16* rows = e.recv_rows;
-    const int32_t* ids = e.recv_ids;
-    if (tp) {
-      rows = e.send_rows + off[size_t(rk * per)] * H;
-      ids = e.send_ids + off[size_t(rk * per)];
-    } else {
-      std::vector<int64_t> sb(static_cast<size_t>(n)), rb(static_cast<size_t>(n));
-      for (int d = 0; d < n; ++d) sb[size_t(d)] = cnt[size_t(d)] * H * 2, rb[size_t(d)] = got[size_t(d)] * H * 2;
-      par_.comm->all_to_all(rk, e.send_rows, sb, e.recv_rows, rb, s);
-      for (int d = 0; d < n; ++d) sb[size_t(d)] = cnt[size_t(d)] * 4, rb[size_t(d)] = got[size_t(d)] * 4;
-      par_.comm->all_to_all(rk, e.send_ids, sb, e.recv_ids, rb, s);
-    }
-    cuda::moe_experts_forward(e.y_recv, rows, ids, R, H, per, L.experts.experts, e.sc, s);
-    if (tp) {
-      CUDA_CHECK(cudaMemsetAsync(e.y_sorted, 0, size_t(NK * H) * 4, s));
-      CUDA_CHECK(cudaMemcpyAsync(e.y_sorted + off[size_t(rk * per)] * H, e.y_recv, size_t(R * H) * 4,
-                                 cudaMemcpyDeviceToDevice, s));
-    } else {
-      // The expert outputs go back to the ranks that sent the rows, in the order they came.
-      std::vector<int64_t> sb(static_cast<size_t>(n)), rb(static_cast<size_t>(n));
-      for (int d = 0; d < n; ++d) sb[size_t(d)] = got[size_t(d)] * H * 4, rb[size_t(d)] = cnt[size_t(d)] * H * 4;
-      par_.comm->all_to_all(rk, e.y_recv, sb, e.y_sorted, rb, s);
-    }
-    if (N > 0) {
-      cuda::moe_combine(acts_->moe_out, e.y_sorted, N, H, K, acts_->moe, s);
-      if (tp) par_.comm->all_reduce(rk, acts_->moe_out, N * H, DType::F32, s);
-    }
-  }
-
-  // Buffers of moe_parallel, grown on demand: NK slots sent, R rows received.
-  struct Ep {
-    std::unique_ptr<DeviceArena> arena;
-    int64_t nk = -1, r = -1;
-    bf16 *send_rows = nullptr, *recv_rows = nullptr;
-    int32_t *send_ids = nullptr, *recv_ids = nullptr;
-    float *y_recv = nullptr, *y_sorted = nullptr;
-    cuda::MoeScratch sc{};
-  };
-  Ep& ensure_ep(int64_t NK, int64_t R, int per, int64_t Im) {
-    if (ep_.arena && ep_.nk >= NK && ep_.r >= R) return ep_;
-    CUDA_CHECK(cudaStreamSynchronize(dev_.stream()));
-    const int64_t nk = std::max<int64_t>({NK, ep_.nk, 1}), r = std::max<int64_t>({R, ep_.r, 1}), H = cfg_.hidden;
-    ep_ = Ep{};
-    ep_.arena = std::make_unique<DeviceArena>();
-    auto& ar = *ep_.arena;
-    ep_.send_rows = ar.alloc<bf16>(size_t(nk * H));
-    ep_.send_ids = ar.alloc<int32_t>(size_t(nk));
-    ep_.y_sorted = ar.alloc<float>(size_t(nk * H));
-    ep_.recv_rows = ar.alloc<bf16>(size_t(r * H));
-    ep_.recv_ids = ar.alloc<int32_t>(size_t(r));
-    ep_.y_recv = ar.alloc<float>(size_t(r * H));
-    cuda::MoeRouting top1;
-    top1.n_experts = per, top1.top_k = 1;
-    cuda::alloc_moe_scratch(ep_.sc, ar, r, top1, cfg_.hidden, Im);
-    ep_.nk = nk, ep_.r = r;
-    return ep_;
-  }
-
   struct Acts {
     DeviceArena arena;
     int64_t n = 0, seqs = 0;
@@ -324,7 +240,7 @@ class CudaDeepseekModel final : public Model {
   ModelConfig cfg_;
   Par par_;
   int64_t nh_ = 0;  // attention heads on this rank
-  Ep ep_;
+  cuda::MoeParallel moe_par_;
   bf16 *embed_, *lm_head_, *final_norm_;
   float* inv_freq_;
   std::vector<LayerDev> layers_;

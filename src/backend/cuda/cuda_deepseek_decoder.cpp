@@ -13,6 +13,13 @@
 // arithmetic in fp32. Slots, rows and commits follow decode_slots.h; a forward's launches are
 // a CUDA graph per shape after the shape's second run (graph_cache.h), prefills included
 // (every forward attends over the cache).
+//
+// Tensor parallel (make_deepseek_decoder_group): rank r holds heads [r nh/n, (r+1) nh/n) of
+// MLA, a slice of each dense / shared MLP and the routed experts of its window, as the packed
+// forward's ranks do (cuda_deepseek.cpp); every rank runs every request, keeps the whole latent
+// cache (it is shared by the heads), and sums its attention, MLP and expert partials with fp32
+// all-reduces. Those forwards run eagerly: the routed counts come to the host once a MoE layer
+// (MoeParallel), and shared-GPU collectives wait on host barriers.
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 
@@ -24,6 +31,7 @@
 
 #include "backend/backend.h"
 #include "backend/cuda/check.h"
+#include "backend/cuda/collective.h"
 #include "backend/cuda/cuda_decoder.h"
 #include "backend/cuda/cuda_model.h"
 #include "backend/cuda/decode_ops.h"
@@ -56,14 +64,23 @@ void gemm_batched(cublasHandle_t h, cublasOperation_t ta, int64_t m, int64_t n, 
 
 class CudaDeepseekDecoder final : public Decoder, public DecoderControls {
  public:
-  CudaDeepseekDecoder(const Checkpoint& ckpt, int device, int n_slots, int64_t max_len, int64_t cache_tokens)
-      : dev_(checked(n_slots, max_len, device), "decoder"), cfg_(ckpt.config()), max_len_(max_len) {
+  CudaDeepseekDecoder(const Checkpoint& ckpt, int device, int n_slots, int64_t max_len, int64_t cache_tokens,
+                      const DeepseekParallel& par = {})
+      : dev_(checked(n_slots, max_len, device), "decoder"), cfg_(ckpt.config()), max_len_(max_len), par_(par),
+        moe_par_(par, ckpt.config().hidden) {
     const ModelConfig& c = cfg_;
     const DeepseekConfig& d = c.ds;
     TALON_CHECK(d.kv_lora_rank <= 512 && d.kv_lora_rank % 2 == 0,
                 "{}: kv_lora_rank {} is not supported by the CUDA decoder (even, at most 512)", ckpt.source(),
                 d.kv_lora_rank);
-    w_ = upload_deepseek_weights(ckpt, dev_.arena(), {});
+    const int n = par_.size;
+    TALON_CHECK(par_.mode != DeepseekParallel::Mode::Expert, "decoder: expert-parallel decoding is not built; use --tp");
+    TALON_CHECK(n == 1 || (par_.comm && par_.rank >= 0 && par_.rank < n), "decoder rank {} of {}: bad parallel setup",
+                par_.rank, n);
+    TALON_CHECK(c.n_heads % n == 0, "--tp {}: the model's {} attention heads must divide by it", n, c.n_heads);
+    TALON_CHECK(n == 1 || d.n_routed_experts % n == 0, "--tp {}: the model's {} routed experts must divide by it", n,
+                d.n_routed_experts);
+    w_ = upload_deepseek_weights(ckpt, dev_.arena(), par_);
     // The latent cache: per layer [pool rows, kvr + rope] bf16 in pages shared by the slots
     // (decode_slots.h), sized against what is free after the weights, keeping room for one
     // forward's activations per slot.
@@ -186,6 +203,7 @@ class CudaDeepseekDecoder final : public Decoder, public DecoderControls {
     const auto* d_logit_rows = reinterpret_cast<const int32_t*>(a.in + lay.logit_rows);
     const auto* d_masks = reinterpret_cast<const uint64_t*>(a.in + lay.masks);
     const float scale = float(d.softmax_scale), af = float(c.rope.attention_factor);
+    const bool tp = par_.size > 1;
 
     auto device_work = [&] {
       cublasHandle_t blas = dev_.blas();
@@ -205,9 +223,17 @@ class CudaDeepseekDecoder final : public Decoder, public DecoderControls {
         // o(h) [vd, N] = W_UV(h) (row-major [vd, kvr] after W_UK(h)) x o_lat(h)
         gemm_batched(blas, CUBLAS_OP_T, vd, N, kvr, L.kv_b + nope * kvr, kvr, (nope + vd) * kvr, a.olat, nh * kvr, kvr,
                      a.attv, CUDA_R_16BF, nh * vd, vd, nh);
-        dev_.gemm().forward(a.part, a.attv, L.o, N, nh * vd, H, st);
+        dev_.gemm().forward(a.part, a.attv, L.o, N, nh * vd, H, st);  // tensor parallel: this rank's heads
+        if (tp) par_.comm->all_reduce(par_.rank, a.part, N * H, DType::F32, st);
         add_f32(a.x, a.part, N * H, st);
-        deepseek_mlp(L, c, a.x, {a.xn, a.gu, a.act, a.xn32, a.rlog, a.moe_out, a.part, &a.moe}, N, dev_.gemm(), st);
+        std::function<void()> routed;
+        std::function<void(float*, int64_t)> reduce;
+        if (tp) {
+          routed = [&] { moe_par_.run(L, N, a.rlog, a.xn, &a.moe, a.moe_out, st); };
+          reduce = [&](float* p, int64_t cnt) { par_.comm->all_reduce(par_.rank, p, cnt, DType::F32, st); };
+        }
+        deepseek_mlp(L, c, a.x, {a.xn, a.gu, a.act, a.xn32, a.rlog, a.moe_out, a.part, &a.moe}, N, dev_.gemm(), st,
+                     routed, reduce);
       }
       add_rmsnorm_forward(a.xn, a.x, nullptr, w_.final_norm, N, H, float(c.rms_eps), st);
       capture(c.n_layers);
@@ -220,7 +246,7 @@ class CudaDeepseekDecoder final : public Decoder, public DecoderControls {
     };
     graphs_.run(fmt::format("{}/{}/{}/{}/{}/{}/{}/{}", N, NL, batch.masks.size(), splits, split_len,
                             sampled ? 2 : ids ? 1 : 0, int(cap.dtype), fmt::join(cap.layers, ",")),
-                st, device_work, !batch.prefill);
+                st, device_work, !batch.prefill && !tp);
 
     results_down(cap, a.cap, a.n_tokens, N, H, NL, a.top1, ids, a.logits32, logits, V, out_h_, st);
     slots_->ran(reqs, batch, pending_);
@@ -283,6 +309,8 @@ class CudaDeepseekDecoder final : public Decoder, public DecoderControls {
   Device dev_;         // destroyed after everything it allocated (device.h)
   ModelConfig cfg_;
   int64_t max_len_;
+  DeepseekParallel par_;
+  MoeParallel moe_par_;
   DeviceArena cache_arena_;
   DeepseekDevWeights w_;
   std::vector<bf16*> cache_;     // per layer [pool rows, kvr + rope], paged (decode_slots.h)
@@ -302,6 +330,12 @@ std::unique_ptr<Decoder> make_deepseek_decoder(const Checkpoint& ckpt, int devic
                                                int64_t cache_tokens) {
   TALON_CHECK(is_deepseek(ckpt.config().arch), "{}: not a DeepSeek-family model", ckpt.source());
   return std::make_unique<CudaDeepseekDecoder>(ckpt, device, n_slots, max_len, cache_tokens);
+}
+
+std::unique_ptr<Decoder> make_deepseek_rank_decoder(const Checkpoint& ckpt, int device, int n_slots, int64_t max_len,
+                                                    int64_t cache_tokens, const DeepseekParallel& par) {
+  TALON_CHECK(is_deepseek(ckpt.config().arch), "{}: not a DeepSeek-family model", ckpt.source());
+  return std::make_unique<CudaDeepseekDecoder>(ckpt, device, n_slots, max_len, cache_tokens, par);
 }
 
 }  // namespace talon::cuda

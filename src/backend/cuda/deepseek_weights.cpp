@@ -5,6 +5,7 @@
 #include <algorithm>
 
 #include "backend/cuda/check.h"
+#include "backend/cuda/collective.h"
 #include "backend/cuda/deepseek_ops.h"
 #include "backend/cuda/weights.h"
 #include "model/deepseek.h"
@@ -160,6 +161,79 @@ void deepseek_mlp(const DeepseekLayerDev& L, const ModelConfig& c, float* x, con
     if (reduce) reduce(b.part, N * H);
     add_f32(x, b.part, N * H, s);
   }
+}
+
+void MoeParallel::run(const DeepseekLayerDev& L, int64_t N, const float* rlog, const bf16* xn, const MoeScratch* moe,
+                      float* out, cudaStream_t s) {
+  const auto& r = L.experts.routing;
+  const int n = par_.size, rk = par_.rank, K = r.top_k, per = r.n_experts / n;
+  const int64_t H = H_, NK = N * K, Im = L.experts.experts.gate.O;
+  const bool tp = par_.mode == DeepseekParallel::Mode::Tensor;
+  std::vector<int32_t> off(size_t(r.n_experts) + 1, 0);
+  if (N > 0) {
+    moe_route_sort(rlog, L.experts.router_bias, N, r, *moe, s);
+    CUDA_CHECK(cudaMemcpyAsync(off.data(), moe->offsets, off.size() * 4, cudaMemcpyDeviceToHost, s));
+    CUDA_CHECK(cudaStreamSynchronize(s));
+  }
+  // Slots bound for rank d: sorted positions [off[d per], off[(d + 1) per]).
+  std::vector<int64_t> cnt(static_cast<size_t>(n)), got(static_cast<size_t>(n), 0);
+  for (int d = 0; d < n; ++d) cnt[size_t(d)] = off[size_t((d + 1) * per)] - off[size_t(d * per)];
+  int64_t R = 0;
+  if (tp) {
+    R = cnt[size_t(rk)];
+  } else {
+    const std::vector<int64_t> all = par_.comm->exchange(rk, cnt);
+    for (int src = 0; src < n; ++src) R += got[size_t(src)] = all[size_t(src * n + rk)];
+  }
+  Ep& e = ensure(NK, R, per, Im, s);
+  moe_gather_sorted(e.send_rows, e.send_ids, xn, H, K, NK, per, moe ? *moe : e.sc, s);
+  const bf16* rows = e.recv_rows;
+  const int32_t* ids = e.recv_ids;
+  if (tp) {
+    rows = e.send_rows + off[size_t(rk * per)] * H;
+    ids = e.send_ids + off[size_t(rk * per)];
+  } else {
+    std::vector<int64_t> sb(static_cast<size_t>(n)), rb(static_cast<size_t>(n));
+    for (int d = 0; d < n; ++d) sb[size_t(d)] = cnt[size_t(d)] * H * 2, rb[size_t(d)] = got[size_t(d)] * H * 2;
+    par_.comm->all_to_all(rk, e.send_rows, sb, e.recv_rows, rb, s);
+    for (int d = 0; d < n; ++d) sb[size_t(d)] = cnt[size_t(d)] * 4, rb[size_t(d)] = got[size_t(d)] * 4;
+    par_.comm->all_to_all(rk, e.send_ids, sb, e.recv_ids, rb, s);
+  }
+  moe_experts_forward(e.y_recv, rows, ids, R, H, per, L.experts.experts, e.sc, s);
+  if (tp) {
+    CUDA_CHECK(cudaMemsetAsync(e.y_sorted, 0, size_t(NK * H) * 4, s));
+    CUDA_CHECK(cudaMemcpyAsync(e.y_sorted + off[size_t(rk * per)] * H, e.y_recv, size_t(R * H) * 4,
+                               cudaMemcpyDeviceToDevice, s));
+  } else {
+    // The expert outputs go back to the ranks that sent the rows, in the order they came.
+    std::vector<int64_t> sb(static_cast<size_t>(n)), rb(static_cast<size_t>(n));
+    for (int d = 0; d < n; ++d) sb[size_t(d)] = got[size_t(d)] * H * 4, rb[size_t(d)] = cnt[size_t(d)] * H * 4;
+    par_.comm->all_to_all(rk, e.y_recv, sb, e.y_sorted, rb, s);
+  }
+  if (N > 0) {
+    moe_combine(out, e.y_sorted, N, H, K, *moe, s);
+    if (tp) par_.comm->all_reduce(rk, out, N * H, DType::F32, s);
+  }
+}
+
+MoeParallel::Ep& MoeParallel::ensure(int64_t NK, int64_t R, int per, int64_t Im, cudaStream_t s) {
+  if (ep_.arena && ep_.nk >= NK && ep_.r >= R) return ep_;
+  CUDA_CHECK(cudaStreamSynchronize(s));
+  const int64_t nk = std::max<int64_t>({NK, ep_.nk, 1}), r = std::max<int64_t>({R, ep_.r, 1}), H = H_;
+  ep_ = Ep{};
+  ep_.arena = std::make_unique<DeviceArena>();
+  auto& ar = *ep_.arena;
+  ep_.send_rows = ar.alloc<bf16>(size_t(nk * H));
+  ep_.send_ids = ar.alloc<int32_t>(size_t(nk));
+  ep_.y_sorted = ar.alloc<float>(size_t(nk * H));
+  ep_.recv_rows = ar.alloc<bf16>(size_t(r * H));
+  ep_.recv_ids = ar.alloc<int32_t>(size_t(r));
+  ep_.y_recv = ar.alloc<float>(size_t(r * H));
+  MoeRouting top1;
+  top1.n_experts = per, top1.top_k = 1;
+  alloc_moe_scratch(ep_.sc, ar, r, top1, H, Im);
+  ep_.nk = nk, ep_.r = r;
+  return ep_;
 }
 
 }  // namespace talon::cuda

@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <vector>
 
 #include "backend/cuda/cuda_model.h"
@@ -66,5 +67,36 @@ void deepseek_mlp(const DeepseekLayerDev& L, const ModelConfig& c, float* x, con
 
 // Scratch of moe_forward for up to n tokens of routing r (experts of width Im), from `arena`.
 void alloc_moe_scratch(MoeScratch& m, DeviceArena& arena, int64_t n, const MoeRouting& r, int64_t H, int64_t Im);
+
+// The routed experts of one MoE layer across a tensor- or expert-parallel group (the packed
+// forward's ranks, and the tensor-parallel decoder's), for this rank's N tokens: out [N, H]
+// (fp32) = what moe_forward gives on one GPU, summed over the ranks under tensor parallelism.
+// Routing is global; rank d owns the routed experts [d per, (d + 1) per). Under tensor
+// parallelism every rank has every token and runs the slots routed to its experts; under
+// expert parallelism the rows travel to their experts' ranks and back (two all-to-alls). In:
+// router logits rlog [N, E], the normalized input xn [N, H], this rank's moe_forward scratch
+// for N tokens (null when it has none: an expert-parallel rank without tokens still serves its
+// experts). The host waits for the routed counts once a layer, so this is not graph-capturable.
+class MoeParallel {
+ public:
+  MoeParallel(const DeepseekParallel& par, int64_t hidden) : par_(par), H_(hidden) {}
+  void run(const DeepseekLayerDev& L, int64_t N, const float* rlog, const bf16* xn, const MoeScratch* moe, float* out,
+           cudaStream_t s);
+
+ private:
+  // Buffers grown on demand: NK slots sent, R rows received.
+  struct Ep {
+    std::unique_ptr<DeviceArena> arena;
+    int64_t nk = -1, r = -1;
+    bf16 *send_rows = nullptr, *recv_rows = nullptr;
+    int32_t *send_ids = nullptr, *recv_ids = nullptr;
+    float *y_recv = nullptr, *y_sorted = nullptr;
+    MoeScratch sc{};
+  };
+  Ep& ensure(int64_t NK, int64_t R, int per, int64_t Im, cudaStream_t s);
+  DeepseekParallel par_;
+  int64_t H_;
+  Ep ep_;
+};
 
 }  // namespace talon::cuda

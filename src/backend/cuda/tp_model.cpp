@@ -12,6 +12,7 @@
 #include "backend/backend.h"
 #include "backend/cuda/collective.h"
 #include "backend/cuda/cuda_model.h"
+#include "backend/cuda/rank_workers.h"
 #include "util/threads.h"
 #include "util/error.h"
 #include "util/log.h"
@@ -51,16 +52,11 @@ class GroupModel final : public Model {
       comm_.reset();
       throw;
     }
-    for (int r = 0; r < n; ++r) workers_.emplace_back([this, r] { worker(r); });
+    workers_ = std::make_unique<cuda::RankWorkers>(n, [this](int r) { return tag(r); }, comm_.get());
   }
 
   ~GroupModel() override {
-    {
-      std::lock_guard lk(mu_);
-      quit_ = true;
-    }
-    cv_.notify_all();
-    for (auto& t : workers_) t.join();
+    workers_.reset();
     ranks_.clear();
     comm_.reset();
   }
@@ -103,15 +99,10 @@ class GroupModel final : public Model {
         s0 = s1;
       }
     }
-    std::unique_lock lk(mu_);
-    jobs_ = std::move(jobs);
-    pending_ = n;
-    errors_.assign(size_t(n), nullptr);
-    ++generation_;
-    cv_.notify_all();
-    done_cv_.wait(lk, [&] { return pending_ == 0; });
-    for (auto& e : errors_)
-      if (e) std::rethrow_exception(e);
+    workers_->run([&](int r) {
+      const Job& j = jobs[size_t(r)];
+      ranks_[size_t(r)]->forward(*j.b, *j.cap, j.logits);
+    });
   }
 
  private:
@@ -123,47 +114,15 @@ class GroupModel final : public Model {
 
   std::string tag(int r) const { return fmt::format("gpu {} rank {}", devices_[size_t(r)], r); }
 
-  void worker(int r) {
-    set_thread_log_tag(tag(r));
-    uint64_t seen = 0;
-    for (;;) {
-      Job j;
-      {
-        std::unique_lock lk(mu_);
-        cv_.wait(lk, [&] { return quit_ || generation_ != seen; });
-        if (quit_) return;
-        seen = generation_;
-        j = jobs_[size_t(r)];
-      }
-      std::exception_ptr err;
-      try {
-        ranks_[size_t(r)]->forward(*j.b, *j.cap, j.logits);
-      } catch (...) {
-        err = std::current_exception();
-        comm_->abort();  // the other ranks leave their collectives instead of waiting for this one
-      }
-      std::lock_guard lk(mu_);
-      errors_[size_t(r)] = err;
-      if (--pending_ == 0) done_cv_.notify_all();
-    }
-  }
-
   ModelConfig cfg_;
   std::vector<int> devices_;
   std::string kind_;
   Split split_;
   std::unique_ptr<cuda::Collectives> comm_;
   std::vector<std::unique_ptr<Model>> ranks_;
-  std::vector<std::thread> workers_;
-  std::mutex mu_;
-  std::condition_variable cv_, done_cv_;
-  std::vector<Job> jobs_;
+  std::unique_ptr<cuda::RankWorkers> workers_;  // thread r drives ranks_[r]
   std::vector<Batch> parts_;
   std::vector<Capture> caps_;
-  uint64_t generation_ = 0;
-  int pending_ = 0;
-  bool quit_ = false;
-  std::vector<std::exception_ptr> errors_;
 };
 
 // Devices of a group: in range, and distinct unless ranks may share a GPU.

@@ -120,6 +120,10 @@ int main(int argc, char** argv) {
   app.add_option("--dflash-block", dflash_block, "its block size")->capture_default_str();
   app.add_option("--draft-vocab", draft_vocab, "time an EAGLE-3 draft layer with this draft vocabulary (0: skip)")
       ->capture_default_str();
+  int tp = 1;
+  bool share = false;
+  app.add_option("--tp", tp, "tensor-parallel ranks on GPUs 0..tp-1 (DeepSeek family)")->capture_default_str();
+  app.add_flag("--share-gpus", share, "every --tp rank on GPU 0 (device-copy collectives)");
   CLI11_PARSE(app, argc, argv);
   try {
     const double t0 = now();
@@ -130,11 +134,16 @@ int main(int argc, char** argv) {
     const ModelConfig& c = ck->config();
     const int n_slots = *std::max_element(batches.begin(), batches.end());
     const int64_t max_len = context + std::max<int64_t>({steps + 2, tree, 64}) + 1;
-    auto dec = make_cuda_decoder(*ck, 0, n_slots, max_len);
+    GpuOptions go;
+    go.tp = tp;
+    go.share_devices = share;
+    go.devices.clear();
+    for (int r = 0; r < tp; ++r) go.devices.push_back(share ? 0 : r);
+    auto dec = make_cuda_decoder(*ck, go, n_slots, max_len);
     cudaDeviceProp prop{};
     cudaGetDeviceProperties(&prop, 0);
-    std::printf("%s on %s: %lld layers, H %lld, %lld/%lld heads x %lld, V %lld; %d slots x %lld tokens (setup %.1fs)\n",
-                model_path.empty() ? ("random " + shape).c_str() : model_path.c_str(), prop.name,
+    std::printf("%s on %s (%s): %lld layers, H %lld, %lld/%lld heads x %lld, V %lld; %d slots x %lld tokens (setup %.1fs)\n",
+                model_path.empty() ? ("random " + shape).c_str() : model_path.c_str(), prop.name, dec->backend().c_str(),
                 (long long)c.n_layers, (long long)c.hidden, (long long)c.n_heads, (long long)c.n_kv_heads,
                 (long long)c.head_dim, (long long)c.vocab, n_slots, (long long)max_len, now() - t0);
     // Bytes a decode step must read: every matrix once (the embedding is only gathered, so

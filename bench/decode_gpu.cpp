@@ -120,9 +120,10 @@ int main(int argc, char** argv) {
   app.add_option("--dflash-block", dflash_block, "its block size")->capture_default_str();
   app.add_option("--draft-vocab", draft_vocab, "time an EAGLE-3 draft layer with this draft vocabulary (0: skip)")
       ->capture_default_str();
-  int tp = 1;
+  int tp = 1, ep = 1;
   bool share = false;
   app.add_option("--tp", tp, "tensor-parallel ranks on GPUs 0..tp-1 (DeepSeek family)")->capture_default_str();
+  app.add_option("--ep", ep, "expert-parallel ranks on GPUs 0..ep-1 (DeepSeek family)")->capture_default_str();
   app.add_flag("--share-gpus", share, "every --tp rank on GPU 0 (device-copy collectives)");
   CLI11_PARSE(app, argc, argv);
   try {
@@ -136,9 +137,10 @@ int main(int argc, char** argv) {
     const int64_t max_len = context + std::max<int64_t>({steps + 2, tree, 64}) + 1;
     GpuOptions go;
     go.tp = tp;
+    go.ep = ep;
     go.share_devices = share;
     go.devices.clear();
-    for (int r = 0; r < tp; ++r) go.devices.push_back(share ? 0 : r);
+    for (int r = 0; r < tp * ep; ++r) go.devices.push_back(share ? 0 : r);
     auto dec = make_cuda_decoder(*ck, go, n_slots, max_len);
     cudaDeviceProp prop{};
     cudaGetDeviceProperties(&prop, 0);

@@ -23,7 +23,7 @@ echo "== talon_bench_deepseek --layers $layers"
 build/talon_bench_deepseek --layers "$layers" 2>&1 | grep -v "^\[" | tee "$log/bench_deepseek.log"
 # Decoding: one GPU, then the tensor-parallel group (two ranks sharing this GPU: the code path
 # and its eager-step cost; real --tp needs several GPUs: --tp N without --share-gpus).
-for args in "" "--tp 2 --share-gpus"; do
+for args in "" "--tp 2 --share-gpus" "--ep 2 --share-gpus"; do
   echo "== talon_bench_decode --model random:kimi-k2:$layers --context 2048 --batches 1,8 --tree 0 $args"
   build/talon_bench_decode --model "random:kimi-k2:$layers" --context 2048 --batches 1,8 --tree 0 $args 2>&1 |
     grep -v "^\[" | tee -a "$log/bench_decode_kimi.log"

@@ -28,21 +28,25 @@ DeviceSpec parse_device(const std::string& spec, bool allow_repeats) {
   return d;
 }
 
-std::unique_ptr<Decoder> make_decoder(const Checkpoint& ckpt, const DeviceSpec& dev, int tp, bool share_gpus,
+std::unique_ptr<Decoder> make_decoder(const Checkpoint& ckpt, const DeviceSpec& dev, int tp, int ep, bool share_gpus,
                                       int n_slots, int64_t max_len, int64_t cache_tokens) {
-  TALON_CHECK(tp >= 1, "--tp must be >= 1 (got {})", tp);
-  TALON_CHECK(dev.cuda || tp == 1, "--tp {} needs --device cuda", tp);
+  TALON_CHECK(tp >= 1 && ep >= 1, "--tp and --ep must be >= 1 (got {} and {})", tp, ep);
+  TALON_CHECK(tp == 1 || ep == 1, "--tp {} with --ep {}: use one of them", tp, ep);
+  const int n = tp * ep;
+  const char* flag = ep > 1 ? "--ep" : "--tp";
+  TALON_CHECK(dev.cuda || n == 1, "{} {} needs --device cuda", flag, n);
   if (!dev.cuda) return make_cpu_decoder(ckpt, n_slots, max_len, cache_tokens);
   GpuOptions go;
   go.tp = tp;
+  go.ep = ep;
   go.share_devices = share_gpus;
   go.devices = dev.devices;
-  if (go.devices.empty())  // cuda: the first tp GPUs
-    for (int r = 0; r < tp; ++r) go.devices.push_back(r);
+  if (go.devices.empty())  // cuda: the first n GPUs
+    for (int r = 0; r < n; ++r) go.devices.push_back(r);
   if (share_gpus && go.devices.size() == 1)  // --share-gpus on one GPU: every rank on it
-    go.devices.assign(size_t(tp), go.devices[0]);
-  TALON_CHECK(int(go.devices.size()) == tp, "--tp {} needs {} GPUs (--device cuda:0,1,...), got {}{}", tp, tp,
-              go.devices.size(), tp > 1 ? "" : "; give --tp for several");
+    go.devices.assign(size_t(n), go.devices[0]);
+  TALON_CHECK(int(go.devices.size()) == n, "{} {} needs {} GPUs (--device cuda:0,1,...), got {}{}", flag, n, n,
+              go.devices.size(), n > 1 ? "" : "; give --tp or --ep for several");
   return make_cuda_decoder(ckpt, go, n_slots, max_len, cache_tokens);
 }
 

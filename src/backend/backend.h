@@ -86,14 +86,15 @@ std::unique_ptr<Decoder> make_cpu_decoder(const Checkpoint& ckpt, int n_slots, i
 // when the build has no CUDA backend or the cache does not fit, naming the numbers.
 std::unique_ptr<Decoder> make_cuda_decoder(const Checkpoint& ckpt, int device, int n_slots, int64_t max_len,
                                            int64_t cache_tokens = 0);
-// The same on go.devices: one GPU, or a tensor-parallel group of go.tp (DeepSeek family only:
-// one thread per GPU, NCCL, or device copies with go.share_devices). Throws naming what is
-// unsupported (--ep, a dense model with --tp > 1).
+// The same on go.devices: one GPU, or a tensor-parallel group of go.tp or an expert-parallel
+// group of go.ep (DeepSeek family only: one thread per GPU, NCCL, or device copies with
+// go.share_devices). Throws naming what is unsupported (a dense model with --tp > 1).
 std::unique_ptr<Decoder> make_cuda_decoder(const Checkpoint& ckpt, const GpuOptions& go, int n_slots, int64_t max_len,
                                            int64_t cache_tokens = 0);
-// The decoder a command's --device / --tp / --share-gpus ask for: the CPU reference, or CUDA on
-// dev.devices (cuda alone: the first tp GPUs; --share-gpus with one GPU: every rank on it).
-std::unique_ptr<Decoder> make_decoder(const Checkpoint& ckpt, const DeviceSpec& dev, int tp, bool share_gpus,
+// The decoder a command's --device / --tp / --ep / --share-gpus ask for: the CPU reference, or
+// CUDA on dev.devices (cuda alone: the first tp x ep GPUs; --share-gpus with one GPU: every rank
+// on it). Under --ep, cache_tokens is each GPU's cache.
+std::unique_ptr<Decoder> make_decoder(const Checkpoint& ckpt, const DeviceSpec& dev, int tp, int ep, bool share_gpus,
                                       int n_slots, int64_t max_len, int64_t cache_tokens = 0);
 
 }  // namespace talon

@@ -207,7 +207,7 @@ EvalReport run_eval(const EvalOptions& opt) {
   int max_draft = 0;
   for (const auto& c : opt.configs) max_draft = std::max(max_draft, c.max_draft_tokens());
   const int64_t cache = opt.max_len + max_draft + 2;
-  std::unique_ptr<Decoder> dec = make_decoder(*ckpt, dev, opt.tp, opt.share_gpus, 1, cache);
+  std::unique_ptr<Decoder> dec = make_decoder(*ckpt, dev, opt.tp, opt.ep, opt.share_gpus, 1, cache);
   // After the decoder: a device that is not there is reported before the draft is read.
   const DraftModel dm = load_draft(opt.draft, *ckpt);
   tlog::info("eval: {} draft {} (aux layers {}, draft vocabulary {})",

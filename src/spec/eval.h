@@ -40,6 +40,7 @@ struct EvalOptions {
   std::string device = "cpu";
   std::string draft_device = "same";  // cpu | cuda:N | same (the target's first device)
   int tp = 1;                          // tensor-parallel GPUs of the target (DeepSeek family)
+  int ep = 1;                          // expert-parallel GPUs of the target
   bool share_gpus = false;             // its ranks may share a GPU
 };
 

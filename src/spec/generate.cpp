@@ -275,7 +275,7 @@ GenerateReport run_generate(const GenerateOptions& opt) {
   const std::vector<int32_t> eos = eos_ids(tok, opt.model);
   TALON_CHECK(!eos.empty(), "generate: the tokenizer names no end-of-sequence token; generation could not stop");
   const int batch = opt.batch > 0 ? opt.batch : (dev.cuda ? 256 : 8);
-  std::unique_ptr<Decoder> dec = make_decoder(*ckpt, dev, opt.tp, opt.share_gpus, batch, opt.max_len, opt.kv_cache_tokens);
+  std::unique_ptr<Decoder> dec = make_decoder(*ckpt, dev, opt.tp, opt.ep, opt.share_gpus, batch, opt.max_len, opt.kv_cache_tokens);
   rep.cache_tokens = dec->cache_capacity();
 
   fs::create_directories(opt.out);

@@ -48,6 +48,7 @@ struct GenerateOptions {
   int64_t limit = 0;              // first N conversations only (0: all)
   std::string device = "cpu";     // cpu | cuda | cuda:N | cuda:N,M,... (with tp)
   int tp = 1;                     // tensor-parallel GPUs (DeepSeek family)
+  int ep = 1;                     // expert-parallel GPUs (DeepSeek family; slots split among them)
   bool share_gpus = false;        // ranks may share a GPU (collectives by device copies)
   double flush_seconds = 2.0;     // journal fsync interval
 };

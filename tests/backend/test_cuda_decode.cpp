@@ -482,30 +482,44 @@ INSTANTIATE_TEST_SUITE_P(DeepSeek, CudaDecode,
 // narrow other widths, against the CPU decoder: long prefills (the keys cut into splits), a
 // chunk onto a non-empty slot beside a step and a tree, then steps; and a 32-head variant
 // without q LoRA; every layer dense (each row checked) and with MoE layers (int4, bf16 experts).
-// Tensor-parallel decoding of the DeepSeek family (decoder_group.cpp): two ranks sharing this
-// GPU (device-copy collectives), each with half the heads, half of every MLP and its window of
-// routed experts, against the CPU decoder: the three-slot scenario (prefills, a tree and a kept
-// path, chunks, captures from rank 0), greedy ids picked on the device, and malformed requests
-// refused by the group's host mirror before any rank runs, after which it still decodes.
-TEST(CudaDecode, TensorParallelDeepSeekGroupMatchesTheCpu) {
+// Parallel decoding of the DeepSeek family (decoder_group.cpp), two ranks sharing this GPU
+// (device-copy collectives), against the CPU decoder. Tensor parallel: each rank with half the
+// heads, half of every MLP and its window of routed experts, every request on both. Expert
+// parallel: attention replicated, slots 0-1 on rank 0 and slot 2 on rank 1 (so one-slot
+// forwards leave a rank with no request, which must still serve its experts), rows coming back
+// in request order. Both: the three-slot scenario (prefills, a tree and a kept path, chunks,
+// captures), greedy ids picked on the device, and malformed requests refused by the group's
+// host mirror before any rank runs, after which it still decodes.
+TEST(CudaDecode, ParallelDeepSeekGroupsMatchTheCpu) {
   REQUIRE_GPU();
-  for (const char* fx : {"deepseek_v3", "kimi_k2_int4"}) {
+  for (const char* fx : {"deepseek_v3", "kimi_k2_int4"})
+  for (const bool ep : {false, true}) {
     auto ck = open_checkpoint(golden_fixture(fx));
     GpuOptions go;
     go.devices = {0, 0};
-    go.tp = 2;
+    (ep ? go.ep : go.tp) = 2;
     go.share_devices = true;
+    const std::string tag = std::string(fx) + (ep ? " ep 2: " : " tp 2: ");
     auto group = make_cuda_decoder(*ck, go, 3, 300);
-    EXPECT_NE(group->backend().find("tp 2"), std::string::npos) << group->backend();
+    EXPECT_NE(group->backend().find(ep ? "ep 2" : "tp 2"), std::string::npos) << group->backend();
     Twin t(*ck, 3, 300, std::move(group));
     const int64_t V = t.c().vocab;
-    run_three_slot_scenario(t, V, std::string(fx) + " tp 2: ", 53, 90, 30, 40, 5);
+    run_three_slot_scenario(t, V, tag, 53, 90, 30, 40, 5);
+    // Requests out of slot order (rank 1's first): rows must come back in request order.
+    {
+      std::mt19937 r2(4);
+      t.forward({{2, random_ids(r2, 1, V), {}, true}, {0, random_ids(r2, 1, V), {}, true}}, tag + "out of order", 1);
+      t.commit_all(2);
+      t.commit_all(0);
+      t.forward({{1, random_ids(r2, 2, V), {}, true}}, tag + "one slot of rank 0");
+      t.commit_all(1);
+    }
     {  // refusals by the host mirror leave the group's collectives usable (the helper decodes after them)
       auto small = make_cuda_decoder(*ck, go, 2, 8);
       expect_malformed_requests_refused(*small);
       std::vector<int32_t> id(1, -1);
       small->forward_greedy({{0, {5, 6, 7}, {}, false}}, Capture{}, id.data());
-      EXPECT_GE(id[0], 0) << fx;
+      EXPECT_GE(id[0], 0) << tag;
     }
     std::mt19937 rng(8);
     for (int s = 0; s < 3; ++s) {
@@ -514,7 +528,7 @@ TEST(CudaDecode, TensorParallelDeepSeekGroupMatchesTheCpu) {
     }
     std::vector<DecodeRequest> reqs;
     for (int s = 0; s < 3; ++s) reqs.push_back({s, random_ids(rng, 10 + 7 * s, V), {}, false});
-    t.forward(reqs, std::string(fx) + " tp 2: refilled");
+    t.forward(reqs, tag + "refilled");
     for (int s = 0; s < 3; ++s) t.commit_all(s);
     // Greedy ids from rank 0 against the CPU's argmax where the margin is clear.
     int checked = 0, agree = 0;
@@ -535,8 +549,8 @@ TEST(CudaDecode, TensorParallelDeepSeekGroupMatchesTheCpu) {
         agree += ids[size_t(s)] == int32_t(std::max_element(a, a + V) - a);
       }
     }
-    EXPECT_GT(checked, 6) << fx;
-    EXPECT_GE(agree, checked - 1) << fx << ": routed experts may flip one clear row at most";
+    EXPECT_GT(checked, 6) << tag;
+    EXPECT_GE(agree, checked - 1) << tag << "routed experts may flip one clear row at most";
   }
 }
 

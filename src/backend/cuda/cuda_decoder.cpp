@@ -388,10 +388,12 @@ class CudaDecoder final : public Decoder, public cuda::DecoderControls {
 
 std::unique_ptr<Decoder> make_cuda_decoder(const Checkpoint& ckpt, const GpuOptions& go, int n_slots, int64_t max_len,
                                            int64_t cache_tokens) {
-  TALON_CHECK(go.tp >= 1 && go.ep == 1, "decoding: --tp {} --ep {}: tensor parallelism only (--tp >= 1)", go.tp, go.ep);
+  TALON_CHECK(go.tp >= 1 && go.ep >= 1 && (go.tp == 1 || go.ep == 1),
+              "decoding: --tp {} --ep {}: one of them, each >= 1", go.tp, go.ep);
   TALON_CHECK(!go.devices.empty(), "decoding: no device given");
-  if (go.tp == 1) {
-    TALON_CHECK(go.devices.size() == 1, "decoding on {} devices needs --tp {}", go.devices.size(), go.devices.size());
+  if (go.tp == 1 && go.ep == 1) {
+    TALON_CHECK(go.devices.size() == 1, "decoding on {} devices needs --tp or --ep {}", go.devices.size(),
+                go.devices.size());
     return make_cuda_decoder(ckpt, go.devices[0], n_slots, max_len, cache_tokens);
   }
   int present = 0;

@@ -18,8 +18,11 @@
 // MLA, a slice of each dense / shared MLP and the routed experts of its window, as the packed
 // forward's ranks do (cuda_deepseek.cpp); every rank runs every request, keeps the whole latent
 // cache (it is shared by the heads), and sums its attention, MLP and expert partials with fp32
-// all-reduces. Those forwards run eagerly: the routed counts come to the host once a MoE layer
-// (MoeParallel), and shared-GPU collectives wait on host barriers.
+// all-reduces. Expert parallel: attention and the dense parts replicated, each rank holds its
+// own slots (and their cache) and runs their requests; a MoE layer sends each routed slot's row
+// to the rank owning its expert and back (MoeParallel: two all-to-alls), and a rank with no
+// request that step still serves its experts. Parallel forwards run eagerly: the routed counts
+// come to the host once a MoE layer, and shared-GPU collectives wait on host barriers.
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 
@@ -74,12 +77,12 @@ class CudaDeepseekDecoder final : public Decoder, public DecoderControls {
                 "{}: kv_lora_rank {} is not supported by the CUDA decoder (even, at most 512)", ckpt.source(),
                 d.kv_lora_rank);
     const int n = par_.size;
-    TALON_CHECK(par_.mode != DeepseekParallel::Mode::Expert, "decoder: expert-parallel decoding is not built; use --tp");
+    const bool ep = par_.mode == DeepseekParallel::Mode::Expert;
     TALON_CHECK(n == 1 || (par_.comm && par_.rank >= 0 && par_.rank < n), "decoder rank {} of {}: bad parallel setup",
                 par_.rank, n);
-    TALON_CHECK(c.n_heads % n == 0, "--tp {}: the model's {} attention heads must divide by it", n, c.n_heads);
-    TALON_CHECK(n == 1 || d.n_routed_experts % n == 0, "--tp {}: the model's {} routed experts must divide by it", n,
-                d.n_routed_experts);
+    TALON_CHECK(ep || c.n_heads % n == 0, "--tp {}: the model's {} attention heads must divide by it", n, c.n_heads);
+    TALON_CHECK(n == 1 || d.n_routed_experts % n == 0, "--{} {}: the model's {} routed experts must divide by it",
+                ep ? "ep" : "tp", n, d.n_routed_experts);
     w_ = upload_deepseek_weights(ckpt, dev_.arena(), par_);
     // The latent cache: per layer [pool rows, kvr + rope] bf16 in pages shared by the slots
     // (decode_slots.h), sized against what is free after the weights, keeping room for one
@@ -181,7 +184,16 @@ class CudaDeepseekDecoder final : public Decoder, public DecoderControls {
     slots_->sync_pages(page_table_, dev_.stream());
     const CacheMap map = slots_->cache_map(page_table_);
     const int64_t N = int64_t(batch.rows.size()), NL = (logits || ids) ? int64_t(batch.logit_rows.size()) : 0;
-    if (N == 0) return;
+    const bool ep = par_.size > 1 && par_.mode == DeepseekParallel::Mode::Expert;
+    if (N == 0) {
+      // An expert-parallel rank with no request this step still serves its experts to the others.
+      if (ep)
+        for (const DeepseekLayerDev& L : w_.layers)
+          if (L.moe)
+            moe_par_.run(L, 0, nullptr, acts_ ? acts_->xn : nullptr, acts_ ? &acts_->moe : nullptr, nullptr,
+                         dev_.stream());
+      return;
+    }
     int64_t max_keys = 0;
     for (const DecodeRow& r : batch.rows) max_keys = std::max<int64_t>(max_keys, r.end - r.lo);
     const DecodeSplits ks = decode_splits(max_keys, N, mla_head_blocks(nh), dev_.multiprocessors());
@@ -203,7 +215,7 @@ class CudaDeepseekDecoder final : public Decoder, public DecoderControls {
     const auto* d_logit_rows = reinterpret_cast<const int32_t*>(a.in + lay.logit_rows);
     const auto* d_masks = reinterpret_cast<const uint64_t*>(a.in + lay.masks);
     const float scale = float(d.softmax_scale), af = float(c.rope.attention_factor);
-    const bool tp = par_.size > 1;
+    const bool tp = par_.size > 1 && par_.mode == DeepseekParallel::Mode::Tensor;
 
     auto device_work = [&] {
       cublasHandle_t blas = dev_.blas();
@@ -228,10 +240,8 @@ class CudaDeepseekDecoder final : public Decoder, public DecoderControls {
         add_f32(a.x, a.part, N * H, st);
         std::function<void()> routed;
         std::function<void(float*, int64_t)> reduce;
-        if (tp) {
-          routed = [&] { moe_par_.run(L, N, a.rlog, a.xn, &a.moe, a.moe_out, st); };
-          reduce = [&](float* p, int64_t cnt) { par_.comm->all_reduce(par_.rank, p, cnt, DType::F32, st); };
-        }
+        if (tp || ep) routed = [&] { moe_par_.run(L, N, a.rlog, a.xn, &a.moe, a.moe_out, st); };
+        if (tp) reduce = [&](float* p, int64_t cnt) { par_.comm->all_reduce(par_.rank, p, cnt, DType::F32, st); };
         deepseek_mlp(L, c, a.x, {a.xn, a.gu, a.act, a.xn32, a.rlog, a.moe_out, a.part, &a.moe}, N, dev_.gemm(), st,
                      routed, reduce);
       }
@@ -246,7 +256,7 @@ class CudaDeepseekDecoder final : public Decoder, public DecoderControls {
     };
     graphs_.run(fmt::format("{}/{}/{}/{}/{}/{}/{}/{}", N, NL, batch.masks.size(), splits, split_len,
                             sampled ? 2 : ids ? 1 : 0, int(cap.dtype), fmt::join(cap.layers, ",")),
-                st, device_work, !batch.prefill && !tp);
+                st, device_work, !batch.prefill && par_.size == 1);
 
     results_down(cap, a.cap, a.n_tokens, N, H, NL, a.top1, ids, a.logits32, logits, V, out_h_, st);
     slots_->ran(reqs, batch, pending_);

@@ -80,8 +80,10 @@ CLI::App* add_generate_subcommand(CLI::App& app, spec::GenerateOptions& o) {
   c->add_option("--limit", o.limit, "Only the first N conversations (0: all)")->capture_default_str();
   c->add_option("--device", o.device, "cpu | cuda | cuda:N | cuda:N,M,... (with --tp)")->capture_default_str();
   c->add_option("--tp", o.tp, "Tensor-parallel GPUs for the target (DeepSeek / Kimi family)")->capture_default_str();
+  c->add_option("--ep", o.ep, "Expert-parallel GPUs for the target (DeepSeek / Kimi family): slots split among them")
+      ->capture_default_str();
   c->add_flag("--share-gpus", o.share_gpus,
-              "Let --tp ranks share GPUs (--device cuda:0 runs every rank there; device copies instead of NCCL)");
+              "Let --tp / --ep ranks share GPUs (--device cuda:0 runs every rank there; device copies instead of NCCL)");
   c->add_option("--threads", o.threads, "CPU threads (default: all cores)");
   return c;
 }
@@ -127,8 +129,9 @@ CLI::App* add_eval_subcommand(CLI::App& app, EvalCli& o) {
   c->add_option("--max-turns", e.max_turns, "Turns per conversation (0: all)")->capture_default_str();
   c->add_option("--device", e.device, "cpu | cuda:N | cuda:N,M,... (with --tp)")->capture_default_str();
   c->add_option("--tp", e.tp, "Tensor-parallel GPUs for the target (DeepSeek / Kimi family)")->capture_default_str();
+  c->add_option("--ep", e.ep, "Expert-parallel GPUs for the target (DeepSeek / Kimi family)")->capture_default_str();
   c->add_flag("--share-gpus", e.share_gpus,
-              "Let --tp ranks share GPUs (--device cuda:0 runs every rank there; device copies instead of NCCL)");
+              "Let --tp / --ep ranks share GPUs (--device cuda:0 runs every rank there; device copies instead of NCCL)");
   c->add_option("--draft-device", e.draft_device, "Where the draft runs: cpu | cuda:N | same (the target's device)")
       ->capture_default_str();
   c->add_option("--threads", e.threads, "CPU threads (default: all cores)");

@@ -74,6 +74,23 @@ class Decoder {
   virtual void forward_sample(const std::vector<DecodeRequest>& reqs, const Capture& capture, const SamplingParams& p,
                               const double* u, int32_t* ids);
 
+  // Speculative sampling of one drafted chain (spec/speculate.h). `req` is a chain: its pending
+  // token, then k draft tokens, draft token j drawn from q[j] (a distribution over the target's
+  // vocabulary). Runs the forward (captures as `forward`), then for i = 0, 1, ...: with p_i the
+  // sampling distribution (sampling.h) of logits row i, keeps draft token i + 1 (d) while
+  // q[i][d] > 0 and u[i] < min(1, p_i(d) / q[i][d]); at the first rejection draws `next` from
+  // max(0, p_i - q[i]) (from p_i when that has no mass), after all k from p_k, with u[t] where t
+  // is the number of tests made (a test is made, and a uniform used, only where q[i][d] > 0).
+  // u holds k + 1 uniforms. Returns how many draft tokens were kept
+  // and the next token; the pending tokens stay for the caller's commit. Non-greedy parameters
+  // only. The default copies the logits down and decides on the host; a decoder that can decide
+  // where the logits are overrides it and copies back two numbers.
+  struct ChainAcceptance {
+    int32_t kept = 0, next = -1;
+  };
+  virtual ChainAcceptance forward_accept_chain(const DecodeRequest& req, const Capture& cap, const SamplingParams& p,
+                                               const std::vector<std::vector<double>>& q, const double* u);
+
   // Keeps the pending tokens at `keep` (indices into the slot's last request, increasing,
   // each one's parent the previous kept one: a path from the committed prefix) and drops
   // the others. commit(slot, {}) drops them all.
@@ -94,6 +111,10 @@ class Decoder {
 // Depth of each pending token of a request (0 for tokens that follow the prefix); throws
 // naming the index when parents is malformed (wrong length, parent >= own index, < -1).
 std::vector<int32_t> request_depths(const DecodeRequest& r);
+
+// Throws unless forward_accept_chain can take these: sampling parameters (temperature > 0), a
+// chain (parents empty or each i - 1) with all logits, and one draft distribution per draft token.
+void check_chain_acceptance(const DecodeRequest& req, size_t n_q, const SamplingParams& p);
 
 // Logits rows of a forward: each request's tokens when all_logits, else one.
 int64_t logits_rows(const std::vector<DecodeRequest>& reqs);

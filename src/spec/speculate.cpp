@@ -159,6 +159,11 @@ std::vector<int32_t> decode_speculative(Decoder& target, int slot, DraftRunner& 
   std::vector<float> logits;    // sampling: [rows, V]
   std::vector<int32_t> top1;    // greedy: the argmax of each row
   const bool greedy = params.greedy();
+  // Sampled chains: the target decides acceptance where its logits are (Decoder::
+  // forward_accept_chain) from the draft distributions and uniforms set here.
+  const std::vector<std::vector<double>>* accept_q = nullptr;
+  std::vector<double> accept_u;
+  Decoder::ChainAcceptance acc;
   auto run_target = [&](const DecodeRequest& r) {
     const int64_t n = int64_t(r.tokens.size());
     aux_rows.assign(size_t(3 * n * H), 0.f);
@@ -168,7 +173,9 @@ std::vector<int32_t> decode_speculative(Decoder& target, int slot, DraftRunner& 
       cap.out.push_back(aux_rows.data() + i * n * H);
     }
     const auto ts = Clock::now();
-    if (greedy) {
+    if (accept_q) {
+      acc = target.forward_accept_chain(r, cap, params, *accept_q, accept_u.data());
+    } else if (greedy) {
       // Acceptance needs only each row's argmax: the target picks it where the logits are.
       top1.resize(size_t(r.all_logits ? n : 1));
       target.forward_greedy({r}, cap, top1.data());
@@ -306,7 +313,16 @@ std::vector<int32_t> decode_speculative(Decoder& target, int slot, DraftRunner& 
       req.parents.push_back(tree.parents[i] < 0 ? 0 : tree.parents[i] + 1);
     }
     const int64_t n = int64_t(req.tokens.size());
+    if (sampled_chain) {
+      // Uniform j of the round for the j-th acceptance test, then the draw (the tree path below
+      // numbers them the same way).
+      accept_u.resize(size_t(n));
+      for (int64_t j = 0; j < n; ++j)
+        accept_u[size_t(j)] = uniform01(params.seed, stream ^ kAcceptStream, round * 4096 + uint64_t(j));
+      accept_q = &tree.q;
+    }
     run_target(req);
+    accept_q = nullptr;
     st.drafted += n - 1;
     ++st.rounds;
 
@@ -317,7 +333,19 @@ std::vector<int32_t> decode_speculative(Decoder& target, int slot, DraftRunner& 
     int32_t bonus = -1;
     uint64_t draws = 0;
     auto u = [&] { return uniform01(params.seed, stream ^ kAcceptStream, round * 4096 + draws++); };
-    for (;;) {
+    if (sampled_chain) {
+      // Decided by the target: draft depths 1 .. kept+1 were tried (a depth past the chain is
+      // not), 1 .. kept kept.
+      const int64_t k = n - 1;
+      for (int64_t d = 1; d <= std::min<int64_t>(acc.kept + 1, k) && d <= int64_t(st.tried.size()); ++d) {
+        ++st.tried[size_t(d - 1)];
+        if (d <= acc.kept) ++st.accepted[size_t(d - 1)];
+      }
+      for (int32_t i = 1; i <= acc.kept; ++i) path.push_back(i);
+      bonus = acc.next;
+    }
+    // Greedy chains and trees, sampled trees: decided here, from ids or logits.
+    for (; !sampled_chain;) {
       const int32_t at = path.back();
       int32_t kept = -1, best = -1;
       if (greedy) {
@@ -332,21 +360,7 @@ std::vector<int32_t> decode_speculative(Decoder& target, int slot, DraftRunner& 
       } else {
         sampling_distribution(logits.data() + int64_t(at) * V, V, params, p);
       }
-      if (sampled_chain) {
-        if (!children[size_t(at)].empty()) {
-          const int32_t c = children[size_t(at)][0];
-          const int32_t tok = req.tokens[size_t(c)];
-          const std::vector<double>& q = tree.q[size_t(c - 1)];
-          if (q[size_t(tok)] > 0 && u() < std::min(1.0, p[size_t(tok)] / q[size_t(tok)])) {
-            kept = c;
-          } else {
-            for (int64_t v = 0; v < V; ++v) p[size_t(v)] = std::max(0.0, p[size_t(v)] - q[size_t(v)]);
-            double mass = 0;
-            for (double x : p) mass += x;
-            if (mass <= 0) sampling_distribution(logits.data() + int64_t(at) * V, V, params, p);
-          }
-        }
-      } else if (!greedy) {
+      if (!greedy) {
         // Children in score order (the tree lists each depth by selection order). The
         // residual's mass is kept up to date as rejected children leave it (one pass over V).
         double mass = 0;

@@ -554,6 +554,78 @@ TEST(CudaDecode, ParallelDeepSeekGroupsMatchTheCpu) {
   }
 }
 
+// Speculative sampling of a chain decided on the device (TALON_CUDA_ACCEPT=1: accept.cu) against
+// the host's decision (Decoder::forward_accept_chain's default) on the same GPU forwards, for the
+// dense and DeepSeek decoders: chains of 1-6 draft tokens after random prompts, temperatures
+// 0.6-1.5, top-p 1 / 0.9 / 0.3, top-k 0 / 5 / 40, draft distributions from nearly the target's
+// own to far from it, some with q(d) = 0 (a rejection without a test). Kept counts and next
+// tokens must agree except where a uniform lands within rounding of a boundary (at most 1 in
+// 100 cases), and a second run must give the same decisions.
+TEST(CudaDecode, ChainAcceptanceOnTheDeviceMatchesTheHost) {
+  REQUIRE_GPU();
+  for (const char* fx : {"llama_gqa", "deepseek_v3"}) {
+    auto ck = open_checkpoint(golden_fixture(fx));
+    setenv("TALON_CUDA_ACCEPT", "1", 1);
+    auto dev = make_cuda_decoder(*ck, 0, 1, 128);
+    unsetenv("TALON_CUDA_ACCEPT");
+    auto host = make_cuda_decoder(*ck, 0, 1, 128);
+    const int64_t V = dev->config().vocab;
+    std::mt19937 rng(71);
+    std::uniform_real_distribution<double> unif(0.0, 1.0);
+    int cases = 0, differ = 0, kept_some = 0, rejected = 0;
+    for (int c = 0; c < 150; ++c) {
+      SamplingParams sp;
+      sp.temperature = 0.6 + 0.9 * unif(rng);
+      sp.top_p = c % 3 == 0 ? 1.0 : c % 3 == 1 ? 0.9 : 0.3;
+      sp.top_k = (c / 3) % 3 == 0 ? 0 : (c / 3) % 3 == 1 ? 5 : 40;
+      const int k = 1 + c % 6;
+      const auto prompt = random_ids(rng, 3 + c % 9, V);
+      // Draft tokens and their q: a peaked distribution on a random token (often the same few
+      // ids, so the target sometimes likes them), spread with some mass on every id.
+      std::vector<int32_t> toks = {int32_t(rng() % uint32_t(V))};
+      std::vector<std::vector<double>> q(static_cast<size_t>(k), std::vector<double>(size_t(V)));
+      for (int i = 0; i < k; ++i) {
+        const int32_t d = int32_t(rng() % uint32_t(std::min<int64_t>(V, 8)));
+        toks.push_back(d);
+        const double peak = unif(rng);
+        const bool zero_d = c % 17 == 5 && i == 0;
+        for (int64_t v = 0; v < V; ++v) q[size_t(i)][size_t(v)] = (1 - peak) * unif(rng) / double(V) * 2;
+        q[size_t(i)][size_t(d)] = zero_d ? 0.0 : peak;
+        double z = 0;
+        for (double x : q[size_t(i)]) z += x;
+        for (double& x : q[size_t(i)]) x /= z;
+      }
+      std::vector<double> u(static_cast<size_t>(k + 1));
+      for (auto& x : u) x = c % 4 == 0 ? 0.02 * unif(rng) : unif(rng);
+      const DecodeRequest req{0, toks, {}, true};
+      Decoder::ChainAcceptance got[2], want;
+      for (int rep = 0; rep < 2; ++rep) {
+        dev->reset(0);
+        dev->forward({{0, prompt, {}, false}}, Capture{}, nullptr);
+        dev->commit_all(0);
+        got[rep] = dev->forward_accept_chain(req, Capture{}, sp, q, u.data());
+        dev->commit(0, {});
+      }
+      host->reset(0);
+      host->forward({{0, prompt, {}, false}}, Capture{}, nullptr);
+      host->commit_all(0);
+      want = host->forward_accept_chain(req, Capture{}, sp, q, u.data());
+      host->commit(0, {});
+      ++cases;
+      EXPECT_EQ(got[0].kept, got[1].kept) << fx << " case " << c << ": not deterministic";
+      EXPECT_EQ(got[0].next, got[1].next) << fx << " case " << c << ": not deterministic";
+      ASSERT_GE(got[0].next, 0) << fx << " case " << c;
+      ASSERT_LT(got[0].next, V) << fx << " case " << c;
+      differ += got[0].kept != want.kept || got[0].next != want.next;
+      kept_some += want.kept > 0;
+      rejected += want.kept < k;
+    }
+    EXPECT_LE(differ, cases / 100) << fx << ": " << differ << " of " << cases << " decisions differ from the host's";
+    EXPECT_GT(kept_some, 10) << fx << ": too few chains kept a token to test acceptance";
+    EXPECT_GT(rejected, 10) << fx << ": too few rejections to test the residual draw";
+  }
+}
+
 TEST(CudaDecode, DeepSeekLatentSizesOnRandomModels) {
   REQUIRE_GPU();
   for (const int variant : {0, 1, 2, 3}) {

@@ -252,4 +252,103 @@ TEST(Decode, MalformedRequestsAreRefused) {
   }
 }
 
+// Decoder::forward_accept_chain (the host decision every decoder has) against the definition of
+// speculative sampling, with each row's target distribution p_i taken from a plain forward of the
+// same chain on a second decoder: (a) q_i = p_i keeps every draft token (the test u < min(1, 1)
+// always passes) and draws the next token from p_k with u[k]; (b) a draft token outside the
+// target's top-1 with q = one-hot on it is tested (u[0] used) and rejected, and the next token is
+// drawn from max(0, p_0 - q_0) = p_0, i.e. the argmax, with u[1]; (c) q_0(d) = 0 rejects without
+// a test, so the residual draw takes u[0]. Chain parents given as i - 1 are a chain too; trees,
+// greedy parameters and a wrong q count are refused.
+TEST(Decode, ChainAcceptanceFollowsTheDefinition) {
+  auto ck = open_checkpoint(golden_fixture("llama_gqa"));
+  auto dec = make_cpu_decoder(*ck, 1, 64), ref = make_cpu_decoder(*ck, 1, 64);
+  const int64_t V = dec->config().vocab;
+  std::mt19937 rng(23);
+  const auto prompt = random_ids(rng, 6, V);
+  const int k = 3;
+  const std::vector<int32_t> chain = random_ids(rng, k + 1, V);
+  auto prefill = [&](Decoder& d) {
+    d.reset(0);
+    d.forward({{0, prompt, {}, false}}, Capture{}, nullptr);
+    d.commit_all(0);
+  };
+  auto dists = [&](const SamplingParams& sp) {  // p_0 .. p_k of the chain
+    prefill(*ref);
+    std::vector<float> lg(size_t((k + 1) * V));
+    ref->forward({{0, chain, {}, true}}, Capture{}, lg.data());
+    ref->commit(0, {});
+    std::vector<std::vector<double>> p(static_cast<size_t>(k + 1));
+    for (int i = 0; i <= k; ++i) sampling_distribution(lg.data() + i * V, V, sp, p[size_t(i)]);
+    return p;
+  };
+  const std::vector<double> u = {0.37, 0.81, 0.12, 0.64};
+  SamplingParams sp;
+  sp.temperature = 0.9;
+  sp.top_p = 0.95;
+  {  // (a)
+    const auto p = dists(sp);
+    std::vector<int32_t> toks = {chain[0]};
+    for (int i = 0; i < k; ++i)  // a token the target gives mass to
+      toks.push_back(int32_t(std::max_element(p[size_t(i)].begin(), p[size_t(i)].end()) - p[size_t(i)].begin()));
+    // p_i depends on the chain so far: recompute for these tokens.
+    prefill(*ref);
+    std::vector<float> lg(size_t((k + 1) * V));
+    ref->forward({{0, toks, {}, true}}, Capture{}, lg.data());
+    ref->commit(0, {});
+    std::vector<std::vector<double>> q(static_cast<size_t>(k));
+    std::vector<double> pk;
+    for (int i = 0; i < k; ++i) sampling_distribution(lg.data() + i * V, V, sp, q[size_t(i)]);
+    sampling_distribution(lg.data() + k * V, V, sp, pk);
+    prefill(*dec);
+    std::vector<int32_t> parents = {-1, 0, 1, 2};
+    const auto r = dec->forward_accept_chain({0, toks, parents, true}, Capture{}, sp, q, u.data());
+    EXPECT_EQ(r.kept, k);
+    EXPECT_EQ(r.next, draw(pk, u[size_t(k)]));
+    dec->commit(0, {});
+  }
+  SamplingParams top1 = sp;
+  top1.top_k = 1;
+  const auto p1 = dists(top1);
+  const int32_t best = int32_t(std::max_element(p1[0].begin(), p1[0].end()) - p1[0].begin());
+  const int32_t other = (chain[1] == best) ? int32_t((best + 1) % V) : chain[1];
+  std::vector<int32_t> toks = {chain[0], other, chain[2], chain[3]};
+  std::vector<std::vector<double>> q(static_cast<size_t>(k), std::vector<double>(size_t(V), 1.0 / double(V)));
+  {  // (b) rejected after a test: the argmax, with u[1]
+    q[0].assign(size_t(V), 0.0);
+    q[0][size_t(other)] = 1.0;
+    prefill(*dec);
+    const auto r = dec->forward_accept_chain({0, toks, {}, true}, Capture{}, top1, q, u.data());
+    EXPECT_EQ(r.kept, 0);
+    EXPECT_EQ(r.next, best);
+    dec->commit(0, {});
+  }
+  {  // (c) q(d) = 0: no test; the residual max(0, p - q) drawn with u[0]
+    q[0].assign(size_t(V), 1.0 / double(V - 1));
+    q[0][size_t(other)] = 0.0;
+    const auto p = dists(sp);  // the same chain start: p_0 under sp
+    std::vector<double> res(static_cast<size_t>(V));
+    for (int64_t v = 0; v < V; ++v) res[size_t(v)] = std::max(0.0, p[0][size_t(v)] - q[0][size_t(v)]);
+    double mass = 0;
+    for (double x : res) mass += x;
+    prefill(*dec);
+    const auto r = dec->forward_accept_chain({0, toks, {}, true}, Capture{}, sp, q, u.data());
+    EXPECT_EQ(r.kept, 0);
+    EXPECT_EQ(r.next, draw(mass > 0 ? res : p[0], u[0]));
+    dec->commit(0, {});
+  }
+  // Refusals.
+  prefill(*dec);
+  EXPECT_NE(error_of([&] { dec->forward_accept_chain({0, toks, {-1, 0, 0, 2}, true}, Capture{}, sp, q, u.data()); })
+                .find("takes a chain"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { dec->forward_accept_chain({0, toks, {}, true}, Capture{}, SamplingParams{}, q, u.data()); })
+                .find("temperature > 0"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] {
+              dec->forward_accept_chain({0, toks, {}, true}, Capture{}, sp, {q[0]}, u.data());
+            }).find("3 draft tokens with 1 draft distributions"),
+            std::string::npos);
+}
+
 }  // namespace

@@ -279,6 +279,46 @@ void Decoder::forward_sample(const std::vector<DecodeRequest>& reqs, const Captu
   }
 }
 
+void check_chain_acceptance(const DecodeRequest& req, size_t n_q, const SamplingParams& p) {
+  TALON_CHECK(!p.greedy(), "decoder: forward_accept_chain needs sampling parameters (temperature > 0)");
+  const size_t n = req.tokens.size();
+  bool chain = req.all_logits && (req.parents.empty() || req.parents.size() == n);
+  for (size_t i = 0; chain && i < req.parents.size(); ++i) chain = req.parents[i] == int32_t(i) - 1;
+  TALON_CHECK(chain, "decoder: forward_accept_chain takes a chain (parents empty or i - 1) with all logits");
+  TALON_CHECK(n >= 1 && n_q == n - 1, "decoder: a chain of {} draft tokens with {} draft distributions",
+              n == 0 ? 0 : n - 1, n_q);
+}
+
+Decoder::ChainAcceptance Decoder::forward_accept_chain(const DecodeRequest& req, const Capture& cap,
+                                                       const SamplingParams& p,
+                                                       const std::vector<std::vector<double>>& q, const double* u) {
+  check_chain_acceptance(req, q.size(), p);
+  const int64_t n = int64_t(req.tokens.size()), k = n - 1, V = config().vocab;
+  std::vector<float>& logits = host_logits_;
+  logits.resize(size_t(n) * size_t(V));
+  forward({req}, cap, logits.data());
+  ChainAcceptance r;
+  std::vector<double> dist;
+  int tests = 0;
+  for (int64_t i = 0;; ++i) {
+    sampling_distribution(logits.data() + i * V, V, p, dist);
+    if (i == k) break;  // every draft token kept: the next one from p_k
+    const int32_t d = req.tokens[size_t(i + 1)];
+    const std::vector<double>& qi = q[size_t(i)];
+    // (a uniform is used only when the test is made: q(d) > 0)
+    if (qi[size_t(d)] > 0 && u[tests++] < std::min(1.0, dist[size_t(d)] / qi[size_t(d)])) {
+      ++r.kept;
+      continue;
+    }
+    double mass = 0;
+    for (int64_t v = 0; v < V; ++v) mass += dist[size_t(v)] = std::max(0.0, dist[size_t(v)] - qi[size_t(v)]);
+    if (mass <= 0) sampling_distribution(logits.data() + i * V, V, p, dist);
+    break;
+  }
+  r.next = draw(dist, u[tests]);
+  return r;
+}
+
 std::vector<int32_t> request_depths(const DecodeRequest& r) {
   const size_t n = r.tokens.size();
   std::vector<int32_t> d(n);

@@ -120,6 +120,14 @@ class CudaDecoder final : public Decoder, public cuda::DecoderControls {
     run(reqs, cap, nullptr, ids, &p, u);
   }
 
+  ChainAcceptance forward_accept_chain(const DecodeRequest& req, const Capture& cap, const SamplingParams& p,
+                                       const std::vector<std::vector<double>>& q, const double* u) override {
+    if (!device_accept_) return Decoder::forward_accept_chain(req, cap, p, q, u);
+    check_chain_acceptance(req, q.size(), p);
+    run({req}, cap, nullptr, nullptr, nullptr, nullptr, true);  // logits stay on the device
+    return accepter_.run(acts_->logits, cfg_.vocab, req, q, u, p, dev_.stream());
+  }
+
   void use_graphs(bool on) override { graphs_.set_enabled(on); }
   int64_t graph_launches() const override { return graphs_.replays(); }
 
@@ -188,8 +196,10 @@ class CudaDecoder final : public Decoder, public cuda::DecoderControls {
   // One forward: host bookkeeping, the packed inputs up in one copy, the layer stack (from a
   // CUDA graph when this shape ran before), then logits, or greedy or sampled ids (with
   // `sp`: drawn with the uniforms u, one a logits row), and captures down.
+  // keep_logits: the bf16 logits rows stay in acts_->logits (forward_accept_chain), nothing comes
+  // down but captures.
   void run(const std::vector<DecodeRequest>& reqs, const Capture& cap, float* logits, int32_t* ids,
-           const SamplingParams* sp = nullptr, const double* u = nullptr) {
+           const SamplingParams* sp = nullptr, const double* u = nullptr, bool keep_logits = false) {
     dev_.activate();
     const ModelConfig& c = cfg_;
     const int64_t H = c.hidden, hd = c.head_dim, V = c.vocab, W = c.sliding_window;
@@ -202,7 +212,8 @@ class CudaDecoder final : public Decoder, public cuda::DecoderControls {
     const std::vector<DecodeRow>& rows = batch.rows;
     const std::vector<uint64_t>& masks = batch.masks;
     const std::vector<int64_t>& seq_start = batch.seq_start;
-    const int64_t N = int64_t(rows.size()), NL = (logits || ids) ? int64_t(batch.logit_rows.size()) : 0;
+    const int64_t N = int64_t(rows.size()),
+                  NL = (logits || ids || keep_logits) ? int64_t(batch.logit_rows.size()) : 0;
     if (N == 0) return;
     const bool flash = batch.prefill && cuda::flash_attention_supported(hd);
     const std::vector<int32_t> tiles =
@@ -294,17 +305,19 @@ class CudaDecoder final : public Decoder, public cuda::DecoderControls {
         // included); skinny_gemm refuses what it cannot take.
         if (!(folded && cuda::skinny_gemm(a.logits, in, w_.lm_head, NL, H, V, st)))
           dev_.gemm().forward(a.logits, in, w_.lm_head, NL, H, V, st);
-        cuda::finish_logits(a.top1, a.logits32, a.logits, NL, V,
+        if (!keep_logits)
+          cuda::finish_logits(a.top1, a.logits32, a.logits, NL, V,
                             sampled ? reinterpret_cast<const cuda::DeviceSampling*>(a.in + lay.in.sampling) : nullptr,
                             reinterpret_cast<const double*>(a.in + lay.in.uniforms), ids != nullptr, st);
       }
     };
     // A graph per shape (graph_cache.h); prefills (the packed attention) run eagerly.
     graphs_.run(fmt::format("{}/{}/{}/{}/{}/{}/{}/{}/{}/{}", N, NL, masks.size(), splits, split_len, n_single, n_vtiles,
-                            sampled ? 2 : ids ? 1 : 0, int(cap.dtype), fmt::join(cap.layers, ",")),
+                            keep_logits ? 3 : sampled ? 2 : ids ? 1 : 0, int(cap.dtype), fmt::join(cap.layers, ",")),
                 st, device_work, !flash);
 
-    cuda::results_down(cap, a.cap, a.n_tokens, N, H, NL, a.top1, ids, a.logits32, logits, V, out_h_, st);
+    cuda::results_down(cap, a.cap, a.n_tokens, N, H, keep_logits ? 0 : NL, a.top1, ids, a.logits32, logits, V, out_h_,
+                       st);
     slots_->ran(reqs, batch, pending_);
   }
 
@@ -362,6 +375,8 @@ class CudaDecoder final : public Decoder, public cuda::DecoderControls {
   cuda::GraphCache graphs_;  // of run()'s device work, by shape
   bool merge_in_kernel_ = false;
   bool device_sampling_ = true;
+  bool device_accept_ = cuda::ChainAccepter::enabled();
+  cuda::ChainAccepter accepter_;
   // A request's rows (a verify chain or tree) read the committed prefix once per tile of query
   // vectors, not once per row (decode_ops.h: AttentionTile).
   bool verify_tiles_ = cuda::verify_tiles_enabled();

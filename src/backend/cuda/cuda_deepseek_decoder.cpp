@@ -135,6 +135,14 @@ class CudaDeepseekDecoder final : public Decoder, public DecoderControls {
     run(reqs, cap, nullptr, ids, &p, u);
   }
 
+  ChainAcceptance forward_accept_chain(const DecodeRequest& req, const Capture& cap, const SamplingParams& p,
+                                       const std::vector<std::vector<double>>& q, const double* u) override {
+    if (!device_accept_) return Decoder::forward_accept_chain(req, cap, p, q, u);
+    check_chain_acceptance(req, q.size(), p);
+    run({req}, cap, nullptr, nullptr, nullptr, nullptr, true);  // logits stay on the device
+    return accepter_.run(acts_->logits, cfg_.vocab, req, q, u, p, dev_.stream());
+  }
+
   void commit(int slot, const std::vector<int32_t>& keep) override {
     const std::vector<int32_t> pairs = slots_->commit(slot, keep, pending_);
     if (pairs.empty()) return;
@@ -171,8 +179,9 @@ class CudaDeepseekDecoder final : public Decoder, public DecoderControls {
     uint8_t* in;
     MoeScratch moe;
   };
+  // keep_logits: the bf16 logits rows stay in acts_->logits (forward_accept_chain).
   void run(const std::vector<DecodeRequest>& reqs, const Capture& cap, float* logits, int32_t* ids,
-           const SamplingParams* sp = nullptr, const double* u = nullptr) {
+           const SamplingParams* sp = nullptr, const double* u = nullptr, bool keep_logits = false) {
     dev_.activate();
     const ModelConfig& c = cfg_;
     const DeepseekConfig& d = c.ds;
@@ -183,7 +192,8 @@ class CudaDeepseekDecoder final : public Decoder, public DecoderControls {
     DecodeBatch batch = slots_->plan(reqs, pending_, V);
     slots_->sync_pages(page_table_, dev_.stream());
     const CacheMap map = slots_->cache_map(page_table_);
-    const int64_t N = int64_t(batch.rows.size()), NL = (logits || ids) ? int64_t(batch.logit_rows.size()) : 0;
+    const int64_t N = int64_t(batch.rows.size()),
+                  NL = (logits || ids || keep_logits) ? int64_t(batch.logit_rows.size()) : 0;
     const bool ep = par_.size > 1 && par_.mode == DeepseekParallel::Mode::Expert;
     if (N == 0) {
       // An expert-parallel rank with no request this step still serves its experts to the others.
@@ -249,16 +259,17 @@ class CudaDeepseekDecoder final : public Decoder, public DecoderControls {
       capture(c.n_layers);
       if (NL > 0) {
         dev_.gemm().forward(a.logits, logits_input(a.sel, a.xn, d_logit_rows, NL, N, H, st), w_.lm_head, NL, H, V, st);
-        finish_logits(a.top1, a.logits32, a.logits, NL, V,
+        if (!keep_logits)
+          finish_logits(a.top1, a.logits32, a.logits, NL, V,
                       sampled ? reinterpret_cast<const DeviceSampling*>(a.in + lay.sampling) : nullptr,
                       reinterpret_cast<const double*>(a.in + lay.uniforms), ids != nullptr, st);
       }
     };
     graphs_.run(fmt::format("{}/{}/{}/{}/{}/{}/{}/{}", N, NL, batch.masks.size(), splits, split_len,
-                            sampled ? 2 : ids ? 1 : 0, int(cap.dtype), fmt::join(cap.layers, ",")),
+                            keep_logits ? 3 : sampled ? 2 : ids ? 1 : 0, int(cap.dtype), fmt::join(cap.layers, ",")),
                 st, device_work, !batch.prefill && par_.size == 1);
 
-    results_down(cap, a.cap, a.n_tokens, N, H, NL, a.top1, ids, a.logits32, logits, V, out_h_, st);
+    results_down(cap, a.cap, a.n_tokens, N, H, keep_logits ? 0 : NL, a.top1, ids, a.logits32, logits, V, out_h_, st);
     slots_->ran(reqs, batch, pending_);
   }
 
@@ -332,6 +343,8 @@ class CudaDeepseekDecoder final : public Decoder, public DecoderControls {
   PinnedBuffer in_h_, out_h_;  // staging of Acts::in; the greedy ids coming down
   GraphCache graphs_;
   bool device_sampling_ = true;
+  bool device_accept_ = ChainAccepter::enabled();
+  ChainAccepter accepter_;
 };
 
 }  // namespace

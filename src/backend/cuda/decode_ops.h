@@ -146,6 +146,16 @@ struct DeviceSampling {
 void sample_rows(int32_t* ids, const bf16* logits, int64_t rows, int64_t V, const DeviceSampling* params,
                  const double* uniforms, cudaStream_t s);
 
+// Speculative sampling of one drafted chain (model/decode.h: Decoder::forward_accept_chain) from
+// its verify forward's logits [k + 1, V] (bf16, row i: after chain token i): while q[i][d] > 0
+// and u[t] < min(1, p_i(d) / q[i][d]) for draft token d = draft[i] (t: tests made so far), keep
+// it; at the first rejection draw from max(0, p_i - q[i]) (p_i when that has no mass), after k
+// kept from p_k, with u[t]. p_i: the host's sampling_distribution of row i for temperature > 0,
+// top_p, top_k. q [k, V] fp64, u [k + 1] fp64, draft [k]; out [2] = kept, next. counts: 65,536
+// ints of scratch. One block (accept.cu); deterministic.
+void accept_chain(int32_t* out, const bf16* logits, int64_t V, int k, const int32_t* draft, const double* q,
+                  const double* u, double temperature, double top_p, int64_t top_k, int* counts, cudaStream_t s);
+
 // For each (src, dst) pair of physical cache rows (CacheMap::row), in order, copies that
 // row of every buffer in `caches` (a device array of n_bufs pointers: every layer's K and
 // V). Pairs run one after another within a buffer, so a commit's path can move down onto

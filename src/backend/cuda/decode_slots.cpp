@@ -162,6 +162,47 @@ int64_t cache_pool_rows(int device, int n_slots, int64_t max_len, int64_t cache_
                  : std::string(": lower --kv-cache-tokens"));
 }
 
+bool ChainAccepter::enabled() {
+  const char* e = std::getenv("TALON_CUDA_ACCEPT");
+  return e && std::string(e) == "1";
+}
+
+Decoder::ChainAcceptance ChainAccepter::run(const bf16* logits, int64_t V, const DecodeRequest& req,
+                                            const std::vector<std::vector<double>>& q, const double* u,
+                                            const SamplingParams& p, cudaStream_t s) {
+  const int k = int(req.tokens.size()) - 1;
+  // One block up: q [k, V] fp64, u [k + 1] fp64, the draft tokens [k]; then out [2].
+  PackedOffsets o;
+  const size_t oq = o.place(size_t(k) * size_t(V) * 8), ou = o.place(size_t(k + 1) * 8), od = o.place(size_t(k) * 4),
+               oo = o.place(8);
+  if (!arena_ || o.bytes() > cap_) {
+    CUDA_CHECK(cudaStreamSynchronize(s));
+    arena_ = std::make_unique<DeviceArena>();
+    cap_ = o.bytes();
+    dev_ = arena_->alloc<uint8_t>(cap_);
+    counts_ = arena_->alloc<int>(65536);
+  }
+  uint8_t* h = host_.ensure(o.bytes());
+  for (int i = 0; i < k; ++i) {
+    TALON_CHECK(int64_t(q[size_t(i)].size()) == V, "decoder: draft distribution {} has {} entries, the vocabulary {}", i,
+                q[size_t(i)].size(), V);
+    std::memcpy(h + oq + size_t(i) * size_t(V) * 8, q[size_t(i)].data(), size_t(V) * 8);
+  }
+  std::memcpy(h + ou, u, size_t(k + 1) * 8);
+  std::memcpy(h + od, req.tokens.data() + 1, size_t(k) * 4);
+  CUDA_CHECK(cudaMemcpyAsync(dev_, h, o.bytes(), cudaMemcpyHostToDevice, s));
+  accept_chain(reinterpret_cast<int32_t*>(dev_ + oo), logits, V, k, reinterpret_cast<const int32_t*>(dev_ + od),
+               reinterpret_cast<const double*>(dev_ + oq), reinterpret_cast<const double*>(dev_ + ou), p.temperature,
+               p.top_p, p.top_k, counts_, s);
+  int32_t res[2];
+  CUDA_CHECK(cudaMemcpyAsync(res, dev_ + oo, 8, cudaMemcpyDeviceToHost, s));
+  CUDA_CHECK(cudaStreamSynchronize(s));
+  Decoder::ChainAcceptance r;
+  r.kept = res[0];
+  r.next = res[1];
+  return r;
+}
+
 DecodeInputs::DecodeInputs(PackedOffsets& o, const DecodeBatch& b, bool sampled) {
   const size_t N = b.rows.size(), NL = b.logit_rows.size();
   ids = o.place(N * 4);

@@ -11,6 +11,7 @@
 // The caches themselves, and their layouts, stay with each decoder.
 #pragma once
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "backend/cuda/decode_ops.h"
@@ -90,6 +91,26 @@ bool kv_pages_fixed();
 
 int64_t cache_pool_rows(int device, int n_slots, int64_t max_len, int64_t cache_tokens, double per_token, double reserve,
                         double free_b, double total_b, double weight_bytes, const std::string& layout);
+
+// Decoder::forward_accept_chain's device half for both decoders (decode_ops.h: accept_chain):
+// the draft tokens of `req` (its tokens after the first), q and u go up in one copy, the
+// kernel decides from the logits rows [k + 1, V] the forward left on the device, and the kept
+// count and next token come down. Waits for the stream. enabled(): TALON_CUDA_ACCEPT=1 (off
+// by default until measured against the host on a GPU: the host decides otherwise).
+class ChainAccepter {
+ public:
+  static bool enabled();
+  Decoder::ChainAcceptance run(const bf16* logits, int64_t V, const DecodeRequest& req,
+                               const std::vector<std::vector<double>>& q, const double* u, const SamplingParams& p,
+                               cudaStream_t s);
+
+ private:
+  std::unique_ptr<DeviceArena> arena_;
+  size_t cap_ = 0;
+  uint8_t* dev_ = nullptr;
+  int* counts_ = nullptr;
+  PinnedBuffer host_;
+};
 
 // The inputs every decoder forward packs (PackedOffsets) and copies up in one block: token ids,
 // positions, rows, logits rows, tree masks, and with sampling its parameters and uniforms.

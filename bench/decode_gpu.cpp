@@ -120,6 +120,10 @@ int main(int argc, char** argv) {
   app.add_option("--dflash-block", dflash_block, "its block size")->capture_default_str();
   app.add_option("--draft-vocab", draft_vocab, "time an EAGLE-3 draft layer with this draft vocabulary (0: skip)")
       ->capture_default_str();
+  int64_t accept_k = 3;
+  app.add_option("--accept-chain", accept_k,
+                 "time a sampled chain of this many draft tokens decided on the host and on the device (0: skip)")
+      ->capture_default_str();
   int tp = 1, ep = 1;
   bool share = false;
   app.add_option("--tp", tp, "tensor-parallel ranks on GPUs 0..tp-1 (DeepSeek family)")->capture_default_str();
@@ -273,6 +277,37 @@ int main(int argc, char** argv) {
           std::printf("  %-5s %3lld tokens: %7.3f ms  (%.2fx one token)\n", chain ? "chain" : "tree", (long long)n,
                       med * 1e3, med / one);
         }
+      }
+      if (accept_k > 0 && accept_k + 1 <= max_len - context && tp * ep == 1) {
+        // A sampled chain's round on the target (T 0.7, top-p 0.95): the verify pass plus the
+        // acceptance decision, decided on the host from logits copied down (the default) and on
+        // the device (TALON_CUDA_ACCEPT=1: a second decoder of one slot, on GPU 0).
+        setenv("TALON_CUDA_ACCEPT", "1", 1);
+        auto dacc = make_cuda_decoder(*ck, 0, 1, max_len);
+        unsetenv("TALON_CUDA_ACCEPT");
+        SamplingParams sp;
+        sp.temperature = 0.7;
+        sp.top_p = 0.95;
+        DecodeRequest r{0, {}, {}, true};
+        for (int64_t i = 0; i <= accept_k; ++i) r.tokens.push_back(tok());
+        std::vector<std::vector<double>> q(size_t(accept_k), std::vector<double>(size_t(c.vocab), 1.0 / double(c.vocab)));
+        std::vector<double> u(size_t(accept_k + 1), 0.5);
+        double host_ms = 0, dev_ms = 0;
+        for (Decoder* d : {dec.get(), dacc.get()}) {
+          std::vector<double> ts;
+          for (int i = 0; i < 11; ++i) {
+            cuda::decoder_assume_length(*d, 0, context);
+            const double a = now();
+            d->forward_accept_chain(r, Capture{}, sp, q, u.data());
+            ts.push_back(now() - a);
+            d->commit(0, {});
+          }
+          std::sort(ts.begin() + 2, ts.end());
+          (d == dec.get() ? host_ms : dev_ms) = ts[6] * 1e3;
+        }
+        std::printf("  sampled chain-%lld round on the target (verify + acceptance, T 0.7, top-p 0.95): host %.3f ms, "
+                    "device %.3f ms (%.2fx / %.2fx one token)\n",
+                    (long long)accept_k, host_ms, dev_ms, host_ms / (one * 1e3), dev_ms / (one * 1e3));
       }
       if (draft_vocab > 0) {
         // The draft layer at this context: step-0 rows for the context, then timed steps.

@@ -120,6 +120,9 @@ int main(int argc, char** argv) {
   app.add_option("--dflash-block", dflash_block, "its block size")->capture_default_str();
   app.add_option("--draft-vocab", draft_vocab, "time an EAGLE-3 draft layer with this draft vocabulary (0: skip)")
       ->capture_default_str();
+  bool contiguous_pages = false;
+  app.add_flag("--contiguous-pages", contiguous_pages,
+               "leave each slot's cache pages in one run (default: interleaved across slots, as in generate)");
   int64_t accept_k = 3;
   app.add_option("--accept-chain", accept_k,
                  "time a sampled chain of this many draft tokens decided on the host and on the device (0: skip)")
@@ -196,6 +199,12 @@ int main(int argc, char** argv) {
       dec->reset(0);
       std::printf("prefill  1 x %lld tokens: %.1f ms, %.0f tokens/s\n", (long long)context, s * 1e3, double(context) / s);
     }
+    // Every slot's cache grown a page at a time, slots in turn (as slots grow together in
+    // generate), so that no slot's pages are contiguous in the pool; later lengths of at most
+    // `context` keep these pages. --contiguous-pages skips this (each slot's pages in one run).
+    if (!contiguous_pages)
+      for (int64_t len = 64; len < context + 64; len += 64)
+        for (int s = 0; s < n_slots; ++s) cuda::decoder_assume_length(*dec, s, std::min(len, context));
     // A step of B one-token slots three ways: eager launches with fp32 logits to the host
     // (the engine before CUDA graphs), a replayed graph with logits to the host, and a
     // replayed graph with greedy ids picked on the device (greedy generate and eval).

@@ -319,7 +319,6 @@ GenerateReport run_generate(const GenerateOptions& opt) {
     bool prefilled = false;
     int64_t fed = 0;  // prompt tokens already in the cache (a long prompt goes in chunks)
     int64_t max_new = 0;
-    int64_t reserved = 0;  // cache rows held for this turn: its prompt and answer, in pages
     uint64_t stream = 0;
   };
   std::vector<Active> slots(static_cast<size_t>(batch));
@@ -368,26 +367,26 @@ GenerateReport run_generate(const GenerateOptions& opt) {
     }
     return Staged{ci, std::move(ids)};
   };
-  // Cache rows a turn holds at most: its prompt and every answer token but the last are fed.
-  auto turn_rows = [&](const Staged& t) {
-    return dec->cache_rows(int64_t(t.prompt.size()) +
-                           std::min<int64_t>(opt.max_new_tokens, opt.max_len - int64_t(t.prompt.size())));
+  // A turn's answer budget, and the cache rows it holds at most: its prompt and every answer
+  // token but the last are fed (in whole pages).
+  auto max_new_of = [&](const std::vector<int32_t>& prompt) {
+    return std::min<int64_t>(opt.max_new_tokens, opt.max_len - int64_t(prompt.size()));
   };
-  int64_t reserved = 0;  // cache rows held for the running turns
+  auto turn_rows = [&](const std::vector<int32_t>& prompt) {
+    return dec->cache_rows(int64_t(prompt.size()) + max_new_of(prompt));
+  };
+  // Starts a prepared turn in the free slot s (empty: a slot is reset when its turn ends).
   auto start_turn = [&](int s, Staged&& t) {
     const int64_t ci = t.conv;
     Active& a = slots[size_t(s)];
     a.conv = ci;
-    a.reserved = turn_rows(t);
-    reserved += a.reserved;
     a.prompt = std::move(t.prompt);
     a.gen.clear();
     a.prefilled = false;
     a.fed = 0;
-    a.max_new = std::min<int64_t>(opt.max_new_tokens, opt.max_len - int64_t(a.prompt.size()));
+    a.max_new = max_new_of(a.prompt);
     a.stream = uint64_t(ci) * 4096 + uint64_t(runs[size_t(ci)].seg);
     rep.prompt_tokens += int64_t(a.prompt.size());
-    dec->reset(s);
   };
   // The answer text: special tokens and the eos dropped, cut at the first stop string.
   auto answer_text = [&](const std::vector<int32_t>& gen) {
@@ -419,8 +418,9 @@ GenerateReport run_generate(const GenerateOptions& opt) {
     }
     // Fill free slots, in queue order, while the cache can hold each new turn whole beside
     // the running ones (the next turn waits at the head of the queue until it can).
-    int64_t running = 0;
-    for (const Active& a : slots) running += a.conv >= 0;
+    int64_t running = 0, reserved = 0;  // running turns, and the cache rows held for them
+    for (const Active& a : slots)
+      if (a.conv >= 0) ++running, reserved += turn_rows(a.prompt);
     for (int s = 0; s < batch; ++s) {
       if (slots[size_t(s)].conv >= 0) continue;
       while (!staged && !queue.empty()) {
@@ -429,12 +429,13 @@ GenerateReport run_generate(const GenerateOptions& opt) {
         staged = prepare_turn(ci);
       }
       if (!staged) break;
-      if (reserved + turn_rows(*staged) > dec->cache_capacity()) {
+      if (reserved + turn_rows(staged->prompt) > dec->cache_capacity()) {
         TALON_CHECK(running > 0, "generate: a {}-token turn does not fit the {}-token KV cache alone (internal error)",
-                    turn_rows(*staged), dec->cache_capacity());
+                    turn_rows(staged->prompt), dec->cache_capacity());
         ++rep.waits_for_cache;
         break;
       }
+      reserved += turn_rows(staged->prompt);
       start_turn(s, std::move(*staged));
       staged.reset();
       ++running;
@@ -501,8 +502,6 @@ GenerateReport run_generate(const GenerateOptions& opt) {
       r.messages.push_back(ojson{{"role", "assistant"}, {"content", answer_text(a.gen)}});
       ++rep.turns;
       a.conv = -1;
-      reserved -= a.reserved;
-      a.reserved = 0;
       dec->reset(s);  // its pages go back to the cache now, not when the slot is reused
       if (++r.seg < convs[size_t(ci)].segments.size()) {
         queue.push_front(ci);

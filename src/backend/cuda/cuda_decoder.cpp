@@ -24,6 +24,7 @@
 
 #include "backend/backend.h"
 #include "backend/cuda/check.h"
+#include "backend/cuda/cuda_model.h"
 #include "backend/cuda/decode_ops.h"
 #include "backend/cuda/decode_slots.h"
 #include "backend/cuda/dense_block.h"
@@ -413,12 +414,7 @@ std::unique_ptr<Decoder> make_cuda_decoder(const Checkpoint& ckpt, const GpuOpti
   }
   int present = 0;
   if (cudaGetDeviceCount(&present) != cudaSuccess || present == 0) fail("--device cuda: no CUDA device available");
-  for (size_t i = 0; i < go.devices.size(); ++i) {
-    TALON_CHECK(go.devices[i] >= 0 && go.devices[i] < present, "cuda:{}: only {} CUDA device(s) present", go.devices[i],
-                present);
-    for (size_t j = 0; j < i && !go.share_devices; ++j)
-      TALON_CHECK(go.devices[i] != go.devices[j], "cuda:{} is listed twice", go.devices[i]);
-  }
+  cuda::check_devices(go, present);
   return cuda::make_deepseek_decoder_group(ckpt, go, n_slots, max_len, cache_tokens);
 }
 

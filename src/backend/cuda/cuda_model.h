@@ -35,4 +35,7 @@ std::unique_ptr<Model> make_deepseek_rank_model(const Checkpoint& ckpt, int devi
 // with the numbers and a --max-batch-tokens or --tp that would fit.
 void check_memory_plan(const ModelConfig& cfg, const GpuOptions& o);
 
+// The devices of a group: each below n_present, and distinct unless ranks may share a GPU.
+void check_devices(const GpuOptions& go, int n_present);
+
 }  // namespace talon::cuda

@@ -125,7 +125,9 @@ class GroupModel final : public Model {
   std::vector<Capture> caps_;
 };
 
-// Devices of a group: in range, and distinct unless ranks may share a GPU.
+}  // namespace
+
+namespace cuda {
 void check_devices(const GpuOptions& go, int n_present) {
   for (int d : go.devices) TALON_CHECK(d >= 0 && d < n_present, "cuda:{}: only {} CUDA device(s) present", d, n_present);
   if (go.share_devices) return;
@@ -133,8 +135,7 @@ void check_devices(const GpuOptions& go, int n_present) {
     for (size_t j = 0; j < i; ++j)
       TALON_CHECK(go.devices[i] != go.devices[j], "cuda:{} is listed twice", go.devices[i]);
 }
-
-}  // namespace
+}  // namespace cuda
 
 std::unique_ptr<Model> make_cuda_model(const Checkpoint& ckpt, const GpuOptions& go) {
   int n = 0;
@@ -147,7 +148,7 @@ std::unique_ptr<Model> make_cuda_model(const Checkpoint& ckpt, const GpuOptions&
   const int size = go.tp * go.ep;
   TALON_CHECK(int(go.devices.size()) == size, "--{} {} needs {} devices, got {}", go.ep > 1 ? "ep" : "tp", size, size,
               go.devices.size());
-  check_devices(go, n);
+  cuda::check_devices(go, n);
   if (is_deepseek(c.arch)) {
     if (size == 1) return make_cuda_deepseek_model(ckpt, go.devices[0]);
     using P = cuda::DeepseekParallel;

@@ -18,6 +18,7 @@
 
 #include "backend/cuda/check.h"
 #include "backend/cuda/decode_ops.h"
+#include "backend/cuda/kernels/bf16_keys.cuh"
 
 namespace talon::cuda {
 
@@ -27,16 +28,7 @@ constexpr int kThreads = 1024;
 constexpr int kKeys = 65536;
 constexpr int kKeyChunk = kKeys / kThreads;  // 64 keys a thread, top-down
 
-__device__ __forceinline__ bool is_nan16(uint32_t b) { return (b & 0x7fffu) > 0x7f80u; }
-// A key that orders like the value (-0 as +0).
-__device__ __forceinline__ uint32_t key_of(uint32_t b) {
-  if (b == 0x8000u) b = 0;
-  return (b & 0x8000u) ? (~b & 0xffffu) : (b | 0x8000u);
-}
-__device__ __forceinline__ float value_of_key(uint32_t k) {
-  const uint32_t b = (k & 0x8000u) ? (k & 0x7fffu) : (~k & 0xffffu);
-  return __uint_as_float(b << 16);
-}
+__device__ __forceinline__ float value_of_key(uint32_t k) { return value16(bits_of_key(k)); }
 
 struct Shared {
   float fmax[32];
@@ -57,7 +49,7 @@ __device__ void row_distribution(Shared& sh, const uint16_t* l, int64_t V, doubl
   float m = -INFINITY;
   for (int64_t i = tid; i < V; i += kThreads) {
     const uint32_t b = l[i];
-    if (!is_nan16(b)) m = fmaxf(m, __uint_as_float(b << 16));
+    if (!nan16(b)) m = fmaxf(m, value16(b));
   }
   for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
   if (tid % 32 == 0) sh.fmax[tid / 32] = m;
@@ -70,7 +62,7 @@ __device__ void row_distribution(Shared& sh, const uint16_t* l, int64_t V, doubl
   }
   for (int64_t i = tid; i < V; i += kThreads) {
     const uint32_t b = l[i];
-    if (!is_nan16(b)) atomicAdd(&counts[key_of(b)], 1);
+    if (!nan16(b)) atomicAdd(&counts[key16(b)], 1);
   }
   __syncthreads();
   // Chunk t holds keys [kKeys - (t + 1) 64, kKeys - t 64): ids and weight, top-down.
@@ -142,9 +134,9 @@ __device__ void row_distribution(Shared& sh, const uint16_t* l, int64_t V, doubl
 
 // Probability of id i under the row's distribution; `rank` counts the ids at theta before i.
 __device__ __forceinline__ double prob(const Shared& sh, uint32_t b, double T, int rank) {
-  if (is_nan16(b)) return 0;
-  const uint32_t key = key_of(b);
-  const double pn = exp((double(__uint_as_float(b << 16)) - sh.mx) / T) / sh.z;
+  if (nan16(b)) return 0;
+  const uint32_t key = key16(b);
+  const double pn = exp((double(value16(b)) - sh.mx) / T) / sh.z;
   if (!sh.cut) return pn;
   if (key > sh.theta || (key == sh.theta && rank < sh.ties)) return pn / sh.kept;
   return 0;
@@ -159,7 +151,7 @@ __device__ void tie_bases(Shared& sh, const uint16_t* l, int64_t V) {
   const int64_t cs = chunk_size(V), a = int64_t(tid) * cs, e = a + cs < V ? a + cs : V;
   int n = 0;
   if (sh.cut)
-    for (int64_t i = a; i < e; ++i) n += !is_nan16(l[i]) && key_of(l[i]) == sh.theta;
+    for (int64_t i = a; i < e; ++i) n += !nan16(l[i]) && key16(l[i]) == sh.theta;
   sh.cnt[tid] = n;
   __syncthreads();
   if (tid == 0) {
@@ -183,7 +175,7 @@ __device__ int draw_row(Shared& sh, const uint16_t* l, int64_t V, double T, cons
     auto value = [&](int64_t i, int& rank) {
       const uint32_t b = l[i];
       const double p = prob(sh, b, T, rank);
-      if (sh.cut && !is_nan16(b) && key_of(b) == sh.theta) ++rank;
+      if (sh.cut && !nan16(b) && key16(b) == sh.theta) ++rank;
       return res ? fmax(0.0, p - q[i]) : p;
     };
     double m = 0;
@@ -261,9 +253,9 @@ __global__ void __launch_bounds__(kThreads) accept_chain_kernel(int32_t* out, co
     // p(d): its rank among the ids at theta is the ids at theta before it.
     if (tid == 0) s_rank = 0;
     __syncthreads();
-    if (sh.cut && !is_nan16(l[d]) && key_of(l[d]) == sh.theta) {
+    if (sh.cut && !nan16(l[d]) && key16(l[d]) == sh.theta) {
       int n = 0;
-      for (int64_t j = tid; j < d; j += kThreads) n += !is_nan16(l[j]) && key_of(l[j]) == sh.theta;
+      for (int64_t j = tid; j < d; j += kThreads) n += !nan16(l[j]) && key16(l[j]) == sh.theta;
       for (int o = 16; o > 0; o >>= 1) n += __shfl_xor_sync(0xffffffffu, n, o);
       if (tid % 32 == 0) atomicAdd(&s_rank, n);
     }

@@ -25,6 +25,7 @@
 
 #include "backend/cuda/check.h"
 #include "backend/cuda/decode_ops.h"
+#include "backend/cuda/kernels/bf16_keys.cuh"
 
 namespace talon::cuda {
 
@@ -34,16 +35,6 @@ constexpr int kSampleThreads = 1024;
 constexpr int kSampleWarps = kSampleThreads / 32;
 // High-byte bins top-p counts key by key (16 x 256 keys: 16 KB of shared memory).
 constexpr int kWindowBins = 16;
-
-__device__ __forceinline__ bool nan16(uint32_t b) { return (b & 0x7fffu) > 0x7f80u; }
-__device__ __forceinline__ float value16(uint32_t b) { return __uint_as_float(b << 16); }
-// A key that orders like the value: larger value, larger key; -0 is +0 (equal values tie
-// by id, as on the host). No NaN here.
-__device__ __forceinline__ uint32_t key16(uint32_t b) {
-  if (b == 0x8000u) b = 0;
-  return (b & 0x8000u) ? (~b & 0xffffu) : (b | 0x8000u);
-}
-__device__ __forceinline__ uint32_t bits_of_key(uint32_t k) { return (k & 0x8000u) ? (k & 0x7fffu) : (~k & 0xffffu); }
 
 // Sum over the block, the same value in every thread; fixed order (butterfly within warps,
 // then warp totals in order), so it is the same on every run. `sh` holds kSampleWarps values.

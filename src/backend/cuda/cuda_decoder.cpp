@@ -123,10 +123,11 @@ class CudaDecoder final : public Decoder, public cuda::DecoderControls {
 
   ChainAcceptance forward_accept_chain(const DecodeRequest& req, const Capture& cap, const SamplingParams& p,
                                        const std::vector<std::vector<double>>& q, const double* u) override {
-    if (!device_accept_) return Decoder::forward_accept_chain(req, cap, p, q, u);
-    check_chain_acceptance(req, q.size(), p);
-    run({req}, cap, nullptr, nullptr, nullptr, nullptr, true);  // logits stay on the device
-    return accepter_.run(acts_->logits, cfg_.vocab, req, q, u, p, dev_.stream());
+    if (!accepter_.on()) return Decoder::forward_accept_chain(req, cap, p, q, u);
+    return accepter_.run(req, q, u, p, cfg_.vocab, dev_.stream(), [&] {
+      run({req}, cap, nullptr, nullptr, nullptr, nullptr, true);  // logits stay on the device
+      return acts_->logits;
+    });
   }
 
   void use_graphs(bool on) override { graphs_.set_enabled(on); }
@@ -376,7 +377,6 @@ class CudaDecoder final : public Decoder, public cuda::DecoderControls {
   cuda::GraphCache graphs_;  // of run()'s device work, by shape
   bool merge_in_kernel_ = false;
   bool device_sampling_ = true;
-  bool device_accept_ = cuda::ChainAccepter::enabled();
   cuda::ChainAccepter accepter_;
   // A request's rows (a verify chain or tree) read the committed prefix once per tile of query
   // vectors, not once per row (decode_ops.h: AttentionTile).

@@ -137,10 +137,11 @@ class CudaDeepseekDecoder final : public Decoder, public DecoderControls {
 
   ChainAcceptance forward_accept_chain(const DecodeRequest& req, const Capture& cap, const SamplingParams& p,
                                        const std::vector<std::vector<double>>& q, const double* u) override {
-    if (!device_accept_) return Decoder::forward_accept_chain(req, cap, p, q, u);
-    check_chain_acceptance(req, q.size(), p);
-    run({req}, cap, nullptr, nullptr, nullptr, nullptr, true);  // logits stay on the device
-    return accepter_.run(acts_->logits, cfg_.vocab, req, q, u, p, dev_.stream());
+    if (!accepter_.on()) return Decoder::forward_accept_chain(req, cap, p, q, u);
+    return accepter_.run(req, q, u, p, cfg_.vocab, dev_.stream(), [&] {
+      run({req}, cap, nullptr, nullptr, nullptr, nullptr, true);  // logits stay on the device
+      return acts_->logits;
+    });
   }
 
   void commit(int slot, const std::vector<int32_t>& keep) override {
@@ -343,7 +344,6 @@ class CudaDeepseekDecoder final : public Decoder, public DecoderControls {
   PinnedBuffer in_h_, out_h_;  // staging of Acts::in; the greedy ids coming down
   GraphCache graphs_;
   bool device_sampling_ = true;
-  bool device_accept_ = ChainAccepter::enabled();
   ChainAccepter accepter_;
 };
 

@@ -167,9 +167,11 @@ bool ChainAccepter::enabled() {
   return e && std::string(e) == "1";
 }
 
-Decoder::ChainAcceptance ChainAccepter::run(const bf16* logits, int64_t V, const DecodeRequest& req,
-                                            const std::vector<std::vector<double>>& q, const double* u,
-                                            const SamplingParams& p, cudaStream_t s) {
+Decoder::ChainAcceptance ChainAccepter::run(const DecodeRequest& req, const std::vector<std::vector<double>>& q,
+                                            const double* u, const SamplingParams& p, int64_t V, cudaStream_t s,
+                                            const std::function<const bf16*()>& forward) {
+  check_chain_acceptance(req, q.size(), p);
+  const bf16* logits = forward();
   const int k = int(req.tokens.size()) - 1;
   // One block up: q [k, V] fp64, u [k + 1] fp64, the draft tokens [k]; then out [2].
   PackedOffsets o;

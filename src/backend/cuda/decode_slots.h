@@ -11,6 +11,7 @@
 // The caches themselves, and their layouts, stay with each decoder.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -93,18 +94,21 @@ int64_t cache_pool_rows(int device, int n_slots, int64_t max_len, int64_t cache_
                         double free_b, double total_b, double weight_bytes, const std::string& layout);
 
 // Decoder::forward_accept_chain's device half for both decoders (decode_ops.h: accept_chain):
-// the draft tokens of `req` (its tokens after the first), q and u go up in one copy, the
-// kernel decides from the logits rows [k + 1, V] the forward left on the device, and the kept
-// count and next token come down. Waits for the stream. enabled(): TALON_CUDA_ACCEPT=1 (off
-// by default until measured against the host on a GPU: the host decides otherwise).
+// checks the request, runs `forward` (the verify pass, leaving the logits rows [k + 1, V] on the
+// device and returning them), sends the draft tokens of `req` (its tokens after the first), q and
+// u up in one copy, lets the kernel decide and brings the kept count and next token down. Waits
+// for the stream. on(): TALON_CUDA_ACCEPT=1, read when made (off by default until measured
+// against the host on a GPU; the decoders then take Decoder's host default).
 class ChainAccepter {
  public:
-  static bool enabled();
-  Decoder::ChainAcceptance run(const bf16* logits, int64_t V, const DecodeRequest& req,
-                               const std::vector<std::vector<double>>& q, const double* u, const SamplingParams& p,
-                               cudaStream_t s);
+  bool on() const { return on_; }
+  Decoder::ChainAcceptance run(const DecodeRequest& req, const std::vector<std::vector<double>>& q, const double* u,
+                               const SamplingParams& p, int64_t V, cudaStream_t s,
+                               const std::function<const bf16*()>& forward);
 
  private:
+  static bool enabled();
+  bool on_ = enabled();
   std::unique_ptr<DeviceArena> arena_;
   size_t cap_ = 0;
   uint8_t* dev_ = nullptr;

@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <cstring>
 #include <random>
+#include <regex>
 
 #include "backend/backend.h"
 #include "backend/cuda/cuda_decoder.h"
@@ -581,11 +582,22 @@ TEST(CudaDecode, ChainAcceptanceOnTheDeviceMatchesTheHost) {
       const int k = 1 + c % 6;
       const auto prompt = random_ids(rng, 3 + c % 9, V);
       // Draft tokens and their q: a peaked distribution on a random token (often the same few
-      // ids, so the target sometimes likes them), spread with some mass on every id.
+      // ids, so the target sometimes likes them), spread with some mass on every id. In every
+      // other case the first draft token is the target's own greedy pick, so that plenty of
+      // chains keep a token whatever the fixture's target prefers.
       std::vector<int32_t> toks = {int32_t(rng() % uint32_t(V))};
+      int32_t greedy = -1;
+      if (c % 2 == 0) {
+        std::vector<int32_t> ctx = prompt;
+        ctx.push_back(toks[0]);
+        host->reset(0);
+        host->forward_greedy({{0, ctx, {}, false}}, Capture{}, &greedy);
+        host->reset(0);
+      }
       std::vector<std::vector<double>> q(static_cast<size_t>(k), std::vector<double>(size_t(V)));
       for (int i = 0; i < k; ++i) {
-        const int32_t d = int32_t(rng() % uint32_t(std::min<int64_t>(V, 8)));
+        const int32_t d =
+            i == 0 && greedy >= 0 ? greedy : int32_t(rng() % uint32_t(std::min<int64_t>(V, 8)));
         toks.push_back(d);
         const double peak = unif(rng);
         const bool zero_d = c % 17 == 5 && i == 0;
@@ -772,7 +784,14 @@ TEST(CudaDecode, ACacheThatDoesNotFitIsRefusedWithTheNumbers) {
   // 3 layers x K,V x 3 kv heads x 16 x 2 bytes = 576 bytes per token: 2^30 tokens is 576 GiB.
   const std::string msg = error_of([&] { make_cuda_decoder(*ck, 0, 1, int64_t(1) << 30); });
   EXPECT_NE(msg.find("the KV cache needs 576.00 GiB"), std::string::npos) << msg;
-  EXPECT_NE(msg.find("tokens each"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("lower --max-len"), std::string::npos) << msg;
+  // The tokens that fit follow from the free memory it names: (free - 1 GiB kept) / 576 bytes,
+  // to within the rounding of the GiB figures and of whole pages.
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(msg, m, std::regex(R"(only ([0-9.]+) GiB of [0-9.]+ GiB is free.* ([0-9]+) tokens fit)")))
+      << msg;
+  const double free_gib = std::stod(m[1].str()), fit = std::stod(m[2].str());
+  EXPECT_NEAR(fit * 576.0, (free_gib - 1.0) * double(1 << 30), 0.006 * double(1 << 30)) << msg;
 }
 
 // plan_attention is host code (no GPU needed): which rows go through tiles, how the tiles cut

@@ -148,7 +148,11 @@ int main(int argc, char** argv) {
     go.share_devices = share;
     go.devices.clear();
     for (int r = 0; r < tp * ep; ++r) go.devices.push_back(share ? 0 : r);
+    // The main decoder decides sampled chains on the host (TALON_CUDA_ACCEPT=0): the reference
+    // column of the chain-round figure below.
+    setenv("TALON_CUDA_ACCEPT", "0", 1);
     auto dec = make_cuda_decoder(*ck, go, n_slots, max_len);
+    unsetenv("TALON_CUDA_ACCEPT");
     cudaDeviceProp prop{};
     cudaGetDeviceProperties(&prop, 0);
     std::printf("%s on %s (%s): %lld layers, H %lld, %lld/%lld heads x %lld, V %lld; %d slots x %lld tokens (setup %.1fs)\n",
@@ -289,11 +293,9 @@ int main(int argc, char** argv) {
       }
       if (accept_k > 0 && accept_k + 1 <= max_len - context && tp * ep == 1) {
         // A sampled chain's round on the target (T 0.7, top-p 0.95): the verify pass plus the
-        // acceptance decision, decided on the host from logits copied down (the default) and on
-        // the device (TALON_CUDA_ACCEPT=1: a second decoder of one slot, on GPU 0).
-        setenv("TALON_CUDA_ACCEPT", "1", 1);
+        // acceptance decision, decided on the host from logits copied down (the main decoder)
+        // and on the device (the default: a second decoder of one slot, on GPU 0).
         auto dacc = make_cuda_decoder(*ck, 0, 1, max_len);
-        unsetenv("TALON_CUDA_ACCEPT");
         SamplingParams sp;
         sp.temperature = 0.7;
         sp.top_p = 0.95;

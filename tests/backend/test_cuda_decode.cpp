@@ -555,7 +555,7 @@ TEST(CudaDecode, ParallelDeepSeekGroupsMatchTheCpu) {
   }
 }
 
-// Speculative sampling of a chain decided on the device (TALON_CUDA_ACCEPT=1: accept.cu) against
+// Speculative sampling of a chain decided on the device (the default: accept.cu) against
 // the host's decision (Decoder::forward_accept_chain's default) on the same GPU forwards, for the
 // dense and DeepSeek decoders: chains of 1-6 draft tokens after random prompts, temperatures
 // 0.6-1.5, top-p 1 / 0.9 / 0.3, top-k 0 / 5 / 40, draft distributions from nearly the target's
@@ -566,10 +566,10 @@ TEST(CudaDecode, ChainAcceptanceOnTheDeviceMatchesTheHost) {
   REQUIRE_GPU();
   for (const char* fx : {"llama_gqa", "deepseek_v3"}) {
     auto ck = open_checkpoint(golden_fixture(fx));
-    setenv("TALON_CUDA_ACCEPT", "1", 1);
-    auto dev = make_cuda_decoder(*ck, 0, 1, 128);
-    unsetenv("TALON_CUDA_ACCEPT");
+    auto dev = make_cuda_decoder(*ck, 0, 1, 128);  // the default: decided on the device
+    setenv("TALON_CUDA_ACCEPT", "0", 1);
     auto host = make_cuda_decoder(*ck, 0, 1, 128);
+    unsetenv("TALON_CUDA_ACCEPT");
     const int64_t V = dev->config().vocab;
     std::mt19937 rng(71);
     std::uniform_real_distribution<double> unif(0.0, 1.0);

@@ -164,7 +164,7 @@ int64_t cache_pool_rows(int device, int n_slots, int64_t max_len, int64_t cache_
 
 bool ChainAccepter::enabled() {
   const char* e = std::getenv("TALON_CUDA_ACCEPT");
-  return e && std::string(e) == "1";
+  return !(e && std::string(e) == "0");
 }
 
 Decoder::ChainAcceptance ChainAccepter::run(const DecodeRequest& req, const std::vector<std::vector<double>>& q,

@@ -97,8 +97,8 @@ int64_t cache_pool_rows(int device, int n_slots, int64_t max_len, int64_t cache_
 // checks the request, runs `forward` (the verify pass, leaving the logits rows [k + 1, V] on the
 // device and returning them), sends the draft tokens of `req` (its tokens after the first), q and
 // u up in one copy, lets the kernel decide and brings the kept count and next token down. Waits
-// for the stream. on(): TALON_CUDA_ACCEPT=1, read when made (off by default until measured
-// against the host on a GPU; the decoders then take Decoder's host default).
+// for the stream. on(): unless TALON_CUDA_ACCEPT=0, read when made (then the decoders take
+// Decoder's host default: logits down, the host's acceptance test).
 class ChainAccepter {
  public:
   bool on() const { return on_; }

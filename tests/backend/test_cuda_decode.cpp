@@ -1107,6 +1107,63 @@ TEST(DecodeSlots, PlansRowsAndCommitMovesByTheContract) {
   EXPECT_EQ(small.pages().free_pages(), 2);
 }
 
+// A decoder group's bookkeeping (decoder_group.cpp), host only. Expert parallel: 4 slots in two
+// books of 2 (pools of 5 and 3 pages, max_len 3 pages). The group's 4 one-page slots fit (2 pages
+// in each book) although they exceed the smallest pool's 3 pages together; a forward that fits
+// book 0 but not book 1 is refused naming rank 1 and gives book 0's new page back; bad input in
+// book 1 is refused the same way. Tensor parallel: one book, errors name no rank.
+TEST(DecodeSlots, GroupBooksSplitSlotsAndPlanOnAllOrNone) {
+  const int64_t P = cuda::kPageRows, V = 10;
+  const auto npos = std::string::npos;
+  const auto iota = [](int64_t n) {
+    std::vector<int32_t> k(static_cast<size_t>(n));
+    for (int64_t i = 0; i < n; ++i) k[size_t(i)] = int32_t(i);
+    return k;
+  };
+  cuda::SlotBooks ep(4, true, 2, 3 * P, {{2, 5 * P}, {2, 3 * P}});
+  EXPECT_EQ(ep.n_books(), 2);
+  EXPECT_EQ(ep.where(1), (std::pair<int, int>{0, 1}));
+  EXPECT_EQ(ep.where(3), (std::pair<int, int>{1, 1}));
+  EXPECT_NE(error_of([&] { ep.where(4); }).find("slot 4 outside [0, 4)"), npos);
+  EXPECT_EQ(ep.capacity(), 3 * P);
+  EXPECT_EQ(ep.page_rows(), P);
+  std::vector<DecodeRequest> fill;
+  for (int s = 0; s < 4; ++s) fill.push_back({s, std::vector<int32_t>(size_t(P), 1), {}, false});
+  cuda::SlotBooks::Plan p = ep.plan(fill, V);
+  ASSERT_EQ(p.reqs.size(), 2u);
+  EXPECT_EQ(p.reqs[1][1].slot, 1);  // the group's slot 3 is book 1's slot 1
+  ep.ran(p);
+  for (int s = 0; s < 4; ++s) ep.commit(s, iota(P));
+  for (int s = 0; s < 4; ++s) EXPECT_EQ(ep.length(s), P) << s;
+  EXPECT_EQ(ep.book(0).pages().free_pages(), 3);
+  EXPECT_EQ(ep.book(1).pages().free_pages(), 1);
+  ep.reset(2, 2 * P);  // book 1 full
+  EXPECT_EQ(ep.book(1).pages().free_pages(), 0);
+  const std::string full = error_of([&] { ep.plan({{0, {1}, {}, false}, {2, {1}, {}, false}}, V); });
+  EXPECT_NE(full.find("the KV cache is full"), npos) << full;
+  EXPECT_NE(full.find("expert-parallel rank 1, whose slot 0 is the group's slot 2"), npos) << full;
+  EXPECT_EQ(ep.book(0).pages().free_pages(), 3);
+  EXPECT_EQ(ep.length(0), P);
+  const std::string bad = error_of([&] { ep.plan({{1, {1}, {}, false}, {3, {V}, {}, false}}, V); });
+  EXPECT_NE(bad.find("outside the vocabulary"), npos) << bad;
+  EXPECT_NE(bad.find("rank 1"), npos) << bad;
+  EXPECT_EQ(ep.book(0).pages().free_pages(), 3);
+  p = ep.plan({{0, {1, 2}, {}, false}}, V);  // slot 0 alone still goes, and commits
+  ep.ran(p);
+  ep.commit(0, {0});
+  EXPECT_EQ(ep.length(0), P + 1);
+  EXPECT_EQ(ep.book(0).pages().free_pages(), 2);
+
+  cuda::SlotBooks tp(2, false, 2, 2 * P, {{2, 2 * P}});
+  EXPECT_EQ(tp.where(1), (std::pair<int, int>{0, 1}));
+  tp.reset(0, 2 * P);
+  const std::string tfull = error_of([&] { tp.plan({{1, {1}, {}, false}}, V); });
+  EXPECT_NE(tfull.find("the KV cache is full"), npos) << tfull;
+  EXPECT_EQ(tfull.find("rank"), npos) << tfull;
+  EXPECT_NE(error_of([] { cuda::SlotBooks bad(5, true, 2, 64, {{2, 128}, {2, 128}}); }).find("cannot hold 5 slots"),
+            npos);
+}
+
 TEST(DecodePlan, GroupsLoneRowsAndTiles) {
   const int64_t nh = 32, nkv = 8, group = nh / nkv;
   std::vector<cuda::DecodeRow> rows;

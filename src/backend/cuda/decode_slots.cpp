@@ -134,6 +134,69 @@ void DecodeSlots::sync_pages(int32_t* table, cudaStream_t s) {
                                cudaMemcpyHostToDevice, s));
 }
 
+SlotBooks::SlotBooks(int n_slots, bool split, int per, int64_t max_len, const std::vector<Book>& books)
+    : n_slots_(n_slots), per_(per), split_(split) {
+  TALON_CHECK(!books.empty() && (split || books.size() == 1) && (!split || int64_t(books.size()) * per >= n_slots),
+              "decoder group: {} books of {} slots cannot hold {} slots", books.size(), per, n_slots);
+  for (const Book& b : books)
+    books_.push_back({std::make_unique<DecodeSlots>(b.slots, max_len, b.capacity), std::vector<int64_t>(size_t(b.slots), 0)});
+}
+
+std::pair<int, int> SlotBooks::where(int slot) const {
+  TALON_CHECK(slot >= 0 && slot < n_slots_, "decoder: slot {} outside [0, {})", slot, n_slots_);
+  return split_ ? std::pair{slot / per_, slot % per_} : std::pair{0, slot};
+}
+
+int64_t SlotBooks::length(int slot) const {
+  const auto [b, l] = where(slot);
+  return books_[size_t(b)].slots->length(l);
+}
+
+int64_t SlotBooks::capacity() const {
+  int64_t cap = books_[0].slots->pages().capacity();
+  for (const Entry& e : books_) cap = std::min(cap, e.slots->pages().capacity());
+  return cap;
+}
+
+SlotBooks::Plan SlotBooks::plan(const std::vector<DecodeRequest>& reqs, int64_t vocab) {
+  Plan p;
+  p.reqs.resize(books_.size());
+  for (const DecodeRequest& q : reqs) {
+    const auto [b, l] = where(q.slot);
+    DecodeRequest lq = q;
+    lq.slot = l;
+    p.reqs[size_t(b)].push_back(std::move(lq));
+  }
+  for (size_t k = 0; k < books_.size(); ++k) {
+    try {
+      p.batches.push_back(books_[k].slots->plan(p.reqs[k], books_[k].pending, vocab));
+    } catch (const std::exception& e) {
+      // Give back what the books before this one took (their slots had nothing pending).
+      for (size_t j = 0; j < k; ++j)
+        for (const DecodeRequest& q : p.reqs[j])
+          books_[j].slots->reset(q.slot, books_[j].pending, books_[j].slots->length(q.slot));
+      if (!split_) throw;
+      throw Error(
+          fmt::format("{} (expert-parallel rank {}, whose slot 0 is the group's slot {})", e.what(), k, int(k) * per_));
+    }
+  }
+  return p;
+}
+
+void SlotBooks::ran(Plan& p) {
+  for (size_t k = 0; k < books_.size(); ++k) books_[k].slots->ran(p.reqs[k], p.batches[k], books_[k].pending);
+}
+
+void SlotBooks::commit(int slot, const std::vector<int32_t>& keep) {
+  const auto [b, l] = where(slot);
+  books_[size_t(b)].slots->commit(l, keep, books_[size_t(b)].pending);
+}
+
+void SlotBooks::reset(int slot, int64_t len) {
+  const auto [b, l] = where(slot);
+  books_[size_t(b)].slots->reset(l, books_[size_t(b)].pending, len);
+}
+
 bool kv_pages_fixed() {
   const char* e = std::getenv("TALON_CUDA_KV_PAGED");
   return e && std::string(e) == "0";

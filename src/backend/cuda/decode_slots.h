@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <utility>
 #include <vector>
 
 #include "backend/cuda/decode_ops.h"
@@ -79,6 +80,48 @@ class DecodeSlots {
   std::vector<int64_t> len_;
   std::vector<std::vector<int32_t>> parents_;  // of each slot's pending tokens
   bool synced_ = false;
+};
+
+// The host bookkeeping of a decoder group (decoder_group.cpp): one DecodeSlots per cache. Under
+// tensor parallelism one book holds every slot (every rank keeps every slot's cache); under
+// expert parallelism (`split`) book r holds the group's slots [r per, (r + 1) per) as its slots
+// 0, 1, ..., with rank r's pool. A forward is planned on every book it touches or on none: when
+// one book refuses (bad input, a full pool), the pages the books before it took go back and the
+// error names the rank. capacity() is the smallest book's pool: a scheduler that keeps the
+// group's rows within it never overflows a book.
+class SlotBooks {
+ public:
+  struct Book {
+    int slots;         // the rank decoder's slots (at least 1)
+    int64_t capacity;  // its pool's rows
+  };
+  SlotBooks(int n_slots, bool split, int per, int64_t max_len, const std::vector<Book>& books);
+  int n_books() const { return int(books_.size()); }
+  // The book holding a group slot (checked) and the slot's index there.
+  std::pair<int, int> where(int slot) const;
+  int64_t length(int slot) const;
+  int64_t page_rows() const { return books_[0].slots->pages().page_rows(); }
+  int64_t capacity() const;
+  const DecodeSlots& book(int b) const { return *books_[size_t(b)].slots; }
+
+  // Each book's requests (local slots, in the caller's order) and their planned rows.
+  struct Plan {
+    std::vector<std::vector<DecodeRequest>> reqs;
+    std::vector<DecodeBatch> batches;
+  };
+  Plan plan(const std::vector<DecodeRequest>& reqs, int64_t vocab);
+  void ran(Plan& p);
+  void commit(int slot, const std::vector<int32_t>& keep);
+  void reset(int slot, int64_t len = 0);
+
+ private:
+  struct Entry {
+    std::unique_ptr<DecodeSlots> slots;
+    std::vector<int64_t> pending;
+  };
+  int n_slots_, per_;
+  bool split_;
+  std::vector<Entry> books_;
 };
 
 // How many token rows a decoder's page pool gets. cache_tokens > 0: that many (throwing when

@@ -10,15 +10,10 @@
 //    still serves its experts), and their logits, ids and captures come back into the caller's
 //    rows in request order.
 //
-// The group keeps host mirrors of the slot bookkeeping (decode_slots.h), one per cache: one for
-// the whole group under tensor parallelism (every rank holds every slot), one per rank under
-// expert parallelism (each over that rank's slots and page pool). A request is checked and its
-// pages taken there first, on every mirror it touches or on none, so a malformed request or a
+// The group keeps the slot bookkeeping on the host (decode_slots.h: SlotBooks, one book per
+// cache): a request is checked and its pages taken there first, so a malformed request or a
 // full cache is refused before any rank starts, and a failure inside a forward (which aborts the
 // group's collectives, leaving the group unusable) means a real fault, not bad input.
-// cache_capacity() is the smallest rank's pool: under expert parallelism that is conservative (a
-// rank's slots never hold more than the whole group's rows), so a scheduler that keeps the
-// group's rows within it never overflows a rank.
 #include <fmt/ranges.h>
 
 #include <algorithm>
@@ -69,13 +64,11 @@ class GroupDecoder final : public Decoder, public DecoderControls {
     for (auto& d : ranks_)
       TALON_CHECK(dynamic_cast<DecoderControls*>(d.get()) != nullptr, "decoder group: rank {} is not a CUDA decoder",
                   d->backend());
-    // Each mirror: its rank's slots and the very pool size the rank took (the page size is the
-    // same everywhere).
-    for (int r = 0; r < (by_slot_ ? n : 1); ++r) {
-      const Decoder& d = *ranks_[size_t(r)];
-      books_.push_back(
-          {std::make_unique<DecodeSlots>(d.n_slots(), d.max_len(), d.cache_capacity()), std::vector<int64_t>(size_t(d.n_slots()), 0)});
-    }
+    // Each book: its rank's slots and the very pool size the rank took.
+    std::vector<SlotBooks::Book> books;
+    for (int r = 0; r < (by_slot_ ? n : 1); ++r)
+      books.push_back({ranks_[size_t(r)]->n_slots(), ranks_[size_t(r)]->cache_capacity()});
+    books_ = std::make_unique<SlotBooks>(n_slots, by_slot_, per_, ranks_[0]->max_len(), books);
   }
 
   ~GroupDecoder() override {
@@ -91,16 +84,9 @@ class GroupDecoder final : public Decoder, public DecoderControls {
   }
   int n_slots() const override { return n_slots_; }
   int64_t max_len() const override { return ranks_[0]->max_len(); }
-  int64_t length(int slot) const override {
-    const auto [b, l] = where(slot);
-    return books_[size_t(b)].slots->length(l);
-  }
-  int64_t page_rows() const override { return books_[0].slots->pages().page_rows(); }
-  int64_t cache_capacity() const override {
-    int64_t cap = books_[0].slots->pages().capacity();
-    for (const Book& b : books_) cap = std::min(cap, b.slots->pages().capacity());
-    return cap;
-  }
+  int64_t length(int slot) const override { return books_->length(slot); }
+  int64_t page_rows() const override { return books_->page_rows(); }
+  int64_t cache_capacity() const override { return books_->capacity(); }
 
   void forward(const std::vector<DecodeRequest>& reqs, const Capture& cap, float* logits) override {
     run(reqs, cap, logits, nullptr, nullptr, nullptr);
@@ -113,20 +99,17 @@ class GroupDecoder final : public Decoder, public DecoderControls {
     run(reqs, cap, nullptr, ids, &p, u);
   }
   void commit(int slot, const std::vector<int32_t>& keep) override {
-    const auto [b, l] = where(slot);
-    books_[size_t(b)].slots->commit(l, keep, books_[size_t(b)].pending);  // checks the path first
+    books_->commit(slot, keep);  // checks the path first
     on_owners(slot, [&](Decoder& d, int local) { d.commit(local, keep); });
   }
   void reset(int slot) override {
-    const auto [b, l] = where(slot);
-    books_[size_t(b)].slots->reset(l, books_[size_t(b)].pending);
+    books_->reset(slot);
     on_owners(slot, [&](Decoder& d, int local) { d.reset(local); });
   }
 
   // DecoderControls: the owning ranks alike.
   void assume_length(int slot, int64_t len) override {
-    const auto [b, l] = where(slot);
-    books_[size_t(b)].slots->reset(l, books_[size_t(b)].pending, len);
+    books_->reset(slot, len);
     on_owners(slot, [&](Decoder& d, int local) { dynamic_cast<DecoderControls&>(d).assume_length(local, len); });
   }
   void use_graphs(bool on) override {
@@ -140,12 +123,6 @@ class GroupDecoder final : public Decoder, public DecoderControls {
   // Expert parallel: rank r owns slots [r per, min((r + 1) per, n_slots)).
   int local_slots(int r) const { return by_slot_ ? std::clamp(n_slots_ - r * per_, 0, per_) : n_slots_; }
   int owner(int slot) const { return by_slot_ ? slot / per_ : -1; }
-  // The mirror holding a slot (checked against the group's slots) and the slot's index there.
-  std::pair<int, int> where(int slot) const {
-    TALON_CHECK(slot >= 0 && slot < n_slots_, "decoder: slot {} outside [0, {})", slot, n_slots_);
-    return by_slot_ ? std::pair{slot / per_, slot % per_} : std::pair{0, slot};
-  }
-
   // f(rank decoder, local slot) on every rank holding the slot (all under tensor parallelism),
   // each on its own thread.
   template <class F>
@@ -160,30 +137,7 @@ class GroupDecoder final : public Decoder, public DecoderControls {
   void run(const std::vector<DecodeRequest>& reqs, const Capture& cap, float* logits, int32_t* ids,
            const SamplingParams* sp, const double* u) {
     cap.validate(config().n_layers);
-    // Each mirror's requests (local slots), planned on every mirror or on none: bad input and a
-    // full cache are refused before any rank runs.
-    std::vector<std::vector<DecodeRequest>> local(books_.size());
-    for (const DecodeRequest& q : reqs) {
-      const auto [bk, l] = where(q.slot);
-      DecodeRequest lq = q;
-      lq.slot = l;
-      local[size_t(bk)].push_back(std::move(lq));
-    }
-    std::vector<DecodeBatch> planned;
-    for (size_t k = 0; k < books_.size(); ++k) {
-      try {
-        planned.push_back(books_[k].slots->plan(local[k], books_[k].pending, config().vocab));
-      } catch (const std::exception& e) {
-        for (size_t j = 0; j < k; ++j)  // give back the pages the earlier mirrors took
-          for (const DecodeRequest& q : local[j]) books_[j].slots->reset(q.slot, books_[j].pending, books_[j].slots->length(q.slot));
-        if (!by_slot_) throw;
-        throw Error(fmt::format("{} (expert-parallel rank {}, whose slot 0 is the group's slot {})", e.what(), k,
-                                int(k) * per_));
-      }
-    }
-    const auto ran = [&] {
-      for (size_t k = 0; k < books_.size(); ++k) books_[k].slots->ran(local[k], planned[k], books_[k].pending);
-    };
+    SlotBooks::Plan plan = books_->plan(reqs, config().vocab);  // refuses bad input before any rank runs
     const auto call = [&](Decoder& d, const std::vector<DecodeRequest>& rq, const Capture& c, float* lg, int32_t* id,
                           const double* uu) {
       if (id && sp) d.forward_sample(rq, c, *sp, uu, id);
@@ -195,7 +149,7 @@ class GroupDecoder final : public Decoder, public DecoderControls {
         if (r == 0) call(*ranks_[0], reqs, cap, logits, ids, u);
         else ranks_[size_t(r)]->forward(reqs, Capture{}, nullptr);
       });
-      ran();
+      books_->ran(plan);
       return;
     }
     // Expert parallel: each rank's requests (local slots) in the caller's order, and where their
@@ -212,7 +166,7 @@ class GroupDecoder final : public Decoder, public DecoderControls {
       Capture c;
     };
     std::vector<Part> parts(static_cast<size_t>(n));
-    for (int r = 0; r < n; ++r) parts[size_t(r)].reqs = local[size_t(r)];
+    for (int r = 0; r < n; ++r) parts[size_t(r)].reqs = plan.reqs[size_t(r)];
     int64_t tok = 0, lrow = 0;
     for (const DecodeRequest& q : reqs) {
       Part& p = parts[size_t(owner(q.slot))];
@@ -254,7 +208,7 @@ class GroupDecoder final : public Decoder, public DecoderControls {
                       p.cap[i].data() + k * size_t(H) * esz, size_t(H) * esz);
       }
     }
-    ran();
+    books_->ran(plan);
   }
 
   std::vector<int> devices_;
@@ -263,11 +217,7 @@ class GroupDecoder final : public Decoder, public DecoderControls {
   std::unique_ptr<Collectives> comm_;
   std::vector<std::unique_ptr<Decoder>> ranks_;
   std::unique_ptr<RankWorkers> workers_;  // thread r drives ranks_[r]
-  struct Book {
-    std::unique_ptr<DecodeSlots> slots;  // the slot bookkeeping of one cache, on the host
-    std::vector<int64_t> pending;        // its slots' uncommitted tokens
-  };
-  std::vector<Book> books_;  // tensor parallel: one, every slot; expert parallel: one per rank
+  std::unique_ptr<SlotBooks> books_;  // the slot bookkeeping, on the host (decode_slots.h)
 };
 
 }  // namespace

@@ -591,8 +591,7 @@ TEST(CudaDecode, ChainAcceptanceOnTheDeviceMatchesTheHost) {
         std::vector<int32_t> ctx = prompt;
         ctx.push_back(toks[0]);
         host->reset(0);
-        host->forward_greedy({{0, ctx, {}, false}}, Capture{}, &greedy);
-        host->reset(0);
+        host->forward_greedy({{0, ctx, {}, false}}, Capture{}, &greedy);  // reset before its round below
       }
       std::vector<std::vector<double>> q(static_cast<size_t>(k), std::vector<double>(size_t(V)));
       for (int i = 0; i < k; ++i) {

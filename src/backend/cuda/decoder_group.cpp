@@ -122,15 +122,15 @@ class GroupDecoder final : public Decoder, public DecoderControls {
   int n_ranks() const { return int(ranks_.size()); }
   // Expert parallel: rank r owns slots [r per, min((r + 1) per, n_slots)).
   int local_slots(int r) const { return by_slot_ ? std::clamp(n_slots_ - r * per_, 0, per_) : n_slots_; }
-  int owner(int slot) const { return by_slot_ ? slot / per_ : -1; }
-  // f(rank decoder, local slot) on every rank holding the slot (all under tensor parallelism),
-  // each on its own thread.
+
+  // f(rank decoder, local slot) on every rank holding the slot (all under tensor parallelism;
+  // under expert parallelism the rank of the slot's book), each on its own thread.
   template <class F>
   void on_owners(int slot, F&& f) {
-    const int own = owner(slot);
+    const std::pair<int, int> at = books_->where(slot);  // (book = rank, local slot)
     workers_->run([&](int r) {
-      if (own < 0) f(*ranks_[size_t(r)], slot);
-      else if (r == own) f(*ranks_[size_t(r)], slot - own * per_);
+      if (!by_slot_) f(*ranks_[size_t(r)], slot);
+      else if (r == at.first) f(*ranks_[size_t(r)], at.second);
     });
   }
 
@@ -152,12 +152,11 @@ class GroupDecoder final : public Decoder, public DecoderControls {
       books_->ran(plan);
       return;
     }
-    // Expert parallel: each rank's requests (local slots) in the caller's order, and where their
-    // token rows and logits rows sit among the caller's.
+    // Expert parallel: each rank's requests are its book's (plan.reqs: local slots, in the
+    // caller's order); where their token rows and logits rows sit among the caller's.
     const int n = n_ranks();
     const int64_t V = config().vocab, H = config().hidden;
     struct Part {
-      std::vector<DecodeRequest> reqs;
       std::vector<int64_t> tok_rows, logit_rows;  // caller's rows, in this rank's order
       std::vector<double> u;
       std::vector<float> logits;
@@ -166,10 +165,9 @@ class GroupDecoder final : public Decoder, public DecoderControls {
       Capture c;
     };
     std::vector<Part> parts(static_cast<size_t>(n));
-    for (int r = 0; r < n; ++r) parts[size_t(r)].reqs = plan.reqs[size_t(r)];
     int64_t tok = 0, lrow = 0;
     for (const DecodeRequest& q : reqs) {
-      Part& p = parts[size_t(owner(q.slot))];
+      Part& p = parts[size_t(books_->where(q.slot).first)];
       const int64_t nt = int64_t(q.tokens.size()), nl = q.all_logits ? nt : 1;
       for (int64_t i = 0; i < nt; ++i) p.tok_rows.push_back(tok + i);
       for (int64_t i = 0; i < nl; ++i) {
@@ -193,7 +191,7 @@ class GroupDecoder final : public Decoder, public DecoderControls {
     }
     workers_->run([&](int r) {
       Part& p = parts[size_t(r)];
-      call(*ranks_[size_t(r)], p.reqs, p.c, logits ? p.logits.data() : nullptr, ids ? p.ids.data() : nullptr,
+      call(*ranks_[size_t(r)], plan.reqs[size_t(r)], p.c, logits ? p.logits.data() : nullptr, ids ? p.ids.data() : nullptr,
            u ? p.u.data() : nullptr);
     });
     for (const Part& p : parts) {

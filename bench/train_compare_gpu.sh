@@ -4,7 +4,7 @@
 # then the VARIANT run) and the PyTorch peer (bench/train_peer.py, which first checks itself
 # against the oracle), then a table of tokens/s, memory and ratios. Every log is kept under
 # $LOGS (default: a temporary folder).
-#   bash scripts/gpu_build.sh && [LOSS_SHARE=f] [VARIANT=staged|resident|none] \
+#   bash scripts/gpu_build.sh && [LOSS_SHARE=f] [VARIANT=staged|resident|cudnn|none] \
 #     bash bench/train_compare_gpu.sh [SHAPE] ["SEQS"] [SAMPLES] [PEER_COMPILE]
 # e.g. LOSS_SHARE=0.675 VARIANT=resident bash bench/train_compare_gpu.sh llama3-8b "2048 4096" 1 full
 set -uo pipefail
@@ -21,7 +21,7 @@ LOSS_SHARE=${LOSS_SHARE:-1}
 echo "== $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -1); commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
 
 echo "== GPU parity tests of the trainer"
-build/tests/talon_tests --gtest_filter='*GpuDraft*' 2>&1 | grep -E "^\[  (PASSED|FAILED) |^\[  FAILED|tests? ran" | sort -u
+build/tests/talon_tests --gtest_filter='*GpuDraft*:*CudnnSdpa*' 2>&1 | grep -E "^\[  (PASSED|FAILED) |^\[  FAILED|tests? ran" | sort -u
 
 echo "== bf16 GEMM ceiling (8192^3, median of 10)"
 CEIL=$(python3 - <<'PY'
@@ -47,9 +47,15 @@ mem_talon() { pick 's/.*device memory \([0-9.]*\) GiB.*/\1/p' "$1"; }
 mem_peer() { pick 's/.*peak memory \([0-9.]*\) GiB.*/\1/p' "$1"; }
 res_peer() { pick 's/.*(reserved \([0-9.]*\) GiB).*/\1/p' "$1"; }
 # VARIANT: the second Talon run: staged (features in pageable memory, through the pinned
-# staging), resident (features in device memory, as the peer keeps them), or none.
+# staging), resident (features in device memory, as the peer keeps them), cudnn (the TTT
+# attention's causal part through cuDNN's fused attention: --gpu-attention cudnn), or none.
 VARIANT=${VARIANT:-staged}
-case "$VARIANT" in staged | resident | none) ;; *) echo "VARIANT=$VARIANT: expected staged, resident or none" >&2; exit 2 ;; esac
+case "$VARIANT" in
+  staged | resident) vflag=("--$VARIANT") ;;
+  cudnn) vflag=(--gpu-attention cudnn) ;;
+  none) vflag=() ;;
+  *) echo "VARIANT=$VARIANT: expected staged, resident, cudnn or none" >&2; exit 2 ;;
+esac
 log=${LOGS:-$(mktemp -d)}
 mkdir -p "$log"
 for seq in $SEQS; do
@@ -60,7 +66,7 @@ for seq in $SEQS; do
   tail -1 "$log/talon-$seq"
   if [ "$VARIANT" != none ]; then
     build/talon_bench_train --shape "$SHAPE" --seq "$seq" --samples "$SAMPLES" --steps 7 --peak-tflops "$CEIL" \
-      --loss-share "$LOSS_SHARE" "--$VARIANT" > "$log/$VARIANT-$seq" 2>&1
+      --loss-share "$LOSS_SHARE" "${vflag[@]}" > "$log/$VARIANT-$seq" 2>&1
     tail -1 "$log/$VARIANT-$seq"
   fi
   python3 bench/train_peer.py --shape "$SHAPE" --seq "$seq" --samples "$SAMPLES" --steps 8 --compile "$PEER_COMPILE" \

@@ -64,7 +64,7 @@ int main(int argc, char** argv) {
   bool staged = false, resident = false;
   app.add_flag("--staged", staged, "features in ordinary (pageable) host memory");
   GpuDraftOptions eng;  // the engine's options, as `talon train --gpu-*` sets them
-  app.add_option("--gpu-attention", eng.attention, "auto | flash | blocks | loop")->capture_default_str();
+  app.add_option("--gpu-attention", eng.attention, "auto | flash | cudnn | blocks | loop")->capture_default_str();
   app.add_flag("--gpu-fp32-operands", eng.fp32_operands, "bf16 math rounds fp32 operands inside cuBLAS");
   app.add_option("--gpu-logit-rows", eng.logit_rows, "rows of logits per chunk (0: as many as fit)");
   app.add_option("--gpu-attn-block", eng.attn_block, "blocks attention: causal key block (-1 default, 0 none)");

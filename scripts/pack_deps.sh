@@ -10,4 +10,11 @@ for h in nlohmann CLI spdlog fmt openssl pcre2.h utf8proc.h csv.h; do cp -r "/us
 cp /usr/include/x86_64-linux-gnu/openssl/*.h "$d/include/openssl/"
 for l in libcrypto.a libpcre2-8.a libutf8proc.a libcsv.a; do cp "/usr/lib/x86_64-linux-gnu/$l" "$d/lib/"; done
 cp -r /usr/src/googletest "$d/googletest"
+# The cuDNN frontend's headers and cuDNN's own (the GPU build prefers the headers of the cuDNN
+# wheel it runs with, where it finds one).
+scripts/fetch_cudnn_frontend.sh
+mkdir -p "$d/cudnn-frontend" "$d/cudnn/include"
+cp -r .cache/cudnn-frontend-1.32.0/include "$d/cudnn-frontend/"
+cudnn_h=$(dirname "$(find /usr/local/cuda/include /usr/include -maxdepth 2 -name cudnn.h 2>/dev/null | head -1)")
+cp "$cudnn_h"/cudnn*.h "$d/cudnn/include/"
 du -sh "$d"

@@ -201,7 +201,8 @@ int main(int argc, char** argv) {
   {
     const char* g = "GPU engine (how, not what, it computes)";
     cmd_tr->add_option("--gpu-attention", tr.gpu_engine.attention,
-                       "TTT attention: auto, flash (fused kernels), blocks (score-buffer products), loop (fp32 warps)")
+                       "TTT attention: auto, flash (fused kernels), cudnn (cuDNN's fused attention), blocks (score-buffer "
+                       "products), loop (fp32 warps)")
         ->capture_default_str()->group(g);
     cmd_tr->add_flag("--gpu-fp32-operands", tr.gpu_engine.fp32_operands,
                      "bf16 math rounds fp32 operands inside cuBLAS instead of keeping bf16 copies")->group(g);

@@ -16,6 +16,7 @@
 #include <string>
 #include <thread>
 
+#include "backend/cuda/cudnn_sdpa.h"
 #include "draft/cuda/draft_engine.h"
 #include "tests/test_util.h"
 #include "tests/tolerances.h"
@@ -272,6 +273,43 @@ TEST_P(GpuDraft, FusedAttentionMatchesReferenceAcrossTiles) {
     for (size_t i = 0; i < a.size(); ++i)
       EXPECT_LE(rel_max_diff(*a[i].second, *b[i].second), tol::kGpuTttFusedVsBlocksRel) << a[i].first;
   }
+}
+
+// --gpu-attention cudnn: the causal part through cuDNN's fused attention, the diagonal keys merged
+// through its log-sum-exp. The samples of the fused kernels' test and a batch of five (cuDNN's plans
+// pad the sample count to eight), head sizes 64 and 128. Against the CPU reference within the
+// bf16 tolerances, against the score-buffer products on the same operands, and bit-identical
+// between two runs (resume depends on it). Skips where the build has no cuDNN frontend; a build
+// that has one must find cuDNN on the GPU machine.
+TEST_P(GpuDraft, CudnnAttentionMatchesReference) {
+  REQUIRE_GPU();
+  if (!talon::cuda::cudnn_sdpa_built()) GTEST_SKIP() << "built without the cuDNN frontend";
+  std::string why;
+  ASSERT_TRUE(talon::cuda::cudnn_sdpa_available(&why)) << why;
+  const std::vector<std::vector<int>> batches = {{150, 64, 7, 90}, {31, 1, 130, 12, 66}};
+  for (int hd : {64, 128})
+    for (const auto& lens : batches) {
+      SCOPED_TRACE(fmt::format("head_dim {}, {} samples", hd, lens.size()));
+      Case cs(GetParam(), 78, lens, hd);
+      ScopedOpt att([](GpuDraftOptions& o) { o.attention = "cudnn"; });
+      check_against_cpu(cs, GpuMath::BF16, tol::kGpuTttBf16LossRel, tol::kGpuTttBf16GradRel, 311);
+      GpuRun a = run_once(cs, GpuMath::BF16, 311), b = run_once(cs, GpuMath::BF16, 311);
+      GpuRun blocks{{}, DraftGrads(cs.w)};
+      {
+        ScopedOpt att2([](GpuDraftOptions& o) { o.attention = "blocks"; });
+        blocks = run_once(cs, GpuMath::BF16, 311);
+      }
+      for (size_t i = 0; i < a.loss.size(); ++i) {
+        EXPECT_EQ(a.loss[i], b.loss[i]) << "sample " << i << " differs between identical runs";
+        EXPECT_NEAR(a.loss[i], blocks.loss[i], tol::kGpuTttFusedVsBlocksRel * std::max(1.0, blocks.loss[i]))
+            << "sample " << i;
+      }
+      auto ga = a.g.named(), gb = b.g.named(), gbl = blocks.g.named();
+      for (size_t i = 0; i < ga.size(); ++i) {
+        EXPECT_EQ(*ga[i].second, *gb[i].second) << ga[i].first << " differs between identical runs";
+        EXPECT_LE(rel_max_diff(*ga[i].second, *gbl[i].second), tol::kGpuTttFusedVsBlocksRel) << ga[i].first;
+      }
+    }
 }
 
 // An explicit request for the fused kernels that they cannot serve is refused.

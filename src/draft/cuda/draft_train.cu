@@ -8,6 +8,7 @@
 #include <type_traits>
 
 #include "backend/cuda/check.h"
+#include "backend/cuda/cudnn_sdpa.h"
 #include "backend/cuda/device.h"
 #include "draft/cuda/draft_engine.h"
 #include "draft/cuda/ttt_attention.h"
@@ -454,7 +455,21 @@ __global__ void diag_dkv_kernel(float* dK, float* dV, const float* dsd, const fl
 // One warp per (row, head).
 // oc: the causal part's output; the merged output goes to out, or as bf16 to out_b when given
 // (out may be oc itself).
-__global__ void diag_merge_kernel(const float* oc, float* out, __nv_bfloat16* out_b, float* lse, float* sd, AttnArgs a,
+// cuDNN's bf16 gradients of the causal part: dq = dQ (overwritten), dK0 += dK, dV0 += dV.
+__global__ void cudnn_grads_kernel(float* dq, float* dk, float* dv, const __nv_bfloat16* gq, const __nv_bfloat16* gk,
+                                   const __nv_bfloat16* gv, int64_t nq, int64_t nkv) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < nq) dq[i] = __bfloat162float(gq[i]);
+  if (i < nkv) {
+    dk[i] += __bfloat162float(gk[i]);
+    dv[i] += __bfloat162float(gv[i]);
+  }
+}
+
+// oc: the causal part's output, fp32 or bf16 (cuDNN's); it may be out_b itself (each element is
+// read and then written by the same lane).
+template <class OC>
+__global__ void diag_merge_kernel(const OC* oc, float* out, __nv_bfloat16* out_b, float* lse, float* sd, AttnArgs a,
                                   int K) {
   const int64_t gw = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
   const int lane = threadIdx.x & 31;
@@ -474,7 +489,7 @@ __global__ void diag_merge_kernel(const float* oc, float* out, __nv_bfloat16* ou
   for (int j = 1; j <= a.k; ++j) z += expf(sd[gw * K + j] - m);
   const float L = m + logf(z), wc = expf(lc - L);
   for (int d = lane; d < a.hd; d += 32) {
-    float acc = wc * oc[n * qd + h * a.hd + d];
+    float acc = wc * load_f(oc + n * qd + h * a.hd + d);
     for (int j = 1; j <= a.k; ++j)
       acc += expf(sd[gw * K + j] - L) * a.vals[j * a.step_stride + n * kvd + kh * a.hd + d];
     if (out_b)
@@ -694,6 +709,12 @@ struct DraftEngine::Impl {
   // bf16 operands and a head size they support; --gpu-attention blocks: the cuBLAS
   // products over score buffers instead). Their tile list is made per batch in prepare().
   bool flash_attention = false;
+  // --gpu-attention cudnn: the causal part through cuDNN's fused attention (backend/cuda/cudnn_sdpa.h)
+  // instead; the diagonal keys as with the fused kernels. cudnn_grads: its bf16 dQ, dK0, dV0 in
+  // the backward (in dact's memory when they fit, like dkv_part).
+  bool cudnn_attention = false;
+  std::unique_ptr<CudnnSdpa> cudnn;
+  __nv_bfloat16* cudnn_grads = nullptr;
   int64_t* seq_start_d = nullptr;
   int32_t* tiles_d = nullptr;
   int64_t n_tiles = 0;
@@ -1201,6 +1222,18 @@ struct DraftEngine::Impl {
     const int64_t grp = d.nh / d.nkv, K = d.K;
     const unsigned wb = nblocks(N * d.nh * 32, 256);
     const Twin tq = q_twin(k), tk(*this, keys, N * kvd), tv(*this, vals, N * kvd);
+    if (cudnn_attention) {
+      // cuDNN writes the causal part as bf16 straight into the output, which the merge then
+      // overwrites element by element.
+      __nv_bfloat16* ob = bf16_in(out_att);
+      const TttFlashArgs fa = flash_args(k, nullptr);
+      cudnn->forward(ob, out_lse, fa.q, fa.k0, fa.v0);
+      if (k > 0) {
+        diag_merge_kernel<<<wb, 256, 0, s>>>(ob, out_att, ob, out_lse, sd, a, int(K));
+        CUDA_LAUNCH_CHECK();
+      }
+      return;
+    }
     if (flash_attention) {
       // With bf16 storage the causal part goes to datt (idle in the forward) and the merged
       // output to out_att as bf16.
@@ -1242,7 +1275,19 @@ struct DraftEngine::Impl {
     const unsigned wb = nblocks(N * d.nh * 32, 256);
     {
       const Twin tq = q_twin(k), tk(*this, keys, N * kvd), tv(*this, vals, N * kvd), to(*this, datt, N * qd);
-      if (flash_attention) {
+      if (cudnn_attention) {
+        // The gradients of the causal part given the merged output and log-sum-exp (exact:
+        // P = exp(S - lse) over the causal keys, D = rowsum(dO * O) of the whole row).
+        const TttFlashArgs fa = flash_args(k, datt);
+        __nv_bfloat16 *gq = cudnn_grads, *gk = gq + N * qd, *gv = gk + N * kvd;
+        cudnn->backward(gq, gk, gv, fa.q, fa.k0, fa.v0, bf16_in(att[size_t(k)]), fa.dO, lse[size_t(k)]);
+        cudnn_grads_kernel<<<nblocks(N * qd, 256), 256, 0, s>>>(dq, dK, dV, gq, gk, gv, N * qd, N * kvd);
+        CUDA_LAUNCH_CHECK();
+        if (k > 0) {
+          diag_probs_kernel<<<wb, 256, 0, s>>>(sd, lse[size_t(k)], a, int(K));
+          CUDA_LAUNCH_CHECK();
+        }
+      } else if (flash_attention) {
         const TttFlashArgs fa = flash_args(k, datt);
         ttt_flash_dq(dq, lse[size_t(k)], D, fa, s);
         ttt_flash_dkv(dK, dV, dkv_part, lse[size_t(k)], D, fa, s);
@@ -1314,12 +1359,21 @@ DraftEngine::DraftEngine(int device, const DraftDims& dd, DraftMath math, const 
   // Options, checked before anything is allocated.
   I.bf16_operands = math == DraftMath::BF16 && !opt.fp32_operands;
   const std::string& att_s = opt.attention;
-  if (att_s != "auto" && att_s != "loop" && att_s != "blocks" && att_s != "flash")
-    fail_msg("--gpu-attention: expected auto, flash, blocks or loop, got '" + att_s + "'");
+  if (att_s != "auto" && att_s != "loop" && att_s != "blocks" && att_s != "flash" && att_s != "cudnn")
+    fail_msg("--gpu-attention: expected auto, flash, cudnn, blocks or loop, got '" + att_s + "'");
   I.loop_attention = att_s == "loop";
+  I.cudnn_attention = att_s == "cudnn";
+  if (I.cudnn_attention) {
+    if (!I.bf16_operands || dd.hd % 8 != 0)
+      fail_msg("--gpu-attention cudnn needs bf16 math on bf16 operands and a head size that is a multiple of 8 "
+               "(head size " + std::to_string(dd.hd) + ")");
+    std::string why;
+    if (!cudnn_sdpa_available(&why)) fail_msg("--gpu-attention cudnn: " + why);
+  }
   // The fused kernels read bf16 operands; elsewhere (exact fp32, unsupported head sizes) the
   // score-buffer products run.
-  I.flash_attention = !I.loop_attention && att_s != "blocks" && I.bf16_operands && ttt_flash_supported(dd.hd);
+  I.flash_attention = !I.loop_attention && !I.cudnn_attention && att_s != "blocks" && I.bf16_operands &&
+                      ttt_flash_supported(dd.hd);
   if (att_s == "flash" && !I.flash_attention)
     fail_msg("--gpu-attention flash needs bf16 math on bf16 operands and a head size that is a multiple of 16 up "
              "to 128 (head size " + std::to_string(dd.hd) + ")");
@@ -1436,7 +1490,7 @@ DraftEngine::DraftEngine(int device, const DraftDims& dd, DraftMath math, const 
   for (int64_t k = 0; k <= K; ++k) I.gs.push_back(I.alloc<float>(size_t(R * H)));
   I.xin_bf16 = I.bf16_operands && !dd.norm_before_residual;
   I.hm_bf16 = I.bf16_operands;
-  I.qa_bf16 = I.flash_attention;
+  I.qa_bf16 = I.flash_attention || I.cudnn_attention;
   // Floats for n values stored as fp32, or as bf16 when `half`.
   const auto floats = [](int64_t n, bool half) { return size_t(half ? (n + 1) / 2 : n); };
   for (int64_t k = 0; k < K; ++k) {
@@ -1507,6 +1561,12 @@ DraftEngine::DraftEngine(int device, const DraftDims& dd, DraftMath math, const 
   if (I.flash_attention) {
     const int64_t n = 2 * (dd.nh / dd.nkv) * R * I.kvd;
     I.dkv_part = n <= R * Idim ? I.dact : I.alloc<float>(size_t(n));
+  }
+  if (I.cudnn_attention) {
+    const int64_t n = (R * qd + 2 * R * I.kvd + 1) / 2;  // floats for the bf16 dQ, dK0, dV0
+    I.cudnn_grads = I.bf16_in(n <= R * Idim ? I.dact : I.alloc<float>(size_t(n)));
+    I.cudnn = std::make_unique<CudnnSdpa>(
+        SdpaShape{int(dd.nh), int(dd.nkv), int(dd.hd), float(1.0 / std::sqrt(double(dd.hd))), R}, I.s);
   }
   I.profiling = opt.profile;
 }
@@ -1630,7 +1690,7 @@ std::vector<uint8_t> DraftEngine::prepare(const DraftBatch& b) {
     if (b.pos[n] != 0 || b.len[n] <= 0 || n + b.len[n] > N) fail_msg("draft on GPU: batch rows are not whole samples");
     I.seqs.push_back({n, b.len[n]});
   }
-  if (I.flash_attention) {  // read by the fused attention kernels; the copies end before prepare() returns
+  if (I.flash_attention || I.cudnn_attention) {  // read by the fused attention kernels; the copies end before prepare() returns
     I.h_seq_start.clear();
     for (auto [r0, T] : I.seqs) I.h_seq_start.push_back(r0);
     I.h_seq_start.push_back(N);
@@ -1639,6 +1699,7 @@ std::vector<uint8_t> DraftEngine::prepare(const DraftBatch& b) {
     CUDA_CHECK(cudaMemcpyAsync(I.seq_start_d, I.h_seq_start.data(), I.h_seq_start.size() * 8,
                                cudaMemcpyHostToDevice, I.s));
     CUDA_CHECK(cudaMemcpyAsync(I.tiles_d, I.h_tiles.data(), I.h_tiles.size() * 4, cudaMemcpyHostToDevice, I.s));
+    if (I.cudnn) I.cudnn->set_batch(I.h_seq_start, I.seq_start_d);
   }
   auto cp = [&](void* dst, const void* src, size_t n) {
     CUDA_CHECK(cudaMemcpyAsync(dst, src, n, cudaMemcpyHostToDevice, I.s));

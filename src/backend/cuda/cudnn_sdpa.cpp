@@ -1,0 +1,379 @@
+// Causal packed-sample attention through cuDNN's fused SDPA (see cudnn_sdpa.h).
+#include "backend/cuda/cudnn_sdpa.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <bit>
+#include <climits>
+#include <map>
+#include <mutex>
+#include <tuple>
+#include <unordered_map>
+
+#include "backend/cuda/check.h"
+#include "util/log.h"
+
+#ifdef TALON_HAVE_CUDNN_FE
+#include <dlfcn.h>
+
+#include <cudnn_frontend.h>
+
+// The frontend reaches cuDNN through this handle (NV_CUDNN_FRONTEND_USE_DYNAMIC_LOADING): Talon
+// opens libcudnn itself, so a machine without cuDNN still runs everything else.
+namespace cudnn_frontend {
+void* cudnn_dlhandle = nullptr;
+}
+#endif
+
+namespace talon::cuda {
+
+#ifdef TALON_HAVE_CUDNN_FE
+namespace fe = cudnn_frontend;
+
+namespace {
+
+struct Loaded {
+  bool ok = false;
+  std::string why;
+  int64_t version = 0;
+};
+
+// Opens libcudnn once: TALON_CUDNN_LIB (a path or name) if set, else libcudnn.so.9 from the
+// loader's path (on the GPU machines, PyTorch's nvidia-cudnn wheel: build/env.sh adds it).
+const Loaded& load_cudnn() {
+  static Loaded L;
+  static std::once_flag once;
+  std::call_once(once, [] {
+    const char* env = std::getenv("TALON_CUDNN_LIB");
+    const std::string name = env && *env ? env : "libcudnn.so.9";
+    void* h = dlopen(name.c_str(), RTLD_NOW | RTLD_GLOBAL);
+    if (!h) {
+      const char* e = dlerror();
+      L.why = fmt::format("could not load {} ({}); put cuDNN 9's library directory on LD_LIBRARY_PATH or name "
+                          "the library in TALON_CUDNN_LIB",
+                          name, e ? e : "unknown error");
+      return;
+    }
+    fe::cudnn_dlhandle = h;
+    try {
+      L.version = int64_t(fe::detail::get_backend_version());
+    } catch (const std::exception& e) {
+      L.why = fmt::format("{} loaded but cudnnGetVersion failed: {}", name, e.what());
+      return;
+    }
+    if (L.version < 90500) {
+      L.why = fmt::format("{} is cuDNN {}; the fused attention here needs 9.5 or newer", name, L.version);
+      return;
+    }
+    L.ok = true;
+    tlog::debug("cuDNN {} loaded from {}", L.version, name);
+  });
+  return L;
+}
+
+void check_fe(fe::error_object e, const char* what) {
+  if (e.is_good()) return;
+  fail_msg(fmt::format("cuDNN fused attention: {} failed: {}", what, e.get_message()));
+}
+
+// Tensor uids of the variant packs.
+enum Uid : int64_t {
+  kQ = 1, kK, kV, kO, kStats, kDO, kDQ, kDK, kDV,
+  kOffQ, kOffKV, kOffStats, kSeqQ, kSeqKV,
+};
+
+int64_t pow2_at_least(int64_t x, int64_t lo) { return std::max<int64_t>(lo, int64_t(std::bit_ceil(uint64_t(std::max<int64_t>(x, 1))))); }
+
+}  // namespace
+
+bool cudnn_sdpa_built() { return true; }
+
+
+
+bool cudnn_sdpa_available(std::string* why) {
+  const Loaded& L = load_cudnn();
+  if (!L.ok && why) *why = L.why;
+  return L.ok;
+}
+
+int64_t cudnn_version() { return load_cudnn().ok ? load_cudnn().version : 0; }
+
+struct CudnnSdpa::Impl {
+  SdpaShape sh;
+  cudaStream_t s = nullptr;
+  cudnnHandle_t handle = nullptr;
+  // One forward and one backward graph per (bucketed samples, bucketed longest sample).
+  struct Plans {
+    std::shared_ptr<fe::graph::Graph> fwd, bwd;
+    int64_t ws_fwd = 0, ws_bwd = 0;
+  };
+  std::map<std::pair<int64_t, int64_t>, Plans> plans;
+  Plans* cur = nullptr;
+  int64_t nb_pad = 0;
+  // Device: offsets [3][nb_pad_cap + 1] (Q/O/dO/dQ, K/V/dK/dV, Stats) and lengths [nb_pad_cap].
+  int32_t *off = nullptr, *len = nullptr;
+  int64_t off_cap = 0;
+  void* ws = nullptr;
+  int64_t ws_cap = 0;
+
+  // A ragged [B, H, S, D] view of packed rows with `width` values a row.
+  std::shared_ptr<fe::graph::Tensor_attributes> ragged(fe::graph::Graph& g, const char* name, int64_t uid, int64_t B,
+                                                       int64_t H, int64_t S, int64_t D,
+                                                       const std::shared_ptr<fe::graph::Tensor_attributes>& offs) {
+    return g.tensor(fe::graph::Tensor_attributes()
+                        .set_name(name)
+                        .set_uid(uid)
+                        .set_dim({B, H, S, D})
+                        .set_stride({S * H * D, D, H * D, 1})
+                        .set_ragged_offset(offs));
+  }
+  std::shared_ptr<fe::graph::Tensor_attributes> index(fe::graph::Graph& g, const char* name, int64_t uid, int64_t n) {
+    return g.tensor(fe::graph::Tensor_attributes()
+                        .set_name(name)
+                        .set_uid(uid)
+                        .set_dim({n, 1, 1, 1})
+                        .set_stride({1, 1, 1, 1})
+                        .set_data_type(fe::DataType_t::INT32));
+  }
+  std::shared_ptr<fe::graph::Graph> new_graph() {
+    auto g = std::make_shared<fe::graph::Graph>();
+    g->set_io_data_type(fe::DataType_t::BFLOAT16)
+        .set_intermediate_data_type(fe::DataType_t::FLOAT)
+        .set_compute_data_type(fe::DataType_t::FLOAT);
+    if (validate_only) {  // Hopper (H100/H200), for checks on a machine without the device
+      g->set_sm_version(90);
+      g->set_sm_count(132);
+    }
+    return g;
+  }
+  bool validate_only = false;  // cudnn_sdpa_validate(): the frontend's own checks, no device
+  void finish(fe::graph::Graph& g, int64_t& ws, const char* what) {
+    check_fe(g.validate(), fmt::format("validating the {} graph", what).c_str());
+    if (validate_only) return;
+    check_fe(g.build_operation_graph(handle), fmt::format("building the {} operation graph", what).c_str());
+    check_fe(g.create_execution_plans({fe::HeurMode_t::A}), fmt::format("finding {} plans", what).c_str());
+    check_fe(g.check_support(handle), fmt::format("checking the {} plans' support", what).c_str());
+    check_fe(g.build_plans(handle), fmt::format("building the {} plans", what).c_str());
+    check_fe(g.get_workspace_size(ws), "workspace size");
+  }
+  Plans build(int64_t B, int64_t S) {
+    const int64_t nh = sh.nh, nkv = sh.nkv, hd = sh.hd;
+    Plans p;
+    {
+      auto g = new_graph();
+      auto oq = index(*g, "off_q", kOffQ, B + 1), okv = index(*g, "off_kv", kOffKV, B + 1),
+           ost = index(*g, "off_stats", kOffStats, B + 1);
+      auto sq = index(*g, "seq_q", kSeqQ, B), skv = index(*g, "seq_kv", kSeqKV, B);
+      auto Q = ragged(*g, "Q", kQ, B, nh, S, hd, oq), K = ragged(*g, "K", kK, B, nkv, S, hd, okv),
+           V = ragged(*g, "V", kV, B, nkv, S, hd, okv);
+      auto opt = fe::graph::SDPA_attributes()
+                     .set_name("ttt_causal_fwd")
+                     .set_generate_stats(true)
+                     .set_attn_scale(sh.scale)
+                     .set_padding_mask(true)
+                     .set_seq_len_q(sq)
+                     .set_seq_len_kv(skv)
+                     .set_diagonal_alignment(fe::DiagonalAlignment_t::TOP_LEFT)
+                     .set_diagonal_band_right_bound(0)
+                     .set_max_total_seq_len_q(sh.max_rows)
+                     .set_max_total_seq_len_kv(sh.max_rows);
+      auto [O, Stats] = g->sdpa(Q, K, V, opt);
+      O->set_output(true).set_uid(kO).set_dim({B, nh, S, hd}).set_stride({S * nh * hd, hd, nh * hd, 1}).set_ragged_offset(oq);
+      Stats->set_output(true)
+          .set_uid(kStats)
+          .set_data_type(fe::DataType_t::FLOAT)
+          .set_dim({B, nh, S, 1})
+          .set_stride({S * nh, 1, nh, 1})
+          .set_ragged_offset(ost);
+      finish(*g, p.ws_fwd, "forward");
+      p.fwd = g;
+    }
+    {
+      auto g = new_graph();
+      auto oq = index(*g, "off_q", kOffQ, B + 1), okv = index(*g, "off_kv", kOffKV, B + 1),
+           ost = index(*g, "off_stats", kOffStats, B + 1);
+      auto sq = index(*g, "seq_q", kSeqQ, B), skv = index(*g, "seq_kv", kSeqKV, B);
+      auto Q = ragged(*g, "Q", kQ, B, nh, S, hd, oq), K = ragged(*g, "K", kK, B, nkv, S, hd, okv),
+           V = ragged(*g, "V", kV, B, nkv, S, hd, okv), O = ragged(*g, "O", kO, B, nh, S, hd, oq),
+           dO = ragged(*g, "dO", kDO, B, nh, S, hd, oq);
+      auto Stats = g->tensor(fe::graph::Tensor_attributes()
+                                 .set_name("Stats")
+                                 .set_uid(kStats)
+                                 .set_dim({B, nh, S, 1})
+                                 .set_stride({S * nh, 1, nh, 1})
+                                 .set_data_type(fe::DataType_t::FLOAT)
+                                 .set_ragged_offset(ost));
+      auto opt = fe::graph::SDPA_backward_attributes()
+                     .set_name("ttt_causal_bwd")
+                     .set_attn_scale(sh.scale)
+                     .set_padding_mask(true)
+                     .set_seq_len_q(sq)
+                     .set_seq_len_kv(skv)
+                     .set_diagonal_alignment(fe::DiagonalAlignment_t::TOP_LEFT)
+                     .set_diagonal_band_right_bound(0)
+                     .set_max_total_seq_len_q(sh.max_rows)
+                     .set_max_total_seq_len_kv(sh.max_rows)
+                     .set_deterministic_algorithm(true);  // resume is bit-identical only with fixed sums
+      auto [dQ, dK, dV] = g->sdpa_backward(Q, K, V, O, dO, Stats, opt);
+      dQ->set_output(true).set_uid(kDQ).set_dim({B, nh, S, hd}).set_stride({S * nh * hd, hd, nh * hd, 1}).set_ragged_offset(oq);
+      dK->set_output(true).set_uid(kDK).set_dim({B, nkv, S, hd}).set_stride({S * nkv * hd, hd, nkv * hd, 1}).set_ragged_offset(okv);
+      dV->set_output(true).set_uid(kDV).set_dim({B, nkv, S, hd}).set_stride({S * nkv * hd, hd, nkv * hd, 1}).set_ragged_offset(okv);
+      finish(*g, p.ws_bwd, "backward");
+      p.bwd = g;
+    }
+    return p;
+  }
+  void ensure_workspace(int64_t need) {
+    if (need <= ws_cap) return;
+    CUDA_CHECK(cudaStreamSynchronize(s));
+    if (ws) CUDA_CHECK(cudaFree(ws));
+    ws = nullptr;
+    CUDA_CHECK(cudaMalloc(&ws, size_t(need)));
+    ws_cap = need;
+  }
+  void execute(fe::graph::Graph& g, std::unordered_map<int64_t, void*>& pack, const char* what) {
+    pack[kOffQ] = off;
+    pack[kOffKV] = off + (off_cap + 1);
+    pack[kOffStats] = off + 2 * (off_cap + 1);
+    pack[kSeqQ] = len;
+    pack[kSeqKV] = len;
+    if (fe::detail::set_stream(handle, s) != CUDNN_STATUS_SUCCESS)
+      fail_msg("cuDNN fused attention: cudnnSetStream failed: " + fe::detail::get_last_error_string_());
+    check_fe(g.execute(handle, pack, ws), what);
+  }
+};
+
+std::string cudnn_sdpa_validate(const SdpaShape& shape, int64_t n_samples, int64_t longest) {
+  if (!load_cudnn().ok) return load_cudnn().why;
+  CudnnSdpa::Impl I;
+  I.sh = shape;
+  I.validate_only = true;
+  try {
+    I.build(pow2_at_least(n_samples, 1), pow2_at_least(longest, 64));
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "";
+}
+
+CudnnSdpa::CudnnSdpa(const SdpaShape& shape, cudaStream_t s) : p_(std::make_unique<Impl>()) {
+  std::string why;
+  if (!cudnn_sdpa_available(&why)) fail_msg("cuDNN fused attention: " + why);
+  if (shape.nh <= 0 || shape.nkv <= 0 || shape.nh % shape.nkv != 0 || shape.hd <= 0 || shape.hd % 8 != 0 ||
+      shape.hd > 256 || shape.max_rows <= 0)
+    fail_msg(fmt::format("cuDNN fused attention: unsupported shape ({} heads, {} kv heads, head size {}; expected heads "
+                         "a multiple of kv heads and a head size that is a multiple of 8 up to 256)",
+                         shape.nh, shape.nkv, shape.hd));
+  if (shape.max_rows * int64_t(shape.nh) * shape.hd >= int64_t(INT32_MAX))
+    fail_msg(fmt::format("cuDNN fused attention: {} rows x {} values do not fit its 32-bit offsets", shape.max_rows,
+                         int64_t(shape.nh) * shape.hd));
+  Impl& I = *p_;
+  I.sh = shape;
+  I.s = s;
+  if (fe::detail::create_handle(&I.handle) != CUDNN_STATUS_SUCCESS)
+    fail_msg("cuDNN fused attention: cudnnCreate failed: " + fe::detail::get_last_error_string_());
+}
+
+CudnnSdpa::~CudnnSdpa() {
+  Impl& I = *p_;
+  if (I.s) cudaStreamSynchronize(I.s);
+  I.plans.clear();
+  if (I.handle) fe::detail::destroy_handle(I.handle);
+  cudaFree(I.ws);
+  cudaFree(I.off);
+  cudaFree(I.len);
+}
+
+int64_t CudnnSdpa::bytes() const { return p_->ws_cap + (p_->off_cap + 1) * 3 * 4 + p_->off_cap * 4; }
+
+void CudnnSdpa::set_batch(const std::vector<int64_t>& seq_start, const int64_t* seq_start_d) {
+  Impl& I = *p_;
+  if (seq_start.size() < 2) fail_msg("cuDNN fused attention: a batch needs at least one sample");
+  const int64_t B = int64_t(seq_start.size()) - 1;
+  int64_t longest = 0;
+  for (int64_t b = 0; b < B; ++b) longest = std::max(longest, seq_start[size_t(b) + 1] - seq_start[size_t(b)]);
+  if (seq_start.back() > I.sh.max_rows)
+    fail_msg(fmt::format("cuDNN fused attention: a batch of {} rows is over the {} it was made for", seq_start.back(),
+                         I.sh.max_rows));
+  const int64_t nb = pow2_at_least(B, 1), S = pow2_at_least(longest, 64);
+  auto it = I.plans.find({nb, S});
+  if (it == I.plans.end()) {
+    tlog::debug("cuDNN fused attention: plans for {} samples of up to {} rows (head size {}, {}/{} heads)", nb, S,
+                I.sh.hd, I.sh.nh, I.sh.nkv);
+    it = I.plans.emplace(std::make_pair(nb, S), I.build(nb, S)).first;
+  }
+  I.cur = &it->second;
+  I.nb_pad = nb;
+  I.ensure_workspace(std::max(it->second.ws_fwd, it->second.ws_bwd));
+  if (nb > I.off_cap) {
+    CUDA_CHECK(cudaStreamSynchronize(I.s));
+    cudaFree(I.off);
+    cudaFree(I.len);
+    I.off = nullptr;
+    I.len = nullptr;
+    CUDA_CHECK(cudaMalloc(&I.off, size_t(3 * (nb + 1)) * sizeof(int32_t)));
+    CUDA_CHECK(cudaMalloc(&I.len, size_t(nb) * sizeof(int32_t)));
+    I.off_cap = nb;
+  }
+  const int64_t per_row[3] = {int64_t(I.sh.nh) * I.sh.hd, int64_t(I.sh.nkv) * I.sh.hd, int64_t(I.sh.nh)};
+  // Each offset array is off_cap + 1 long; the graph reads its first nb + 1.
+  for (int t = 0; t < 3; ++t)
+    sdpa_ragged_offsets(I.off + t * (I.off_cap + 1), t == 0 ? I.len : nullptr, seq_start_d, int(B), int(nb),
+                        per_row[t], I.s);
+}
+
+void CudnnSdpa::forward(__nv_bfloat16* o, float* lse, const __nv_bfloat16* q, const __nv_bfloat16* k,
+                        const __nv_bfloat16* v) {
+  Impl& I = *p_;
+  if (!I.cur) fail_msg("cuDNN fused attention: forward before set_batch");
+  std::unordered_map<int64_t, void*> pack = {{kQ, const_cast<__nv_bfloat16*>(q)},
+                                             {kK, const_cast<__nv_bfloat16*>(k)},
+                                             {kV, const_cast<__nv_bfloat16*>(v)},
+                                             {kO, o},
+                                             {kStats, lse}};
+  I.execute(*I.cur->fwd, pack, "the forward");
+}
+
+void CudnnSdpa::backward(__nv_bfloat16* dq, __nv_bfloat16* dk, __nv_bfloat16* dv, const __nv_bfloat16* q,
+                         const __nv_bfloat16* k, const __nv_bfloat16* v, const __nv_bfloat16* o,
+                         const __nv_bfloat16* dO, const float* lse) {
+  Impl& I = *p_;
+  if (!I.cur) fail_msg("cuDNN fused attention: backward before set_batch");
+  std::unordered_map<int64_t, void*> pack = {{kQ, const_cast<__nv_bfloat16*>(q)},
+                                             {kK, const_cast<__nv_bfloat16*>(k)},
+                                             {kV, const_cast<__nv_bfloat16*>(v)},
+                                             {kO, const_cast<__nv_bfloat16*>(o)},
+                                             {kDO, const_cast<__nv_bfloat16*>(dO)},
+                                             {kStats, const_cast<float*>(lse)},
+                                             {kDQ, dq},
+                                             {kDK, dk},
+                                             {kDV, dv}};
+  I.execute(*I.cur->bwd, pack, "the backward");
+}
+
+#else  // built without the cuDNN frontend
+
+bool cudnn_sdpa_built() { return false; }
+std::string cudnn_sdpa_validate(const SdpaShape&, int64_t, int64_t) { return "built without the cuDNN frontend"; }
+bool cudnn_sdpa_available(std::string* why) {
+  if (why) *why = "this build has no cuDNN frontend (scripts/setup.sh fetches it; then reconfigure)";
+  return false;
+}
+int64_t cudnn_version() { return 0; }
+struct CudnnSdpa::Impl {};
+CudnnSdpa::CudnnSdpa(const SdpaShape&, cudaStream_t) {
+  std::string why;
+  cudnn_sdpa_available(&why);
+  fail_msg("cuDNN fused attention: " + why);
+}
+CudnnSdpa::~CudnnSdpa() = default;
+int64_t CudnnSdpa::bytes() const { return 0; }
+void CudnnSdpa::set_batch(const std::vector<int64_t>&, const int64_t*) {}
+void CudnnSdpa::forward(__nv_bfloat16*, float*, const __nv_bfloat16*, const __nv_bfloat16*, const __nv_bfloat16*) {}
+void CudnnSdpa::backward(__nv_bfloat16*, __nv_bfloat16*, __nv_bfloat16*, const __nv_bfloat16*, const __nv_bfloat16*,
+                         const __nv_bfloat16*, const __nv_bfloat16*, const __nv_bfloat16*, const float*) {}
+
+#endif
+
+}  // namespace talon::cuda

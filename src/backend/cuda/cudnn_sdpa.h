@@ -1,0 +1,78 @@
+// Internal to the CUDA backend: causal attention over packed samples through cuDNN's fused
+// scaled-dot-product attention (the cuDNN frontend's graph API), forward and backward.
+//
+// Samples are packed rows, as everywhere in Talon: sample b owns rows seq_start[b] ..
+// seq_start[b+1]. Row-major bf16 operands: Q, O, dO, dQ [N, nh*hd]; K, V, dK, dV [N, nkv*hd]
+// (grouped-query attention when nkv < nh: head h reads kv head h / (nh / nkv)). The log-sum-exp
+// is fp32 [N, nh], natural log of the scaled scores, the same layout and convention as
+// ttt_attention.h. Row i of a sample attends keys 0..i of that sample.
+//
+// The backward takes O and lse as given: with the output and statistics of a softmax over MORE
+// keys than the causal ones (the draft trainer's diagonal keys), it returns the exact gradients
+// of the causal part (P = exp(scale Q K^T - lse), D = rowsum(dO * O)).
+//
+// cuDNN is not linked: libcudnn.so.9 is loaded on first use (cudnn_sdpa_available() says
+// whether it could be, and why not). Plans are built once per bucket of (samples, longest
+// sample): both rounded up to powers of two, extra samples empty.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace talon::cuda {
+
+// Whether this build has the cuDNN route (the frontend's headers were found at configure time).
+bool cudnn_sdpa_built();
+// Whether this build has the cuDNN route and libcudnn could be loaded; why not in *why.
+bool cudnn_sdpa_available(std::string* why = nullptr);
+// The loaded cuDNN's version (e.g. 91500), 0 when none is loaded.
+int64_t cudnn_version();
+
+struct SdpaShape {
+  int nh = 0, nkv = 0, hd = 0;
+  float scale = 0.f;
+  int64_t max_rows = 0;  // the most rows any batch will have (sizes the plans' packed totals)
+};
+
+// The cuDNN frontend's own checks of the forward and backward graphs for a batch of n_samples
+// samples of up to `longest` rows (no plans are built); "" when they pass, else the message.
+std::string cudnn_sdpa_validate(const SdpaShape& shape, int64_t n_samples, int64_t longest);
+
+class CudnnSdpa {
+ public:
+  struct Impl;
+  // Binds to the current device and stream s; throws talon::Error (naming what is missing) when
+  // cuDNN cannot serve the shape.
+  CudnnSdpa(const SdpaShape& shape, cudaStream_t s);
+  ~CudnnSdpa();
+  CudnnSdpa(const CudnnSdpa&) = delete;
+  CudnnSdpa& operator=(const CudnnSdpa&) = delete;
+
+  // The batch's samples: seq_start (B + 1 values, host) and the same values on the device.
+  // Builds (or reuses) the plans of its bucket and writes the offsets cuDNN reads, on the stream.
+  void set_batch(const std::vector<int64_t>& seq_start, const int64_t* seq_start_d);
+  // o[N, nh*hd], lse[N, nh] = causal attention of q over k, v.
+  void forward(__nv_bfloat16* o, float* lse, const __nv_bfloat16* q, const __nv_bfloat16* k,
+               const __nv_bfloat16* v);
+  // dq, dk, dv (overwritten) given o, dO and lse (see above).
+  void backward(__nv_bfloat16* dq, __nv_bfloat16* dk, __nv_bfloat16* dv, const __nv_bfloat16* q,
+                const __nv_bfloat16* k, const __nv_bfloat16* v, const __nv_bfloat16* o, const __nv_bfloat16* dO,
+                const float* lse);
+  // Device bytes held (workspace and offsets).
+  int64_t bytes() const;
+
+ private:
+  std::unique_ptr<Impl> p_;
+};
+
+// The offsets of a ragged batch of n_b samples (bucketed to nb_pad >= n_b), written on the
+// device from seq_start_d: off[b] = seq_start[min(b, n_b)] * per_row for b <= nb_pad and, when
+// len is given, len[b] = the rows of sample b (0 past n_b). Internal to cudnn_sdpa.cpp.
+void sdpa_ragged_offsets(int32_t* off, int32_t* len, const int64_t* seq_start_d, int n_b, int nb_pad,
+                         int64_t per_row, cudaStream_t s);
+
+}  // namespace talon::cuda

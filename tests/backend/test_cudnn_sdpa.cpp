@@ -1,0 +1,247 @@
+// cuDNN's fused attention over packed samples (backend/cuda/cudnn_sdpa.h) against a direct fp64
+// evaluation of causal softmax attention: the forward's output and log-sum-exp; the backward
+// given the forward's own statistics; and the backward given the statistics of a softmax over
+// more keys than the causal ones (what the draft trainer passes when its diagonal keys join the
+// row), where the exact gradients use P = exp(S - lse) and D = rowsum(dO * O) as given.
+// Samples of 1, 70, 129, 5 and 200 rows (five samples: the plans' bucket pads to eight), GQA,
+// head sizes 64 and 128; sentinels around every output.
+#include <gtest/gtest.h>
+
+#ifdef TALON_HAVE_CUDA
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "backend/cuda/cudnn_sdpa.h"
+#include "tests/cuda_harness.h"
+#include "tests/gpu_test.h"
+
+using namespace talon;
+using namespace talon::testing;
+
+namespace {
+
+struct Ref {
+  std::vector<double> o, lse, dq, dk, dv;
+};
+
+// Causal attention of packed samples in fp64. lse_in/o_in: when given, the backward uses these
+// statistics and output instead of its own (the merged row).
+Ref reference(const std::vector<int64_t>& ss, int nh, int nkv, int hd, double scale, const std::vector<float>& q,
+              const std::vector<float>& k, const std::vector<float>& v, const std::vector<float>& dO,
+              const std::vector<double>* lse_in, const std::vector<double>* o_in) {
+  const int64_t N = ss.back(), qd = int64_t(nh) * hd, kvd = int64_t(nkv) * hd;
+  const int grp = nh / nkv;
+  Ref r;
+  r.o.assign(size_t(N * qd), 0.0);
+  r.lse.assign(size_t(N * nh), 0.0);
+  r.dq.assign(size_t(N * qd), 0.0);
+  r.dk.assign(size_t(N * kvd), 0.0);
+  r.dv.assign(size_t(N * kvd), 0.0);
+  for (size_t b = 0; b + 1 < ss.size(); ++b)
+    for (int64_t i = ss[b]; i < ss[b + 1]; ++i)
+      for (int h = 0; h < nh; ++h) {
+        const int kh = h / grp;
+        const int64_t nk = i - ss[b] + 1;
+        std::vector<double> sc(static_cast<size_t>(nk));
+        double m = -1e300;
+        for (int64_t j = 0; j < nk; ++j) {
+          double acc = 0;
+          for (int d = 0; d < hd; ++d)
+            acc += double(q[size_t(i * qd + h * hd + d)]) * k[size_t((ss[b] + j) * kvd + kh * hd + d)];
+          sc[size_t(j)] = acc * scale;
+          m = std::max(m, sc[size_t(j)]);
+        }
+        double z = 0;
+        for (double x : sc) z += std::exp(x - m);
+        const double lse = m + std::log(z);
+        r.lse[size_t(i * nh + h)] = lse;
+        for (int64_t j = 0; j < nk; ++j)
+          for (int d = 0; d < hd; ++d)
+            r.o[size_t(i * qd + h * hd + d)] +=
+                std::exp(sc[size_t(j)] - lse) * v[size_t((ss[b] + j) * kvd + kh * hd + d)];
+        // Backward with the given (or own) statistics.
+        const double L = lse_in ? (*lse_in)[size_t(i * nh + h)] : lse;
+        double D = 0;
+        for (int d = 0; d < hd; ++d) {
+          const double o = o_in ? (*o_in)[size_t(i * qd + h * hd + d)] : r.o[size_t(i * qd + h * hd + d)];
+          D += double(dO[size_t(i * qd + h * hd + d)]) * o;
+        }
+        for (int64_t j = 0; j < nk; ++j) {
+          const double p = std::exp(sc[size_t(j)] - L);
+          double dp = 0;
+          for (int d = 0; d < hd; ++d)
+            dp += double(dO[size_t(i * qd + h * hd + d)]) * v[size_t((ss[b] + j) * kvd + kh * hd + d)];
+          const double ds = p * (dp - D) * scale;
+          for (int d = 0; d < hd; ++d) {
+            r.dq[size_t(i * qd + h * hd + d)] += ds * k[size_t((ss[b] + j) * kvd + kh * hd + d)];
+            r.dk[size_t((ss[b] + j) * kvd + kh * hd + d)] += ds * q[size_t(i * qd + h * hd + d)];
+            r.dv[size_t((ss[b] + j) * kvd + kh * hd + d)] += p * dO[size_t(i * qd + h * hd + d)];
+          }
+        }
+      }
+  return r;
+}
+
+template <class T>
+double rel_err(const std::vector<T>& got, const std::vector<double>& want) {
+  double mx = 0, md = 0;
+  for (size_t i = 0; i < want.size(); ++i) {
+    const double g = double(got[i]);
+    if (!std::isfinite(g)) return INFINITY;
+    mx = std::max(mx, std::abs(want[i]));
+    md = std::max(md, std::abs(g - want[i]));
+  }
+  return md / std::max(mx, 1e-30);
+}
+
+std::vector<float> from_dev(Guarded<__nv_bfloat16>& g) {
+  const auto v = g.download();
+  std::vector<float> o(v.size());
+  for (size_t i = 0; i < v.size(); ++i) o[i] = __bfloat162float(v[i]);
+  return o;
+}
+
+// bf16 outputs: a few units of bf16 rounding over the row's largest value.
+constexpr double kTol = 2e-2;
+
+void check(int nh, int nkv, int hd) {
+  SCOPED_TRACE(fmt::format("{} heads, {} kv heads, head size {}", nh, nkv, hd));
+  const std::vector<int64_t> ss = {0, 1, 71, 200, 205, 405};
+  const int64_t N = ss.back(), qd = int64_t(nh) * hd, kvd = int64_t(nkv) * hd;
+  const double scale = 1.0 / std::sqrt(double(hd));
+  const auto q = randn(size_t(N * qd), 11, 1.f), k = randn(size_t(N * kvd), 12, 1.f),
+             v = randn(size_t(N * kvd), 13, 1.f), dO = randn(size_t(N * qd), 14, 1.f);
+  Guarded<__nv_bfloat16> gq(size_t(N * qd)), gk(size_t(N * kvd)), gv(size_t(N * kvd)), gdo(size_t(N * qd)),
+      go(size_t(N * qd)), gdq(size_t(N * qd)), gdk(size_t(N * kvd)), gdv(size_t(N * kvd)), gom(size_t(N * qd));
+  Guarded<float> glse(size_t(N * nh)), glm(size_t(N * nh));
+  Guarded<int64_t> gss(ss.size());
+  gq.upload(to_bf16(q));
+  gk.upload(to_bf16(k));
+  gv.upload(to_bf16(v));
+  gdo.upload(to_bf16(dO));
+  gss.upload(ss);
+  cudaStream_t s;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), cudaSuccess);
+  {
+    cuda::CudnnSdpa att({nh, nkv, hd, float(scale), 512}, s);
+    att.set_batch(ss, gss.ptr());
+    att.forward(go.ptr(), glse.ptr(), gq.ptr(), gk.ptr(), gv.ptr());
+    ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+    const Ref own = reference(ss, nh, nkv, hd, scale, q, k, v, dO, nullptr, nullptr);
+    const auto o = from_dev(go);
+    const auto lse = glse.download();
+    EXPECT_LE(rel_err(o, own.o), kTol) << "forward output";
+    double worst = 0;
+    for (size_t i = 0; i < lse.size(); ++i) worst = std::max(worst, std::abs(double(lse[i]) - own.lse[i]));
+    EXPECT_LE(worst, 2e-3) << "log-sum-exp (natural log of the scaled scores)";
+    EXPECT_TRUE(go.guards_intact() && glse.guards_intact());
+
+    // Backward with its own statistics (dO against cuDNN's output, as the trainer does).
+    att.backward(gdq.ptr(), gdk.ptr(), gdv.ptr(), gq.ptr(), gk.ptr(), gv.ptr(), go.ptr(), gdo.ptr(), glse.ptr());
+    ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+    std::vector<double> o_d(o.begin(), o.end()), lse_d(lse.begin(), lse.end());
+    const Ref r1 = reference(ss, nh, nkv, hd, scale, q, k, v, dO, &lse_d, &o_d);
+    EXPECT_LE(rel_err(from_dev(gdq), r1.dq), kTol) << "dQ";
+    EXPECT_LE(rel_err(from_dev(gdk), r1.dk), kTol) << "dK";
+    EXPECT_LE(rel_err(from_dev(gdv), r1.dv), kTol) << "dV";
+    EXPECT_TRUE(gdq.guards_intact() && gdk.guards_intact() && gdv.guards_intact());
+
+    // Backward given a merged row: lse raised as if more keys had joined, and another output.
+    std::vector<float> lm(lse.size()), om = randn(size_t(N * qd), 15, 0.5f);
+    for (size_t i = 0; i < lse.size(); ++i) lm[i] = lse[i] + std::log1p(float(i % 7) * 0.3f);
+    glm.upload(lm);
+    gom.upload(to_bf16(om));
+    att.backward(gdq.ptr(), gdk.ptr(), gdv.ptr(), gq.ptr(), gk.ptr(), gv.ptr(), gom.ptr(), gdo.ptr(), glm.ptr());
+    ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+    std::vector<double> lm_d(lm.begin(), lm.end()), om_d(om.begin(), om.end());
+    const Ref r2 = reference(ss, nh, nkv, hd, scale, q, k, v, dO, &lm_d, &om_d);
+    EXPECT_LE(rel_err(from_dev(gdq), r2.dq), kTol) << "dQ, merged statistics";
+    EXPECT_LE(rel_err(from_dev(gdk), r2.dk), kTol) << "dK, merged statistics";
+    EXPECT_LE(rel_err(from_dev(gdv), r2.dv), kTol) << "dV, merged statistics";
+    // The backward is deterministic: the same inputs give the same bits.
+    const auto dq1 = gdq.download(), dk1 = gdk.download();
+    att.backward(gdq.ptr(), gdk.ptr(), gdv.ptr(), gq.ptr(), gk.ptr(), gv.ptr(), gom.ptr(), gdo.ptr(), glm.ptr());
+    ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+    const auto dq2 = gdq.download(), dk2 = gdk.download();
+    EXPECT_EQ(0, std::memcmp(dq1.data(), dq2.data(), dq1.size() * 2)) << "dQ differs between identical runs";
+    EXPECT_EQ(0, std::memcmp(dk1.data(), dk2.data(), dk1.size() * 2)) << "dK differs between identical runs";
+
+    // A second batch in another bucket (one sample), then the first again: plans are per bucket.
+    const std::vector<int64_t> one = {0, 97};
+    Guarded<int64_t> gone(one.size());
+    gone.upload(one);
+    att.set_batch(one, gone.ptr());
+    att.forward(go.ptr(), glse.ptr(), gq.ptr(), gk.ptr(), gv.ptr());
+    ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+    const Ref r3 = reference(one, nh, nkv, hd, scale, q, k, v, dO, nullptr, nullptr);
+    auto o3 = from_dev(go);
+    o3.resize(size_t(97 * qd));
+    EXPECT_LE(rel_err(o3, r3.o), kTol) << "one-sample batch";
+  }
+  cudaStreamDestroy(s);
+}
+
+bool cudnn_or_skip() {
+  if (!cuda::cudnn_sdpa_built()) return false;
+  std::string why;
+  EXPECT_TRUE(cuda::cudnn_sdpa_available(&why)) << why;  // built with it: the GPU machine must have it
+  return cuda::cudnn_sdpa_available();
+}
+
+}  // namespace
+
+TEST(CudnnSdpa, PackedCausalAttentionMatchesFp64) {
+  REQUIRE_GPU();
+  if (!cuda::cudnn_sdpa_built()) GTEST_SKIP() << "built without the cuDNN frontend";
+  if (!cudnn_or_skip()) return;
+  check(4, 2, 64);
+  check(8, 2, 128);
+  check(4, 4, 128);
+}
+
+TEST(CudnnSdpa, UnsupportedShapesAreRefusedWithTheNumbers) {
+  REQUIRE_GPU();
+  if (!cuda::cudnn_sdpa_built()) GTEST_SKIP() << "built without the cuDNN frontend";
+  if (!cudnn_or_skip()) return;
+  try {
+    cuda::CudnnSdpa att({6, 4, 64, 0.125f, 64}, nullptr);
+    ADD_FAILURE() << "6 heads over 4 kv heads was accepted";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("6 heads, 4 kv heads"), std::string::npos) << e.what();
+  }
+  try {
+    cuda::CudnnSdpa att({4, 2, 60, 0.125f, 64}, nullptr);
+    ADD_FAILURE() << "head size 60 was accepted";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("head size 60"), std::string::npos) << e.what();
+  }
+}
+#endif
+
+// No GPU needed: the cuDNN frontend's own checks of the forward and backward graphs (ragged
+// Q/K/V/O and log-sum-exp, padding mask, causal band, deterministic backward), for Hopper, at the
+// head layouts of the drafts Talon trains (32/8 heads of 128 as Llama-3.1-8B's, 9/3 of 64 as
+// SmolLM2's, 128/128 of 128, and the tests' 4/2 of 16) and batch buckets from one sample to many.
+// A head size past cuDNN's limit must be refused by those same checks.
+#ifdef TALON_HAVE_CUDA
+TEST(CudnnSdpa, GraphsPassTheFrontendChecksForHopper) {
+  if (!cuda::cudnn_sdpa_built()) GTEST_SKIP() << "built without the cuDNN frontend";
+  std::string why;
+  if (!cuda::cudnn_sdpa_available(&why)) GTEST_SKIP() << why;
+  struct Shape {
+    int nh, nkv, hd;
+  };
+  for (Shape sh : {Shape{32, 8, 128}, Shape{9, 3, 64}, Shape{128, 128, 128}, Shape{4, 2, 16}})
+    for (auto [b, longest] : {std::pair<int64_t, int64_t>{1, 8192}, {5, 700}, {64, 64}}) {
+      const std::string m = cuda::cudnn_sdpa_validate(
+          {sh.nh, sh.nkv, sh.hd, float(1 / std::sqrt(double(sh.hd))), 8192}, b, longest);
+      EXPECT_EQ(m, "") << sh.nh << "/" << sh.nkv << " heads of " << sh.hd << ", " << b << " samples of up to " << longest;
+    }
+  const std::string bad = cuda::cudnn_sdpa_validate({8, 2, 264, 0.06f, 1024}, 2, 100);
+  EXPECT_NE(bad.find("256"), std::string::npos) << "head size 264 passed cuDNN's checks: '" << bad << "'";
+}
+#endif

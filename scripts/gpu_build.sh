@@ -5,7 +5,7 @@
 # Environment: TARGETS (ninja targets; default: talon, the tests and the GPU benchmarks).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-targets=${TARGETS:-talon talon_tests talon_bench_train talon_bench_decode talon_bench_moe talon_bench_deepseek}
+targets=${TARGETS:-talon talon_tests talon_bench_train talon_bench_decode talon_bench_moe talon_bench_deepseek talon_bench_attention}
 nccl=$(python3 -c 'import nvidia.nccl as m; print(list(m.__path__)[0])' 2>/dev/null || true)
 # cuDNN (fused attention, loaded at run time) and the CUDA runtime its frontend loads: from
 # PyTorch's wheels where they are, else the toolkit's.

@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -203,6 +204,63 @@ TEST(CudnnSdpa, PackedCausalAttentionMatchesFp64) {
   check(4, 4, 128);
 }
 
+// Extraction's prefill layouts, forward only: GQA read from a fused qkv buffer (q, k, v at their
+// columns of one row), and MLA's query/key heads of 192 over values of 128 read from the padded
+// qkv buffer (each value head in a slot of 192) and written unpadded.
+void check_layout(int nh, int nkv, int hd, int hd_v, bool mla) {
+  SCOPED_TRACE(fmt::format("{} heads, {} kv heads, head size {}/{}{}", nh, nkv, hd, hd_v, mla ? ", MLA" : ""));
+  const std::vector<int64_t> ss = {0, 33, 163, 164, 300};
+  const int64_t N = ss.back(), hs_v = mla ? hd : hd_v;
+  const int64_t ld = mla ? 3 * int64_t(nh) * hd : int64_t(nh + 2 * nkv) * hd;
+  const int64_t k0 = int64_t(nh) * hd, v0 = mla ? 2 * int64_t(nh) * hd : int64_t(nh + nkv) * hd;
+  const auto qkv = randn(size_t(N * ld), 21, 1.f);
+  // The packed operands the reference reads (values zero-padded to hd for its single head size).
+  std::vector<float> q(size_t(N * nh * hd)), k(size_t(N * nkv * hd)), v(size_t(N * nkv * hd), 0.f);
+  for (int64_t n = 0; n < N; ++n) {
+    for (int64_t i = 0; i < nh * hd; ++i) q[size_t(n * nh * hd + i)] = qkv[size_t(n * ld + i)];
+    for (int64_t i = 0; i < nkv * hd; ++i) k[size_t(n * nkv * hd + i)] = qkv[size_t(n * ld + k0 + i)];
+    for (int64_t h = 0; h < nkv; ++h)
+      for (int64_t d = 0; d < hd_v; ++d) v[size_t(n * nkv * hd + h * hd + d)] = qkv[size_t(n * ld + v0 + h * hs_v + d)];
+  }
+  const double scale = 1.0 / std::sqrt(double(hd));
+  const Ref r = reference(ss, nh, nkv, hd, scale, q, k, v, q, nullptr, nullptr);
+  std::vector<double> want(size_t(N * nh * hd_v));
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t h = 0; h < nh; ++h)
+      for (int64_t d = 0; d < hd_v; ++d) want[size_t((n * nh + h) * hd_v + d)] = r.o[size_t((n * nh + h) * hd + d)];
+  Guarded<__nv_bfloat16> gqkv(size_t(N * ld)), go(size_t(N * nh * hd_v));
+  Guarded<int64_t> gss(ss.size());
+  gqkv.upload(to_bf16(qkv));
+  gss.upload(ss);
+  cudaStream_t s;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), cudaSuccess);
+  {
+    cuda::SdpaShape sh{nh, nkv, hd, float(scale), 1024};
+    sh.hd_v = hd_v;
+    sh.ld_q = sh.ld_k = sh.ld_v = ld;
+    sh.hs_v = hs_v;
+    sh.backward = false;
+    cuda::CudnnSdpa att(sh, s);
+    att.set_batch(ss, gss.ptr());
+    att.forward(go.ptr(), nullptr, gqkv.ptr(), gqkv.ptr() + k0, gqkv.ptr() + v0);
+    ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+    EXPECT_LE(rel_err(from_dev(go), want), kTol);
+    EXPECT_TRUE(go.guards_intact());
+    EXPECT_THROW(att.backward(nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr),
+                 std::exception);
+  }
+  cudaStreamDestroy(s);
+}
+
+TEST(CudnnSdpa, PrefillLayoutsMatchFp64) {
+  REQUIRE_GPU();
+  if (!cuda::cudnn_sdpa_built()) GTEST_SKIP() << "built without the cuDNN frontend";
+  if (!cudnn_or_skip()) return;
+  check_layout(8, 2, 128, 128, false);
+  check_layout(6, 6, 64, 64, false);
+  check_layout(4, 4, 192, 128, true);
+}
+
 TEST(CudnnSdpa, UnsupportedShapesAreRefusedWithTheNumbers) {
   REQUIRE_GPU();
   if (!cuda::cudnn_sdpa_built()) GTEST_SKIP() << "built without the cuDNN frontend";
@@ -241,6 +299,21 @@ TEST(CudnnSdpa, GraphsPassTheFrontendChecksForHopper) {
           {sh.nh, sh.nkv, sh.hd, float(1 / std::sqrt(double(sh.hd))), 8192}, b, longest);
       EXPECT_EQ(m, "") << sh.nh << "/" << sh.nkv << " heads of " << sh.hd << ", " << b << " samples of up to " << longest;
     }
+  // Extraction's prefill layouts, forward only: GQA on the fused qkv buffer (Llama-3.1-8B), and
+  // MLA's heads of 192 (query/key) over values of 128 in the padded qkv buffer (Kimi-K2's 64
+  // heads), written unpadded.
+  {
+    cuda::SdpaShape gqa{32, 8, 128, 0.088f, 16384};
+    gqa.ld_q = gqa.ld_k = gqa.ld_v = (32 + 2 * 8) * 128;
+    gqa.backward = false;
+    EXPECT_EQ(cuda::cudnn_sdpa_validate(gqa, 3, 4096), "") << "GQA on a fused qkv buffer";
+    cuda::SdpaShape mla{64, 64, 192, 0.072f, 16384};
+    mla.hd_v = 128;
+    mla.ld_q = mla.ld_k = mla.ld_v = 3 * 64 * 192;
+    mla.hs_v = 192;
+    mla.backward = false;
+    EXPECT_EQ(cuda::cudnn_sdpa_validate(mla, 3, 4096), "") << "MLA 192/128 on the padded qkv buffer";
+  }
   const std::string bad = cuda::cudnn_sdpa_validate({8, 2, 264, 0.06f, 1024}, 2, 100);
   EXPECT_NE(bad.find("256"), std::string::npos) << "head size 264 passed cuDNN's checks: '" << bad << "'";
 }

@@ -25,6 +25,7 @@
 
 #include "backend/backend.h"
 #include "backend/cuda/check.h"
+#include "backend/cuda/cudnn_sdpa.h"
 #include "backend/cuda/collective.h"
 #include "backend/cuda/cuda_model.h"
 #include "backend/cuda/deepseek_ops.h"
@@ -108,8 +109,21 @@ class CudaDeepseekModel final : public Model {
     CUDA_CHECK(cudaMemcpyAsync(a.pos, pos.data(), size_t(N) * 4, cudaMemcpyHostToDevice, s));
     CUDA_CHECK(cudaMemcpyAsync(a.row_seq, row_seq.data(), size_t(N) * 4, cudaMemcpyHostToDevice, s));
     CUDA_CHECK(cudaMemcpyAsync(a.seq_start, b.seq_start.data(), b.seq_start.size() * 8, cudaMemcpyHostToDevice, s));
+    // TALON_ATTENTION=cudnn: cuDNN's fused attention with heads of qk over values of vd, read
+    // from the padded qkv buffer and written unpadded (no unpad pass).
+    if (cuda::prefill_attention_cudnn() && (!cudnn_ || cudnn_rows_ < a.n)) {
+      cuda::SdpaShape sh{int(nh), int(nh), int(qk), float(1.0 / std::sqrt(double(qk))), a.n};
+      sh.hd_v = int(vd);
+      sh.ld_q = sh.ld_k = sh.ld_v = 3 * nh * qk;
+      sh.hs_v = qk;
+      sh.backward = false;
+      cudnn_.reset();
+      cudnn_ = std::make_unique<cuda::CudnnSdpa>(sh, s);
+      cudnn_rows_ = a.n;
+    }
+    if (cudnn_) cudnn_->set_batch(b.seq_start, a.seq_start);
     // Tensor-core attention when the head size allows (Kimi-K2 / DeepSeek-V3: qk 192).
-    const bool flash = cuda::flash_attention_supported(qk);
+    const bool flash = !cudnn_ && cuda::flash_attention_supported(qk);
     const std::vector<int32_t> tiles = flash ? cuda::attention_tiles(b.seq_start.data(), b.n_seqs()) : std::vector<int32_t>{};
     if (flash)
       CUDA_CHECK(cudaMemcpyAsync(a.tiles, tiles.data(), tiles.size() * 4, cudaMemcpyHostToDevice, s));
@@ -150,12 +164,16 @@ class CudaDeepseekModel final : public Model {
       dev_.gemm().forward(a.kv, a.lat, L.kv_b, N, kvr, nh * (nope + vd), s);
       cuda::mla_assemble(a.qkv, a.q, a.kv, a.ckv, kvr + rope, kvr, a.pos, inv_freq_, N, nh, nope, rope, vd,
                          d.rope_interleave, float(c.rope.attention_factor), q_scale, s);
-      if (flash)
-        cuda::flash_attention_forward(a.att, a.qkv, 3 * nh * qk, a.seq_start, a.tiles, int64_t(tiles.size() / 2), nh, nh,
-                                      qk, 0, s);
-      else
-        cuda::attention_forward(a.att, a.qkv, 3 * nh * qk, a.seq_start, a.row_seq, N, nh, nh, qk, 0, s);
-      cuda::unpad_heads(a.attv, a.att, N, nh, qk, vd, s);
+      if (cudnn_) {
+        cudnn_->forward(a.attv, nullptr, a.qkv, a.qkv + nh * qk, a.qkv + 2 * nh * qk);
+      } else {
+        if (flash)
+          cuda::flash_attention_forward(a.att, a.qkv, 3 * nh * qk, a.seq_start, a.tiles, int64_t(tiles.size() / 2), nh,
+                                        nh, qk, 0, s);
+        else
+          cuda::attention_forward(a.att, a.qkv, 3 * nh * qk, a.seq_start, a.row_seq, N, nh, nh, qk, 0, s);
+        cuda::unpad_heads(a.attv, a.att, N, nh, qk, vd, s);
+      }
       dev_.gemm().forward(a.part, a.attv, L.o, N, nh * vd, H, s);  // tensor parallel: this rank's heads
       if (tp) par_.comm->all_reduce(par_.rank, a.part, N * H, DType::F32, s);
       cuda::add_f32(a.x, a.part, N * H, s);
@@ -245,6 +263,8 @@ class CudaDeepseekModel final : public Model {
   float* inv_freq_;
   std::vector<LayerDev> layers_;
   std::unique_ptr<Acts> acts_;
+  std::unique_ptr<cuda::CudnnSdpa> cudnn_;  // TALON_ATTENTION=cudnn, for up to cudnn_rows_ rows
+  int64_t cudnn_rows_ = 0;
 };
 
 }  // namespace

@@ -13,10 +13,12 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 
 #include "backend/backend.h"
 #include "backend/cuda/check.h"
+#include "backend/cuda/cudnn_sdpa.h"
 #include "backend/cuda/dense_block.h"
 #include "backend/cuda/device.h"
 #include "backend/cuda/ops.h"
@@ -82,13 +84,27 @@ class CudaDenseModel final : public Model {
         pos[size_t(r)] = int32_t(r - b.seq_start[size_t(s)]);
         row_seq[size_t(r)] = int32_t(s);
       }
-    const bool flash = cuda::flash_attention_supported(hd) && !force_warp_attention();
+    // TALON_ATTENTION=cudnn: cuDNN's fused attention, on the fused qkv buffer as it is.
+    if (cuda::prefill_attention_cudnn()) {
+      TALON_CHECK(c.sliding_window <= 0, "TALON_ATTENTION=cudnn: sliding-window attention (window {}) is not served by "
+                  "the cuDNN route; unset TALON_ATTENTION", c.sliding_window);
+      if (!cudnn_ || cudnn_rows_ < a.cap_tokens) {
+        cuda::SdpaShape sh{int(nh), int(nkv), int(hd), float(1.0 / std::sqrt(double(hd))), a.cap_tokens};
+        sh.ld_q = sh.ld_k = sh.ld_v = ldqkv;
+        sh.backward = false;
+        cudnn_.reset();
+        cudnn_ = std::make_unique<cuda::CudnnSdpa>(sh, stream);
+        cudnn_rows_ = a.cap_tokens;
+      }
+    }
+    const bool flash = !cudnn_ && cuda::flash_attention_supported(hd) && !force_warp_attention();
     const std::vector<int32_t> tiles = flash ? cuda::attention_tiles(b.seq_start.data(), b.n_seqs()) : std::vector<int32_t>{};
     CUDA_CHECK(cudaMemcpyAsync(a.ids, b.tokens.data(), size_t(N) * 4, cudaMemcpyHostToDevice, stream));
     CUDA_CHECK(cudaMemcpyAsync(a.pos, pos.data(), size_t(N) * 4, cudaMemcpyHostToDevice, stream));
     CUDA_CHECK(cudaMemcpyAsync(a.row_seq, row_seq.data(), size_t(N) * 4, cudaMemcpyHostToDevice, stream));
     CUDA_CHECK(cudaMemcpyAsync(a.seq_start, b.seq_start.data(), b.seq_start.size() * 8, cudaMemcpyHostToDevice, stream));
     if (flash) CUDA_CHECK(cudaMemcpyAsync(a.tiles, tiles.data(), tiles.size() * 4, cudaMemcpyHostToDevice, stream));
+    if (cudnn_) cudnn_->set_batch(b.seq_start, a.seq_start);
 
     // Copy segments: runs of sequences whose destination rows are consecutive.
     struct Seg {
@@ -122,7 +138,9 @@ class CudaDenseModel final : public Model {
     cuda::DenseHooks hooks;
     hooks.capture = capture;
     hooks.attention = [&](int64_t, bool) {
-      if (flash)
+      if (cudnn_)
+        cudnn_->forward(a.att, nullptr, a.qkv, a.qkv + nh * hd, a.qkv + (nh + nkv) * hd);
+      else if (flash)
         cuda::flash_attention_forward(a.att, a.qkv, ldqkv, a.seq_start, a.tiles, int64_t(tiles.size() / 2), nh, nkv,
                                       hd, c.sliding_window, stream);
       else
@@ -208,6 +226,8 @@ class CudaDenseModel final : public Model {
   cuda::DenseDeviceWeights w_;
   std::unique_ptr<Acts> acts_;
   std::unique_ptr<CapBufs> caps_;
+  std::unique_ptr<cuda::CudnnSdpa> cudnn_;  // TALON_ATTENTION=cudnn, for up to cudnn_rows_ rows
+  int64_t cudnn_rows_ = 0;
 };
 
 // TALON_ATTENTION=warp selects the one-warp-per-row kernel even where the tensor-core one

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <bit>
 #include <climits>
+#include <cstdlib>
 #include <map>
 #include <mutex>
 #include <tuple>
@@ -27,6 +28,14 @@ void* cudnn_dlhandle = nullptr;
 #endif
 
 namespace talon::cuda {
+
+bool prefill_attention_cudnn() {
+  static const bool on = [] {
+    const char* e = std::getenv("TALON_ATTENTION");
+    return e && std::string(e) == "cudnn";
+  }();
+  return on;
+}
 
 #ifdef TALON_HAVE_CUDNN_FE
 namespace fe = cudnn_frontend;
@@ -80,8 +89,25 @@ void check_fe(fe::error_object e, const char* what) {
 // Tensor uids of the variant packs.
 enum Uid : int64_t {
   kQ = 1, kK, kV, kO, kStats, kDO, kDQ, kDK, kDV,
-  kOffQ, kOffKV, kOffStats, kSeqQ, kSeqKV,
+  kOffQ, kOffK, kOffV, kOffO, kOffStats, kSeqQ, kSeqKV,
 };
+constexpr int kOffsets = 5;  // Q (dQ), K (dK), V (dV), O (dO), Stats
+
+// The layout of one operand: row stride and head stride in elements, heads, head size.
+struct Layout {
+  int64_t ld, hs, heads, d;
+};
+
+// The shape with its defaults filled in (see SdpaShape).
+SdpaShape resolved(SdpaShape sh) {
+  if (sh.hd_v == 0) sh.hd_v = sh.hd;
+  if (sh.ld_q == 0) sh.ld_q = int64_t(sh.nh) * sh.hd;
+  if (sh.ld_k == 0) sh.ld_k = int64_t(sh.nkv) * sh.hd;
+  if (sh.hs_v == 0) sh.hs_v = sh.hd_v;
+  if (sh.ld_v == 0) sh.ld_v = int64_t(sh.nkv) * sh.hs_v;
+  if (sh.ld_o == 0) sh.ld_o = int64_t(sh.nh) * sh.hd_v;
+  return sh;
+}
 
 int64_t pow2_at_least(int64_t x, int64_t lo) { return std::max<int64_t>(lo, int64_t(std::bit_ceil(uint64_t(std::max<int64_t>(x, 1))))); }
 
@@ -111,22 +137,34 @@ struct CudnnSdpa::Impl {
   std::map<std::pair<int64_t, int64_t>, Plans> plans;
   Plans* cur = nullptr;
   int64_t nb_pad = 0;
-  // Device: offsets [3][nb_pad_cap + 1] (Q/O/dO/dQ, K/V/dK/dV, Stats) and lengths [nb_pad_cap].
+  // Device: offsets [kOffsets][off_cap + 1] and lengths [off_cap].
   int32_t *off = nullptr, *len = nullptr;
   int64_t off_cap = 0;
   void* ws = nullptr;
   int64_t ws_cap = 0;
 
-  // A ragged [B, H, S, D] view of packed rows with `width` values a row.
+  Layout lq() const { return {sh.ld_q, sh.hd, sh.nh, sh.hd}; }
+  Layout lk() const { return {sh.ld_k, sh.hd, sh.nkv, sh.hd}; }
+  Layout lv() const { return {sh.ld_v, sh.hs_v, sh.nkv, sh.hd_v}; }
+  Layout lo() const { return {sh.ld_o, sh.hd_v, sh.nh, sh.hd_v}; }
+  // A ragged [B, H, S, D] view of rows `l.ld` apart, heads `l.hs` apart.
+  static fe::graph::Tensor_attributes ragged_attrs(const char* name, int64_t uid, int64_t B, int64_t S, Layout l,
+                                                   const std::shared_ptr<fe::graph::Tensor_attributes>& offs) {
+    return fe::graph::Tensor_attributes()
+        .set_name(name)
+        .set_uid(uid)
+        .set_dim({B, l.heads, S, l.d})
+        .set_stride({S * l.ld, l.hs, l.ld, 1})
+        .set_ragged_offset(offs);
+  }
   std::shared_ptr<fe::graph::Tensor_attributes> ragged(fe::graph::Graph& g, const char* name, int64_t uid, int64_t B,
-                                                       int64_t H, int64_t S, int64_t D,
+                                                       int64_t S, Layout l,
                                                        const std::shared_ptr<fe::graph::Tensor_attributes>& offs) {
-    return g.tensor(fe::graph::Tensor_attributes()
-                        .set_name(name)
-                        .set_uid(uid)
-                        .set_dim({B, H, S, D})
-                        .set_stride({S * H * D, D, H * D, 1})
-                        .set_ragged_offset(offs));
+    return g.tensor(ragged_attrs(name, uid, B, S, l, offs));
+  }
+  static void as_output(fe::graph::Tensor_attributes& t, int64_t uid, int64_t B, int64_t S, Layout l,
+                        const std::shared_ptr<fe::graph::Tensor_attributes>& offs) {
+    t.set_output(true).set_uid(uid).set_dim({B, l.heads, S, l.d}).set_stride({S * l.ld, l.hs, l.ld, 1}).set_ragged_offset(offs);
   }
   std::shared_ptr<fe::graph::Tensor_attributes> index(fe::graph::Graph& g, const char* name, int64_t uid, int64_t n) {
     return g.tensor(fe::graph::Tensor_attributes()
@@ -158,18 +196,18 @@ struct CudnnSdpa::Impl {
     check_fe(g.get_workspace_size(ws), "workspace size");
   }
   Plans build(int64_t B, int64_t S) {
-    const int64_t nh = sh.nh, nkv = sh.nkv, hd = sh.hd;
+    const int64_t nh = sh.nh;
     Plans p;
     {
       auto g = new_graph();
-      auto oq = index(*g, "off_q", kOffQ, B + 1), okv = index(*g, "off_kv", kOffKV, B + 1),
-           ost = index(*g, "off_stats", kOffStats, B + 1);
+      auto oq = index(*g, "off_q", kOffQ, B + 1), ok = index(*g, "off_k", kOffK, B + 1),
+           ov = index(*g, "off_v", kOffV, B + 1), oo = index(*g, "off_o", kOffO, B + 1);
       auto sq = index(*g, "seq_q", kSeqQ, B), skv = index(*g, "seq_kv", kSeqKV, B);
-      auto Q = ragged(*g, "Q", kQ, B, nh, S, hd, oq), K = ragged(*g, "K", kK, B, nkv, S, hd, okv),
-           V = ragged(*g, "V", kV, B, nkv, S, hd, okv);
+      auto Q = ragged(*g, "Q", kQ, B, S, lq(), oq), K = ragged(*g, "K", kK, B, S, lk(), ok),
+           V = ragged(*g, "V", kV, B, S, lv(), ov);
       auto opt = fe::graph::SDPA_attributes()
-                     .set_name("ttt_causal_fwd")
-                     .set_generate_stats(true)
+                     .set_name("causal_fwd")
+                     .set_generate_stats(sh.backward)
                      .set_attn_scale(sh.scale)
                      .set_padding_mask(true)
                      .set_seq_len_q(sq)
@@ -179,24 +217,26 @@ struct CudnnSdpa::Impl {
                      .set_max_total_seq_len_q(sh.max_rows)
                      .set_max_total_seq_len_kv(sh.max_rows);
       auto [O, Stats] = g->sdpa(Q, K, V, opt);
-      O->set_output(true).set_uid(kO).set_dim({B, nh, S, hd}).set_stride({S * nh * hd, hd, nh * hd, 1}).set_ragged_offset(oq);
-      Stats->set_output(true)
-          .set_uid(kStats)
-          .set_data_type(fe::DataType_t::FLOAT)
-          .set_dim({B, nh, S, 1})
-          .set_stride({S * nh, 1, nh, 1})
-          .set_ragged_offset(ost);
+      as_output(*O, kO, B, S, lo(), oo);
+      if (sh.backward)
+        Stats->set_output(true)
+            .set_uid(kStats)
+            .set_data_type(fe::DataType_t::FLOAT)
+            .set_dim({B, nh, S, 1})
+            .set_stride({S * nh, 1, nh, 1})
+            .set_ragged_offset(index(*g, "off_stats", kOffStats, B + 1));
       finish(*g, p.ws_fwd, "forward");
       p.fwd = g;
     }
-    {
+    if (sh.backward) {
       auto g = new_graph();
-      auto oq = index(*g, "off_q", kOffQ, B + 1), okv = index(*g, "off_kv", kOffKV, B + 1),
+      auto oq = index(*g, "off_q", kOffQ, B + 1), ok = index(*g, "off_k", kOffK, B + 1),
+           ov = index(*g, "off_v", kOffV, B + 1), oo = index(*g, "off_o", kOffO, B + 1),
            ost = index(*g, "off_stats", kOffStats, B + 1);
       auto sq = index(*g, "seq_q", kSeqQ, B), skv = index(*g, "seq_kv", kSeqKV, B);
-      auto Q = ragged(*g, "Q", kQ, B, nh, S, hd, oq), K = ragged(*g, "K", kK, B, nkv, S, hd, okv),
-           V = ragged(*g, "V", kV, B, nkv, S, hd, okv), O = ragged(*g, "O", kO, B, nh, S, hd, oq),
-           dO = ragged(*g, "dO", kDO, B, nh, S, hd, oq);
+      auto Q = ragged(*g, "Q", kQ, B, S, lq(), oq), K = ragged(*g, "K", kK, B, S, lk(), ok),
+           V = ragged(*g, "V", kV, B, S, lv(), ov), O = ragged(*g, "O", kO, B, S, lo(), oo),
+           dO = ragged(*g, "dO", kDO, B, S, lo(), oo);
       auto Stats = g->tensor(fe::graph::Tensor_attributes()
                                  .set_name("Stats")
                                  .set_uid(kStats)
@@ -205,7 +245,7 @@ struct CudnnSdpa::Impl {
                                  .set_data_type(fe::DataType_t::FLOAT)
                                  .set_ragged_offset(ost));
       auto opt = fe::graph::SDPA_backward_attributes()
-                     .set_name("ttt_causal_bwd")
+                     .set_name("causal_bwd")
                      .set_attn_scale(sh.scale)
                      .set_padding_mask(true)
                      .set_seq_len_q(sq)
@@ -216,9 +256,9 @@ struct CudnnSdpa::Impl {
                      .set_max_total_seq_len_kv(sh.max_rows)
                      .set_deterministic_algorithm(true);  // resume is bit-identical only with fixed sums
       auto [dQ, dK, dV] = g->sdpa_backward(Q, K, V, O, dO, Stats, opt);
-      dQ->set_output(true).set_uid(kDQ).set_dim({B, nh, S, hd}).set_stride({S * nh * hd, hd, nh * hd, 1}).set_ragged_offset(oq);
-      dK->set_output(true).set_uid(kDK).set_dim({B, nkv, S, hd}).set_stride({S * nkv * hd, hd, nkv * hd, 1}).set_ragged_offset(okv);
-      dV->set_output(true).set_uid(kDV).set_dim({B, nkv, S, hd}).set_stride({S * nkv * hd, hd, nkv * hd, 1}).set_ragged_offset(okv);
+      as_output(*dQ, kDQ, B, S, lq(), oq);
+      as_output(*dK, kDK, B, S, lk(), ok);
+      as_output(*dV, kDV, B, S, lv(), ov);
       finish(*g, p.ws_bwd, "backward");
       p.bwd = g;
     }
@@ -233,9 +273,10 @@ struct CudnnSdpa::Impl {
     ws_cap = need;
   }
   void execute(fe::graph::Graph& g, std::unordered_map<int64_t, void*>& pack, const char* what) {
-    pack[kOffQ] = off;
-    pack[kOffKV] = off + (off_cap + 1);
-    pack[kOffStats] = off + 2 * (off_cap + 1);
+    for (int t = 0; t < kOffsets; ++t) {
+      const int64_t uid = t == 4 ? kOffStats : kOffQ + t;
+      if (t < 4 || sh.backward) pack[uid] = off + t * (off_cap + 1);
+    }
     pack[kSeqQ] = len;
     pack[kSeqKV] = len;
     if (fe::detail::set_stream(handle, s) != CUDNN_STATUS_SUCCESS)
@@ -247,7 +288,7 @@ struct CudnnSdpa::Impl {
 std::string cudnn_sdpa_validate(const SdpaShape& shape, int64_t n_samples, int64_t longest) {
   if (!load_cudnn().ok) return load_cudnn().why;
   CudnnSdpa::Impl I;
-  I.sh = shape;
+  I.sh = resolved(shape);
   I.validate_only = true;
   try {
     I.build(pow2_at_least(n_samples, 1), pow2_at_least(longest, 64));
@@ -260,16 +301,19 @@ std::string cudnn_sdpa_validate(const SdpaShape& shape, int64_t n_samples, int64
 CudnnSdpa::CudnnSdpa(const SdpaShape& shape, cudaStream_t s) : p_(std::make_unique<Impl>()) {
   std::string why;
   if (!cudnn_sdpa_available(&why)) fail_msg("cuDNN fused attention: " + why);
-  if (shape.nh <= 0 || shape.nkv <= 0 || shape.nh % shape.nkv != 0 || shape.hd <= 0 || shape.hd % 8 != 0 ||
-      shape.hd > 256 || shape.max_rows <= 0)
-    fail_msg(fmt::format("cuDNN fused attention: unsupported shape ({} heads, {} kv heads, head size {}; expected heads "
-                         "a multiple of kv heads and a head size that is a multiple of 8 up to 256)",
-                         shape.nh, shape.nkv, shape.hd));
-  if (shape.max_rows * int64_t(shape.nh) * shape.hd >= int64_t(INT32_MAX))
-    fail_msg(fmt::format("cuDNN fused attention: {} rows x {} values do not fit its 32-bit offsets", shape.max_rows,
-                         int64_t(shape.nh) * shape.hd));
+  const SdpaShape sh = resolved(shape);
+  if (sh.nh <= 0 || sh.nkv <= 0 || sh.nh % sh.nkv != 0 || sh.hd <= 0 || sh.hd % 8 != 0 || sh.hd > 256 ||
+      sh.hd_v <= 0 || sh.hd_v % 8 != 0 || sh.hd_v > 256 || sh.max_rows <= 0)
+    fail_msg(fmt::format("cuDNN fused attention: unsupported shape ({} heads, {} kv heads, head size {}, value head "
+                         "size {}; expected heads a multiple of kv heads and head sizes that are multiples of 8 up to "
+                         "256)",
+                         sh.nh, sh.nkv, sh.hd, sh.hd_v));
+  const int64_t widest = std::max({sh.ld_q, sh.ld_k, sh.ld_v, sh.ld_o});
+  if (sh.max_rows * widest >= int64_t(INT32_MAX))
+    fail_msg(fmt::format("cuDNN fused attention: {} rows x {} values do not fit its 32-bit offsets", sh.max_rows,
+                         widest));
   Impl& I = *p_;
-  I.sh = shape;
+  I.sh = sh;
   I.s = s;
   if (fe::detail::create_handle(&I.handle) != CUDNN_STATUS_SUCCESS)
     fail_msg("cuDNN fused attention: cudnnCreate failed: " + fe::detail::get_last_error_string_());
@@ -285,7 +329,7 @@ CudnnSdpa::~CudnnSdpa() {
   cudaFree(I.len);
 }
 
-int64_t CudnnSdpa::bytes() const { return p_->ws_cap + (p_->off_cap + 1) * 3 * 4 + p_->off_cap * 4; }
+int64_t CudnnSdpa::bytes() const { return p_->ws_cap + (p_->off_cap + 1) * kOffsets * 4 + p_->off_cap * 4; }
 
 void CudnnSdpa::set_batch(const std::vector<int64_t>& seq_start, const int64_t* seq_start_d) {
   Impl& I = *p_;
@@ -312,13 +356,13 @@ void CudnnSdpa::set_batch(const std::vector<int64_t>& seq_start, const int64_t* 
     cudaFree(I.len);
     I.off = nullptr;
     I.len = nullptr;
-    CUDA_CHECK(cudaMalloc(&I.off, size_t(3 * (nb + 1)) * sizeof(int32_t)));
+    CUDA_CHECK(cudaMalloc(&I.off, size_t(kOffsets * (nb + 1)) * sizeof(int32_t)));
     CUDA_CHECK(cudaMalloc(&I.len, size_t(nb) * sizeof(int32_t)));
     I.off_cap = nb;
   }
-  const int64_t per_row[3] = {int64_t(I.sh.nh) * I.sh.hd, int64_t(I.sh.nkv) * I.sh.hd, int64_t(I.sh.nh)};
+  const int64_t per_row[kOffsets] = {I.sh.ld_q, I.sh.ld_k, I.sh.ld_v, I.sh.ld_o, int64_t(I.sh.nh)};
   // Each offset array is off_cap + 1 long; the graph reads its first nb + 1.
-  for (int t = 0; t < 3; ++t)
+  for (int t = 0; t < (I.sh.backward ? kOffsets : kOffsets - 1); ++t)
     sdpa_ragged_offsets(I.off + t * (I.off_cap + 1), t == 0 ? I.len : nullptr, seq_start_d, int(B), int(nb),
                         per_row[t], I.s);
 }
@@ -330,8 +374,11 @@ void CudnnSdpa::forward(__nv_bfloat16* o, float* lse, const __nv_bfloat16* q, co
   std::unordered_map<int64_t, void*> pack = {{kQ, const_cast<__nv_bfloat16*>(q)},
                                              {kK, const_cast<__nv_bfloat16*>(k)},
                                              {kV, const_cast<__nv_bfloat16*>(v)},
-                                             {kO, o},
-                                             {kStats, lse}};
+                                             {kO, o}};
+  if (I.sh.backward) {
+    if (!lse) fail_msg("cuDNN fused attention: a training forward needs its log-sum-exp buffer");
+    pack[kStats] = lse;
+  }
   I.execute(*I.cur->fwd, pack, "the forward");
 }
 
@@ -339,6 +386,7 @@ void CudnnSdpa::backward(__nv_bfloat16* dq, __nv_bfloat16* dk, __nv_bfloat16* dv
                          const __nv_bfloat16* k, const __nv_bfloat16* v, const __nv_bfloat16* o,
                          const __nv_bfloat16* dO, const float* lse) {
   Impl& I = *p_;
+  if (!I.sh.backward) fail_msg("cuDNN fused attention: backward on an instance made for the forward only");
   if (!I.cur) fail_msg("cuDNN fused attention: backward before set_batch");
   std::unordered_map<int64_t, void*> pack = {{kQ, const_cast<__nv_bfloat16*>(q)},
                                              {kK, const_cast<__nv_bfloat16*>(k)},

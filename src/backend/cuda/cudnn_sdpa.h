@@ -2,8 +2,10 @@
 // scaled-dot-product attention (the cuDNN frontend's graph API), forward and backward.
 //
 // Samples are packed rows, as everywhere in Talon: sample b owns rows seq_start[b] ..
-// seq_start[b+1]. Row-major bf16 operands: Q, O, dO, dQ [N, nh*hd]; K, V, dK, dV [N, nkv*hd]
-// (grouped-query attention when nkv < nh: head h reads kv head h / (nh / nkv)). The log-sum-exp
+// seq_start[b+1]. Row-major bf16 operands, by default packed heads: Q, O, dO, dQ [N, nh*hd];
+// K, V, dK, dV [N, nkv*hd] (grouped-query attention when nkv < nh: head h reads kv head
+// h / (nh / nkv)); SdpaShape describes strided layouts (a fused qkv buffer, MLA's value heads
+// of another size). dO and dQ have O's and Q's layouts, dK and dV K's and V's. The log-sum-exp
 // is fp32 [N, nh], natural log of the scaled scores, the same layout and convention as
 // ttt_attention.h. Row i of a sample attends keys 0..i of that sample.
 //
@@ -33,10 +35,22 @@ bool cudnn_sdpa_available(std::string* why = nullptr);
 int64_t cudnn_version();
 
 struct SdpaShape {
-  int nh = 0, nkv = 0, hd = 0;
+  int nh = 0, nkv = 0, hd = 0;  // hd: the query/key head size
   float scale = 0.f;
   int64_t max_rows = 0;  // the most rows any batch will have (sizes the plans' packed totals)
+  // Layouts other than packed heads (0: the default). hd_v: the value/output head size (hd);
+  // ld_*: row strides of Q, K, V, O in elements (heads x head size); hs_v: V's head stride
+  // (hd_v). A fused qkv buffer is Q, K, V at their columns with ld_q = ld_k = ld_v its width.
+  int hd_v = 0;
+  int64_t ld_q = 0, ld_k = 0, ld_v = 0, ld_o = 0, hs_v = 0;
+  // Also the backward's plans and the forward's log-sum-exp (training); false: forward only,
+  // forward(..., lse = nullptr).
+  bool backward = true;
 };
+
+// TALON_ATTENTION=cudnn: the target forward's prefill attention (extract, the online trainer's
+// target) goes through cuDNN instead of the tensor-core kernels of attention.cu.
+bool prefill_attention_cudnn();
 
 // The cuDNN frontend's own checks of the forward and backward graphs for a batch of n_samples
 // samples of up to `longest` rows (no plans are built); "" when they pass, else the message.
@@ -55,7 +69,7 @@ class CudnnSdpa {
   // The batch's samples: seq_start (B + 1 values, host) and the same values on the device.
   // Builds (or reuses) the plans of its bucket and writes the offsets cuDNN reads, on the stream.
   void set_batch(const std::vector<int64_t>& seq_start, const int64_t* seq_start_d);
-  // o[N, nh*hd], lse[N, nh] = causal attention of q over k, v.
+  // o, lse[N, nh] = causal attention of q over k, v (lse only with backward).
   void forward(__nv_bfloat16* o, float* lse, const __nv_bfloat16* q, const __nv_bfloat16* k,
                const __nv_bfloat16* v);
   // dq, dk, dv (overwritten) given o, dO and lse (see above).

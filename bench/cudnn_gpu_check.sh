@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# cuDNN's fused attention on one GPU machine, in one call:
+# 1. its op tests (CudnnSdpa.*: fp64 reference, training layouts and extraction's fused-qkv and
+#    MLA layouts) and the draft trainer with --gpu-attention cudnn against the CPU reference
+#    (GpuDraft.CudnnAttentionMatchesReference);
+# 2. the whole-model goldens with the prefill attention through cuDNN (TALON_ATTENTION=cudnn):
+#    the dense and DeepSeek fixtures against transformers;
+# 3. attention alone, each route on the same inputs (talon_bench_attention), TFLOP/s;
+# 4. unless TRAIN=0: draft training tokens/s at the 8B draft shape, fused kernels vs cuDNN
+#    (talon_bench_train, same call), 2048 and 4096 tokens;
+# 5. unless KIMI=0: the Kimi-K2-shaped forward (talon_bench_deepseek, 4 layers) with and without
+#    TALON_ATTENTION=cudnn.
+# Logs go to $LOGS (default: a temporary folder); a summary to stdout.
+#   tar xzf .gpucarry/deps.tgz && bash scripts/gpu_build.sh && LOGS=$OUT bash bench/cudnn_gpu_check.sh
+set -uo pipefail
+cd "$(dirname "$0")/.."
+[ -f build/env.sh ] && source build/env.sh
+LOGS=${LOGS:-$(mktemp -d)}
+mkdir -p "$LOGS"
+echo "== $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -1); commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
+echo "== tests: *CudnnSdpa*:*GpuDraft*"
+build/tests/talon_tests --gtest_filter='*CudnnSdpa*:*GpuDraft*' --gtest_brief=1 > "$LOGS/cudnn-tests.log" 2>&1
+grep -E "^\[  (PASSED|FAILED|SKIPPED) |^\[==========\]" "$LOGS/cudnn-tests.log" | tail -4
+grep -E "^\[  FAILED  \]|Failure|Expected|Which is|actual|cuDNN" "$LOGS/cudnn-tests.log" | head -40
+echo "== goldens with TALON_ATTENTION=cudnn"
+TALON_ATTENTION=cudnn build/tests/talon_tests --gtest_filter='*CudaGolden*:*CudaModel*:*DeepseekExtract*:*DeepSeek*' \
+  --gtest_brief=1 > "$LOGS/cudnn-goldens.log" 2>&1
+grep -E "^\[  (PASSED|FAILED|SKIPPED) |^\[==========\]" "$LOGS/cudnn-goldens.log" | tail -4
+grep -E "^\[  FAILED  \]" "$LOGS/cudnn-goldens.log" | sort -u | head -20
+echo "== attention alone"
+build/talon_bench_attention --seq-len 2048,4096 --seqs 4 2>&1 | tee "$LOGS/attention.log"
+if [ "${TRAIN:-1}" != 0 ]; then
+  echo "== draft training, 8B draft shape: fused kernels vs cuDNN"
+  for seq in 2048 4096; do
+    for att in flash cudnn; do
+      build/talon_bench_train --shape llama3-8b --seq "$seq" --samples 1 --steps 7 --loss-share 0.675 \
+        --gpu-attention "$att" > "$LOGS/train-$att-$seq.log" 2>&1
+      echo "$att seq $seq: $(tail -1 "$LOGS/train-$att-$seq.log")"
+    done
+  done
+fi
+if [ "${KIMI:-1}" != 0 ]; then
+  echo "== Kimi-K2-shaped forward, 4 layers: Talon's attention vs cuDNN"
+  build/talon_bench_deepseek --layers 4 --seqs 4 --seq-len 2048 --steps 3 > "$LOGS/kimi-talon.log" 2>&1
+  tail -2 "$LOGS/kimi-talon.log"
+  TALON_ATTENTION=cudnn build/talon_bench_deepseek --layers 4 --seqs 4 --seq-len 2048 --steps 3 \
+    > "$LOGS/kimi-cudnn.log" 2>&1
+  tail -2 "$LOGS/kimi-cudnn.log"
+fi

@@ -6,7 +6,8 @@
 # 2. the whole-model goldens with the prefill attention through cuDNN (TALON_ATTENTION=cudnn):
 #    the dense and DeepSeek fixtures against transformers;
 # 3. attention alone, each route on the same inputs (talon_bench_attention), TFLOP/s;
-# 4. unless TRAIN=0: draft training tokens/s at the 8B draft shape, fused kernels vs cuDNN
+# 4. unless TRAIN=0: draft training tokens/s and device memory at the 8B draft shape, fused
+#    kernels vs cuDNN, the target embedding on the device vs per batch (--gpu-batch-embeddings)
 #    (talon_bench_train, same call), 2048 and 4096 tokens;
 # 5. unless KIMI=0: the Kimi-K2-shaped forward (talon_bench_deepseek, 4 layers) with and without
 #    TALON_ATTENTION=cudnn.
@@ -18,7 +19,7 @@ cd "$(dirname "$0")/.."
 LOGS=${LOGS:-$(mktemp -d)}
 mkdir -p "$LOGS"
 echo "== $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -1); commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
-echo "== tests: *CudnnSdpa*:*GpuDraft*"
+echo "== tests: *CudnnSdpa*:*GpuDraft* (BatchEmbeddings and CudnnAttention among them)"
 build/tests/talon_tests --gtest_filter='*CudnnSdpa*:*GpuDraft*' --gtest_brief=1 > "$LOGS/cudnn-tests.log" 2>&1
 grep -E "^\[  (PASSED|FAILED|SKIPPED) |^\[==========\]" "$LOGS/cudnn-tests.log" | tail -4
 grep -E "^\[  FAILED  \]|Failure|Expected|Which is|actual|cuDNN" "$LOGS/cudnn-tests.log" | head -40
@@ -30,12 +31,14 @@ grep -E "^\[  FAILED  \]" "$LOGS/cudnn-goldens.log" | sort -u | head -20
 echo "== attention alone"
 build/talon_bench_attention --seq-len 2048,4096 --seqs 4 2>&1 | tee "$LOGS/attention.log"
 if [ "${TRAIN:-1}" != 0 ]; then
-  echo "== draft training, 8B draft shape: fused kernels vs cuDNN"
+  echo "== draft training, 8B draft shape: fused kernels vs cuDNN; the embedding on the device vs per batch"
   for seq in 2048 4096; do
-    for att in flash cudnn; do
+    for v in flash flash+rows cudnn+rows; do
+      args=(--gpu-attention "${v%+rows}")
+      [ "$v" != "${v%+rows}" ] && args+=(--gpu-batch-embeddings)
       build/talon_bench_train --shape llama3-8b --seq "$seq" --samples 1 --steps 7 --loss-share 0.675 \
-        --gpu-attention "$att" > "$LOGS/train-$att-$seq.log" 2>&1
-      echo "$att seq $seq: $(tail -1 "$LOGS/train-$att-$seq.log")"
+        "${args[@]}" > "$LOGS/train-$v-$seq.log" 2>&1
+      echo "$v seq $seq: $(tail -1 "$LOGS/train-$v-$seq.log")"
     done
   done
 fi

@@ -64,6 +64,7 @@ int main(int argc, char** argv) {
   bool staged = false, resident = false;
   app.add_flag("--staged", staged, "features in ordinary (pageable) host memory");
   GpuDraftOptions eng;  // the engine's options, as `talon train --gpu-*` sets them
+  app.add_flag("--gpu-batch-embeddings", eng.batch_embeddings, "target embedding on the host, batch rows uploaded");
   app.add_option("--gpu-attention", eng.attention, "auto | flash | cudnn | blocks | loop")->capture_default_str();
   app.add_flag("--gpu-fp32-operands", eng.fp32_operands, "bf16 math rounds fp32 operands inside cuBLAS");
   app.add_option("--gpu-logit-rows", eng.logit_rows, "rows of logits per chunk (0: as many as fit)");

@@ -24,6 +24,10 @@ struct GpuDraftOptions {
   bool lm_grad_in_backward = false;
   // GPU milliseconds per phase, from events between marks (GpuDraftTrainer::profile()).
   bool profile = false;
+  // The target's embedding stays in host memory (bf16); each batch uploads the rows of the
+  // tokens it holds. Saves V x H x 2 bytes of device memory (1 GiB for Llama-3.1-8B's
+  // vocabulary). bf16 math on bf16 operands only, and not for P-EAGLE (whose embedding is trained).
+  bool batch_embeddings = false;
 };
 
 }  // namespace talon::eagle3

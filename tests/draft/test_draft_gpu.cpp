@@ -312,6 +312,34 @@ TEST_P(GpuDraft, CudnnAttentionMatchesReference) {
     }
 }
 
+// --gpu-batch-embeddings: the target's embedding stays on the host and each batch uploads the
+// rows of its own tokens. The rows are the same bf16 values, so losses and gradients are the
+// same bits as with the whole table on the device; over two batches with different tokens (the
+// second reuses the upload buffers), and refused where it cannot apply (exact fp32 math).
+TEST_P(GpuDraft, BatchEmbeddingsGiveTheSameBits) {
+  REQUIRE_GPU();
+  Case cs(GetParam(), 91, {13, 7, 22, 2, 40, 1, 9});
+  const std::vector<Sample> all = cs.batch();
+  const std::vector<Sample> b1(all.begin(), all.begin() + 4), b2(all.begin() + 4, all.end());
+  const auto go = [&](bool batch_embeddings) {
+    ScopedOpt e([&](GpuDraftOptions& o) { o.batch_embeddings = batch_embeddings; });
+    auto gpu = make_gpu(cs, {0}, GpuMath::BF16, 64);
+    gpu->set_weights(cs.w);
+    GpuRun r{{}, DraftGrads(cs.w)};
+    for (const auto* b : {&b1, &b2})
+      for (auto& x : gpu->run(*b, 0.25, true, true)) r.loss.push_back(x.loss);
+    gpu->get_grads(r.g);  // the second batch's
+    return r;
+  };
+  GpuRun whole = go(false), rows = go(true);
+  ASSERT_EQ(whole.loss.size(), rows.loss.size());
+  for (size_t i = 0; i < whole.loss.size(); ++i) EXPECT_EQ(whole.loss[i], rows.loss[i]) << "sample " << i;
+  auto a = whole.g.named(), b = rows.g.named();
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_EQ(*a[i].second, *b[i].second) << a[i].first;
+  ScopedOpt e([](GpuDraftOptions& o) { o.batch_embeddings = true; });
+  EXPECT_THROW(make_gpu(cs, {0}, GpuMath::F32, 64), Error);
+}
+
 // An explicit request for the fused kernels that they cannot serve is refused.
 TEST(GpuDraftFused, RefusesUnsupportedRequest) {
   REQUIRE_GPU();

@@ -4,11 +4,13 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <string>
 #include <type_traits>
 
 #include "backend/cuda/check.h"
 #include "backend/cuda/cudnn_sdpa.h"
+#include "util/threads.h"
 #include "backend/cuda/device.h"
 #include "draft/cuda/draft_engine.h"
 #include "draft/cuda/ttt_attention.h"
@@ -77,6 +79,15 @@ __device__ void block_softmax_state(float& m, float& z, int64_t& i, float* shm, 
   }
   __syncthreads();
   m = shm[32], z = shz[32], i = shi[32];
+}
+
+// The bits of bf16(x) on the host, rounded to nearest even like __float2bfloat16_rn (NaN kept a NaN).
+uint16_t bf16_bits(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return uint16_t(u >> 16);
 }
 
 // ---------------------------------------------------------------- row ops
@@ -683,6 +694,15 @@ struct DraftEngine::Impl {
   // Target.
   float *embed = nullptr, *fnorm = nullptr, *lm = nullptr, *inv = nullptr;
   __nv_bfloat16* embed_b = nullptr;  // with bf16 operands the target embedding is held as bf16 only
+  // --gpu-batch-embeddings: the target's embedding stays on the host as bf16 (host_embed [V, H]);
+  // prepare() uploads the rows of the batch's distinct tokens into emb_rows (row 0: token 0,
+  // what a step past a sample's end reads) through the pinned emb_stage, and the batch's ids as
+  // row numbers (cids), which gather() then reads in place of embed_b and ids.
+  bool batch_embed = false;
+  std::vector<uint16_t> host_embed;
+  std::vector<int32_t> emb_slot, h_cids, emb_toks;  // emb_slot [V]: a token's row this batch, or -1
+  __nv_bfloat16 *emb_rows = nullptr, *emb_stage = nullptr;
+  int32_t* cids = nullptr;
   int64_t* kept;
   uint8_t* t2d;
   // Parameters, gradients, moments: one buffer each, tensors at offs[i].
@@ -830,6 +850,7 @@ struct DraftEngine::Impl {
     for (auto* c : cast_buf)
       if (c) cudaFree(c);
     if (host_aux) cudaFreeHost(host_aux);
+    if (emb_stage) cudaFreeHost(emb_stage);
     if (host_hidden) cudaFreeHost(host_hidden);
     for (auto& m : marks) cudaEventDestroy(m.second);
   }
@@ -1034,7 +1055,9 @@ struct DraftEngine::Impl {
   // E = the embeddings of the tokens step k feeds.
   void gather(int k) {
     const int32_t fixed = d.peagle ? d.mask_token : -1;
-    if (embed_b)
+    if (batch_embed)
+      gather_kernel<<<unsigned(N), 256, 0, s>>>(E, emb_rows, cids, pos, len, d.H, k, fixed);
+    else if (embed_b)
       gather_kernel<<<unsigned(N), 256, 0, s>>>(E, embed_b, ids, pos, len, d.H, k, fixed);
     else
       gather_kernel<<<unsigned(N), 256, 0, s>>>(E, embed, ids, pos, len, d.H, k, fixed);
@@ -1377,6 +1400,9 @@ DraftEngine::DraftEngine(int device, const DraftDims& dd, DraftMath math, const 
   if (att_s == "flash" && !I.flash_attention)
     fail_msg("--gpu-attention flash needs bf16 math on bf16 operands and a head size that is a multiple of 16 up "
              "to 128 (head size " + std::to_string(dd.hd) + ")");
+  if (opt.batch_embeddings && (!I.bf16_operands || dd.peagle))
+    fail_msg(dd.peagle ? "--gpu-batch-embeddings: P-EAGLE trains its embedding, which stays on the device"
+                       : "--gpu-batch-embeddings needs bf16 math on bf16 operands");
   if (opt.logit_rows < 0)
     fail_msg("--gpu-logit-rows: expected a number of rows >= 1 (0: automatic), got " + std::to_string(opt.logit_rows));
   if (opt.attn_block < -1)
@@ -1411,7 +1437,17 @@ DraftEngine::DraftEngine(int device, const DraftDims& dd, DraftMath math, const 
         CUDA_CHECK(cudaDeviceSynchronize());
       }
     };
-    if (!dd.peagle) {  // P-EAGLE reads its own (trained) embedding, a weight
+    if (!dd.peagle && opt.batch_embeddings) {  // on the host; the batch's rows on the device
+      I.batch_embed = true;
+      I.host_embed.resize(size_t(V * H));
+      parallel_for_chunks(size_t(V), 8, 1024, [&](size_t v) {
+        for (int64_t c = 0; c < H; ++c) I.host_embed[v * size_t(H) + size_t(c)] = bf16_bits(embed[v * size_t(H) + size_t(c)]);
+      });
+      I.emb_slot.assign(size_t(V), -1);
+      I.emb_rows = I.alloc<__nv_bfloat16>(size_t((R + 1) * H));
+      CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&I.emb_stage), size_t((R + 1) * H) * 2, cudaHostAllocDefault));
+      I.cids = I.alloc<int32_t>(size_t(R));
+    } else if (!dd.peagle) {  // P-EAGLE reads its own (trained) embedding, a weight
       I.embed_b = I.alloc<__nv_bfloat16>(size_t(V * H));
       up_bf16(I.embed_b, embed);
     }
@@ -1705,6 +1741,32 @@ std::vector<uint8_t> DraftEngine::prepare(const DraftBatch& b) {
     CUDA_CHECK(cudaMemcpyAsync(dst, src, n, cudaMemcpyHostToDevice, I.s));
   };
   cp(I.ids, b.ids, size_t(N) * 4);
+  if (I.batch_embed) {
+    // The batch's distinct tokens, token 0 first; their rows go up on the copy stream (with aux,
+    // which run() waits for before its first gather). The last batch's upload has finished
+    // (aux_ready above), so the staging is free.
+    I.h_cids.resize(size_t(N));
+    I.emb_toks.assign(1, 0);
+    I.emb_slot[0] = 0;
+    for (int64_t n = 0; n < N; ++n) {
+      const int32_t t = b.ids[n];
+      if (t < 0 || t >= V) fail_msg("draft on GPU: token id " + std::to_string(t) + " at row " + std::to_string(n) +
+                                    " is outside the vocabulary of " + std::to_string(V));
+      int32_t& slot = I.emb_slot[size_t(t)];
+      if (slot < 0) {
+        slot = int32_t(I.emb_toks.size());
+        I.emb_toks.push_back(t);
+      }
+      I.h_cids[size_t(n)] = slot;
+    }
+    for (int32_t t : I.emb_toks) I.emb_slot[size_t(t)] = -1;
+    const size_t rowb = size_t(H) * 2;
+    parallel_for_chunks(I.emb_toks.size(), 8, 256, [&](size_t i) {
+      std::memcpy(static_cast<void*>(I.emb_stage + i * size_t(H)), I.host_embed.data() + size_t(I.emb_toks[i]) * size_t(H), rowb);
+    });
+    CUDA_CHECK(cudaMemcpyAsync(I.emb_rows, I.emb_stage, I.emb_toks.size() * rowb, cudaMemcpyHostToDevice, I.copy_s));
+    cp(I.cids, I.h_cids.data(), size_t(N) * 4);
+  }
   cp(I.pos, b.pos, size_t(N) * 4);
   cp(I.len, b.len, size_t(N) * 4);
   cp(I.mask, b.mask, size_t(N));

@@ -9,8 +9,10 @@
 # 4. unless TRAIN=0: draft training tokens/s and device memory at the 8B draft shape, fused
 #    kernels vs cuDNN, the target embedding on the device vs per batch (--gpu-batch-embeddings)
 #    (talon_bench_train, same call), 2048 and 4096 tokens;
-# 5. unless KIMI=0: the Kimi-K2-shaped forward (talon_bench_deepseek, 4 layers) with and without
-#    TALON_ATTENTION=cudnn.
+# 5. one Kimi-K2 MoE layer with bf16 experts, the mma.sync tiles against CUTLASS's wgmma grouped
+#    GEMM (TALON_MOE_GEMM=cutlass), and the MoE op tests (which include the CUTLASS route);
+# 6. unless KIMI=0: the Kimi-K2-shaped forward (talon_bench_deepseek, 4 layers) with and without
+#    TALON_ATTENTION=cudnn, and with bf16 experts on CUTLASS.
 # Logs go to $LOGS (default: a temporary folder); a summary to stdout.
 #   tar xzf .gpucarry/deps.tgz && bash scripts/gpu_build.sh && LOGS=$OUT bash bench/cudnn_gpu_check.sh
 set -uo pipefail
@@ -42,6 +44,11 @@ if [ "${TRAIN:-1}" != 0 ]; then
     done
   done
 fi
+echo "== one Kimi-K2 MoE layer, bf16 experts: mma.sync tiles vs CUTLASS wgmma grouped GEMM (TALON_MOE_GEMM=cutlass)"
+build/talon_bench_moe --bf16 --tokens 256,1024,4096,8192,16384 2>&1 | tee "$LOGS/moe-bf16-tiles.log" | tail -6
+TALON_MOE_GEMM=cutlass build/talon_bench_moe --bf16 --tokens 256,1024,4096,8192,16384 2>&1 | tee "$LOGS/moe-bf16-cutlass.log" | tail -6
+echo "== MoE tests with the CUTLASS route among them"
+build/tests/talon_tests --gtest_filter='*CudaMoe*' --gtest_brief=1 2>&1 | grep -E "^\[  (PASSED|FAILED) |CUTLASS|^\[  FAILED" | head -20
 if [ "${KIMI:-1}" != 0 ]; then
   echo "== Kimi-K2-shaped forward, 4 layers: Talon's attention vs cuDNN"
   build/talon_bench_deepseek --layers 4 --seqs 4 --seq-len 2048 --steps 3 > "$LOGS/kimi-talon.log" 2>&1
@@ -49,4 +56,9 @@ if [ "${KIMI:-1}" != 0 ]; then
   TALON_ATTENTION=cudnn build/talon_bench_deepseek --layers 4 --seqs 4 --seq-len 2048 --steps 3 \
     > "$LOGS/kimi-cudnn.log" 2>&1
   tail -2 "$LOGS/kimi-cudnn.log"
+  build/talon_bench_deepseek --layers 4 --seqs 4 --seq-len 2048 --steps 3 --bf16-experts > "$LOGS/kimi-bf16.log" 2>&1
+  tail -2 "$LOGS/kimi-bf16.log"
+  TALON_ATTENTION=cudnn TALON_MOE_GEMM=cutlass build/talon_bench_deepseek --layers 4 --seqs 4 --seq-len 2048 --steps 3 \
+    --bf16-experts > "$LOGS/kimi-bf16-cudnn-cutlass.log" 2>&1
+  tail -2 "$LOGS/kimi-bf16-cudnn-cutlass.log"
 fi

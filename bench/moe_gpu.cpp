@@ -7,7 +7,7 @@
 // block-quantized experts instead (e4m3 bytes, fp32 scales of 128 x 128 blocks, as
 // DeepSeek-V3's checkpoint).
 //   talon_bench_moe [--tokens 256,1024,4096,16384] [--experts 384] [--topk 8] [--hidden 7168]
-//                   [--inter 2048] [--group 32] [--fp8]
+//                   [--inter 2048] [--group 32] [--fp8 | --bf16]
 #include <cuda_runtime.h>
 
 #include <CLI/CLI.hpp>
@@ -54,6 +54,8 @@ int main(int argc, char** argv) {
   app.add_option("--inter", Im)->capture_default_str();
   app.add_option("--group", group)->capture_default_str();
   app.add_flag("--fp8", fp8, "FP8 block-quantized experts (blocks 128 x 128) instead of int4");
+  bool bf16 = false;
+  app.add_flag("--bf16", bf16, "bf16 experts instead of int4 (TALON_MOE_GEMM=cutlass: CUTLASS's grouped GEMM)");
   CLI11_PARSE(app, argc, argv);
   try {
     cuda::MoeRouting r;
@@ -61,6 +63,13 @@ int main(int argc, char** argv) {
     r.n_group = 1, r.topk_group = 1, r.norm_topk = true, r.routed_scale = 2.827f;
     auto matrix = [&](int64_t O, int64_t I) {
       cuda::ExpertMatrix m;
+      if (bf16) {
+        m.O = O, m.I = I;
+        auto* w = dalloc<cuda::bf16>(size_t(E * O * I));
+        CK(cudaMemset(w, 0x3c, size_t(E * O * I) * 2));  // bf16 ~0.0115
+        m.w = w;
+        return m;
+      }
       if (fp8) {
         m.O = O, m.I = I, m.bo = kBlock, m.bi = kBlock;
         const size_t bytes = size_t(E * O * I), blocks = size_t(E * ((O + kBlock - 1) / kBlock) * ((I + kBlock - 1) / kBlock));
@@ -82,7 +91,8 @@ int main(int argc, char** argv) {
     };
     const cuda::MoeExperts ex{matrix(Im, H), matrix(Im, H), matrix(H, Im)};
     const double weight_gb =
-        double(E) * 3 * double(H * Im) * (fp8 ? 1.0 + 4.0 / double(kBlock * kBlock) : 0.5 + 2.0 / double(group)) / 1e9;
+        double(E) * 3 * double(H * Im) *
+        (bf16 ? 2.0 : fp8 ? 1.0 + 4.0 / double(kBlock * kBlock) : 0.5 + 2.0 / double(group)) / 1e9;
     const int64_t Nmax = *std::max_element(tokens.begin(), tokens.end());
     const auto sz = cuda::moe_scratch_elems(Nmax, r, H, Im);
     cuda::MoeScratch sc;
@@ -104,7 +114,7 @@ int main(int argc, char** argv) {
     CK(cudaMemset(bias, 0, size_t(E) * 4));
     cudaDeviceProp prop{};
     CK(cudaGetDeviceProperties(&prop, 0));
-    const std::string storage = fp8 ? "fp8 blocks 128x128" : "int4 group " + std::to_string(group);
+    const std::string storage = bf16 ? "bf16" : fp8 ? "fp8 blocks 128x128" : "int4 group " + std::to_string(group);
     std::printf("MoE layer on %s: %lld experts, top-%lld, H %lld, expert width %lld, %s (%.2f GB of expert weights)\n",
                 prop.name, (long long)E, (long long)K, (long long)H, (long long)Im, storage.c_str(), weight_gb);
     std::printf("%8s %10s %12s %10s %12s\n", "tokens", "ms", "tokens/s", "TFLOP/s", "weights GB/s");

@@ -15,6 +15,9 @@ cp -r /usr/src/googletest "$d/googletest"
 scripts/fetch_cudnn_frontend.sh
 mkdir -p "$d/cudnn-frontend" "$d/cudnn/include"
 cp -r .cache/cudnn-frontend-1.32.0/include "$d/cudnn-frontend/"
+scripts/fetch_cutlass.sh
+mkdir -p "$d/cutlass"
+cp -r .cache/cutlass-4.2.0.0/include "$d/cutlass/"
 cudnn_h=$(dirname "$(find /usr/local/cuda/include /usr/include -maxdepth 2 -name cudnn.h 2>/dev/null | head -1)")
 cp "$cudnn_h"/cudnn*.h "$d/cudnn/include/"
 du -sh "$d"

@@ -28,9 +28,12 @@ if [ ${#missing[@]} -gt 0 ]; then
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
 fi
-# The cuDNN frontend's headers, where a CUDA compiler is installed (the CUDA build's fused
-# attention route; see scripts/fetch_cudnn_frontend.sh).
-if command -v nvcc >/dev/null 2>&1 || [ -x /usr/local/cuda/bin/nvcc ]; then scripts/fetch_cudnn_frontend.sh; fi
+# The cuDNN frontend's and CUTLASS's headers, where a CUDA compiler is installed (the CUDA
+# build's fused attention and grouped GEMM routes; see scripts/fetch_*.sh).
+if command -v nvcc >/dev/null 2>&1 || [ -x /usr/local/cuda/bin/nvcc ]; then
+  scripts/fetch_cudnn_frontend.sh
+  scripts/fetch_cutlass.sh
+fi
 if [ "$tests" = 0 ]; then
   scripts/fetch_model.sh
   exit 0

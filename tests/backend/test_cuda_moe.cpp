@@ -20,6 +20,7 @@
 
 #include "backend/cpu/ops.h"
 #include "backend/cuda/moe.h"
+#include "backend/cuda/moe_cutlass.h"
 #include "backend/cuda/moe_weights.h"
 #include "model/deepseek.h"
 #include "model/quant.h"
@@ -259,11 +260,17 @@ void check_moe_case(const Case& cs, int64_t N) {
   r.topk_group = cs.topk_group, r.norm_topk = cs.norm, r.routed_scale = cs.scale;
   DevMatrix dg(gate), du(up), dd(down);
   float* d_bias = to_dev(bias);
-  // Both expert GEMM paths: the tensor-core tiles (skinny off) and the decode-sized kernel.
-  for (const int64_t skinny : {int64_t(0), int64_t(1024)}) {
-    cuda::moe_skinny_max_slots(skinny);
+  // Every expert GEMM path: the tensor-core tiles (skinny off), the decode-sized kernel, and for
+  // bf16 experts CUTLASS's wgmma grouped GEMM where the build has it (TALON_MOE_GEMM=cutlass).
+  const bool cutlass = cs.group == 0 && cs.fp8_bi == 0 && cuda::moe_cutlass_built();
+  for (const int64_t skinny : {int64_t(0), int64_t(1024), int64_t(-1)}) {
+    if (skinny < 0 && !cutlass) continue;
+    cuda::moe_skinny_max_slots(std::max<int64_t>(skinny, 0));
+    cuda::moe_cutlass_use(skinny < 0 ? 1 : 0);
     const auto got = run_gpu_moe(xb, logits, cs.bias ? d_bias : nullptr, N, H, r, {dg.m, du.m, dd.m});
-    const std::string tag = std::string(cs.name) + (skinny ? " (decode-sized kernel)" : " (tiles)");
+    cuda::moe_cutlass_use(-1);
+    const std::string tag =
+        std::string(cs.name) + (skinny < 0 ? " (CUTLASS grouped GEMM)" : skinny ? " (decode-sized kernel)" : " (tiles)");
     EXPECT_EQ(got.idx, idx) << tag << ": routing picked other experts";
     for (size_t i = 0; i < got.weights.size(); ++i)
       EXPECT_NEAR(got.weights[i], wts[i], 1e-5 * std::max(1.f, std::fabs(wts[i]))) << i;

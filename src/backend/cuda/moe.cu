@@ -32,6 +32,7 @@
 #include "backend/cuda/check.h"
 #include "backend/cuda/kernels/swiglu.cuh"
 #include "backend/cuda/moe.h"
+#include "backend/cuda/moe_cutlass.h"
 #include "backend/cuda/tensor_core.cuh"
 #include "backend/cuda/warp.cuh"
 
@@ -677,6 +678,13 @@ __global__ void gather_sorted_kernel(bf16* rows, int32_t* ids, const bf16* in, c
   if (threadIdx.x == 0) ids[p] = idx[slot] % per_rank;
 }
 
+// rows[p] = in[order[p] / K] (bf16 rows of H, `in` rows ld apart): the routed rows in sorted order.
+__global__ void gather_rows_kernel(bf16* rows, const bf16* in, int64_t ld, const int32_t* order, int K, int64_t H) {
+  const int p = blockIdx.x;
+  const bf16* src = in + int64_t(order[p] / K) * ld;
+  for (int64_t h = threadIdx.x; h < H; h += blockDim.x) rows[int64_t(p) * H + h] = src[h];
+}
+
 // out[i] = in[pos[i]] (rows of H fp32).
 __global__ void unsort_kernel(float* out, const float* in, const int32_t* pos, int64_t H) {
   const int i = blockIdx.x;
@@ -688,7 +696,7 @@ __global__ void unsort_kernel(float* out, const float* in, const int32_t* pos, i
 // needs at most min(max_tiles, slots) tiles.
 // max_rows: a bound on any expert's rows (the token count: a token reaches an expert once).
 void grouped_gemm(float* out, const bf16* in, int64_t ld_in, bool gather, const MoeScratch& sc, int K, int64_t max_tiles,
-                  int64_t slots, int64_t max_rows, const ExpertMatrix& m, cudaStream_t s) {
+                  int64_t slots, int64_t max_rows, int E, const ExpertMatrix& m, cudaStream_t s) {
   const bool int4 = m.packed != nullptr, fp8 = m.fp8 != nullptr;
   if (int(int4) + int(fp8) + int(m.w != nullptr) != 1)
     fail_msg("moe: expert weights need exactly one of bf16, int4 and fp8 storage");
@@ -719,6 +727,26 @@ void grouped_gemm(float* out, const bf16* in, int64_t ld_in, bool gather, const 
       pick(std::integral_constant<int, 8>{});
     CUDA_LAUNCH_CHECK();
     return;
+  }
+  // TALON_MOE_GEMM=cutlass: bf16 experts on CUTLASS's wgmma/TMA grouped GEMM, which reads each
+  // expert's rows as one contiguous block (gathered first when they come from the tokens).
+  if (m.w && moe_cutlass_requested()) {
+    const bf16* a = in;
+    if (gather || ld_in != m.I) {
+      bf16* rows = moe_cutlass_rows(slots * m.I, s);
+      if (gather) {
+        gather_rows_kernel<<<unsigned(slots), 256, 0, s>>>(rows, in, ld_in, sc.order, K, m.I);
+        CUDA_LAUNCH_CHECK();
+      } else {
+        CUDA_CHECK(cudaMemcpy2DAsync(rows, size_t(m.I) * 2, in, size_t(ld_in) * 2, size_t(m.I) * 2, size_t(slots),
+                                     cudaMemcpyDeviceToDevice, s));
+      }
+      a = rows;
+    }
+    if (moe_cutlass_fits(a, m.w, out, m.O, m.I)) {
+      moe_cutlass_grouped_gemm(out, a, m.w, sc.offsets, E, m.O, m.I, s);
+      return;
+    }
   }
   if (int4 ? m.group % 16 == 0 : fp8 ? m.bi % 16 == 0 : true) {
     const dim3 grid(unsigned(max_tiles), unsigned((m.O + kTcCols - 1) / kTcCols));
@@ -800,10 +828,10 @@ void moe_forward(float* out, const bf16* xn, const float* router_logits, const f
   sort_kernel<<<1, 1024, 0, s>>>(sc.order, sc.pos, sc.offsets, sc.tiles, sc.n_tiles, sc.idx, int(NK), r.n_experts);
   CUDA_LAUNCH_CHECK();
   const int64_t T = max_tiles(NK, r.n_experts);
-  grouped_gemm(sc.g, xn, H, true, sc, K, T, NK, N, ex.gate, s);
-  grouped_gemm(sc.u, xn, H, true, sc, K, T, NK, N, ex.up, s);
+  grouped_gemm(sc.g, xn, H, true, sc, K, T, NK, N, r.n_experts, ex.gate, s);
+  grouped_gemm(sc.u, xn, H, true, sc, K, T, NK, N, r.n_experts, ex.up, s);
   launch_swiglu_forward(sc.act, sc.g, sc.u, Im, NK, Im, s);
-  grouped_gemm(sc.y, sc.act, Im, false, sc, K, T, NK, N, ex.down, s);
+  grouped_gemm(sc.y, sc.act, Im, false, sc, K, T, NK, N, r.n_experts, ex.down, s);
   combine_kernel<<<combine_grid(N, H), 256, 0, s>>>(out, sc.y, sc.weights, sc.pos, K, H);
   CUDA_LAUNCH_CHECK();
 }
@@ -837,10 +865,10 @@ void moe_experts_forward(float* y, const bf16* rows, const int32_t* ids, int64_t
   sort_kernel<<<1, 1024, 0, s>>>(sc.order, sc.pos, sc.offsets, sc.tiles, sc.n_tiles, ids, int(R), E_local);
   CUDA_LAUNCH_CHECK();
   const int64_t T = max_tiles(R, E_local);
-  grouped_gemm(sc.g, rows, H, true, sc, 1, T, R, R, ex.gate, s);
-  grouped_gemm(sc.u, rows, H, true, sc, 1, T, R, R, ex.up, s);
+  grouped_gemm(sc.g, rows, H, true, sc, 1, T, R, R, E_local, ex.gate, s);
+  grouped_gemm(sc.u, rows, H, true, sc, 1, T, R, R, E_local, ex.up, s);
   launch_swiglu_forward(sc.act, sc.g, sc.u, Im, R, Im, s);
-  grouped_gemm(sc.y, sc.act, Im, false, sc, 1, T, R, R, ex.down, s);
+  grouped_gemm(sc.y, sc.act, Im, false, sc, 1, T, R, R, E_local, ex.down, s);
   unsort_kernel<<<unsigned(R), 256, 0, s>>>(y, sc.y, sc.pos, H);
   CUDA_LAUNCH_CHECK();
 }

@@ -1,0 +1,253 @@
+// The MoE experts' bf16 grouped GEMM through CUTLASS (see moe_cutlass.h).
+#include "backend/cuda/moe_cutlass.h"
+
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <string>
+
+#include "backend/cuda/check.h"
+
+#ifdef TALON_HAVE_CUTLASS
+#include "cute/tensor.hpp"
+#include "cutlass/cutlass.h"
+#include "cutlass/epilogue/collective/collective_builder.hpp"
+#include "cutlass/gemm/collective/collective_builder.hpp"
+#include "cutlass/gemm/device/gemm_universal_adapter.h"
+#include "cutlass/gemm/dispatch_policy.hpp"
+#include "cutlass/gemm/group_array_problem_shape.hpp"
+#include "cutlass/gemm/kernel/gemm_universal.hpp"
+#include "cutlass/util/packed_stride.hpp"
+#endif
+
+namespace talon::cuda {
+
+namespace {
+std::atomic<int> g_use{-1};
+}
+
+void moe_cutlass_use(int mode) { g_use = mode; }
+
+bool moe_cutlass_requested() {
+  static const bool env = [] {
+    const char* e = std::getenv("TALON_MOE_GEMM");
+    return e && std::strcmp(e, "cutlass") == 0;
+  }();
+  const int m = g_use.load();
+  return m < 0 ? env : m > 0;
+}
+
+bool moe_cutlass_fits(const void* a, const void* w, const void* out, int64_t N, int64_t K) {
+  const auto al = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+  return K > 0 && N > 0 && K % 8 == 0 && N % 4 == 0 && al(a) && al(w) && al(out) && N < (int64_t(1) << 31) &&
+         K < (int64_t(1) << 31);
+}
+
+__nv_bfloat16* moe_cutlass_rows(int64_t n, cudaStream_t s) {
+  struct Rows {
+    __nv_bfloat16* p = nullptr;
+    int64_t cap = 0;
+  };
+  static std::mutex mu;
+  static std::map<int, Rows> rows;
+  int dev = 0;
+  CUDA_CHECK(cudaGetDevice(&dev));
+  Rows* r;
+  {
+    std::lock_guard lk(mu);
+    r = &rows[dev];
+  }
+  if (n > r->cap) {  // one thread owns a device, so only it touches its entry
+    CUDA_CHECK(cudaStreamSynchronize(s));
+    if (r->p) CUDA_CHECK(cudaFree(r->p));
+    r->p = nullptr;
+    CUDA_CHECK(cudaMalloc(&r->p, size_t(n) * 2));
+    r->cap = n;
+  }
+  return r->p;
+}
+
+#ifdef TALON_HAVE_CUTLASS
+
+namespace {
+
+using namespace cute;
+
+using ProblemShape = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;  // (M, N, K) per expert
+using ElementA = cutlass::bfloat16_t;
+using ElementB = cutlass::bfloat16_t;
+using ElementC = float;  // C = D: beta is 0, so the epilogue never reads it
+using ElementD = float;
+using LayoutA = cutlass::layout::RowMajor;     // routed rows, K contiguous
+using LayoutB = cutlass::layout::ColumnMajor;  // w[e] is [N, K] row-major: B = w[e]^T, K contiguous
+using LayoutD = cutlass::layout::RowMajor;
+constexpr int kAlignA = 8, kAlignB = 8, kAlignD = 4;  // 16 bytes
+using TileShape = Shape<_128, _128, _64>;
+using ClusterShape = Shape<_1, _2, _1>;  // two N tiles share each A tile (TMA multicast)
+using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
+using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
+
+using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+    cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
+    cutlass::epilogue::collective::EpilogueTileAuto, float, float, ElementC, LayoutD*, kAlignD, ElementD, LayoutD*,
+    kAlignD, EpilogueSchedule, cutlass::epilogue::fusion::LinearCombination<ElementD, float>>::CollectiveOp;
+using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+    cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementA, LayoutA*, kAlignA, ElementB, LayoutB*, kAlignB,
+    float, TileShape, ClusterShape,
+    cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
+        sizeof(typename CollectiveEpilogue::SharedStorage))>,
+    KernelSchedule>::CollectiveOp;
+using GemmKernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop, CollectiveEpilogue>;
+using Gemm = cutlass::gemm::device::GemmUniversalAdapter<GemmKernel>;
+using StrideA = typename Gemm::GemmKernel::InternalStrideA;
+using StrideB = typename Gemm::GemmKernel::InternalStrideB;
+using StrideC = typename Gemm::GemmKernel::InternalStrideC;
+using StrideD = typename Gemm::GemmKernel::InternalStrideD;
+using Shape3 = typename ProblemShape::UnderlyingProblemShape;
+
+// The per-expert arrays CUTLASS reads, in one device allocation.
+struct Arrays {
+  Shape3* shapes;
+  const ElementA** a;
+  const ElementB** b;
+  const ElementC** c;
+  ElementD** d;
+  StrideA* sa;
+  StrideB* sb;
+  StrideC* sc;
+  StrideD* sd;
+};
+
+template <class T>
+size_t aligned_bytes(int E) {
+  return (sizeof(T) * size_t(E) + 255) / 256 * 256;
+}
+
+size_t arrays_bytes(int E) {
+  return aligned_bytes<Shape3>(E) + 4 * aligned_bytes<void*>(E) + aligned_bytes<StrideA>(E) +
+         aligned_bytes<StrideB>(E) + aligned_bytes<StrideC>(E) + aligned_bytes<StrideD>(E);
+}
+
+Arrays carve(void* base, int E) {
+  auto* p = static_cast<uint8_t*>(base);
+  Arrays r;
+  const auto take = [&](auto*& out, size_t bytes) {
+    out = reinterpret_cast<std::remove_reference_t<decltype(out)>>(p);
+    p += bytes;
+  };
+  take(r.shapes, aligned_bytes<Shape3>(E));
+  take(r.a, aligned_bytes<void*>(E));
+  take(r.b, aligned_bytes<void*>(E));
+  take(r.c, aligned_bytes<void*>(E));
+  take(r.d, aligned_bytes<void*>(E));
+  take(r.sa, aligned_bytes<StrideA>(E));
+  take(r.sb, aligned_bytes<StrideB>(E));
+  take(r.sc, aligned_bytes<StrideC>(E));
+  take(r.sd, aligned_bytes<StrideD>(E));
+  return r;
+}
+
+// Expert e's problem (rows offsets[e]..offsets[e+1]) and pointers, from the device offsets.
+__global__ void setup_kernel(Arrays r, const int32_t* offsets, const ElementA* a, const ElementB* w, ElementD* out,
+                             int E, int N, int K) {
+  const int e = int(blockIdx.x * blockDim.x + threadIdx.x);
+  if (e >= E) return;
+  const int m = offsets[e + 1] - offsets[e];
+  r.shapes[e] = Shape3(m, N, K);
+  r.a[e] = a + int64_t(offsets[e]) * K;
+  r.b[e] = w + int64_t(e) * N * K;
+  r.c[e] = out + int64_t(offsets[e]) * N;
+  r.d[e] = out + int64_t(offsets[e]) * N;
+  r.sa[e] = cutlass::make_cute_packed_stride(StrideA{}, cute::make_shape(m, K, 1));
+  r.sb[e] = cutlass::make_cute_packed_stride(StrideB{}, cute::make_shape(N, K, 1));
+  r.sc[e] = cutlass::make_cute_packed_stride(StrideC{}, cute::make_shape(m, N, 1));
+  r.sd[e] = cutlass::make_cute_packed_stride(StrideD{}, cute::make_shape(m, N, 1));
+}
+
+// Per device: the arrays and CUTLASS's workspace, grown as needed.
+struct DeviceBufs {
+  void* arrays = nullptr;
+  int groups = 0;
+  void* ws = nullptr;
+  size_t ws_bytes = 0;
+  int sms = 0;
+};
+std::mutex g_mu;
+std::map<int, DeviceBufs> g_bufs;
+
+void check_cutlass(cutlass::Status st, const char* what) {
+  if (st != cutlass::Status::kSuccess)
+    fail_msg(std::string("moe (CUTLASS grouped GEMM): ") + what + " failed: " + cutlassGetStatusString(st));
+}
+
+}  // namespace
+
+bool moe_cutlass_built() { return true; }
+
+void moe_cutlass_grouped_gemm(float* out, const __nv_bfloat16* a, const __nv_bfloat16* w, const int32_t* offsets,
+                              int E, int64_t N, int64_t K, cudaStream_t s) {
+  if (E <= 0) return;
+  if (!moe_cutlass_fits(a, w, out, N, K))
+    fail_msg("moe (CUTLASS grouped GEMM): needs K % 8 == 0, N % 4 == 0 and 16-byte aligned operands (N " +
+             std::to_string(N) + ", K " + std::to_string(K) + ")");
+  int dev = 0;
+  CUDA_CHECK(cudaGetDevice(&dev));
+  DeviceBufs* B;
+  {
+    std::lock_guard lk(g_mu);
+    B = &g_bufs[dev];
+  }
+  // One thread owns a device (Talon's rule), so its entry is only touched by that thread.
+  if (B->groups < E) {
+    CUDA_CHECK(cudaStreamSynchronize(s));
+    if (B->arrays) CUDA_CHECK(cudaFree(B->arrays));
+    B->arrays = nullptr;
+    CUDA_CHECK(cudaMalloc(&B->arrays, arrays_bytes(E)));
+    B->groups = E;
+  }
+  if (B->sms == 0) B->sms = cutlass::KernelHardwareInfo::query_device_multiprocessor_count(dev);
+  const Arrays r = carve(B->arrays, B->groups);
+  setup_kernel<<<(E + 127) / 128, 128, 0, s>>>(r, offsets, reinterpret_cast<const ElementA*>(a),
+                                               reinterpret_cast<const ElementB*>(w), out, E, int(N), int(K));
+  CUDA_LAUNCH_CHECK();
+
+  cutlass::KernelHardwareInfo hw;
+  hw.device_id = dev;
+  hw.sm_count = B->sms;
+  typename Gemm::Arguments args{cutlass::gemm::GemmUniversalMode::kGrouped,
+                                {E, r.shapes, nullptr},
+                                {r.a, r.sa, r.b, r.sb},
+                                {{}, r.c, r.sc, r.d, r.sd},
+                                hw};
+  args.epilogue.thread.alpha = 1.f;
+  args.epilogue.thread.beta = 0.f;
+  args.epilogue.thread.alpha_ptr = nullptr;
+  args.epilogue.thread.beta_ptr = nullptr;
+  Gemm gemm;
+  check_cutlass(gemm.can_implement(args), "can_implement");
+  const size_t need = Gemm::get_workspace_size(args);
+  if (need > B->ws_bytes) {
+    CUDA_CHECK(cudaStreamSynchronize(s));
+    if (B->ws) CUDA_CHECK(cudaFree(B->ws));
+    B->ws = nullptr;
+    CUDA_CHECK(cudaMalloc(&B->ws, need));
+    B->ws_bytes = need;
+  }
+  check_cutlass(gemm.initialize(args, B->ws, s), "initialize");
+  check_cutlass(gemm.run(s), "run");
+  CUDA_LAUNCH_CHECK();
+}
+
+#else  // built without CUTLASS's headers
+
+bool moe_cutlass_built() { return false; }
+void moe_cutlass_grouped_gemm(float*, const __nv_bfloat16*, const __nv_bfloat16*, const int32_t*, int, int64_t,
+                              int64_t, cudaStream_t) {
+  fail_msg("TALON_MOE_GEMM=cutlass: this build has no CUTLASS headers (scripts/fetch_cutlass.sh, then reconfigure)");
+}
+
+#endif
+
+}  // namespace talon::cuda

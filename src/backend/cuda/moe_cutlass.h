@@ -1,0 +1,36 @@
+// Internal to the CUDA backend: the MoE experts' bf16 grouped GEMM on Hopper's warpgroup MMA
+// and TMA, through CUTLASS's pointer-array grouped GEMM (TMA warp-specialized cooperative
+// kernel, device-side problem sizes: no host round trip for the experts' row counts).
+//
+// out[offsets[e] + r, :] (fp32, row-major, N columns) = a[offsets[e] + r, :] (bf16, row-major,
+// K columns) @ w[e]^T for every expert e and r < offsets[e+1] - offsets[e], w bf16 [E, N, K]
+// (the stacked expert matrices of moe.h). offsets: device int32 [E + 1], ascending (moe.cu's
+// sorted slot offsets). Needs K % 8 == 0, N % 4 == 0 and 16-byte aligned a, w, out.
+//
+// Selected with TALON_MOE_GEMM=cutlass (moe.cu; the mma.sync tiles stay the default and the
+// tested fallback until this route has been measured). Built only where CUTLASS's headers were
+// found (scripts/fetch_cutlass.sh); moe_cutlass_built() says whether it was.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace talon::cuda {
+
+bool moe_cutlass_built();
+// TALON_MOE_GEMM=cutlass in the environment (read once), unless moe_cutlass_use() overrode it.
+bool moe_cutlass_requested();
+// Tests: 1 routes bf16 experts to CUTLASS, 0 to the mma.sync tiles, -1 back to the environment.
+void moe_cutlass_use(int mode);
+// Whether the shapes and pointers fit the kernel (see above).
+bool moe_cutlass_fits(const void* a, const void* w, const void* out, int64_t N, int64_t K);
+// A device buffer of n bf16 values for the routed rows in sorted order (per device, grown as
+// needed; a grow first synchronizes s).
+__nv_bfloat16* moe_cutlass_rows(int64_t n, cudaStream_t s);
+// The grouped product above, on stream s. Its pointer arrays and CUTLASS's workspace are kept
+// per device and grown as needed (a grow first synchronizes s).
+void moe_cutlass_grouped_gemm(float* out, const __nv_bfloat16* a, const __nv_bfloat16* w, const int32_t* offsets,
+                              int E, int64_t N, int64_t K, cudaStream_t s);
+
+}  // namespace talon::cuda

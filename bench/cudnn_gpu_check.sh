@@ -11,7 +11,9 @@
 #    (talon_bench_train, same call), 2048 and 4096 tokens;
 # 5. one Kimi-K2 MoE layer with bf16 experts, the mma.sync tiles against CUTLASS's wgmma grouped
 #    GEMM (TALON_MOE_GEMM=cutlass), and the MoE op tests (which include the CUTLASS route);
-# 6. unless KIMI=0: the Kimi-K2-shaped forward (talon_bench_deepseek, 4 layers) with and without
+# 6. a CUPTI trace of one 8B draft training step: the device's idle time by what the host was
+#    doing (issue: the step's unexplained ~11 ms), and a Chrome trace among the logs;
+# 7. unless KIMI=0: the Kimi-K2-shaped forward (talon_bench_deepseek, 4 layers) with and without
 #    TALON_ATTENTION=cudnn, and with bf16 experts on CUTLASS.
 # Logs go to $LOGS (default: a temporary folder); a summary to stdout.
 #   tar xzf .gpucarry/deps.tgz && bash scripts/gpu_build.sh && LOGS=$OUT bash bench/cudnn_gpu_check.sh
@@ -49,6 +51,10 @@ build/talon_bench_moe --bf16 --tokens 256,1024,4096,8192,16384 2>&1 | tee "$LOGS
 TALON_MOE_GEMM=cutlass build/talon_bench_moe --bf16 --tokens 256,1024,4096,8192,16384 2>&1 | tee "$LOGS/moe-bf16-cutlass.log" | tail -6
 echo "== MoE tests with the CUTLASS route among them"
 build/tests/talon_tests --gtest_filter='*CudaMoe*' --gtest_brief=1 2>&1 | grep -E "^\[  (PASSED|FAILED) |CUTLASS|^\[  FAILED" | head -20
+echo "== where the 8B draft step's idle gaps go (CUPTI trace of one step, seq 4096)"
+build/talon_bench_train --shape llama3-8b --seq 4096 --samples 1 --steps 4 --loss-share 0.675 \
+  --trace "$LOGS/train-trace.json" > "$LOGS/train-trace.log" 2>&1
+sed -n '/^trace of step/,/^step /p' "$LOGS/train-trace.log" | head -40
 if [ "${KIMI:-1}" != 0 ]; then
   echo "== Kimi-K2-shaped forward, 4 layers: Talon's attention vs cuDNN"
   build/talon_bench_deepseek --layers 4 --seqs 4 --seq-len 2048 --steps 3 > "$LOGS/kimi-talon.log" 2>&1

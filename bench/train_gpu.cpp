@@ -8,6 +8,9 @@
 //                     [--math bf16|tf32|f32] [--ttt 7] [--draft-vocab 32000] [--peak-tflops 779]
 //                     [--staged] [--drafter eagle3|peagle|dflash] [--draft-layers 5] [--block-size 16]
 //                     [--max-anchors 512] [--dflash-loss ce|kl] [--dflash-weighting dpace|fixed-exp-decay]
+//                     [--gpu-attention auto|flash|cudnn|blocks|loop] [--gpu-batch-embeddings] [--trace FILE]
+// --trace FILE: a CUPTI trace of the last step (not timed): the device's idle gaps, charged to the
+// host CUDA call that overlaps each most (backend/trace_gaps.h), and a Chrome trace in FILE.
 // --drafter peagle trains P-EAGLE with --ttt depths (COD ratio 0.7, floor 0.2), dflash the block
 // drafter; bench/train_peer_families.py is their peer (speculators' own model classes).
 #include <cuda_runtime.h>
@@ -17,12 +20,16 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <memory>
 #include <random>
 #include <vector>
 
+#include "backend/cuda/cupti_trace.h"
+#include "backend/trace_gaps.h"
 #include "draft/draft_gpu.h"
 #include "draft/trainer.h"
 #include "util/error.h"
+#include "util/file.h"
 
 using namespace talon;
 using namespace talon::eagle3;
@@ -74,6 +81,10 @@ int main(int argc, char** argv) {
   app.add_flag("--resident", resident,
                "features in device memory (as the PyTorch peer keeps them), copied device to device; the "
                "memory figure includes them");
+  std::string trace_file;
+  app.add_option("--trace", trace_file,
+                 "CUPTI trace of the last step: the device's idle gaps and what the host did in them, and a Chrome "
+                 "trace (JSON) in this file");
   CLI11_PARSE(app, argc, argv);
   try {
     DraftConfig c;
@@ -217,6 +228,8 @@ int main(int argc, char** argv) {
     std::vector<double> times;  // steps after the first (which warms cuBLAS up)
     for (int64_t st = 0; st < steps; ++st) {
       cudaDeviceSynchronize();
+      std::unique_ptr<cuda::CuptiTrace> trace;
+      if (!trace_file.empty() && st == steps - 1) trace = std::make_unique<cuda::CuptiTrace>();
       const auto t0 = std::chrono::steady_clock::now();
       std::vector<uint64_t> seeds;
       for (int64_t s = 0; s < samples; ++s) seeds.push_back(uint64_t(st) * 1000003ull + uint64_t(s));
@@ -224,7 +237,15 @@ int main(int argc, char** argv) {
       gpu->clip_grad_norm(0.5);
       gpu->adamw_step(oc, st);
       const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-      if (st > 0) times.push_back(dt);
+      if (trace) {  // not among the timed steps: tracing slows the host down
+        cudaDeviceSynchronize();
+        const std::vector<TraceEvent> ev = trace->stop();
+        std::printf("trace of step %lld (%zu events):\n%s", (long long)st, ev.size(),
+                    format_gap_report(analyze_gaps(ev)).c_str());
+        write_file_atomic(trace_file, chrome_trace_json(ev));
+      } else if (st > 0) {
+        times.push_back(dt);
+      }
       std::printf("step %lld: %.3f s, loss %.4f\n", (long long)st, dt, res[0].loss);
       if (st == 0) {
         int64_t n0 = 0, masked = 0;

@@ -13,6 +13,7 @@ sp=$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])' 2>/d
 cudnn_so=$(find ${sp:+"$sp/nvidia"} -name 'libcudnn.so.9' 2>/dev/null | head -1 || true)
 cudnn_dir=${cudnn_so:+$(dirname "$(dirname "$cudnn_so")")}
 cudart_so=$(find ${sp:+"$sp/nvidia"} /usr/local/cuda/lib64 -name 'libcudart.so.13*' 2>/dev/null | head -1 || true)
+cupti_so=$(find /usr/local/cuda/extras/CUPTI/lib64 /usr/local/cuda/lib64 ${sp:+"$sp/nvidia"} -name 'libcupti.so.13*' 2>/dev/null | head -1 || true)
 cmake -S . -B build -G Ninja -DTALON_DEPS_DIR="$PWD/.deps" -DTALON_NATIVE=OFF -DCMAKE_BUILD_TYPE=Release \
   ${nccl:+-DTALON_NCCL_DIR="$nccl"} ${cudnn_dir:+-DTALON_CUDNN_DIR="$cudnn_dir"} -Wno-dev > build.log 2>&1 ||
   { tail -30 build.log; exit 1; }
@@ -20,6 +21,6 @@ ninja -C build $targets >> build.log 2>&1 || { grep -E "error" -A3 build.log | h
 grep -E "talon: " build.log
 # The runtime half of NCCL, for --tp > 1 (dlopen'ed by talon).
 libs=${nccl:+$nccl/lib}
-for so in "$cudnn_so" "$cudart_so"; do [ -n "$so" ] && libs=${libs:+$libs:}$(dirname "$so"); done
+for so in "$cudnn_so" "$cudart_so" "$cupti_so"; do [ -n "$so" ] && libs=${libs:+$libs:}$(dirname "$so"); done
 if [ -n "$libs" ]; then echo "export LD_LIBRARY_PATH=$libs:\${LD_LIBRARY_PATH:-}" > build/env.sh; else : > build/env.sh; fi
 cat build/env.sh

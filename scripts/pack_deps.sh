@@ -20,4 +20,7 @@ mkdir -p "$d/cutlass"
 cp -r .cache/cutlass-4.2.0.0/include "$d/cutlass/"
 cudnn_h=$(dirname "$(find /usr/local/cuda/include /usr/include -maxdepth 2 -name cudnn.h 2>/dev/null | head -1)")
 cp "$cudnn_h"/cudnn*.h "$d/cudnn/include/"
+# CUPTI's headers (talon_bench_* --trace), where the GPU machine's toolkit lacks them.
+cupti_h=$(dirname "$(find /usr/local/cuda/include /usr/local/cuda/extras/CUPTI/include -maxdepth 1 -name cupti.h 2>/dev/null | head -1)")
+mkdir -p "$d/cupti/include" && cp "$cupti_h"/cupti*.h "$d/cupti/include/"
 du -sh "$d"

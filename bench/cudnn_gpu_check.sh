@@ -13,6 +13,7 @@
 #    GEMM (TALON_MOE_GEMM=cutlass), and the MoE op tests (which include the CUTLASS route);
 # 6. a CUPTI trace of one 8B draft training step: the device's idle time by what the host was
 #    doing (issue: the step's unexplained ~11 ms), and a Chrome trace among the logs;
+#    and of three greedy 8B decode steps at batch 1 (issue: 4.7 ms against a 3.9 ms target);
 # 7. unless KIMI=0: the Kimi-K2-shaped forward (talon_bench_deepseek, 4 layers) with and without
 #    TALON_ATTENTION=cudnn, and with bf16 experts on CUTLASS.
 # Logs go to $LOGS (default: a temporary folder); a summary to stdout.
@@ -55,6 +56,10 @@ echo "== where the 8B draft step's idle gaps go (CUPTI trace of one step, seq 40
 build/talon_bench_train --shape llama3-8b --seq 4096 --samples 1 --steps 4 --loss-share 0.675 \
   --trace "$LOGS/train-trace.json" > "$LOGS/train-trace.log" 2>&1
 sed -n '/^trace of step/,/^step /p' "$LOGS/train-trace.log" | head -40
+echo "== the 8B decode step at batch 1, context 2048: idle gaps (CUPTI trace of 3 greedy graph steps)"
+build/talon_bench_decode --context 2048 --batches 1 --steps 16 --tree 0 --trace "$LOGS/decode-trace.json" \
+  > "$LOGS/decode-trace.log" 2>&1
+sed -n '/^trace of 3/,$p' "$LOGS/decode-trace.log" | head -30
 if [ "${KIMI:-1}" != 0 ]; then
   echo "== Kimi-K2-shaped forward, 4 layers: Talon's attention vs cuDNN"
   build/talon_bench_deepseek --layers 4 --seqs 4 --seq-len 2048 --steps 3 > "$LOGS/kimi-talon.log" 2>&1

@@ -13,7 +13,7 @@
 // every dense matrix, and per MoE layer the routed experts B slots x top-k picks reach when
 // routing is uniform (E (1 - (1 - k/E)^B) of them), plus the latent cache.
 //   talon_bench_decode [--shape llama3-8b|smollm2] [--model PATH] [--context 2048]
-//                      [--batches 1,32,256] [--steps 16] [--tree 32] [--draft-vocab 32000]
+//                      [--batches 1,32,256] [--steps 16] [--tree 32] [--draft-vocab 32000] [--trace FILE]
 #include <cuda_runtime.h>
 
 #include <CLI/CLI.hpp>
@@ -26,6 +26,8 @@
 #include <random>
 
 #include "backend/cuda/cuda_decoder.h"
+#include "backend/cuda/cupti_trace.h"
+#include "backend/trace_gaps.h"
 #include "backend/backend.h"
 #include "model/checkpoint.h"
 #include "model/decode.h"
@@ -34,6 +36,7 @@
 #include "draft/draft_runner.h"
 #include "draft/export.h"
 #include "util/error.h"
+#include "util/file.h"
 
 using namespace talon;
 
@@ -132,6 +135,10 @@ int main(int argc, char** argv) {
   app.add_option("--tp", tp, "tensor-parallel ranks on GPUs 0..tp-1 (DeepSeek family)")->capture_default_str();
   app.add_option("--ep", ep, "expert-parallel ranks on GPUs 0..ep-1 (DeepSeek family)")->capture_default_str();
   app.add_flag("--share-gpus", share, "every --tp rank on GPU 0 (device-copy collectives)");
+  std::string trace_file;
+  app.add_option("--trace", trace_file,
+                 "CUPTI trace of 3 greedy steps at the first batch size (after its timing): the device's idle gaps "
+                 "by host cause, and a Chrome trace in this file");
   CLI11_PARSE(app, argc, argv);
   try {
     const double t0 = now();
@@ -250,6 +257,16 @@ int main(int argc, char** argv) {
         const double a = now();
         for (int64_t i = 0; i < steps; ++i) step();
         per[mode] = (now() - a) / double(steps);
+        if (!trace_file.empty() && mode == 2 && B == batches.front()) {  // after the timing
+          cudaDeviceSynchronize();
+          cuda::CuptiTrace trace;
+          for (int i = 0; i < 3; ++i) step();
+          cudaDeviceSynchronize();
+          const std::vector<TraceEvent> ev = trace.stop();
+          std::printf("trace of 3 greedy steps, %d slots (%zu events):\n%s", B, ev.size(),
+                      format_gap_report(analyze_gaps(ev, 2000)).c_str());
+          write_file_atomic(trace_file, chrome_trace_json(ev));
+        }
       }
       const double bytes = step_weight_bytes(B) + double(B) * double(context + 2 + steps / 2) * kv_per_token;
       const double floor_s = bytes / 4.8e12;

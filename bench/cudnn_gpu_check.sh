@@ -4,7 +4,8 @@
 # two 10-minute calls: PARTS="tests attention moe" then PARTS="train trace kimi"):
 #   tests      CudnnSdpa.* (fp64 reference: training layouts, extraction's fused-qkv and MLA
 #              layouts), GpuDraft.* (CudnnAttentionMatchesReference, BatchEmbeddingsGiveTheSameBits
-#              among them), CudaMoe.* (the CUTLASS route among them), and the whole-model goldens
+#              among them), CudaMoe.* (the CUTLASS route among them), CudaParallel.* (the
+#              expert-parallel overlap among them), and the whole-model goldens
 #              with the prefill attention through cuDNN (TALON_ATTENTION=cudnn);
 #   attention  attention alone, each route on the same inputs (talon_bench_attention), TFLOP/s;
 #   moe        one Kimi-K2 MoE layer with bf16 experts: the mma.sync tiles vs CUTLASS
@@ -27,8 +28,9 @@ PARTS=${PARTS:-"tests attention moe train trace kimi"}
 want() { case " $PARTS " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 echo "== $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -1); commit $(git rev-parse --short HEAD 2>/dev/null || echo '?'); parts: $PARTS"
 if want tests; then
-  echo "== tests: *CudnnSdpa*:*GpuDraft*:*CudaMoe*"
-  build/tests/talon_tests --gtest_filter='*CudnnSdpa*:*GpuDraft*:*CudaMoe*' --gtest_brief=1 > "$LOGS/tests.log" 2>&1
+  echo "== tests: *CudnnSdpa*:*GpuDraft*:*CudaMoe*:*CudaParallel*"
+  build/tests/talon_tests --gtest_filter='*CudnnSdpa*:*GpuDraft*:*CudaMoe*:*CudaParallel*' --gtest_brief=1 \
+    > "$LOGS/tests.log" 2>&1
   grep -E "^\[  (PASSED|FAILED|SKIPPED) |^\[==========\]" "$LOGS/tests.log" | tail -4
   grep -E "^\[  FAILED  \]|Failure|Expected|Which is|actual|cuDNN|CUTLASS" "$LOGS/tests.log" | head -40
   echo "== goldens with TALON_ATTENTION=cudnn"
@@ -82,4 +84,10 @@ if want kimi; then
   run_kimi cudnn TALON_ATTENTION=cudnn
   BF16=1 run_kimi bf16 TALON_ATTENTION=
   BF16=1 run_kimi bf16-cudnn-cutlass TALON_ATTENTION=cudnn TALON_MOE_GEMM=cutlass
+  echo "== --ep 2 on shared GPUs, without and with the overlap (plumbing: shared GPUs serialize)"
+  build/talon_bench_deepseek --layers 4 --seqs 4 --seq-len 2048 --steps 3 --ep 2 --devices 0,0 --share-gpus > "$LOGS/kimi-ep2.log" 2>&1
+  echo "ep2: $(tail -1 "$LOGS/kimi-ep2.log")"
+  TALON_EP_OVERLAP=1 build/talon_bench_deepseek --layers 4 --seqs 4 --seq-len 2048 --steps 3 --ep 2 --devices 0,0 --share-gpus \
+    > "$LOGS/kimi-ep2-overlap.log" 2>&1
+  echo "ep2 overlap: $(tail -1 "$LOGS/kimi-ep2-overlap.log")"
 fi

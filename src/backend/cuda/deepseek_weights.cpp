@@ -2,6 +2,10 @@
 // (deepseek_weights.h).
 #include "backend/cuda/deepseek_weights.h"
 
+#include <atomic>
+#include <cstdlib>
+#include <string>
+
 #include <algorithm>
 
 #include "backend/cuda/check.h"
@@ -163,77 +167,152 @@ void deepseek_mlp(const DeepseekLayerDev& L, const ModelConfig& c, float* x, con
   }
 }
 
+namespace {
+std::atomic<int> g_ep_overlap{-1};
+bool ep_overlap() {
+  static const bool env = [] {
+    const char* e = std::getenv("TALON_EP_OVERLAP");
+    return e && std::string(e) == "1";
+  }();
+  const int m = g_ep_overlap.load();
+  return m < 0 ? env : m > 0;
+}
+}  // namespace
+
+void moe_ep_overlap_use(int mode) { g_ep_overlap = mode; }
+
+MoeParallel::~MoeParallel() {
+  if (!s2_) return;
+  int cur = 0;
+  cudaGetDevice(&cur);
+  cudaSetDevice(device_);
+  cudaStreamSynchronize(s2_);
+  cudaEventDestroy(ev_in_);
+  cudaEventDestroy(ev_out_);
+  cudaStreamDestroy(s2_);
+  cudaSetDevice(cur);
+}
+
 void MoeParallel::run(const DeepseekLayerDev& L, int64_t N, const float* rlog, const bf16* xn, const MoeScratch* moe,
                       float* out, cudaStream_t s) {
+  const bool tp = par_.mode == DeepseekParallel::Mode::Tensor;
+  if (tp || !ep_overlap()) {
+    Part p;
+    p.e = &ep_, p.moe = moe, p.N = N, p.rlog = rlog, p.xn = xn, p.out = out, p.s = s;
+    dispatch(L, p);
+    finish(L, p);
+    return;
+  }
+  if (!s2_) {
+    CUDA_CHECK(cudaGetDevice(&device_));
+    CUDA_CHECK(cudaStreamCreateWithFlags(&s2_, cudaStreamNonBlocking));
+    CUDA_CHECK(cudaEventCreateWithFlags(&ev_in_, cudaEventDisableTiming));
+    CUDA_CHECK(cudaEventCreateWithFlags(&ev_out_, cudaEventDisableTiming));
+  }
+  const auto& r = L.experts.routing;
+  const int64_t H = H_, E = r.n_experts, N1 = N / 2, N2 = N - N1;
+  // The second half routes with its own scratch (moe_forward's, for N2 tokens).
+  if (N2 > 0 && ep2_.route_n < N2) {
+    CUDA_CHECK(cudaStreamSynchronize(s2_));
+    ep2_.route = MoeScratch{};
+    ep2_.route_arena = std::make_unique<DeviceArena>();
+    alloc_moe_scratch(ep2_.route, *ep2_.route_arena, N2, r, H, L.experts.experts.gate.O);
+    ep2_.route_n = N2;
+  }
+  CUDA_CHECK(cudaEventRecord(ev_in_, s));  // rlog and xn are ready
+  CUDA_CHECK(cudaStreamWaitEvent(s2_, ev_in_, 0));
+  Part a, b;
+  a.e = &ep_, a.moe = N1 > 0 ? moe : nullptr, a.N = N1, a.rlog = rlog, a.xn = xn, a.out = out, a.s = s;
+  b.e = &ep2_, b.moe = N2 > 0 ? &ep2_.route : nullptr, b.N = N2, b.rlog = N2 > 0 ? rlog + N1 * E : nullptr;
+  b.xn = N2 > 0 ? xn + N1 * H : nullptr, b.out = N2 > 0 ? out + N1 * H : nullptr, b.s = s2_;
+  dispatch(L, a);
+  dispatch(L, b);
+  finish(L, a);
+  finish(L, b);
+  CUDA_CHECK(cudaEventRecord(ev_out_, s2_));  // the second half's rows of `out` are written
+  CUDA_CHECK(cudaStreamWaitEvent(s, ev_out_, 0));
+}
+
+void MoeParallel::dispatch(const DeepseekLayerDev& L, Part& p) {
   const auto& r = L.experts.routing;
   const int n = par_.size, rk = par_.rank, K = r.top_k, per = r.n_experts / n;
-  const int64_t H = H_, NK = N * K, Im = L.experts.experts.gate.O;
+  const int64_t H = H_, N = p.N, NK = N * K, Im = L.experts.experts.gate.O;
   const bool tp = par_.mode == DeepseekParallel::Mode::Tensor;
-  std::vector<int32_t> off(size_t(r.n_experts) + 1, 0);
+  p.off.assign(size_t(r.n_experts) + 1, 0);
   if (N > 0) {
-    moe_route_sort(rlog, L.experts.router_bias, N, r, *moe, s);
-    CUDA_CHECK(cudaMemcpyAsync(off.data(), moe->offsets, off.size() * 4, cudaMemcpyDeviceToHost, s));
-    CUDA_CHECK(cudaStreamSynchronize(s));
+    moe_route_sort(p.rlog, L.experts.router_bias, N, r, *p.moe, p.s);
+    CUDA_CHECK(cudaMemcpyAsync(p.off.data(), p.moe->offsets, p.off.size() * 4, cudaMemcpyDeviceToHost, p.s));
+    CUDA_CHECK(cudaStreamSynchronize(p.s));
   }
   // Slots bound for rank d: sorted positions [off[d per], off[(d + 1) per]).
-  std::vector<int64_t> cnt(static_cast<size_t>(n)), got(static_cast<size_t>(n), 0);
-  for (int d = 0; d < n; ++d) cnt[size_t(d)] = off[size_t((d + 1) * per)] - off[size_t(d * per)];
-  int64_t R = 0;
+  p.cnt.assign(size_t(n), 0);
+  p.got.assign(size_t(n), 0);
+  for (int d = 0; d < n; ++d) p.cnt[size_t(d)] = p.off[size_t((d + 1) * per)] - p.off[size_t(d * per)];
+  p.R = 0;
   if (tp) {
-    R = cnt[size_t(rk)];
+    p.R = p.cnt[size_t(rk)];
   } else {
-    const std::vector<int64_t> all = par_.comm->exchange(rk, cnt);
-    for (int src = 0; src < n; ++src) R += got[size_t(src)] = all[size_t(src * n + rk)];
+    const std::vector<int64_t> all = par_.comm->exchange(rk, p.cnt);
+    for (int src = 0; src < n; ++src) p.R += p.got[size_t(src)] = all[size_t(src * n + rk)];
   }
-  Ep& e = ensure(NK, R, per, Im, s);
-  moe_gather_sorted(e.send_rows, e.send_ids, xn, H, K, NK, per, moe ? *moe : e.sc, s);
-  const bf16* rows = e.recv_rows;
-  const int32_t* ids = e.recv_ids;
-  if (tp) {
-    rows = e.send_rows + off[size_t(rk * per)] * H;
-    ids = e.send_ids + off[size_t(rk * per)];
-  } else {
+  Ep& e = ensure(*p.e, NK, p.R, per, Im, p.s);
+  moe_gather_sorted(e.send_rows, e.send_ids, p.xn, H, K, NK, per, p.moe ? *p.moe : e.sc, p.s);
+  if (!tp) {
     std::vector<int64_t> sb(static_cast<size_t>(n)), rb(static_cast<size_t>(n));
-    for (int d = 0; d < n; ++d) sb[size_t(d)] = cnt[size_t(d)] * H * 2, rb[size_t(d)] = got[size_t(d)] * H * 2;
-    par_.comm->all_to_all(rk, e.send_rows, sb, e.recv_rows, rb, s);
-    for (int d = 0; d < n; ++d) sb[size_t(d)] = cnt[size_t(d)] * 4, rb[size_t(d)] = got[size_t(d)] * 4;
-    par_.comm->all_to_all(rk, e.send_ids, sb, e.recv_ids, rb, s);
-  }
-  moe_experts_forward(e.y_recv, rows, ids, R, H, per, L.experts.experts, e.sc, s);
-  if (tp) {
-    CUDA_CHECK(cudaMemsetAsync(e.y_sorted, 0, size_t(NK * H) * 4, s));
-    CUDA_CHECK(cudaMemcpyAsync(e.y_sorted + off[size_t(rk * per)] * H, e.y_recv, size_t(R * H) * 4,
-                               cudaMemcpyDeviceToDevice, s));
-  } else {
-    // The expert outputs go back to the ranks that sent the rows, in the order they came.
-    std::vector<int64_t> sb(static_cast<size_t>(n)), rb(static_cast<size_t>(n));
-    for (int d = 0; d < n; ++d) sb[size_t(d)] = got[size_t(d)] * H * 4, rb[size_t(d)] = cnt[size_t(d)] * H * 4;
-    par_.comm->all_to_all(rk, e.y_recv, sb, e.y_sorted, rb, s);
-  }
-  if (N > 0) {
-    moe_combine(out, e.y_sorted, N, H, K, *moe, s);
-    if (tp) par_.comm->all_reduce(rk, out, N * H, DType::F32, s);
+    for (int d = 0; d < n; ++d) sb[size_t(d)] = p.cnt[size_t(d)] * H * 2, rb[size_t(d)] = p.got[size_t(d)] * H * 2;
+    par_.comm->all_to_all(rk, e.send_rows, sb, e.recv_rows, rb, p.s);
+    for (int d = 0; d < n; ++d) sb[size_t(d)] = p.cnt[size_t(d)] * 4, rb[size_t(d)] = p.got[size_t(d)] * 4;
+    par_.comm->all_to_all(rk, e.send_ids, sb, e.recv_ids, rb, p.s);
   }
 }
 
-MoeParallel::Ep& MoeParallel::ensure(int64_t NK, int64_t R, int per, int64_t Im, cudaStream_t s) {
-  if (ep_.arena && ep_.nk >= NK && ep_.r >= R) return ep_;
+void MoeParallel::finish(const DeepseekLayerDev& L, Part& p) {
+  const auto& r = L.experts.routing;
+  const int n = par_.size, rk = par_.rank, K = r.top_k, per = r.n_experts / n;
+  const int64_t H = H_, N = p.N, NK = N * K;
+  const bool tp = par_.mode == DeepseekParallel::Mode::Tensor;
+  Ep& e = *p.e;
+  const bf16* rows = e.recv_rows;
+  const int32_t* ids = e.recv_ids;
+  if (tp) {
+    rows = e.send_rows + p.off[size_t(rk * per)] * H;
+    ids = e.send_ids + p.off[size_t(rk * per)];
+  }
+  moe_experts_forward(e.y_recv, rows, ids, p.R, H, per, L.experts.experts, e.sc, p.s);
+  if (tp) {
+    CUDA_CHECK(cudaMemsetAsync(e.y_sorted, 0, size_t(NK * H) * 4, p.s));
+    CUDA_CHECK(cudaMemcpyAsync(e.y_sorted + p.off[size_t(rk * per)] * H, e.y_recv, size_t(p.R * H) * 4,
+                               cudaMemcpyDeviceToDevice, p.s));
+  } else {
+    // The expert outputs go back to the ranks that sent the rows, in the order they came.
+    std::vector<int64_t> sb(static_cast<size_t>(n)), rb(static_cast<size_t>(n));
+    for (int d = 0; d < n; ++d) sb[size_t(d)] = p.got[size_t(d)] * H * 4, rb[size_t(d)] = p.cnt[size_t(d)] * H * 4;
+    par_.comm->all_to_all(rk, e.y_recv, sb, e.y_sorted, rb, p.s);
+  }
+  if (N > 0) {
+    moe_combine(p.out, e.y_sorted, N, H, K, *p.moe, p.s);
+    if (tp) par_.comm->all_reduce(rk, p.out, N * H, DType::F32, p.s);
+  }
+}
+
+MoeParallel::Ep& MoeParallel::ensure(Ep& ep, int64_t NK, int64_t R, int per, int64_t Im, cudaStream_t s) {
+  if (ep.arena && ep.nk >= NK && ep.r >= R) return ep;
   CUDA_CHECK(cudaStreamSynchronize(s));
-  const int64_t nk = std::max<int64_t>({NK, ep_.nk, 1}), r = std::max<int64_t>({R, ep_.r, 1}), H = H_;
-  ep_ = Ep{};
-  ep_.arena = std::make_unique<DeviceArena>();
-  auto& ar = *ep_.arena;
-  ep_.send_rows = ar.alloc<bf16>(size_t(nk * H));
-  ep_.send_ids = ar.alloc<int32_t>(size_t(nk));
-  ep_.y_sorted = ar.alloc<float>(size_t(nk * H));
-  ep_.recv_rows = ar.alloc<bf16>(size_t(r * H));
-  ep_.recv_ids = ar.alloc<int32_t>(size_t(r));
-  ep_.y_recv = ar.alloc<float>(size_t(r * H));
+  const int64_t nk = std::max<int64_t>({NK, ep.nk, 1}), r = std::max<int64_t>({R, ep.r, 1}), H = H_;
+  ep.arena = std::make_unique<DeviceArena>();
+  auto& ar = *ep.arena;
+  ep.send_rows = ar.alloc<bf16>(size_t(nk * H));
+  ep.send_ids = ar.alloc<int32_t>(size_t(nk));
+  ep.y_sorted = ar.alloc<float>(size_t(nk * H));
+  ep.recv_rows = ar.alloc<bf16>(size_t(r * H));
+  ep.recv_ids = ar.alloc<int32_t>(size_t(r));
+  ep.y_recv = ar.alloc<float>(size_t(r * H));
+  ep.sc = MoeScratch{};
   MoeRouting top1;
   top1.n_experts = per, top1.top_k = 1;
-  alloc_moe_scratch(ep_.sc, ar, r, top1, H, Im);
-  ep_.nk = nk, ep_.r = r;
-  return ep_;
+  alloc_moe_scratch(ep.sc, ar, r, top1, H, Im);
+  ep.nk = nk, ep.r = r;
+  return ep;
 }
 
 }  // namespace talon::cuda

@@ -77,14 +77,24 @@ void alloc_moe_scratch(MoeScratch& m, DeviceArena& arena, int64_t n, const MoeRo
 // router logits rlog [N, E], the normalized input xn [N, H], this rank's moe_forward scratch
 // for N tokens (null when it has none: an expert-parallel rank without tokens still serves its
 // experts). The host waits for the routed counts once a layer, so this is not graph-capturable.
+//
+// Overlap (expert parallelism, TALON_EP_OVERLAP=1 or moe_ep_overlap_use(1)): the tokens go as
+// two halves, the second on a second stream, issued as dispatch 1, dispatch 2, experts 1 +
+// combine 1, experts 2 + combine 2, so the second half's all-to-all runs while the first half's
+// experts compute and the first half's return while the second's compute. Every rank splits
+// (a rank without tokens runs two empty halves), so the collectives keep one order.
 class MoeParallel {
  public:
   MoeParallel(const DeepseekParallel& par, int64_t hidden) : par_(par), H_(hidden) {}
+  ~MoeParallel();
+  MoeParallel(const MoeParallel&) = delete;
+  MoeParallel& operator=(const MoeParallel&) = delete;
   void run(const DeepseekLayerDev& L, int64_t N, const float* rlog, const bf16* xn, const MoeScratch* moe, float* out,
            cudaStream_t s);
 
  private:
-  // Buffers grown on demand: NK slots sent, R rows received.
+  // Buffers grown on demand: NK slots sent, R rows received; route: moe_forward scratch for the
+  // second half's tokens (the caller's covers the first).
   struct Ep {
     std::unique_ptr<DeviceArena> arena;
     int64_t nk = -1, r = -1;
@@ -92,11 +102,35 @@ class MoeParallel {
     int32_t *send_ids = nullptr, *recv_ids = nullptr;
     float *y_recv = nullptr, *y_sorted = nullptr;
     MoeScratch sc{};
+    std::unique_ptr<DeviceArena> route_arena;
+    int64_t route_n = 0;
+    MoeScratch route{};
   };
-  Ep& ensure(int64_t NK, int64_t R, int per, int64_t Im, cudaStream_t s);
+  // One run of tokens between its dispatch and its combine.
+  struct Part {
+    Ep* e = nullptr;
+    const MoeScratch* moe = nullptr;
+    int64_t N = 0, R = 0;
+    const float* rlog = nullptr;
+    const bf16* xn = nullptr;
+    float* out = nullptr;
+    cudaStream_t s = nullptr;
+    std::vector<int32_t> off;
+    std::vector<int64_t> cnt, got;
+  };
+  Ep& ensure(Ep& ep, int64_t NK, int64_t R, int per, int64_t Im, cudaStream_t s);
+  void dispatch(const DeepseekLayerDev& L, Part& p);
+  void finish(const DeepseekLayerDev& L, Part& p);
   DeepseekParallel par_;
   int64_t H_;
-  Ep ep_;
+  Ep ep_, ep2_;
+  int device_ = -1;  // of the second stream and its events
+  cudaStream_t s2_ = nullptr;
+  cudaEvent_t ev_in_ = nullptr, ev_out_ = nullptr;
 };
+
+// Tests: 1 splits expert-parallel MoE layers into two overlapped halves, 0 does not, -1 follows
+// TALON_EP_OVERLAP.
+void moe_ep_overlap_use(int mode);
 
 }  // namespace talon::cuda

@@ -51,15 +51,15 @@ __nv_bfloat16* moe_cutlass_rows(int64_t n, cudaStream_t s) {
     int64_t cap = 0;
   };
   static std::mutex mu;
-  static std::map<int, Rows> rows;
+  static std::map<std::pair<int, cudaStream_t>, Rows> rows;  // per device and stream
   int dev = 0;
   CUDA_CHECK(cudaGetDevice(&dev));
   Rows* r;
   {
     std::lock_guard lk(mu);
-    r = &rows[dev];
+    r = &rows[{dev, s}];
   }
-  if (n > r->cap) {  // one thread owns a device, so only it touches its entry
+  if (n > r->cap) {  // one thread owns a device (and its streams), so only it touches its entry
     CUDA_CHECK(cudaStreamSynchronize(s));
     if (r->p) CUDA_CHECK(cudaFree(r->p));
     r->p = nullptr;
@@ -175,7 +175,7 @@ struct DeviceBufs {
   int sms = 0;
 };
 std::mutex g_mu;
-std::map<int, DeviceBufs> g_bufs;
+std::map<std::pair<int, cudaStream_t>, DeviceBufs> g_bufs;  // per device and stream
 
 void check_cutlass(cutlass::Status st, const char* what) {
   if (st != cutlass::Status::kSuccess)
@@ -197,9 +197,10 @@ void moe_cutlass_grouped_gemm(float* out, const __nv_bfloat16* a, const __nv_bfl
   DeviceBufs* B;
   {
     std::lock_guard lk(g_mu);
-    B = &g_bufs[dev];
+    B = &g_bufs[{dev, s}];
   }
-  // One thread owns a device (Talon's rule), so its entry is only touched by that thread.
+  // One thread owns a device and its streams (Talon's rule), so its entries are only touched by
+  // that thread; per stream, so that two streams (expert-parallel overlap) never share them.
   if (B->groups < E) {
     CUDA_CHECK(cudaStreamSynchronize(s));
     if (B->arrays) CUDA_CHECK(cudaFree(B->arrays));

@@ -25,11 +25,11 @@ bool moe_cutlass_requested();
 void moe_cutlass_use(int mode);
 // Whether the shapes and pointers fit the kernel (see above).
 bool moe_cutlass_fits(const void* a, const void* w, const void* out, int64_t N, int64_t K);
-// A device buffer of n bf16 values for the routed rows in sorted order (per device, grown as
-// needed; a grow first synchronizes s).
+// A device buffer of n bf16 values for the routed rows in sorted order (per device and stream,
+// grown as needed; a grow first synchronizes s).
 __nv_bfloat16* moe_cutlass_rows(int64_t n, cudaStream_t s);
 // The grouped product above, on stream s. Its pointer arrays and CUTLASS's workspace are kept
-// per device and grown as needed (a grow first synchronizes s).
+// per device and stream and grown as needed (a grow first synchronizes s).
 void moe_cutlass_grouped_gemm(float* out, const __nv_bfloat16* a, const __nv_bfloat16* w, const int32_t* offsets,
                               int E, int64_t N, int64_t K, cudaStream_t s);
 

@@ -12,6 +12,7 @@
 #include "backend/cuda/cudnn_sdpa.h"
 #include "util/threads.h"
 #include "backend/cuda/device.h"
+#include "draft/batch_tokens.h"
 #include "draft/cuda/draft_engine.h"
 #include "draft/cuda/ttt_attention.h"
 #include "draft/cuda/train_kernels.cuh"
@@ -700,7 +701,8 @@ struct DraftEngine::Impl {
   // row numbers (cids), which gather() then reads in place of embed_b and ids.
   bool batch_embed = false;
   std::vector<uint16_t> host_embed;
-  std::vector<int32_t> emb_slot, h_cids, emb_toks;  // emb_slot [V]: a token's row this batch, or -1
+  std::vector<int32_t> emb_slot;  // [V]: batch_tokens' scratch
+  BatchTokens emb_batch;
   __nv_bfloat16 *emb_rows = nullptr, *emb_stage = nullptr;
   int32_t* cids = nullptr;
   int64_t* kept;
@@ -1745,27 +1747,14 @@ std::vector<uint8_t> DraftEngine::prepare(const DraftBatch& b) {
     // The batch's distinct tokens, token 0 first; their rows go up on the copy stream (with aux,
     // which run() waits for before its first gather). The last batch's upload has finished
     // (aux_ready above), so the staging is free.
-    I.h_cids.resize(size_t(N));
-    I.emb_toks.assign(1, 0);
-    I.emb_slot[0] = 0;
-    for (int64_t n = 0; n < N; ++n) {
-      const int32_t t = b.ids[n];
-      if (t < 0 || t >= V) fail_msg("draft on GPU: token id " + std::to_string(t) + " at row " + std::to_string(n) +
-                                    " is outside the vocabulary of " + std::to_string(V));
-      int32_t& slot = I.emb_slot[size_t(t)];
-      if (slot < 0) {
-        slot = int32_t(I.emb_toks.size());
-        I.emb_toks.push_back(t);
-      }
-      I.h_cids[size_t(n)] = slot;
-    }
-    for (int32_t t : I.emb_toks) I.emb_slot[size_t(t)] = -1;
+    batch_tokens(b.ids, N, V, I.emb_slot, I.emb_batch);
+    const std::vector<int32_t>& toks = I.emb_batch.toks;
     const size_t rowb = size_t(H) * 2;
-    parallel_for_chunks(I.emb_toks.size(), 8, 256, [&](size_t i) {
-      std::memcpy(static_cast<void*>(I.emb_stage + i * size_t(H)), I.host_embed.data() + size_t(I.emb_toks[i]) * size_t(H), rowb);
+    parallel_for_chunks(toks.size(), 8, 256, [&](size_t i) {
+      std::memcpy(static_cast<void*>(I.emb_stage + i * size_t(H)), I.host_embed.data() + size_t(toks[i]) * size_t(H), rowb);
     });
-    CUDA_CHECK(cudaMemcpyAsync(I.emb_rows, I.emb_stage, I.emb_toks.size() * rowb, cudaMemcpyHostToDevice, I.copy_s));
-    cp(I.cids, I.h_cids.data(), size_t(N) * 4);
+    CUDA_CHECK(cudaMemcpyAsync(I.emb_rows, I.emb_stage, toks.size() * rowb, cudaMemcpyHostToDevice, I.copy_s));
+    cp(I.cids, I.emb_batch.index.data(), size_t(N) * 4);
   }
   cp(I.pos, b.pos, size_t(N) * 4);
   cp(I.len, b.len, size_t(N) * 4);

@@ -5,7 +5,8 @@
 #   tests      CudnnSdpa.* (fp64 reference: training layouts, extraction's fused-qkv and MLA
 #              layouts), GpuDraft.* (CudnnAttentionMatchesReference, BatchEmbeddingsGiveTheSameBits
 #              among them), CudaMoe.* (the CUTLASS route among them), CudaParallel.* (the
-#              expert-parallel overlap among them), and the whole-model goldens
+#              expert-parallel overlap among them), CudaDecode.*AcceptanceOnTheDevice* (sampled
+#              chains and trees decided on the device), and the whole-model goldens
 #              with the prefill attention through cuDNN (TALON_ATTENTION=cudnn);
 #   attention  attention alone, each route on the same inputs (talon_bench_attention), TFLOP/s;
 #   moe        one Kimi-K2 MoE layer with bf16 experts: the mma.sync tiles vs CUTLASS
@@ -28,8 +29,9 @@ PARTS=${PARTS:-"tests attention moe train trace kimi"}
 want() { case " $PARTS " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 echo "== $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -1); commit $(git rev-parse --short HEAD 2>/dev/null || echo '?'); parts: $PARTS"
 if want tests; then
-  echo "== tests: *CudnnSdpa*:*GpuDraft*:*CudaMoe*:*CudaParallel*"
-  build/tests/talon_tests --gtest_filter='*CudnnSdpa*:*GpuDraft*:*CudaMoe*:*CudaParallel*' --gtest_brief=1 \
+  echo "== tests: *CudnnSdpa*:*GpuDraft*:*CudaMoe*:*CudaParallel*:*AcceptanceOnTheDevice*"
+  build/tests/talon_tests --gtest_filter='*CudnnSdpa*:*GpuDraft*:*CudaMoe*:*CudaParallel*:*AcceptanceOnTheDevice*' \
+    --gtest_brief=1 \
     > "$LOGS/tests.log" 2>&1
   grep -E "^\[  (PASSED|FAILED|SKIPPED) |^\[==========\]" "$LOGS/tests.log" | tail -4
   grep -E "^\[  FAILED  \]|Failure|Expected|Which is|actual|cuDNN|CUTLASS" "$LOGS/tests.log" | head -40

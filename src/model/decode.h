@@ -91,6 +91,25 @@ class Decoder {
   virtual ChainAcceptance forward_accept_chain(const DecodeRequest& req, const Capture& cap, const SamplingParams& p,
                                                const std::vector<std::vector<double>>& q, const double* u);
 
+  // Speculative sampling of a drafted tree whose tokens were picked, not drawn (top-k trees,
+  // spec/speculate.h). `req`: the pending token (row 0, parent -1) then the tree's tokens, each
+  // with its parent's row, all logits. Runs the forward (captures as `forward`), then walks from
+  // row 0: with p the sampling distribution of the node's logits row (sampling.h) and `mass` the
+  // sum of p, for each child c of the node in row order whose token t has p(t) > 0, keeps c when
+  // u[j] * mass < p(t) (j counting the uniforms used so far), else sets p(t) to 0 (mass -= p(t))
+  // and tries the next child; a kept child becomes the node. Where no child is kept (or the
+  // node has none), `next` is draw(p, u[j]) over what is left of p. u holds n uniforms (at most
+  // n - 1 tests and one draw). Returns the kept rows (starting with 0) and `next`; the pending
+  // tokens stay for the caller's commit. Non-greedy parameters only. The default copies the
+  // logits down and decides on the host; a decoder that can decide where the logits are
+  // overrides it and copies back the path.
+  struct TreeAcceptance {
+    std::vector<int32_t> path;
+    int32_t next = -1;
+  };
+  virtual TreeAcceptance forward_accept_tree(const DecodeRequest& req, const Capture& cap, const SamplingParams& p,
+                                             const double* u);
+
   // Keeps the pending tokens at `keep` (indices into the slot's last request, increasing,
   // each one's parent the previous kept one: a path from the committed prefix) and drops
   // the others. commit(slot, {}) drops them all.
@@ -115,6 +134,10 @@ std::vector<int32_t> request_depths(const DecodeRequest& r);
 // Throws unless forward_accept_chain can take these: sampling parameters (temperature > 0), a
 // chain (parents empty or each i - 1) with all logits, and one draft distribution per draft token.
 void check_chain_acceptance(const DecodeRequest& req, size_t n_q, const SamplingParams& p);
+
+// Throws unless forward_accept_tree can take these: sampling parameters, a tree request (row 0
+// the root, every other row's parent an earlier row) with all logits.
+void check_tree_acceptance(const DecodeRequest& req, const SamplingParams& p);
 
 // Logits rows of a forward: each request's tokens when all_logits, else one.
 int64_t logits_rows(const std::vector<DecodeRequest>& reqs);

@@ -164,6 +164,9 @@ std::vector<int32_t> decode_speculative(Decoder& target, int slot, DraftRunner& 
   const std::vector<std::vector<double>>* accept_q = nullptr;
   std::vector<double> accept_u;
   Decoder::ChainAcceptance acc;
+  // Sampled trees: the target decides where its logits are too (Decoder::forward_accept_tree).
+  bool accept_tree = false;
+  Decoder::TreeAcceptance tacc;
   auto run_target = [&](const DecodeRequest& r) {
     const int64_t n = int64_t(r.tokens.size());
     aux_rows.assign(size_t(3 * n * H), 0.f);
@@ -175,6 +178,8 @@ std::vector<int32_t> decode_speculative(Decoder& target, int slot, DraftRunner& 
     const auto ts = Clock::now();
     if (accept_q) {
       acc = target.forward_accept_chain(r, cap, params, *accept_q, accept_u.data());
+    } else if (accept_tree) {
+      tacc = target.forward_accept_tree(r, cap, params, accept_u.data());
     } else if (greedy) {
       // Acceptance needs only each row's argmax: the target picks it where the logits are.
       top1.resize(size_t(r.all_logits ? n : 1));
@@ -313,16 +318,19 @@ std::vector<int32_t> decode_speculative(Decoder& target, int slot, DraftRunner& 
       req.parents.push_back(tree.parents[i] < 0 ? 0 : tree.parents[i] + 1);
     }
     const int64_t n = int64_t(req.tokens.size());
-    if (sampled_chain) {
-      // Uniform j of the round for the j-th acceptance test, then the draw (the tree path below
-      // numbers them the same way).
+    if (!greedy) {
+      // Uniform j of the round for the j-th acceptance test, then the draw.
       accept_u.resize(size_t(n));
       for (int64_t j = 0; j < n; ++j)
         accept_u[size_t(j)] = uniform01(params.seed, stream ^ kAcceptStream, round * 4096 + uint64_t(j));
-      accept_q = &tree.q;
+      if (sampled_chain)
+        accept_q = &tree.q;
+      else
+        accept_tree = true;
     }
     run_target(req);
     accept_q = nullptr;
+    accept_tree = false;
     st.drafted += n - 1;
     ++st.rounds;
 
@@ -331,8 +339,6 @@ std::vector<int32_t> decode_speculative(Decoder& target, int slot, DraftRunner& 
     for (int64_t i = 1; i < n; ++i) children[size_t(req.parents[size_t(i)])].push_back(int32_t(i));
     std::vector<int32_t> path = {0};
     int32_t bonus = -1;
-    uint64_t draws = 0;
-    auto u = [&] { return uniform01(params.seed, stream ^ kAcceptStream, round * 4096 + draws++); };
     if (sampled_chain) {
       // Decided by the target: draft depths 1 .. kept+1 were tried (a depth past the chain is
       // not), 1 .. kept kept.
@@ -343,45 +349,37 @@ std::vector<int32_t> decode_speculative(Decoder& target, int slot, DraftRunner& 
       }
       for (int32_t i = 1; i <= acc.kept; ++i) path.push_back(i);
       bonus = acc.next;
+    } else if (!greedy) {
+      // Decided by the target too; each node on the path with children had them tried, and all
+      // but the last kept one.
+      TALON_CHECK(!tacc.path.empty() && tacc.path[0] == 0, "decode: the target's tree acceptance has no root");
+      path = tacc.path;
+      bonus = tacc.next;
+      for (size_t i = 0; i < path.size(); ++i) {
+        const int depth = int(i) + 1;
+        if (children[size_t(path[i])].empty() || depth > int(st.tried.size())) continue;
+        ++st.tried[size_t(depth - 1)];
+        if (i + 1 < path.size()) ++st.accepted[size_t(depth - 1)];
+      }
     }
-    // Greedy chains and trees, sampled trees: decided here, from ids or logits.
-    for (; !sampled_chain;) {
+    // Greedy chains and trees: decided here, from the target's argmax ids.
+    for (; greedy && !sampled_chain;) {
       const int32_t at = path.back();
-      int32_t kept = -1, best = -1;
-      if (greedy) {
-        // A child is kept iff it is the target's argmax (what the one-hot distribution below
-        // would decide, without building it).
-        best = top1[size_t(at)];
-        for (int32_t c : children[size_t(at)])
-          if (req.tokens[size_t(c)] == best) {
-            kept = c;
-            break;
-          }
-      } else {
-        sampling_distribution(logits.data() + int64_t(at) * V, V, params, p);
-      }
-      if (!greedy) {
-        // Children in score order (the tree lists each depth by selection order). The
-        // residual's mass is kept up to date as rejected children leave it (one pass over V).
-        double mass = 0;
-        for (double x : p) mass += x;
-        for (int32_t c : children[size_t(at)]) {
-          const int32_t tok = req.tokens[size_t(c)];
-          if (p[size_t(tok)] > 0 && u() * mass < p[size_t(tok)]) {
-            kept = c;
-            break;
-          }
-          mass -= p[size_t(tok)];
-          p[size_t(tok)] = 0;
+      int32_t kept = -1;
+      // A child is kept iff it is the target's argmax.
+      const int32_t best = top1[size_t(at)];
+      for (int32_t c : children[size_t(at)])
+        if (req.tokens[size_t(c)] == best) {
+          kept = c;
+          break;
         }
-      }
       const int depth = int(path.size());  // draft depth of the children tried here
       if (!children[size_t(at)].empty() && depth <= int(st.tried.size())) {
         ++st.tried[size_t(depth - 1)];
         if (kept >= 0) ++st.accepted[size_t(depth - 1)];
       }
       if (kept < 0) {
-        bonus = greedy ? best : draw(p, u());
+        bonus = best;
         break;
       }
       path.push_back(kept);

@@ -637,6 +637,91 @@ TEST(CudaDecode, ChainAcceptanceOnTheDeviceMatchesTheHost) {
   }
 }
 
+// The same for picked (top-k) trees: Decoder::forward_accept_tree decided by the device kernel
+// (TALON_CUDA_ACCEPT_TREE=1) against the host default on the same decoder type, on random trees of 2 to 12
+// rows with 1 to 4 children a node, whose first child is, in every other case, the target's
+// own greedy pick at the root (so that paths go deep), and runs of small uniforms (so that
+// children are kept). Decisions may differ only where a uniform lands within fp64 rounding of a
+// boundary; paths must be trees' paths from the root, and the device deterministic.
+TEST(CudaDecode, TreeAcceptanceOnTheDeviceMatchesTheHost) {
+  REQUIRE_GPU();
+  for (const char* fx : {"llama_gqa", "deepseek_v3"}) {
+    auto ck = open_checkpoint(golden_fixture(fx));
+    setenv("TALON_CUDA_ACCEPT_TREE", "1", 1);  // opt-in until this test has passed on a GPU
+    auto dev = make_cuda_decoder(*ck, 0, 1, 128);
+    unsetenv("TALON_CUDA_ACCEPT_TREE");
+    setenv("TALON_CUDA_ACCEPT", "0", 1);
+    auto host = make_cuda_decoder(*ck, 0, 1, 128);
+    unsetenv("TALON_CUDA_ACCEPT");
+    const int64_t V = dev->config().vocab;
+    std::mt19937 rng(73);
+    std::uniform_real_distribution<double> unif(0.0, 1.0);
+    int cases = 0, differ = 0, deep = 0, drawn_after_rejection = 0;
+    for (int c = 0; c < 150; ++c) {
+      SamplingParams sp;
+      sp.temperature = 0.6 + 0.9 * unif(rng);
+      sp.top_p = c % 3 == 0 ? 1.0 : c % 3 == 1 ? 0.9 : 0.3;
+      sp.top_k = (c / 3) % 3 == 0 ? 0 : (c / 3) % 3 == 1 ? 5 : 40;
+      const auto prompt = random_ids(rng, 3 + c % 9, V);
+      const int32_t root = int32_t(rng() % uint32_t(V));
+      int32_t greedy = -1;
+      if (c % 2 == 0) {
+        std::vector<int32_t> ctx = prompt;
+        ctx.push_back(root);
+        host->reset(0);
+        host->forward_greedy({{0, ctx, {}, false}}, Capture{}, &greedy);
+      }
+      // Row 0 the root; each later row's parent an earlier row with fewer than 4 children, the
+      // children of a node distinct small ids (the target's greedy pick first at the root).
+      const int n = 2 + c % 11;
+      DecodeRequest req{0, {root}, {-1}, true};
+      std::vector<std::vector<int32_t>> kids(1);
+      for (int i = 1; i < n; ++i) {
+        int par = int(rng() % uint32_t(i));
+        while (kids[size_t(par)].size() >= 4) par = int(rng() % uint32_t(i));
+        int32_t t = par == 0 && kids[0].empty() && greedy >= 0 ? greedy : int32_t(rng() % uint32_t(std::min<int64_t>(V, 8)));
+        while (std::find(kids[size_t(par)].begin(), kids[size_t(par)].end(), t) != kids[size_t(par)].end())
+          t = int32_t((t + 1) % V);
+        kids[size_t(par)].push_back(t);
+        kids.emplace_back();
+        req.tokens.push_back(t);
+        req.parents.push_back(par);
+      }
+      std::vector<double> u(static_cast<size_t>(n));
+      for (auto& x : u) x = c % 4 == 0 ? 0.02 * unif(rng) : unif(rng);
+      Decoder::TreeAcceptance got[2], want;
+      for (int rep = 0; rep < 2; ++rep) {
+        dev->reset(0);
+        dev->forward({{0, prompt, {}, false}}, Capture{}, nullptr);
+        dev->commit_all(0);
+        got[rep] = dev->forward_accept_tree(req, Capture{}, sp, u.data());
+        dev->commit(0, {});
+      }
+      host->reset(0);
+      host->forward({{0, prompt, {}, false}}, Capture{}, nullptr);
+      host->commit_all(0);
+      want = host->forward_accept_tree(req, Capture{}, sp, u.data());
+      host->commit(0, {});
+      ++cases;
+      EXPECT_EQ(got[0].path, got[1].path) << fx << " case " << c << ": not deterministic";
+      EXPECT_EQ(got[0].next, got[1].next) << fx << " case " << c << ": not deterministic";
+      ASSERT_FALSE(got[0].path.empty()) << fx << " case " << c;
+      EXPECT_EQ(got[0].path[0], 0) << fx << " case " << c;
+      for (size_t i = 1; i < got[0].path.size(); ++i)
+        EXPECT_EQ(req.parents[size_t(got[0].path[i])], got[0].path[i - 1]) << fx << " case " << c << ": not a path";
+      ASSERT_GE(got[0].next, 0) << fx << " case " << c;
+      ASSERT_LT(got[0].next, V) << fx << " case " << c;
+      differ += got[0].path != want.path || got[0].next != want.next;
+      deep += want.path.size() > 1;
+      // The last node had children, all rejected: the draw came from what was left of p.
+      drawn_after_rejection += !kids[size_t(want.path.back())].empty();
+    }
+    EXPECT_LE(differ, cases / 100) << fx << ": " << differ << " of " << cases << " decisions differ from the host's";
+    EXPECT_GT(deep, 10) << fx << ": too few trees kept a child to test acceptance";
+    EXPECT_GT(drawn_after_rejection, 10) << fx << ": too few rejections to test the residual draw";
+  }
+}
+
 TEST(CudaDecode, DeepSeekLatentSizesOnRandomModels) {
   REQUIRE_GPU();
   for (const int variant : {0, 1, 2, 3}) {

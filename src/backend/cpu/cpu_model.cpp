@@ -319,6 +319,52 @@ Decoder::ChainAcceptance Decoder::forward_accept_chain(const DecodeRequest& req,
   return r;
 }
 
+void check_tree_acceptance(const DecodeRequest& req, const SamplingParams& p) {
+  TALON_CHECK(!p.greedy(), "decoder: forward_accept_tree needs sampling parameters (temperature > 0)");
+  const size_t n = req.tokens.size();
+  TALON_CHECK(n >= 1 && req.all_logits && req.parents.size() == n && req.parents[0] == -1,
+              "decoder: forward_accept_tree takes a tree: every token's parent, the first -1, with all logits");
+  for (size_t i = 1; i < n; ++i)
+    TALON_CHECK(req.parents[i] >= 0 && req.parents[i] < int32_t(i),
+                "decoder: forward_accept_tree: token {} has parent {}, expected an earlier token", i, req.parents[i]);
+}
+
+Decoder::TreeAcceptance Decoder::forward_accept_tree(const DecodeRequest& req, const Capture& cap,
+                                                     const SamplingParams& p, const double* u) {
+  check_tree_acceptance(req, p);
+  const int64_t n = int64_t(req.tokens.size()), V = config().vocab;
+  std::vector<float>& logits = host_logits_;
+  logits.resize(size_t(n) * size_t(V));
+  forward({req}, cap, logits.data());
+  std::vector<std::vector<int32_t>> children(static_cast<size_t>(n));
+  for (int64_t i = 1; i < n; ++i) children[size_t(req.parents[size_t(i)])].push_back(int32_t(i));
+  TreeAcceptance r;
+  r.path = {0};
+  std::vector<double> dist;
+  int used = 0;
+  for (;;) {
+    const int32_t at = r.path.back();
+    sampling_distribution(logits.data() + int64_t(at) * V, V, p, dist);
+    double mass = 0;
+    for (double x : dist) mass += x;
+    int32_t kept = -1;
+    for (int32_t c : children[size_t(at)]) {
+      const int32_t t = req.tokens[size_t(c)];
+      if (dist[size_t(t)] > 0 && u[used++] * mass < dist[size_t(t)]) {
+        kept = c;
+        break;
+      }
+      mass -= dist[size_t(t)];
+      dist[size_t(t)] = 0;
+    }
+    if (kept < 0) {
+      r.next = draw(dist, u[used]);
+      return r;
+    }
+    r.path.push_back(kept);
+  }
+}
+
 std::vector<int32_t> request_depths(const DecodeRequest& r) {
   const size_t n = r.tokens.size();
   std::vector<int32_t> d(n);

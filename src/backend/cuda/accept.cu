@@ -1,6 +1,7 @@
-// Speculative sampling of a drafted chain on the device (decode_ops.h: accept_chain), the
-// decision Decoder::forward_accept_chain's host default makes (model/decode.h), from the verify
-// forward's bf16 logits: only the kept count and the next token come back.
+// Speculative sampling of a drafted chain or a picked (top-k) tree on the device (decode_ops.h:
+// accept_chain, accept_tree), the decisions Decoder::forward_accept_chain / forward_accept_tree's
+// host defaults make (model/decode.h), from the verify forward's bf16 logits: only the kept count
+// (the kept path) and the next token come back.
 //
 // One block of 1024 threads walks the rows in order. For a row it builds what the host's
 // sampling_distribution (model/sampling.h) builds, without sorting: a bf16 logit maps to a
@@ -165,9 +166,10 @@ __device__ void tie_bases(Shared& sh, const uint16_t* l, int64_t V) {
   __syncthreads();
 }
 
-// Inverse-CDF draw, in id order, over r(i) = p(i) - q(i) clipped at 0 (residual) or p(i), with
-// uniform u: the host's draw() over those values. `residual` falls back to p when it has no mass.
-__device__ int draw_row(Shared& sh, const uint16_t* l, int64_t V, double T, const double* q, bool residual, double u) {
+// Inverse-CDF draw, in id order, over r(i) = resid(i, p(i)) (residual) or p(i), with uniform u:
+// the host's draw() over those values. `residual` falls back to p when it has no mass.
+template <class Resid>
+__device__ int draw_row(Shared& sh, const uint16_t* l, int64_t V, double T, Resid resid, bool residual, double u) {
   const int tid = threadIdx.x;
   const int64_t cs = chunk_size(V), a = int64_t(tid) * cs, e = a + cs < V ? a + cs : V;
   for (int pass = 0; pass < 2; ++pass) {
@@ -176,7 +178,7 @@ __device__ int draw_row(Shared& sh, const uint16_t* l, int64_t V, double T, cons
       const uint32_t b = l[i];
       const double p = prob(sh, b, T, rank);
       if (sh.cut && !nan16(b) && key16(b) == sh.theta) ++rank;
-      return res ? fmax(0.0, p - q[i]) : p;
+      return res ? resid(i, p) : p;
     };
     double m = 0;
     int rank = sh.tie_base[tid];
@@ -245,7 +247,7 @@ __global__ void __launch_bounds__(kThreads) accept_chain_kernel(int32_t* out, co
     row_distribution(sh, l, V, T, top_p, top_k, counts);
     tie_bases(sh, l, V);
     if (i == k) {
-      const int next = draw_row(sh, l, V, T, nullptr, false, u[tests]);
+      const int next = draw_row(sh, l, V, T, [](int64_t, double p) { return p; }, false, u[tests]);
       if (tid == 0) out[0] = kept, out[1] = next;
       return;
     }
@@ -268,13 +270,114 @@ __global__ void __launch_bounds__(kThreads) accept_chain_kernel(int32_t* out, co
       __syncthreads();  // sh is rewritten by the next row
       continue;
     }
-    const int next = draw_row(sh, l, V, T, q + int64_t(i) * V, true, u[tests]);
+    const double* qi = q + int64_t(i) * V;
+    const int next = draw_row(sh, l, V, T, [qi](int64_t j, double p) { return fmax(0.0, p - qi[j]); }, true, u[tests]);
     if (tid == 0) out[0] = kept, out[1] = next;
     return;
   }
 }
 
+// The rank of id d among the ids at theta before it (prob's `rank`), in every thread.
+__device__ int rank_at_theta(const Shared& sh, const uint16_t* l, int d, int* s_rank) {
+  const int tid = threadIdx.x;
+  if (tid == 0) *s_rank = 0;
+  __syncthreads();
+  if (sh.cut && !nan16(l[d]) && key16(l[d]) == sh.theta) {
+    int n = 0;
+    for (int64_t j = tid; j < d; j += kThreads) n += !nan16(l[j]) && key16(l[j]) == sh.theta;
+    for (int o = 16; o > 0; o >>= 1) n += __shfl_xor_sync(0xffffffffu, n, o);
+    if (tid % 32 == 0) atomicAdd(s_rank, n);
+  }
+  __syncthreads();
+  return *s_rank;
+}
+
+// The sum of p over the row (chunk sums in thread order, fixed), in every thread.
+__device__ double row_mass(Shared& sh, const uint16_t* l, int64_t V, double T) {
+  const int tid = threadIdx.x;
+  const int64_t cs = chunk_size(V), a = int64_t(tid) * cs, e = a + cs < V ? a + cs : V;
+  double m = 0;
+  int rank = sh.tie_base[tid];
+  for (int64_t i = a; i < e; ++i) {
+    const uint32_t b = l[i];
+    m += prob(sh, b, T, rank);
+    if (sh.cut && !nan16(b) && key16(b) == sh.theta) ++rank;
+  }
+  sh.sum[tid] = m;
+  __syncthreads();
+  if (tid == 0) {
+    double tot = 0;
+    for (int t = 0; t < kThreads; ++t) tot += sh.sum[t];
+    sh.total = tot;
+  }
+  __syncthreads();
+  const double tot = sh.total;
+  __syncthreads();
+  return tot;
+}
+
+// Decoder::forward_accept_tree's decision (model/decode.h) over the verify rows' logits: out[0]
+// the path's length L, out[1] the next token, out[2 .. 2 + L) the path's rows. Every thread
+// walks the same path (the decisions use values all threads compute alike); the rejected
+// siblings' tokens of the current node (at most kMaxTried) leave its distribution.
+constexpr int kMaxTried = 64;
+__global__ void __launch_bounds__(kThreads) accept_tree_kernel(int32_t* out, const uint16_t* logits, int64_t V, int n,
+                                                               const int32_t* tokens, const int32_t* parents,
+                                                               const double* u, double T, double top_p, int64_t top_k,
+                                                               int* counts) {
+  __shared__ Shared sh;
+  __shared__ int s_rank;
+  const int tid = threadIdx.x;
+  int at = 0, used = 0, len = 1;
+  if (tid == 0) out[2] = 0;
+  int32_t gone[kMaxTried];
+  for (;;) {
+    const uint16_t* l = logits + int64_t(at) * V;
+    row_distribution(sh, l, V, T, top_p, top_k, counts);
+    tie_bases(sh, l, V);
+    double mass = row_mass(sh, l, V, T);
+    int n_gone = 0, kept = -1;
+    for (int c = at + 1; c < n; ++c) {
+      if (parents[c] != at) continue;
+      const int t = tokens[c];
+      const int rank = rank_at_theta(sh, l, t, &s_rank);
+      bool dup = false;
+      for (int g = 0; g < n_gone; ++g) dup = dup || gone[g] == t;
+      const double pt = dup ? 0.0 : prob(sh, l[t], T, rank);
+      if (pt > 0 && u[used++] * mass < pt) {
+        kept = c;
+        break;
+      }
+      mass -= pt;
+      if (!dup && n_gone < kMaxTried) gone[n_gone++] = t;
+    }
+    if (kept < 0) {
+      const int next = draw_row(
+          sh, l, V, T,
+          [&](int64_t i, double p) {
+            for (int g = 0; g < n_gone; ++g)
+              if (gone[g] == int32_t(i)) return 0.0;
+            return p;
+          },
+          true, u[used]);
+      if (tid == 0) out[0] = len, out[1] = next;
+      return;
+    }
+    if (tid == 0) out[2 + len] = kept;
+    ++len;
+    at = kept;
+    __syncthreads();  // sh is rewritten for the next node
+  }
+}
+
 }  // namespace
+
+void accept_tree(int32_t* out, const bf16* logits, int64_t V, int n, const int32_t* tokens, const int32_t* parents,
+                 const double* u, double temperature, double top_p, int64_t top_k, int* counts, cudaStream_t s) {
+  accept_tree_kernel<<<1, kThreads, 0, s>>>(out, reinterpret_cast<const uint16_t*>(logits), V, n, tokens, parents, u,
+                                            temperature, top_p, top_k, counts);
+  CUDA_LAUNCH_CHECK();
+}
 
 void accept_chain(int32_t* out, const bf16* logits, int64_t V, int k, const int32_t* draft, const double* q,
                   const double* u, double temperature, double top_p, int64_t top_k, int* counts, cudaStream_t s) {

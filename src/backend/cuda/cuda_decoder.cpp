@@ -130,6 +130,15 @@ class CudaDecoder final : public Decoder, public cuda::DecoderControls {
     });
   }
 
+  TreeAcceptance forward_accept_tree(const DecodeRequest& req, const Capture& cap, const SamplingParams& p,
+                                     const double* u) override {
+    if (!accepter_.tree_on()) return Decoder::forward_accept_tree(req, cap, p, u);
+    return accepter_.run_tree(req, u, p, cfg_.vocab, dev_.stream(), [&] {
+      run({req}, cap, nullptr, nullptr, nullptr, nullptr, true);  // logits stay on the device
+      return acts_->logits;
+    });
+  }
+
   void use_graphs(bool on) override { graphs_.set_enabled(on); }
   int64_t graph_launches() const override { return graphs_.replays(); }
 

@@ -144,6 +144,15 @@ class CudaDeepseekDecoder final : public Decoder, public DecoderControls {
     });
   }
 
+  TreeAcceptance forward_accept_tree(const DecodeRequest& req, const Capture& cap, const SamplingParams& p,
+                                     const double* u) override {
+    if (!accepter_.tree_on()) return Decoder::forward_accept_tree(req, cap, p, u);
+    return accepter_.run_tree(req, u, p, cfg_.vocab, dev_.stream(), [&] {
+      run({req}, cap, nullptr, nullptr, nullptr, nullptr, true);  // logits stay on the device
+      return acts_->logits;
+    });
+  }
+
   void commit(int slot, const std::vector<int32_t>& keep) override {
     const std::vector<int32_t> pairs = slots_->commit(slot, keep, pending_);
     if (pairs.empty()) return;

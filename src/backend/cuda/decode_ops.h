@@ -156,6 +156,16 @@ void sample_rows(int32_t* ids, const bf16* logits, int64_t rows, int64_t V, cons
 void accept_chain(int32_t* out, const bf16* logits, int64_t V, int k, const int32_t* draft, const double* q,
                   const double* u, double temperature, double top_p, int64_t top_k, int* counts, cudaStream_t s);
 
+// Speculative sampling of a picked (top-k) tree (model/decode.h: Decoder::forward_accept_tree)
+// from its verify forward's logits [n, V] (bf16, row i: after tree token i), tokens [n] and
+// parents [n] (row 0 the root): from row 0, children tried in row order, a child with token t
+// kept when p(t) > 0 and u[j] * mass < p(t), else t leaves p (mass -= p(t)); where none is kept,
+// next = the draw over what is left of p with the next uniform. out [2 + n]: the path's length
+// L, next, then the path's L rows. u [n] fp64; counts: 65,536 ints of scratch. One block
+// (accept.cu); deterministic.
+void accept_tree(int32_t* out, const bf16* logits, int64_t V, int n, const int32_t* tokens, const int32_t* parents,
+                 const double* u, double temperature, double top_p, int64_t top_k, int* counts, cudaStream_t s);
+
 // For each (src, dst) pair of physical cache rows (CacheMap::row), in order, copies that
 // row of every buffer in `caches` (a device array of n_bufs pointers: every layer's K and
 // V). Pairs run one after another within a buffer, so a commit's path can move down onto

@@ -240,13 +240,7 @@ Decoder::ChainAcceptance ChainAccepter::run(const DecodeRequest& req, const std:
   PackedOffsets o;
   const size_t oq = o.place(size_t(k) * size_t(V) * 8), ou = o.place(size_t(k + 1) * 8), od = o.place(size_t(k) * 4),
                oo = o.place(8);
-  if (!arena_ || o.bytes() > cap_) {
-    CUDA_CHECK(cudaStreamSynchronize(s));
-    arena_ = std::make_unique<DeviceArena>();
-    cap_ = o.bytes();
-    dev_ = arena_->alloc<uint8_t>(cap_);
-    counts_ = arena_->alloc<int>(65536);
-  }
+  ensure(o.bytes(), s);
   uint8_t* h = host_.ensure(o.bytes());
   for (int i = 0; i < k; ++i) {
     TALON_CHECK(int64_t(q[size_t(i)].size()) == V, "decoder: draft distribution {} has {} entries, the vocabulary {}", i,
@@ -264,6 +258,52 @@ Decoder::ChainAcceptance ChainAccepter::run(const DecodeRequest& req, const std:
   CUDA_CHECK(cudaStreamSynchronize(s));
   Decoder::ChainAcceptance r;
   r.kept = res[0];
+  r.next = res[1];
+  return r;
+}
+
+bool ChainAccepter::tree_enabled() {
+  const char* e = std::getenv("TALON_CUDA_ACCEPT_TREE");
+  return e && std::string(e) == "1";
+}
+
+uint8_t* ChainAccepter::ensure(size_t bytes, cudaStream_t s) {
+  if (!arena_ || bytes > cap_) {
+    CUDA_CHECK(cudaStreamSynchronize(s));
+    arena_ = std::make_unique<DeviceArena>();
+    cap_ = bytes;
+    dev_ = arena_->alloc<uint8_t>(cap_);
+    counts_ = arena_->alloc<int>(65536);
+  }
+  return dev_;
+}
+
+Decoder::TreeAcceptance ChainAccepter::run_tree(const DecodeRequest& req, const double* u, const SamplingParams& p,
+                                                int64_t V, cudaStream_t s,
+                                                const std::function<const bf16*()>& forward) {
+  check_tree_acceptance(req, p);
+  const bf16* logits = forward();
+  const int n = int(req.tokens.size());
+  // One block up: u [n] fp64, tokens [n], parents [n]; then out [2 + n].
+  PackedOffsets o;
+  const size_t ou = o.place(size_t(n) * 8), ot = o.place(size_t(n) * 4), op = o.place(size_t(n) * 4),
+               oo = o.place(size_t(n + 2) * 4);
+  ensure(o.bytes(), s);
+  uint8_t* h = host_.ensure(o.bytes());
+  std::memcpy(h + ou, u, size_t(n) * 8);
+  std::memcpy(h + ot, req.tokens.data(), size_t(n) * 4);
+  std::memcpy(h + op, req.parents.data(), size_t(n) * 4);
+  CUDA_CHECK(cudaMemcpyAsync(dev_, h, oo, cudaMemcpyHostToDevice, s));
+  accept_tree(reinterpret_cast<int32_t*>(dev_ + oo), logits, V, n, reinterpret_cast<const int32_t*>(dev_ + ot),
+              reinterpret_cast<const int32_t*>(dev_ + op), reinterpret_cast<const double*>(dev_ + ou), p.temperature,
+              p.top_p, p.top_k, counts_, s);
+  std::vector<int32_t> res(size_t(n) + 2);
+  CUDA_CHECK(cudaMemcpyAsync(res.data(), dev_ + oo, res.size() * 4, cudaMemcpyDeviceToHost, s));
+  CUDA_CHECK(cudaStreamSynchronize(s));
+  const int len = res[0];
+  TALON_CHECK(len >= 1 && len <= n, "decoder: the device's tree acceptance returned a path of {} rows of {}", len, n);
+  Decoder::TreeAcceptance r;
+  r.path.assign(res.begin() + 2, res.begin() + 2 + len);
   r.next = res[1];
   return r;
 }

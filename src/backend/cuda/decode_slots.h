@@ -142,16 +142,25 @@ int64_t cache_pool_rows(int device, int n_slots, int64_t max_len, int64_t cache_
 // u up in one copy, lets the kernel decide and brings the kept count and next token down. Waits
 // for the stream. on(): unless TALON_CUDA_ACCEPT=0, read when made (then the decoders take
 // Decoder's host default: logits down, the host's acceptance test).
+// run_tree: Decoder::forward_accept_tree's device half the same way (accept_tree): the tree's
+// tokens, parents and u go up, the path and the next token come down. tree_on(): only with
+// TALON_CUDA_ACCEPT_TREE=1 (read when made) until its first GPU run has checked it.
 class ChainAccepter {
  public:
   bool on() const { return on_; }
+  bool tree_on() const { return tree_on_; }
   Decoder::ChainAcceptance run(const DecodeRequest& req, const std::vector<std::vector<double>>& q, const double* u,
                                const SamplingParams& p, int64_t V, cudaStream_t s,
                                const std::function<const bf16*()>& forward);
+  Decoder::TreeAcceptance run_tree(const DecodeRequest& req, const double* u, const SamplingParams& p, int64_t V,
+                                   cudaStream_t s, const std::function<const bf16*()>& forward);
 
  private:
   static bool enabled();
+  static bool tree_enabled();
   bool on_ = enabled();
+  bool tree_on_ = on_ && tree_enabled();
+  uint8_t* ensure(size_t bytes, cudaStream_t s);
   std::unique_ptr<DeviceArena> arena_;
   size_t cap_ = 0;
   uint8_t* dev_ = nullptr;

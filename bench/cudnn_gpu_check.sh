@@ -15,6 +15,8 @@
 #              tokens: fused kernels vs cuDNN, the embedding on the device vs per batch;
 #   trace      CUPTI traces: one 8B draft training step (its idle gaps by host cause) and three
 #              greedy 8B decode steps at batch 1, context 2048; Chrome traces among the logs;
+#   extract    (not in the default list) `talon extract` on random Llama-3.1-8B weights, end to end,
+#              with and without TALON_ATTENTION=cudnn (bench/extract_gpu.py --talon-only);
 #   kimi       the Kimi-K2-shaped forward (talon_bench_deepseek, 4 layers): default, cuDNN
 #              attention, bf16 experts, bf16 experts on CUTLASS with cuDNN attention.
 # Logs go to $LOGS (default: a temporary folder); a summary to stdout.
@@ -73,6 +75,17 @@ if want trace; then
   build/talon_bench_decode --context 2048 --batches 1 --steps 16 --tree 0 --trace "$LOGS/decode-trace.json" \
     > "$LOGS/decode-trace.log" 2>&1
   sed -n '/^trace of 3/,$p' "$LOGS/decode-trace.log" | head -30
+fi
+if want extract; then
+  echo "== dense 8B extraction end to end (random Llama-3.1-8B weights): tensor-core attention vs cuDNN"
+  [ -f /tmp/rand8b/config.json ] || python3 tools/make_random_checkpoint.py --shape llama3-8b --out /tmp/rand8b \
+    > "$LOGS/rand8b.log" 2>&1
+  python3 bench/extract_gpu.py --model /tmp/rand8b --samples 128 --repeats 2 --talon-only \
+    > "$LOGS/extract-talon.log" 2>&1
+  tail -6 "$LOGS/extract-talon.log"
+  TALON_ATTENTION=cudnn python3 bench/extract_gpu.py --model /tmp/rand8b --samples 128 --repeats 2 --talon-only \
+    > "$LOGS/extract-cudnn.log" 2>&1
+  tail -6 "$LOGS/extract-cudnn.log"
 fi
 if want kimi; then
   echo "== Kimi-K2-shaped forward, 4 layers: Talon's attention vs cuDNN; bf16 experts on the tiles vs CUTLASS"

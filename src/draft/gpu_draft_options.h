@@ -26,7 +26,8 @@ struct GpuDraftOptions {
   bool profile = false;
   // The target's embedding stays in host memory (bf16); each batch uploads the rows of the
   // tokens it holds. Saves V x H x 2 bytes of device memory (1 GiB for Llama-3.1-8B's
-  // vocabulary). bf16 math on bf16 operands only, and not for P-EAGLE (whose embedding is trained).
+  // vocabulary). bf16 math on bf16 operands only; EAGLE-3 only (P-EAGLE trains its embedding,
+  // DFlash's engine keeps its own).
   bool batch_embeddings = false;
 };
 

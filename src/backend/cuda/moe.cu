@@ -782,6 +782,18 @@ void grouped_gemm(float* out, const bf16* in, int64_t ld_in, bool gather, const 
   CUDA_LAUNCH_CHECK();
 }
 
+// TALON_MOE_GEMM=cutlass with bf16 experts past the decode-sized calls: the routed rows gathered
+// once into sorted order (CUTLASS reads each expert's rows as one block), for both the gate and
+// the up product; null otherwise (grouped_gemm then gathers as it reads).
+const bf16* cutlass_sorted_rows(const bf16* in, int64_t ld, int K, int64_t slots, const ExpertMatrix& m,
+                                const MoeScratch& sc, cudaStream_t s) {
+  if (!m.w || !moe_cutlass_requested() || slots <= skinny_max_slots() || slots == 0) return nullptr;
+  bf16* rows = moe_cutlass_rows(slots * m.I, s);
+  gather_rows_kernel<<<unsigned(slots), 256, 0, s>>>(rows, in, ld, sc.order, K, m.I);
+  CUDA_LAUNCH_CHECK();
+  return rows;
+}
+
 dim3 combine_grid(int64_t N, int64_t H) {
   return dim3(static_cast<unsigned>(N),
               static_cast<unsigned>(std::clamp<int64_t>(256 / std::max<int64_t>(N, 1), 1, (H + 255) / 256)));
@@ -828,8 +840,9 @@ void moe_forward(float* out, const bf16* xn, const float* router_logits, const f
   sort_kernel<<<1, 1024, 0, s>>>(sc.order, sc.pos, sc.offsets, sc.tiles, sc.n_tiles, sc.idx, int(NK), r.n_experts);
   CUDA_LAUNCH_CHECK();
   const int64_t T = max_tiles(NK, r.n_experts);
-  grouped_gemm(sc.g, xn, H, true, sc, K, T, NK, N, r.n_experts, ex.gate, s);
-  grouped_gemm(sc.u, xn, H, true, sc, K, T, NK, N, r.n_experts, ex.up, s);
+  const bf16* sorted = cutlass_sorted_rows(xn, H, K, NK, ex.gate, sc, s);
+  grouped_gemm(sc.g, sorted ? sorted : xn, H, !sorted, sc, K, T, NK, N, r.n_experts, ex.gate, s);
+  grouped_gemm(sc.u, sorted ? sorted : xn, H, !sorted, sc, K, T, NK, N, r.n_experts, ex.up, s);
   launch_swiglu_forward(sc.act, sc.g, sc.u, Im, NK, Im, s);
   grouped_gemm(sc.y, sc.act, Im, false, sc, K, T, NK, N, r.n_experts, ex.down, s);
   combine_kernel<<<combine_grid(N, H), 256, 0, s>>>(out, sc.y, sc.weights, sc.pos, K, H);
@@ -865,8 +878,9 @@ void moe_experts_forward(float* y, const bf16* rows, const int32_t* ids, int64_t
   sort_kernel<<<1, 1024, 0, s>>>(sc.order, sc.pos, sc.offsets, sc.tiles, sc.n_tiles, ids, int(R), E_local);
   CUDA_LAUNCH_CHECK();
   const int64_t T = max_tiles(R, E_local);
-  grouped_gemm(sc.g, rows, H, true, sc, 1, T, R, R, E_local, ex.gate, s);
-  grouped_gemm(sc.u, rows, H, true, sc, 1, T, R, R, E_local, ex.up, s);
+  const bf16* sorted = cutlass_sorted_rows(rows, H, 1, R, ex.gate, sc, s);
+  grouped_gemm(sc.g, sorted ? sorted : rows, H, !sorted, sc, 1, T, R, R, E_local, ex.gate, s);
+  grouped_gemm(sc.u, sorted ? sorted : rows, H, !sorted, sc, 1, T, R, R, E_local, ex.up, s);
   launch_swiglu_forward(sc.act, sc.g, sc.u, Im, R, Im, s);
   grouped_gemm(sc.y, sc.act, Im, false, sc, 1, T, R, R, E_local, ex.down, s);
   unsort_kernel<<<unsigned(R), 256, 0, s>>>(y, sc.y, sc.pos, H);

@@ -711,7 +711,12 @@ class CudaDFlashTrainer final : public DeviceTrainer {
 std::unique_ptr<DeviceTrainer> make_one(const DraftConfig& c, const TargetHead& tgt, const DraftVocab& vocab,
                                         int device, GpuMath math, int64_t max_rows, const GpuDraftOptions& opt,
                                         const GpuFamily& fam) {
-  if (fam.drafter == "dflash") return std::make_unique<CudaDFlashTrainer>(tgt, vocab, device, math, max_rows, fam);
+  if (fam.drafter == "dflash") {
+    // DFlash's engine has its own attention and embedding table.
+    TALON_CHECK(!opt.batch_embeddings, "--gpu-batch-embeddings: not for DFlash (EAGLE-3 only)");
+    TALON_CHECK(opt.attention != "cudnn", "--gpu-attention cudnn: not for DFlash (EAGLE-3 and P-EAGLE)");
+    return std::make_unique<CudaDFlashTrainer>(tgt, vocab, device, math, max_rows, fam);
+  }
   return std::make_unique<CudaDraftTrainer>(c, tgt, vocab, device, math, max_rows, opt, fam);
 }
 

@@ -235,6 +235,23 @@ __device__ int draw_row(Shared& sh, const uint16_t* l, int64_t V, double T, Resi
   return 0;  // no mass at all (a row of NaNs)
 }
 
+// The rank of id d among the ids at theta before it (prob's `rank`), in every thread.
+__device__ int rank_at_theta(const Shared& sh, const uint16_t* l, int d, int* s_rank) {
+  const int tid = threadIdx.x;
+  if (tid == 0) *s_rank = 0;
+  __syncthreads();
+  if (sh.cut && !nan16(l[d]) && key16(l[d]) == sh.theta) {
+    int n = 0;
+    for (int64_t j = tid; j < d; j += kThreads) n += !nan16(l[j]) && key16(l[j]) == sh.theta;
+    for (int o = 16; o > 0; o >>= 1) n += __shfl_xor_sync(0xffffffffu, n, o);
+    if (tid % 32 == 0) atomicAdd(s_rank, n);
+  }
+  __syncthreads();
+  const int rank = *s_rank;
+  __syncthreads();  // every thread has read it before a next call resets it
+  return rank;
+}
+
 __global__ void __launch_bounds__(kThreads) accept_chain_kernel(int32_t* out, const uint16_t* logits, int64_t V, int k,
                                                                 const int32_t* draft, const double* q, const double* u,
                                                                 double T, double top_p, int64_t top_k, int* counts) {
@@ -253,16 +270,7 @@ __global__ void __launch_bounds__(kThreads) accept_chain_kernel(int32_t* out, co
     }
     const int d = draft[i];
     // p(d): its rank among the ids at theta is the ids at theta before it.
-    if (tid == 0) s_rank = 0;
-    __syncthreads();
-    if (sh.cut && !nan16(l[d]) && key16(l[d]) == sh.theta) {
-      int n = 0;
-      for (int64_t j = tid; j < d; j += kThreads) n += !nan16(l[j]) && key16(l[j]) == sh.theta;
-      for (int o = 16; o > 0; o >>= 1) n += __shfl_xor_sync(0xffffffffu, n, o);
-      if (tid % 32 == 0) atomicAdd(&s_rank, n);
-    }
-    __syncthreads();
-    const double pd = prob(sh, l[d], T, s_rank), qd = q[int64_t(i) * V + d];
+    const double pd = prob(sh, l[d], T, rank_at_theta(sh, l, d, &s_rank)), qd = q[int64_t(i) * V + d];
     bool keep = false;
     if (qd > 0) keep = u[tests++] < fmin(1.0, pd / qd);  // a uniform only where the test is made
     if (keep) {
@@ -275,21 +283,6 @@ __global__ void __launch_bounds__(kThreads) accept_chain_kernel(int32_t* out, co
     if (tid == 0) out[0] = kept, out[1] = next;
     return;
   }
-}
-
-// The rank of id d among the ids at theta before it (prob's `rank`), in every thread.
-__device__ int rank_at_theta(const Shared& sh, const uint16_t* l, int d, int* s_rank) {
-  const int tid = threadIdx.x;
-  if (tid == 0) *s_rank = 0;
-  __syncthreads();
-  if (sh.cut && !nan16(l[d]) && key16(l[d]) == sh.theta) {
-    int n = 0;
-    for (int64_t j = tid; j < d; j += kThreads) n += !nan16(l[j]) && key16(l[j]) == sh.theta;
-    for (int o = 16; o > 0; o >>= 1) n += __shfl_xor_sync(0xffffffffu, n, o);
-    if (tid % 32 == 0) atomicAdd(s_rank, n);
-  }
-  __syncthreads();
-  return *s_rank;
 }
 
 // The sum of p over the row (chunk sums in thread order, fixed), in every thread.

@@ -106,6 +106,35 @@ struct Case {
       if (!dv.t2d[v])
         for (size_t j = 0; j < H; ++j) head[v * H + j] *= scale;
   }
+  // Whether a loss row counts depends on the target's full-vocabulary argmax being a draft
+  // token. With bf16 math the GPU's target logits carry bf16 rounding (about 1e-2 here), so
+  // where the best draft token and the best other token are closer than that, the GPU and the
+  // fp64 reference may decide differently and count a different set of rows; that is rounding,
+  // not a fault. Such rows leave the loss mask (bf16 checks only); returns how many did.
+  int unmask_near_ties(double rel) {
+    const size_t H = size_t(c.H);
+    int n = 0;
+    for (auto& s : samples)
+      for (size_t t = 0; t < s.ids.size(); ++t) {
+        if (!s.mask[t]) continue;
+        const float* h = s.hid.data() + t * H;
+        double ss = 0;
+        for (size_t j = 0; j < H; ++j) ss += double(h[j]) * h[j];
+        const double r = 1.0 / std::sqrt(ss / double(H) + 1e-5);
+        double in = -INFINITY, out = -INFINITY, big = 1;
+        for (size_t v = 0; v < size_t(c.V); ++v) {
+          double l = 0;
+          for (size_t j = 0; j < H; ++j) l += double(h[j]) * r * fnorm[j] * head[v * H + j];
+          (dv.t2d[v] ? in : out) = std::max(dv.t2d[v] ? in : out, l);
+          big = std::max(big, std::abs(l));
+        }
+        if (std::abs(in - out) < rel * big) {
+          s.mask[t] = 0;
+          ++n;
+        }
+      }
+    return n;
+  }
   TargetHead target() const { return {embed.data(), fnorm.data(), head.data(), 1e-5}; }
   std::vector<Sample> batch() const {
     std::vector<Sample> b;
@@ -134,6 +163,7 @@ std::unique_ptr<GpuDraftTrainer> make_gpu(Case& cs, const std::vector<int>& devi
 
 void check_against_cpu(Case& cs, GpuMath math, double loss_tol, double grad_tol, int64_t max_rows = 64,
                        int64_t min_counted = 20) {
+  if (math != GpuMath::F32) cs.unmask_near_ties(2e-2);
   const auto batch = cs.batch();
   const double weight = 1.0 / double(batch.size());
   // CPU reference: per-sample forward + backward, gradients scaled by the batch weight.

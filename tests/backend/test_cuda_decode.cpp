@@ -379,6 +379,9 @@ TEST_P(CudaDecode, GraphReplayAndDeviceArgmaxMatchEagerLaunches) {
   auto ck = open_checkpoint(golden_fixture(GetParam()));
   auto ga = make_cuda_decoder(*ck, 0, 3, 160), gb = make_cuda_decoder(*ck, 0, 3, 160);
   cuda::decoder_use_graphs(*gb, false);
+  // The graph decoder's forwards in parts of one layer (graph_cache.h), launched one after
+  // the other: the same launches, so the same bits.
+  cuda::decoder_graph_layers(*ga, 1);
   const ModelConfig& c = ga->config();
   const int64_t V = c.vocab, H = c.hidden;
   const int layer = int(c.n_layers / 2);
@@ -465,6 +468,7 @@ TEST_P(CudaDecode, GraphReplayAndDeviceArgmaxMatchEagerLaunches) {
   }
   // Logits, greedy ids and sampled ids are three graphs of each step shape.
   EXPECT_GT(cuda::decoder_graph_launches(*ga), 12) << "the repeated shapes should have replayed graphs";
+  EXPECT_EQ(cuda::decoder_graph_parts(*ga), size_t(c.n_layers)) << "one graph per layer";
   EXPECT_EQ(cuda::decoder_graph_launches(*gb), 0);
   EXPECT_GT(greedy_rows, 20);
   EXPECT_GT(sampled_rows, 20);

@@ -141,6 +141,8 @@ class CudaDecoder final : public Decoder, public cuda::DecoderControls {
 
   void use_graphs(bool on) override { graphs_.set_enabled(on); }
   int64_t graph_launches() const override { return graphs_.replays(); }
+  void graph_layers(int64_t n) override { graphs_.set_layers_per_part(n); }
+  size_t graph_parts() const override { return graphs_.last_parts(); }
 
   void commit(int slot, const std::vector<int32_t>& keep) override {
     // Kept rows that are not in place move down, in order (decode_ops.h: kv_cache_move).
@@ -274,7 +276,10 @@ class CudaDecoder final : public Decoder, public cuda::DecoderControls {
     auto device_work = [&] {
       // Captures: rows are the packed tokens in order, kept on the device (the residual
       // stream is overwritten by the next layer) and copied down after the forward.
-      auto capture = [&](int64_t layer_id) { cuda::capture_residual(a.cap, a.n_tokens, cap, layer_id, a.x, N, H, st); };
+      auto capture = [&](int64_t layer_id) {
+        cuda::capture_residual(a.cap, a.n_tokens, cap, layer_id, a.x, N, H, st);
+        if (layer_id < c.n_layers) graphs_.layer_start(layer_id, st);
+      };
       cuda::DenseHooks hooks;
       hooks.capture = capture;
       hooks.attention_rotates = true;
@@ -452,6 +457,8 @@ void decoder_use_graphs(Decoder& d, bool on) { as_cuda(d, "decoder_use_graphs").
 void decoder_fold_one_token(Decoder& d, bool on) { as_dense(d, "decoder_fold_one_token").fold_one_token(on); }
 void decoder_fold_rope(Decoder& d, bool on) { as_dense(d, "decoder_fold_rope").fold_rope(on); }
 int64_t decoder_graph_launches(Decoder& d) { return as_cuda(d, "decoder_graph_launches").graph_launches(); }
+void decoder_graph_layers(Decoder& d, int64_t n) { as_cuda(d, "decoder_graph_layers").graph_layers(n); }
+size_t decoder_graph_parts(Decoder& d) { return as_cuda(d, "decoder_graph_parts").graph_parts(); }
 }  // namespace cuda
 
 }  // namespace talon

@@ -16,6 +16,8 @@ class DecoderControls {
   virtual void assume_length(int slot, int64_t len) = 0;
   virtual void use_graphs(bool on) = 0;
   virtual int64_t graph_launches() const = 0;
+  virtual void graph_layers(int64_t n) = 0;
+  virtual size_t graph_parts() const = 0;
 };
 
 // The DeepSeek-family decoder (cuda_deepseek_decoder.cpp); make_cuda_decoder picks it.
@@ -39,6 +41,10 @@ void decoder_assume_length(Decoder& d, int slot, int64_t len);
 void decoder_use_graphs(Decoder& d, bool on);
 // Forwards served by a graph so far.
 int64_t decoder_graph_launches(Decoder& d);
+// Layers per graph part (graph_cache.h; <= 0: a forward is one graph), and how many parts the
+// last replayed forward launched.
+void decoder_graph_layers(Decoder& d, int64_t n);
+size_t decoder_graph_parts(Decoder& d);
 // The dense decoder only (others refuse): whether a one-token forward of a small model folds its norms, SwiGLU and residual adds into
 // the skinny products (dense_block.h: DenseHooks::fold_one_token; default on,
 // TALON_CUDA_FUSE=0 turns it off for a whole run).

@@ -177,6 +177,8 @@ class CudaDeepseekDecoder final : public Decoder, public DecoderControls {
   }
   void use_graphs(bool on) override { graphs_.set_enabled(on); }
   int64_t graph_launches() const override { return graphs_.replays(); }
+  void graph_layers(int64_t n) override { graphs_.set_layers_per_part(n); }
+  size_t graph_parts() const override { return graphs_.last_parts(); }
 
  private:
   struct Acts {
@@ -244,6 +246,7 @@ class CudaDeepseekDecoder final : public Decoder, public DecoderControls {
       for (int64_t l = 0; l < c.n_layers; ++l) {
         const DeepseekLayerDev& L = w_.layers[size_t(l)];
         capture(l);
+        graphs_.layer_start(l, st);
         mla_project(L, c, nh, a.x, {a.xn, a.qa, a.q, a.ckv, a.lat, a.t32}, N, dev_.gemm(), st);
         // q_lat(h) [kvr, N] = W_UK(h) (col-major [kvr, nope], in place in kv_b) x q_nope(h)
         gemm_batched(blas, CUBLAS_OP_N, kvr, N, nope, L.kv_b, kvr, (nope + vd) * kvr, a.q, nh * qk, qk, a.qd,

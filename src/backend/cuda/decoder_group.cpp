@@ -116,6 +116,10 @@ class GroupDecoder final : public Decoder, public DecoderControls {
     workers_->run([&](int r) { controls(r).use_graphs(on); });
   }
   int64_t graph_launches() const override { return controls(0).graph_launches(); }
+  void graph_layers(int64_t n) override {
+    workers_->run([&](int r) { controls(r).graph_layers(n); });
+  }
+  size_t graph_parts() const override { return controls(0).graph_parts(); }
 
  private:
   DecoderControls& controls(int r) const { return *dynamic_cast<DecoderControls*>(ranks_[size_t(r)].get()); }

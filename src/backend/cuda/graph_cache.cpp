@@ -9,12 +9,19 @@ namespace talon::cuda {
 GraphCache::GraphCache() {
   const char* g = std::getenv("TALON_CUDA_GRAPHS");
   on_ = !(g && std::string(g) == "0");
+  if (const char* n = std::getenv("TALON_CUDA_GRAPH_LAYERS"); n && *n) layers_per_part_ = std::atoll(n);
+}
+
+void GraphCache::set_layers_per_part(int64_t n) {
+  layers_per_part_ = n;
+  clear();
 }
 
 GraphCache::~GraphCache() { clear(); }
 
 void GraphCache::clear() {
-  for (auto& [k, e] : graphs_) cudaGraphExecDestroy(e);
+  for (auto& [k, parts] : graphs_)
+    for (cudaGraphExec_t e : parts) cudaGraphExecDestroy(e);
   graphs_.clear();
   seen_.clear();
 }
@@ -22,6 +29,30 @@ void GraphCache::clear() {
 void GraphCache::set_enabled(bool on) {
   on_ = on;
   clear();
+}
+
+void GraphCache::end_part(cudaStream_t s) {
+  cudaGraph_t g = nullptr;
+  CUDA_CHECK(cudaStreamEndCapture(s, &g));
+  size_t nodes = 0;
+  cudaError_t e = cudaGraphGetNodes(g, nullptr, &nodes);
+  cudaGraphExec_t exec = nullptr;
+  if (e == cudaSuccess && nodes > 0) e = cudaGraphInstantiate(&exec, g, 0);
+  cudaGraphDestroy(g);
+  CUDA_CHECK(e);
+  if (exec) parts_.push_back(exec);
+}
+
+void GraphCache::drop_capture() {
+  for (cudaGraphExec_t e : parts_) cudaGraphExecDestroy(e);
+  parts_.clear();
+  capturing_ = false;
+}
+
+void GraphCache::split(cudaStream_t s) {
+  if (!capturing_) return;
+  end_part(s);
+  CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
 }
 
 void GraphCache::run(const std::string& key, cudaStream_t s, const std::function<void()>& work, bool allowed) {
@@ -36,23 +67,26 @@ void GraphCache::run(const std::string& key, cudaStream_t s, const std::function
       return;
     }
     if (graphs_.size() >= kMaxGraphs) clear();
-    cudaGraph_t g = nullptr;
     CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+    capturing_ = true;
     try {
       work();
+      capturing_ = false;
+      end_part(s);
     } catch (...) {
-      cudaStreamEndCapture(s, &g);
-      if (g) cudaGraphDestroy(g);
+      if (capturing_) {
+        cudaGraph_t g = nullptr;
+        cudaStreamEndCapture(s, &g);
+        if (g) cudaGraphDestroy(g);
+      }
+      drop_capture();
       throw;
     }
-    CUDA_CHECK(cudaStreamEndCapture(s, &g));
-    cudaGraphExec_t exec = nullptr;
-    const cudaError_t e = cudaGraphInstantiate(&exec, g, 0);
-    cudaGraphDestroy(g);
-    CUDA_CHECK(e);
-    it = graphs_.emplace(key, exec).first;
+    it = graphs_.emplace(key, std::move(parts_)).first;
+    parts_.clear();
   }
-  CUDA_CHECK(cudaGraphLaunch(it->second, s));
+  for (cudaGraphExec_t e : it->second) CUDA_CHECK(cudaGraphLaunch(e, s));
+  last_parts_ = it->second.size();
   ++replays_;
 }
 

@@ -9,6 +9,11 @@
 // Whoever owns the buffers the work uses calls clear() before freeing or moving them.
 // TALON_CUDA_GRAPHS=0 in the environment (read when a cache is made) turns replay off;
 // so does TALON_CUDA_SYNC=1, whose per-kernel waits capture cannot hold.
+//
+// Parts: launching a graph costs host time by its node count (about 0.7 ms for the ~400
+// kernels of an 8B decode step, during which the GPU waited for the step to start). Work that
+// calls split() at a few points is captured as several graphs, launched in order on the same
+// stream: the GPU starts on the first part while the host still launches the rest.
 #pragma once
 #include <cuda_runtime.h>
 
@@ -16,6 +21,7 @@
 #include <functional>
 #include <map>
 #include <string>
+#include <vector>
 
 namespace talon::cuda {
 
@@ -29,6 +35,19 @@ class GraphCache {
   // Runs `work` (stream-ordered launches on s only) eagerly, or from the graph of `key`.
   // allowed = false: always eagerly (a shape not worth keeping, such as a prefill).
   void run(const std::string& key, cudaStream_t s, const std::function<void()>& work, bool allowed = true);
+  // Called from inside run()'s work (on its stream s): while capturing, ends the part captured
+  // so far and starts the next; otherwise (an eager run) does nothing.
+  void split(cudaStream_t s);
+  // Graphs launched for the last replayed run (its parts).
+  size_t last_parts() const { return last_parts_; }
+  // Layer stacks: layer_start(l) before layer l splits every `n` layers (n <= 0: one graph).
+  // The default is TALON_CUDA_GRAPH_LAYERS from the environment, else 4. Changing it drops the
+  // graphs made so far.
+  void set_layers_per_part(int64_t n);
+  int64_t layers_per_part() const { return layers_per_part_; }
+  void layer_start(int64_t l, cudaStream_t s) {
+    if (capturing_ && layers_per_part_ > 0 && l > 0 && l % layers_per_part_ == 0) split(s);
+  }
   // Destroys every graph and forgets the shapes seen (buffers are about to change).
   void clear();
   void set_enabled(bool on);
@@ -38,10 +57,17 @@ class GraphCache {
 
  private:
   static constexpr size_t kMaxGraphs = 256, kMaxShapes = 4096;
-  std::map<std::string, cudaGraphExec_t> graphs_;
+  void end_part(cudaStream_t s);  // ends the capture on s; keeps the part unless it is empty
+  void drop_capture();
+
+  std::map<std::string, std::vector<cudaGraphExec_t>> graphs_;  // a shape's parts, in order
   std::map<std::string, int> seen_;  // eager runs per shape
   bool on_ = true;
+  bool capturing_ = false;
+  int64_t layers_per_part_ = 4;
+  std::vector<cudaGraphExec_t> parts_;  // the parts captured so far of the run being captured
   int64_t replays_ = 0;
+  size_t last_parts_ = 0;
 };
 
 }  // namespace talon::cuda

@@ -136,6 +136,11 @@ int main(int argc, char** argv) {
   app.add_option("--ep", ep, "expert-parallel ranks on GPUs 0..ep-1 (DeepSeek family)")->capture_default_str();
   app.add_flag("--share-gpus", share, "every --tp rank on GPU 0 (device-copy collectives)");
   std::string trace_file;
+  std::vector<int64_t> graph_layers;
+  app.add_option("--graph-layers", graph_layers,
+                 "also time greedy graph steps at the first batch size with the graph in parts of n layers, "
+                 "for each n (0: one graph; TALON_CUDA_GRAPH_LAYERS sets the tables' own)")
+      ->delimiter(',');
   app.add_option("--trace", trace_file,
                  "CUPTI trace of 3 greedy steps at the first batch size (after its timing): the device's idle gaps "
                  "by host cause, and a Chrome trace in this file");
@@ -275,6 +280,30 @@ int main(int argc, char** argv) {
                   floor_s * 1e3, 100 * floor_s / per[2], per[3] * 1e3, per[4] * 1e3, per[5] * 1e3);
     }
     cuda::decoder_use_graphs(*dec, true);
+    if (!graph_layers.empty() && steps > 0) {
+      // Launching a long graph costs host time by its node count before the GPU starts
+      // (graph_cache.h): greedy one-token steps with the graph in parts of n layers.
+      const int B = batches.front();
+      std::printf("greedy graph steps, %d slots, context %lld, by layers per graph part:\n", B, (long long)context);
+      std::vector<int32_t> ids(static_cast<size_t>(B));
+      for (int64_t n : graph_layers) {
+        cuda::decoder_graph_layers(*dec, n);
+        for (int s = 0; s < B; ++s) cuda::decoder_assume_length(*dec, s, context);
+        auto step = [&] {
+          std::vector<DecodeRequest> reqs;
+          for (int s = 0; s < B; ++s) reqs.push_back({s, {tok()}, {}, true});
+          dec->forward_greedy(reqs, Capture{}, ids.data());
+          for (int s = 0; s < B; ++s) dec->commit_all(s);
+        };
+        for (int i = 0; i < 4; ++i) step();
+        const double a = now();
+        for (int64_t i = 0; i < steps; ++i) step();
+        std::printf("  %2lld layers a part (%zu graphs): %.3f ms a step\n", (long long)n,
+                    cuda::decoder_graph_parts(*dec), (now() - a) / double(steps) * 1e3);
+      }
+      const char* env = std::getenv("TALON_CUDA_GRAPH_LAYERS");
+      cuda::decoder_graph_layers(*dec, env && *env ? std::atoll(env) : 4);
+    }
     {
       // The verify-step cost at batch 1: one target pass over n pending tokens (a chain of
       // k+1, or a random tree of N) against one token, at this context; greedy ids back (as

@@ -317,4 +317,29 @@ TEST(CudnnSdpa, GraphsPassTheFrontendChecksForHopper) {
   const std::string bad = cuda::cudnn_sdpa_validate({8, 2, 264, 0.06f, 1024}, 2, 100);
   EXPECT_NE(bad.find("256"), std::string::npos) << "head size 264 passed cuDNN's checks: '" << bad << "'";
 }
+
+// What the prefill route asks before it takes cuDNN (TALON_ATTENTION=cudnn falls back to Talon's
+// kernels where this says no): the fixtures' head sizes of 10 and 16 over values of 12 are not
+// multiples of 8, heads must group evenly, and a batch too large for 32-bit offsets is refused;
+// the layouts cuDNN serves pass.
+TEST(CudnnSdpa, SaysWhichShapesItServes) {
+  if (!cuda::cudnn_sdpa_built()) GTEST_SKIP() << "built without the cuDNN frontend";
+  std::string why;
+  if (!cuda::cudnn_sdpa_available(&why)) {
+    EXPECT_EQ(cuda::cudnn_sdpa_unsupported({4, 2, 64, 0.125f, 64}), why) << "without cuDNN, the reason is that";
+    GTEST_SKIP() << why;
+  }
+  EXPECT_EQ(cuda::cudnn_sdpa_unsupported({32, 8, 128, 0.088f, 16384}), "");
+  cuda::SdpaShape mla{64, 64, 192, 0.072f, 16384};
+  mla.hd_v = 128;
+  mla.ld_q = mla.ld_k = mla.ld_v = 3 * 64 * 192;
+  mla.hs_v = 192;
+  EXPECT_EQ(cuda::cudnn_sdpa_unsupported(mla), "");
+  EXPECT_NE(cuda::cudnn_sdpa_unsupported({4, 2, 10, 0.3f, 64}).find("head size 10"), std::string::npos);
+  cuda::SdpaShape odd_v{4, 4, 16, 0.25f, 64};
+  odd_v.hd_v = 12;
+  EXPECT_NE(cuda::cudnn_sdpa_unsupported(odd_v).find("value head size 12"), std::string::npos);
+  EXPECT_NE(cuda::cudnn_sdpa_unsupported({6, 4, 64, 0.125f, 64}), "") << "6 heads over 4 kv heads";
+  EXPECT_NE(cuda::cudnn_sdpa_unsupported({32, 8, 128, 0.088f, int64_t(1) << 20}).find("32-bit"), std::string::npos);
+}
 #endif

@@ -111,15 +111,22 @@ class CudaDeepseekModel final : public Model {
     CUDA_CHECK(cudaMemcpyAsync(a.seq_start, b.seq_start.data(), b.seq_start.size() * 8, cudaMemcpyHostToDevice, s));
     // TALON_ATTENTION=cudnn: cuDNN's fused attention with heads of qk over values of vd, read
     // from the padded qkv buffer and written unpadded (no unpad pass).
-    if (cuda::prefill_attention_cudnn() && (!cudnn_ || cudnn_rows_ < a.n)) {
+    if (cuda::prefill_attention_cudnn() && !cudnn_off_ && (!cudnn_ || cudnn_rows_ < a.n)) {
       cuda::SdpaShape sh{int(nh), int(nh), int(qk), float(1.0 / std::sqrt(double(qk))), a.n};
       sh.hd_v = int(vd);
       sh.ld_q = sh.ld_k = sh.ld_v = 3 * nh * qk;
       sh.hs_v = qk;
       sh.backward = false;
+      const std::string why = cuda::cudnn_sdpa_unsupported(sh);
       cudnn_.reset();
-      cudnn_ = std::make_unique<cuda::CudnnSdpa>(sh, s);
-      cudnn_rows_ = a.n;
+      if (why.empty()) {
+        cudnn_ = std::make_unique<cuda::CudnnSdpa>(sh, s);
+        cudnn_rows_ = a.n;
+      } else {
+        cudnn_off_ = true;
+        tlog::info("cuda:{}: TALON_ATTENTION=cudnn: cuDNN does not serve this model's attention ({}); Talon's kernels "
+                   "do", dev_.index(), why);
+      }
     }
     if (cudnn_) cudnn_->set_batch(b.seq_start, a.seq_start);
     // Tensor-core attention when the head size allows (Kimi-K2 / DeepSeek-V3: qk 192).
@@ -264,6 +271,7 @@ class CudaDeepseekModel final : public Model {
   std::vector<LayerDev> layers_;
   std::unique_ptr<Acts> acts_;
   std::unique_ptr<cuda::CudnnSdpa> cudnn_;  // TALON_ATTENTION=cudnn, for up to cudnn_rows_ rows
+  bool cudnn_off_ = false;                  // cuDNN cannot serve this model
   int64_t cudnn_rows_ = 0;
 };
 

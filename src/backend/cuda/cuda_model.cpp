@@ -84,17 +84,22 @@ class CudaDenseModel final : public Model {
         pos[size_t(r)] = int32_t(r - b.seq_start[size_t(s)]);
         row_seq[size_t(r)] = int32_t(s);
       }
-    // TALON_ATTENTION=cudnn: cuDNN's fused attention, on the fused qkv buffer as it is.
-    if (cuda::prefill_attention_cudnn()) {
-      TALON_CHECK(c.sliding_window <= 0, "TALON_ATTENTION=cudnn: sliding-window attention (window {}) is not served by "
-                  "the cuDNN route; unset TALON_ATTENTION", c.sliding_window);
-      if (!cudnn_ || cudnn_rows_ < a.cap_tokens) {
-        cuda::SdpaShape sh{int(nh), int(nkv), int(hd), float(1.0 / std::sqrt(double(hd))), a.cap_tokens};
-        sh.ld_q = sh.ld_k = sh.ld_v = ldqkv;
-        sh.backward = false;
-        cudnn_.reset();
+    // TALON_ATTENTION=cudnn: cuDNN's fused attention, on the fused qkv buffer as it is, where
+    // cuDNN serves the model (else the kernels below, said once).
+    if (cuda::prefill_attention_cudnn() && !cudnn_off_ && (!cudnn_ || cudnn_rows_ < a.cap_tokens)) {
+      cuda::SdpaShape sh{int(nh), int(nkv), int(hd), float(1.0 / std::sqrt(double(hd))), a.cap_tokens};
+      sh.ld_q = sh.ld_k = sh.ld_v = ldqkv;
+      sh.backward = false;
+      const std::string why = c.sliding_window > 0 ? fmt::format("sliding-window attention (window {})", c.sliding_window)
+                                                   : cuda::cudnn_sdpa_unsupported(sh);
+      cudnn_.reset();
+      if (why.empty()) {
         cudnn_ = std::make_unique<cuda::CudnnSdpa>(sh, stream);
         cudnn_rows_ = a.cap_tokens;
+      } else {
+        cudnn_off_ = true;
+        tlog::info("{}: TALON_ATTENTION=cudnn: cuDNN does not serve this model's attention ({}); Talon's kernels do",
+                   dev_.name(), why);
       }
     }
     const bool flash = !cudnn_ && cuda::flash_attention_supported(hd) && !force_warp_attention();
@@ -227,6 +232,7 @@ class CudaDenseModel final : public Model {
   std::unique_ptr<Acts> acts_;
   std::unique_ptr<CapBufs> caps_;
   std::unique_ptr<cuda::CudnnSdpa> cudnn_;  // TALON_ATTENTION=cudnn, for up to cudnn_rows_ rows
+  bool cudnn_off_ = false;                  // cuDNN cannot serve this model
   int64_t cudnn_rows_ = 0;
 };
 

@@ -298,20 +298,25 @@ std::string cudnn_sdpa_validate(const SdpaShape& shape, int64_t n_samples, int64
   return "";
 }
 
-CudnnSdpa::CudnnSdpa(const SdpaShape& shape, cudaStream_t s) : p_(std::make_unique<Impl>()) {
+std::string cudnn_sdpa_unsupported(const SdpaShape& shape) {
   std::string why;
-  if (!cudnn_sdpa_available(&why)) fail_msg("cuDNN fused attention: " + why);
+  if (!cudnn_sdpa_available(&why)) return why;
   const SdpaShape sh = resolved(shape);
   if (sh.nh <= 0 || sh.nkv <= 0 || sh.nh % sh.nkv != 0 || sh.hd <= 0 || sh.hd % 8 != 0 || sh.hd > 256 ||
       sh.hd_v <= 0 || sh.hd_v % 8 != 0 || sh.hd_v > 256 || sh.max_rows <= 0)
-    fail_msg(fmt::format("cuDNN fused attention: unsupported shape ({} heads, {} kv heads, head size {}, value head "
-                         "size {}; expected heads a multiple of kv heads and head sizes that are multiples of 8 up to "
-                         "256)",
-                         sh.nh, sh.nkv, sh.hd, sh.hd_v));
+    return fmt::format("unsupported shape ({} heads, {} kv heads, head size {}, value head size {}; expected heads a "
+                       "multiple of kv heads and head sizes that are multiples of 8 up to 256)",
+                       sh.nh, sh.nkv, sh.hd, sh.hd_v);
   const int64_t widest = std::max({sh.ld_q, sh.ld_k, sh.ld_v, sh.ld_o});
   if (sh.max_rows * widest >= int64_t(INT32_MAX))
-    fail_msg(fmt::format("cuDNN fused attention: {} rows x {} values do not fit its 32-bit offsets", sh.max_rows,
-                         widest));
+    return fmt::format("{} rows x {} values do not fit its 32-bit offsets", sh.max_rows, widest);
+  return "";
+}
+
+CudnnSdpa::CudnnSdpa(const SdpaShape& shape, cudaStream_t s) : p_(std::make_unique<Impl>()) {
+  const std::string why = cudnn_sdpa_unsupported(shape);
+  if (!why.empty()) fail_msg("cuDNN fused attention: " + why);
+  const SdpaShape sh = resolved(shape);
   Impl& I = *p_;
   I.sh = sh;
   I.s = s;
@@ -410,6 +415,11 @@ bool cudnn_sdpa_available(std::string* why) {
 }
 int64_t cudnn_version() { return 0; }
 struct CudnnSdpa::Impl {};
+std::string cudnn_sdpa_unsupported(const SdpaShape&) {
+  std::string why;
+  cudnn_sdpa_available(&why);
+  return why;
+}
 CudnnSdpa::CudnnSdpa(const SdpaShape&, cudaStream_t) {
   std::string why;
   cudnn_sdpa_available(&why);

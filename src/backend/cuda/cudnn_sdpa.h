@@ -49,9 +49,14 @@ struct SdpaShape {
 };
 
 // TALON_ATTENTION=cudnn: the target forward's prefill attention (extract, the online trainer's
-// target) goes through cuDNN instead of the tensor-core kernels of attention.cu.
+// target) goes through cuDNN instead of the tensor-core kernels of attention.cu, where cuDNN can
+// serve the model (cudnn_sdpa_unsupported; sliding windows are not); elsewhere the kernels serve
+// it, and the first forward logs why at info level.
 bool prefill_attention_cudnn();
 
+// "" when CudnnSdpa can be made for `shape` (cuDNN loads; heads a multiple of kv heads, head sizes
+// multiples of 8 up to 256, 32-bit offsets suffice), else why not.
+std::string cudnn_sdpa_unsupported(const SdpaShape& shape);
 // The cuDNN frontend's own checks of the forward and backward graphs for a batch of n_samples
 // samples of up to `longest` rows (no plans are built); "" when they pass, else the message.
 std::string cudnn_sdpa_validate(const SdpaShape& shape, int64_t n_samples, int64_t longest);

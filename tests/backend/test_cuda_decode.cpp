@@ -642,7 +642,7 @@ TEST(CudaDecode, ChainAcceptanceOnTheDeviceMatchesTheHost) {
 }
 
 // The same for picked (top-k) trees: Decoder::forward_accept_tree decided by the device kernel
-// (TALON_CUDA_ACCEPT_TREE=1) against the host default on the same decoder type, on random trees of 2 to 12
+// (the default) against the host default on the same decoder type, on random trees of 2 to 12
 // rows with 1 to 4 children a node, whose first child is, in every other case, the target's
 // own greedy pick at the root (so that paths go deep), and runs of small uniforms (so that
 // children are kept). Decisions may differ only where a uniform lands within fp64 rounding of a
@@ -651,9 +651,7 @@ TEST(CudaDecode, TreeAcceptanceOnTheDeviceMatchesTheHost) {
   REQUIRE_GPU();
   for (const char* fx : {"llama_gqa", "deepseek_v3"}) {
     auto ck = open_checkpoint(golden_fixture(fx));
-    setenv("TALON_CUDA_ACCEPT_TREE", "1", 1);  // opt-in until this test has passed on a GPU
     auto dev = make_cuda_decoder(*ck, 0, 1, 128);
-    unsetenv("TALON_CUDA_ACCEPT_TREE");
     setenv("TALON_CUDA_ACCEPT", "0", 1);
     auto host = make_cuda_decoder(*ck, 0, 1, 128);
     unsetenv("TALON_CUDA_ACCEPT");

@@ -264,7 +264,7 @@ Decoder::ChainAcceptance ChainAccepter::run(const DecodeRequest& req, const std:
 
 bool ChainAccepter::tree_enabled() {
   const char* e = std::getenv("TALON_CUDA_ACCEPT_TREE");
-  return e && std::string(e) == "1";
+  return !(e && std::string(e) == "0");
 }
 
 uint8_t* ChainAccepter::ensure(size_t bytes, cudaStream_t s) {

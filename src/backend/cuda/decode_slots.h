@@ -143,8 +143,8 @@ int64_t cache_pool_rows(int device, int n_slots, int64_t max_len, int64_t cache_
 // for the stream. on(): unless TALON_CUDA_ACCEPT=0, read when made (then the decoders take
 // Decoder's host default: logits down, the host's acceptance test).
 // run_tree: Decoder::forward_accept_tree's device half the same way (accept_tree): the tree's
-// tokens, parents and u go up, the path and the next token come down. tree_on(): only with
-// TALON_CUDA_ACCEPT_TREE=1 (read when made) until its first GPU run has checked it.
+// tokens, parents and u go up, the path and the next token come down. tree_on(): unless
+// TALON_CUDA_ACCEPT_TREE=0 (read when made).
 class ChainAccepter {
  public:
   bool on() const { return on_; }

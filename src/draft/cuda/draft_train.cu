@@ -92,6 +92,21 @@ uint16_t bf16_bits(float x) {
 }
 
 // ---------------------------------------------------------------- row ops
+// dst[r] = table[toks[r]] for rows of H bf16 values, the table in mapped host memory (read over
+// the bus): 16-byte loads where the rows allow, else 2-byte ones.
+__global__ void host_rows_kernel(__nv_bfloat16* dst, const uint16_t* table, const int32_t* toks, int64_t H) {
+  const int64_t r = blockIdx.x;
+  const uint16_t* src = table + int64_t(toks[r]) * H;
+  uint16_t* out = reinterpret_cast<uint16_t*>(dst) + r * H;
+  if (H % 8 == 0) {
+    const uint4* s4 = reinterpret_cast<const uint4*>(src);
+    uint4* d4 = reinterpret_cast<uint4*>(out);
+    for (int64_t i = threadIdx.x; i < H / 8; i += blockDim.x) d4[i] = s4[i];
+  } else {
+    for (int64_t i = threadIdx.x; i < H; i += blockDim.x) out[i] = src[i];
+  }
+}
+
 // E[n, :] = embed[token fed at step k]: x[t+1+k] of the row's own sample, 0 past its end.
 template <class Emb>
 __global__ void gather_kernel(float* E, const Emb* embed, const int32_t* ids, const int32_t* pos,
@@ -695,15 +710,19 @@ struct DraftEngine::Impl {
   // Target.
   float *embed = nullptr, *fnorm = nullptr, *lm = nullptr, *inv = nullptr;
   __nv_bfloat16* embed_b = nullptr;  // with bf16 operands the target embedding is held as bf16 only
-  // --gpu-batch-embeddings: the target's embedding stays on the host as bf16 (host_embed [V, H]);
-  // prepare() uploads the rows of the batch's distinct tokens into emb_rows (row 0: token 0,
-  // what a step past a sample's end reads) through the pinned emb_stage, and the batch's ids as
-  // row numbers (cids), which gather() then reads in place of embed_b and ids.
+  // --gpu-batch-embeddings: the target's embedding stays on the host as bf16 (host_embed [V, H],
+  // pinned and mapped into the device's address space); prepare() sends the batch's distinct
+  // tokens up (emb_toks, through the pinned emb_stage) and a kernel on the copy stream reads their
+  // rows from host memory into emb_rows (row 0: token 0, what a step past a sample's end reads),
+  // so no host thread copies rows; the batch's ids go up as row numbers (cids), which gather()
+  // then reads in place of embed_b and ids.
   bool batch_embed = false;
-  std::vector<uint16_t> host_embed;
+  uint16_t* host_embed = nullptr;  // pinned, mapped
+  const uint16_t* host_embed_d = nullptr;  // its device-side address
   std::vector<int32_t> emb_slot;  // [V]: batch_tokens' scratch
   BatchTokens emb_batch;
-  __nv_bfloat16 *emb_rows = nullptr, *emb_stage = nullptr;
+  __nv_bfloat16* emb_rows = nullptr;
+  int32_t *emb_stage = nullptr, *emb_toks = nullptr;
   int32_t* cids = nullptr;
   int64_t* kept;
   uint8_t* t2d;
@@ -853,6 +872,7 @@ struct DraftEngine::Impl {
       if (c) cudaFree(c);
     if (host_aux) cudaFreeHost(host_aux);
     if (emb_stage) cudaFreeHost(emb_stage);
+    if (host_embed) cudaFreeHost(host_embed);
     if (host_hidden) cudaFreeHost(host_hidden);
     for (auto& m : marks) cudaEventDestroy(m.second);
   }
@@ -1441,13 +1461,17 @@ DraftEngine::DraftEngine(int device, const DraftDims& dd, DraftMath math, const 
     };
     if (!dd.peagle && opt.batch_embeddings) {  // on the host; the batch's rows on the device
       I.batch_embed = true;
-      I.host_embed.resize(size_t(V * H));
+      CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&I.host_embed), size_t(V * H) * 2, cudaHostAllocMapped));
+      void* mapped = nullptr;
+      CUDA_CHECK(cudaHostGetDevicePointer(&mapped, I.host_embed, 0));
+      I.host_embed_d = static_cast<const uint16_t*>(mapped);
       parallel_for_chunks(size_t(V), 8, 1024, [&](size_t v) {
         for (int64_t c = 0; c < H; ++c) I.host_embed[v * size_t(H) + size_t(c)] = bf16_bits(embed[v * size_t(H) + size_t(c)]);
       });
       I.emb_slot.assign(size_t(V), -1);
       I.emb_rows = I.alloc<__nv_bfloat16>(size_t((R + 1) * H));
-      CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&I.emb_stage), size_t((R + 1) * H) * 2, cudaHostAllocDefault));
+      I.emb_toks = I.alloc<int32_t>(size_t(R + 1));
+      CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&I.emb_stage), size_t(R + 1) * 4, cudaHostAllocDefault));
       I.cids = I.alloc<int32_t>(size_t(R));
     } else if (!dd.peagle) {  // P-EAGLE reads its own (trained) embedding, a weight
       I.embed_b = I.alloc<__nv_bfloat16>(size_t(V * H));
@@ -1744,16 +1768,15 @@ std::vector<uint8_t> DraftEngine::prepare(const DraftBatch& b) {
   };
   cp(I.ids, b.ids, size_t(N) * 4);
   if (I.batch_embed) {
-    // The batch's distinct tokens, token 0 first; their rows go up on the copy stream (with aux,
-    // which run() waits for before its first gather). The last batch's upload has finished
-    // (aux_ready above), so the staging is free.
+    // The batch's distinct tokens, token 0 first, go up on the copy stream and their rows are read
+    // from the mapped host table there (with aux, which run() waits for before its first gather).
+    // The last batch's upload has finished (aux_ready above), so the staging is free.
     batch_tokens(b.ids, N, V, I.emb_slot, I.emb_batch);
     const std::vector<int32_t>& toks = I.emb_batch.toks;
-    const size_t rowb = size_t(H) * 2;
-    parallel_for_chunks(toks.size(), 8, 256, [&](size_t i) {
-      std::memcpy(static_cast<void*>(I.emb_stage + i * size_t(H)), I.host_embed.data() + size_t(toks[i]) * size_t(H), rowb);
-    });
-    CUDA_CHECK(cudaMemcpyAsync(I.emb_rows, I.emb_stage, toks.size() * rowb, cudaMemcpyHostToDevice, I.copy_s));
+    std::memcpy(I.emb_stage, toks.data(), toks.size() * 4);
+    CUDA_CHECK(cudaMemcpyAsync(I.emb_toks, I.emb_stage, toks.size() * 4, cudaMemcpyHostToDevice, I.copy_s));
+    host_rows_kernel<<<unsigned(toks.size()), 128, 0, I.copy_s>>>(I.emb_rows, I.host_embed_d, I.emb_toks, H);
+    CUDA_CHECK(cudaGetLastError());
     cp(I.cids, I.emb_batch.index.data(), size_t(N) * 4);
   }
   cp(I.pos, b.pos, size_t(N) * 4);

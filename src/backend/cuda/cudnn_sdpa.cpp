@@ -271,6 +271,8 @@ struct CudnnSdpa::Impl {
     ws = nullptr;
     CUDA_CHECK(cudaMalloc(&ws, size_t(need)));
     ws_cap = need;
+    tlog::info("cuDNN fused attention: workspace {:.1f} MiB ({} heads of {}, up to {} rows{})", double(need) / (1 << 20),
+               sh.nh, sh.hd, sh.max_rows, sh.backward ? ", with the deterministic backward" : "");
   }
   void execute(fe::graph::Graph& g, std::unordered_map<int64_t, void*>& pack, const char* what) {
     for (int t = 0; t < kOffsets; ++t) {

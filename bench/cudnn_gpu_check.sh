@@ -18,7 +18,12 @@
 #   extract    (not in the default list) `talon extract` on random Llama-3.1-8B weights, end to end,
 #              with and without TALON_ATTENTION=cudnn (bench/extract_gpu.py --talon-only);
 #   kimi       the Kimi-K2-shaped forward (talon_bench_deepseek, 4 layers): default, cuDNN
-#              attention, bf16 experts, bf16 experts on CUTLASS with cuDNN attention.
+#              attention, bf16 experts, bf16 experts on CUTLASS with cuDNN attention;
+#   graphs     (not in the default list) greedy one-token steps at batch 1, context 2048, 8B and
+#              SmolLM2 shapes, with the step's graph in parts of 0 (one graph), 1, 2, 4, 8, 16
+#              layers (talon_bench_decode --graph-layers);
+#   compare    (not in the default list) bench/train_compare_gpu.sh at 2048 and 4096 tokens, loss
+#              share 0.675, VARIANT=cudnn+rows, with the PyTorch peer.
 # Logs go to $LOGS (default: a temporary folder); a summary to stdout.
 #   tar xzf .gpucarry/deps.tgz && bash scripts/gpu_build.sh && LOGS=$OUT PARTS="tests attention moe" \
 #     bash bench/cudnn_gpu_check.sh
@@ -31,8 +36,8 @@ PARTS=${PARTS:-"tests attention moe train trace kimi"}
 want() { case " $PARTS " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 echo "== $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -1); commit $(git rev-parse --short HEAD 2>/dev/null || echo '?'); parts: $PARTS"
 if want tests; then
-  echo "== tests: *CudnnSdpa*:*GpuDraft*:*CudaMoe*:*CudaParallel*:*AcceptanceOnTheDevice*"
-  build/tests/talon_tests --gtest_filter='*CudnnSdpa*:*GpuDraft*:*CudaMoe*:*CudaParallel*:*AcceptanceOnTheDevice*' \
+  echo "== tests: *CudnnSdpa*:*GpuDraft*:*CudaMoe*:*CudaParallel*:*CudaDecode*"
+  build/tests/talon_tests --gtest_filter='*CudnnSdpa*:*GpuDraft*:*CudaMoe*:*CudaParallel*:*CudaDecode*' \
     --gtest_brief=1 \
     > "$LOGS/tests.log" 2>&1
   grep -E "^\[  (PASSED|FAILED|SKIPPED) |^\[==========\]" "$LOGS/tests.log" | tail -4
@@ -105,4 +110,16 @@ if want kimi; then
   TALON_EP_OVERLAP=1 build/talon_bench_deepseek --layers 4 --seqs 4 --seq-len 2048 --steps 3 --ep 2 --devices 0,0 --share-gpus \
     > "$LOGS/kimi-ep2-overlap.log" 2>&1
   echo "ep2 overlap: $(tail -1 "$LOGS/kimi-ep2-overlap.log")"
+fi
+if want graphs; then
+  echo "== greedy one-token steps at batch 1, context 2048: the step's graph in parts of n layers"
+  for sh in llama3-8b smollm2; do
+    build/talon_bench_decode --shape "$sh" --context 2048 --batches 1 --steps 32 --tree 0 --verify-tokens 1 \
+      --graph-layers 0,1,2,4,8,16 > "$LOGS/graphs-$sh.log" 2>&1
+    echo "$sh:"; grep -A7 "^greedy graph steps" "$LOGS/graphs-$sh.log" | tail -6
+  done
+fi
+if want compare; then
+  echo "== draft training against the PyTorch peer (cuDNN attention, batch embeddings)"
+  LOGS="$LOGS/compare" LOSS_SHARE=0.675 VARIANT=cudnn+rows bash bench/train_compare_gpu.sh llama3-8b "2048 4096" 1 full
 fi

@@ -195,29 +195,43 @@ struct CudnnSdpa::Impl {
     check_fe(g.build_plans(handle), fmt::format("building the {} plans", what).c_str());
     check_fe(g.get_workspace_size(ws), "workspace size");
   }
+  // What the forward and backward graphs share: the ragged offsets of Q, K, V and O, the
+  // per-sample lengths, and Q, K, V over them.
+  struct Common {
+    std::shared_ptr<fe::graph::Tensor_attributes> oq, ok, ov, oo, sq, skv, Q, K, V;
+  };
+  Common common(fe::graph::Graph& g, int64_t B, int64_t S) {
+    Common c;
+    c.oq = index(g, "off_q", kOffQ, B + 1);
+    c.ok = index(g, "off_k", kOffK, B + 1);
+    c.ov = index(g, "off_v", kOffV, B + 1);
+    c.oo = index(g, "off_o", kOffO, B + 1);
+    c.sq = index(g, "seq_q", kSeqQ, B);
+    c.skv = index(g, "seq_kv", kSeqKV, B);
+    c.Q = ragged(g, "Q", kQ, B, S, lq(), c.oq);
+    c.K = ragged(g, "K", kK, B, S, lk(), c.ok);
+    c.V = ragged(g, "V", kV, B, S, lv(), c.ov);
+    return c;
+  }
   Plans build(int64_t B, int64_t S) {
     const int64_t nh = sh.nh;
     Plans p;
     {
       auto g = new_graph();
-      auto oq = index(*g, "off_q", kOffQ, B + 1), ok = index(*g, "off_k", kOffK, B + 1),
-           ov = index(*g, "off_v", kOffV, B + 1), oo = index(*g, "off_o", kOffO, B + 1);
-      auto sq = index(*g, "seq_q", kSeqQ, B), skv = index(*g, "seq_kv", kSeqKV, B);
-      auto Q = ragged(*g, "Q", kQ, B, S, lq(), oq), K = ragged(*g, "K", kK, B, S, lk(), ok),
-           V = ragged(*g, "V", kV, B, S, lv(), ov);
+      const Common c = common(*g, B, S);
       auto opt = fe::graph::SDPA_attributes()
                      .set_name("causal_fwd")
                      .set_generate_stats(sh.backward)
                      .set_attn_scale(sh.scale)
                      .set_padding_mask(true)
-                     .set_seq_len_q(sq)
-                     .set_seq_len_kv(skv)
+                     .set_seq_len_q(c.sq)
+                     .set_seq_len_kv(c.skv)
                      .set_diagonal_alignment(fe::DiagonalAlignment_t::TOP_LEFT)
                      .set_diagonal_band_right_bound(0)
                      .set_max_total_seq_len_q(sh.max_rows)
                      .set_max_total_seq_len_kv(sh.max_rows);
-      auto [O, Stats] = g->sdpa(Q, K, V, opt);
-      as_output(*O, kO, B, S, lo(), oo);
+      auto [O, Stats] = g->sdpa(c.Q, c.K, c.V, opt);
+      as_output(*O, kO, B, S, lo(), c.oo);
       if (sh.backward)
         Stats->set_output(true)
             .set_uid(kStats)
@@ -230,13 +244,9 @@ struct CudnnSdpa::Impl {
     }
     if (sh.backward) {
       auto g = new_graph();
-      auto oq = index(*g, "off_q", kOffQ, B + 1), ok = index(*g, "off_k", kOffK, B + 1),
-           ov = index(*g, "off_v", kOffV, B + 1), oo = index(*g, "off_o", kOffO, B + 1),
-           ost = index(*g, "off_stats", kOffStats, B + 1);
-      auto sq = index(*g, "seq_q", kSeqQ, B), skv = index(*g, "seq_kv", kSeqKV, B);
-      auto Q = ragged(*g, "Q", kQ, B, S, lq(), oq), K = ragged(*g, "K", kK, B, S, lk(), ok),
-           V = ragged(*g, "V", kV, B, S, lv(), ov), O = ragged(*g, "O", kO, B, S, lo(), oo),
-           dO = ragged(*g, "dO", kDO, B, S, lo(), oo);
+      const Common c = common(*g, B, S);
+      auto ost = index(*g, "off_stats", kOffStats, B + 1);
+      auto O = ragged(*g, "O", kO, B, S, lo(), c.oo), dO = ragged(*g, "dO", kDO, B, S, lo(), c.oo);
       auto Stats = g->tensor(fe::graph::Tensor_attributes()
                                  .set_name("Stats")
                                  .set_uid(kStats)
@@ -248,17 +258,17 @@ struct CudnnSdpa::Impl {
                      .set_name("causal_bwd")
                      .set_attn_scale(sh.scale)
                      .set_padding_mask(true)
-                     .set_seq_len_q(sq)
-                     .set_seq_len_kv(skv)
+                     .set_seq_len_q(c.sq)
+                     .set_seq_len_kv(c.skv)
                      .set_diagonal_alignment(fe::DiagonalAlignment_t::TOP_LEFT)
                      .set_diagonal_band_right_bound(0)
                      .set_max_total_seq_len_q(sh.max_rows)
                      .set_max_total_seq_len_kv(sh.max_rows)
                      .set_deterministic_algorithm(true);  // resume is bit-identical only with fixed sums
-      auto [dQ, dK, dV] = g->sdpa_backward(Q, K, V, O, dO, Stats, opt);
-      as_output(*dQ, kDQ, B, S, lq(), oq);
-      as_output(*dK, kDK, B, S, lk(), ok);
-      as_output(*dV, kDV, B, S, lv(), ov);
+      auto [dQ, dK, dV] = g->sdpa_backward(c.Q, c.K, c.V, O, dO, Stats, opt);
+      as_output(*dQ, kDQ, B, S, lq(), c.oq);
+      as_output(*dK, kDK, B, S, lk(), c.ok);
+      as_output(*dV, kDV, B, S, lv(), c.ov);
       finish(*g, p.ws_bwd, "backward");
       p.bwd = g;
     }

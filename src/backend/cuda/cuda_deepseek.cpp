@@ -109,26 +109,17 @@ class CudaDeepseekModel final : public Model {
     CUDA_CHECK(cudaMemcpyAsync(a.pos, pos.data(), size_t(N) * 4, cudaMemcpyHostToDevice, s));
     CUDA_CHECK(cudaMemcpyAsync(a.row_seq, row_seq.data(), size_t(N) * 4, cudaMemcpyHostToDevice, s));
     CUDA_CHECK(cudaMemcpyAsync(a.seq_start, b.seq_start.data(), b.seq_start.size() * 8, cudaMemcpyHostToDevice, s));
-    // TALON_ATTENTION=cudnn: cuDNN's fused attention with heads of qk over values of vd, read
+    // TALON_ATTENTION=cudnn|auto: cuDNN's fused attention with heads of qk over values of vd, read
     // from the padded qkv buffer and written unpadded (no unpad pass).
-    if (cuda::prefill_attention_cudnn() && !cudnn_off_ && (!cudnn_ || cudnn_rows_ < a.n)) {
+    if (cuda::prefill_attention_cudnn()) {
       cuda::SdpaShape sh{int(nh), int(nh), int(qk), float(1.0 / std::sqrt(double(qk))), a.n};
       sh.hd_v = int(vd);
       sh.ld_q = sh.ld_k = sh.ld_v = 3 * nh * qk;
       sh.hs_v = qk;
       sh.backward = false;
-      const std::string why = cuda::cudnn_sdpa_unsupported(sh);
-      cudnn_.reset();
-      if (why.empty()) {
-        cudnn_ = std::make_unique<cuda::CudnnSdpa>(sh, s);
-        cudnn_rows_ = a.n;
-      } else {
-        cudnn_off_ = true;
-        tlog::info("cuda:{}: TALON_ATTENTION=cudnn: cuDNN does not serve this model's attention ({}); Talon's kernels "
-                   "do", dev_.index(), why);
-      }
+      cuda::prefill_make(cudnn_, cudnn_off_, sh, "", s, dev_.index());
     }
-    if (cudnn_) cudnn_->set_batch(b.seq_start, a.seq_start);
+    cuda::prefill_set_batch(cudnn_, cudnn_off_, b.seq_start, a.seq_start, dev_.index());
     // Tensor-core attention when the head size allows (Kimi-K2 / DeepSeek-V3: qk 192).
     const bool flash = !cudnn_ && cuda::flash_attention_supported(qk);
     const std::vector<int32_t> tiles = flash ? cuda::attention_tiles(b.seq_start.data(), b.n_seqs()) : std::vector<int32_t>{};
@@ -270,9 +261,8 @@ class CudaDeepseekModel final : public Model {
   float* inv_freq_;
   std::vector<LayerDev> layers_;
   std::unique_ptr<Acts> acts_;
-  std::unique_ptr<cuda::CudnnSdpa> cudnn_;  // TALON_ATTENTION=cudnn, for up to cudnn_rows_ rows
-  bool cudnn_off_ = false;                  // cuDNN cannot serve this model
-  int64_t cudnn_rows_ = 0;
+  std::unique_ptr<cuda::CudnnSdpa> cudnn_;  // TALON_ATTENTION=cudnn|auto
+  bool cudnn_off_ = false;                  // cuDNN does not serve this model
 };
 
 }  // namespace

@@ -84,32 +84,24 @@ class CudaDenseModel final : public Model {
         pos[size_t(r)] = int32_t(r - b.seq_start[size_t(s)]);
         row_seq[size_t(r)] = int32_t(s);
       }
-    // TALON_ATTENTION=cudnn: cuDNN's fused attention, on the fused qkv buffer as it is, where
+    // TALON_ATTENTION=cudnn|auto: cuDNN's fused attention, on the fused qkv buffer as it is, where
     // cuDNN serves the model (else the kernels below, said once).
-    if (cuda::prefill_attention_cudnn() && !cudnn_off_ && (!cudnn_ || cudnn_rows_ < a.cap_tokens)) {
+    if (cuda::prefill_attention_cudnn()) {
       cuda::SdpaShape sh{int(nh), int(nkv), int(hd), float(1.0 / std::sqrt(double(hd))), a.cap_tokens};
       sh.ld_q = sh.ld_k = sh.ld_v = ldqkv;
       sh.backward = false;
-      const std::string why = c.sliding_window > 0 ? fmt::format("sliding-window attention (window {})", c.sliding_window)
-                                                   : cuda::cudnn_sdpa_unsupported(sh);
-      cudnn_.reset();
-      if (why.empty()) {
-        cudnn_ = std::make_unique<cuda::CudnnSdpa>(sh, stream);
-        cudnn_rows_ = a.cap_tokens;
-      } else {
-        cudnn_off_ = true;
-        tlog::info("{}: TALON_ATTENTION=cudnn: cuDNN does not serve this model's attention ({}); Talon's kernels do",
-                   dev_.name(), why);
-      }
+      cuda::prefill_make(cudnn_, cudnn_off_, sh,
+                         c.sliding_window > 0 ? fmt::format("sliding-window attention (window {})", c.sliding_window) : "",
+                         stream, dev_.index());
     }
-    const bool flash = !cudnn_ && cuda::flash_attention_supported(hd) && !force_warp_attention();
-    const std::vector<int32_t> tiles = flash ? cuda::attention_tiles(b.seq_start.data(), b.n_seqs()) : std::vector<int32_t>{};
     CUDA_CHECK(cudaMemcpyAsync(a.ids, b.tokens.data(), size_t(N) * 4, cudaMemcpyHostToDevice, stream));
     CUDA_CHECK(cudaMemcpyAsync(a.pos, pos.data(), size_t(N) * 4, cudaMemcpyHostToDevice, stream));
     CUDA_CHECK(cudaMemcpyAsync(a.row_seq, row_seq.data(), size_t(N) * 4, cudaMemcpyHostToDevice, stream));
     CUDA_CHECK(cudaMemcpyAsync(a.seq_start, b.seq_start.data(), b.seq_start.size() * 8, cudaMemcpyHostToDevice, stream));
+    cuda::prefill_set_batch(cudnn_, cudnn_off_, b.seq_start, a.seq_start, dev_.index());
+    const bool flash = !cudnn_ && cuda::flash_attention_supported(hd) && !force_warp_attention();
+    const std::vector<int32_t> tiles = flash ? cuda::attention_tiles(b.seq_start.data(), b.n_seqs()) : std::vector<int32_t>{};
     if (flash) CUDA_CHECK(cudaMemcpyAsync(a.tiles, tiles.data(), tiles.size() * 4, cudaMemcpyHostToDevice, stream));
-    if (cudnn_) cudnn_->set_batch(b.seq_start, a.seq_start);
 
     // Copy segments: runs of sequences whose destination rows are consecutive.
     struct Seg {
@@ -231,9 +223,8 @@ class CudaDenseModel final : public Model {
   cuda::DenseDeviceWeights w_;
   std::unique_ptr<Acts> acts_;
   std::unique_ptr<CapBufs> caps_;
-  std::unique_ptr<cuda::CudnnSdpa> cudnn_;  // TALON_ATTENTION=cudnn, for up to cudnn_rows_ rows
-  bool cudnn_off_ = false;                  // cuDNN cannot serve this model
-  int64_t cudnn_rows_ = 0;
+  std::unique_ptr<cuda::CudnnSdpa> cudnn_;  // TALON_ATTENTION=cudnn|auto
+  bool cudnn_off_ = false;                  // cuDNN does not serve this model
 };
 
 // TALON_ATTENTION=warp selects the one-warp-per-row kernel even where the tensor-core one

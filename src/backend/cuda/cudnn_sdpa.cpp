@@ -29,12 +29,57 @@ void* cudnn_dlhandle = nullptr;
 
 namespace talon::cuda {
 
-bool prefill_attention_cudnn() {
-  static const bool on = [] {
+PrefillAttention prefill_attention() {
+  static const PrefillAttention on = [] {
     const char* e = std::getenv("TALON_ATTENTION");
-    return e && std::string(e) == "cudnn";
+    const std::string v = e ? e : "";
+    return v == "cudnn" ? PrefillAttention::Cudnn : v == "auto" ? PrefillAttention::Auto : PrefillAttention::Kernels;
   }();
   return on;
+}
+
+void prefill_make(std::unique_ptr<CudnnSdpa>& sdpa, bool& off, const SdpaShape& shape, const std::string& refused,
+                  cudaStream_t s, int device) {
+  if (!prefill_attention_cudnn() || off || (sdpa && sdpa->rows() >= shape.max_rows)) return;
+  const char* mode = prefill_attention() == PrefillAttention::Auto ? "auto" : "cudnn";
+  const std::string why = refused.empty() ? cudnn_sdpa_unsupported(shape) : refused;
+  sdpa.reset();
+  if (!why.empty()) {
+    off = true;
+    tlog::info("cuda:{}: TALON_ATTENTION={}: cuDNN does not serve this model's attention ({}); Talon's kernels do",
+               device, mode, why);
+    return;
+  }
+  if (prefill_attention() != PrefillAttention::Auto) {
+    sdpa = std::make_unique<CudnnSdpa>(shape, s);
+    return;
+  }
+  try {
+    sdpa = std::make_unique<CudnnSdpa>(shape, s);
+  } catch (const std::exception& e) {
+    off = true;
+    tlog::warn("cuda:{}: TALON_ATTENTION=auto: cuDNN failed ({}); Talon's kernels serve the rest of the run", device,
+               e.what());
+  }
+}
+
+bool prefill_set_batch(std::unique_ptr<CudnnSdpa>& sdpa, bool& off, const std::vector<int64_t>& seq_start,
+                       const int64_t* seq_start_d, int device) {
+  if (!sdpa) return false;
+  if (prefill_attention() != PrefillAttention::Auto) {
+    sdpa->set_batch(seq_start, seq_start_d);
+    return true;
+  }
+  try {
+    sdpa->set_batch(seq_start, seq_start_d);
+    return true;
+  } catch (const std::exception& e) {
+    tlog::warn("cuda:{}: TALON_ATTENTION=auto: cuDNN failed ({}); Talon's kernels serve the rest of the run", device,
+               e.what());
+    sdpa.reset();
+    off = true;
+    return false;
+  }
 }
 
 #ifdef TALON_HAVE_CUDNN_FE
@@ -347,6 +392,7 @@ CudnnSdpa::~CudnnSdpa() {
 }
 
 int64_t CudnnSdpa::bytes() const { return p_->ws_cap + (p_->off_cap + 1) * kOffsets * 4 + p_->off_cap * 4; }
+int64_t CudnnSdpa::rows() const { return p_->sh.max_rows; }
 
 void CudnnSdpa::set_batch(const std::vector<int64_t>& seq_start, const int64_t* seq_start_d) {
   Impl& I = *p_;
@@ -439,6 +485,7 @@ CudnnSdpa::CudnnSdpa(const SdpaShape&, cudaStream_t) {
 }
 CudnnSdpa::~CudnnSdpa() = default;
 int64_t CudnnSdpa::bytes() const { return 0; }
+int64_t CudnnSdpa::rows() const { return 0; }
 void CudnnSdpa::set_batch(const std::vector<int64_t>&, const int64_t*) {}
 void CudnnSdpa::forward(__nv_bfloat16*, float*, const __nv_bfloat16*, const __nv_bfloat16*, const __nv_bfloat16*) {}
 void CudnnSdpa::backward(__nv_bfloat16*, __nv_bfloat16*, __nv_bfloat16*, const __nv_bfloat16*, const __nv_bfloat16*,

@@ -48,11 +48,29 @@ struct SdpaShape {
   bool backward = true;
 };
 
-// TALON_ATTENTION=cudnn: the target forward's prefill attention (extract, the online trainer's
-// target) goes through cuDNN instead of the tensor-core kernels of attention.cu, where cuDNN can
-// serve the model (cudnn_sdpa_unsupported; sliding windows are not); elsewhere the kernels serve
-// it, and the first forward logs why at info level.
-bool prefill_attention_cudnn();
+// Which attention the target forward's prefill (extract, the online trainer's target) takes, from
+// TALON_ATTENTION (read once):
+//   cudnn  cuDNN's fused attention where it can serve the model (cudnn_sdpa_unsupported; sliding
+//          windows are not), else the tensor-core kernels of attention.cu (the first forward logs
+//          why at info level); a failure inside cuDNN is an error;
+//   auto   the same, and a failure inside cuDNN (a plan it cannot build) logs a warning and hands
+//          the rest of the run to the kernels;
+//   anything else (unset, flash, warp): the kernels.
+enum class PrefillAttention { Kernels, Cudnn, Auto };
+PrefillAttention prefill_attention();
+inline bool prefill_attention_cudnn() { return prefill_attention() != PrefillAttention::Kernels; }
+class CudnnSdpa;
+// The prefill's CudnnSdpa for `shape` (rows: shape.max_rows), made when the route is chosen, the
+// model is served (`refused`: a reason of the caller's, e.g. a sliding window; else
+// cudnn_sdpa_unsupported) and `sdpa` holds fewer rows; where it is not served, `off` is set and the
+// reason logged once. Under `auto` a failure to make it is logged and sets `off` too.
+void prefill_make(std::unique_ptr<CudnnSdpa>& sdpa, bool& off, const SdpaShape& shape, const std::string& refused,
+                  cudaStream_t s, int device);
+// The prefill's CudnnSdpa::set_batch: under `auto` a failure logs a warning, drops `sdpa` and sets
+// `off` (the kernels serve the rest of the run); under `cudnn` it throws. False when `sdpa` is
+// (now) empty.
+bool prefill_set_batch(std::unique_ptr<CudnnSdpa>& sdpa, bool& off, const std::vector<int64_t>& seq_start,
+                       const int64_t* seq_start_d, int device);
 
 // "" when CudnnSdpa can be made for `shape` (cuDNN loads; heads a multiple of kv heads, head sizes
 // multiples of 8 up to 256, 32-bit offsets suffice), else why not.
@@ -83,6 +101,8 @@ class CudnnSdpa {
                 const float* lse);
   // Device bytes held (workspace and offsets).
   int64_t bytes() const;
+  // The most rows a batch may have (SdpaShape::max_rows).
+  int64_t rows() const;
 
  private:
   std::unique_ptr<Impl> p_;

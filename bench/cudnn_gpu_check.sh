@@ -24,7 +24,8 @@
 #              layers (talon_bench_decode --graph-layers);
 #   compare    (not in the default list) bench/train_compare_gpu.sh at 2048 and 4096 tokens, loss
 #              share 0.675, VARIANT=cudnn+rows, with the PyTorch peer.
-# Logs go to $LOGS (default: a temporary folder); a summary to stdout.
+# Logs go to $LOGS (default: a temporary folder); a summary to stdout. TESTS overrides the tests
+# part's gtest filter.
 #   tar xzf .gpucarry/deps.tgz && bash scripts/gpu_build.sh && LOGS=$OUT PARTS="tests attention moe" \
 #     bash bench/cudnn_gpu_check.sh
 set -uo pipefail
@@ -36,8 +37,9 @@ PARTS=${PARTS:-"tests attention moe train trace kimi"}
 want() { case " $PARTS " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 echo "== $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -1); commit $(git rev-parse --short HEAD 2>/dev/null || echo '?'); parts: $PARTS"
 if want tests; then
-  echo "== tests: *CudnnSdpa*:*GpuDraft*:*CudaMoe*:*CudaParallel*:*CudaDecode*"
-  build/tests/talon_tests --gtest_filter='*CudnnSdpa*:*GpuDraft*:*CudaMoe*:*CudaParallel*:*CudaDecode*' \
+  TESTS=${TESTS:-"*CudnnSdpa*:*GpuDraft*:*CudaMoe*:*CudaParallel*:*CudaDecode*"}
+  echo "== tests: $TESTS"
+  build/tests/talon_tests --gtest_filter="$TESTS" \
     --gtest_brief=1 \
     > "$LOGS/tests.log" 2>&1
   grep -E "^\[  (PASSED|FAILED|SKIPPED) |^\[==========\]" "$LOGS/tests.log" | tail -4

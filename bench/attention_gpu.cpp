@@ -20,6 +20,7 @@
 #include <string>
 #include <vector>
 
+#include "gpu_bench_util.h"
 #include "backend/cuda/cudnn_sdpa.h"
 #include "backend/cuda/ops.h"
 #include "draft/cuda/ttt_attention.h"
@@ -27,20 +28,8 @@
 using namespace talon;
 
 namespace {
-#define CK(x)                                                        \
-  do {                                                               \
-    cudaError_t e_ = (x);                                            \
-    if (e_ != cudaSuccess) {                                         \
-      std::fprintf(stderr, "%s: %s\n", #x, cudaGetErrorString(e_)); \
-      std::exit(1);                                                  \
-    }                                                                \
-  } while (0)
-template <typename T>
-T* dalloc(size_t n) {
-  void* p = nullptr;
-  CK(cudaMalloc(&p, std::max<size_t>(n, 1) * sizeof(T)));
-  return static_cast<T*>(p);
-}
+#define CK(x) BENCH_CK(x)
+using bench::dalloc;
 // Random bf16 values of about unit size (the work does not depend on them; NaN-free inputs
 // keep the softmax honest).
 __nv_bfloat16* random_bf16(size_t n, uint32_t seed) {

@@ -19,26 +19,15 @@
 #include <string>
 #include <vector>
 
+#include "gpu_bench_util.h"
 #include "backend/cuda/moe.h"
 
 using namespace talon;
 
 namespace {
 double now() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
-#define CK(x)                                                                     \
-  do {                                                                            \
-    cudaError_t e_ = (x);                                                         \
-    if (e_ != cudaSuccess) {                                                      \
-      std::fprintf(stderr, "%s: %s\n", #x, cudaGetErrorString(e_));              \
-      std::exit(1);                                                               \
-    }                                                                             \
-  } while (0)
-template <typename T>
-T* dalloc(size_t n) {
-  void* p = nullptr;
-  CK(cudaMalloc(&p, std::max<size_t>(n, 1) * sizeof(T)));
-  return static_cast<T*>(p);
-}
+#define CK(x) BENCH_CK(x)
+using bench::dalloc;
 }  // namespace
 
 int main(int argc, char** argv) {

@@ -22,6 +22,9 @@
 #   graphs     (not in the default list) greedy one-token steps at batch 1, context 2048, 8B and
 #              SmolLM2 shapes, with the step's graph in parts of 0 (one graph), 1, 2, 4, 8, 16
 #              layers (talon_bench_decode --graph-layers);
+#   moedecode  (not in the default list) one Kimi-K2 MoE layer at decode-sized batches (64-512
+#              tokens): int4 and bf16 experts on the tensor-core tiles (TALON_CUDA_MOE_SKINNY=0)
+#              and on the decode-sized kernel (TALON_CUDA_MOE_SKINNY=4096), bf16 on CUTLASS;
 #   compare    (not in the default list) bench/train_compare_gpu.sh at 2048 and 4096 tokens, loss
 #              share 0.675, VARIANT=cudnn+rows, with the PyTorch peer.
 # Logs go to $LOGS (default: a temporary folder); a summary to stdout. TESTS overrides the tests
@@ -124,4 +127,17 @@ fi
 if want compare; then
   echo "== draft training against the PyTorch peer (cuDNN attention, batch embeddings)"
   LOGS="$LOGS/compare" LOSS_SHARE=0.675 VARIANT=cudnn+rows bash bench/train_compare_gpu.sh llama3-8b "2048 4096" 1 full
+fi
+if want moedecode; then
+  echo "== one Kimi-K2 MoE layer at decode-sized batches: tiles vs the decode-sized kernel (TALON_CUDA_MOE_SKINNY)"
+  for f in int4 bf16; do
+    for sk in 0 4096; do
+      TALON_CUDA_MOE_SKINNY=$sk build/talon_bench_moe $([ $f = bf16 ] && echo --bf16) --tokens 64,128,256,512 \
+        > "$LOGS/moedecode-$f-$sk.log" 2>&1
+      echo "$f, skinny up to $sk slots:"; tail -4 "$LOGS/moedecode-$f-$sk.log"
+    done
+  done
+  TALON_CUDA_MOE_SKINNY=0 TALON_MOE_GEMM=cutlass build/talon_bench_moe --bf16 --tokens 64,128,256,512 \
+    > "$LOGS/moedecode-bf16-cutlass.log" 2>&1
+  echo "bf16 on CUTLASS:"; tail -4 "$LOGS/moedecode-bf16-cutlass.log"
 fi

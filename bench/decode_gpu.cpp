@@ -302,7 +302,7 @@ int main(int argc, char** argv) {
                     cuda::decoder_graph_parts(*dec), (now() - a) / double(steps) * 1e3);
       }
       const char* env = std::getenv("TALON_CUDA_GRAPH_LAYERS");
-      cuda::decoder_graph_layers(*dec, env && *env ? std::atoll(env) : 4);
+      cuda::decoder_graph_layers(*dec, env && *env ? std::atoll(env) : 0);
     }
     {
       // The verify-step cost at batch 1: one target pass over n pending tokens (a chain of

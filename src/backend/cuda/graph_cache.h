@@ -41,8 +41,8 @@ class GraphCache {
   // Graphs launched for the last replayed run (its parts).
   size_t last_parts() const { return last_parts_; }
   // Layer stacks: layer_start(l) before layer l splits every `n` layers (n <= 0: one graph).
-  // The default is TALON_CUDA_GRAPH_LAYERS from the environment, else 4. Changing it drops the
-  // graphs made so far.
+  // The default is TALON_CUDA_GRAPH_LAYERS from the environment, else 0 (one graph) until a GPU
+  // benchmark has chosen the part size. Changing it drops the graphs made so far.
   void set_layers_per_part(int64_t n);
   int64_t layers_per_part() const { return layers_per_part_; }
   void layer_start(int64_t l, cudaStream_t s) {
@@ -64,7 +64,7 @@ class GraphCache {
   std::map<std::string, int> seen_;  // eager runs per shape
   bool on_ = true;
   bool capturing_ = false;
-  int64_t layers_per_part_ = 4;
+  int64_t layers_per_part_ = 0;
   std::vector<cudaGraphExec_t> parts_;  // the parts captured so far of the run being captured
   int64_t replays_ = 0;
   size_t last_parts_ = 0;

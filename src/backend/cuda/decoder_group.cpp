@@ -69,6 +69,7 @@ class GroupDecoder final : public Decoder, public DecoderControls {
     for (int r = 0; r < (by_slot_ ? n : 1); ++r)
       books.push_back({ranks_[size_t(r)]->n_slots(), ranks_[size_t(r)]->cache_capacity()});
     books_ = std::make_unique<SlotBooks>(n_slots, by_slot_, per_, ranks_[0]->max_len(), books);
+    pending_.assign(size_t(n_slots), 0);  // Decoder::commit_all reads it
   }
 
   ~GroupDecoder() override {
@@ -100,16 +101,19 @@ class GroupDecoder final : public Decoder, public DecoderControls {
   }
   void commit(int slot, const std::vector<int32_t>& keep) override {
     books_->commit(slot, keep);  // checks the path first
+    pending_[size_t(slot)] = 0;
     on_owners(slot, [&](Decoder& d, int local) { d.commit(local, keep); });
   }
   void reset(int slot) override {
     books_->reset(slot);
+    pending_[size_t(slot)] = 0;
     on_owners(slot, [&](Decoder& d, int local) { d.reset(local); });
   }
 
   // DecoderControls: the owning ranks alike.
   void assume_length(int slot, int64_t len) override {
     books_->reset(slot, len);
+    pending_[size_t(slot)] = 0;
     on_owners(slot, [&](Decoder& d, int local) { dynamic_cast<DecoderControls&>(d).assume_length(local, len); });
   }
   void use_graphs(bool on) override {
@@ -153,7 +157,7 @@ class GroupDecoder final : public Decoder, public DecoderControls {
         if (r == 0) call(*ranks_[0], reqs, cap, logits, ids, u);
         else ranks_[size_t(r)]->forward(reqs, Capture{}, nullptr);
       });
-      books_->ran(plan);
+      ran(reqs, plan);
       return;
     }
     // Expert parallel: each rank's requests are its book's (plan.reqs: local slots, in the
@@ -210,7 +214,13 @@ class GroupDecoder final : public Decoder, public DecoderControls {
                       p.cap[i].data() + k * size_t(H) * esz, size_t(H) * esz);
       }
     }
+    ran(reqs, plan);
+  }
+
+  // The books' pages and pending tokens, and Decoder's pending counts (commit_all), after a forward.
+  void ran(const std::vector<DecodeRequest>& reqs, SlotBooks::Plan& plan) {
     books_->ran(plan);
+    for (const DecodeRequest& q : reqs) pending_[size_t(q.slot)] = int64_t(q.tokens.size());
   }
 
   std::vector<int> devices_;

@@ -26,6 +26,7 @@
 #include <random>
 
 #include "backend/cuda/cuda_decoder.h"
+#include "backend/cuda/graph_cache.h"
 #include "backend/cuda/cupti_trace.h"
 #include "backend/trace_gaps.h"
 #include "backend/backend.h"
@@ -281,8 +282,8 @@ int main(int argc, char** argv) {
     }
     cuda::decoder_use_graphs(*dec, true);
     if (!graph_layers.empty() && steps > 0) {
-      // Launching a long graph costs host time by its node count before the GPU starts
-      // (graph_cache.h): greedy one-token steps with the graph in parts of n layers.
+      // Greedy one-token steps with the graph in parts of n layers (graph_cache.h: whether a
+      // shorter first graph starts the GPU sooner).
       const int B = batches.front();
       std::printf("greedy graph steps, %d slots, context %lld, by layers per graph part:\n", B, (long long)context);
       std::vector<int32_t> ids(static_cast<size_t>(B));
@@ -301,8 +302,7 @@ int main(int argc, char** argv) {
         std::printf("  %2lld layers a part (%zu graphs): %.3f ms a step\n", (long long)n,
                     cuda::decoder_graph_parts(*dec), (now() - a) / double(steps) * 1e3);
       }
-      const char* env = std::getenv("TALON_CUDA_GRAPH_LAYERS");
-      cuda::decoder_graph_layers(*dec, env && *env ? std::atoll(env) : 0);
+      cuda::decoder_graph_layers(*dec, cuda::GraphCache::default_layers_per_part());
     }
     {
       // The verify-step cost at batch 1: one target pass over n pending tokens (a chain of

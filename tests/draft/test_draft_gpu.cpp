@@ -125,7 +125,8 @@ struct Case {
         for (size_t v = 0; v < size_t(c.V); ++v) {
           double l = 0;
           for (size_t j = 0; j < H; ++j) l += double(h[j]) * r * fnorm[j] * head[v * H + j];
-          (dv.t2d[v] ? in : out) = std::max(dv.t2d[v] ? in : out, l);
+          double& best = dv.t2d[v] ? in : out;
+          best = std::max(best, l);
           big = std::max(big, std::abs(l));
         }
         if (std::abs(in - out) < rel * big) {

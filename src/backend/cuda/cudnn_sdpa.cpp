@@ -38,47 +38,43 @@ PrefillAttention prefill_attention() {
   return on;
 }
 
+namespace {
+// Under `auto`, a failure inside cuDNN: said, and the kernels serve the rest of the run.
+void give_up_cudnn(std::unique_ptr<CudnnSdpa>& sdpa, bool& off, const std::exception& e, int device) {
+  tlog::warn("cuda:{}: TALON_ATTENTION=auto: cuDNN failed ({}); Talon's kernels serve the rest of the run", device,
+             e.what());
+  sdpa.reset();
+  off = true;
+}
+}  // namespace
+
 void prefill_make(std::unique_ptr<CudnnSdpa>& sdpa, bool& off, const SdpaShape& shape, const std::string& refused,
                   cudaStream_t s, int device) {
   if (!prefill_attention_cudnn() || off || (sdpa && sdpa->rows() >= shape.max_rows)) return;
-  const char* mode = prefill_attention() == PrefillAttention::Auto ? "auto" : "cudnn";
   const std::string why = refused.empty() ? cudnn_sdpa_unsupported(shape) : refused;
   sdpa.reset();
   if (!why.empty()) {
     off = true;
     tlog::info("cuda:{}: TALON_ATTENTION={}: cuDNN does not serve this model's attention ({}); Talon's kernels do",
-               device, mode, why);
-    return;
-  }
-  if (prefill_attention() != PrefillAttention::Auto) {
-    sdpa = std::make_unique<CudnnSdpa>(shape, s);
+               device, prefill_attention() == PrefillAttention::Auto ? "auto" : "cudnn", why);
     return;
   }
   try {
     sdpa = std::make_unique<CudnnSdpa>(shape, s);
   } catch (const std::exception& e) {
-    off = true;
-    tlog::warn("cuda:{}: TALON_ATTENTION=auto: cuDNN failed ({}); Talon's kernels serve the rest of the run", device,
-               e.what());
+    if (prefill_attention() != PrefillAttention::Auto) throw;
+    give_up_cudnn(sdpa, off, e, device);
   }
 }
 
-bool prefill_set_batch(std::unique_ptr<CudnnSdpa>& sdpa, bool& off, const std::vector<int64_t>& seq_start,
+void prefill_set_batch(std::unique_ptr<CudnnSdpa>& sdpa, bool& off, const std::vector<int64_t>& seq_start,
                        const int64_t* seq_start_d, int device) {
-  if (!sdpa) return false;
-  if (prefill_attention() != PrefillAttention::Auto) {
-    sdpa->set_batch(seq_start, seq_start_d);
-    return true;
-  }
+  if (!sdpa) return;
   try {
     sdpa->set_batch(seq_start, seq_start_d);
-    return true;
   } catch (const std::exception& e) {
-    tlog::warn("cuda:{}: TALON_ATTENTION=auto: cuDNN failed ({}); Talon's kernels serve the rest of the run", device,
-               e.what());
-    sdpa.reset();
-    off = true;
-    return false;
+    if (prefill_attention() != PrefillAttention::Auto) throw;
+    give_up_cudnn(sdpa, off, e, device);
   }
 }
 

@@ -66,10 +66,10 @@ class CudnnSdpa;
 // reason logged once. Under `auto` a failure to make it is logged and sets `off` too.
 void prefill_make(std::unique_ptr<CudnnSdpa>& sdpa, bool& off, const SdpaShape& shape, const std::string& refused,
                   cudaStream_t s, int device);
-// The prefill's CudnnSdpa::set_batch: under `auto` a failure logs a warning, drops `sdpa` and sets
-// `off` (the kernels serve the rest of the run); under `cudnn` it throws. False when `sdpa` is
-// (now) empty.
-bool prefill_set_batch(std::unique_ptr<CudnnSdpa>& sdpa, bool& off, const std::vector<int64_t>& seq_start,
+// The prefill's CudnnSdpa::set_batch (nothing when `sdpa` is empty): under `auto` a failure logs a
+// warning, drops `sdpa` and sets `off` (the kernels serve the rest of the run); under `cudnn` it
+// throws.
+void prefill_set_batch(std::unique_ptr<CudnnSdpa>& sdpa, bool& off, const std::vector<int64_t>& seq_start,
                        const int64_t* seq_start_d, int device);
 
 // "" when CudnnSdpa can be made for `shape` (cuDNN loads; heads a multiple of kv heads, head sizes

@@ -9,7 +9,12 @@ namespace talon::cuda {
 GraphCache::GraphCache() {
   const char* g = std::getenv("TALON_CUDA_GRAPHS");
   on_ = !(g && std::string(g) == "0");
-  if (const char* n = std::getenv("TALON_CUDA_GRAPH_LAYERS"); n && *n) layers_per_part_ = std::atoll(n);
+  layers_per_part_ = default_layers_per_part();
+}
+
+int64_t GraphCache::default_layers_per_part() {
+  const char* n = std::getenv("TALON_CUDA_GRAPH_LAYERS");
+  return n && *n ? std::atoll(n) : 0;
 }
 
 void GraphCache::set_layers_per_part(int64_t n) {

@@ -10,10 +10,11 @@
 // TALON_CUDA_GRAPHS=0 in the environment (read when a cache is made) turns replay off;
 // so does TALON_CUDA_SYNC=1, whose per-kernel waits capture cannot hold.
 //
-// Parts: launching a graph costs host time by its node count (about 0.7 ms for the ~400
-// kernels of an 8B decode step, during which the GPU waited for the step to start). Work that
-// calls split() at a few points is captured as several graphs, launched in order on the same
-// stream: the GPU starts on the first part while the host still launches the rest.
+// Parts: work that calls split() at a few points is captured as several graphs, launched in
+// order on the same stream, so that the GPU could start on the first part while the host still
+// launches the rest. Made to test whether the ~0.7 ms a CUPTI trace put inside cudaGraphLaunch of
+// an 8B decode step was the host's launch cost by node count; measured on an H100 it was not (one
+// graph 6.058 ms a step, parts of 1-16 layers 6.060-6.131; bench/RESULTS.md), so parts are opt-in.
 #pragma once
 #include <cuda_runtime.h>
 
@@ -44,6 +45,8 @@ class GraphCache {
   // The default is TALON_CUDA_GRAPH_LAYERS from the environment, else 0 (one graph) until a GPU
   // benchmark has chosen the part size. Changing it drops the graphs made so far.
   void set_layers_per_part(int64_t n);
+  // What a new cache starts with: TALON_CUDA_GRAPH_LAYERS, else 0.
+  static int64_t default_layers_per_part();
   int64_t layers_per_part() const { return layers_per_part_; }
   void layer_start(int64_t l, cudaStream_t s) {
     if (capturing_ && layers_per_part_ > 0 && l > 0 && l % layers_per_part_ == 0) split(s);

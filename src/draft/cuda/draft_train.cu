@@ -1776,7 +1776,7 @@ std::vector<uint8_t> DraftEngine::prepare(const DraftBatch& b) {
     std::memcpy(I.emb_stage, toks.data(), toks.size() * 4);
     CUDA_CHECK(cudaMemcpyAsync(I.emb_toks, I.emb_stage, toks.size() * 4, cudaMemcpyHostToDevice, I.copy_s));
     host_rows_kernel<<<unsigned(toks.size()), 128, 0, I.copy_s>>>(I.emb_rows, I.host_embed_d, I.emb_toks, H);
-    CUDA_CHECK(cudaGetLastError());
+    CUDA_LAUNCH_CHECK();
     cp(I.cids, I.emb_batch.index.data(), size_t(N) * 4);
   }
   cp(I.pos, b.pos, size_t(N) * 4);

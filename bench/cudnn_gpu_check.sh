@@ -24,7 +24,8 @@
 #              layers (talon_bench_decode --graph-layers);
 #   moedecode  (not in the default list) one Kimi-K2 MoE layer at decode-sized batches (64-512
 #              tokens): int4 and bf16 experts on the tensor-core tiles (TALON_CUDA_MOE_SKINNY=0)
-#              and on the decode-sized kernel (TALON_CUDA_MOE_SKINNY=4096), bf16 on CUTLASS;
+#              and on the decode-sized kernel (TALON_CUDA_MOE_SKINNY=4096), bf16 on CUTLASS, int4 on
+#              the tensor-core decode kernel (TALON_CUDA_MOE_INT4_MMA, 64-2048 tokens);
 #   compare    (not in the default list) bench/train_compare_gpu.sh at 2048 and 4096 tokens, loss
 #              share 0.675, VARIANT=cudnn+rows, with the PyTorch peer.
 # Logs go to $LOGS (default: a temporary folder); a summary to stdout. TESTS overrides the tests
@@ -140,4 +141,7 @@ if want moedecode; then
   TALON_CUDA_MOE_SKINNY=0 TALON_MOE_GEMM=cutlass build/talon_bench_moe --bf16 --tokens 64,128,256,512 \
     > "$LOGS/moedecode-bf16-cutlass.log" 2>&1
   echo "bf16 on CUTLASS:"; tail -4 "$LOGS/moedecode-bf16-cutlass.log"
+  TALON_CUDA_MOE_SKINNY=0 TALON_CUDA_MOE_INT4_MMA=1000000 build/talon_bench_moe --tokens 64,128,256,512,1024,2048 \
+    > "$LOGS/moedecode-int4-mma.log" 2>&1
+  echo "int4 on the tensor-core decode kernel (TALON_CUDA_MOE_INT4_MMA):"; tail -6 "$LOGS/moedecode-int4-mma.log"
 fi

@@ -224,10 +224,12 @@ class CudaMoe : public ::testing::TestWithParam<Case> {};
 void check_moe_case(const Case& cs, int64_t N);
 
 // 37 tokens (several experts get more than 8 rows: more than one pass of the decode-sized
-// kernel), and decode sizes: 3 tokens and 1 (every expert one row at most).
+// kernel), 160 (about 40 rows an expert: more than one 64-row tile, and more than one pass of
+// the int4 tensor-core decode kernel), and decode sizes: 3 tokens and 1 (every expert one row
+// at most).
 TEST_P(CudaMoe, MatchesTheCpuReference) {
   REQUIRE_GPU();
-  for (const int64_t n_tokens : {int64_t(37), int64_t(3), int64_t(1)}) {
+  for (const int64_t n_tokens : {int64_t(37), int64_t(160), int64_t(3), int64_t(1)}) {
     SCOPED_TRACE("tokens " + std::to_string(n_tokens));
     check_moe_case(GetParam(), n_tokens);
   }
@@ -260,17 +262,22 @@ void check_moe_case(const Case& cs, int64_t N) {
   r.topk_group = cs.topk_group, r.norm_topk = cs.norm, r.routed_scale = cs.scale;
   DevMatrix dg(gate), du(up), dd(down);
   float* d_bias = to_dev(bias);
-  // Every expert GEMM path: the tensor-core tiles (skinny off), the decode-sized kernel, and for
-  // bf16 experts CUTLASS's wgmma grouped GEMM where the build has it (TALON_MOE_GEMM=cutlass).
+  // Every expert GEMM path: the tensor-core tiles (skinny off), the decode-sized kernel, for
+  // bf16 experts CUTLASS's wgmma grouped GEMM where the build has it (TALON_MOE_GEMM=cutlass),
+  // and for int4 experts of group 32 with H and Im multiples of 128 the tensor-core decode
+  // kernel (weights as the M operand; several passes over the weights past 32 rows an expert).
+  enum Path { kTiles, kSkinny, kCutlass, kInt4Mma };
   const bool cutlass = cs.group == 0 && cs.fp8_bi == 0 && cuda::moe_cutlass_built();
-  for (const int64_t skinny : {int64_t(0), int64_t(1024), int64_t(-1)}) {
-    if (skinny < 0 && !cutlass) continue;
-    cuda::moe_skinny_max_slots(std::max<int64_t>(skinny, 0));
-    cuda::moe_cutlass_use(skinny < 0 ? 1 : 0);
+  const bool int4_mma = cs.group == 32 && cs.fp8_bi == 0 && H % 128 == 0 && Im % 128 == 0;
+  for (const Path path : {kTiles, kSkinny, kCutlass, kInt4Mma}) {
+    if ((path == kCutlass && !cutlass) || (path == kInt4Mma && !int4_mma)) continue;
+    cuda::moe_skinny_max_slots(path == kSkinny ? 1 << 20 : 0);
+    cuda::moe_int4_mma_max_slots(path == kInt4Mma ? 1 << 20 : 0);
+    cuda::moe_cutlass_use(path == kCutlass ? 1 : 0);
     const auto got = run_gpu_moe(xb, logits, cs.bias ? d_bias : nullptr, N, H, r, {dg.m, du.m, dd.m});
     cuda::moe_cutlass_use(-1);
-    const std::string tag =
-        std::string(cs.name) + (skinny < 0 ? " (CUTLASS grouped GEMM)" : skinny ? " (decode-sized kernel)" : " (tiles)");
+    const char* names[] = {" (tiles)", " (decode-sized kernel)", " (CUTLASS grouped GEMM)", " (int4 tensor-core decode kernel)"};
+    const std::string tag = std::string(cs.name) + names[path];
     EXPECT_EQ(got.idx, idx) << tag << ": routing picked other experts";
     for (size_t i = 0; i < got.weights.size(); ++i)
       EXPECT_NEAR(got.weights[i], wts[i], 1e-5 * std::max(1.f, std::fabs(wts[i]))) << i;
@@ -286,6 +293,7 @@ void check_moe_case(const Case& cs, int64_t N) {
                 err);
   }
   cuda::moe_skinny_max_slots(256);
+  cuda::moe_int4_mma_max_slots(0);
   cudaFree(d_bias);
 }
 
@@ -296,6 +304,8 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Values(Case{"softmax_greedy_bf16", kSoftmax, M::Greedy, 1, 1, false, false, 1.f, 0},
                       Case{"softmax_group_limited_int4", kSoftmax, M::GroupLimitedGreedy, 4, 2, false, false, 1.f, 32},
                       Case{"sigmoid_noaux_tc_int4", kSigmoid, M::NoauxTc, 4, 2, true, true, 2.5f, 32},
+                      // H and Im multiples of 128: the int4 tensor-core decode kernel takes it too.
+                      Case{"sigmoid_noaux_tc_int4_wide", kSigmoid, M::NoauxTc, 4, 2, true, true, 2.5f, 32, 0, 0, 256, 128},
                       Case{"sigmoid_noaux_tc_one_group_bf16", kSigmoid, M::NoauxTc, 1, 1, true, true, 2.827f, 0},
                       // FP8: blocks 16x16 (tensor cores, 16-byte loads); 48x32 with H 112, Im 72 (no
                       // block divides O, partial last K blocks; down's I % 16 != 0: element loads);

@@ -43,6 +43,7 @@ namespace {
 constexpr int kTileRows = 64;  // routed rows per GEMM tile (the sort's tile list; both GEMM kernels)
 constexpr int kMaxExperts = 4096;
 constexpr int64_t kSkinnyDefaultSlots = 256;  // moe.h: moe_skinny_max_slots
+constexpr int64_t kInt4MmaDefaultSlots = 0;   // moe.h: moe_int4_mma_max_slots
 
 // Tensor-core GEMM.
 constexpr int kTcCols = 128;             // outputs per block
@@ -656,7 +657,173 @@ __global__ void __launch_bounds__(kSkWarps * 32)
   }
 }
 
+// ---- int4 experts at decode-sized batches on tensor cores (weights as the M operand) ----
+//
+// With a few rows an expert, the bytes of the int4 weights decide, and the kernels above spend
+// more instructions unpacking nibbles than the bus needs: the tiles unpack 16 outputs per warp
+// for an m16 fragment of mostly empty rows, the decode-sized kernel converts every nibble to
+// fp32 and multiplies on CUDA cores. Here the products are mma.sync m16n8k16 with the roles
+// swapped: A is 16 weight rows (outputs) of the expert, B is up to 8 routed rows (tokens) as the
+// n columns, so one mma uses 256 weights and a token fragment costs one mma however few rows
+// it holds. Each warp streams its own 16 output rows through a private ring of cp.async stages
+// (no block-wide barrier), 128 k a stage: 64 packed bytes of each row plus the row's four bf16
+// group scales. The reduction index is permuted (the sum does not care, as long as A and B use
+// the same permutation): in the 32-k quantization group j of a stage, lane t of a quad holds
+// word 4j + t (k 8t .. 8t + 7 of the group) of its rows g and g + 8 and pairs nibbles
+// (b, b + 4), which one mask and one bf16x2 add turn into two exact bf16 values; the lane reads
+// the matching 8 activations with one 16-byte load and pairs them the same way with byte
+// permutes. An mma k-step (16 k) then lies inside one group, so the group's products
+// accumulate unscaled in fp32 and are added times the fp32 scale when the group ends, as in
+// the tiles (q * scale is never rounded to bf16). Needs group 32, I % 128 == 0, 16-byte
+// aligned packed rows and inputs (ld % 8 == 0), 8-byte aligned scales.
+constexpr int kQmWarps = 4;                         // warps a block, 16 outputs each
+constexpr int kQmStages = 4;                        // cp.async stages a warp
+constexpr int kQmK = 128;                           // k a stage
+constexpr int kQmRowBytes = kQmK / 2 + 16;          // 64 packed bytes + 16 padding: quads' words on distinct banks
+constexpr int kQmScaleOff = 16 * kQmRowBytes;       // the stage's scales: [16 rows][4] bf16
+constexpr int kQmStageBytes = kQmScaleOff + 16 * 8;
+static_assert(kQmStageBytes % 16 == 0, "16-byte aligned stages");
+
+__device__ __forceinline__ void cp_async8(void* dst, const void* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(smem_addr(dst)), "l"(src) : "memory");
+}
+
+// Nibbles b and b + 4 of a packed word (stored q + 8) as the bf16 pair (q_b, q_{b+4}), exact.
+// b = 0, 2: the nibbles sit at bits 0-3 / 16-19 (of w, or of w >> 8), made 128 + n in bf16 by
+// the exponent of 128.0 (0x4300, last mantissa step 1), minus 136. b = 1, 3: at bits 4-7 /
+// 20-23, giving 128 + 16 n (exact: multiples of 16 below 512), times 1/16 minus 16.
+__device__ __forceinline__ uint32_t q4_pair_lo(uint32_t w) {
+  const uint32_t v = (w & 0x000f000fu) | 0x43004300u;
+  const __nv_bfloat162 r = __hsub2(*reinterpret_cast<const __nv_bfloat162*>(&v), __floats2bfloat162_rn(136.f, 136.f));
+  return *reinterpret_cast<const uint32_t*>(&r);
+}
+__device__ __forceinline__ uint32_t q4_pair_hi(uint32_t w) {
+  const uint32_t v = (w & 0x00f000f0u) | 0x43004300u;
+  const __nv_bfloat162 r = __hfma2(*reinterpret_cast<const __nv_bfloat162*>(&v), __floats2bfloat162_rn(0.0625f, 0.0625f),
+                                   __floats2bfloat162_rn(-16.f, -16.f));
+  return *reinterpret_cast<const uint32_t*>(&r);
+}
+
+// out[p, O] (fp32, sorted rows) = in[row(p)] @ W_e^T for the tile's int4 expert e (as
+// tc_grouped_gemm_kernel). NF: token fragments of 8 rows a pass (1, 2 or 4); a tile with
+// more rows takes further passes over the weights.
+template <bool GATHER, int NF>
+__global__ void __launch_bounds__(kQmWarps * 32)
+    int4_decode_mma_kernel(float* out, const bf16* in, int64_t ld_in, const int32_t* order, int K,
+                           const int32_t* tiles, const int32_t* n_tiles, const int32_t* offsets, ExpertMatrix m) {
+  __shared__ __align__(16) unsigned char smem[kQmWarps][kQmStages][kQmStageBytes];
+  if (int(blockIdx.x) >= *n_tiles) return;
+  const int e = tiles[2 * blockIdx.x], r0 = tiles[2 * blockIdx.x + 1];
+  const int rows = min(kTileRows, offsets[e + 1] - r0);
+  const int O = int(m.O), I = int(m.I), lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, t = lane % 4;
+  const int o0 = int(blockIdx.y) * (kQmWarps * 16) + warp * 16;
+  if (o0 >= O) return;  // the warp's rows are past the matrix (no block-wide barrier below)
+  const int64_t words = I / 8, groups = I / 32;
+  const int n_chunks = I / kQmK;
+  unsigned char(*ring)[kQmStageBytes] = smem[warp];
+  // The copies of stage c: lane l moves 16-byte pieces l and l + 32 (row p / 4, quarter p % 4)
+  // and, for l < 16, the 8 scale bytes of row l. Rows past O repeat the last row (not stored).
+  const int64_t wrow0 = int64_t(e) * O;
+  auto issue = [&](int c) {
+    unsigned char* st = ring[c % kQmStages];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int p = lane + 32 * i, r = p / 4, q = p % 4;
+      const int32_t* src = m.packed + (wrow0 + min(o0 + r, O - 1)) * words + int64_t(c) * (kQmK / 8) + 4 * q;
+      cp_async16(st + r * kQmRowBytes + 16 * q, src);
+    }
+    if (lane < 16) cp_async8(st + kQmScaleOff + 8 * lane, m.scale + (wrow0 + min(o0 + lane, O - 1)) * groups + 4 * c);
+  };
+  for (int rb = 0; rb < rows; rb += 8 * NF) {
+    const int nf = min(NF, (rows - rb + 7) / 8);  // token fragments holding rows this pass
+    // The activations of token column g of each fragment (null: past the tile's rows).
+    const bf16* xr[NF];
+#pragma unroll
+    for (int f = 0; f < NF; ++f) {
+      const int r = rb + 8 * f + g;
+      xr[f] = r < rows ? in + int64_t(GATHER ? order[r0 + r] / K : r0 + r) * ld_in + 8 * t : nullptr;
+    }
+    float acc[NF][4];
+#pragma unroll
+    for (int f = 0; f < NF; ++f) acc[f][0] = acc[f][1] = acc[f][2] = acc[f][3] = 0.f;
+    __syncwarp();  // the previous pass is done with the ring
+#pragma unroll
+    for (int c = 0; c < kQmStages - 1; ++c) {
+      if (c < n_chunks) issue(c);
+      cp_async_commit();
+    }
+    for (int c = 0; c < n_chunks; ++c) {
+      cp_async_wait<kQmStages - 2>();
+      __syncwarp();  // every lane's copies of stage c have landed; every lane is done with c - 1
+      if (c + kQmStages - 1 < n_chunks) issue(c + kQmStages - 1);
+      cp_async_commit();
+      const unsigned char* st = ring[c % kQmStages];
+      const uint2 s_lo = *reinterpret_cast<const uint2*>(st + kQmScaleOff + 8 * g);        // row g
+      const uint2 s_hi = *reinterpret_cast<const uint2*>(st + kQmScaleOff + 8 * (g + 8));  // row g + 8
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        uint4 xv[NF];
+#pragma unroll
+        for (int f = 0; f < NF; ++f) {
+          if (f < nf && xr[f]) xv[f] = *reinterpret_cast<const uint4*>(xr[f] + c * kQmK + 32 * j);
+          else xv[f] = make_uint4(0u, 0u, 0u, 0u);
+        }
+        const uint32_t w0 = *reinterpret_cast<const uint32_t*>(st + g * kQmRowBytes + 4 * (4 * j + t));
+        const uint32_t w1 = *reinterpret_cast<const uint32_t*>(st + (g + 8) * kQmRowBytes + 4 * (4 * j + t));
+        float part[NF][4];
+#pragma unroll
+        for (int f = 0; f < NF; ++f) part[f][0] = part[f][1] = part[f][2] = part[f][3] = 0.f;
+        // k-step 0: nibble pairs (0, 4) and (1, 5); k-step 1: (2, 6) and (3, 7).
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const uint32_t u0 = h ? w0 >> 8 : w0, u1 = h ? w1 >> 8 : w1;
+          const uint32_t a[4] = {q4_pair_lo(u0), q4_pair_lo(u1), q4_pair_hi(u0), q4_pair_hi(u1)};
+#pragma unroll
+          for (int f = 0; f < NF; ++f) {
+            if (f >= nf) break;
+            const uint32_t xa = h ? xv[f].y : xv[f].x, xb = h ? xv[f].w : xv[f].z;
+            mma_bf16(part[f], a, __byte_perm(xa, xb, 0x5410), __byte_perm(xa, xb, 0x7632));
+          }
+        }
+        // The group ends: acc += scale(row) * part; rows g (regs 0, 1) and g + 8 (regs 2, 3).
+        const uint32_t sw_lo = j < 2 ? s_lo.x : s_lo.y, sw_hi = j < 2 ? s_hi.x : s_hi.y;
+        const float sg = __uint_as_float((j % 2 ? sw_lo >> 16 : sw_lo & 0xffffu) << 16);
+        const float sg8 = __uint_as_float((j % 2 ? sw_hi >> 16 : sw_hi & 0xffffu) << 16);
+#pragma unroll
+        for (int f = 0; f < NF; ++f) {
+          acc[f][0] = fmaf(sg, part[f][0], acc[f][0]);
+          acc[f][1] = fmaf(sg, part[f][1], acc[f][1]);
+          acc[f][2] = fmaf(sg8, part[f][2], acc[f][2]);
+          acc[f][3] = fmaf(sg8, part[f][3], acc[f][3]);
+        }
+      }
+    }
+    cp_async_wait<0>();
+    // Accumulator (f): outputs o0 + g (regs 0, 1) and + 8 (regs 2, 3), token rows 8f + 2t, + 1.
+#pragma unroll
+    for (int f = 0; f < NF; ++f) {
+      if (f >= nf) break;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int r = rb + 8 * f + 2 * t + (i & 1), o = o0 + g + 8 * (i >> 1);
+        if (r < rows && o < O) out[int64_t(r0 + r) * O + o] = acc[f][i];
+      }
+    }
+  }
+}
+
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
+bool aligned8(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 7) == 0; }
+
+// Routed slots up to which int4 experts take int4_decode_mma_kernel: see moe_int4_mma_max_slots.
+int64_t g_int4_mma_max_slots = -1;
+int64_t int4_mma_max_slots() {
+  if (g_int4_mma_max_slots < 0) {
+    const char* e = std::getenv("TALON_CUDA_MOE_INT4_MMA");
+    g_int4_mma_max_slots = e && *e ? std::max<int64_t>(0, std::atoll(e)) : kInt4MmaDefaultSlots;
+  }
+  return g_int4_mma_max_slots;
+}
 
 // Routed slots (N x top-k) up to which moe_forward takes the decode-sized kernel: see
 // moe_skinny_max_slots in moe.h.
@@ -703,6 +870,25 @@ void grouped_gemm(float* out, const bf16* in, int64_t ld_in, bool gather, const 
   if (int4 && (m.group <= 0 || !m.scale)) fail_msg("moe: int4 expert weights need a group size and scales");
   if (fp8 && (m.bo <= 0 || m.bi <= 0 || !m.block_scale)) fail_msg("moe: fp8 expert weights need block sizes and scales");
   max_tiles = std::min(max_tiles, slots);
+  if (int4 && slots <= int4_mma_max_slots() && m.group == 32 && m.I % kQmK == 0 && ld_in % 8 == 0 && aligned16(in) &&
+      aligned16(m.packed) && aligned8(m.scale)) {
+    const dim3 grid(static_cast<unsigned>(max_tiles), static_cast<unsigned>((m.O + kQmWarps * 16 - 1) / (kQmWarps * 16)));
+    auto go = [&](auto kernel) {
+      kernel<<<grid, kQmWarps * 32, 0, s>>>(out, in, ld_in, sc.order, K, sc.tiles, sc.n_tiles, sc.offsets, m);
+    };
+    auto pick = [&](auto nf) {
+      constexpr int NF = decltype(nf)::value;
+      gather ? go(int4_decode_mma_kernel<true, NF>) : go(int4_decode_mma_kernel<false, NF>);
+    };
+    if (max_rows <= 8)
+      pick(std::integral_constant<int, 1>{});
+    else if (max_rows <= 16)
+      pick(std::integral_constant<int, 2>{});
+    else
+      pick(std::integral_constant<int, 4>{});
+    CUDA_LAUNCH_CHECK();
+    return;
+  }
   const bool skinny_fits = !fp8 && slots <= skinny_max_slots() && ld_in % 8 == 0 && aligned16(in) &&
                            (int4 ? m.I % 32 == 0 && m.group % 8 == 0 && aligned16(m.packed) : m.I % 8 == 0 && aligned16(m.w));
   if (skinny_fits) {
@@ -804,6 +990,7 @@ int64_t max_tiles(int64_t NK, int64_t E) { return (NK + kTileRows - 1) / kTileRo
 }  // namespace
 
 void moe_skinny_max_slots(int64_t slots) { g_skinny_max_slots = std::max<int64_t>(0, slots); }
+void moe_int4_mma_max_slots(int64_t slots) { g_int4_mma_max_slots = std::max<int64_t>(0, slots); }
 
 MoeScratchSizes moe_scratch_elems(int64_t n, const MoeRouting& r, int64_t H, int64_t Im) {
   const int64_t NK = n * r.top_k;

@@ -79,6 +79,10 @@ void moe_forward(float* out, const bf16* xn, const float* router_logits, const f
 // tensor-core tiles; FP8 always takes the tiles. Default 256, TALON_CUDA_MOE_SKINNY=n in the
 // environment, or this call (tests; 0: never).
 void moe_skinny_max_slots(int64_t slots);
+// Calls with at most this many routed slots run int4 experts (group 32, I % 128 == 0) on the
+// tensor-core decode kernel (weights as the mma's M operand, moe.cu), ahead of the kernel
+// above. Default 0 (off), TALON_CUDA_MOE_INT4_MMA=n in the environment, or this call (tests).
+void moe_int4_mma_max_slots(int64_t slots);
 
 // ---- Expert parallelism: one rank's pieces of moe_forward (cuda_deepseek.cpp moves the rows
 // between ranks). Routing is global; experts are split in equal contiguous windows, rank d

@@ -670,7 +670,7 @@ __global__ void __launch_bounds__(kSkWarps * 32)
 // group scales. The reduction index is permuted (the sum does not care, as long as A and B use
 // the same permutation): in the 32-k quantization group j of a stage, lane t of a quad holds
 // word 4j + t (k 8t .. 8t + 7 of the group) of its rows g and g + 8 and pairs nibbles
-// (b, b + 4), which one mask and one bf16x2 add turn into two exact bf16 values; the lane reads
+// (b, b + 4), which a shift, a mask and a bf16x2 add turn into two exact bf16 values; the lane reads
 // the matching 8 activations with one 16-byte load and pairs them the same way with byte
 // permutes. An mma k-step (16 k) then lies inside one group, so the group's products
 // accumulate unscaled in fp32 and are added times the fp32 scale when the group ends, as in
@@ -684,23 +684,25 @@ constexpr int kQmScaleOff = 16 * kQmRowBytes;       // the stage's scales: [16 r
 constexpr int kQmStageBytes = kQmScaleOff + 16 * 8;
 static_assert(kQmStageBytes % 16 == 0, "16-byte aligned stages");
 
+// d = a b (mma_bf16 without an accumulator to read).
+__device__ __forceinline__ void mma_bf16_first(float* d, const uint32_t* a, uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%10, %10, %10, %10};\n"
+      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "f"(0.f));
+}
+
 __device__ __forceinline__ void cp_async8(void* dst, const void* src) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(smem_addr(dst)), "l"(src) : "memory");
 }
 
-// Nibbles b and b + 4 of a packed word (stored q + 8) as the bf16 pair (q_b, q_{b+4}), exact.
-// b = 0, 2: the nibbles sit at bits 0-3 / 16-19 (of w, or of w >> 8), made 128 + n in bf16 by
-// the exponent of 128.0 (0x4300, last mantissa step 1), minus 136. b = 1, 3: at bits 4-7 /
-// 20-23, giving 128 + 16 n (exact: multiples of 16 below 512), times 1/16 minus 16.
-__device__ __forceinline__ uint32_t q4_pair_lo(uint32_t w) {
+// Nibbles 0 and 4 of a packed word (stored q + 8), at bits 0-3 and 16-19, as the bf16 pair
+// (q_0, q_4), exact: the exponent of 128.0 (bf16 0x4300, whose last mantissa step is 1) makes
+// each nibble n the value 128 + n, and 136 is subtracted. Pair (b, b + 4) is that of w >> 4b.
+__device__ __forceinline__ uint32_t q4_pair(uint32_t w) {
   const uint32_t v = (w & 0x000f000fu) | 0x43004300u;
   const __nv_bfloat162 r = __hsub2(*reinterpret_cast<const __nv_bfloat162*>(&v), __floats2bfloat162_rn(136.f, 136.f));
-  return *reinterpret_cast<const uint32_t*>(&r);
-}
-__device__ __forceinline__ uint32_t q4_pair_hi(uint32_t w) {
-  const uint32_t v = (w & 0x00f000f0u) | 0x43004300u;
-  const __nv_bfloat162 r = __hfma2(*reinterpret_cast<const __nv_bfloat162*>(&v), __floats2bfloat162_rn(0.0625f, 0.0625f),
-                                   __floats2bfloat162_rn(-16.f, -16.f));
   return *reinterpret_cast<const uint32_t*>(&r);
 }
 
@@ -708,7 +710,7 @@ __device__ __forceinline__ uint32_t q4_pair_hi(uint32_t w) {
 // tc_grouped_gemm_kernel). NF: token fragments of 8 rows a pass (1, 2 or 4); a tile with
 // more rows takes further passes over the weights.
 template <bool GATHER, int NF>
-__global__ void __launch_bounds__(kQmWarps * 32)
+__global__ void __launch_bounds__(kQmWarps * 32, NF == 1 ? 8 : NF == 2 ? 6 : 4)
     int4_decode_mma_kernel(float* out, const bf16* in, int64_t ld_in, const int32_t* order, int K,
                            const int32_t* tiles, const int32_t* n_tiles, const int32_t* offsets, ExpertMatrix m) {
   __shared__ __align__(16) unsigned char smem[kQmWarps][kQmStages][kQmStageBytes];
@@ -765,24 +767,25 @@ __global__ void __launch_bounds__(kQmWarps * 32)
         uint4 xv[NF];
 #pragma unroll
         for (int f = 0; f < NF; ++f) {
-          if (f < nf && xr[f]) xv[f] = *reinterpret_cast<const uint4*>(xr[f] + c * kQmK + 32 * j);
-          else xv[f] = make_uint4(0u, 0u, 0u, 0u);
+          if (f >= nf) break;
+          xv[f] = xr[f] ? *reinterpret_cast<const uint4*>(xr[f] + c * kQmK + 32 * j) : make_uint4(0u, 0u, 0u, 0u);
         }
         const uint32_t w0 = *reinterpret_cast<const uint32_t*>(st + g * kQmRowBytes + 4 * (4 * j + t));
         const uint32_t w1 = *reinterpret_cast<const uint32_t*>(st + (g + 8) * kQmRowBytes + 4 * (4 * j + t));
         float part[NF][4];
-#pragma unroll
-        for (int f = 0; f < NF; ++f) part[f][0] = part[f][1] = part[f][2] = part[f][3] = 0.f;
-        // k-step 0: nibble pairs (0, 4) and (1, 5); k-step 1: (2, 6) and (3, 7).
+        // k-step 0 (starts the group's sums): nibble pairs (0, 4) and (1, 5); k-step 1: (2, 6), (3, 7).
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          const uint32_t u0 = h ? w0 >> 8 : w0, u1 = h ? w1 >> 8 : w1;
-          const uint32_t a[4] = {q4_pair_lo(u0), q4_pair_lo(u1), q4_pair_hi(u0), q4_pair_hi(u1)};
+          const uint32_t a[4] = {q4_pair(w0 >> (8 * h)), q4_pair(w1 >> (8 * h)), q4_pair(w0 >> (8 * h + 4)),
+                                 q4_pair(w1 >> (8 * h + 4))};
 #pragma unroll
           for (int f = 0; f < NF; ++f) {
             if (f >= nf) break;
             const uint32_t xa = h ? xv[f].y : xv[f].x, xb = h ? xv[f].w : xv[f].z;
-            mma_bf16(part[f], a, __byte_perm(xa, xb, 0x5410), __byte_perm(xa, xb, 0x7632));
+            if (h)
+              mma_bf16(part[f], a, __byte_perm(xa, xb, 0x5410), __byte_perm(xa, xb, 0x7632));
+            else
+              mma_bf16_first(part[f], a, __byte_perm(xa, xb, 0x5410), __byte_perm(xa, xb, 0x7632));
           }
         }
         // The group ends: acc += scale(row) * part; rows g (regs 0, 1) and g + 8 (regs 2, 3).
@@ -791,6 +794,7 @@ __global__ void __launch_bounds__(kQmWarps * 32)
         const float sg8 = __uint_as_float((j % 2 ? sw_hi >> 16 : sw_hi & 0xffffu) << 16);
 #pragma unroll
         for (int f = 0; f < NF; ++f) {
+          if (f >= nf) break;
           acc[f][0] = fmaf(sg, part[f][0], acc[f][0]);
           acc[f][1] = fmaf(sg, part[f][1], acc[f][1]);
           acc[f][2] = fmaf(sg8, part[f][2], acc[f][2]);
@@ -823,6 +827,15 @@ int64_t int4_mma_max_slots() {
     g_int4_mma_max_slots = e && *e ? std::max<int64_t>(0, std::atoll(e)) : kInt4MmaDefaultSlots;
   }
   return g_int4_mma_max_slots;
+}
+// TALON_CUDA_MOE_INT4_ROWS=8/16/32: rows a pass of that kernel instead of the estimate from the
+// mean rows an expert (benchmarks).
+int64_t int4_mma_rows() {
+  static const int64_t rows = [] {
+    const char* e = std::getenv("TALON_CUDA_MOE_INT4_ROWS");
+    return e && *e ? std::max<int64_t>(0, std::atoll(e)) : int64_t(0);
+  }();
+  return rows;
 }
 
 // Routed slots (N x top-k) up to which moe_forward takes the decode-sized kernel: see
@@ -880,9 +893,12 @@ void grouped_gemm(float* out, const bf16* in, int64_t ld_in, bool gather, const 
       constexpr int NF = decltype(nf)::value;
       gather ? go(int4_decode_mma_kernel<true, NF>) : go(int4_decode_mma_kernel<false, NF>);
     };
-    if (max_rows <= 8)
+    // Rows a pass: enough for most experts in one pass (a mean of slots / E rows, and a tail),
+    // no more (each token fragment a pass holds costs registers, and so blocks an SM).
+    const int64_t rows = std::min(max_rows, int4_mma_rows() > 0 ? int4_mma_rows() : 3 * (slots / std::max(E, 1)) / 2 + 3);
+    if (rows <= 8)
       pick(std::integral_constant<int, 1>{});
-    else if (max_rows <= 16)
+    else if (rows <= 16)
       pick(std::integral_constant<int, 2>{});
     else
       pick(std::integral_constant<int, 4>{});

@@ -293,7 +293,7 @@ void check_moe_case(const Case& cs, int64_t N) {
                 err);
   }
   cuda::moe_skinny_max_slots(256);
-  cuda::moe_int4_mma_max_slots(0);
+  cuda::moe_int4_mma_max_slots(-1);
   cudaFree(d_bias);
 }
 

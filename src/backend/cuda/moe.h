@@ -81,7 +81,9 @@ void moe_forward(float* out, const bf16* xn, const float* router_logits, const f
 void moe_skinny_max_slots(int64_t slots);
 // Calls with at most this many routed slots run int4 experts (group 32, I % 128 == 0) on the
 // tensor-core decode kernel (weights as the mma's M operand, moe.cu), ahead of the kernel
-// above. Default 0 (off), TALON_CUDA_MOE_INT4_MMA=n in the environment, or this call (tests).
+// above, except one token (max_rows 1), which the kernel above serves better. Default 8192
+// (1,024 tokens at top-8: past it the tiles win), TALON_CUDA_MOE_INT4_MMA=n in the
+// environment, or this call (tests; 0: never; negative: the default again).
 void moe_int4_mma_max_slots(int64_t slots);
 
 // ---- Expert parallelism: one rank's pieces of moe_forward (cuda_deepseek.cpp moves the rows

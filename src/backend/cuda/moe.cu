@@ -676,13 +676,18 @@ __global__ void __launch_bounds__(kSkWarps * 32)
 // accumulate unscaled in fp32 and are added times the fp32 scale when the group ends, as in
 // the tiles (q * scale is never rounded to bf16). Needs group 32, I % 128 == 0, 16-byte
 // aligned packed rows and inputs (ld % 8 == 0), 8-byte aligned scales.
-constexpr int kQmWarps = 4;                         // warps a block, 16 outputs each
-constexpr int kQmStages = 4;                        // cp.async stages a warp
-constexpr int kQmK = 128;                           // k a stage
-constexpr int kQmRowBytes = kQmK / 2 + 16;          // 64 packed bytes + 16 padding: quads' words on distinct banks
-constexpr int kQmScaleOff = 16 * kQmRowBytes;       // the stage's scales: [16 rows][4] bf16
-constexpr int kQmStageBytes = kQmScaleOff + 16 * 8;
-static_assert(kQmStageBytes % 16 == 0, "16-byte aligned stages");
+constexpr int kQmWarps = 4;                  // warps a block, 16 MT outputs each
+constexpr int kQmStages = 4;                 // cp.async stages a warp
+constexpr int kQmK = 128;                    // k a stage
+constexpr int kQmRowBytes = kQmK / 2 + 16;   // 64 packed bytes + 16 padding: quads' words on distinct banks
+// One stage of a warp owning MT m16 tiles of weight rows: [16 MT rows][kQmRowBytes] packed words,
+// then the rows' scales [16 MT][4] bf16.
+template <int MT>
+struct QmStage {
+  static constexpr int scales = 16 * MT * kQmRowBytes;
+  static constexpr int bytes = scales + 16 * MT * 8;
+  static_assert(bytes % 16 == 0, "16-byte aligned stages");
+};
 
 // d = a b (mma_bf16 without an accumulator to read).
 __device__ __forceinline__ void mma_bf16_first(float* d, const uint32_t* a, uint32_t b0, uint32_t b1) {
@@ -708,33 +713,37 @@ __device__ __forceinline__ uint32_t q4_pair(uint32_t w) {
 
 // out[p, O] (fp32, sorted rows) = in[row(p)] @ W_e^T for the tile's int4 expert e (as
 // tc_grouped_gemm_kernel). NF: token fragments of 8 rows a pass (1, 2 or 4); a tile with
-// more rows takes further passes over the weights.
-template <bool GATHER, int NF>
-__global__ void __launch_bounds__(kQmWarps * 32, NF == 1 ? 8 : NF == 2 ? 6 : 4)
+// more rows takes further passes over the weights. MT: m16 tiles of weight rows a warp (1 or
+// 2): two share each activation load and byte permute, halving the activation reads (each block
+// of the tile reads the tile's activation rows again, from L2 or L1) per weight byte.
+template <bool GATHER, int NF, int MT>
+__global__ void __launch_bounds__(kQmWarps * 32, MT == 1 ? (NF == 1 ? 8 : NF == 2 ? 6 : 4) : (NF == 1 ? 5 : NF == 2 ? 4 : 3))
     int4_decode_mma_kernel(float* out, const bf16* in, int64_t ld_in, const int32_t* order, int K,
                            const int32_t* tiles, const int32_t* n_tiles, const int32_t* offsets, ExpertMatrix m) {
-  __shared__ __align__(16) unsigned char smem[kQmWarps][kQmStages][kQmStageBytes];
+  using St = QmStage<MT>;
+  constexpr int R = 16 * MT;  // weight rows a warp
+  __shared__ __align__(16) unsigned char smem[kQmWarps][kQmStages][St::bytes];
   if (int(blockIdx.x) >= *n_tiles) return;
   const int e = tiles[2 * blockIdx.x], r0 = tiles[2 * blockIdx.x + 1];
   const int rows = min(kTileRows, offsets[e + 1] - r0);
   const int O = int(m.O), I = int(m.I), lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, t = lane % 4;
-  const int o0 = int(blockIdx.y) * (kQmWarps * 16) + warp * 16;
+  const int o0 = int(blockIdx.y) * (kQmWarps * R) + warp * R;
   if (o0 >= O) return;  // the warp's rows are past the matrix (no block-wide barrier below)
   const int64_t words = I / 8, groups = I / 32;
   const int n_chunks = I / kQmK;
-  unsigned char(*ring)[kQmStageBytes] = smem[warp];
-  // The copies of stage c: lane l moves 16-byte pieces l and l + 32 (row p / 4, quarter p % 4)
-  // and, for l < 16, the 8 scale bytes of row l. Rows past O repeat the last row (not stored).
+  unsigned char(*ring)[St::bytes] = smem[warp];
+  // The copies of stage c: lane l moves 16-byte pieces l + 32 i (row p / 4, quarter p % 4) and,
+  // for l < R, the 8 scale bytes of row l. Rows past O repeat the last row (not stored).
   const int64_t wrow0 = int64_t(e) * O;
   auto issue = [&](int c) {
     unsigned char* st = ring[c % kQmStages];
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
+    for (int i = 0; i < 2 * MT; ++i) {
       const int p = lane + 32 * i, r = p / 4, q = p % 4;
       const int32_t* src = m.packed + (wrow0 + min(o0 + r, O - 1)) * words + int64_t(c) * (kQmK / 8) + 4 * q;
       cp_async16(st + r * kQmRowBytes + 16 * q, src);
     }
-    if (lane < 16) cp_async8(st + kQmScaleOff + 8 * lane, m.scale + (wrow0 + min(o0 + lane, O - 1)) * groups + 4 * c);
+    if (lane < R) cp_async8(st + St::scales + 8 * lane, m.scale + (wrow0 + min(o0 + lane, O - 1)) * groups + 4 * c);
   };
   for (int rb = 0; rb < rows; rb += 8 * NF) {
     const int nf = min(NF, (rows - rb + 7) / 8);  // token fragments holding rows this pass
@@ -745,9 +754,11 @@ __global__ void __launch_bounds__(kQmWarps * 32, NF == 1 ? 8 : NF == 2 ? 6 : 4)
       const int r = rb + 8 * f + g;
       xr[f] = r < rows ? in + int64_t(GATHER ? order[r0 + r] / K : r0 + r) * ld_in + 8 * t : nullptr;
     }
-    float acc[NF][4];
+    float acc[MT][NF][4];
 #pragma unroll
-    for (int f = 0; f < NF; ++f) acc[f][0] = acc[f][1] = acc[f][2] = acc[f][3] = 0.f;
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int f = 0; f < NF; ++f) acc[mt][f][0] = acc[mt][f][1] = acc[mt][f][2] = acc[mt][f][3] = 0.f;
     __syncwarp();  // the previous pass is done with the ring
 #pragma unroll
     for (int c = 0; c < kQmStages - 1; ++c) {
@@ -760,8 +771,12 @@ __global__ void __launch_bounds__(kQmWarps * 32, NF == 1 ? 8 : NF == 2 ? 6 : 4)
       if (c + kQmStages - 1 < n_chunks) issue(c + kQmStages - 1);
       cp_async_commit();
       const unsigned char* st = ring[c % kQmStages];
-      const uint2 s_lo = *reinterpret_cast<const uint2*>(st + kQmScaleOff + 8 * g);        // row g
-      const uint2 s_hi = *reinterpret_cast<const uint2*>(st + kQmScaleOff + 8 * (g + 8));  // row g + 8
+      uint2 s_lo[MT], s_hi[MT];  // the scales of rows 16 mt + g and 16 mt + g + 8
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        s_lo[mt] = *reinterpret_cast<const uint2*>(st + St::scales + 8 * (16 * mt + g));
+        s_hi[mt] = *reinterpret_cast<const uint2*>(st + St::scales + 8 * (16 * mt + g + 8));
+      }
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         uint4 xv[NF];
@@ -770,49 +785,69 @@ __global__ void __launch_bounds__(kQmWarps * 32, NF == 1 ? 8 : NF == 2 ? 6 : 4)
           if (f >= nf) break;
           xv[f] = xr[f] ? *reinterpret_cast<const uint4*>(xr[f] + c * kQmK + 32 * j) : make_uint4(0u, 0u, 0u, 0u);
         }
-        const uint32_t w0 = *reinterpret_cast<const uint32_t*>(st + g * kQmRowBytes + 4 * (4 * j + t));
-        const uint32_t w1 = *reinterpret_cast<const uint32_t*>(st + (g + 8) * kQmRowBytes + 4 * (4 * j + t));
-        float part[NF][4];
+        uint32_t w0[MT], w1[MT];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          w0[mt] = *reinterpret_cast<const uint32_t*>(st + (16 * mt + g) * kQmRowBytes + 4 * (4 * j + t));
+          w1[mt] = *reinterpret_cast<const uint32_t*>(st + (16 * mt + g + 8) * kQmRowBytes + 4 * (4 * j + t));
+        }
+        float part[MT][NF][4];
         // k-step 0 (starts the group's sums): nibble pairs (0, 4) and (1, 5); k-step 1: (2, 6), (3, 7).
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          const uint32_t a[4] = {q4_pair(w0 >> (8 * h)), q4_pair(w1 >> (8 * h)), q4_pair(w0 >> (8 * h + 4)),
-                                 q4_pair(w1 >> (8 * h + 4))};
+          uint32_t a[MT][4];
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt) {
+            a[mt][0] = q4_pair(w0[mt] >> (8 * h));
+            a[mt][1] = q4_pair(w1[mt] >> (8 * h));
+            a[mt][2] = q4_pair(w0[mt] >> (8 * h + 4));
+            a[mt][3] = q4_pair(w1[mt] >> (8 * h + 4));
+          }
 #pragma unroll
           for (int f = 0; f < NF; ++f) {
             if (f >= nf) break;
             const uint32_t xa = h ? xv[f].y : xv[f].x, xb = h ? xv[f].w : xv[f].z;
-            if (h)
-              mma_bf16(part[f], a, __byte_perm(xa, xb, 0x5410), __byte_perm(xa, xb, 0x7632));
-            else
-              mma_bf16_first(part[f], a, __byte_perm(xa, xb, 0x5410), __byte_perm(xa, xb, 0x7632));
+            const uint32_t b0 = __byte_perm(xa, xb, 0x5410), b1 = __byte_perm(xa, xb, 0x7632);
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+              if (h)
+                mma_bf16(part[mt][f], a[mt], b0, b1);
+              else
+                mma_bf16_first(part[mt][f], a[mt], b0, b1);
+            }
           }
         }
         // The group ends: acc += scale(row) * part; rows g (regs 0, 1) and g + 8 (regs 2, 3).
-        const uint32_t sw_lo = j < 2 ? s_lo.x : s_lo.y, sw_hi = j < 2 ? s_hi.x : s_hi.y;
-        const float sg = __uint_as_float((j % 2 ? sw_lo >> 16 : sw_lo & 0xffffu) << 16);
-        const float sg8 = __uint_as_float((j % 2 ? sw_hi >> 16 : sw_hi & 0xffffu) << 16);
 #pragma unroll
-        for (int f = 0; f < NF; ++f) {
-          if (f >= nf) break;
-          acc[f][0] = fmaf(sg, part[f][0], acc[f][0]);
-          acc[f][1] = fmaf(sg, part[f][1], acc[f][1]);
-          acc[f][2] = fmaf(sg8, part[f][2], acc[f][2]);
-          acc[f][3] = fmaf(sg8, part[f][3], acc[f][3]);
+        for (int mt = 0; mt < MT; ++mt) {
+          const uint32_t sw_lo = j < 2 ? s_lo[mt].x : s_lo[mt].y, sw_hi = j < 2 ? s_hi[mt].x : s_hi[mt].y;
+          const float sg = __uint_as_float((j % 2 ? sw_lo >> 16 : sw_lo & 0xffffu) << 16);
+          const float sg8 = __uint_as_float((j % 2 ? sw_hi >> 16 : sw_hi & 0xffffu) << 16);
+#pragma unroll
+          for (int f = 0; f < NF; ++f) {
+            if (f >= nf) break;
+            acc[mt][f][0] = fmaf(sg, part[mt][f][0], acc[mt][f][0]);
+            acc[mt][f][1] = fmaf(sg, part[mt][f][1], acc[mt][f][1]);
+            acc[mt][f][2] = fmaf(sg8, part[mt][f][2], acc[mt][f][2]);
+            acc[mt][f][3] = fmaf(sg8, part[mt][f][3], acc[mt][f][3]);
+          }
         }
       }
     }
     cp_async_wait<0>();
-    // Accumulator (f): outputs o0 + g (regs 0, 1) and + 8 (regs 2, 3), token rows 8f + 2t, + 1.
+    // Accumulator (mt, f): outputs o0 + 16 mt + g (regs 0, 1) and + 8 (regs 2, 3), token rows
+    // 8f + 2t, + 1.
 #pragma unroll
-    for (int f = 0; f < NF; ++f) {
-      if (f >= nf) break;
+    for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int r = rb + 8 * f + 2 * t + (i & 1), o = o0 + g + 8 * (i >> 1);
-        if (r < rows && o < O) out[int64_t(r0 + r) * O + o] = acc[f][i];
+      for (int f = 0; f < NF; ++f) {
+        if (f >= nf) break;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int r = rb + 8 * f + 2 * t + (i & 1), o = o0 + 16 * mt + g + 8 * (i >> 1);
+          if (r < rows && o < O) out[int64_t(r0 + r) * O + o] = acc[mt][f][i];
+        }
       }
-    }
   }
 }
 
@@ -827,6 +862,15 @@ int64_t int4_mma_max_slots() {
     g_int4_mma_max_slots = e && *e ? std::max<int64_t>(0, std::atoll(e)) : kInt4MmaDefaultSlots;
   }
   return g_int4_mma_max_slots;
+}
+// TALON_CUDA_MOE_INT4_TILES=1/2: m16 tiles of weight rows a warp of that kernel (default 1).
+int g_int4_mma_tiles = 0;
+int int4_mma_tiles() {
+  if (g_int4_mma_tiles == 0) {
+    const char* e = std::getenv("TALON_CUDA_MOE_INT4_TILES");
+    g_int4_mma_tiles = e && std::atoi(e) == 2 ? 2 : 1;
+  }
+  return g_int4_mma_tiles;
 }
 // TALON_CUDA_MOE_INT4_ROWS=8/16/32: rows a pass of that kernel instead of the estimate from the
 // mean rows an expert (benchmarks).
@@ -885,13 +929,18 @@ void grouped_gemm(float* out, const bf16* in, int64_t ld_in, bool gather, const 
   max_tiles = std::min(max_tiles, slots);
   if (int4 && slots <= int4_mma_max_slots() && (max_rows > 1 || slots > skinny_max_slots()) && m.group == 32 && m.I % kQmK == 0 && ld_in % 8 == 0 && aligned16(in) &&
       aligned16(m.packed) && aligned8(m.scale)) {
-    const dim3 grid(static_cast<unsigned>(max_tiles), static_cast<unsigned>((m.O + kQmWarps * 16 - 1) / (kQmWarps * 16)));
+    const int mt = int4_mma_tiles();
+    const int64_t block_rows = kQmWarps * 16 * mt;
+    const dim3 grid(static_cast<unsigned>(max_tiles), static_cast<unsigned>((m.O + block_rows - 1) / block_rows));
     auto go = [&](auto kernel) {
       kernel<<<grid, kQmWarps * 32, 0, s>>>(out, in, ld_in, sc.order, K, sc.tiles, sc.n_tiles, sc.offsets, m);
     };
     auto pick = [&](auto nf) {
       constexpr int NF = decltype(nf)::value;
-      gather ? go(int4_decode_mma_kernel<true, NF>) : go(int4_decode_mma_kernel<false, NF>);
+      if (mt == 2)
+        gather ? go(int4_decode_mma_kernel<true, NF, 2>) : go(int4_decode_mma_kernel<false, NF, 2>);
+      else
+        gather ? go(int4_decode_mma_kernel<true, NF, 1>) : go(int4_decode_mma_kernel<false, NF, 1>);
     };
     // Rows a pass: 8, 16 or 32, the fewest of at least 1.5x the mean rows an expert (each token
     // fragment a pass holds costs registers, and so blocks an SM; experts past it take another
@@ -1010,6 +1059,7 @@ int64_t max_tiles(int64_t NK, int64_t E) { return (NK + kTileRows - 1) / kTileRo
 
 void moe_skinny_max_slots(int64_t slots) { g_skinny_max_slots = std::max<int64_t>(0, slots); }
 void moe_int4_mma_max_slots(int64_t slots) { g_int4_mma_max_slots = slots < 0 ? -1 : slots; }
+void moe_int4_mma_tiles(int tiles) { g_int4_mma_tiles = tiles == 1 || tiles == 2 ? tiles : 0; }
 
 MoeScratchSizes moe_scratch_elems(int64_t n, const MoeRouting& r, int64_t H, int64_t Im) {
   const int64_t NK = n * r.top_k;

@@ -85,6 +85,10 @@ void moe_skinny_max_slots(int64_t slots);
 // (1,024 tokens at top-8: past it the tiles win), TALON_CUDA_MOE_INT4_MMA=n in the
 // environment, or this call (tests; 0: never; negative: the default again).
 void moe_int4_mma_max_slots(int64_t slots);
+// m16 tiles of weight rows a warp of that kernel: 1 or 2 (two share each activation load);
+// default 1, TALON_CUDA_MOE_INT4_TILES=2 in the environment, or this call (tests; 0: the default
+// again).
+void moe_int4_mma_tiles(int tiles);
 
 // ---- Expert parallelism: one rank's pieces of moe_forward (cuda_deepseek.cpp moves the rows
 // between ranks). Routing is global; experts are split in equal contiguous windows, rank d

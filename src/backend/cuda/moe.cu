@@ -716,34 +716,46 @@ __device__ __forceinline__ uint32_t q4_pair(uint32_t w) {
 // more rows takes further passes over the weights. MT: m16 tiles of weight rows a warp (1 or
 // 2): two share each activation load and byte permute, halving the activation reads (each block
 // of the tile reads the tile's activation rows again, from L2 or L1) per weight byte.
-template <bool GATHER, int NF, int MT>
+// SWIGLU (MT 2): the warp's two tiles are the same 16 rows of the gate (m) and of the up
+// projection (m2), and the warp writes act = silu(gate) * up, rounded to bf16 as
+// launch_swiglu_forward rounds it, into act [rows, O] instead of out: the MoE's first two
+// products and its SwiGLU in one pass over the activations.
+template <bool GATHER, int NF, int MT, bool SWIGLU = false>
 __global__ void __launch_bounds__(kQmWarps * 32, MT == 1 ? (NF == 1 ? 8 : NF == 2 ? 6 : 4) : (NF == 1 ? 5 : NF == 2 ? 4 : 3))
-    int4_decode_mma_kernel(float* out, const bf16* in, int64_t ld_in, const int32_t* order, int K,
-                           const int32_t* tiles, const int32_t* n_tiles, const int32_t* offsets, ExpertMatrix m) {
+    int4_decode_mma_kernel(float* out, bf16* act, const bf16* in, int64_t ld_in, const int32_t* order, int K,
+                           const int32_t* tiles, const int32_t* n_tiles, const int32_t* offsets, ExpertMatrix m,
+                           ExpertMatrix m2) {
+  static_assert(!SWIGLU || MT == 2, "the SwiGLU pairing holds a gate tile and an up tile");
   using St = QmStage<MT>;
-  constexpr int R = 16 * MT;  // weight rows a warp
+  constexpr int R = 16 * MT;          // weight rows a warp (its stage)
+  constexpr int RO = SWIGLU ? 16 : R;  // output rows a warp
   __shared__ __align__(16) unsigned char smem[kQmWarps][kQmStages][St::bytes];
   if (int(blockIdx.x) >= *n_tiles) return;
   const int e = tiles[2 * blockIdx.x], r0 = tiles[2 * blockIdx.x + 1];
   const int rows = min(kTileRows, offsets[e + 1] - r0);
   const int O = int(m.O), I = int(m.I), lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, t = lane % 4;
-  const int o0 = int(blockIdx.y) * (kQmWarps * R) + warp * R;
+  const int o0 = int(blockIdx.y) * (kQmWarps * RO) + warp * RO;
   if (o0 >= O) return;  // the warp's rows are past the matrix (no block-wide barrier below)
   const int64_t words = I / 8, groups = I / 32;
   const int n_chunks = I / kQmK;
   unsigned char(*ring)[St::bytes] = smem[warp];
-  // The copies of stage c: lane l moves 16-byte pieces l + 32 i (row p / 4, quarter p % 4) and,
-  // for l < R, the 8 scale bytes of row l. Rows past O repeat the last row (not stored).
+  // The copies of stage c: lane l moves 16-byte pieces l + 32 i (stage row p / 4, quarter p % 4)
+  // and, for l < R, the 8 scale bytes of stage row l. Rows past O repeat the last row (not
+  // stored). SWIGLU: stage rows 16.. are the up projection's rows o0 ...
   const int64_t wrow0 = int64_t(e) * O;
+  auto row_of = [&](int r) { return wrow0 + min(o0 + (SWIGLU ? r % 16 : r), O - 1); };
   auto issue = [&](int c) {
     unsigned char* st = ring[c % kQmStages];
 #pragma unroll
     for (int i = 0; i < 2 * MT; ++i) {
       const int p = lane + 32 * i, r = p / 4, q = p % 4;
-      const int32_t* src = m.packed + (wrow0 + min(o0 + r, O - 1)) * words + int64_t(c) * (kQmK / 8) + 4 * q;
-      cp_async16(st + r * kQmRowBytes + 16 * q, src);
+      const int32_t* base = SWIGLU && r >= 16 ? m2.packed : m.packed;
+      cp_async16(st + r * kQmRowBytes + 16 * q, base + row_of(r) * words + int64_t(c) * (kQmK / 8) + 4 * q);
     }
-    if (lane < R) cp_async8(st + St::scales + 8 * lane, m.scale + (wrow0 + min(o0 + lane, O - 1)) * groups + 4 * c);
+    if (lane < R) {
+      const bf16* base = SWIGLU && lane >= 16 ? m2.scale : m.scale;
+      cp_async8(st + St::scales + 8 * lane, base + row_of(lane) * groups + 4 * c);
+    }
   };
   for (int rb = 0; rb < rows; rb += 8 * NF) {
     const int nf = min(NF, (rows - rb + 7) / 8);  // token fragments holding rows this pass
@@ -836,18 +848,30 @@ __global__ void __launch_bounds__(kQmWarps * 32, MT == 1 ? (NF == 1 ? 8 : NF == 
     }
     cp_async_wait<0>();
     // Accumulator (mt, f): outputs o0 + 16 mt + g (regs 0, 1) and + 8 (regs 2, 3), token rows
-    // 8f + 2t, + 1.
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
+    // 8f + 2t, + 1 (SWIGLU: outputs o0 + g, + 8 of the gate, mt 0, and the up projection, mt 1).
+    if constexpr (SWIGLU) {
 #pragma unroll
       for (int f = 0; f < NF; ++f) {
         if (f >= nf) break;
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-          const int r = rb + 8 * f + 2 * t + (i & 1), o = o0 + 16 * mt + g + 8 * (i >> 1);
-          if (r < rows && o < O) out[int64_t(r0 + r) * O + o] = acc[mt][f][i];
+          const int r = rb + 8 * f + 2 * t + (i & 1), o = o0 + g + 8 * (i >> 1);
+          if (r < rows && o < O) act[int64_t(r0 + r) * O + o] = __float2bfloat16_rn(silu_times(acc[0][f][i], acc[1][f][i]));
         }
       }
+    } else {
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int f = 0; f < NF; ++f) {
+          if (f >= nf) break;
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const int r = rb + 8 * f + 2 * t + (i & 1), o = o0 + 16 * mt + g + 8 * (i >> 1);
+            if (r < rows && o < O) out[int64_t(r0 + r) * O + o] = acc[mt][f][i];
+          }
+        }
+    }
   }
 }
 
@@ -871,6 +895,15 @@ int int4_mma_tiles() {
     g_int4_mma_tiles = e && std::atoi(e) == 2 ? 2 : 1;
   }
   return g_int4_mma_tiles;
+}
+// TALON_CUDA_MOE_INT4_SWIGLU=1: the gate and up products with SwiGLU in one pass (gate_up_swiglu).
+int g_int4_mma_swiglu = -1;
+bool int4_mma_swiglu() {
+  if (g_int4_mma_swiglu < 0) {
+    const char* e = std::getenv("TALON_CUDA_MOE_INT4_SWIGLU");
+    g_int4_mma_swiglu = e && std::atoi(e) == 1 ? 1 : 0;
+  }
+  return g_int4_mma_swiglu == 1;
 }
 // TALON_CUDA_MOE_INT4_ROWS=8/16/32: rows a pass of that kernel instead of the estimate from the
 // mean rows an expert (benchmarks).
@@ -916,6 +949,49 @@ __global__ void unsort_kernel(float* out, const float* in, const int32_t* pos, i
   for (int64_t h = threadIdx.x; h < H; h += blockDim.x) out[int64_t(i) * H + h] = src[h];
 }
 
+// Whether int4_decode_mma_kernel takes an int4 expert product of `slots` routed rows.
+bool int4_mma_fits(const ExpertMatrix& m, const bf16* in, int64_t ld_in, int64_t slots, int64_t max_rows) {
+  return m.packed && m.scale && slots <= int4_mma_max_slots() && (max_rows > 1 || slots > skinny_max_slots()) &&
+         m.group == 32 && m.I % kQmK == 0 && ld_in % 8 == 0 && aligned16(in) && aligned16(m.packed) && aligned8(m.scale);
+}
+
+// Launches int4_decode_mma_kernel: out = in @ m^T, or with m2 (the up projection of gate m)
+// act = silu(in @ m^T) * (in @ m2^T) in bf16.
+void int4_mma_launch(float* out, bf16* act, const bf16* in, int64_t ld_in, bool gather, const MoeScratch& sc, int K,
+                     int64_t max_tiles, int64_t slots, int64_t max_rows, int E, const ExpertMatrix& m,
+                     const ExpertMatrix& m2, cudaStream_t s) {
+  const bool swiglu = m2.packed != nullptr;
+  const int mt = swiglu ? 2 : int4_mma_tiles();
+  const int64_t block_rows = kQmWarps * 16 * (swiglu ? 1 : mt);
+  const dim3 grid(static_cast<unsigned>(std::min(max_tiles, slots)),
+                  static_cast<unsigned>((m.O + block_rows - 1) / block_rows));
+  auto go = [&](auto kernel) {
+    kernel<<<grid, kQmWarps * 32, 0, s>>>(out, act, in, ld_in, sc.order, K, sc.tiles, sc.n_tiles, sc.offsets, m, m2);
+  };
+  auto pick = [&](auto nf) {
+    constexpr int NF = decltype(nf)::value;
+    if (swiglu)
+      gather ? go(int4_decode_mma_kernel<true, NF, 2, true>) : go(int4_decode_mma_kernel<false, NF, 2, true>);
+    else if (mt == 2)
+      gather ? go(int4_decode_mma_kernel<true, NF, 2>) : go(int4_decode_mma_kernel<false, NF, 2>);
+    else
+      gather ? go(int4_decode_mma_kernel<true, NF, 1>) : go(int4_decode_mma_kernel<false, NF, 1>);
+  };
+  // Rows a pass: 8, 16 or 32, the fewest of at least 1.5x the mean rows an expert (each token
+  // fragment a pass holds costs registers, and so blocks an SM; experts past it take another
+  // pass, mostly from L2). Measured on an H100, Kimi-K2 layer: 256 tokens 6.9 ms with 8 rows
+  // against 8.0 with 16; 512 tokens 9.5 with 16 against 11.4 with 32 and 11.7 with 8.
+  const int64_t mean15 = 3 * slots / (2 * std::max<int64_t>(E, 1));
+  const int64_t rows = std::min(max_rows, int4_mma_rows() > 0 ? int4_mma_rows() : mean15);
+  if (rows <= 8)
+    pick(std::integral_constant<int, 1>{});
+  else if (rows <= 16)
+    pick(std::integral_constant<int, 2>{});
+  else
+    pick(std::integral_constant<int, 4>{});
+  CUDA_LAUNCH_CHECK();
+}
+
 // slots: the routed rows of this call (NK); a non-empty tile holds at least one, so the grid
 // needs at most min(max_tiles, slots) tiles.
 // max_rows: a bound on any expert's rows (the token count: a token reaches an expert once).
@@ -927,34 +1003,8 @@ void grouped_gemm(float* out, const bf16* in, int64_t ld_in, bool gather, const 
   if (int4 && (m.group <= 0 || !m.scale)) fail_msg("moe: int4 expert weights need a group size and scales");
   if (fp8 && (m.bo <= 0 || m.bi <= 0 || !m.block_scale)) fail_msg("moe: fp8 expert weights need block sizes and scales");
   max_tiles = std::min(max_tiles, slots);
-  if (int4 && slots <= int4_mma_max_slots() && (max_rows > 1 || slots > skinny_max_slots()) && m.group == 32 && m.I % kQmK == 0 && ld_in % 8 == 0 && aligned16(in) &&
-      aligned16(m.packed) && aligned8(m.scale)) {
-    const int mt = int4_mma_tiles();
-    const int64_t block_rows = kQmWarps * 16 * mt;
-    const dim3 grid(static_cast<unsigned>(max_tiles), static_cast<unsigned>((m.O + block_rows - 1) / block_rows));
-    auto go = [&](auto kernel) {
-      kernel<<<grid, kQmWarps * 32, 0, s>>>(out, in, ld_in, sc.order, K, sc.tiles, sc.n_tiles, sc.offsets, m);
-    };
-    auto pick = [&](auto nf) {
-      constexpr int NF = decltype(nf)::value;
-      if (mt == 2)
-        gather ? go(int4_decode_mma_kernel<true, NF, 2>) : go(int4_decode_mma_kernel<false, NF, 2>);
-      else
-        gather ? go(int4_decode_mma_kernel<true, NF, 1>) : go(int4_decode_mma_kernel<false, NF, 1>);
-    };
-    // Rows a pass: 8, 16 or 32, the fewest of at least 1.5x the mean rows an expert (each token
-    // fragment a pass holds costs registers, and so blocks an SM; experts past it take another
-    // pass, mostly from L2). Measured on an H100, Kimi-K2 layer: 256 tokens 6.9 ms with 8 rows
-    // against 8.0 with 16; 512 tokens 9.5 with 16 against 11.4 with 32 and 11.7 with 8.
-    const int64_t mean15 = 3 * slots / (2 * std::max<int64_t>(E, 1));
-    const int64_t rows = std::min(max_rows, int4_mma_rows() > 0 ? int4_mma_rows() : mean15);
-    if (rows <= 8)
-      pick(std::integral_constant<int, 1>{});
-    else if (rows <= 16)
-      pick(std::integral_constant<int, 2>{});
-    else
-      pick(std::integral_constant<int, 4>{});
-    CUDA_LAUNCH_CHECK();
+  if (int4_mma_fits(m, in, ld_in, slots, max_rows)) {
+    int4_mma_launch(out, nullptr, in, ld_in, gather, sc, K, max_tiles, slots, max_rows, E, m, ExpertMatrix{}, s);
     return;
   }
   const bool skinny_fits = !fp8 && slots <= skinny_max_slots() && ld_in % 8 == 0 && aligned16(in) &&
@@ -1036,6 +1086,22 @@ void grouped_gemm(float* out, const bf16* in, int64_t ld_in, bool gather, const 
   CUDA_LAUNCH_CHECK();
 }
 
+// The MoE's gate and up products and SwiGLU into sc.act: one pass of int4_decode_mma_kernel when
+// both are int4 and it takes them and TALON_CUDA_MOE_INT4_SWIGLU (moe_int4_mma_swiglu) is on;
+// else the two grouped products and launch_swiglu_forward.
+void gate_up_swiglu(const bf16* in, int64_t ld_in, bool gather, const MoeScratch& sc, int K, int64_t max_tiles,
+                    int64_t slots, int64_t max_rows, int E, const MoeExperts& ex, cudaStream_t s) {
+  const int64_t Im = ex.gate.O;
+  if (int4_mma_swiglu() && int4_mma_fits(ex.gate, in, ld_in, slots, max_rows) &&
+      int4_mma_fits(ex.up, in, ld_in, slots, max_rows)) {
+    int4_mma_launch(nullptr, sc.act, in, ld_in, gather, sc, K, max_tiles, slots, max_rows, E, ex.gate, ex.up, s);
+    return;
+  }
+  grouped_gemm(sc.g, in, ld_in, gather, sc, K, max_tiles, slots, max_rows, E, ex.gate, s);
+  grouped_gemm(sc.u, in, ld_in, gather, sc, K, max_tiles, slots, max_rows, E, ex.up, s);
+  launch_swiglu_forward(sc.act, sc.g, sc.u, Im, slots, Im, s);
+}
+
 // TALON_MOE_GEMM=cutlass with bf16 experts past the decode-sized calls: the routed rows gathered
 // once into sorted order (CUTLASS reads each expert's rows as one block), for both the gate and
 // the up product; null otherwise (grouped_gemm then gathers as it reads).
@@ -1060,6 +1126,7 @@ int64_t max_tiles(int64_t NK, int64_t E) { return (NK + kTileRows - 1) / kTileRo
 void moe_skinny_max_slots(int64_t slots) { g_skinny_max_slots = std::max<int64_t>(0, slots); }
 void moe_int4_mma_max_slots(int64_t slots) { g_int4_mma_max_slots = slots < 0 ? -1 : slots; }
 void moe_int4_mma_tiles(int tiles) { g_int4_mma_tiles = tiles == 1 || tiles == 2 ? tiles : 0; }
+void moe_int4_mma_swiglu(int on) { g_int4_mma_swiglu = on == 0 || on == 1 ? on : -1; }
 
 MoeScratchSizes moe_scratch_elems(int64_t n, const MoeRouting& r, int64_t H, int64_t Im) {
   const int64_t NK = n * r.top_k;
@@ -1097,9 +1164,7 @@ void moe_forward(float* out, const bf16* xn, const float* router_logits, const f
   CUDA_LAUNCH_CHECK();
   const int64_t T = max_tiles(NK, r.n_experts);
   const bf16* sorted = cutlass_sorted_rows(xn, H, K, NK, ex.gate, sc, s);
-  grouped_gemm(sc.g, sorted ? sorted : xn, H, !sorted, sc, K, T, NK, N, r.n_experts, ex.gate, s);
-  grouped_gemm(sc.u, sorted ? sorted : xn, H, !sorted, sc, K, T, NK, N, r.n_experts, ex.up, s);
-  launch_swiglu_forward(sc.act, sc.g, sc.u, Im, NK, Im, s);
+  gate_up_swiglu(sorted ? sorted : xn, H, !sorted, sc, K, T, NK, N, r.n_experts, ex, s);
   grouped_gemm(sc.y, sc.act, Im, false, sc, K, T, NK, N, r.n_experts, ex.down, s);
   combine_kernel<<<combine_grid(N, H), 256, 0, s>>>(out, sc.y, sc.weights, sc.pos, K, H);
   CUDA_LAUNCH_CHECK();
@@ -1135,9 +1200,7 @@ void moe_experts_forward(float* y, const bf16* rows, const int32_t* ids, int64_t
   CUDA_LAUNCH_CHECK();
   const int64_t T = max_tiles(R, E_local);
   const bf16* sorted = cutlass_sorted_rows(rows, H, 1, R, ex.gate, sc, s);
-  grouped_gemm(sc.g, sorted ? sorted : rows, H, !sorted, sc, 1, T, R, R, E_local, ex.gate, s);
-  grouped_gemm(sc.u, sorted ? sorted : rows, H, !sorted, sc, 1, T, R, R, E_local, ex.up, s);
-  launch_swiglu_forward(sc.act, sc.g, sc.u, Im, R, Im, s);
+  gate_up_swiglu(sorted ? sorted : rows, H, !sorted, sc, 1, T, R, R, E_local, ex, s);
   grouped_gemm(sc.y, sc.act, Im, false, sc, 1, T, R, R, E_local, ex.down, s);
   unsort_kernel<<<unsigned(R), 256, 0, s>>>(y, sc.y, sc.pos, H);
   CUDA_LAUNCH_CHECK();

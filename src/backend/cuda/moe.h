@@ -89,6 +89,11 @@ void moe_int4_mma_max_slots(int64_t slots);
 // default 1, TALON_CUDA_MOE_INT4_TILES=2 in the environment, or this call (tests; 0: the default
 // again).
 void moe_int4_mma_tiles(int tiles);
+// With int4 gate and up projections on that kernel: both products and the SwiGLU in one pass
+// (each warp holds 16 rows of each; the activations are read once; no fp32 gate and up rows).
+// Default off, TALON_CUDA_MOE_INT4_SWIGLU=1 in the environment, or this call (tests; 0 / 1;
+// negative: the default again).
+void moe_int4_mma_swiglu(int on);
 
 // ---- Expert parallelism: one rank's pieces of moe_forward (cuda_deepseek.cpp moves the rows
 // between ranks). Routing is global; experts are split in equal contiguous windows, rank d

@@ -266,22 +266,25 @@ void check_moe_case(const Case& cs, int64_t N) {
   // bf16 experts CUTLASS's wgmma grouped GEMM where the build has it (TALON_MOE_GEMM=cutlass),
   // and for int4 experts of group 32 with H and Im multiples of 128 the tensor-core decode
   // kernel (weights as the M operand; several passes over the weights past 32 rows an expert;
-  // 16 and 32 weight rows a warp; the gate and up products with the SwiGLU in one pass).
-  enum Path { kTiles, kSkinny, kCutlass, kInt4Mma, kInt4Mma2, kInt4Swiglu };
+  // 16 and 32 weight rows a warp; the gate and up products with the SwiGLU in one pass; the
+  // reduction split over a block's warps at 3 tokens and 1).
+  enum Path { kTiles, kSkinny, kCutlass, kInt4Mma, kInt4Mma2, kInt4Swiglu, kInt4KSplit };
   const bool cutlass = cs.group == 0 && cs.fp8_bi == 0 && cuda::moe_cutlass_built();
   const bool int4_mma = cs.group == 32 && cs.fp8_bi == 0 && H % 128 == 0 && Im % 128 == 0;
-  for (const Path path : {kTiles, kSkinny, kCutlass, kInt4Mma, kInt4Mma2, kInt4Swiglu}) {
+  for (const Path path : {kTiles, kSkinny, kCutlass, kInt4Mma, kInt4Mma2, kInt4Swiglu, kInt4KSplit}) {
     if ((path == kCutlass && !cutlass) || (path >= kInt4Mma && !int4_mma)) continue;
     cuda::moe_skinny_max_slots(path == kSkinny ? 1 << 20 : 0);
     cuda::moe_int4_mma_max_slots(path >= kInt4Mma ? 1 << 20 : 0);
     cuda::moe_int4_mma_tiles(path == kInt4Mma2 ? 2 : 1);
     cuda::moe_int4_mma_swiglu(path == kInt4Swiglu ? 1 : 0);
+    cuda::moe_int4_mma_ksplit(path == kInt4KSplit ? 1 << 20 : 0);
     cuda::moe_cutlass_use(path == kCutlass ? 1 : 0);
     const auto got = run_gpu_moe(xb, logits, cs.bias ? d_bias : nullptr, N, H, r, {dg.m, du.m, dd.m});
     cuda::moe_cutlass_use(-1);
     const char* names[] = {" (tiles)", " (decode-sized kernel)", " (CUTLASS grouped GEMM)", " (int4 tensor-core decode kernel)",
                            " (int4 tensor-core decode kernel, 32 rows a warp)",
-                           " (int4 tensor-core decode kernel, gate and up with SwiGLU in one pass)"};
+                           " (int4 tensor-core decode kernel, gate and up with SwiGLU in one pass)",
+                           " (int4 tensor-core decode kernel, reduction split over warps up to 8 tokens)"};
     const std::string tag = std::string(cs.name) + names[path];
     EXPECT_EQ(got.idx, idx) << tag << ": routing picked other experts";
     for (size_t i = 0; i < got.weights.size(); ++i)
@@ -301,6 +304,7 @@ void check_moe_case(const Case& cs, int64_t N) {
   cuda::moe_int4_mma_max_slots(-1);
   cuda::moe_int4_mma_tiles(0);
   cuda::moe_int4_mma_swiglu(-1);
+  cuda::moe_int4_mma_ksplit(-1);
   cudaFree(d_bias);
 }
 

@@ -720,12 +720,16 @@ __device__ __forceinline__ uint32_t q4_pair(uint32_t w) {
 // projection (m2), and the warp writes act = silu(gate) * up, rounded to bf16 as
 // launch_swiglu_forward rounds it, into act [rows, O] instead of out: the MoE's first two
 // products and its SwiGLU in one pass over the activations.
-template <bool GATHER, int NF, int MT, bool SWIGLU = false>
+// KS (4, with MT 1 and no SWIGLU; few tiles): the block's warps share 16 weight rows, each
+// taking a quarter of the reduction, and warp 0 adds the others' sums (in warp order, through
+// shared memory) before storing: four times the warps in flight when a call has few tiles.
+template <bool GATHER, int NF, int MT, bool SWIGLU = false, int KS = 1>
 __global__ void __launch_bounds__(kQmWarps * 32, MT == 1 ? (NF == 1 ? 8 : NF == 2 ? 6 : 4) : (NF == 1 ? 5 : NF == 2 ? 4 : 3))
     int4_decode_mma_kernel(float* out, bf16* act, const bf16* in, int64_t ld_in, const int32_t* order, int K,
                            const int32_t* tiles, const int32_t* n_tiles, const int32_t* offsets, ExpertMatrix m,
                            ExpertMatrix m2) {
   static_assert(!SWIGLU || MT == 2, "the SwiGLU pairing holds a gate tile and an up tile");
+  static_assert(KS == 1 || (KS == kQmWarps && MT == 1 && !SWIGLU), "reduction split: one quarter a warp");
   using St = QmStage<MT>;
   constexpr int R = 16 * MT;          // weight rows a warp (its stage)
   constexpr int RO = SWIGLU ? 16 : R;  // output rows a warp
@@ -734,10 +738,11 @@ __global__ void __launch_bounds__(kQmWarps * 32, MT == 1 ? (NF == 1 ? 8 : NF == 
   const int e = tiles[2 * blockIdx.x], r0 = tiles[2 * blockIdx.x + 1];
   const int rows = min(kTileRows, offsets[e + 1] - r0);
   const int O = int(m.O), I = int(m.I), lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, t = lane % 4;
-  const int o0 = int(blockIdx.y) * (kQmWarps * RO) + warp * RO;
-  if (o0 >= O) return;  // the warp's rows are past the matrix (no block-wide barrier below)
+  const int o0 = KS == 1 ? int(blockIdx.y) * (kQmWarps * RO) + warp * RO : int(blockIdx.y) * RO;
+  if (o0 >= O) return;  // the warp's rows are past the matrix (KS: the block's; no other exit)
   const int64_t words = I / 8, groups = I / 32;
   const int n_chunks = I / kQmK;
+  const int cb = KS == 1 ? 0 : warp * n_chunks / KS, ce = KS == 1 ? n_chunks : (warp + 1) * n_chunks / KS;
   unsigned char(*ring)[St::bytes] = smem[warp];
   // The copies of stage c: lane l moves 16-byte pieces l + 32 i (stage row p / 4, quarter p % 4)
   // and, for l < R, the 8 scale bytes of stage row l. Rows past O repeat the last row (not
@@ -745,7 +750,7 @@ __global__ void __launch_bounds__(kQmWarps * 32, MT == 1 ? (NF == 1 ? 8 : NF == 
   const int64_t wrow0 = int64_t(e) * O;
   auto row_of = [&](int r) { return wrow0 + min(o0 + (SWIGLU ? r % 16 : r), O - 1); };
   auto issue = [&](int c) {
-    unsigned char* st = ring[c % kQmStages];
+    unsigned char* st = ring[(c - cb) % kQmStages];
 #pragma unroll
     for (int i = 0; i < 2 * MT; ++i) {
       const int p = lane + 32 * i, r = p / 4, q = p % 4;
@@ -773,16 +778,16 @@ __global__ void __launch_bounds__(kQmWarps * 32, MT == 1 ? (NF == 1 ? 8 : NF == 
       for (int f = 0; f < NF; ++f) acc[mt][f][0] = acc[mt][f][1] = acc[mt][f][2] = acc[mt][f][3] = 0.f;
     __syncwarp();  // the previous pass is done with the ring
 #pragma unroll
-    for (int c = 0; c < kQmStages - 1; ++c) {
-      if (c < n_chunks) issue(c);
+    for (int c = cb; c < cb + kQmStages - 1; ++c) {
+      if (c < ce) issue(c);
       cp_async_commit();
     }
-    for (int c = 0; c < n_chunks; ++c) {
+    for (int c = cb; c < ce; ++c) {
       cp_async_wait<kQmStages - 2>();
       __syncwarp();  // every lane's copies of stage c have landed; every lane is done with c - 1
-      if (c + kQmStages - 1 < n_chunks) issue(c + kQmStages - 1);
+      if (c + kQmStages - 1 < ce) issue(c + kQmStages - 1);
       cp_async_commit();
-      const unsigned char* st = ring[c % kQmStages];
+      const unsigned char* st = ring[(c - cb) % kQmStages];
       uint2 s_lo[MT], s_hi[MT];  // the scales of rows 16 mt + g and 16 mt + g + 8
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
@@ -847,6 +852,26 @@ __global__ void __launch_bounds__(kQmWarps * 32, MT == 1 ? (NF == 1 ? 8 : NF == 
       }
     }
     cp_async_wait<0>();
+    if constexpr (KS > 1) {
+      __shared__ float red[KS - 1][32][NF * 4];
+      if (warp > 0) {
+#pragma unroll
+        for (int f = 0; f < NF; ++f)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) red[warp - 1][lane][4 * f + i] = acc[0][f][i];
+      }
+      __syncthreads();
+      if (warp == 0) {
+#pragma unroll
+        for (int w = 0; w < KS - 1; ++w)
+#pragma unroll
+          for (int f = 0; f < NF; ++f)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) acc[0][f][i] += red[w][lane][4 * f + i];
+      }
+      __syncthreads();  // red is free for the next pass
+      if (warp > 0) continue;
+    }
     // Accumulator (mt, f): outputs o0 + 16 mt + g (regs 0, 1) and + 8 (regs 2, 3), token rows
     // 8f + 2t, + 1 (SWIGLU: outputs o0 + g, + 8 of the gate, mt 0, and the up projection, mt 1).
     if constexpr (SWIGLU) {
@@ -905,6 +930,16 @@ bool int4_mma_swiglu() {
   }
   return g_int4_mma_swiglu == 1;
 }
+// TALON_CUDA_MOE_INT4_KSPLIT=n: calls of at most n routed slots (and at most 8 rows an expert)
+// split that kernel's reduction over a block's warps (moe_int4_mma_ksplit).
+int64_t g_int4_mma_ksplit = -1;
+int64_t int4_mma_ksplit_slots() {
+  if (g_int4_mma_ksplit < 0) {
+    const char* e = std::getenv("TALON_CUDA_MOE_INT4_KSPLIT");
+    g_int4_mma_ksplit = e && *e ? std::max<int64_t>(0, std::atoll(e)) : 0;
+  }
+  return g_int4_mma_ksplit;
+}
 // TALON_CUDA_MOE_INT4_ROWS=8/16/32: rows a pass of that kernel instead of the estimate from the
 // mean rows an expert (benchmarks).
 int64_t int4_mma_rows() {
@@ -962,7 +997,9 @@ void int4_mma_launch(float* out, bf16* act, const bf16* in, int64_t ld_in, bool 
                      const ExpertMatrix& m2, cudaStream_t s) {
   const bool swiglu = m2.packed != nullptr;
   const int mt = swiglu ? 2 : int4_mma_tiles();
-  const int64_t block_rows = kQmWarps * 16 * (swiglu ? 1 : mt);
+  // Few tiles: the reduction split over the block's warps (KS), 16 weight rows a block.
+  const bool ksplit = !swiglu && mt == 1 && slots <= int4_mma_ksplit_slots() && std::min(max_rows, int64_t(9)) <= 8;
+  const int64_t block_rows = ksplit ? 16 : kQmWarps * 16 * (swiglu ? 1 : mt);
   const dim3 grid(static_cast<unsigned>(std::min(max_tiles, slots)),
                   static_cast<unsigned>((m.O + block_rows - 1) / block_rows));
   auto go = [&](auto kernel) {
@@ -970,7 +1007,10 @@ void int4_mma_launch(float* out, bf16* act, const bf16* in, int64_t ld_in, bool 
   };
   auto pick = [&](auto nf) {
     constexpr int NF = decltype(nf)::value;
-    if (swiglu)
+    if (ksplit)
+      gather ? go(int4_decode_mma_kernel<true, 1, 1, false, kQmWarps>)
+             : go(int4_decode_mma_kernel<false, 1, 1, false, kQmWarps>);
+    else if (swiglu)
       gather ? go(int4_decode_mma_kernel<true, NF, 2, true>) : go(int4_decode_mma_kernel<false, NF, 2, true>);
     else if (mt == 2)
       gather ? go(int4_decode_mma_kernel<true, NF, 2>) : go(int4_decode_mma_kernel<false, NF, 2>);
@@ -1127,6 +1167,7 @@ void moe_skinny_max_slots(int64_t slots) { g_skinny_max_slots = std::max<int64_t
 void moe_int4_mma_max_slots(int64_t slots) { g_int4_mma_max_slots = slots < 0 ? -1 : slots; }
 void moe_int4_mma_tiles(int tiles) { g_int4_mma_tiles = tiles == 1 || tiles == 2 ? tiles : 0; }
 void moe_int4_mma_swiglu(int on) { g_int4_mma_swiglu = on == 0 || on == 1 ? on : -1; }
+void moe_int4_mma_ksplit(int64_t slots) { g_int4_mma_ksplit = slots < 0 ? -1 : slots; }
 
 MoeScratchSizes moe_scratch_elems(int64_t n, const MoeRouting& r, int64_t H, int64_t Im) {
   const int64_t NK = n * r.top_k;

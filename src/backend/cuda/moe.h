@@ -94,6 +94,11 @@ void moe_int4_mma_tiles(int tiles);
 // Default off, TALON_CUDA_MOE_INT4_SWIGLU=1 in the environment, or this call (tests; 0 / 1;
 // negative: the default again).
 void moe_int4_mma_swiglu(int on);
+// Calls of at most this many routed slots, with at most 8 rows an expert, split that kernel's
+// reduction over each block's four warps (16 weight rows a block: four times the warps in flight
+// when there are few tiles, e.g. one token). Default 0 (off), TALON_CUDA_MOE_INT4_KSPLIT=n, or
+// this call (tests; negative: the default again).
+void moe_int4_mma_ksplit(int64_t slots);
 
 // ---- Expert parallelism: one rank's pieces of moe_forward (cuda_deepseek.cpp moves the rows
 // between ranks). Routing is global; experts are split in equal contiguous windows, rank d

@@ -44,6 +44,7 @@ constexpr int kTileRows = 64;  // routed rows per GEMM tile (the sort's tile lis
 constexpr int kMaxExperts = 4096;
 constexpr int64_t kSkinnyDefaultSlots = 256;  // moe.h: moe_skinny_max_slots
 constexpr int64_t kInt4MmaDefaultSlots = 8192;  // moe.h: moe_int4_mma_max_slots
+constexpr int64_t kInt4KSplitDefaultSlots = 16;  // moe.h: moe_int4_mma_ksplit
 
 // Tensor-core GEMM.
 constexpr int kTcCols = 128;             // outputs per block
@@ -912,12 +913,14 @@ int64_t int4_mma_max_slots() {
   }
   return g_int4_mma_max_slots;
 }
-// TALON_CUDA_MOE_INT4_TILES=1/2: m16 tiles of weight rows a warp of that kernel (default 1).
-int g_int4_mma_tiles = 0;
+// TALON_CUDA_MOE_INT4_TILES=1/2: m16 tiles of weight rows a warp of that kernel; 0 (default):
+// by the rows a pass (int4_mma_launch).
+int g_int4_mma_tiles = -1;
 int int4_mma_tiles() {
-  if (g_int4_mma_tiles == 0) {
+  if (g_int4_mma_tiles < 0) {
     const char* e = std::getenv("TALON_CUDA_MOE_INT4_TILES");
-    g_int4_mma_tiles = e && std::atoi(e) == 2 ? 2 : 1;
+    const int v = e && *e ? std::atoi(e) : 0;
+    g_int4_mma_tiles = v == 1 || v == 2 ? v : 0;
   }
   return g_int4_mma_tiles;
 }
@@ -936,7 +939,7 @@ int64_t g_int4_mma_ksplit = -1;
 int64_t int4_mma_ksplit_slots() {
   if (g_int4_mma_ksplit < 0) {
     const char* e = std::getenv("TALON_CUDA_MOE_INT4_KSPLIT");
-    g_int4_mma_ksplit = e && *e ? std::max<int64_t>(0, std::atoll(e)) : 0;
+    g_int4_mma_ksplit = e && *e ? std::max<int64_t>(0, std::atoll(e)) : kInt4KSplitDefaultSlots;
   }
   return g_int4_mma_ksplit;
 }
@@ -986,7 +989,8 @@ __global__ void unsort_kernel(float* out, const float* in, const int32_t* pos, i
 
 // Whether int4_decode_mma_kernel takes an int4 expert product of `slots` routed rows.
 bool int4_mma_fits(const ExpertMatrix& m, const bf16* in, int64_t ld_in, int64_t slots, int64_t max_rows) {
-  return m.packed && m.scale && slots <= int4_mma_max_slots() && (max_rows > 1 || slots > skinny_max_slots()) &&
+  return m.packed && m.scale && slots <= int4_mma_max_slots() &&
+         (max_rows > 1 || slots > skinny_max_slots() || slots <= int4_mma_ksplit_slots()) &&
          m.group == 32 && m.I % kQmK == 0 && ld_in % 8 == 0 && aligned16(in) && aligned16(m.packed) && aligned8(m.scale);
 }
 
@@ -995,10 +999,20 @@ bool int4_mma_fits(const ExpertMatrix& m, const bf16* in, int64_t ld_in, int64_t
 void int4_mma_launch(float* out, bf16* act, const bf16* in, int64_t ld_in, bool gather, const MoeScratch& sc, int K,
                      int64_t max_tiles, int64_t slots, int64_t max_rows, int E, const ExpertMatrix& m,
                      const ExpertMatrix& m2, cudaStream_t s) {
+  // Rows a pass: 8, 16 or 32, the fewest of at least 1.5x the mean rows an expert (each token
+  // fragment a pass holds costs registers, and so blocks an SM; experts past it take another
+  // pass, mostly from L2). Measured on an H100, Kimi-K2 layer: 256 tokens 6.9 ms with 8 rows
+  // against 8.0 with 16; 512 tokens 9.5 with 16 against 11.4 with 32 and 11.7 with 8.
+  const int64_t mean15 = 3 * slots / (2 * std::max<int64_t>(E, 1));
+  const int64_t rows = std::min(max_rows, int4_mma_rows() > 0 ? int4_mma_rows() : mean15);
   const bool swiglu = m2.packed != nullptr;
-  const int mt = swiglu ? 2 : int4_mma_tiles();
-  // Few tiles: the reduction split over the block's warps (KS), 16 weight rows a block.
-  const bool ksplit = !swiglu && mt == 1 && slots <= int4_mma_ksplit_slots() && std::min(max_rows, int64_t(9)) <= 8;
+  // Weight rows a warp: 32 (two m16 tiles sharing the activation loads) past 8 rows a pass, where
+  // the activations weigh as much as the weights (H100: 512 tokens 8.6 ms against 9.6 with 16
+  // rows a warp, 1024 tokens 11.8 against 14.3); 16 below (256 tokens 6.9 against 7.3).
+  const int mt = swiglu ? 2 : int4_mma_tiles() > 0 ? int4_mma_tiles() : rows > 8 ? 2 : 1;
+  // Few tiles: the reduction split over the block's warps (KS), 16 weight rows a block (H100: one
+  // token 0.21 ms a layer, two 0.34, against 0.33 and 0.40 without).
+  const bool ksplit = !swiglu && mt == 1 && slots <= int4_mma_ksplit_slots() && max_rows <= 8;
   const int64_t block_rows = ksplit ? 16 : kQmWarps * 16 * (swiglu ? 1 : mt);
   const dim3 grid(static_cast<unsigned>(std::min(max_tiles, slots)),
                   static_cast<unsigned>((m.O + block_rows - 1) / block_rows));
@@ -1017,12 +1031,6 @@ void int4_mma_launch(float* out, bf16* act, const bf16* in, int64_t ld_in, bool 
     else
       gather ? go(int4_decode_mma_kernel<true, NF, 1>) : go(int4_decode_mma_kernel<false, NF, 1>);
   };
-  // Rows a pass: 8, 16 or 32, the fewest of at least 1.5x the mean rows an expert (each token
-  // fragment a pass holds costs registers, and so blocks an SM; experts past it take another
-  // pass, mostly from L2). Measured on an H100, Kimi-K2 layer: 256 tokens 6.9 ms with 8 rows
-  // against 8.0 with 16; 512 tokens 9.5 with 16 against 11.4 with 32 and 11.7 with 8.
-  const int64_t mean15 = 3 * slots / (2 * std::max<int64_t>(E, 1));
-  const int64_t rows = std::min(max_rows, int4_mma_rows() > 0 ? int4_mma_rows() : mean15);
   if (rows <= 8)
     pick(std::integral_constant<int, 1>{});
   else if (rows <= 16)
@@ -1165,7 +1173,7 @@ int64_t max_tiles(int64_t NK, int64_t E) { return (NK + kTileRows - 1) / kTileRo
 
 void moe_skinny_max_slots(int64_t slots) { g_skinny_max_slots = std::max<int64_t>(0, slots); }
 void moe_int4_mma_max_slots(int64_t slots) { g_int4_mma_max_slots = slots < 0 ? -1 : slots; }
-void moe_int4_mma_tiles(int tiles) { g_int4_mma_tiles = tiles == 1 || tiles == 2 ? tiles : 0; }
+void moe_int4_mma_tiles(int tiles) { g_int4_mma_tiles = tiles == 1 || tiles == 2 ? tiles : -1; }
 void moe_int4_mma_swiglu(int on) { g_int4_mma_swiglu = on == 0 || on == 1 ? on : -1; }
 void moe_int4_mma_ksplit(int64_t slots) { g_int4_mma_ksplit = slots < 0 ? -1 : slots; }
 

@@ -18,6 +18,11 @@
 // scale of output o being that of o's row block (o / bo). Both need the group / K block to be
 // a multiple of 16; other sizes take the CUDA-core kernel (core_grouped_gemm_kernel, fp32 FMA
 // on tiles dequantized in fp32).
+//
+// Decode-sized calls (a few rows an expert, where the weight bytes decide) take other kernels:
+// int4 experts of group 32 the tensor-core decode kernel (int4_decode_mma_kernel: weights as the
+// mma's M operand, tokens as its n columns, a cp.async ring per warp), bf16 and other int4
+// experts the CUDA-core decode-sized kernel (skinny_grouped_kernel). grouped_gemm chooses.
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 

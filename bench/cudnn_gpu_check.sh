@@ -22,10 +22,10 @@
 #   graphs     (not in the default list) greedy one-token steps at batch 1, context 2048, 8B and
 #              SmolLM2 shapes, with the step's graph in parts of 0 (one graph), 1, 2, 4, 8, 16
 #              layers (talon_bench_decode --graph-layers);
-#   moedecode  (not in the default list) one Kimi-K2 MoE layer at decode-sized batches (64-512
-#              tokens): int4 and bf16 experts on the tensor-core tiles (TALON_CUDA_MOE_SKINNY=0)
-#              and on the decode-sized kernel (TALON_CUDA_MOE_SKINNY=4096), bf16 on CUTLASS, int4 on
-#              the tensor-core decode kernel (TALON_CUDA_MOE_INT4_MMA, 64-2048 tokens);
+#   moedecode  (not in the default list) one Kimi-K2 MoE layer at 1-2048 tokens by expert route
+#              (int4 tiles, CUDA-core decode-sized kernel, tensor-core decode kernel with each of
+#              its settings, the default choice; bf16 on CUTLASS), and Kimi-K2-shaped decoding with
+#              the int4 decode kernel off and on;
 #   compare    (not in the default list) bench/train_compare_gpu.sh at 2048 and 4096 tokens, loss
 #              share 0.675, VARIANT=cudnn+rows, with the PyTorch peer.
 # Logs go to $LOGS (default: a temporary folder); a summary to stdout. TESTS overrides the tests
@@ -130,18 +130,29 @@ if want compare; then
   LOGS="$LOGS/compare" LOSS_SHARE=0.675 VARIANT=cudnn+rows bash bench/train_compare_gpu.sh llama3-8b "2048 4096" 1 full
 fi
 if want moedecode; then
-  echo "== one Kimi-K2 MoE layer at decode-sized batches: tiles vs the decode-sized kernel (TALON_CUDA_MOE_SKINNY)"
-  for f in int4 bf16; do
-    for sk in 0 4096; do
-      TALON_CUDA_MOE_SKINNY=$sk build/talon_bench_moe $([ $f = bf16 ] && echo --bf16) --tokens 64,128,256,512 \
-        > "$LOGS/moedecode-$f-$sk.log" 2>&1
-      echo "$f, skinny up to $sk slots:"; tail -4 "$LOGS/moedecode-$f-$sk.log"
-    done
+  # One Kimi-K2 MoE layer (talon_bench_moe), ms a layer at 1-2048 tokens, each expert route forced:
+  # int4 on the tiles, on the CUDA-core decode-sized kernel, on the tensor-core decode kernel (as
+  # chosen by size, then with each of its settings fixed), bf16 on CUTLASS; then Kimi-K2-shaped
+  # decoding (talon_bench_decode, 2 layers) with the int4 decode kernel off and on.
+  T=1,2,4,8,16,32,64,128,256,512,1024,2048
+  moe() {
+    local tag=$1; shift
+    env "$@" build/talon_bench_moe --tokens $T > "$LOGS/moedecode-$tag.log" 2>&1
+    echo "$tag ($*):"; tail -12 "$LOGS/moedecode-$tag.log"
+  }
+  echo "== one Kimi-K2 MoE layer at decode-sized batches, by expert route"
+  moe int4-tiles TALON_CUDA_MOE_SKINNY=0 TALON_CUDA_MOE_INT4_MMA=0
+  moe int4-skinny TALON_CUDA_MOE_SKINNY=1000000 TALON_CUDA_MOE_INT4_MMA=0
+  moe int4-mma TALON_CUDA_MOE_SKINNY=0 TALON_CUDA_MOE_INT4_MMA=1000000
+  moe int4-mma-16rows TALON_CUDA_MOE_SKINNY=0 TALON_CUDA_MOE_INT4_MMA=1000000 TALON_CUDA_MOE_INT4_TILES=1 TALON_CUDA_MOE_INT4_KSPLIT=0
+  moe int4-mma-32rows TALON_CUDA_MOE_SKINNY=0 TALON_CUDA_MOE_INT4_MMA=1000000 TALON_CUDA_MOE_INT4_TILES=2
+  moe int4-mma-swiglu TALON_CUDA_MOE_SKINNY=0 TALON_CUDA_MOE_INT4_MMA=1000000 TALON_CUDA_MOE_INT4_SWIGLU=1
+  moe int4-default
+  TALON_MOE_GEMM=cutlass build/talon_bench_moe --bf16 --tokens $T > "$LOGS/moedecode-bf16-cutlass.log" 2>&1
+  echo "bf16 on CUTLASS:"; tail -12 "$LOGS/moedecode-bf16-cutlass.log"
+  for v in 0 8192; do
+    TALON_CUDA_MOE_INT4_MMA=$v build/talon_bench_decode --model random:kimi-k2:2 --context 2048 --batches 1,8,64 \
+      --tree 0 --verify-tokens 4 > "$LOGS/kimi-decode-int4mma-$v.log" 2>&1
+    echo "Kimi-K2 decode, TALON_CUDA_MOE_INT4_MMA=$v:"; tail -8 "$LOGS/kimi-decode-int4mma-$v.log"
   done
-  TALON_CUDA_MOE_SKINNY=0 TALON_MOE_GEMM=cutlass build/talon_bench_moe --bf16 --tokens 64,128,256,512 \
-    > "$LOGS/moedecode-bf16-cutlass.log" 2>&1
-  echo "bf16 on CUTLASS:"; tail -4 "$LOGS/moedecode-bf16-cutlass.log"
-  TALON_CUDA_MOE_SKINNY=0 TALON_CUDA_MOE_INT4_MMA=1000000 build/talon_bench_moe --tokens 64,128,256,512,1024,2048 \
-    > "$LOGS/moedecode-int4-mma.log" 2>&1
-  echo "int4 on the tensor-core decode kernel (TALON_CUDA_MOE_INT4_MMA):"; tail -6 "$LOGS/moedecode-int4-mma.log"
 fi

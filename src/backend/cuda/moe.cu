@@ -909,65 +909,44 @@ __global__ void __launch_bounds__(kQmWarps * 32, MT == 1 ? (NF == 1 ? 8 : NF == 
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
 bool aligned8(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 7) == 0; }
 
+// A count setting of the expert kernels: `value` once set (>= 0, by a test's call or an earlier
+// read), else the environment variable `name` (a count, negative read as 0) when set, else `def`.
+int64_t count_setting(int64_t& value, const char* name, int64_t def) {
+  if (value < 0) {
+    const char* e = std::getenv(name);
+    value = e && *e ? std::max<int64_t>(0, std::atoll(e)) : def;
+  }
+  return value;
+}
+
 // Routed slots up to which int4 experts take int4_decode_mma_kernel: see moe_int4_mma_max_slots.
 int64_t g_int4_mma_max_slots = -1;
-int64_t int4_mma_max_slots() {
-  if (g_int4_mma_max_slots < 0) {
-    const char* e = std::getenv("TALON_CUDA_MOE_INT4_MMA");
-    g_int4_mma_max_slots = e && *e ? std::max<int64_t>(0, std::atoll(e)) : kInt4MmaDefaultSlots;
-  }
-  return g_int4_mma_max_slots;
-}
-// TALON_CUDA_MOE_INT4_TILES=1/2: m16 tiles of weight rows a warp of that kernel; 0 (default):
-// by the rows a pass (int4_mma_launch).
-int g_int4_mma_tiles = -1;
+int64_t int4_mma_max_slots() { return count_setting(g_int4_mma_max_slots, "TALON_CUDA_MOE_INT4_MMA", kInt4MmaDefaultSlots); }
+// TALON_CUDA_MOE_INT4_TILES=1/2: m16 tiles of weight rows a warp of that kernel; else 0 (the
+// default): by the rows a pass (int4_mma_launch).
+int64_t g_int4_mma_tiles = -1;
 int int4_mma_tiles() {
-  if (g_int4_mma_tiles < 0) {
-    const char* e = std::getenv("TALON_CUDA_MOE_INT4_TILES");
-    const int v = e && *e ? std::atoi(e) : 0;
-    g_int4_mma_tiles = v == 1 || v == 2 ? v : 0;
-  }
-  return g_int4_mma_tiles;
+  const int64_t v = count_setting(g_int4_mma_tiles, "TALON_CUDA_MOE_INT4_TILES", 0);
+  return v == 1 || v == 2 ? int(v) : 0;
 }
 // TALON_CUDA_MOE_INT4_SWIGLU=1: the gate and up products with SwiGLU in one pass (gate_up_swiglu).
-int g_int4_mma_swiglu = -1;
-bool int4_mma_swiglu() {
-  if (g_int4_mma_swiglu < 0) {
-    const char* e = std::getenv("TALON_CUDA_MOE_INT4_SWIGLU");
-    g_int4_mma_swiglu = e && std::atoi(e) == 1 ? 1 : 0;
-  }
-  return g_int4_mma_swiglu == 1;
-}
+int64_t g_int4_mma_swiglu = -1;
+bool int4_mma_swiglu() { return count_setting(g_int4_mma_swiglu, "TALON_CUDA_MOE_INT4_SWIGLU", 0) == 1; }
 // TALON_CUDA_MOE_INT4_KSPLIT=n: calls of at most n routed slots (and at most 8 rows an expert)
 // split that kernel's reduction over a block's warps (moe_int4_mma_ksplit).
 int64_t g_int4_mma_ksplit = -1;
 int64_t int4_mma_ksplit_slots() {
-  if (g_int4_mma_ksplit < 0) {
-    const char* e = std::getenv("TALON_CUDA_MOE_INT4_KSPLIT");
-    g_int4_mma_ksplit = e && *e ? std::max<int64_t>(0, std::atoll(e)) : kInt4KSplitDefaultSlots;
-  }
-  return g_int4_mma_ksplit;
+  return count_setting(g_int4_mma_ksplit, "TALON_CUDA_MOE_INT4_KSPLIT", kInt4KSplitDefaultSlots);
 }
 // TALON_CUDA_MOE_INT4_ROWS=8/16/32: rows a pass of that kernel instead of the estimate from the
-// mean rows an expert (benchmarks).
-int64_t int4_mma_rows() {
-  static const int64_t rows = [] {
-    const char* e = std::getenv("TALON_CUDA_MOE_INT4_ROWS");
-    return e && *e ? std::max<int64_t>(0, std::atoll(e)) : int64_t(0);
-  }();
-  return rows;
-}
+// mean rows an expert (benchmarks; 0: the estimate).
+int64_t g_int4_mma_rows = -1;
+int64_t int4_mma_rows() { return count_setting(g_int4_mma_rows, "TALON_CUDA_MOE_INT4_ROWS", 0); }
 
 // Routed slots (N x top-k) up to which moe_forward takes the decode-sized kernel: see
 // moe_skinny_max_slots in moe.h.
 int64_t g_skinny_max_slots = -1;
-int64_t skinny_max_slots() {
-  if (g_skinny_max_slots < 0) {
-    const char* e = std::getenv("TALON_CUDA_MOE_SKINNY");
-    g_skinny_max_slots = e && *e ? std::max<int64_t>(0, std::atoll(e)) : kSkinnyDefaultSlots;
-  }
-  return g_skinny_max_slots;
-}
+int64_t skinny_max_slots() { return count_setting(g_skinny_max_slots, "TALON_CUDA_MOE_SKINNY", kSkinnyDefaultSlots); }
 
 // rows[p] = in[order[p] / K], ids[p] = idx[order[p]] % per_rank.
 __global__ void gather_sorted_kernel(bf16* rows, int32_t* ids, const bf16* in, const int32_t* order, const int32_t* idx,

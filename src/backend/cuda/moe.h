@@ -81,13 +81,14 @@ void moe_forward(float* out, const bf16* xn, const float* router_logits, const f
 void moe_skinny_max_slots(int64_t slots);
 // Calls with at most this many routed slots run int4 experts (group 32, I % 128 == 0) on the
 // tensor-core decode kernel (weights as the mma's M operand, moe.cu), ahead of the kernel
-// above, except one token (max_rows 1), which the kernel above serves better. Default 8192
-// (1,024 tokens at top-8: past it the tiles win), TALON_CUDA_MOE_INT4_MMA=n in the
-// environment, or this call (tests; 0: never; negative: the default again).
+// above, except one token (max_rows 1) beyond the reduction-split bound below, which the kernel
+// above serves. Default 8192 (1,024 tokens at top-8: past it the tiles win),
+// TALON_CUDA_MOE_INT4_MMA=n in the environment, or this call (tests; 0: never; negative: the
+// default again).
 void moe_int4_mma_max_slots(int64_t slots);
 // m16 tiles of weight rows a warp of that kernel: 1 or 2 (two share each activation load);
-// default 1, TALON_CUDA_MOE_INT4_TILES=2 in the environment, or this call (tests; 0: the default
-// again).
+// default by size (2 past 8 token rows a pass), TALON_CUDA_MOE_INT4_TILES=1|2 in the
+// environment, or this call (tests; other values: the default again).
 void moe_int4_mma_tiles(int tiles);
 // With int4 gate and up projections on that kernel: both products and the SwiGLU in one pass
 // (each warp holds 16 rows of each; the activations are read once; no fp32 gate and up rows).
@@ -96,8 +97,8 @@ void moe_int4_mma_tiles(int tiles);
 void moe_int4_mma_swiglu(int on);
 // Calls of at most this many routed slots, with at most 8 rows an expert, split that kernel's
 // reduction over each block's four warps (16 weight rows a block: four times the warps in flight
-// when there are few tiles, e.g. one token). Default 0 (off), TALON_CUDA_MOE_INT4_KSPLIT=n, or
-// this call (tests; negative: the default again).
+// when there are few tiles, e.g. one token). Default 16 (1-2 tokens at top-8; 0: never),
+// TALON_CUDA_MOE_INT4_KSPLIT=n, or this call (tests; negative: the default again).
 void moe_int4_mma_ksplit(int64_t slots);
 
 // ---- Expert parallelism: one rank's pieces of moe_forward (cuda_deepseek.cpp moves the rows

@@ -18,7 +18,7 @@ cmake -S . -B build -G Ninja -DTALON_DEPS_DIR="$PWD/.deps" -DTALON_NATIVE=OFF -D
   ${nccl:+-DTALON_NCCL_DIR="$nccl"} ${cudnn_dir:+-DTALON_CUDNN_DIR="$cudnn_dir"} -Wno-dev > build.log 2>&1 ||
   { tail -30 build.log; exit 1; }
 ninja -C build $targets >> build.log 2>&1 || { grep -E "error" -A3 build.log | head -40; exit 1; }
-grep -E "talon: " build.log
+grep -E "talon: " build.log || true
 # The runtime half of NCCL, for --tp > 1 (dlopen'ed by talon).
 libs=${nccl:+$nccl/lib}
 for so in "$cudnn_so" "$cudart_so" "$cupti_so"; do [ -n "$so" ] && libs=${libs:+$libs:}$(dirname "$so"); done

@@ -24,7 +24,8 @@
 #              layers (talon_bench_decode --graph-layers);
 #   moedecode  (not in the default list) one Kimi-K2 MoE layer at 1-2048 tokens by expert route
 #              (int4 tiles, CUDA-core decode-sized kernel, tensor-core decode kernel with each of
-#              its settings, the default choice; bf16 on CUTLASS), and Kimi-K2-shaped decoding with
+#              its settings, the default choice with the activations staged a block or loaded by
+#              each warp; bf16 on CUTLASS), and Kimi-K2-shaped decoding with
 #              the int4 decode kernel off and on;
 #   compare    (not in the default list) bench/train_compare_gpu.sh at 2048 and 4096 tokens, loss
 #              share 0.675, VARIANT=cudnn+rows, with the PyTorch peer.
@@ -148,6 +149,10 @@ if want moedecode; then
   moe int4-mma-32rows TALON_CUDA_MOE_SKINNY=0 TALON_CUDA_MOE_INT4_MMA=1000000 TALON_CUDA_MOE_INT4_TILES=2
   moe int4-mma-swiglu TALON_CUDA_MOE_SKINNY=0 TALON_CUDA_MOE_INT4_MMA=1000000 TALON_CUDA_MOE_INT4_SWIGLU=1
   moe int4-default
+  moe int4-default-unstaged TALON_CUDA_MOE_INT4_STAGED=0
+  moe int4-mma-8rows TALON_CUDA_MOE_INT4_ROWS=8
+  moe int4-mma-16rows-a-pass TALON_CUDA_MOE_INT4_ROWS=16
+  moe int4-mma-32rows-a-pass TALON_CUDA_MOE_INT4_ROWS=32
   TALON_MOE_GEMM=cutlass build/talon_bench_moe --bf16 --tokens $T > "$LOGS/moedecode-bf16-cutlass.log" 2>&1
   echo "bf16 on CUTLASS:"; tail -12 "$LOGS/moedecode-bf16-cutlass.log"
   for v in 0 8192; do

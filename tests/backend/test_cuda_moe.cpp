@@ -267,44 +267,51 @@ void check_moe_case(const Case& cs, int64_t N) {
   // and for int4 experts of group 32 with H and Im multiples of 128 the tensor-core decode
   // kernel (weights as the M operand; several passes over the weights past 32 rows an expert;
   // 16 and 32 weight rows a warp; the gate and up products with the SwiGLU in one pass; the
-  // reduction split over a block's warps at 3 tokens and 1).
+  // reduction split over a block's warps at 3 tokens and 1), each but the split with the
+  // activations staged once a block and loaded by each warp.
   enum Path { kTiles, kSkinny, kCutlass, kInt4Mma, kInt4Mma2, kInt4Swiglu, kInt4KSplit };
   const bool cutlass = cs.group == 0 && cs.fp8_bi == 0 && cuda::moe_cutlass_built();
   const bool int4_mma = cs.group == 32 && cs.fp8_bi == 0 && H % 128 == 0 && Im % 128 == 0;
   for (const Path path : {kTiles, kSkinny, kCutlass, kInt4Mma, kInt4Mma2, kInt4Swiglu, kInt4KSplit}) {
-    if ((path == kCutlass && !cutlass) || (path >= kInt4Mma && !int4_mma)) continue;
-    cuda::moe_skinny_max_slots(path == kSkinny ? 1 << 20 : 0);
-    cuda::moe_int4_mma_max_slots(path >= kInt4Mma ? 1 << 20 : 0);
-    cuda::moe_int4_mma_tiles(path == kInt4Mma2 ? 2 : 1);
-    cuda::moe_int4_mma_swiglu(path == kInt4Swiglu ? 1 : 0);
-    cuda::moe_int4_mma_ksplit(path == kInt4KSplit ? 1 << 20 : 0);
-    cuda::moe_cutlass_use(path == kCutlass ? 1 : 0);
-    const auto got = run_gpu_moe(xb, logits, cs.bias ? d_bias : nullptr, N, H, r, {dg.m, du.m, dd.m});
-    cuda::moe_cutlass_use(-1);
-    const char* names[] = {" (tiles)", " (decode-sized kernel)", " (CUTLASS grouped GEMM)", " (int4 tensor-core decode kernel)",
-                           " (int4 tensor-core decode kernel, 32 rows a warp)",
-                           " (int4 tensor-core decode kernel, gate and up with SwiGLU in one pass)",
-                           " (int4 tensor-core decode kernel, reduction split over warps up to 8 tokens)"};
-    const std::string tag = std::string(cs.name) + names[path];
-    EXPECT_EQ(got.idx, idx) << tag << ": routing picked other experts";
-    for (size_t i = 0; i < got.weights.size(); ++i)
-      EXPECT_NEAR(got.weights[i], wts[i], 1e-5 * std::max(1.f, std::fabs(wts[i]))) << i;
-    const double err = talon::testing::rel_err(got.out.data(), want.data(), got.out.size());
-    // Both sides round the SwiGLU activations to bf16; where an activation lies at a rounding
-    // boundary, fp32 summation-order noise can round it the other way on one side: one bf16 step
-    // (2^-8 relative) of one activation times its down-projection weights, measured up to 2e-4
-    // of the output's largest value (FP8 on the CUDA-core kernel, 37 tokens). A wrong weight,
-    // scale or row gives O(1).
-    EXPECT_LE(err, 5e-4) << tag;
-    std::printf("cuda moe %s (%s experts, H %lld, Im %lld, %lld tokens): routing %s, output rel err %.2e\n",
-                tag.c_str(), cs.storage(), (long long)H, (long long)Im, (long long)N, got.idx == idx ? "equal" : "DIFFERENT",
-                err);
+    for (const int staged : {1, 0}) {
+      if ((path == kCutlass && !cutlass) || (path >= kInt4Mma && !int4_mma)) continue;
+      if (staged == 0 && (path < kInt4Mma || path == kInt4KSplit)) continue;  // no staging choice there
+      cuda::moe_skinny_max_slots(path == kSkinny ? 1 << 20 : 0);
+      cuda::moe_int4_mma_max_slots(path >= kInt4Mma ? 1 << 20 : 0);
+      cuda::moe_int4_mma_tiles(path == kInt4Mma2 ? 2 : 1);
+      cuda::moe_int4_mma_swiglu(path == kInt4Swiglu ? 1 : 0);
+      cuda::moe_int4_mma_ksplit(path == kInt4KSplit ? 1 << 20 : 0);
+      cuda::moe_int4_mma_staged(staged);
+      cuda::moe_cutlass_use(path == kCutlass ? 1 : 0);
+      const auto got = run_gpu_moe(xb, logits, cs.bias ? d_bias : nullptr, N, H, r, {dg.m, du.m, dd.m});
+      cuda::moe_cutlass_use(-1);
+      const char* names[] = {" (tiles)", " (decode-sized kernel)", " (CUTLASS grouped GEMM)", " (int4 tensor-core decode kernel)",
+                             " (int4 tensor-core decode kernel, 32 rows a warp)",
+                             " (int4 tensor-core decode kernel, gate and up with SwiGLU in one pass)",
+                             " (int4 tensor-core decode kernel, reduction split over warps up to 8 tokens)"};
+      const std::string tag =
+          std::string(cs.name) + names[path] + (path >= kInt4Mma && path != kInt4KSplit && !staged ? " [warps load the activations]" : "");
+      EXPECT_EQ(got.idx, idx) << tag << ": routing picked other experts";
+      for (size_t i = 0; i < got.weights.size(); ++i)
+        EXPECT_NEAR(got.weights[i], wts[i], 1e-5 * std::max(1.f, std::fabs(wts[i]))) << i;
+      const double err = talon::testing::rel_err(got.out.data(), want.data(), got.out.size());
+      // Both sides round the SwiGLU activations to bf16; where an activation lies at a rounding
+      // boundary, fp32 summation-order noise can round it the other way on one side: one bf16 step
+      // (2^-8 relative) of one activation times its down-projection weights, measured up to 2e-4
+      // of the output's largest value (FP8 on the CUDA-core kernel, 37 tokens). A wrong weight,
+      // scale or row gives O(1).
+      EXPECT_LE(err, 5e-4) << tag;
+      std::printf("cuda moe %s (%s experts, H %lld, Im %lld, %lld tokens): routing %s, output rel err %.2e\n",
+                  tag.c_str(), cs.storage(), (long long)H, (long long)Im, (long long)N, got.idx == idx ? "equal" : "DIFFERENT",
+                  err);
+    }
   }
   cuda::moe_skinny_max_slots(256);
   cuda::moe_int4_mma_max_slots(-1);
   cuda::moe_int4_mma_tiles(0);
   cuda::moe_int4_mma_swiglu(-1);
   cuda::moe_int4_mma_ksplit(-1);
+  cuda::moe_int4_mma_staged(-1);
   cudaFree(d_bias);
 }
 

@@ -686,6 +686,9 @@ constexpr int kQmWarps = 4;                  // warps a block, 16 MT outputs eac
 constexpr int kQmStages = 4;                 // cp.async stages a warp
 constexpr int kQmK = 128;                    // k a stage
 constexpr int kQmRowBytes = kQmK / 2 + 16;   // 64 packed bytes + 16 padding: quads' words on distinct banks
+// A staged activation row (XS): 128 bf16 + 64 bytes of padding, so the 16-byte reads of a
+// quarter warp (token rows g, g + 1; four 16-byte pieces each) fall on distinct banks.
+constexpr int kQmXRowBytes = kQmK * 2 + 64;
 // One stage of a warp owning MT m16 tiles of weight rows: [16 MT rows][kQmRowBytes] packed words,
 // then the rows' scales [16 MT][4] bf16.
 template <int MT>
@@ -729,27 +732,43 @@ __device__ __forceinline__ uint32_t q4_pair(uint32_t w) {
 // KS (4, with MT 1 and no SWIGLU; few tiles): the block's warps share 16 weight rows, each
 // taking a quarter of the reduction, and warp 0 adds the others' sums (in warp order, through
 // shared memory) before storing: four times the warps in flight when a call has few tiles.
-template <bool GATHER, int NF, int MT, bool SWIGLU = false, int KS = 1>
+// XS (KS 1): the pass's activation rows are staged once a block, in the same cp.async stages
+// as the weights (a ring of kQmStages chunks of 8 NF rows x 128 k; one block barrier a chunk),
+// instead of each warp loading them from L1 / L2 inside the loop (whose latency the warps
+// then wait on: ncu's largest stall, 45-63% of the cycles at 64-512 tokens without it).
+// Dynamic shared memory: int4_mma_smem_bytes.
+template <bool GATHER, int NF, int MT, bool SWIGLU = false, int KS = 1, bool XS = false>
 __global__ void __launch_bounds__(kQmWarps * 32, MT == 1 ? (NF == 1 ? 8 : NF == 2 ? 6 : 4) : (NF == 1 ? 5 : NF == 2 ? 4 : 3))
     int4_decode_mma_kernel(float* out, bf16* act, const bf16* in, int64_t ld_in, const int32_t* order, int K,
                            const int32_t* tiles, const int32_t* n_tiles, const int32_t* offsets, ExpertMatrix m,
                            ExpertMatrix m2) {
   static_assert(!SWIGLU || MT == 2, "the SwiGLU pairing holds a gate tile and an up tile");
   static_assert(KS == 1 || (KS == kQmWarps && MT == 1 && !SWIGLU), "reduction split: one quarter a warp");
+  static_assert(!XS || KS == 1, "staged activations: every warp of the block walks the same chunks");
   using St = QmStage<MT>;
   constexpr int R = 16 * MT;          // weight rows a warp (its stage)
   constexpr int RO = SWIGLU ? 16 : R;  // output rows a warp
-  __shared__ __align__(16) unsigned char smem[kQmWarps][kQmStages][St::bytes];
+  constexpr int XB = 8 * NF * kQmXRowBytes;  // a staged activation chunk
+  extern __shared__ __align__(16) unsigned char qm_smem[];
   if (int(blockIdx.x) >= *n_tiles) return;
   const int e = tiles[2 * blockIdx.x], r0 = tiles[2 * blockIdx.x + 1];
   const int rows = min(kTileRows, offsets[e + 1] - r0);
   const int O = int(m.O), I = int(m.I), lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, t = lane % 4;
   const int o0 = KS == 1 ? int(blockIdx.y) * (kQmWarps * RO) + warp * RO : int(blockIdx.y) * RO;
-  if (o0 >= O) return;  // the warp's rows are past the matrix (KS: the block's; no other exit)
+  // The warp's rows are past the matrix (KS: the block's): no other exit. With XS such a warp
+  // stays for the block's copies and barriers (its weight rows repeat row O - 1; nothing stored).
+  if (!XS && o0 >= O) return;
   const int64_t words = I / 8, groups = I / 32;
   const int n_chunks = I / kQmK;
   const int cb = KS == 1 ? 0 : warp * n_chunks / KS, ce = KS == 1 ? n_chunks : (warp + 1) * n_chunks / KS;
-  unsigned char(*ring)[St::bytes] = smem[warp];
+  auto ring = reinterpret_cast<unsigned char(*)[St::bytes]>(qm_smem + warp * kQmStages * St::bytes);
+  [[maybe_unused]] unsigned char* xring = qm_smem + kQmWarps * kQmStages * St::bytes;  // XS: [kQmStages][XB]
+  // XS: this thread's NF 16-byte pieces of a staged chunk: piece u is token row rb + xi[u]
+  // (xi = (tid + 128 u) / 16), bytes 16 (tid % 16) of the chunk's 256; xsrc[u] its row (null:
+  // past the tile's rows; zero-filled).
+  constexpr int kPieces = 8 * NF * (kQmK / 8) / (kQmWarps * 32);
+  static_assert(!XS || kPieces == NF, "one piece a thread per token fragment");
+  [[maybe_unused]] const bf16* xsrc[XS ? NF : 1];
   // The copies of stage c: lane l moves 16-byte pieces l + 32 i (stage row p / 4, quarter p % 4)
   // and, for l < R, the 8 scale bytes of stage row l. Rows past O repeat the last row (not
   // stored). SWIGLU: stage rows 16.. are the up projection's rows o0 ...
@@ -767,22 +786,44 @@ __global__ void __launch_bounds__(kQmWarps * 32, MT == 1 ? (NF == 1 ? 8 : NF == 
       const bf16* base = SWIGLU && lane >= 16 ? m2.scale : m.scale;
       cp_async8(st + St::scales + 8 * lane, base + row_of(lane) * groups + 4 * c);
     }
+    if constexpr (XS) {
+      unsigned char* xs = xring + ((c - cb) % kQmStages) * XB;
+      const int q = threadIdx.x % 16;
+#pragma unroll
+      for (int u = 0; u < NF; ++u) {
+        const int i = (threadIdx.x + kQmWarps * 32 * u) / 16;
+        cp_async16(xs + i * kQmXRowBytes + 16 * q, (xsrc[u] ? xsrc[u] : in) + int64_t(c) * kQmK + 8 * q,
+                   xsrc[u] != nullptr);
+      }
+    }
   };
   for (int rb = 0; rb < rows; rb += 8 * NF) {
     const int nf = min(NF, (rows - rb + 7) / 8);  // token fragments holding rows this pass
+    auto row_ptr = [&](int r) { return in + int64_t(GATHER ? order[r0 + r] / K : r0 + r) * ld_in; };
     // The activations of token column g of each fragment (null: past the tile's rows).
     const bf16* xr[NF];
 #pragma unroll
     for (int f = 0; f < NF; ++f) {
       const int r = rb + 8 * f + g;
-      xr[f] = r < rows ? in + int64_t(GATHER ? order[r0 + r] / K : r0 + r) * ld_in + 8 * t : nullptr;
+      xr[f] = !XS && r < rows ? row_ptr(r) + 8 * t : nullptr;
+    }
+    if constexpr (XS) {
+#pragma unroll
+      for (int u = 0; u < NF; ++u) {
+        const int r = rb + (int(threadIdx.x) + kQmWarps * 32 * u) / 16;
+        xsrc[u] = r < rows ? row_ptr(r) : nullptr;
+      }
     }
     float acc[MT][NF][4];
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
       for (int f = 0; f < NF; ++f) acc[mt][f][0] = acc[mt][f][1] = acc[mt][f][2] = acc[mt][f][3] = 0.f;
-    __syncwarp();  // the previous pass is done with the ring
+    // The previous pass is done with the rings (XS: the block's).
+    if constexpr (XS)
+      __syncthreads();
+    else
+      __syncwarp();
 #pragma unroll
     for (int c = cb; c < cb + kQmStages - 1; ++c) {
       if (c < ce) issue(c);
@@ -790,10 +831,15 @@ __global__ void __launch_bounds__(kQmWarps * 32, MT == 1 ? (NF == 1 ? 8 : NF == 
     }
     for (int c = cb; c < ce; ++c) {
       cp_async_wait<kQmStages - 2>();
-      __syncwarp();  // every lane's copies of stage c have landed; every lane is done with c - 1
+      // Every copy of stage c has landed; every lane (XS: thread of the block) is done with c - 1.
+      if constexpr (XS)
+        __syncthreads();
+      else
+        __syncwarp();
       if (c + kQmStages - 1 < ce) issue(c + kQmStages - 1);
       cp_async_commit();
       const unsigned char* st = ring[(c - cb) % kQmStages];
+      [[maybe_unused]] const unsigned char* xs = xring + ((c - cb) % kQmStages) * XB;
       uint2 s_lo[MT], s_hi[MT];  // the scales of rows 16 mt + g and 16 mt + g + 8
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
@@ -806,7 +852,10 @@ __global__ void __launch_bounds__(kQmWarps * 32, MT == 1 ? (NF == 1 ? 8 : NF == 
 #pragma unroll
         for (int f = 0; f < NF; ++f) {
           if (f >= nf) break;
-          xv[f] = xr[f] ? *reinterpret_cast<const uint4*>(xr[f] + c * kQmK + 32 * j) : make_uint4(0u, 0u, 0u, 0u);
+          if constexpr (XS)
+            xv[f] = *reinterpret_cast<const uint4*>(xs + (8 * f + g) * kQmXRowBytes + 64 * j + 16 * t);
+          else
+            xv[f] = xr[f] ? *reinterpret_cast<const uint4*>(xr[f] + c * kQmK + 32 * j) : make_uint4(0u, 0u, 0u, 0u);
         }
         uint32_t w0[MT], w1[MT];
 #pragma unroll
@@ -932,6 +981,10 @@ int int4_mma_tiles() {
 // TALON_CUDA_MOE_INT4_SWIGLU=1: the gate and up products with SwiGLU in one pass (gate_up_swiglu).
 int64_t g_int4_mma_swiglu = -1;
 bool int4_mma_swiglu() { return count_setting(g_int4_mma_swiglu, "TALON_CUDA_MOE_INT4_SWIGLU", 0) == 1; }
+// TALON_CUDA_MOE_INT4_STAGED=0: that kernel's warps load the activations themselves (not staged
+// once a block; moe_int4_mma_staged).
+int64_t g_int4_mma_staged = -1;
+bool int4_mma_staged() { return count_setting(g_int4_mma_staged, "TALON_CUDA_MOE_INT4_STAGED", 1) == 1; }
 // TALON_CUDA_MOE_INT4_KSPLIT=n: calls of at most n routed slots (and at most 8 rows an expert)
 // split that kernel's reduction over a block's warps (moe_int4_mma_ksplit).
 int64_t g_int4_mma_ksplit = -1;
@@ -1000,20 +1053,29 @@ void int4_mma_launch(float* out, bf16* act, const bf16* in, int64_t ld_in, bool 
   const int64_t block_rows = ksplit ? 16 : kQmWarps * 16 * (swiglu ? 1 : mt);
   const dim3 grid(static_cast<unsigned>(std::min(max_tiles, slots)),
                   static_cast<unsigned>((m.O + block_rows - 1) / block_rows));
-  auto go = [&](auto kernel) {
-    kernel<<<grid, kQmWarps * 32, 0, s>>>(out, act, in, ld_in, sc.order, K, sc.tiles, sc.n_tiles, sc.offsets, m, m2);
+  const bool staged = !ksplit && int4_mma_staged();
+  // Dynamic shared memory: each warp's weight ring, then (staged) the block's activation ring.
+  auto go = [&](auto kernel, int nf) {
+    const size_t weights = size_t(kQmWarps) * kQmStages * (ksplit || mt == 1 ? QmStage<1>::bytes : QmStage<2>::bytes);
+    const size_t bytes = weights + (staged ? size_t(kQmStages) * 8 * nf * kQmXRowBytes : 0);
+    if (bytes > 48 * 1024) CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
+    kernel<<<grid, kQmWarps * 32, bytes, s>>>(out, act, in, ld_in, sc.order, K, sc.tiles, sc.n_tiles, sc.offsets, m, m2);
   };
   auto pick = [&](auto nf) {
     constexpr int NF = decltype(nf)::value;
+    auto by_staging = [&](auto kernel_off, auto kernel_on) { staged ? go(kernel_on, NF) : go(kernel_off, NF); };
     if (ksplit)
-      gather ? go(int4_decode_mma_kernel<true, 1, 1, false, kQmWarps>)
-             : go(int4_decode_mma_kernel<false, 1, 1, false, kQmWarps>);
+      gather ? go(int4_decode_mma_kernel<true, 1, 1, false, kQmWarps>, 1)
+             : go(int4_decode_mma_kernel<false, 1, 1, false, kQmWarps>, 1);
     else if (swiglu)
-      gather ? go(int4_decode_mma_kernel<true, NF, 2, true>) : go(int4_decode_mma_kernel<false, NF, 2, true>);
+      gather ? by_staging(int4_decode_mma_kernel<true, NF, 2, true>, int4_decode_mma_kernel<true, NF, 2, true, 1, true>)
+             : by_staging(int4_decode_mma_kernel<false, NF, 2, true>, int4_decode_mma_kernel<false, NF, 2, true, 1, true>);
     else if (mt == 2)
-      gather ? go(int4_decode_mma_kernel<true, NF, 2>) : go(int4_decode_mma_kernel<false, NF, 2>);
+      gather ? by_staging(int4_decode_mma_kernel<true, NF, 2>, int4_decode_mma_kernel<true, NF, 2, false, 1, true>)
+             : by_staging(int4_decode_mma_kernel<false, NF, 2>, int4_decode_mma_kernel<false, NF, 2, false, 1, true>);
     else
-      gather ? go(int4_decode_mma_kernel<true, NF, 1>) : go(int4_decode_mma_kernel<false, NF, 1>);
+      gather ? by_staging(int4_decode_mma_kernel<true, NF, 1>, int4_decode_mma_kernel<true, NF, 1, false, 1, true>)
+             : by_staging(int4_decode_mma_kernel<false, NF, 1>, int4_decode_mma_kernel<false, NF, 1, false, 1, true>);
   };
   if (rows <= 8)
     pick(std::integral_constant<int, 1>{});
@@ -1160,6 +1222,7 @@ void moe_int4_mma_max_slots(int64_t slots) { g_int4_mma_max_slots = slots < 0 ? 
 void moe_int4_mma_tiles(int tiles) { g_int4_mma_tiles = tiles == 1 || tiles == 2 ? tiles : -1; }
 void moe_int4_mma_swiglu(int on) { g_int4_mma_swiglu = on == 0 || on == 1 ? on : -1; }
 void moe_int4_mma_ksplit(int64_t slots) { g_int4_mma_ksplit = slots < 0 ? -1 : slots; }
+void moe_int4_mma_staged(int on) { g_int4_mma_staged = on == 0 || on == 1 ? on : -1; }
 
 MoeScratchSizes moe_scratch_elems(int64_t n, const MoeRouting& r, int64_t H, int64_t Im) {
   const int64_t NK = n * r.top_k;

@@ -100,6 +100,11 @@ void moe_int4_mma_swiglu(int on);
 // when there are few tiles, e.g. one token). Default 16 (1-2 tokens at top-8; 0: never),
 // TALON_CUDA_MOE_INT4_KSPLIT=n, or this call (tests; negative: the default again).
 void moe_int4_mma_ksplit(int64_t slots);
+// Whether that kernel stages each pass's activation rows once a block in shared memory, in the
+// weights' cp.async stages (1, the default), or lets each warp load them from L1 / L2 inside its
+// loop (0). TALON_CUDA_MOE_INT4_STAGED=0|1 in the environment, or this call (tests; negative:
+// the default again). The reduction split above never stages.
+void moe_int4_mma_staged(int on);
 
 // ---- Expert parallelism: one rank's pieces of moe_forward (cuda_deepseek.cpp moves the rows
 // between ranks). Routing is global; experts are split in equal contiguous windows, rank d

@@ -48,7 +48,7 @@ namespace {
 constexpr int kTileRows = 64;  // routed rows per GEMM tile (the sort's tile list; both GEMM kernels)
 constexpr int kMaxExperts = 4096;
 constexpr int64_t kSkinnyDefaultSlots = 256;  // moe.h: moe_skinny_max_slots
-constexpr int64_t kInt4MmaDefaultSlots = 8192;  // moe.h: moe_int4_mma_max_slots
+constexpr int64_t kInt4MmaDefaultSlots = int64_t(1) << 40;  // moe.h: moe_int4_mma_max_slots (no bound)
 constexpr int64_t kInt4KSplitDefaultSlots = 16;  // moe.h: moe_int4_mma_ksplit
 
 // Tensor-core GEMM.
@@ -980,7 +980,7 @@ int int4_mma_tiles() {
 }
 // TALON_CUDA_MOE_INT4_SWIGLU=1: the gate and up products with SwiGLU in one pass (gate_up_swiglu).
 int64_t g_int4_mma_swiglu = -1;
-bool int4_mma_swiglu() { return count_setting(g_int4_mma_swiglu, "TALON_CUDA_MOE_INT4_SWIGLU", 0) == 1; }
+bool int4_mma_swiglu() { return count_setting(g_int4_mma_swiglu, "TALON_CUDA_MOE_INT4_SWIGLU", 1) == 1; }
 // TALON_CUDA_MOE_INT4_STAGED=0: that kernel's warps load the activations themselves (not staged
 // once a block; moe_int4_mma_staged).
 int64_t g_int4_mma_staged = -1;
@@ -1041,7 +1041,7 @@ void int4_mma_launch(float* out, bf16* act, const bf16* in, int64_t ld_in, bool 
   // pass, mostly from L2). Measured on an H100, Kimi-K2 layer: 256 tokens 6.9 ms with 8 rows
   // against 8.0 with 16; 512 tokens 9.5 with 16 against 11.4 with 32 and 11.7 with 8.
   const int64_t mean15 = 3 * slots / (2 * std::max<int64_t>(E, 1));
-  const int64_t rows = std::min(max_rows, int4_mma_rows() > 0 ? int4_mma_rows() : mean15);
+  const int64_t rows = std::min(max_rows, int4_mma_rows() > 0 ? int4_mma_rows() : mean15 <= 16 ? 16 : 32);
   const bool swiglu = m2.packed != nullptr;
   // Weight rows a warp: 32 (two m16 tiles sharing the activation loads) past 8 rows a pass, where
   // the activations weigh as much as the weights (H100: 512 tokens 8.6 ms against 9.6 with 16

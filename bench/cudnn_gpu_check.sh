@@ -135,7 +135,7 @@ if want moedecode; then
   # int4 on the tiles, on the CUDA-core decode-sized kernel, on the tensor-core decode kernel (as
   # chosen by size, then with each of its settings fixed), bf16 on CUTLASS; then Kimi-K2-shaped
   # decoding (talon_bench_decode, 2 layers) with the int4 decode kernel off and on.
-  T=1,2,4,8,16,32,64,128,256,512,1024,2048
+  T=1,2,4,8,16,32,64,128,256,512,1024,2048,4096,8192
   moe() {
     local tag=$1; shift
     env "$@" build/talon_bench_moe --tokens $T > "$LOGS/moedecode-$tag.log" 2>&1
@@ -147,15 +147,17 @@ if want moedecode; then
   moe int4-mma TALON_CUDA_MOE_SKINNY=0 TALON_CUDA_MOE_INT4_MMA=1000000
   moe int4-mma-16rows TALON_CUDA_MOE_SKINNY=0 TALON_CUDA_MOE_INT4_MMA=1000000 TALON_CUDA_MOE_INT4_TILES=1 TALON_CUDA_MOE_INT4_KSPLIT=0
   moe int4-mma-32rows TALON_CUDA_MOE_SKINNY=0 TALON_CUDA_MOE_INT4_MMA=1000000 TALON_CUDA_MOE_INT4_TILES=2
-  moe int4-mma-swiglu TALON_CUDA_MOE_SKINNY=0 TALON_CUDA_MOE_INT4_MMA=1000000 TALON_CUDA_MOE_INT4_SWIGLU=1
   moe int4-default
   moe int4-default-unstaged TALON_CUDA_MOE_INT4_STAGED=0
   moe int4-mma-8rows TALON_CUDA_MOE_INT4_ROWS=8
   moe int4-mma-16rows-a-pass TALON_CUDA_MOE_INT4_ROWS=16
   moe int4-mma-32rows-a-pass TALON_CUDA_MOE_INT4_ROWS=32
+  moe int4-3stages TALON_CUDA_MOE_INT4_STAGES=3
+  moe int4-4stages TALON_CUDA_MOE_INT4_STAGES=4
+  moe int4-separate-gate-up TALON_CUDA_MOE_INT4_SWIGLU=0
   TALON_MOE_GEMM=cutlass build/talon_bench_moe --bf16 --tokens $T > "$LOGS/moedecode-bf16-cutlass.log" 2>&1
   echo "bf16 on CUTLASS:"; tail -12 "$LOGS/moedecode-bf16-cutlass.log"
-  for v in 0 8192; do
+  for v in 0 1000000000; do
     TALON_CUDA_MOE_INT4_MMA=$v build/talon_bench_decode --model random:kimi-k2:2 --context 2048 --batches 1,8,64 \
       --tree 0 --verify-tokens 4 > "$LOGS/kimi-decode-int4mma-$v.log" 2>&1
     echo "Kimi-K2 decode, TALON_CUDA_MOE_INT4_MMA=$v:"; tail -8 "$LOGS/kimi-decode-int4mma-$v.log"

@@ -19,10 +19,12 @@
 // a multiple of 16; other sizes take the CUDA-core kernel (core_grouped_gemm_kernel, fp32 FMA
 // on tiles dequantized in fp32).
 //
-// Decode-sized calls (a few rows an expert, where the weight bytes decide) take other kernels:
-// int4 experts of group 32 the tensor-core decode kernel (int4_decode_mma_kernel: weights as the
-// mma's M operand, tokens as its n columns, a cp.async ring per warp), bf16 and other int4
-// experts the CUDA-core decode-sized kernel (skinny_grouped_kernel). grouped_gemm chooses.
+// int4 experts of group 32 (I % 128 == 0) take, at every size, the tensor-core decode kernel
+// (int4_decode_mma_kernel: weights as the mma's M operand, tokens as its n columns, a cp.async
+// ring of weights per warp and of activation rows per block), which the H100 measured ahead of
+// the tiles from 1 to 16,384 tokens of a Kimi-K2 layer. Other decode-sized calls (a few rows an
+// expert, where the weight bytes decide): bf16 and other int4 experts take the CUDA-core
+// decode-sized kernel (skinny_grouped_kernel). grouped_gemm chooses.
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 
@@ -736,8 +738,8 @@ __device__ __forceinline__ uint32_t q4_pair(uint32_t w) {
 // as the weights (a ring of kQmStages chunks of 8 NF rows x 128 k; one block barrier a chunk),
 // instead of each warp loading them from L1 / L2 inside the loop (whose latency the warps
 // then wait on: ncu's largest stall, 45-63% of the cycles at 64-512 tokens without it).
-// Dynamic shared memory: int4_mma_smem_bytes.
-template <bool GATHER, int NF, int MT, bool SWIGLU = false, int KS = 1, bool XS = false>
+// ST: cp.async stages (XS: 3 or 4). Dynamic shared memory: see int4_mma_launch.
+template <bool GATHER, int NF, int MT, bool SWIGLU = false, int KS = 1, bool XS = false, int ST = kQmStages>
 __global__ void __launch_bounds__(kQmWarps * 32, MT == 1 ? (NF == 1 ? 8 : NF == 2 ? 6 : 4) : (NF == 1 ? 5 : NF == 2 ? 4 : 3))
     int4_decode_mma_kernel(float* out, bf16* act, const bf16* in, int64_t ld_in, const int32_t* order, int K,
                            const int32_t* tiles, const int32_t* n_tiles, const int32_t* offsets, ExpertMatrix m,
@@ -761,8 +763,8 @@ __global__ void __launch_bounds__(kQmWarps * 32, MT == 1 ? (NF == 1 ? 8 : NF == 
   const int64_t words = I / 8, groups = I / 32;
   const int n_chunks = I / kQmK;
   const int cb = KS == 1 ? 0 : warp * n_chunks / KS, ce = KS == 1 ? n_chunks : (warp + 1) * n_chunks / KS;
-  auto ring = reinterpret_cast<unsigned char(*)[St::bytes]>(qm_smem + warp * kQmStages * St::bytes);
-  [[maybe_unused]] unsigned char* xring = qm_smem + kQmWarps * kQmStages * St::bytes;  // XS: [kQmStages][XB]
+  auto ring = reinterpret_cast<unsigned char(*)[St::bytes]>(qm_smem + warp * ST * St::bytes);
+  [[maybe_unused]] unsigned char* xring = qm_smem + kQmWarps * ST * St::bytes;  // XS: [ST][XB]
   // XS: this thread's NF 16-byte pieces of a staged chunk: piece u is token row rb + xi[u]
   // (xi = (tid + 128 u) / 16), bytes 16 (tid % 16) of the chunk's 256; xsrc[u] its row (null:
   // past the tile's rows; zero-filled).
@@ -775,7 +777,7 @@ __global__ void __launch_bounds__(kQmWarps * 32, MT == 1 ? (NF == 1 ? 8 : NF == 
   const int64_t wrow0 = int64_t(e) * O;
   auto row_of = [&](int r) { return wrow0 + min(o0 + (SWIGLU ? r % 16 : r), O - 1); };
   auto issue = [&](int c) {
-    unsigned char* st = ring[(c - cb) % kQmStages];
+    unsigned char* st = ring[(c - cb) % ST];
 #pragma unroll
     for (int i = 0; i < 2 * MT; ++i) {
       const int p = lane + 32 * i, r = p / 4, q = p % 4;
@@ -787,7 +789,7 @@ __global__ void __launch_bounds__(kQmWarps * 32, MT == 1 ? (NF == 1 ? 8 : NF == 
       cp_async8(st + St::scales + 8 * lane, base + row_of(lane) * groups + 4 * c);
     }
     if constexpr (XS) {
-      unsigned char* xs = xring + ((c - cb) % kQmStages) * XB;
+      unsigned char* xs = xring + ((c - cb) % ST) * XB;
       const int q = threadIdx.x % 16;
 #pragma unroll
       for (int u = 0; u < NF; ++u) {
@@ -825,21 +827,21 @@ __global__ void __launch_bounds__(kQmWarps * 32, MT == 1 ? (NF == 1 ? 8 : NF == 
     else
       __syncwarp();
 #pragma unroll
-    for (int c = cb; c < cb + kQmStages - 1; ++c) {
+    for (int c = cb; c < cb + ST - 1; ++c) {
       if (c < ce) issue(c);
       cp_async_commit();
     }
     for (int c = cb; c < ce; ++c) {
-      cp_async_wait<kQmStages - 2>();
+      cp_async_wait<ST - 2>();
       // Every copy of stage c has landed; every lane (XS: thread of the block) is done with c - 1.
       if constexpr (XS)
         __syncthreads();
       else
         __syncwarp();
-      if (c + kQmStages - 1 < ce) issue(c + kQmStages - 1);
+      if (c + ST - 1 < ce) issue(c + ST - 1);
       cp_async_commit();
-      const unsigned char* st = ring[(c - cb) % kQmStages];
-      [[maybe_unused]] const unsigned char* xs = xring + ((c - cb) % kQmStages) * XB;
+      const unsigned char* st = ring[(c - cb) % ST];
+      [[maybe_unused]] const unsigned char* xs = xring + ((c - cb) % ST) * XB;
       uint2 s_lo[MT], s_hi[MT];  // the scales of rows 16 mt + g and 16 mt + g + 8
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
@@ -985,6 +987,13 @@ bool int4_mma_swiglu() { return count_setting(g_int4_mma_swiglu, "TALON_CUDA_MOE
 // once a block; moe_int4_mma_staged).
 int64_t g_int4_mma_staged = -1;
 bool int4_mma_staged() { return count_setting(g_int4_mma_staged, "TALON_CUDA_MOE_INT4_STAGED", 1) == 1; }
+// TALON_CUDA_MOE_INT4_STAGES=3|4: cp.async stages of the staged kernel; else 0 (the default): by
+// the rows a pass (int4_mma_launch).
+int64_t g_int4_mma_stages = -1;
+int int4_mma_stages() {
+  const int64_t v = count_setting(g_int4_mma_stages, "TALON_CUDA_MOE_INT4_STAGES", 0);
+  return v == 3 || v == 4 ? int(v) : 0;
+}
 // TALON_CUDA_MOE_INT4_KSPLIT=n: calls of at most n routed slots (and at most 8 rows an expert)
 // split that kernel's reduction over a block's warps (moe_int4_mma_ksplit).
 int64_t g_int4_mma_ksplit = -1;
@@ -1036,16 +1045,18 @@ bool int4_mma_fits(const ExpertMatrix& m, const bf16* in, int64_t ld_in, int64_t
 void int4_mma_launch(float* out, bf16* act, const bf16* in, int64_t ld_in, bool gather, const MoeScratch& sc, int K,
                      int64_t max_tiles, int64_t slots, int64_t max_rows, int E, const ExpertMatrix& m,
                      const ExpertMatrix& m2, cudaStream_t s) {
-  // Rows a pass: 8, 16 or 32, the fewest of at least 1.5x the mean rows an expert (each token
-  // fragment a pass holds costs registers, and so blocks an SM; experts past it take another
-  // pass, mostly from L2). Measured on an H100, Kimi-K2 layer: 256 tokens 6.9 ms with 8 rows
-  // against 8.0 with 16; 512 tokens 9.5 with 16 against 11.4 with 32 and 11.7 with 8.
+  // Rows a pass (at most the call's tokens): 16 while 1.5x the mean rows an expert is below 16,
+  // else 32 (each token fragment a pass holds costs registers and shared memory, and so blocks
+  // an SM; experts past it take another pass, mostly from L2). Measured on an H100, Kimi-K2
+  // layer, activations staged: 256 tokens 5.31 ms with 16 rows against 6.23 with 8; 512 tokens
+  // 5.79 with 32 (3 stages) against 6.05 with 16; 1,024 tokens 6.64 with 32 against 11.2 with 16.
   const int64_t mean15 = 3 * slots / (2 * std::max<int64_t>(E, 1));
-  const int64_t rows = std::min(max_rows, int4_mma_rows() > 0 ? int4_mma_rows() : mean15 <= 16 ? 16 : 32);
+  const int64_t rows = std::min(max_rows, int4_mma_rows() > 0 ? int4_mma_rows() : mean15 < 16 ? 16 : 32);
   const bool swiglu = m2.packed != nullptr;
   // Weight rows a warp: 32 (two m16 tiles sharing the activation loads) past 8 rows a pass, where
-  // the activations weigh as much as the weights (H100: 512 tokens 8.6 ms against 9.6 with 16
-  // rows a warp, 1024 tokens 11.8 against 14.3); 16 below (256 tokens 6.9 against 7.3).
+  // the activations weigh as much as the weights (H100, unstaged: 512 tokens 8.6 ms against 9.6
+  // with 16 rows a warp, 1024 tokens 11.8 against 14.3; staged, 256 tokens at 16 rows a pass:
+  // 5.42 against 5.80); 16 below. The fused gate|up pass always holds 16 rows of each.
   const int mt = swiglu ? 2 : int4_mma_tiles() > 0 ? int4_mma_tiles() : rows > 8 ? 2 : 1;
   // Few tiles: the reduction split over the block's warps (KS), 16 weight rows a block (H100: one
   // token 0.21 ms a layer, two 0.34, against 0.33 and 0.40 without).
@@ -1055,27 +1066,33 @@ void int4_mma_launch(float* out, bf16* act, const bf16* in, int64_t ld_in, bool 
                   static_cast<unsigned>((m.O + block_rows - 1) / block_rows));
   const bool staged = !ksplit && int4_mma_staged();
   // Dynamic shared memory: each warp's weight ring, then (staged) the block's activation ring.
+  // Stages: 3 at 32 rows a pass, where shared memory (85 KB a block with 4) would hold an SM to
+  // two blocks, 4 below (H100, Kimi-K2 layer: 1,024 tokens 6.64 ms against 7.66 with 4, 8,192
+  // tokens 35.9 against 43.8; 256 tokens at 16 rows a pass 5.31 against 5.43 with 3).
+  const int stages = !staged ? kQmStages : int4_mma_stages() > 0 ? int4_mma_stages() : rows > 16 ? 3 : kQmStages;
   auto go = [&](auto kernel, int nf) {
-    const size_t weights = size_t(kQmWarps) * kQmStages * (ksplit || mt == 1 ? QmStage<1>::bytes : QmStage<2>::bytes);
-    const size_t bytes = weights + (staged ? size_t(kQmStages) * 8 * nf * kQmXRowBytes : 0);
+    const size_t weights = size_t(kQmWarps) * stages * (ksplit || mt == 1 ? QmStage<1>::bytes : QmStage<2>::bytes);
+    const size_t bytes = weights + (staged ? size_t(stages) * 8 * nf * kQmXRowBytes : 0);
     if (bytes > 48 * 1024) CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
     kernel<<<grid, kQmWarps * 32, bytes, s>>>(out, act, in, ld_in, sc.order, K, sc.tiles, sc.n_tiles, sc.offsets, m, m2);
   };
   auto pick = [&](auto nf) {
     constexpr int NF = decltype(nf)::value;
-    auto by_staging = [&](auto kernel_off, auto kernel_on) { staged ? go(kernel_on, NF) : go(kernel_off, NF); };
+    auto by_staging = [&](auto kernel_off, auto kernel_on, auto kernel_on3) {
+      staged ? go(stages == 3 ? kernel_on3 : kernel_on, NF) : go(kernel_off, NF);
+    };
     if (ksplit)
       gather ? go(int4_decode_mma_kernel<true, 1, 1, false, kQmWarps>, 1)
              : go(int4_decode_mma_kernel<false, 1, 1, false, kQmWarps>, 1);
     else if (swiglu)
-      gather ? by_staging(int4_decode_mma_kernel<true, NF, 2, true>, int4_decode_mma_kernel<true, NF, 2, true, 1, true>)
-             : by_staging(int4_decode_mma_kernel<false, NF, 2, true>, int4_decode_mma_kernel<false, NF, 2, true, 1, true>);
+      gather ? by_staging(int4_decode_mma_kernel<true, NF, 2, true>, int4_decode_mma_kernel<true, NF, 2, true, 1, true>, int4_decode_mma_kernel<true, NF, 2, true, 1, true, 3>)
+             : by_staging(int4_decode_mma_kernel<false, NF, 2, true>, int4_decode_mma_kernel<false, NF, 2, true, 1, true>, int4_decode_mma_kernel<false, NF, 2, true, 1, true, 3>);
     else if (mt == 2)
-      gather ? by_staging(int4_decode_mma_kernel<true, NF, 2>, int4_decode_mma_kernel<true, NF, 2, false, 1, true>)
-             : by_staging(int4_decode_mma_kernel<false, NF, 2>, int4_decode_mma_kernel<false, NF, 2, false, 1, true>);
+      gather ? by_staging(int4_decode_mma_kernel<true, NF, 2>, int4_decode_mma_kernel<true, NF, 2, false, 1, true>, int4_decode_mma_kernel<true, NF, 2, false, 1, true, 3>)
+             : by_staging(int4_decode_mma_kernel<false, NF, 2>, int4_decode_mma_kernel<false, NF, 2, false, 1, true>, int4_decode_mma_kernel<false, NF, 2, false, 1, true, 3>);
     else
-      gather ? by_staging(int4_decode_mma_kernel<true, NF, 1>, int4_decode_mma_kernel<true, NF, 1, false, 1, true>)
-             : by_staging(int4_decode_mma_kernel<false, NF, 1>, int4_decode_mma_kernel<false, NF, 1, false, 1, true>);
+      gather ? by_staging(int4_decode_mma_kernel<true, NF, 1>, int4_decode_mma_kernel<true, NF, 1, false, 1, true>, int4_decode_mma_kernel<true, NF, 1, false, 1, true, 3>)
+             : by_staging(int4_decode_mma_kernel<false, NF, 1>, int4_decode_mma_kernel<false, NF, 1, false, 1, true>, int4_decode_mma_kernel<false, NF, 1, false, 1, true, 3>);
   };
   if (rows <= 8)
     pick(std::integral_constant<int, 1>{});

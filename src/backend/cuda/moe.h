@@ -82,9 +82,9 @@ void moe_skinny_max_slots(int64_t slots);
 // Calls with at most this many routed slots run int4 experts (group 32, I % 128 == 0) on the
 // tensor-core decode kernel (weights as the mma's M operand, moe.cu), ahead of the kernel
 // above, except one token (max_rows 1) beyond the reduction-split bound below, which the kernel
-// above serves. Default 8192 (1,024 tokens at top-8: past it the tiles win),
-// TALON_CUDA_MOE_INT4_MMA=n in the environment, or this call (tests; 0: never; negative: the
-// default again).
+// above serves. Default: no bound (it beats the int4 tiles at every size measured, 1-16,384
+// tokens of a Kimi-K2 layer), TALON_CUDA_MOE_INT4_MMA=n in the environment, or this call (tests;
+// 0: never, the tiles; negative: the default again).
 void moe_int4_mma_max_slots(int64_t slots);
 // m16 tiles of weight rows a warp of that kernel: 1 or 2 (two share each activation load);
 // default by size (2 past 8 token rows a pass), TALON_CUDA_MOE_INT4_TILES=1|2 in the
@@ -92,7 +92,7 @@ void moe_int4_mma_max_slots(int64_t slots);
 void moe_int4_mma_tiles(int tiles);
 // With int4 gate and up projections on that kernel: both products and the SwiGLU in one pass
 // (each warp holds 16 rows of each; the activations are read once; no fp32 gate and up rows).
-// Default off, TALON_CUDA_MOE_INT4_SWIGLU=1 in the environment, or this call (tests; 0 / 1;
+// Default on, TALON_CUDA_MOE_INT4_SWIGLU=0|1 in the environment, or this call (tests; 0 / 1;
 // negative: the default again).
 void moe_int4_mma_swiglu(int on);
 // Calls of at most this many routed slots, with at most 8 rows an expert, split that kernel's
@@ -103,7 +103,8 @@ void moe_int4_mma_ksplit(int64_t slots);
 // Whether that kernel stages each pass's activation rows once a block in shared memory, in the
 // weights' cp.async stages (1, the default), or lets each warp load them from L1 / L2 inside its
 // loop (0). TALON_CUDA_MOE_INT4_STAGED=0|1 in the environment, or this call (tests; negative:
-// the default again). The reduction split above never stages.
+// the default again). The reduction split never stages. TALON_CUDA_MOE_INT4_STAGES=3|4 fixes
+// the staged kernel's cp.async stages (default 3 at 32 token rows a pass, 4 below).
 void moe_int4_mma_staged(int on);
 
 // ---- Expert parallelism: one rank's pieces of moe_forward (cuda_deepseek.cpp moves the rows

@@ -268,20 +268,24 @@ void check_moe_case(const Case& cs, int64_t N) {
   // kernel (weights as the M operand; several passes over the weights past 32 rows an expert;
   // 16 and 32 weight rows a warp; the gate and up products with the SwiGLU in one pass; the
   // reduction split over a block's warps at 3 tokens and 1), each but the split with the
-  // activations staged once a block and loaded by each warp.
+  // activations staged once a block and loaded by each warp, and with a tile's passes on one
+  // block, on a block each at 32 rows a pass (the default) and at every pass size.
   enum Path { kTiles, kSkinny, kCutlass, kInt4Mma, kInt4Mma2, kInt4Swiglu, kInt4KSplit };
   const bool cutlass = cs.group == 0 && cs.fp8_bi == 0 && cuda::moe_cutlass_built();
   const bool int4_mma = cs.group == 32 && cs.fp8_bi == 0 && H % 128 == 0 && Im % 128 == 0;
   for (const Path path : {kTiles, kSkinny, kCutlass, kInt4Mma, kInt4Mma2, kInt4Swiglu, kInt4KSplit}) {
-    for (const int staged : {1, 0}) {
+    // 0: defaults; 1: warps load the activations; 2: one block a tile; 3: a block a pass always.
+    for (const int variant : {0, 1, 2, 3}) {
+      const int staged = variant != 1, split = variant == 2 ? 0 : variant == 3 ? 2 : 1;
       if ((path == kCutlass && !cutlass) || (path >= kInt4Mma && !int4_mma)) continue;
-      if (staged == 0 && (path < kInt4Mma || path == kInt4KSplit)) continue;  // no staging choice there
+      if (variant > 0 && (path < kInt4Mma || path == kInt4KSplit)) continue;  // no such choice there
       cuda::moe_skinny_max_slots(path == kSkinny ? 1 << 20 : 0);
       cuda::moe_int4_mma_max_slots(path >= kInt4Mma ? 1 << 20 : 0);
       cuda::moe_int4_mma_tiles(path == kInt4Mma2 ? 2 : 1);
       cuda::moe_int4_mma_swiglu(path == kInt4Swiglu ? 1 : 0);
       cuda::moe_int4_mma_ksplit(path == kInt4KSplit ? 1 << 20 : 0);
       cuda::moe_int4_mma_staged(staged);
+      cuda::moe_int4_mma_split(split);
       cuda::moe_cutlass_use(path == kCutlass ? 1 : 0);
       const auto got = run_gpu_moe(xb, logits, cs.bias ? d_bias : nullptr, N, H, r, {dg.m, du.m, dd.m});
       cuda::moe_cutlass_use(-1);
@@ -290,7 +294,8 @@ void check_moe_case(const Case& cs, int64_t N) {
                              " (int4 tensor-core decode kernel, gate and up with SwiGLU in one pass)",
                              " (int4 tensor-core decode kernel, reduction split over warps up to 8 tokens)"};
       const std::string tag =
-          std::string(cs.name) + names[path] + (path >= kInt4Mma && path != kInt4KSplit && !staged ? " [warps load the activations]" : "");
+          std::string(cs.name) + names[path] + (variant == 1 ? " [warps load the activations]" : variant == 2 ? " [one block a tile]"
+                                                          : variant == 3 ? " [a block a pass]" : "");
       EXPECT_EQ(got.idx, idx) << tag << ": routing picked other experts";
       for (size_t i = 0; i < got.weights.size(); ++i)
         EXPECT_NEAR(got.weights[i], wts[i], 1e-5 * std::max(1.f, std::fabs(wts[i]))) << i;
@@ -312,6 +317,7 @@ void check_moe_case(const Case& cs, int64_t N) {
   cuda::moe_int4_mma_swiglu(-1);
   cuda::moe_int4_mma_ksplit(-1);
   cuda::moe_int4_mma_staged(-1);
+  cuda::moe_int4_mma_split(-1);
   cudaFree(d_bias);
 }
 

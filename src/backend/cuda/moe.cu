@@ -743,7 +743,7 @@ template <bool GATHER, int NF, int MT, bool SWIGLU = false, int KS = 1, bool XS 
 __global__ void __launch_bounds__(kQmWarps * 32, MT == 1 ? (NF == 1 ? 8 : NF == 2 ? 6 : 4) : (NF == 1 ? 5 : NF == 2 ? 4 : 3))
     int4_decode_mma_kernel(float* out, bf16* act, const bf16* in, int64_t ld_in, const int32_t* order, int K,
                            const int32_t* tiles, const int32_t* n_tiles, const int32_t* offsets, ExpertMatrix m,
-                           ExpertMatrix m2) {
+                           ExpertMatrix m2, int splits) {
   static_assert(!SWIGLU || MT == 2, "the SwiGLU pairing holds a gate tile and an up tile");
   static_assert(KS == 1 || (KS == kQmWarps && MT == 1 && !SWIGLU), "reduction split: one quarter a warp");
   static_assert(!XS || KS == 1, "staged activations: every warp of the block walks the same chunks");
@@ -752,8 +752,12 @@ __global__ void __launch_bounds__(kQmWarps * 32, MT == 1 ? (NF == 1 ? 8 : NF == 
   constexpr int RO = SWIGLU ? 16 : R;  // output rows a warp
   constexpr int XB = 8 * NF * kQmXRowBytes;  // a staged activation chunk
   extern __shared__ __align__(16) unsigned char qm_smem[];
-  if (int(blockIdx.x) >= *n_tiles) return;
-  const int e = tiles[2 * blockIdx.x], r0 = tiles[2 * blockIdx.x + 1];
+  // splits blocks a tile (blockIdx.x = tile * splits + split): split s takes the tile's passes
+  // s, s + splits, ... Neighbours in launch order, they stream the same weight rows at about
+  // the same time, so past the first the weights come from L2.
+  const int tile = int(blockIdx.x) / splits, split = int(blockIdx.x) % splits;
+  if (tile >= *n_tiles) return;
+  const int e = tiles[2 * tile], r0 = tiles[2 * tile + 1];
   const int rows = min(kTileRows, offsets[e + 1] - r0);
   const int O = int(m.O), I = int(m.I), lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, t = lane % 4;
   const int o0 = KS == 1 ? int(blockIdx.y) * (kQmWarps * RO) + warp * RO : int(blockIdx.y) * RO;
@@ -799,7 +803,7 @@ __global__ void __launch_bounds__(kQmWarps * 32, MT == 1 ? (NF == 1 ? 8 : NF == 
       }
     }
   };
-  for (int rb = 0; rb < rows; rb += 8 * NF) {
+  for (int rb = 8 * NF * split; rb < rows; rb += 8 * NF * splits) {
     const int nf = min(NF, (rows - rb + 7) / 8);  // token fragments holding rows this pass
     auto row_ptr = [&](int r) { return in + int64_t(GATHER ? order[r0 + r] / K : r0 + r) * ld_in; };
     // The activations of token column g of each fragment (null: past the tile's rows).
@@ -987,6 +991,13 @@ bool int4_mma_swiglu() { return count_setting(g_int4_mma_swiglu, "TALON_CUDA_MOE
 // once a block; moe_int4_mma_staged).
 int64_t g_int4_mma_staged = -1;
 bool int4_mma_staged() { return count_setting(g_int4_mma_staged, "TALON_CUDA_MOE_INT4_STAGED", 1) == 1; }
+// TALON_CUDA_MOE_INT4_SPLIT=0|1|2: a tile's passes of that kernel on one block (0), on a block
+// each at 32 rows a pass (1, the default), at every pass size (2); moe_int4_mma_split.
+int64_t g_int4_mma_split = -1;
+int int4_mma_split() {
+  const int64_t v = count_setting(g_int4_mma_split, "TALON_CUDA_MOE_INT4_SPLIT", 1);
+  return v <= 2 ? int(v) : 1;
+}
 // TALON_CUDA_MOE_INT4_STAGES=3|4: cp.async stages of the staged kernel; else 0 (the default): by
 // the rows a pass (int4_mma_launch).
 int64_t g_int4_mma_stages = -1;
@@ -1062,7 +1073,11 @@ void int4_mma_launch(float* out, bf16* act, const bf16* in, int64_t ld_in, bool 
   // token 0.21 ms a layer, two 0.34, against 0.33 and 0.40 without).
   const bool ksplit = !swiglu && mt == 1 && slots <= int4_mma_ksplit_slots() && max_rows <= 8;
   const int64_t block_rows = ksplit ? 16 : kQmWarps * 16 * (swiglu ? 1 : mt);
-  const dim3 grid(static_cast<unsigned>(std::min(max_tiles, slots)),
+  // Blocks a tile: one a pass of its rows (up to 4) where the passes split, else one.
+  const int64_t pass_rows = rows <= 8 ? 8 : rows <= 16 ? 16 : 32;
+  const bool split = int4_mma_split() == 2 || (int4_mma_split() == 1 && pass_rows == 32);
+  const int splits = split ? int((std::min<int64_t>(max_rows, kTileRows) + pass_rows - 1) / pass_rows) : 1;
+  const dim3 grid(static_cast<unsigned>(std::min(max_tiles, slots) * splits),
                   static_cast<unsigned>((m.O + block_rows - 1) / block_rows));
   const bool staged = !ksplit && int4_mma_staged();
   // Dynamic shared memory: each warp's weight ring, then (staged) the block's activation ring.
@@ -1074,7 +1089,8 @@ void int4_mma_launch(float* out, bf16* act, const bf16* in, int64_t ld_in, bool 
     const size_t weights = size_t(kQmWarps) * stages * (ksplit || mt == 1 ? QmStage<1>::bytes : QmStage<2>::bytes);
     const size_t bytes = weights + (staged ? size_t(stages) * 8 * nf * kQmXRowBytes : 0);
     if (bytes > 48 * 1024) CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
-    kernel<<<grid, kQmWarps * 32, bytes, s>>>(out, act, in, ld_in, sc.order, K, sc.tiles, sc.n_tiles, sc.offsets, m, m2);
+    kernel<<<grid, kQmWarps * 32, bytes, s>>>(out, act, in, ld_in, sc.order, K, sc.tiles, sc.n_tiles, sc.offsets, m, m2,
+                                              splits);
   };
   auto pick = [&](auto nf) {
     constexpr int NF = decltype(nf)::value;
@@ -1240,6 +1256,7 @@ void moe_int4_mma_tiles(int tiles) { g_int4_mma_tiles = tiles == 1 || tiles == 2
 void moe_int4_mma_swiglu(int on) { g_int4_mma_swiglu = on == 0 || on == 1 ? on : -1; }
 void moe_int4_mma_ksplit(int64_t slots) { g_int4_mma_ksplit = slots < 0 ? -1 : slots; }
 void moe_int4_mma_staged(int on) { g_int4_mma_staged = on == 0 || on == 1 ? on : -1; }
+void moe_int4_mma_split(int mode) { g_int4_mma_split = mode >= 0 && mode <= 2 ? mode : -1; }
 
 MoeScratchSizes moe_scratch_elems(int64_t n, const MoeRouting& r, int64_t H, int64_t Im) {
   const int64_t NK = n * r.top_k;

@@ -106,6 +106,11 @@ void moe_int4_mma_ksplit(int64_t slots);
 // the default again). The reduction split never stages. TALON_CUDA_MOE_INT4_STAGES=3|4 fixes
 // the staged kernel's cp.async stages (default 3 at 32 token rows a pass, 4 below).
 void moe_int4_mma_staged(int on);
+// Whether a tile whose rows take several passes of that kernel gets a block a pass (neighbours
+// in launch order, so they share the weight reads through L2) or one block taking them in turn:
+// 0 one block; 1 (the default) a block a pass at 32 token rows a pass; 2 at every pass size.
+// TALON_CUDA_MOE_INT4_SPLIT=0|1|2, or this call (tests; other values: the default again).
+void moe_int4_mma_split(int mode);
 
 // ---- Expert parallelism: one rank's pieces of moe_forward (cuda_deepseek.cpp moves the rows
 // between ranks). Routing is global; experts are split in equal contiguous windows, rank d

@@ -155,6 +155,8 @@ if want moedecode; then
   moe int4-3stages TALON_CUDA_MOE_INT4_STAGES=3
   moe int4-4stages TALON_CUDA_MOE_INT4_STAGES=4
   moe int4-separate-gate-up TALON_CUDA_MOE_INT4_SWIGLU=0
+  moe int4-one-block-a-tile TALON_CUDA_MOE_INT4_SPLIT=0
+  moe int4-a-block-a-pass TALON_CUDA_MOE_INT4_SPLIT=2
   TALON_MOE_GEMM=cutlass build/talon_bench_moe --bf16 --tokens $T > "$LOGS/moedecode-bf16-cutlass.log" 2>&1
   echo "bf16 on CUTLASS:"; tail -12 "$LOGS/moedecode-bf16-cutlass.log"
   for v in 0 1000000000; do

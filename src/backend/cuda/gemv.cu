@@ -299,16 +299,16 @@ __global__ void __launch_bounds__(kGemvWarps * 32) skinny_fused_kernel(bf16* out
       const DecodeRow row = rope.rows[n];
       rope.vc[rope.cache.row(row.slot, row.end - 1) * kvd + oc - (rope.nh + rope.nkv) * rope.hd] = v;
     }
-    return;
-  }
+  } else {
 #pragma unroll
-  for (int n = 0; n < kN; ++n) {
-    const float v = warp_sum(acc[n]);
-    if (lane != 0) continue;
-    if constexpr (kAdd)
-      residual[int64_t(n) * O + o] += __bfloat162float(__float2bfloat16(v));  // the branch output in bf16, as the unfused path
-    else
-      out[int64_t(n) * O + o] = __float2bfloat16(v);
+    for (int n = 0; n < kN; ++n) {
+      const float v = warp_sum(acc[n]);
+      if (lane != 0) continue;
+      if constexpr (kAdd)
+        residual[int64_t(n) * O + o] += __bfloat162float(__float2bfloat16(v));  // the branch output in bf16, as the unfused path
+      else
+        out[int64_t(n) * O + o] = __float2bfloat16(v);
+    }
   }
 }
 

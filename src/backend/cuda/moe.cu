@@ -735,7 +735,7 @@ __device__ __forceinline__ uint32_t q4_pair(uint32_t w) {
 // taking a quarter of the reduction, and warp 0 adds the others' sums (in warp order, through
 // shared memory) before storing: four times the warps in flight when a call has few tiles.
 // XS (KS 1): the pass's activation rows are staged once a block, in the same cp.async stages
-// as the weights (a ring of kQmStages chunks of 8 NF rows x 128 k; one block barrier a chunk),
+// as the weights (a ring of ST chunks of 8 NF rows x 128 k; one block barrier a chunk),
 // instead of each warp loading them from L1 / L2 inside the loop (whose latency the warps
 // then wait on: ncu's largest stall, 45-63% of the cycles at 64-512 tokens without it).
 // ST: cp.async stages (XS: 3 or 4). Dynamic shared memory: see int4_mma_launch.
@@ -1094,21 +1094,30 @@ void int4_mma_launch(float* out, bf16* act, const bf16* in, int64_t ld_in, bool 
   };
   auto pick = [&](auto nf) {
     constexpr int NF = decltype(nf)::value;
-    auto by_staging = [&](auto kernel_off, auto kernel_on, auto kernel_on3) {
-      staged ? go(stages == 3 ? kernel_on3 : kernel_on, NF) : go(kernel_off, NF);
+    // The kernel of NF token fragments for gather G, MT weight tiles a warp and SWIGLU SW: warps
+    // loading their activations, or staged with 4 or 3 stages.
+    auto launch = [&](auto g_c, auto mt_c, auto sw_c) {
+      constexpr bool G = decltype(g_c)::value, SW = decltype(sw_c)::value;
+      constexpr int MT = decltype(mt_c)::value;
+      if (!staged)
+        go(int4_decode_mma_kernel<G, NF, MT, SW>, NF);
+      else if (stages == 3)
+        go(int4_decode_mma_kernel<G, NF, MT, SW, 1, true, 3>, NF);
+      else
+        go(int4_decode_mma_kernel<G, NF, MT, SW, 1, true>, NF);
+    };
+    auto by_gather = [&](auto mt_c, auto sw_c) {
+      gather ? launch(std::true_type{}, mt_c, sw_c) : launch(std::false_type{}, mt_c, sw_c);
     };
     if (ksplit)
       gather ? go(int4_decode_mma_kernel<true, 1, 1, false, kQmWarps>, 1)
              : go(int4_decode_mma_kernel<false, 1, 1, false, kQmWarps>, 1);
     else if (swiglu)
-      gather ? by_staging(int4_decode_mma_kernel<true, NF, 2, true>, int4_decode_mma_kernel<true, NF, 2, true, 1, true>, int4_decode_mma_kernel<true, NF, 2, true, 1, true, 3>)
-             : by_staging(int4_decode_mma_kernel<false, NF, 2, true>, int4_decode_mma_kernel<false, NF, 2, true, 1, true>, int4_decode_mma_kernel<false, NF, 2, true, 1, true, 3>);
+      by_gather(std::integral_constant<int, 2>{}, std::true_type{});
     else if (mt == 2)
-      gather ? by_staging(int4_decode_mma_kernel<true, NF, 2>, int4_decode_mma_kernel<true, NF, 2, false, 1, true>, int4_decode_mma_kernel<true, NF, 2, false, 1, true, 3>)
-             : by_staging(int4_decode_mma_kernel<false, NF, 2>, int4_decode_mma_kernel<false, NF, 2, false, 1, true>, int4_decode_mma_kernel<false, NF, 2, false, 1, true, 3>);
+      by_gather(std::integral_constant<int, 2>{}, std::false_type{});
     else
-      gather ? by_staging(int4_decode_mma_kernel<true, NF, 1>, int4_decode_mma_kernel<true, NF, 1, false, 1, true>, int4_decode_mma_kernel<true, NF, 1, false, 1, true, 3>)
-             : by_staging(int4_decode_mma_kernel<false, NF, 1>, int4_decode_mma_kernel<false, NF, 1, false, 1, true>, int4_decode_mma_kernel<false, NF, 1, false, 1, true, 3>);
+      by_gather(std::integral_constant<int, 1>{}, std::false_type{});
   };
   if (rows <= 8)
     pick(std::integral_constant<int, 1>{});

@@ -984,7 +984,8 @@ int int4_mma_tiles() {
   const int64_t v = count_setting(g_int4_mma_tiles, "TALON_CUDA_MOE_INT4_TILES", 0);
   return v == 1 || v == 2 ? int(v) : 0;
 }
-// TALON_CUDA_MOE_INT4_SWIGLU=1: the gate and up products with SwiGLU in one pass (gate_up_swiglu).
+// TALON_CUDA_MOE_INT4_SWIGLU=0: the gate and up products apart (default 1: with the SwiGLU in one
+// pass; gate_up_swiglu).
 int64_t g_int4_mma_swiglu = -1;
 bool int4_mma_swiglu() { return count_setting(g_int4_mma_swiglu, "TALON_CUDA_MOE_INT4_SWIGLU", 1) == 1; }
 // TALON_CUDA_MOE_INT4_STAGED=0: that kernel's warps load the activations themselves (not staged

@@ -272,7 +272,8 @@ void check_moe_case(const Case& cs, int64_t N) {
   // block, on a block each at 32 rows a pass (the default) and at every pass size.
   enum Path { kTiles, kSkinny, kCutlass, kInt4Mma, kInt4Mma2, kInt4Swiglu, kInt4KSplit };
   const bool cutlass = cs.group == 0 && cs.fp8_bi == 0 && cuda::moe_cutlass_built();
-  const bool int4_mma = cs.group == 32 && cs.fp8_bi == 0 && H % 128 == 0 && Im % 128 == 0;
+  // The kernel takes a matrix whose I (H for gate and up, Im for down) is a multiple of 128.
+  const bool int4_mma = cs.group == 32 && cs.fp8_bi == 0 && (H % 128 == 0 || Im % 128 == 0);
   for (const Path path : {kTiles, kSkinny, kCutlass, kInt4Mma, kInt4Mma2, kInt4Swiglu, kInt4KSplit}) {
     // 0: defaults; 1: warps load the activations; 2: one block a tile; 3: a block a pass always.
     for (const int variant : {0, 1, 2, 3}) {
@@ -330,6 +331,10 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{"sigmoid_noaux_tc_int4", kSigmoid, M::NoauxTc, 4, 2, true, true, 2.5f, 32},
                       // H and Im multiples of 128: the int4 tensor-core decode kernel takes it too.
                       Case{"sigmoid_noaux_tc_int4_wide", kSigmoid, M::NoauxTc, 4, 2, true, true, 2.5f, 32, 0, 0, 256, 128},
+                      // Gate and up on that kernel with a width no block's rows divide (224: the last
+                      // block's last warps hold no rows; with staged activations they still copy and
+                      // wait); the down product (I 224) on the other kernels.
+                      Case{"softmax_greedy_int4_ragged_width", kSoftmax, M::Greedy, 1, 1, false, false, 1.f, 32, 0, 0, 384, 224},
                       Case{"sigmoid_noaux_tc_one_group_bf16", kSigmoid, M::NoauxTc, 1, 1, true, true, 2.827f, 0},
                       // FP8: blocks 16x16 (tensor cores, 16-byte loads); 48x32 with H 112, Im 72 (no
                       // block divides O, partial last K blocks; down's I % 16 != 0: element loads);

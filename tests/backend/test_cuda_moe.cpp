@@ -275,11 +275,11 @@ void check_moe_case(const Case& cs, int64_t N) {
   // The kernel takes a matrix whose I (H for gate and up, Im for down) is a multiple of 128.
   const bool int4_mma = cs.group == 32 && cs.fp8_bi == 0 && (H % 128 == 0 || Im % 128 == 0);
   for (const Path path : {kTiles, kSkinny, kCutlass, kInt4Mma, kInt4Mma2, kInt4Swiglu, kInt4KSplit}) {
+    if ((path == kCutlass && !cutlass) || (path >= kInt4Mma && !int4_mma)) continue;
     // 0: defaults; 1: warps load the activations; 2: one block a tile; 3: a block a pass always.
     for (const int variant : {0, 1, 2, 3}) {
-      const int staged = variant != 1, split = variant == 2 ? 0 : variant == 3 ? 2 : 1;
-      if ((path == kCutlass && !cutlass) || (path >= kInt4Mma && !int4_mma)) continue;
       if (variant > 0 && (path < kInt4Mma || path == kInt4KSplit)) continue;  // no such choice there
+      const int staged = variant != 1, split = variant == 2 ? 0 : variant == 3 ? 2 : 1;
       cuda::moe_skinny_max_slots(path == kSkinny ? 1 << 20 : 0);
       cuda::moe_int4_mma_max_slots(path >= kInt4Mma ? 1 << 20 : 0);
       cuda::moe_int4_mma_tiles(path == kInt4Mma2 ? 2 : 1);

@@ -1064,6 +1064,7 @@ void int4_mma_launch(float* out, bf16* act, const bf16* in, int64_t ld_in, bool 
   // 5.79 with 32 (3 stages) against 6.05 with 16; 1,024 tokens 6.64 with 32 against 11.2 with 16.
   const int64_t mean15 = 3 * slots / (2 * std::max<int64_t>(E, 1));
   const int64_t rows = std::min(max_rows, int4_mma_rows() > 0 ? int4_mma_rows() : mean15 < 16 ? 16 : 32);
+  const int nf = rows <= 8 ? 1 : rows <= 16 ? 2 : 4;  // token fragments (8 rows each) a pass
   const bool swiglu = m2.packed != nullptr;
   // Weight rows a warp: 32 (two m16 tiles sharing the activation loads) past 8 rows a pass, where
   // the activations weigh as much as the weights (H100, unstaged: 512 tokens 8.6 ms against 9.6
@@ -1075,8 +1076,8 @@ void int4_mma_launch(float* out, bf16* act, const bf16* in, int64_t ld_in, bool 
   const bool ksplit = !swiglu && mt == 1 && slots <= int4_mma_ksplit_slots() && max_rows <= 8;
   const int64_t block_rows = ksplit ? 16 : kQmWarps * 16 * (swiglu ? 1 : mt);
   // Blocks a tile: one a pass of its rows (up to 4) where the passes split, else one.
-  const int64_t pass_rows = rows <= 8 ? 8 : rows <= 16 ? 16 : 32;
-  const bool split = int4_mma_split() == 2 || (int4_mma_split() == 1 && pass_rows == 32);
+  const int64_t pass_rows = 8 * nf;
+  const bool split = int4_mma_split() == 2 || (int4_mma_split() == 1 && nf == 4);
   const int splits = split ? int((std::min<int64_t>(max_rows, kTileRows) + pass_rows - 1) / pass_rows) : 1;
   const dim3 grid(static_cast<unsigned>(std::min(max_tiles, slots) * splits),
                   static_cast<unsigned>((m.O + block_rows - 1) / block_rows));
@@ -1085,8 +1086,8 @@ void int4_mma_launch(float* out, bf16* act, const bf16* in, int64_t ld_in, bool 
   // Stages: 3 at 32 rows a pass, where shared memory (85 KB a block with 4) would hold an SM to
   // two blocks, 4 below (H100, Kimi-K2 layer: 1,024 tokens 6.64 ms against 7.66 with 4, 8,192
   // tokens 35.9 against 43.8; 256 tokens at 16 rows a pass 5.31 against 5.43 with 3).
-  const int stages = !staged ? kQmStages : int4_mma_stages() > 0 ? int4_mma_stages() : rows > 16 ? 3 : kQmStages;
-  auto go = [&](auto kernel, int nf) {
+  const int stages = !staged ? kQmStages : int4_mma_stages() > 0 ? int4_mma_stages() : nf == 4 ? 3 : kQmStages;
+  auto go = [&](auto kernel) {
     const size_t weights = size_t(kQmWarps) * stages * (ksplit || mt == 1 ? QmStage<1>::bytes : QmStage<2>::bytes);
     const size_t bytes = weights + (staged ? size_t(stages) * 8 * nf * kQmXRowBytes : 0);
     if (bytes > 48 * 1024) CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
@@ -1101,18 +1102,17 @@ void int4_mma_launch(float* out, bf16* act, const bf16* in, int64_t ld_in, bool 
       constexpr bool G = decltype(g_c)::value, SW = decltype(sw_c)::value;
       constexpr int MT = decltype(mt_c)::value;
       if (!staged)
-        go(int4_decode_mma_kernel<G, NF, MT, SW>, NF);
+        go(int4_decode_mma_kernel<G, NF, MT, SW>);
       else if (stages == 3)
-        go(int4_decode_mma_kernel<G, NF, MT, SW, 1, true, 3>, NF);
+        go(int4_decode_mma_kernel<G, NF, MT, SW, 1, true, 3>);
       else
-        go(int4_decode_mma_kernel<G, NF, MT, SW, 1, true>, NF);
+        go(int4_decode_mma_kernel<G, NF, MT, SW, 1, true>);
     };
     auto by_gather = [&](auto mt_c, auto sw_c) {
       gather ? launch(std::true_type{}, mt_c, sw_c) : launch(std::false_type{}, mt_c, sw_c);
     };
     if (ksplit)
-      gather ? go(int4_decode_mma_kernel<true, 1, 1, false, kQmWarps>, 1)
-             : go(int4_decode_mma_kernel<false, 1, 1, false, kQmWarps>, 1);
+      gather ? go(int4_decode_mma_kernel<true, 1, 1, false, kQmWarps>) : go(int4_decode_mma_kernel<false, 1, 1, false, kQmWarps>);
     else if (swiglu)
       by_gather(std::integral_constant<int, 2>{}, std::true_type{});
     else if (mt == 2)
@@ -1120,9 +1120,9 @@ void int4_mma_launch(float* out, bf16* act, const bf16* in, int64_t ld_in, bool 
     else
       by_gather(std::integral_constant<int, 1>{}, std::false_type{});
   };
-  if (rows <= 8)
+  if (nf == 1)
     pick(std::integral_constant<int, 1>{});
-  else if (rows <= 16)
+  else if (nf == 2)
     pick(std::integral_constant<int, 2>{});
   else
     pick(std::integral_constant<int, 4>{});

@@ -27,6 +27,9 @@
 #              its settings, the default choice with the activations staged a block or loaded by
 #              each warp; bf16 on CUTLASS), and Kimi-K2-shaped decoding with
 #              the int4 decode kernel off and on;
+#   wgmma      (not in the default list) the CudaMoe tests, then one Kimi-K2 MoE layer at 256-16384
+#              tokens with int4 experts on the default kernels, on the int4 wgmma kernel (grid
+#              tile-major and weight-block-major; gate | up fused and apart), bf16 on CUTLASS;
 #   compare    (not in the default list) bench/train_compare_gpu.sh at 2048 and 4096 tokens, loss
 #              share 0.675, VARIANT=cudnn+rows, with the PyTorch peer.
 # Logs go to $LOGS (default: a temporary folder); a summary to stdout. TESTS overrides the tests
@@ -129,6 +132,35 @@ fi
 if want compare; then
   echo "== draft training against the PyTorch peer (cuDNN attention, batch embeddings)"
   LOGS="$LOGS/compare" LOSS_SHARE=0.675 VARIANT=cudnn+rows bash bench/train_compare_gpu.sh llama3-8b "2048 4096" 1 full
+fi
+if want wgmma; then
+  build/tests/talon_tests --gtest_filter='*CudaMoe*' --gtest_brief=1 > "$LOGS/wgmma-tests.log" 2>&1
+  echo "== CudaMoe tests:"; grep -E "^\[  (PASSED|FAILED|SKIPPED) |^\[==========\]" "$LOGS/wgmma-tests.log" | tail -4
+  grep -E "wgmma" "$LOGS/wgmma-tests.log" | grep -E "rel err" | sort -t' ' -k1,1 | tail -40
+  grep -E "^\[  FAILED  \]|Failure" "$LOGS/wgmma-tests.log" | head -20
+  W=256,1024,2048,4096,8192,16384
+  wg() {
+    local tag=$1; shift
+    env "$@" build/talon_bench_moe --tokens $W > "$LOGS/wgmma-$tag.log" 2>&1
+    echo "$tag ($*):"; tail -8 "$LOGS/wgmma-$tag.log"
+  }
+  echo "== one Kimi-K2 MoE layer, int4 experts: default kernels vs the wgmma kernel"
+  wg int4-default
+  wg int4-wgmma TALON_CUDA_MOE_INT4_WGMMA=0
+  wg int4-wgmma-weight-major TALON_CUDA_MOE_INT4_WGMMA=0 TALON_CUDA_MOE_INT4_WGMMA_ORDER=0
+  wg int4-wgmma-separate-gate-up TALON_CUDA_MOE_INT4_WGMMA=0 TALON_CUDA_MOE_INT4_SWIGLU=0
+  TALON_MOE_GEMM=cutlass build/talon_bench_moe --bf16 --tokens $W > "$LOGS/wgmma-bf16-cutlass.log" 2>&1
+  echo "bf16 on CUTLASS:"; tail -8 "$LOGS/wgmma-bf16-cutlass.log"
+  echo "== bf16 GEMM ceiling (torch, 8192^3, median of 10)"
+  python3 -c '
+import torch, statistics
+a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16); b = torch.randn_like(a)
+for _ in range(3): a @ b
+ts = []
+for _ in range(10):
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record(); a @ b; e.record(); torch.cuda.synchronize(); ts.append(s.elapsed_time(e) / 1e3)
+print(f"ceiling: {2 * 8192**3 / statistics.median(ts) / 1e12:.0f} TFLOP/s")' 2>&1 | tail -1
 fi
 if want moedecode; then
   # One Kimi-K2 MoE layer (talon_bench_moe), ms a layer at 1-2048 tokens, each expert route forced:

@@ -269,21 +269,29 @@ void check_moe_case(const Case& cs, int64_t N) {
   // 16 and 32 weight rows a warp; the gate and up products with the SwiGLU in one pass; the
   // reduction split over a block's warps at 3 tokens and 1), each but the split with the
   // activations staged once a block and loaded by each warp, and with a tile's passes on one
-  // block, on a block each at 32 rows a pass (the default) and at every pass size.
-  enum Path { kTiles, kSkinny, kCutlass, kInt4Mma, kInt4Mma2, kInt4Swiglu, kInt4KSplit };
+  // block, on a block each at 32 rows a pass (the default) and at every pass size; and the int4
+  // warpgroup (wgmma) kernel at every size, the products apart and gate | up with the SwiGLU in
+  // one pass, each with its grid tile-major (the default) and weight-block-major.
+  enum Path { kTiles, kSkinny, kCutlass, kInt4Mma, kInt4Mma2, kInt4Swiglu, kInt4KSplit, kInt4Wgmma, kInt4WgmmaSwiglu };
   const bool cutlass = cs.group == 0 && cs.fp8_bi == 0 && cuda::moe_cutlass_built();
   // The kernel takes a matrix whose I (H for gate and up, Im for down) is a multiple of 128.
   const bool int4_mma = cs.group == 32 && cs.fp8_bi == 0 && (H % 128 == 0 || Im % 128 == 0);
-  for (const Path path : {kTiles, kSkinny, kCutlass, kInt4Mma, kInt4Mma2, kInt4Swiglu, kInt4KSplit}) {
+  for (const Path path :
+       {kTiles, kSkinny, kCutlass, kInt4Mma, kInt4Mma2, kInt4Swiglu, kInt4KSplit, kInt4Wgmma, kInt4WgmmaSwiglu}) {
     if ((path == kCutlass && !cutlass) || (path >= kInt4Mma && !int4_mma)) continue;
-    // 0: defaults; 1: warps load the activations; 2: one block a tile; 3: a block a pass always.
+    // 0: defaults; 1: warps load the activations (wgmma: the grid weight-block-major); 2: one
+    // block a tile; 3: a block a pass always.
+    const bool wgmma = path == kInt4Wgmma || path == kInt4WgmmaSwiglu;
     for (const int variant : {0, 1, 2, 3}) {
       if (variant > 0 && (path < kInt4Mma || path == kInt4KSplit)) continue;  // no such choice there
+      if (variant > 1 && wgmma) continue;
       const int staged = variant != 1, split = variant == 2 ? 0 : variant == 3 ? 2 : 1;
       cuda::moe_skinny_max_slots(path == kSkinny ? 1 << 20 : 0);
       cuda::moe_int4_mma_max_slots(path >= kInt4Mma ? 1 << 20 : 0);
       cuda::moe_int4_mma_tiles(path == kInt4Mma2 ? 2 : 1);
-      cuda::moe_int4_mma_swiglu(path == kInt4Swiglu ? 1 : 0);
+      cuda::moe_int4_mma_swiglu(path == kInt4Swiglu || path == kInt4WgmmaSwiglu ? 1 : 0);
+      cuda::moe_int4_wgmma_min_slots(wgmma ? 0 : -1);
+      cuda::moe_int4_wgmma_tile_major(wgmma && variant == 1 ? 0 : -1);
       cuda::moe_int4_mma_ksplit(path == kInt4KSplit ? 1 << 20 : 0);
       cuda::moe_int4_mma_staged(staged);
       cuda::moe_int4_mma_split(split);
@@ -293,10 +301,14 @@ void check_moe_case(const Case& cs, int64_t N) {
       const char* names[] = {" (tiles)", " (decode-sized kernel)", " (CUTLASS grouped GEMM)", " (int4 tensor-core decode kernel)",
                              " (int4 tensor-core decode kernel, 32 rows a warp)",
                              " (int4 tensor-core decode kernel, gate and up with SwiGLU in one pass)",
-                             " (int4 tensor-core decode kernel, reduction split over warps up to 8 tokens)"};
+                             " (int4 tensor-core decode kernel, reduction split over warps up to 8 tokens)",
+                             " (int4 wgmma kernel)", " (int4 wgmma kernel, gate and up with SwiGLU in one pass)"};
       const std::string tag =
-          std::string(cs.name) + names[path] + (variant == 1 ? " [warps load the activations]" : variant == 2 ? " [one block a tile]"
-                                                          : variant == 3 ? " [a block a pass]" : "");
+          std::string(cs.name) + names[path] +
+          (variant == 1 ? (wgmma ? " [grid weight-block-major]" : " [warps load the activations]")
+           : variant == 2 ? " [one block a tile]"
+           : variant == 3 ? " [a block a pass]"
+                          : "");
       EXPECT_EQ(got.idx, idx) << tag << ": routing picked other experts";
       for (size_t i = 0; i < got.weights.size(); ++i)
         EXPECT_NEAR(got.weights[i], wts[i], 1e-5 * std::max(1.f, std::fabs(wts[i]))) << i;
@@ -319,6 +331,8 @@ void check_moe_case(const Case& cs, int64_t N) {
   cuda::moe_int4_mma_ksplit(-1);
   cuda::moe_int4_mma_staged(-1);
   cuda::moe_int4_mma_split(-1);
+  cuda::moe_int4_wgmma_min_slots(-1);
+  cuda::moe_int4_wgmma_tile_major(-1);
   cudaFree(d_bias);
 }
 

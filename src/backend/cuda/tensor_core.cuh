@@ -56,6 +56,53 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   return *reinterpret_cast<uint32_t*>(&v);
 }
 
+// ---- Hopper warpgroup MMA (wgmma; sm_90a): a warpgroup is 4 consecutive warps (128 threads)
+// issuing together. With A from registers, each warp w of the group holds rows 16 w .. 16 w + 15
+// of the 64-row A tile in mma_bf16's A fragment layout, and the fp32 accumulator of an m64nN
+// product holds, for each 8-column slice j, d[4 j .. 4 j + 3] = (row g, columns 8 j + 2 t, + 1)
+// and (row g + 8, the same columns) of the warp's 16 rows, as mma_bf16's C fragment repeated.
+
+// The shared-memory matrix descriptor of a K-major bf16 operand without swizzling: 8x8 core
+// matrices of 8 rows x 16 contiguous bytes, the two core matrices of a k16 step `lbo` bytes
+// apart, consecutive groups of 8 rows (the N dimension) `sbo` bytes apart. `addr` is the
+// shared-window address of the first core matrix (16-byte aligned).
+__device__ __forceinline__ uint64_t wgmma_desc_k_major(uint32_t addr, uint32_t lbo, uint32_t sbo) {
+  return uint64_t((addr >> 4) & 0x3fffu) | uint64_t((lbo >> 4) & 0x3fffu) << 16 | uint64_t((sbo >> 4) & 0x3fffu) << 32;
+}
+// Orders this warpgroup's earlier register and shared-memory accesses before its next wgmma.
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+// Waits until at most N of this warpgroup's committed wgmma groups are in flight.
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+// Keeps the compiler from moving accesses of r across a wgmma that reads or writes it.
+__device__ __forceinline__ void wgmma_reg_fence(float& r) { asm volatile("" : "+f"(r)::"memory"); }
+// Makes this thread's generic-proxy writes of shared memory (st.shared, cp.async) visible to the
+// async proxy that wgmma reads its shared operand through.
+__device__ __forceinline__ void fence_proxy_async_shared() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+// d[32] (= or +=, by accumulate) a (64x16 bf16, registers) * B (16x64 bf16, K-major in shared
+// memory, descriptor b): one warpgroup's wgmma m64n64k16 with fp32 accumulation.
+__device__ __forceinline__ void wgmma_m64n64k16_rs(float* d, const uint32_t* a, uint64_t b, bool accumulate) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile(
+      "{\n.reg .pred acc;\nsetp.ne.b32 acc, %37, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+      "{%32, %33, %34, %35}, %36, acc, 1, 1, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),
+        "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),
+        "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),
+        "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(int(accumulate)));
+#else
+  __trap();  // wgmma needs sm_90a
+#endif
+}
+
 // Online softmax over key tiles, per lane of an m16n8 score fragment: the lane holds rows g and
 // g + 8, mx their maxima over this tile's scores (log2 domain, hidden keys -inf). Reduces mx
 // over the quad that shares the rows, moves the running maxima m_run, rescales the running sums

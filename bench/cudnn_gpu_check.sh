@@ -28,8 +28,9 @@
 #              each warp; bf16 on CUTLASS), and Kimi-K2-shaped decoding with
 #              the int4 decode kernel off and on;
 #   wgmma      (not in the default list) the CudaMoe tests, then one Kimi-K2 MoE layer at 256-16384
-#              tokens with int4 experts on the default kernels, on the int4 wgmma kernel (grid
-#              tile-major and weight-block-major; gate | up fused and apart), bf16 on CUTLASS;
+#              tokens: int4 experts on the default kernels and on the wgmma kernel (grid
+#              tile-major and weight-block-major; gate | up fused and apart), FP8 128x128 experts
+#              on the tiles and on the wgmma kernel, bf16 on CUTLASS, and the bf16 GEMM ceiling;
 #   compare    (not in the default list) bench/train_compare_gpu.sh at 2048 and 4096 tokens, loss
 #              share 0.675, VARIANT=cudnn+rows, with the PyTorch peer.
 # Logs go to $LOGS (default: a temporary folder); a summary to stdout. TESTS overrides the tests
@@ -141,14 +142,18 @@ if want wgmma; then
   W=256,1024,2048,4096,8192,16384
   wg() {
     local tag=$1; shift
-    env "$@" build/talon_bench_moe --tokens $W > "$LOGS/wgmma-$tag.log" 2>&1
+    local flag=""
+    [ "${1:-}" = "--fp8" ] && { flag=--fp8; shift; }
+    env "$@" build/talon_bench_moe $flag --tokens $W > "$LOGS/wgmma-$tag.log" 2>&1
     echo "$tag ($*):"; tail -8 "$LOGS/wgmma-$tag.log"
   }
-  echo "== one Kimi-K2 MoE layer, int4 experts: default kernels vs the wgmma kernel"
+  echo "== one Kimi-K2 MoE layer, int4 and FP8 experts: default kernels vs the wgmma kernel"
   wg int4-default
-  wg int4-wgmma TALON_CUDA_MOE_INT4_WGMMA=0
-  wg int4-wgmma-weight-major TALON_CUDA_MOE_INT4_WGMMA=0 TALON_CUDA_MOE_INT4_WGMMA_ORDER=0
-  wg int4-wgmma-separate-gate-up TALON_CUDA_MOE_INT4_WGMMA=0 TALON_CUDA_MOE_INT4_SWIGLU=0
+  wg int4-wgmma TALON_CUDA_MOE_WGMMA=0
+  wg int4-wgmma-weight-major TALON_CUDA_MOE_WGMMA=0 TALON_CUDA_MOE_WGMMA_ORDER=0
+  wg int4-wgmma-separate-gate-up TALON_CUDA_MOE_WGMMA=0 TALON_CUDA_MOE_INT4_SWIGLU=0
+  wg fp8-tiles --fp8
+  wg fp8-wgmma --fp8 TALON_CUDA_MOE_WGMMA=0
   TALON_MOE_GEMM=cutlass build/talon_bench_moe --bf16 --tokens $W > "$LOGS/wgmma-bf16-cutlass.log" 2>&1
   echo "bf16 on CUTLASS:"; tail -8 "$LOGS/wgmma-bf16-cutlass.log"
   echo "== bf16 GEMM ceiling (torch, 8192^3, median of 10)"

@@ -269,19 +269,22 @@ void check_moe_case(const Case& cs, int64_t N) {
   // 16 and 32 weight rows a warp; the gate and up products with the SwiGLU in one pass; the
   // reduction split over a block's warps at 3 tokens and 1), each but the split with the
   // activations staged once a block and loaded by each warp, and with a tile's passes on one
-  // block, on a block each at 32 rows a pass (the default) and at every pass size; and the int4
+  // block, on a block each at 32 rows a pass (the default) and at every pass size; and for int4
+  // experts of group 32 and FP8 experts of K blocks 128 (with H or Im a multiple of 128) the
   // warpgroup (wgmma) kernel at every size, the products apart and gate | up with the SwiGLU in
   // one pass, each with its grid tile-major (the default) and weight-block-major.
-  enum Path { kTiles, kSkinny, kCutlass, kInt4Mma, kInt4Mma2, kInt4Swiglu, kInt4KSplit, kInt4Wgmma, kInt4WgmmaSwiglu };
+  enum Path { kTiles, kSkinny, kCutlass, kInt4Mma, kInt4Mma2, kInt4Swiglu, kInt4KSplit, kWgmma, kWgmmaSwiglu };
   const bool cutlass = cs.group == 0 && cs.fp8_bi == 0 && cuda::moe_cutlass_built();
   // The kernel takes a matrix whose I (H for gate and up, Im for down) is a multiple of 128.
   const bool int4_mma = cs.group == 32 && cs.fp8_bi == 0 && (H % 128 == 0 || Im % 128 == 0);
+  const bool wgmma_case = (cs.group == 32 || cs.fp8_bi % 128 == 0) && (cs.group > 0 || cs.fp8_bi > 0) &&
+                          (H % 128 == 0 || Im % 128 == 0);
   for (const Path path :
-       {kTiles, kSkinny, kCutlass, kInt4Mma, kInt4Mma2, kInt4Swiglu, kInt4KSplit, kInt4Wgmma, kInt4WgmmaSwiglu}) {
-    if ((path == kCutlass && !cutlass) || (path >= kInt4Mma && !int4_mma)) continue;
+       {kTiles, kSkinny, kCutlass, kInt4Mma, kInt4Mma2, kInt4Swiglu, kInt4KSplit, kWgmma, kWgmmaSwiglu}) {
+    const bool wgmma = path == kWgmma || path == kWgmmaSwiglu;
+    if ((path == kCutlass && !cutlass) || (path >= kInt4Mma && !wgmma && !int4_mma) || (wgmma && !wgmma_case)) continue;
     // 0: defaults; 1: warps load the activations (wgmma: the grid weight-block-major); 2: one
     // block a tile; 3: a block a pass always.
-    const bool wgmma = path == kInt4Wgmma || path == kInt4WgmmaSwiglu;
     for (const int variant : {0, 1, 2, 3}) {
       if (variant > 0 && (path < kInt4Mma || path == kInt4KSplit)) continue;  // no such choice there
       if (variant > 1 && wgmma) continue;
@@ -289,9 +292,9 @@ void check_moe_case(const Case& cs, int64_t N) {
       cuda::moe_skinny_max_slots(path == kSkinny ? 1 << 20 : 0);
       cuda::moe_int4_mma_max_slots(path >= kInt4Mma ? 1 << 20 : 0);
       cuda::moe_int4_mma_tiles(path == kInt4Mma2 ? 2 : 1);
-      cuda::moe_int4_mma_swiglu(path == kInt4Swiglu || path == kInt4WgmmaSwiglu ? 1 : 0);
-      cuda::moe_int4_wgmma_min_slots(wgmma ? 0 : -1);
-      cuda::moe_int4_wgmma_tile_major(wgmma && variant == 1 ? 0 : -1);
+      cuda::moe_int4_mma_swiglu(path == kInt4Swiglu || path == kWgmmaSwiglu ? 1 : 0);
+      cuda::moe_wgmma_min_slots(wgmma ? 0 : -1);
+      cuda::moe_wgmma_tile_major(wgmma && variant == 1 ? 0 : -1);
       cuda::moe_int4_mma_ksplit(path == kInt4KSplit ? 1 << 20 : 0);
       cuda::moe_int4_mma_staged(staged);
       cuda::moe_int4_mma_split(split);
@@ -302,7 +305,7 @@ void check_moe_case(const Case& cs, int64_t N) {
                              " (int4 tensor-core decode kernel, 32 rows a warp)",
                              " (int4 tensor-core decode kernel, gate and up with SwiGLU in one pass)",
                              " (int4 tensor-core decode kernel, reduction split over warps up to 8 tokens)",
-                             " (int4 wgmma kernel)", " (int4 wgmma kernel, gate and up with SwiGLU in one pass)"};
+                             " (wgmma kernel)", " (wgmma kernel, gate and up with SwiGLU in one pass)"};
       const std::string tag =
           std::string(cs.name) + names[path] +
           (variant == 1 ? (wgmma ? " [grid weight-block-major]" : " [warps load the activations]")
@@ -331,8 +334,8 @@ void check_moe_case(const Case& cs, int64_t N) {
   cuda::moe_int4_mma_ksplit(-1);
   cuda::moe_int4_mma_staged(-1);
   cuda::moe_int4_mma_split(-1);
-  cuda::moe_int4_wgmma_min_slots(-1);
-  cuda::moe_int4_wgmma_tile_major(-1);
+  cuda::moe_wgmma_min_slots(-1);
+  cuda::moe_wgmma_tile_major(-1);
   cudaFree(d_bias);
 }
 
@@ -357,7 +360,13 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{"softmax_greedy_fp8_block48x32_ragged", kSoftmax, M::Greedy, 1, 1, false, false, 1.f, 0, 48, 32,
                            112, 72},
                       Case{"softmax_group_limited_fp8_block16x24_core", kSoftmax, M::GroupLimitedGreedy, 4, 2, false, false,
-                           1.f, 0, 16, 24, 100, 72}),
+                           1.f, 0, 16, 24, 100, 72},
+                      // FP8 of K blocks 128 (DeepSeek-V3's 128 x 128), H and Im multiples of 128: the
+                      // wgmma kernel takes it too; row blocks of 64 (two scales in a block's 128
+                      // weight rows) with Im 256 (the down product there too).
+                      Case{"sigmoid_noaux_tc_fp8_block128", kSigmoid, M::NoauxTc, 4, 2, true, true, 2.5f, 0, 128, 128, 256, 128},
+                      Case{"softmax_greedy_fp8_block64x128", kSoftmax, M::Greedy, 1, 1, false, false, 1.f, 0, 64, 128, 384,
+                           256}),
     [](const auto& info) { return std::string(info.param.name); });
 
 

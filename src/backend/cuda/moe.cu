@@ -24,9 +24,9 @@
 // ring of weights per warp and of activation rows per block), which the H100 measured ahead of
 // the tiles from 1 to 16,384 tokens of a Kimi-K2 layer. Other decode-sized calls (a few rows an
 // expert, where the weight bytes decide): bf16 and other int4 experts take the CUDA-core
-// decode-sized kernel (skinny_grouped_kernel). Opt-in (TALON_CUDA_MOE_INT4_WGMMA, not yet
-// measured): the same int4 experts on Hopper's warpgroup MMA (int4_wgmma_kernel) from a number
-// of routed slots on. grouped_gemm chooses.
+// decode-sized kernel (skinny_grouped_kernel). Opt-in (TALON_CUDA_MOE_WGMMA, not yet measured):
+// int4 group-32 and FP8 128-block experts on Hopper's warpgroup MMA (wgmma_grouped_kernel) from
+// a number of routed slots on. grouped_gemm chooses.
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 
@@ -53,7 +53,7 @@ constexpr int kTileRows = 64;  // routed rows per GEMM tile (the sort's tile lis
 constexpr int kMaxExperts = 4096;
 constexpr int64_t kSkinnyDefaultSlots = 256;  // moe.h: moe_skinny_max_slots
 constexpr int64_t kInt4MmaDefaultSlots = int64_t(1) << 40;  // moe.h: moe_int4_mma_max_slots (no bound)
-constexpr int64_t kInt4WgmmaDefaultMinSlots = int64_t(1) << 62;  // moe.h: moe_int4_wgmma_min_slots (never)
+constexpr int64_t kWgmmaDefaultMinSlots = int64_t(1) << 62;  // moe.h: moe_wgmma_min_slots (never)
 constexpr int64_t kInt4KSplitDefaultSlots = 16;  // moe.h: moe_int4_mma_ksplit
 
 // Tensor-core GEMM.
@@ -964,39 +964,51 @@ __global__ void __launch_bounds__(kQmWarps * 32, MT == 1 ? (NF == 1 ? 8 : NF == 
   }
 }
 
-// ---- int4 experts at large batches on Hopper's warpgroup MMA (wgmma) ----
+// ---- int4 and FP8 experts at large batches on Hopper's warpgroup MMA (wgmma) ----
 //
 // Past a few dozen rows an expert the int4 products are bound by instructions, not bytes: the
 // mma.sync kernel above converts each weight for at most 32 token rows and issues one m16n8k16
 // per 8 of them. Here a block takes one sort tile (up to 64 rows of one expert) and 128 weight
 // rows, as two warpgroups of 64 rows each; a k16 step is one wgmma m64n64k16 a warpgroup, its A
-// operand (the weights) converted from nibbles straight into registers and its B operand (the
-// tile's 64 token rows) read by the tensor cores from shared memory. A stage of the cp.async
-// ring holds 128 k: the block's 128 packed weight rows (64 bytes + 16 of padding each, so the
-// 16-byte reads of rows g = 0..7 fall on distinct banks), their four group scales, and the 64
-// activation rows laid out as the wgmma's K-major core matrices ([row / 8][k / 8][row % 8][8 k],
-// no swizzle: a 16-byte piece a thread, consecutive threads on consecutive pieces). In the natural
-// k order a lane needs byte t of each word (nibbles 2t, 2t + 1: k 2t, 2t + 1 of the mma's A
-// fragment), which a byte permute of the word and of the word shifted by 4, a mask and a bf16x2
-// subtraction turn into two exact bf16 values. As in the kernel above the scales are never folded
-// into bf16 weights: each 32-k group's two wgmma accumulate unscaled into part (the first one
-// overwriting it), and acc += scale(row) * part in fp32 when the group's products are done.
+// operand (the weights) converted straight into registers and its B operand (the tile's 64
+// token rows) read by the tensor cores from shared memory. A stage of the cp.async ring holds
+// 128 k: the block's 128 weight rows (int4: 64 packed bytes, FP8: 128 e4m3 bytes, each row
+// padded by 16 so that the reads of rows g = 0..7 fall on distinct banks), their scales, and the
+// 64 activation rows laid out as the wgmma's K-major core matrices ([row / 8][k / 8][row % 8][8
+// k], no swizzle: a 16-byte piece a thread, consecutive threads on consecutive pieces).
+// int4 (group 32): in the natural k order a lane needs byte t of each packed word (nibbles 2t,
+// 2t + 1: k 2t, 2t + 1 of the mma's A fragment), which a byte permute of the word and of the
+// word shifted by 4, a mask and a bf16x2 subtraction turn into two exact bf16 values. As in the
+// kernels above the scales are never folded into bf16 weights: each 32-k group's two wgmma
+// accumulate unscaled into part (the first one overwriting it), and acc += scale(row) * part in
+// fp32 when they are done; the next group's fragments are converted while they run.
+// FP8 (K blocks bi a multiple of 128: DeepSeek-V3's 128 x 128): a lane's A pair is two
+// consecutive e4m3 bytes, converted exactly (fp8x2_to_bf16x2); a stage lies in one K block, so
+// its eight wgmma accumulate into part and the block scale of each row is applied once a stage.
 // SWIGLU: warpgroup 0 holds 64 rows of the gate, warpgroup 1 the same rows of the up projection;
 // after the loop the up sums go through shared memory to warpgroup 0, which writes act =
-// silu(gate) * up in bf16. Needs group 32, I % 128 == 0, 16-byte aligned packed rows and
-// inputs (ld % 8 == 0), 8-byte aligned scales; built for sm_90a only.
+// silu(gate) * up in bf16. Needs I % 128 == 0 and 16-byte aligned weight rows and inputs (ld %
+// 8 == 0); built for sm_90a only.
 constexpr int kQwThreads = 256;  // two warpgroups
 constexpr int kQwRows = 128;     // weight rows a block (64 a warpgroup)
 constexpr int kQwN = kTileRows;  // token rows a block: one sort tile (64)
 static_assert(kQwN == 64, "the block's wgmma is m64n64k16: one tile of 64 rows");
+// One stage: [128][row] weight bytes, then the rows' scales (int4: [128][4] bf16, one a 32-k
+// group; FP8: [128] fp32), then [64][128] bf16 activations as core matrices.
+template <int WF>
 struct QwStage {
-  static constexpr int scales = kQwRows * kQmRowBytes;  // after [128][80] packed bytes
-  static constexpr int x = scales + kQwRows * 8;        // then [128][4] bf16 scales
-  static constexpr int bytes = x + kQwN * kQmK * 2;     // then [64][128] bf16 activations
-  static constexpr int x_sbo = (kQmK / 8) * 128;        // bytes between groups of 8 token rows
+  static constexpr int row = WF == kWInt4 ? kQmK / 2 + 16 : kQmK + 16;
+  static constexpr int scales = kQwRows * row;
+  static constexpr int x = scales + kQwRows * (WF == kWInt4 ? 8 : 4);
+  static constexpr int bytes = x + kQwN * kQmK * 2;
+  static constexpr int x_sbo = (kQmK / 8) * 128;  // bytes between groups of 8 token rows
+  static constexpr int count = WF == kWInt4 ? 4 : 3;  // stages: two blocks fit an SM
   static_assert(x % 16 == 0 && bytes % 16 == 0, "16-byte aligned core matrices and stages");
 };
-constexpr int kQwStages = 4;
+
+__device__ __forceinline__ void cp_async4(void* dst, const void* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(smem_addr(dst)), "l"(src) : "memory");
+}
 
 // Byte t of packed word w (nibbles 2t and 2t + 1, stored q + 8) as the exact bf16 pair (q_2t,
 // q_2t+1): the permute puts byte t of w in byte 0 and byte t of w >> 4 in byte 2, and 128.0's
@@ -1007,17 +1019,20 @@ __device__ __forceinline__ uint32_t q4_byte_pair(uint32_t w, uint32_t sel) {
   return *reinterpret_cast<const uint32_t*>(&r);
 }
 
-// out[p, O] (fp32, sorted rows) = in[row(p)] @ W_e^T for the tile's int4 expert e (as
-// int4_decode_mma_kernel), or with SWIGLU act [p, O] = silu(in @ W_e^T) * (in @ W2_e^T) in bf16.
-// The grid is n_tiles x o_blocks blocks in one dimension: tile-major (the block's tile is
-// blockIdx.x / o_blocks, so a tile's weight-row blocks run together and share its activations in
-// L2) or, with tile_major false, weight-block-major (a weight-row block's tiles run together and
-// share its weights, the tiles of one expert being neighbours in the sort).
-template <bool GATHER, bool SWIGLU, int ST>
+// out[p, O] (fp32, sorted rows) = in[row(p)] @ W_e^T for the tile's expert e (WF: kWInt4 or
+// kWFp8), or with SWIGLU act [p, O] = silu(in @ W_e^T) * (in @ W2_e^T) in bf16. The grid is
+// grid_tiles x o_blocks blocks in one dimension: tile-major (the block's tile is blockIdx.x /
+// o_blocks, so a tile's weight-row blocks run together and share its activations in L2) or,
+// with tile_major false, weight-block-major (a weight-row block's tiles run together and share
+// its weights, the tiles of one expert being neighbours in the sort).
+template <int WF, bool GATHER, bool SWIGLU>
 __global__ void __launch_bounds__(kQwThreads, 2)
-    int4_wgmma_kernel(float* out, bf16* act, const bf16* in, int64_t ld_in, const int32_t* order, int K,
-                      const int32_t* tiles, const int32_t* n_tiles, const int32_t* offsets, ExpertMatrix m,
-                      ExpertMatrix m2, int grid_tiles, int o_blocks, bool tile_major) {
+    wgmma_grouped_kernel(float* out, bf16* act, const bf16* in, int64_t ld_in, const int32_t* order, int K,
+                         const int32_t* tiles, const int32_t* n_tiles, const int32_t* offsets, ExpertMatrix m,
+                         ExpertMatrix m2, int grid_tiles, int o_blocks, bool tile_major) {
+  static_assert(WF == kWInt4 || WF == kWFp8, "int4 or FP8 weights");
+  using St = QwStage<WF>;
+  constexpr int ST = St::count;
   extern __shared__ __align__(128) unsigned char qw_smem[];
   const int b = int(blockIdx.x);
   const int tile = tile_major ? b / o_blocks : b % grid_tiles, ob = tile_major ? b % o_blocks : b / grid_tiles;
@@ -1027,22 +1042,38 @@ __global__ void __launch_bounds__(kQwThreads, 2)
   const int O = int(m.O), I = int(m.I), tid = int(threadIdx.x);
   const int wg = tid / 128, warp = (tid % 128) / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
   const int o0 = ob * (SWIGLU ? kQwRows / 2 : kQwRows);
-  const int64_t words = I / 8, groups = I / 32;
   const int n_chunks = I / kQmK;
   // Block weight row r: the expert's row o0 + r (SWIGLU: rows 64.. are the up projection's o0 ..);
   // rows past O repeat row O - 1 (computed, not stored).
-  auto wrow = [&](int r) { return int64_t(e) * O + min(o0 + (SWIGLU ? r % (kQwRows / 2) : r), O - 1); };
+  auto orow = [&](int r) { return min(o0 + (SWIGLU ? r % (kQwRows / 2) : r), O - 1); };
+  auto second = [&](int r) { return SWIGLU && r >= kQwRows / 2; };  // block row r is the up projection's
   auto row_ptr = [&](int r) { return in + int64_t(GATHER ? order[r0 + r] / K : r0 + r) * ld_in; };
-  // This thread's copies of a stage: packed pieces p = tid + 256 u (row p / 4, quarter p % 4);
-  // for tid < 128 the 8 scale bytes of row tid; activation pieces p = tid + 256 u (token row
-  // 8 (p / 128) + p % 8, k 8 ((p / 8) % 16); null past the tile's rows: zero-filled).
-  const int32_t* wsrc[2];
+  // This thread's copies of a stage. Weights: 16-byte pieces p = tid + 256 u (int4: row p / 4,
+  // quarter p % 4; FP8: row p / 8, eighth p % 8). Scales, for tid < 128: row tid's (int4: the
+  // stage's four group scales, 8 bytes; FP8: the stage's K block scale, 4 bytes). Activations:
+  // pieces p = tid + 256 u (token row 8 (p / 128) + p % 8, k 8 ((p / 8) % 16); null past the
+  // tile's rows: zero-filled).
+  constexpr int kWPieces = WF == kWInt4 ? 2 : 4, kPerRow = kWPieces * kQwThreads / kQwRows;
+  const unsigned char* wsrc[kWPieces];
 #pragma unroll
-  for (int u = 0; u < 2; ++u) {
-    const int p = tid + kQwThreads * u, r = p / 4;
-    wsrc[u] = (SWIGLU && r >= kQwRows / 2 ? m2.packed : m.packed) + wrow(r) * words + 4 * (p % 4);
+  for (int u = 0; u < kWPieces; ++u) {
+    const int p = tid + kQwThreads * u, r = p / kPerRow;
+    const int64_t row = int64_t(e) * O + orow(r);
+    if constexpr (WF == kWInt4)
+      wsrc[u] = reinterpret_cast<const unsigned char*>((second(r) ? m2.packed : m.packed) + row * (I / 8)) + 16 * (p % kPerRow);
+    else
+      wsrc[u] = (second(r) ? m2.fp8 : m.fp8) + row * I + 16 * (p % kPerRow);
   }
-  const bf16* ssrc = (SWIGLU && tid >= kQwRows / 2 ? m2.scale : m.scale) + wrow(tid % kQwRows) * groups;
+  // The scale rows: int4, bf16 [E O][I / 32]; FP8, fp32 block scales [E][ceil(O / bo)][ceil(I / bi)].
+  // (gate and up share O, I and the block sizes.)
+  const void* ssrc;
+  if constexpr (WF == kWInt4) {
+    ssrc = (second(tid % kQwRows) ? m2.scale : m.scale) + (int64_t(e) * O + orow(tid % kQwRows)) * (I / 32);
+  } else {
+    const int64_t bo = m.bo, bi = m.bi;
+    ssrc = (second(tid % kQwRows) ? m2.block_scale : m.block_scale) +
+           (int64_t(e) * ((O + bo - 1) / bo) + orow(tid % kQwRows) / bo) * ((I + bi - 1) / bi);
+  }
   const bf16* xsrc[4];
 #pragma unroll
   for (int u = 0; u < 4; ++u) {
@@ -1050,24 +1081,43 @@ __global__ void __launch_bounds__(kQwThreads, 2)
     xsrc[u] = r < rows ? row_ptr(r) + 8 * ((p / 8) % 16) : nullptr;
   }
   auto issue = [&](int c) {
-    unsigned char* st = qw_smem + (c % ST) * QwStage::bytes;
+    unsigned char* st = qw_smem + (c % ST) * St::bytes;
 #pragma unroll
-    for (int u = 0; u < 2; ++u) {
+    for (int u = 0; u < kWPieces; ++u) {
       const int p = tid + kQwThreads * u;
-      cp_async16(st + (p / 4) * kQmRowBytes + 16 * (p % 4), wsrc[u] + int64_t(c) * (kQmK / 8));
+      cp_async16(st + (p / kPerRow) * St::row + 16 * (p % kPerRow), wsrc[u] + int64_t(c) * (WF == kWInt4 ? kQmK / 2 : kQmK));
     }
-    if (tid < kQwRows) cp_async8(st + QwStage::scales + 8 * tid, ssrc + 4 * c);
+    if (tid < kQwRows) {
+      if constexpr (WF == kWInt4)
+        cp_async8(st + St::scales + 8 * tid, static_cast<const bf16*>(ssrc) + 4 * c);
+      else
+        cp_async4(st + St::scales + 4 * tid, static_cast<const float*>(ssrc) + int64_t(c) * kQmK / m.bi);
+    }
 #pragma unroll
     for (int u = 0; u < 4; ++u)
-      cp_async16(st + QwStage::x + 16 * (tid + kQwThreads * u), xsrc[u] ? xsrc[u] + int64_t(c) * kQmK : in,
+      cp_async16(st + St::x + 16 * (tid + kQwThreads * u), xsrc[u] ? xsrc[u] + int64_t(c) * kQmK : in,
                  xsrc[u] != nullptr);
   };
   // This thread's weight rows in the block: rl (row g of its warp's 16) and rl + 8.
   const int rl = 64 * wg + 16 * warp + g;
-  const uint32_t sel = uint32_t(t) | uint32_t(4 + t) << 8;
   float acc[32], part[32];
 #pragma unroll
   for (int i = 0; i < 32; ++i) acc[i] = part[i] = 0.f;
+  // part's products are done: acc += scale(row rl) * part on rows rl (regs 4i, 4i + 1) and
+  // rl + 8 (4i + 2, 4i + 3).
+  auto add_scaled = [&](float sg, float sg8) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      acc[4 * i] = fmaf(sg, part[4 * i], acc[4 * i]);
+      acc[4 * i + 1] = fmaf(sg, part[4 * i + 1], acc[4 * i + 1]);
+      acc[4 * i + 2] = fmaf(sg8, part[4 * i + 2], acc[4 * i + 2]);
+      acc[4 * i + 3] = fmaf(sg8, part[4 * i + 3], acc[4 * i + 3]);
+    }
+  };
+  auto fence_part = [&] {
+#pragma unroll
+    for (int i = 0; i < 32; ++i) wgmma_reg_fence(part[i]);
+  };
 #pragma unroll
   for (int c = 0; c < ST - 1; ++c) {
     if (c < n_chunks) issue(c);
@@ -1081,50 +1131,70 @@ __global__ void __launch_bounds__(kQwThreads, 2)
     __syncthreads();
     if (c + ST - 1 < n_chunks) issue(c + ST - 1);
     cp_async_commit();
-    const unsigned char* st = qw_smem + (c % ST) * QwStage::bytes;
-    const uint32_t xs = smem_addr(st + QwStage::x);
-    const uint2 s_lo = *reinterpret_cast<const uint2*>(st + QwStage::scales + 8 * rl);
-    const uint2 s_hi = *reinterpret_cast<const uint2*>(st + QwStage::scales + 8 * (rl + 8));
-    // The A fragments of group j's two k16 steps: step 2j + h covers words 4j + 2h (its k 0-7)
-    // and 4j + 2h + 1 (k 8-15) of rows rl and rl + 8.
-    auto convert = [&](int j, uint32_t (&a)[2][4]) {
-      const uint4 wl = *reinterpret_cast<const uint4*>(st + rl * kQmRowBytes + 16 * j);
-      const uint4 wh = *reinterpret_cast<const uint4*>(st + (rl + 8) * kQmRowBytes + 16 * j);
-      a[0][0] = q4_byte_pair(wl.x, sel), a[0][1] = q4_byte_pair(wh.x, sel);
-      a[0][2] = q4_byte_pair(wl.y, sel), a[0][3] = q4_byte_pair(wh.y, sel);
-      a[1][0] = q4_byte_pair(wl.z, sel), a[1][1] = q4_byte_pair(wh.z, sel);
-      a[1][2] = q4_byte_pair(wl.w, sel), a[1][3] = q4_byte_pair(wh.w, sel);
-    };
-    uint32_t a[2][4], an[2][4];
-    convert(0, a);
+    const unsigned char* st = qw_smem + (c % ST) * St::bytes;
+    const uint32_t xs = smem_addr(st + St::x);
+    // The B descriptor of the stage's k16 step s: k 16s .. 16s + 15 of the 64 token rows.
+    auto desc = [&](int s) { return wgmma_desc_k_major(xs + 256 * s, 128, St::x_sbo); };
+    if constexpr (WF == kWInt4) {
+      const uint2 s_lo = *reinterpret_cast<const uint2*>(st + St::scales + 8 * rl);
+      const uint2 s_hi = *reinterpret_cast<const uint2*>(st + St::scales + 8 * (rl + 8));
+      const uint32_t sel = uint32_t(t) | uint32_t(4 + t) << 8;
+      // The A fragments of group j's two k16 steps: step 2j + h covers words 4j + 2h (its k 0-7)
+      // and 4j + 2h + 1 (k 8-15) of rows rl and rl + 8.
+      auto convert = [&](int j, uint32_t (&a)[2][4]) {
+        const uint4 wl = *reinterpret_cast<const uint4*>(st + rl * St::row + 16 * j);
+        const uint4 wh = *reinterpret_cast<const uint4*>(st + (rl + 8) * St::row + 16 * j);
+        a[0][0] = q4_byte_pair(wl.x, sel), a[0][1] = q4_byte_pair(wh.x, sel);
+        a[0][2] = q4_byte_pair(wl.y, sel), a[0][3] = q4_byte_pair(wh.y, sel);
+        a[1][0] = q4_byte_pair(wl.z, sel), a[1][1] = q4_byte_pair(wh.z, sel);
+        a[1][2] = q4_byte_pair(wl.w, sel), a[1][3] = q4_byte_pair(wh.w, sel);
+      };
+      uint32_t a[2][4], an[2][4];
+      convert(0, a);
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {  // the stage's 32-k groups
+      for (int j = 0; j < 4; ++j) {  // the stage's 32-k groups
+        fence_part();
+        wgmma_fence();
+        wgmma_m64n64k16_rs(part, a[0], desc(2 * j), false);
+        wgmma_m64n64k16_rs(part, a[1], desc(2 * j + 1), true);
+        wgmma_commit();
+        if (j < 3) convert(j + 1, an);  // the next group's fragments while the tensor cores run
+        wgmma_wait<0>();
+        fence_part();
+        const uint32_t sw_lo = j < 2 ? s_lo.x : s_lo.y, sw_hi = j < 2 ? s_hi.x : s_hi.y;
+        add_scaled(__uint_as_float((j % 2 ? sw_lo >> 16 : sw_lo & 0xffffu) << 16),
+                   __uint_as_float((j % 2 ? sw_hi >> 16 : sw_hi & 0xffffu) << 16));
+        if (j < 3) {
 #pragma unroll
-      for (int i = 0; i < 32; ++i) wgmma_reg_fence(part[i]);
-      wgmma_fence();
-      wgmma_m64n64k16_rs(part, a[0], wgmma_desc_k_major(xs + 512 * j, 128, QwStage::x_sbo), false);
-      wgmma_m64n64k16_rs(part, a[1], wgmma_desc_k_major(xs + 512 * j + 256, 128, QwStage::x_sbo), true);
-      wgmma_commit();
-      if (j < 3) convert(j + 1, an);  // the next group's fragments while the tensor cores run
+          for (int h = 0; h < 2; ++h)
+#pragma unroll
+            for (int q = 0; q < 4; ++q) a[h][q] = an[h][q];
+        }
+      }
+    } else {
+      // k16 step s: bytes 16s + 2t, + 1 (k 2t, 2t + 1) and 16s + 2t + 8, + 9 of rows rl, rl + 8.
+      auto convert = [&](int s, uint32_t (&a)[4]) {
+        const uint16_t* lo = reinterpret_cast<const uint16_t*>(st + rl * St::row + 16 * s + 2 * t);
+        const uint16_t* hi = reinterpret_cast<const uint16_t*>(st + (rl + 8) * St::row + 16 * s + 2 * t);
+        a[0] = fp8x2_to_bf16x2(lo[0]), a[1] = fp8x2_to_bf16x2(hi[0]);
+        a[2] = fp8x2_to_bf16x2(lo[4]), a[3] = fp8x2_to_bf16x2(hi[4]);
+      };
+      // Eight steps into part, two fragment sets in turn: step s's set is converted once step
+      // s - 2 (its last reader) is complete.
+      uint32_t a[2][4];
+#pragma unroll
+      for (int s = 0; s < kQmK / 16; ++s) {
+        convert(s, a[s % 2]);
+        if (s == 0) fence_part();
+        wgmma_fence();
+        wgmma_m64n64k16_rs(part, a[s % 2], desc(s), s > 0);
+        wgmma_commit();
+        wgmma_wait<1>();
+      }
       wgmma_wait<0>();
-#pragma unroll
-      for (int i = 0; i < 32; ++i) wgmma_reg_fence(part[i]);
-      const uint32_t sw_lo = j < 2 ? s_lo.x : s_lo.y, sw_hi = j < 2 ? s_hi.x : s_hi.y;
-      const float sg = __uint_as_float((j % 2 ? sw_lo >> 16 : sw_lo & 0xffffu) << 16);
-      const float sg8 = __uint_as_float((j % 2 ? sw_hi >> 16 : sw_hi & 0xffffu) << 16);
-#pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        acc[4 * i] = fmaf(sg, part[4 * i], acc[4 * i]);
-        acc[4 * i + 1] = fmaf(sg, part[4 * i + 1], acc[4 * i + 1]);
-        acc[4 * i + 2] = fmaf(sg8, part[4 * i + 2], acc[4 * i + 2]);
-        acc[4 * i + 3] = fmaf(sg8, part[4 * i + 3], acc[4 * i + 3]);
-      }
-      if (j < 3) {
-#pragma unroll
-        for (int h = 0; h < 2; ++h)
-#pragma unroll
-          for (int q = 0; q < 4; ++q) a[h][q] = an[h][q];
-      }
+      fence_part();
+      add_scaled(*reinterpret_cast<const float*>(st + St::scales + 4 * rl),
+                 *reinterpret_cast<const float*>(st + St::scales + 4 * (rl + 8)));
     }
   }
   cp_async_wait<0>();
@@ -1208,15 +1278,14 @@ int64_t int4_mma_ksplit_slots() {
 int64_t g_int4_mma_rows = -1;
 int64_t int4_mma_rows() { return count_setting(g_int4_mma_rows, "TALON_CUDA_MOE_INT4_ROWS", 0); }
 
-// TALON_CUDA_MOE_INT4_WGMMA=n: calls of at least n routed slots take int4 experts (group 32) on
-// the warpgroup kernel (moe_int4_wgmma_min_slots); default never, until measured on a GPU.
-int64_t g_int4_wgmma_min_slots = -1;
-int64_t int4_wgmma_min_slots() {
-  return count_setting(g_int4_wgmma_min_slots, "TALON_CUDA_MOE_INT4_WGMMA", kInt4WgmmaDefaultMinSlots);
-}
-// TALON_CUDA_MOE_INT4_WGMMA_ORDER=0: that kernel's grid weight-block-major (default 1: tile-major).
-int64_t g_int4_wgmma_order = -1;
-bool int4_wgmma_tile_major() { return count_setting(g_int4_wgmma_order, "TALON_CUDA_MOE_INT4_WGMMA_ORDER", 1) != 0; }
+// TALON_CUDA_MOE_WGMMA=n: calls of at least n routed slots take int4 (group 32) and FP8 (K
+// blocks of 128) experts on the warpgroup kernel (moe_wgmma_min_slots); default never, until
+// measured on a GPU.
+int64_t g_wgmma_min_slots = -1;
+int64_t wgmma_min_slots() { return count_setting(g_wgmma_min_slots, "TALON_CUDA_MOE_WGMMA", kWgmmaDefaultMinSlots); }
+// TALON_CUDA_MOE_WGMMA_ORDER=0: that kernel's grid weight-block-major (default 1: tile-major).
+int64_t g_wgmma_order = -1;
+bool wgmma_tile_major() { return count_setting(g_wgmma_order, "TALON_CUDA_MOE_WGMMA_ORDER", 1) != 0; }
 
 // Routed slots (N x top-k) up to which moe_forward takes the decode-sized kernel: see
 // moe_skinny_max_slots in moe.h.
@@ -1330,33 +1399,43 @@ void int4_mma_launch(float* out, bf16* act, const bf16* in, int64_t ld_in, bool 
   CUDA_LAUNCH_CHECK();
 }
 
-// Whether int4_wgmma_kernel takes an int4 expert product of `slots` routed rows.
-bool int4_wgmma_fits(const ExpertMatrix& m, const bf16* in, int64_t ld_in, int64_t slots) {
-  return m.packed && m.scale && slots > 0 && slots >= int4_wgmma_min_slots() && m.group == 32 && m.I % kQmK == 0 &&
-         ld_in % 8 == 0 && aligned16(in) && aligned16(m.packed) && aligned8(m.scale);
+// Whether wgmma_grouped_kernel takes an expert product of `slots` routed rows: int4 of group 32
+// or FP8 with K blocks a multiple of 128, I % 128 == 0, aligned rows.
+bool wgmma_fits(const ExpertMatrix& m, const bf16* in, int64_t ld_in, int64_t slots) {
+  const bool int4 = m.packed && m.scale && m.group == 32 && aligned16(m.packed) && aligned8(m.scale);
+  const bool fp8 = m.fp8 && m.block_scale && m.bo > 0 && m.bi > 0 && m.bi % kQmK == 0 && aligned16(m.fp8) &&
+                   (reinterpret_cast<uintptr_t>(m.block_scale) & 3) == 0;
+  return (int4 || fp8) && slots > 0 && slots >= wgmma_min_slots() && m.I % kQmK == 0 && ld_in % 8 == 0 &&
+         aligned16(in);
 }
 
-// Launches int4_wgmma_kernel: out = in @ m^T, or with m2 (the up projection of gate m) act =
-// silu(in @ m^T) * (in @ m2^T) in bf16.
-void int4_wgmma_launch(float* out, bf16* act, const bf16* in, int64_t ld_in, bool gather, const MoeScratch& sc, int K,
-                       int64_t max_tiles, int64_t slots, const ExpertMatrix& m, const ExpertMatrix& m2,
-                       cudaStream_t s) {
-  const bool swiglu = m2.packed != nullptr;
+// Launches wgmma_grouped_kernel: out = in @ m^T, or with m2 (the up projection of gate m, in the
+// same form) act = silu(in @ m^T) * (in @ m2^T) in bf16.
+void wgmma_launch(float* out, bf16* act, const bf16* in, int64_t ld_in, bool gather, const MoeScratch& sc, int K,
+                  int64_t max_tiles, int64_t slots, const ExpertMatrix& m, const ExpertMatrix& m2, cudaStream_t s) {
+  const bool swiglu = m2.packed != nullptr || m2.fp8 != nullptr;
   const int64_t grid_tiles = std::min(max_tiles, slots);
   const int64_t o_blocks = (m.O + (swiglu ? kQwRows / 2 : kQwRows) - 1) / (swiglu ? kQwRows / 2 : kQwRows);
   if (grid_tiles <= 0 || o_blocks <= 0) return;
-  const bool tile_major = int4_wgmma_tile_major();
-  const size_t bytes = size_t(kQwStages) * QwStage::bytes;
-  auto go = [&](auto kernel) {
+  const bool tile_major = wgmma_tile_major();
+  auto go = [&](auto kernel, size_t bytes) {
     CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
     kernel<<<unsigned(grid_tiles * o_blocks), kQwThreads, bytes, s>>>(out, act, in, ld_in, sc.order, K, sc.tiles,
                                                                       sc.n_tiles, sc.offsets, m, m2, int(grid_tiles),
                                                                       int(o_blocks), tile_major);
   };
-  if (swiglu)
-    gather ? go(int4_wgmma_kernel<true, true, kQwStages>) : go(int4_wgmma_kernel<false, true, kQwStages>);
+  auto pick = [&](auto wf) {
+    constexpr int WF = decltype(wf)::value;
+    constexpr size_t bytes = size_t(QwStage<WF>::count) * QwStage<WF>::bytes;
+    if (swiglu)
+      gather ? go(wgmma_grouped_kernel<WF, true, true>, bytes) : go(wgmma_grouped_kernel<WF, false, true>, bytes);
+    else
+      gather ? go(wgmma_grouped_kernel<WF, true, false>, bytes) : go(wgmma_grouped_kernel<WF, false, false>, bytes);
+  };
+  if (m.packed)
+    pick(std::integral_constant<int, kWInt4>{});
   else
-    gather ? go(int4_wgmma_kernel<true, false, kQwStages>) : go(int4_wgmma_kernel<false, false, kQwStages>);
+    pick(std::integral_constant<int, kWFp8>{});
   CUDA_LAUNCH_CHECK();
 }
 
@@ -1371,8 +1450,8 @@ void grouped_gemm(float* out, const bf16* in, int64_t ld_in, bool gather, const 
   if (int4 && (m.group <= 0 || !m.scale)) fail_msg("moe: int4 expert weights need a group size and scales");
   if (fp8 && (m.bo <= 0 || m.bi <= 0 || !m.block_scale)) fail_msg("moe: fp8 expert weights need block sizes and scales");
   max_tiles = std::min(max_tiles, slots);
-  if (int4_wgmma_fits(m, in, ld_in, slots)) {
-    int4_wgmma_launch(out, nullptr, in, ld_in, gather, sc, K, max_tiles, slots, m, ExpertMatrix{}, s);
+  if (wgmma_fits(m, in, ld_in, slots)) {
+    wgmma_launch(out, nullptr, in, ld_in, gather, sc, K, max_tiles, slots, m, ExpertMatrix{}, s);
     return;
   }
   if (int4_mma_fits(m, in, ld_in, slots, max_rows)) {
@@ -1464,8 +1543,9 @@ void grouped_gemm(float* out, const bf16* in, int64_t ld_in, bool gather, const 
 void gate_up_swiglu(const bf16* in, int64_t ld_in, bool gather, const MoeScratch& sc, int K, int64_t max_tiles,
                     int64_t slots, int64_t max_rows, int E, const MoeExperts& ex, cudaStream_t s) {
   const int64_t Im = ex.gate.O;
-  if (int4_mma_swiglu() && int4_wgmma_fits(ex.gate, in, ld_in, slots) && int4_wgmma_fits(ex.up, in, ld_in, slots)) {
-    int4_wgmma_launch(nullptr, sc.act, in, ld_in, gather, sc, K, max_tiles, slots, ex.gate, ex.up, s);
+  if (int4_mma_swiglu() && wgmma_fits(ex.gate, in, ld_in, slots) && wgmma_fits(ex.up, in, ld_in, slots) &&
+      (ex.gate.packed != nullptr) == (ex.up.packed != nullptr)) {
+    wgmma_launch(nullptr, sc.act, in, ld_in, gather, sc, K, max_tiles, slots, ex.gate, ex.up, s);
     return;
   }
   if (int4_mma_swiglu() && int4_mma_fits(ex.gate, in, ld_in, slots, max_rows) &&
@@ -1506,8 +1586,8 @@ void moe_int4_mma_swiglu(int on) { g_int4_mma_swiglu = on == 0 || on == 1 ? on :
 void moe_int4_mma_ksplit(int64_t slots) { g_int4_mma_ksplit = slots < 0 ? -1 : slots; }
 void moe_int4_mma_staged(int on) { g_int4_mma_staged = on == 0 || on == 1 ? on : -1; }
 void moe_int4_mma_split(int mode) { g_int4_mma_split = mode >= 0 && mode <= 2 ? mode : -1; }
-void moe_int4_wgmma_min_slots(int64_t slots) { g_int4_wgmma_min_slots = slots < 0 ? -1 : slots; }
-void moe_int4_wgmma_tile_major(int on) { g_int4_wgmma_order = on == 0 || on == 1 ? on : -1; }
+void moe_wgmma_min_slots(int64_t slots) { g_wgmma_min_slots = slots < 0 ? -1 : slots; }
+void moe_wgmma_tile_major(int on) { g_wgmma_order = on == 0 || on == 1 ? on : -1; }
 
 MoeScratchSizes moe_scratch_elems(int64_t n, const MoeRouting& r, int64_t H, int64_t Im) {
   const int64_t NK = n * r.top_k;

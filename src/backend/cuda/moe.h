@@ -112,17 +112,18 @@ void moe_int4_mma_staged(int on);
 // TALON_CUDA_MOE_INT4_SPLIT=0|1|2, or this call (tests; other values: the default again).
 void moe_int4_mma_split(int mode);
 
-// Calls with at least this many routed slots run int4 experts (group 32, I % 128 == 0) on the
+// Calls with at least this many routed slots run int4 experts (group 32) and FP8 experts (K
+// blocks a multiple of 128, DeepSeek-V3's 128 x 128) whose I is a multiple of 128 on the
 // warpgroup (wgmma) kernel of moe.cu: a block of one sort tile (64 rows of an expert) x 128
-// weight rows, the weights converted from nibbles into the wgmma's register operand, ahead of
-// every kernel above (with the SwiGLU setting above on, gate and up in one pass). Default:
-// never (not yet measured on a GPU), TALON_CUDA_MOE_INT4_WGMMA=n in the environment, or this call
-// (tests; 0: every call; negative: the default again).
-void moe_int4_wgmma_min_slots(int64_t slots);
+// weight rows, the weights converted into the wgmma's register operand, ahead of every kernel
+// above (with the SwiGLU setting above on, gate and up in one pass). Default: never (not yet
+// measured on a GPU), TALON_CUDA_MOE_WGMMA=n in the environment, or this call (tests; 0: every
+// call; negative: the default again).
+void moe_wgmma_min_slots(int64_t slots);
 // That kernel's grid order: tile-major (1, the default: a tile's weight-row blocks run together
 // and share its activations through L2) or weight-block-major (0).
-// TALON_CUDA_MOE_INT4_WGMMA_ORDER=0|1, or this call (tests; other values: the default again).
-void moe_int4_wgmma_tile_major(int on);
+// TALON_CUDA_MOE_WGMMA_ORDER=0|1, or this call (tests; other values: the default again).
+void moe_wgmma_tile_major(int on);
 
 // ---- Expert parallelism: one rank's pieces of moe_forward (cuda_deepseek.cpp moves the rows
 // between ranks). Routing is global; experts are split in equal contiguous windows, rank d

@@ -30,7 +30,8 @@
 #   wgmma      (not in the default list) the CudaMoe tests, then one Kimi-K2 MoE layer at 256-16384
 #              tokens: int4 experts on the default kernels and on the wgmma kernel (grid
 #              tile-major and weight-block-major; gate | up fused and apart), FP8 128x128 experts
-#              on the tiles and on the wgmma kernel, bf16 on CUTLASS, and the bf16 GEMM ceiling;
+#              on the tiles and on the wgmma kernel, bf16 on CUTLASS (each tile configuration of
+#              TALON_MOE_CUTLASS_TILES), and the bf16 GEMM ceiling;
 #   compare    (not in the default list) bench/train_compare_gpu.sh at 2048 and 4096 tokens, loss
 #              share 0.675, VARIANT=cudnn+rows, with the PyTorch peer.
 # Logs go to $LOGS (default: a temporary folder); a summary to stdout. TESTS overrides the tests
@@ -154,8 +155,11 @@ if want wgmma; then
   wg int4-wgmma-separate-gate-up TALON_CUDA_MOE_WGMMA=0 TALON_CUDA_MOE_INT4_SWIGLU=0
   wg fp8-tiles --fp8
   wg fp8-wgmma --fp8 TALON_CUDA_MOE_WGMMA=0
-  TALON_MOE_GEMM=cutlass build/talon_bench_moe --bf16 --tokens $W > "$LOGS/wgmma-bf16-cutlass.log" 2>&1
-  echo "bf16 on CUTLASS:"; tail -8 "$LOGS/wgmma-bf16-cutlass.log"
+  for tl in rows128 out128x64 out128x128; do
+    TALON_MOE_GEMM=cutlass TALON_MOE_CUTLASS_TILES=$tl build/talon_bench_moe --bf16 --tokens $W \
+      > "$LOGS/wgmma-bf16-cutlass-$tl.log" 2>&1
+    echo "bf16 on CUTLASS, tiles $tl:"; tail -8 "$LOGS/wgmma-bf16-cutlass-$tl.log"
+  done
   echo "== bf16 GEMM ceiling (torch, 8192^3, median of 10)"
   python3 -c '
 import torch, statistics

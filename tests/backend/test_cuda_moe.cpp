@@ -283,11 +283,13 @@ void check_moe_case(const Case& cs, int64_t N) {
        {kTiles, kSkinny, kCutlass, kInt4Mma, kInt4Mma2, kInt4Swiglu, kInt4KSplit, kWgmma, kWgmmaSwiglu}) {
     const bool wgmma = path == kWgmma || path == kWgmmaSwiglu;
     if ((path == kCutlass && !cutlass) || (path >= kInt4Mma && !wgmma && !int4_mma) || (wgmma && !wgmma_case)) continue;
-    // 0: defaults; 1: warps load the activations (wgmma: the grid weight-block-major); 2: one
-    // block a tile; 3: a block a pass always.
+    // 0: defaults; 1: warps load the activations (wgmma: the grid weight-block-major; CUTLASS:
+    // the product transposed, tiles of 128 outputs x 64 rows); 2: one block a tile (CUTLASS: 128
+    // outputs x 128 rows); 3: a block a pass always.
     for (const int variant : {0, 1, 2, 3}) {
-      if (variant > 0 && (path < kInt4Mma || path == kInt4KSplit)) continue;  // no such choice there
+      if (variant > 0 && path != kCutlass && (path < kInt4Mma || path == kInt4KSplit)) continue;  // no such choice there
       if (variant > 1 && wgmma) continue;
+      if (variant > 2 && path == kCutlass) continue;
       const int staged = variant != 1, split = variant == 2 ? 0 : variant == 3 ? 2 : 1;
       cuda::moe_skinny_max_slots(path == kSkinny ? 1 << 20 : 0);
       cuda::moe_int4_mma_max_slots(path >= kInt4Mma ? 1 << 20 : 0);
@@ -299,8 +301,10 @@ void check_moe_case(const Case& cs, int64_t N) {
       cuda::moe_int4_mma_staged(staged);
       cuda::moe_int4_mma_split(split);
       cuda::moe_cutlass_use(path == kCutlass ? 1 : 0);
+      cuda::moe_cutlass_tiles(path == kCutlass ? variant : -1);
       const auto got = run_gpu_moe(xb, logits, cs.bias ? d_bias : nullptr, N, H, r, {dg.m, du.m, dd.m});
       cuda::moe_cutlass_use(-1);
+      cuda::moe_cutlass_tiles(-1);
       const char* names[] = {" (tiles)", " (decode-sized kernel)", " (CUTLASS grouped GEMM)", " (int4 tensor-core decode kernel)",
                              " (int4 tensor-core decode kernel, 32 rows a warp)",
                              " (int4 tensor-core decode kernel, gate and up with SwiGLU in one pass)",
@@ -308,7 +312,8 @@ void check_moe_case(const Case& cs, int64_t N) {
                              " (wgmma kernel)", " (wgmma kernel, gate and up with SwiGLU in one pass)"};
       const std::string tag =
           std::string(cs.name) + names[path] +
-          (variant == 1 ? (wgmma ? " [grid weight-block-major]" : " [warps load the activations]")
+          (path == kCutlass ? (variant == 1 ? " [128 outputs x 64 rows]" : variant == 2 ? " [128 outputs x 128 rows]" : "")
+           : variant == 1 ? (wgmma ? " [grid weight-block-major]" : " [warps load the activations]")
            : variant == 2 ? " [one block a tile]"
            : variant == 3 ? " [a block a pass]"
                           : "");

@@ -23,6 +23,13 @@ bool moe_cutlass_built();
 bool moe_cutlass_requested();
 // Tests: 1 routes bf16 experts to CUTLASS, 0 to the mma.sync tiles, -1 back to the environment.
 void moe_cutlass_use(int mode);
+// The tiles of the grouped product: 0 (TALON_MOE_CUTLASS_TILES=rows128, the default) 128 routed
+// rows x 128 outputs, D as is; 1 (out128x64) and 2 (out128x128) the product transposed, 128
+// outputs x 64 or 128 routed rows (an expert's rows padded to 64 or 128, not 128; the weights as
+// the wgmma's A operand; D written column-major, which is the same row-major out). The
+// environment is read once; tests set it with moe_cutlass_tiles(config) (-1: the environment).
+int moe_cutlass_tiles();
+void moe_cutlass_tiles(int config);
 // Whether the shapes and pointers fit the kernel (see above).
 bool moe_cutlass_fits(const void* a, const void* w, const void* out, int64_t N, int64_t K);
 // A device buffer of n bf16 values for the routed rows in sorted order (per device and stream,

@@ -272,7 +272,8 @@ void check_moe_case(const Case& cs, int64_t N) {
   // block, on a block each at 32 rows a pass (the default) and at every pass size; and for int4
   // experts of group 32 and FP8 experts of K blocks 128 (with H or Im a multiple of 128) the
   // warpgroup (wgmma) kernel at every size, the products apart and gate | up with the SwiGLU in
-  // one pass, each with its grid tile-major (the default) and weight-block-major.
+  // one pass, each with its grid in groups of 4 tiles (the default), tile-major and
+  // weight-block-major.
   enum Path { kTiles, kSkinny, kCutlass, kInt4Mma, kInt4Mma2, kInt4Swiglu, kInt4KSplit, kWgmma, kWgmmaSwiglu };
   const bool cutlass = cs.group == 0 && cs.fp8_bi == 0 && cuda::moe_cutlass_built();
   // The kernel takes a matrix whose I (H for gate and up, Im for down) is a multiple of 128.
@@ -283,12 +284,12 @@ void check_moe_case(const Case& cs, int64_t N) {
        {kTiles, kSkinny, kCutlass, kInt4Mma, kInt4Mma2, kInt4Swiglu, kInt4KSplit, kWgmma, kWgmmaSwiglu}) {
     const bool wgmma = path == kWgmma || path == kWgmmaSwiglu;
     if ((path == kCutlass && !cutlass) || (path >= kInt4Mma && !wgmma && !int4_mma) || (wgmma && !wgmma_case)) continue;
-    // 0: defaults; 1: warps load the activations (wgmma: the grid weight-block-major; CUTLASS:
-    // the product transposed, tiles of 128 outputs x 64 rows); 2: one block a tile (CUTLASS: 128
-    // outputs x 128 rows); 3: a block a pass always.
+    // 0: defaults; 1: warps load the activations (wgmma: the grid tile-major; CUTLASS: the
+    // product transposed, tiles of 128 outputs x 64 rows); 2: one block a tile (wgmma: the grid
+    // weight-block-major; CUTLASS: 128 outputs x 128 rows); 3: a block a pass always.
     for (const int variant : {0, 1, 2, 3}) {
       if (variant > 0 && path != kCutlass && (path < kInt4Mma || path == kInt4KSplit)) continue;  // no such choice there
-      if (variant > 1 && wgmma) continue;
+      if (variant > 2 && wgmma) continue;
       if (variant > 2 && path == kCutlass) continue;
       const int staged = variant != 1, split = variant == 2 ? 0 : variant == 3 ? 2 : 1;
       cuda::moe_skinny_max_slots(path == kSkinny ? 1 << 20 : 0);
@@ -296,7 +297,7 @@ void check_moe_case(const Case& cs, int64_t N) {
       cuda::moe_int4_mma_tiles(path == kInt4Mma2 ? 2 : 1);
       cuda::moe_int4_mma_swiglu(path == kInt4Swiglu || path == kWgmmaSwiglu ? 1 : 0);
       cuda::moe_wgmma_min_slots(wgmma ? 0 : -1);
-      cuda::moe_wgmma_tile_major(wgmma && variant == 1 ? 0 : -1);
+      cuda::moe_wgmma_group(wgmma && variant == 1 ? 1 : wgmma && variant == 2 ? 1 << 20 : -1);
       cuda::moe_int4_mma_ksplit(path == kInt4KSplit ? 1 << 20 : 0);
       cuda::moe_int4_mma_staged(staged);
       cuda::moe_int4_mma_split(split);
@@ -313,7 +314,8 @@ void check_moe_case(const Case& cs, int64_t N) {
       const std::string tag =
           std::string(cs.name) + names[path] +
           (path == kCutlass ? (variant == 1 ? " [128 outputs x 64 rows]" : variant == 2 ? " [128 outputs x 128 rows]" : "")
-           : variant == 1 ? (wgmma ? " [grid weight-block-major]" : " [warps load the activations]")
+           : wgmma          ? (variant == 1 ? " [grid tile-major]" : variant == 2 ? " [grid weight-block-major]" : "")
+           : variant == 1   ? " [warps load the activations]"
            : variant == 2 ? " [one block a tile]"
            : variant == 3 ? " [a block a pass]"
                           : "");
@@ -340,7 +342,7 @@ void check_moe_case(const Case& cs, int64_t N) {
   cuda::moe_int4_mma_staged(-1);
   cuda::moe_int4_mma_split(-1);
   cuda::moe_wgmma_min_slots(-1);
-  cuda::moe_wgmma_tile_major(-1);
+  cuda::moe_wgmma_group(-1);
   cudaFree(d_bias);
 }
 

@@ -54,6 +54,7 @@ constexpr int kMaxExperts = 4096;
 constexpr int64_t kSkinnyDefaultSlots = 256;  // moe.h: moe_skinny_max_slots
 constexpr int64_t kInt4MmaDefaultSlots = int64_t(1) << 40;  // moe.h: moe_int4_mma_max_slots (no bound)
 constexpr int64_t kWgmmaDefaultMinSlots = int64_t(1) << 62;  // moe.h: moe_wgmma_min_slots (never)
+constexpr int64_t kWgmmaDefaultGroup = 4;                      // moe.h: moe_wgmma_group
 constexpr int64_t kInt4KSplitDefaultSlots = 16;  // moe.h: moe_int4_mma_ksplit
 
 // Tensor-core GEMM.
@@ -1021,21 +1022,24 @@ __device__ __forceinline__ uint32_t q4_byte_pair(uint32_t w, uint32_t sel) {
 
 // out[p, O] (fp32, sorted rows) = in[row(p)] @ W_e^T for the tile's expert e (WF: kWInt4 or
 // kWFp8), or with SWIGLU act [p, O] = silu(in @ W_e^T) * (in @ W2_e^T) in bf16. The grid is
-// grid_tiles x o_blocks blocks in one dimension: tile-major (the block's tile is blockIdx.x /
-// o_blocks, so a tile's weight-row blocks run together and share its activations in L2) or,
-// with tile_major false, weight-block-major (a weight-row block's tiles run together and share
-// its weights, the tiles of one expert being neighbours in the sort).
+// one dimension of ceil(grid_tiles / group) groups of `group` consecutive tiles: a group's tiles
+// take weight-row block 0 side by side, then block 1, and so on. Neighbours in launch order share
+// a weight slab (the tiles of one expert are consecutive in the sort: its slab comes from DRAM
+// once, then from L2), and the group's activation rows stay in L2 while its weight blocks go
+// by. group 1: tile-major (a tile's weight blocks together); group >= grid_tiles:
+// weight-block-major.
 template <int WF, bool GATHER, bool SWIGLU>
 __global__ void __launch_bounds__(kQwThreads, 2)
     wgmma_grouped_kernel(float* out, bf16* act, const bf16* in, int64_t ld_in, const int32_t* order, int K,
                          const int32_t* tiles, const int32_t* n_tiles, const int32_t* offsets, ExpertMatrix m,
-                         ExpertMatrix m2, int grid_tiles, int o_blocks, bool tile_major) {
+                         ExpertMatrix m2, int o_blocks, int group) {
   static_assert(WF == kWInt4 || WF == kWFp8, "int4 or FP8 weights");
   using St = QwStage<WF>;
   constexpr int ST = St::count;
   extern __shared__ __align__(128) unsigned char qw_smem[];
   const int b = int(blockIdx.x);
-  const int tile = tile_major ? b / o_blocks : b % grid_tiles, ob = tile_major ? b % o_blocks : b / grid_tiles;
+  const int in_group = b % (group * o_blocks), ob = in_group / group;
+  const int tile = b / (group * o_blocks) * group + in_group % group;
   if (tile >= *n_tiles) return;
   const int e = tiles[2 * tile], r0 = tiles[2 * tile + 1];
   const int rows = min(kTileRows, offsets[e + 1] - r0);
@@ -1283,9 +1287,9 @@ int64_t int4_mma_rows() { return count_setting(g_int4_mma_rows, "TALON_CUDA_MOE_
 // measured on a GPU.
 int64_t g_wgmma_min_slots = -1;
 int64_t wgmma_min_slots() { return count_setting(g_wgmma_min_slots, "TALON_CUDA_MOE_WGMMA", kWgmmaDefaultMinSlots); }
-// TALON_CUDA_MOE_WGMMA_ORDER=0: that kernel's grid weight-block-major (default 1: tile-major).
+// TALON_CUDA_MOE_WGMMA_GROUP=n: tiles that take each weight block side by side (moe_wgmma_group).
 int64_t g_wgmma_order = -1;
-bool wgmma_tile_major() { return count_setting(g_wgmma_order, "TALON_CUDA_MOE_WGMMA_ORDER", 1) != 0; }
+int64_t wgmma_group() { return std::max<int64_t>(1, count_setting(g_wgmma_order, "TALON_CUDA_MOE_WGMMA_GROUP", kWgmmaDefaultGroup)); }
 
 // Routed slots (N x top-k) up to which moe_forward takes the decode-sized kernel: see
 // moe_skinny_max_slots in moe.h.
@@ -1417,12 +1421,12 @@ void wgmma_launch(float* out, bf16* act, const bf16* in, int64_t ld_in, bool gat
   const int64_t grid_tiles = std::min(max_tiles, slots);
   const int64_t o_blocks = (m.O + (swiglu ? kQwRows / 2 : kQwRows) - 1) / (swiglu ? kQwRows / 2 : kQwRows);
   if (grid_tiles <= 0 || o_blocks <= 0) return;
-  const bool tile_major = wgmma_tile_major();
+  const int64_t group = std::min(wgmma_group(), grid_tiles);
+  const int64_t blocks = (grid_tiles + group - 1) / group * group * o_blocks;
   auto go = [&](auto kernel, size_t bytes) {
     CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
-    kernel<<<unsigned(grid_tiles * o_blocks), kQwThreads, bytes, s>>>(out, act, in, ld_in, sc.order, K, sc.tiles,
-                                                                      sc.n_tiles, sc.offsets, m, m2, int(grid_tiles),
-                                                                      int(o_blocks), tile_major);
+    kernel<<<unsigned(blocks), kQwThreads, bytes, s>>>(out, act, in, ld_in, sc.order, K, sc.tiles, sc.n_tiles,
+                                                       sc.offsets, m, m2, int(o_blocks), int(group));
   };
   auto pick = [&](auto wf) {
     constexpr int WF = decltype(wf)::value;
@@ -1587,7 +1591,7 @@ void moe_int4_mma_ksplit(int64_t slots) { g_int4_mma_ksplit = slots < 0 ? -1 : s
 void moe_int4_mma_staged(int on) { g_int4_mma_staged = on == 0 || on == 1 ? on : -1; }
 void moe_int4_mma_split(int mode) { g_int4_mma_split = mode >= 0 && mode <= 2 ? mode : -1; }
 void moe_wgmma_min_slots(int64_t slots) { g_wgmma_min_slots = slots < 0 ? -1 : slots; }
-void moe_wgmma_tile_major(int on) { g_wgmma_order = on == 0 || on == 1 ? on : -1; }
+void moe_wgmma_group(int64_t tiles) { g_wgmma_order = tiles < 1 ? -1 : tiles; }
 
 MoeScratchSizes moe_scratch_elems(int64_t n, const MoeRouting& r, int64_t H, int64_t Im) {
   const int64_t NK = n * r.top_k;

@@ -120,10 +120,12 @@ void moe_int4_mma_split(int mode);
 // measured on a GPU), TALON_CUDA_MOE_WGMMA=n in the environment, or this call (tests; 0: every
 // call; negative: the default again).
 void moe_wgmma_min_slots(int64_t slots);
-// That kernel's grid order: tile-major (1, the default: a tile's weight-row blocks run together
-// and share its activations through L2) or weight-block-major (0).
-// TALON_CUDA_MOE_WGMMA_ORDER=0|1, or this call (tests; other values: the default again).
-void moe_wgmma_tile_major(int on);
+// That kernel's grid order: groups of this many consecutive sort tiles take each block of weight
+// rows side by side (one expert's tiles are consecutive, so its weight slab is read from DRAM
+// once and from L2 by the others) while the group's activation rows stay in L2 across the
+// weight blocks. Default 4; 1 is tile-major, a large n weight-block-major.
+// TALON_CUDA_MOE_WGMMA_GROUP=n, or this call (tests; < 1: the default again).
+void moe_wgmma_group(int64_t tiles);
 
 // ---- Expert parallelism: one rank's pieces of moe_forward (cuda_deepseek.cpp moves the rows
 // between ranks). Routing is global; experts are split in equal contiguous windows, rank d

@@ -28,7 +28,8 @@
 #              each warp; bf16 on CUTLASS), and Kimi-K2-shaped decoding with
 #              the int4 decode kernel off and on;
 #   wgmma      (not in the default list) the CudaMoe tests, then one Kimi-K2 MoE layer at 256-16384
-#              tokens: int4 experts on the default kernels and on the wgmma kernel (grid in
+#              tokens: int4 experts on the default kernels (grid plain and in groups of 4 and 16
+#              tiles, TALON_CUDA_MOE_GRID_GROUP) and on the wgmma kernel (grid in
 #              groups of 4 tiles, 1, 16 and all; gate | up fused and apart), FP8 128x128 experts
 #              on the tiles and on the wgmma kernel, bf16 on CUTLASS (each tile configuration of
 #              TALON_MOE_CUTLASS_TILES), and the bf16 GEMM ceiling;
@@ -150,12 +151,15 @@ if want wgmma; then
   }
   echo "== one Kimi-K2 MoE layer, int4 and FP8 experts: default kernels vs the wgmma kernel"
   wg int4-default
+  wg int4-default-grid-group4 TALON_CUDA_MOE_GRID_GROUP=4
+  wg int4-default-grid-group16 TALON_CUDA_MOE_GRID_GROUP=16
   wg int4-wgmma TALON_CUDA_MOE_WGMMA=0
   wg int4-wgmma-tile-major TALON_CUDA_MOE_WGMMA=0 TALON_CUDA_MOE_WGMMA_GROUP=1
   wg int4-wgmma-group16 TALON_CUDA_MOE_WGMMA=0 TALON_CUDA_MOE_WGMMA_GROUP=16
   wg int4-wgmma-weight-major TALON_CUDA_MOE_WGMMA=0 TALON_CUDA_MOE_WGMMA_GROUP=1000000
   wg int4-wgmma-separate-gate-up TALON_CUDA_MOE_WGMMA=0 TALON_CUDA_MOE_INT4_SWIGLU=0
   wg fp8-tiles --fp8
+  wg fp8-tiles-grid-group4 --fp8 TALON_CUDA_MOE_GRID_GROUP=4
   wg fp8-wgmma --fp8 TALON_CUDA_MOE_WGMMA=0
   for tl in rows128 out128x64 out128x128; do
     TALON_MOE_GEMM=cutlass TALON_MOE_CUTLASS_TILES=$tl build/talon_bench_moe --bf16 --tokens $W \

@@ -286,12 +286,18 @@ void check_moe_case(const Case& cs, int64_t N) {
     if ((path == kCutlass && !cutlass) || (path >= kInt4Mma && !wgmma && !int4_mma) || (wgmma && !wgmma_case)) continue;
     // 0: defaults; 1: warps load the activations (wgmma: the grid tile-major; CUTLASS: the
     // product transposed, tiles of 128 outputs x 64 rows); 2: one block a tile (wgmma: the grid
-    // weight-block-major; CUTLASS: 128 outputs x 128 rows); 3: a block a pass always.
-    for (const int variant : {0, 1, 2, 3}) {
-      if (variant > 0 && path != kCutlass && (path < kInt4Mma || path == kInt4KSplit)) continue;  // no such choice there
-      if (variant > 2 && wgmma) continue;
-      if (variant > 2 && path == kCutlass) continue;
+    // weight-block-major; CUTLASS: 128 outputs x 128 rows); 3: a block a pass always; 4 (the
+    // tiles and the int4 decode kernel): the grid in groups of 3 tiles.
+    auto runs = [&](int variant) {
+      if (variant == 0) return true;
+      if (path == kCutlass || wgmma) return variant <= 2;
+      if (variant == 4) return path == kTiles || path == kInt4Mma || path == kInt4Swiglu;
+      return path >= kInt4Mma && path != kInt4KSplit;
+    };
+    for (const int variant : {0, 1, 2, 3, 4}) {
+      if (!runs(variant)) continue;
       const int staged = variant != 1, split = variant == 2 ? 0 : variant == 3 ? 2 : 1;
+      cuda::moe_grid_group(variant == 4 ? 3 : -1);
       cuda::moe_skinny_max_slots(path == kSkinny ? 1 << 20 : 0);
       cuda::moe_int4_mma_max_slots(path >= kInt4Mma ? 1 << 20 : 0);
       cuda::moe_int4_mma_tiles(path == kInt4Mma2 ? 2 : 1);
@@ -316,9 +322,10 @@ void check_moe_case(const Case& cs, int64_t N) {
           (path == kCutlass ? (variant == 1 ? " [128 outputs x 64 rows]" : variant == 2 ? " [128 outputs x 128 rows]" : "")
            : wgmma          ? (variant == 1 ? " [grid tile-major]" : variant == 2 ? " [grid weight-block-major]" : "")
            : variant == 1   ? " [warps load the activations]"
-           : variant == 2 ? " [one block a tile]"
-           : variant == 3 ? " [a block a pass]"
-                          : "");
+           : variant == 2   ? " [one block a tile]"
+           : variant == 3   ? " [a block a pass]"
+           : variant == 4   ? " [grid in groups of 3 tiles]"
+                            : "");
       EXPECT_EQ(got.idx, idx) << tag << ": routing picked other experts";
       for (size_t i = 0; i < got.weights.size(); ++i)
         EXPECT_NEAR(got.weights[i], wts[i], 1e-5 * std::max(1.f, std::fabs(wts[i]))) << i;
@@ -343,6 +350,7 @@ void check_moe_case(const Case& cs, int64_t N) {
   cuda::moe_int4_mma_split(-1);
   cuda::moe_wgmma_min_slots(-1);
   cuda::moe_wgmma_group(-1);
+  cuda::moe_grid_group(-1);
   cudaFree(d_bias);
 }
 

@@ -70,6 +70,29 @@ constexpr int kFragRows = kTileRows / 16;  // m16 fragments per warp
 // The weight storage a GEMM kernel is instantiated for (ExpertMatrix's three forms).
 constexpr int kWBf16 = 0, kWInt4 = 1, kWFp8 = 2;
 
+// The grids of the tile kernels: block (x, y) of gx x gy, launched in one dimension as groups of
+// `group` consecutive x (tiles of the sort, or a tile's split blocks) that take y (blocks of
+// weight rows) = 0, 1, ... side by side. group >= gx is the plain two-dimensional order (x
+// fastest: each weight block sweeps every tile, so past L2's size every tile's activation rows
+// come from DRAM again for each weight block); a small group keeps its activation rows in L2
+// across the weight blocks and still lets one expert's consecutive tiles share a weight slab.
+struct GroupedGrid {
+  int gy = 1, group = 1;
+  __device__ __forceinline__ int2 block() const {
+    const int b = int(blockIdx.x), in_group = b % (group * gy);
+    return make_int2(b / (group * gy) * group + in_group % group, in_group / group);
+  }
+};
+// The launch of gx x gy blocks in groups of `group_x` x entries (0: the plain order).
+struct GridLaunch {
+  GroupedGrid g;
+  unsigned blocks = 0;
+};
+GridLaunch grouped_grid(int64_t gx, int64_t gy, int64_t group_x) {
+  const int64_t group = std::max<int64_t>(1, group_x <= 0 ? gx : std::min(group_x, gx));
+  return {{int(gy), int(group)}, unsigned((gx + group - 1) / group * group * gy)};
+}
+
 // One pipeline stage in dynamic shared memory, in bytes: A [kTileRows][kTcLd] bf16, then B
 // ([kTcCols][kTcLd] bf16; or [kTcCols][kQLd] packed int4 words, or [kTcCols][kF8Ld] e4m3
 // bytes, each followed by the fp32 scales [kSteps][kTcCols] of each (k-step, output)).
@@ -251,15 +274,16 @@ template <int WF, bool GATHER>
 __global__ void __launch_bounds__(kTcThreads, 2)
     tc_grouped_gemm_kernel(float* out, const bf16* in, int64_t ld_in, const int32_t* order, int K,
                            const int32_t* tiles, const int32_t* n_tiles, const int32_t* offsets, ExpertMatrix m,
-                           bool vec_a, bool vec_b) {
+                           bool vec_a, bool vec_b, GroupedGrid grid) {
   using St = TcStage<WF>;
   constexpr bool INT4 = WF == kWInt4, FP8 = WF == kWFp8, SCALED = St::scaled;
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ int src[kTileRows];  // input row of each tile row, -1 past the tile's rows
-  if (int(blockIdx.x) >= *n_tiles) return;
-  const int e = tiles[2 * blockIdx.x], r0 = tiles[2 * blockIdx.x + 1];
+  const int2 bxy = grid.block();
+  if (bxy.x >= *n_tiles) return;
+  const int e = tiles[2 * bxy.x], r0 = tiles[2 * bxy.x + 1];
   const int rows = min(kTileRows, offsets[e + 1] - r0);
-  const int O = int(m.O), I = int(m.I), col0 = int(blockIdx.y) * kTcCols;
+  const int O = int(m.O), I = int(m.I), col0 = bxy.y * kTcCols;
   const int tid = threadIdx.x, lane = tid % 32, wn = (tid / 32) * 16, g = lane / 4, t = lane % 4;
   if (tid < kTileRows) src[tid] = tid < rows ? (GATHER ? order[r0 + tid] / K : r0 + tid) : -1;
   // gsize: the k extent of one scale (int4 group, fp8 K block); groups: scale columns.
@@ -747,7 +771,7 @@ template <bool GATHER, int NF, int MT, bool SWIGLU = false, int KS = 1, bool XS 
 __global__ void __launch_bounds__(kQmWarps * 32, MT == 1 ? (NF == 1 ? 8 : NF == 2 ? 6 : 4) : (NF == 1 ? 5 : NF == 2 ? 4 : 3))
     int4_decode_mma_kernel(float* out, bf16* act, const bf16* in, int64_t ld_in, const int32_t* order, int K,
                            const int32_t* tiles, const int32_t* n_tiles, const int32_t* offsets, ExpertMatrix m,
-                           ExpertMatrix m2, int splits) {
+                           ExpertMatrix m2, int splits, GroupedGrid grid) {
   static_assert(!SWIGLU || MT == 2, "the SwiGLU pairing holds a gate tile and an up tile");
   static_assert(KS == 1 || (KS == kQmWarps && MT == 1 && !SWIGLU), "reduction split: one quarter a warp");
   static_assert(!XS || KS == 1, "staged activations: every warp of the block walks the same chunks");
@@ -756,15 +780,16 @@ __global__ void __launch_bounds__(kQmWarps * 32, MT == 1 ? (NF == 1 ? 8 : NF == 
   constexpr int RO = SWIGLU ? 16 : R;  // output rows a warp
   constexpr int XB = 8 * NF * kQmXRowBytes;  // a staged activation chunk
   extern __shared__ __align__(16) unsigned char qm_smem[];
-  // splits blocks a tile (blockIdx.x = tile * splits + split): split s takes the tile's passes
+  // splits blocks a tile (x = tile * splits + split): split s takes the tile's passes
   // s, s + splits, ... Neighbours in launch order, they stream the same weight rows at about
   // the same time, so past the first the weights come from L2.
-  const int tile = int(blockIdx.x) / splits, split = int(blockIdx.x) % splits;
+  const int2 bxy = grid.block();
+  const int tile = bxy.x / splits, split = bxy.x % splits;
   if (tile >= *n_tiles) return;
   const int e = tiles[2 * tile], r0 = tiles[2 * tile + 1];
   const int rows = min(kTileRows, offsets[e + 1] - r0);
   const int O = int(m.O), I = int(m.I), lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, t = lane % 4;
-  const int o0 = KS == 1 ? int(blockIdx.y) * (kQmWarps * RO) + warp * RO : int(blockIdx.y) * RO;
+  const int o0 = KS == 1 ? bxy.y * (kQmWarps * RO) + warp * RO : bxy.y * RO;
   // The warp's rows are past the matrix (KS: the block's): no other exit. With XS such a warp
   // stays for the block's copies and barriers (its weight rows repeat row O - 1; nothing stored).
   if (!XS && o0 >= O) return;
@@ -1287,6 +1312,10 @@ int64_t int4_mma_rows() { return count_setting(g_int4_mma_rows, "TALON_CUDA_MOE_
 // measured on a GPU.
 int64_t g_wgmma_min_slots = -1;
 int64_t wgmma_min_slots() { return count_setting(g_wgmma_min_slots, "TALON_CUDA_MOE_WGMMA", kWgmmaDefaultMinSlots); }
+// TALON_CUDA_MOE_GRID_GROUP=n: the tile and int4 decode kernels' grids in groups of n tiles
+// (moe_grid_group); default 0, the plain order.
+int64_t g_grid_group = -1;
+int64_t grid_group_tiles() { return count_setting(g_grid_group, "TALON_CUDA_MOE_GRID_GROUP", 0); }
 // TALON_CUDA_MOE_WGMMA_GROUP=n: tiles that take each weight block side by side (moe_wgmma_group).
 int64_t g_wgmma_order = -1;
 int64_t wgmma_group() { return std::max<int64_t>(1, count_setting(g_wgmma_order, "TALON_CUDA_MOE_WGMMA_GROUP", kWgmmaDefaultGroup)); }
@@ -1353,8 +1382,8 @@ void int4_mma_launch(float* out, bf16* act, const bf16* in, int64_t ld_in, bool 
   const int64_t pass_rows = 8 * nf;
   const bool split = int4_mma_split() == 2 || (int4_mma_split() == 1 && nf == 4);
   const int splits = split ? int((std::min<int64_t>(max_rows, kTileRows) + pass_rows - 1) / pass_rows) : 1;
-  const dim3 grid(static_cast<unsigned>(std::min(max_tiles, slots) * splits),
-                  static_cast<unsigned>((m.O + block_rows - 1) / block_rows));
+  const GridLaunch grid = grouped_grid(std::min(max_tiles, slots) * splits, (m.O + block_rows - 1) / block_rows,
+                                       grid_group_tiles() * splits);
   const bool staged = !ksplit && int4_mma_staged();
   // Dynamic shared memory: each warp's weight ring, then (staged) the block's activation ring.
   // Stages: 3 at 32 rows a pass, where shared memory (85 KB a block with 4) would hold an SM to
@@ -1365,8 +1394,8 @@ void int4_mma_launch(float* out, bf16* act, const bf16* in, int64_t ld_in, bool 
     const size_t weights = size_t(kQmWarps) * stages * (ksplit || mt == 1 ? QmStage<1>::bytes : QmStage<2>::bytes);
     const size_t bytes = weights + (staged ? size_t(stages) * 8 * nf * kQmXRowBytes : 0);
     if (bytes > 48 * 1024) CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
-    kernel<<<grid, kQmWarps * 32, bytes, s>>>(out, act, in, ld_in, sc.order, K, sc.tiles, sc.n_tiles, sc.offsets, m, m2,
-                                              splits);
+    kernel<<<grid.blocks, kQmWarps * 32, bytes, s>>>(out, act, in, ld_in, sc.order, K, sc.tiles, sc.n_tiles,
+                                                     sc.offsets, m, m2, splits, grid.g);
   };
   auto pick = [&](auto nf) {
     constexpr int NF = decltype(nf)::value;
@@ -1508,7 +1537,7 @@ void grouped_gemm(float* out, const bf16* in, int64_t ld_in, bool gather, const 
     }
   }
   if (int4 ? m.group % 16 == 0 : fp8 ? m.bi % 16 == 0 : true) {
-    const dim3 grid(unsigned(max_tiles), unsigned((m.O + kTcCols - 1) / kTcCols));
+    const GridLaunch grid = grouped_grid(max_tiles, (m.O + kTcCols - 1) / kTcCols, grid_group_tiles());
     const bool vec_a = ld_in % 8 == 0 && m.I % 8 == 0 && aligned16(in);
     const bool vec_b = int4  ? ((m.I + 7) / 8) % 4 == 0 && aligned16(m.packed)
                        : fp8 ? m.I % 16 == 0 && aligned16(m.fp8)
@@ -1516,8 +1545,8 @@ void grouped_gemm(float* out, const bf16* in, int64_t ld_in, bool gather, const 
     auto go = [&](auto kernel, size_t smem) {
       if (smem > 48 * 1024)
         CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-      kernel<<<grid, kTcThreads, smem, s>>>(out, in, ld_in, sc.order, K, sc.tiles, sc.n_tiles, sc.offsets, m, vec_a,
-                                            vec_b);
+      kernel<<<grid.blocks, kTcThreads, smem, s>>>(out, in, ld_in, sc.order, K, sc.tiles, sc.n_tiles, sc.offsets, m,
+                                                   vec_a, vec_b, grid.g);
     };
     if (int4)
       gather ? go(tc_grouped_gemm_kernel<kWInt4, true>, TcStage<kWInt4>::smem)
@@ -1592,6 +1621,7 @@ void moe_int4_mma_staged(int on) { g_int4_mma_staged = on == 0 || on == 1 ? on :
 void moe_int4_mma_split(int mode) { g_int4_mma_split = mode >= 0 && mode <= 2 ? mode : -1; }
 void moe_wgmma_min_slots(int64_t slots) { g_wgmma_min_slots = slots < 0 ? -1 : slots; }
 void moe_wgmma_group(int64_t tiles) { g_wgmma_order = tiles < 1 ? -1 : tiles; }
+void moe_grid_group(int64_t tiles) { g_grid_group = tiles < 0 ? -1 : tiles; }
 
 MoeScratchSizes moe_scratch_elems(int64_t n, const MoeRouting& r, int64_t H, int64_t Im) {
   const int64_t NK = n * r.top_k;

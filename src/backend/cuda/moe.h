@@ -127,6 +127,14 @@ void moe_wgmma_min_slots(int64_t slots);
 // TALON_CUDA_MOE_WGMMA_GROUP=n, or this call (tests; < 1: the default again).
 void moe_wgmma_group(int64_t tiles);
 
+// The grids of the tile kernel (bf16, int4 and FP8 experts past the decode sizes) and of the int4
+// tensor-core decode kernel: 0 (the default) the plain order, every tile taking a block of
+// weight rows before any tile takes the next (past L2's size, each weight block then reads
+// every tile's activation rows from DRAM again); n > 0 groups of n consecutive tiles take each
+// weight block side by side, so that a group's activation rows stay in L2 across the weight
+// blocks. TALON_CUDA_MOE_GRID_GROUP=n, or this call (tests; negative: the default again).
+void moe_grid_group(int64_t tiles);
+
 // ---- Expert parallelism: one rank's pieces of moe_forward (cuda_deepseek.cpp moves the rows
 // between ranks). Routing is global; experts are split in equal contiguous windows, rank d
 // owning ids [d * per_rank, (d + 1) * per_rank), so after sorting slots by expert id the

@@ -77,20 +77,21 @@ constexpr int kWBf16 = 0, kWInt4 = 1, kWFp8 = 2;
 // come from DRAM again for each weight block); a small group keeps its activation rows in L2
 // across the weight blocks and still lets one expert's consecutive tiles share a weight slab.
 struct GroupedGrid {
-  int gy = 1, group = 1;
+  int gy = 1, group = 0;  // group 0: the plain two-dimensional launch
   __device__ __forceinline__ int2 block() const {
+    if (group == 0) return make_int2(int(blockIdx.x), int(blockIdx.y));
     const int b = int(blockIdx.x), in_group = b % (group * gy);
     return make_int2(b / (group * gy) * group + in_group % group, in_group / group);
   }
 };
-// The launch of gx x gy blocks in groups of `group_x` x entries (0: the plain order).
+// The launch of gx x gy blocks in groups of `group_x` x entries (0 or >= gx: the plain order).
 struct GridLaunch {
   GroupedGrid g;
-  unsigned blocks = 0;
+  dim3 blocks;
 };
 GridLaunch grouped_grid(int64_t gx, int64_t gy, int64_t group_x) {
-  const int64_t group = std::max<int64_t>(1, group_x <= 0 ? gx : std::min(group_x, gx));
-  return {{int(gy), int(group)}, unsigned((gx + group - 1) / group * group * gy)};
+  if (group_x <= 0 || group_x >= gx) return {{int(gy), 0}, dim3(unsigned(gx), unsigned(gy))};
+  return {{int(gy), int(group_x)}, dim3(unsigned((gx + group_x - 1) / group_x * group_x * gy))};
 }
 
 // One pipeline stage in dynamic shared memory, in bytes: A [kTileRows][kTcLd] bf16, then B
@@ -783,7 +784,8 @@ __global__ void __launch_bounds__(kQmWarps * 32, MT == 1 ? (NF == 1 ? 8 : NF == 
   // splits blocks a tile (x = tile * splits + split): split s takes the tile's passes
   // s, s + splits, ... Neighbours in launch order, they stream the same weight rows at about
   // the same time, so past the first the weights come from L2.
-  const int2 bxy = grid.block();
+  // (The reduction split serves a few tiles: always the plain grid.)
+  const int2 bxy = KS > 1 ? make_int2(int(blockIdx.x), int(blockIdx.y)) : grid.block();
   const int tile = bxy.x / splits, split = bxy.x % splits;
   if (tile >= *n_tiles) return;
   const int e = tiles[2 * tile], r0 = tiles[2 * tile + 1];
@@ -1383,7 +1385,7 @@ void int4_mma_launch(float* out, bf16* act, const bf16* in, int64_t ld_in, bool 
   const bool split = int4_mma_split() == 2 || (int4_mma_split() == 1 && nf == 4);
   const int splits = split ? int((std::min<int64_t>(max_rows, kTileRows) + pass_rows - 1) / pass_rows) : 1;
   const GridLaunch grid = grouped_grid(std::min(max_tiles, slots) * splits, (m.O + block_rows - 1) / block_rows,
-                                       grid_group_tiles() * splits);
+                                       ksplit ? 0 : grid_group_tiles() * splits);
   const bool staged = !ksplit && int4_mma_staged();
   // Dynamic shared memory: each warp's weight ring, then (staged) the block's activation ring.
   // Stages: 3 at 32 rows a pass, where shared memory (85 KB a block with 4) would hold an SM to

@@ -31,8 +31,10 @@
 #              tokens: int4 experts on the default kernels (grid plain and in groups of 4 and 16
 #              tiles, TALON_CUDA_MOE_GRID_GROUP) and on the wgmma kernel (grid in
 #              groups of 4 tiles, 1, 16 and all; gate | up fused and apart), FP8 128x128 experts
-#              on the tiles and on the wgmma kernel, bf16 on CUTLASS (each tile configuration of
-#              TALON_MOE_CUTLASS_TILES), and the bf16 GEMM ceiling;
+#              on the tiles and on the wgmma kernel, bf16 on the wgmma kernel, on the tiles in
+#              groups of 4 and on CUTLASS (each tile configuration of
+#              TALON_MOE_CUTLASS_TILES), and the bf16 GEMM ceiling; WG_TAGS (a regular
+#              expression over the run names) and WG_TOKENS narrow it;
 #   compare    (not in the default list) bench/train_compare_gpu.sh at 2048 and 4096 tokens, loss
 #              share 0.675, VARIANT=cudnn+rows, with the PyTorch peer.
 # Logs go to $LOGS (default: a temporary folder); a summary to stdout. TESTS overrides the tests
@@ -141,11 +143,12 @@ if want wgmma; then
   echo "== CudaMoe tests:"; grep -E "^\[  (PASSED|FAILED|SKIPPED) |^\[==========\]" "$LOGS/wgmma-tests.log" | tail -4
   grep -E "wgmma" "$LOGS/wgmma-tests.log" | grep -E "rel err" | sort -t' ' -k1,1 | tail -40
   grep -E "^\[  FAILED  \]|Failure" "$LOGS/wgmma-tests.log" | head -20
-  W=256,1024,2048,4096,8192,16384
-  wg() {
+  W=${WG_TOKENS:-256,1024,2048,4096,8192,16384}
+  wg() {  # WG_TAGS: an extended regular expression; only matching runs (default all)
     local tag=$1; shift
+    [[ $tag =~ ${WG_TAGS:-.} ]] || return 0
     local flag=""
-    [ "${1:-}" = "--fp8" ] && { flag=--fp8; shift; }
+    case "${1:-}" in --fp8 | --bf16) flag=$1; shift ;; esac
     env "$@" build/talon_bench_moe $flag --tokens $W > "$LOGS/wgmma-$tag.log" 2>&1
     echo "$tag ($*):"; tail -8 "$LOGS/wgmma-$tag.log"
   }
@@ -161,7 +164,10 @@ if want wgmma; then
   wg fp8-tiles --fp8
   wg fp8-tiles-grid-group4 --fp8 TALON_CUDA_MOE_GRID_GROUP=4
   wg fp8-wgmma --fp8 TALON_CUDA_MOE_WGMMA=0
+  wg bf16-wgmma --bf16 TALON_CUDA_MOE_WGMMA=0
+  wg bf16-tiles-grid-group4 --bf16 TALON_CUDA_MOE_GRID_GROUP=4
   for tl in rows128 out128x64 out128x128; do
+    [[ bf16-cutlass-$tl =~ ${WG_TAGS:-.} ]] || continue
     TALON_MOE_GEMM=cutlass TALON_MOE_CUTLASS_TILES=$tl build/talon_bench_moe --bf16 --tokens $W \
       > "$LOGS/wgmma-bf16-cutlass-$tl.log" 2>&1
     echo "bf16 on CUTLASS, tiles $tl:"; tail -8 "$LOGS/wgmma-bf16-cutlass-$tl.log"

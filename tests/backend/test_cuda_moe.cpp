@@ -270,16 +270,20 @@ void check_moe_case(const Case& cs, int64_t N) {
   // reduction split over a block's warps at 3 tokens and 1), each but the split with the
   // activations staged once a block and loaded by each warp, and with a tile's passes on one
   // block, on a block each at 32 rows a pass (the default) and at every pass size; and for int4
-  // experts of group 32 and FP8 experts of K blocks 128 (with H or Im a multiple of 128) the
-  // warpgroup (wgmma) kernel at every size, the products apart and gate | up with the SwiGLU in
+  // experts of group 32 and FP8 experts of K blocks 128 (with H or Im a multiple of 128) and bf16
+  // experts (H or Im a multiple of 64) the warpgroup (wgmma) kernel at every size, the products apart and gate | up with the SwiGLU in
   // one pass, each with its grid in groups of 4 tiles (the default), tile-major and
   // weight-block-major.
   enum Path { kTiles, kSkinny, kCutlass, kInt4Mma, kInt4Mma2, kInt4Swiglu, kInt4KSplit, kWgmma, kWgmmaSwiglu };
   const bool cutlass = cs.group == 0 && cs.fp8_bi == 0 && cuda::moe_cutlass_built();
   // The kernel takes a matrix whose I (H for gate and up, Im for down) is a multiple of 128.
   const bool int4_mma = cs.group == 32 && cs.fp8_bi == 0 && (H % 128 == 0 || Im % 128 == 0);
-  const bool wgmma_case = (cs.group == 32 || cs.fp8_bi % 128 == 0) && (cs.group > 0 || cs.fp8_bi > 0) &&
-                          (H % 128 == 0 || Im % 128 == 0);
+  // The wgmma kernel: int4 of group 32 and FP8 of K blocks 128 with an I of 128s, bf16 with an I
+  // of 64s (at least one of the two products).
+  const bool wgmma_case = cs.group == 32    ? H % 128 == 0 || Im % 128 == 0
+                          : cs.fp8_bi > 0   ? cs.fp8_bi % 128 == 0 && (H % 128 == 0 || Im % 128 == 0)
+                          : cs.group == 0   ? H % 64 == 0 || Im % 64 == 0
+                                            : false;
   for (const Path path :
        {kTiles, kSkinny, kCutlass, kInt4Mma, kInt4Mma2, kInt4Swiglu, kInt4KSplit, kWgmma, kWgmmaSwiglu}) {
     const bool wgmma = path == kWgmma || path == kWgmmaSwiglu;
@@ -359,6 +363,9 @@ constexpr MoeScoring kSoftmax = MoeScoring::Softmax, kSigmoid = MoeScoring::Sigm
 INSTANTIATE_TEST_SUITE_P(
     Routings, CudaMoe,
     ::testing::Values(Case{"softmax_greedy_bf16", kSoftmax, M::Greedy, 1, 1, false, false, 1.f, 0},
+                      // bf16 with H 192 and Im 320 (multiples of 64: the wgmma kernel's 64-k stages;
+                      // 320 rows: a partial last block of weight rows in both products).
+                      Case{"softmax_greedy_bf16_wide", kSoftmax, M::Greedy, 1, 1, false, false, 1.f, 0, 0, 0, 192, 320},
                       Case{"softmax_group_limited_int4", kSoftmax, M::GroupLimitedGreedy, 4, 2, false, false, 1.f, 32},
                       Case{"sigmoid_noaux_tc_int4", kSigmoid, M::NoauxTc, 4, 2, true, true, 2.5f, 32},
                       // H and Im multiples of 128: the int4 tensor-core decode kernel takes it too.

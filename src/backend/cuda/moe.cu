@@ -992,7 +992,7 @@ __global__ void __launch_bounds__(kQmWarps * 32, MT == 1 ? (NF == 1 ? 8 : NF == 
   }
 }
 
-// ---- int4 and FP8 experts at large batches on Hopper's warpgroup MMA (wgmma) ----
+// ---- int4, FP8 and bf16 experts at large batches on Hopper's warpgroup MMA (wgmma) ----
 //
 // Past a few dozen rows an expert the int4 products are bound by instructions, not bytes: the
 // mma.sync kernel above converts each weight for at most 32 token rows and issues one m16n8k16
@@ -1017,20 +1017,26 @@ __global__ void __launch_bounds__(kQmWarps * 32, MT == 1 ? (NF == 1 ? 8 : NF == 
 // after the loop the up sums go through shared memory to warpgroup 0, which writes act =
 // silu(gate) * up in bf16. Needs I % 128 == 0 and 16-byte aligned weight rows and inputs (ld %
 // 8 == 0); built for sm_90a only.
+// bf16: both operands from shared memory (the weights staged as K-major core matrices like the
+// activations; stages of 64 k), no scales: the wgmma accumulate straight into acc, and a stage's
+// products are waited for only before the next barrier, so they overlap the next stage's wait
+// for its copies. Needs I % 64 == 0.
 constexpr int kQwThreads = 256;  // two warpgroups
 constexpr int kQwRows = 128;     // weight rows a block (64 a warpgroup)
 constexpr int kQwN = kTileRows;  // token rows a block: one sort tile (64)
 static_assert(kQwN == 64, "the block's wgmma is m64n64k16: one tile of 64 rows");
-// One stage: [128][row] weight bytes, then the rows' scales (int4: [128][4] bf16, one a 32-k
-// group; FP8: [128] fp32), then [64][128] bf16 activations as core matrices.
+// One stage of k columns: [128][row] weight bytes (bf16: [128][k] as core matrices), then the
+// rows' scales (int4: [128][4] bf16, one a 32-k group; FP8: [128] fp32; bf16: none), then
+// [64][k] bf16 activations as core matrices.
 template <int WF>
 struct QwStage {
-  static constexpr int row = WF == kWInt4 ? kQmK / 2 + 16 : kQmK + 16;
+  static constexpr int k = WF == kWBf16 ? 64 : kQmK;  // k a stage
+  static constexpr int row = WF == kWInt4 ? k / 2 + 16 : WF == kWFp8 ? k + 16 : 2 * k;
   static constexpr int scales = kQwRows * row;
-  static constexpr int x = scales + kQwRows * (WF == kWInt4 ? 8 : 4);
-  static constexpr int bytes = x + kQwN * kQmK * 2;
-  static constexpr int x_sbo = (kQmK / 8) * 128;  // bytes between groups of 8 token rows
-  static constexpr int count = WF == kWInt4 ? 4 : 3;  // stages: two blocks fit an SM
+  static constexpr int x = scales + kQwRows * (WF == kWInt4 ? 8 : WF == kWFp8 ? 4 : 0);
+  static constexpr int bytes = x + kQwN * k * 2;
+  static constexpr int sbo = (k / 8) * 128;  // core-matrix layouts: bytes between groups of 8 rows
+  static constexpr int count = WF == kWFp8 ? 3 : 4;  // stages: two blocks fit an SM
   static_assert(x % 16 == 0 && bytes % 16 == 0, "16-byte aligned core matrices and stages");
 };
 
@@ -1047,8 +1053,8 @@ __device__ __forceinline__ uint32_t q4_byte_pair(uint32_t w, uint32_t sel) {
   return *reinterpret_cast<const uint32_t*>(&r);
 }
 
-// out[p, O] (fp32, sorted rows) = in[row(p)] @ W_e^T for the tile's expert e (WF: kWInt4 or
-// kWFp8), or with SWIGLU act [p, O] = silu(in @ W_e^T) * (in @ W2_e^T) in bf16. The grid is
+// out[p, O] (fp32, sorted rows) = in[row(p)] @ W_e^T for the tile's expert e (WF: kWInt4,
+// kWFp8 or kWBf16), or with SWIGLU act [p, O] = silu(in @ W_e^T) * (in @ W2_e^T) in bf16. The grid is
 // one dimension of ceil(grid_tiles / group) groups of `group` consecutive tiles: a group's tiles
 // take weight-row block 0 side by side, then block 1, and so on. Neighbours in launch order share
 // a weight slab (the tiles of one expert are consecutive in the sort: its slab comes from DRAM
@@ -1060,7 +1066,7 @@ __global__ void __launch_bounds__(kQwThreads, 2)
     wgmma_grouped_kernel(float* out, bf16* act, const bf16* in, int64_t ld_in, const int32_t* order, int K,
                          const int32_t* tiles, const int32_t* n_tiles, const int32_t* offsets, ExpertMatrix m,
                          ExpertMatrix m2, int o_blocks, int group) {
-  static_assert(WF == kWInt4 || WF == kWFp8, "int4 or FP8 weights");
+  static_assert(WF == kWInt4 || WF == kWFp8 || WF == kWBf16, "int4, FP8 or bf16 weights");
   using St = QwStage<WF>;
   constexpr int ST = St::count;
   extern __shared__ __align__(128) unsigned char qw_smem[];
@@ -1073,60 +1079,70 @@ __global__ void __launch_bounds__(kQwThreads, 2)
   const int O = int(m.O), I = int(m.I), tid = int(threadIdx.x);
   const int wg = tid / 128, warp = (tid % 128) / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
   const int o0 = ob * (SWIGLU ? kQwRows / 2 : kQwRows);
-  const int n_chunks = I / kQmK;
+  const int n_chunks = I / St::k;
   // Block weight row r: the expert's row o0 + r (SWIGLU: rows 64.. are the up projection's o0 ..);
   // rows past O repeat row O - 1 (computed, not stored).
   auto orow = [&](int r) { return min(o0 + (SWIGLU ? r % (kQwRows / 2) : r), O - 1); };
   auto second = [&](int r) { return SWIGLU && r >= kQwRows / 2; };  // block row r is the up projection's
   auto row_ptr = [&](int r) { return in + int64_t(GATHER ? order[r0 + r] / K : r0 + r) * ld_in; };
-  // This thread's copies of a stage. Weights: 16-byte pieces p = tid + 256 u (int4: row p / 4,
-  // quarter p % 4; FP8: row p / 8, eighth p % 8). Scales, for tid < 128: row tid's (int4: the
-  // stage's four group scales, 8 bytes; FP8: the stage's K block scale, 4 bytes). Activations:
-  // pieces p = tid + 256 u (token row 8 (p / 128) + p % 8, k 8 ((p / 8) % 16); null past the
-  // tile's rows: zero-filled).
+  // This thread's copies of a stage, 16-byte pieces p = tid + 256 u. Weights: int4, row p / 4,
+  // quarter p % 4; FP8, row p / 8, eighth p % 8; bf16, as core matrices like the activations
+  // (below). Scales, for tid < 128: row tid's (int4: the stage's four group scales, 8 bytes;
+  // FP8: the stage's K block scale, 4 bytes). Activations, as core matrices: piece p is row
+  // 8 (p / k) + p % 8, k 8 ((p / 8) % (k / 8)), at byte 16 p of the stage's block (null past
+  // the tile's rows: zero-filled).
   constexpr int kWPieces = WF == kWInt4 ? 2 : 4, kPerRow = kWPieces * kQwThreads / kQwRows;
+  auto cm_row = [](int p) { return 8 * (p / St::k) + p % 8; };           // core-matrix piece p's row
+  auto cm_col = [](int p) { return 8 * ((p / 8) % (St::k / 8)); };       // and its first k
   const unsigned char* wsrc[kWPieces];
 #pragma unroll
   for (int u = 0; u < kWPieces; ++u) {
-    const int p = tid + kQwThreads * u, r = p / kPerRow;
+    const int p = tid + kQwThreads * u, r = WF == kWBf16 ? cm_row(p) : p / kPerRow;
     const int64_t row = int64_t(e) * O + orow(r);
     if constexpr (WF == kWInt4)
       wsrc[u] = reinterpret_cast<const unsigned char*>((second(r) ? m2.packed : m.packed) + row * (I / 8)) + 16 * (p % kPerRow);
-    else
+    else if constexpr (WF == kWFp8)
       wsrc[u] = (second(r) ? m2.fp8 : m.fp8) + row * I + 16 * (p % kPerRow);
+    else
+      wsrc[u] = reinterpret_cast<const unsigned char*>((second(r) ? m2.w : m.w) + row * I + cm_col(p));
   }
   // The scale rows: int4, bf16 [E O][I / 32]; FP8, fp32 block scales [E][ceil(O / bo)][ceil(I / bi)].
   // (gate and up share O, I and the block sizes.)
-  const void* ssrc;
+  [[maybe_unused]] const void* ssrc = nullptr;
   if constexpr (WF == kWInt4) {
     ssrc = (second(tid % kQwRows) ? m2.scale : m.scale) + (int64_t(e) * O + orow(tid % kQwRows)) * (I / 32);
-  } else {
+  } else if constexpr (WF == kWFp8) {
     const int64_t bo = m.bo, bi = m.bi;
     ssrc = (second(tid % kQwRows) ? m2.block_scale : m.block_scale) +
            (int64_t(e) * ((O + bo - 1) / bo) + orow(tid % kQwRows) / bo) * ((I + bi - 1) / bi);
   }
-  const bf16* xsrc[4];
+  constexpr int kXPieces = kQwN * St::k / 8 / kQwThreads;
+  const bf16* xsrc[kXPieces];
 #pragma unroll
-  for (int u = 0; u < 4; ++u) {
-    const int p = tid + kQwThreads * u, r = 8 * (p / 128) + p % 8;
-    xsrc[u] = r < rows ? row_ptr(r) + 8 * ((p / 8) % 16) : nullptr;
+  for (int u = 0; u < kXPieces; ++u) {
+    const int p = tid + kQwThreads * u, r = cm_row(p);
+    xsrc[u] = r < rows ? row_ptr(r) + cm_col(p) : nullptr;
   }
   auto issue = [&](int c) {
     unsigned char* st = qw_smem + (c % ST) * St::bytes;
 #pragma unroll
     for (int u = 0; u < kWPieces; ++u) {
       const int p = tid + kQwThreads * u;
-      cp_async16(st + (p / kPerRow) * St::row + 16 * (p % kPerRow), wsrc[u] + int64_t(c) * (WF == kWInt4 ? kQmK / 2 : kQmK));
+      // (bytes of the stage's k columns a row: int4 k / 2, FP8 k, bf16 2 k)
+      const int64_t step = int64_t(c) * (WF == kWInt4 ? St::k / 2 : WF == kWFp8 ? St::k : 2 * St::k);
+      cp_async16(st + (WF == kWBf16 ? 16 * p : (p / kPerRow) * St::row + 16 * (p % kPerRow)), wsrc[u] + step);
     }
-    if (tid < kQwRows) {
-      if constexpr (WF == kWInt4)
-        cp_async8(st + St::scales + 8 * tid, static_cast<const bf16*>(ssrc) + 4 * c);
-      else
-        cp_async4(st + St::scales + 4 * tid, static_cast<const float*>(ssrc) + int64_t(c) * kQmK / m.bi);
+    if constexpr (WF != kWBf16) {
+      if (tid < kQwRows) {
+        if constexpr (WF == kWInt4)
+          cp_async8(st + St::scales + 8 * tid, static_cast<const bf16*>(ssrc) + 4 * c);
+        else
+          cp_async4(st + St::scales + 4 * tid, static_cast<const float*>(ssrc) + int64_t(c) * St::k / m.bi);
+      }
     }
 #pragma unroll
-    for (int u = 0; u < 4; ++u)
-      cp_async16(st + St::x + 16 * (tid + kQwThreads * u), xsrc[u] ? xsrc[u] + int64_t(c) * kQmK : in,
+    for (int u = 0; u < kXPieces; ++u)
+      cp_async16(st + St::x + 16 * (tid + kQwThreads * u), xsrc[u] ? xsrc[u] + int64_t(c) * St::k : in,
                  xsrc[u] != nullptr);
   };
   // This thread's weight rows in the block: rl (row g of its warp's 16) and rl + 8.
@@ -1149,6 +1165,10 @@ __global__ void __launch_bounds__(kQwThreads, 2)
 #pragma unroll
     for (int i = 0; i < 32; ++i) wgmma_reg_fence(part[i]);
   };
+  [[maybe_unused]] auto fence_acc = [&] {
+#pragma unroll
+    for (int i = 0; i < 32; ++i) wgmma_reg_fence(acc[i]);
+  };
 #pragma unroll
   for (int c = 0; c < ST - 1; ++c) {
     if (c < n_chunks) issue(c);
@@ -1157,6 +1177,7 @@ __global__ void __launch_bounds__(kQwThreads, 2)
   for (int c = 0; c < n_chunks; ++c) {
     cp_async_wait<ST - 2>();
     fence_proxy_async_shared();
+    if constexpr (WF == kWBf16) wgmma_wait<0>();  // stage c - 1's products (issued unwaited)
     // Every copy of stage c has landed; every warpgroup's wgmma of stage c - 1 is complete (each
     // waits for its own before the barrier), so stage c - 1's slot can be refilled.
     __syncthreads();
@@ -1165,8 +1186,17 @@ __global__ void __launch_bounds__(kQwThreads, 2)
     const unsigned char* st = qw_smem + (c % ST) * St::bytes;
     const uint32_t xs = smem_addr(st + St::x);
     // The B descriptor of the stage's k16 step s: k 16s .. 16s + 15 of the 64 token rows.
-    auto desc = [&](int s) { return wgmma_desc_k_major(xs + 256 * s, 128, St::x_sbo); };
-    if constexpr (WF == kWInt4) {
+    auto desc = [&](int s) { return wgmma_desc_k_major(xs + 256 * s, 128, St::sbo); };
+    if constexpr (WF == kWBf16) {
+      // The warpgroup's 64 weight rows (8 groups of 8 from row 64 wg) at k step s.
+      const uint32_t ws = smem_addr(st) + 8 * wg * St::sbo;
+      if (c == 0) fence_acc();
+      wgmma_fence();
+#pragma unroll
+      for (int s = 0; s < St::k / 16; ++s)
+        wgmma_m64n64k16_ss(acc, wgmma_desc_k_major(ws + 256 * s, 128, St::sbo), desc(s));
+      wgmma_commit();
+    } else if constexpr (WF == kWInt4) {
       const uint2 s_lo = *reinterpret_cast<const uint2*>(st + St::scales + 8 * rl);
       const uint2 s_hi = *reinterpret_cast<const uint2*>(st + St::scales + 8 * (rl + 8));
       const uint32_t sel = uint32_t(t) | uint32_t(4 + t) << 8;
@@ -1214,7 +1244,7 @@ __global__ void __launch_bounds__(kQwThreads, 2)
       // s - 2 (its last reader) is complete.
       uint32_t a[2][4];
 #pragma unroll
-      for (int s = 0; s < kQmK / 16; ++s) {
+      for (int s = 0; s < St::k / 16; ++s) {
         convert(s, a[s % 2]);
         if (s == 0) fence_part();
         wgmma_fence();
@@ -1229,6 +1259,10 @@ __global__ void __launch_bounds__(kQwThreads, 2)
     }
   }
   cp_async_wait<0>();
+  if constexpr (WF == kWBf16) {
+    wgmma_wait<0>();
+    fence_acc();
+  }
   // acc[4 i + v]: weight row rl + 8 (v / 2) of the block, token row 8 i + 2 t + v % 2.
   if constexpr (SWIGLU) {
     __syncthreads();  // every warpgroup is done with the ring: it holds the up sums now
@@ -1435,20 +1469,20 @@ void int4_mma_launch(float* out, bf16* act, const bf16* in, int64_t ld_in, bool 
 }
 
 // Whether wgmma_grouped_kernel takes an expert product of `slots` routed rows: int4 of group 32
-// or FP8 with K blocks a multiple of 128, I % 128 == 0, aligned rows.
+// or FP8 with K blocks a multiple of 128 (I % 128 == 0), or bf16 (I % 64 == 0), aligned rows.
 bool wgmma_fits(const ExpertMatrix& m, const bf16* in, int64_t ld_in, int64_t slots) {
-  const bool int4 = m.packed && m.scale && m.group == 32 && aligned16(m.packed) && aligned8(m.scale);
+  const bool int4 = m.packed && m.scale && m.group == 32 && aligned16(m.packed) && aligned8(m.scale) && m.I % kQmK == 0;
   const bool fp8 = m.fp8 && m.block_scale && m.bo > 0 && m.bi > 0 && m.bi % kQmK == 0 && aligned16(m.fp8) &&
-                   (reinterpret_cast<uintptr_t>(m.block_scale) & 3) == 0;
-  return (int4 || fp8) && slots > 0 && slots >= wgmma_min_slots() && m.I % kQmK == 0 && ld_in % 8 == 0 &&
-         aligned16(in);
+                   (reinterpret_cast<uintptr_t>(m.block_scale) & 3) == 0 && m.I % kQmK == 0;
+  const bool bf = m.w && aligned16(m.w) && m.I % QwStage<kWBf16>::k == 0;
+  return (int4 || fp8 || bf) && slots > 0 && slots >= wgmma_min_slots() && ld_in % 8 == 0 && aligned16(in);
 }
 
 // Launches wgmma_grouped_kernel: out = in @ m^T, or with m2 (the up projection of gate m, in the
 // same form) act = silu(in @ m^T) * (in @ m2^T) in bf16.
 void wgmma_launch(float* out, bf16* act, const bf16* in, int64_t ld_in, bool gather, const MoeScratch& sc, int K,
                   int64_t max_tiles, int64_t slots, const ExpertMatrix& m, const ExpertMatrix& m2, cudaStream_t s) {
-  const bool swiglu = m2.packed != nullptr || m2.fp8 != nullptr;
+  const bool swiglu = m2.packed != nullptr || m2.fp8 != nullptr || m2.w != nullptr;
   const int64_t grid_tiles = std::min(max_tiles, slots);
   const int64_t o_blocks = (m.O + (swiglu ? kQwRows / 2 : kQwRows) - 1) / (swiglu ? kQwRows / 2 : kQwRows);
   if (grid_tiles <= 0 || o_blocks <= 0) return;
@@ -1469,8 +1503,10 @@ void wgmma_launch(float* out, bf16* act, const bf16* in, int64_t ld_in, bool gat
   };
   if (m.packed)
     pick(std::integral_constant<int, kWInt4>{});
-  else
+  else if (m.fp8)
     pick(std::integral_constant<int, kWFp8>{});
+  else
+    pick(std::integral_constant<int, kWBf16>{});
   CUDA_LAUNCH_CHECK();
 }
 
@@ -1579,7 +1615,7 @@ void gate_up_swiglu(const bf16* in, int64_t ld_in, bool gather, const MoeScratch
                     int64_t slots, int64_t max_rows, int E, const MoeExperts& ex, cudaStream_t s) {
   const int64_t Im = ex.gate.O;
   if (int4_mma_swiglu() && wgmma_fits(ex.gate, in, ld_in, slots) && wgmma_fits(ex.up, in, ld_in, slots) &&
-      (ex.gate.packed != nullptr) == (ex.up.packed != nullptr)) {
+      (ex.gate.packed != nullptr) == (ex.up.packed != nullptr) && (ex.gate.fp8 != nullptr) == (ex.up.fp8 != nullptr)) {
     wgmma_launch(nullptr, sc.act, in, ld_in, gather, sc, K, max_tiles, slots, ex.gate, ex.up, s);
     return;
   }

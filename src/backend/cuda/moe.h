@@ -113,7 +113,8 @@ void moe_int4_mma_staged(int on);
 void moe_int4_mma_split(int mode);
 
 // Calls with at least this many routed slots run int4 experts (group 32) and FP8 experts (K
-// blocks a multiple of 128, DeepSeek-V3's 128 x 128) whose I is a multiple of 128 on the
+// blocks a multiple of 128, DeepSeek-V3's 128 x 128) whose I is a multiple of 128, and bf16
+// experts whose I is a multiple of 64, on the
 // warpgroup (wgmma) kernel of moe.cu: a block of one sort tile (64 rows of an expert) x 128
 // weight rows, the weights converted into the wgmma's register operand, ahead of every kernel
 // above (with the SwiGLU setting above on, gate and up in one pass). Default: never (not yet

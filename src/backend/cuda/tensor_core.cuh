@@ -103,6 +103,26 @@ __device__ __forceinline__ void wgmma_m64n64k16_rs(float* d, const uint32_t* a, 
 #endif
 }
 
+// d[32] += A (64x16 bf16, K-major in shared memory, descriptor a) * B (16x64, descriptor b): one
+// warpgroup's wgmma m64n64k16 with both operands in shared memory.
+__device__ __forceinline__ void wgmma_m64n64k16_ss(float* d, uint64_t a, uint64_t b) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile(
+      "{\n.reg .pred p_acc;\nsetp.ne.b32 p_acc, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+      "%32, %33, p_acc, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),
+        "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),
+        "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),
+        "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "l"(a), "l"(b), "r"(1));
+#else
+  __trap();  // wgmma needs sm_90a
+#endif
+}
+
 // Online softmax over key tiles, per lane of an m16n8 score fragment: the lane holds rows g and
 // g + 8, mx their maxima over this tile's scores (log2 domain, hidden keys -inf). Reduces mx
 // over the quad that shares the rows, moves the running maxima m_run, rescales the running sums

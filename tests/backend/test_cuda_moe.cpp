@@ -452,5 +452,47 @@ TEST(CudaMoe, FixtureLayersMatchTheCpuReference) {
   EXPECT_GT(layers, 0);
 }
 
+// The tile kernels' grid orders (moe_grid_group, and the wgmma kernel's groups): every (tile,
+// weight block) pair is computed by exactly one block, padding blocks are idle and fewer than a
+// group's worth, neighbours in launch order within a group take the same weight block on
+// consecutive tiles, and a group of all the tiles is the plain order. Host arithmetic, no GPU.
+TEST(CudaMoeGrid, GroupedOrdersCoverEveryTileAndWeightBlockOnce) {
+  for (int64_t gx = 1; gx <= 11; ++gx)
+    for (int64_t gy = 1; gy <= 6; ++gy)
+      for (const int64_t group : {int64_t(0), int64_t(1), int64_t(2), int64_t(3), int64_t(4), int64_t(7), int64_t(16)}) {
+        SCOPED_TRACE("tiles " + std::to_string(gx) + ", weight blocks " + std::to_string(gy) + ", group " +
+                     std::to_string(group));
+        const cuda::MoeGridLaunch l = cuda::moe_grid_launch(gx, gy, group);
+        EXPECT_EQ(l.group, group <= 0 || group >= gx ? 0 : group);
+        std::vector<int> seen(size_t(gx * gy), 0);
+        int64_t idle = 0;
+        std::pair<int64_t, int64_t> prev{-1, -1};
+        for (int64_t b = 0; b < l.blocks; ++b) {
+          const auto [x, y] = cuda::moe_grid_block(b, gx, gy, l.group);
+          ASSERT_GE(x, 0);
+          ASSERT_GE(y, 0);
+          ASSERT_LT(y, gy);
+          if (x < gx)
+            ++seen[size_t(x * gy + y)];
+          else
+            ++idle;
+          if (l.group > 0 && b % l.group != 0) {  // within a group: the next tile, the same weight block
+            EXPECT_EQ(x, prev.first + 1) << "block " << b;
+            EXPECT_EQ(y, prev.second) << "block " << b;
+          }
+          prev = {x, y};
+        }
+        for (size_t i = 0; i < seen.size(); ++i) EXPECT_EQ(seen[i], 1) << "tile " << i / size_t(gy) << ", block " << i % size_t(gy);
+        EXPECT_EQ(idle, l.blocks - gx * gy);
+        EXPECT_LT(idle, std::max<int64_t>(1, l.group) * gy);
+        // A group of every tile (the wgmma kernel's weight-block-major order) is the plain order.
+        for (int64_t b = 0; b < gx * gy; ++b) {
+          const auto [x, y] = cuda::moe_grid_block(b, gx, gy, gx);
+          EXPECT_EQ(x, b % gx);
+          EXPECT_EQ(y, b / gx);
+        }
+      }
+}
+
 }  // namespace
 #endif  // TALON_HAVE_CUDA

@@ -78,10 +78,14 @@ constexpr int kWBf16 = 0, kWInt4 = 1, kWFp8 = 2;
 // across the weight blocks and still lets one expert's consecutive tiles share a weight slab.
 struct GroupedGrid {
   int gy = 1, group = 0;  // group 0: the plain two-dimensional launch
+  // Block b of a one-dimensional launch in groups (group >= 1) as (x, y).
+  __host__ __device__ static int2 of(int b, int gy, int group) {
+    const int in_group = b % (group * gy);
+    return make_int2(b / (group * gy) * group + in_group % group, in_group / group);
+  }
   __device__ __forceinline__ int2 block() const {
     if (group == 0) return make_int2(int(blockIdx.x), int(blockIdx.y));
-    const int b = int(blockIdx.x), in_group = b % (group * gy);
-    return make_int2(b / (group * gy) * group + in_group % group, in_group / group);
+    return of(int(blockIdx.x), gy, group);
   }
 };
 // The launch of gx x gy blocks in groups of `group_x` x entries (0 or >= gx: the plain order).
@@ -1070,9 +1074,8 @@ __global__ void __launch_bounds__(kQwThreads, 2)
   using St = QwStage<WF>;
   constexpr int ST = St::count;
   extern __shared__ __align__(128) unsigned char qw_smem[];
-  const int b = int(blockIdx.x);
-  const int in_group = b % (group * o_blocks), ob = in_group / group;
-  const int tile = b / (group * o_blocks) * group + in_group % group;
+  const int2 bxy = GroupedGrid::of(int(blockIdx.x), o_blocks, group);
+  const int tile = bxy.x, ob = bxy.y;
   if (tile >= *n_tiles) return;
   const int e = tiles[2 * tile], r0 = tiles[2 * tile + 1];
   const int rows = min(kTileRows, offsets[e + 1] - r0);
@@ -1660,6 +1663,17 @@ void moe_int4_mma_split(int mode) { g_int4_mma_split = mode >= 0 && mode <= 2 ? 
 void moe_wgmma_min_slots(int64_t slots) { g_wgmma_min_slots = slots < 0 ? -1 : slots; }
 void moe_wgmma_group(int64_t tiles) { g_wgmma_order = tiles < 1 ? -1 : tiles; }
 void moe_grid_group(int64_t tiles) { g_grid_group = tiles < 0 ? -1 : tiles; }
+
+MoeGridLaunch moe_grid_launch(int64_t gx, int64_t gy, int64_t group) {
+  const GridLaunch l = grouped_grid(gx, gy, group);
+  return {int64_t(l.blocks.x) * l.blocks.y, l.g.group};
+}
+
+std::pair<int64_t, int64_t> moe_grid_block(int64_t b, int64_t gx, int64_t gy, int64_t group) {
+  if (group == 0) return {b % gx, b / gx};  // the two-dimensional launch, x fastest
+  const int2 xy = GroupedGrid::of(int(b), int(gy), int(group));
+  return {xy.x, xy.y};
+}
 
 MoeScratchSizes moe_scratch_elems(int64_t n, const MoeRouting& r, int64_t H, int64_t Im) {
   const int64_t NK = n * r.top_k;

@@ -13,6 +13,7 @@
 // expert parallelism across GPUs is next.
 #pragma once
 #include <cstdint>
+#include <utility>
 
 #include "backend/cuda/ops.h"
 #include "model/moe_routing.h"
@@ -135,6 +136,15 @@ void moe_wgmma_group(int64_t tiles);
 // weight block side by side, so that a group's activation rows stay in L2 across the weight
 // blocks. TALON_CUDA_MOE_GRID_GROUP=n, or this call (tests; negative: the default again).
 void moe_grid_group(int64_t tiles);
+// How those kernels (and the wgmma kernel, whose group is at least 1) lay a grid of gx tiles x
+// gy weight blocks out in launch order, for tests: moe_grid_launch gives the blocks launched and
+// the group in effect (0: the plain two-dimensional launch); moe_grid_block(b, ...) the (tile,
+// weight block) that block b in launch order computes (tile >= gx: an idle block that exits).
+struct MoeGridLaunch {
+  int64_t blocks, group;
+};
+MoeGridLaunch moe_grid_launch(int64_t gx, int64_t gy, int64_t group);
+std::pair<int64_t, int64_t> moe_grid_block(int64_t b, int64_t gx, int64_t gy, int64_t group);
 
 // ---- Expert parallelism: one rank's pieces of moe_forward (cuda_deepseek.cpp moves the rows
 // between ranks). Routing is global; experts are split in equal contiguous windows, rank d

@@ -494,5 +494,23 @@ TEST(CudaMoeGrid, GroupedOrdersCoverEveryTileAndWeightBlockOnce) {
       }
 }
 
+// The wgmma kernel's shared-memory descriptors against CUTLASS's own builder (cute's
+// make_gmma_desc for the same K-major core-matrix layout): leading / stride byte offsets and
+// layout type (no swizzle) equal; the start address field is checked apart (cute has none to give
+// on the host). Host arithmetic, no GPU; needs the CUTLASS headers.
+TEST(CudaMoeGrid, WgmmaDescriptorsMatchCutlass) {
+  if (!cuda::moe_cutlass_built()) GTEST_SKIP() << "built without CUTLASS's headers";
+  for (const int form : {0, 1, 2}) {
+    const int sbo = cuda::moe_wgmma_stage_sbo(form);
+    SCOPED_TRACE("weights form " + std::to_string(form) + ", sbo " + std::to_string(sbo));
+    ::testing::internal::CaptureStdout();  // cute's host path prints that it has no shared address
+    const uint64_t want = cuda::moe_cutlass_k_major_desc(sbo);
+    ::testing::internal::GetCapturedStdout();
+    EXPECT_EQ(cuda::moe_wgmma_k_major_desc(0, sbo), want);
+    // The start address: bits 0-13, in 16-byte units.
+    EXPECT_EQ(cuda::moe_wgmma_k_major_desc(0x12340, sbo), want | (0x12340u >> 4));
+  }
+}
+
 }  // namespace
 #endif  // TALON_HAVE_CUDA

@@ -1664,6 +1664,11 @@ void moe_wgmma_min_slots(int64_t slots) { g_wgmma_min_slots = slots < 0 ? -1 : s
 void moe_wgmma_group(int64_t tiles) { g_wgmma_order = tiles < 1 ? -1 : tiles; }
 void moe_grid_group(int64_t tiles) { g_grid_group = tiles < 0 ? -1 : tiles; }
 
+uint64_t moe_wgmma_k_major_desc(uint32_t addr, int sbo_bytes) { return wgmma_desc_k_major(addr, 128, uint32_t(sbo_bytes)); }
+int moe_wgmma_stage_sbo(int form) {
+  return form == 0 ? QwStage<kWBf16>::sbo : form == 1 ? QwStage<kWInt4>::sbo : QwStage<kWFp8>::sbo;
+}
+
 MoeGridLaunch moe_grid_launch(int64_t gx, int64_t gy, int64_t group) {
   const GridLaunch l = grouped_grid(gx, gy, group);
   return {int64_t(l.blocks.x) * l.blocks.y, l.g.group};

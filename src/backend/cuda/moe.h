@@ -140,6 +140,11 @@ void moe_grid_group(int64_t tiles);
 // gy weight blocks out in launch order, for tests: moe_grid_launch gives the blocks launched and
 // the group in effect (0: the plain two-dimensional launch); moe_grid_block(b, ...) the (tile,
 // weight block) that block b in launch order computes (tile >= gx: an idle block that exits).
+// For tests: the shared-memory descriptor the wgmma kernel builds for a K-major operand at
+// shared address addr (k halves 128 bytes apart, groups of 8 rows sbo_bytes apart), and the
+// sbo its stages use for weights of form 0 (bf16), 1 (int4) or 2 (FP8).
+uint64_t moe_wgmma_k_major_desc(uint32_t addr, int sbo_bytes);
+int moe_wgmma_stage_sbo(int form);
 struct MoeGridLaunch {
   int64_t blocks, group;
 };

@@ -275,9 +275,29 @@ void run_grouped(DeviceBufs* B, int dev, float* out, const __nv_bfloat16* a, con
   CUDA_LAUNCH_CHECK();
 }
 
+// cute's GMMA descriptor of a K-major bf16 operand of one k16 step in 8x8 core matrices: rows
+// (8 a core matrix, 8 groups sbo_elems apart) x k (8 a core matrix, the two halves 64 elements =
+// 128 bytes apart). On the host cute has no shared-window address to give, so the start address
+// field is 0 (and cute says so on stdout).
+template <int SBO_ELEMS>
+uint64_t cute_k_major_desc() {
+  auto layout = make_layout(make_shape(make_shape(_8{}, _8{}), make_shape(_8{}, _2{})),
+                            make_stride(make_stride(_8{}, Int<SBO_ELEMS>{}), make_stride(_1{}, _64{})));
+  const auto t = make_tensor(make_smem_ptr(static_cast<const cutlass::bfloat16_t*>(nullptr)), layout);
+  return uint64_t(SM90::GMMA::make_gmma_desc<SM90::GMMA::Major::K>(t));
+}
+
 }  // namespace
 
 bool moe_cutlass_built() { return true; }
+
+uint64_t moe_cutlass_k_major_desc(int sbo_bytes) {
+  switch (sbo_bytes) {
+    case 1024: return cute_k_major_desc<512>();
+    case 2048: return cute_k_major_desc<1024>();
+    default: fail_msg("moe_cutlass_k_major_desc: sbo " + std::to_string(sbo_bytes) + " is not 1024 or 2048");
+  }
+}
 
 void moe_cutlass_grouped_gemm(float* out, const __nv_bfloat16* a, const __nv_bfloat16* w, const int32_t* offsets,
                               int E, int64_t N, int64_t K, cudaStream_t s) {
@@ -302,6 +322,7 @@ void moe_cutlass_grouped_gemm(float* out, const __nv_bfloat16* a, const __nv_bfl
 #else  // built without CUTLASS's headers
 
 bool moe_cutlass_built() { return false; }
+uint64_t moe_cutlass_k_major_desc(int) { fail_msg("moe_cutlass_k_major_desc: this build has no CUTLASS headers"); }
 void moe_cutlass_grouped_gemm(float*, const __nv_bfloat16*, const __nv_bfloat16*, const int32_t*, int, int64_t,
                               int64_t, cudaStream_t) {
   fail_msg("TALON_MOE_GEMM=cutlass: this build has no CUTLASS headers (scripts/fetch_cutlass.sh, then reconfigure)");

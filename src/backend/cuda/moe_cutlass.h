@@ -30,6 +30,10 @@ void moe_cutlass_use(int mode);
 // environment is read once; tests set it with moe_cutlass_tiles(config) (-1: the environment).
 int moe_cutlass_tiles();
 void moe_cutlass_tiles(int config);
+// For tests: cute's shared-memory descriptor (start address 0) of the K-major bf16 layout the
+// wgmma expert kernel (moe.cu) gives its operands: one k16 step of 64 rows in 8x8 core matrices,
+// the two k halves 128 bytes apart, groups of 8 rows sbo_bytes (1024 or 2048) apart.
+uint64_t moe_cutlass_k_major_desc(int sbo_bytes);
 // Whether the shapes and pointers fit the kernel (see above).
 bool moe_cutlass_fits(const void* a, const void* w, const void* out, int64_t N, int64_t K);
 // A device buffer of n bf16 values for the routed rows in sorted order (per device and stream,

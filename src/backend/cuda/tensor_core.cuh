@@ -66,7 +66,7 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
 // matrices of 8 rows x 16 contiguous bytes, the two core matrices of a k16 step `lbo` bytes
 // apart, consecutive groups of 8 rows (the N dimension) `sbo` bytes apart. `addr` is the
 // shared-window address of the first core matrix (16-byte aligned).
-__device__ __forceinline__ uint64_t wgmma_desc_k_major(uint32_t addr, uint32_t lbo, uint32_t sbo) {
+__host__ __device__ __forceinline__ uint64_t wgmma_desc_k_major(uint32_t addr, uint32_t lbo, uint32_t sbo) {
   return uint64_t((addr >> 4) & 0x3fffu) | uint64_t((lbo >> 4) & 0x3fffu) << 16 | uint64_t((sbo >> 4) & 0x3fffu) << 32;
 }
 // Orders this warpgroup's earlier register and shared-memory accesses before its next wgmma.

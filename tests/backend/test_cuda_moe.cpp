@@ -512,5 +512,28 @@ TEST(CudaMoeGrid, WgmmaDescriptorsMatchCutlass) {
   }
 }
 
+// The fragment layouts the wgmma kernel converts its A operand into and stores its accumulators
+// from, against CUTLASS's definitions (cute's ALayout_64x16 and CLayout_64x64): the same (row, k)
+// for each of a warpgroup's 128 x 8 A values and (row, column) for its 128 x 32 accumulator
+// values, and both cover their tiles once. Host arithmetic, no GPU; needs the CUTLASS headers.
+TEST(CudaMoeGrid, WgmmaFragmentLayoutsMatchCutlass) {
+  if (!cuda::moe_cutlass_built()) GTEST_SKIP() << "built without CUTLASS's headers";
+  std::vector<int> a_seen(64 * 16, 0), d_seen(64 * 64, 0);
+  for (int tid = 0; tid < 128; ++tid) {
+    for (int v = 0; v < 8; ++v) {
+      const auto got = cuda::moe_wgmma_a_coord(tid, v), want = cuda::moe_cutlass_gmma_a_coord(tid, v);
+      EXPECT_EQ(got, want) << "A: thread " << tid << ", value " << v;
+      ++a_seen[size_t(got.first * 16 + got.second)];
+    }
+    for (int i = 0; i < 32; ++i) {
+      const auto got = cuda::moe_wgmma_d_coord(tid, i), want = cuda::moe_cutlass_gmma_d_coord(tid, i);
+      EXPECT_EQ(got, want) << "D: thread " << tid << ", value " << i;
+      ++d_seen[size_t(got.first * 64 + got.second)];
+    }
+  }
+  for (int c : a_seen) EXPECT_EQ(c, 1);
+  for (int c : d_seen) EXPECT_EQ(c, 1);
+}
+
 }  // namespace
 #endif  // TALON_HAVE_CUDA

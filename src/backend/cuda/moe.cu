@@ -1203,8 +1203,9 @@ __global__ void __launch_bounds__(kQwThreads, 2)
       const uint2 s_lo = *reinterpret_cast<const uint2*>(st + St::scales + 8 * rl);
       const uint2 s_hi = *reinterpret_cast<const uint2*>(st + St::scales + 8 * (rl + 8));
       const uint32_t sel = uint32_t(t) | uint32_t(4 + t) << 8;
-      // The A fragments of group j's two k16 steps: step 2j + h covers words 4j + 2h (its k 0-7)
-      // and 4j + 2h + 1 (k 8-15) of rows rl and rl + 8.
+      // The A fragments of group j's two k16 steps (register q: wgmma_a_coord's values 2q, 2q + 1,
+      // row rl + 8 (q % 2), k 2t, 2t + 1 of the step's first (q < 2) or second 8): step 2j + h
+      // covers words 4j + 2h (its k 0-7) and 4j + 2h + 1 (k 8-15) of rows rl and rl + 8.
       auto convert = [&](int j, uint32_t (&a)[2][4]) {
         const uint4 wl = *reinterpret_cast<const uint4*>(st + rl * St::row + 16 * j);
         const uint4 wh = *reinterpret_cast<const uint4*>(st + (rl + 8) * St::row + 16 * j);
@@ -1266,7 +1267,7 @@ __global__ void __launch_bounds__(kQwThreads, 2)
     wgmma_wait<0>();
     fence_acc();
   }
-  // acc[4 i + v]: weight row rl + 8 (v / 2) of the block, token row 8 i + 2 t + v % 2.
+  // acc[i]: the warpgroup's weight row and token row wgmma_d_coord(tid % 128, i).
   if constexpr (SWIGLU) {
     __syncthreads();  // every warpgroup is done with the ring: it holds the up sums now
     float* up = reinterpret_cast<float*>(qw_smem);  // [32][128]: consecutive threads, consecutive words
@@ -1278,13 +1279,15 @@ __global__ void __launch_bounds__(kQwThreads, 2)
     if (wg == 1) return;
 #pragma unroll
     for (int i = 0; i < 32; ++i) {
-      const int r = 8 * (i / 4) + 2 * t + (i & 1), o = o0 + 16 * warp + g + 8 * ((i / 2) & 1);
+      const int2 d = wgmma_d_coord(tid, i);  // warpgroup 0
+      const int r = d.y, o = o0 + d.x;
       if (r < rows && o < O) act[int64_t(r0 + r) * O + o] = __float2bfloat16_rn(silu_times(acc[i], up[i * 128 + tid]));
     }
   } else {
 #pragma unroll
     for (int i = 0; i < 32; ++i) {
-      const int r = 8 * (i / 4) + 2 * t + (i & 1), o = o0 + rl + 8 * ((i / 2) & 1);
+      const int2 d = wgmma_d_coord(tid % 128, i);
+      const int r = d.y, o = o0 + 64 * wg + d.x;
       if (r < rows && o < O) out[int64_t(r0 + r) * O + o] = acc[i];
     }
   }
@@ -1665,6 +1668,14 @@ void moe_wgmma_group(int64_t tiles) { g_wgmma_order = tiles < 1 ? -1 : tiles; }
 void moe_grid_group(int64_t tiles) { g_grid_group = tiles < 0 ? -1 : tiles; }
 
 uint64_t moe_wgmma_k_major_desc(uint32_t addr, int sbo_bytes) { return wgmma_desc_k_major(addr, 128, uint32_t(sbo_bytes)); }
+std::pair<int, int> moe_wgmma_a_coord(int tid, int v) {
+  const int2 c = wgmma_a_coord(tid, v);
+  return {c.x, c.y};
+}
+std::pair<int, int> moe_wgmma_d_coord(int tid, int i) {
+  const int2 c = wgmma_d_coord(tid, i);
+  return {c.x, c.y};
+}
 int moe_wgmma_stage_sbo(int form) {
   return form == 0 ? QwStage<kWBf16>::sbo : form == 1 ? QwStage<kWInt4>::sbo : QwStage<kWFp8>::sbo;
 }

@@ -145,6 +145,11 @@ void moe_grid_group(int64_t tiles);
 // sbo its stages use for weights of form 0 (bf16), 1 (int4) or 2 (FP8).
 uint64_t moe_wgmma_k_major_desc(uint32_t addr, int sbo_bytes);
 int moe_wgmma_stage_sbo(int form);
+// For tests: the fragment layouts the wgmma kernel assumes (tensor_core.cuh: wgmma_a_coord, the
+// (row, k) of A value v of warpgroup thread tid; wgmma_d_coord, the (row, column) of accumulator
+// value i, which its epilogue stores by).
+std::pair<int, int> moe_wgmma_a_coord(int tid, int v);
+std::pair<int, int> moe_wgmma_d_coord(int tid, int i);
 struct MoeGridLaunch {
   int64_t blocks, group;
 };

@@ -291,6 +291,16 @@ uint64_t cute_k_major_desc() {
 
 bool moe_cutlass_built() { return true; }
 
+std::pair<int, int> moe_cutlass_gmma_a_coord(int tid, int v) {
+  const int idx = int(SM90::GMMA::ALayout_64x16{}(tid, v));  // column-major over the 64 x 16 tile
+  return {idx % 64, idx / 64};
+}
+
+std::pair<int, int> moe_cutlass_gmma_d_coord(int tid, int i) {
+  const int idx = int(SM90::GMMA::CLayout_64x64{}(tid, i));  // column-major over the 64 x 64 tile
+  return {idx % 64, idx / 64};
+}
+
 uint64_t moe_cutlass_k_major_desc(int sbo_bytes) {
   switch (sbo_bytes) {
     case 1024: return cute_k_major_desc<512>();
@@ -323,6 +333,8 @@ void moe_cutlass_grouped_gemm(float* out, const __nv_bfloat16* a, const __nv_bfl
 
 bool moe_cutlass_built() { return false; }
 uint64_t moe_cutlass_k_major_desc(int) { fail_msg("moe_cutlass_k_major_desc: this build has no CUTLASS headers"); }
+std::pair<int, int> moe_cutlass_gmma_a_coord(int, int) { fail_msg("moe_cutlass_gmma_a_coord: no CUTLASS headers"); }
+std::pair<int, int> moe_cutlass_gmma_d_coord(int, int) { fail_msg("moe_cutlass_gmma_d_coord: no CUTLASS headers"); }
 void moe_cutlass_grouped_gemm(float*, const __nv_bfloat16*, const __nv_bfloat16*, const int32_t*, int, int64_t,
                               int64_t, cudaStream_t) {
   fail_msg("TALON_MOE_GEMM=cutlass: this build has no CUTLASS headers (scripts/fetch_cutlass.sh, then reconfigure)");

@@ -15,6 +15,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <utility>
 
 namespace talon::cuda {
 
@@ -34,6 +35,10 @@ void moe_cutlass_tiles(int config);
 // wgmma expert kernel (moe.cu) gives its operands: one k16 step of 64 rows in 8x8 core matrices,
 // the two k halves 128 bytes apart, groups of 8 rows sbo_bytes (1024 or 2048) apart.
 uint64_t moe_cutlass_k_major_desc(int sbo_bytes);
+// For tests: cute's (row, k) of A value v (0-7) of warpgroup thread tid (0-127) of an m64k16
+// register fragment, and its (row, column) of accumulator value i (0-31) of an m64n64 product.
+std::pair<int, int> moe_cutlass_gmma_a_coord(int tid, int v);
+std::pair<int, int> moe_cutlass_gmma_d_coord(int tid, int i);
 // Whether the shapes and pointers fit the kernel (see above).
 bool moe_cutlass_fits(const void* a, const void* w, const void* out, int64_t N, int64_t K);
 // A device buffer of n bf16 values for the routed rows in sorted order (per device and stream,

@@ -62,6 +62,18 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
 // product holds, for each 8-column slice j, d[4 j .. 4 j + 3] = (row g, columns 8 j + 2 t, + 1)
 // and (row g + 8, the same columns) of the warp's 16 rows, as mma_bf16's C fragment repeated.
 
+// Thread tid (0-127) of a warpgroup: the (row, k) of bf16 value v (0-7; register v / 2, the low
+// half first) of its m64k16 A fragment, and the (row, column) of value i of its m64nN
+// accumulator (the layouts CUTLASS's cute calls ALayout_64x16 and CLayout_64xN).
+__host__ __device__ __forceinline__ int2 wgmma_a_coord(int tid, int v) {
+  const int w = tid / 32, g = (tid % 32) / 4, t = tid % 4;
+  return make_int2(16 * w + g + 8 * ((v / 2) & 1), 2 * t + (v & 1) + 8 * (v / 4));
+}
+__host__ __device__ __forceinline__ int2 wgmma_d_coord(int tid, int i) {
+  const int w = tid / 32, g = (tid % 32) / 4, t = tid % 4;
+  return make_int2(16 * w + g + 8 * ((i / 2) & 1), 8 * (i / 4) + 2 * t + (i & 1));
+}
+
 // The shared-memory matrix descriptor of a K-major bf16 operand without swizzling: 8x8 core
 // matrices of 8 rows x 16 contiguous bytes, the two core matrices of a k16 step `lbo` bytes
 // apart, consecutive groups of 8 rows (the N dimension) `sbo` bytes apart. `addr` is the

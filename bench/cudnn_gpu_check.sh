@@ -139,7 +139,7 @@ if want compare; then
   LOGS="$LOGS/compare" LOSS_SHARE=0.675 VARIANT=cudnn+rows bash bench/train_compare_gpu.sh llama3-8b "2048 4096" 1 full
 fi
 if want wgmma; then
-  build/tests/talon_tests --gtest_filter='*CudaMoe*' --gtest_brief=1 > "$LOGS/wgmma-tests.log" 2>&1
+  build/tests/talon_tests --gtest_filter='*CudaMoe*:*CudaWgmma*' --gtest_brief=1 > "$LOGS/wgmma-tests.log" 2>&1
   echo "== CudaMoe tests:"; grep -E "^\[  (PASSED|FAILED|SKIPPED) |^\[==========\]" "$LOGS/wgmma-tests.log" | tail -4
   grep -E "wgmma" "$LOGS/wgmma-tests.log" | grep -E "rel err" | sort -t' ' -k1,1 | tail -40
   grep -E "^\[  FAILED  \]|Failure" "$LOGS/wgmma-tests.log" | head -20

@@ -498,7 +498,7 @@ TEST(CudaMoeGrid, GroupedOrdersCoverEveryTileAndWeightBlockOnce) {
 // make_gmma_desc for the same K-major core-matrix layout): leading / stride byte offsets and
 // layout type (no swizzle) equal; the start address field is checked apart (cute has none to give
 // on the host). Host arithmetic, no GPU; needs the CUTLASS headers.
-TEST(CudaMoeGrid, WgmmaDescriptorsMatchCutlass) {
+TEST(CudaWgmma, DescriptorsMatchCutlass) {
   if (!cuda::moe_cutlass_built()) GTEST_SKIP() << "built without CUTLASS's headers";
   for (const int form : {0, 1, 2}) {
     const int sbo = cuda::moe_wgmma_stage_sbo(form);
@@ -512,11 +512,36 @@ TEST(CudaMoeGrid, WgmmaDescriptorsMatchCutlass) {
   }
 }
 
+// One wgmma m64n64k16 from the expert kernel's pieces, alone (moe_wgmma_probe), A from registers
+// and from shared memory, against the CPU: every one of the 64 x 64 outputs equals the fp32 sum
+// of its 16 bf16 products (exact small integers, so any order gives the same bits).
+TEST(CudaWgmma, ProbeMatchesTheCpu) {
+  REQUIRE_GPU();
+  std::mt19937 rng(11);
+  std::vector<uint16_t> a(64 * 16), b(64 * 16);
+  std::vector<float> af(a.size()), bf(b.size());
+  for (size_t i = 0; i < a.size(); ++i) af[i] = bf16_to_f32(a[i] = f32_to_bf16(float(int(rng() % 17) - 8)));
+  for (size_t i = 0; i < b.size(); ++i) bf[i] = bf16_to_f32(b[i] = f32_to_bf16(float(int(rng() % 17) - 8)));
+  for (const bool a_in_smem : {false, true}) {
+    SCOPED_TRACE(a_in_smem ? "A from shared memory" : "A from registers");
+    const std::vector<float> d = cuda::moe_wgmma_probe(a, b, a_in_smem);
+    int wrong = 0;
+    for (int m = 0; m < 64; ++m)
+      for (int n = 0; n < 64; ++n) {
+        float want = 0.f;
+        for (int k = 0; k < 16; ++k) want += af[size_t(m * 16 + k)] * bf[size_t(n * 16 + k)];
+        if (!(d[size_t(m * 64 + n)] == want) && ++wrong <= 5)
+          ADD_FAILURE() << "d[" << m << "][" << n << "] = " << d[size_t(m * 64 + n)] << ", expected " << want;
+      }
+    EXPECT_EQ(wrong, 0);
+  }
+}
+
 // The fragment layouts the wgmma kernel converts its A operand into and stores its accumulators
 // from, against CUTLASS's definitions (cute's ALayout_64x16 and CLayout_64x64): the same (row, k)
 // for each of a warpgroup's 128 x 8 A values and (row, column) for its 128 x 32 accumulator
 // values, and both cover their tiles once. Host arithmetic, no GPU; needs the CUTLASS headers.
-TEST(CudaMoeGrid, WgmmaFragmentLayoutsMatchCutlass) {
+TEST(CudaWgmma, FragmentLayoutsMatchCutlass) {
   if (!cuda::moe_cutlass_built()) GTEST_SKIP() << "built without CUTLASS's headers";
   std::vector<int> a_seen(64 * 16, 0), d_seen(64 * 64, 0);
   for (int tid = 0; tid < 128; ++tid) {

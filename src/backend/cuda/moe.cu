@@ -37,6 +37,7 @@
 #include <cstdlib>
 #include <string>
 #include <type_traits>
+#include <vector>
 
 #include "backend/cuda/check.h"
 #include "backend/cuda/kernels/swiglu.cuh"
@@ -1293,6 +1294,50 @@ __global__ void __launch_bounds__(kQwThreads, 2)
   }
 }
 
+// One warpgroup's wgmma m64n64k16, for moe_wgmma_probe: d [64][64] fp32 = a [64][16] (row-major
+// bf16) times b^T (b [64][16] row-major: the B operand's 64 columns, K contiguous), with A from
+// registers (a_in_smem false) or from shared memory. Both staged as the expert kernel stages its
+// operands: 8x8 core matrices, k halves 128 bytes apart, groups of 8 rows 256 bytes apart.
+__global__ void __launch_bounds__(128) wgmma_probe_kernel(float* d, const bf16* a, const bf16* b, bool a_in_smem) {
+  __shared__ __align__(128) bf16 sa[64 * 16], sb[64 * 16];
+  const int tid = int(threadIdx.x);
+  for (int i = tid; i < 64 * 16; i += 128) {
+    const int r = i / 16, k = i % 16, at = (r / 8) * 128 + (k / 8) * 64 + (r % 8) * 8 + k % 8;
+    sa[at] = a[i];
+    sb[at] = b[i];
+  }
+  fence_proxy_async_shared();
+  __syncthreads();
+  float acc[32];
+#pragma unroll
+  for (int i = 0; i < 32; ++i) acc[i] = 0.f;
+  const uint64_t db = wgmma_desc_k_major(smem_addr(sb), 128, 256);
+#pragma unroll
+  for (int i = 0; i < 32; ++i) wgmma_reg_fence(acc[i]);
+  wgmma_fence();
+  if (a_in_smem) {
+    wgmma_m64n64k16_ss(acc, wgmma_desc_k_major(smem_addr(sa), 128, 256), db);
+  } else {
+    uint32_t regs[4];
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const int2 lo = wgmma_a_coord(tid, 2 * q), hi = wgmma_a_coord(tid, 2 * q + 1);
+      const bf16 l = a[lo.x * 16 + lo.y], h = a[hi.x * 16 + hi.y];
+      regs[q] = uint32_t(*reinterpret_cast<const uint16_t*>(&l)) | uint32_t(*reinterpret_cast<const uint16_t*>(&h)) << 16;
+    }
+    wgmma_fence();
+    wgmma_m64n64k16_rs(acc, regs, db, true);
+  }
+  wgmma_commit();
+  wgmma_wait<0>();
+#pragma unroll
+  for (int i = 0; i < 32; ++i) {
+    wgmma_reg_fence(acc[i]);
+    const int2 c = wgmma_d_coord(tid, i);
+    d[c.x * 64 + c.y] = acc[i];
+  }
+}
+
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
 bool aligned8(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 7) == 0; }
 
@@ -1668,6 +1713,26 @@ void moe_wgmma_group(int64_t tiles) { g_wgmma_order = tiles < 1 ? -1 : tiles; }
 void moe_grid_group(int64_t tiles) { g_grid_group = tiles < 0 ? -1 : tiles; }
 
 uint64_t moe_wgmma_k_major_desc(uint32_t addr, int sbo_bytes) { return wgmma_desc_k_major(addr, 128, uint32_t(sbo_bytes)); }
+std::vector<float> moe_wgmma_probe(const std::vector<uint16_t>& a, const std::vector<uint16_t>& b, bool a_in_smem) {
+  if (a.size() != 64 * 16 || b.size() != 64 * 16) fail_msg("moe_wgmma_probe: a and b must be 64 x 16");
+  bf16 *da = nullptr, *db = nullptr;
+  float* dd = nullptr;
+  CUDA_CHECK(cudaMalloc(&da, a.size() * 2));
+  CUDA_CHECK(cudaMalloc(&db, b.size() * 2));
+  CUDA_CHECK(cudaMalloc(&dd, 64 * 64 * 4));
+  CUDA_CHECK(cudaMemcpy(da, a.data(), a.size() * 2, cudaMemcpyHostToDevice));
+  CUDA_CHECK(cudaMemcpy(db, b.data(), b.size() * 2, cudaMemcpyHostToDevice));
+  CUDA_CHECK(cudaMemset(dd, 0xff, 64 * 64 * 4));  // NaN where nothing is stored
+  wgmma_probe_kernel<<<1, 128>>>(dd, da, db, a_in_smem);
+  CUDA_LAUNCH_CHECK();
+  std::vector<float> d(64 * 64);
+  CUDA_CHECK(cudaMemcpy(d.data(), dd, d.size() * 4, cudaMemcpyDeviceToHost));
+  CUDA_CHECK(cudaFree(da));
+  CUDA_CHECK(cudaFree(db));
+  CUDA_CHECK(cudaFree(dd));
+  return d;
+}
+
 std::pair<int, int> moe_wgmma_a_coord(int tid, int v) {
   const int2 c = wgmma_a_coord(tid, v);
   return {c.x, c.y};

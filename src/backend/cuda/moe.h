@@ -14,6 +14,7 @@
 #pragma once
 #include <cstdint>
 #include <utility>
+#include <vector>
 
 #include "backend/cuda/ops.h"
 #include "model/moe_routing.h"
@@ -149,6 +150,11 @@ int moe_wgmma_stage_sbo(int form);
 // (row, k) of A value v of warpgroup thread tid; wgmma_d_coord, the (row, column) of accumulator
 // value i, which its epilogue stores by).
 std::pair<int, int> moe_wgmma_a_coord(int tid, int v);
+// For tests (a GPU): one warpgroup's wgmma m64n64k16 built from the pieces the expert kernel
+// uses (its descriptors, fragment layouts and core-matrix staging), alone: d [64][64] fp32 =
+// a [64][16] x b^T, a and b row-major bf16 bits [64][16], A from registers or (a_in_smem) from
+// shared memory. A wrong expert-kernel result with a right probe points at the kernel's plumbing.
+std::vector<float> moe_wgmma_probe(const std::vector<uint16_t>& a, const std::vector<uint16_t>& b, bool a_in_smem);
 std::pair<int, int> moe_wgmma_d_coord(int tid, int i);
 struct MoeGridLaunch {
   int64_t blocks, group;

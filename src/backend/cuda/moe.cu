@@ -1059,23 +1059,23 @@ __device__ __forceinline__ uint32_t q4_byte_pair(uint32_t w, uint32_t sel) {
 }
 
 // out[p, O] (fp32, sorted rows) = in[row(p)] @ W_e^T for the tile's expert e (WF: kWInt4,
-// kWFp8 or kWBf16), or with SWIGLU act [p, O] = silu(in @ W_e^T) * (in @ W2_e^T) in bf16. The grid is
-// one dimension of ceil(grid_tiles / group) groups of `group` consecutive tiles: a group's tiles
-// take weight-row block 0 side by side, then block 1, and so on. Neighbours in launch order share
+// kWFp8 or kWBf16), or with SWIGLU act [p, O] = silu(in @ W_e^T) * (in @ W2_e^T) in bf16. The grid
+// (GroupedGrid) runs groups of `group` consecutive tiles: a group's tiles take weight-row block
+// 0 side by side, then block 1, and so on. Neighbours in launch order share
 // a weight slab (the tiles of one expert are consecutive in the sort: its slab comes from DRAM
 // once, then from L2), and the group's activation rows stay in L2 while its weight blocks go
-// by. group 1: tile-major (a tile's weight blocks together); group >= grid_tiles:
-// weight-block-major.
+// by. group 1: tile-major (a tile's weight blocks together); group >= the tiles: the plain
+// two-dimensional launch (weight-block-major).
 template <int WF, bool GATHER, bool SWIGLU>
 __global__ void __launch_bounds__(kQwThreads, 2)
     wgmma_grouped_kernel(float* out, bf16* act, const bf16* in, int64_t ld_in, const int32_t* order, int K,
                          const int32_t* tiles, const int32_t* n_tiles, const int32_t* offsets, ExpertMatrix m,
-                         ExpertMatrix m2, int o_blocks, int group) {
+                         ExpertMatrix m2, GroupedGrid grid) {
   static_assert(WF == kWInt4 || WF == kWFp8 || WF == kWBf16, "int4, FP8 or bf16 weights");
   using St = QwStage<WF>;
   constexpr int ST = St::count;
   extern __shared__ __align__(128) unsigned char qw_smem[];
-  const int2 bxy = GroupedGrid::of(int(blockIdx.x), o_blocks, group);
+  const int2 bxy = grid.block();
   const int tile = bxy.x, ob = bxy.y;
   if (tile >= *n_tiles) return;
   const int e = tiles[2 * tile], r0 = tiles[2 * tile + 1];
@@ -1537,12 +1537,11 @@ void wgmma_launch(float* out, bf16* act, const bf16* in, int64_t ld_in, bool gat
   const int64_t grid_tiles = std::min(max_tiles, slots);
   const int64_t o_blocks = (m.O + (swiglu ? kQwRows / 2 : kQwRows) - 1) / (swiglu ? kQwRows / 2 : kQwRows);
   if (grid_tiles <= 0 || o_blocks <= 0) return;
-  const int64_t group = std::min(wgmma_group(), grid_tiles);
-  const int64_t blocks = (grid_tiles + group - 1) / group * group * o_blocks;
+  const GridLaunch grid = grouped_grid(grid_tiles, o_blocks, wgmma_group());
   auto go = [&](auto kernel, size_t bytes) {
     CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
-    kernel<<<unsigned(blocks), kQwThreads, bytes, s>>>(out, act, in, ld_in, sc.order, K, sc.tiles, sc.n_tiles,
-                                                       sc.offsets, m, m2, int(o_blocks), int(group));
+    kernel<<<grid.blocks, kQwThreads, bytes, s>>>(out, act, in, ld_in, sc.order, K, sc.tiles, sc.n_tiles,
+                                                  sc.offsets, m, m2, grid.g);
   };
   auto pick = [&](auto wf) {
     constexpr int WF = decltype(wf)::value;

@@ -137,7 +137,7 @@ void moe_wgmma_group(int64_t tiles);
 // weight block side by side, so that a group's activation rows stay in L2 across the weight
 // blocks. TALON_CUDA_MOE_GRID_GROUP=n, or this call (tests; negative: the default again).
 void moe_grid_group(int64_t tiles);
-// How those kernels (and the wgmma kernel, whose group is at least 1) lay a grid of gx tiles x
+// How those kernels (and the wgmma kernel) lay a grid of gx tiles x
 // gy weight blocks out in launch order, for tests: moe_grid_launch gives the blocks launched and
 // the group in effect (0: the plain two-dimensional launch); moe_grid_block(b, ...) the (tile,
 // weight block) that block b in launch order computes (tile >= gx: an idle block that exits).

@@ -190,22 +190,15 @@ __global__ void setup_kernel(typename G::Arrays r, const int32_t* offsets, const
   const cutlass::bfloat16_t* rows = a + int64_t(offsets[e]) * K;
   const cutlass::bfloat16_t* we = w + int64_t(e) * N * K;
   float* d = out + int64_t(offsets[e]) * N;
-  if constexpr (G::kSwap) {
-    // Transposed: (M, N, K) = (outputs, rows, K); D column-major with leading dimension N.
-    r.shapes[e] = Shape3(N, m, K);
-    r.a[e] = we, r.b[e] = rows;
-    r.sa[e] = cutlass::make_cute_packed_stride(typename G::StrideA{}, cute::make_shape(N, K, 1));
-    r.sb[e] = cutlass::make_cute_packed_stride(typename G::StrideB{}, cute::make_shape(m, K, 1));
-    r.sc[e] = cutlass::make_cute_packed_stride(typename G::StrideC{}, cute::make_shape(N, m, 1));
-    r.sd[e] = cutlass::make_cute_packed_stride(typename G::StrideD{}, cute::make_shape(N, m, 1));
-  } else {
-    r.shapes[e] = Shape3(m, N, K);
-    r.a[e] = rows, r.b[e] = we;
-    r.sa[e] = cutlass::make_cute_packed_stride(typename G::StrideA{}, cute::make_shape(m, K, 1));
-    r.sb[e] = cutlass::make_cute_packed_stride(typename G::StrideB{}, cute::make_shape(N, K, 1));
-    r.sc[e] = cutlass::make_cute_packed_stride(typename G::StrideC{}, cute::make_shape(m, N, 1));
-    r.sd[e] = cutlass::make_cute_packed_stride(typename G::StrideD{}, cute::make_shape(m, N, 1));
-  }
+  // Transposed: (M, N, K) = (outputs, rows, K), D column-major with leading dimension M = N.
+  const int Mp = G::kSwap ? N : m, Np = G::kSwap ? m : N;
+  r.shapes[e] = Shape3(Mp, Np, K);
+  r.a[e] = G::kSwap ? we : rows;
+  r.b[e] = G::kSwap ? rows : we;
+  r.sa[e] = cutlass::make_cute_packed_stride(typename G::StrideA{}, cute::make_shape(Mp, K, 1));
+  r.sb[e] = cutlass::make_cute_packed_stride(typename G::StrideB{}, cute::make_shape(Np, K, 1));
+  r.sc[e] = cutlass::make_cute_packed_stride(typename G::StrideC{}, cute::make_shape(Mp, Np, 1));
+  r.sd[e] = cutlass::make_cute_packed_stride(typename G::StrideD{}, cute::make_shape(Mp, Np, 1));
   r.c[e] = d;
   r.d[e] = d;
 }

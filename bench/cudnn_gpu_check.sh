@@ -139,7 +139,10 @@ if want compare; then
   LOGS="$LOGS/compare" LOSS_SHARE=0.675 VARIANT=cudnn+rows bash bench/train_compare_gpu.sh llama3-8b "2048 4096" 1 full
 fi
 if want wgmma; then
-  build/tests/talon_tests --gtest_filter='*CudaMoe*:*CudaWgmma*' --gtest_brief=1 > "$LOGS/wgmma-tests.log" 2>&1
+  # WG_TIMEOUT bounds each run (s), so a kernel that never finishes costs one run, not the call.
+  TO=${WG_TIMEOUT:-150}
+  [ "${WG_SKIP_TESTS:-0}" = 1 ] || timeout "$TO" build/tests/talon_tests --gtest_filter='*CudaMoe*:*CudaWgmma*' \
+    --gtest_brief=1 > "$LOGS/wgmma-tests.log" 2>&1
   echo "== CudaMoe tests:"; grep -E "^\[  (PASSED|FAILED|SKIPPED) |^\[==========\]" "$LOGS/wgmma-tests.log" | tail -4
   grep -E "wgmma" "$LOGS/wgmma-tests.log" | grep -E "rel err" | sort -t' ' -k1,1 | tail -40
   grep -E "^\[  FAILED  \]|Failure" "$LOGS/wgmma-tests.log" | head -20
@@ -149,7 +152,7 @@ if want wgmma; then
     [[ $tag =~ ${WG_TAGS:-.} ]] || return 0
     local flag=""
     case "${1:-}" in --fp8 | --bf16) flag=$1; shift ;; esac
-    env "$@" build/talon_bench_moe $flag --tokens $W > "$LOGS/wgmma-$tag.log" 2>&1
+    timeout "$TO" env "$@" build/talon_bench_moe $flag --tokens $W > "$LOGS/wgmma-$tag.log" 2>&1
     echo "$tag ($*):"; tail -8 "$LOGS/wgmma-$tag.log"
   }
   echo "== one Kimi-K2 MoE layer, int4 and FP8 experts: default kernels vs the wgmma kernel"
@@ -168,7 +171,7 @@ if want wgmma; then
   wg bf16-tiles-grid-group4 --bf16 TALON_CUDA_MOE_GRID_GROUP=4
   for tl in rows128 out128x64 out128x128; do
     [[ bf16-cutlass-$tl =~ ${WG_TAGS:-.} ]] || continue
-    TALON_MOE_GEMM=cutlass TALON_MOE_CUTLASS_TILES=$tl build/talon_bench_moe --bf16 --tokens $W \
+    TALON_MOE_GEMM=cutlass TALON_MOE_CUTLASS_TILES=$tl timeout "$TO" build/talon_bench_moe --bf16 --tokens $W \
       > "$LOGS/wgmma-bf16-cutlass-$tl.log" 2>&1
     echo "bf16 on CUTLASS, tiles $tl:"; tail -8 "$LOGS/wgmma-bf16-cutlass-$tl.log"
   done

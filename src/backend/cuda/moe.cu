@@ -35,6 +35,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
+#include <limits>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -54,8 +55,15 @@ constexpr int kTileRows = 64;  // routed rows per GEMM tile (the sort's tile lis
 constexpr int kMaxExperts = 4096;
 constexpr int64_t kSkinnyDefaultSlots = 256;  // moe.h: moe_skinny_max_slots
 constexpr int64_t kInt4MmaDefaultSlots = int64_t(1) << 40;  // moe.h: moe_int4_mma_max_slots (no bound)
-constexpr int64_t kWgmmaDefaultMinSlots = int64_t(1) << 62;  // moe.h: moe_wgmma_min_slots (never)
-constexpr int64_t kWgmmaDefaultGroup = 4;                      // moe.h: moe_wgmma_group
+// moe.h: moe_wgmma_min_slots. Defaults per weight format, measured on one H100 (bench/RESULTS.md,
+// 2026-12-06; one Kimi-K2 layer, top-8): FP8 128 x 128 blocks beat the tile kernels at every
+// size from 1 token (0.22 vs 0.53 ms) to 16,384 (62.6 vs 96.0 ms); int4 group 32 from 1,536
+// tokens (8.36 vs 8.64 ms; at 1,024 7.76 vs 6.53, so 12,288 routed slots); bf16 never (the
+// tiles and CUTLASS beat it everywhere).
+constexpr int64_t kWgmmaNever = int64_t(1) << 62;
+constexpr int64_t kWgmmaDefaultMinSlotsFp8 = 1;
+constexpr int64_t kWgmmaDefaultMinSlotsInt4 = 12288;
+constexpr int64_t kWgmmaDefaultGroup = 16;  // moe.h: moe_wgmma_group (29.95 vs 30.71 ms for 4 at 8,192)
 constexpr int64_t kInt4KSplitDefaultSlots = 16;  // moe.h: moe_int4_mma_ksplit
 
 // Tensor-core GEMM.
@@ -1394,11 +1402,16 @@ int64_t int4_mma_ksplit_slots() {
 int64_t g_int4_mma_rows = -1;
 int64_t int4_mma_rows() { return count_setting(g_int4_mma_rows, "TALON_CUDA_MOE_INT4_ROWS", 0); }
 
-// TALON_CUDA_MOE_WGMMA=n: calls of at least n routed slots take int4 (group 32) and FP8 (K
-// blocks of 128) experts on the warpgroup kernel (moe_wgmma_min_slots); default never, until
-// measured on a GPU.
+// TALON_CUDA_MOE_WGMMA=n: calls of at least n routed slots take int4 (group 32), FP8 (K blocks
+// of 128) and bf16 experts on the warpgroup kernel (moe_wgmma_min_slots); unset, the measured
+// default of each format (kWgmmaDefaultMinSlots*).
 int64_t g_wgmma_min_slots = -1;
-int64_t wgmma_min_slots() { return count_setting(g_wgmma_min_slots, "TALON_CUDA_MOE_WGMMA", kWgmmaDefaultMinSlots); }
+// (kWgmmaUnset: read, and neither the environment nor a call set it; the per-format default.)
+constexpr int64_t kWgmmaUnset = std::numeric_limits<int64_t>::max();
+int64_t wgmma_min_slots(int64_t fallback) {
+  const int64_t v = count_setting(g_wgmma_min_slots, "TALON_CUDA_MOE_WGMMA", kWgmmaUnset);
+  return v == kWgmmaUnset ? fallback : v;
+}
 // TALON_CUDA_MOE_GRID_GROUP=n: the tile and int4 decode kernels' grids in groups of n tiles
 // (moe_grid_group); default 0, the plain order.
 int64_t g_grid_group = -1;
@@ -1526,7 +1539,8 @@ bool wgmma_fits(const ExpertMatrix& m, const bf16* in, int64_t ld_in, int64_t sl
   const bool fp8 = m.fp8 && m.block_scale && m.bo > 0 && m.bi > 0 && m.bi % kQmK == 0 && aligned16(m.fp8) &&
                    (reinterpret_cast<uintptr_t>(m.block_scale) & 3) == 0 && m.I % kQmK == 0;
   const bool bf = m.w && aligned16(m.w) && m.I % QwStage<kWBf16>::k == 0;
-  return (int4 || fp8 || bf) && slots > 0 && slots >= wgmma_min_slots() && ld_in % 8 == 0 && aligned16(in);
+  const int64_t fallback = fp8 ? kWgmmaDefaultMinSlotsFp8 : int4 ? kWgmmaDefaultMinSlotsInt4 : kWgmmaNever;
+  return (int4 || fp8 || bf) && slots > 0 && slots >= wgmma_min_slots(fallback) && ld_in % 8 == 0 && aligned16(in);
 }
 
 // Launches wgmma_grouped_kernel: out = in @ m^T, or with m2 (the up projection of gate m, in the

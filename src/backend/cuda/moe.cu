@@ -1404,13 +1404,18 @@ int64_t int4_mma_rows() { return count_setting(g_int4_mma_rows, "TALON_CUDA_MOE_
 
 // TALON_CUDA_MOE_WGMMA=n: calls of at least n routed slots take int4 (group 32), FP8 (K blocks
 // of 128) and bf16 experts on the warpgroup kernel (moe_wgmma_min_slots); unset, the measured
-// default of each format (kWgmmaDefaultMinSlots*).
-int64_t g_wgmma_min_slots = -1;
-// (kWgmmaUnset: read, and neither the environment nor a call set it; the per-format default.)
-constexpr int64_t kWgmmaUnset = std::numeric_limits<int64_t>::max();
+// default of each format (kWgmmaDefaultMinSlots*). g_wgmma_state: -1 not yet read, 0 read and
+// neither the environment nor a call set it (the per-format default), 1 set to g_wgmma_min_slots
+// (any count, the largest included, so a huge n always means never).
+int64_t g_wgmma_min_slots = 0;
+int g_wgmma_state = -1;
 int64_t wgmma_min_slots(int64_t fallback) {
-  const int64_t v = count_setting(g_wgmma_min_slots, "TALON_CUDA_MOE_WGMMA", kWgmmaUnset);
-  return v == kWgmmaUnset ? fallback : v;
+  if (g_wgmma_state < 0) {
+    const char* e = std::getenv("TALON_CUDA_MOE_WGMMA");
+    g_wgmma_state = e && *e ? 1 : 0;
+    if (g_wgmma_state) g_wgmma_min_slots = std::max<int64_t>(0, std::atoll(e));
+  }
+  return g_wgmma_state ? g_wgmma_min_slots : fallback;
 }
 // TALON_CUDA_MOE_GRID_GROUP=n: the tile and int4 decode kernels' grids in groups of n tiles
 // (moe_grid_group); default 0, the plain order.
@@ -1721,7 +1726,10 @@ void moe_int4_mma_swiglu(int on) { g_int4_mma_swiglu = on == 0 || on == 1 ? on :
 void moe_int4_mma_ksplit(int64_t slots) { g_int4_mma_ksplit = slots < 0 ? -1 : slots; }
 void moe_int4_mma_staged(int on) { g_int4_mma_staged = on == 0 || on == 1 ? on : -1; }
 void moe_int4_mma_split(int mode) { g_int4_mma_split = mode >= 0 && mode <= 2 ? mode : -1; }
-void moe_wgmma_min_slots(int64_t slots) { g_wgmma_min_slots = slots < 0 ? -1 : slots; }
+void moe_wgmma_min_slots(int64_t slots) {
+  g_wgmma_min_slots = std::max<int64_t>(slots, 0);
+  g_wgmma_state = slots < 0 ? -1 : 1;
+}
 void moe_wgmma_group(int64_t tiles) { g_wgmma_order = tiles < 1 ? -1 : tiles; }
 void moe_grid_group(int64_t tiles) { g_grid_group = tiles < 0 ? -1 : tiles; }
 

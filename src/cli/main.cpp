@@ -216,6 +216,9 @@ int main(int argc, char** argv) {
         ->capture_default_str()->group(g);
     cmd_tr->add_flag("--gpu-lm-grad-in-backward", tr.gpu_engine.lm_grad_in_backward,
                      "The lm_head's backward recomputes the logits in the backward pass (less memory)")->group(g);
+    cmd_tr->add_flag("--gpu-row-cut,!--gpu-all-rows", tr.gpu_engine.row_cut,
+                     "Steps after the first run only the rows a later step's loss reads (same results, less work)")
+        ->group(g);
     cmd_tr->add_flag("--gpu-profile", tr.gpu_engine.profile, "Log GPU time per phase at the end")->group(g);
   }
   cmd_tr->add_option("--noise", tr.noise, "Uniform noise amplitude added to the aux hidden states")->capture_default_str();

@@ -69,6 +69,9 @@ class GpuDraftTrainer {
   virtual std::vector<std::pair<std::string, double>> profile() const = 0;
   virtual int64_t max_rows() const = 0;
   virtual size_t device_bytes() const = 0;
+  // Rows run through the draft's layer so far, summed over steps, batches and GPUs (EAGLE-3 and
+  // P-EAGLE: N x K a batch of N rows, fewer with GpuDraftOptions::row_cut); 0 where not counted.
+  virtual int64_t row_steps() const { return 0; }
 };
 
 // n floats of host memory, page-locked when `pinned` and the CUDA runtime can pin it (batches

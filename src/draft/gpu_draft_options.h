@@ -29,6 +29,11 @@ struct GpuDraftOptions {
   // vocabulary). bf16 math on bf16 operands only; EAGLE-3 only (P-EAGLE trains its embedding,
   // DFlash's engine keeps its own).
   bool batch_embeddings = false;
+  // Steps after the first run only the rows some step after the first counts (a loss-masked
+  // target row, in the draft vocabulary, inside the sample), as the CPU reference does; prompt
+  // rows then go through step 0 only. Same losses, metrics and gradients; less work in
+  // proportion to the rows left out. false: every row through every step.
+  bool row_cut = false;
 };
 
 }  // namespace talon::eagle3

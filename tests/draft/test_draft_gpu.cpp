@@ -436,6 +436,61 @@ TEST_P(GpuDraft, SparseLossRowsMatchCpuReference) {
   }
 }
 
+// GpuDraftOptions::row_cut: steps after the first run only the rows some later step counts (as
+// the CPU reference's ttt_forward leaves the others out), on a batch laid out as chat data is (a
+// sample with no loss-masked token, a long prompt before its answer, alternating turns). Every
+// attention route (the fused kernels, the score-buffer products, the fp32 loop kernels, cuDNN
+// where built), both lm_head backward placements and chunks of 3 logit rows, against the CPU
+// reference; the rows run (row_steps) fall between N (step 0 only) and N x K (no cut), and are
+// N x K again with the option off.
+TEST_P(GpuDraft, RowCutMatchesCpuReference) {
+  REQUIRE_GPU();
+  Case cs(GetParam(), 99, {13, 7, 30, 2, 17});
+  cs.favour_draft_vocab(0.3f);
+  for (auto& m : cs.samples[1].mask) m = 0;
+  for (size_t t = 0; t < 18; ++t) cs.samples[2].mask[t] = 0;
+  for (size_t t = 0; t < cs.samples[4].mask.size(); ++t) cs.samples[4].mask[t] = (t / 4) % 2;
+  ScopedOpt cut([](GpuDraftOptions& o) { o.row_cut = true; });
+  check_against_cpu(cs, GpuMath::F32, tol::kGpuTttLossRel, tol::kGpuTttGradRel, 80, 20);
+  check_against_cpu(cs, GpuMath::BF16, tol::kGpuTttBf16LossRel, tol::kGpuTttBf16GradRel, 80, 20);
+  {
+    ScopedOpt att([](GpuDraftOptions& o) { o.attention = "loop"; });
+    check_against_cpu(cs, GpuMath::F32, tol::kGpuTttLossRel, tol::kGpuTttGradRel, 80, 20);
+  }
+  {
+    ScopedOpt att([](GpuDraftOptions& o) { o.attention = "blocks"; });
+    check_against_cpu(cs, GpuMath::BF16, tol::kGpuTttBf16LossRel, tol::kGpuTttBf16GradRel, 80, 20);
+  }
+  if (talon::cuda::cudnn_sdpa_available(nullptr)) {
+    ScopedOpt att([](GpuDraftOptions& o) { o.attention = "cudnn"; });
+    check_against_cpu(cs, GpuMath::BF16, tol::kGpuTttBf16LossRel, tol::kGpuTttBf16GradRel, 80, 20);
+  }
+  {
+    ScopedOpt f([](GpuDraftOptions& o) { o.lm_grad_in_backward = true; });
+    check_against_cpu(cs, GpuMath::F32, tol::kGpuTttLossRel, tol::kGpuTttGradRel, 80, 20);
+    check_against_cpu(cs, GpuMath::BF16, tol::kGpuTttBf16LossRel, tol::kGpuTttBf16GradRel, 80, 20);
+  }
+  {
+    ScopedOpt e([](GpuDraftOptions& o) { o.logit_rows = 3; });
+    check_against_cpu(cs, GpuMath::BF16, tol::kGpuTttBf16LossRel, tol::kGpuTttBf16GradRel, 80, 20);
+  }
+  int64_t N = 0;
+  for (auto& smp : cs.samples) N += int64_t(smp.ids.size());
+  const int64_t K = cs.c.ttt_steps;
+  for (bool on : {true, false}) {
+    ScopedOpt e([&](GpuDraftOptions& o) { o.row_cut = on; });
+    auto gpu = make_gpu(cs, {0}, GpuMath::BF16, 80);
+    gpu->set_weights(cs.w);
+    gpu->run(cs.batch(), 0.2, true, true);
+    if (on) {
+      EXPECT_GT(gpu->row_steps(), N);
+      EXPECT_LT(gpu->row_steps(), N * K);
+    } else {
+      EXPECT_EQ(gpu->row_steps(), N * K);
+    }
+  }
+}
+
 // Samples too short for the later steps: steps 2 and 3 of 4 have no row that counts (their
 // lm_head products are skipped, and the d fn they pass back is zero), steps 0 and 1 a few.
 TEST_P(GpuDraft, StepsWithoutLossRowsMatchCpuReference) {
@@ -596,6 +651,51 @@ TEST(DraftLossRows, ListsExactlyTheRowsThatCount) {
       for (int64_t i = 0; i < lr.count[size_t(k)]; ++i)
         EXPECT_TRUE(std::binary_search(tr.begin(), tr.end(), lr.rows[size_t(k * N) + i] + 1 + int32_t(k)));
   }
+}
+
+// row_cut: the rows some step after the first counts, in order, the inverse map, and each step's
+// loss rows and slots in the kept rows' numbering; no cut when every row is kept.
+TEST(DraftLossRows, RowCutKeepsTheRowsLaterStepsCount) {
+  std::mt19937 rng(12);
+  int cuts = 0;
+  for (int trial = 0; trial < 60; ++trial) {
+    const int64_t K = 1 + int64_t(rng() % 7);
+    std::vector<int32_t> pos, len;
+    while (pos.size() < 40) {
+      const int32_t T = 1 + int32_t(rng() % 12);
+      for (int32_t t = 0; t < T; ++t) pos.push_back(t), len.push_back(T);
+    }
+    const int64_t N = int64_t(pos.size());
+    std::vector<uint8_t> mask(static_cast<size_t>(N)), iv(static_cast<size_t>(N));
+    const unsigned every = 1 + unsigned(trial % 4);  // from every row masked to a quarter
+    for (auto& m : mask) m = uint8_t(rng() % every == 0);
+    for (auto& v : iv) v = uint8_t(rng() % 4 != 0);
+    const cuda::LossRows lr = cuda::loss_rows(K, N, mask.data(), pos.data(), len.data(), iv.data());
+    const cuda::RowCut rc = cuda::row_cut(lr, K, N);
+    std::vector<int32_t> want;
+    for (int64_t n = 0; n < N; ++n) {
+      bool later = false;
+      for (int64_t k = 1; k < K; ++k) later = later || lr.slot[size_t(k * N + n)] >= 0;
+      if (later) want.push_back(int32_t(n));
+    }
+    if (want.empty()) want.push_back(0);
+    ASSERT_EQ(rc.crow, want) << "trial " << trial;
+    ASSERT_EQ(rc.cinv.size(), size_t(N));
+    for (int64_t n = 0; n < N; ++n) {
+      const auto it = std::find(want.begin(), want.end(), int32_t(n));
+      EXPECT_EQ(rc.cinv[size_t(n)], it == want.end() ? -1 : int32_t(it - want.begin())) << "row " << n;
+    }
+    EXPECT_EQ(rc.cut, want.size() < size_t(N));
+    if (!rc.cut) continue;
+    ++cuts;
+    for (int64_t k = 1; k < K; ++k) {
+      for (int64_t i = 0; i < lr.count[size_t(k)]; ++i)
+        EXPECT_EQ(rc.crow[size_t(rc.clrow[size_t(k * N + i)])], lr.rows[size_t(k * N + i)]) << "step " << k;
+      for (size_t c = 0; c < want.size(); ++c)
+        EXPECT_EQ(rc.clslot[size_t(k * N) + c], lr.slot[size_t(k * N + want[c])]) << "step " << k;
+    }
+  }
+  EXPECT_GT(cuts, 10);
 }
 
 TEST(GpuDraftLogitRows, RefusesBadValue) {
@@ -1013,6 +1113,11 @@ TEST_P(GpuDraft, PEagleMatchesCpuReference) {
   }
   check_peagle_against_cpu(pc, GpuMath::BF16, true, tol::kGpuTttBf16LossRel, tol::kGpuTttBf16GradRel);
   check_peagle_against_cpu(pc, GpuMath::BF16, false, tol::kGpuTttBf16LossRel, tol::kGpuTttBf16GradRel);
+  {  // steps after the first on the rows a later element reads only (the prompt-only sample's are out)
+    ScopedOpt cut([](GpuDraftOptions& o) { o.row_cut = true; });
+    check_peagle_against_cpu(pc, GpuMath::F32, true, tol::kGpuTttLossRel, tol::kGpuTttGradRel);
+    check_peagle_against_cpu(pc, GpuMath::BF16, true, tol::kGpuTttBf16LossRel, tol::kGpuTttBf16GradRel);
+  }
 }
 
 // A P-EAGLE batch without its seeds, a mask token outside the vocabulary and a drafter

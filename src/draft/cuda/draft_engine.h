@@ -83,6 +83,17 @@ struct LossRows {
 };
 LossRows loss_rows(int64_t K, int64_t N, const uint8_t* mask, const int32_t* pos, const int32_t* len,
                    const uint8_t* in_vocab);
+// The rows steps 1..K-1 run when rows no later loss reads are cut (GpuDraftOptions::row_cut):
+// those some step k >= 1 counts (lr), in order; at least one, so that no launch is empty.
+// crow[c]: the batch row of kept row c; cinv[n]: n's kept row, or -1 when it is left out.
+// clrow[k*N + i] (i < lr.count[k], k >= 1): lr's rows of step k as kept rows; clslot[k*N + c]
+// (c < crow.size()): kept row c's slot in step k's list, or -1. cut: fewer rows than N kept
+// (else the vectors other than crow and cinv stay empty and every row runs every step).
+struct RowCut {
+  std::vector<int32_t> crow, cinv, clrow, clslot;
+  bool cut = false;
+};
+RowCut row_cut(const LossRows& lr, int64_t K, int64_t N);
 // The rows whose target distribution a loss can read: loss-masked rows after the first of
 // their sample (a row is only ever the target of earlier rows). Ascending.
 std::vector<int32_t> target_rows(int64_t N, const uint8_t* mask, const int32_t* pos);
@@ -127,6 +138,9 @@ class DraftEngine {
   void adamw(double lr, double beta1, double beta2, double eps, double weight_decay, const std::vector<uint8_t>& decay,
              int64_t t_after);
   size_t device_bytes() const;
+  // Rows run through the draft's layer so far, summed over steps and batches: N x K a batch
+  // of N rows, less (N - N1) x (K - 1) where rows no later loss reads are cut.
+  int64_t row_steps() const;
   // Pinned host buffers [max_rows, 3H] (aux) and [max_rows, H] (hidden) a batch can be
   // packed into, so that prepare() uploads them asynchronously (made on first call; both
   // null when the host cannot pin that much, and the caller then uses its own memory).

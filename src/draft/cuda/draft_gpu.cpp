@@ -404,6 +404,7 @@ class CudaDraftTrainer final : public DeviceTrainer {
   cudaStream_t stream() const override { return eng_->stream(); }
   int64_t max_rows() const override { return max_rows_; }
   size_t device_bytes() const override { return eng_->device_bytes(); }
+  int64_t row_steps() const override { return eng_->row_steps(); }
 
  private:
   cuda::DraftDims dims() const {
@@ -815,6 +816,11 @@ class DataParallelDraftTrainer final : public GpuDraftTrainer {
   int64_t max_rows() const override { return ranks_[0]->max_rows(); }
   std::vector<std::pair<std::string, double>> profile() const override { return ranks_[0]->profile(); }
   size_t device_bytes() const override { return ranks_[0]->device_bytes(); }
+  int64_t row_steps() const override {
+    int64_t n = 0;
+    for (const auto& r : ranks_) n += r->row_steps();
+    return n;
+  }
 
  private:
   // f(rank) on one thread per GPU, all at once; the first error is rethrown.

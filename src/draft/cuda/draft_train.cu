@@ -107,14 +107,15 @@ __global__ void host_rows_kernel(__nv_bfloat16* dst, const uint16_t* table, cons
   }
 }
 
-// E[n, :] = embed[token fed at step k]: x[t+1+k] of the row's own sample, 0 past its end.
+// E[n, :] = embed[token fed at step k]: x[t+1+k] of the row's own sample, 0 past its end. With
+// rowmap, E's row n is the batch row rowmap[n] (the compacted rows of a step after the first).
 template <class Emb>
 __global__ void gather_kernel(float* E, const Emb* embed, const int32_t* ids, const int32_t* pos,
-                              const int32_t* len, int64_t H, int k, int32_t fixed) {
-  const int64_t n = blockIdx.x;
-  const int tp = pos[n] + 1 + k;
+                              const int32_t* len, int64_t H, int k, int32_t fixed, const int32_t* rowmap) {
+  const int64_t n = blockIdx.x, r = rowmap ? rowmap[n] : n;
+  const int tp = pos[r] + 1 + k;
   // P-EAGLE (fixed >= 0): the mask token at every step after the first.
-  const int64_t tok = k > 0 && fixed >= 0 ? fixed : tp < len[n] ? ids[n + 1 + k] : 0;
+  const int64_t tok = k > 0 && fixed >= 0 ? fixed : tp < len[r] ? ids[r + 1 + k] : 0;
   for (int64_t c = threadIdx.x; c < H; c += blockDim.x) E[n * H + c] = load_f(embed + tok * H + c);
 }
 
@@ -137,6 +138,22 @@ __global__ void rows_scatter_kernel(float* out, const float* y, const int32_t* s
   float* o = out + int64_t(blockIdx.x) * C;
   const float* yr = y + int64_t(j < 0 ? 0 : j) * C;
   for (int64_t c = threadIdx.x; c < C; c += blockDim.x) o[c] = j < 0 ? 0.f : yr[c];
+}
+
+// out[i, :] = in[src[i], :], or zeros where src[i] < 0, for one block per row i (C values of X,
+// copied as they are): the compaction of a step's rows (src: the kept rows) and its inverse
+// (src: each batch row's compacted row, -1 for a row left out).
+template <class X>
+__global__ void rows_move_kernel(X* out, const X* in, const int32_t* src, int64_t C) {
+  const int32_t j = src[blockIdx.x];
+  X* o = out + int64_t(blockIdx.x) * C;
+  const X* x = in + int64_t(j < 0 ? 0 : j) * C;
+  for (int64_t c = threadIdx.x; c < C; c += blockDim.x) {
+    if (j < 0)
+      store_as(o + c, 0.f);
+    else
+      o[c] = x[c];
+  }
 }
 
 // out[n, :] = row[:] for n < N (C columns).
@@ -841,6 +858,47 @@ struct DraftEngine::Impl {
   std::vector<int32_t> trows;
   LossRows lr;
   int32_t *trow_d = nullptr, *lrow_d = nullptr, *lslot_d = nullptr;
+  // Rows no later loss reads (GpuDraftOptions::row_cut; the CPU reference's ttt_forward cuts
+  // the same rows): a row none of whose steps 1..K-1 counts (prompt rows, most of all) cannot
+  // change a loss, a metric or a gradient from step 1 on, so steps 1..K-1 run only the N1 rows
+  // some of those steps count (cut, when that is fewer than N). Their products, norms, MLP and
+  // residual stream hold the kept rows in order, compacted (crow: each compacted row's batch
+  // row; cinv: each batch row's compacted row or -1). The attention keeps the batch layout (its
+  // causal keys are step 0's, every row's): a step's queries and diagonal keys are expanded
+  // into it with zeros in the rows left out, which read finite values and pass back zero
+  // gradients, and its output is compacted again for the products. clrow [K, N]: the loss rows
+  // of each step as compacted rows; clslot [K, N]: each compacted row's loss slot or -1. gsc:
+  // step 1's input, the compacted copy of step 0's output (in hidden's memory, idle in run()).
+  // cbuf: the compacted attention output in the backward (in dact when it fits).
+  bool row_cut = false, cut = false;
+  int64_t N1 = 0, Nr = 0;  // kept rows; rows of the step being run (N, or N1 after step 0)
+  int32_t *crow_d = nullptr, *cinv_d = nullptr, *clrow_d = nullptr, *clslot_d = nullptr;
+  std::vector<int32_t> h_crow, h_cinv, h_clrow, h_clslot;
+  float *gsc = nullptr, *cbuf = nullptr;
+  int64_t row_steps = 0;  // DraftEngine::row_steps
+  bool cut_step(int k) const { return cut && k > 0; }
+  // Nr for step k.
+  void rows_for(int k) { Nr = cut_step(k) ? N1 : N; }
+  // out[i] = in[src[i]] (zeros where src[i] < 0) for n rows of C values of X.
+  template <class X>
+  void move_rows(X* out, const X* in, const int32_t* src, int64_t n, int64_t C) {
+    if (n <= 0) return;
+    rows_move_kernel<X><<<unsigned(n), 256, 0, s>>>(out, in, src, C);
+    CUDA_LAUNCH_CHECK();
+  }
+  // Batch rows to the N1 kept rows, and back (zeros in the rows left out).
+  void compact(float* out, const float* in, int64_t C) { move_rows(out, in, crow_d, N1, C); }
+  void expand(float* out, const float* in, int64_t C) { move_rows(out, in, cinv_d, N, C); }
+  // Step k's attention output as the products read it: att[k] itself, or its kept rows
+  // compacted into out (as stored: bf16 with qa_bf16).
+  float* att_rows(int k, float* out) {
+    if (!cut_step(k)) return att[size_t(k)];
+    if (qa_bf16)
+      move_rows(bf16_in(out), bf16_in(att[size_t(k)]), crow_d, N1, qd);
+    else
+      compact(out, att[size_t(k)], qd);
+    return out;
+  }
   // P-EAGLE: the target distribution's entropy per batch row (ent, and its host copy from
   // prepare()); null for EAGLE-3, whose loss does not read it.
   float* ent = nullptr;
@@ -855,8 +913,9 @@ struct DraftEngine::Impl {
   int32_t *etok = nullptr, *eoff = nullptr, *erow = nullptr;
   int64_t n_etok = 0;
   std::vector<int32_t> h_etok, h_eoff, h_erow;
-  // The hidden input of step k: the previous step's output (EAGLE-3), or P-EAGLE's gm.
-  float* gin(int k) { return d.peagle && k > 0 ? gm : gs[size_t(k)]; }
+  // The hidden input of step k: the previous step's output (EAGLE-3; step 0's compacted when
+  // rows are cut), or P-EAGLE's gm (the same in every row).
+  float* gin(int k) { return d.peagle && k > 0 ? gm : cut && k == 1 ? gsc : gs[size_t(k)]; }
 
   // Everything allocated so far is freed, also when the constructor threw halfway.
   ~Impl() {
@@ -1030,9 +1089,9 @@ struct DraftEngine::Impl {
   void rmsnorm_backward(float* dx, int64_t lddx, float* dw, const float* dout, int64_t ldd, const float* x,
                         int64_t ldx, const float* wt, int64_t C) {
     mark("backward: RMSNorm backward");
-    cuda::rmsnorm_backward(dx, lddx, wrow, dout, ldd, x, ldx, wt, N, C, d.eps, s);
+    cuda::rmsnorm_backward(dx, lddx, wrow, dout, ldd, x, ldx, wt, Nr, C, d.eps, s);
     CUDA_LAUNCH_CHECK();
-    colsum_kernel<<<nblocks(C, 32), dim3(32, 8), 0, s>>>(dw, wrow, N, C);
+    colsum_kernel<<<nblocks(C, 32), dim3(32, 8), 0, s>>>(dw, wrow, Nr, C);
     CUDA_LAUNCH_CHECK();
     mark("backward: products and norms");
   }
@@ -1040,11 +1099,11 @@ struct DraftEngine::Impl {
   // else a cast.
   Twin xin_twin(int k) {
     float* x = xin[size_t(k)];
-    return xin_bf16 ? Twin(*this, x, N * 2 * d.H, bf16_in(x)) : Twin(*this, x, N * 2 * d.H);
+    return xin_bf16 ? Twin(*this, x, Nr * 2 * d.H, bf16_in(x)) : Twin(*this, x, Nr * 2 * d.H);
   }
   Twin hm_twin(int k) {
     float* x = hm[size_t(k)];
-    return hm_bf16 ? Twin(*this, x, N * d.H, bf16_in(x)) : Twin(*this, x, N * d.H);
+    return hm_bf16 ? Twin(*this, x, Nr * d.H, bf16_in(x)) : Twin(*this, x, Nr * d.H);
   }
   // gate and up of step k: ga, up = hm @ W^T (as bf16 with bf16 operands).
   void gate_up(int k) {
@@ -1052,37 +1111,38 @@ struct DraftEngine::Impl {
     const size_t ks = size_t(k);
     const Twin th = hm_twin(k);
     if (bf16_operands) {
-      linear_bf16(gab[ks], Id, hm[ks], H, w(GATE), N, H, Id);
-      linear_bf16(upb[ks], Id, hm[ks], H, w(UP), N, H, Id);
+      linear_bf16(gab[ks], Id, hm[ks], H, w(GATE), Nr, H, Id);
+      linear_bf16(upb[ks], Id, hm[ks], H, w(UP), Nr, H, Id);
     } else {
-      linear(ga[ks], Id, hm[ks], H, w(GATE), N, H, Id);
-      linear(up[ks], Id, hm[ks], H, w(UP), N, H, Id);
+      linear(ga[ks], Id, hm[ks], H, w(GATE), Nr, H, Id);
+      linear(up[ks], Id, hm[ks], H, w(UP), Nr, H, Id);
     }
   }
   // act = silu(ga) * up of step k, and its backward (dga, dup); bf16 with bf16 operands.
   void swiglu(float* act, int k) {
     const size_t ks = size_t(k);
     if (bf16_operands)
-      launch_swiglu_forward(bf16_in(act), gab[ks], upb[ks], d.I, N, d.I, s);
+      launch_swiglu_forward(bf16_in(act), gab[ks], upb[ks], d.I, Nr, d.I, s);
     else
-      launch_swiglu_forward(act, ga[ks], up[ks], d.I, N, d.I, s);
+      launch_swiglu_forward(act, ga[ks], up[ks], d.I, Nr, d.I, s);
   }
   void swiglu_backward(float* dga, float* dup, const float* dact, int k) {
     const size_t ks = size_t(k);
     if (bf16_operands)
-      launch_swiglu_backward(bf16_in(dga), bf16_in(dup), dact, gab[ks], upb[ks], d.I, N, d.I, s);
+      launch_swiglu_backward(bf16_in(dga), bf16_in(dup), dact, gab[ks], upb[ks], d.I, Nr, d.I, s);
     else
-      launch_swiglu_backward(dga, dup, dact, ga[ks], up[ks], d.I, N, d.I, s);
+      launch_swiglu_backward(dga, dup, dact, ga[ks], up[ks], d.I, Nr, d.I, s);
   }
   // E = the embeddings of the tokens step k feeds.
   void gather(int k) {
     const int32_t fixed = d.peagle ? d.mask_token : -1;
+    const int32_t* map = cut_step(k) ? crow_d : nullptr;
     if (batch_embed)
-      gather_kernel<<<unsigned(N), 256, 0, s>>>(E, emb_rows, cids, pos, len, d.H, k, fixed);
+      gather_kernel<<<unsigned(Nr), 256, 0, s>>>(E, emb_rows, cids, pos, len, d.H, k, fixed, map);
     else if (embed_b)
-      gather_kernel<<<unsigned(N), 256, 0, s>>>(E, embed_b, ids, pos, len, d.H, k, fixed);
+      gather_kernel<<<unsigned(Nr), 256, 0, s>>>(E, embed_b, ids, pos, len, d.H, k, fixed, map);
     else
-      gather_kernel<<<unsigned(N), 256, 0, s>>>(E, embed, ids, pos, len, d.H, k, fixed);
+      gather_kernel<<<unsigned(Nr), 256, 0, s>>>(E, embed, ids, pos, len, d.H, k, fixed, map);
     CUDA_LAUNCH_CHECK();
   }
   // RoPE of step k over x in place, or into out_b as bf16 (x left as it was); sign -1 rotates
@@ -1115,24 +1175,23 @@ struct DraftEngine::Impl {
     float* x = q[size_t(k)];
     return qa_bf16 ? Twin(*this, x, N * qd, bf16_in(x)) : Twin(*this, x, N * qd);
   }
-  Twin att_twin(int k) {
-    float* x = att[size_t(k)];
-    return qa_bf16 ? Twin(*this, x, N * qd, bf16_in(x)) : Twin(*this, x, N * qd);
-  }
+  // The products' view of step k's attention output x (att[k], or its compacted rows: att_rows).
+  Twin att_twin(float* x) { return qa_bf16 ? Twin(*this, x, Nr * qd, bf16_in(x)) : Twin(*this, x, Nr * qd); }
   // out = g1 of step k = r + o_proj(att[k]), r = gin(k) (or hidden_norm(gin(k)), the second
   // half of xin[k], with norm_before_residual); the product goes to tmp first (out may be
   // tmp). The forward and the backward's recompute both come here: the same product on the
   // same operands, so the same bits.
-  void g1_into(int k, float* out) {
+  // a: the attention output as the products read it (att_rows).
+  void g1_into(int k, float* out, float* a) {
     const size_t ks = size_t(k);
     {
-      const Twin ta = att_twin(k);
-      linear(tmp, d.H, att[ks], qd, w(WO), N, qd, d.H);
+      const Twin ta = att_twin(a);
+      linear(tmp, d.H, a, qd, w(WO), Nr, qd, d.H);
     }
     if (d.norm_before_residual)
-      add_kernel<<<nblocks(N * d.H, 256), 256, 0, s>>>(out, xin[ks] + d.H, 2 * d.H, tmp, N, d.H);
+      add_kernel<<<nblocks(Nr * d.H, 256), 256, 0, s>>>(out, xin[ks] + d.H, 2 * d.H, tmp, Nr, d.H);
     else
-      add_kernel<<<nblocks(N * d.H, 256), 256, 0, s>>>(out, gin(k), d.H, tmp, N, d.H);
+      add_kernel<<<nblocks(Nr * d.H, 256), 256, 0, s>>>(out, gin(k), d.H, tmp, Nr, d.H);
     CUDA_LAUNCH_CHECK();
   }
   // f(P) with the target distribution as it is stored: bf16 (Ph) or fp32 (P).
@@ -1154,14 +1213,16 @@ struct DraftEngine::Impl {
   // chunk.
   void lm_head_step(int k, bool grad, float* dfn, const char* phase, const char* back_phase) {
     const int64_t Vd = d.Vd, H = d.H, nk = lr.count[size_t(k)];
+    // rows: the batch rows (the loss reads the target side by them); at, the rows of fn[k].
     const int32_t* rows = lrow_d + k * N;
+    const int32_t* at = cut_step(k) ? clrow_d + k * N : rows;
     const bool whole = grad && bf16_operands;
     mark(phase);
     if (nk > 0) {
       if (bf16_operands)
-        rows_gather_kernel<<<unsigned(nk), 256, 0, s>>>(bf16_in(E), fn[size_t(k)], rows, H);
+        rows_gather_kernel<<<unsigned(nk), 256, 0, s>>>(bf16_in(E), fn[size_t(k)], at, H);
       else
-        rows_gather_kernel<<<unsigned(nk), 256, 0, s>>>(E, fn[size_t(k)], rows, H);
+        rows_gather_kernel<<<unsigned(nk), 256, 0, s>>>(E, fn[size_t(k)], at, H);
       CUDA_LAUNCH_CHECK();
     }
     const Twin te(*this, E, nk * H, bf16_in(E));
@@ -1188,7 +1249,7 @@ struct DraftEngine::Impl {
       if (!d.peagle) gemm_raw(CUBLAS_OP_N, CUBLAS_OP_T, H, Vd, nk, operand(E, nk * H, 1), H, lgb, Vd, 1.f, g(LM), H);
       gemm_raw(CUBLAS_OP_N, CUBLAS_OP_N, H, nk, Vd, operand(w(LM), Vd * H, 0), H, lgb, Vd, 0.f, tmp, H);
     }
-    rows_scatter_kernel<<<unsigned(N), 256, 0, s>>>(dfn, tmp, lslot_d + k * N, H);
+    rows_scatter_kernel<<<unsigned(Nr), 256, 0, s>>>(dfn, tmp, (cut_step(k) ? clslot_d : lslot_d) + k * N, H);
     CUDA_LAUNCH_CHECK();
   }
 
@@ -1630,6 +1691,21 @@ DraftEngine::DraftEngine(int device, const DraftDims& dd, DraftMath math, const 
     I.cudnn = std::make_unique<CudnnSdpa>(
         SdpaShape{int(dd.nh), int(dd.nkv), int(dd.hd), float(1.0 / std::sqrt(double(dd.hd))), R}, I.s);
   }
+  I.row_cut = opt.row_cut;
+  if (I.row_cut && K > 1) {
+    I.crow_d = I.alloc<int32_t>(size_t(R));
+    I.cinv_d = I.alloc<int32_t>(size_t(R));
+    I.clrow_d = I.alloc<int32_t>(size_t(K * R));
+    I.clslot_d = I.alloc<int32_t>(size_t(K * R));
+    I.gsc = I.hidden;  // only prepare() reads hidden
+    // The compacted attention output of the backward (att_rows) is live from the recompute of
+    // g1 to o_proj's weight gradient, across the post-attention norm's backward (wrow) and
+    // before dact's next users (the attention's partials, dxin).
+    const int64_t need = I.qa_bf16 ? (R * qd + 1) / 2 : R * qd;
+    const bool wrow_in_dact = I.wrow >= I.dact && I.wrow < I.dact + R * Idim;
+    const int64_t room = wrow_in_dact ? I.wrow - I.dact : R * Idim;
+    I.cbuf = need <= room ? I.dact : I.alloc<float>(size_t(need));
+  }
   I.profiling = opt.profile;
 }
 
@@ -1649,6 +1725,7 @@ bool is_pinned_host(const void* p) { return memory_type(p) == cudaMemoryTypeHost
 bool is_device_memory(const void* p) { return memory_type(p) == cudaMemoryTypeDevice; }
 
 size_t DraftEngine::device_bytes() const { return p_->bytes; }
+int64_t DraftEngine::row_steps() const { return p_->row_steps; }
 std::pair<float*, float*> DraftEngine::host_features() {
   Impl& I = *p_;
   if (!I.host_aux && !I.host_pin_failed) {
@@ -1730,6 +1807,33 @@ LossRows loss_rows(int64_t K, int64_t N, const uint8_t* mask, const int32_t* pos
     r.count[size_t(k)] = c;
   }
   return r;
+}
+
+RowCut row_cut(const LossRows& lr, int64_t K, int64_t N) {
+  RowCut rc;
+  rc.cinv.assign(size_t(N), -1);
+  for (int64_t k = 1; k < K; ++k)
+    for (int64_t c = 0; c < lr.count[size_t(k)]; ++c) rc.cinv[size_t(lr.rows[size_t(k * N + c)])] = 0;
+  for (int64_t n = 0; n < N; ++n)
+    if (rc.cinv[size_t(n)] == 0) {
+      rc.cinv[size_t(n)] = int32_t(rc.crow.size());
+      rc.crow.push_back(int32_t(n));
+    }
+  if (rc.crow.empty() && N > 0) {  // no later step counts: one row, so that no launch is empty
+    rc.crow.push_back(0);
+    rc.cinv[0] = 0;
+  }
+  rc.cut = int64_t(rc.crow.size()) < N;
+  if (!rc.cut) return rc;
+  const int64_t n1 = int64_t(rc.crow.size());
+  rc.clrow.assign(size_t(K * N), 0);
+  rc.clslot.assign(size_t(K * N), -1);
+  for (int64_t k = 1; k < K; ++k) {
+    for (int64_t c = 0; c < lr.count[size_t(k)]; ++c)
+      rc.clrow[size_t(k * N + c)] = rc.cinv[size_t(lr.rows[size_t(k * N + c)])];
+    for (int64_t c = 0; c < n1; ++c) rc.clslot[size_t(k * N + c)] = lr.slot[size_t(k * N + rc.crow[size_t(c)])];
+  }
+  return rc;
 }
 
 std::vector<int32_t> target_rows(int64_t N, const uint8_t* mask, const int32_t* pos) {
@@ -1880,6 +1984,25 @@ std::vector<uint8_t> DraftEngine::prepare(const DraftBatch& b) {
   }
   cp(I.lrow_d, I.lr.rows.data(), size_t(K * N) * 4);
   cp(I.lslot_d, I.lr.slot.data(), size_t(K * N) * 4);
+  // The rows steps 1..K-1 keep: those some of those steps count (Impl::row_cut).
+  I.cut = false;
+  I.N1 = N;
+  I.Nr = N;
+  if (I.row_cut && K > 1) {
+    RowCut rc = row_cut(I.lr, K, N);
+    if (rc.cut) {
+      I.cut = true;
+      I.N1 = int64_t(rc.crow.size());
+      I.h_crow = std::move(rc.crow);
+      I.h_cinv = std::move(rc.cinv);
+      I.h_clrow = std::move(rc.clrow);
+      I.h_clslot = std::move(rc.clslot);
+      cp(I.crow_d, I.h_crow.data(), size_t(I.N1) * 4);
+      cp(I.cinv_d, I.h_cinv.data(), size_t(N) * 4);
+      cp(I.clrow_d, I.h_clrow.data(), size_t(K * N) * 4);
+      cp(I.clslot_d, I.h_clslot.data(), size_t(K * N) * 4);
+    }
+  }
   return iv;
 }
 
@@ -1892,6 +2015,7 @@ void DraftEngine::run(const std::vector<float>& row_scale, bool backward, bool z
   const int64_t N = I.N, H = d.H, Id = d.I, qd = I.qd, kvd = I.kvd, K = d.K;
   const cudaStream_t s = I.s;
   if (backward && int64_t(row_scale.size()) != K * N) fail_msg("draft on GPU: row_scale must have K*N entries");
+  I.row_steps += N + (K - 1) * (I.cut ? I.N1 : N);
   if (backward)
     CUDA_CHECK(cudaMemcpyAsync(I.rs, row_scale.data(), size_t(K * N) * 4, cudaMemcpyHostToDevice, s));
   const unsigned warps_blocks = nblocks(N * d.nh * 32, 256);
@@ -1922,24 +2046,35 @@ void DraftEngine::run(const std::vector<float>& row_scale, bool backward, bool z
   }
   for (int k = 0; k < K; ++k) {
     float* xin = I.xin[size_t(k)];
+    I.rows_for(k);
+    const int64_t Nk = I.Nr;  // rows of the products, norms and MLP (N1 after step 0 when cut)
+    const bool cut = I.cut_step(k);
     I.mark("forward: products and norms");
     I.gather(k);
     if (I.xin_bf16) {  // bf16 rows of 2H: the second half starts H bf16 values in
-      I.rmsnorm(I.bf16_in(xin), 2 * H, I.E, H, I.w(IN_LN), H, d.eps, N);
-      I.rmsnorm(I.bf16_in(xin) + H, 2 * H, I.gin(k), H, I.w(HNORM), H, d.eps, N);
+      I.rmsnorm(I.bf16_in(xin), 2 * H, I.E, H, I.w(IN_LN), H, d.eps, Nk);
+      I.rmsnorm(I.bf16_in(xin) + H, 2 * H, I.gin(k), H, I.w(HNORM), H, d.eps, Nk);
     } else {
-      I.rmsnorm(xin, 2 * H, I.E, H, I.w(IN_LN), H, d.eps, N);
-      I.rmsnorm(xin + H, 2 * H, I.gin(k), H, I.w(HNORM), H, d.eps, N);
+      I.rmsnorm(xin, 2 * H, I.E, H, I.w(IN_LN), H, d.eps, Nk);
+      I.rmsnorm(xin + H, 2 * H, I.gin(k), H, I.w(HNORM), H, d.eps, Nk);
     }
     float* kk = I.keys + k * I.R * kvd;
     float* vv = I.vals + k * I.R * kvd;
     {
       const Impl::Twin tx = I.xin_twin(k);
       // With bf16 storage the queries' fp32 product goes to dq (idle in the forward) and RoPE
-      // writes them to q[k] as bf16.
-      I.linear(I.qa_bf16 ? I.dq : I.q[size_t(k)], qd, xin, 2 * H, I.w(WQ), N, 2 * H, qd);
-      I.linear(kk, kvd, xin, 2 * H, I.w(WK), N, 2 * H, kvd);
-      I.linear(vv, kvd, xin, 2 * H, I.w(WV), N, 2 * H, kvd);
+      // writes them to q[k] as bf16. With rows cut, the products' compacted rows (queries in
+      // datt, keys and values in this step's dK and dV, all idle in the forward) are expanded
+      // into the batch layout the attention reads.
+      float* qo = I.qa_bf16 ? I.dq : I.q[size_t(k)];
+      I.linear(cut ? I.datt : qo, qd, xin, 2 * H, I.w(WQ), Nk, 2 * H, qd);
+      I.linear(cut ? I.dK + k * I.R * kvd : kk, kvd, xin, 2 * H, I.w(WK), Nk, 2 * H, kvd);
+      I.linear(cut ? I.dV + k * I.R * kvd : vv, kvd, xin, 2 * H, I.w(WV), Nk, 2 * H, kvd);
+      if (cut) {
+        I.expand(qo, I.datt, qd);
+        I.expand(kk, I.dK + k * I.R * kvd, kvd);
+        I.expand(vv, I.dV + k * I.R * kvd, kvd);
+      }
     }
     if (I.qa_bf16)
       I.rope(I.dq, d.nh, k, 1.0, I.bf16_in(I.q[size_t(k)]));
@@ -1954,23 +2089,25 @@ void DraftEngine::run(const std::vector<float>& row_scale, bool backward, bool z
       I.attention_forward(k, I.att[size_t(k)], I.lse[size_t(k)]);
     }
     I.mark("forward: products and norms");
-    I.g1_into(k, g1);
+    // (With rows cut, the output's compacted rows go to datt, idle again after the attention.)
+    I.g1_into(k, g1, I.att_rows(k, I.datt));
     if (I.hm_bf16)
-      I.rmsnorm(I.bf16_in(I.hm[size_t(k)]), H, g1, H, I.w(POST_LN), H, d.eps, N);
+      I.rmsnorm(I.bf16_in(I.hm[size_t(k)]), H, g1, H, I.w(POST_LN), H, d.eps, Nk);
     else
-      I.rmsnorm(I.hm[size_t(k)], H, g1, H, I.w(POST_LN), H, d.eps, N);
+      I.rmsnorm(I.hm[size_t(k)], H, g1, H, I.w(POST_LN), H, d.eps, Nk);
     I.gate_up(k);
     {
-      const Impl::Twin ta(I, I.act, N * Id, I.bf16_in(I.act));
+      const Impl::Twin ta(I, I.act, Nk * Id, I.bf16_in(I.act));
       I.swiglu(I.act, k);
-      I.linear(I.tmp, H, I.act, Id, I.w(DOWN), N, Id, H);
+      I.linear(I.tmp, H, I.act, Id, I.w(DOWN), Nk, Id, H);
     }
-    add_kernel<<<nblocks(N * H, 256), 256, 0, s>>>(I.gs[size_t(k) + 1], g1, H, I.tmp, N, H);
+    add_kernel<<<nblocks(Nk * H, 256), 256, 0, s>>>(I.gs[size_t(k) + 1], g1, H, I.tmp, Nk, H);
     CUDA_LAUNCH_CHECK();
-    I.rmsnorm(I.fn[size_t(k)], H, I.gs[size_t(k) + 1], H, I.w(NORM), H, d.eps, N);
+    I.rmsnorm(I.fn[size_t(k)], H, I.gs[size_t(k) + 1], H, I.w(NORM), H, d.eps, Nk);
     // With fused_lm the loss gradient goes through the lm_head right away, d fn over fn[k]
     // (the products read the rows that count from their gathered copy).
     I.lm_head_step(k, fused_lm, I.fn[size_t(k)], "forward: draft logits and loss", "forward: lm_head backward");
+    if (k == 0 && I.cut && !d.peagle) I.compact(I.gsc, I.gs[1], H);  // step 1's input
   }
   out.ce.resize(size_t(K * N));
   out.hit.resize(size_t(K * N));
@@ -1997,41 +2134,48 @@ void DraftEngine::run(const std::vector<float>& row_scale, bool backward, bool z
   for (int k = int(K) - 1; k >= 0; --k) {
     const size_t ks = size_t(k);
     float* xin = I.xin[ks];
+    I.rows_for(k);
+    const int64_t Nk = I.Nr;  // rows of the products, norms and MLP (N1 after step 0 when cut)
+    const bool cut = I.cut_step(k);
     float* dfn = I.fn[ks];  // with fused_lm, the forward left d fn here
     if (!fused_lm) {  // logits = lm_head(norm(g2))
       dfn = I.dfn;
       I.lm_head_step(k, true, dfn, "backward: draft logits and loss gradient", "backward: products and norms");
     }
     I.mark("backward: products and norms");
-    CUDA_CHECK(cudaMemcpyAsync(I.dg2, I.dgn, size_t(N * H) * 4, cudaMemcpyDeviceToDevice, s));
+    CUDA_CHECK(cudaMemcpyAsync(I.dg2, I.dgn, size_t(Nk * H) * 4, cudaMemcpyDeviceToDevice, s));
     I.rmsnorm_backward(I.dg2, H, I.g(NORM), dfn, H, I.gs[ks + 1], H, I.w(NORM), H);
     // g2 = g1 + down(silu(gate(hm)) * up(hm))
     {
-      const Impl::Twin ta(I, I.act, N * Id, I.bf16_in(I.act)), td(I, I.dg2, N * H);
+      const Impl::Twin ta(I, I.act, Nk * Id, I.bf16_in(I.act)), td(I, I.dg2, Nk * H);
       I.swiglu(I.act, k);
-      I.linear_dx(I.dact, Id, I.dg2, I.w(DOWN), N, Id, H, 0.f);
-      I.linear_dw(I.g(DOWN), I.dg2, I.act, Id, N, Id, H);
+      I.linear_dx(I.dact, Id, I.dg2, I.w(DOWN), Nk, Id, H, 0.f);
+      I.linear_dw(I.g(DOWN), I.dg2, I.act, Id, Nk, Id, H);
     }
     {
-      const Impl::Twin tg(I, I.dga, N * Id, I.bf16_in(I.dga)), tu(I, I.dup, N * Id, I.bf16_in(I.dup)),
+      const Impl::Twin tg(I, I.dga, Nk * Id, I.bf16_in(I.dga)), tu(I, I.dup, Nk * Id, I.bf16_in(I.dup)),
           th = I.hm_twin(k);
       I.swiglu_backward(I.dga, I.dup, I.dact, k);
-      I.linear_dx(I.dhm, H, I.dga, I.w(GATE), N, H, Id, 0.f);
-      I.linear_dx(I.dhm, H, I.dup, I.w(UP), N, H, Id, 1.f);
-      I.linear_dw(I.g(GATE), I.dga, I.hm[ks], H, N, H, Id);
-      I.linear_dw(I.g(UP), I.dup, I.hm[ks], H, N, H, Id);
+      I.linear_dx(I.dhm, H, I.dga, I.w(GATE), Nk, H, Id, 0.f);
+      I.linear_dx(I.dhm, H, I.dup, I.w(UP), Nk, H, Id, 1.f);
+      I.linear_dw(I.g(GATE), I.dga, I.hm[ks], H, Nk, H, Id);
+      I.linear_dw(I.g(UP), I.dup, I.hm[ks], H, Nk, H, Id);
     }
-    // g1, recomputed into tmp (idle here) rather than kept from the forward.
+    // g1, recomputed into tmp (idle here) rather than kept from the forward. With rows cut the
+    // products read the attention output's compacted rows (in cbuf), and datt's compacted rows
+    // (in dq, idle until the attention's backward) are expanded into the batch layout.
     I.mark("backward: products and norms");
-    I.g1_into(k, I.tmp);
-    CUDA_CHECK(cudaMemcpyAsync(I.dg1, I.dg2, size_t(N * H) * 4, cudaMemcpyDeviceToDevice, s));
+    float* ak = I.att_rows(k, I.cbuf);
+    I.g1_into(k, I.tmp, ak);
+    CUDA_CHECK(cudaMemcpyAsync(I.dg1, I.dg2, size_t(Nk * H) * 4, cudaMemcpyDeviceToDevice, s));
     I.rmsnorm_backward(I.dg1, H, I.g(POST_LN), I.dhm, H, I.tmp, H, I.w(POST_LN), H);
     // g1 = r + o_proj(att)
     {
-      const Impl::Twin ta = I.att_twin(k), t1(I, I.dg1, N * H);
-      I.linear_dx(I.datt, qd, I.dg1, I.w(WO), N, qd, H, 0.f);
-      I.linear_dw(I.g(WO), I.dg1, I.att[ks], qd, N, qd, H);
+      const Impl::Twin ta = I.att_twin(ak), t1(I, I.dg1, Nk * H);
+      I.linear_dx(cut ? I.dq : I.datt, qd, I.dg1, I.w(WO), Nk, qd, H, 0.f);
+      I.linear_dw(I.g(WO), I.dg1, ak, qd, Nk, qd, H);
     }
+    if (cut) I.expand(I.datt, I.dq, qd);
     const AttnArgs a = I.attn_args(k);
     I.mark("backward: attention");
     if (I.qa_bf16)
@@ -2057,14 +2201,25 @@ void DraftEngine::run(const std::vector<float>& row_scale, bool backward, bool z
     float* dVk = I.dV + k * I.R * kvd;
     I.rope(I.dq, d.nh, k, -1.0);
     I.rope(dKk, d.nkv, k, -1.0);
+    // The gradients the products read: dq, dK and dV of step k, or with rows cut their kept rows,
+    // compacted into datt and into this step's keys and values (no step left reads them).
+    float* gq = I.dq;
+    if (cut) {
+      gq = I.datt;
+      I.compact(gq, I.dq, qd);
+      I.compact(I.keys + k * I.R * kvd, dKk, kvd);
+      I.compact(I.vals + k * I.R * kvd, dVk, kvd);
+      dKk = I.keys + k * I.R * kvd;
+      dVk = I.vals + k * I.R * kvd;
+    }
     {
-      const Impl::Twin tq(I, I.dq, N * qd), tk(I, dKk, N * kvd), tv(I, dVk, N * kvd), tx = I.xin_twin(k);
-      I.linear_dx(I.dxin, 2 * H, I.dq, I.w(WQ), N, 2 * H, qd, 0.f);
-      I.linear_dx(I.dxin, 2 * H, dKk, I.w(WK), N, 2 * H, kvd, 1.f);
-      I.linear_dx(I.dxin, 2 * H, dVk, I.w(WV), N, 2 * H, kvd, 1.f);
-      I.linear_dw(I.g(WQ), I.dq, xin, 2 * H, N, 2 * H, qd);
-      I.linear_dw(I.g(WK), dKk, xin, 2 * H, N, 2 * H, kvd);
-      I.linear_dw(I.g(WV), dVk, xin, 2 * H, N, 2 * H, kvd);
+      const Impl::Twin tq(I, gq, Nk * qd), tk(I, dKk, Nk * kvd), tv(I, dVk, Nk * kvd), tx = I.xin_twin(k);
+      I.linear_dx(I.dxin, 2 * H, gq, I.w(WQ), Nk, 2 * H, qd, 0.f);
+      I.linear_dx(I.dxin, 2 * H, dKk, I.w(WK), Nk, 2 * H, kvd, 1.f);
+      I.linear_dx(I.dxin, 2 * H, dVk, I.w(WV), Nk, 2 * H, kvd, 1.f);
+      I.linear_dw(I.g(WQ), gq, xin, 2 * H, Nk, 2 * H, qd);
+      I.linear_dw(I.g(WK), dKk, xin, 2 * H, Nk, 2 * H, kvd);
+      I.linear_dw(I.g(WV), dVk, xin, 2 * H, Nk, 2 * H, kvd);
     }
     // xin = [in_ln(e), hidden_norm(g)]; r = g or hidden_norm(g).
     I.gather(k);
@@ -2073,29 +2228,32 @@ void DraftEngine::run(const std::vector<float>& row_scale, bool backward, bool z
     } else {
       // The embedding is trained: dE into tmp (idle since the post-attention norm's
       // backward), summed into the mask token's row (later steps) or each token's (the first).
-      CUDA_CHECK(cudaMemsetAsync(I.tmp, 0, size_t(N * H) * 4, s));
+      CUDA_CHECK(cudaMemsetAsync(I.tmp, 0, size_t(Nk * H) * 4, s));
       I.rmsnorm_backward(I.tmp, H, I.g(IN_LN), I.dxin, 2 * H, I.E, H, I.w(IN_LN), H);
       if (k > 0) {
-        colsum_kernel<<<nblocks(H, 32), dim3(32, 8), 0, s>>>(I.gemb, I.tmp, N, H);
+        colsum_kernel<<<nblocks(H, 32), dim3(32, 8), 0, s>>>(I.gemb, I.tmp, Nk, H);
       } else if (I.n_etok > 0) {
         embed_scatter_kernel<<<unsigned(I.n_etok), 256, 0, s>>>(I.g(EMBED), I.tmp, I.etok, I.eoff, I.erow, H);
       }
       CUDA_LAUNCH_CHECK();
     }
-    CUDA_CHECK(cudaMemsetAsync(I.dg, 0, size_t(N * H) * 4, s));
+    CUDA_CHECK(cudaMemsetAsync(I.dg, 0, size_t(Nk * H) * 4, s));
     I.rmsnorm_backward(I.dg, H, I.g(HNORM), I.dxin + H, 2 * H, I.gin(k), H, I.w(HNORM), H);
     if (d.norm_before_residual) {
       I.rmsnorm_backward(I.dg, H, I.g(HNORM), I.dg1, H, I.gin(k), H, I.w(HNORM), H);
     } else {
-      add_kernel<<<nblocks(N * H, 256), 256, 0, s>>>(I.dg, I.dg, H, I.dg1, N, H);
+      add_kernel<<<nblocks(Nk * H, 256), 256, 0, s>>>(I.dg, I.dg, H, I.dg1, Nk, H);
       CUDA_LAUNCH_CHECK();
     }
     if (k == 0) {
       I.linear_dw(I.g(FC), I.dg, I.aux, 3 * H, N, 3 * H, H);
     } else if (!d.peagle) {
-      std::swap(I.dg, I.dgn);
+      if (k == 1 && I.cut)
+        I.expand(I.dgn, I.dg, H);  // step 0 runs every row: zero for the rows left out
+      else
+        std::swap(I.dg, I.dgn);
     } else {  // dg is the gradient of gm's rows, all fc(mask_hidden)
-      colsum_kernel<<<nblocks(H, 32), dim3(32, 8), 0, s>>>(I.gmsum, I.dg, N, H);
+      colsum_kernel<<<nblocks(H, 32), dim3(32, 8), 0, s>>>(I.gmsum, I.dg, Nk, H);
       CUDA_LAUNCH_CHECK();
     }
   }

@@ -254,6 +254,10 @@ int main(int argc, char** argv) {
         for (auto m : mask) masked += m;
         std::printf("loss-masked rows %.1f%%; rows in step 0's loss (masked, target argmax in the draft vocab) %.1f%%\n",
                     100.0 * double(masked) / double(N), 100.0 * double(n0) / double(N));
+        if (gpu->row_steps() > 0)  // EAGLE-3 and P-EAGLE count them
+          std::printf("rows run through the draft's layer: %.1f%% of N x K (--gpu-row-cut leaves out the rows no "
+                      "later loss reads)\n",
+                      100.0 * double(gpu->row_steps()) / double(N * c.ttt_steps));
       }
     }
     double prof_total = 0;

@@ -69,7 +69,7 @@ if want attention; then
 fi
 if want moe; then
   echo "== one Kimi-K2 MoE layer, bf16 experts: mma.sync tiles vs CUTLASS wgmma grouped GEMM (TALON_MOE_GEMM=cutlass)"
-  build/talon_bench_moe --bf16 --tokens 256,1024,4096,8192,16384 2>&1 | tee "$LOGS/moe-bf16-tiles.log" | tail -6
+  TALON_MOE_GEMM=tiles build/talon_bench_moe --bf16 --tokens 256,1024,4096,8192,16384 2>&1 | tee "$LOGS/moe-bf16-tiles.log" | tail -6
   TALON_MOE_GEMM=cutlass build/talon_bench_moe --bf16 --tokens 256,1024,4096,8192,16384 2>&1 |
     tee "$LOGS/moe-bf16-cutlass.log" | tail -6
   build/talon_bench_moe --tokens 256,1024,4096,8192,16384 2>&1 | tee "$LOGS/moe-int4.log" | tail -6
@@ -168,7 +168,7 @@ if want wgmma; then
   wg fp8-tiles-grid-group4 --fp8 TALON_CUDA_MOE_GRID_GROUP=4
   wg fp8-wgmma --fp8 TALON_CUDA_MOE_WGMMA=0
   wg bf16-wgmma --bf16 TALON_CUDA_MOE_WGMMA=0
-  wg bf16-tiles-grid-group4 --bf16 TALON_CUDA_MOE_GRID_GROUP=4
+  wg bf16-tiles-grid-group4 --bf16 TALON_MOE_GEMM=tiles TALON_CUDA_MOE_GRID_GROUP=4
   for tl in rows128 out128x64 out128x128; do
     [[ bf16-cutlass-$tl =~ ${WG_TAGS:-.} ]] || continue
     TALON_MOE_GEMM=cutlass TALON_MOE_CUTLASS_TILES=$tl timeout "$TO" build/talon_bench_moe --bf16 --tokens $W \

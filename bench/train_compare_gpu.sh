@@ -4,7 +4,7 @@
 # then the VARIANT run) and the PyTorch peer (bench/train_peer.py, which first checks itself
 # against the oracle), then a table of tokens/s, memory and ratios. Every log is kept under
 # $LOGS (default: a temporary folder).
-#   bash scripts/gpu_build.sh && [LOSS_SHARE=f] [VARIANT=staged|resident|cudnn|cudnn+rows|rowcut|cudnn+rowcut|none] \
+#   bash scripts/gpu_build.sh && [LOSS_SHARE=f] [VARIANT=staged|resident|cudnn|cudnn+rows|allrows|none] \
 #     bash bench/train_compare_gpu.sh [SHAPE] ["SEQS"] [SAMPLES] [PEER_COMPILE]
 # e.g. LOSS_SHARE=0.675 VARIANT=resident bash bench/train_compare_gpu.sh llama3-8b "2048 4096" 1 full
 set -uo pipefail
@@ -49,18 +49,17 @@ res_peer() { pick 's/.*(reserved \([0-9.]*\) GiB).*/\1/p' "$1"; }
 # VARIANT: the second Talon run: staged (features in pageable memory, through the pinned
 # staging), resident (features in device memory, as the peer keeps them), cudnn (the TTT
 # attention's causal part through cuDNN's fused attention: --gpu-attention cudnn), cudnn+rows
-# (that, and only the batch's embedding rows on the device: --gpu-batch-embeddings), rowcut
-# (steps after the first on the rows a later loss reads only: --gpu-row-cut), cudnn+rowcut, or
-# none.
+# (that, and only the batch's embedding rows on the device: --gpu-batch-embeddings), allrows
+# (every row through every step: --gpu-all-rows; the default leaves out of the steps after the
+# first the rows no later loss reads), or none.
 VARIANT=${VARIANT:-staged}
 case "$VARIANT" in
   staged | resident) vflag=("--$VARIANT") ;;
   cudnn) vflag=(--gpu-attention cudnn) ;;
   cudnn+rows) vflag=(--gpu-attention cudnn --gpu-batch-embeddings) ;;
-  rowcut) vflag=(--gpu-row-cut) ;;
-  cudnn+rowcut) vflag=(--gpu-attention cudnn --gpu-row-cut) ;;
+  allrows) vflag=(--gpu-all-rows) ;;
   none) vflag=() ;;
-  *) echo "VARIANT=$VARIANT: expected staged, resident, cudnn, cudnn+rows, rowcut, cudnn+rowcut or none" >&2; exit 2 ;;
+  *) echo "VARIANT=$VARIANT: expected staged, resident, cudnn, cudnn+rows, allrows or none" >&2; exit 2 ;;
 esac
 log=${LOGS:-$(mktemp -d)}
 mkdir -p "$log"

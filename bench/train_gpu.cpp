@@ -77,7 +77,8 @@ int main(int argc, char** argv) {
   app.add_option("--gpu-logit-rows", eng.logit_rows, "rows of logits per chunk (0: as many as fit)");
   app.add_option("--gpu-attn-block", eng.attn_block, "blocks attention: causal key block (-1 default, 0 none)");
   app.add_flag("--gpu-lm-grad-in-backward", eng.lm_grad_in_backward, "lm_head backward in the backward pass");
-  app.add_flag("--gpu-row-cut,!--gpu-all-rows", eng.row_cut, "steps after the first run only rows a later loss reads");
+  app.add_flag("--gpu-row-cut,!--gpu-all-rows", eng.row_cut,
+               "steps after the first run only rows a later loss reads (default; --gpu-all-rows: every row)");
   app.add_flag("--gpu-profile", eng.profile, "GPU time per phase");
   app.add_flag("--resident", resident,
                "features in device memory (as the PyTorch peer keeps them), copied device to device; the "

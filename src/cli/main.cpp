@@ -217,7 +217,8 @@ int main(int argc, char** argv) {
     cmd_tr->add_flag("--gpu-lm-grad-in-backward", tr.gpu_engine.lm_grad_in_backward,
                      "The lm_head's backward recomputes the logits in the backward pass (less memory)")->group(g);
     cmd_tr->add_flag("--gpu-row-cut,!--gpu-all-rows", tr.gpu_engine.row_cut,
-                     "Steps after the first run only the rows a later step's loss reads (same results, less work)")
+                     "Steps after the first run only the rows a later step's loss reads (the default: same results, "
+                     "less work); --gpu-all-rows runs every row at every step")
         ->group(g);
     cmd_tr->add_flag("--gpu-profile", tr.gpu_engine.profile, "Log GPU time per phase at the end")->group(g);
   }

@@ -263,7 +263,7 @@ void check_moe_case(const Case& cs, int64_t N) {
   DevMatrix dg(gate), du(up), dd(down);
   float* d_bias = to_dev(bias);
   // Every expert GEMM path: the tensor-core tiles (skinny off), the decode-sized kernel, for
-  // bf16 experts CUTLASS's wgmma grouped GEMM where the build has it (TALON_MOE_GEMM=cutlass),
+  // bf16 experts CUTLASS's wgmma grouped GEMM where the build has it (their default there),
   // and for int4 experts of group 32 with H and Im multiples of 128 the tensor-core decode
   // kernel (weights as the M operand; several passes over the weights past 32 rows an expert;
   // 16 and 32 weight rows a warp; the gate and up products with the SwiGLU in one pass; the

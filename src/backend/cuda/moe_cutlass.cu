@@ -52,7 +52,10 @@ int moe_cutlass_tiles() {
 bool moe_cutlass_requested() {
   static const bool env = [] {
     const char* e = std::getenv("TALON_MOE_GEMM");
-    return e && std::strcmp(e, "cutlass") == 0;
+    if (!e || !*e) return moe_cutlass_built();
+    if (std::strcmp(e, "cutlass") == 0) return true;
+    if (std::strcmp(e, "tiles") == 0) return false;
+    fail_msg(std::string("TALON_MOE_GEMM=") + e + ": expected cutlass or tiles");
   }();
   const int m = g_use.load();
   return m < 0 ? env : m > 0;

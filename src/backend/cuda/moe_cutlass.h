@@ -7,9 +7,10 @@
 // (the stacked expert matrices of moe.h). offsets: device int32 [E + 1], ascending (moe.cu's
 // sorted slot offsets). Needs K % 8 == 0, N % 4 == 0 and 16-byte aligned a, w, out.
 //
-// Selected with TALON_MOE_GEMM=cutlass (moe.cu; the mma.sync tiles stay the default and the
-// tested fallback until this route has been measured). Built only where CUTLASS's headers were
-// found (scripts/fetch_cutlass.sh); moe_cutlass_built() says whether it was.
+// The default for bf16 experts past the decode-sized calls where the build has CUTLASS's headers
+// (scripts/fetch_cutlass.sh; moe_cutlass_built() says whether it does): measured on an H100, one
+// Kimi-K2 layer, 1.06-1.78x the mma.sync tiles from 64 to 8,192 tokens (bench/RESULTS.md,
+// 2026-12-06). TALON_MOE_GEMM=tiles keeps the tiles (the tested fallback), =cutlass insists.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -20,7 +21,8 @@
 namespace talon::cuda {
 
 bool moe_cutlass_built();
-// TALON_MOE_GEMM=cutlass in the environment (read once), unless moe_cutlass_use() overrode it.
+// Whether bf16 experts take this route: TALON_MOE_GEMM in the environment (read once: cutlass,
+// tiles, or unset for moe_cutlass_built()), unless moe_cutlass_use() overrode it.
 bool moe_cutlass_requested();
 // Tests: 1 routes bf16 experts to CUTLASS, 0 to the mma.sync tiles, -1 back to the environment.
 void moe_cutlass_use(int mode);

@@ -166,6 +166,14 @@ bool cudnn_sdpa_available(std::string* why) {
 
 int64_t cudnn_version() { return load_cudnn().ok ? load_cudnn().version : 0; }
 
+// Free device memory as the driver reports it (what cuDNN's handle and plans take shows there,
+// not in any buffer of ours).
+static int64_t device_free_bytes() {
+  size_t free = 0, total = 0;
+  if (cudaMemGetInfo(&free, &total) != cudaSuccess) return 0;
+  return int64_t(free);
+}
+
 struct CudnnSdpa::Impl {
   SdpaShape sh;
   cudaStream_t s = nullptr;
@@ -373,8 +381,10 @@ CudnnSdpa::CudnnSdpa(const SdpaShape& shape, cudaStream_t s) : p_(std::make_uniq
   Impl& I = *p_;
   I.sh = sh;
   I.s = s;
+  const int64_t before = device_free_bytes();
   if (fe::detail::create_handle(&I.handle) != CUDNN_STATUS_SUCCESS)
     fail_msg("cuDNN fused attention: cudnnCreate failed: " + fe::detail::get_last_error_string_());
+  tlog::info("cuDNN fused attention: the handle took {:.1f} MiB of device memory", double(before - device_free_bytes()) / (1 << 20));
 }
 
 CudnnSdpa::~CudnnSdpa() {
@@ -404,7 +414,10 @@ void CudnnSdpa::set_batch(const std::vector<int64_t>& seq_start, const int64_t* 
   if (it == I.plans.end()) {
     tlog::debug("cuDNN fused attention: plans for {} samples of up to {} rows (head size {}, {}/{} heads)", nb, S,
                 I.sh.hd, I.sh.nh, I.sh.nkv);
+    const int64_t before = device_free_bytes();
     it = I.plans.emplace(std::make_pair(nb, S), I.build(nb, S)).first;
+    tlog::info("cuDNN fused attention: plans for {} samples of up to {} rows took {:.1f} MiB of device memory "
+               "(workspace apart)", nb, S, double(before - device_free_bytes()) / (1 << 20));
   }
   I.cur = &it->second;
   I.nb_pad = nb;

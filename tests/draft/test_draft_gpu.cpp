@@ -607,16 +607,22 @@ TEST(GpuDraftPacked, OverTwoThousandRowsMatchCpuReference) {
   }
 }
 
+// Samples of 1-12 rows packed until there are at least 40: each row's position in its sample
+// and the sample's length.
+void random_samples(std::mt19937& rng, std::vector<int32_t>& pos, std::vector<int32_t>& len) {
+  while (pos.size() < 40) {
+    const int32_t T = 1 + int32_t(rng() % 12);
+    for (int32_t t = 0; t < T; ++t) pos.push_back(t), len.push_back(T);
+  }
+}
+
 // The row lists themselves, against their definition (host code: runs without a GPU).
 TEST(DraftLossRows, ListsExactlyTheRowsThatCount) {
   std::mt19937 rng(11);
   for (int trial = 0; trial < 50; ++trial) {
     const int64_t K = 1 + int64_t(rng() % 7);
     std::vector<int32_t> pos, len;
-    while (pos.size() < 40) {
-      const int32_t T = 1 + int32_t(rng() % 12);
-      for (int32_t t = 0; t < T; ++t) pos.push_back(t), len.push_back(T);
-    }
+    random_samples(rng, pos, len);
     const int64_t N = int64_t(pos.size());
     std::vector<uint8_t> mask(static_cast<size_t>(N)), iv(static_cast<size_t>(N));
     for (auto& m : mask) m = uint8_t(rng() % 3 != 0);
@@ -661,10 +667,7 @@ TEST(DraftLossRows, RowCutKeepsTheRowsLaterStepsCount) {
   for (int trial = 0; trial < 60; ++trial) {
     const int64_t K = 1 + int64_t(rng() % 7);
     std::vector<int32_t> pos, len;
-    while (pos.size() < 40) {
-      const int32_t T = 1 + int32_t(rng() % 12);
-      for (int32_t t = 0; t < T; ++t) pos.push_back(t), len.push_back(T);
-    }
+    random_samples(rng, pos, len);
     const int64_t N = int64_t(pos.size());
     std::vector<uint8_t> mask(static_cast<size_t>(N)), iv(static_cast<size_t>(N));
     const unsigned every = 1 + unsigned(trial % 4);  // from every row masked to a quarter

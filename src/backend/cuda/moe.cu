@@ -35,7 +35,6 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
-#include <limits>
 #include <string>
 #include <type_traits>
 #include <vector>

@@ -867,16 +867,17 @@ struct DraftEngine::Impl {
   // causal keys are step 0's, every row's): a step's queries and diagonal keys are expanded
   // into it with zeros in the rows left out, which read finite values and pass back zero
   // gradients, and its output is compacted again for the products. clrow [K, N]: the loss rows
-  // of each step as compacted rows; clslot [K, N]: each compacted row's loss slot or -1. gsc:
+  // of each step as compacted rows; clslot [K, N]: each compacted row's loss slot or -1 (rc:
+  // their host copies, which the uploads read; rc.cut: rows are cut in this batch). gsc:
   // step 1's input, the compacted copy of step 0's output (in hidden's memory, idle in run()).
   // cbuf: the compacted attention output in the backward (in dact when it fits).
-  bool row_cut = false, cut = false;
-  int64_t N1 = 0, Nr = 0;  // kept rows; rows of the step being run (N, or N1 after step 0)
+  bool row_cut = false;
+  RowCut rc;
+  int64_t N1 = 0, Nr = 0;  // kept rows (N without a cut); rows of the step being run (N, or N1 after step 0)
   int32_t *crow_d = nullptr, *cinv_d = nullptr, *clrow_d = nullptr, *clslot_d = nullptr;
-  std::vector<int32_t> h_crow, h_cinv, h_clrow, h_clslot;
   float *gsc = nullptr, *cbuf = nullptr;
   int64_t row_steps = 0;  // DraftEngine::row_steps
-  bool cut_step(int k) const { return cut && k > 0; }
+  bool cut_step(int k) const { return rc.cut && k > 0; }
   // Nr for step k.
   void rows_for(int k) { Nr = cut_step(k) ? N1 : N; }
   // out[i] = in[src[i]] (zeros where src[i] < 0) for n rows of C values of X.
@@ -915,7 +916,7 @@ struct DraftEngine::Impl {
   std::vector<int32_t> h_etok, h_eoff, h_erow;
   // The hidden input of step k: the previous step's output (EAGLE-3; step 0's compacted when
   // rows are cut), or P-EAGLE's gm (the same in every row).
-  float* gin(int k) { return d.peagle && k > 0 ? gm : cut && k == 1 ? gsc : gs[size_t(k)]; }
+  float* gin(int k) { return d.peagle && k > 0 ? gm : rc.cut && k == 1 ? gsc : gs[size_t(k)]; }
 
   // Everything allocated so far is freed, also when the constructor threw halfway.
   ~Impl() {
@@ -1985,23 +1986,14 @@ std::vector<uint8_t> DraftEngine::prepare(const DraftBatch& b) {
   cp(I.lrow_d, I.lr.rows.data(), size_t(K * N) * 4);
   cp(I.lslot_d, I.lr.slot.data(), size_t(K * N) * 4);
   // The rows steps 1..K-1 keep: those some of those steps count (Impl::row_cut).
-  I.cut = false;
-  I.N1 = N;
+  I.rc = I.row_cut && K > 1 ? row_cut(I.lr, K, N) : RowCut{};
+  I.N1 = I.rc.cut ? int64_t(I.rc.crow.size()) : N;
   I.Nr = N;
-  if (I.row_cut && K > 1) {
-    RowCut rc = row_cut(I.lr, K, N);
-    if (rc.cut) {
-      I.cut = true;
-      I.N1 = int64_t(rc.crow.size());
-      I.h_crow = std::move(rc.crow);
-      I.h_cinv = std::move(rc.cinv);
-      I.h_clrow = std::move(rc.clrow);
-      I.h_clslot = std::move(rc.clslot);
-      cp(I.crow_d, I.h_crow.data(), size_t(I.N1) * 4);
-      cp(I.cinv_d, I.h_cinv.data(), size_t(N) * 4);
-      cp(I.clrow_d, I.h_clrow.data(), size_t(K * N) * 4);
-      cp(I.clslot_d, I.h_clslot.data(), size_t(K * N) * 4);
-    }
+  if (I.rc.cut) {
+    cp(I.crow_d, I.rc.crow.data(), size_t(I.N1) * 4);
+    cp(I.cinv_d, I.rc.cinv.data(), size_t(N) * 4);
+    cp(I.clrow_d, I.rc.clrow.data(), size_t(K * N) * 4);
+    cp(I.clslot_d, I.rc.clslot.data(), size_t(K * N) * 4);
   }
   return iv;
 }
@@ -2015,7 +2007,7 @@ void DraftEngine::run(const std::vector<float>& row_scale, bool backward, bool z
   const int64_t N = I.N, H = d.H, Id = d.I, qd = I.qd, kvd = I.kvd, K = d.K;
   const cudaStream_t s = I.s;
   if (backward && int64_t(row_scale.size()) != K * N) fail_msg("draft on GPU: row_scale must have K*N entries");
-  I.row_steps += N + (K - 1) * (I.cut ? I.N1 : N);
+  I.row_steps += N + (K - 1) * I.N1;
   if (backward)
     CUDA_CHECK(cudaMemcpyAsync(I.rs, row_scale.data(), size_t(K * N) * 4, cudaMemcpyHostToDevice, s));
   const unsigned warps_blocks = nblocks(N * d.nh * 32, 256);
@@ -2107,7 +2099,7 @@ void DraftEngine::run(const std::vector<float>& row_scale, bool backward, bool z
     // With fused_lm the loss gradient goes through the lm_head right away, d fn over fn[k]
     // (the products read the rows that count from their gathered copy).
     I.lm_head_step(k, fused_lm, I.fn[size_t(k)], "forward: draft logits and loss", "forward: lm_head backward");
-    if (k == 0 && I.cut && !d.peagle) I.compact(I.gsc, I.gs[1], H);  // step 1's input
+    if (k == 0 && I.rc.cut && !d.peagle) I.compact(I.gsc, I.gs[1], H);  // step 1's input
   }
   out.ce.resize(size_t(K * N));
   out.hit.resize(size_t(K * N));
@@ -2248,7 +2240,7 @@ void DraftEngine::run(const std::vector<float>& row_scale, bool backward, bool z
     if (k == 0) {
       I.linear_dw(I.g(FC), I.dg, I.aux, 3 * H, N, 3 * H, H);
     } else if (!d.peagle) {
-      if (k == 1 && I.cut)
+      if (k == 1 && I.rc.cut)
         I.expand(I.dgn, I.dg, H);  // step 0 runs every row: zero for the rows left out
       else
         std::swap(I.dg, I.dgn);

@@ -261,6 +261,66 @@ TEST(CudnnSdpa, PrefillLayoutsMatchFp64) {
   check_layout(4, 4, 192, 128, true);
 }
 
+// A workspace lent by the caller (the draft trainer lends memory idle during the attention):
+// the same bits as with cuDNN's own, nothing written outside it, and not counted as cuDNN's.
+// Lent too little, it takes its own again, with the same bits.
+TEST(CudnnSdpa, LentWorkspaceGivesTheSameBits) {
+  REQUIRE_GPU();
+  if (!cuda::cudnn_sdpa_built()) GTEST_SKIP() << "built without the cuDNN frontend";
+  if (!cudnn_or_skip()) return;
+  const int nh = 8, nkv = 2, hd = 128;
+  const std::vector<int64_t> ss = {0, 1, 71, 200, 205, 405};
+  const int64_t N = ss.back(), qd = int64_t(nh) * hd, kvd = int64_t(nkv) * hd;
+  const float scale = float(1.0 / std::sqrt(double(hd)));
+  Guarded<__nv_bfloat16> gq(size_t(N * qd)), gk(size_t(N * kvd)), gv(size_t(N * kvd)), gdo(size_t(N * qd));
+  gq.upload(to_bf16(randn(size_t(N * qd), 31, 1.f)));
+  gk.upload(to_bf16(randn(size_t(N * kvd), 32, 1.f)));
+  gv.upload(to_bf16(randn(size_t(N * kvd), 33, 1.f)));
+  gdo.upload(to_bf16(randn(size_t(N * qd), 34, 1.f)));
+  Guarded<int64_t> gss(ss.size());
+  gss.upload(ss);
+  cudaStream_t s;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), cudaSuccess);
+  struct Out {
+    std::vector<__nv_bfloat16> o, dq, dk, dv;
+    std::vector<float> lse;
+  };
+  // lend: bytes lent (-1: none); `ws`: the lent buffer, sentinels (NaN patterns) inside and out.
+  auto run = [&](cuda::CudnnSdpa& att, Guarded<float4>* ws, int64_t lend) {
+    if (lend >= 0) att.set_workspace(ws->ptr(), lend);
+    att.set_batch(ss, gss.ptr());
+    Guarded<__nv_bfloat16> go(size_t(N * qd)), gdq(size_t(N * qd)), gdk(size_t(N * kvd)), gdv(size_t(N * kvd));
+    Guarded<float> glse(size_t(N * nh));
+    att.forward(go.ptr(), glse.ptr(), gq.ptr(), gk.ptr(), gv.ptr());
+    att.backward(gdq.ptr(), gdk.ptr(), gdv.ptr(), gq.ptr(), gk.ptr(), gv.ptr(), go.ptr(), gdo.ptr(), glse.ptr());
+    EXPECT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+    return Out{go.download(), gdq.download(), gdk.download(), gdv.download(), glse.download()};
+  };
+  auto same = [](const Out& a, const Out& b, const char* what) {
+    EXPECT_EQ(0, std::memcmp(a.o.data(), b.o.data(), a.o.size() * 2)) << what << ": output";
+    EXPECT_EQ(0, std::memcmp(a.lse.data(), b.lse.data(), a.lse.size() * 4)) << what << ": log-sum-exp";
+    EXPECT_EQ(0, std::memcmp(a.dq.data(), b.dq.data(), a.dq.size() * 2)) << what << ": dQ";
+    EXPECT_EQ(0, std::memcmp(a.dk.data(), b.dk.data(), a.dk.size() * 2)) << what << ": dK";
+    EXPECT_EQ(0, std::memcmp(a.dv.data(), b.dv.data(), a.dv.size() * 2)) << what << ": dV";
+  };
+  {
+    cuda::CudnnSdpa own({nh, nkv, hd, scale, 512}, s), lent({nh, nkv, hd, scale, 512}, s);
+    const Out want = run(own, nullptr, -1);
+    const int64_t need = lent.workspace_bytes(5, 200);  // this batch's bucket
+    ASSERT_GT(need, 0) << "the deterministic backward needs a workspace";
+    EXPECT_EQ(need, own.workspace_bytes(5, 200));
+    EXPECT_GE(own.bytes(), need);
+    Guarded<float4> ws(size_t((need + 15) / 16));
+    same(want, run(lent, &ws, need), "lent workspace");
+    EXPECT_TRUE(ws.guards_intact()) << "cuDNN wrote outside the lent workspace";
+    EXPECT_LT(lent.bytes(), need) << "a lent workspace is not cuDNN's own";
+    same(want, run(lent, &ws, need / 2), "half the workspace lent");
+    EXPECT_GE(lent.bytes(), need) << "lent too little, it takes its own";
+    same(want, run(lent, &ws, 0), "none lent");
+  }
+  cudaStreamDestroy(s);
+}
+
 TEST(CudnnSdpa, UnsupportedShapesAreRefusedWithTheNumbers) {
   REQUIRE_GPU();
   if (!cuda::cudnn_sdpa_built()) GTEST_SKIP() << "built without the cuDNN frontend";

@@ -189,8 +189,11 @@ struct CudnnSdpa::Impl {
   // Device: offsets [kOffsets][off_cap + 1] and lengths [off_cap].
   int32_t *off = nullptr, *len = nullptr;
   int64_t off_cap = 0;
-  void* ws = nullptr;
+  void* ws = nullptr;  // owned
   int64_t ws_cap = 0;
+  void* ws_ext = nullptr;  // the caller's (set_workspace), used where the plans' need fits
+  int64_t ext_cap = 0;
+  void* ws_use = nullptr;  // what the current plans execute with
 
   Layout lq() const { return {sh.ld_q, sh.hd, sh.nh, sh.hd}; }
   Layout lk() const { return {sh.ld_k, sh.hd, sh.nkv, sh.hd}; }
@@ -323,6 +326,18 @@ struct CudnnSdpa::Impl {
     }
     return p;
   }
+  Plans& plans_for(int64_t nb, int64_t S) {
+    auto it = plans.find({nb, S});
+    if (it == plans.end()) {
+      tlog::debug("cuDNN fused attention: plans for {} samples of up to {} rows (head size {}, {}/{} heads)", nb, S,
+                  sh.hd, sh.nh, sh.nkv);
+      const int64_t before = device_free_bytes();
+      it = plans.emplace(std::make_pair(nb, S), build(nb, S)).first;
+      tlog::info("cuDNN fused attention: plans for {} samples of up to {} rows took {:.1f} MiB of device memory "
+                 "(workspace apart)", nb, S, double(before - device_free_bytes()) / (1 << 20));
+    }
+    return it->second;
+  }
   void ensure_workspace(int64_t need) {
     if (need <= ws_cap) return;
     CUDA_CHECK(cudaStreamSynchronize(s));
@@ -342,7 +357,7 @@ struct CudnnSdpa::Impl {
     pack[kSeqKV] = len;
     if (fe::detail::set_stream(handle, s) != CUDNN_STATUS_SUCCESS)
       fail_msg("cuDNN fused attention: cudnnSetStream failed: " + fe::detail::get_last_error_string_());
-    check_fe(g.execute(handle, pack, ws), what);
+    check_fe(g.execute(handle, pack, ws_use), what);
   }
 };
 
@@ -397,6 +412,18 @@ CudnnSdpa::~CudnnSdpa() {
   cudaFree(I.len);
 }
 
+int64_t CudnnSdpa::workspace_bytes(int64_t n_samples, int64_t longest) {
+  const auto& p = p_->plans_for(pow2_at_least(n_samples, 1), pow2_at_least(longest, 64));
+  return std::max(p.ws_fwd, p.ws_bwd);
+}
+
+void CudnnSdpa::set_workspace(void* p, int64_t bytes) {
+  Impl& I = *p_;
+  I.ws_ext = bytes > 0 ? p : nullptr;
+  I.ext_cap = I.ws_ext ? bytes : 0;
+  I.cur = nullptr;  // set_batch picks the workspace again
+}
+
 int64_t CudnnSdpa::bytes() const { return p_->ws_cap + (p_->off_cap + 1) * kOffsets * 4 + p_->off_cap * 4; }
 int64_t CudnnSdpa::rows() const { return p_->sh.max_rows; }
 
@@ -410,18 +437,19 @@ void CudnnSdpa::set_batch(const std::vector<int64_t>& seq_start, const int64_t* 
     fail_msg(fmt::format("cuDNN fused attention: a batch of {} rows is over the {} it was made for", seq_start.back(),
                          I.sh.max_rows));
   const int64_t nb = pow2_at_least(B, 1), S = pow2_at_least(longest, 64);
-  auto it = I.plans.find({nb, S});
-  if (it == I.plans.end()) {
-    tlog::debug("cuDNN fused attention: plans for {} samples of up to {} rows (head size {}, {}/{} heads)", nb, S,
-                I.sh.hd, I.sh.nh, I.sh.nkv);
-    const int64_t before = device_free_bytes();
-    it = I.plans.emplace(std::make_pair(nb, S), I.build(nb, S)).first;
-    tlog::info("cuDNN fused attention: plans for {} samples of up to {} rows took {:.1f} MiB of device memory "
-               "(workspace apart)", nb, S, double(before - device_free_bytes()) / (1 << 20));
-  }
-  I.cur = &it->second;
+  I.cur = &I.plans_for(nb, S);
   I.nb_pad = nb;
-  I.ensure_workspace(std::max(it->second.ws_fwd, it->second.ws_bwd));
+  const int64_t need = std::max(I.cur->ws_fwd, I.cur->ws_bwd);
+  if (I.ws_ext && need <= I.ext_cap) {
+    I.ws_use = I.ws_ext;
+  } else {
+    if (I.ws_ext && !I.ws_cap)
+      tlog::info("cuDNN fused attention: {} samples of up to {} rows need {:.1f} MiB of workspace, more than the "
+                 "{:.1f} MiB lent to it: it takes its own", nb, S, double(need) / (1 << 20),
+                 double(I.ext_cap) / (1 << 20));
+    I.ensure_workspace(need);
+    I.ws_use = I.ws;
+  }
   if (nb > I.off_cap) {
     CUDA_CHECK(cudaStreamSynchronize(I.s));
     cudaFree(I.off);
@@ -493,6 +521,8 @@ CudnnSdpa::CudnnSdpa(const SdpaShape&, cudaStream_t) {
   fail_msg("cuDNN fused attention: " + why);
 }
 CudnnSdpa::~CudnnSdpa() = default;
+int64_t CudnnSdpa::workspace_bytes(int64_t, int64_t) { return 0; }
+void CudnnSdpa::set_workspace(void*, int64_t) {}
 int64_t CudnnSdpa::bytes() const { return 0; }
 int64_t CudnnSdpa::rows() const { return 0; }
 void CudnnSdpa::set_batch(const std::vector<int64_t>&, const int64_t*) {}

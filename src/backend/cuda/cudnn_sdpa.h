@@ -99,7 +99,14 @@ class CudnnSdpa {
   void backward(__nv_bfloat16* dq, __nv_bfloat16* dk, __nv_bfloat16* dv, const __nv_bfloat16* q,
                 const __nv_bfloat16* k, const __nv_bfloat16* v, const __nv_bfloat16* o, const __nv_bfloat16* dO,
                 const float* lse);
-  // Device bytes held (workspace and offsets).
+  // The workspace the plans for a batch of n_samples samples of up to `longest` rows need (the
+  // larger of the forward's and the backward's; the plans are built now if they were not).
+  int64_t workspace_bytes(int64_t n_samples, int64_t longest);
+  // Lends it `bytes` of device memory at p for its workspace (nullptr or 0: none), which the
+  // caller keeps idle whenever forward() or backward() runs, on the stream. Batches whose
+  // plans need more take a workspace of its own, as without one lent. Call set_batch after.
+  void set_workspace(void* p, int64_t bytes);
+  // Device bytes held (its own workspace and offsets; not a lent workspace).
   int64_t bytes() const;
   // The most rows a batch may have (SdpaShape::max_rows).
   int64_t rows() const;

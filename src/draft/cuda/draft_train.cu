@@ -1648,13 +1648,42 @@ DraftEngine::DraftEngine(int device, const DraftDims& dd, DraftMath math, const 
   I.vals = I.alloc<float>(size_t(K * R * kvd));
   I.dK = I.alloc<float>(size_t(K * R * kvd));
   I.dV = I.alloc<float>(size_t(K * R * kvd));
-  I.E = I.alloc<float>(size_t(R * H));
+  if (I.cudnn_attention)
+    I.cudnn = std::make_unique<CudnnSdpa>(
+        SdpaShape{int(dd.nh), int(dd.nkv), int(dd.hd), float(1.0 / std::sqrt(double(dd.hd))), R}, I.s);
+  {
+    // Buffers idle whenever the attention runs, forward or backward, side by side in one block:
+    // E (the step's embeddings: read by the input norm before the attention, remade after it),
+    // lgb (the loss gradient, made and used by lm_head_step), dg2 (read before the MLP's
+    // backward), dga, dup (inside it) and dhm (read by the post-attention norm's backward). The
+    // block is also cuDNN's workspace, at least as large as the workspace of one sample of R
+    // rows; its own buffers are the rest of what the attention would have needed.
+    const auto bytes_of = [](int64_t floats_n) { return (floats_n * 4 + 255) / 256 * 256; };
+    const int64_t parts[] = {bytes_of(R * H),
+                             I.bf16_operands ? bytes_of((R * Vd + 1) / 2) : 0,
+                             bytes_of(R * H),
+                             bytes_of(int64_t(floats(R * Idim, I.bf16_operands))),
+                             bytes_of(int64_t(floats(R * Idim, I.bf16_operands))),
+                             bytes_of(R * H)};
+    int64_t total = 0;
+    for (int64_t b : parts) total += b;
+    const int64_t ws = I.cudnn ? I.cudnn->workspace_bytes(1, R) : 0;
+    auto* block = I.alloc<unsigned char>(size_t(std::max(total, ws)));
+    float* at[6];
+    int64_t o = 0;
+    for (int i = 0; i < 6; ++i, o += parts[i - 1]) at[i] = reinterpret_cast<float*>(block + o);
+    I.E = at[0];
+    if (I.bf16_operands) I.lgb = I.bf16_in(at[1]);
+    I.dg2 = at[2];
+    I.dga = at[3];
+    I.dup = at[4];
+    I.dhm = at[5];
+    if (I.cudnn) I.cudnn->set_workspace(block, std::max(total, ws));
+  }
   I.tmp = I.alloc<float>(size_t(R * H));
   I.act = I.alloc<float>(floats(R * Idim, I.bf16_operands));
-  if (I.bf16_operands) I.lgb = I.alloc<__nv_bfloat16>(size_t(R * Vd));
   I.lm_backward_in_forward = !opt.lm_grad_in_backward;
   if (!I.lm_backward_in_forward) I.dfn = I.alloc<float>(size_t(R * H));  // else d fn goes over fn[k]
-  I.dg2 = I.alloc<float>(size_t(R * H));
   // dact is only live inside the MLP's backward. Its memory also holds, when they fit: the
   // draft logits (each step's loss, before the MLP's backward; in the forward too), the
   // fused attention's per-head partials (after it), then dxin (the attention input's
@@ -1667,9 +1696,6 @@ DraftEngine::DraftEngine(int device, const DraftDims& dd, DraftMath math, const 
     I.lrows = std::min(R, logit_rows > 0 ? logit_rows : std::max<int64_t>(fit, 1));
     I.logits = I.lrows * Vd <= R * Idim ? I.dact : I.alloc<float>(size_t(I.lrows * Vd));
   }
-  I.dga = I.alloc<float>(floats(R * Idim, I.bf16_operands));
-  I.dup = I.alloc<float>(floats(R * Idim, I.bf16_operands));
-  I.dhm = I.alloc<float>(size_t(R * H));
   I.dg1 = I.alloc<float>(size_t(R * H));
   I.datt = I.alloc<float>(size_t(R * qd));
   I.D = I.alloc<float>(size_t(R * dd.nh));
@@ -1689,8 +1715,6 @@ DraftEngine::DraftEngine(int device, const DraftDims& dd, DraftMath math, const 
   if (I.cudnn_attention) {
     const int64_t n = (R * qd + 2 * R * I.kvd + 1) / 2;  // floats for the bf16 dQ, dK0, dV0
     I.cudnn_grads = I.bf16_in(n <= R * Idim ? I.dact : I.alloc<float>(size_t(n)));
-    I.cudnn = std::make_unique<CudnnSdpa>(
-        SdpaShape{int(dd.nh), int(dd.nkv), int(dd.hd), float(1.0 / std::sqrt(double(dd.hd))), R}, I.s);
   }
   I.row_cut = opt.row_cut;
   if (I.row_cut && K > 1) {

@@ -8,7 +8,8 @@
 //                     [--math bf16|tf32|f32] [--ttt 7] [--draft-vocab 32000] [--peak-tflops 779]
 //                     [--staged] [--drafter eagle3|peagle|dflash] [--draft-layers 5] [--block-size 16]
 //                     [--max-anchors 512] [--dflash-loss ce|kl] [--dflash-weighting dpace|fixed-exp-decay]
-//                     [--gpu-attention auto|flash|cudnn|blocks|loop] [--gpu-batch-embeddings] [--trace FILE]
+//                     [--gpu-attention auto|flash|cudnn|blocks|loop] [--gpu-batch-embeddings]
+//                     [--gpu-device-embeddings] [--trace FILE]
 // --trace FILE: a CUPTI trace of the last step (not timed): the device's idle gaps, charged to the
 // host CUDA call that overlaps each most (backend/trace_gaps.h), and a Chrome trace in FILE.
 // --drafter peagle trains P-EAGLE with --ttt depths (COD ratio 0.7, floor 0.2), dflash the block
@@ -71,7 +72,9 @@ int main(int argc, char** argv) {
   bool staged = false, resident = false;
   app.add_flag("--staged", staged, "features in ordinary (pageable) host memory");
   GpuDraftOptions eng;  // the engine's options, as `talon train --gpu-*` sets them
-  app.add_flag("--gpu-batch-embeddings", eng.batch_embeddings, "target embedding on the host, batch rows uploaded");
+  app.add_flag("--gpu-batch-embeddings", eng.batch_embeddings,
+               "target embedding on the host, batch rows uploaded (the default where it applies)");
+  app.add_flag("--gpu-device-embeddings", eng.device_embeddings, "the whole target embedding on the device");
   app.add_option("--gpu-attention", eng.attention, "auto | flash | cudnn | blocks | loop")->capture_default_str();
   app.add_flag("--gpu-fp32-operands", eng.fp32_operands, "bf16 math rounds fp32 operands inside cuBLAS");
   app.add_option("--gpu-logit-rows", eng.logit_rows, "rows of logits per chunk (0: as many as fit)");

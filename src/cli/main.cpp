@@ -201,12 +201,15 @@ int main(int argc, char** argv) {
   {
     const char* g = "GPU engine (how, not what, it computes)";
     cmd_tr->add_option("--gpu-attention", tr.gpu_engine.attention,
-                       "TTT attention: auto, flash (fused kernels), cudnn (cuDNN's fused attention), blocks (score-buffer "
-                       "products), loop (fp32 warps)")
+                       "TTT attention: auto (cudnn where it applies, else flash, else blocks), flash (fused kernels), "
+                       "cudnn (cuDNN's fused attention), blocks (score-buffer products), loop (fp32 warps)")
         ->capture_default_str()->group(g);
     cmd_tr->add_flag("--gpu-batch-embeddings", tr.gpu_engine.batch_embeddings,
-                     "Keep the target's embedding in host memory and upload each batch's rows (saves V x H x 2 "
-                     "bytes of GPU memory)")->group(g);
+                     "Keep the target's embedding in pinned host memory and upload each batch's rows, or fail (the "
+                     "default where it applies: EAGLE-3 with bf16 operands; saves V x H x 2 bytes of GPU memory)")
+        ->group(g);
+    cmd_tr->add_flag("--gpu-device-embeddings", tr.gpu_engine.device_embeddings,
+                     "Keep the target's whole embedding on the GPU")->group(g);
     cmd_tr->add_flag("--gpu-fp32-operands", tr.gpu_engine.fp32_operands,
                      "bf16 math rounds fp32 operands inside cuBLAS instead of keeping bf16 copies")->group(g);
     cmd_tr->add_option("--gpu-logit-rows", tr.gpu_engine.logit_rows, "Rows of logits per chunk (0: as many as fit)")

@@ -8,10 +8,12 @@
 namespace talon::eagle3 {
 
 struct GpuDraftOptions {
-  // TTT attention: auto (fused tensor-core kernels where they apply: bf16 math and a head size
-  // that is a multiple of 16 up to 128; else the score-buffer products), flash (the fused
-  // kernels, refused where they do not apply), blocks (score-buffer products), loop (the fp32
-  // one-warp kernels, a second independent implementation).
+  // TTT attention: auto (cuDNN's fused attention where cuDNN is loaded and serves the shape:
+  // bf16 operands, a head size that is a multiple of 8 up to 256; else the fused tensor-core
+  // kernels where they apply: bf16 operands and a head size that is a multiple of 16 up to 128;
+  // else the score-buffer products), cudnn and flash (those two, refused where they do not
+  // apply), blocks (score-buffer products), loop (the fp32 one-warp kernels, a second
+  // independent implementation).
   std::string attention = "auto";
   // bf16 math on fp32 operands, rounded inside cuBLAS, instead of bf16 copies in memory.
   bool fp32_operands = false;
@@ -24,11 +26,15 @@ struct GpuDraftOptions {
   bool lm_grad_in_backward = false;
   // GPU milliseconds per phase, from events between marks (GpuDraftTrainer::profile()).
   bool profile = false;
-  // The target's embedding stays in host memory (bf16); each batch uploads the rows of the
-  // tokens it holds. Saves V x H x 2 bytes of device memory (1 GiB for Llama-3.1-8B's
-  // vocabulary). bf16 math on bf16 operands only; EAGLE-3 only (P-EAGLE trains its embedding,
-  // DFlash's engine keeps its own).
+  // Where the target's embedding lives. By default (neither set), for EAGLE-3 with bf16
+  // operands, in pinned host memory (bf16), each batch uploading the rows of the tokens it
+  // holds: V x H x 2 bytes of device memory saved (1 GiB for Llama-3.1-8B's vocabulary) for
+  // ~1% of the step (bench/RESULTS.md); on the device where the host cannot pin it, and
+  // elsewhere (fp32 operands; P-EAGLE trains its embedding; DFlash's engine keeps its own).
+  // batch_embeddings (--gpu-batch-embeddings) asks for the host copy and refuses a setup
+  // without it; device_embeddings (--gpu-device-embeddings) keeps the whole table on the device.
   bool batch_embeddings = false;
+  bool device_embeddings = false;
   // Steps after the first run only the rows some step after the first counts (a loss-masked
   // target row, in the draft vocabulary, inside the sample), as the CPU reference does; prompt
   // rows then go through step 0 only. Same losses, metrics and gradients; less work in

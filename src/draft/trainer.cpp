@@ -276,8 +276,11 @@ class Trainer {
     }
     (void)parse_gpu_math(opt_.gpu_math);
     const auto& g = opt_.gpu_engine;
-    TALON_CHECK(g.attention == "auto" || g.attention == "flash" || g.attention == "blocks" || g.attention == "loop",
-                "--gpu-attention '{}': expected auto, flash, blocks or loop", g.attention);
+    TALON_CHECK(g.attention == "auto" || g.attention == "flash" || g.attention == "cudnn" || g.attention == "blocks" ||
+                    g.attention == "loop",
+                "--gpu-attention '{}': expected auto, cudnn, flash, blocks or loop", g.attention);
+    TALON_CHECK(!(g.batch_embeddings && g.device_embeddings),
+                "--gpu-batch-embeddings and --gpu-device-embeddings: choose one");
     TALON_CHECK(g.logit_rows >= 0, "--gpu-logit-rows {}: expected >= 1 (0: as many as fit)", g.logit_rows);
     TALON_CHECK(g.attn_block >= -1, "--gpu-attn-block {}: expected >= 0 (0: no skipping; -1: default)", g.attn_block);
   }

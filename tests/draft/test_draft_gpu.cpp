@@ -249,7 +249,7 @@ TEST_P(GpuDraft, Bf16RoundedInsideCublasStaysClose) {
 }
 
 // Causal key blocks (--gpu-attn-block) of the score-buffer products
-// (--gpu-attention blocks; with bf16 math the fused kernels are the default): with
+// (--gpu-attention blocks; with bf16 math cuDNN or the fused kernels are the default): with
 // blocks of 4 and 7 rows the packed samples (13, 7, 22 and 2 rows) have several blocks,
 // partial last blocks and a sample shorter than one block; 0 turns the skipping off. The
 // products only skip score tiles that the mask zeroes, so fp32 stays within the reference's
@@ -279,7 +279,7 @@ GpuRun run_once(Case& cs, GpuMath math, int64_t max_rows) {
   return r;
 }
 
-// The fused attention kernels (the default with bf16 math) on samples that span several
+// The fused attention kernels (--gpu-attention flash) on samples that span several
 // 64-row tiles: 150 rows (two full tiles and a partial one), exactly one tile, 7 rows, 90
 // rows; head sizes 32, 64 and 128. Against the CPU reference within the bf16 tolerances,
 // and against the score-buffer products (--gpu-attention blocks) on the same bf16
@@ -287,6 +287,7 @@ GpuRun run_once(Case& cs, GpuMath math, int64_t max_rows) {
 // wrong mask at a tile edge or a dropped tile would break.
 TEST_P(GpuDraft, FusedAttentionMatchesReferenceAcrossTiles) {
   REQUIRE_GPU();
+  ScopedOpt fused([](GpuDraftOptions& o) { o.attention = "flash"; });  // auto would take cuDNN where it is loaded
   for (int hd : {32, 64, 128}) {
     SCOPED_TRACE("head_dim " + std::to_string(hd));
     Case cs(GetParam(), 77, {150, 64, 7, 90}, hd);
@@ -343,17 +344,22 @@ TEST_P(GpuDraft, CudnnAttentionMatchesReference) {
     }
 }
 
-// --gpu-batch-embeddings: the target's embedding stays on the host and each batch uploads the
-// rows of its own tokens. The rows are the same bf16 values, so losses and gradients are the
-// same bits as with the whole table on the device; over two batches with different tokens (the
-// second reuses the upload buffers), and refused where it cannot apply (exact fp32 math).
+// --gpu-batch-embeddings (the default with bf16 operands): the target's embedding stays on the
+// host and each batch uploads the rows of its own tokens. The rows are the same bf16 values, so
+// losses and gradients are the same bits as with the whole table on the device
+// (--gpu-device-embeddings) and as by default; over two batches with different tokens (the
+// second reuses the upload buffers), and refused where it cannot apply (exact fp32 math) or
+// asked for with its opposite.
 TEST_P(GpuDraft, BatchEmbeddingsGiveTheSameBits) {
   REQUIRE_GPU();
   Case cs(GetParam(), 91, {13, 7, 22, 2, 40, 1, 9});
   const std::vector<Sample> all = cs.batch();
   const std::vector<Sample> b1(all.begin(), all.begin() + 4), b2(all.begin() + 4, all.end());
-  const auto go = [&](bool batch_embeddings) {
-    ScopedOpt e([&](GpuDraftOptions& o) { o.batch_embeddings = batch_embeddings; });
+  const auto go = [&](int where) {  // 0: on the device, 1: per batch, 2: the default
+    ScopedOpt e([&](GpuDraftOptions& o) {
+      o.batch_embeddings = where == 1;
+      o.device_embeddings = where == 0;
+    });
     auto gpu = make_gpu(cs, {0}, GpuMath::BF16, 64);
     gpu->set_weights(cs.w);
     GpuRun r{{}, DraftGrads(cs.w)};
@@ -362,13 +368,19 @@ TEST_P(GpuDraft, BatchEmbeddingsGiveTheSameBits) {
     gpu->get_grads(r.g);  // the second batch's
     return r;
   };
-  GpuRun whole = go(false), rows = go(true);
-  ASSERT_EQ(whole.loss.size(), rows.loss.size());
-  for (size_t i = 0; i < whole.loss.size(); ++i) EXPECT_EQ(whole.loss[i], rows.loss[i]) << "sample " << i;
-  auto a = whole.g.named(), b = rows.g.named();
-  for (size_t i = 0; i < a.size(); ++i) EXPECT_EQ(*a[i].second, *b[i].second) << a[i].first;
+  GpuRun whole = go(0);
+  for (int where : {1, 2}) {
+    SCOPED_TRACE(where == 1 ? "batch embeddings" : "default");
+    GpuRun rows = go(where);
+    ASSERT_EQ(whole.loss.size(), rows.loss.size());
+    for (size_t i = 0; i < whole.loss.size(); ++i) EXPECT_EQ(whole.loss[i], rows.loss[i]) << "sample " << i;
+    auto a = whole.g.named(), b = rows.g.named();
+    for (size_t i = 0; i < a.size(); ++i) EXPECT_EQ(*a[i].second, *b[i].second) << a[i].first;
+  }
   ScopedOpt e([](GpuDraftOptions& o) { o.batch_embeddings = true; });
   EXPECT_THROW(make_gpu(cs, {0}, GpuMath::F32, 64), Error);
+  ScopedOpt both([](GpuDraftOptions& o) { o.device_embeddings = true; });
+  EXPECT_THROW(make_gpu(cs, {0}, GpuMath::BF16, 64), Error);
 }
 
 // An explicit request for the fused kernels that they cannot serve is refused.

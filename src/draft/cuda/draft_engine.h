@@ -138,6 +138,8 @@ class DraftEngine {
   void adamw(double lr, double beta1, double beta2, double eps, double weight_decay, const std::vector<uint8_t>& decay,
              int64_t t_after);
   size_t device_bytes() const;
+  // The choices the options resolved to (which attention, where the embedding lives), for logs.
+  std::string setup() const;
   // Rows run through the draft's layer so far, summed over steps and batches: N x K a batch
   // of N rows, less (N - N1) x (K - 1) where rows no later loss reads are cut.
   int64_t row_steps() const;

@@ -128,6 +128,7 @@ class CudaDraftTrainer final : public DeviceTrainer {
     const std::vector<float> inv = rope_inv_freq(c.rope, c.head_dim);
     eng_ = std::make_unique<cuda::DraftEngine>(device, d, m, tgt.embed, tgt.final_norm, tgt.lm_head, vocab.kept.data(),
                                                vocab.t2d.data(), inv.data(), max_rows, opt);
+    tlog::info("cuda:{}: draft trainer: {}", device, eng_->setup());
     DraftWeights probe;
     for (auto& [name, v] : probe.named()) {
       names_.push_back(name);
@@ -715,6 +716,7 @@ std::unique_ptr<DeviceTrainer> make_one(const DraftConfig& c, const TargetHead& 
   if (fam.drafter == "dflash") {
     // DFlash's engine has its own attention and embedding table.
     TALON_CHECK(!opt.batch_embeddings, "--gpu-batch-embeddings: not for DFlash (EAGLE-3 only)");
+    TALON_CHECK(!opt.device_embeddings, "--gpu-device-embeddings: not for DFlash (EAGLE-3 only)");
     TALON_CHECK(opt.attention != "cudnn", "--gpu-attention cudnn: not for DFlash (EAGLE-3 and P-EAGLE)");
     return std::make_unique<CudaDFlashTrainer>(tgt, vocab, device, math, max_rows, fam);
   }

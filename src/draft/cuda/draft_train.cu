@@ -1469,8 +1469,13 @@ DraftEngine::DraftEngine(int device, const DraftDims& dd, DraftMath math, const 
   if (att_s != "auto" && att_s != "loop" && att_s != "blocks" && att_s != "flash" && att_s != "cudnn")
     fail_msg("--gpu-attention: expected auto, flash, cudnn, blocks or loop, got '" + att_s + "'");
   I.loop_attention = att_s == "loop";
-  I.cudnn_attention = att_s == "cudnn";
-  if (I.cudnn_attention) {
+  // auto: cuDNN's fused attention where it is loaded and serves the shape (bf16 operands, head
+  // sizes that are multiples of 8 up to 256), the fastest at the 8B shape (bench/RESULTS.md),
+  // else the fused kernels where they apply, else the score-buffer products.
+  I.cudnn_attention = att_s == "cudnn" ||
+                      (att_s == "auto" && I.bf16_operands && dd.hd % 8 == 0 &&
+                       cudnn_sdpa_unsupported(SdpaShape{int(dd.nh), int(dd.nkv), int(dd.hd), 1.f, max_rows}).empty());
+  if (att_s == "cudnn") {
     if (!I.bf16_operands || dd.hd % 8 != 0)
       fail_msg("--gpu-attention cudnn needs bf16 math on bf16 operands and a head size that is a multiple of 8 "
                "(head size " + std::to_string(dd.hd) + ")");
@@ -1484,6 +1489,8 @@ DraftEngine::DraftEngine(int device, const DraftDims& dd, DraftMath math, const 
   if (att_s == "flash" && !I.flash_attention)
     fail_msg("--gpu-attention flash needs bf16 math on bf16 operands and a head size that is a multiple of 16 up "
              "to 128 (head size " + std::to_string(dd.hd) + ")");
+  if (opt.batch_embeddings && opt.device_embeddings)
+    fail_msg("--gpu-batch-embeddings and --gpu-device-embeddings: choose one");
   if (opt.batch_embeddings && (!I.bf16_operands || dd.peagle))
     fail_msg(dd.peagle ? "--gpu-batch-embeddings: P-EAGLE trains its embedding, which stays on the device"
                        : "--gpu-batch-embeddings needs bf16 math on bf16 operands");
@@ -1521,9 +1528,19 @@ DraftEngine::DraftEngine(int device, const DraftDims& dd, DraftMath math, const 
         CUDA_CHECK(cudaDeviceSynchronize());
       }
     };
-    if (!dd.peagle && opt.batch_embeddings) {  // on the host; the batch's rows on the device
+    // On the host, the batch's rows on the device: asked for, or by default (EAGLE-3) where
+    // the pinned host copy can be had.
+    if (!dd.peagle && (opt.batch_embeddings || !opt.device_embeddings)) {
+      if (cudaHostAlloc(reinterpret_cast<void**>(&I.host_embed), size_t(V * H) * 2, cudaHostAllocMapped) != cudaSuccess) {
+        (void)cudaGetLastError();  // not sticky
+        I.host_embed = nullptr;  // by default it then stays on the device (setup() says so)
+        if (opt.batch_embeddings)
+          fail_msg("--gpu-batch-embeddings: could not pin " + std::to_string(V * H * 2 >> 20) +
+                   " MiB of host memory for the embedding");
+      }
+    }
+    if (I.host_embed) {
       I.batch_embed = true;
-      CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&I.host_embed), size_t(V * H) * 2, cudaHostAllocMapped));
       void* mapped = nullptr;
       CUDA_CHECK(cudaHostGetDevicePointer(&mapped, I.host_embed, 0));
       I.host_embed_d = static_cast<const uint16_t*>(mapped);
@@ -1750,6 +1767,15 @@ bool is_pinned_host(const void* p) { return memory_type(p) == cudaMemoryTypeHost
 bool is_device_memory(const void* p) { return memory_type(p) == cudaMemoryTypeDevice; }
 
 size_t DraftEngine::device_bytes() const { return p_->bytes; }
+std::string DraftEngine::setup() const {
+  const Impl& I = *p_;
+  const char* att = I.loop_attention    ? "fp32 warps"
+                    : I.cudnn_attention ? "cuDNN's fused attention"
+                    : I.flash_attention ? "fused kernels"
+                                        : "score-buffer products";
+  const char* emb = I.d.peagle ? "trained on the device" : I.batch_embed ? "on the host, batch rows uploaded" : "on the device";
+  return std::string("attention: ") + att + "; embedding " + emb;
+}
 int64_t DraftEngine::row_steps() const { return p_->row_steps; }
 std::pair<float*, float*> DraftEngine::host_features() {
   Impl& I = *p_;

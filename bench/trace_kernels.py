@@ -6,7 +6,34 @@ divided by N (e.g. the steps traced)."""
 import argparse
 import json
 import re
+import shutil
+import subprocess
 from collections import defaultdict
+
+
+def demangle(names):
+    """C++ names as c++filt prints them, where it is installed; else as they are."""
+    if not names or not shutil.which("c++filt"):
+        return {n: n for n in names}
+    out = subprocess.run(["c++filt"], input="\n".join(names), capture_output=True, text=True).stdout.split("\n")
+    return {n: (out[i] if i < len(out) and out[i] else n) for i, n in enumerate(names)}
+
+
+def short(name):
+    """A kernel's name without its namespaces and parameter list, keeping template arguments."""
+    name = re.sub(r"^void ", "", name)
+    name = re.sub(r"\(anonymous namespace\)::", "", name)
+    name = re.sub(r"\b(talon::)?(cuda::)?", "", name)
+    depth, cut = 0, len(name)
+    for i, ch in enumerate(name):  # the parameter list: the first '(' outside template brackets
+        if ch == "<":
+            depth += 1
+        elif ch == ">":
+            depth -= 1
+        elif ch == "(" and depth == 0:
+            cut = i
+            break
+    return name[:cut]
 
 
 def main():
@@ -17,12 +44,11 @@ def main():
     a = ap.parse_args()
     with open(a.trace) as f:
         events = json.load(f)["traceEvents"]
+    kernels = [e for e in events if e.get("pid") == "device" and "bytes" not in e.get("args", {})]  # no copies
+    names = demangle(sorted({e["name"] for e in kernels}))
     agg = defaultdict(lambda: [0, 0.0])
-    for e in events:
-        if e.get("pid") != "device" or "bytes" in e.get("args", {}):
-            continue  # host calls and copies
-        name = re.sub(r"\(.*", "", e["name"])
-        name = re.sub(r"^void ", "", name)
+    for e in kernels:
+        name = short(names[e["name"]])
         agg[name][0] += 1
         agg[name][1] += float(e["dur"])
     rows = sorted(agg.items(), key=lambda kv: -kv[1][1])

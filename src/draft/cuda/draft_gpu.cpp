@@ -716,7 +716,6 @@ std::unique_ptr<DeviceTrainer> make_one(const DraftConfig& c, const TargetHead& 
   if (fam.drafter == "dflash") {
     // DFlash's engine has its own attention and embedding table.
     TALON_CHECK(!opt.batch_embeddings, "--gpu-batch-embeddings: not for DFlash (EAGLE-3 only)");
-    TALON_CHECK(!opt.device_embeddings, "--gpu-device-embeddings: not for DFlash (EAGLE-3 only)");
     TALON_CHECK(opt.attention != "cudnn", "--gpu-attention cudnn: not for DFlash (EAGLE-3 and P-EAGLE)");
     return std::make_unique<CudaDFlashTrainer>(tgt, vocab, device, math, max_rows, fam);
   }

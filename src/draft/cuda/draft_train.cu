@@ -1473,7 +1473,7 @@ DraftEngine::DraftEngine(int device, const DraftDims& dd, DraftMath math, const 
   // sizes that are multiples of 8 up to 256), the fastest at the 8B shape (bench/RESULTS.md),
   // else the fused kernels where they apply, else the score-buffer products.
   I.cudnn_attention = att_s == "cudnn" ||
-                      (att_s == "auto" && I.bf16_operands && dd.hd % 8 == 0 &&
+                      (att_s == "auto" && I.bf16_operands &&
                        cudnn_sdpa_unsupported(SdpaShape{int(dd.nh), int(dd.nkv), int(dd.hd), 1.f, max_rows}).empty());
   if (att_s == "cudnn") {
     if (!I.bf16_operands || dd.hd % 8 != 0)
@@ -1688,7 +1688,10 @@ DraftEngine::DraftEngine(int device, const DraftDims& dd, DraftMath math, const 
     auto* block = I.alloc<unsigned char>(size_t(std::max(total, ws)));
     float* at[6];
     int64_t o = 0;
-    for (int i = 0; i < 6; ++i, o += parts[i - 1]) at[i] = reinterpret_cast<float*>(block + o);
+    for (int i = 0; i < 6; ++i) {
+      at[i] = reinterpret_cast<float*>(block + o);
+      o += parts[i];
+    }
     I.E = at[0];
     if (I.bf16_operands) I.lgb = I.bf16_in(at[1]);
     I.dg2 = at[2];

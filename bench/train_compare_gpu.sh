@@ -47,20 +47,19 @@ mem_talon() { pick 's/.*device memory \([0-9.]*\) GiB.*/\1/p' "$1"; }
 mem_peer() { pick 's/.*peak memory \([0-9.]*\) GiB.*/\1/p' "$1"; }
 res_peer() { pick 's/.*(reserved \([0-9.]*\) GiB).*/\1/p' "$1"; }
 # VARIANT: the second Talon run: staged (features in pageable memory, through the pinned
-# staging), resident (features in device memory, as the peer keeps them), flash (the TTT
-# attention's causal part through the fused kernels, the whole embedding on the device: the
-# defaults before cuDNN's attention and per-batch embedding rows were), device (only the
-# embedding on the device: --gpu-device-embeddings), allrows (every row through every step:
-# --gpu-all-rows; the default leaves out of the steps after the first the rows no later loss
-# reads), or none.
+# staging), resident (features in device memory, as the peer keeps them), cudnn (the TTT
+# attention's causal part through cuDNN's fused attention: --gpu-attention cudnn), device (the
+# whole target embedding on the device, as before per-batch rows were the default:
+# --gpu-device-embeddings), allrows (every row through every step: --gpu-all-rows; the default
+# leaves out of the steps after the first the rows no later loss reads), or none.
 VARIANT=${VARIANT:-staged}
 case "$VARIANT" in
   staged | resident) vflag=("--$VARIANT") ;;
-  flash) vflag=(--gpu-attention flash --gpu-device-embeddings) ;;
+  cudnn) vflag=(--gpu-attention cudnn) ;;
   device) vflag=(--gpu-device-embeddings) ;;
   allrows) vflag=(--gpu-all-rows) ;;
   none) vflag=() ;;
-  *) echo "VARIANT=$VARIANT: expected staged, resident, flash, device, allrows or none" >&2; exit 2 ;;
+  *) echo "VARIANT=$VARIANT: expected staged, resident, cudnn, device, allrows or none" >&2; exit 2 ;;
 esac
 log=${LOGS:-$(mktemp -d)}
 mkdir -p "$log"

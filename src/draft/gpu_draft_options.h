@@ -8,11 +8,12 @@
 namespace talon::eagle3 {
 
 struct GpuDraftOptions {
-  // TTT attention: auto (cuDNN's fused attention where cuDNN is loaded and serves the shape:
-  // bf16 operands, a head size that is a multiple of 8 up to 256; else the fused tensor-core
-  // kernels where they apply: bf16 operands and a head size that is a multiple of 16 up to 128;
-  // else the score-buffer products), cudnn and flash (those two, refused where they do not
-  // apply), blocks (score-buffer products), loop (the fp32 one-warp kernels, a second
+  // TTT attention: auto (fused tensor-core kernels where they apply: bf16 math and a head size
+  // that is a multiple of 16 up to 128; else the score-buffer products), flash (the fused
+  // kernels, refused where they do not apply), cudnn (cuDNN's fused attention for the causal
+  // part: bf16 operands, head sizes that are multiples of 8 up to 256; faster at the 8B shape,
+  // but its deterministic backward's workspace grows with samples x S^2 of a batch, see
+  // docs/train.md), blocks (score-buffer products), loop (the fp32 one-warp kernels, a second
   // independent implementation).
   std::string attention = "auto";
   // bf16 math on fp32 operands, rounded inside cuBLAS, instead of bf16 copies in memory.

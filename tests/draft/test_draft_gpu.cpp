@@ -249,7 +249,7 @@ TEST_P(GpuDraft, Bf16RoundedInsideCublasStaysClose) {
 }
 
 // Causal key blocks (--gpu-attn-block) of the score-buffer products
-// (--gpu-attention blocks; with bf16 math cuDNN or the fused kernels are the default): with
+// (--gpu-attention blocks; with bf16 math the fused kernels are the default): with
 // blocks of 4 and 7 rows the packed samples (13, 7, 22 and 2 rows) have several blocks,
 // partial last blocks and a sample shorter than one block; 0 turns the skipping off. The
 // products only skip score tiles that the mask zeroes, so fp32 stays within the reference's
@@ -287,7 +287,7 @@ GpuRun run_once(Case& cs, GpuMath math, int64_t max_rows) {
 // wrong mask at a tile edge or a dropped tile would break.
 TEST_P(GpuDraft, FusedAttentionMatchesReferenceAcrossTiles) {
   REQUIRE_GPU();
-  ScopedOpt fused([](GpuDraftOptions& o) { o.attention = "flash"; });  // auto would take cuDNN where it is loaded
+  ScopedOpt fused([](GpuDraftOptions& o) { o.attention = "flash"; });
   for (int hd : {32, 64, 128}) {
     SCOPED_TRACE("head_dim " + std::to_string(hd));
     Case cs(GetParam(), 77, {150, 64, 7, 90}, hd);

@@ -1469,13 +1469,12 @@ DraftEngine::DraftEngine(int device, const DraftDims& dd, DraftMath math, const 
   if (att_s != "auto" && att_s != "loop" && att_s != "blocks" && att_s != "flash" && att_s != "cudnn")
     fail_msg("--gpu-attention: expected auto, flash, cudnn, blocks or loop, got '" + att_s + "'");
   I.loop_attention = att_s == "loop";
-  // auto: cuDNN's fused attention where it is loaded and serves the shape (bf16 operands, head
-  // sizes that are multiples of 8 up to 256), the fastest at the 8B shape (bench/RESULTS.md),
-  // else the fused kernels where they apply, else the score-buffer products.
-  I.cudnn_attention = att_s == "cudnn" ||
-                      (att_s == "auto" && I.bf16_operands &&
-                       cudnn_sdpa_unsupported(SdpaShape{int(dd.nh), int(dd.nkv), int(dd.hd), 1.f, max_rows}).empty());
-  if (att_s == "cudnn") {
+  // cuDNN's attention is asked for by name only: its deterministic backward (cuDNN 9.19 on Hopper)
+  // takes a workspace of samples x heads x S^2 x 2 bytes for a batch's bucket (samples and the
+  // longest sample S, each rounded up to a power of two), 1.1 GiB for one sample of 4096 rows of
+  // the 8B draft and 17 GiB for the default 16384-token budget; auto stays with the fused kernels.
+  I.cudnn_attention = att_s == "cudnn";
+  if (I.cudnn_attention) {
     if (!I.bf16_operands || dd.hd % 8 != 0)
       fail_msg("--gpu-attention cudnn needs bf16 math on bf16 operands and a head size that is a multiple of 8 "
                "(head size " + std::to_string(dd.hd) + ")");
@@ -1673,8 +1672,9 @@ DraftEngine::DraftEngine(int device, const DraftDims& dd, DraftMath math, const 
     // E (the step's embeddings: read by the input norm before the attention, remade after it),
     // lgb (the loss gradient, made and used by lm_head_step), dg2 (read before the MLP's
     // backward), dga, dup (inside it) and dhm (read by the post-attention norm's backward). The
-    // block is also cuDNN's workspace, at least as large as the workspace of one sample of R
-    // rows; its own buffers are the rest of what the attention would have needed.
+    // block is also lent to cuDNN as its workspace, grown to the workspace of one sample of R
+    // rows where that adds at most kMaxLentGrowth (the 8B draft at 4096 rows: 0.65 GiB); a
+    // batch whose bucket needs more than the block gets a workspace of cuDNN's own.
     const auto bytes_of = [](int64_t floats_n) { return (floats_n * 4 + 255) / 256 * 256; };
     const int64_t parts[] = {bytes_of(R * H),
                              I.bf16_operands ? bytes_of((R * Vd + 1) / 2) : 0,
@@ -1684,8 +1684,10 @@ DraftEngine::DraftEngine(int device, const DraftDims& dd, DraftMath math, const 
                              bytes_of(R * H)};
     int64_t total = 0;
     for (int64_t b : parts) total += b;
+    constexpr int64_t kMaxLentGrowth = int64_t(1) << 30;
     const int64_t ws = I.cudnn ? I.cudnn->workspace_bytes(1, R) : 0;
-    auto* block = I.alloc<unsigned char>(size_t(std::max(total, ws)));
+    const int64_t size = ws > total && ws - total <= kMaxLentGrowth ? ws : total;
+    auto* block = I.alloc<unsigned char>(size_t(size));
     float* at[6];
     int64_t o = 0;
     for (int i = 0; i < 6; ++i) {
@@ -1698,7 +1700,7 @@ DraftEngine::DraftEngine(int device, const DraftDims& dd, DraftMath math, const 
     I.dga = at[3];
     I.dup = at[4];
     I.dhm = at[5];
-    if (I.cudnn) I.cudnn->set_workspace(block, std::max(total, ws));
+    if (I.cudnn) I.cudnn->set_workspace(block, size);
   }
   I.tmp = I.alloc<float>(size_t(R * H));
   I.act = I.alloc<float>(floats(R * Idim, I.bf16_operands));

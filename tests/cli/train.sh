@@ -68,6 +68,17 @@ grep -q "online: target .* feeds the trainer, aux layers \[2,15,27\] + final 30"
   || bad "online vs offline: $(losses "$WORK/online/metrics.jsonl") vs $(losses "$WORK/offline3/metrics.jsonl")"
 "$TALON" train "${base[@]}" --out "$WORK/x" --layers 1,2,3 > /dev/null 2> "$WORK/e3"
 [ $? -ne 0 ] && grep -q "\-\-layers applies to \-\-online" "$WORK/e3" && ok "--layers without --online refused" || bad "$(cat "$WORK/e3")"
+# The GPU engine's options are checked up front whatever the device, and change nothing on the
+# CPU: --gpu-attention cudnn is a value the trainer takes (it once refused it).
+"$TALON" train "${small[@]}" --data "$WORK/feat" --out "$WORK/cudnn-opt" --gpu-attention cudnn > /dev/null 2> "$WORK/e6" \
+  && [ "$(losses "$WORK/cudnn-opt/metrics.jsonl")" = "$(losses "$WORK/offline3/metrics.jsonl")" ] \
+  && ok "--gpu-attention cudnn is taken (on the CPU the losses do not change)" || bad "cudnn option: $(tail -3 "$WORK/e6")"
+"$TALON" train "${base[@]}" --out "$WORK/x" --gpu-attention fastest > /dev/null 2> "$WORK/e4"
+[ $? -ne 0 ] && grep -q "expected auto, cudnn, flash, blocks or loop" "$WORK/e4" && ok "--gpu-attention fastest refused, naming the values" \
+  || bad "$(cat "$WORK/e4")"
+"$TALON" train "${base[@]}" --out "$WORK/x" --gpu-batch-embeddings --gpu-device-embeddings > /dev/null 2> "$WORK/e5"
+[ $? -ne 0 ] && grep -q "\-\-gpu-batch-embeddings and \-\-gpu-device-embeddings: choose one" "$WORK/e5" \
+  && ok "--gpu-batch-embeddings with --gpu-device-embeddings refused" || bad "$(cat "$WORK/e5")"
 
 # Hidden-state noise: seeded by (seed, step, slot), so it changes the losses but a stopped
 # and resumed run still logs the uninterrupted run's bits.

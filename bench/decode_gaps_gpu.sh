@@ -3,7 +3,7 @@
 # shape (context 2048) and the SmolLM2 shape (context 512), three ways: as shipped, with
 # programmatic dependent launches off (TALON_CUDA_PDL=0: graphs without programmatic edges) and
 # with graphs off (TALON_CUDA_GRAPHS=0). For each: the step's ms, the device's idle time by the
-# host call it overlaps, and the kernels (bench/trace_kernels.py). One call:
+# host call it overlaps, and the kernels (bench/kernel_table.py). One call:
 #   source scripts/gpu_carried.sh; bash bench/decode_gaps_gpu.sh    (traces go to $OUT)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -20,6 +20,6 @@ for shape in llama3-8b smollm2; do
       --verify-tokens 1 --accept-chain 0 --trace "$log.json" > "$log.txt" 2>&1 || { tail -3 "$log.txt"; continue; }
     grep -E "^ +(slots|1) +" "$log.txt"
     sed -n '/^trace of 3/,/^longest gaps/p' "$log.txt" | grep -v "^longest gaps"
-    python3 bench/trace_kernels.py "$log.json" --per 3 --top 8
+    python3 bench/kernel_table.py "$log.json" --per 3 --top 8
   done
 done

@@ -1,27 +1,55 @@
 #!/usr/bin/env python3
-"""Per-kernel time table from an Nsight Compute CSV (ncu --csv --page raw --metrics
-gpu__time_duration.sum): launches, mean and total microseconds per kernel name and grid,
+"""Per-kernel time table: launches, mean and total microseconds per kernel name and grid,
 sorted by total. With --per N, totals are also divided by N (e.g. the number of forwards).
-Kernels are timed one at a time under ncu (no overlap between neighbours), so the sum is an
-upper bound of a graph replay's GPU time."""
+Two inputs:
+* an Nsight Compute CSV (ncu --csv --page raw --metrics gpu__time_duration.sum). Kernels are
+  timed one at a time under ncu (no overlap between neighbours), so the sum is an upper bound
+  of a graph replay's GPU time;
+* a Chrome trace (a .json file) written by `talon_bench_decode --trace FILE` or
+  `talon_bench_train --trace FILE`: CUPTI activity of the real run (replayed graphs included),
+  so neighbours overlap as they do there (a programmatic dependent's time includes its wait).
+  Names are demangled with c++filt where it is installed; the grid is not recorded ("-")."""
 import argparse
 import csv
+import json
 import re
+import shutil
+import subprocess
 import sys
 from collections import defaultdict
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("csv")
-    ap.add_argument("--per", type=float, default=1.0, help="divide totals by this (forwards in the trace)")
-    ap.add_argument("--top", type=int, default=40)
-    a = ap.parse_args()
+def demangle(names):
+    """C++ names as c++filt prints them, where it is installed; else as they are."""
+    if not names or not shutil.which("c++filt"):
+        return {n: n for n in names}
+    out = subprocess.run(["c++filt"], input="\n".join(names), capture_output=True, text=True).stdout.split("\n")
+    return {n: (out[i] if i < len(out) and out[i] else n) for i, n in enumerate(names)}
+
+
+def short(name):
+    """A kernel's name without its namespaces and parameter list, keeping template arguments."""
+    name = re.sub(r"^void ", "", name)
+    name = re.sub(r"\(anonymous namespace\)::", "", name)
+    name = re.sub(r"\b(talon::)?(cuda::)?", "", name)
+    depth, cut = 0, len(name)
+    for i, ch in enumerate(name):  # the parameter list: the first '(' outside template brackets
+        if ch == "<":
+            depth += 1
+        elif ch == ">":
+            depth -= 1
+        elif ch == "(" and depth == 0:
+            cut = i
+            break
+    return name[:cut]
+
+
+def ncu_rows(path):
+    """(name, grid, us) of each launch in an ncu CSV."""
     rows = []
-    with open(a.csv, newline="") as f:
+    with open(path, newline="") as f:
         lines = [l for l in f if l.startswith('"')]  # ncu prints its own messages before the table
-    reader = csv.DictReader(lines)
-    for r in reader:
+    for r in csv.DictReader(lines):
         v = r.get("gpu__time_duration.sum", "")
         try:
             t = float(v.replace(",", ""))
@@ -30,8 +58,27 @@ def main():
         name = re.sub(r"\(.*", "", r.get("Kernel Name", "?"))
         name = re.sub(r"^void ", "", name)
         rows.append((name[:70], r.get("Grid Size", "?"), t / 1e3))  # ns -> us
+    return rows
+
+
+def trace_rows(path):
+    """(name, "-", us) of each kernel in a Chrome trace (host calls and copies left out)."""
+    with open(path) as f:
+        events = json.load(f)["traceEvents"]
+    kernels = [e for e in events if e.get("pid") == "device" and "bytes" not in e.get("args", {})]
+    names = demangle(sorted({e["name"] for e in kernels}))
+    return [(short(names[e["name"]])[:70], "-", float(e["dur"])) for e in kernels]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("file", help="an ncu CSV, or a Chrome trace (.json)")
+    ap.add_argument("--per", type=float, default=1.0, help="divide totals by this (forwards or steps in the file)")
+    ap.add_argument("--top", type=int, default=40)
+    a = ap.parse_args()
+    rows = trace_rows(a.file) if a.file.endswith(".json") else ncu_rows(a.file)
     if not rows:
-        sys.exit(f"{a.csv}: no gpu__time_duration.sum rows")
+        sys.exit(f"{a.file}: no kernel times")
     agg = defaultdict(lambda: [0, 0.0])
     for name, grid, us in rows:
         agg[(name, grid)][0] += 1

@@ -21,6 +21,7 @@
 #include "backend/cuda/cuda_decoder.h"
 #include "backend/cuda/decode_ops.h"
 #include "backend/cuda/decode_slots.h"
+#include "backend/cuda/ops.h"
 #include "model/decode.h"
 #include "model/model.h"
 #include "model/random_checkpoint.h"
@@ -370,12 +371,19 @@ TEST_P(CudaDecode, OneTokenStepsFoldedOrNotMatchTheCpu) {
 // Replayed CUDA graphs against eager launches, and greedy ids picked on the device against
 // the host's argmax of the logits: two CUDA decoders run the same requests (repeated shapes:
 // one-token steps of three slots, chain-4 verifies, a 7-node tree, captures in both dtypes,
-// a context growing past a power of two), one with graphs and one without; logits and
-// captures must be bit-identical (same kernels, same arguments), and every few steps the
+// a context growing past a power of two), one with graphs and every kernel of the decode path a
+// dependent launch (launch.cuh: resident before the kernel it waits for ends), one eager with
+// each kernel launched only once the one before it has ended; logits and captures must be
+// bit-identical (same kernels, same arguments: a kernel that read its input before its
+// grid_dependency_wait would show here as differing bits), and every few steps the
 // graph decoder gives ids only, which must equal the argmax (ties to the lower id) of the
 // other's logits, or the ids the sampling oracle draws from them (tests/sampling_reference.h).
 TEST_P(CudaDecode, GraphReplayAndDeviceArgmaxMatchEagerLaunches) {
   REQUIRE_GPU();
+  cuda::set_dependent_launches(cuda::kDependAll);
+  struct Restore {
+    ~Restore() { cuda::set_dependent_launches(cuda::kDependDefault); }
+  } restore;
   auto ck = open_checkpoint(golden_fixture(GetParam()));
   auto ga = make_cuda_decoder(*ck, 0, 3, 160), gb = make_cuda_decoder(*ck, 0, 3, 160);
   cuda::decoder_use_graphs(*gb, false);
@@ -400,7 +408,9 @@ TEST_P(CudaDecode, GraphReplayAndDeviceArgmaxMatchEagerLaunches) {
     Capture pa({layer}, {reinterpret_cast<float*>(ca.data())}), pb({layer}, {reinterpret_cast<float*>(cb.data())});
     pa.dtype = pb.dtype = dt;
     std::vector<float> lb(size_t(NL * V), NAN);
+    cuda::set_dependent_launches(0);
     gb->forward(reqs, pb, lb.data());
+    cuda::set_dependent_launches(cuda::kDependAll);
     if (greedy) {
       std::vector<int32_t> ids(size_t(NL), -1);
       ga->forward_greedy(reqs, pa, ids.data());

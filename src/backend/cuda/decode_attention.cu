@@ -10,6 +10,7 @@
 
 #include "backend/cuda/check.h"
 #include "backend/cuda/decode_ops.h"
+#include "backend/cuda/launch.cuh"
 #include "backend/cuda/tensor_core.cuh"
 #include "backend/cuda/warp.cuh"
 
@@ -25,6 +26,8 @@ constexpr float kLog2e = 1.4426950408889634f;
 
 __global__ void kv_write_kernel(bf16* kc, bf16* vc, const bf16* qkv, int64_t ld, const DecodeRow* rows, int64_t nh,
                                 int64_t nkv, int64_t hd, CacheMap cache) {
+  allow_dependents();
+  grid_dependency_wait();  // launched dependent (launch.cuh)
   const int64_t r = blockIdx.x, kvd = nkv * hd;
   const DecodeRow row = rows[r];
   const int64_t dst = cache.row(row.slot, row.end - 1) * kvd;
@@ -42,6 +45,8 @@ __global__ void kv_write_kernel(bf16* kc, bf16* vc, const bf16* qkv, int64_t ld,
 __global__ void rope_kv_write_kernel(bf16* kc, bf16* vc, bf16* qkv, int64_t ld, const int32_t* pos,
                                      const float* inv_freq, const DecodeRow* rows, int nh, int nkv, int hd,
                                      CacheMap cache) {
+  allow_dependents();
+  grid_dependency_wait();  // launched dependent (launch.cuh)
   const int64_t r = blockIdx.x;
   const int h = blockIdx.y * blockDim.y + threadIdx.y, half = hd / 2;
   if (h >= nh + nkv) return;
@@ -82,6 +87,8 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(
     float* part, const bf16* qkv, int64_t ld, const bf16* kc, const bf16* vc, const DecodeRow* rows,
     const uint64_t* masks, int nh, int nkv, int hd, CacheMap cache, int n_splits, int split_len, int G, bf16* out,
     int* counters, const int32_t* row_idx) {
+  allow_dependents();
+  grid_dependency_wait();  // launched dependent (launch.cuh)
   constexpr int T = kDecodeTile;
   const int r = row_idx ? row_idx[blockIdx.x] : int(blockIdx.x), split = blockIdx.z, tid = threadIdx.x, lane = tid % kWarp, warp = tid / kWarp;
   const int group = nh / nkv, chunks = group / G;
@@ -354,6 +361,8 @@ __global__ void __launch_bounds__(kThreads) verify_attention_kernel(
     float* part, const bf16* qkv, int64_t ld, const bf16* kc, const bf16* vc, const DecodeRow* rows,
     const uint64_t* masks, const AttentionTile* tiles, int nh, int nkv, CacheMap cache, int n_splits, int split_len,
     float scale_log2, bf16* out) {
+  allow_dependents();
+  grid_dependency_wait();  // launched dependent (launch.cuh)
   constexpr int kM = kTileVectors, kKeys = kVerifyKeys, kWarps = kThreads / 32;
   static_assert(kM <= kKeys && kKeys == 16 * kWarps, "the Q tile is staged in the first K buffer; 16 keys a warp");
   static_assert(verify_smem_bytes(D, S) >= size_t(kWarps * 16 * (D + 2)) * 4, "the split-keys merge fits the buffers");
@@ -558,6 +567,7 @@ __global__ void __launch_bounds__(kThreads) verify_attention_kernel(
 // then each thread sums its output dims over the splits with independent loads.
 __global__ void decode_combine_kernel(bf16* out, const float* part, int hd, int n_splits) {
   allow_dependents();  // the o product prefetches its weights meanwhile (warp.cuh)
+  grid_dependency_wait();  // launched dependent (launch.cuh)
   extern __shared__ float wsh[];  // [n_splits] weights, then 2 for M and L
   const int64_t rh = blockIdx.x;
   const float* p = part + rh * n_splits * (hd + 2);
@@ -635,8 +645,7 @@ DecodeSplits decode_splits(int64_t max_keys, int64_t N, int64_t nkv, int multipr
 void kv_cache_write(bf16* kc, bf16* vc, const bf16* qkv, int64_t ld, const DecodeRow* rows, int64_t N, int64_t nh,
                     int64_t nkv, int64_t hd, CacheMap cache, cudaStream_t s) {
   if (N == 0) return;
-  kv_write_kernel<<<unsigned(N), 128, 0, s>>>(kc, vc, qkv, ld, rows, nh, nkv, hd, cache);
-  CUDA_LAUNCH_CHECK();
+  launch_dependent(kDependRope, kv_write_kernel, dim3(unsigned(N)), dim3(128), 0, s, kc, vc, qkv, ld, rows, nh, nkv, hd, cache);
 }
 
 void rope_kv_cache_write(bf16* kc, bf16* vc, bf16* qkv, int64_t ld, const int32_t* pos, const float* inv_freq,
@@ -647,9 +656,8 @@ void rope_kv_cache_write(bf16* kc, bf16* vc, bf16* qkv, int64_t ld, const int32_
   // shape, a block per (row, head) spent 12 us a layer on 10,240 blocks of 64 threads.
   const int64_t tx = std::min<int64_t>(128, std::max<int64_t>(32, hd / 2)), ty = std::max<int64_t>(1, 256 / tx);
   const dim3 grid(unsigned(N), unsigned((nh + nkv + ty - 1) / ty));
-  rope_kv_write_kernel<<<grid, dim3(unsigned(tx), unsigned(ty)), 0, s>>>(kc, vc, qkv, ld, pos, inv_freq, rows, int(nh),
-                                                                         int(nkv), int(hd), cache);
-  CUDA_LAUNCH_CHECK();
+  launch_dependent(kDependRope, rope_kv_write_kernel, grid, dim3(unsigned(tx), unsigned(ty)), 0, s, kc, vc, qkv, ld, pos, inv_freq,
+                   rows, int(nh), int(nkv), int(hd), cache);
 }
 
 bool verify_attention_supported(int64_t hd) { return hd == 64 || hd == 128; }
@@ -735,15 +743,14 @@ void decode_attention(bf16* out, float* part, const bf16* qkv, int64_t ld, const
   const dim3 grid(unsigned(n_rows_blocks), unsigned(nkv * (group / G)), unsigned(n_splits));
   auto launch = [&](auto kernel) {
     if (smem > 48 * 1024) CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-    kernel<<<grid, kThreads, smem, s>>>(part, qkv, ld, kc, vc, rows, masks, int(nh), int(nkv), int(hd), cache,
-                                        int(n_splits), int(split_len), int(G), out, counters, row_idx);
+    launch_dependent(kDependAttention, kernel, grid, dim3(kThreads), smem, s, part, qkv, ld, kc, vc, rows, masks, int(nh), int(nkv),
+                     int(hd), cache, int(n_splits), int(split_len), int(G), out, counters, row_idx);
   };
   // The in-kernel merge keeps [G, n_splits] weights where the K tile was.
   if (counters && size_t(G * n_splits) * 4 > size_t(kDecodeTile * hdp) * 2) counters = nullptr;
   if (n_rows_blocks > 0) {
     if (vec) launch(decode_attention_kernel<true>);
     else launch(decode_attention_kernel<false>);
-    CUDA_LAUNCH_CHECK();
   }
   // Every row in tiles and one key split: the tiles write the normalised output themselves
   // and no combine pass runs (at 256 slots of the 8B shape the pass took 14 us a layer).
@@ -763,25 +770,22 @@ void decode_attention(bf16* out, float* part, const bf16* qkv, int64_t ld, const
         return true;
       }();
       (void)opted;
-      verify_attention_kernel<D, S><<<tgrid, kThreads, smem, s>>>(part, qkv, ld, kc, vc, rows, masks, work->tiles,
-                                                                  int(nh), int(nkv), cache, int(n_splits),
-                                                                  int(split_len), scale_log2, direct ? out : nullptr);
+      launch_dependent(kDependAttention, verify_attention_kernel<D, S>, tgrid, dim3(kThreads), smem, s, part, qkv, ld, kc, vc, rows,
+                       masks, work->tiles, int(nh), int(nkv), cache, int(n_splits), int(split_len), scale_log2,
+                       direct ? out : nullptr);
     };
     if (hd == 64) run(VerifyShape<64, kVerifyStages>{});
     else run(VerifyShape<128, kVerifyStages>{});
-    CUDA_LAUNCH_CHECK();
   }
   if (counters || direct) return;
-  decode_combine_kernel<<<unsigned(N * nh), unsigned(hd > 64 ? 128 : 64), size_t(n_splits) * 4, s>>>(out, part, int(hd),
-                                                                                                      int(n_splits));
-  CUDA_LAUNCH_CHECK();
+  launch_dependent(kDependCombine, decode_combine_kernel, dim3(unsigned(N * nh)), dim3(hd > 64 ? 128 : 64), size_t(n_splits) * 4, s, out,
+                   part, int(hd), int(n_splits));
 }
 
 void decode_combine(bf16* out, const float* part, int64_t rows_heads, int64_t hd, int64_t n_splits, cudaStream_t s) {
   if (rows_heads == 0) return;
-  decode_combine_kernel<<<unsigned(rows_heads), unsigned(hd > 64 ? 128 : 64), size_t(n_splits) * 4, s>>>(
-      out, part, int(hd), int(n_splits));
-  CUDA_LAUNCH_CHECK();
+  launch_dependent(kDependCombine, decode_combine_kernel, dim3(unsigned(rows_heads)), dim3(hd > 64 ? 128 : 64), size_t(n_splits) * 4, s,
+                   out, part, int(hd), int(n_splits));
 }
 
 void offset_ids(int32_t* out, const int32_t* in, const int64_t* offsets, int64_t n, cudaStream_t s) {

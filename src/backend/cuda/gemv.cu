@@ -11,6 +11,7 @@
 #include "backend/cuda/decode_ops.h"
 #include "backend/cuda/kernels/reduce.cuh"
 #include "backend/cuda/kernels/swiglu.cuh"
+#include "backend/cuda/launch.cuh"
 #include "backend/cuda/ops.h"
 #include "backend/cuda/warp.cuh"
 
@@ -312,24 +313,6 @@ __global__ void __launch_bounds__(kGemvWarps * 32) skinny_fused_kernel(bf16* out
   }
 }
 
-// A launch that may overlap the end of the kernel before it on the stream (warp.cuh:
-// grid_dependency_wait), where dependent_launch_enabled().
-template <class... P, class... A>
-void launch_dependent(void (*kernel)(P...), dim3 grid, dim3 block, size_t smem, cudaStream_t s, A... args) {
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = grid;
-  cfg.blockDim = block;
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = s;
-  cudaLaunchAttribute attr = {};
-  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr.val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = &attr;
-  cfg.numAttrs = dependent_launch_enabled() ? 1 : 0;
-  CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, P(args)...));
-  CUDA_LAUNCH_CHECK();
-}
-
 // Calls f with std::integral_constant<int, n> for n = N, 1 <= N <= kSkinnyMaxRows (8).
 template <class F>
 void with_rows(int64_t N, F&& f) {
@@ -355,7 +338,7 @@ void launch(Out* out, const bf16* in, const bf16* w, int64_t N, int64_t K, int64
   const bool short_rows = K8 <= 32 * kShortChunks && O >= kShortMinO;
   const int per_block = kGemvWarps * (short_rows ? kShortCols : 1);
   const dim3 grid(unsigned((O + per_block - 1) / per_block)), block(kGemvWarps * 32);
-  auto go = [&](auto kernel) { launch_dependent(kernel, grid, block, 0, s, out, x, wv, K8, Oi); };
+  auto go = [&](auto kernel) { launch_dependent(kDependProduct, kernel, grid, block, 0, s, out, x, wv, K8, Oi); };
   with_rows(N, [&](auto rows) {
     constexpr int n = decltype(rows)::value;
     if (short_rows)
@@ -394,7 +377,7 @@ void launch_fused(const SkinnyFused& f, dim3 grid, dim3 block, size_t smem, cuda
                   const uint4* wv, int Ki, int Oi) {
   const SkinnyRope rope = f.rope ? *f.rope : SkinnyRope{};
   auto go = [&](auto kernel) {
-    launch_dependent(kernel, grid, block, smem, s, f.out, f.residual, in, f.x, f.norm_w, f.eps, wv, Ki, Oi, rope);
+    launch_dependent(kDependProduct, kernel, grid, block, smem, s, f.out, f.residual, in, f.x, f.norm_w, f.eps, wv, Ki, Oi, rope);
   };
   with_rows(f.rows, [&](auto rows) { go(skinny_fused_kernel<kIn, kAdd, decltype(rows)::value, kRope>); });
 }

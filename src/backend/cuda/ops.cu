@@ -1,6 +1,7 @@
 #include <cublasLt.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cfloat>
 #include <cstdlib>
 #include <map>
@@ -226,10 +227,9 @@ bool skinny_enabled() {
   return on;
 }
 
-bool dependent_launch_enabled() {
+namespace {
+bool dependent_launch_supported() {
   static const bool on = [] {
-    const char* e = std::getenv("TALON_CUDA_PDL");
-    if (e && e[0] == '0') return false;
     int dev = 0, major = 0;
     if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess)
       return false;
@@ -237,6 +237,17 @@ bool dependent_launch_enabled() {
   }();
   return on;
 }
+std::atomic<unsigned> g_dependent_launch{[] {
+  const char* e = std::getenv("TALON_CUDA_PDL");
+  return e && *e ? unsigned(std::strtoul(e, nullptr, 0)) & kDependAll : kDependDefault;
+}()};
+}  // namespace
+
+bool dependent_launch_enabled(unsigned kind) {
+  return (g_dependent_launch.load(std::memory_order_relaxed) & kind) != 0 && dependent_launch_supported();
+}
+
+void set_dependent_launches(unsigned mask) { g_dependent_launch.store(mask & kDependAll, std::memory_order_relaxed); }
 
 bool skinny_fusion_enabled() {
   static const bool on = [] {

@@ -162,10 +162,26 @@ bool skinny_fusion_enabled();
 // 1.138 and 8 took 1.729).
 inline constexpr int64_t kSkinnyFoldRows = 4;
 int64_t skinny_fusion_rows();
-// Whether the skinny products launch as programmatic dependents of the kernel before them
-// (Hopper's griddepcontrol: their weights stream while that kernel finishes): on GPUs of
-// compute capability 9.0 and up, unless TALON_CUDA_PDL=0.
-bool dependent_launch_enabled();
+// Whether the decode path's kernels launch as programmatic dependents of the kernel before them
+// (launch.cuh; Hopper's griddepcontrol: a product's weights stream while that kernel finishes,
+// a small kernel is resident when it ends), by kind: on GPUs of compute capability 9.0 and up,
+// for the kinds in TALON_CUDA_PDL (a mask of the kDepend* bits below; 0: none), default
+// kDependDefault. set_dependent_launches sets the mask for the launches that follow (tests and
+// benchmarks; graphs captured before keep what they were captured with).
+inline constexpr unsigned kDependProduct = 1;     // skinny products
+inline constexpr unsigned kDependNorm = 2;        // RMSNorm, SwiGLU
+inline constexpr unsigned kDependRope = 4;        // RoPE + cache write, cache write
+inline constexpr unsigned kDependAttention = 8;   // decode and verify attention
+inline constexpr unsigned kDependCombine = 16;    // the key splits' combine
+inline constexpr unsigned kDependPick = 32;       // argmax, top-k, sampling
+inline constexpr unsigned kDependAll = 63;
+// Everything but the attention and its combine. Measured on an H100 (bench/RESULTS.md,
+// 2026-12-06 fourth session; greedy ms, products only -> this -> all 63): the 8B step at context
+// 2048 6.05-6.08 -> 5.98-6.03 -> 5.97; SmolLM2 one token about even, but its 4-token verify
+// 0.90 -> 0.89 -> 1.02 with the attention dependent.
+inline constexpr unsigned kDependDefault = kDependAll & ~(kDependAttention | kDependCombine);
+bool dependent_launch_enabled(unsigned kind = kDependProduct);
+void set_dependent_launches(unsigned mask);
 
 // out[N, O] (bf16) = in[N, K] (bf16) @ w[O, K]^T, fp32 accumulation, through cuBLASLt; up to
 // kSkinnyAutoRows rows through skinny_gemm instead (TALON_CUDA_GEMV=0 in the environment:

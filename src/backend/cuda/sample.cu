@@ -25,6 +25,8 @@
 
 #include "backend/cuda/check.h"
 #include "backend/cuda/decode_ops.h"
+#include "backend/cuda/launch.cuh"
+#include "backend/cuda/warp.cuh"
 #include "backend/cuda/kernels/bf16_keys.cuh"
 
 namespace talon::cuda {
@@ -105,6 +107,8 @@ struct Located {
 
 __global__ void __launch_bounds__(kSampleThreads)
     sample_kernel(int32_t* ids, const bf16* logits, int V, const DeviceSampling* prm, const double* uniforms) {
+  allow_dependents();
+  grid_dependency_wait();  // launched dependent (launch.cuh)
   __shared__ double shd[kSampleWarps];
   __shared__ int shi[kSampleWarps];
   __shared__ float shf[kSampleWarps];
@@ -422,8 +426,7 @@ void sample_rows(int32_t* ids, const bf16* logits, int64_t rows, int64_t V, cons
                  const double* uniforms, cudaStream_t s) {
   if (rows == 0) return;
   if (V <= 0 || V > INT_MAX / 2) fail_msg("sample_rows: vocabulary " + std::to_string(V) + " out of range");
-  sample_kernel<<<unsigned(rows), kSampleThreads, 0, s>>>(ids, logits, int(V), params, uniforms);
-  CUDA_LAUNCH_CHECK();
+  launch_dependent(kDependPick, sample_kernel, dim3(unsigned(rows)), dim3(kSampleThreads), 0, s, ids, logits, int(V), params, uniforms);
 }
 
 }  // namespace talon::cuda

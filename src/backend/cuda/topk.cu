@@ -5,6 +5,8 @@
 
 #include "backend/cuda/check.h"
 #include "backend/cuda/decode_ops.h"
+#include "backend/cuda/launch.cuh"
+#include "backend/cuda/warp.cuh"
 
 namespace talon::cuda {
 
@@ -28,6 +30,8 @@ __device__ float block_reduce(float v, Op op, float* sh) {
 }
 
 __global__ void topk_kernel(int32_t* ids, float* lp, const float* logits, int V, int k) {
+  allow_dependents();
+  grid_dependency_wait();  // launched dependent (launch.cuh)
   __shared__ float shf[kTopkThreads / 32];
   __shared__ float shv[kTopkThreads / 32];
   __shared__ int shi[kTopkThreads / 32];
@@ -78,6 +82,8 @@ __global__ void topk_kernel(int32_t* ids, float* lp, const float* logits, int V,
 template <int kList>
 __global__ void __launch_bounds__(kTopkThreads) topk_list_kernel(int32_t* ids, float* lp, const float* logits, int V,
                                                                  int k) {
+  allow_dependents();
+  grid_dependency_wait();  // launched dependent (launch.cuh)
   constexpr int kBatch = 8, kWarps = kTopkThreads / 32;
   __shared__ float shf[kWarps];
   __shared__ float wv[kWarps][kList];
@@ -164,6 +170,8 @@ constexpr int kArgmaxThreads = 512;
 // One block per row: each thread scans 8-element chunks (16-byte loads when the row is
 // aligned), then a warp and a block reduction under the (value desc, index asc) order.
 __global__ void __launch_bounds__(kArgmaxThreads) argmax_kernel(int32_t* ids, const bf16* logits, int V) {
+  allow_dependents();
+  grid_dependency_wait();  // launched dependent (launch.cuh)
   __shared__ float shv[kArgmaxThreads / 32];
   __shared__ int shi[kArgmaxThreads / 32];
   const bf16* x = logits + size_t(blockIdx.x) * size_t(V);
@@ -203,23 +211,24 @@ __global__ void __launch_bounds__(kArgmaxThreads) argmax_kernel(int32_t* ids, co
 
 void argmax_rows(int32_t* ids, const bf16* logits, int64_t rows, int64_t V, cudaStream_t s) {
   if (rows == 0) return;
-  argmax_kernel<<<unsigned(rows), kArgmaxThreads, 0, s>>>(ids, logits, int(V));
-  CUDA_LAUNCH_CHECK();
+  launch_dependent(kDependPick, argmax_kernel, dim3(unsigned(rows)), dim3(kArgmaxThreads), 0, s, ids, logits, int(V));
 }
 
 void topk_logsoftmax(int32_t* ids, float* lp, const float* logits, int64_t rows, int64_t V, int k, cudaStream_t s) {
   if (rows == 0 || k <= 0) return;
   if (k > V) fail_msg("topk_logsoftmax: k " + std::to_string(k) + " > V " + std::to_string(V));
   // Up to 16 picks from the per-thread lists (two passes over the row); more: k + 2 passes.
+  auto go = [&](auto kernel) {
+    launch_dependent(kDependPick, kernel, dim3(unsigned(rows)), dim3(kTopkThreads), 0, s, ids, lp, logits, int(V), k);
+  };
   if (k <= 4)
-    topk_list_kernel<4><<<unsigned(rows), kTopkThreads, 0, s>>>(ids, lp, logits, int(V), k);
+    go(topk_list_kernel<4>);
   else if (k <= 8)
-    topk_list_kernel<8><<<unsigned(rows), kTopkThreads, 0, s>>>(ids, lp, logits, int(V), k);
+    go(topk_list_kernel<8>);
   else if (k <= 16)
-    topk_list_kernel<16><<<unsigned(rows), kTopkThreads, 0, s>>>(ids, lp, logits, int(V), k);
+    go(topk_list_kernel<16>);
   else
-    topk_kernel<<<unsigned(rows), kTopkThreads, 0, s>>>(ids, lp, logits, int(V), k);
-  CUDA_LAUNCH_CHECK();
+    go(topk_kernel);
 }
 
 }  // namespace talon::cuda

@@ -16,7 +16,7 @@ __device__ __forceinline__ float warp_max(float v) {
   return v;
 }
 
-// Programmatic dependent launch (Hopper): a kernel launched with launch_dependent (ops.h)
+// Programmatic dependent launch (Hopper): a kernel launched with launch_dependent (launch.cuh)
 // may start while the kernel before it on the stream is still running; it must call
 // grid_dependency_wait() before it reads anything that kernel wrote (the wait returns once
 // that kernel has finished and its writes are visible). allow_dependents() lets such a

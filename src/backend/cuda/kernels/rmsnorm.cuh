@@ -12,6 +12,7 @@
 
 #include "backend/cuda/kernels/convert.cuh"
 #include "backend/cuda/kernels/reduce.cuh"
+#include "backend/cuda/launch.cuh"
 
 namespace talon::cuda {
 
@@ -31,6 +32,7 @@ template <bool kWarpRow, class Y, class X, class A, class W>
 __global__ void rmsnorm_forward_kernel(Y* y, NormRows ry, X* x, NormRows rx, const A* add, const W* w, int64_t rows,
                                        int64_t C, float eps) {
   allow_dependents();  // the product after a norm prefetches its weights meanwhile (warp.cuh)
+  grid_dependency_wait();  // launched dependent (launch.cuh)
   __shared__ float sh[33];
   const int64_t r = kWarpRow ? (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32 : int64_t(blockIdx.x);
   const int lane = kWarpRow ? int(threadIdx.x % 32) : int(threadIdx.x), step = kWarpRow ? 32 : int(blockDim.x);
@@ -80,12 +82,13 @@ void rmsnorm_forward(Y* y, NormRows ry, X* x, NormRows rx, const A* add, const W
   if (rows <= 0) return;
   ry.C = rx.C = C;
   if (C <= 256)  // a warp per row: eight rows a block
-    rmsnorm_forward_kernel<true><<<unsigned((rows * 32 + 255) / 256), 256, 0, s>>>(y, ry, x, rx, add, w, rows, C, eps);
+    launch_dependent(kDependNorm, rmsnorm_forward_kernel<true, Y, X, A, W>, dim3(unsigned((rows * 32 + 255) / 256)), dim3(256), 0, s,
+                     y, ry, x, rx, add, w, rows, C, eps);
   else  // a block per row; decode-sized calls (up to 512 rows: two blocks an SM at most) get
         // 1024 threads, so that each thread has few dependent loads instead of C / 256 (256
         // rows of 4096: 15.6 us with 256 threads, on an H200)
-    rmsnorm_forward_kernel<false><<<unsigned(rows), rows <= 512 && C >= 2048 ? 1024 : 256, 0, s>>>(y, ry, x, rx, add, w,
-                                                                                                    rows, C, eps);
+    launch_dependent(kDependNorm, rmsnorm_forward_kernel<false, Y, X, A, W>, dim3(unsigned(rows)),
+                     dim3(rows <= 512 && C >= 2048 ? 1024 : 256), 0, s, y, ry, x, rx, add, w, rows, C, eps);
 }
 
 inline void rmsnorm_backward(float* dx, int64_t lddx, float* wrow, const float* dy, int64_t lddy, const float* x,

@@ -18,6 +18,7 @@
 
 #include "backend/cuda/check.h"
 #include "backend/cuda/kernels/convert.cuh"
+#include "backend/cuda/launch.cuh"
 #include "backend/cuda/warp.cuh"
 
 namespace talon::cuda {
@@ -34,6 +35,7 @@ __device__ __forceinline__ void swiglu_grad(float d, float g, float u, float* dg
 template <class A, class T>
 __global__ void swiglu_forward_kernel(A* act, const T* g, const T* u, int64_t ld, int64_t N, int64_t I) {
   allow_dependents();  // the down product prefetches its weights meanwhile (warp.cuh)
+  grid_dependency_wait();  // launched dependent (launch.cuh)
   const int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (idx >= N * I) return;
   const int64_t at = (idx / I) * ld + idx % I;
@@ -73,6 +75,7 @@ __device__ __forceinline__ uint4 pack8(const float (&f)[8]) {
 __global__ void swiglu_forward_x8_kernel(__nv_bfloat16* act, const __nv_bfloat16* g, const __nv_bfloat16* u,
                                          int64_t ld8, int64_t N, int64_t I8) {
   allow_dependents();
+  grid_dependency_wait();
   const int64_t v = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (v >= N * I8) return;
   const int64_t at = (v / I8) * ld8 + v % I8;
@@ -114,13 +117,12 @@ void launch_swiglu_forward(A* act, const T* g, const T* u, int64_t ld, int64_t N
   if (N <= 0 || I <= 0) return;
   if constexpr (std::is_same_v<A, __nv_bfloat16> && std::is_same_v<T, __nv_bfloat16>) {
     if (swiglu_vec8(act, g, u, ld, I)) {
-      swiglu_forward_x8_kernel<<<swiglu_blocks(N * I / 8), 256, 0, s>>>(act, g, u, ld / 8, N, I / 8);
-      CUDA_LAUNCH_CHECK();
+      launch_dependent(kDependNorm, swiglu_forward_x8_kernel, dim3(swiglu_blocks(N * I / 8)), dim3(256), 0, s, act, g, u, ld / 8, N,
+                       I / 8);
       return;
     }
   }
-  swiglu_forward_kernel<<<swiglu_blocks(N * I), 256, 0, s>>>(act, g, u, ld, N, I);
-  CUDA_LAUNCH_CHECK();
+  launch_dependent(kDependNorm, swiglu_forward_kernel<A, T>, dim3(swiglu_blocks(N * I)), dim3(256), 0, s, act, g, u, ld, N, I);
 }
 
 // dg, du [N, I] = the gradients of act = silu(g) * u given dact [N, I] (fp32), on stream s.

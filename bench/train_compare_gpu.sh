@@ -4,7 +4,7 @@
 # then the VARIANT run) and the PyTorch peer (bench/train_peer.py, which first checks itself
 # against the oracle), then a table of tokens/s, memory and ratios. Every log is kept under
 # $LOGS (default: a temporary folder).
-#   bash scripts/gpu_build.sh && [LOSS_SHARE=f] [VARIANT=staged|resident|cudnn|cudnn+rows|allrows|none] \
+#   bash scripts/gpu_build.sh && [LOSS_SHARE=f] [VARIANT=staged|resident|cudnn|flash|device|allrows|none] \
 #     bash bench/train_compare_gpu.sh [SHAPE] ["SEQS"] [SAMPLES] [PEER_COMPILE]
 # e.g. LOSS_SHARE=0.675 VARIANT=resident bash bench/train_compare_gpu.sh llama3-8b "2048 4096" 1 full
 set -uo pipefail
@@ -51,15 +51,17 @@ res_peer() { pick 's/.*(reserved \([0-9.]*\) GiB).*/\1/p' "$1"; }
 # attention's causal part through cuDNN's fused attention: --gpu-attention cudnn), device (the
 # whole target embedding on the device, as before per-batch rows were the default:
 # --gpu-device-embeddings), allrows (every row through every step: --gpu-all-rows; the default
-# leaves out of the steps after the first the rows no later loss reads), or none.
+# leaves out of the steps after the first the rows no later loss reads), flash (the fused kernels
+# for every batch: --gpu-attention flash; the default, auto, takes cuDNN for the batches whose
+# workspace fits the memory lent to it), or none.
 VARIANT=${VARIANT:-staged}
 case "$VARIANT" in
   staged | resident) vflag=("--$VARIANT") ;;
-  cudnn) vflag=(--gpu-attention cudnn) ;;
+  cudnn | flash) vflag=(--gpu-attention "$VARIANT") ;;
   device) vflag=(--gpu-device-embeddings) ;;
   allrows) vflag=(--gpu-all-rows) ;;
   none) vflag=() ;;
-  *) echo "VARIANT=$VARIANT: expected staged, resident, cudnn, device, allrows or none" >&2; exit 2 ;;
+  *) echo "VARIANT=$VARIANT: expected staged, resident, cudnn, flash, device, allrows or none" >&2; exit 2 ;;
 esac
 log=${LOGS:-$(mktemp -d)}
 mkdir -p "$log"

@@ -264,6 +264,8 @@ int main(int argc, char** argv) {
                       100.0 * double(gpu->row_steps()) / double(N * c.ttt_steps));
       }
     }
+    std::printf("batches through cuDNN's attention: %lld of %lld\n", (long long)gpu->cudnn_batches(),
+                (long long)steps);
     double prof_total = 0;
     for (auto& [name, ms] : gpu->profile()) prof_total += ms;
     for (auto& [name, ms] : gpu->profile())

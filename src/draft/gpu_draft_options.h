@@ -9,13 +9,18 @@ namespace talon::eagle3 {
 
 struct GpuDraftOptions {
   // TTT attention: auto (fused tensor-core kernels where they apply: bf16 math and a head size
-  // that is a multiple of 16 up to 128; else the score-buffer products), flash (the fused
-  // kernels, refused where they do not apply), cudnn (cuDNN's fused attention for the causal
-  // part: bf16 operands, head sizes that are multiples of 8 up to 256; faster at the 8B shape,
-  // but its deterministic backward's workspace grows with samples x S^2 of a batch, see
-  // docs/train.md), blocks (score-buffer products), loop (the fp32 one-warp kernels, a second
-  // independent implementation).
+  // that is a multiple of 16 up to 128, else the score-buffer products; and where cuDNN loads,
+  // cuDNN's fused attention for each batch whose workspace fits cudnn_auto_bytes), flash (the
+  // fused kernels, refused where they do not apply), cudnn (cuDNN's fused attention for the
+  // causal part of every batch: bf16 operands, head sizes that are multiples of 8 up to 256;
+  // faster at the 8B shape, but its deterministic backward's workspace grows with samples x S^2
+  // of a batch, see docs/train.md), blocks (score-buffer products), loop (the fp32 one-warp
+  // kernels, a second independent implementation).
   std::string attention = "auto";
+  // auto: the most workspace bytes a batch may need to go through cuDNN. -1: the memory the
+  // engine lends it (buffers idle while the attention runs, grown to one sample of max_rows
+  // where that adds at most 1 GiB), so auto allocates nothing for cuDNN per batch; 0: never.
+  int64_t cudnn_auto_bytes = -1;
   // bf16 math on fp32 operands, rounded inside cuBLAS, instead of bf16 copies in memory.
   bool fp32_operands = false;
   // Rows of draft (and full target) logits per chunk; 0: as many as the scratch memory holds.

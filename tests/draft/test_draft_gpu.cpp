@@ -15,6 +15,7 @@
 #include <random>
 #include <string>
 #include <thread>
+#include <tuple>
 
 #include "backend/cuda/cudnn_sdpa.h"
 #include "draft/cuda/draft_engine.h"
@@ -342,6 +343,64 @@ TEST_P(GpuDraft, CudnnAttentionMatchesReference) {
         EXPECT_LE(rel_max_diff(*ga[i].second, *gbl[i].second), tol::kGpuTttFusedVsBlocksRel) << ga[i].first;
       }
     }
+}
+
+// auto takes cuDNN's attention for a batch whose bucket's workspace fits the bytes it may use
+// (GpuDraftOptions::cudnn_auto_bytes; by default the idle memory lent to it) and the fused
+// kernels for the others. Two batches of different buckets (4 samples of up to 150 rows; 2
+// samples, one of 300): with the cap at 0, between the two buckets' workspaces and at the
+// larger one, each batch's losses and gradients are the bits of the route it should take
+// (`flash` or `cudnn` by name, same batches), and cudnn_batches() counts the cuDNN ones.
+TEST_P(GpuDraft, AutoAttentionTakesCudnnWhereItsWorkspaceFits) {
+  REQUIRE_GPU();
+  if (!talon::cuda::cudnn_sdpa_available()) GTEST_SKIP() << "cuDNN is not available";
+  constexpr int hd = 64;
+  constexpr int64_t R = 320;
+  Case cs(GetParam(), 83, {150, 64, 7, 90, 300, 20}, hd);
+  const std::vector<Sample> all = cs.batch();
+  const std::vector<Sample> b1(all.begin(), all.begin() + 4), b2(all.begin() + 4, all.end());
+  struct Out {
+    std::vector<std::vector<double>> loss;
+    std::vector<DraftGrads> g;
+    int64_t via_cudnn = -1;
+  };
+  const auto go = [&](const std::string& att, int64_t cap) {
+    ScopedOpt o([&](GpuDraftOptions& e) {
+      e.attention = att;
+      e.cudnn_auto_bytes = cap;
+    });
+    auto gpu = make_gpu(cs, {0}, GpuMath::BF16, R);
+    gpu->set_weights(cs.w);
+    Out r;
+    for (const auto* b : {&b1, &b2}) {
+      r.loss.emplace_back();
+      for (auto& x : gpu->run(*b, 0.25, true, true)) r.loss.back().push_back(x.loss);
+      r.g.emplace_back(cs.w);
+      gpu->get_grads(r.g.back());
+    }
+    r.via_cudnn = gpu->cudnn_batches();
+    return r;
+  };
+  Out cudnn = go("cudnn", -1), flash = go("flash", -1);
+  EXPECT_EQ(cudnn.via_cudnn, 2);
+  EXPECT_EQ(flash.via_cudnn, 0);
+  // The buckets' workspaces, from a CudnnSdpa of the engine's shape.
+  talon::cuda::CudnnSdpa sdpa(talon::cuda::SdpaShape{int(cs.c.n_heads), int(cs.c.n_kv_heads), hd,
+                                                     float(1.0 / std::sqrt(double(hd))), R},
+                              nullptr);
+  const int64_t w1 = sdpa.workspace_bytes(4, 150), w2 = sdpa.workspace_bytes(2, 300);
+  ASSERT_LT(w1, w2) << "the second bucket must need more workspace for this test";
+  for (auto [cap, take1, take2] : {std::tuple<int64_t, bool, bool>{0, false, false}, {w1, true, false}, {w2, true, true}}) {
+    SCOPED_TRACE(fmt::format("cap {} bytes (buckets {} and {})", cap, w1, w2));
+    Out a = go("auto", cap);
+    EXPECT_EQ(a.via_cudnn, int64_t(take1) + int64_t(take2));
+    for (int b = 0; b < 2; ++b) {
+      Out& want = (b == 0 ? take1 : take2) ? cudnn : flash;
+      EXPECT_EQ(a.loss[size_t(b)], want.loss[size_t(b)]) << "batch " << b;
+      auto ga = a.g[size_t(b)].named(), gw = want.g[size_t(b)].named();
+      for (size_t i = 0; i < ga.size(); ++i) EXPECT_EQ(*ga[i].second, *gw[i].second) << "batch " << b << ": " << ga[i].first;
+    }
+  }
 }
 
 // --gpu-batch-embeddings (the default with bf16 operands): the target's embedding stays on the

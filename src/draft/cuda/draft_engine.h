@@ -140,6 +140,10 @@ class DraftEngine {
   size_t device_bytes() const;
   // The choices the options resolved to (which attention, where the embedding lives), for logs.
   std::string setup() const;
+  // Batches whose causal attention went through cuDNN so far (every batch with `cudnn`; under
+  // auto those whose workspace fit), and a fallback to report ("" when none), cleared on reading.
+  int64_t cudnn_batches() const;
+  std::string take_note();
   // Rows run through the draft's layer so far, summed over steps and batches: N x K a batch
   // of N rows, less (N - N1) x (K - 1) where rows no later loss reads are cut.
   int64_t row_steps() const;

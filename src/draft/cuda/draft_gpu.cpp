@@ -345,6 +345,7 @@ class CudaDraftTrainer final : public DeviceTrainer {
   // The rest of run() once the batch (N rows) is prepared (in_vocab: the engine's answer).
   std::vector<TttResult> finish(const std::vector<Sample>& batch, int64_t N, double weight, bool backward,
                                 bool zero_grads, const std::vector<uint8_t>& in_vocab) {
+    if (const std::string note = eng_->take_note(); !note.empty()) tlog::warn("cuda:{}: draft trainer: {}", eng_->device(), note);
     if (peagle_) return finish_peagle(batch, N, weight, backward, zero_grads);
     const int64_t K = c_.ttt_steps;
     // Which rows count at each step, per-sample counts, and each row's weight in the
@@ -406,6 +407,7 @@ class CudaDraftTrainer final : public DeviceTrainer {
   int64_t max_rows() const override { return max_rows_; }
   size_t device_bytes() const override { return eng_->device_bytes(); }
   int64_t row_steps() const override { return eng_->row_steps(); }
+  int64_t cudnn_batches() const override { return eng_->cudnn_batches(); }
 
  private:
   cuda::DraftDims dims() const {
@@ -820,6 +822,11 @@ class DataParallelDraftTrainer final : public GpuDraftTrainer {
   int64_t row_steps() const override {
     int64_t n = 0;
     for (const auto& r : ranks_) n += r->row_steps();
+    return n;
+  }
+  int64_t cudnn_batches() const override {
+    int64_t n = 0;
+    for (const auto& r : ranks_) n += r->cudnn_batches();
     return n;
   }
 

@@ -7,6 +7,7 @@
 #include <cstring>
 #include <string>
 #include <type_traits>
+#include <utility>
 
 #include "backend/cuda/check.h"
 #include "backend/cuda/cudnn_sdpa.h"
@@ -771,6 +772,12 @@ struct DraftEngine::Impl {
   // instead; the diagonal keys as with the fused kernels. cudnn_grads: its bf16 dQ, dK0, dV0 in
   // the backward (in dact's memory when they fit, like dkv_part).
   bool cudnn_attention = false;
+  // auto: cuDNN for a batch whose bucket's workspace fits cudnn_cap bytes (the idle block lent
+  // to it, or GpuDraftOptions::cudnn_auto_bytes), the fused kernels for the others; prepare()
+  // sets cudnn_attention per batch. cudnn_batches counts the batches it took.
+  bool cudnn_auto = false;
+  int64_t cudnn_cap = 0, cudnn_batches = 0;
+  std::string note;  // a fallback to report once (take_note)
   std::unique_ptr<CudnnSdpa> cudnn;
   __nv_bfloat16* cudnn_grads = nullptr;
   int64_t* seq_start_d = nullptr;
@@ -1469,10 +1476,11 @@ DraftEngine::DraftEngine(int device, const DraftDims& dd, DraftMath math, const 
   if (att_s != "auto" && att_s != "loop" && att_s != "blocks" && att_s != "flash" && att_s != "cudnn")
     fail_msg("--gpu-attention: expected auto, flash, cudnn, blocks or loop, got '" + att_s + "'");
   I.loop_attention = att_s == "loop";
-  // cuDNN's attention is asked for by name only: its deterministic backward (cuDNN 9.19 on Hopper)
-  // takes a workspace of samples x heads x S^2 x 2 bytes for a batch's bucket (samples and the
-  // longest sample S, each rounded up to a power of two), 1.1 GiB for one sample of 4096 rows of
-  // the 8B draft and 17 GiB for the default 16384-token budget; auto stays with the fused kernels.
+  // cuDNN's deterministic backward (cuDNN 9.19 on Hopper) takes a workspace of samples x heads x
+  // S^2 x 2 bytes for a batch's bucket (samples and the longest sample S, each rounded up to a
+  // power of two): 1.1 GiB for one sample of 4096 rows of the 8B draft, 17 GiB for one sample of
+  // the default 16384-token budget. So auto takes it per batch, where that fits memory lent to it
+  // (below), and the fused kernels elsewhere; `cudnn` takes it for every batch.
   I.cudnn_attention = att_s == "cudnn";
   if (I.cudnn_attention) {
     if (!I.bf16_operands || dd.hd % 8 != 0)
@@ -1488,6 +1496,9 @@ DraftEngine::DraftEngine(int device, const DraftDims& dd, DraftMath math, const 
   if (att_s == "flash" && !I.flash_attention)
     fail_msg("--gpu-attention flash needs bf16 math on bf16 operands and a head size that is a multiple of 16 up "
              "to 128 (head size " + std::to_string(dd.hd) + ")");
+  if (att_s == "auto" && I.flash_attention && dd.hd % 8 == 0 && opt.cudnn_auto_bytes != 0 && cudnn_sdpa_available() &&
+      cudnn_sdpa_unsupported(SdpaShape{int(dd.nh), int(dd.nkv), int(dd.hd), 1.f, max_rows}).empty())
+    I.cudnn_auto = true;
   if (opt.batch_embeddings && opt.device_embeddings)
     fail_msg("--gpu-batch-embeddings and --gpu-device-embeddings: choose one");
   if (opt.batch_embeddings && (!I.bf16_operands || dd.peagle))
@@ -1664,7 +1675,7 @@ DraftEngine::DraftEngine(int device, const DraftDims& dd, DraftMath math, const 
   I.vals = I.alloc<float>(size_t(K * R * kvd));
   I.dK = I.alloc<float>(size_t(K * R * kvd));
   I.dV = I.alloc<float>(size_t(K * R * kvd));
-  if (I.cudnn_attention)
+  if (I.cudnn_attention || I.cudnn_auto)
     I.cudnn = std::make_unique<CudnnSdpa>(
         SdpaShape{int(dd.nh), int(dd.nkv), int(dd.hd), float(1.0 / std::sqrt(double(dd.hd))), R}, I.s);
   {
@@ -1701,6 +1712,7 @@ DraftEngine::DraftEngine(int device, const DraftDims& dd, DraftMath math, const 
     I.dup = at[4];
     I.dhm = at[5];
     if (I.cudnn) I.cudnn->set_workspace(block, size);
+    I.cudnn_cap = opt.cudnn_auto_bytes > 0 ? opt.cudnn_auto_bytes : size;
   }
   I.tmp = I.alloc<float>(size_t(R * H));
   I.act = I.alloc<float>(floats(R * Idim, I.bf16_operands));
@@ -1734,7 +1746,7 @@ DraftEngine::DraftEngine(int device, const DraftDims& dd, DraftMath math, const 
     const int64_t n = 2 * (dd.nh / dd.nkv) * R * I.kvd;
     I.dkv_part = n <= R * Idim ? I.dact : I.alloc<float>(size_t(n));
   }
-  if (I.cudnn_attention) {
+  if (I.cudnn) {  // in dact beside dkv_part: only one of the two routes runs in a batch
     const int64_t n = (R * qd + 2 * R * I.kvd + 1) / 2;  // floats for the bf16 dQ, dK0, dV0
     I.cudnn_grads = I.bf16_in(n <= R * Idim ? I.dact : I.alloc<float>(size_t(n)));
   }
@@ -1774,13 +1786,18 @@ bool is_device_memory(const void* p) { return memory_type(p) == cudaMemoryTypeDe
 size_t DraftEngine::device_bytes() const { return p_->bytes; }
 std::string DraftEngine::setup() const {
   const Impl& I = *p_;
-  const char* att = I.loop_attention    ? "fp32 warps"
-                    : I.cudnn_attention ? "cuDNN's fused attention"
-                    : I.flash_attention ? "fused kernels"
-                                        : "score-buffer products";
+  const std::string att = I.loop_attention    ? "fp32 warps"
+                          : I.cudnn_auto      ? "cuDNN's fused attention for batches whose workspace fits " +
+                                                    std::to_string((I.cudnn_cap + (1 << 20) - 1) >> 20) +
+                                                    " MiB, fused kernels for the others"
+                          : I.cudnn_attention ? "cuDNN's fused attention"
+                          : I.flash_attention ? "fused kernels"
+                                              : "score-buffer products";
   const char* emb = I.d.peagle ? "trained on the device" : I.batch_embed ? "on the host, batch rows uploaded" : "on the device";
-  return std::string("attention: ") + att + "; embedding " + emb;
+  return "attention: " + att + "; embedding " + emb;
 }
+int64_t DraftEngine::cudnn_batches() const { return p_->cudnn_batches; }
+std::string DraftEngine::take_note() { return std::exchange(p_->note, std::string()); }
 int64_t DraftEngine::row_steps() const { return p_->row_steps; }
 std::pair<float*, float*> DraftEngine::host_features() {
   Impl& I = *p_;
@@ -1914,14 +1931,30 @@ std::vector<uint8_t> DraftEngine::prepare(const DraftBatch& b) {
   }
   if (I.flash_attention || I.cudnn_attention) {  // read by the fused attention kernels; the copies end before prepare() returns
     I.h_seq_start.clear();
-    for (auto [r0, T] : I.seqs) I.h_seq_start.push_back(r0);
+    int64_t longest = 0;
+    for (auto [r0, T] : I.seqs) {
+      I.h_seq_start.push_back(r0);
+      longest = std::max(longest, T);
+    }
     I.h_seq_start.push_back(N);
+    if (I.cudnn_auto) {
+      // The bucket's plans are built on first sight (and kept); a bucket cuDNN cannot plan for
+      // hands this and every later batch to the fused kernels.
+      try {
+        I.cudnn_attention = I.cudnn->workspace_bytes(int64_t(I.seqs.size()), longest) <= I.cudnn_cap;
+      } catch (const std::exception& e) {
+        I.cudnn_auto = I.cudnn_attention = false;
+        I.note = std::string("cuDNN's attention could not plan a batch (") + e.what() +
+                 "); the fused kernels take every batch from here on";
+      }
+    }
+    if (I.cudnn_attention) ++I.cudnn_batches;
     I.h_tiles = ttt_flash_tiles(I.seqs);
     I.n_tiles = int64_t(I.h_tiles.size() / 2);
     CUDA_CHECK(cudaMemcpyAsync(I.seq_start_d, I.h_seq_start.data(), I.h_seq_start.size() * 8,
                                cudaMemcpyHostToDevice, I.s));
     CUDA_CHECK(cudaMemcpyAsync(I.tiles_d, I.h_tiles.data(), I.h_tiles.size() * 4, cudaMemcpyHostToDevice, I.s));
-    if (I.cudnn) I.cudnn->set_batch(I.h_seq_start, I.seq_start_d);
+    if (I.cudnn_attention) I.cudnn->set_batch(I.h_seq_start, I.seq_start_d);
   }
   auto cp = [&](void* dst, const void* src, size_t n) {
     CUDA_CHECK(cudaMemcpyAsync(dst, src, n, cudaMemcpyHostToDevice, I.s));

@@ -201,8 +201,9 @@ int main(int argc, char** argv) {
   {
     const char* g = "GPU engine (how, not what, it computes)";
     cmd_tr->add_option("--gpu-attention", tr.gpu_engine.attention,
-                       "TTT attention: auto (flash where it applies, else blocks), flash (fused kernels), cudnn "
-                       "(cuDNN's fused attention), blocks (score-buffer products), loop (fp32 warps)")
+                       "TTT attention: auto (flash where it applies, else blocks; cuDNN's for each batch whose "
+                       "workspace fits memory lent to it), flash (fused kernels), cudnn (cuDNN's fused attention), "
+                       "blocks (score-buffer products), loop (fp32 warps)")
         ->capture_default_str()->group(g);
     cmd_tr->add_flag("--gpu-batch-embeddings", tr.gpu_engine.batch_embeddings,
                      "Keep the target's embedding in pinned host memory and upload each batch's rows, or fail (the "

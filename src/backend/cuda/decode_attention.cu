@@ -645,7 +645,8 @@ DecodeSplits decode_splits(int64_t max_keys, int64_t N, int64_t nkv, int multipr
 void kv_cache_write(bf16* kc, bf16* vc, const bf16* qkv, int64_t ld, const DecodeRow* rows, int64_t N, int64_t nh,
                     int64_t nkv, int64_t hd, CacheMap cache, cudaStream_t s) {
   if (N == 0) return;
-  launch_dependent(kDependRope, kv_write_kernel, dim3(unsigned(N)), dim3(128), 0, s, kc, vc, qkv, ld, rows, nh, nkv, hd, cache);
+  launch_dependent(kDependRope, kv_write_kernel, dim3(unsigned(N)), dim3(128), 0, s, kc, vc, qkv, ld, rows, nh, nkv, hd,
+                   cache);
 }
 
 void rope_kv_cache_write(bf16* kc, bf16* vc, bf16* qkv, int64_t ld, const int32_t* pos, const float* inv_freq,
@@ -656,8 +657,8 @@ void rope_kv_cache_write(bf16* kc, bf16* vc, bf16* qkv, int64_t ld, const int32_
   // shape, a block per (row, head) spent 12 us a layer on 10,240 blocks of 64 threads.
   const int64_t tx = std::min<int64_t>(128, std::max<int64_t>(32, hd / 2)), ty = std::max<int64_t>(1, 256 / tx);
   const dim3 grid(unsigned(N), unsigned((nh + nkv + ty - 1) / ty));
-  launch_dependent(kDependRope, rope_kv_write_kernel, grid, dim3(unsigned(tx), unsigned(ty)), 0, s, kc, vc, qkv, ld, pos, inv_freq,
-                   rows, int(nh), int(nkv), int(hd), cache);
+  launch_dependent(kDependRope, rope_kv_write_kernel, grid, dim3(unsigned(tx), unsigned(ty)), 0, s, kc, vc, qkv, ld,
+                   pos, inv_freq, rows, int(nh), int(nkv), int(hd), cache);
 }
 
 bool verify_attention_supported(int64_t hd) { return hd == 64 || hd == 128; }
@@ -742,9 +743,10 @@ void decode_attention(bf16* out, float* part, const bf16* qkv, int64_t ld, const
   const size_t smem = size_t((G * hd + G * kDecodeTile + 3 * G + 3) / 4 * 4) * 4 + size_t(2 * kDecodeTile * hdp) * 2;
   const dim3 grid(unsigned(n_rows_blocks), unsigned(nkv * (group / G)), unsigned(n_splits));
   auto launch = [&](auto kernel) {
-    if (smem > 48 * 1024) CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-    launch_dependent(kDependAttention, kernel, grid, dim3(kThreads), smem, s, part, qkv, ld, kc, vc, rows, masks, int(nh), int(nkv),
-                     int(hd), cache, int(n_splits), int(split_len), int(G), out, counters, row_idx);
+    if (smem > 48 * 1024)
+      CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+    launch_dependent(kDependAttention, kernel, grid, dim3(kThreads), smem, s, part, qkv, ld, kc, vc, rows, masks,
+                     int(nh), int(nkv), int(hd), cache, int(n_splits), int(split_len), int(G), out, counters, row_idx);
   };
   // The in-kernel merge keeps [G, n_splits] weights where the K tile was.
   if (counters && size_t(G * n_splits) * 4 > size_t(kDecodeTile * hdp) * 2) counters = nullptr;
@@ -770,22 +772,22 @@ void decode_attention(bf16* out, float* part, const bf16* qkv, int64_t ld, const
         return true;
       }();
       (void)opted;
-      launch_dependent(kDependAttention, verify_attention_kernel<D, S>, tgrid, dim3(kThreads), smem, s, part, qkv, ld, kc, vc, rows,
-                       masks, work->tiles, int(nh), int(nkv), cache, int(n_splits), int(split_len), scale_log2,
-                       direct ? out : nullptr);
+      launch_dependent(kDependAttention, verify_attention_kernel<D, S>, tgrid, dim3(kThreads), smem, s, part, qkv, ld,
+                       kc, vc, rows, masks, work->tiles, int(nh), int(nkv), cache, int(n_splits), int(split_len),
+                       scale_log2, direct ? out : nullptr);
     };
     if (hd == 64) run(VerifyShape<64, kVerifyStages>{});
     else run(VerifyShape<128, kVerifyStages>{});
   }
   if (counters || direct) return;
-  launch_dependent(kDependCombine, decode_combine_kernel, dim3(unsigned(N * nh)), dim3(hd > 64 ? 128 : 64), size_t(n_splits) * 4, s, out,
-                   part, int(hd), int(n_splits));
+  launch_dependent(kDependCombine, decode_combine_kernel, dim3(unsigned(N * nh)), dim3(hd > 64 ? 128 : 64),
+                   size_t(n_splits) * 4, s, out, part, int(hd), int(n_splits));
 }
 
 void decode_combine(bf16* out, const float* part, int64_t rows_heads, int64_t hd, int64_t n_splits, cudaStream_t s) {
   if (rows_heads == 0) return;
-  launch_dependent(kDependCombine, decode_combine_kernel, dim3(unsigned(rows_heads)), dim3(hd > 64 ? 128 : 64), size_t(n_splits) * 4, s,
-                   out, part, int(hd), int(n_splits));
+  launch_dependent(kDependCombine, decode_combine_kernel, dim3(unsigned(rows_heads)), dim3(hd > 64 ? 128 : 64),
+                   size_t(n_splits) * 4, s, out, part, int(hd), int(n_splits));
 }
 
 void offset_ids(int32_t* out, const int32_t* in, const int64_t* offsets, int64_t n, cudaStream_t s) {

@@ -377,7 +377,8 @@ void launch_fused(const SkinnyFused& f, dim3 grid, dim3 block, size_t smem, cuda
                   const uint4* wv, int Ki, int Oi) {
   const SkinnyRope rope = f.rope ? *f.rope : SkinnyRope{};
   auto go = [&](auto kernel) {
-    launch_dependent(kDependProduct, kernel, grid, block, smem, s, f.out, f.residual, in, f.x, f.norm_w, f.eps, wv, Ki, Oi, rope);
+    launch_dependent(kDependProduct, kernel, grid, block, smem, s, f.out, f.residual, in, f.x, f.norm_w, f.eps, wv, Ki,
+                     Oi, rope);
   };
   with_rows(f.rows, [&](auto rows) { go(skinny_fused_kernel<kIn, kAdd, decltype(rows)::value, kRope>); });
 }

@@ -4,8 +4,7 @@
 // (or ended). So every kernel launched this way calls grid_dependency_wait() before it touches
 // anything another kernel writes or reads (only weights, which no kernel writes, may be read
 // before it), and calls allow_dependents() itself so that the kernel after it can start early
-// in turn. In a replayed graph this turns the ~1-2 us between two small kernels into the time
-// the second needs to see the first's writes.
+// in turn: a kernel that waits for the one before it is already resident when that one ends.
 #pragma once
 #include <cuda_runtime.h>
 

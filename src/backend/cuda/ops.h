@@ -177,10 +177,10 @@ inline constexpr unsigned kDependPick = 32;       // argmax, top-k, sampling
 inline constexpr unsigned kDependAll = 63;
 // Everything but the attention and its combine. Measured on an H100 (bench/RESULTS.md,
 // 2026-12-06 fourth session; greedy ms, products only -> this -> all 63): the 8B step at context
-// 2048 6.05-6.08 -> 5.98-6.03 -> 5.97; SmolLM2 one token about even, but its 4-token verify
-// 0.90 -> 0.89 -> 1.02 with the attention dependent.
+// 2048 5.99 -> 5.95-5.96 -> 5.90; SmolLM2 one token 0.663 -> 0.660 -> 0.678, its 4-token verify
+// 0.90 -> 0.90 -> 1.02 with the attention dependent.
 inline constexpr unsigned kDependDefault = kDependAll & ~(kDependAttention | kDependCombine);
-bool dependent_launch_enabled(unsigned kind = kDependProduct);
+bool dependent_launch_enabled(unsigned kind);
 void set_dependent_launches(unsigned mask);
 
 // out[N, O] (bf16) = in[N, K] (bf16) @ w[O, K]^T, fp32 accumulation, through cuBLASLt; up to

@@ -82,8 +82,8 @@ void rmsnorm_forward(Y* y, NormRows ry, X* x, NormRows rx, const A* add, const W
   if (rows <= 0) return;
   ry.C = rx.C = C;
   if (C <= 256)  // a warp per row: eight rows a block
-    launch_dependent(kDependNorm, rmsnorm_forward_kernel<true, Y, X, A, W>, dim3(unsigned((rows * 32 + 255) / 256)), dim3(256), 0, s,
-                     y, ry, x, rx, add, w, rows, C, eps);
+    launch_dependent(kDependNorm, rmsnorm_forward_kernel<true, Y, X, A, W>, dim3(unsigned((rows * 32 + 255) / 256)),
+                     dim3(256), 0, s, y, ry, x, rx, add, w, rows, C, eps);
   else  // a block per row; decode-sized calls (up to 512 rows: two blocks an SM at most) get
         // 1024 threads, so that each thread has few dependent loads instead of C / 256 (256
         // rows of 4096: 15.6 us with 256 threads, on an H200)

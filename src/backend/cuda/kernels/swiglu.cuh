@@ -117,12 +117,13 @@ void launch_swiglu_forward(A* act, const T* g, const T* u, int64_t ld, int64_t N
   if (N <= 0 || I <= 0) return;
   if constexpr (std::is_same_v<A, __nv_bfloat16> && std::is_same_v<T, __nv_bfloat16>) {
     if (swiglu_vec8(act, g, u, ld, I)) {
-      launch_dependent(kDependNorm, swiglu_forward_x8_kernel, dim3(swiglu_blocks(N * I / 8)), dim3(256), 0, s, act, g, u, ld / 8, N,
-                       I / 8);
+      launch_dependent(kDependNorm, swiglu_forward_x8_kernel, dim3(swiglu_blocks(N * I / 8)), dim3(256), 0, s, act, g,
+                       u, ld / 8, N, I / 8);
       return;
     }
   }
-  launch_dependent(kDependNorm, swiglu_forward_kernel<A, T>, dim3(swiglu_blocks(N * I)), dim3(256), 0, s, act, g, u, ld, N, I);
+  launch_dependent(kDependNorm, swiglu_forward_kernel<A, T>, dim3(swiglu_blocks(N * I)), dim3(256), 0, s, act, g, u, ld,
+                   N, I);
 }
 
 // dg, du [N, I] = the gradients of act = silu(g) * u given dact [N, I] (fp32), on stream s.

@@ -1675,9 +1675,18 @@ DraftEngine::DraftEngine(int device, const DraftDims& dd, DraftMath math, const 
   I.vals = I.alloc<float>(size_t(K * R * kvd));
   I.dK = I.alloc<float>(size_t(K * R * kvd));
   I.dV = I.alloc<float>(size_t(K * R * kvd));
-  if (I.cudnn_attention || I.cudnn_auto)
-    I.cudnn = std::make_unique<CudnnSdpa>(
-        SdpaShape{int(dd.nh), int(dd.nkv), int(dd.hd), float(1.0 / std::sqrt(double(dd.hd))), R}, I.s);
+  if (I.cudnn_attention || I.cudnn_auto) {
+    // Under auto, cuDNN failing to start leaves the run to the fused kernels, with a note; asked
+    // for by name, it is an error.
+    try {
+      I.cudnn = std::make_unique<CudnnSdpa>(
+          SdpaShape{int(dd.nh), int(dd.nkv), int(dd.hd), float(1.0 / std::sqrt(double(dd.hd))), R}, I.s);
+    } catch (const std::exception& e) {
+      if (!I.cudnn_auto) throw;
+      I.cudnn_auto = false;
+      I.note = std::string("cuDNN's attention could not start (") + e.what() + "); the fused kernels take every batch";
+    }
+  }
   {
     // Buffers idle whenever the attention runs, forward or backward, side by side in one block:
     // E (the step's embeddings: read by the input norm before the attention, remade after it),
@@ -1696,7 +1705,14 @@ DraftEngine::DraftEngine(int device, const DraftDims& dd, DraftMath math, const 
     int64_t total = 0;
     for (int64_t b : parts) total += b;
     constexpr int64_t kMaxLentGrowth = int64_t(1) << 30;
-    const int64_t ws = I.cudnn ? I.cudnn->workspace_bytes(1, R) : 0;
+    int64_t ws = 0;
+    if (I.cudnn) {
+      try {
+        ws = I.cudnn->workspace_bytes(1, R);
+      } catch (const std::exception&) {
+        if (!I.cudnn_auto) throw;  // under auto: no growth; each batch's bucket is asked in prepare()
+      }
+    }
     const int64_t size = ws > total && ws - total <= kMaxLentGrowth ? ws : total;
     auto* block = I.alloc<unsigned char>(size_t(size));
     float* at[6];

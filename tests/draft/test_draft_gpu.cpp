@@ -250,7 +250,7 @@ TEST_P(GpuDraft, Bf16RoundedInsideCublasStaysClose) {
 }
 
 // Causal key blocks (--gpu-attn-block) of the score-buffer products
-// (--gpu-attention blocks; with bf16 math the fused kernels are the default): with
+// (--gpu-attention blocks; with bf16 math auto takes the fused kernels or cuDNN): with
 // blocks of 4 and 7 rows the packed samples (13, 7, 22 and 2 rows) have several blocks,
 // partial last blocks and a sample shorter than one block; 0 turns the skipping off. The
 // products only skip score tiles that the mask zeroes, so fp32 stays within the reference's

@@ -390,7 +390,8 @@ TEST_P(GpuDraft, AutoAttentionTakesCudnnWhereItsWorkspaceFits) {
                               nullptr);
   const int64_t w1 = sdpa.workspace_bytes(4, 150), w2 = sdpa.workspace_bytes(2, 300);
   ASSERT_LT(w1, w2) << "the second bucket must need more workspace for this test";
-  for (auto [cap, take1, take2] : {std::tuple<int64_t, bool, bool>{0, false, false}, {w1, true, false}, {w2, true, true}}) {
+  for (auto [cap, take1, take2] :
+       {std::tuple<int64_t, bool, bool>{0, false, false}, {w1, true, false}, {w2, true, true}}) {
     SCOPED_TRACE(fmt::format("cap {} bytes (buckets {} and {})", cap, w1, w2));
     Out a = go("auto", cap);
     EXPECT_EQ(a.via_cudnn, int64_t(take1) + int64_t(take2));
@@ -398,7 +399,8 @@ TEST_P(GpuDraft, AutoAttentionTakesCudnnWhereItsWorkspaceFits) {
       Out& want = (b == 0 ? take1 : take2) ? cudnn : flash;
       EXPECT_EQ(a.loss[size_t(b)], want.loss[size_t(b)]) << "batch " << b;
       auto ga = a.g[size_t(b)].named(), gw = want.g[size_t(b)].named();
-      for (size_t i = 0; i < ga.size(); ++i) EXPECT_EQ(*ga[i].second, *gw[i].second) << "batch " << b << ": " << ga[i].first;
+      for (size_t i = 0; i < ga.size(); ++i)
+        EXPECT_EQ(*ga[i].second, *gw[i].second) << "batch " << b << ": " << ga[i].first;
     }
   }
 }

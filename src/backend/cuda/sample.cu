@@ -426,7 +426,8 @@ void sample_rows(int32_t* ids, const bf16* logits, int64_t rows, int64_t V, cons
                  const double* uniforms, cudaStream_t s) {
   if (rows == 0) return;
   if (V <= 0 || V > INT_MAX / 2) fail_msg("sample_rows: vocabulary " + std::to_string(V) + " out of range");
-  launch_dependent(kDependPick, sample_kernel, dim3(unsigned(rows)), dim3(kSampleThreads), 0, s, ids, logits, int(V), params, uniforms);
+  launch_dependent(kDependPick, sample_kernel, dim3(unsigned(rows)), dim3(kSampleThreads), 0, s, ids, logits, int(V),
+                   params, uniforms);
 }
 
 }  // namespace talon::cuda

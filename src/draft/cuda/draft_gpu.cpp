@@ -345,7 +345,8 @@ class CudaDraftTrainer final : public DeviceTrainer {
   // The rest of run() once the batch (N rows) is prepared (in_vocab: the engine's answer).
   std::vector<TttResult> finish(const std::vector<Sample>& batch, int64_t N, double weight, bool backward,
                                 bool zero_grads, const std::vector<uint8_t>& in_vocab) {
-    if (const std::string note = eng_->take_note(); !note.empty()) tlog::warn("cuda:{}: draft trainer: {}", eng_->device(), note);
+    if (const std::string note = eng_->take_note(); !note.empty())
+      tlog::warn("cuda:{}: draft trainer: {}", eng_->device(), note);
     if (peagle_) return finish_peagle(batch, N, weight, backward, zero_grads);
     const int64_t K = c_.ttt_steps;
     // Which rows count at each step, per-sample counts, and each row's weight in the

@@ -1496,9 +1496,10 @@ DraftEngine::DraftEngine(int device, const DraftDims& dd, DraftMath math, const 
   if (att_s == "flash" && !I.flash_attention)
     fail_msg("--gpu-attention flash needs bf16 math on bf16 operands and a head size that is a multiple of 16 up "
              "to 128 (head size " + std::to_string(dd.hd) + ")");
-  if (att_s == "auto" && I.flash_attention && dd.hd % 8 == 0 && opt.cudnn_auto_bytes != 0 && cudnn_sdpa_available() &&
-      cudnn_sdpa_unsupported(SdpaShape{int(dd.nh), int(dd.nkv), int(dd.hd), 1.f, max_rows}).empty())
-    I.cudnn_auto = true;
+  // cuDNN's shape for the causal part (cudnn_sdpa_unsupported also says whether cuDNN loads).
+  const SdpaShape sdpa_shape{int(dd.nh), int(dd.nkv), int(dd.hd), float(1.0 / std::sqrt(double(dd.hd))), max_rows};
+  I.cudnn_auto = att_s == "auto" && I.flash_attention && opt.cudnn_auto_bytes != 0 &&
+                 cudnn_sdpa_unsupported(sdpa_shape).empty();
   if (opt.batch_embeddings && opt.device_embeddings)
     fail_msg("--gpu-batch-embeddings and --gpu-device-embeddings: choose one");
   if (opt.batch_embeddings && (!I.bf16_operands || dd.peagle))
@@ -1679,8 +1680,7 @@ DraftEngine::DraftEngine(int device, const DraftDims& dd, DraftMath math, const 
     // Under auto, cuDNN failing to start leaves the run to the fused kernels, with a note; asked
     // for by name, it is an error.
     try {
-      I.cudnn = std::make_unique<CudnnSdpa>(
-          SdpaShape{int(dd.nh), int(dd.nkv), int(dd.hd), float(1.0 / std::sqrt(double(dd.hd))), R}, I.s);
+      I.cudnn = std::make_unique<CudnnSdpa>(sdpa_shape, I.s);
     } catch (const std::exception& e) {
       if (!I.cudnn_auto) throw;
       I.cudnn_auto = false;

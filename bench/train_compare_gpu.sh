@@ -4,7 +4,7 @@
 # then the VARIANT run) and the PyTorch peer (bench/train_peer.py, which first checks itself
 # against the oracle), then a table of tokens/s, memory and ratios. Every log is kept under
 # $LOGS (default: a temporary folder).
-#   bash scripts/gpu_build.sh && [LOSS_SHARE=f] [VARIANT=staged|resident|cudnn|flash|device|allrows|none] \
+#   bash scripts/gpu_build.sh && [LOSS_SHARE=f] [VARIANT=staged|resident|cudnn|flash|device|allrows|base|none] \
 #     bash bench/train_compare_gpu.sh [SHAPE] ["SEQS"] [SAMPLES] [PEER_COMPILE]
 # e.g. LOSS_SHARE=0.675 VARIANT=resident bash bench/train_compare_gpu.sh llama3-8b "2048 4096" 1 full
 set -uo pipefail
@@ -20,8 +20,10 @@ LOSS_SHARE=${LOSS_SHARE:-1}
 [ -f build/env.sh ] && source build/env.sh
 echo "== $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -1); commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
 
-echo "== GPU parity tests of the trainer"
-build/tests/talon_tests --gtest_filter='*GpuDraft*:*CudnnSdpa*' 2>&1 | grep -E "^\[  (PASSED|FAILED) |^\[  FAILED|tests? ran" | sort -u
+if [ "${TESTS:-1}" != 0 ]; then  # TESTS=0: the caller ran them
+  echo "== GPU parity tests of the trainer"
+  build/tests/talon_tests --gtest_filter='*GpuDraft*:*CudnnSdpa*' 2>&1 | grep -E "^\[  (PASSED|FAILED) |^\[  FAILED|tests? ran" | sort -u
+fi
 
 echo "== bf16 GEMM ceiling (8192^3, median of 10)"
 CEIL=$(python3 - <<'PY'
@@ -53,15 +55,21 @@ res_peer() { pick 's/.*(reserved \([0-9.]*\) GiB).*/\1/p' "$1"; }
 # --gpu-device-embeddings), allrows (every row through every step: --gpu-all-rows; the default
 # leaves out of the steps after the first the rows no later loss reads), flash (the fused kernels
 # for every batch: --gpu-attention flash; the default, auto, takes cuDNN for the batches whose
-# workspace fits the memory lent to it), or none.
+# workspace fits the memory lent to it), base (the same flags through another build's
+# talon_bench_train, named by BASE_BIN: a change against the code before it, in one call), or none.
 VARIANT=${VARIANT:-staged}
+vbin=build/talon_bench_train
 case "$VARIANT" in
   staged | resident) vflag=("--$VARIANT") ;;
   cudnn | flash) vflag=(--gpu-attention "$VARIANT") ;;
   device) vflag=(--gpu-device-embeddings) ;;
   allrows) vflag=(--gpu-all-rows) ;;
+  base)
+    vflag=()
+    vbin=${BASE_BIN:?VARIANT=base needs BASE_BIN, another build of talon_bench_train}
+    ;;
   none) vflag=() ;;
-  *) echo "VARIANT=$VARIANT: expected staged, resident, cudnn, flash, device, allrows or none" >&2; exit 2 ;;
+  *) echo "VARIANT=$VARIANT: expected staged, resident, cudnn, flash, device, allrows, base or none" >&2; exit 2 ;;
 esac
 log=${LOGS:-$(mktemp -d)}
 mkdir -p "$log"
@@ -72,7 +80,7 @@ for seq in $SEQS; do
   grep "^loss-masked" "$log/talon-$seq"
   tail -1 "$log/talon-$seq"
   if [ "$VARIANT" != none ]; then
-    build/talon_bench_train --shape "$SHAPE" --seq "$seq" --samples "$SAMPLES" --steps 7 --peak-tflops "$CEIL" \
+    "$vbin" --shape "$SHAPE" --seq "$seq" --samples "$SAMPLES" --steps 7 --peak-tflops "$CEIL" \
       --loss-share "$LOSS_SHARE" "${vflag[@]}" > "$log/$VARIANT-$seq" 2>&1
     tail -1 "$log/$VARIANT-$seq"
   fi

@@ -733,10 +733,11 @@ TEST(DraftLossRows, ListsExactlyTheRowsThatCount) {
 }
 
 // row_cut: the rows some step after the first counts, in order, the inverse map, and each step's
-// loss rows and slots in the kept rows' numbering; no cut when every row is kept.
+// loss rows and slots in the kept rows' numbering; no cut when every row is kept. Step 0's rows
+// after its attention (its own loss rows and the kept ones) and the maps between the two.
 TEST(DraftLossRows, RowCutKeepsTheRowsLaterStepsCount) {
   std::mt19937 rng(12);
-  int cuts = 0;
+  int cuts = 0, cuts0 = 0;
   for (int trial = 0; trial < 60; ++trial) {
     const int64_t K = 1 + int64_t(rng() % 7);
     std::vector<int32_t> pos, len;
@@ -770,8 +771,32 @@ TEST(DraftLossRows, RowCutKeepsTheRowsLaterStepsCount) {
       for (size_t c = 0; c < want.size(); ++c)
         EXPECT_EQ(rc.clslot[size_t(k * N) + c], lr.slot[size_t(k * N + want[c])]) << "step " << k;
     }
+    // Step 0 after its attention: its own loss rows and the kept rows, in order.
+    std::vector<int32_t> want0;
+    for (int64_t n = 0; n < N; ++n)
+      if (lr.slot[size_t(n)] >= 0 || std::binary_search(want.begin(), want.end(), int32_t(n)))
+        want0.push_back(int32_t(n));
+    ASSERT_EQ(rc.crow0, want0) << "trial " << trial;
+    EXPECT_EQ(rc.cut0, want0.size() < size_t(N));
+    if (!rc.cut0) continue;
+    ++cuts0;
+    for (int64_t n = 0; n < N; ++n) {
+      const auto it = std::find(want0.begin(), want0.end(), int32_t(n));
+      EXPECT_EQ(rc.cinv0[size_t(n)], it == want0.end() ? -1 : int32_t(it - want0.begin())) << "row " << n;
+    }
+    ASSERT_EQ(rc.clrow0.size(), size_t(lr.count[0]));
+    for (int64_t i = 0; i < lr.count[0]; ++i) EXPECT_EQ(want0[size_t(rc.clrow0[size_t(i)])], lr.rows[size_t(i)]);
+    ASSERT_EQ(rc.clslot0.size(), want0.size());
+    ASSERT_EQ(rc.cinv10.size(), want0.size());
+    for (size_t c = 0; c < want0.size(); ++c) {
+      EXPECT_EQ(rc.clslot0[c], lr.slot[size_t(want0[c])]);
+      EXPECT_EQ(rc.cinv10[c], rc.cinv[size_t(want0[c])]);
+    }
+    ASSERT_EQ(rc.c10.size(), want.size());
+    for (size_t c = 0; c < want.size(); ++c) EXPECT_EQ(want0[size_t(rc.c10[c])], want[c]);
   }
   EXPECT_GT(cuts, 10);
+  EXPECT_GT(cuts0, 5);
 }
 
 TEST(GpuDraftLogitRows, RefusesBadValue) {

@@ -15,9 +15,10 @@ void rmsnorm_forward(bf16* y, const float* x, const float* w, int64_t N, int64_t
   cuda::rmsnorm_forward<bf16, const float, void>(y, NormRows{C}, x, NormRows{C}, nullptr, w, N, C, eps, s);
   CUDA_LAUNCH_CHECK();
 }
-void rmsnorm_backward(float* dx, float* wrow, const float* dy, const float* x, const float* w, int64_t N, int64_t C,
-                      float eps, cudaStream_t s) {
-  cuda::rmsnorm_backward(dx, C, wrow, dy, C, x, C, w, N, C, eps, s);
+int64_t rmsnorm_backward_groups(int64_t N) { return cuda::rmsnorm_backward_groups(N); }
+void rmsnorm_backward(float* dx, const float* res, float* dw, double* wpart, const float* dy, const float* x,
+                      const float* w, int64_t N, int64_t C, float eps, cudaStream_t s) {
+  cuda::rmsnorm_backward(dx, C, res, dw, wpart, dy, C, x, C, w, N, C, eps, s);
   CUDA_LAUNCH_CHECK();
 }
 

@@ -17,9 +17,11 @@ using bf16 = __nv_bfloat16;
 // y[N, C] = x / rms(x) * w, fp32 (y may be bf16: the product's operand copy).
 void rmsnorm_forward(float* y, const float* x, const float* w, int64_t N, int64_t C, float eps, cudaStream_t s);
 void rmsnorm_forward(bf16* y, const float* x, const float* w, int64_t N, int64_t C, float eps, cudaStream_t s);
-// dx[N, C] += the input gradient (dx may be null), wrow[N, C] = the per-row weight gradient.
-void rmsnorm_backward(float* dx, float* wrow, const float* dy, const float* x, const float* w, int64_t N, int64_t C,
-                      float eps, cudaStream_t s);
+// dx[N, C] = res + the input gradient (res may be null or dx itself; dx may be null), dw[C] +=
+// the weight gradient; wpart: scratch of rmsnorm_backward_groups(N) x C doubles.
+int64_t rmsnorm_backward_groups(int64_t N);
+void rmsnorm_backward(float* dx, const float* res, float* dw, double* wpart, const float* dy, const float* x,
+                      const float* w, int64_t N, int64_t C, float eps, cudaStream_t s);
 
 // x[N, heads*hd] rotated by sign * (pos[n] + offset) * inv_freq[i] in fp64: in place when
 // out_b is null, else into out_b (bf16) with x unchanged.

@@ -353,7 +353,8 @@ struct DFlashEngine::Impl {
   float *datt = nullptr, *Dd = nullptr, *dq = nullptr, *dq_raw = nullptr, *dkb = nullptr, *dvb = nullptr,
         *dkb_raw = nullptr;
   float *dkc = nullptr, *dvc = nullptr, *dkc_raw = nullptr, *dxn = nullptr, *dC = nullptr, *dF = nullptr,
-        *wrow = nullptr, *tmp = nullptr;
+        *tmp = nullptr;
+  double* wpart = nullptr;  // the RMSNorm backward's weight parts
   bool have_forward = false;
 
   template <class X>
@@ -403,9 +404,7 @@ struct DFlashEngine::Impl {
   void rmsnorm_backward(float* dx, float* dw, const float* dy, const float* xx, const float* wt, int64_t n, int64_t Cc,
                         float eps) {
     if (n == 0) return;
-    kernel::rmsnorm_backward(dx, wrow, dy, xx, wt, n, Cc, eps, s);
-    colsum_kernel<<<nblocks(Cc, 32), dim3(32, 8), 0, s>>>(dw, wrow, n, Cc);
-    CUDA_LAUNCH_CHECK();
+    kernel::rmsnorm_backward(dx, dx, dw, wpart, dy, xx, wt, n, Cc, eps, s);
   }
   // Per-head norm then RoPE at pos: out[n, heads*hd] from in (in kept).
   void head_norm_rope(float* out, const float* in, const float* wt, const int32_t* pos, int64_t n, int64_t heads) {
@@ -554,7 +553,11 @@ DFlashEngine::DFlashEngine(int device, const DFlashDims& dd, DraftMath math, con
   I.dxn = I.alloc<float>(size_t(Rb * H));
   I.dC = I.alloc<float>(size_t(Rc * H));
   I.dF = I.alloc<float>(size_t(Rc * H));
-  I.wrow = I.alloc<float>(size_t(std::max(Rb, Rc) * std::max({H, qd, kvd})));
+  {  // rows of H values, or rows x heads of hd values (the per-head norms)
+    const int64_t rows = std::max(Rb, Rc), heads = std::max(qd, kvd) / dd.hd;
+    I.wpart = I.alloc<double>(size_t(std::max(kernel::rmsnorm_backward_groups(rows) * H,
+                                              kernel::rmsnorm_backward_groups(rows * heads) * dd.hd)));
+  }
   I.tmp = I.alloc<float>(size_t(Rb * H));
   CUDA_CHECK(cudaStreamSynchronize(I.s));
 }

@@ -89,9 +89,17 @@ LossRows loss_rows(int64_t K, int64_t N, const uint8_t* mask, const int32_t* pos
 // clrow[k*N + i] (i < lr.count[k], k >= 1): lr's rows of step k as kept rows; clslot[k*N + c]
 // (c < crow.size()): kept row c's slot in step k's list, or -1. cut: fewer rows than N kept
 // (else the vectors other than crow and cinv stay empty and every row runs every step).
+// Step 0 needs every row's keys and values, but after its attention (o_proj, norms, MLP and
+// its loss) only the rows step 0 counts and the kept rows: cut0 (with cut, when that is fewer
+// than N) cuts the others there. crow0[c]: the batch row of step-0 row c; cinv0[n]: n's
+// step-0 row or -1; clrow0[i] (i < lr.count[0]): step 0's loss rows as step-0 rows;
+// clslot0[c]: step-0 row c's slot in step 0's list or -1; c10[c] (c < crow.size()): kept row
+// c's step-0 row; cinv10[c] (c < crow0.size()): step-0 row c's kept row, or -1.
 struct RowCut {
   std::vector<int32_t> crow, cinv, clrow, clslot;
   bool cut = false;
+  std::vector<int32_t> crow0, cinv0, clrow0, clslot0, c10, cinv10;
+  bool cut0 = false;
 };
 RowCut row_cut(const LossRows& lr, int64_t K, int64_t N);
 // The rows whose target distribution a loss can read: loss-masked rows after the first of

@@ -571,32 +571,56 @@ __device__ __forceinline__ float load1(const __nv_bfloat16* p) { return __bfloat
 
 // One block per row of full target logits, of batch row rows[row0 + blockIdx.x]: the
 // full-vocab argmax decides in_vocab; the distribution over the kept ids is P
-// (renormalised; fp32, or bf16 with bf16 operands), its argmax tgt_arg.
+// (renormalised; fp32, or bf16 with bf16 operands), its argmax tgt_arg. One read of the row
+// (float4 loads when V allows) finds the full maximum and, over the kept ids (t2d), the
+// softmax state (maximum, sum of exp relative to it, first column holding it); a second,
+// over the kept ids only, writes P.
 template <class PT>
 __global__ void target_row_kernel(PT* P, int32_t* tgt_arg, uint8_t* in_vocab, float* ent, const float* full,
                                   const int64_t* kept, const uint8_t* t2d, int64_t V, int64_t Vd, const int32_t* rows,
                                   int64_t row0) {
-  __shared__ float shv[33];
+  __shared__ float shv[33], shz[33];
   __shared__ int64_t shi[33];
   const int64_t r = rows[row0 + blockIdx.x];  // the batch row of full's row blockIdx.x
   const float* f = full + blockIdx.x * V;
-  float v = -INFINITY;
-  int64_t i = INT64_MAX;
-  for (int64_t c = threadIdx.x; c < V; c += blockDim.x)
-    if (f[c] > v) v = f[c], i = c;
+  float v = -INFINITY, mv = -INFINITY, z = 0.f;
+  int64_t i = INT64_MAX, mc = INT64_MAX;
+  const auto visit = [&](float x, int64_t c, bool kept_id) {
+    if (x > v) v = x, i = c;
+    if (!kept_id) return;
+    if (x > mv) {
+      z = z * expf(mv - x) + 1.f;
+      mv = x;
+      mc = c;
+    } else {
+      z += expf(x - mv);
+    }
+  };
+  if ((V & 3) == 0) {
+    const float4* f4 = reinterpret_cast<const float4*>(f);
+    const uchar4* t4 = reinterpret_cast<const uchar4*>(t2d);
+    for (int64_t q = threadIdx.x; q < V / 4; q += blockDim.x) {
+      const float4 x = f4[q];
+      const uchar4 t = t4[q];
+      visit(x.x, 4 * q, t.x), visit(x.y, 4 * q + 1, t.y), visit(x.z, 4 * q + 2, t.z), visit(x.w, 4 * q + 3, t.w);
+    }
+  } else {
+    for (int64_t c = threadIdx.x; c < V; c += blockDim.x) visit(f[c], c, t2d[c]);
+  }
   block_argmax(v, i, shv, shi);
   if (threadIdx.x == 0) in_vocab[r] = t2d[i];
-  float mv = -INFINITY;
-  int64_t mi = INT64_MAX;
-  for (int64_t d = threadIdx.x; d < Vd; d += blockDim.x)
-    if (f[kept[d]] > mv) mv = f[kept[d]], mi = d;
-  block_argmax(mv, mi, shv, shi);
-  float z = 0;
-  for (int64_t d = threadIdx.x; d < Vd; d += blockDim.x) z += expf(f[kept[d]] - mv);
-  z = block_sum(z, shv);
+  block_softmax_state(mv, z, mc, shv, shz, shi);
   PT* pr = P + r * Vd;
   for (int64_t d = threadIdx.x; d < Vd; d += blockDim.x) store_as(pr + d, expf(f[kept[d]] - mv) / z);
-  if (threadIdx.x == 0) tgt_arg[r] = int32_t(mi);
+  if (threadIdx.x == 0) {  // the kept index of column mc (kept ascends)
+    int64_t lo = 0, hi = Vd - 1;
+    while (lo < hi) {
+      const int64_t mid = (lo + hi) / 2;
+      if (kept[mid] < mc) lo = mid + 1;
+      else hi = mid;
+    }
+    tgt_arg[r] = int32_t(lo);
+  }
   if (!ent) return;
   // -sum p log p over P as stored (bf16 or fp32), the P the cross-entropy reads: cross-entropy
   // minus it is that P's KL. Each thread reads back what it stored.
@@ -757,7 +781,8 @@ struct DraftEngine::Impl {
   std::vector<__nv_bfloat16*> gab, upb;  // with bf16 operands, ga and up stored as bf16 instead
   float *keys, *vals, *dK, *dV;
   // Scratch.
-  float *E, *tmp, *act, *logits, *dfn, *dg2, *dact, *dga, *dup, *dhm, *dg1, *datt, *D, *dq, *dxin, *dg, *dgn, *wrow;
+  float *E, *tmp, *act, *logits, *dfn, *dg2, *dact, *dga, *dup, *dhm, *dg1, *datt, *D, *dq, *dxin, *dg, *dgn;
+  double* wpart;  // the RMSNorm backward's weight parts (rmsnorm_backward_groups(R) x H)
   // Attention: score buffers for one causal query block [nkv, blk, T] (grown to the longest
   // sample), the diagonal scores/probabilities and their gradients [R, nh, K].
   float *Sb = nullptr, *dPb = nullptr, *sd = nullptr, *dsd = nullptr;
@@ -878,15 +903,27 @@ struct DraftEngine::Impl {
   // their host copies, which the uploads read; rc.cut: rows are cut in this batch). gsc:
   // step 1's input, the compacted copy of step 0's output (in hidden's memory, idle in run()).
   // cbuf: the compacted attention output in the backward (in dact when it fits).
+  // Step 0 runs every row up to its attention (their keys and values are every later step's
+  // causal keys); after it, with rc.cut0 (EAGLE-3 only), only its N0 rows (RowCut::crow0:
+  // its own loss rows and the kept rows), compacted the same way (crow0_d, cinv0_d; clrow0_d,
+  // clslot0_d: step 0's loss rows and slots in that numbering). c10_d maps step 1's input
+  // rows into them, cinv10_d step 1's gradient back.
   bool row_cut = false;
   RowCut rc;
-  int64_t N1 = 0, Nr = 0;  // kept rows (N without a cut); rows of the step being run (N, or N1 after step 0)
+  int64_t N1 = 0, N0 = 0;  // kept rows (N without a cut); step 0's rows after its attention
+  int64_t Nr = 0;  // rows of the part of the step being run (N; N1 after step 0; N0 after step 0's attention)
   int32_t *crow_d = nullptr, *cinv_d = nullptr, *clrow_d = nullptr, *clslot_d = nullptr;
+  int32_t *crow0_d = nullptr, *cinv0_d = nullptr, *clrow0_d = nullptr, *clslot0_d = nullptr, *c10_d = nullptr,
+          *cinv10_d = nullptr;
   float *gsc = nullptr, *cbuf = nullptr;
   int64_t row_steps = 0;  // DraftEngine::row_steps
   bool cut_step(int k) const { return rc.cut && k > 0; }
-  // Nr for step k.
+  bool cut0(int k) const { return rc.cut0 && k == 0 && !d.peagle; }
+  // Step k's rows after its attention are compacted (the kept rows, or step 0's N0).
+  bool post_cut(int k) const { return cut_step(k) || cut0(k); }
+  // Nr for step k up to its attention, and after it.
   void rows_for(int k) { Nr = cut_step(k) ? N1 : N; }
+  void rows_after_attention(int k) { Nr = cut0(k) ? N0 : cut_step(k) ? N1 : N; }
   // out[i] = in[src[i]] (zeros where src[i] < 0) for n rows of C values of X.
   template <class X>
   void move_rows(X* out, const X* in, const int32_t* src, int64_t n, int64_t C) {
@@ -897,14 +934,19 @@ struct DraftEngine::Impl {
   // Batch rows to the N1 kept rows, and back (zeros in the rows left out).
   void compact(float* out, const float* in, int64_t C) { move_rows(out, in, crow_d, N1, C); }
   void expand(float* out, const float* in, int64_t C) { move_rows(out, in, cinv_d, N, C); }
-  // Step k's attention output as the products read it: att[k] itself, or its kept rows
-  // compacted into out (as stored: bf16 with qa_bf16).
+  // Step k's compacted rows after its attention: each one's batch row, and each batch row's
+  // compacted row or -1.
+  const int32_t* post_crow(int k) const { return cut0(k) ? crow0_d : crow_d; }
+  const int32_t* post_cinv(int k) const { return cut0(k) ? cinv0_d : cinv_d; }
+  // Step k's attention output as the products read it: att[k] itself, or its rows after the
+  // attention compacted into out (as stored: bf16 with qa_bf16).
   float* att_rows(int k, float* out) {
-    if (!cut_step(k)) return att[size_t(k)];
+    if (!post_cut(k)) return att[size_t(k)];
+    const int64_t n = cut0(k) ? N0 : N1;
     if (qa_bf16)
-      move_rows(bf16_in(out), bf16_in(att[size_t(k)]), crow_d, N1, qd);
+      move_rows(bf16_in(out), bf16_in(att[size_t(k)]), post_crow(k), n, qd);
     else
-      compact(out, att[size_t(k)], qd);
+      move_rows(out, att[size_t(k)], post_crow(k), n, qd);
     return out;
   }
   // P-EAGLE: the target distribution's entropy per batch row (ent, and its host copy from
@@ -1093,13 +1135,12 @@ struct DraftEngine::Impl {
     rmsnorm_forward<__nv_bfloat16, const float, void>(out, NormRows{ldo}, x, NormRows{ldx}, nullptr, wt, n, C, eps, s);
     CUDA_LAUNCH_CHECK();
   }
-  // dx += ..., and the weight gradient dw += ... (dx may be null).
-  void rmsnorm_backward(float* dx, int64_t lddx, float* dw, const float* dout, int64_t ldd, const float* x,
-                        int64_t ldx, const float* wt, int64_t C) {
+  // dx = res + the input gradient (res: null, dx itself, or rows laid out as dx), and the
+  // weight gradient dw += ... (dx may be null).
+  void rmsnorm_backward(float* dx, int64_t lddx, const float* res, float* dw, const float* dout, int64_t ldd,
+                        const float* x, int64_t ldx, const float* wt, int64_t C) {
     mark("backward: RMSNorm backward");
-    cuda::rmsnorm_backward(dx, lddx, wrow, dout, ldd, x, ldx, wt, Nr, C, d.eps, s);
-    CUDA_LAUNCH_CHECK();
-    colsum_kernel<<<nblocks(C, 32), dim3(32, 8), 0, s>>>(dw, wrow, Nr, C);
+    cuda::rmsnorm_backward(dx, lddx, res, dw, wpart, dout, ldd, x, ldx, wt, Nr, C, d.eps, s);
     CUDA_LAUNCH_CHECK();
     mark("backward: products and norms");
   }
@@ -1190,16 +1231,18 @@ struct DraftEngine::Impl {
   // tmp). The forward and the backward's recompute both come here: the same product on the
   // same operands, so the same bits.
   // a: the attention output as the products read it (att_rows).
+  // With step 0's rows cut after its attention, r's rows are picked from the batch's (crow0).
   void g1_into(int k, float* out, float* a) {
     const size_t ks = size_t(k);
     {
       const Twin ta = att_twin(a);
       linear(tmp, d.H, a, qd, w(WO), Nr, qd, d.H);
     }
+    const int32_t* rmap = cut0(k) ? crow0_d : nullptr;
     if (d.norm_before_residual)
-      add_kernel<<<nblocks(Nr * d.H, 256), 256, 0, s>>>(out, xin[ks] + d.H, 2 * d.H, tmp, Nr, d.H);
+      add_rows_kernel<<<nblocks(Nr * d.H, 256), 256, 0, s>>>(out, xin[ks] + d.H, 2 * d.H, rmap, tmp, Nr, d.H);
     else
-      add_kernel<<<nblocks(Nr * d.H, 256), 256, 0, s>>>(out, gin(k), d.H, tmp, Nr, d.H);
+      add_rows_kernel<<<nblocks(Nr * d.H, 256), 256, 0, s>>>(out, gin(k), d.H, rmap, tmp, Nr, d.H);
     CUDA_LAUNCH_CHECK();
   }
   // f(P) with the target distribution as it is stored: bf16 (Ph) or fp32 (P).
@@ -1223,7 +1266,7 @@ struct DraftEngine::Impl {
     const int64_t Vd = d.Vd, H = d.H, nk = lr.count[size_t(k)];
     // rows: the batch rows (the loss reads the target side by them); at, the rows of fn[k].
     const int32_t* rows = lrow_d + k * N;
-    const int32_t* at = cut_step(k) ? clrow_d + k * N : rows;
+    const int32_t* at = cut0(k) ? clrow0_d : cut_step(k) ? clrow_d + k * N : rows;
     const bool whole = grad && bf16_operands;
     mark(phase);
     if (nk > 0) {
@@ -1257,7 +1300,8 @@ struct DraftEngine::Impl {
       if (!d.peagle) gemm_raw(CUBLAS_OP_N, CUBLAS_OP_T, H, Vd, nk, operand(E, nk * H, 1), H, lgb, Vd, 1.f, g(LM), H);
       gemm_raw(CUBLAS_OP_N, CUBLAS_OP_N, H, nk, Vd, operand(w(LM), Vd * H, 0), H, lgb, Vd, 0.f, tmp, H);
     }
-    rows_scatter_kernel<<<unsigned(Nr), 256, 0, s>>>(dfn, tmp, (cut_step(k) ? clslot_d : lslot_d) + k * N, H);
+    const int32_t* slots = cut0(k) ? clslot0_d : (cut_step(k) ? clslot_d : lslot_d) + k * N;
+    rows_scatter_kernel<<<unsigned(Nr), 256, 0, s>>>(dfn, tmp, slots, H);
     CUDA_LAUNCH_CHECK();
   }
 
@@ -1737,7 +1781,7 @@ DraftEngine::DraftEngine(int device, const DraftDims& dd, DraftMath math, const 
   // dact is only live inside the MLP's backward. Its memory also holds, when they fit: the
   // draft logits (each step's loss, before the MLP's backward; in the forward too), the
   // fused attention's per-head partials (after it), then dxin (the attention input's
-  // gradient, after the attention's backward) and beside it wrow (the RMSNorm backward's
+  // gradient, after the attention's backward) and beside it wpart (the RMSNorm backward's
   // scratch, which runs with dxin as its input; the final norm's runs before the MLP).
   I.dact = I.alloc<float>(size_t(R * Idim));
   {
@@ -1753,7 +1797,11 @@ DraftEngine::DraftEngine(int device, const DraftDims& dd, DraftMath math, const 
   I.dxin = R * 2 * H <= R * Idim ? I.dact : I.alloc<float>(size_t(R * 2 * H));
   I.dg = I.alloc<float>(size_t(R * H));
   I.dgn = I.alloc<float>(size_t(R * H));
-  I.wrow = I.dxin == I.dact && R * 3 * H <= R * Idim ? I.dact + R * 2 * H : I.alloc<float>(size_t(R * H));
+  {
+    const int64_t parts = 2 * rmsnorm_backward_groups(R) * H;  // floats of fp64 weight parts
+    I.wpart = reinterpret_cast<double*>(I.dxin == I.dact && R * 2 * H + parts <= R * Idim ? I.dact + R * 2 * H
+                                                                                         : I.alloc<float>(size_t(parts)));
+  }
   I.sd = I.alloc<float>(size_t(R * dd.nh * K));
   I.dsd = I.alloc<float>(size_t(R * dd.nh * K));
   I.seq_start_d = I.alloc<int64_t>(size_t(R + 1));
@@ -1770,15 +1818,18 @@ DraftEngine::DraftEngine(int device, const DraftDims& dd, DraftMath math, const 
   if (I.row_cut && K > 1) {
     I.crow_d = I.alloc<int32_t>(size_t(R));
     I.cinv_d = I.alloc<int32_t>(size_t(R));
+    for (int32_t** m : {&I.crow0_d, &I.cinv0_d, &I.clrow0_d, &I.clslot0_d, &I.c10_d, &I.cinv10_d})
+      *m = I.alloc<int32_t>(size_t(R));
     I.clrow_d = I.alloc<int32_t>(size_t(K * R));
     I.clslot_d = I.alloc<int32_t>(size_t(K * R));
     I.gsc = I.hidden;  // only prepare() reads hidden
     // The compacted attention output of the backward (att_rows) is live from the recompute of
-    // g1 to o_proj's weight gradient, across the post-attention norm's backward (wrow) and
+    // g1 to o_proj's weight gradient, across the post-attention norm's backward (wpart) and
     // before dact's next users (the attention's partials, dxin).
     const int64_t need = I.qa_bf16 ? (R * qd + 1) / 2 : R * qd;
-    const bool wrow_in_dact = I.wrow >= I.dact && I.wrow < I.dact + R * Idim;
-    const int64_t room = wrow_in_dact ? I.wrow - I.dact : R * Idim;
+    const float* wp = reinterpret_cast<const float*>(I.wpart);
+    const bool wpart_in_dact = wp >= I.dact && wp < I.dact + R * Idim;
+    const int64_t room = wpart_in_dact ? wp - I.dact : R * Idim;
     I.cbuf = need <= room ? I.dact : I.alloc<float>(size_t(need));
   }
   I.profiling = opt.profile;
@@ -1922,6 +1973,23 @@ RowCut row_cut(const LossRows& lr, int64_t K, int64_t N) {
       rc.clrow[size_t(k * N + c)] = rc.cinv[size_t(lr.rows[size_t(k * N + c)])];
     for (int64_t c = 0; c < n1; ++c) rc.clslot[size_t(k * N + c)] = lr.slot[size_t(k * N + rc.crow[size_t(c)])];
   }
+  // Step 0 after its attention: its own loss rows and the kept rows.
+  rc.cinv0.assign(size_t(N), -1);
+  for (int64_t c = 0; c < lr.count[0]; ++c) rc.cinv0[size_t(lr.rows[size_t(c)])] = 0;
+  for (int32_t n : rc.crow) rc.cinv0[size_t(n)] = 0;
+  for (int64_t n = 0; n < N; ++n)
+    if (rc.cinv0[size_t(n)] == 0) {
+      rc.cinv0[size_t(n)] = int32_t(rc.crow0.size());
+      rc.crow0.push_back(int32_t(n));
+    }
+  rc.cut0 = int64_t(rc.crow0.size()) < N;
+  if (!rc.cut0) return rc;
+  for (int64_t c = 0; c < lr.count[0]; ++c) rc.clrow0.push_back(rc.cinv0[size_t(lr.rows[size_t(c)])]);
+  for (int32_t n : rc.crow0) {
+    rc.clslot0.push_back(lr.slot[size_t(n)]);
+    rc.cinv10.push_back(rc.cinv[size_t(n)]);
+  }
+  for (int32_t n : rc.crow) rc.c10.push_back(rc.cinv0[size_t(n)]);
   return rc;
 }
 
@@ -2099,6 +2167,15 @@ std::vector<uint8_t> DraftEngine::prepare(const DraftBatch& b) {
     cp(I.clrow_d, I.rc.clrow.data(), size_t(K * N) * 4);
     cp(I.clslot_d, I.rc.clslot.data(), size_t(K * N) * 4);
   }
+  I.N0 = I.rc.cut0 ? int64_t(I.rc.crow0.size()) : N;
+  if (I.rc.cut0) {
+    cp(I.crow0_d, I.rc.crow0.data(), size_t(I.N0) * 4);
+    cp(I.cinv0_d, I.rc.cinv0.data(), size_t(N) * 4);
+    if (!I.rc.clrow0.empty()) cp(I.clrow0_d, I.rc.clrow0.data(), I.rc.clrow0.size() * 4);
+    cp(I.clslot0_d, I.rc.clslot0.data(), size_t(I.N0) * 4);
+    cp(I.c10_d, I.rc.c10.data(), size_t(I.N1) * 4);
+    cp(I.cinv10_d, I.rc.cinv10.data(), size_t(I.N0) * 4);
+  }
   return iv;
 }
 
@@ -2129,9 +2206,8 @@ void DraftEngine::run(const std::vector<float>& row_scale, bool backward, bool z
   CUDA_CHECK(cudaMemsetAsync(I.hit, 0, size_t(K * N), s));
   CUDA_CHECK(cudaMemsetAsync(I.cnt, 0, size_t(K * N), s));
 
-  // Forward. g1 = r + o_proj(att) of the step being run lives in dg1 (idle until the
-  // backward, which recomputes each step's g1).
-  float* const g1 = I.dg1;
+  // Forward. g1 = r + o_proj(att) of step k is made in gs[k + 1], and the down product adds
+  // to it in place (beta 1): g2 = g1 + down(...). The backward recomputes each step's g1.
   CUDA_CHECK(cudaStreamWaitEvent(s, I.aux_ready, 0));
   I.mark("forward: products and norms");
   I.linear(I.gs[0], H, I.aux, 3 * H, I.w(FC), N, 3 * H, H);
@@ -2186,24 +2262,30 @@ void DraftEngine::run(const std::vector<float>& row_scale, bool backward, bool z
     }
     I.mark("forward: products and norms");
     // (With rows cut, the output's compacted rows go to datt, idle again after the attention.)
+    I.rows_after_attention(k);
+    const int64_t Np = I.Nr;  // rows from here on (N0 at step 0 when cut, N1 after it)
+    float* const g1 = I.gs[size_t(k) + 1];
     I.g1_into(k, g1, I.att_rows(k, I.datt));
     if (I.hm_bf16)
-      I.rmsnorm(I.bf16_in(I.hm[size_t(k)]), H, g1, H, I.w(POST_LN), H, d.eps, Nk);
+      I.rmsnorm(I.bf16_in(I.hm[size_t(k)]), H, g1, H, I.w(POST_LN), H, d.eps, Np);
     else
-      I.rmsnorm(I.hm[size_t(k)], H, g1, H, I.w(POST_LN), H, d.eps, Nk);
+      I.rmsnorm(I.hm[size_t(k)], H, g1, H, I.w(POST_LN), H, d.eps, Np);
     I.gate_up(k);
     {
-      const Impl::Twin ta(I, I.act, Nk * Id, I.bf16_in(I.act));
+      const Impl::Twin ta(I, I.act, Np * Id, I.bf16_in(I.act));
       I.swiglu(I.act, k);
-      I.linear(I.tmp, H, I.act, Id, I.w(DOWN), Nk, Id, H);
+      I.linear(g1, H, I.act, Id, I.w(DOWN), Np, Id, H, 1.f);  // g2, in place
     }
-    add_kernel<<<nblocks(Nk * H, 256), 256, 0, s>>>(I.gs[size_t(k) + 1], g1, H, I.tmp, Nk, H);
-    CUDA_LAUNCH_CHECK();
-    I.rmsnorm(I.fn[size_t(k)], H, I.gs[size_t(k) + 1], H, I.w(NORM), H, d.eps, Nk);
+    I.rmsnorm(I.fn[size_t(k)], H, I.gs[size_t(k) + 1], H, I.w(NORM), H, d.eps, Np);
     // With fused_lm the loss gradient goes through the lm_head right away, d fn over fn[k]
     // (the products read the rows that count from their gathered copy).
     I.lm_head_step(k, fused_lm, I.fn[size_t(k)], "forward: draft logits and loss", "forward: lm_head backward");
-    if (k == 0 && I.rc.cut && !d.peagle) I.compact(I.gsc, I.gs[1], H);  // step 1's input
+    if (k == 0 && I.rc.cut && !d.peagle) {  // step 1's input: the kept rows of step 0's output
+      if (I.cut0(0))
+        I.move_rows(I.gsc, I.gs[1], I.c10_d, I.N1, H);
+      else
+        I.compact(I.gsc, I.gs[1], H);
+    }
   }
   out.ce.resize(size_t(K * N));
   out.hit.resize(size_t(K * N));
@@ -2230,32 +2312,31 @@ void DraftEngine::run(const std::vector<float>& row_scale, bool backward, bool z
   for (int k = int(K) - 1; k >= 0; --k) {
     const size_t ks = size_t(k);
     float* xin = I.xin[ks];
-    I.rows_for(k);
-    const int64_t Nk = I.Nr;  // rows of the products, norms and MLP (N1 after step 0 when cut)
-    const bool cut = I.cut_step(k);
+    I.rows_after_attention(k);
+    const int64_t Np = I.Nr;  // rows after the attention (N0 at step 0 when cut, N1 after it)
+    const bool cut = I.cut_step(k), post_cut = I.post_cut(k);
     float* dfn = I.fn[ks];  // with fused_lm, the forward left d fn here
     if (!fused_lm) {  // logits = lm_head(norm(g2))
       dfn = I.dfn;
       I.lm_head_step(k, true, dfn, "backward: draft logits and loss gradient", "backward: products and norms");
     }
     I.mark("backward: products and norms");
-    CUDA_CHECK(cudaMemcpyAsync(I.dg2, I.dgn, size_t(Nk * H) * 4, cudaMemcpyDeviceToDevice, s));
-    I.rmsnorm_backward(I.dg2, H, I.g(NORM), dfn, H, I.gs[ks + 1], H, I.w(NORM), H);
+    I.rmsnorm_backward(I.dg2, H, I.dgn, I.g(NORM), dfn, H, I.gs[ks + 1], H, I.w(NORM), H);
     // g2 = g1 + down(silu(gate(hm)) * up(hm))
     {
-      const Impl::Twin ta(I, I.act, Nk * Id, I.bf16_in(I.act)), td(I, I.dg2, Nk * H);
+      const Impl::Twin ta(I, I.act, Np * Id, I.bf16_in(I.act)), td(I, I.dg2, Np * H);
       I.swiglu(I.act, k);
-      I.linear_dx(I.dact, Id, I.dg2, I.w(DOWN), Nk, Id, H, 0.f);
-      I.linear_dw(I.g(DOWN), I.dg2, I.act, Id, Nk, Id, H);
+      I.linear_dx(I.dact, Id, I.dg2, I.w(DOWN), Np, Id, H, 0.f);
+      I.linear_dw(I.g(DOWN), I.dg2, I.act, Id, Np, Id, H);
     }
     {
-      const Impl::Twin tg(I, I.dga, Nk * Id, I.bf16_in(I.dga)), tu(I, I.dup, Nk * Id, I.bf16_in(I.dup)),
+      const Impl::Twin tg(I, I.dga, Np * Id, I.bf16_in(I.dga)), tu(I, I.dup, Np * Id, I.bf16_in(I.dup)),
           th = I.hm_twin(k);
       I.swiglu_backward(I.dga, I.dup, I.dact, k);
-      I.linear_dx(I.dhm, H, I.dga, I.w(GATE), Nk, H, Id, 0.f);
-      I.linear_dx(I.dhm, H, I.dup, I.w(UP), Nk, H, Id, 1.f);
-      I.linear_dw(I.g(GATE), I.dga, I.hm[ks], H, Nk, H, Id);
-      I.linear_dw(I.g(UP), I.dup, I.hm[ks], H, Nk, H, Id);
+      I.linear_dx(I.dhm, H, I.dga, I.w(GATE), Np, H, Id, 0.f);
+      I.linear_dx(I.dhm, H, I.dup, I.w(UP), Np, H, Id, 1.f);
+      I.linear_dw(I.g(GATE), I.dga, I.hm[ks], H, Np, H, Id);
+      I.linear_dw(I.g(UP), I.dup, I.hm[ks], H, Np, H, Id);
     }
     // g1, recomputed into tmp (idle here) rather than kept from the forward. With rows cut the
     // products read the attention output's compacted rows (in cbuf), and datt's compacted rows
@@ -2263,15 +2344,16 @@ void DraftEngine::run(const std::vector<float>& row_scale, bool backward, bool z
     I.mark("backward: products and norms");
     float* ak = I.att_rows(k, I.cbuf);
     I.g1_into(k, I.tmp, ak);
-    CUDA_CHECK(cudaMemcpyAsync(I.dg1, I.dg2, size_t(Nk * H) * 4, cudaMemcpyDeviceToDevice, s));
-    I.rmsnorm_backward(I.dg1, H, I.g(POST_LN), I.dhm, H, I.tmp, H, I.w(POST_LN), H);
+    I.rmsnorm_backward(I.dg1, H, I.dg2, I.g(POST_LN), I.dhm, H, I.tmp, H, I.w(POST_LN), H);
     // g1 = r + o_proj(att)
     {
-      const Impl::Twin ta = I.att_twin(ak), t1(I, I.dg1, Nk * H);
-      I.linear_dx(cut ? I.dq : I.datt, qd, I.dg1, I.w(WO), Nk, qd, H, 0.f);
-      I.linear_dw(I.g(WO), I.dg1, ak, qd, Nk, qd, H);
+      const Impl::Twin ta = I.att_twin(ak), t1(I, I.dg1, Np * H);
+      I.linear_dx(post_cut ? I.dq : I.datt, qd, I.dg1, I.w(WO), Np, qd, H, 0.f);
+      I.linear_dw(I.g(WO), I.dg1, ak, qd, Np, qd, H);
     }
-    if (cut) I.expand(I.datt, I.dq, qd);
+    if (post_cut) I.move_rows(I.datt, I.dq, I.post_cinv(k), N, qd);
+    I.rows_for(k);
+    const int64_t Nk = I.Nr;  // rows up to the attention (N1 after step 0 when cut)
     const AttnArgs a = I.attn_args(k);
     I.mark("backward: attention");
     if (I.qa_bf16)
@@ -2320,12 +2402,11 @@ void DraftEngine::run(const std::vector<float>& row_scale, bool backward, bool z
     // xin = [in_ln(e), hidden_norm(g)]; r = g or hidden_norm(g).
     I.gather(k);
     if (!d.peagle) {
-      I.rmsnorm_backward(nullptr, 0, I.g(IN_LN), I.dxin, 2 * H, I.E, H, I.w(IN_LN), H);
+      I.rmsnorm_backward(nullptr, 0, nullptr, I.g(IN_LN), I.dxin, 2 * H, I.E, H, I.w(IN_LN), H);
     } else {
       // The embedding is trained: dE into tmp (idle since the post-attention norm's
       // backward), summed into the mask token's row (later steps) or each token's (the first).
-      CUDA_CHECK(cudaMemsetAsync(I.tmp, 0, size_t(Nk * H) * 4, s));
-      I.rmsnorm_backward(I.tmp, H, I.g(IN_LN), I.dxin, 2 * H, I.E, H, I.w(IN_LN), H);
+      I.rmsnorm_backward(I.tmp, H, nullptr, I.g(IN_LN), I.dxin, 2 * H, I.E, H, I.w(IN_LN), H);
       if (k > 0) {
         colsum_kernel<<<nblocks(H, 32), dim3(32, 8), 0, s>>>(I.gemb, I.tmp, Nk, H);
       } else if (I.n_etok > 0) {
@@ -2333,18 +2414,26 @@ void DraftEngine::run(const std::vector<float>& row_scale, bool backward, bool z
       }
       CUDA_LAUNCH_CHECK();
     }
-    CUDA_CHECK(cudaMemsetAsync(I.dg, 0, size_t(Nk * H) * 4, s));
-    I.rmsnorm_backward(I.dg, H, I.g(HNORM), I.dxin + H, 2 * H, I.gin(k), H, I.w(HNORM), H);
+    // dg = dg1 (the residual's gradient) + the hidden norm's; with the norm before the residual,
+    // dg1 goes through the norm too. At step 0 with rows cut after its attention, dg1 is
+    // expanded to every row first (into dgn, which the final norm's backward has read).
+    const float* dr = I.dg1;
+    if (I.cut0(k)) {
+      I.move_rows(I.dgn, I.dg1, I.cinv0_d, N, H);
+      dr = I.dgn;
+    }
     if (d.norm_before_residual) {
-      I.rmsnorm_backward(I.dg, H, I.g(HNORM), I.dg1, H, I.gin(k), H, I.w(HNORM), H);
+      I.rmsnorm_backward(I.dg, H, nullptr, I.g(HNORM), I.dxin + H, 2 * H, I.gin(k), H, I.w(HNORM), H);
+      I.rmsnorm_backward(I.dg, H, I.dg, I.g(HNORM), dr, H, I.gin(k), H, I.w(HNORM), H);
     } else {
-      add_kernel<<<nblocks(Nk * H, 256), 256, 0, s>>>(I.dg, I.dg, H, I.dg1, Nk, H);
-      CUDA_LAUNCH_CHECK();
+      I.rmsnorm_backward(I.dg, H, dr, I.g(HNORM), I.dxin + H, 2 * H, I.gin(k), H, I.w(HNORM), H);
     }
     if (k == 0) {
       I.linear_dw(I.g(FC), I.dg, I.aux, 3 * H, N, 3 * H, H);
     } else if (!d.peagle) {
-      if (k == 1 && I.rc.cut)
+      if (k == 1 && I.cut0(0))  // into step 0's rows after its attention (zero where not kept)
+        I.move_rows(I.dgn, I.dg, I.cinv10_d, I.N0, H);
+      else if (k == 1 && I.rc.cut)
         I.expand(I.dgn, I.dg, H);  // step 0 runs every row: zero for the rows left out
       else
         std::swap(I.dg, I.dgn);

@@ -53,25 +53,54 @@ __global__ void rmsnorm_forward_kernel(Y* y, NormRows ry, X* x, NormRows rx, con
   for (int64_t c = lane; c < C; c += step) store_as(yr + c, load_f(xr + c) * k * load_f(w + c));
 }
 
-// The backward of y = rmsnorm(x) * w (fp32): dx[r, :] += k*w*dy - x*k^3/C*sum(w*dy*x) (dx may be
-// null), wrow[r, :] = dy*x*k (summed over rows afterwards for the weight gradient).
-__global__ void rmsnorm_backward_kernel(float* dx, int64_t lddx, float* wrow, const float* dy, int64_t lddy,
-                                        const float* x, int64_t ldx, const float* w, int64_t C, float eps) {
+// The backward of y = rmsnorm(x) * w (fp32), kNormBackRows rows a block:
+//   dx[r, :] = res[r, :] + k*w*dy - x*k^3/C*sum(w*dy*x)   (res may be null, or dx itself; dx may
+//   be null), and the weight gradient's part of the block's rows, wpart[block, :] = the sum over
+//   those rows, in order, of dy*x*k (fp64, in shared memory until the last row). One pass writes
+//   dx and a small [groups, C] part instead of a per-row weight matrix summed afterwards.
+constexpr int kNormBackRows = 8;
+
+__global__ void rmsnorm_backward_kernel(float* dx, int64_t lddx, const float* res, double* wpart, const float* dy,
+                                        int64_t lddy, const float* x, int64_t ldx, const float* w, int64_t rows,
+                                        int64_t C, float eps) {
+  extern __shared__ double acc[];  // [C]
   __shared__ float sh[33];
-  const float* xr = x + blockIdx.x * ldx;
-  const float* dr = dy + blockIdx.x * lddy;
-  float ss = 0, dot = 0;
-  for (int64_t c = threadIdx.x; c < C; c += blockDim.x) {
-    ss += xr[c] * xr[c];
-    dot += w[c] * dr[c] * xr[c];
+  for (int64_t c = threadIdx.x; c < C; c += blockDim.x) acc[c] = 0.0;
+  const int64_t r0 = int64_t(blockIdx.x) * kNormBackRows, r1 = r0 + kNormBackRows < rows ? r0 + kNormBackRows : rows;
+  for (int64_t r = r0; r < r1; ++r) {
+    const float* xr = x + r * ldx;
+    const float* dr = dy + r * lddy;
+    float ss = 0, dot = 0;
+    for (int64_t c = threadIdx.x; c < C; c += blockDim.x) {
+      ss += xr[c] * xr[c];
+      dot += w[c] * dr[c] * xr[c];
+    }
+    ss = block_sum(ss, sh);
+    dot = block_sum(dot, sh);
+    const float k = rsqrtf(ss / float(C) + eps);
+    const float k3 = k * k * k / float(C) * dot;
+    for (int64_t c = threadIdx.x; c < C; c += blockDim.x) {
+      const float xv = xr[c], dv = dr[c];
+      if (dx) dx[r * lddx + c] = (res ? res[r * lddx + c] : 0.f) + (k * w[c] * dv - xv * k3);
+      acc[c] += double(dv * xv * k);
+    }
   }
-  ss = block_sum(ss, sh);
-  dot = block_sum(dot, sh);
-  const float k = rsqrtf(ss / float(C) + eps);
-  const float k3 = k * k * k / float(C) * dot;
-  for (int64_t c = threadIdx.x; c < C; c += blockDim.x) {
-    if (dx) dx[blockIdx.x * lddx + c] += k * w[c] * dr[c] - xr[c] * k3;
-    wrow[blockIdx.x * C + c] = dr[c] * xr[c] * k;
+  for (int64_t c = threadIdx.x; c < C; c += blockDim.x) wpart[int64_t(blockIdx.x) * C + c] = acc[c];
+}
+
+// dw[c] += the sum over groups of wpart[g, c] (fp64, groups in order), 32 columns a block.
+__global__ void rmsnorm_weight_grad_kernel(float* dw, const double* wpart, int64_t groups, int64_t C) {
+  __shared__ double part[8][33];
+  const int64_t c = int64_t(blockIdx.x) * 32 + threadIdx.x;
+  double t = 0;
+  if (c < C)
+    for (int64_t g = threadIdx.y; g < groups; g += 8) t += wpart[g * C + c];
+  part[threadIdx.y][threadIdx.x] = t;
+  __syncthreads();
+  if (threadIdx.y == 0 && c < C) {
+    double u = 0;
+    for (int y = 0; y < 8; ++y) u += part[y][threadIdx.x];
+    dw[c] += float(u);
   }
 }
 
@@ -91,9 +120,22 @@ void rmsnorm_forward(Y* y, NormRows ry, X* x, NormRows rx, const A* add, const W
                      dim3(rows <= 512 && C >= 2048 ? 1024 : 256), 0, s, y, ry, x, rx, add, w, rows, C, eps);
 }
 
-inline void rmsnorm_backward(float* dx, int64_t lddx, float* wrow, const float* dy, int64_t lddy, const float* x,
-                             int64_t ldx, const float* w, int64_t rows, int64_t C, float eps, cudaStream_t s) {
-  if (rows > 0) rmsnorm_backward_kernel<<<unsigned(rows), 256, 0, s>>>(dx, lddx, wrow, dy, lddy, x, ldx, w, C, eps);
+// The groups of rows the backward's weight parts cover: wpart holds this many rows of C doubles.
+inline int64_t rmsnorm_backward_groups(int64_t rows) { return (rows + kNormBackRows - 1) / kNormBackRows; }
+
+// dx (ld lddx; res, when given, has the same layout and may be dx) and dw += the weight
+// gradient; wpart: scratch of rmsnorm_backward_groups(rows) x C doubles.
+inline void rmsnorm_backward(float* dx, int64_t lddx, const float* res, float* dw, double* wpart, const float* dy,
+                             int64_t lddy, const float* x, int64_t ldx, const float* w, int64_t rows, int64_t C,
+                             float eps, cudaStream_t s) {
+  if (rows <= 0) return;
+  const int64_t groups = rmsnorm_backward_groups(rows);
+  const size_t smem = size_t(C) * sizeof(double);
+  if (smem > 48 * 1024)  // wide rows: the part needs more than the default shared memory
+    cudaFuncSetAttribute(rmsnorm_backward_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+  rmsnorm_backward_kernel<<<unsigned(groups), C <= 128 ? 128 : 256, smem, s>>>(dx, lddx, res, wpart, dy, lddy, x,
+                                                                                 ldx, w, rows, C, eps);
+  rmsnorm_weight_grad_kernel<<<unsigned((C + 31) / 32), dim3(32, 8), 0, s>>>(dw, wpart, groups, C);
 }
 
 }  // namespace

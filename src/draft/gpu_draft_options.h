@@ -43,9 +43,10 @@ struct GpuDraftOptions {
   bool device_embeddings = false;
   // Steps after the first run only the rows some step after the first counts (a loss-masked
   // target row, in the draft vocabulary, inside the sample), as the CPU reference does; prompt
-  // rows then go through step 0 only. Same losses, metrics and gradients; less work in
-  // proportion to the rows left out (+12-14% tokens/s at 8B shape with a third of the rows
-  // prompt, on an H100). false (--gpu-all-rows): every row through every step.
+  // rows then go through step 0 only, and (EAGLE-3) through its attention only: after it, step
+  // 0 runs only its own loss rows and the kept ones. Same losses, metrics and gradients; less
+  // work in proportion to the rows left out (+12-14% tokens/s at 8B shape with a third of the
+  // rows prompt, on an H100). false (--gpu-all-rows): every row through every step.
   bool row_cut = true;
 };
 

@@ -423,7 +423,7 @@ struct DFlashEngine::Impl {
   }
   void add(float* out, const float* a, const float* b, int64_t n, int64_t Cc) {
     if (n == 0) return;
-    add_kernel<<<nblocks(n * Cc, 256), 256, 0, s>>>(out, a, Cc, b, n, Cc);
+    add_rows_kernel<<<nblocks(n * Cc, 256), 256, 0, s>>>(out, a, Cc, nullptr, b, n, Cc);
     CUDA_LAUNCH_CHECK();
   }
   DflAttn attn(int64_t l) const {

@@ -1799,8 +1799,8 @@ DraftEngine::DraftEngine(int device, const DraftDims& dd, DraftMath math, const 
   I.dgn = I.alloc<float>(size_t(R * H));
   {
     const int64_t parts = 2 * rmsnorm_backward_groups(R) * H;  // floats of fp64 weight parts
-    I.wpart = reinterpret_cast<double*>(I.dxin == I.dact && R * 2 * H + parts <= R * Idim ? I.dact + R * 2 * H
-                                                                                         : I.alloc<float>(size_t(parts)));
+    const bool beside_dxin = I.dxin == I.dact && R * 2 * H + parts <= R * Idim;
+    I.wpart = reinterpret_cast<double*>(beside_dxin ? I.dact + R * 2 * H : I.alloc<float>(size_t(parts)));
   }
   I.sd = I.alloc<float>(size_t(R * dd.nh * K));
   I.dsd = I.alloc<float>(size_t(R * dd.nh * K));
@@ -2448,7 +2448,7 @@ void DraftEngine::run(const std::vector<float>& row_scale, bool backward, bool z
     I.linear_dw(I.g(FC), I.gmsum, I.w(MASKH), 3 * H, 1, 3 * H, H);
     I.linear_dx(I.g(MASKH), 3 * H, I.gmsum, I.w(FC), 1, 3 * H, H, 1.f);
     float* me = I.g(EMBED) + int64_t(d.mask_token) * H;
-    add_kernel<<<nblocks(H, 256), 256, 0, s>>>(me, me, H, I.gemb, 1, H);
+    add_rows_kernel<<<nblocks(H, 256), 256, 0, s>>>(me, me, H, nullptr, I.gemb, 1, H);
     CUDA_LAUNCH_CHECK();
   }
   I.mark("end");

@@ -35,13 +35,6 @@ __global__ void colsum_kernel(float* dw, const float* rows, int64_t N, int64_t C
   }
 }
 
-// out = a (row stride lda) + b
-__global__ void add_kernel(float* out, const float* a, int64_t lda, const float* b, int64_t N, int64_t C) {
-  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i >= N * C) return;
-  out[i] = a[(i / C) * lda + i % C] + b[i];
-}
-
 // out = a's rows map[0..N) (row stride lda; a's first N rows when map is null) + b
 __global__ void add_rows_kernel(float* out, const float* a, int64_t lda, const int32_t* map, const float* b, int64_t N,
                                 int64_t C) {

@@ -62,6 +62,17 @@ __device__ void merge_softmax_state(float& m, float& z, int64_t& i, float om, fl
   if (om > m || (om == m && oi < i)) i = oi;
   m = M;
 }
+// One value x at index c into a softmax state (maximum m, sum z of exp relative to it, first
+// index of the maximum): the sum is rescaled whenever the maximum grows.
+__device__ __forceinline__ void softmax_visit(float x, int64_t c, float& m, float& z, int64_t& i) {
+  if (x > m) {
+    z = z * expf(m - x) + 1.f;
+    m = x;
+    i = c;
+  } else {
+    z += expf(x - m);
+  }
+}
 __device__ void block_softmax_state(float& m, float& z, int64_t& i, float* shm, float* shz, int64_t* shi) {
   for (int o = 16; o > 0; o >>= 1)
     merge_softmax_state(m, z, i, __shfl_xor_sync(0xffffffffu, m, o), __shfl_xor_sync(0xffffffffu, z, o),
@@ -587,14 +598,7 @@ __global__ void target_row_kernel(PT* P, int32_t* tgt_arg, uint8_t* in_vocab, fl
   int64_t i = INT64_MAX, mc = INT64_MAX;
   const auto visit = [&](float x, int64_t c, bool kept_id) {
     if (x > v) v = x, i = c;
-    if (!kept_id) return;
-    if (x > mv) {
-      z = z * expf(mv - x) + 1.f;
-      mv = x;
-      mc = c;
-    } else {
-      z += expf(x - mv);
-    }
+    if (kept_id) softmax_visit(x, c, mv, z, mc);
   };
   if ((V & 3) == 0) {
     const float4* f4 = reinterpret_cast<const float4*>(f);
@@ -653,15 +657,7 @@ __global__ void loss_kernel(float* logits, const PT* P, const int32_t* tgt_arg, 
   const bool v4 = (Vd & 3) == 0;
   float mx = -INFINITY, z = 0.f;
   int64_t arg = INT64_MAX;
-  const auto visit = [&](float v, int64_t d) {
-    if (v > mx) {
-      z = z * expf(mx - v) + 1.f;
-      mx = v;
-      arg = d;
-    } else {
-      z += expf(v - mx);
-    }
-  };
+  const auto visit = [&](float v, int64_t d) { softmax_visit(v, d, mx, z, arg); };
   if (v4) {
     const float4* l4 = reinterpret_cast<const float4*>(lg);
     for (int64_t q = threadIdx.x; q < Vd / 4; q += blockDim.x) {

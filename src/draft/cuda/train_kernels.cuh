@@ -1,5 +1,4 @@
-// Kernels the GPU draft trainers share (draft_train.cu, dflash_train.cu): column sums for weight
-// gradients of per-row norms, a strided add, and the optimizer's sum of squares, scaling and
+// Kernels the GPU draft trainers share (draft_train.cu, dflash_train.cu): a strided add, and the optimizer's sum of squares, scaling and
 // AdamW update; and the copies of their flat tensor buffers to and from the host. Every
 // reduction has a fixed order (the same bits on every run). Included by .cu files only; each
 // gets its own copy.
@@ -12,28 +11,12 @@
 #include <vector>
 
 #include "backend/cuda/check.h"
+#include "backend/cuda/kernels/reduce.cuh"  // colsum_kernel
 
 namespace talon::cuda {
 namespace {
 
 inline unsigned nblocks(int64_t n, int per) { return unsigned((n + per - 1) / per); }
-
-// dw[c] += sum_n rows[n, c]: 32 columns per block, 8 row lanes each summing every 8th row
-// (fp64), then the 8 partials in lane order; a fixed order for every element.
-__global__ void colsum_kernel(float* dw, const float* rows, int64_t N, int64_t C) {
-  __shared__ double part[8][33];
-  const int64_t c = int64_t(blockIdx.x) * 32 + threadIdx.x;
-  double s = 0;
-  if (c < C)
-    for (int64_t n = threadIdx.y; n < N; n += 8) s += double(rows[n * C + c]);
-  part[threadIdx.y][threadIdx.x] = s;
-  __syncthreads();
-  if (threadIdx.y == 0 && c < C) {
-    double t = 0;
-    for (int y = 0; y < 8; ++y) t += part[y][threadIdx.x];
-    dw[c] += float(t);
-  }
-}
 
 // out = a's rows map[0..N) (row stride lda; a's first N rows when map is null) + b
 __global__ void add_rows_kernel(float* out, const float* a, int64_t lda, const int32_t* map, const float* b, int64_t N,

@@ -52,5 +52,24 @@ __device__ __forceinline__ void block_argmax(float& v, int64_t& i, float* shv, i
   i = shi[32];
 }
 
+// dw[c] += sum_n rows[n, c] (fp32 or fp64 rows): 32 columns per block of 32 x 8 threads, 8 row
+// lanes each summing every 8th row (fp64), then the 8 partials in lane order; a fixed order for
+// every element.
+template <class T>
+__global__ void colsum_kernel(float* dw, const T* rows, int64_t N, int64_t C) {
+  __shared__ double part[8][33];
+  const int64_t c = int64_t(blockIdx.x) * 32 + threadIdx.x;
+  double s = 0;
+  if (c < C)
+    for (int64_t n = threadIdx.y; n < N; n += 8) s += double(rows[n * C + c]);
+  part[threadIdx.y][threadIdx.x] = s;
+  __syncthreads();
+  if (threadIdx.y == 0 && c < C) {
+    double t = 0;
+    for (int y = 0; y < 8; ++y) t += part[y][threadIdx.x];
+    dw[c] += float(t);
+  }
+}
+
 }  // namespace
 }  // namespace talon::cuda

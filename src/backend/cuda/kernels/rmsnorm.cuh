@@ -88,22 +88,6 @@ __global__ void rmsnorm_backward_kernel(float* dx, int64_t lddx, const float* re
   for (int64_t c = threadIdx.x; c < C; c += blockDim.x) wpart[int64_t(blockIdx.x) * C + c] = acc[c];
 }
 
-// dw[c] += the sum over groups of wpart[g, c] (fp64, groups in order), 32 columns a block.
-__global__ void rmsnorm_weight_grad_kernel(float* dw, const double* wpart, int64_t groups, int64_t C) {
-  __shared__ double part[8][33];
-  const int64_t c = int64_t(blockIdx.x) * 32 + threadIdx.x;
-  double t = 0;
-  if (c < C)
-    for (int64_t g = threadIdx.y; g < groups; g += 8) t += wpart[g * C + c];
-  part[threadIdx.y][threadIdx.x] = t;
-  __syncthreads();
-  if (threadIdx.y == 0 && c < C) {
-    double u = 0;
-    for (int y = 0; y < 8; ++y) u += part[y][threadIdx.x];
-    dw[c] += float(u);
-  }
-}
-
 // Launchers: `rows` rows of C values; add ([rows, C] contiguous) is read when A is not void.
 template <class Y, class X, class A, class W>
 void rmsnorm_forward(Y* y, NormRows ry, X* x, NormRows rx, const A* add, const W* w, int64_t rows, int64_t C, float eps,
@@ -135,7 +119,7 @@ inline void rmsnorm_backward(float* dx, int64_t lddx, const float* res, float* d
     cudaFuncSetAttribute(rmsnorm_backward_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
   rmsnorm_backward_kernel<<<unsigned(groups), C <= 128 ? 128 : 256, smem, s>>>(dx, lddx, res, wpart, dy, lddy, x,
                                                                                  ldx, w, rows, C, eps);
-  rmsnorm_weight_grad_kernel<<<unsigned((C + 31) / 32), dim3(32, 8), 0, s>>>(dw, wpart, groups, C);
+  colsum_kernel<<<unsigned((C + 31) / 32), dim3(32, 8), 0, s>>>(dw, wpart, groups, C);  // the parts, in order
 }
 
 }  // namespace

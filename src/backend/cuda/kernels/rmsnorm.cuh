@@ -56,36 +56,66 @@ __global__ void rmsnorm_forward_kernel(Y* y, NormRows ry, X* x, NormRows rx, con
 // The backward of y = rmsnorm(x) * w (fp32), kNormBackRows rows a block:
 //   dx[r, :] = res[r, :] + k*w*dy - x*k^3/C*sum(w*dy*x)   (res may be null, or dx itself; dx may
 //   be null), and the weight gradient's part of the block's rows, wpart[block, :] = the sum over
-//   those rows, in order, of dy*x*k (fp64, in shared memory until the last row). One pass writes
-//   dx and a small [groups, C] part instead of a per-row weight matrix summed afterwards.
+//   those rows, in order, of dy*x*k (fp64). One pass writes dx and a small [groups, C] part
+//   instead of a per-row weight matrix summed afterwards. The rows' sums come first, all at
+//   once (one block-wide reduction for the group, many loads in flight); then each thread walks
+//   its columns through the group's rows, the weight part of a column in a register.
 constexpr int kNormBackRows = 8;
 
 __global__ void rmsnorm_backward_kernel(float* dx, int64_t lddx, const float* res, double* wpart, const float* dy,
                                         int64_t lddy, const float* x, int64_t ldx, const float* w, int64_t rows,
                                         int64_t C, float eps) {
-  extern __shared__ double acc[];  // [C]
-  __shared__ float sh[33];
-  for (int64_t c = threadIdx.x; c < C; c += blockDim.x) acc[c] = 0.0;
-  const int64_t r0 = int64_t(blockIdx.x) * kNormBackRows, r1 = r0 + kNormBackRows < rows ? r0 + kNormBackRows : rows;
-  for (int64_t r = r0; r < r1; ++r) {
-    const float* xr = x + r * ldx;
-    const float* dr = dy + r * lddy;
-    float ss = 0, dot = 0;
-    for (int64_t c = threadIdx.x; c < C; c += blockDim.x) {
-      ss += xr[c] * xr[c];
-      dot += w[c] * dr[c] * xr[c];
-    }
-    ss = block_sum(ss, sh);
-    dot = block_sum(dot, sh);
-    const float k = rsqrtf(ss / float(C) + eps);
-    const float k3 = k * k * k / float(C) * dot;
-    for (int64_t c = threadIdx.x; c < C; c += blockDim.x) {
-      const float xv = xr[c], dv = dr[c];
-      if (dx) dx[r * lddx + c] = (res ? res[r * lddx + c] : 0.f) + (k * w[c] * dv - xv * k3);
-      acc[c] += double(dv * xv * k);
-    }
+  constexpr int G = kNormBackRows;
+  __shared__ float part[2 * G][32];
+  __shared__ float tot[2 * G];
+  const int64_t r0 = int64_t(blockIdx.x) * G;
+  const int n = rows - r0 < G ? int(rows - r0) : G;
+  float ss[G], dot[G];
+#pragma unroll
+  for (int j = 0; j < G; ++j) ss[j] = dot[j] = 0.f;
+  for (int64_t c = threadIdx.x; c < C; c += blockDim.x) {
+    const float wc = w[c];
+#pragma unroll
+    for (int j = 0; j < G; ++j)
+      if (j < n) {
+        const float xv = x[(r0 + j) * ldx + c], dv = dy[(r0 + j) * lddy + c];
+        ss[j] += xv * xv;
+        dot[j] += wc * dv * xv;
+      }
   }
-  for (int64_t c = threadIdx.x; c < C; c += blockDim.x) wpart[int64_t(blockIdx.x) * C + c] = acc[c];
+  const int wid = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
+#pragma unroll
+  for (int j = 0; j < G; ++j) {
+    ss[j] = warp_sum(ss[j]);
+    dot[j] = warp_sum(dot[j]);
+    if (lane == 0) part[j][wid] = ss[j], part[G + j][wid] = dot[j];
+  }
+  __syncthreads();
+  if (threadIdx.x < 2 * G) {
+    float t = 0.f;
+    for (int i = 0; i < nw; ++i) t += part[threadIdx.x][i];
+    tot[threadIdx.x] = t;
+  }
+  __syncthreads();
+  float k[G], k3[G];
+#pragma unroll
+  for (int j = 0; j < G; ++j) {
+    k[j] = rsqrtf(tot[j] / float(C) + eps);
+    k3[j] = k[j] * k[j] * k[j] / float(C) * tot[G + j];
+  }
+  for (int64_t c = threadIdx.x; c < C; c += blockDim.x) {
+    const float wc = w[c];
+    double a = 0.0;
+#pragma unroll
+    for (int j = 0; j < G; ++j)
+      if (j < n) {
+        const int64_t r = r0 + j;
+        const float xv = x[r * ldx + c], dv = dy[r * lddy + c];
+        if (dx) dx[r * lddx + c] = (res ? res[r * lddx + c] : 0.f) + (k[j] * wc * dv - xv * k3[j]);
+        a += double(dv * xv * k[j]);
+      }
+    wpart[int64_t(blockIdx.x) * C + c] = a;
+  }
 }
 
 // Launchers: `rows` rows of C values; add ([rows, C] contiguous) is read when A is not void.
@@ -114,11 +144,8 @@ inline void rmsnorm_backward(float* dx, int64_t lddx, const float* res, float* d
                              float eps, cudaStream_t s) {
   if (rows <= 0) return;
   const int64_t groups = rmsnorm_backward_groups(rows);
-  const size_t smem = size_t(C) * sizeof(double);
-  if (smem > 48 * 1024)  // wide rows: the part needs more than the default shared memory
-    cudaFuncSetAttribute(rmsnorm_backward_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
-  rmsnorm_backward_kernel<<<unsigned(groups), C <= 128 ? 128 : 256, smem, s>>>(dx, lddx, res, wpart, dy, lddy, x,
-                                                                                 ldx, w, rows, C, eps);
+  rmsnorm_backward_kernel<<<unsigned(groups), C <= 128 ? 128 : 256, 0, s>>>(dx, lddx, res, wpart, dy, lddy, x, ldx, w,
+                                                                              rows, C, eps);
   colsum_kernel<<<unsigned((C + 31) / 32), dim3(32, 8), 0, s>>>(dw, wpart, groups, C);  // the parts, in order
 }
 

@@ -48,6 +48,10 @@ struct GpuDraftOptions {
   // work in proportion to the rows left out (+12-14% tokens/s at 8B shape with a third of the
   // rows prompt, on an H100). false (--gpu-all-rows): every row through every step.
   bool row_cut = true;
+  // The diagonal keys' backward (steps after the first) in one kernel where the head size (up
+  // to 128) and the heads a kv head serves (up to 8) allow; false: the four kernels it
+  // replaces, which compute the same bits (for tests).
+  bool fused_diag_backward = true;
 };
 
 }  // namespace talon::eagle3

@@ -345,6 +345,34 @@ TEST_P(GpuDraft, CudnnAttentionMatchesReference) {
     }
 }
 
+// The diagonal keys' backward in one kernel (GpuDraftOptions::fused_diag_backward) computes
+// the same bits as the four kernels it replaces, after the fused kernels' and cuDNN's causal
+// part, for head sizes of both of its instantiations (up to 64 and up to 128), over samples
+// that span several tiles; and with the score-buffer products, against the CPU reference.
+TEST_P(GpuDraft, FusedDiagonalBackwardMatchesTheSeparateKernels) {
+  REQUIRE_GPU();
+  std::vector<std::string> routes = {"flash"};
+  if (talon::cuda::cudnn_sdpa_available(nullptr)) routes.push_back("cudnn");
+  for (int hd : {32, 128})
+    for (const std::string& route : routes) {
+      SCOPED_TRACE(fmt::format("head_dim {}, {}", hd, route));
+      Case cs(GetParam(), 79, {150, 64, 7, 90}, hd);
+      ScopedOpt att([&](GpuDraftOptions& o) { o.attention = route; });
+      GpuRun fused = run_once(cs, GpuMath::BF16, 311), apart{{}, DraftGrads(cs.w)};
+      {
+        ScopedOpt off([](GpuDraftOptions& o) { o.fused_diag_backward = false; });
+        apart = run_once(cs, GpuMath::BF16, 311);
+      }
+      ASSERT_EQ(fused.loss.size(), apart.loss.size());
+      for (size_t i = 0; i < fused.loss.size(); ++i) EXPECT_EQ(fused.loss[i], apart.loss[i]) << "sample " << i;
+      auto gf = fused.g.named(), ga = apart.g.named();
+      for (size_t i = 0; i < gf.size(); ++i) EXPECT_EQ(*gf[i].second, *ga[i].second) << gf[i].first;
+    }
+  Case cs(GetParam(), 80, {150, 64, 7, 90}, 64);
+  ScopedOpt att([](GpuDraftOptions& o) { o.attention = "blocks"; });
+  check_against_cpu(cs, GpuMath::BF16, tol::kGpuTttBf16LossRel, tol::kGpuTttBf16GradRel, 311);
+}
+
 // auto takes cuDNN's attention for a batch whose bucket's workspace fits the bytes it may use
 // (GpuDraftOptions::cudnn_auto_bytes; by default the idle memory lent to it) and the fused
 // kernels for the others. Two batches of different buckets (4 samples of up to 150 rows; 2

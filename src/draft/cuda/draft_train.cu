@@ -482,26 +482,106 @@ __global__ void tc_ds_kernel(float* dP, __nv_bfloat16* dSb, const float* P, cons
 }
 
 // dK^j[n, kh, :] += sum_{h in group} dsd[n,h,j] q_{n,h};  dV^j[n, kh, :] += sum_h pd[n,h,j] dO_{n,h}
-// for j = 1..k; one warp per (row, kv head, j).
+// for j = 1..k; one warp per (row, kv head), through every j: the row's q and dO are read from
+// memory once (then from L1) instead of once a step.
 __global__ void diag_dkv_kernel(float* dK, float* dV, const float* dsd, const float* pd, const float* dO, AttnArgs a,
                                 int K) {
   const int64_t gw = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
   const int lane = threadIdx.x & 31;
-  const int64_t per_step = a.N * a.nkv;
-  if (gw >= int64_t(a.k) * per_step) return;
-  const int j = 1 + int(gw / per_step);
-  const int64_t n = (gw % per_step) / a.nkv;
+  if (gw >= a.N * a.nkv) return;
+  const int64_t n = gw / a.nkv;
   const int kh = int(gw % a.nkv), grp = a.nh / a.nkv;
   const int64_t qd = int64_t(a.nh) * a.hd, kvd = int64_t(a.nkv) * a.hd;
-  for (int d = lane; d < a.hd; d += 32) {
-    float dk = 0, dv = 0;
-    for (int h = kh * grp; h < (kh + 1) * grp; ++h) {
-      const int64_t w = (n * a.nh + h) * K + j;
-      dk += dsd[w] * q_at(a, n * qd + h * a.hd + d);
-      dv += pd[w] * dO[n * qd + h * a.hd + d];
+  for (int d = lane; d < a.hd; d += 32)
+    for (int j = 1; j <= a.k; ++j) {
+      float dk = 0, dv = 0;
+      for (int h = kh * grp; h < (kh + 1) * grp; ++h) {
+        const int64_t w = (n * a.nh + h) * K + j;
+        dk += dsd[w] * q_at(a, n * qd + h * a.hd + d);
+        dv += pd[w] * dO[n * qd + h * a.hd + d];
+      }
+      dK[j * a.step_stride + n * kvd + kh * a.hd + d] += dk;
+      dV[j * a.step_stride + n * kvd + kh * a.hd + d] += dv;
     }
-    dK[j * a.step_stride + n * kvd + kh * a.hd + d] += dk;
-    dV[j * a.step_stride + n * kvd + kh * a.hd + d] += dv;
+}
+
+// The diagonal keys' backward of step k in one pass, one warp per (row, kv head): for each
+// j = 1..k and head h of the group, p = exp(scale q_h . k^j - lse_h) (the merged row's
+// probability of key j), dp = dO_h . v^j, ds = p (dp - D_h) scale; then dq_h += ds k^j (j in
+// order), dK^j += sum_h ds q_h and dV^j += sum_h p dO_h (heads in order). The same arithmetic,
+// in the same order, as diag_probs, diag_dp, diag_accumulate and diag_dkv one after another,
+// with q, dO, dq, k^j and v^j read once. P: head dims a lane (hd <= 32 P); G: heads a group at
+// most.
+template <int P, int G>
+__global__ void diag_backward_kernel(float* dq, float* dK, float* dV, const float* lse, const float* dO, const float* D,
+                                     AttnArgs a) {
+  const int64_t gw = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
+  const int lane = threadIdx.x & 31;
+  if (gw >= a.N * a.nkv || a.k == 0) return;
+  const int64_t n = gw / a.nkv;
+  const int kh = int(gw % a.nkv), grp = a.nh / a.nkv;
+  const int64_t qd = int64_t(a.nh) * a.hd, kvd = int64_t(a.nkv) * a.hd;
+  float qv[G][P], ov[G][P], acc[G][P], L[G], Dv[G];
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+    const int64_t h = int64_t(kh) * grp + g, at = n * qd + h * a.hd;
+#pragma unroll
+    for (int i = 0; i < P; ++i) {
+      const int d = lane + 32 * i;
+      const bool in = g < grp && d < a.hd;
+      qv[g][i] = in ? q_at(a, at + d) : 0.f;
+      ov[g][i] = in ? dO[at + d] : 0.f;
+      acc[g][i] = in ? dq[at + d] : 0.f;
+    }
+    L[g] = g < grp ? lse[n * a.nh + h] : 0.f;
+    Dv[g] = g < grp ? D[n * a.nh + h] : 0.f;
+  }
+  for (int j = 1; j <= a.k; ++j) {
+    const int64_t at = j * a.step_stride + n * kvd + kh * a.hd;
+    float kv[P], vv[P], dk[P], dv[P];
+#pragma unroll
+    for (int i = 0; i < P; ++i) {
+      const int d = lane + 32 * i;
+      kv[i] = d < a.hd ? a.keys[at + d] : 0.f;
+      vv[i] = d < a.hd ? a.vals[at + d] : 0.f;
+      dk[i] = dv[i] = 0.f;
+    }
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      if (g >= grp) break;  // the same for the whole warp
+      float sc = 0.f, dp = 0.f;
+#pragma unroll
+      for (int i = 0; i < P; ++i) {
+        sc += qv[g][i] * kv[i];
+        dp += ov[g][i] * vv[i];
+      }
+      sc = warp_sum(sc) * a.scale;
+      dp = warp_sum(dp);
+      const float p = expf(sc - L[g]), ds = p * (dp - Dv[g]) * a.scale;
+#pragma unroll
+      for (int i = 0; i < P; ++i) {
+        acc[g][i] += ds * kv[i];
+        dk[i] += ds * qv[g][i];
+        dv[i] += p * ov[g][i];
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < P; ++i) {
+      const int d = lane + 32 * i;
+      if (d < a.hd) {
+        dK[at + d] += dk[i];
+        dV[at + d] += dv[i];
+      }
+    }
+  }
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+    const int64_t at = n * qd + (int64_t(kh) * grp + g) * a.hd;
+#pragma unroll
+    for (int i = 0; i < P; ++i) {
+      const int d = lane + 32 * i;
+      if (g < grp && d < a.hd) dq[at + d] = acc[g][i];
+    }
   }
 }
 
@@ -905,6 +985,7 @@ struct DraftEngine::Impl {
   // clslot0_d: step 0's loss rows and slots in that numbering). c10_d maps step 1's input
   // rows into them, cinv10_d step 1's gradient back.
   bool row_cut = false;
+  bool fused_diag = true;  // GpuDraftOptions::fused_diag_backward
   RowCut rc;
   int64_t N1 = 0, N0 = 0;  // kept rows (N without a cut); step 0's rows after its attention
   int64_t Nr = 0;  // rows of the part of the step being run (N; N1 after step 0; N0 after step 0's attention)
@@ -1437,30 +1518,43 @@ struct DraftEngine::Impl {
         cudnn->backward(gq, gk, gv, fa.q, fa.k0, fa.v0, bf16_in(att[size_t(k)]), fa.dO, lse[size_t(k)]);
         cudnn_grads_kernel<<<nblocks(N * qd, 256), 256, 0, s>>>(dq, dK, dV, gq, gk, gv, N * qd, N * kvd);
         CUDA_LAUNCH_CHECK();
-        if (k > 0) {
-          diag_probs_kernel<<<wb, 256, 0, s>>>(sd, lse[size_t(k)], a, int(K));
-          CUDA_LAUNCH_CHECK();
-        }
       } else if (flash_attention) {
         const TttFlashArgs fa = flash_args(k, datt);
         ttt_flash_dq(dq, lse[size_t(k)], D, fa, s);
         ttt_flash_dkv(dK, dV, dkv_part, lse[size_t(k)], D, fa, s);
-        if (k > 0) {  // sd: the diagonal probabilities (the score-buffer path's softmax leaves them there)
-          diag_probs_kernel<<<wb, 256, 0, s>>>(sd, lse[size_t(k)], a, int(K));
-          CUDA_LAUNCH_CHECK();
-        }
       } else {
         causal_backward_blocks(k, a);
       }
     }
-    if (k > 0) {
-      diag_dp_kernel<<<wb, 256, 0, s>>>(dsd, sd, datt, D, a, int(K));
-      CUDA_LAUNCH_CHECK();
-      diag_accumulate_kernel<<<wb, 256, 0, s>>>(dq, dsd, a, int(K), true);
-      CUDA_LAUNCH_CHECK();
-      diag_dkv_kernel<<<nblocks(int64_t(k) * N * d.nkv * 32, 256), 256, 0, s>>>(dK, dV, dsd, sd, datt, a, int(K));
+    if (k == 0 || diag_backward(k, a)) return;
+    if (cudnn_attention || flash_attention) {  // sd: the diagonal probabilities (the score-buffer
+      diag_probs_kernel<<<wb, 256, 0, s>>>(sd, lse[size_t(k)], a, int(K));  // path's softmax leaves them)
       CUDA_LAUNCH_CHECK();
     }
+    diag_dp_kernel<<<wb, 256, 0, s>>>(dsd, sd, datt, D, a, int(K));
+    CUDA_LAUNCH_CHECK();
+    diag_accumulate_kernel<<<wb, 256, 0, s>>>(dq, dsd, a, int(K), true);
+    CUDA_LAUNCH_CHECK();
+    diag_dkv_kernel<<<nblocks(N * d.nkv * 32, 256), 256, 0, s>>>(dK, dV, dsd, sd, datt, a, int(K));
+    CUDA_LAUNCH_CHECK();
+  }
+  // The diagonal keys' backward in one kernel (diag_backward_kernel) where the head size and
+  // group allow; false: the caller runs the separate kernels.
+  bool diag_backward(int k, const AttnArgs& a) {
+    if (!fused_diag) return false;
+    const int64_t grp = d.nh / d.nkv;
+    const unsigned wb = nblocks(N * d.nkv * 32, 256);
+    const float* lk = lse[size_t(k)];
+    if (d.hd <= 64 && grp <= 4)
+      diag_backward_kernel<2, 4><<<wb, 256, 0, s>>>(dq, dK, dV, lk, datt, D, a);
+    else if (d.hd <= 128 && grp <= 4)
+      diag_backward_kernel<4, 4><<<wb, 256, 0, s>>>(dq, dK, dV, lk, datt, D, a);
+    else if (d.hd <= 128 && grp <= 8)
+      diag_backward_kernel<4, 8><<<wb, 256, 0, s>>>(dq, dK, dV, lk, datt, D, a);
+    else
+      return false;
+    CUDA_LAUNCH_CHECK();
+    return true;
   }
   // The score-buffer path of attention_backward's causal part (its twins made by the caller):
   // dq, dK0, dV0 through cuBLAS products, and sd left as the diagonal probabilities.
@@ -1811,6 +1905,7 @@ DraftEngine::DraftEngine(int device, const DraftDims& dd, DraftMath math, const 
     I.cudnn_grads = I.bf16_in(n <= R * Idim ? I.dact : I.alloc<float>(size_t(n)));
   }
   I.row_cut = opt.row_cut;
+  I.fused_diag = opt.fused_diag_backward;
   if (I.row_cut && K > 1) {
     I.crow_d = I.alloc<int32_t>(size_t(R));
     I.cinv_d = I.alloc<int32_t>(size_t(R));

@@ -721,9 +721,10 @@ __global__ void target_row_kernel(PT* P, int32_t* tgt_arg, uint8_t* in_vocab, fl
 // d(objective)/d(logits) in place, or that gradient goes to grad_b as bf16 when given (it
 // is then only the operand of the lm_head's two products). logits and grad_b hold one chunk
 // of rows, from row0 (row blockIdx.x there); row_scale, ce, hit and counts are indexed by
-// batch row.
-template <class PT>
-__global__ void loss_kernel(float* logits, const PT* P, const int32_t* tgt_arg, const uint8_t* in_vocab,
+// batch row. Logits are fp32, or bf16 (LT) as the bf16 product rounds them; only fp32 logits
+// take the gradient in place.
+template <class PT, class LT>
+__global__ void loss_kernel(LT* logits, const PT* P, const int32_t* tgt_arg, const uint8_t* in_vocab,
                             const uint8_t* mask, const int32_t* pos, const int32_t* len, int64_t Vd, int k,
                             const int32_t* rows, int64_t row0, const float* row_scale, __nv_bfloat16* grad_b,
                             float* ce, uint8_t* hit, uint8_t* counts, const uint8_t* sel) {
@@ -731,21 +732,20 @@ __global__ void loss_kernel(float* logits, const PT* P, const int32_t* tgt_arg, 
   __shared__ int64_t shi[33];
   const int64_t n = rows[row0 + blockIdx.x], tr = n + 1 + k;
   const bool cnt = sel ? sel[n] != 0 : pos[n] + 1 + k < len[n] && mask[tr] && in_vocab[tr];
-  float* lg = logits + int64_t(blockIdx.x) * Vd;
+  LT* lg = logits + int64_t(blockIdx.x) * Vd;
   // One read of the row for its maximum, first argmax and sum of exp (an online softmax:
-  // the sum rescaled whenever the maximum grows), in float4 loads when rows allow.
+  // the sum rescaled whenever the maximum grows), four values a load when rows allow.
   const bool v4 = (Vd & 3) == 0;
   float mx = -INFINITY, z = 0.f;
   int64_t arg = INT64_MAX;
   const auto visit = [&](float v, int64_t d) { softmax_visit(v, d, mx, z, arg); };
   if (v4) {
-    const float4* l4 = reinterpret_cast<const float4*>(lg);
     for (int64_t q = threadIdx.x; q < Vd / 4; q += blockDim.x) {
-      const float4 x = l4[q];
+      const float4 x = load4(lg, q);
       visit(x.x, 4 * q), visit(x.y, 4 * q + 1), visit(x.z, 4 * q + 2), visit(x.w, 4 * q + 3);
     }
   } else {
-    for (int64_t d = threadIdx.x; d < Vd; d += blockDim.x) visit(lg[d], d);
+    for (int64_t d = threadIdx.x; d < Vd; d += blockDim.x) visit(load1(lg + d), d);
   }
   block_softmax_state(mx, z, arg, shv, shz, shi);
   const float lz = mx + logf(z);
@@ -761,25 +761,24 @@ __global__ void loss_kernel(float* logits, const PT* P, const int32_t* tgt_arg, 
   };
   if (cnt || row_scale) {
     if (v4) {
-      const float4* l4 = reinterpret_cast<const float4*>(lg);
       for (int64_t q = threadIdx.x; q < Vd / 4; q += blockDim.x) {
-        const float4 x = l4[q], p = cnt ? load4(pr, q) : make_float4(0.f, 0.f, 0.f, 0.f);
+        const float4 x = load4(lg, q), p = cnt ? load4(pr, q) : make_float4(0.f, 0.f, 0.f, 0.f);
         const float4 g = make_float4(visit2(x.x, p.x), visit2(x.y, p.y), visit2(x.z, p.z), visit2(x.w, p.w));
         if (!row_scale) continue;
         if (gb) {
           reinterpret_cast<__nv_bfloat162*>(gb + 4 * q)[0] = __floats2bfloat162_rn(g.x, g.y);
           reinterpret_cast<__nv_bfloat162*>(gb + 4 * q)[1] = __floats2bfloat162_rn(g.z, g.w);
-        } else {
+        } else if constexpr (std::is_same_v<LT, float>) {
           reinterpret_cast<float4*>(lg)[q] = g;
         }
       }
     } else {
       for (int64_t d = threadIdx.x; d < Vd; d += blockDim.x) {
-        const float g = visit2(lg[d], cnt ? load1(pr + d) : 0.f);
+        const float g = visit2(load1(lg + d), cnt ? load1(pr + d) : 0.f);
         if (!row_scale) continue;
         if (gb)
           gb[d] = __float2bfloat16_rn(g);
-        else
+        else if constexpr (std::is_same_v<LT, float>)
           lg[d] = g;
       }
     }
@@ -1357,13 +1356,23 @@ struct DraftEngine::Impl {
     for (int64_t r0 = 0; r0 < nk; r0 += lrows) {
       const int64_t n = std::min(lrows, nk - r0);
       mark(phase);
-      linear(logits, Vd, E + r0 * H, H, w(LM), n, H, Vd);
-      with_target_dist([&](auto* p) {
-        loss_kernel<<<unsigned(n), 512, 0, s>>>(logits, p, tgt_arg, in_vocab, mask, pos, len, Vd, k, rows, r0,
-                                                 grad ? rs + k * N : nullptr, whole ? lgb + r0 * Vd : nullptr,
-                                                 ce + k * N, hit + k * N, cnt + k * N,
-                                                 d.peagle ? sel + k * N : nullptr);
-      });
+      // With bf16 operands the logits are stored as bf16 (their gradient goes to lgb), as
+      // the field's trainers keep them under autocast.
+      const auto loss = [&](auto* lg) {
+        with_target_dist([&](auto* p) {
+          loss_kernel<<<unsigned(n), 512, 0, s>>>(lg, p, tgt_arg, in_vocab, mask, pos, len, Vd, k, rows, r0,
+                                                   grad ? rs + k * N : nullptr, whole ? lgb + r0 * Vd : nullptr,
+                                                   ce + k * N, hit + k * N, cnt + k * N,
+                                                   d.peagle ? sel + k * N : nullptr);
+        });
+      };
+      if (bf16_operands) {
+        linear_bf16(bf16_in(logits), Vd, E + r0 * H, H, w(LM), n, H, Vd);
+        loss(bf16_in(logits));
+      } else {
+        linear(logits, Vd, E + r0 * H, H, w(LM), n, H, Vd);
+        loss(logits);
+      }
       CUDA_LAUNCH_CHECK();
       if (grad && !whole) {
         mark(back_phase);

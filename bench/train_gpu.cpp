@@ -231,7 +231,9 @@ int main(int argc, char** argv) {
                        hid_p + s * seq * c.H, seq});
     train::OptimConfig oc;
     std::vector<double> times;  // steps after the first (which warms cuBLAS up)
+    double step_flops = 0;      // of the linear products enqueued in the last step
     for (int64_t st = 0; st < steps; ++st) {
+      const double flops0 = gpu->product_flops();
       cudaDeviceSynchronize();
       std::unique_ptr<cuda::CuptiTrace> trace;
       if (!trace_file.empty() && st == steps - 1) trace = std::make_unique<cuda::CuptiTrace>();
@@ -242,11 +244,25 @@ int main(int argc, char** argv) {
       gpu->clip_grad_norm(0.5);
       gpu->adamw_step(oc, st);
       const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      step_flops = gpu->product_flops() - flops0;
       if (trace) {  // not among the timed steps: tracing slows the host down
         cudaDeviceSynchronize();
         const std::vector<TraceEvent> ev = trace->stop();
         std::printf("trace of step %lld (%zu events):\n%s", (long long)st, ev.size(),
                     format_gap_report(analyze_gaps(ev)).c_str());
+        // cuBLAS's kernels (nvjet, *gemm*), the attention's own left out: the products' rate.
+        double gemm_ns = 0;
+        for (const TraceEvent& e : ev) {
+          const std::string& k = e.name;
+          const bool blas = k.find("nvjet") != std::string::npos || k.find("gemm") != std::string::npos;
+          const bool attn = k.find("sdpa") != std::string::npos || k.find("fmha") != std::string::npos ||
+                            k.find("flash") != std::string::npos;
+          if (e.kind == TraceEvent::Kind::Kernel && blas && !attn) gemm_ns += double(e.end - e.start);
+        }
+        const double step_products = gpu->product_flops() - flops0;
+        if (gemm_ns > 0 && step_products > 0)
+          std::printf("traced products: %.1f ms of cuBLAS kernels for %.2f TFLOP: %.0f TFLOP/s\n", gemm_ns / 1e6,
+                      step_products / 1e12, step_products / (gemm_ns * 1e-9) / 1e12);
         write_file_atomic(trace_file, chrome_trace_json(ev));
       } else if (st > 0) {
         times.push_back(dt);
@@ -264,6 +280,9 @@ int main(int argc, char** argv) {
                       100.0 * double(gpu->row_steps()) / double(N * c.ttt_steps));
       }
     }
+    if (step_flops > 0)  // what the engine ran, cut rows left out (the per-token count below is the full work)
+      std::printf("linear products run in the last step: %.2f TFLOP (%.1f GFLOP a token)\n", step_flops / 1e12,
+                  step_flops / 1e9 / double(N));
     std::printf("batches through cuDNN's attention: %lld of %lld\n", (long long)gpu->cudnn_batches(),
                 (long long)steps);
     double prof_total = 0;

@@ -72,6 +72,9 @@ class GpuDraftTrainer {
   // Rows run through the draft's layer so far, summed over steps, batches and GPUs (EAGLE-3 and
   // P-EAGLE: N x K a batch of N rows, fewer with GpuDraftOptions::row_cut); 0 where not counted.
   virtual int64_t row_steps() const { return 0; }
+  // FLOPs of the linear products enqueued so far (EAGLE-3 and P-EAGLE), summed over GPUs; 0
+  // where not counted.
+  virtual double product_flops() const { return 0; }
   // Batches whose causal attention went through cuDNN's fused attention (GpuDraftOptions::
   // attention), summed over GPUs (a batch split over n GPUs counts n times); 0 where not counted.
   virtual int64_t cudnn_batches() const { return 0; }

@@ -155,6 +155,9 @@ class DraftEngine {
   // Rows run through the draft's layer so far, summed over steps and batches: N x K a batch
   // of N rows, less (N - N1) x (K - 1) where rows no later loss reads are cut.
   int64_t row_steps() const;
+  // FLOPs of the cuBLAS linear products (2 m n k each) enqueued so far: the target head, the
+  // layer's and lm_head's forward and backward products (not the attention's).
+  double product_flops() const;
   // Pinned host buffers [max_rows, 3H] (aux) and [max_rows, H] (hidden) a batch can be
   // packed into, so that prepare() uploads them asynchronously (made on first call; both
   // null when the host cannot pin that much, and the caller then uses its own memory).

@@ -408,6 +408,7 @@ class CudaDraftTrainer final : public DeviceTrainer {
   int64_t max_rows() const override { return max_rows_; }
   size_t device_bytes() const override { return eng_->device_bytes(); }
   int64_t row_steps() const override { return eng_->row_steps(); }
+  double product_flops() const override { return eng_->product_flops(); }
   int64_t cudnn_batches() const override { return eng_->cudnn_batches(); }
 
  private:
@@ -829,6 +830,11 @@ class DataParallelDraftTrainer final : public GpuDraftTrainer {
     int64_t n = 0;
     for (const auto& r : ranks_) n += r->cudnn_batches();
     return n;
+  }
+  double product_flops() const override {
+    double f = 0;
+    for (const auto& r : ranks_) f += r->product_flops();
+    return f;
   }
 
  private:

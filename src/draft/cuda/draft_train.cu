@@ -993,6 +993,7 @@ struct DraftEngine::Impl {
           *cinv10_d = nullptr;
   float *gsc = nullptr, *cbuf = nullptr;
   int64_t row_steps = 0;  // DraftEngine::row_steps
+  double product_flops = 0;  // DraftEngine::product_flops
   bool cut_step(int k) const { return rc.cut && k > 0; }
   bool cut0(int k) const { return rc.cut0 && k == 0 && !d.peagle; }
   // Step k's rows after its attention are compacted (the kept rows, or step 0's N0).
@@ -1172,6 +1173,7 @@ struct DraftEngine::Impl {
   void gemm_raw(cublasOperation_t ta, cublasOperation_t tb, int64_t m, int64_t n, int64_t k, const void* a,
                 int64_t lda, const void* b, int64_t ldb, float beta, float* C, int64_t ldc) {
     const float alpha = 1.f;
+    product_flops += 2.0 * double(m) * double(n) * double(k);
     CUBLASV2_CHECK(cublasGemmEx(blas, ta, tb, int(m), int(n), int(k), &alpha, a, operand_type(), int(lda), b,
                                 operand_type(), int(ldb), &beta, C, CUDA_R_32F, int(ldc), compute(),
                                 CUBLAS_GEMM_DEFAULT));
@@ -1185,6 +1187,7 @@ struct DraftEngine::Impl {
   void linear_bf16(__nv_bfloat16* y, int64_t ldy, const float* x, int64_t ldx, const float* wt, int64_t n, int64_t K,
                    int64_t O) {
     const float alpha = 1.f, beta = 0.f;
+    product_flops += 2.0 * double(O) * double(n) * double(K);
     CUBLASV2_CHECK(cublasGemmEx(blas, CUBLAS_OP_T, CUBLAS_OP_N, int(O), int(n), int(K), &alpha,
                                 operand(wt, span(CUBLAS_OP_T, O, K, K), 0), CUDA_R_16BF, int(K),
                                 operand(x, span(CUBLAS_OP_N, K, n, ldx), 1), CUDA_R_16BF, int(ldx), &beta, y,
@@ -1966,6 +1969,7 @@ std::string DraftEngine::setup() const {
 int64_t DraftEngine::cudnn_batches() const { return p_->cudnn_batches; }
 std::string DraftEngine::take_note() { return std::exchange(p_->note, std::string()); }
 int64_t DraftEngine::row_steps() const { return p_->row_steps; }
+double DraftEngine::product_flops() const { return p_->product_flops; }
 std::pair<float*, float*> DraftEngine::host_features() {
   Impl& I = *p_;
   if (!I.host_aux && !I.host_pin_failed) {

@@ -230,20 +230,31 @@ int main(int argc, char** argv) {
       batch.push_back({ids.data() + s * seq, mask.data() + s * seq, aux_p + s * seq * 3 * c.H,
                        hid_p + s * seq * c.H, seq});
     train::OptimConfig oc;
-    std::vector<double> times;  // steps after the first (which warms cuBLAS up)
-    double step_flops = 0;      // of the linear products enqueued in the last step
+    // A step is timed from the previous step's return to its own: the optimizer's update is not
+    // waited for (the host prepares the next batch meanwhile, as `talon train` does), so in the
+    // steady state each interval holds one whole step of device work. The first step warms
+    // cuBLAS up and ends with the device drained; the second, which then starts with nothing in
+    // flight, is left out too when at least two others are timed. A traced step is never timed.
+    const int64_t untraced = trace_file.empty() ? steps : steps - 1;
+    const int64_t first_timed = untraced >= 4 ? 2 : 1;
+    std::vector<double> times;
+    double step_flops = 0;  // of the linear products enqueued in the last step
+    auto t_prev = std::chrono::steady_clock::now();
     for (int64_t st = 0; st < steps; ++st) {
       const double flops0 = gpu->product_flops();
-      cudaDeviceSynchronize();
       std::unique_ptr<cuda::CuptiTrace> trace;
-      if (!trace_file.empty() && st == steps - 1) trace = std::make_unique<cuda::CuptiTrace>();
-      const auto t0 = std::chrono::steady_clock::now();
+      if (st >= untraced) {
+        cudaDeviceSynchronize();
+        trace = std::make_unique<cuda::CuptiTrace>();
+      }
       std::vector<uint64_t> seeds;
       for (int64_t s = 0; s < samples; ++s) seeds.push_back(uint64_t(st) * 1000003ull + uint64_t(s));
       const auto res = gpu->run(batch, 1.0 / double(samples), true, true, seeds);
       gpu->clip_grad_norm(0.5);
       gpu->adamw_step(oc, st);
-      const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      const auto t1 = std::chrono::steady_clock::now();
+      const double dt = std::chrono::duration<double>(t1 - t_prev).count();
+      t_prev = t1;
       step_flops = gpu->product_flops() - flops0;
       if (trace) {  // not among the timed steps: tracing slows the host down
         cudaDeviceSynchronize();
@@ -264,8 +275,12 @@ int main(int argc, char** argv) {
           std::printf("traced products: %.1f ms of cuBLAS kernels for %.2f TFLOP: %.0f TFLOP/s\n", gemm_ns / 1e6,
                       step_products / 1e12, step_products / (gemm_ns * 1e-9) / 1e12);
         write_file_atomic(trace_file, chrome_trace_json(ev));
-      } else if (st > 0) {
+      } else if (st >= first_timed) {
         times.push_back(dt);
+      }
+      if (st == 0) {
+        cudaDeviceSynchronize();
+        t_prev = std::chrono::steady_clock::now();
       }
       std::printf("step %lld: %.3f s, loss %.4f\n", (long long)st, dt, res[0].loss);
       if (st == 0) {
@@ -298,7 +313,7 @@ int main(int argc, char** argv) {
     const double layer = double(qd * 2 * H + 2 * kvd * 2 * H + H * qd + 3 * size_t(c.I) * H);
     const double lm = double(size_t(c.Vd) * H);
     const double per_tok = double(c.ttt_steps) * (6 * layer + 6 * lm) + 4 * double(H * 3 * H) + 2 * double(size_t(c.V) * H);
-    if (times.empty()) fail("--steps must be at least 2 (the first step only warms up)");
+    if (times.empty()) fail("--steps must be at least 2, 3 with --trace (the first step only warms up)");
     std::sort(times.begin(), times.end());
     const size_t nt = times.size();
     const double med = nt % 2 ? times[nt / 2] : 0.5 * (times[nt / 2 - 1] + times[nt / 2]);

@@ -934,6 +934,33 @@ struct DraftEngine::Impl {
   bool host_pin_failed = false;
   cudaStream_t copy_s = nullptr;
   cudaEvent_t aux_ready = nullptr;
+  // A batch's small host arrays (ids, positions, row maps, row weights) go up through pinned
+  // staging: a copy from pageable memory waits for the stream first, which left the device idle
+  // while the host prepared the next batch. The staging fills from its start at each prepare(),
+  // once the copies of the last batch are done (staged: recorded after each copy).
+  uint8_t* stage = nullptr;
+  size_t stage_cap = 0, stage_off = 0;
+  cudaEvent_t staged = nullptr;
+  void upload(void* dst, const void* src, size_t n) {
+    if (n == 0) return;
+    if (stage_off + n > stage_cap) {  // a larger staging, once the copies reading this one are done
+      CUDA_CHECK(cudaStreamSynchronize(s));
+      if (stage) CUDA_CHECK(cudaFreeHost(stage));
+      stage = nullptr;
+      stage_cap = std::max(2 * stage_cap, n + 4096);
+      CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&stage), stage_cap, cudaHostAllocDefault));
+      stage_off = 0;
+    }
+    std::memcpy(stage + stage_off, src, n);
+    CUDA_CHECK(cudaMemcpyAsync(dst, stage + stage_off, n, cudaMemcpyHostToDevice, s));
+    CUDA_CHECK(cudaEventRecord(staged, s));
+    stage_off = (stage_off + n + 15) / 16 * 16;
+  }
+  // Called before a batch's first upload().
+  void restart_staging() {
+    CUDA_CHECK(cudaEventSynchronize(staged));
+    stage_off = 0;
+  }
   // --gpu-profile: GPU time per phase, from events between marks.
   bool profiling = false;
   std::vector<std::pair<std::string, cudaEvent_t>> marks;
@@ -1058,6 +1085,7 @@ struct DraftEngine::Impl {
       if (c) cudaFree(c);
     if (host_aux) cudaFreeHost(host_aux);
     if (emb_stage) cudaFreeHost(emb_stage);
+    if (stage) cudaFreeHost(stage);
     if (host_embed) cudaFreeHost(host_embed);
     if (host_hidden) cudaFreeHost(host_hidden);
     for (auto& m : marks) cudaEventDestroy(m.second);
@@ -1662,6 +1690,7 @@ DraftEngine::DraftEngine(int device, const DraftDims& dd, DraftMath math, const 
   I.copy_s = I.dev->copy_stream();
   I.blas = I.dev->blas();
   I.aux_ready = I.dev->event(0);
+  I.staged = I.dev->event(1);
   const int64_t H = dd.H, V = dd.V, Vd = dd.Vd, R = max_rows, K = dd.K;
   // Uploads go on the engine's stream (ordered after the zeroing of their buffers), drained at
   // once: the host arrays are the caller's.
@@ -2108,6 +2137,7 @@ std::vector<uint8_t> DraftEngine::prepare(const DraftBatch& b) {
   Impl& I = *p_;
   CUDA_CHECK(cudaSetDevice(I.device));
   CUDA_CHECK(cudaEventSynchronize(I.aux_ready));  // the last batch's upload (run() waited for it)
+  I.restart_staging();
   if (b.N > I.R || b.N <= 0)
     fail_msg("draft on GPU: batch of " + std::to_string(b.N) + " rows, buffers hold " + std::to_string(I.R));
   I.N = b.N;
@@ -2117,7 +2147,7 @@ std::vector<uint8_t> DraftEngine::prepare(const DraftBatch& b) {
     if (b.pos[n] != 0 || b.len[n] <= 0 || n + b.len[n] > N) fail_msg("draft on GPU: batch rows are not whole samples");
     I.seqs.push_back({n, b.len[n]});
   }
-  if (I.flash_attention || I.cudnn_attention) {  // read by the fused attention kernels; the copies end before prepare() returns
+  if (I.flash_attention || I.cudnn_attention) {  // read by the fused attention kernels
     I.h_seq_start.clear();
     int64_t longest = 0;
     for (auto [r0, T] : I.seqs) {
@@ -2139,14 +2169,11 @@ std::vector<uint8_t> DraftEngine::prepare(const DraftBatch& b) {
     if (I.cudnn_attention) ++I.cudnn_batches;
     I.h_tiles = ttt_flash_tiles(I.seqs);
     I.n_tiles = int64_t(I.h_tiles.size() / 2);
-    CUDA_CHECK(cudaMemcpyAsync(I.seq_start_d, I.h_seq_start.data(), I.h_seq_start.size() * 8,
-                               cudaMemcpyHostToDevice, I.s));
-    CUDA_CHECK(cudaMemcpyAsync(I.tiles_d, I.h_tiles.data(), I.h_tiles.size() * 4, cudaMemcpyHostToDevice, I.s));
+    I.upload(I.seq_start_d, I.h_seq_start.data(), I.h_seq_start.size() * 8);
+    I.upload(I.tiles_d, I.h_tiles.data(), I.h_tiles.size() * 4);
     if (I.cudnn_attention) I.cudnn->set_batch(I.h_seq_start, I.seq_start_d);
   }
-  auto cp = [&](void* dst, const void* src, size_t n) {
-    CUDA_CHECK(cudaMemcpyAsync(dst, src, n, cudaMemcpyHostToDevice, I.s));
-  };
+  auto cp = [&](void* dst, const void* src, size_t n) { I.upload(dst, src, n); };
   cp(I.ids, b.ids, size_t(N) * 4);
   if (I.batch_embed) {
     // The batch's distinct tokens, token 0 first, go up on the copy stream and their rows are read
@@ -2167,7 +2194,8 @@ std::vector<uint8_t> DraftEngine::prepare(const DraftBatch& b) {
   // distribution runs (asynchronously when it is pinned: the staging of host_features(), or
   // the caller's own pinned parts).
   if (b.parts.empty()) {
-    cp(I.hidden, b.hidden, size_t(N * H) * 4);
+    // The features are not staged (pinned memory, when they are in it, is the caller's).
+    CUDA_CHECK(cudaMemcpyAsync(I.hidden, b.hidden, size_t(N * H) * 4, cudaMemcpyDefault, I.s));
     CUDA_CHECK(cudaMemcpyAsync(I.aux, b.aux, size_t(N * 3 * H) * 4, cudaMemcpyHostToDevice, I.copy_s));
   } else {
     int64_t r = 0;
@@ -2294,7 +2322,7 @@ void DraftEngine::run(const std::vector<float>& row_scale, bool backward, bool z
   if (backward && int64_t(row_scale.size()) != K * N) fail_msg("draft on GPU: row_scale must have K*N entries");
   I.row_steps += N + (K - 1) * I.N1;
   if (backward)
-    CUDA_CHECK(cudaMemcpyAsync(I.rs, row_scale.data(), size_t(K * N) * 4, cudaMemcpyHostToDevice, s));
+    I.upload(I.rs, row_scale.data(), size_t(K * N) * 4);
   const unsigned warps_blocks = nblocks(N * d.nh * 32, 256);
   const bool fused_lm = backward && I.lm_backward_in_forward;
   const int64_t total = I.offs.back() + (I.sizes.back() + 63) / 64 * 64;
@@ -2602,8 +2630,9 @@ void DraftEngine::adamw(double lr, double beta1, double beta2, double eps, doubl
     CUDA_LAUNCH_CHECK();
   }
   // The gradients stay as they were (unclipped) with the factor still pending, as after any
-  // clip_grad_norm(): get_grads() and further accumulation apply it first.
-  CUDA_CHECK(cudaStreamSynchronize(I.s));
+  // clip_grad_norm(): get_grads() and further accumulation apply it first. The update is not
+  // waited for: the host goes on to the next batch meanwhile, and every later use of the
+  // weights is ordered after it on the stream (the copies to the host wait for it).
 }
 
 }  // namespace talon::cuda

@@ -961,6 +961,18 @@ struct DraftEngine::Impl {
     CUDA_CHECK(cudaEventSynchronize(staged));
     stage_off = 0;
   }
+  // Pinned host room for a batch's row statistics (ce [K N] floats, then hit and counts [K N]
+  // bytes each): read back right after the forward without holding the host (a copy to pageable
+  // memory returns only once the device has got there), handed out after run()'s one sync.
+  uint8_t* stats_host = nullptr;
+  void take_stats(DraftRowStats& out, size_t kn) const {
+    out.ce.resize(kn);
+    out.hit.resize(kn);
+    out.counts.resize(kn);
+    std::memcpy(out.ce.data(), stats_host, kn * 4);
+    std::memcpy(out.hit.data(), stats_host + kn * 4, kn);
+    std::memcpy(out.counts.data(), stats_host + kn * 5, kn);
+  }
   // --gpu-profile: GPU time per phase, from events between marks.
   bool profiling = false;
   std::vector<std::pair<std::string, cudaEvent_t>> marks;
@@ -1086,6 +1098,7 @@ struct DraftEngine::Impl {
     if (host_aux) cudaFreeHost(host_aux);
     if (emb_stage) cudaFreeHost(emb_stage);
     if (stage) cudaFreeHost(stage);
+    if (stats_host) cudaFreeHost(stats_host);
     if (host_embed) cudaFreeHost(host_embed);
     if (host_hidden) cudaFreeHost(host_hidden);
     for (auto& m : marks) cudaEventDestroy(m.second);
@@ -1692,6 +1705,7 @@ DraftEngine::DraftEngine(int device, const DraftDims& dd, DraftMath math, const 
   I.aux_ready = I.dev->event(0);
   I.staged = I.dev->event(1);
   const int64_t H = dd.H, V = dd.V, Vd = dd.Vd, R = max_rows, K = dd.K;
+  CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&I.stats_host), size_t(K * R) * 6, cudaHostAllocDefault));
   // Uploads go on the engine's stream (ordered after the zeroing of their buffers), drained at
   // once: the host arrays are the caller's.
   auto up_bytes = [&](void* dst, const void* src, size_t bytes) {
@@ -2419,15 +2433,14 @@ void DraftEngine::run(const std::vector<float>& row_scale, bool backward, bool z
         I.compact(I.gsc, I.gs[1], H);
     }
   }
-  out.ce.resize(size_t(K * N));
-  out.hit.resize(size_t(K * N));
-  out.counts.resize(size_t(K * N));
-  CUDA_CHECK(cudaMemcpyAsync(out.ce.data(), I.ce, size_t(K * N) * 4, cudaMemcpyDeviceToHost, s));
-  CUDA_CHECK(cudaMemcpyAsync(out.hit.data(), I.hit, size_t(K * N), cudaMemcpyDeviceToHost, s));
-  CUDA_CHECK(cudaMemcpyAsync(out.counts.data(), I.cnt, size_t(K * N), cudaMemcpyDeviceToHost, s));
+  const size_t kn = size_t(K * N);
+  CUDA_CHECK(cudaMemcpyAsync(I.stats_host, I.ce, kn * 4, cudaMemcpyDeviceToHost, s));
+  CUDA_CHECK(cudaMemcpyAsync(I.stats_host + kn * 4, I.hit, kn, cudaMemcpyDeviceToHost, s));
+  CUDA_CHECK(cudaMemcpyAsync(I.stats_host + kn * 5, I.cnt, kn, cudaMemcpyDeviceToHost, s));
   if (!backward) {
     I.mark("end");
     CUDA_CHECK(cudaStreamSynchronize(s));
+    I.take_stats(out, kn);
     I.collect();
     return;
   }
@@ -2585,6 +2598,7 @@ void DraftEngine::run(const std::vector<float>& row_scale, bool backward, bool z
   }
   I.mark("end");
   CUDA_CHECK(cudaStreamSynchronize(s));
+  I.take_stats(out, kn);
   I.collect();
 }
 

@@ -54,8 +54,11 @@ int main(int argc, char** argv) {
     const char* name;
     int64_t in, out;
   };
-  const std::vector<Lin> lins = {{"qkv", 2 * H, qd + 2 * kvd}, {"o", qd, H},    {"gate+up", H, 2 * I}, {"down", I, H},
-                                 {"lm_head", H, Vd},           {"fc", 3 * H, H}};
+  // The trainer runs q, k and v as three products and gate, up as two; qkv and gate+up show what
+  // one product each would run at.
+  const std::vector<Lin> lins = {{"q", 2 * H, qd},    {"k (or v)", 2 * H, kvd}, {"qkv", 2 * H, qd + 2 * kvd},
+                                 {"o", qd, H},        {"gate (or up)", H, I},   {"gate+up", H, 2 * I},
+                                 {"down", I, H},      {"lm_head", H, Vd},       {"fc", 3 * H, H}};
   std::vector<Shape> shapes;
   for (int64_t r : rows)
     for (const Lin& l : lins) {

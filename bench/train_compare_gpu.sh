@@ -3,7 +3,7 @@
 # ceiling, Talon (`talon_bench_train`: features in pinned memory as `talon train` keeps them,
 # then the VARIANT run) and the PyTorch peer (bench/train_peer.py, which first checks itself
 # against the oracle), then a table of tokens/s, memory and ratios. Every log is kept under
-# $LOGS (default: a temporary folder).
+# $LOGS (default: $OUT/train_compare on the device machine, else a temporary folder).
 #   bash scripts/gpu_build.sh && [LOSS_SHARE=f] [VARIANT=staged|resident|cudnn|flash|device|allrows|base|none] \
 #     bash bench/train_compare_gpu.sh [SHAPE] ["SEQS"] [SAMPLES] [PEER_COMPILE]
 # e.g. LOSS_SHARE=0.675 VARIANT=resident bash bench/train_compare_gpu.sh llama3-8b "2048 4096" 1 full
@@ -71,6 +71,9 @@ case "$VARIANT" in
   none) vflag=() ;;
   *) echo "VARIANT=$VARIANT: expected staged, resident, cudnn, flash, device, allrows, base or none" >&2; exit 2 ;;
 esac
+# On the device machine ($OUT set) the logs default to $OUT/train_compare, so that they come back
+# even when the command's printed output is longer than what the call returns.
+[ -z "${LOGS:-}" ] && [ -n "${OUT:-}" ] && LOGS=$OUT/train_compare
 log=${LOGS:-$(mktemp -d)}
 mkdir -p "$log"
 for seq in $SEQS; do

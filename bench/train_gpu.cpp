@@ -270,10 +270,9 @@ int main(int argc, char** argv) {
                             k.find("flash") != std::string::npos;
           if (e.kind == TraceEvent::Kind::Kernel && blas && !attn) gemm_ns += double(e.end - e.start);
         }
-        const double step_products = gpu->product_flops() - flops0;
-        if (gemm_ns > 0 && step_products > 0)
+        if (gemm_ns > 0 && step_flops > 0)
           std::printf("traced products: %.1f ms of cuBLAS kernels for %.2f TFLOP: %.0f TFLOP/s\n", gemm_ns / 1e6,
-                      step_products / 1e12, step_products / (gemm_ns * 1e-9) / 1e12);
+                      step_flops / 1e12, step_flops / (gemm_ns * 1e-9) / 1e12);
         write_file_atomic(trace_file, chrome_trace_json(ev));
       } else if (st >= first_timed) {
         times.push_back(dt);

@@ -150,23 +150,28 @@ def main():
     times, losses = [], []
     if device != "cpu":
         torch.cuda.reset_peak_memory_stats()
-    for step in range(a.warmup + a.steps):
-        if device != "cpu":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
+    # A step is timed from the previous step's end to its own, as talon_bench_train times Talon's:
+    # the loss is read back once a step (the one sync), the update is left in flight and the next
+    # step's host work overlaps it. The first step ends with the device drained; the warm-up
+    # steps, and the one after them, are not timed.
+    t_prev = None
+    for step in range(a.warmup + a.steps + 1):
         with autocast:
             out = m(**batch, **kwargs)
         loss = out[1]
         opt.zero_grad(set_to_none=True)
         loss.backward()
+        losses.append(float(loss.detach()))
         torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
         opt.step()
-        if device != "cpu":
+        if step == 0 and device != "cpu":
             torch.cuda.synchronize()
-        dt = time.perf_counter() - t0
-        losses.append(float(loss.detach()))
-        if step >= a.warmup:
-            times.append(dt)
+        t1 = time.perf_counter()
+        if step > a.warmup:
+            times.append(t1 - t_prev)
+        t_prev = t1
+    if device != "cpu":
+        torch.cuda.synchronize()
     med = statistics.median(times)
     res = {"peer": "speculators 0.9.0", "drafter": a.drafter, "shape": a.shape, "seq": a.seq, "device": device,
            "tokens_per_s": a.seq / med, "step_ms": 1000 * med, "steps": len(times), "loss_first": losses[0],

@@ -11,18 +11,10 @@
 #include <string>
 #include <vector>
 
+#include "backend/cuda/check.h"
 #include "gpu_bench_util.h"
 
 namespace {
-
-#define BLAS_CK(x)                                                     \
-  do {                                                                 \
-    cublasStatus_t s_ = (x);                                           \
-    if (s_ != CUBLAS_STATUS_SUCCESS) {                                 \
-      std::fprintf(stderr, "%s: %s\n", #x, cublasGetStatusString(s_)); \
-      std::exit(1);                                                    \
-    }                                                                  \
-  } while (0)
 
 struct Shape {
   std::string name;
@@ -32,7 +24,7 @@ struct Shape {
 
 }  // namespace
 
-int main(int argc, char** argv) {
+int main(int argc, char** argv) try {
   using namespace talon::bench;
   std::vector<int64_t> rows = {2765, 4096};
   int64_t H = 4096, I = 14336, Vd = 32000, qd = 4096, kvd = 1024;
@@ -85,10 +77,10 @@ int main(int argc, char** argv) {
   BENCH_CK(cudaMemset(B, 0x3c, most_b * 2));
   BENCH_CK(cudaMemset(C, 0, most_c * 4));
   cublasHandle_t h;
-  BLAS_CK(cublasCreate(&h));
+  CUBLAS_CHECK(cublasCreate(&h));
   size_t ws_bytes = size_t(64) << 20;
   void* ws = dalloc<char>(ws_bytes);
-  BLAS_CK(cublasSetWorkspace(h, ws, ws_bytes));
+  CUBLAS_CHECK(cublasSetWorkspace(h, ws, ws_bytes));
   cudaEvent_t e0, e1;
   BENCH_CK(cudaEventCreate(&e0));
   BENCH_CK(cudaEventCreate(&e1));
@@ -97,7 +89,7 @@ int main(int argc, char** argv) {
     const float alpha = 1.f, beta = out == 1 ? 1.f : 0.f;
     const int lda = int(s.ta == CUBLAS_OP_N ? s.m : s.k), ldb = int(s.tb == CUBLAS_OP_N ? s.k : s.n);
     auto run = [&] {
-      BLAS_CK(cublasGemmEx(h, s.ta, s.tb, int(s.m), int(s.n), int(s.k), &alpha, A, CUDA_R_16BF, lda, B, CUDA_R_16BF,
+      CUBLAS_CHECK(cublasGemmEx(h, s.ta, s.tb, int(s.m), int(s.n), int(s.k), &alpha, A, CUDA_R_16BF, lda, B, CUDA_R_16BF,
                            ldb, &beta, out == 2 ? static_cast<void*>(Cb) : static_cast<void*>(C),
                            out == 2 ? CUDA_R_16BF : CUDA_R_32F, int(s.m), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
     };
@@ -134,4 +126,7 @@ int main(int argc, char** argv) {
   std::printf("sum: %.2f / %.2f / %.2f ms\n", tot[0], tot[1], tot[2]);
   cublasDestroy(h);
   return 0;
+} catch (const std::exception& e) {  // a failed cuBLAS call (check.h), named
+  std::fprintf(stderr, "error: %s\n", e.what());
+  return 1;
 }

@@ -5,12 +5,6 @@
 
 namespace talon::cuda {
 
-#define CUBLASV2_DEVICE_CHECK(expr)                                                                   \
-  do {                                                                                                \
-    cublasStatus_t s_ = (expr);                                                                       \
-    if (s_ != CUBLAS_STATUS_SUCCESS) fail_cuda("cuBLAS", int(s_), cublasGetStatusString(s_), #expr, __FILE__, __LINE__); \
-  } while (0)
-
 Device::Device(int device, const std::string& who, bool copy_stream) : device_(device) {
   int n = 0;
   if (const cudaError_t e = cudaGetDeviceCount(&n); e != cudaSuccess || n == 0) {
@@ -67,9 +61,9 @@ cublasHandle_t Device::blas() {
   if (!blas_) {
     activate();
     cublasHandle_t h = nullptr;
-    CUBLASV2_DEVICE_CHECK(cublasCreate(&h));
+    CUBLAS_CHECK(cublasCreate(&h));
     blas_ = h;
-    CUBLASV2_DEVICE_CHECK(cublasSetStream(blas_, stream_));
+    CUBLAS_CHECK(cublasSetStream(blas_, stream_));
   }
   return blas_;
 }

@@ -19,13 +19,6 @@
 #include "draft/cuda/dflash_engine.h"
 #include "draft/cuda/train_kernels.cuh"
 
-#define DFLASH_CUBLAS_CHECK(expr)                                                                     \
-  do {                                                                                                \
-    cublasStatus_t s_ = (expr);                                                                       \
-    if (s_ != CUBLAS_STATUS_SUCCESS)                                                                  \
-      ::talon::cuda::fail_cuda("cuBLAS", int(s_), cublasGetStatusString(s_), #expr, __FILE__, __LINE__); \
-  } while (0)
-
 namespace talon::cuda {
 
 namespace {
@@ -380,7 +373,7 @@ struct DFlashEngine::Impl {
             const float* B, int64_t ldb, float beta, float* Cm, int64_t ldc) {
     if (m == 0 || n == 0) return;
     const float alpha = 1.f;
-    DFLASH_CUBLAS_CHECK(cublasGemmEx(blas, ta, tb, int(m), int(n), int(k), &alpha, A, CUDA_R_32F, int(lda), B,
+    CUBLAS_CHECK(cublasGemmEx(blas, ta, tb, int(m), int(n), int(k), &alpha, A, CUDA_R_32F, int(lda), B,
                                      CUDA_R_32F, int(ldb), &beta, Cm, CUDA_R_32F, int(ldc), compute(),
                                      CUBLAS_GEMM_DEFAULT));
   }

@@ -25,13 +25,6 @@
 #include "backend/cuda/kernels/swiglu.cuh"
 #include "backend/cuda/warp.cuh"
 
-#define CUBLASV2_CHECK(expr)                                                                          \
-  do {                                                                                                \
-    cublasStatus_t s_ = (expr);                                                                       \
-    if (s_ != CUBLAS_STATUS_SUCCESS)                                                                  \
-      ::talon::cuda::fail_cuda("cuBLAS", int(s_), cublasGetStatusString(s_), #expr, __FILE__, __LINE__); \
-  } while (0)
-
 namespace talon::cuda {
 
 std::vector<int64_t> draft_tensor_sizes(const DraftDims& d) {
@@ -1215,7 +1208,7 @@ struct DraftEngine::Impl {
                 int64_t lda, const void* b, int64_t ldb, float beta, float* C, int64_t ldc) {
     const float alpha = 1.f;
     product_flops += 2.0 * double(m) * double(n) * double(k);
-    CUBLASV2_CHECK(cublasGemmEx(blas, ta, tb, int(m), int(n), int(k), &alpha, a, operand_type(), int(lda), b,
+    CUBLAS_CHECK(cublasGemmEx(blas, ta, tb, int(m), int(n), int(k), &alpha, a, operand_type(), int(lda), b,
                                 operand_type(), int(ldb), &beta, C, CUDA_R_32F, int(ldc), compute(),
                                 CUBLAS_GEMM_DEFAULT));
   }
@@ -1229,7 +1222,7 @@ struct DraftEngine::Impl {
                    int64_t O) {
     const float alpha = 1.f, beta = 0.f;
     product_flops += 2.0 * double(O) * double(n) * double(K);
-    CUBLASV2_CHECK(cublasGemmEx(blas, CUBLAS_OP_T, CUBLAS_OP_N, int(O), int(n), int(K), &alpha,
+    CUBLAS_CHECK(cublasGemmEx(blas, CUBLAS_OP_T, CUBLAS_OP_N, int(O), int(n), int(K), &alpha,
                                 operand(wt, span(CUBLAS_OP_T, O, K, K), 0), CUDA_R_16BF, int(K),
                                 operand(x, span(CUBLAS_OP_N, K, n, ldx), 1), CUDA_R_16BF, int(ldx), &beta, y,
                                 CUDA_R_16BF, int(ldy), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
@@ -1441,7 +1434,7 @@ struct DraftEngine::Impl {
                int64_t ldc, int64_t sC, int64_t batch) {
     const void* a = operand(A, (batch - 1) * sA + span(ta, m, k, lda), 0);
     const void* b = operand(B, (batch - 1) * sB + span(tb, k, n, ldb), 1);
-    CUBLASV2_CHECK(cublasGemmStridedBatchedEx(blas, ta, tb, int(m), int(n), int(k), &alpha, a, operand_type(),
+    CUBLAS_CHECK(cublasGemmStridedBatchedEx(blas, ta, tb, int(m), int(n), int(k), &alpha, a, operand_type(),
                                               int(lda), sA, b, operand_type(), int(ldb), sB, &beta, C, CUDA_R_32F,
                                               int(ldc), sC, int(batch), compute(), CUBLAS_GEMM_DEFAULT));
   }

@@ -2631,9 +2631,9 @@ void DraftEngine::adamw(double lr, double beta1, double beta2, double eps, doubl
     if (I.d.peagle && t == LM) continue;  // frozen
     const float decay = decay_on[size_t(t)] ? float(1.0 - lr * weight_decay) : 1.0f;
     const int64_t n = I.sizes[size_t(t)], o = I.offs[size_t(t)];
-    adamw_kernel<<<nblocks(n, 256), 256, 0, I.s>>>(I.W + o, I.M + o, I.Vm + o, I.G + o, n, decay, float(lr / bc1),
-                                                   float(std::sqrt(bc2)), float(beta1), float(beta2), float(eps),
-                                                   I.grad_scale, I.bf16_operands ? I.Wb + o : nullptr);
+    const AdamWArgs a{decay, float(lr / bc1), float(std::sqrt(bc2)), float(beta1), float(beta2), float(eps),
+                      I.grad_scale};
+    adamw_update(I.W + o, I.M + o, I.Vm + o, I.G + o, n, a, I.bf16_operands ? I.Wb + o : nullptr, I.s);
     CUDA_LAUNCH_CHECK();
   }
   // The gradients stay as they were (unclipped) with the factor still pending, as after any

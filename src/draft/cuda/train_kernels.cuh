@@ -30,11 +30,19 @@ __global__ void add_rows_kernel(float* out, const float* a, int64_t lda, const i
 
 constexpr int kNormBlocks = 240;
 
+// partial[block] = the block's share of sum(g^2), in a fixed order. float4 loads where g is
+// 16-byte aligned (every tensor of the trainers' flat buffers is), the tail one by one.
 __global__ void sumsq_kernel(double* partial, const float* g, int64_t n) {
   __shared__ double sh[256];
   double s = 0;
-  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
-    s += double(g[i]) * double(g[i]);
+  const int64_t tid = int64_t(blockIdx.x) * blockDim.x + threadIdx.x, stride = int64_t(gridDim.x) * blockDim.x;
+  const int64_t n4 = uintptr_t(g) % 16 == 0 ? n / 4 : 0;
+  const float4* g4 = reinterpret_cast<const float4*>(g);
+  for (int64_t i = tid; i < n4; i += stride) {
+    const float4 v = g4[i];
+    s += double(v.x) * double(v.x) + double(v.y) * double(v.y) + double(v.z) * double(v.z) + double(v.w) * double(v.w);
+  }
+  for (int64_t i = n4 * 4 + tid; i < n; i += stride) s += double(g[i]) * double(g[i]);
   sh[threadIdx.x] = s;
   __syncthreads();
   for (int o = blockDim.x / 2; o > 0; o >>= 1) {
@@ -49,22 +57,63 @@ __global__ void scale_kernel(float* x, float s, int64_t n) {
   if (i < n) x[i] *= s;
 }
 
-// One AdamW update of n values. The gradient is read times gscale (the clipping factor, applied
-// here instead of in a pass of its own: the same product, so the same bits); with wb, the
-// weights' bf16 copy is written too (the bits cast_bf16 gives).
-__global__ void adamw_kernel(float* w, float* m, float* v, const float* g, int64_t n, float decay, float step,
-                             float sbc2, float b1, float b2, float eps, float gscale, __nv_bfloat16* wb) {
+// One AdamW update of one value. The gradient is read times gscale (the clipping factor,
+// applied here instead of in a pass of its own: the same product, so the same bits).
+struct AdamWArgs {
+  float decay, step, sbc2, b1, b2, eps, gscale;
+};
+__device__ __forceinline__ float adamw_one(float& w, float& m, float& v, float g, const AdamWArgs& a) {
+  const float gj = a.gscale == 1.f ? g : g * a.gscale;
+  float wj = w * a.decay;
+  const float mj = a.b1 * m + (1.0f - a.b1) * gj;
+  const float vj = a.b2 * v + (1.0f - a.b2) * gj * gj;
+  wj -= a.step * mj / (sqrtf(vj) / a.sbc2 + a.eps);
+  w = wj;
+  m = mj;
+  v = vj;
+  return wj;
+}
+
+__host__ __device__ inline bool adamw_vectors(const float* w, const float* m, const float* v, const float* g,
+                                              const __nv_bfloat16* wb) {
+  return (uintptr_t(w) | uintptr_t(m) | uintptr_t(v) | uintptr_t(g)) % 16 == 0 && uintptr_t(wb) % 8 == 0;
+}
+
+// AdamW over n values: four a thread (float4 loads and stores) where every array is 16-byte
+// aligned (wb 8-byte), then the rest one a thread. With wb, the weights' bf16 copy is written
+// too (the bits cast_bf16 gives). Each value's arithmetic is the same either way.
+__global__ void adamw_kernel(float* w, float* m, float* v, const float* g, int64_t n, AdamWArgs a, __nv_bfloat16* wb) {
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i >= n) return;
-  const float gj = gscale == 1.f ? g[i] : g[i] * gscale;
-  float wj = w[i] * decay;
-  const float mj = b1 * m[i] + (1.0f - b1) * gj;
-  const float vj = b2 * v[i] + (1.0f - b2) * gj * gj;
-  wj -= step * mj / (sqrtf(vj) / sbc2 + eps);
-  w[i] = wj;
-  m[i] = mj;
-  v[i] = vj;
-  if (wb) wb[i] = __float2bfloat16_rn(wj);
+  const int64_t n4 = adamw_vectors(w, m, v, g, wb) ? n / 4 : 0;
+  if (i < n4) {
+    float4 W = reinterpret_cast<float4*>(w)[i], M = reinterpret_cast<float4*>(m)[i];
+    float4 V = reinterpret_cast<float4*>(v)[i];
+    const float4 G = reinterpret_cast<const float4*>(g)[i];
+    adamw_one(W.x, M.x, V.x, G.x, a);
+    adamw_one(W.y, M.y, V.y, G.y, a);
+    adamw_one(W.z, M.z, V.z, G.z, a);
+    adamw_one(W.w, M.w, V.w, G.w, a);
+    reinterpret_cast<float4*>(w)[i] = W;
+    reinterpret_cast<float4*>(m)[i] = M;
+    reinterpret_cast<float4*>(v)[i] = V;
+    if (wb) {
+      __nv_bfloat162* b = reinterpret_cast<__nv_bfloat162*>(wb + 4 * i);
+      b[0] = __nv_bfloat162(__float2bfloat16_rn(W.x), __float2bfloat16_rn(W.y));
+      b[1] = __nv_bfloat162(__float2bfloat16_rn(W.z), __float2bfloat16_rn(W.w));
+    }
+    return;
+  }
+  const int64_t j = n4 * 4 + (i - n4);  // the tail (or everything, unaligned)
+  if (j >= n) return;
+  const float wj = adamw_one(w[j], m[j], v[j], g[j], a);
+  if (wb) wb[j] = __float2bfloat16_rn(wj);
+}
+
+// One AdamW update of n values at w, m, v (gradient g, bf16 copy wb or null) on stream s.
+inline void adamw_update(float* w, float* m, float* v, const float* g, int64_t n, const AdamWArgs& a,
+                         __nv_bfloat16* wb, cudaStream_t s) {
+  const int64_t threads = adamw_vectors(w, m, v, g, wb) ? n / 4 + n % 4 : n;
+  adamw_kernel<<<nblocks(threads, 256), 256, 0, s>>>(w, m, v, g, n, a, wb);
 }
 
 // Host arrays to or from the tensors of one flat buffer (tensor i at base + offs[i]), on the

@@ -1189,6 +1189,17 @@ struct DraftEngine::Impl {
   // reads the gradients; anything else that reads or adds to G applies it first (scale_grads),
   // and zeroing G drops it.
   float grad_scale = 1.f;
+  // Step 0's input, fc(aux) into gs[0], made by prepare() while the host builds the batch's row
+  // maps (the device would idle there otherwise); run() makes it again if the weights changed
+  // in between (weights_version counts their updates) or it was used already.
+  bool fc_ready = false;
+  uint64_t weights_version = 0, fc_version = 0;
+  void fc_forward() {
+    CUDA_CHECK(cudaStreamWaitEvent(s, aux_ready, 0));
+    linear(gs[0], d.H, aux, 3 * d.H, w(FC), N, 3 * d.H, d.H);
+    fc_ready = true;
+    fc_version = weights_version;
+  }
   void scale_grads() {
     if (grad_scale == 1.f) return;
     for (int t = 0; t < int(sizes.size()); ++t) {
@@ -2042,6 +2053,7 @@ void DraftEngine::set_weights(const std::vector<const float*>& w) {
   CUDA_CHECK(cudaSetDevice(p_->device));
   copy_tensors(p_->W, p_->offs, p_->sizes, unconst(w), false, p_->s);
   p_->refresh_weight_copy();
+  ++p_->weights_version;
 }
 void DraftEngine::get_weights(const std::vector<float*>& w) {
   CUDA_CHECK(cudaSetDevice(p_->device));
@@ -2240,6 +2252,8 @@ std::vector<uint8_t> DraftEngine::prepare(const DraftBatch& b) {
     });
     CUDA_LAUNCH_CHECK();
   }
+  I.mark("forward: products and norms");
+  I.fc_forward();  // queued ahead of the wait below
   I.mark("end");
   std::vector<uint8_t> iv(static_cast<size_t>(N));
   CUDA_CHECK(cudaMemcpyAsync(iv.data(), I.in_vocab, size_t(N), cudaMemcpyDeviceToHost, I.s));
@@ -2347,9 +2361,9 @@ void DraftEngine::run(const std::vector<float>& row_scale, bool backward, bool z
 
   // Forward. g1 = r + o_proj(att) of step k is made in gs[k + 1], and the down product adds
   // to it in place (beta 1): g2 = g1 + down(...). The backward recomputes each step's g1.
-  CUDA_CHECK(cudaStreamWaitEvent(s, I.aux_ready, 0));
   I.mark("forward: products and norms");
-  I.linear(I.gs[0], H, I.aux, 3 * H, I.w(FC), N, 3 * H, H);
+  if (!I.fc_ready || I.fc_version != I.weights_version) I.fc_forward();
+  I.fc_ready = false;
   if (d.peagle && K > 1) {  // every later step reads fc(mask_hidden) in every row
     I.linear(I.mrow, H, I.w(MASKH), 3 * H, I.w(FC), 1, 3 * H, H);
     broadcast_row_kernel<<<nblocks(N * H, 256), 256, 0, s>>>(I.gm, I.mrow, N, H);
@@ -2627,6 +2641,7 @@ void DraftEngine::adamw(double lr, double beta1, double beta2, double eps, doubl
              std::to_string(I.sizes.size()));
   CUDA_CHECK(cudaSetDevice(I.device));
   const double bc1 = 1.0 - std::pow(beta1, double(t_after)), bc2 = 1.0 - std::pow(beta2, double(t_after));
+  ++I.weights_version;
   for (int t = 0; t < int(I.sizes.size()); ++t) {
     if (I.d.peagle && t == LM) continue;  // frozen
     const float decay = decay_on[size_t(t)] ? float(1.0 - lr * weight_decay) : 1.0f;

@@ -364,12 +364,14 @@ class CudaDraftTrainer final : public DeviceTrainer {
           counts[size_t(k * N + r + t)] = c;
           nk[i][size_t(k)] += c;
         }
-      for (int64_t k = 0; k < K; ++k)
-        if (nk[i][size_t(k)] > 0)
-          for (int64_t t = 0; t < s.T; ++t)
-            if (counts[size_t(k * N + r + t)])
-              scale[size_t(k * N + r + t)] =
-                  float(weight * std::pow(c_.step_decay, double(k)) / double(nk[i][size_t(k)]));
+      for (int64_t k = 0; k < K; ++k) {
+        if (nk[i][size_t(k)] == 0) continue;
+        // One value for the sample's step (a pow a row cost ~0.15 ms a 2048-row batch, while
+        // the device waits for run()).
+        const float row_w = float(weight * std::pow(c_.step_decay, double(k)) / double(nk[i][size_t(k)]));
+        for (int64_t t = 0; t < s.T; ++t)
+          if (counts[size_t(k * N + r + t)]) scale[size_t(k * N + r + t)] = row_w;
+      }
       r += s.T;
     }
     cuda::DraftRowStats st;

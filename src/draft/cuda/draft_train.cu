@@ -2346,7 +2346,7 @@ void DraftEngine::run(const std::vector<float>& row_scale, bool backward, bool z
     I.upload(I.rs, row_scale.data(), size_t(K * N) * 4);
   const unsigned warps_blocks = nblocks(N * d.nh * 32, 256);
   const bool fused_lm = backward && I.lm_backward_in_forward;
-  const int64_t total = I.offs.back() + (I.sizes.back() + 63) / 64 * 64;
+  const int64_t total = grad_elems();
   if (backward) {  // G is zeroed below, or this run adds to it: a pending clipping factor goes first
     if (zero_grads)
       I.grad_scale = 1.f;

@@ -27,6 +27,7 @@
 #include "draft/optim.h"
 #include "draft/peagle.h"
 #include "draft/trainer.h"
+#include "model/model.h"
 #include "util/error.h"
 
 using namespace talon;
@@ -991,6 +992,57 @@ TEST_P(GpuDraft, AdamWStepsMatchCpuAndAreDeterministic) {
     }
     EXPECT_LE(d, tol::kGpuTttGradRel * mx) << "first moment of tensor " << i;
   }
+}
+
+// The engine's contract beside the trainer's (which calls prepare() and run() back to back):
+// prepare() queues step 0's fc product early, and weights set between prepare() and run() are
+// the ones run() uses, that product made again. The forward's statistics say which fc ran.
+TEST(GpuDraftEngine, WeightsSetBetweenPrepareAndRunAreTheOnesUsed) {
+  REQUIRE_GPU();
+  Case cs(false, 41);
+  cs.favour_draft_vocab(0.2f);
+  const DraftConfig& c = cs.c;
+  cuda::DraftDims d;
+  d.H = c.H, d.I = c.I, d.nh = c.n_heads, d.nkv = c.n_kv_heads, d.hd = c.head_dim, d.V = c.V, d.Vd = c.Vd;
+  d.eps = float(c.rms_eps), d.K = c.ttt_steps, d.norm_before_residual = c.norm_before_residual;
+  const std::vector<float> inv = rope_inv_freq(c.rope, c.head_dim);
+  std::vector<int32_t> ids, pos, len;
+  std::vector<uint8_t> mask;
+  std::vector<float> aux, hid;
+  for (const auto& smp : cs.samples) {
+    const int32_t T = int32_t(smp.ids.size());
+    for (int32_t t = 0; t < T; ++t) pos.push_back(t), len.push_back(T);
+    ids.insert(ids.end(), smp.ids.begin(), smp.ids.end());
+    mask.insert(mask.end(), smp.mask.begin(), smp.mask.end());
+    aux.insert(aux.end(), smp.aux.begin(), smp.aux.end());
+    hid.insert(hid.end(), smp.hid.begin(), smp.hid.end());
+  }
+  cuda::DraftBatch b;
+  b.N = int64_t(ids.size()), b.ids = ids.data(), b.mask = mask.data(), b.aux = aux.data(), b.hidden = hid.data();
+  b.pos = pos.data(), b.len = len.data();
+  DraftWeights w2 = cs.w;
+  for (auto& x : w2.fc) x *= -0.7f;  // another step-0 input for every row
+  const auto ptrs = [](DraftWeights& w) {
+    std::vector<const float*> p;
+    for (auto& nv : w.named()) p.push_back(nv.second->data());
+    return p;
+  };
+  // first: weights before prepare(); then: weights set after it (none when null).
+  const auto forward = [&](DraftWeights& first, DraftWeights* then) {
+    cuda::DraftEngine e(0, d, cuda::DraftMath::F32, cs.embed.data(), cs.fnorm.data(), cs.head.data(),
+                        cs.dv.kept.data(), cs.dv.t2d.data(), inv.data(), b.N);
+    e.set_weights(ptrs(first));
+    e.prepare(b);
+    if (then) e.set_weights(ptrs(*then));
+    cuda::DraftRowStats st;
+    e.run({}, false, false, st);
+    return st;
+  };
+  const cuda::DraftRowStats switched = forward(cs.w, &w2), only2 = forward(w2, nullptr), only1 = forward(cs.w, nullptr);
+  ASSERT_EQ(switched.counts, only2.counts);
+  ASSERT_GT(std::count(only2.counts.begin(), only2.counts.end(), uint8_t(1)), 10);
+  EXPECT_EQ(switched.ce, only2.ce) << "run() used the fc product prepare() made with the old weights";
+  EXPECT_NE(only1.ce, only2.ce) << "the two fc weights give the same losses: the test cannot tell them apart";
 }
 
 TEST(GpuDraftBudget, RefusesBatchOverBudget) {

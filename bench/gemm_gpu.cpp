@@ -89,9 +89,10 @@ int main(int argc, char** argv) try {
     const float alpha = 1.f, beta = out == 1 ? 1.f : 0.f;
     const int lda = int(s.ta == CUBLAS_OP_N ? s.m : s.k), ldb = int(s.tb == CUBLAS_OP_N ? s.k : s.n);
     auto run = [&] {
-      CUBLAS_CHECK(cublasGemmEx(h, s.ta, s.tb, int(s.m), int(s.n), int(s.k), &alpha, A, CUDA_R_16BF, lda, B, CUDA_R_16BF,
-                           ldb, &beta, out == 2 ? static_cast<void*>(Cb) : static_cast<void*>(C),
-                           out == 2 ? CUDA_R_16BF : CUDA_R_32F, int(s.m), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+      CUBLAS_CHECK(cublasGemmEx(h, s.ta, s.tb, int(s.m), int(s.n), int(s.k), &alpha, A, CUDA_R_16BF, lda, B,
+                                CUDA_R_16BF, ldb, &beta, out == 2 ? static_cast<void*>(Cb) : static_cast<void*>(C),
+                                out == 2 ? CUDA_R_16BF : CUDA_R_32F, int(s.m), CUBLAS_COMPUTE_32F,
+                                CUBLAS_GEMM_DEFAULT));
     };
     run();
     run();

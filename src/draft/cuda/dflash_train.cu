@@ -373,9 +373,8 @@ struct DFlashEngine::Impl {
             const float* B, int64_t ldb, float beta, float* Cm, int64_t ldc) {
     if (m == 0 || n == 0) return;
     const float alpha = 1.f;
-    CUBLAS_CHECK(cublasGemmEx(blas, ta, tb, int(m), int(n), int(k), &alpha, A, CUDA_R_32F, int(lda), B,
-                                     CUDA_R_32F, int(ldb), &beta, Cm, CUDA_R_32F, int(ldc), compute(),
-                                     CUBLAS_GEMM_DEFAULT));
+    CUBLAS_CHECK(cublasGemmEx(blas, ta, tb, int(m), int(n), int(k), &alpha, A, CUDA_R_32F, int(lda), B, CUDA_R_32F,
+                              int(ldb), &beta, Cm, CUDA_R_32F, int(ldc), compute(), CUBLAS_GEMM_DEFAULT));
   }
   // Row-major y[n, O] = beta y + x[n, K] @ w[O, K]^T
   void linear(float* y, const float* xx, const float* wt, int64_t n, int64_t K, int64_t O, float beta = 0.f) {

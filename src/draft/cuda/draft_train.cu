@@ -1220,8 +1220,8 @@ struct DraftEngine::Impl {
     const float alpha = 1.f;
     product_flops += 2.0 * double(m) * double(n) * double(k);
     CUBLAS_CHECK(cublasGemmEx(blas, ta, tb, int(m), int(n), int(k), &alpha, a, operand_type(), int(lda), b,
-                                operand_type(), int(ldb), &beta, C, CUDA_R_32F, int(ldc), compute(),
-                                CUBLAS_GEMM_DEFAULT));
+                              operand_type(), int(ldb), &beta, C, CUDA_R_32F, int(ldc), compute(),
+                              CUBLAS_GEMM_DEFAULT));
   }
   // Row-major y[N, O] (ld ldy) = beta*y + x[N, K] (ld ldx) @ w[O, K]^T
   void linear(float* y, int64_t ldy, const float* x, int64_t ldx, const float* wt, int64_t n, int64_t K, int64_t O,
@@ -1234,9 +1234,9 @@ struct DraftEngine::Impl {
     const float alpha = 1.f, beta = 0.f;
     product_flops += 2.0 * double(O) * double(n) * double(K);
     CUBLAS_CHECK(cublasGemmEx(blas, CUBLAS_OP_T, CUBLAS_OP_N, int(O), int(n), int(K), &alpha,
-                                operand(wt, span(CUBLAS_OP_T, O, K, K), 0), CUDA_R_16BF, int(K),
-                                operand(x, span(CUBLAS_OP_N, K, n, ldx), 1), CUDA_R_16BF, int(ldx), &beta, y,
-                                CUDA_R_16BF, int(ldy), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+                              operand(wt, span(CUBLAS_OP_T, O, K, K), 0), CUDA_R_16BF, int(K),
+                              operand(x, span(CUBLAS_OP_N, K, n, ldx), 1), CUDA_R_16BF, int(ldx), &beta, y, CUDA_R_16BF,
+                              int(ldy), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
   }
   // dx[N, K] (ld lddx) = beta*dx + dy[N, O] @ w[O, K]
   void linear_dx(float* dx, int64_t lddx, const float* dy, const float* wt, int64_t n, int64_t K, int64_t O,
@@ -1445,9 +1445,9 @@ struct DraftEngine::Impl {
                int64_t ldc, int64_t sC, int64_t batch) {
     const void* a = operand(A, (batch - 1) * sA + span(ta, m, k, lda), 0);
     const void* b = operand(B, (batch - 1) * sB + span(tb, k, n, ldb), 1);
-    CUBLAS_CHECK(cublasGemmStridedBatchedEx(blas, ta, tb, int(m), int(n), int(k), &alpha, a, operand_type(),
-                                              int(lda), sA, b, operand_type(), int(ldb), sB, &beta, C, CUDA_R_32F,
-                                              int(ldc), sC, int(batch), compute(), CUBLAS_GEMM_DEFAULT));
+    CUBLAS_CHECK(cublasGemmStridedBatchedEx(blas, ta, tb, int(m), int(n), int(k), &alpha, a, operand_type(), int(lda),
+                                            sA, b, operand_type(), int(ldb), sB, &beta, C, CUDA_R_32F, int(ldc), sC,
+                                            int(batch), compute(), CUBLAS_GEMM_DEFAULT));
   }
   void free_scores() {
     for (float* p : {Sb, dPb})

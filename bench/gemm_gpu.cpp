@@ -46,8 +46,9 @@ int main(int argc, char** argv) try {
     const char* name;
     int64_t in, out;
   };
-  // The trainer runs q, k and v as three products and gate, up as two; qkv and gate+up show what
-  // one product each would run at.
+  // With bf16 operands the trainer runs gate+up as one product (forward and backward) and the
+  // q|k|v backward as one (dx and dW), the q, k, v forward as three; --gpu-separate-products
+  // runs one a matrix. Both kinds are timed here.
   const std::vector<Lin> lins = {{"q", 2 * H, qd},    {"k (or v)", 2 * H, kvd}, {"qkv", 2 * H, qd + 2 * kvd},
                                  {"o", qd, H},        {"gate (or up)", H, I},   {"gate+up", H, 2 * I},
                                  {"down", I, H},      {"lm_head", H, Vd},       {"fc", 3 * H, H}};

@@ -82,6 +82,9 @@ int main(int argc, char** argv) {
   app.add_flag("--gpu-lm-grad-in-backward", eng.lm_grad_in_backward, "lm_head backward in the backward pass");
   app.add_flag("--gpu-row-cut,!--gpu-all-rows", eng.row_cut,
                "steps after the first run only rows a later loss reads (default; --gpu-all-rows: every row)");
+  app.add_flag("--gpu-fused-products,!--gpu-separate-products", eng.fused_products,
+               "gate|up and the q|k|v backward as one product each (--gpu-separate-products, the default: one a "
+               "matrix)");
   app.add_flag("--gpu-profile", eng.profile, "GPU time per phase");
   app.add_flag("--resident", resident,
                "features in device memory (as the PyTorch peer keeps them), copied device to device; the "

@@ -224,6 +224,10 @@ int main(int argc, char** argv) {
                      "Steps after the first run only the rows a later step's loss reads (the default: same results, "
                      "less work); --gpu-all-rows runs every row at every step")
         ->group(g);
+    cmd_tr->add_flag("--gpu-fused-products,!--gpu-separate-products", tr.gpu_engine.fused_products,
+                     "With bf16 operands, gate|up and the q|k|v backward as one product each; "
+                     "--gpu-separate-products (the default for now) runs one product a matrix")
+        ->group(g);
     cmd_tr->add_flag("--gpu-profile", tr.gpu_engine.profile, "Log GPU time per phase at the end")->group(g);
   }
   cmd_tr->add_option("--noise", tr.noise, "Uniform noise amplitude added to the aux hidden states")->capture_default_str();

@@ -10,10 +10,11 @@
 #include <algorithm>
 #include <bit>
 #include <cmath>
-#include <cstring>
-#include <string>
 #include <cstdint>
+#include <cstring>
 #include <random>
+#include <string>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -240,6 +241,32 @@ struct SwigluCase {
   bool fused;
 };
 
+// The backward with its gradients written fused (dgate at 0, dup at I, rows every 2I, as one
+// product reads them) from fused gate|up operands at g: the values, in that layout, as floats.
+template <class T>
+std::vector<float> fused_grads(const T* g, const float* dact, int shift, int64_t N, int64_t I) {
+  Guarded<T> dgu{size_t(N * 2 * I + 8)};
+  T* p = dgu.ptr() + shift;
+  cuda::kernel::swiglu_backward(p, p + I, dact, g, g + I, 2 * I, 2 * I, N, I, nullptr);
+  EXPECT_TRUE(dgu.guards_intact());
+  std::vector<float> v;
+  if constexpr (std::is_same_v<T, float>)
+    v = dgu.download();
+  else
+    v = to_f32(dgu.download());
+  return std::vector<float>(v.begin() + shift, v.begin() + shift + N * 2 * I);
+}
+// Fused gradients hold the separate ones' bits, row by row.
+void expect_fused_grads(const std::vector<float>& dg, const std::vector<float>& du, const std::vector<float>& fused,
+                        int64_t N, int64_t I, const std::string& what) {
+  for (int64_t r = 0; r < N; ++r) {
+    EXPECT_EQ(0, std::memcmp(&fused[size_t(r * 2 * I)], &dg[size_t(r * I)], size_t(I) * sizeof(float)))
+        << what << ": fused dgate row " << r;
+    EXPECT_EQ(0, std::memcmp(&fused[size_t(r * 2 * I + I)], &du[size_t(r * I)], size_t(I) * sizeof(float)))
+        << what << ": fused dup row " << r;
+  }
+}
+
 TEST(CudaKernels, SwigluForwardAndBackwardMatchOracle) {
   REQUIRE_GPU();
   for (SwigluCase sc : {SwigluCase{1, 1, false}, {9, 13, false}, {9, 13, true}, {5, 64, false}, {5, 64, true},
@@ -263,12 +290,13 @@ TEST(CudaKernels, SwigluForwardAndBackwardMatchOracle) {
       Guarded<float> g{size_t(span)}, a{size_t(n)}, da{size_t(n)}, dg{size_t(n)}, du{size_t(n)};
       g.upload(gu), da.upload(dact);
       cuda::kernel::swiglu_forward(a.ptr(), g.ptr(), g.ptr() + up_at, ld, N, I, nullptr);
-      cuda::kernel::swiglu_backward(dg.ptr(), du.ptr(), da.ptr(), g.ptr(), g.ptr() + up_at, ld, N, I, nullptr);
+      cuda::kernel::swiglu_backward(dg.ptr(), du.ptr(), da.ptr(), g.ptr(), g.ptr() + up_at, ld, I, N, I, nullptr);
       const auto av = a.download(), dgv = dg.download(), duv = du.download();
       EXPECT_LE(rel_err(av.data(), raf.data(), size_t(n)), tol::kOpRel) << what;
       EXPECT_LE(rel_err(dgv.data(), rgf.data(), size_t(n)), tol::kOpRel) << what;
       EXPECT_LE(rel_err(duv.data(), ruf.data(), size_t(n)), tol::kOpRel) << what;
       EXPECT_TRUE(a.guards_intact() && dg.guards_intact() && du.guards_intact()) << what;
+      if (sc.fused) expect_fused_grads(dgv, duv, fused_grads<float>(g.ptr(), da.ptr(), 0, N, I), N, I, what);
       // fp32 operands, bf16 out (the MoE experts).
       Guarded<bf16> ab{size_t(n)};
       cuda::kernel::swiglu_forward(ab.ptr(), g.ptr(), g.ptr() + up_at, ld, N, I, nullptr);
@@ -288,13 +316,16 @@ TEST(CudaKernels, SwigluForwardAndBackwardMatchOracle) {
       g.upload(to_bf16(padded)), da.upload(dpad);
       bf16 *gp = g.ptr() + shift, *ap = a.ptr() + shift, *dgp = dg.ptr() + shift, *dup = du.ptr() + shift;
       cuda::kernel::swiglu_forward(ap, gp, gp + up_at, ld, N, I, nullptr);
-      cuda::kernel::swiglu_backward(dgp, dup, da.ptr() + 4 * shift, gp, gp + up_at, ld, N, I, nullptr);
+      cuda::kernel::swiglu_backward(dgp, dup, da.ptr() + 4 * shift, gp, gp + up_at, ld, I, N, I, nullptr);
       const auto cut = [&](const std::vector<float>& v) {
         return std::vector<float>(v.begin() + shift, v.begin() + shift + n);
       };
       out[shift][0] = cut(to_f32(a.download()));
       out[shift][1] = cut(to_f32(dg.download()));
       out[shift][2] = cut(to_f32(du.download()));
+      if (sc.fused)
+        expect_fused_grads(out[shift][1], out[shift][2], fused_grads<bf16>(gp, da.ptr() + 4 * shift, shift, N, I), N, I,
+                           what + " shift " + std::to_string(shift));
       EXPECT_LE(rel_err(out[shift][0].data(), raf.data(), size_t(n)), tol::kCudaBf16Out) << what << " shift " << shift;
       EXPECT_LE(rel_err(out[shift][1].data(), rgf.data(), size_t(n)), tol::kCudaBf16Out) << what << " shift " << shift;
       EXPECT_LE(rel_err(out[shift][2].data(), ruf.data(), size_t(n)), tol::kCudaBf16Out) << what << " shift " << shift;
@@ -346,6 +377,50 @@ TEST(CudaKernels, CastsRoundToNearestEvenOnEveryPath) {
       }
       EXPECT_TRUE(in.guards_intact() && out.guards_intact() && back.guards_intact());
     }
+  // Rows into a wider matrix (side by side with others): every value rounds as above, and the
+  // columns between the rows keep what they held. Both paths: 4 a thread (cols and strides
+  // multiples of 4, aligned) and one a thread (odd cols, odd strides or shifted pointers).
+  struct RowsCase {
+    int64_t rows, cols, ldi, ldo, shift;
+  };
+  for (const RowsCase rc : {RowsCase{1, 4, 4, 12, 0},
+                            {7, 8, 12, 20, 0},
+                            {5, 12, 12, 16, 4},
+                            {3, 5, 7, 9, 0},
+                            {6, 8, 8, 16, 1},
+                            {33, 16, 16, 48, 0}}) {
+    const int64_t n_in = rc.rows * rc.ldi + 4, n_out = rc.rows * rc.ldo + 4;
+    std::vector<float> src(size_t(n_in), 0.f);
+    for (int64_t i = 0; i < n_in; ++i) src[size_t(i)] = v[size_t(i) % v.size()];
+    Guarded<float> in{size_t(n_in)};
+    Guarded<bf16> out{size_t(n_out)};
+    in.upload(src);
+    const uint16_t sentinel = 0x7fc1;  // a NaN no cast makes
+    std::vector<bf16> fill(static_cast<size_t>(n_out));
+    for (auto& x : fill) std::memcpy(static_cast<void*>(&x), &sentinel, 2);
+    out.upload(fill);
+    cuda::kernel::cast_rows_bf16(out.ptr() + rc.shift, rc.ldo, in.ptr() + rc.shift, rc.ldi, rc.rows, rc.cols, nullptr);
+    const auto o = out.download();
+    const std::string what = "rows " + std::to_string(rc.rows) + " cols " + std::to_string(rc.cols) + " ldi " +
+                             std::to_string(rc.ldi) + " ldo " + std::to_string(rc.ldo) + " shift " +
+                             std::to_string(rc.shift);
+    for (int64_t i = 0; i < n_out; ++i) {
+      uint16_t got;
+      std::memcpy(&got, &o[size_t(i)], 2);
+      const int64_t at = i - rc.shift, r = at / rc.ldo, c = at % rc.ldo;
+      if (at < 0 || r >= rc.rows || c >= rc.cols) {
+        ASSERT_EQ(got, sentinel) << what << ": wrote outside the rows at " << i;
+        continue;
+      }
+      const float x = src[size_t(rc.shift + r * rc.ldi + c)];
+      if (std::isnan(x)) {
+        EXPECT_TRUE(std::isnan(bf16_to_f32(got))) << what;
+        continue;
+      }
+      ASSERT_EQ(got, f32_to_bf16(x)) << what << ": row " << r << " col " << c;
+    }
+    EXPECT_TRUE(in.guards_intact() && out.guards_intact()) << what;
+  }
 }
 
 }  // namespace

@@ -1,6 +1,7 @@
 #include "backend/cuda/kernel_ops.h"
 
 #include "backend/cuda/check.h"
+#include "backend/cuda/kernels/cast.cuh"
 #include "backend/cuda/kernels/rmsnorm.cuh"
 #include "backend/cuda/kernels/rope.cuh"
 #include "backend/cuda/kernels/swiglu.cuh"
@@ -40,13 +41,16 @@ void swiglu_forward(bf16* act, const bf16* g, const bf16* u, int64_t ld, int64_t
 void swiglu_forward(bf16* act, const float* g, const float* u, int64_t ld, int64_t N, int64_t I, cudaStream_t s) {
   launch_swiglu_forward(act, g, u, ld, N, I, s);
 }
-void swiglu_backward(float* dg, float* du, const float* dact, const float* g, const float* u, int64_t ld, int64_t N,
-                     int64_t I, cudaStream_t s) {
-  launch_swiglu_backward(dg, du, dact, g, u, ld, N, I, s);
+void cast_rows_bf16(bf16* out, int64_t ldo, const float* in, int64_t ldi, int64_t rows, int64_t cols, cudaStream_t s) {
+  cuda::cast_rows_bf16(out, ldo, in, ldi, rows, cols, s);
 }
-void swiglu_backward(bf16* dg, bf16* du, const float* dact, const bf16* g, const bf16* u, int64_t ld, int64_t N,
-                     int64_t I, cudaStream_t s) {
-  launch_swiglu_backward(dg, du, dact, g, u, ld, N, I, s);
+void swiglu_backward(float* dg, float* du, const float* dact, const float* g, const float* u, int64_t ld, int64_t ldd,
+                     int64_t N, int64_t I, cudaStream_t s) {
+  launch_swiglu_backward(dg, du, dact, g, u, ld, ldd, N, I, s);
+}
+void swiglu_backward(bf16* dg, bf16* du, const float* dact, const bf16* g, const bf16* u, int64_t ld, int64_t ldd,
+                     int64_t N, int64_t I, cudaStream_t s) {
+  launch_swiglu_backward(dg, du, dact, g, u, ld, ldd, N, I, s);
 }
 
 }  // namespace talon::cuda::kernel

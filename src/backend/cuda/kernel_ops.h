@@ -32,10 +32,12 @@ void rope(float* x, bf16* out_b, const int32_t* pos, int offset, const float* in
 void swiglu_forward(float* act, const float* g, const float* u, int64_t ld, int64_t N, int64_t I, cudaStream_t s);
 void swiglu_forward(bf16* act, const bf16* g, const bf16* u, int64_t ld, int64_t N, int64_t I, cudaStream_t s);
 void swiglu_forward(bf16* act, const float* g, const float* u, int64_t ld, int64_t N, int64_t I, cudaStream_t s);
-// dg, du [N, I] from dact [N, I].
-void swiglu_backward(float* dg, float* du, const float* dact, const float* g, const float* u, int64_t ld, int64_t N,
-                     int64_t I, cudaStream_t s);
-void swiglu_backward(bf16* dg, bf16* du, const float* dact, const bf16* g, const bf16* u, int64_t ld, int64_t N,
-                     int64_t I, cudaStream_t s);
+// out[r * ldo + c] = bf16(in[r * ldi + c]), r < rows, c < cols.
+void cast_rows_bf16(bf16* out, int64_t ldo, const float* in, int64_t ldi, int64_t rows, int64_t cols, cudaStream_t s);
+// dg, du (N rows of I, every ldd elements) from dact [N, I].
+void swiglu_backward(float* dg, float* du, const float* dact, const float* g, const float* u, int64_t ld, int64_t ldd,
+                     int64_t N, int64_t I, cudaStream_t s);
+void swiglu_backward(bf16* dg, bf16* du, const float* dact, const bf16* g, const bf16* u, int64_t ld, int64_t ldd,
+                     int64_t N, int64_t I, cudaStream_t s);
 
 }  // namespace talon::cuda::kernel

@@ -740,7 +740,7 @@ void DFlashEngine::backward(const std::vector<float>& row_scale, bool zero_grads
     // MLP: out = x1 + down(silu(gate(hm)) * up(hm)), hm = post_ln(x1).
     I.linear_dw(I.g(I.lt(l, L_DOWN)), I.dX, A.act, N, Id, H);
     I.linear_dx(I.dact, I.dX, I.w(I.lt(l, L_DOWN)), N, Id, H, 0.f);
-    if (N > 0) kernel::swiglu_backward(I.dga, I.dup, I.dact, A.ga, A.up, Id, N, Id, s);
+    if (N > 0) kernel::swiglu_backward(I.dga, I.dup, I.dact, A.ga, A.up, Id, Id, N, Id, s);
     I.linear_dx(I.dhm, I.dga, I.w(I.lt(l, L_GATE)), N, H, Id, 0.f);
     I.linear_dx(I.dhm, I.dup, I.w(I.lt(l, L_UP)), N, H, Id, 1.f);
     I.linear_dw(I.g(I.lt(l, L_GATE)), I.dga, A.hm, N, H, Id);

@@ -846,7 +846,19 @@ struct DraftEngine::Impl {
   __nv_bfloat16* Ph = nullptr;  // the target distribution as bf16 instead of P, with bf16 operands
   // Per step (K copies; gs has K + 1).
   std::vector<float*> gs, xin, q, att, lse, hm, ga, up, fn;
-  std::vector<__nv_bfloat16*> gab, upb;  // with bf16 operands, ga and up stored as bf16 instead
+  // With bf16 operands, ga and up stored as bf16 instead; with GpuDraftOptions::fused_products
+  // side by side in each row ([R, 2I]: gate then up, upb[k] = gab[k] + I) so that one product
+  // makes both (w_gu_adjacent: W_gate and W_up are one [2I, H] matrix in W, Wb and G), else in
+  // [R, I] blocks of their own, a product each. gu_fused: the backward writes dgate|dup the same
+  // way into the lent block's part that holds dga and dup and runs one product for dhm and one
+  // for d[W_gate; W_up] instead of two each (no fp32 accumulation of dhm in between).
+  std::vector<__nv_bfloat16*> gab, upb;
+  bool w_gu_adjacent = false, gu_fused = false;
+  // With bf16 operands and W_q, W_k, W_v one [qd + 2 kvd, 2H] matrix in W, Wb and G: the
+  // backward casts dq|dk|dv side by side into that part (idle by then) and runs one product for
+  // dxin and one for d[W_q; W_k; W_v] instead of three each.
+  bool qkv_fused = false;
+  int64_t gu_ld() const { return w_gu_adjacent ? 2 * d.I : d.I; }
   float *keys, *vals, *dK, *dV;
   // Scratch.
   float *E, *tmp, *act, *logits, *dfn, *dg2, *dact, *dga, *dup, *dhm, *dg1, *datt, *D, *dq, *dxin, *dg, *dgn;
@@ -1283,7 +1295,9 @@ struct DraftEngine::Impl {
     const int64_t H = d.H, Id = d.I;
     const size_t ks = size_t(k);
     const Twin th = hm_twin(k);
-    if (bf16_operands) {
+    if (bf16_operands && w_gu_adjacent) {
+      linear_bf16(gab[ks], 2 * Id, hm[ks], H, w(GATE), Nr, H, 2 * Id);
+    } else if (bf16_operands) {
       linear_bf16(gab[ks], Id, hm[ks], H, w(GATE), Nr, H, Id);
       linear_bf16(upb[ks], Id, hm[ks], H, w(UP), Nr, H, Id);
     } else {
@@ -1295,16 +1309,19 @@ struct DraftEngine::Impl {
   void swiglu(float* act, int k) {
     const size_t ks = size_t(k);
     if (bf16_operands)
-      launch_swiglu_forward(bf16_in(act), gab[ks], upb[ks], d.I, Nr, d.I, s);
+      launch_swiglu_forward(bf16_in(act), gab[ks], upb[ks], gu_ld(), Nr, d.I, s);
     else
       launch_swiglu_forward(act, ga[ks], up[ks], d.I, Nr, d.I, s);
   }
+  // With gu_fused, dgate|dup rows of 2I at bf16_in(dga) (dup's argument unused).
   void swiglu_backward(float* dga, float* dup, const float* dact, int k) {
     const size_t ks = size_t(k);
-    if (bf16_operands)
-      launch_swiglu_backward(bf16_in(dga), bf16_in(dup), dact, gab[ks], upb[ks], d.I, Nr, d.I, s);
+    if (gu_fused)
+      launch_swiglu_backward(bf16_in(dga), bf16_in(dga) + d.I, dact, gab[ks], upb[ks], gu_ld(), 2 * d.I, Nr, d.I, s);
+    else if (bf16_operands)
+      launch_swiglu_backward(bf16_in(dga), bf16_in(dup), dact, gab[ks], upb[ks], gu_ld(), d.I, Nr, d.I, s);
     else
-      launch_swiglu_backward(dga, dup, dact, ga[ks], up[ks], d.I, Nr, d.I, s);
+      launch_swiglu_backward(dga, dup, dact, ga[ks], up[ks], d.I, d.I, Nr, d.I, s);
   }
   // E = the embeddings of the tokens step k feeds.
   void gather(int k) {
@@ -1788,6 +1805,8 @@ DraftEngine::DraftEngine(int device, const DraftDims& dd, DraftMath math, const 
   I.W = I.alloc<float>(size_t(total));
   I.w_total = total;
   if (I.bf16_operands) I.Wb = I.alloc<__nv_bfloat16>(size_t(total));
+  I.w_gu_adjacent = I.bf16_operands && opt.fused_products && I.offs[UP] == I.offs[GATE] + I.sizes[GATE] &&
+                    I.sizes[GATE] == dd.I * dd.H;
   I.G = I.alloc<float>(size_t(total));
   I.M = I.alloc<float>(size_t(total));
   I.Vm = I.alloc<float>(size_t(total));
@@ -1846,8 +1865,9 @@ DraftEngine::DraftEngine(int device, const DraftDims& dd, DraftMath math, const 
     I.hm.push_back(I.alloc<float>(floats(R * H, I.hm_bf16)));
     I.fn.push_back(I.alloc<float>(size_t(R * H)));
   }
-  // The gate and up products of every step in one block, [K][gate, up][R, I]. Only run()
-  // uses it, so prepare() makes the target's full logits there.
+  // The gate and up products of every step in one block: [K][R][gate, up][I] when one product
+  // makes both (w_gu_adjacent), else [K][gate, up][R, I]. Only run() uses it, so prepare() makes
+  // the target's full logits there.
   const int64_t mlp_elems = 2 * K * R * Idim;
   void* mlp = nullptr;
   if (I.bf16_operands)
@@ -1857,7 +1877,8 @@ DraftEngine::DraftEngine(int device, const DraftDims& dd, DraftMath math, const 
   for (int64_t k = 0; k < K; ++k) {
     if (I.bf16_operands) {
       I.gab.push_back(static_cast<__nv_bfloat16*>(mlp) + (2 * k) * R * Idim);
-      I.upb.push_back(static_cast<__nv_bfloat16*>(mlp) + (2 * k + 1) * R * Idim);
+      I.upb.push_back(I.w_gu_adjacent ? I.gab.back() + Idim
+                                      : static_cast<__nv_bfloat16*>(mlp) + (2 * k + 1) * R * Idim);
     } else {
       I.ga.push_back(static_cast<float*>(mlp) + (2 * k) * R * Idim);
       I.up.push_back(static_cast<float*>(mlp) + (2 * k + 1) * R * Idim);
@@ -1884,17 +1905,25 @@ DraftEngine::DraftEngine(int device, const DraftDims& dd, DraftMath math, const 
     // Buffers idle whenever the attention runs, forward or backward, side by side in one block:
     // E (the step's embeddings: read by the input norm before the attention, remade after it),
     // lgb (the loss gradient, made and used by lm_head_step), dg2 (read before the MLP's
-    // backward), dga, dup (inside it) and dhm (read by the post-attention norm's backward). The
-    // block is also lent to cuDNN as its workspace, grown to the workspace of one sample of R
-    // rows where that adds at most kMaxLentGrowth (the 8B draft at 4096 rows: 0.65 GiB); a
-    // batch whose bucket needs more than the block gets a workspace of cuDNN's own.
+    // backward), dga, dup (inside it) and dhm (read by the post-attention norm's backward). With
+    // fused_products dga and dup share one part that also holds dgate|dup rows of 2I (gu_fused)
+    // and dq|dk|dv rows (qkv_fused, after the MLP's backward). The block is also lent to cuDNN
+    // as its workspace, grown to the workspace of one sample of R rows where that adds at most
+    // kMaxLentGrowth (the 8B draft at 4096 rows: 0.65 GiB); a batch whose bucket needs more
+    // than the block gets a workspace of cuDNN's own.
     const auto bytes_of = [](int64_t floats_n) { return (floats_n * 4 + 255) / 256 * 256; };
-    const int64_t parts[] = {bytes_of(R * H),
-                             I.bf16_operands ? bytes_of((R * Vd + 1) / 2) : 0,
-                             bytes_of(R * H),
-                             bytes_of(int64_t(floats(R * Idim, I.bf16_operands))),
-                             bytes_of(int64_t(floats(R * Idim, I.bf16_operands))),
-                             bytes_of(R * H)};
+    // fused_products (bf16 operands only): dga and dup in one part (dup_at: its offset, in bf16
+    // values), also sized for dgate|dup rows of 2I and dq|dk|dv rows.
+    const bool fuse = I.bf16_operands && opt.fused_products;
+    const int64_t dup_at = (R * Idim + 63) / 64 * 64;
+    const int64_t gu_part = std::max(dup_at + R * Idim, R * (qd + 2 * kvd));
+    const int64_t parts[] = {
+        bytes_of(R * H),
+        I.bf16_operands ? bytes_of((R * Vd + 1) / 2) : 0,
+        bytes_of(R * H),
+        fuse ? bytes_of(int64_t(floats(gu_part, true))) : bytes_of(int64_t(floats(R * Idim, I.bf16_operands))),
+        fuse ? 0 : bytes_of(int64_t(floats(R * Idim, I.bf16_operands))),
+        bytes_of(R * H)};
     int64_t total = 0;
     for (int64_t b : parts) total += b;
     constexpr int64_t kMaxLentGrowth = int64_t(1) << 30;
@@ -1918,7 +1947,10 @@ DraftEngine::DraftEngine(int device, const DraftDims& dd, DraftMath math, const 
     if (I.bf16_operands) I.lgb = I.bf16_in(at[1]);
     I.dg2 = at[2];
     I.dga = at[3];
-    I.dup = at[4];
+    I.dup = fuse ? reinterpret_cast<float*>(I.bf16_in(at[3]) + dup_at) : at[4];
+    I.gu_fused = fuse && I.w_gu_adjacent;
+    I.qkv_fused = fuse && I.offs[WK] == I.offs[WQ] + I.sizes[WQ] && I.offs[WV] == I.offs[WK] + I.sizes[WK] &&
+                  I.sizes[WQ] == qd * 2 * H && I.sizes[WK] == kvd * 2 * H;
     I.dhm = at[5];
     if (I.cudnn) I.cudnn->set_workspace(block, size);
     I.cudnn_cap = opt.cudnn_auto_bytes > 0 ? opt.cudnn_auto_bytes : size;
@@ -2481,7 +2513,15 @@ void DraftEngine::run(const std::vector<float>& row_scale, bool backward, bool z
       I.linear_dx(I.dact, Id, I.dg2, I.w(DOWN), Np, Id, H, 0.f);
       I.linear_dw(I.g(DOWN), I.dg2, I.act, Id, Np, Id, H);
     }
-    {
+    if (I.gu_fused) {  // dgate|dup rows of 2I: one product for dhm, one for d[W_gate; W_up]
+      const Impl::Twin th = I.hm_twin(k);
+      I.swiglu_backward(I.dga, I.dup, I.dact, k);
+      const __nv_bfloat16* dgu = I.bf16_in(I.dga);
+      I.gemm_raw(CUBLAS_OP_N, CUBLAS_OP_N, H, Np, 2 * Id, I.operand(I.w(GATE), 2 * Id * H, 0), H, dgu, 2 * Id, 0.f,
+                 I.dhm, H);
+      I.gemm_raw(CUBLAS_OP_N, CUBLAS_OP_T, H, 2 * Id, Np, I.operand(I.hm[ks], Np * H, 0), H, dgu, 2 * Id, 1.f,
+                 I.g(GATE), H);
+    } else {
       const Impl::Twin tg(I, I.dga, Np * Id, I.bf16_in(I.dga)), tu(I, I.dup, Np * Id, I.bf16_in(I.dup)),
           th = I.hm_twin(k);
       I.swiglu_backward(I.dga, I.dup, I.dact, k);
@@ -2542,7 +2582,18 @@ void DraftEngine::run(const std::vector<float>& row_scale, bool backward, bool z
       dKk = I.keys + k * I.R * kvd;
       dVk = I.vals + k * I.R * kvd;
     }
-    {
+    if (I.qkv_fused) {
+      const int64_t C = qd + 2 * kvd;
+      __nv_bfloat16* b = I.bf16_in(I.dga);  // [Nk, C]: dq | dk | dv
+      cast_rows_bf16(b, C, gq, qd, Nk, qd, s);
+      cast_rows_bf16(b + qd, C, dKk, kvd, Nk, kvd, s);
+      cast_rows_bf16(b + qd + kvd, C, dVk, kvd, Nk, kvd, s);
+      const Impl::Twin tx = I.xin_twin(k);
+      I.gemm_raw(CUBLAS_OP_N, CUBLAS_OP_N, 2 * H, Nk, C, I.operand(I.w(WQ), C * 2 * H, 0), 2 * H, b, C, 0.f, I.dxin,
+                 2 * H);
+      I.gemm_raw(CUBLAS_OP_N, CUBLAS_OP_T, 2 * H, C, Nk, I.operand(xin, Nk * 2 * H, 0), 2 * H, b, C, 1.f, I.g(WQ),
+                 2 * H);
+    } else {
       const Impl::Twin tq(I, gq, Nk * qd), tk(I, dKk, Nk * kvd), tv(I, dVk, Nk * kvd), tx = I.xin_twin(k);
       I.linear_dx(I.dxin, 2 * H, gq, I.w(WQ), Nk, 2 * H, qd, 0.f);
       I.linear_dx(I.dxin, 2 * H, dKk, I.w(WK), Nk, 2 * H, kvd, 1.f);

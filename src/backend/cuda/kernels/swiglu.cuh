@@ -5,10 +5,11 @@
 //   act = silu(g) * u = g / (1 + exp(-g)) * u,
 //   backward: du = dact * g * sg,  dg = dact * u * sg * (1 + g (1 - sg)),  sg = 1 / (1 + exp(-g)).
 // Operands are N rows of I values; gate and up rows start every ld elements (ld = I for
-// separate buffers, 2I for the fused gate|up rows, where up = gate + I), act and the
-// gradients are contiguous [N, I]. bf16 operands with I and ld multiples of 8 and 16-byte
-// aligned pointers go 8 values a thread (16-byte accesses; the same arithmetic, so the same
-// bits as the one-value kernels).
+// separate buffers, 2I for the fused gate|up rows, where up = gate + I); act is contiguous
+// [N, I], the gradients rows start every ldd elements (I, or 2I for a fused dgate|dup layout
+// that one product reads as the gradient of the fused gate|up product). bf16 operands with I
+// and ld multiples of 8 and 16-byte aligned pointers go 8 values a thread (16-byte accesses;
+// the same arithmetic, so the same bits as the one-value kernels).
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -43,15 +44,15 @@ __global__ void swiglu_forward_kernel(A* act, const T* g, const T* u, int64_t ld
 }
 
 template <class T>
-__global__ void swiglu_backward_kernel(T* dg, T* du, const float* dact, const T* g, const T* u, int64_t ld, int64_t N,
-                                       int64_t I) {
+__global__ void swiglu_backward_kernel(T* dg, T* du, const float* dact, const T* g, const T* u, int64_t ld, int64_t ldd,
+                                       int64_t N, int64_t I) {
   const int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (idx >= N * I) return;
-  const int64_t at = (idx / I) * ld + idx % I;
+  const int64_t at = (idx / I) * ld + idx % I, to = (idx / I) * ldd + idx % I;
   float a, b;
   swiglu_grad(dact[idx], load_f(g + at), load_f(u + at), &a, &b);
-  store_as(dg + idx, a);
-  store_as(du + idx, b);
+  store_as(dg + to, a);
+  store_as(du + to, b);
 }
 
 __device__ __forceinline__ void unpack8(float (&f)[8], uint4 v) {
@@ -88,11 +89,11 @@ __global__ void swiglu_forward_x8_kernel(__nv_bfloat16* act, const __nv_bfloat16
 }
 
 __global__ void swiglu_backward_x8_kernel(__nv_bfloat16* dg, __nv_bfloat16* du, const float* dact,
-                                          const __nv_bfloat16* g, const __nv_bfloat16* u, int64_t ld8, int64_t N,
-                                          int64_t I8) {
+                                          const __nv_bfloat16* g, const __nv_bfloat16* u, int64_t ld8, int64_t ldd8,
+                                          int64_t N, int64_t I8) {
   const int64_t v = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (v >= N * I8) return;
-  const int64_t at = (v / I8) * ld8 + v % I8;
+  const int64_t at = (v / I8) * ld8 + v % I8, to = (v / I8) * ldd8 + v % I8;
   float a[8], b[8], d[8], og[8], ou[8];
   unpack8(a, reinterpret_cast<const uint4*>(g)[at]);
   unpack8(b, reinterpret_cast<const uint4*>(u)[at]);
@@ -100,8 +101,8 @@ __global__ void swiglu_backward_x8_kernel(__nv_bfloat16* dg, __nv_bfloat16* du, 
   d[0] = d0.x, d[1] = d0.y, d[2] = d0.z, d[3] = d0.w, d[4] = d1.x, d[5] = d1.y, d[6] = d1.z, d[7] = d1.w;
 #pragma unroll
   for (int j = 0; j < 8; ++j) swiglu_grad(d[j], a[j], b[j], &og[j], &ou[j]);
-  reinterpret_cast<uint4*>(dg)[v] = pack8(og);
-  reinterpret_cast<uint4*>(du)[v] = pack8(ou);
+  reinterpret_cast<uint4*>(dg)[to] = pack8(og);
+  reinterpret_cast<uint4*>(du)[to] = pack8(ou);
 }
 
 inline bool swiglu_vec8(const void* a, const void* b, const void* c, int64_t ld, int64_t I) {
@@ -126,19 +127,20 @@ void launch_swiglu_forward(A* act, const T* g, const T* u, int64_t ld, int64_t N
                    N, I);
 }
 
-// dg, du [N, I] = the gradients of act = silu(g) * u given dact [N, I] (fp32), on stream s.
+// dg, du (N rows of I, every ldd) = the gradients of act = silu(g) * u given dact [N, I] (fp32),
+// on stream s.
 template <class T>
-void launch_swiglu_backward(T* dg, T* du, const float* dact, const T* g, const T* u, int64_t ld, int64_t N, int64_t I,
-                     cudaStream_t s) {
+void launch_swiglu_backward(T* dg, T* du, const float* dact, const T* g, const T* u, int64_t ld, int64_t ldd, int64_t N,
+                            int64_t I, cudaStream_t s) {
   if (N <= 0 || I <= 0) return;
   if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    if (swiglu_vec8(dg, du, dact, ld, I) && swiglu_vec8(g, u, dact, ld, I)) {
-      swiglu_backward_x8_kernel<<<swiglu_blocks(N * I / 8), 256, 0, s>>>(dg, du, dact, g, u, ld / 8, N, I / 8);
+    if (swiglu_vec8(dg, du, dact, ldd, I) && swiglu_vec8(g, u, dact, ld, I)) {
+      swiglu_backward_x8_kernel<<<swiglu_blocks(N * I / 8), 256, 0, s>>>(dg, du, dact, g, u, ld / 8, ldd / 8, N, I / 8);
       CUDA_LAUNCH_CHECK();
       return;
     }
   }
-  swiglu_backward_kernel<<<swiglu_blocks(N * I), 256, 0, s>>>(dg, du, dact, g, u, ld, N, I);
+  swiglu_backward_kernel<<<swiglu_blocks(N * I), 256, 0, s>>>(dg, du, dact, g, u, ld, ldd, N, I);
   CUDA_LAUNCH_CHECK();
 }
 

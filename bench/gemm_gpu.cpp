@@ -46,9 +46,9 @@ int main(int argc, char** argv) try {
     const char* name;
     int64_t in, out;
   };
-  // With bf16 operands the trainer runs gate+up as one product (forward and backward) and the
-  // q|k|v backward as one (dx and dW), the q, k, v forward as three; --gpu-separate-products
-  // runs one a matrix. Both kinds are timed here.
+  // By default the trainer runs a product per matrix; with --gpu-fused-products (bf16 operands)
+  // gate+up is one product (forward and backward) and so is the q|k|v backward (dx and dW),
+  // while the q, k, v forward stays three. Both kinds are timed here.
   const std::vector<Lin> lins = {{"q", 2 * H, qd},    {"k (or v)", 2 * H, kvd}, {"qkv", 2 * H, qd + 2 * kvd},
                                  {"o", qd, H},        {"gate (or up)", H, I},   {"gate+up", H, 2 * I},
                                  {"down", I, H},      {"lm_head", H, Vd},       {"fc", 3 * H, H}};

@@ -375,12 +375,12 @@ TEST_P(GpuDraft, FusedDiagonalBackwardMatchesTheSeparateKernels) {
 }
 
 // One product for gate|up (forward and backward) and one each for the q|k|v backward
-// (GpuDraftOptions::fused_products) against a product per weight matrix: both
-// against the CPU reference, against each other within the tolerance of two routes on the same
-// bf16 operands (only the order of fp32 sums differs, but a rounding that moves flips bf16
-// roundings of later operands), and the fused route bit-identical between two runs (resume
-// depends on it). Head sizes 16 and 128 (q|k|v rows narrower and wider than gate|up's 2I),
-// odd row budgets, fused attention kernels and score-buffer products.
+// (GpuDraftOptions::fused_products) against a product per weight matrix: both against the CPU
+// reference, against each other within the tolerance of two routes on the same bf16 operands
+// (only the order of fp32 sums differs, but a rounding that moves flips bf16 roundings of later
+// operands), and the fused route bit-identical between two runs (resume depends on it). Head
+// sizes 16 and 128 (q|k|v rows narrower and wider than gate|up's 2I), an odd row budget, fused
+// attention kernels and score-buffer products.
 TEST_P(GpuDraft, FusedProductsMatchAProductPerMatrix) {
   REQUIRE_GPU();
   for (int hd : {16, 128})

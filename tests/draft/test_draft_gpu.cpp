@@ -281,6 +281,22 @@ GpuRun run_once(Case& cs, GpuMath math, int64_t max_rows) {
   return r;
 }
 
+// Two runs of one route (a, b) give the same bits (resume depends on it), and their losses and
+// gradients are within kGpuTttFusedVsBlocksRel of another route's on the same bf16 operands.
+void expect_repeatable_and_near(GpuRun& a, GpuRun& b, GpuRun& other) {
+  ASSERT_EQ(a.loss.size(), other.loss.size());
+  for (size_t i = 0; i < a.loss.size(); ++i) {
+    EXPECT_EQ(a.loss[i], b.loss[i]) << "sample " << i << " differs between identical runs";
+    EXPECT_NEAR(a.loss[i], other.loss[i], tol::kGpuTttFusedVsBlocksRel * std::max(1.0, other.loss[i]))
+        << "sample " << i;
+  }
+  auto ga = a.g.named(), gb = b.g.named(), go = other.g.named();
+  for (size_t i = 0; i < ga.size(); ++i) {
+    EXPECT_EQ(*ga[i].second, *gb[i].second) << ga[i].first << " differs between identical runs";
+    EXPECT_LE(rel_max_diff(*ga[i].second, *go[i].second), tol::kGpuTttFusedVsBlocksRel) << ga[i].first;
+  }
+}
+
 // The fused attention kernels (--gpu-attention flash) on samples that span several
 // 64-row tiles: 150 rows (two full tiles and a partial one), exactly one tile, 7 rows, 90
 // rows; head sizes 32, 64 and 128. Against the CPU reference within the bf16 tolerances,
@@ -333,16 +349,7 @@ TEST_P(GpuDraft, CudnnAttentionMatchesReference) {
         ScopedOpt att2([](GpuDraftOptions& o) { o.attention = "blocks"; });
         blocks = run_once(cs, GpuMath::BF16, 311);
       }
-      for (size_t i = 0; i < a.loss.size(); ++i) {
-        EXPECT_EQ(a.loss[i], b.loss[i]) << "sample " << i << " differs between identical runs";
-        EXPECT_NEAR(a.loss[i], blocks.loss[i], tol::kGpuTttFusedVsBlocksRel * std::max(1.0, blocks.loss[i]))
-            << "sample " << i;
-      }
-      auto ga = a.g.named(), gb = b.g.named(), gbl = blocks.g.named();
-      for (size_t i = 0; i < ga.size(); ++i) {
-        EXPECT_EQ(*ga[i].second, *gb[i].second) << ga[i].first << " differs between identical runs";
-        EXPECT_LE(rel_max_diff(*ga[i].second, *gbl[i].second), tol::kGpuTttFusedVsBlocksRel) << ga[i].first;
-      }
+      expect_repeatable_and_near(a, b, blocks);
     }
 }
 
@@ -397,17 +404,7 @@ TEST_P(GpuDraft, FusedProductsMatchAProductPerMatrix) {
       ScopedOpt on([](GpuDraftOptions& o) { o.fused_products = true; });
       check_against_cpu(cs, GpuMath::BF16, tol::kGpuTttBf16LossRel, tol::kGpuTttBf16GradRel, 311);
       GpuRun fused = run_once(cs, GpuMath::BF16, 311), again = run_once(cs, GpuMath::BF16, 311);
-      ASSERT_EQ(fused.loss.size(), apart.loss.size());
-      for (size_t i = 0; i < fused.loss.size(); ++i) {
-        EXPECT_EQ(fused.loss[i], again.loss[i]) << "sample " << i << " differs between identical runs";
-        EXPECT_NEAR(fused.loss[i], apart.loss[i], tol::kGpuTttFusedVsBlocksRel * std::max(1.0, apart.loss[i]))
-            << "sample " << i;
-      }
-      auto gf = fused.g.named(), gg = again.g.named(), ga = apart.g.named();
-      for (size_t i = 0; i < gf.size(); ++i) {
-        EXPECT_EQ(*gf[i].second, *gg[i].second) << gf[i].first << " differs between identical runs";
-        EXPECT_LE(rel_max_diff(*gf[i].second, *ga[i].second), tol::kGpuTttFusedVsBlocksRel) << gf[i].first;
-      }
+      expect_repeatable_and_near(fused, again, apart);
     }
 }
 

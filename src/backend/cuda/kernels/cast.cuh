@@ -19,16 +19,20 @@ __global__ void cast_kernel(Out* out, const In* in, int64_t n) {
   if (i < n) store_as(out + i, load_f(in + i));
 }
 
-// fp32 -> bf16, 4 values a thread (in 16-byte, out 8-byte aligned).
-__global__ void cast_bf16_x4_kernel(__nv_bfloat16* out, const float* in, int64_t n4) {
-  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i >= n4) return;
-  const float4 v = reinterpret_cast<const float4*>(in)[i];
+// Four fp32 values as four bf16 ones (round to nearest even), packed for one 8-byte store.
+__device__ __forceinline__ uint2 pack4_bf16(float4 v) {
   const __nv_bfloat162 a = __floats2bfloat162_rn(v.x, v.y), b = __floats2bfloat162_rn(v.z, v.w);
   uint2 o;
   o.x = *reinterpret_cast<const uint32_t*>(&a);
   o.y = *reinterpret_cast<const uint32_t*>(&b);
-  reinterpret_cast<uint2*>(out)[i] = o;
+  return o;
+}
+
+// fp32 -> bf16, 4 values a thread (in 16-byte, out 8-byte aligned).
+__global__ void cast_bf16_x4_kernel(__nv_bfloat16* out, const float* in, int64_t n4) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= n4) return;
+  reinterpret_cast<uint2*>(out)[i] = pack4_bf16(reinterpret_cast<const float4*>(in)[i]);
 }
 
 // out[0..n) = in[0..n) as Out, on stream s.
@@ -58,12 +62,7 @@ __global__ void cast_rows_bf16_x4_kernel(__nv_bfloat16* out, int64_t ldo, const 
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= rows * c4) return;
   const int64_t r = i / c4, c = (i % c4) * 4;
-  const float4 v = *reinterpret_cast<const float4*>(in + r * ldi + c);
-  const __nv_bfloat162 a = __floats2bfloat162_rn(v.x, v.y), b = __floats2bfloat162_rn(v.z, v.w);
-  uint2 o;
-  o.x = *reinterpret_cast<const uint32_t*>(&a);
-  o.y = *reinterpret_cast<const uint32_t*>(&b);
-  *reinterpret_cast<uint2*>(out + r * ldo + c) = o;
+  *reinterpret_cast<uint2*>(out + r * ldo + c) = pack4_bf16(*reinterpret_cast<const float4*>(in + r * ldi + c));
 }
 
 __global__ void cast_rows_bf16_kernel(__nv_bfloat16* out, int64_t ldo, const float* in, int64_t ldi, int64_t rows,

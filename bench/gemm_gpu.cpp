@@ -2,6 +2,12 @@
 // each with three outputs: fp32 written (beta 0), fp32 accumulated (beta 1: the weight gradients
 // summed over the TTT steps), and bf16 written. What a step's products lose to their outputs.
 //   talon_bench_gemm [--rows 2765,4096] [--hidden 4096] [--inter 14336] [--vocab 32000] [--q 4096] [--kv 1024]
+// With --algos N, instead: each product with fp32 outputs (written and accumulated) by the
+// default algorithm (what the trainer calls) and by each of cuBLASLt's first N heuristic
+// candidates, with the fastest candidate's configuration (tile, split-K, stages, cluster):
+// whether the default's choice leaves time on the table at the step's row counts (products with
+// few output tiles, e.g. 4096 outputs at ~1400 rows, fill 1.33 waves of 128x256 tiles).
+#include <cublasLt.h>
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
 
@@ -28,7 +34,7 @@ int main(int argc, char** argv) try {
   using namespace talon::bench;
   std::vector<int64_t> rows = {2765, 4096};
   int64_t H = 4096, I = 14336, Vd = 32000, qd = 4096, kvd = 1024;
-  int reps = 10;
+  int reps = 10, algos = 0;
   CLI::App app{"the draft trainer's linear products with fp32, fp32 accumulated and bf16 outputs"};
   app.add_option("--rows", rows)->delimiter(',');
   app.add_option("--hidden", H);
@@ -37,6 +43,7 @@ int main(int argc, char** argv) try {
   app.add_option("--q", qd);
   app.add_option("--kv", kvd);
   app.add_option("--reps", reps);
+  app.add_option("--algos", algos, "time cuBLASLt's first N heuristic candidates against the default");
   CLI11_PARSE(app, argc, argv);
 
   // Column-major, as the trainer calls cuBLAS: forward y = W x (T, N: m = out, n = rows, k = in),
@@ -112,6 +119,86 @@ int main(int argc, char** argv) try {
   };
   const double ceil_ms = time({"ceiling", CUBLAS_OP_N, CUBLAS_OP_N, 8192, 8192, 8192}, 2);
   std::printf("ceiling (8192^3, bf16 out): %.0f TFLOP/s\n", 2.0 * 8192 * 8192 * 8192 / (ceil_ms * 1e-3) / 1e12);
+  if (algos > 0) {
+    cublasLtHandle_t lt;
+    CUBLAS_CHECK(cublasLtCreate(&lt));
+    // Median milliseconds of `reps` runs of f(), after two warm-up runs.
+    auto median_ms = [&](auto&& f) {
+      f();
+      f();
+      std::vector<float> ms;
+      for (int i = 0; i < reps; ++i) {
+        BENCH_CK(cudaEventRecord(e0));
+        f();
+        BENCH_CK(cudaEventRecord(e1));
+        BENCH_CK(cudaEventSynchronize(e1));
+        float t = 0;
+        BENCH_CK(cudaEventElapsedTime(&t, e0, e1));
+        ms.push_back(t);
+      }
+      std::sort(ms.begin(), ms.end());
+      return double(ms[ms.size() / 2]);
+    };
+    auto config = [](const cublasLtMatmulAlgo_t& a) {
+      int tile = 0, split = 0, stages = 0, cluster = 0;
+      size_t w = 0;
+      cublasLtMatmulAlgoConfigGetAttribute(&a, CUBLASLT_ALGO_CONFIG_TILE_ID, &tile, sizeof tile, &w);
+      cublasLtMatmulAlgoConfigGetAttribute(&a, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &split, sizeof split, &w);
+      cublasLtMatmulAlgoConfigGetAttribute(&a, CUBLASLT_ALGO_CONFIG_STAGES_ID, &stages, sizeof stages, &w);
+      cublasLtMatmulAlgoConfigGetAttribute(&a, CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID, &cluster, sizeof cluster, &w);
+      return "tile " + std::to_string(tile) + " split " + std::to_string(split) + " stages " + std::to_string(stages) +
+             " cluster " + std::to_string(cluster);
+    };
+    std::printf("%-34s %-4s %8s %8s %8s %4s  %s\n", "product", "out", "dflt ms", "lt#0 ms", "best ms", "of",
+                "best's configuration");
+    double tot_default = 0, tot_best = 0;
+    for (const Shape& s : shapes)
+      for (int out = 0; out < 2; ++out) {
+        const float alpha = 1.f, beta = out == 1 ? 1.f : 0.f;
+        const double dflt = time(s, out);
+        cublasLtMatmulDesc_t op;
+        CUBLAS_CHECK(cublasLtMatmulDescCreate(&op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+        CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSA, &s.ta, sizeof s.ta));
+        CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSB, &s.tb, sizeof s.tb));
+        const uint64_t ar = uint64_t(s.ta == CUBLAS_OP_N ? s.m : s.k), ac = uint64_t(s.ta == CUBLAS_OP_N ? s.k : s.m);
+        const uint64_t br = uint64_t(s.tb == CUBLAS_OP_N ? s.k : s.n), bc = uint64_t(s.tb == CUBLAS_OP_N ? s.n : s.k);
+        cublasLtMatrixLayout_t la, lb, lc;
+        CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&la, CUDA_R_16BF, ar, ac, int64_t(ar)));
+        CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&lb, CUDA_R_16BF, br, bc, int64_t(br)));
+        CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&lc, CUDA_R_32F, uint64_t(s.m), uint64_t(s.n), s.m));
+        cublasLtMatmulPreference_t pref;
+        CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
+        CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws_bytes,
+                                                          sizeof ws_bytes));
+        std::vector<cublasLtMatmulHeuristicResult_t> res(static_cast<size_t>(algos));
+        int found = 0;
+        CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(lt, op, la, lb, lc, lc, pref, algos, res.data(), &found));
+        double first = 0, best = 1e30;
+        int best_i = -1;
+        for (int i = 0; i < found; ++i) {
+          if (res[size_t(i)].workspaceSize > ws_bytes) continue;
+          const double t = median_ms([&] {
+            CUBLAS_CHECK(cublasLtMatmul(lt, op, &alpha, A, la, B, lb, &beta, C, lc, C, lc, &res[size_t(i)].algo, ws,
+                                        ws_bytes, nullptr));
+          });
+          if (i == 0) first = t;
+          if (t < best) best = t, best_i = i;
+        }
+        tot_default += dflt;
+        tot_best += std::min(dflt, best);
+        std::printf("%-34s %-4s %8.3f %8.3f %8.3f %4d  #%d %s\n", s.name.c_str(), out ? "+=" : "=", dflt, first,
+                    best, found, best_i, best_i >= 0 ? config(res[size_t(best_i)].algo).c_str() : "-");
+        cublasLtMatmulPreferenceDestroy(pref);
+        cublasLtMatrixLayoutDestroy(la);
+        cublasLtMatrixLayoutDestroy(lb);
+        cublasLtMatrixLayoutDestroy(lc);
+        cublasLtMatmulDescDestroy(op);
+      }
+    std::printf("sum: default %.2f ms, best of each %.2f ms\n", tot_default, tot_best);
+    cublasLtDestroy(lt);
+    cublasDestroy(h);
+    return 0;
+  }
   std::printf("%-34s %8s %8s %8s   TFLOP/s: %6s %6s %6s\n", "product", "f32 ms", "f32+= ms", "bf16 ms", "f32",
               "f32+=", "bf16");
   double tot[3] = {0, 0, 0};

@@ -6,13 +6,17 @@
 // default algorithm (what the trainer calls) and by each of cuBLASLt's first N heuristic
 // candidates, with the fastest candidate's configuration (tile, split-K, stages, cluster):
 // whether the default's choice leaves time on the table at the step's row counts (products with
-// few output tiles, e.g. 4096 outputs at ~1400 rows, fill 1.33 waves of 128x256 tiles).
+// few output tiles, e.g. 4096 outputs at ~1400 rows, fill 1.33 waves of 128x256 tiles). Each
+// candidate's written output is compared bit for bit with the default's ("same": how many
+// match): a choice among those that match would not change the trainer's results.
 #include <cublasLt.h>
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
+#include <cstdint>
+#include <cstring>
 #include <cstdio>
 #include <string>
 #include <vector>
@@ -83,6 +87,16 @@ int main(int argc, char** argv) try {
   // Small finite values (bf16 0x3c3c): the timing does not depend on them.
   BENCH_CK(cudaMemset(A, 0x3c, most_a * 2));
   BENCH_CK(cudaMemset(B, 0x3c, most_b * 2));
+  if (algos > 0) {  // varied values, so that comparing outputs bit for bit means something
+    std::vector<__nv_bfloat16> h(std::max(most_a, most_b));
+    uint32_t x = 12345;
+    for (auto& v : h) {
+      x = x * 1664525u + 1013904223u;
+      v = __float2bfloat16(float(int(x >> 9) - (1 << 22)) / float(1 << 22));
+    }
+    BENCH_CK(cudaMemcpy(A, h.data(), most_a * 2, cudaMemcpyHostToDevice));
+    BENCH_CK(cudaMemcpy(B, h.data() + (h.size() - most_b), most_b * 2, cudaMemcpyHostToDevice));
+  }
   BENCH_CK(cudaMemset(C, 0, most_c * 4));
   cublasHandle_t h;
   CUBLAS_CHECK(cublasCreate(&h));
@@ -149,14 +163,19 @@ int main(int argc, char** argv) try {
       return "tile " + std::to_string(tile) + " split " + std::to_string(split) + " stages " + std::to_string(stages) +
              " cluster " + std::to_string(cluster);
     };
-    std::printf("%-34s %-4s %8s %8s %8s %4s  %s\n", "product", "out", "dflt ms", "lt#0 ms", "best ms", "of",
-                "best's configuration");
+    std::printf("%-34s %-4s %8s %8s %8s %4s %4s  %s\n", "product", "out", "dflt ms", "lt#0 ms", "best ms", "of",
+                "same", "best's configuration (=: its bits match the default's)");
+    std::vector<float> ref, got;
     double tot_default = 0, tot_best = 0;
     for (const Shape& s : shapes)
       for (int out = 0; out < 2; ++out) {
         const float alpha = 1.f, beta = out == 1 ? 1.f : 0.f;
         const double dflt = time(s, out);
-        cublasLtMatmulDesc_t op;
+        const size_t nc = size_t(s.m * s.n);
+        if (out == 0) {  // time() left the default's written output in C
+          ref.resize(nc);
+          BENCH_CK(cudaMemcpy(ref.data(), C, nc * 4, cudaMemcpyDeviceToHost));
+        }        cublasLtMatmulDesc_t op;
         CUBLAS_CHECK(cublasLtMatmulDescCreate(&op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
         CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSA, &s.ta, sizeof s.ta));
         CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSB, &s.tb, sizeof s.tb));
@@ -174,20 +193,30 @@ int main(int argc, char** argv) try {
         int found = 0;
         CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(lt, op, la, lb, lc, lc, pref, algos, res.data(), &found));
         double first = 0, best = 1e30;
-        int best_i = -1;
+        int best_i = -1, same = 0;
+        bool best_same = false;
         for (int i = 0; i < found; ++i) {
           if (res[size_t(i)].workspaceSize > ws_bytes) continue;
           const double t = median_ms([&] {
             CUBLAS_CHECK(cublasLtMatmul(lt, op, &alpha, A, la, B, lb, &beta, C, lc, C, lc, &res[size_t(i)].algo, ws,
                                         ws_bytes, nullptr));
           });
+          bool eq = false;
+          if (out == 0) {
+            got.resize(nc);
+            BENCH_CK(cudaMemcpy(got.data(), C, nc * 4, cudaMemcpyDeviceToHost));
+            eq = std::equal(got.begin(), got.end(), ref.begin(),
+                            [](float a, float b) { return std::memcmp(&a, &b, 4) == 0; });
+            same += eq;
+          }
           if (i == 0) first = t;
-          if (t < best) best = t, best_i = i;
+          if (t < best) best = t, best_i = i, best_same = eq;
         }
         tot_default += dflt;
         tot_best += std::min(dflt, best);
-        std::printf("%-34s %-4s %8.3f %8.3f %8.3f %4d  #%d %s\n", s.name.c_str(), out ? "+=" : "=", dflt, first,
-                    best, found, best_i, best_i >= 0 ? config(res[size_t(best_i)].algo).c_str() : "-");
+        std::printf("%-34s %-4s %8.3f %8.3f %8.3f %4d %4s  #%d%s %s\n", s.name.c_str(), out ? "+=" : "=", dflt, first,
+                    best, found, out ? "-" : std::to_string(same).c_str(), best_i, best_same ? "=" : "",
+                    best_i >= 0 ? config(res[size_t(best_i)].algo).c_str() : "-");
         cublasLtMatmulPreferenceDestroy(pref);
         cublasLtMatrixLayoutDestroy(la);
         cublasLtMatrixLayoutDestroy(lb);

@@ -8,7 +8,8 @@
 // whether the default's choice leaves time on the table at the step's row counts (products with
 // few output tiles, e.g. 4096 outputs at ~1400 rows, fill 1.33 waves of 128x256 tiles). Each
 // candidate's written output is compared bit for bit with the default's ("same": how many
-// match): a choice among those that match would not change the trainer's results.
+// match): a choice among those that match would not change the trainer's results. Each line also
+// names the first candidate's configuration and both one's wave count (cuBLASLt's estimate).
 #include <cublasLt.h>
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
@@ -214,9 +215,12 @@ int main(int argc, char** argv) try {
         }
         tot_default += dflt;
         tot_best += std::min(dflt, best);
-        std::printf("%-34s %-4s %8.3f %8.3f %8.3f %4d %4s  #%d%s %s\n", s.name.c_str(), out ? "+=" : "=", dflt, first,
-                    best, found, out ? "-" : std::to_string(same).c_str(), best_i, best_same ? "=" : "",
-                    best_i >= 0 ? config(res[size_t(best_i)].algo).c_str() : "-");
+        std::printf("%-34s %-4s %8.3f %8.3f %8.3f %4d %4s  #%d%s %s waves %.2f (#0: %s waves %.2f)\n",
+                    s.name.c_str(), out ? "+=" : "=", dflt, first, best, found,
+                    out ? "-" : std::to_string(same).c_str(), best_i, best_same ? "=" : "",
+                    best_i >= 0 ? config(res[size_t(best_i)].algo).c_str() : "-",
+                    best_i >= 0 ? double(res[size_t(best_i)].wavesCount) : 0.0,
+                    found > 0 ? config(res[0].algo).c_str() : "-", found > 0 ? double(res[0].wavesCount) : 0.0);
         cublasLtMatmulPreferenceDestroy(pref);
         cublasLtMatrixLayoutDestroy(la);
         cublasLtMatrixLayoutDestroy(lb);

@@ -85,6 +85,8 @@ int main(int argc, char** argv) {
   app.add_flag("--gpu-fused-products,!--gpu-separate-products", eng.fused_products,
                "gate|up and the q|k|v backward as one product each (--gpu-separate-products, the default: one a "
                "matrix)");
+  app.add_option("--gpu-products", eng.products, "cublas | first | waves (who picks each product's algorithm)")
+      ->capture_default_str();
   app.add_flag("--gpu-profile", eng.profile, "GPU time per phase");
   app.add_flag("--resident", resident,
                "features in device memory (as the PyTorch peer keeps them), copied device to device; the "
@@ -302,6 +304,9 @@ int main(int argc, char** argv) {
                   step_flops / 1e9 / double(N));
     std::printf("batches through cuDNN's attention: %lld of %lld\n", (long long)gpu->cudnn_batches(),
                 (long long)steps);
+    if (const auto [plans, moved] = gpu->product_plans(); plans > 0)
+      std::printf("products through cuBLASLt (%s): %lld shapes, %lld of them off its first candidate\n",
+                  eng.products.c_str(), (long long)plans, (long long)moved);
     double prof_total = 0;
     for (auto& [name, ms] : gpu->profile()) prof_total += ms;
     for (auto& [name, ms] : gpu->profile())

@@ -228,6 +228,12 @@ int main(int argc, char** argv) {
                      "With bf16 operands, gate|up and the q|k|v backward as one product each; "
                      "--gpu-separate-products (the default for now) runs one product a matrix")
         ->group(g);
+    cmd_tr->add_option("--gpu-products", tr.gpu_engine.products,
+                       "Who picks each bf16 product's algorithm: cublas (its own choice), first (cuBLASLt's first "
+                       "candidate) or waves (the cuBLASLt candidate with the fullest last wave of tiles)")
+        ->check(CLI::IsMember({"cublas", "first", "waves"}))
+        ->capture_default_str()
+        ->group(g);
     cmd_tr->add_flag("--gpu-profile", tr.gpu_engine.profile, "Log GPU time per phase at the end")->group(g);
   }
   cmd_tr->add_option("--noise", tr.noise, "Uniform noise amplitude added to the aux hidden states")->capture_default_str();

@@ -58,6 +58,13 @@ struct GpuDraftOptions {
   // the fused route has run on a GPU): a product per matrix. The same arithmetic up to the
   // order of fp32 sums (docs/train.md, "bf16 operands").
   bool fused_products = false;
+  // Who picks each product's algorithm (bf16 operands): cublas (cublasGemmEx's own choice, the
+  // default), first (cuBLASLt's first heuristic candidate without workspace) or waves (among
+  // cuBLASLt's first 8 candidates without workspace or split-K, the one whose last wave of
+  // output tiles is fullest). Each rule picks once per shape without timing anything, so the
+  // same shapes always run the same algorithms (resume stays bit-identical); the rules differ
+  // from each other in the order of fp32 sums only (--gpu-products).
+  std::string products = "cublas";
 };
 
 }  // namespace talon::eagle3

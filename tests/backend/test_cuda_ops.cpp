@@ -20,6 +20,7 @@
 #include "backend/cpu/ops.h"
 #include "backend/cuda/ops.h"
 #include "backend/cuda/decode_ops.h"
+#include "backend/cuda/lt_products.h"
 #include "model/model.h"
 #include "tests/test_util.h"
 #include "util/error.h"
@@ -92,6 +93,122 @@ INSTANTIATE_TEST_SUITE_P(Shapes, CudaGemm,
                                            GemmShape{1, 576, 49157}, GemmShape{4, 760, 8193}, GemmShape{8, 8, 8200},
                                            // K not a multiple of 8: cuBLASLt even at N = 1
                                            GemmShape{1, 100, 33}));
+
+// cuBLASLt products with an algorithm fixed per shape (backend/cuda/lt_products.h, the draft
+// trainer's --gpu-products first|waves), both rules: every transpose pair, odd shapes and leading
+// dimensions wider than the matrices (padding filled with NaN, so a read outside the matrix
+// shows), fp32 outputs written and accumulated (beta 0 and 1) and bf16 outputs, against double
+// sums of the same bf16 operands; C's padding rows (m up to its leading dimension) keep their
+// values, and guards around every buffer their sentinels; a product over no terms writes zeros
+// (beta 0) or leaves C alone (beta 1); the same shape twice gives the same bits and reuses its
+// plan. Among the shapes, some with few output tiles, where the wave rule can pick another
+// algorithm than the first candidate.
+TEST(CudaOps, LtProductsMatchADoubleReference) {
+  REQUIRE_GPU();
+  struct P {
+    cublasOperation_t ta, tb;
+    int64_t m, n, k;
+  };
+  const std::vector<P> shapes = {{CUBLAS_OP_N, CUBLAS_OP_N, 37, 53, 29},     {CUBLAS_OP_T, CUBLAS_OP_N, 130, 96, 200},
+                                 {CUBLAS_OP_N, CUBLAS_OP_T, 64, 131, 72},    {CUBLAS_OP_T, CUBLAS_OP_T, 17, 9, 301},
+                                 {CUBLAS_OP_T, CUBLAS_OP_N, 1024, 347, 512}, {CUBLAS_OP_N, CUBLAS_OP_T, 768, 1024, 93}};
+  for (auto rule : {cuda::LtProducts::Rule::First, cuda::LtProducts::Rule::Waves}) {
+    cuda::LtProducts lt(rule);
+    size_t planned = 0;
+    for (const P& p : shapes) {
+      SCOPED_TRACE(fmt::format("rule {} ta {} tb {} m {} n {} k {}", int(rule), int(p.ta), int(p.tb), p.m, p.n, p.k));
+      // Stored shapes (column-major): A is ar x ac, B br x bc; each leading dimension 3 wider.
+      const int64_t ar = p.ta == CUBLAS_OP_N ? p.m : p.k, ac = p.ta == CUBLAS_OP_N ? p.k : p.m;
+      const int64_t br = p.tb == CUBLAS_OP_N ? p.k : p.n, bc = p.tb == CUBLAS_OP_N ? p.n : p.k;
+      const int64_t lda = ar + 3, ldb = br + 3, ldc = p.m + 3;
+      const std::vector<float> av = randn(size_t(lda * ac), 11), bv = randn(size_t(ldb * bc), 12);
+      std::vector<bf16> ab = to_bf16(av), bb = to_bf16(bv);
+      const bf16 nan = to_bf16({std::nanf("")})[0];
+      for (int64_t j = 0; j < ac; ++j)
+        for (int64_t i = ar; i < lda; ++i) ab[size_t(j * lda + i)] = nan;
+      for (int64_t j = 0; j < bc; ++j)
+        for (int64_t i = br; i < ldb; ++i) bb[size_t(j * ldb + i)] = nan;
+      auto A = [&](int64_t i, int64_t l) {  // op(A)[i, l]
+        return double(p.ta == CUBLAS_OP_N ? av[size_t(l * lda + i)] : av[size_t(i * lda + l)]);
+      };
+      auto B = [&](int64_t l, int64_t j) {  // op(B)[l, j]
+        return double(p.tb == CUBLAS_OP_N ? bv[size_t(j * ldb + l)] : bv[size_t(l * ldb + j)]);
+      };
+      std::vector<double> ref(size_t(p.m * p.n));
+      for (int64_t j = 0; j < p.n; ++j)
+        for (int64_t i = 0; i < p.m; ++i) {
+          double acc = 0;
+          for (int64_t l = 0; l < p.k; ++l) acc += A(i, l) * B(l, j);
+          ref[size_t(j * p.m + i)] = acc;
+        }
+      Guarded<bf16> da(size_t(lda * ac)), db(size_t(ldb * bc));
+      da.upload(ab);
+      db.upload(bb);
+      const std::vector<float> c0 = randn(size_t(ldc * p.n), 13);
+      // Worst |got - want| over the m x n block against the largest |want|; the padding rows of
+      // C (m..ldc) must keep c0's values.
+      auto check = [&](const std::vector<float>& got, double beta, double tol, const char* what) {
+        double worst = 0, scale = 1;
+        bool pad_kept = true;
+        for (int64_t j = 0; j < p.n; ++j) {
+          for (int64_t i = 0; i < p.m; ++i) {
+            const double want = ref[size_t(j * p.m + i)] + beta * double(c0[size_t(j * ldc + i)]);
+            scale = std::max(scale, std::fabs(want));
+            const double d = std::fabs(double(got[size_t(j * ldc + i)]) - want);
+            worst = std::isfinite(d) ? std::max(worst, d) : INFINITY;
+          }
+          for (int64_t i = p.m; i < ldc; ++i) pad_kept &= got[size_t(j * ldc + i)] == c0[size_t(j * ldc + i)];
+        }
+        EXPECT_LE(worst / scale, tol) << what;
+        EXPECT_TRUE(pad_kept) << what << ": a padding row of C was written";
+      };
+      for (float beta : {0.f, 1.f}) {
+        Guarded<float> dc(size_t(ldc * p.n));
+        dc.upload(c0);
+        lt.run(p.ta, p.tb, p.m, p.n, p.k, da.ptr(), lda, db.ptr(), ldb, beta, dc.ptr(), CUDA_R_32F, ldc, nullptr);
+        ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+        const std::vector<float> got = dc.download();
+        EXPECT_TRUE(dc.guards_intact());
+        check(got, beta, tol::kOpRel, beta == 0.f ? "fp32 written" : "fp32 accumulated");
+        if (beta == 0.f) {  // the same shape again: its plan, the same bits
+          const size_t plans = lt.plans();
+          dc.upload(c0);
+          lt.run(p.ta, p.tb, p.m, p.n, p.k, da.ptr(), lda, db.ptr(), ldb, 0.f, dc.ptr(), CUDA_R_32F, ldc, nullptr);
+          ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+          const std::vector<float> again = dc.download();
+          EXPECT_EQ(std::memcmp(got.data(), again.data(), got.size() * 4), 0) << "not the same bits";
+          EXPECT_EQ(lt.plans(), plans);
+        }
+      }
+      {  // bf16 outputs
+        Guarded<bf16> dc(size_t(ldc * p.n));
+        const std::vector<bf16> c0b = to_bf16(c0);
+        dc.upload(c0b);
+        lt.run(p.ta, p.tb, p.m, p.n, p.k, da.ptr(), lda, db.ptr(), ldb, 0.f, dc.ptr(), CUDA_R_16BF, ldc, nullptr);
+        ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+        EXPECT_TRUE(dc.guards_intact());
+        check(to_f32(dc.download()), 0, tol::kCudaBf16Out, "bf16 written");
+      }
+      planned += 2;  // fp32 written and accumulated share a plan; bf16 has its own
+      EXPECT_EQ(lt.plans(), planned);
+      EXPECT_LE(lt.moved(), lt.plans());
+    }
+    // No terms (k = 0): beta 0 writes zeros, beta 1 leaves C as it was.
+    Guarded<float> dc(size_t(9 * 5));
+    const std::vector<float> c0 = randn(size_t(9 * 5), 14);
+    for (float beta : {1.f, 0.f}) {
+      dc.upload(c0);
+      bf16* none = nullptr;
+      lt.run(CUBLAS_OP_N, CUBLAS_OP_N, 7, 5, 0, none, 7, none, 1, beta, dc.ptr(), CUDA_R_32F, 9, nullptr);
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      const std::vector<float> got = dc.download();
+      for (int64_t j = 0; j < 5; ++j)
+        for (int64_t i = 0; i < 9; ++i)
+          EXPECT_EQ(got[size_t(j * 9 + i)], i < 7 && beta == 0.f ? 0.f : c0[size_t(j * 9 + i)]) << i << "," << j;
+      EXPECT_TRUE(dc.guards_intact());
+    }
+  }
+}
 
 // The skinny products with a norm, a SwiGLU or a residual add folded in (ops.h:
 // skinny_fused), for 1, 3 and 8 rows, against the CPU: rmsnorm and swiglu formed in double

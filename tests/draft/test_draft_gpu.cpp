@@ -408,6 +408,41 @@ TEST_P(GpuDraft, FusedProductsMatchAProductPerMatrix) {
     }
 }
 
+// The products' algorithms fixed per shape by cuBLASLt rules (GpuDraftOptions::products first and
+// waves) against cublasGemmEx's own choice: each against the CPU reference, against the cublas
+// route within the tolerance of two routes on the same bf16 operands (the algorithms differ in
+// the order of fp32 sums only), and bit-identical between two runs (resume depends on it); with
+// the fused products too, whose shapes differ. An unknown rule, or a rule without bf16 operands,
+// is refused by name.
+TEST_P(GpuDraft, LtProductRulesMatchCublasChoice) {
+  REQUIRE_GPU();
+  Case cs(GetParam(), 87, {150, 64, 7, 90}, 64);
+  for (bool fused : {false, true})
+    for (const std::string rule : {"first", "waves"}) {
+      SCOPED_TRACE(fmt::format("{}, fused products {}", rule, fused));
+      ScopedOpt base([&](GpuDraftOptions& o) {
+        o.products = "cublas";
+        o.fused_products = fused;
+      });
+      GpuRun cublas = run_once(cs, GpuMath::BF16, 313);
+      ScopedOpt on([&](GpuDraftOptions& o) { o.products = rule; });
+      check_against_cpu(cs, GpuMath::BF16, tol::kGpuTttBf16LossRel, tol::kGpuTttBf16GradRel, 313);
+      GpuRun lt = run_once(cs, GpuMath::BF16, 313), again = run_once(cs, GpuMath::BF16, 313);
+      expect_repeatable_and_near(lt, again, cublas);
+    }
+  for (const auto& [rule, math, what] : {std::tuple{"fastest", GpuMath::BF16, "expected cublas, first or waves"},
+                                         std::tuple{"waves", GpuMath::F32, "needs bf16 math on bf16 operands"}}) {
+    ScopedOpt o([&](GpuDraftOptions& e) { e.products = rule; });
+    try {
+      make_gpu(cs, {0}, math, 320);
+      ADD_FAILURE() << rule << " was accepted";
+    } catch (const talon::Error& e) {
+      EXPECT_NE(std::string(e.what()).find("--gpu-products"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find(what), std::string::npos) << e.what();
+    }
+  }
+}
+
 // auto takes cuDNN's attention for a batch whose bucket's workspace fits the bytes it may use
 // (GpuDraftOptions::cudnn_auto_bytes; by default the idle memory lent to it) and the fused
 // kernels for the others. Two batches of different buckets (4 samples of up to 150 rows; 2

@@ -13,6 +13,7 @@
 #include "backend/cuda/cudnn_sdpa.h"
 #include "util/threads.h"
 #include "backend/cuda/device.h"
+#include "backend/cuda/lt_products.h"
 #include "draft/batch_tokens.h"
 #include "draft/cuda/draft_engine.h"
 #include "draft/cuda/ttt_attention.h"
@@ -815,6 +816,9 @@ struct DraftEngine::Impl {
   size_t bytes = 0;
   cudaStream_t s = nullptr;
   cublasHandle_t blas = nullptr;
+  // GpuDraftOptions::products other than cublas: the products with bf16 operands through
+  // cuBLASLt with a fixed per-shape rule (destroyed before dev).
+  std::unique_ptr<LtProducts> lt_products;
   std::vector<void*> owned;
   std::vector<int64_t> sizes, offs;
   // Target.
@@ -1231,6 +1235,7 @@ struct DraftEngine::Impl {
                 int64_t lda, const void* b, int64_t ldb, float beta, float* C, int64_t ldc) {
     const float alpha = 1.f;
     product_flops += 2.0 * double(m) * double(n) * double(k);
+    if (lt_products) return lt_products->run(ta, tb, m, n, k, a, lda, b, ldb, beta, C, CUDA_R_32F, ldc, s);
     CUBLAS_CHECK(cublasGemmEx(blas, ta, tb, int(m), int(n), int(k), &alpha, a, operand_type(), int(lda), b,
                               operand_type(), int(ldb), &beta, C, CUDA_R_32F, int(ldc), compute(),
                               CUBLAS_GEMM_DEFAULT));
@@ -1245,10 +1250,13 @@ struct DraftEngine::Impl {
                    int64_t O) {
     const float alpha = 1.f, beta = 0.f;
     product_flops += 2.0 * double(O) * double(n) * double(K);
-    CUBLAS_CHECK(cublasGemmEx(blas, CUBLAS_OP_T, CUBLAS_OP_N, int(O), int(n), int(K), &alpha,
-                              operand(wt, span(CUBLAS_OP_T, O, K, K), 0), CUDA_R_16BF, int(K),
-                              operand(x, span(CUBLAS_OP_N, K, n, ldx), 1), CUDA_R_16BF, int(ldx), &beta, y, CUDA_R_16BF,
-                              int(ldy), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+    const void* a = operand(wt, span(CUBLAS_OP_T, O, K, K), 0);
+    const void* b = operand(x, span(CUBLAS_OP_N, K, n, ldx), 1);
+    if (lt_products)
+      return lt_products->run(CUBLAS_OP_T, CUBLAS_OP_N, O, n, K, a, K, b, ldx, beta, y, CUDA_R_16BF, ldy, s);
+    CUBLAS_CHECK(cublasGemmEx(blas, CUBLAS_OP_T, CUBLAS_OP_N, int(O), int(n), int(K), &alpha, a, CUDA_R_16BF, int(K), b,
+                              CUDA_R_16BF, int(ldx), &beta, y, CUDA_R_16BF, int(ldy), CUBLAS_COMPUTE_32F,
+                              CUBLAS_GEMM_DEFAULT));
   }
   // dx[N, K] (ld lddx) = beta*dx + dy[N, O] @ w[O, K]
   void linear_dx(float* dx, int64_t lddx, const float* dy, const float* wt, int64_t n, int64_t K, int64_t O,
@@ -1723,6 +1731,13 @@ DraftEngine::DraftEngine(int device, const DraftDims& dd, DraftMath math, const 
   I.s = I.dev->stream();
   I.copy_s = I.dev->copy_stream();
   I.blas = I.dev->blas();
+  if (opt.products != "cublas") {
+    if (opt.products != "first" && opt.products != "waves")
+      fail_msg("--gpu-products: expected cublas, first or waves, got '" + opt.products + "'");
+    if (!I.bf16_operands) fail_msg("--gpu-products " + opt.products + " needs bf16 math on bf16 operands");
+    I.lt_products =
+        std::make_unique<LtProducts>(opt.products == "first" ? LtProducts::Rule::First : LtProducts::Rule::Waves);
+  }
   I.aux_ready = I.dev->event(0);
   I.staged = I.dev->event(1);
   const int64_t H = dd.H, V = dd.V, Vd = dd.Vd, R = max_rows, K = dd.K;
@@ -2048,6 +2063,10 @@ std::string DraftEngine::setup() const {
 int64_t DraftEngine::cudnn_batches() const { return p_->cudnn_batches; }
 std::string DraftEngine::take_note() { return std::exchange(p_->note, std::string()); }
 int64_t DraftEngine::row_steps() const { return p_->row_steps; }
+std::pair<int64_t, int64_t> DraftEngine::product_plans() const {
+  if (!p_->lt_products) return {0, 0};
+  return {int64_t(p_->lt_products->plans()), int64_t(p_->lt_products->moved())};
+}
 double DraftEngine::product_flops() const { return p_->product_flops; }
 std::pair<float*, float*> DraftEngine::host_features() {
   Impl& I = *p_;

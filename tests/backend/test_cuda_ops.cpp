@@ -97,12 +97,13 @@ INSTANTIATE_TEST_SUITE_P(Shapes, CudaGemm,
 // cuBLASLt products with an algorithm fixed per shape (backend/cuda/lt_products.h, the draft
 // trainer's --gpu-products first|waves), both rules: every transpose pair, odd shapes and leading
 // dimensions wider than the matrices (padding filled with NaN, so a read outside the matrix
-// shows), fp32 outputs written and accumulated (beta 0 and 1) and bf16 outputs, against double
-// sums of the same bf16 operands; C's padding rows (m up to its leading dimension) keep their
-// values, and guards around every buffer their sentinels; a product over no terms writes zeros
-// (beta 0) or leaves C alone (beta 1); the same shape twice gives the same bits and reuses its
-// plan. Among the shapes, some with few output tiles, where the wave rule can pick another
-// algorithm than the first candidate.
+// shows), matrices aligned as cudaMalloc gives them and one element off (the trainer's operands
+// start at row offsets), fp32 outputs written and accumulated (beta 0 and 1) and bf16 outputs,
+// against double sums of the same bf16 operands; C's padding rows (m up to its leading
+// dimension) keep their values, and guards around every buffer their sentinels; a product over
+// no terms writes zeros (beta 0) or leaves C alone (beta 1); the same shape twice gives the same
+// bits and reuses its plan. Among the shapes, some with few output tiles, where the wave rule
+// can pick another algorithm than the first candidate.
 TEST(CudaOps, LtProductsMatchADoubleReference) {
   REQUIRE_GPU();
   struct P {
@@ -141,9 +142,6 @@ TEST(CudaOps, LtProductsMatchADoubleReference) {
           for (int64_t l = 0; l < p.k; ++l) acc += A(i, l) * B(l, j);
           ref[size_t(j * p.m + i)] = acc;
         }
-      Guarded<bf16> da(size_t(lda * ac)), db(size_t(ldb * bc));
-      da.upload(ab);
-      db.upload(bb);
       const std::vector<float> c0 = randn(size_t(ldc * p.n), 13);
       // Worst |got - want| over the m x n block against the largest |want|; the padding rows of
       // C (m..ldc) must keep c0's values.
@@ -162,36 +160,53 @@ TEST(CudaOps, LtProductsMatchADoubleReference) {
         EXPECT_LE(worst / scale, tol) << what;
         EXPECT_TRUE(pad_kept) << what << ": a padding row of C was written";
       };
-      for (float beta : {0.f, 1.f}) {
-        Guarded<float> dc(size_t(ldc * p.n));
-        dc.upload(c0);
-        lt.run(p.ta, p.tb, p.m, p.n, p.k, da.ptr(), lda, db.ptr(), ldb, beta, dc.ptr(), CUDA_R_32F, ldc, nullptr);
-        ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-        const std::vector<float> got = dc.download();
-        EXPECT_TRUE(dc.guards_intact());
-        check(got, beta, tol::kOpRel, beta == 0.f ? "fp32 written" : "fp32 accumulated");
-        if (beta == 0.f) {  // the same shape again: its plan, the same bits
-          const size_t plans = lt.plans();
-          dc.upload(c0);
-          lt.run(p.ta, p.tb, p.m, p.n, p.k, da.ptr(), lda, db.ptr(), ldb, 0.f, dc.ptr(), CUDA_R_32F, ldc, nullptr);
+      // off 1: every matrix starts one element into its buffer (A and B 2-byte aligned, C 4 or
+      // 2), which rules out the algorithms that need aligned pointers: a plan of its own.
+      for (int64_t off : {0, 1}) {
+        SCOPED_TRACE(fmt::format("offset {}", off));
+        auto put = [&](auto& g, auto v) {
+          v.insert(v.begin(), size_t(off), v.front());
+          g.upload(v);
+        };
+        auto get = [&](auto& g) {
+          auto v = g.download();
+          v.erase(v.begin(), v.begin() + off);
+          return v;
+        };
+        Guarded<bf16> da(size_t(off + lda * ac)), db(size_t(off + ldb * bc));
+        put(da, ab);
+        put(db, bb);
+        const bf16 *pa = da.ptr() + off, *pb = db.ptr() + off;
+        for (float beta : {0.f, 1.f}) {
+          Guarded<float> dc(size_t(off + ldc * p.n));
+          put(dc, c0);
+          lt.run(p.ta, p.tb, p.m, p.n, p.k, pa, lda, pb, ldb, beta, dc.ptr() + off, CUDA_R_32F, ldc, nullptr);
           ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-          const std::vector<float> again = dc.download();
-          EXPECT_EQ(std::memcmp(got.data(), again.data(), got.size() * 4), 0) << "not the same bits";
-          EXPECT_EQ(lt.plans(), plans);
+          const std::vector<float> got = get(dc);
+          EXPECT_TRUE(dc.guards_intact());
+          check(got, beta, tol::kOpRel, beta == 0.f ? "fp32 written" : "fp32 accumulated");
+          if (beta == 0.f) {  // the same shape again: its plan, the same bits
+            const size_t plans = lt.plans();
+            put(dc, c0);
+            lt.run(p.ta, p.tb, p.m, p.n, p.k, pa, lda, pb, ldb, 0.f, dc.ptr() + off, CUDA_R_32F, ldc, nullptr);
+            ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+            const std::vector<float> again = get(dc);
+            EXPECT_EQ(std::memcmp(got.data(), again.data(), got.size() * 4), 0) << "not the same bits";
+            EXPECT_EQ(lt.plans(), plans);
+          }
         }
+        {  // bf16 outputs
+          Guarded<bf16> dc(size_t(off + ldc * p.n));
+          put(dc, to_bf16(c0));
+          lt.run(p.ta, p.tb, p.m, p.n, p.k, pa, lda, pb, ldb, 0.f, dc.ptr() + off, CUDA_R_16BF, ldc, nullptr);
+          ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+          EXPECT_TRUE(dc.guards_intact());
+          check(to_f32(get(dc)), 0, tol::kCudaBf16Out, "bf16 written");
+        }
+        planned += 2;  // fp32 written and accumulated share a plan; bf16 has its own
+        EXPECT_EQ(lt.plans(), planned);
+        EXPECT_LE(lt.moved(), lt.plans());
       }
-      {  // bf16 outputs
-        Guarded<bf16> dc(size_t(ldc * p.n));
-        const std::vector<bf16> c0b = to_bf16(c0);
-        dc.upload(c0b);
-        lt.run(p.ta, p.tb, p.m, p.n, p.k, da.ptr(), lda, db.ptr(), ldb, 0.f, dc.ptr(), CUDA_R_16BF, ldc, nullptr);
-        ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-        EXPECT_TRUE(dc.guards_intact());
-        check(to_f32(dc.download()), 0, tol::kCudaBf16Out, "bf16 written");
-      }
-      planned += 2;  // fp32 written and accumulated share a plan; bf16 has its own
-      EXPECT_EQ(lt.plans(), planned);
-      EXPECT_LE(lt.moved(), lt.plans());
     }
     // No terms (k = 0): beta 0 writes zeros, beta 1 leaves C as it was.
     Guarded<float> dc(size_t(9 * 5));

@@ -1,6 +1,7 @@
 #include "backend/cuda/lt_products.h"
 
 #include <cmath>
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -30,6 +31,14 @@ double last_wave_fill(float waves) {
   return double(waves) / std::ceil(double(waves));
 }
 
+// The largest power of two (up to 256, cuBLASLt's default assumption) dividing a pointer.
+int64_t alignment(const void* p) {
+  const auto v = reinterpret_cast<uintptr_t>(p);
+  int64_t a = 256;
+  while (a > 1 && v % uintptr_t(a) != 0) a /= 2;
+  return a;
+}
+
 int split_k(const cublasLtMatmulAlgo_t& a) {
   int v = 1;
   size_t written = 0;
@@ -48,6 +57,7 @@ LtProducts::Plan& LtProducts::plan(const Key& key) {
   const auto ta = static_cast<cublasOperation_t>(key[0]), tb = static_cast<cublasOperation_t>(key[1]);
   const int64_t m = key[2], n = key[3], k = key[4], lda = key[5], ldb = key[6], ldc = key[7];
   const auto c_type = static_cast<cudaDataType_t>(key[8]);
+  const uint32_t align[3] = {uint32_t(key[9]), uint32_t(key[10]), uint32_t(key[11])};
   const std::string shape = "m=" + std::to_string(m) + " n=" + std::to_string(n) + " k=" + std::to_string(k);
   Plan p;
   CUBLAS_CHECK(cublasLtMatmulDescCreate(&p.op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
@@ -64,6 +74,14 @@ LtProducts::Plan& LtProducts::plan(const Key& key) {
   const size_t no_workspace = 0;
   CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &no_workspace,
                                                     sizeof no_workspace));
+  // The pointers' alignment (cuBLASLt assumes 256 bytes unless told; the trainer's operands
+  // start at row offsets inside larger buffers).
+  CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &align[0],
+                                                    sizeof align[0]));
+  CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &align[1],
+                                                    sizeof align[1]));
+  for (auto attr : {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES})
+    CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, attr, &align[2], sizeof align[2]));
   std::vector<cublasLtMatmulHeuristicResult_t> res(static_cast<size_t>(candidates_));
   int found = 0;
   const cublasStatus_t st =
@@ -106,7 +124,8 @@ void LtProducts::run(cublasOperation_t ta, cublasOperation_t tb, int64_t m, int6
     CUDA_CHECK(cudaMemset2DAsync(c, size_t(ldc) * elt, 0, size_t(m) * elt, size_t(n), s));
     return;
   }
-  const Plan& p = plan({int64_t(ta), int64_t(tb), m, n, k, lda, ldb, ldc, int64_t(c_type)});
+  const Plan& p = plan(
+      {int64_t(ta), int64_t(tb), m, n, k, lda, ldb, ldc, int64_t(c_type), alignment(a), alignment(b), alignment(c)});
   const float alpha = 1.f;
   CUBLAS_CHECK(cublasLtMatmul(lt_, p.op, &alpha, a, p.a, b, p.b, &beta, c, p.c, c, p.c, &p.algo, nullptr, 0, s));
 }

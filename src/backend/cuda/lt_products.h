@@ -1,6 +1,7 @@
-// Column-major products C = alpha op(A) op(B) + beta C (cuBLAS conventions) through cuBLASLt,
-// with the algorithm chosen once per shape by a fixed rule (no timing), so that the same shape
-// always runs the same algorithm and its results keep their bits from run to run.
+// Column-major products C = op(A) op(B) + beta C (cuBLAS conventions) through cuBLASLt, with
+// the algorithm chosen once per shape (and operand alignment) by a fixed rule, never by timing,
+// so that the same shape always runs the same algorithm and its results keep their bits from
+// run to run.
 //   first: cuBLASLt's first heuristic candidate (about what cublasGemmEx picks);
 //   waves: among the first `candidates` heuristic candidates that need no workspace and no
 //          split-K, the one whose last wave of tiles is fullest (cuBLASLt's own wave count),
@@ -45,7 +46,8 @@ class LtProducts {
     cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
     cublasLtMatmulAlgo_t algo{};
   };
-  using Key = std::array<int64_t, 9>;
+  // ta, tb, m, n, k, lda, ldb, ldc, C's type, and the alignment in bytes of A, B and C
+  using Key = std::array<int64_t, 12>;
   Plan& plan(const Key& key);
 
   Rule rule_;

@@ -83,8 +83,8 @@ int main(int argc, char** argv) {
   app.add_flag("--gpu-row-cut,!--gpu-all-rows", eng.row_cut,
                "steps after the first run only rows a later loss reads (default; --gpu-all-rows: every row)");
   app.add_flag("--gpu-fused-products,!--gpu-separate-products", eng.fused_products,
-               "gate|up and the q|k|v backward as one product each (--gpu-separate-products, the default: one a "
-               "matrix)");
+               "gate|up and the q|k|v backward as one product each (the default; --gpu-separate-products: one "
+               "a matrix)");
   app.add_option("--gpu-products", eng.products, "cublas | first | waves (who picks each product's algorithm)")
       ->capture_default_str();
   app.add_flag("--gpu-profile", eng.profile, "GPU time per phase");

@@ -225,8 +225,8 @@ int main(int argc, char** argv) {
                      "less work); --gpu-all-rows runs every row at every step")
         ->group(g);
     cmd_tr->add_flag("--gpu-fused-products,!--gpu-separate-products", tr.gpu_engine.fused_products,
-                     "With bf16 operands, gate|up and the q|k|v backward as one product each; "
-                     "--gpu-separate-products (the default for now) runs one product a matrix")
+                     "With bf16 operands, gate|up and the q|k|v backward as one product each (the default); "
+                     "--gpu-separate-products runs one product a matrix")
         ->group(g);
     cmd_tr->add_option("--gpu-products", tr.gpu_engine.products,
                        "Who picks each bf16 product's algorithm: cublas (its own choice), first (cuBLASLt's first "

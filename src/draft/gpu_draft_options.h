@@ -63,7 +63,8 @@ struct GpuDraftOptions {
   // cuBLASLt's first 8 candidates without workspace or split-K, the one whose last wave of
   // output tiles is fullest). Each rule picks once per shape without timing anything, so the
   // same shapes always run the same algorithms (resume stays bit-identical); the rules differ
-  // from each other in the order of fp32 sums only (--gpu-products).
+  // from each other in the order of fp32 sums only (--gpu-products). Neither rule measured
+  // faster than cublas (docs/train.md).
   std::string products = "cublas";
 };
 

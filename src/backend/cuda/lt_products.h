@@ -8,6 +8,8 @@
 //          the heuristic's order breaking near ties. Products with few output tiles (4096
 //          outputs at ~1400 rows fill 1.33 waves of 128x256 tiles on 132 SMs) are where it can
 //          differ from `first`.
+// Neither rule beats cublasGemmEx's choice in the draft trainer (docs/train.md, "bf16 operands":
+// the time left is in the weight gradients' tile sizes, which neither rule looks at).
 // Only products with bf16 operands, fp32 accumulation and fp32 or bf16 outputs come here; no
 // workspace is used, so the choice costs no device memory.
 #pragma once

@@ -102,8 +102,9 @@ INSTANTIATE_TEST_SUITE_P(Shapes, CudaGemm,
 // against double sums of the same bf16 operands; C's padding rows (m up to its leading
 // dimension) keep their values, and guards around every buffer their sentinels; a product over
 // no terms writes zeros (beta 0) or leaves C alone (beta 1); the same shape twice gives the same
-// bits and reuses its plan. Among the shapes, some with few output tiles, where the wave rule
-// can pick another algorithm than the first candidate.
+// bits and reuses its plan, and a shape planned again after the kept plans were dropped gives
+// its first bits. Among the shapes, some with few output tiles, where the wave rule can pick
+// another algorithm than the first candidate.
 TEST(CudaOps, LtProductsMatchADoubleReference) {
   REQUIRE_GPU();
   struct P {
@@ -207,6 +208,25 @@ TEST(CudaOps, LtProductsMatchADoubleReference) {
         EXPECT_EQ(lt.plans(), planned);
         EXPECT_LE(lt.moved(), lt.plans());
       }
+    }
+    {  // Plans kept: 2. A third shape drops both; the first shape, planned again, gives its bits.
+      cuda::LtProducts small(rule, 8, 2);
+      const int64_t m = 40, n = 24, k = 72;
+      Guarded<bf16> da(size_t(m * k)), db(size_t(k * n));
+      da.upload(to_bf16(randn(size_t(m * k), 15)));
+      db.upload(to_bf16(randn(size_t(k * n), 16)));
+      Guarded<float> dc(size_t(m * n));
+      auto once = [&](int64_t mm) {
+        small.run(CUBLAS_OP_N, CUBLAS_OP_N, mm, n, k, da.ptr(), m, db.ptr(), k, 0.f, dc.ptr(), CUDA_R_32F, m, nullptr);
+        EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+        return dc.download();
+      };
+      const std::vector<float> first = once(m);
+      once(m - 8);
+      once(m - 16);
+      const std::vector<float> again = once(m);
+      EXPECT_EQ(small.plans(), 4u);
+      EXPECT_EQ(std::memcmp(first.data(), again.data(), first.size() * 4), 0) << "re-planned shape, other bits";
     }
     // No terms (k = 0): beta 0 writes zeros, beta 1 leaves C as it was.
     Guarded<float> dc(size_t(9 * 5));

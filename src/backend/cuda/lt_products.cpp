@@ -9,18 +9,24 @@
 
 namespace talon::cuda {
 
-LtProducts::LtProducts(Rule rule, int candidates) : rule_(rule), candidates_(candidates < 1 ? 1 : candidates) {
+LtProducts::LtProducts(Rule rule, int candidates, size_t kept_plans)
+    : rule_(rule), candidates_(candidates < 1 ? 1 : candidates), kept_plans_(kept_plans < 1 ? 1 : kept_plans) {
   CUBLAS_CHECK(cublasLtCreate(&lt_));
 }
 
 LtProducts::~LtProducts() {
+  drop_plans();
+  if (lt_) cublasLtDestroy(lt_);
+}
+
+void LtProducts::drop_plans() {
   for (auto& [k, p] : plans_) {
     cublasLtMatrixLayoutDestroy(p.a);
     cublasLtMatrixLayoutDestroy(p.b);
     cublasLtMatrixLayoutDestroy(p.c);
     cublasLtMatmulDescDestroy(p.op);
   }
-  if (lt_) cublasLtDestroy(lt_);
+  plans_.clear();
 }
 
 namespace {
@@ -54,6 +60,7 @@ int split_k(const cublasLtMatmulAlgo_t& a) {
 LtProducts::Plan& LtProducts::plan(const Key& key) {
   auto it = plans_.find(key);
   if (it != plans_.end()) return it->second;
+  if (plans_.size() >= kept_plans_) drop_plans();
   const auto ta = static_cast<cublasOperation_t>(key[0]), tb = static_cast<cublasOperation_t>(key[1]);
   const int64_t m = key[2], n = key[3], k = key[4], lda = key[5], ldb = key[6], ldc = key[7];
   const auto c_type = static_cast<cudaDataType_t>(key[8]);
@@ -108,6 +115,7 @@ LtProducts::Plan& LtProducts::plan(const Key& key) {
     fail_msg("cuBLASLt: no algorithm without workspace or split-K for the bf16 product " + shape +
              (st == CUBLAS_STATUS_SUCCESS ? std::string() : std::string(": ") + cublasLtGetStatusString(st)));
   }
+  ++planned_;
   if (pick != 0) ++moved_;
   p.algo = res[size_t(pick)].algo;
   return plans_.emplace(key, p).first->second;

@@ -27,7 +27,8 @@ class LtProducts {
  public:
   enum class Rule { First, Waves };
 
-  explicit LtProducts(Rule rule, int candidates = 8);
+  // kept_plans: how many shapes' plans are kept (below).
+  explicit LtProducts(Rule rule, int candidates = 8, size_t kept_plans = 4096);
   ~LtProducts();
   LtProducts(const LtProducts&) = delete;
   LtProducts& operator=(const LtProducts&) = delete;
@@ -38,8 +39,10 @@ class LtProducts {
            const void* b, int64_t ldb, float beta, void* c, cudaDataType_t c_type, int64_t ldc, cudaStream_t s);
 
   // Shapes planned so far, and how many of them the rule gave another algorithm than the
-  // heuristic's first candidate.
-  size_t plans() const { return plans_.size(); }
+  // heuristic's first candidate. Training meets a new row count with almost every batch, so
+  // the plans kept are capped (kept_plans; all dropped at once when full, remade on demand: the
+  // rule picks the same algorithm again).
+  size_t plans() const { return planned_; }
   size_t moved() const { return moved_; }
 
  private:
@@ -54,9 +57,11 @@ class LtProducts {
 
   Rule rule_;
   int candidates_;
+  size_t kept_plans_;
   cublasLtHandle_t lt_ = nullptr;
   std::map<Key, Plan> plans_;
-  size_t moved_ = 0;
+  size_t planned_ = 0, moved_ = 0;
+  void drop_plans();
 };
 
 }  // namespace talon::cuda

@@ -5,7 +5,9 @@
 # Both arms run the same binary on the same machine, one after the other.
 #   source scripts/gpu_carried.sh
 #   FLAG=--gpu-fused-products [SEQS="2048 4096"] [ROUNDS=2] [SHAPE=llama3-8b] [LOSS_SHARE=0.675] \
-#     [TESTS='*GpuDraft*:CudaKernels.Swiglu*:CudaKernels.Casts*'] bash bench/train_ab_gpu.sh
+#     [TESTS='*GpuDraft*:CudaKernels.Swiglu*:CudaKernels.Casts*'] [ARGS="--steps 40 --warmup 30"] \
+#     bash bench/train_ab_gpu.sh
+# ARGS go to both arms (FLAG may hold several words too).
 # TESTS=0 skips the tests. Logs go to $OUT/train_ab (the device machine) or a temporary folder.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -15,6 +17,7 @@ ROUNDS=${ROUNDS:-2}
 SHAPE=${SHAPE:-llama3-8b}
 LOSS_SHARE=${LOSS_SHARE:-0.675}
 TESTS=${TESTS:-'*GpuDraft*:CudaKernels.Swiglu*:CudaKernels.Casts*'}
+ARGS=${ARGS:-}
 log=${OUT:+$OUT/train_ab}
 log=${log:-$(mktemp -d)}
 mkdir -p "$log"
@@ -32,8 +35,8 @@ for seq in $SEQS; do
   a=() b=()
   for r in $(seq "$ROUNDS"); do
     for arm in off on; do
-      flags=()
-      [ "$arm" = on ] && flags=("$FLAG")
+      read -r -a flags <<< "$ARGS"
+      if [ "$arm" = on ]; then read -r -a more <<< "$FLAG"; flags+=("${more[@]}"); fi
       f="$log/$arm-$seq-$r"
       build/talon_bench_train --shape "$SHAPE" --seq "$seq" --samples 1 --loss-share "$LOSS_SHARE" "${flags[@]}" \
         > "$f" 2>&1 || tail -3 "$f"

@@ -53,6 +53,10 @@ int main(int argc, char** argv) {
   app.add_option("--seq", seq)->capture_default_str();
   app.add_option("--samples", samples, "samples per optimizer step")->capture_default_str();
   app.add_option("--steps", steps)->capture_default_str();
+  int64_t warmup = -1;
+  app.add_option("--warmup", warmup,
+                 "Steps left out of the timing (default: 2 when at least 4 are timed, else 1; --gpu-products timed "
+                 "times its candidates in the first steps)");
   app.add_option("--math", math)->capture_default_str();
   app.add_option("--ttt", ttt)->capture_default_str();
   app.add_option("--draft-vocab", vd)->capture_default_str();
@@ -85,7 +89,7 @@ int main(int argc, char** argv) {
   app.add_flag("--gpu-fused-products,!--gpu-separate-products", eng.fused_products,
                "gate|up and the q|k|v backward as one product each (the default; --gpu-separate-products: one "
                "a matrix)");
-  app.add_option("--gpu-products", eng.products, "cublas | first | waves (who picks each product's algorithm)")
+  app.add_option("--gpu-products", eng.products, "cublas | first | waves | timed (who picks each product's algorithm)")
       ->capture_default_str();
   app.add_flag("--gpu-profile", eng.profile, "GPU time per phase");
   app.add_flag("--resident", resident,
@@ -241,7 +245,7 @@ int main(int argc, char** argv) {
     // cuBLAS up and ends with the device drained; the second, which then starts with nothing in
     // flight, is left out too when at least two others are timed. A traced step is never timed.
     const int64_t untraced = trace_file.empty() ? steps : steps - 1;
-    const int64_t first_timed = untraced >= 4 ? 2 : 1;
+    const int64_t first_timed = warmup >= 1 ? warmup : untraced >= 4 ? 2 : 1;
     std::vector<double> times;
     double step_flops = 0;  // of the linear products enqueued in the last step
     auto t_prev = std::chrono::steady_clock::now();
@@ -304,9 +308,14 @@ int main(int argc, char** argv) {
                   step_flops / 1e9 / double(N));
     std::printf("batches through cuDNN's attention: %lld of %lld\n", (long long)gpu->cudnn_batches(),
                 (long long)steps);
-    if (const auto [plans, moved] = gpu->product_plans(); plans > 0)
+    if (const ProductPlans pp = gpu->product_plans(); pp.families > 0)
+      std::printf("products through cuBLASLt (%s): %lld shapes, %lld families, %lld decided, %lld of them on another "
+                  "candidate than the first\n",
+                  eng.products.c_str(), (long long)pp.shapes, (long long)pp.families, (long long)pp.decided,
+                  (long long)pp.moved);
+    else if (pp.shapes > 0)
       std::printf("products through cuBLASLt (%s): %lld shapes, %lld of them off its first candidate\n",
-                  eng.products.c_str(), (long long)plans, (long long)moved);
+                  eng.products.c_str(), (long long)pp.shapes, (long long)pp.moved);
     double prof_total = 0;
     for (auto& [name, ms] : gpu->profile()) prof_total += ms;
     for (auto& [name, ms] : gpu->profile())
@@ -320,7 +329,7 @@ int main(int argc, char** argv) {
     const double layer = double(qd * 2 * H + 2 * kvd * 2 * H + H * qd + 3 * size_t(c.I) * H);
     const double lm = double(size_t(c.Vd) * H);
     const double per_tok = double(c.ttt_steps) * (6 * layer + 6 * lm) + 4 * double(H * 3 * H) + 2 * double(size_t(c.V) * H);
-    if (times.empty()) fail("--steps must be at least 2, 3 with --trace (the first step only warms up)");
+    if (times.empty()) fail("--steps must exceed the steps left out (--warmup, at least 1), one more with --trace");
     std::sort(times.begin(), times.end());
     const size_t nt = times.size();
     const double med = nt % 2 ? times[nt / 2] : 0.5 * (times[nt / 2 - 1] + times[nt / 2]);

@@ -79,9 +79,8 @@ class GpuDraftTrainer {
   // Batches whose causal attention went through cuDNN's fused attention (GpuDraftOptions::
   // attention), summed over GPUs (a batch split over n GPUs counts n times); 0 where not counted.
   virtual int64_t cudnn_batches() const { return 0; }
-  // GpuDraftOptions::products first or waves, GPU 0: the product shapes cuBLASLt planned and how
-  // many of them the rule moved off its first candidate; {0, 0} otherwise.
-  virtual std::pair<int64_t, int64_t> product_plans() const { return {0, 0}; }
+  // GpuDraftOptions::products first, waves or timed, GPU 0 (all zero with cublas).
+  virtual ProductPlans product_plans() const { return {}; }
 };
 
 // n floats of host memory, page-locked when `pinned` and the CUDA runtime can pin it (batches

@@ -59,13 +59,22 @@ struct GpuDraftOptions {
   // matrix. The same arithmetic up to the order of fp32 sums (docs/train.md, "bf16 operands").
   bool fused_products = true;
   // Who picks each product's algorithm (bf16 operands): cublas (cublasGemmEx's own choice, the
-  // default), first (cuBLASLt's first heuristic candidate without workspace) or waves (among
+  // default), first (cuBLASLt's first heuristic candidate without workspace), waves (among
   // cuBLASLt's first 8 candidates without workspace or split-K, the one whose last wave of
-  // output tiles is fullest). Each rule picks once per shape without timing anything, so the
-  // same shapes always run the same algorithms (resume stays bit-identical); the rules differ
-  // from each other in the order of fp32 sums only (--gpu-products). Neither rule measured
-  // faster than cublas (docs/train.md).
+  // output tiles is fullest) or timed (the fastest of those 8 that compute the first one's
+  // bits, timed on the run's own products; backend/cuda/lt_products.h). first and waves pick
+  // once per shape without timing anything; timed's choice may differ between runs but not its
+  // bits. So reruns and resumes stay bit-identical under each rule; the rules differ from each
+  // other in the order of fp32 sums only (--gpu-products). Neither fixed rule measured faster
+  // than cublas (docs/train.md).
   std::string products = "cublas";
+};
+
+// The products' algorithms through cuBLASLt (GpuDraftOptions::products): the shapes planned;
+// how many of them a fixed rule moved off the heuristic's first candidate, or under the timed
+// rule how many families the timings moved; the timed rule's families met and decided.
+struct ProductPlans {
+  int64_t shapes = 0, moved = 0, families = 0, decided = 0;
 };
 
 }  // namespace talon::eagle3

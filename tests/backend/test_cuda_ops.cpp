@@ -95,7 +95,7 @@ INSTANTIATE_TEST_SUITE_P(Shapes, CudaGemm,
                                            GemmShape{1, 100, 33}));
 
 // cuBLASLt products with an algorithm fixed per shape (backend/cuda/lt_products.h, the draft
-// trainer's --gpu-products first|waves), both rules: every transpose pair, odd shapes and leading
+// trainer's --gpu-products first|waves|timed), every rule: every transpose pair, odd shapes and leading
 // dimensions wider than the matrices (padding filled with NaN, so a read outside the matrix
 // shows), matrices aligned as cudaMalloc gives them and one element off (the trainer's operands
 // start at row offsets), fp32 outputs written and accumulated (beta 0 and 1) and bf16 outputs,
@@ -114,7 +114,7 @@ TEST(CudaOps, LtProductsMatchADoubleReference) {
   const std::vector<P> shapes = {{CUBLAS_OP_N, CUBLAS_OP_N, 37, 53, 29},     {CUBLAS_OP_T, CUBLAS_OP_N, 130, 96, 200},
                                  {CUBLAS_OP_N, CUBLAS_OP_T, 64, 131, 72},    {CUBLAS_OP_T, CUBLAS_OP_T, 17, 9, 301},
                                  {CUBLAS_OP_T, CUBLAS_OP_N, 1024, 347, 512}, {CUBLAS_OP_N, CUBLAS_OP_T, 768, 1024, 93}};
-  for (auto rule : {cuda::LtProducts::Rule::First, cuda::LtProducts::Rule::Waves}) {
+  for (auto rule : {cuda::LtProducts::Rule::First, cuda::LtProducts::Rule::Waves, cuda::LtProducts::Rule::Timed}) {
     cuda::LtProducts lt(rule);
     size_t planned = 0;
     for (const P& p : shapes) {
@@ -243,6 +243,158 @@ TEST(CudaOps, LtProductsMatchADoubleReference) {
       EXPECT_TRUE(dc.guards_intact());
     }
   }
+}
+
+// The timed rule (lt_products.h) on shapes of the draft trainer's kind, scaled down: weight
+// gradients (a reduction over the rows, k) and row products (m or n the rows), two row counts
+// in one family for each (1300 and 1382 both round up to 1408), fp32 written, fp32
+// accumulated and bf16 written. Every call of a shape, through the corner check, the timing of
+// every admitted candidate and the choice, gives the bits of its first call (the heuristic's
+// first candidate), whichever candidate the timings chose; the first calls are near a double
+// reference; every family ends decided, and at least one timed more than one candidate (else
+// this test would show nothing). Then a family whose first calls see a zero operand (a corner
+// that proves nothing) checks again once it is not, and keeps its first bits too.
+TEST(CudaOps, LtProductsTimedKeepTheFirstCandidatesBits) {
+  REQUIRE_GPU();
+  struct P {
+    cublasOperation_t ta, tb;
+    int64_t m, n, k;
+  };
+  const std::vector<P> shapes = {{CUBLAS_OP_N, CUBLAS_OP_T, 512, 768, 1382}, {CUBLAS_OP_N, CUBLAS_OP_T, 512, 768, 1300},
+                                 {CUBLAS_OP_T, CUBLAS_OP_N, 1024, 1382, 512}, {CUBLAS_OP_T, CUBLAS_OP_N, 1024, 1300, 512},
+                                 {CUBLAS_OP_N, CUBLAS_OP_N, 640, 1382, 384},  {CUBLAS_OP_N, CUBLAS_OP_N, 640, 1300, 384}};
+  struct Case {
+    P p;
+    int64_t lda, ldb;
+    std::vector<bf16> a, b;
+    std::vector<float> c0;
+  };
+  std::vector<Case> cases;
+  uint64_t seed = 40;
+  for (const P& p : shapes) {
+    const int64_t ar = p.ta == CUBLAS_OP_N ? p.m : p.k, ac = p.ta == CUBLAS_OP_N ? p.k : p.m;
+    const int64_t br = p.tb == CUBLAS_OP_N ? p.k : p.n, bc = p.tb == CUBLAS_OP_N ? p.n : p.k;
+    cases.push_back({p, ar, br, to_bf16(randn(size_t(ar * ac), seed)), to_bf16(randn(size_t(br * bc), seed + 1)),
+                     randn(size_t(p.m * p.n), seed + 2)});
+    seed += 3;
+  }
+  // Worst relative error of every 97th output against double sums (beta: C's share).
+  auto near_ref = [](const Case& cs, const std::vector<float>& got, double beta) {
+    const P& p = cs.p;
+    const std::vector<float> af = to_f32(cs.a), bf = to_f32(cs.b);
+    double worst = 0, scale = 1;
+    for (size_t o = 0; o < size_t(p.m * p.n); o += 97) {
+      const int64_t i = int64_t(o) % p.m, j = int64_t(o) / p.m;
+      double want = beta * double(cs.c0[o]);
+      for (int64_t l = 0; l < p.k; ++l)
+        want += double(p.ta == CUBLAS_OP_N ? af[size_t(l * cs.lda + i)] : af[size_t(i * cs.lda + l)]) *
+                double(p.tb == CUBLAS_OP_N ? bf[size_t(j * cs.ldb + l)] : bf[size_t(l * cs.ldb + j)]);
+      scale = std::max(scale, std::fabs(want));
+      const double d = std::fabs(double(got[o]) - want);
+      worst = std::isfinite(d) ? std::max(worst, d) : INFINITY;
+    }
+    return worst / scale;
+  };
+  cuda::LtProducts lt(cuda::LtProducts::Rule::Timed);
+  std::vector<std::unique_ptr<Guarded<bf16>>> da, db;
+  for (const Case& cs : cases) {
+    da.push_back(std::make_unique<Guarded<bf16>>(cs.a.size()));
+    db.push_back(std::make_unique<Guarded<bf16>>(cs.b.size()));
+    da.back()->upload(cs.a);
+    db.back()->upload(cs.b);
+  }
+  // out 0: fp32 written, 1: fp32 accumulated, 2: bf16 written; the bits of each case's first call.
+  std::vector<std::array<std::vector<uint8_t>, 3>> first(cases.size());
+  auto call = [&](size_t ci, int out, const bf16* a) {
+    const Case& cs = cases[ci];
+    const P& p = cs.p;
+    std::vector<uint8_t> bytes;
+    if (out < 2) {
+      Guarded<float> dc(cs.c0.size());
+      dc.upload(cs.c0);
+      lt.run(p.ta, p.tb, p.m, p.n, p.k, a, cs.lda, db[ci]->ptr(), cs.ldb, out == 1 ? 1.f : 0.f, dc.ptr(), CUDA_R_32F,
+             p.m, nullptr);
+      EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      EXPECT_TRUE(dc.guards_intact());
+      const std::vector<float> v = dc.download();
+      bytes.resize(v.size() * 4);
+      std::memcpy(bytes.data(), v.data(), bytes.size());
+    } else {
+      Guarded<bf16> dc(cs.c0.size());
+      lt.run(p.ta, p.tb, p.m, p.n, p.k, a, cs.lda, db[ci]->ptr(), cs.ldb, 0.f, dc.ptr(), CUDA_R_16BF, p.m, nullptr);
+      EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      EXPECT_TRUE(dc.guards_intact());
+      const std::vector<bf16> v = dc.download();
+      bytes.resize(v.size() * 2);
+      std::memcpy(bytes.data(), v.data(), bytes.size());
+    }
+    return bytes;
+  };
+  auto as_f32 = [](const std::vector<uint8_t>& bytes, int out) {
+    std::vector<float> v;
+    if (out < 2) {
+      v.resize(bytes.size() / 4);
+      std::memcpy(v.data(), bytes.data(), bytes.size());
+    } else {
+      std::vector<bf16> h(bytes.size() / 2);
+      std::memcpy(h.data(), bytes.data(), bytes.size());
+      v = to_f32(h);
+    }
+    return v;
+  };
+  // 2 checks + up to 8 candidates x 3 timed calls per family; the two shapes of a family alternate.
+  for (int round = 0; round < 40; ++round)
+    for (size_t ci = 0; ci < cases.size(); ++ci)
+      for (int out = 0; out < 3; ++out) {
+        SCOPED_TRACE(fmt::format("case {} (m {} n {} k {}), output {}, round {}", ci, cases[ci].p.m, cases[ci].p.n,
+                                 cases[ci].p.k, out, round));
+        std::vector<uint8_t> got = call(ci, out, da[ci]->ptr());
+        if (round == 0) {
+          EXPECT_LE(near_ref(cases[ci], as_f32(got, out), out == 1 ? 1.0 : 0.0),
+                    out == 2 ? tol::kCudaBf16Out : tol::kOpRel);
+          first[ci][size_t(out)] = std::move(got);
+        } else if (got != first[ci][size_t(out)]) {
+          ADD_FAILURE() << "not the first call's bits";
+          return;
+        }
+      }
+  // families: 3 shape pairs x (beta 0 fp32, beta 1 fp32, bf16)
+  EXPECT_EQ(lt.families(), 9u);
+  EXPECT_EQ(lt.decided(), lt.families()) << "families left undecided after 40 rounds";
+  EXPECT_GE(lt.explored(), 1u) << "no family admitted two candidates: the timing went untested";
+  EXPECT_LE(lt.moved(), lt.explored());
+  EXPECT_EQ(lt.plans(), 12u);  // 6 shapes x (fp32, bf16)
+
+  // Zero operands first: the corner proves nothing, so the family is checked again later.
+  cuda::LtProducts fresh(cuda::LtProducts::Rule::Timed);
+  Guarded<bf16> zeros(cases[0].a.size());
+  zeros.upload(std::vector<bf16>(cases[0].a.size(), to_bf16({0.f})[0]));
+  const P& p0 = cases[0].p;
+  Guarded<float> dc(cases[0].c0.size());
+  auto once = [&](const bf16* a) {
+    lt.run(p0.ta, p0.tb, p0.m, p0.n, p0.k, a, cases[0].lda, db[0]->ptr(), cases[0].ldb, 0.f, dc.ptr(), CUDA_R_32F,
+           p0.m, nullptr);
+    fresh.run(p0.ta, p0.tb, p0.m, p0.n, p0.k, a, cases[0].lda, db[0]->ptr(), cases[0].ldb, 0.f, dc.ptr(), CUDA_R_32F,
+              p0.m, nullptr);
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    return dc.download();
+  };
+  for (int i = 0; i < 3; ++i) {
+    const std::vector<float> z = once(zeros.ptr());
+    EXPECT_TRUE(std::all_of(z.begin(), z.end(), [](float v) { return v == 0.f; }));
+  }
+  EXPECT_EQ(fresh.decided(), 0u) << "decided on a corner of zeros";
+  std::vector<uint8_t> want = first[0][0];
+  for (int i = 0; i < 40; ++i) {
+    const std::vector<float> v = once(da[0]->ptr());
+    std::vector<uint8_t> got(v.size() * 4);
+    std::memcpy(got.data(), v.data(), got.size());
+    if (got != want) {
+      ADD_FAILURE() << "call " << i << " after the zero operands: not the first candidate's bits";
+      break;
+    }
+  }
+  EXPECT_EQ(fresh.decided(), 1u);
 }
 
 // The skinny products with a norm, a SwiGLU or a residual add folded in (ops.h:

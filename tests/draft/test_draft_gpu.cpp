@@ -408,17 +408,18 @@ TEST_P(GpuDraft, FusedProductsMatchAProductPerMatrix) {
     }
 }
 
-// The products' algorithms fixed per shape by cuBLASLt rules (GpuDraftOptions::products first and
-// waves) against cublasGemmEx's own choice: each against the CPU reference, against the cublas
+// The products' algorithms chosen by cuBLASLt rules (GpuDraftOptions::products first, waves and
+// timed) against cublasGemmEx's own choice: each against the CPU reference, against the cublas
 // route within the tolerance of two routes on the same bf16 operands (the algorithms differ in
-// the order of fp32 sums only), and bit-identical between two runs (resume depends on it); with
-// the fused products too, whose shapes differ. An unknown rule, or a rule without bf16 operands,
+// the order of fp32 sums only), and bit-identical between two runs (resume depends on it; the
+// timed rule's two runs time their candidates anew); with the fused products too, whose shapes
+// differ. An unknown rule, or a rule without bf16 operands,
 // is refused by name.
 TEST_P(GpuDraft, LtProductRulesMatchCublasChoice) {
   REQUIRE_GPU();
   Case cs(GetParam(), 87, {150, 64, 7, 90}, 64);
   for (bool fused : {false, true})
-    for (const std::string rule : {"first", "waves"}) {
+    for (const std::string rule : {"first", "waves", "timed"}) {
       SCOPED_TRACE(fmt::format("{}, fused products {}", rule, fused));
       ScopedOpt base([&](GpuDraftOptions& o) {
         o.products = "cublas";
@@ -432,7 +433,7 @@ TEST_P(GpuDraft, LtProductRulesMatchCublasChoice) {
       GpuRun lt = run_once(cs, GpuMath::BF16, 313), again = run_once(cs, GpuMath::BF16, 313);
       expect_repeatable_and_near(lt, again, cublas);
     }
-  for (const auto& [rule, math, what] : {std::tuple{"fastest", GpuMath::BF16, "expected cublas, first or waves"},
+  for (const auto& [rule, math, what] : {std::tuple{"fastest", GpuMath::BF16, "expected cublas, first, waves or timed"},
                                          std::tuple{"waves", GpuMath::F32, "needs bf16 math on bf16 operands"}}) {
     ScopedOpt o([&](GpuDraftOptions& e) { e.products = rule; });
     try {

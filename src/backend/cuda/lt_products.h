@@ -1,17 +1,32 @@
 // Column-major products C = op(A) op(B) + beta C (cuBLAS conventions) through cuBLASLt, with
-// the algorithm chosen once per shape (and operand alignment) by a fixed rule, never by timing,
-// so that the same shape always runs the same algorithm and its results keep their bits from
-// run to run.
-//   first: cuBLASLt's first heuristic candidate (about what cublasGemmEx picks);
+// the algorithm chosen by a rule that keeps each product's bits from run to run:
+//   first: cuBLASLt's first heuristic candidate (about what cublasGemmEx picks), once per shape;
 //   waves: among the first `candidates` heuristic candidates that need no workspace and no
 //          split-K, the one whose last wave of tiles is fullest (cuBLASLt's own wave count),
-//          the heuristic's order breaking near ties. Products with few output tiles (4096
-//          outputs at ~1400 rows fill 1.33 waves of 128x256 tiles on 132 SMs) are where it can
-//          differ from `first`.
-// Neither rule beats cublasGemmEx's choice in the draft trainer (docs/train.md, "bf16 operands":
-// the time left is in the weight gradients' tile sizes, which neither rule looks at).
+//          the heuristic's order breaking near ties, once per shape. Products with few output
+//          tiles (4096 outputs at ~1400 rows fill 1.33 waves of 128x256 tiles on 132 SMs) are
+//          where it can differ from `first`.
+//   timed: the fastest of the candidates that compute the same bits as the first one. Shapes
+//          are grouped into families: the dimensions rounded up to 8 steps an octave (a row
+//          count changes with every batch), with the transposes, leading dimensions, output
+//          type, pointer alignments and whether C is read (beta 0 or not). A family's
+//          candidates come from the heuristic at its rounded shape, so they do not depend on
+//          which of its shapes came first. At a family's first call its candidates compute the
+//          output's first (up to) 256 x 256 corner from the real operands, into scratch (C's
+//          corner copied in when beta reads it); the results come back without a wait, and
+//          only candidates whose corner has the first candidate's exact bits are admitted
+//          (a corner of mostly zeros proves nothing: checked again at a later call). The real
+//          calls then take the admitted candidates in turn, each timed with a pair of events
+//          read back without a wait, until each has two timings (after one left out: its
+//          first launch may load its kernel); the family keeps the fastest by time per
+//          multiply-add. Until then, and for shapes a candidate does not fit, the first
+//          candidate runs. So every call computes the first candidate's bits whichever
+//          candidate the timings chose, and reruns and resumes keep their bits.
+// Neither fixed rule beats cublasGemmEx's choice in the draft trainer (docs/train.md, "bf16
+// operands": the time left is in the weight gradients' tile sizes, which they do not look at).
 // Only products with bf16 operands, fp32 accumulation and fp32 or bf16 outputs come here; no
-// workspace is used, so the choice costs no device memory.
+// workspace is used. The timed rule keeps 4 corner checks' scratch (8 MiB on the device, as
+// much pinned on the host).
 #pragma once
 #include <cublasLt.h>
 #include <cublas_v2.h>
@@ -19,13 +34,15 @@
 
 #include <array>
 #include <cstdint>
+#include <deque>
 #include <map>
+#include <vector>
 
 namespace talon::cuda {
 
 class LtProducts {
  public:
-  enum class Rule { First, Waves };
+  enum class Rule { First, Waves, Timed };
 
   // kept_plans: how many shapes' plans are kept (below).
   explicit LtProducts(Rule rule, int candidates = 8, size_t kept_plans = 4096);
@@ -42,26 +59,80 @@ class LtProducts {
   // heuristic's first candidate. Training meets a new row count with almost every batch, so
   // the plans kept are capped (kept_plans; all dropped at once when full, remade on demand: the
   // rule picks the same algorithm again).
+  // Under the timed rule moved() counts the families whose timings chose another candidate than
+  // the first; families() counts the families met, decided() those whose choice is made.
   size_t plans() const { return planned_; }
   size_t moved() const { return moved_; }
+  size_t families() const { return families_.size(); }
+  size_t decided() const { return decided_; }
+  // Families that admitted more than one candidate and so timed them.
+  size_t explored() const { return explored_; }
 
  private:
+  // ta, tb, m, n, k, lda, ldb, ldc, C's type, and the alignment in bytes of A, B and C
+  using Key = std::array<int64_t, 12>;
+  // A family (timed rule): a key with m, n, k rounded up, and whether C is read (beta != 0).
+  using FamilyKey = std::array<int64_t, 13>;
+  struct Family {
+    enum class State { Unchecked, Checking, Exploring, Decided };
+    std::vector<cublasLtMatmulAlgo_t> cand;  // [0]: the heuristic's first; no workspace, no split-K
+    State state = State::Unchecked;
+    int slot = -1, checks = 0;            // the corner check in flight
+    std::vector<char> ran;                // which candidates computed the corner
+    int64_t mc = 0, nc = 0, elt = 0;      // the corner's shape and the output's bytes a value
+    std::vector<int> admitted;            // candidates with the first one's bits
+    std::vector<std::vector<double>> ns;  // per admitted: ns a multiply-add, the first call left out
+    std::vector<int> calls_of;            // per admitted
+    std::vector<char> out;                // per admitted: left out (did not fit a shape of the family)
+    struct Pending {
+      int which;  // index into admitted
+      cudaEvent_t a, b;
+      double madds;
+    };
+    std::deque<Pending> pending;
+    int64_t calls = 0;
+    int chosen = 0;  // index into cand
+  };
   struct Plan {
     cublasLtMatmulDesc_t op = nullptr;
     cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
     cublasLtMatmulAlgo_t algo{};
+    bool has_algo = false;
+    // timed rule, per family (beta 0, beta read): per candidate whether it fits this shape (-1
+    // not asked yet). Where the first candidate does not fit, `algo` (the heuristic's first for
+    // this very shape) always runs.
+    Family* fam[2] = {nullptr, nullptr};
+    std::vector<signed char> fits[2];
   };
-  // ta, tb, m, n, k, lda, ldb, ldc, C's type, and the alignment in bytes of A, B and C
-  using Key = std::array<int64_t, 12>;
   Plan& plan(const Key& key);
+  void first_algo(Plan& p, const Key& key);
+  Family& family(const Key& key, bool reads_c);
+  bool fits(Plan& p, int side, int i);
+  void check_corner(Family& f, const Plan& p, const Key& key, const void* a, const void* b, float beta,
+                    const void* c, cudaStream_t s);
+  void decide(Family& f, int chosen);
+  void poll(Family& f);
+  cudaEvent_t event();
 
   Rule rule_;
   int candidates_;
   size_t kept_plans_;
   cublasLtHandle_t lt_ = nullptr;
   std::map<Key, Plan> plans_;
-  size_t planned_ = 0, moved_ = 0;
+  std::map<FamilyKey, Family> families_;
+  size_t planned_ = 0, moved_ = 0, decided_ = 0, explored_ = 0;
   void drop_plans();
+  // timed rule: corner-check slots (device scratch, pinned host copy, an event each) and spare
+  // timing events.
+  static constexpr int kSlots = 4, kCorner = 256, kMaxTimed = 8;
+  struct Slot {
+    void* dev = nullptr;
+    void* host = nullptr;
+    cudaEvent_t done = nullptr;
+    Family* owner = nullptr;  // the family whose check it holds; null when free
+  };
+  std::array<Slot, kSlots> slots_{};
+  std::vector<cudaEvent_t> spare_events_, all_events_;
 };
 
 }  // namespace talon::cuda

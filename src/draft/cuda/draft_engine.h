@@ -158,9 +158,8 @@ class DraftEngine {
   // FLOPs of the cuBLAS linear products (2 m n k each) enqueued so far: the target head, the
   // layer's and lm_head's forward and backward products (not the attention's).
   double product_flops() const;
-  // GpuDraftOptions::products first or waves: the product shapes planned so far, and how many of
-  // them run another algorithm than cuBLASLt's first candidate ({0, 0} with cublas).
-  std::pair<int64_t, int64_t> product_plans() const;
+  // GpuDraftOptions::products other than cublas: the products' plans so far (draft_gpu.h).
+  eagle3::ProductPlans product_plans() const;
   // Pinned host buffers [max_rows, 3H] (aux) and [max_rows, H] (hidden) a batch can be
   // packed into, so that prepare() uploads them asynchronously (made on first call; both
   // null when the host cannot pin that much, and the caller then uses its own memory).

@@ -412,7 +412,7 @@ class CudaDraftTrainer final : public DeviceTrainer {
   int64_t row_steps() const override { return eng_->row_steps(); }
   double product_flops() const override { return eng_->product_flops(); }
   int64_t cudnn_batches() const override { return eng_->cudnn_batches(); }
-  std::pair<int64_t, int64_t> product_plans() const override { return eng_->product_plans(); }
+  ProductPlans product_plans() const override { return eng_->product_plans(); }
 
  private:
   cuda::DraftDims dims() const {
@@ -824,7 +824,7 @@ class DataParallelDraftTrainer final : public GpuDraftTrainer {
   int64_t max_rows() const override { return ranks_[0]->max_rows(); }
   std::vector<std::pair<std::string, double>> profile() const override { return ranks_[0]->profile(); }
   size_t device_bytes() const override { return ranks_[0]->device_bytes(); }
-  std::pair<int64_t, int64_t> product_plans() const override { return ranks_[0]->product_plans(); }
+  ProductPlans product_plans() const override { return ranks_[0]->product_plans(); }
   int64_t row_steps() const override {
     int64_t n = 0;
     for (const auto& r : ranks_) n += r->row_steps();

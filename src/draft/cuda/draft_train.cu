@@ -1732,11 +1732,12 @@ DraftEngine::DraftEngine(int device, const DraftDims& dd, DraftMath math, const 
   I.copy_s = I.dev->copy_stream();
   I.blas = I.dev->blas();
   if (opt.products != "cublas") {
-    if (opt.products != "first" && opt.products != "waves")
-      fail_msg("--gpu-products: expected cublas, first or waves, got '" + opt.products + "'");
+    if (opt.products != "first" && opt.products != "waves" && opt.products != "timed")
+      fail_msg("--gpu-products: expected cublas, first, waves or timed, got '" + opt.products + "'");
     if (!I.bf16_operands) fail_msg("--gpu-products " + opt.products + " needs bf16 math on bf16 operands");
-    I.lt_products =
-        std::make_unique<LtProducts>(opt.products == "first" ? LtProducts::Rule::First : LtProducts::Rule::Waves);
+    I.lt_products = std::make_unique<LtProducts>(opt.products == "first"   ? LtProducts::Rule::First
+                                                 : opt.products == "waves" ? LtProducts::Rule::Waves
+                                                                           : LtProducts::Rule::Timed);
   }
   I.aux_ready = I.dev->event(0);
   I.staged = I.dev->event(1);
@@ -2063,9 +2064,10 @@ std::string DraftEngine::setup() const {
 int64_t DraftEngine::cudnn_batches() const { return p_->cudnn_batches; }
 std::string DraftEngine::take_note() { return std::exchange(p_->note, std::string()); }
 int64_t DraftEngine::row_steps() const { return p_->row_steps; }
-std::pair<int64_t, int64_t> DraftEngine::product_plans() const {
-  if (!p_->lt_products) return {0, 0};
-  return {int64_t(p_->lt_products->plans()), int64_t(p_->lt_products->moved())};
+eagle3::ProductPlans DraftEngine::product_plans() const {
+  if (!p_->lt_products) return {};
+  const LtProducts& l = *p_->lt_products;
+  return {int64_t(l.plans()), int64_t(l.moved()), int64_t(l.families()), int64_t(l.decided())};
 }
 double DraftEngine::product_flops() const { return p_->product_flops; }
 std::pair<float*, float*> DraftEngine::host_features() {

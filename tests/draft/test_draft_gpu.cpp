@@ -151,7 +151,17 @@ using talon::testing::rel_max_diff;
 class GpuDraft : public ::testing::TestWithParam<bool> {};
 
 // The engine options the trainers below are built with; ScopedOpt changes them for a scope.
-GpuDraftOptions g_eng;
+// TALON_TEST_GPU_PRODUCTS=first|waves|timed runs every test below that leaves the products'
+// rule alone under that rule (those on fp32 operands keep cublas, the only rule they allow).
+const std::string g_env_products = [] {
+  const char* e = std::getenv("TALON_TEST_GPU_PRODUCTS");
+  return std::string(e && *e ? e : "");
+}();
+GpuDraftOptions g_eng = [] {
+  GpuDraftOptions o;
+  if (!g_env_products.empty()) o.products = g_env_products;
+  return o;
+}();
 struct ScopedOpt {
   GpuDraftOptions saved = g_eng;
   template <class F>
@@ -160,8 +170,14 @@ struct ScopedOpt {
   }
   ~ScopedOpt() { g_eng = saved; }
 };
+GpuDraftOptions eng_for(GpuMath math) {
+  GpuDraftOptions o = g_eng;
+  if (!g_env_products.empty() && o.products == g_env_products && (math != GpuMath::BF16 || o.fp32_operands))
+    o.products = "cublas";
+  return o;
+}
 std::unique_ptr<GpuDraftTrainer> make_gpu(Case& cs, const std::vector<int>& devices, GpuMath math, int64_t max_rows) {
-  return make_gpu_draft_trainer(cs.c, cs.target(), cs.dv, devices, math, max_rows, {}, g_eng);
+  return make_gpu_draft_trainer(cs.c, cs.target(), cs.dv, devices, math, max_rows, {}, eng_for(math));
 }
 
 void check_against_cpu(Case& cs, GpuMath math, double loss_tol, double grad_tol, int64_t max_rows = 64,
@@ -1294,7 +1310,7 @@ struct PeCase {
 
 std::unique_ptr<GpuDraftTrainer> make_pe(PeCase& pc, const std::vector<int>& devices, GpuMath math,
                                          int64_t max_rows) {
-  auto t = make_gpu_draft_trainer(pc.cs.c, pc.cs.target(), pc.cs.dv, devices, math, max_rows, {}, g_eng, pc.family());
+  auto t = make_gpu_draft_trainer(pc.cs.c, pc.cs.target(), pc.cs.dv, devices, math, max_rows, {}, eng_for(math), pc.family());
   t->set_tensors(pc.named());
   return t;
 }
@@ -1382,10 +1398,10 @@ TEST(GpuDraftPEagle, RefusesBadSetups) {
   EXPECT_THROW(gpu->run(pc.cs.batch(), 0.5, true, true), Error);
   GpuFamily bad = pc.family();
   bad.mask_token = int32_t(pc.cs.c.V);
-  EXPECT_THROW(make_gpu_draft_trainer(pc.cs.c, pc.cs.target(), pc.cs.dv, {0}, GpuMath::F32, 32, {}, g_eng, bad), Error);
+  EXPECT_THROW(make_gpu_draft_trainer(pc.cs.c, pc.cs.target(), pc.cs.dv, {0}, GpuMath::F32, 32, {}, eng_for(GpuMath::F32), bad), Error);
   GpuFamily df = pc.family();
   df.drafter = "dflash";
-  EXPECT_THROW(make_gpu_draft_trainer(pc.cs.c, pc.cs.target(), pc.cs.dv, {0}, GpuMath::F32, 32, {}, g_eng, df), Error);
+  EXPECT_THROW(make_gpu_draft_trainer(pc.cs.c, pc.cs.target(), pc.cs.dv, {0}, GpuMath::F32, 32, {}, eng_for(GpuMath::F32), df), Error);
 }
 
 // Optimizer steps (two micro-batches a step, clipping on, weight decay on the embedding and
@@ -1588,7 +1604,7 @@ struct DfCase {
 };
 
 std::unique_ptr<GpuDraftTrainer> make_df(DfCase& dc, const std::vector<int>& devices, GpuMath math, int64_t max_rows) {
-  auto t = make_gpu_draft_trainer(eagle3::DraftConfig{}, dc.target(), dc.dv, devices, math, max_rows, {}, g_eng,
+  auto t = make_gpu_draft_trainer(eagle3::DraftConfig{}, dc.target(), dc.dv, devices, math, max_rows, {}, eng_for(math),
                                   dc.family());
   t->set_tensors(dc.named());
   return t;
@@ -1671,7 +1687,7 @@ TEST(GpuDFlashSetup, RefusesBadSetups) {
   EXPECT_THROW(gpu->run(dc.batch(), 0.5, true, true), Error);
   GpuFamily bad = dc.family();
   bad.mask_token = int32_t(dc.c.V);
-  EXPECT_THROW(make_gpu_draft_trainer(eagle3::DraftConfig{}, dc.target(), dc.dv, {0}, GpuMath::F32, 32, {}, g_eng, bad),
+  EXPECT_THROW(make_gpu_draft_trainer(eagle3::DraftConfig{}, dc.target(), dc.dv, {0}, GpuMath::F32, 32, {}, eng_for(GpuMath::F32), bad),
                Error);
   DfCase big(6, {40}, false);
   auto small = make_df(big, {0}, GpuMath::F32, 16);

@@ -397,6 +397,82 @@ TEST(CudaOps, LtProductsTimedKeepTheFirstCandidatesBits) {
   EXPECT_EQ(fresh.decided(), 1u);
 }
 
+// The decoder's products with the timed choice (ops.h: Gemm, TALON_CUDA_GEMM_TIMED): shapes
+// of decode batches (rows 2..1024) with bf16 and fp32 outputs. The first call, which times the
+// candidates on the real output, and every later call give the bits of the heuristic's first
+// candidate (a Gemm without the timed choice); near a double reference; the choice is made
+// once per shape, and outside that row range none is made.
+TEST(CudaOps, GemmTimedChoiceKeepsTheFirstCandidatesBits) {
+  REQUIRE_GPU();
+  struct S {
+    int64_t N, K, O;
+  };
+  const bool was = cuda::gemm_timed_enabled();
+  cuda::set_gemm_timed(false);
+  cuda::Gemm timed_off;
+  cuda::set_gemm_timed(true);
+  cuda::Gemm timed;
+  size_t shapes = 0;
+  for (const S sh : {S{256, 1024, 3000}, S{96, 2048, 1536}, S{7, 512, 4100}, S{1024, 256, 640}, S{2048, 256, 512}}) {
+    SCOPED_TRACE(fmt::format("N {} K {} O {}", sh.N, sh.K, sh.O));
+    const std::vector<bf16> x = to_bf16(randn(size_t(sh.N * sh.K), 51)), w = to_bf16(randn(size_t(sh.O * sh.K), 52));
+    Guarded<bf16> dx(x.size()), dw(w.size());
+    dx.upload(x);
+    dw.upload(w);
+    for (const bool f32 : {false, true}) {
+      auto run = [&](cuda::Gemm& g) {
+        std::vector<uint8_t> bytes;
+        if (f32) {
+          Guarded<float> o(size_t(sh.N * sh.O));
+          g.forward(o.ptr(), dx.ptr(), dw.ptr(), sh.N, sh.K, sh.O, nullptr);
+          EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+          EXPECT_TRUE(o.guards_intact());
+          const std::vector<float> v = o.download();
+          bytes.resize(v.size() * 4);
+          std::memcpy(bytes.data(), v.data(), bytes.size());
+        } else {
+          Guarded<bf16> o(size_t(sh.N * sh.O));
+          g.forward(o.ptr(), dx.ptr(), dw.ptr(), sh.N, sh.K, sh.O, nullptr);
+          EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+          EXPECT_TRUE(o.guards_intact());
+          const std::vector<bf16> v = o.download();
+          bytes.resize(v.size() * 2);
+          std::memcpy(bytes.data(), v.data(), bytes.size());
+        }
+        return bytes;
+      };
+      cuda::set_gemm_timed(false);
+      const std::vector<uint8_t> want = run(timed_off);
+      cuda::set_gemm_timed(true);
+      for (int i = 0; i < 3; ++i) EXPECT_TRUE(run(timed) == want) << (f32 ? "fp32" : "bf16") << ", call " << i;
+      // near a double reference, every 53rd output
+      std::vector<float> got(size_t(sh.N * sh.O));
+      if (f32) {
+        std::memcpy(got.data(), want.data(), want.size());
+      } else {
+        std::vector<bf16> h(got.size());
+        std::memcpy(h.data(), want.data(), want.size());
+        got = to_f32(h);
+      }
+      const std::vector<float> xf = to_f32(x), wf = to_f32(w);
+      double worst = 0, scale = 1;
+      for (size_t o = 0; o < got.size(); o += 53) {
+        const int64_t n = int64_t(o) / sh.O, j = int64_t(o) % sh.O;
+        double acc = 0;
+        for (int64_t k = 0; k < sh.K; ++k) acc += double(xf[size_t(n * sh.K + k)]) * double(wf[size_t(j * sh.K + k)]);
+        scale = std::max(scale, std::fabs(acc));
+        worst = std::max(worst, std::fabs(double(got[o]) - acc));
+      }
+      EXPECT_LE(worst / scale, f32 ? tol::kOpRel : tol::kCudaBf16Out);
+      if (sh.N >= 2 && sh.N <= 1024) ++shapes;
+    }
+  }
+  cuda::set_gemm_timed(was);
+  EXPECT_EQ(timed.timed_choices().first, shapes) << "one choice per shape of 2..1024 rows";
+  EXPECT_LE(timed.timed_choices().second, shapes);
+  EXPECT_EQ(timed_off.timed_choices().first, 0u);
+}
+
 // The skinny products with a norm, a SwiGLU or a residual add folded in (ops.h:
 // skinny_fused), for 1, 3 and 8 rows, against the CPU: rmsnorm and swiglu formed in double
 // then rounded to bf16 as the unfused kernels round them, the product in double, the residual

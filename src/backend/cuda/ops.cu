@@ -4,12 +4,9 @@
 #include <atomic>
 #include <cfloat>
 #include <cstdlib>
-#include <cstring>
 #include <map>
 #include <string>
 #include <tuple>
-#include <utility>
-#include <vector>
 
 #include "backend/cuda/check.h"
 #include "backend/cuda/kernels/cast.cuh"
@@ -165,15 +162,6 @@ void f32_to_bf16(bf16* out, const float* in, int64_t n, cudaStream_t s) { cast(o
 void bf16_to_f32(float* out, const bf16* in, int64_t n, cudaStream_t s) { cast(out, in, n, s); }
 
 // ------------------------------------------------------------------ cuBLASLt GEMM
-namespace {
-std::atomic<bool> g_gemm_timed{[] {
-  const char* e = std::getenv("TALON_CUDA_GEMM_TIMED");
-  return e && e[0] == '1';
-}()};
-}  // namespace
-bool gemm_timed_enabled() { return g_gemm_timed.load(std::memory_order_relaxed); }
-void set_gemm_timed(bool on) { g_gemm_timed.store(on, std::memory_order_relaxed); }
-
 struct Gemm::Impl {
   cublasLtHandle_t lt = nullptr;
   void* workspace = nullptr;
@@ -182,27 +170,8 @@ struct Gemm::Impl {
     cublasLtMatmulDesc_t op = nullptr;
     cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
     cublasLtMatmulAlgo_t algo{};
-    std::vector<cublasLtMatmulAlgo_t> cand;  // the heuristic's, [0] its first
-    bool tune = false;                       // timed choice still to make (TALON_CUDA_GEMM_TIMED=1)
   };
   std::map<std::tuple<int64_t, int64_t, int64_t, bool>, Plan> plans;
-  // Timed choice: the candidates' output corners ([kCorner, kCorner] each) and their host copy.
-  static constexpr int64_t kCorner = 256, kCand = 8;
-  void* corner = nullptr;
-  std::vector<uint8_t> corner_host;
-  size_t tuned = 0, moved = 0;  // shapes planned under the timed choice; those it moved
-
-  static void layouts(Plan& p, int64_t N, int64_t K, int64_t O, bool f32_out) {
-    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.a, CUDA_R_16BF, uint64_t(K), uint64_t(O), K));
-    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.b, CUDA_R_16BF, uint64_t(K), uint64_t(N), K));
-    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.c, f32_out ? CUDA_R_32F : CUDA_R_16BF, uint64_t(O), uint64_t(N), O));
-  }
-  static void drop_layouts(Plan& p) {
-    cublasLtMatrixLayoutDestroy(p.a);
-    cublasLtMatrixLayoutDestroy(p.b);
-    cublasLtMatrixLayoutDestroy(p.c);
-    p.a = p.b = p.c = nullptr;
-  }
 
   // Row-major out[N,O] = in[N,K] @ w[O,K]^T is column-major D[O,N] = op(A)[O,K] B[K,N]
   // with A = w stored [K,O] (ld K) transposed, B = in stored [K,N] (ld K).
@@ -215,97 +184,22 @@ struct Gemm::Impl {
     cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
     CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta));
     CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb));
-    layouts(p, N, K, O, f32_out);
+    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.a, CUDA_R_16BF, uint64_t(K), uint64_t(O), K));
+    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.b, CUDA_R_16BF, uint64_t(K), uint64_t(N), K));
+    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.c, f32_out ? CUDA_R_32F : CUDA_R_16BF, uint64_t(O), uint64_t(N), O));
     cublasLtMatmulPreference_t pref;
     CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
     CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws_size,
                                                       sizeof ws_size));
-    // Rows of 2..1024 (decode batches, verifies) are where the tile choice matters and the
-    // timed choice looks (TALON_CUDA_GEMM_TIMED=1); otherwise the heuristic's first.
-    p.tune = gemm_timed_enabled() && N >= 2 && N <= 1024;
-    if (p.tune) ++tuned;
-    std::vector<cublasLtMatmulHeuristicResult_t> res(size_t(p.tune ? kCand : 1));
+    cublasLtMatmulHeuristicResult_t res{};
     int found = 0;
-    CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(lt, p.op, p.a, p.b, p.c, p.c, pref, int(res.size()), res.data(), &found));
+    CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(lt, p.op, p.a, p.b, p.c, p.c, pref, 1, &res, &found));
     cublasLtMatmulPreferenceDestroy(pref);
-    for (int i = 0; i < found; ++i)
-      if (res[size_t(i)].state == CUBLAS_STATUS_SUCCESS) p.cand.push_back(res[size_t(i)].algo);
-    if (p.cand.empty())
+    if (found == 0)
       fail_msg("cuBLASLt: no algorithm for bf16 GEMM N=" + std::to_string(N) + " K=" + std::to_string(K) +
                " O=" + std::to_string(O));
-    p.algo = p.cand[0];
-    p.tune = p.tune && p.cand.size() > 1;
+    p.algo = res.algo;
     return plans.emplace(key, p).first->second;
-  }
-
-  // The timed choice, once per shape, outside graph capture: every candidate computes the
-  // output's first corner (up to 256 x 256) from the real operands; those with the first
-  // candidate's exact bits are timed on the real output (a warm-up launch, then 3 between
-  // events, with a wait: eager calls only), and the fastest stays. So the shape's results keep
-  // the first candidate's bits whichever wins. The real output is written again by the caller.
-  void choose(Plan& p, const void* in, const void* w, void* out, int64_t N, int64_t K, int64_t O, bool f32_out,
-              cudaStream_t s) {
-    cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
-    CUDA_CHECK(cudaStreamIsCapturing(s, &cs));
-    if (cs != cudaStreamCaptureStatusNone) return;  // a later eager call chooses
-    p.tune = false;
-    const size_t elt = f32_out ? 4 : 2, stride = size_t(kCorner * kCorner) * 4;
-    if (!corner) {
-      CUDA_CHECK(cudaMalloc(&corner, size_t(kCand) * stride));
-      corner_host.resize(size_t(kCand) * stride);
-    }
-    const int64_t mc = std::min(O, kCorner), nc = std::min(N, kCorner);
-    Plan q;  // the corner: the first mc outputs of the first nc rows, the same k
-    layouts(q, nc, K, mc, f32_out);
-    const float alpha = 1.f, beta = 0.f;
-    std::vector<char> ran(p.cand.size(), 0);
-    auto fits = [&](const Plan& l, const cublasLtMatmulAlgo_t& a) {
-      cublasLtMatmulHeuristicResult_t r{};
-      return cublasLtMatmulAlgoCheck(lt, p.op, l.a, l.b, l.c, l.c, &a, &r) == CUBLAS_STATUS_SUCCESS &&
-             r.state == CUBLAS_STATUS_SUCCESS && r.workspaceSize <= ws_size;
-    };
-    // (A and B: w's first mc rows and in's first nc, leading dimension K as the real ones; the
-    // corner's outputs go to scratch of leading dimension mc)
-    for (size_t i = 0; i < p.cand.size(); ++i) {
-      if (!fits(q, p.cand[i])) continue;
-      void* o = static_cast<char*>(corner) + i * stride;
-      CUBLAS_CHECK(cublasLtMatmul(lt, p.op, &alpha, w, q.a, in, q.b, &beta, o, q.c, o, q.c, &p.cand[i], workspace,
-                                  ws_size, s));
-      ran[i] = 1;
-    }
-    drop_layouts(q);
-    CUDA_CHECK(cudaMemcpyAsync(corner_host.data(), corner, p.cand.size() * stride, cudaMemcpyDeviceToHost, s));
-    CUDA_CHECK(cudaStreamSynchronize(s));
-    if (!ran[0]) return;
-    const size_t bytes = size_t(mc * nc) * elt;
-    std::vector<size_t> admitted = {0};
-    for (size_t i = 1; i < p.cand.size(); ++i)
-      if (ran[i] && std::memcmp(corner_host.data() + i * stride, corner_host.data(), bytes) == 0 && fits(p, p.cand[i]))
-        admitted.push_back(i);
-    if (admitted.size() < 2) return;
-    cudaEvent_t e0 = nullptr, e1 = nullptr;
-    CUDA_CHECK(cudaEventCreate(&e0));
-    CUDA_CHECK(cudaEventCreate(&e1));
-    size_t best = 0;
-    float best_ms = 0.f;
-    for (size_t i : admitted) {
-      auto launch = [&] {
-        CUBLAS_CHECK(cublasLtMatmul(lt, p.op, &alpha, w, p.a, in, p.b, &beta, out, p.c, out, p.c, &p.cand[i],
-                                    workspace, ws_size, s));
-      };
-      launch();
-      CUDA_CHECK(cudaEventRecord(e0, s));
-      for (int r = 0; r < 3; ++r) launch();
-      CUDA_CHECK(cudaEventRecord(e1, s));
-      CUDA_CHECK(cudaEventSynchronize(e1));
-      float ms = 0.f;
-      CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
-      if (i == 0 || ms < best_ms) best = i, best_ms = ms;
-    }
-    cudaEventDestroy(e0);
-    cudaEventDestroy(e1);
-    p.algo = p.cand[best];
-    if (best != 0) ++moved;
   }
 };
 
@@ -316,15 +210,14 @@ Gemm::Gemm() : impl_(std::make_unique<Impl>()) {
 
 Gemm::~Gemm() {
   for (auto& [k, p] : impl_->plans) {
-    Impl::drop_layouts(p);
+    cublasLtMatrixLayoutDestroy(p.a);
+    cublasLtMatrixLayoutDestroy(p.b);
+    cublasLtMatrixLayoutDestroy(p.c);
     cublasLtMatmulDescDestroy(p.op);
   }
-  if (impl_->corner) cudaFree(impl_->corner);
   cudaFree(impl_->workspace);
   cublasLtDestroy(impl_->lt);
 }
-
-std::pair<size_t, size_t> Gemm::timed_choices() const { return {impl_->tuned, impl_->moved}; }
 
 bool skinny_enabled() {
   static const bool on = [] {
@@ -388,7 +281,6 @@ void Gemm::forward(bf16* out, const bf16* in, const bf16* w, int64_t N, int64_t 
   if (N == 0) return;
   if (N <= skinny_auto_rows() && skinny_enabled() && skinny_gemm(out, in, w, N, K, O, s)) return;
   auto& p = impl_->plan(N, K, O, false);
-  if (p.tune) impl_->choose(p, in, w, out, N, K, O, false, s);
   const float alpha = 1.f, beta = 0.f;
   CUBLAS_CHECK(cublasLtMatmul(impl_->lt, p.op, &alpha, w, p.a, in, p.b, &beta, out, p.c, out, p.c, &p.algo,
                               impl_->workspace, impl_->ws_size, s));
@@ -399,7 +291,6 @@ void Gemm::forward(float* out, const bf16* in, const bf16* w, int64_t N, int64_t
   if (N == 0) return;
   if (N <= skinny_auto_rows() && skinny_enabled() && skinny_gemm(out, in, w, N, K, O, s)) return;
   auto& p = impl_->plan(N, K, O, true);
-  if (p.tune) impl_->choose(p, in, w, out, N, K, O, true, s);
   const float alpha = 1.f, beta = 0.f;
   CUBLAS_CHECK(cublasLtMatmul(impl_->lt, p.op, &alpha, w, p.a, in, p.b, &beta, out, p.c, out, p.c, &p.algo,
                               impl_->workspace, impl_->ws_size, s));

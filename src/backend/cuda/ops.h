@@ -9,7 +9,6 @@
 
 #include <cstdint>
 #include <memory>
-#include <utility>
 #include <vector>
 
 namespace talon::cuda {
@@ -186,13 +185,7 @@ void set_dependent_launches(unsigned mask);
 
 // out[N, O] (bf16) = in[N, K] (bf16) @ w[O, K]^T, fp32 accumulation, through cuBLASLt; up to
 // kSkinnyAutoRows rows through skinny_gemm instead (TALON_CUDA_GEMV=0 in the environment:
-// cuBLASLt for every shape). cuBLASLt's algorithm is its heuristic's first, or with
-// TALON_CUDA_GEMM_TIMED=1, for 2..1024 rows, the fastest of its first 8 candidates that compute
-// the first one's bits (checked on the output's first 256 x 256 corner, timed once per shape on
-// an eager call: ops.cu, Gemm::Impl::choose), so the results do not depend on the choice.
-// The timed choice for plans made from now on (TALON_CUDA_GEMM_TIMED=1 sets it at start).
-bool gemm_timed_enabled();
-void set_gemm_timed(bool on);
+// cuBLASLt for every shape).
 class Gemm {
  public:
   Gemm();
@@ -200,8 +193,6 @@ class Gemm {
   void forward(bf16* out, const bf16* in, const bf16* w, int64_t N, int64_t K, int64_t O, cudaStream_t s);
   // The same with an fp32 output (no bf16 rounding of the result).
   void forward(float* out, const bf16* in, const bf16* w, int64_t N, int64_t K, int64_t O, cudaStream_t s);
-  // Under the timed choice: shapes timed so far, and how many of them took another candidate.
-  std::pair<size_t, size_t> timed_choices() const;
 
  private:
   struct Impl;

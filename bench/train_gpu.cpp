@@ -309,10 +309,10 @@ int main(int argc, char** argv) {
     std::printf("batches through cuDNN's attention: %lld of %lld\n", (long long)gpu->cudnn_batches(),
                 (long long)steps);
     if (const ProductPlans pp = gpu->product_plans(); pp.families > 0)
-      std::printf("products through cuBLASLt (%s): %lld shapes, %lld families, %lld decided, %lld of them on another "
-                  "candidate than the first\n",
+      std::printf("products through cuBLASLt (%s): %lld shapes, %lld families, %lld decided (%lld of them on another "
+                  "candidate than the first), %lld checking, %lld timing\n",
                   eng.products.c_str(), (long long)pp.shapes, (long long)pp.families, (long long)pp.decided,
-                  (long long)pp.moved);
+                  (long long)pp.moved, (long long)pp.checking, (long long)pp.timing);
     else if (pp.shapes > 0)
       std::printf("products through cuBLASLt (%s): %lld shapes, %lld of them off its first candidate\n",
                   eng.products.c_str(), (long long)pp.shapes, (long long)pp.moved);

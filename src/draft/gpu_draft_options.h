@@ -72,9 +72,10 @@ struct GpuDraftOptions {
 
 // The products' algorithms through cuBLASLt (GpuDraftOptions::products): the shapes planned;
 // how many of them a fixed rule moved off the heuristic's first candidate, or under the timed
-// rule how many families the timings moved; the timed rule's families met and decided.
+// rule how many families the timings moved; the timed rule's families met, decided, checking
+// their corner and timing their candidates.
 struct ProductPlans {
-  int64_t shapes = 0, moved = 0, families = 0, decided = 0;
+  int64_t shapes = 0, moved = 0, families = 0, decided = 0, checking = 0, timing = 0;
 };
 
 }  // namespace talon::eagle3

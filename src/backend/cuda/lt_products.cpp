@@ -61,12 +61,12 @@ int64_t alignment(const void* p) {
   return a;
 }
 
-// A dimension rounded up to 8 steps an octave (exact up to 256): 1382 -> 1408, 2765 -> 2816.
+// A dimension rounded up to 4 steps an octave (exact up to 256): 1382 -> 1536, 2765 -> 3072.
 int64_t round_dim(int64_t x) {
   if (x <= 256) return x;
   int64_t p = 1;
   while (p <= x / 2) p *= 2;
-  const int64_t step = p / 8;
+  const int64_t step = p / 4;
   return (x + step - 1) / step * step;
 }
 
@@ -332,19 +332,35 @@ void LtProducts::poll(Family& f) {
     CUDA_CHECK(cudaEventElapsedTime(&ms, q.a, q.b));
     spare_events_.push_back(q.a);
     spare_events_.push_back(q.b);
-    // The first call of each candidate is left out: its launch may have loaded its kernel.
-    if (f.calls_of[size_t(q.which)]++ > 0) f.ns[size_t(q.which)].push_back(double(ms) * 1e6 / q.madds);
+    if (q.keep) f.ns[size_t(q.which)].push_back(double(ms) * 1e6 / q.madds);
   }
   if (f.state != Family::State::Exploring) return;
+  // Once every candidate has a timing, those over 8% slower than the best leave; the rest
+  // need two, and the fastest by its best timing stays.
   int best = -1;
   double best_ns = 0;
   for (size_t i = 0; i < f.admitted.size(); ++i) {
     if (f.out[i]) continue;
-    if (f.ns[i].size() < 2) return;  // not yet timed enough
+    if (f.ns[i].empty()) return;
     const double t = *std::min_element(f.ns[i].begin(), f.ns[i].end());
     if (best < 0 || t < best_ns) best = int(i), best_ns = t;
   }
+  for (size_t i = 0; i < f.admitted.size(); ++i) {
+    if (f.out[i] || int(i) == best) continue;
+    if (*std::min_element(f.ns[i].begin(), f.ns[i].end()) > 1.08 * best_ns) f.out[i] = 1;
+  }
+  for (size_t i = 0; i < f.admitted.size(); ++i)
+    if (!f.out[i] && f.ns[i].size() < 2) return;
   decide(f, f.admitted[size_t(best)]);
+}
+
+std::pair<size_t, size_t> LtProducts::in_progress() const {
+  std::pair<size_t, size_t> n{0, 0};
+  for (const auto& [k, f] : families_) {
+    n.first += f.state == Family::State::Checking;
+    n.second += f.state == Family::State::Exploring;
+  }
+  return n;
 }
 
 cudaEvent_t LtProducts::event() {
@@ -389,19 +405,38 @@ void LtProducts::run(cublasOperation_t ta, cublasOperation_t tb, int64_t m, int6
   if (f.state == Family::State::Unchecked) check_corner(f, p, key, a, b, beta, c, s);
   if (f.state == Family::State::Decided) return launch(f.cand[fits(p, side, f.chosen) ? size_t(f.chosen) : 0]);
   if (f.state != Family::State::Exploring) return launch(f.cand[0]);
-  // Exploring: the next admitted candidate that is not left out, timed.
+  // Exploring. A candidate that does not fit one of the family's shapes leaves the family.
+  const double madds = double(m) * double(n) * double(k);
+  auto timed = [&](size_t which) {
+    const cudaEvent_t ea = event(), eb = event();
+    CUDA_CHECK(cudaEventRecord(ea, s));
+    launch(f.cand[size_t(f.admitted[which])]);
+    CUDA_CHECK(cudaEventRecord(eb, s));
+    // (the first launch of each candidate is not kept: it may have loaded its kernel)
+    f.pending.push_back({int(which), ea, eb, madds, f.calls_of[which]++ > 0});
+  };
+  if (side == 0) {
+    // C is written, not read: every candidate left runs in this call, one after the other on
+    // the real output (they compute the same bits), the first candidate last.
+    for (size_t t = f.admitted.size(); t-- > 0;) {
+      if (f.out[t]) continue;
+      if (f.admitted[t] != 0 && !fits(p, side, f.admitted[t])) {
+        f.out[t] = 1;
+        continue;
+      }
+      if (f.calls_of[t] == 0) timed(t);
+      timed(t);
+    }
+    return;
+  }
+  // C is read: one candidate a call, in turn.
   size_t which = size_t(f.calls++ % int64_t(f.admitted.size()));
   for (size_t t = 0; t < f.admitted.size() && f.out[which]; ++t) which = (which + 1) % f.admitted.size();
-  const int i = f.admitted[which];
-  if (i != 0 && !fits(p, side, i)) {  // a candidate that does not fit one of the family's shapes leaves it
+  if (f.admitted[which] != 0 && !fits(p, side, f.admitted[which])) {
     f.out[which] = 1;
     return launch(f.cand[0]);
   }
-  const cudaEvent_t ea = event(), eb = event();
-  CUDA_CHECK(cudaEventRecord(ea, s));
-  launch(f.cand[size_t(i)]);
-  CUDA_CHECK(cudaEventRecord(eb, s));
-  f.pending.push_back({int(which), ea, eb, double(m) * double(n) * double(k)});
+  timed(which);
 }
 
 }  // namespace talon::cuda

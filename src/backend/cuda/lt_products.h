@@ -7,7 +7,7 @@
 //          tiles (4096 outputs at ~1400 rows fill 1.33 waves of 128x256 tiles on 132 SMs) are
 //          where it can differ from `first`.
 //   timed: the fastest of the candidates that compute the same bits as the first one. Shapes
-//          are grouped into families: the dimensions rounded up to 8 steps an octave (a row
+//          are grouped into families: the dimensions rounded up to 4 steps an octave (a row
 //          count changes with every batch), with the transposes, leading dimensions, output
 //          type, pointer alignments and whether C is read (beta 0 or not). A family's
 //          candidates come from the heuristic at its rounded shape, so they do not depend on
@@ -16,12 +16,14 @@
 //          corner copied in when beta reads it); the results come back without a wait, and
 //          only candidates whose corner has the first candidate's exact bits are admitted
 //          (a corner of mostly zeros proves nothing: checked again at a later call). The real
-//          calls then take the admitted candidates in turn, each timed with a pair of events
-//          read back without a wait, until each has two timings (after one left out: its
-//          first launch may load its kernel); the family keeps the fastest by time per
-//          multiply-add. Until then, and for shapes a candidate does not fit, the first
-//          candidate runs. So every call computes the first candidate's bits whichever
-//          candidate the timings chose, and reruns and resumes keep their bits.
+//          calls then time the admitted candidates with pairs of events read back without a
+//          wait: where C is only written, every candidate runs in the same call, one after the
+//          other on the real output; where C is read, one candidate a call, in turn. The first
+//          launch of each is left out (it may load its kernel); once each has a timing, those
+//          over 8% slower than the best leave; with two timings each, the family keeps the
+//          fastest by time per multiply-add. Until then, and for shapes a candidate does not
+//          fit, the first candidate runs. So every call computes the first candidate's bits
+//          whichever candidate the timings chose, and reruns and resumes keep their bits.
 // Neither fixed rule beats cublasGemmEx's choice in the draft trainer (docs/train.md, "bf16
 // operands": the time left is in the weight gradients' tile sizes, which they do not look at).
 // Only products with bf16 operands, fp32 accumulation and fp32 or bf16 outputs come here; no
@@ -36,6 +38,7 @@
 #include <cstdint>
 #include <deque>
 #include <map>
+#include <utility>
 #include <vector>
 
 namespace talon::cuda {
@@ -67,6 +70,8 @@ class LtProducts {
   size_t decided() const { return decided_; }
   // Families that admitted more than one candidate and so timed them.
   size_t explored() const { return explored_; }
+  // Families now checking their corner, and now timing.
+  std::pair<size_t, size_t> in_progress() const;
 
  private:
   // ta, tb, m, n, k, lda, ldb, ldc, C's type, and the alignment in bytes of A, B and C
@@ -81,13 +86,14 @@ class LtProducts {
     std::vector<char> ran;                // which candidates computed the corner
     int64_t mc = 0, nc = 0, elt = 0;      // the corner's shape and the output's bytes a value
     std::vector<int> admitted;            // candidates with the first one's bits
-    std::vector<std::vector<double>> ns;  // per admitted: ns a multiply-add, the first call left out
-    std::vector<int> calls_of;            // per admitted
+    std::vector<std::vector<double>> ns;  // per admitted: ns a multiply-add, the first launch left out
+    std::vector<int> calls_of;            // per admitted: launches timed
     std::vector<char> out;                // per admitted: left out (did not fit a shape of the family)
     struct Pending {
       int which;  // index into admitted
       cudaEvent_t a, b;
       double madds;
+      bool keep;
     };
     std::deque<Pending> pending;
     int64_t calls = 0;

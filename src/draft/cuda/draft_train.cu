@@ -2067,7 +2067,9 @@ int64_t DraftEngine::row_steps() const { return p_->row_steps; }
 eagle3::ProductPlans DraftEngine::product_plans() const {
   if (!p_->lt_products) return {};
   const LtProducts& l = *p_->lt_products;
-  return {int64_t(l.plans()), int64_t(l.moved()), int64_t(l.families()), int64_t(l.decided())};
+  const auto [checking, timing] = l.in_progress();
+  return {int64_t(l.plans()),   int64_t(l.moved()),    int64_t(l.families()),
+          int64_t(l.decided()), int64_t(checking), int64_t(timing)};
 }
 double DraftEngine::product_flops() const { return p_->product_flops; }
 std::pair<float*, float*> DraftEngine::host_features() {

@@ -5,7 +5,7 @@
 # Both arms run the same binary on the same machine, one after the other.
 #   source scripts/gpu_carried.sh
 #   FLAG=--gpu-fused-products [SEQS="2048 4096"] [ROUNDS=2] [SHAPE=llama3-8b] [LOSS_SHARE=0.675] \
-#     [TESTS='*GpuDraft*:CudaKernels.Swiglu*:CudaKernels.Casts*'] [ARGS="--steps 40 --warmup 30"] \
+#     [TESTS='*GpuDraft*:CudaKernels.Swiglu*:CudaKernels.Casts*'] [ARGS="--steps 12"] \
 #     bash bench/train_ab_gpu.sh
 # ARGS go to both arms (FLAG may hold several words too).
 # TESTS=0 skips the tests. Logs go to $OUT/train_ab (the device machine) or a temporary folder.

@@ -4,7 +4,7 @@
 # then the VARIANT run) and the PyTorch peer (bench/train_peer.py, which first checks itself
 # against the oracle), then a table of tokens/s, memory and ratios. Every log is kept under
 # $LOGS (default: $OUT/train_compare on the device machine, else a temporary folder).
-#   bash scripts/gpu_build.sh && [LOSS_SHARE=f] [VARIANT=staged|resident|cudnn|flash|device|allrows|fused|timed|base|none] \
+#   bash scripts/gpu_build.sh && [LOSS_SHARE=f] [VARIANT=staged|resident|cudnn|flash|device|allrows|fused|cublas|base|none] \
 #     bash bench/train_compare_gpu.sh [SHAPE] ["SEQS"] [SAMPLES] [PEER_COMPILE]
 # e.g. LOSS_SHARE=0.675 VARIANT=resident bash bench/train_compare_gpu.sh llama3-8b "2048 4096" 1 full
 set -uo pipefail
@@ -56,29 +56,26 @@ res_peer() { pick 's/.*(reserved \([0-9.]*\) GiB).*/\1/p' "$1"; }
 # leaves out of the steps after the first the rows no later loss reads), fused (gate|up and q|k|v
 # backward as one product each: --gpu-fused-products), flash (the fused kernels
 # for every batch: --gpu-attention flash; the default, auto, takes cuDNN for the batches whose
-# workspace fits the memory lent to it), timed (--gpu-products timed: the fastest cuBLASLt
-# candidate with the first one's bits, timed in the run's first steps, so this run takes 40
-# steps and times the last 10), base (the same flags through another build's
-# talon_bench_train, named by BASE_BIN: a change against the code before it, in one call), or none.
+# workspace fits the memory lent to it), cublas (--gpu-products cublas: every product's
+# algorithm cuBLAS's own choice; the default, auto, takes the fastest cuBLASLt candidate with
+# the first one's bits, timed in untimed steps before the timed ones), base (the same flags
+# through another build's talon_bench_train, named by BASE_BIN: a change against the code
+# before it, in one call), or none.
 VARIANT=${VARIANT:-staged}
 vbin=build/talon_bench_train
-vsteps=(--steps 7)
 case "$VARIANT" in
   staged | resident) vflag=("--$VARIANT") ;;
   cudnn | flash) vflag=(--gpu-attention "$VARIANT") ;;
   device) vflag=(--gpu-device-embeddings) ;;
   allrows) vflag=(--gpu-all-rows) ;;
   fused) vflag=(--gpu-fused-products) ;;
-  timed)
-    vflag=(--gpu-products timed --warmup 30)
-    vsteps=(--steps 40)
-    ;;
+  cublas) vflag=(--gpu-products cublas) ;;
   base)
     vflag=()
     vbin=${BASE_BIN:?VARIANT=base needs BASE_BIN, another build of talon_bench_train}
     ;;
   none) vflag=() ;;
-  *) echo "VARIANT=$VARIANT: expected staged, resident, cudnn, flash, device, allrows, fused, timed, base or none" >&2; exit 2 ;;
+  *) echo "VARIANT=$VARIANT: expected staged, resident, cudnn, flash, device, allrows, fused, cublas, base or none" >&2; exit 2 ;;
 esac
 # On the device machine ($OUT set) the logs default to $OUT/train_compare, so that they come back
 # even when the command's printed output is longer than what the call returns.
@@ -92,7 +89,7 @@ for seq in $SEQS; do
   grep "^loss-masked" "$log/talon-$seq"
   tail -1 "$log/talon-$seq"
   if [ "$VARIANT" != none ]; then
-    "$vbin" --shape "$SHAPE" --seq "$seq" --samples "$SAMPLES" "${vsteps[@]}" --peak-tflops "$CEIL" \
+    "$vbin" --shape "$SHAPE" --seq "$seq" --samples "$SAMPLES" --steps 7 --peak-tflops "$CEIL" \
       --loss-share "$LOSS_SHARE" "${vflag[@]}" > "$log/$VARIANT-$seq" 2>&1
     tail -1 "$log/$VARIANT-$seq"
   fi

@@ -89,7 +89,8 @@ int main(int argc, char** argv) {
   app.add_flag("--gpu-fused-products,!--gpu-separate-products", eng.fused_products,
                "gate|up and the q|k|v backward as one product each (the default; --gpu-separate-products: one "
                "a matrix)");
-  app.add_option("--gpu-products", eng.products, "cublas | first | waves | timed (who picks each product's algorithm)")
+  app.add_option("--gpu-products", eng.products,
+                 "auto | cublas | first | waves | timed (who picks each product's algorithm)")
       ->capture_default_str();
   app.add_flag("--gpu-profile", eng.profile, "GPU time per phase");
   app.add_flag("--resident", resident,
@@ -244,6 +245,23 @@ int main(int argc, char** argv) {
     // steady state each interval holds one whole step of device work. The first step warms
     // cuBLAS up and ends with the device drained; the second, which then starts with nothing in
     // flight, is left out too when at least two others are timed. A traced step is never timed.
+    // The timed product rule (--gpu-products auto, the default with bf16 operands, or timed)
+    // times its candidates in a run's first steps: those steps come first, untimed, until every
+    // family of products has its choice (at most 40).
+    int64_t settle = 0;
+    for (; (eng.products == "auto" || eng.products == "timed") && settle < 40; ++settle) {
+      const ProductPlans pp = gpu->product_plans();
+      if (settle > 0 && (pp.families == 0 || pp.checking + pp.timing == 0)) break;
+      std::vector<uint64_t> seeds;
+      for (int64_t s = 0; s < samples; ++s) seeds.push_back(9000000ull + uint64_t(settle) * 1000003ull + uint64_t(s));
+      gpu->run(batch, 1.0 / double(samples), true, true, seeds);
+      gpu->clip_grad_norm(0.5);
+      gpu->adamw_step(oc, settle);
+    }
+    if (const ProductPlans pp = gpu->product_plans(); pp.families > 0)
+      std::printf("%lld untimed steps first, while the timed product rule chose (%lld of %lld families left)\n",
+                  (long long)settle, (long long)(pp.checking + pp.timing), (long long)pp.families);
+    cudaDeviceSynchronize();
     const int64_t untraced = trace_file.empty() ? steps : steps - 1;
     const int64_t first_timed = warmup >= 1 ? warmup : untraced >= 4 ? 2 : 1;
     std::vector<double> times;

@@ -229,10 +229,11 @@ int main(int argc, char** argv) {
                      "--gpu-separate-products runs one product a matrix")
         ->group(g);
     cmd_tr->add_option("--gpu-products", tr.gpu_engine.products,
-                       "Who picks each bf16 product's algorithm: cublas (its own choice), first (cuBLASLt's first "
-                       "candidate), waves (the cuBLASLt candidate with the fullest last wave of tiles) or timed (the "
-                       "fastest cuBLASLt candidate with the first one's bits, timed on the run's products)")
-        ->check(CLI::IsMember({"cublas", "first", "waves", "timed"}))
+                       "Who picks each bf16 product's algorithm: auto (timed with bf16 operands, else cublas), "
+                       "cublas (its own choice), first (cuBLASLt's first candidate), waves (the cuBLASLt candidate "
+                       "with the fullest last wave of tiles) or timed (the fastest cuBLASLt candidate with the first "
+                       "one's bits, timed on the run's products)")
+        ->check(CLI::IsMember({"auto", "cublas", "first", "waves", "timed"}))
         ->capture_default_str()
         ->group(g);
     cmd_tr->add_flag("--gpu-profile", tr.gpu_engine.profile, "Log GPU time per phase at the end")->group(g);

@@ -151,8 +151,9 @@ using talon::testing::rel_max_diff;
 class GpuDraft : public ::testing::TestWithParam<bool> {};
 
 // The engine options the trainers below are built with; ScopedOpt changes them for a scope.
-// TALON_TEST_GPU_PRODUCTS=first|waves|timed runs every test below that leaves the products'
-// rule alone under that rule (those on fp32 operands keep cublas, the only rule they allow).
+// TALON_TEST_GPU_PRODUCTS=cublas|first|waves|timed runs every test below that leaves the
+// products' rule alone under that rule instead of the default (auto: timed on bf16 operands);
+// those on fp32 operands keep cublas, the only rule they allow.
 const std::string g_env_products = [] {
   const char* e = std::getenv("TALON_TEST_GPU_PRODUCTS");
   return std::string(e && *e ? e : "");
@@ -425,12 +426,12 @@ TEST_P(GpuDraft, FusedProductsMatchAProductPerMatrix) {
 }
 
 // The products' algorithms chosen by cuBLASLt rules (GpuDraftOptions::products first, waves and
-// timed) against cublasGemmEx's own choice: each against the CPU reference, against the cublas
+// timed) against cublasGemmEx's own choice (cublas): each against the CPU reference, against the cublas
 // route within the tolerance of two routes on the same bf16 operands (the algorithms differ in
 // the order of fp32 sums only), and bit-identical between two runs (resume depends on it; the
 // timed rule's two runs time their candidates anew); with the fused products too, whose shapes
-// differ. An unknown rule, or a rule without bf16 operands,
-// is refused by name.
+// differ. auto (the default) takes the timed rule on bf16 operands and cuBLAS's own choice on
+// fp32 operands; an unknown rule, or a cuBLASLt rule without bf16 operands, is refused by name.
 TEST_P(GpuDraft, LtProductRulesMatchCublasChoice) {
   REQUIRE_GPU();
   Case cs(GetParam(), 87, {150, 64, 7, 90}, 64);
@@ -449,8 +450,26 @@ TEST_P(GpuDraft, LtProductRulesMatchCublasChoice) {
       GpuRun lt = run_once(cs, GpuMath::BF16, 313), again = run_once(cs, GpuMath::BF16, 313);
       expect_repeatable_and_near(lt, again, cublas);
     }
-  for (const auto& [rule, math, what] : {std::tuple{"fastest", GpuMath::BF16, "expected cublas, first, waves or timed"},
-                                         std::tuple{"waves", GpuMath::F32, "needs bf16 math on bf16 operands"}}) {
+  // auto (the default): the timed rule's cuBLASLt families with bf16 operands; cuBLAS itself (no
+  // plans, no error) with fp32 operands.
+  for (const bool fp32_operands : {false, true}) {
+    ScopedOpt o([&](GpuDraftOptions& e) {
+      e.products = "auto";
+      e.fp32_operands = fp32_operands;
+    });
+    auto gpu = make_gpu_draft_trainer(cs.c, cs.target(), cs.dv, {0}, GpuMath::BF16, 320, {}, g_eng);
+    gpu->set_weights(cs.w);
+    gpu->run(cs.batch(), 0.25, true, true);
+    const ProductPlans pp = gpu->product_plans();
+    if (fp32_operands) {
+      EXPECT_EQ(pp.shapes, 0) << "auto on fp32 operands went through cuBLASLt";
+    } else {
+      EXPECT_GT(pp.families, 0) << "auto on bf16 operands did not take the timed rule";
+    }
+  }
+  for (const auto& [rule, math, what] :
+       {std::tuple{"fastest", GpuMath::BF16, "expected auto, cublas, first, waves or timed"},
+        std::tuple{"waves", GpuMath::F32, "needs bf16 math on bf16 operands"}}) {
     ScopedOpt o([&](GpuDraftOptions& e) { e.products = rule; });
     try {
       make_gpu(cs, {0}, math, 320);

@@ -112,6 +112,31 @@ int split_k(const cublasLtMatmulAlgo_t& a) {
   return v;
 }
 
+// What identifies a kernel configuration (the opaque algo also carries per-shape state): its
+// id, tile, stages, split-K, reduction scheme, swizzle, custom option, cluster and inner shapes.
+std::array<uint64_t, 9> signature(const cublasLtMatmulAlgo_t& a) {
+  const cublasLtMatmulAlgoConfigAttributes_t attrs[9] = {CUBLASLT_ALGO_CONFIG_ID,
+                                                         CUBLASLT_ALGO_CONFIG_TILE_ID,
+                                                         CUBLASLT_ALGO_CONFIG_STAGES_ID,
+                                                         CUBLASLT_ALGO_CONFIG_SPLITK_NUM,
+                                                         CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME,
+                                                         CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING,
+                                                         CUBLASLT_ALGO_CONFIG_CUSTOM_OPTION,
+                                                         CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID,
+                                                         CUBLASLT_ALGO_CONFIG_INNER_SHAPE_ID};
+  std::array<uint64_t, 9> sig{};
+  for (size_t i = 0; i < 9; ++i) {
+    size_t need = 0, written = 0;
+    uint64_t v = 0;
+    if (cublasLtMatmulAlgoConfigGetAttribute(&a, attrs[i], nullptr, 0, &need) != CUBLAS_STATUS_SUCCESS || need == 0 ||
+        need > sizeof v ||
+        cublasLtMatmulAlgoConfigGetAttribute(&a, attrs[i], &v, need, &written) != CUBLAS_STATUS_SUCCESS)
+      v = ~uint64_t(0);
+    sig[i] = v;
+  }
+  return sig;
+}
+
 }  // namespace
 
 namespace {
@@ -195,7 +220,7 @@ void LtProducts::first_algo(Plan& p, const Key& key) {
   p.has_algo = true;
 }
 
-LtProducts::Family& LtProducts::family(const Key& key, bool reads_c) {
+LtProducts::Family& LtProducts::family(Plan& p, const Key& key, bool reads_c) {
   const auto ta = static_cast<cublasOperation_t>(key[0]), tb = static_cast<cublasOperation_t>(key[1]);
   const int64_t lda = key[5], ldb = key[6], ldc = key[7];
   // The rounded shape, within what the leading dimensions allow.
@@ -208,30 +233,39 @@ LtProducts::Family& LtProducts::family(const Key& key, bool reads_c) {
   auto it = families_.find(fk);
   if (it != families_.end()) return it->second;
   Family f;
-  const uint32_t align[3] = {uint32_t(key[9]), uint32_t(key[10]), uint32_t(key[11])};
-  cublasLtMatmulDesc_t op = make_op(ta, tb);
-  {
-    Layouts l(ta, tb, m, n, k, lda, ldb, static_cast<cudaDataType_t>(key[8]), ldc);
-    cublasStatus_t st = CUBLAS_STATUS_SUCCESS;
-    for (const auto& r : usable(lt_, op, l.a, l.b, l.c, align, candidates_, st))
-      if (f.cand.size() < size_t(kMaxTimed)) f.cand.push_back(r.algo);
-  }
-  cublasLtMatmulDescDestroy(op);
+  const std::vector<cublasLtMatmulAlgo_t>& own = candidates(p, key);
+  for (size_t i = 0; i < own.size() && i < size_t(kMaxTimed); ++i) f.sig.push_back(signature(own[i]));
   Family& g = families_.emplace(fk, std::move(f)).first->second;
-  if (g.cand.size() <= 1) decide(g, 0);  // nothing to choose (none: every shape runs its own first)
+  if (g.sig.size() <= 1) decide(g, 0);  // nothing to choose (none: every shape runs its own first)
   return g;
 }
 
-bool LtProducts::fits(Plan& p, int side, int i) {
-  const Family& f = *p.fam[side];
-  auto& v = p.fits[side];
-  if (v.empty()) v.assign(f.cand.size(), -1);
-  if (v[size_t(i)] < 0) {
-    cublasLtMatmulHeuristicResult_t r{};
-    const cublasStatus_t st = cublasLtMatmulAlgoCheck(lt_, p.op, p.a, p.b, p.c, p.c, &f.cand[size_t(i)], &r);
-    v[size_t(i)] = st == CUBLAS_STATUS_SUCCESS && r.state == CUBLAS_STATUS_SUCCESS && r.workspaceSize == 0;
+const std::vector<cublasLtMatmulAlgo_t>& LtProducts::candidates(Plan& p, const Key& key) {
+  if (!p.listed) {
+    const uint32_t align[3] = {uint32_t(key[9]), uint32_t(key[10]), uint32_t(key[11])};
+    cublasStatus_t st = CUBLAS_STATUS_SUCCESS;
+    for (const auto& r : usable(lt_, p.op, p.a, p.b, p.c, align, candidates_, st))
+      if (p.own.size() < size_t(kMaxTimed)) p.own.push_back(r.algo);
+    p.listed = true;
   }
-  return v[size_t(i)] == 1;
+  return p.own;
+}
+
+int LtProducts::match(Plan& p, int side, int i) {
+  const Family& f = *p.fam[side];
+  auto& v = p.match[side];
+  if (v.empty()) {
+    v.assign(f.sig.size(), -1);
+    std::vector<std::array<uint64_t, 9>> mine;
+    for (const auto& a : p.own) mine.push_back(signature(a));
+    for (size_t j = 0; j < f.sig.size(); ++j)
+      for (size_t l = 0; l < mine.size(); ++l)
+        if (mine[l] == f.sig[j]) {
+          v[j] = int(l);
+          break;
+        }
+  }
+  return v[size_t(i)];
 }
 
 void LtProducts::decide(Family& f, int chosen) {
@@ -241,7 +275,7 @@ void LtProducts::decide(Family& f, int chosen) {
   if (chosen != 0) ++moved_;
 }
 
-void LtProducts::check_corner(Family& f, const Plan& p, const Key& key, const void* a, const void* b, float beta,
+void LtProducts::check_corner(Family& f, Plan& p, const Key& key, const void* a, const void* b, float beta,
                               const void* c, cudaStream_t s) {
   int idx = -1;
   for (int pass = 0; pass < 2 && idx < 0; ++pass)
@@ -261,21 +295,23 @@ void LtProducts::check_corner(Family& f, const Plan& p, const Key& key, const vo
   // leading dimensions; into scratch of leading dimension mc.
   Layouts l(ta, tb, f.mc, f.nc, key[4], key[5], key[6], c_type, f.mc);
   const float alpha = 1.f;
-  f.ran.assign(f.cand.size(), 0);
-  for (size_t i = 0; i < f.cand.size(); ++i) {
+  f.ran.assign(f.sig.size(), 0);
+  for (size_t i = 0; i < f.sig.size(); ++i) {
+    const int j = match(p, int(beta != 0.f), int(i));
+    if (j < 0) continue;
+    const cublasLtMatmulAlgo_t& algo = p.own[size_t(j)];
     cublasLtMatmulHeuristicResult_t r{};
-    if (cublasLtMatmulAlgoCheck(lt_, p.op, l.a, l.b, l.c, l.c, &f.cand[i], &r) != CUBLAS_STATUS_SUCCESS ||
+    if (cublasLtMatmulAlgoCheck(lt_, p.op, l.a, l.b, l.c, l.c, &algo, &r) != CUBLAS_STATUS_SUCCESS ||
         r.state != CUBLAS_STATUS_SUCCESS || r.workspaceSize != 0)
       continue;
     char* out = static_cast<char*>(sl.dev) + i * stride;
     if (beta != 0.f)
       CUDA_CHECK(cudaMemcpy2DAsync(out, size_t(f.mc * f.elt), c, size_t(key[7] * f.elt), size_t(f.mc * f.elt),
                                    size_t(f.nc), cudaMemcpyDeviceToDevice, s));
-    CUBLAS_CHECK(cublasLtMatmul(lt_, p.op, &alpha, a, l.a, b, l.b, &beta, out, l.c, out, l.c, &f.cand[i], nullptr, 0,
-                                s));
+    CUBLAS_CHECK(cublasLtMatmul(lt_, p.op, &alpha, a, l.a, b, l.b, &beta, out, l.c, out, l.c, &algo, nullptr, 0, s));
     f.ran[i] = 1;
   }
-  CUDA_CHECK(cudaMemcpyAsync(sl.host, sl.dev, f.cand.size() * stride, cudaMemcpyDeviceToHost, s));
+  CUDA_CHECK(cudaMemcpyAsync(sl.host, sl.dev, f.sig.size() * stride, cudaMemcpyDeviceToHost, s));
   CUDA_CHECK(cudaEventRecord(sl.done, s));
   sl.owner = &f;
   f.slot = idx;
@@ -312,7 +348,7 @@ void LtProducts::poll(Family& f) {
         f.state = Family::State::Unchecked;
     } else {
       f.admitted = {0};
-      for (size_t i = 1; i < f.cand.size(); ++i)
+      for (size_t i = 1; i < f.sig.size(); ++i)
         if (f.ran[i] && std::memcmp(h + i * stride, h, bytes) == 0) f.admitted.push_back(int(i));
       if (f.admitted.size() == 1) {
         decide(f, 0);
@@ -395,22 +431,27 @@ void LtProducts::run(cublasOperation_t ta, cublasOperation_t tb, int64_t m, int6
   };
   if (rule_ != Rule::Timed) return launch(p.algo);
   const int side = beta != 0.f ? 1 : 0;
-  if (!p.fam[side]) p.fam[side] = &family(key, side == 1);
+  candidates(p, key);
+  if (!p.fam[side]) p.fam[side] = &family(p, key, side == 1);
   Family& f = *p.fam[side];
   poll(f);
-  if (f.cand.empty() || !fits(p, side, 0)) {  // this shape runs its own first candidate, always
+  // A shape whose own first candidate is not the family's first runs it, always.
+  if (f.sig.empty() || match(p, side, 0) != 0) {
     if (!p.has_algo) first_algo(p, key);
     return launch(p.algo);
   }
   if (f.state == Family::State::Unchecked) check_corner(f, p, key, a, b, beta, c, s);
-  if (f.state == Family::State::Decided) return launch(f.cand[fits(p, side, f.chosen) ? size_t(f.chosen) : 0]);
-  if (f.state != Family::State::Exploring) return launch(f.cand[0]);
-  // Exploring. A candidate that does not fit one of the family's shapes leaves the family.
+  if (f.state == Family::State::Decided) {
+    const int j = match(p, side, f.chosen);
+    return launch(p.own[j >= 0 ? size_t(j) : 0]);
+  }
+  if (f.state != Family::State::Exploring) return launch(p.own[0]);
+  // Exploring. A candidate that is not among one shape's own leaves the family.
   const double madds = double(m) * double(n) * double(k);
-  auto timed = [&](size_t which) {
+  auto timed = [&](size_t which, int j) {
     const cudaEvent_t ea = event(), eb = event();
     CUDA_CHECK(cudaEventRecord(ea, s));
-    launch(f.cand[size_t(f.admitted[which])]);
+    launch(p.own[size_t(j)]);
     CUDA_CHECK(cudaEventRecord(eb, s));
     // (the first launch of each candidate is not kept: it may have loaded its kernel)
     f.pending.push_back({int(which), ea, eb, madds, f.calls_of[which]++ > 0});
@@ -420,23 +461,25 @@ void LtProducts::run(cublasOperation_t ta, cublasOperation_t tb, int64_t m, int6
     // the real output (they compute the same bits), the first candidate last.
     for (size_t t = f.admitted.size(); t-- > 0;) {
       if (f.out[t]) continue;
-      if (f.admitted[t] != 0 && !fits(p, side, f.admitted[t])) {
+      const int j = match(p, side, f.admitted[t]);
+      if (j < 0) {
         f.out[t] = 1;
         continue;
       }
-      if (f.calls_of[t] == 0) timed(t);
-      timed(t);
+      if (f.calls_of[t] == 0) timed(t, j);
+      timed(t, j);
     }
     return;
   }
   // C is read: one candidate a call, in turn.
   size_t which = size_t(f.calls++ % int64_t(f.admitted.size()));
   for (size_t t = 0; t < f.admitted.size() && f.out[which]; ++t) which = (which + 1) % f.admitted.size();
-  if (f.admitted[which] != 0 && !fits(p, side, f.admitted[which])) {
+  const int j = match(p, side, f.admitted[which]);
+  if (j < 0) {
     f.out[which] = 1;
-    return launch(f.cand[0]);
+    return launch(p.own[0]);
   }
-  timed(which);
+  timed(which, j);
 }
 
 }  // namespace talon::cuda

@@ -10,8 +10,12 @@
 //          are grouped into families: the dimensions rounded up to 4 steps an octave (a row
 //          count changes with every batch), with the transposes, leading dimensions, output
 //          type, pointer alignments and whether C is read (beta 0 or not). A family's
-//          candidates come from the heuristic at its rounded shape, so they do not depend on
-//          which of its shapes came first. At a family's first call its candidates compute the
+//          candidates are kernel configurations (algo id, tile, stages, ...: a signature) from
+//          the heuristic's list for the first shape met; each shape runs the candidate of its
+//          own list that has the signature wanted, and takes part only where its own first
+//          candidate has the family's first signature (else it always runs its own first). So
+//          what a shape computes does not depend on which shape came first.
+//          At a family's first call its candidates compute the
 //          output's first (up to) 256 x 256 corner from the real operands, into scratch (C's
 //          corner copied in when beta reads it); the results come back without a wait, and
 //          only candidates whose corner has the first candidate's exact bits are admitted
@@ -24,6 +28,9 @@
 //          fastest by time per multiply-add. Until then, and for shapes a candidate does not
 //          fit, the first candidate runs. So every call computes the first candidate's bits
 //          whichever candidate the timings chose, and reruns and resumes keep their bits.
+//          (Signatures, not the heuristic's opaque algos of another shape: an algo made for a
+//          row count rounded up would not run at most real row counts; the first version, with
+//          those, left 15 of 25 families of the 8B draft unserved.)
 // Neither fixed rule beats cublasGemmEx's choice in the draft trainer (docs/train.md, "bf16
 // operands": the time left is in the weight gradients' tile sizes, which they do not look at).
 // Only products with bf16 operands, fp32 accumulation and fp32 or bf16 outputs come here; no
@@ -80,7 +87,9 @@ class LtProducts {
   using FamilyKey = std::array<int64_t, 13>;
   struct Family {
     enum class State { Unchecked, Checking, Exploring, Decided };
-    std::vector<cublasLtMatmulAlgo_t> cand;  // [0]: the heuristic's first; no workspace, no split-K
+    // The candidates' kernel signatures (algo id, tile, stages, ...), from the heuristic's list
+    // (no workspace, no split-K) for the first shape met; [0] its first.
+    std::vector<std::array<uint64_t, 9>> sig;
     State state = State::Unchecked;
     int slot = -1, checks = 0;            // the corner check in flight
     std::vector<char> ran;                // which candidates computed the corner
@@ -97,24 +106,27 @@ class LtProducts {
     };
     std::deque<Pending> pending;
     int64_t calls = 0;
-    int chosen = 0;  // index into cand
+    int chosen = 0;  // index into sig
   };
   struct Plan {
     cublasLtMatmulDesc_t op = nullptr;
     cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
     cublasLtMatmulAlgo_t algo{};
     bool has_algo = false;
-    // timed rule, per family (beta 0, beta read): per candidate whether it fits this shape (-1
-    // not asked yet). Where the first candidate does not fit, `algo` (the heuristic's first for
-    // this very shape) always runs.
+    // timed rule: this shape's own candidates (the heuristic's, no workspace, no split-K), and
+    // per family (beta 0, beta read) which of them has each family candidate's signature (-1:
+    // none). Where its own first is not the family's first, `algo` (that first) always runs.
+    bool listed = false;
+    std::vector<cublasLtMatmulAlgo_t> own;
     Family* fam[2] = {nullptr, nullptr};
-    std::vector<signed char> fits[2];
+    std::vector<int> match[2];
   };
   Plan& plan(const Key& key);
   void first_algo(Plan& p, const Key& key);
-  Family& family(const Key& key, bool reads_c);
-  bool fits(Plan& p, int side, int i);
-  void check_corner(Family& f, const Plan& p, const Key& key, const void* a, const void* b, float beta,
+  Family& family(Plan& p, const Key& key, bool reads_c);
+  const std::vector<cublasLtMatmulAlgo_t>& candidates(Plan& p, const Key& key);
+  int match(Plan& p, int side, int i);
+  void check_corner(Family& f, Plan& p, const Key& key, const void* a, const void* b, float beta,
                     const void* c, cudaStream_t s);
   void decide(Family& f, int chosen);
   void poll(Family& f);

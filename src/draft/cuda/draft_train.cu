@@ -1731,13 +1731,16 @@ DraftEngine::DraftEngine(int device, const DraftDims& dd, DraftMath math, const 
   I.s = I.dev->stream();
   I.copy_s = I.dev->copy_stream();
   I.blas = I.dev->blas();
-  if (opt.products != "cublas") {
-    if (opt.products != "first" && opt.products != "waves" && opt.products != "timed")
-      fail_msg("--gpu-products: expected cublas, first, waves or timed, got '" + opt.products + "'");
-    if (!I.bf16_operands) fail_msg("--gpu-products " + opt.products + " needs bf16 math on bf16 operands");
-    I.lt_products = std::make_unique<LtProducts>(opt.products == "first"   ? LtProducts::Rule::First
-                                                 : opt.products == "waves" ? LtProducts::Rule::Waves
-                                                                           : LtProducts::Rule::Timed);
+  if (opt.products != "cublas" && opt.products != "auto" && opt.products != "first" && opt.products != "waves" &&
+      opt.products != "timed")
+    fail_msg("--gpu-products: expected auto, cublas, first, waves or timed, got '" + opt.products + "'");
+  // auto: timed where the operands are bf16, cublas otherwise (the only rule fp32 operands allow)
+  const std::string products = opt.products != "auto" ? opt.products : I.bf16_operands ? "timed" : "cublas";
+  if (products != "cublas") {
+    if (!I.bf16_operands) fail_msg("--gpu-products " + products + " needs bf16 math on bf16 operands");
+    I.lt_products = std::make_unique<LtProducts>(products == "first"   ? LtProducts::Rule::First
+                                                 : products == "waves" ? LtProducts::Rule::Waves
+                                                                       : LtProducts::Rule::Timed);
   }
   I.aux_ready = I.dev->event(0);
   I.staged = I.dev->event(1);

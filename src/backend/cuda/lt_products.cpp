@@ -197,7 +197,7 @@ LtProducts::Plan& LtProducts::plan(const Key& key) {
   l.release();
   Plan& q = plans_.emplace(key, p).first->second;
   ++planned_;
-  if (rule_ != Rule::Timed) first_algo(q, key);  // the timed rule asks only where its family's fails
+  if (rule_ != Rule::Timed) first_algo(q, key);  // the timed rule lists the candidates itself
   return q;
 }
 
@@ -217,7 +217,6 @@ void LtProducts::first_algo(Plan& p, const Key& key) {
       if (last_wave_fill(res[i].wavesCount) > last_wave_fill(res[pick].wavesCount) + 0.05) pick = i;
   if (pick != 0) ++moved_;
   p.algo = res[pick].algo;
-  p.has_algo = true;
 }
 
 LtProducts::Family& LtProducts::family(Plan& p, const Key& key, bool reads_c) {
@@ -431,15 +430,12 @@ void LtProducts::run(cublasOperation_t ta, cublasOperation_t tb, int64_t m, int6
   };
   if (rule_ != Rule::Timed) return launch(p.algo);
   const int side = beta != 0.f ? 1 : 0;
-  candidates(p, key);
+  if (candidates(p, key).empty()) first_algo(p, key);  // (fails, naming the shape)
   if (!p.fam[side]) p.fam[side] = &family(p, key, side == 1);
   Family& f = *p.fam[side];
   poll(f);
   // A shape whose own first candidate is not the family's first runs it, always.
-  if (f.sig.empty() || match(p, side, 0) != 0) {
-    if (!p.has_algo) first_algo(p, key);
-    return launch(p.algo);
-  }
+  if (f.sig.empty() || match(p, side, 0) != 0) return launch(p.own[0]);
   if (f.state == Family::State::Unchecked) check_corner(f, p, key, a, b, beta, c, s);
   if (f.state == Family::State::Decided) {
     const int j = match(p, side, f.chosen);

@@ -111,11 +111,10 @@ class LtProducts {
   struct Plan {
     cublasLtMatmulDesc_t op = nullptr;
     cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
-    cublasLtMatmulAlgo_t algo{};
-    bool has_algo = false;
+    cublasLtMatmulAlgo_t algo{};  // first and waves: the rule's pick
     // timed rule: this shape's own candidates (the heuristic's, no workspace, no split-K), and
     // per family (beta 0, beta read) which of them has each family candidate's signature (-1:
-    // none). Where its own first is not the family's first, `algo` (that first) always runs.
+    // none). Where its own first is not the family's first, that first always runs.
     bool listed = false;
     std::vector<cublasLtMatmulAlgo_t> own;
     Family* fam[2] = {nullptr, nullptr};

@@ -55,8 +55,8 @@ int main(int argc, char** argv) {
   app.add_option("--steps", steps)->capture_default_str();
   int64_t warmup = -1;
   app.add_option("--warmup", warmup,
-                 "Steps left out of the timing (default: 2 when at least 4 are timed, else 1; --gpu-products timed "
-                 "times its candidates in the first steps)");
+                 "Steps left out of the timing (default: 2 when at least 4 are timed, else 1), after the timed "
+                 "product rule's untimed steps");
   app.add_option("--math", math)->capture_default_str();
   app.add_option("--ttt", ttt)->capture_default_str();
   app.add_option("--draft-vocab", vd)->capture_default_str();
@@ -245,9 +245,9 @@ int main(int argc, char** argv) {
     // steady state each interval holds one whole step of device work. The first step warms
     // cuBLAS up and ends with the device drained; the second, which then starts with nothing in
     // flight, is left out too when at least two others are timed. A traced step is never timed.
-    // The timed product rule (--gpu-products auto, the default with bf16 operands, or timed)
-    // times its candidates in a run's first steps: those steps come first, untimed, until every
-    // family of products has its choice (at most 40).
+    // Before all of them: the timed product rule (--gpu-products auto, the default with bf16
+    // operands, or timed) times its candidates in a run's first steps; those steps run untimed
+    // until every family of products has its choice (at most 40).
     int64_t settle = 0;
     for (; (eng.products == "auto" || eng.products == "timed") && settle < 40; ++settle) {
       const ProductPlans pp = gpu->product_plans();

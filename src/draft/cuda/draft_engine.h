@@ -158,7 +158,8 @@ class DraftEngine {
   // FLOPs of the cuBLAS linear products (2 m n k each) enqueued so far: the target head, the
   // layer's and lm_head's forward and backward products (not the attention's).
   double product_flops() const;
-  // GpuDraftOptions::products other than cublas: the products' plans so far (draft_gpu.h).
+  // GpuDraftOptions::products other than cublas: the products' plans so far
+  // (gpu_draft_options.h); all zero with cublas.
   eagle3::ProductPlans product_plans() const;
   // Pinned host buffers [max_rows, 3H] (aux) and [max_rows, H] (hidden) a batch can be
   // packed into, so that prepare() uploads them asynchronously (made on first call; both

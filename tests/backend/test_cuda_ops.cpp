@@ -260,9 +260,10 @@ TEST(CudaOps, LtProductsTimedKeepTheFirstCandidatesBits) {
     cublasOperation_t ta, tb;
     int64_t m, n, k;
   };
-  const std::vector<P> shapes = {{CUBLAS_OP_N, CUBLAS_OP_T, 512, 768, 1382}, {CUBLAS_OP_N, CUBLAS_OP_T, 512, 768, 1300},
-                                 {CUBLAS_OP_T, CUBLAS_OP_N, 1024, 1382, 512}, {CUBLAS_OP_T, CUBLAS_OP_N, 1024, 1300, 512},
-                                 {CUBLAS_OP_N, CUBLAS_OP_N, 640, 1382, 384},  {CUBLAS_OP_N, CUBLAS_OP_N, 640, 1300, 384}};
+  const std::vector<P> shapes = {
+      {CUBLAS_OP_N, CUBLAS_OP_T, 512, 768, 1382},  {CUBLAS_OP_N, CUBLAS_OP_T, 512, 768, 1300},
+      {CUBLAS_OP_T, CUBLAS_OP_N, 1024, 1382, 512}, {CUBLAS_OP_T, CUBLAS_OP_N, 1024, 1300, 512},
+      {CUBLAS_OP_N, CUBLAS_OP_N, 640, 1382, 384},  {CUBLAS_OP_N, CUBLAS_OP_N, 640, 1300, 384}};
   struct Case {
     P p;
     int64_t lda, ldb;
@@ -372,8 +373,8 @@ TEST(CudaOps, LtProductsTimedKeepTheFirstCandidatesBits) {
   const P& p0 = cases[0].p;
   Guarded<float> dc(cases[0].c0.size());
   auto once = [&](const bf16* a) {
-    lt.run(p0.ta, p0.tb, p0.m, p0.n, p0.k, a, cases[0].lda, db[0]->ptr(), cases[0].ldb, 0.f, dc.ptr(), CUDA_R_32F,
-           p0.m, nullptr);
+    lt.run(p0.ta, p0.tb, p0.m, p0.n, p0.k, a, cases[0].lda, db[0]->ptr(), cases[0].ldb, 0.f, dc.ptr(), CUDA_R_32F, p0.m,
+           nullptr);
     fresh.run(p0.ta, p0.tb, p0.m, p0.n, p0.k, a, cases[0].lda, db[0]->ptr(), cases[0].ldb, 0.f, dc.ptr(), CUDA_R_32F,
               p0.m, nullptr);
     EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);

@@ -426,11 +426,11 @@ TEST_P(GpuDraft, FusedProductsMatchAProductPerMatrix) {
 }
 
 // The products' algorithms chosen by cuBLASLt rules (GpuDraftOptions::products first, waves and
-// timed) against cublasGemmEx's own choice (cublas): each against the CPU reference, against the cublas
-// route within the tolerance of two routes on the same bf16 operands (the algorithms differ in
-// the order of fp32 sums only), and bit-identical between two runs (resume depends on it; the
-// timed rule's two runs time their candidates anew); with the fused products too, whose shapes
-// differ. auto (the default) takes the timed rule on bf16 operands and cuBLAS's own choice on
+// timed) against cublasGemmEx's own choice (cublas): each against the CPU reference, against the
+// cublas route within the tolerance of two routes on the same bf16 operands (the algorithms
+// differ in the order of fp32 sums only), and bit-identical between two runs (resume depends on
+// it; the timed rule's two runs time their candidates anew); with the fused products too, whose
+// shapes differ. auto (the default) takes the timed rule on bf16 operands and cuBLAS's own choice on
 // fp32 operands; an unknown rule, or a cuBLASLt rule without bf16 operands, is refused by name.
 TEST_P(GpuDraft, LtProductRulesMatchCublasChoice) {
   REQUIRE_GPU();
@@ -1329,7 +1329,8 @@ struct PeCase {
 
 std::unique_ptr<GpuDraftTrainer> make_pe(PeCase& pc, const std::vector<int>& devices, GpuMath math,
                                          int64_t max_rows) {
-  auto t = make_gpu_draft_trainer(pc.cs.c, pc.cs.target(), pc.cs.dv, devices, math, max_rows, {}, eng_for(math), pc.family());
+  auto t = make_gpu_draft_trainer(pc.cs.c, pc.cs.target(), pc.cs.dv, devices, math, max_rows, {}, eng_for(math),
+                                  pc.family());
   t->set_tensors(pc.named());
   return t;
 }
@@ -1417,10 +1418,14 @@ TEST(GpuDraftPEagle, RefusesBadSetups) {
   EXPECT_THROW(gpu->run(pc.cs.batch(), 0.5, true, true), Error);
   GpuFamily bad = pc.family();
   bad.mask_token = int32_t(pc.cs.c.V);
-  EXPECT_THROW(make_gpu_draft_trainer(pc.cs.c, pc.cs.target(), pc.cs.dv, {0}, GpuMath::F32, 32, {}, eng_for(GpuMath::F32), bad), Error);
+  EXPECT_THROW(
+      make_gpu_draft_trainer(pc.cs.c, pc.cs.target(), pc.cs.dv, {0}, GpuMath::F32, 32, {}, eng_for(GpuMath::F32), bad),
+      Error);
   GpuFamily df = pc.family();
   df.drafter = "dflash";
-  EXPECT_THROW(make_gpu_draft_trainer(pc.cs.c, pc.cs.target(), pc.cs.dv, {0}, GpuMath::F32, 32, {}, eng_for(GpuMath::F32), df), Error);
+  EXPECT_THROW(
+      make_gpu_draft_trainer(pc.cs.c, pc.cs.target(), pc.cs.dv, {0}, GpuMath::F32, 32, {}, eng_for(GpuMath::F32), df),
+      Error);
 }
 
 // Optimizer steps (two micro-batches a step, clipping on, weight decay on the embedding and
@@ -1706,7 +1711,8 @@ TEST(GpuDFlashSetup, RefusesBadSetups) {
   EXPECT_THROW(gpu->run(dc.batch(), 0.5, true, true), Error);
   GpuFamily bad = dc.family();
   bad.mask_token = int32_t(dc.c.V);
-  EXPECT_THROW(make_gpu_draft_trainer(eagle3::DraftConfig{}, dc.target(), dc.dv, {0}, GpuMath::F32, 32, {}, eng_for(GpuMath::F32), bad),
+  EXPECT_THROW(make_gpu_draft_trainer(eagle3::DraftConfig{}, dc.target(), dc.dv, {0}, GpuMath::F32, 32, {},
+                                      eng_for(GpuMath::F32), bad),
                Error);
   DfCase big(6, {40}, false);
   auto small = make_df(big, {0}, GpuMath::F32, 16);

@@ -2438,17 +2438,17 @@ void DraftEngine::run(const std::vector<float>& row_scale, bool backward, bool z
   const unsigned warps_blocks = nblocks(N * d.nh * 32, 256);
   const bool fused_lm = backward && I.lm_backward_in_forward;
   const int64_t total = grad_elems();
+  // With the lm_head's update in flight (overlap_update), a run that zeroes G and sums the
+  // lm_head's gradient in the forward leaves the lm_head's range of G alone until its first
+  // lm_head product; anything else (scaling G below among them) joins the update now.
+  bool lm_deferred = I.side_pending && fused_lm && zero_grads;
+  if (!lm_deferred) I.join_update();
   if (backward) {  // G is zeroed below, or this run adds to it: a pending clipping factor goes first
     if (zero_grads)
       I.grad_scale = 1.f;
     else
       I.scale_grads();
   }
-  // With the lm_head's update in flight (overlap_update), a run that zeroes G and sums the
-  // lm_head's gradient in the forward leaves the lm_head's range of G alone until its first
-  // lm_head product; anything else joins the update now.
-  bool lm_deferred = I.side_pending && fused_lm && zero_grads;
-  if (!lm_deferred) I.join_update();
   const auto [lm_begin, lm_end] = I.lm_range(total);
   if (fused_lm && zero_grads) {
     if (lm_deferred) {

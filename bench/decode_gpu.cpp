@@ -15,27 +15,29 @@
 //   talon_bench_decode [--shape llama3-8b|smollm2] [--model PATH] [--context 2048]
 //                      [--batches 1,32,256] [--steps 16] [--tree 32] [--draft-vocab 32000] [--trace FILE]
 #include <cuda_runtime.h>
+#include <fmt/format.h>
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <functional>
 #include <map>
-#include <cstdio>
 #include <random>
+#include <string>
 
-#include "backend/cuda/cuda_decoder.h"
-#include "backend/cuda/graph_cache.h"
-#include "backend/cuda/cupti_trace.h"
-#include "backend/trace_gaps.h"
 #include "backend/backend.h"
+#include "backend/cuda/cuda_decoder.h"
+#include "backend/cuda/cupti_trace.h"
+#include "backend/cuda/graph_cache.h"
+#include "backend/trace_gaps.h"
+#include "draft/draft_runner.h"
+#include "draft/export.h"
 #include "model/checkpoint.h"
 #include "model/decode.h"
 #include "model/random_checkpoint.h"
 #include "model/sampling.h"
-#include "draft/draft_runner.h"
-#include "draft/export.h"
 #include "util/error.h"
 #include "util/file.h"
 
@@ -109,8 +111,11 @@ int main(int argc, char** argv) {
   std::string shape = "llama3-8b", model_path;
   int64_t context = 2048, steps = 16, tree = 32, draft_vocab = 0;
   std::vector<int> batches{1, 32, 256};
+  double bandwidth_tbs = 0;
   app.add_option("--shape", shape, "random weights of this shape")->capture_default_str();
   app.add_option("--model", model_path, "a real checkpoint instead (HF directory or .gguf)");
+  app.add_option("--bandwidth", bandwidth_tbs,
+                 "memory bandwidth (TB/s) of the floor (default: the card's own, memory clock x bus width)");
   app.add_option("--context", context, "committed tokens per slot")->capture_default_str();
   app.add_option("--batches", batches, "slots decoding at once")->delimiter(',');
   app.add_option("--steps", steps, "timed steps per batch size (0: no batch table)")->capture_default_str();
@@ -172,6 +177,41 @@ int main(int argc, char** argv) {
                 model_path.empty() ? ("random " + shape).c_str() : model_path.c_str(), prop.name, dec->backend().c_str(),
                 (long long)c.n_layers, (long long)c.hidden, (long long)c.n_heads, (long long)c.n_kv_heads,
                 (long long)c.head_dim, (long long)c.vocab, n_slots, (long long)max_len, now() - t0);
+    // The floor's bandwidth: the card's (H100 SXM 3.35 TB/s, H200 4.8), and what a device copy
+    // gets, measured here for scale.
+    int clock_khz = 0, bus_bits = 0;
+    cudaDeviceGetAttribute(&clock_khz, cudaDevAttrMemoryClockRate, 0);
+    cudaDeviceGetAttribute(&bus_bits, cudaDevAttrGlobalMemoryBusWidth, 0);
+    const double card_bw = 2.0 * double(clock_khz) * 1e3 * double(bus_bits) / 8.0;
+    const double bw = bandwidth_tbs > 0 ? bandwidth_tbs * 1e12 : card_bw > 0 ? card_bw : 4.8e12;
+    {
+      const size_t n = size_t(1) << 30;
+      void *a = nullptr, *b = nullptr;
+      cudaEvent_t e0 = nullptr, e1 = nullptr;
+      float best = 0;
+      if (cudaMalloc(&a, n) == cudaSuccess && cudaMalloc(&b, n) == cudaSuccess && cudaEventCreate(&e0) == cudaSuccess &&
+          cudaEventCreate(&e1) == cudaSuccess)
+        for (int i = 0; i < 6; ++i) {
+          cudaEventRecord(e0);
+          cudaMemcpyAsync(b, a, n, cudaMemcpyDeviceToDevice);
+          cudaEventRecord(e1);
+          cudaEventSynchronize(e1);
+          float ms = 0;
+          cudaEventElapsedTime(&ms, e0, e1);
+          if (i > 0 && (best == 0 || ms < best)) best = ms;  // the first is left out
+        }
+      const std::string copy = best > 0 ? fmt::format("{:.2f} TB/s", 2.0 * double(n) / (double(best) * 1e-3) / 1e12)
+                                        : "(no room to measure)";
+      std::printf(
+          "memory bandwidth: the card's %.2f TB/s (clock x bus); a 1 GiB device copy moves %s; the floor below "
+          "uses %.2f TB/s\n",
+          card_bw / 1e12, copy.c_str(), bw / 1e12);
+      if (e0) cudaEventDestroy(e0);
+      if (e1) cudaEventDestroy(e1);
+      cudaFree(a);
+      cudaFree(b);
+      cudaGetLastError();
+    }
     // Bytes a decode step must read: every matrix once (the embedding is only gathered, so
     // the LM head counts once, tied or not) plus each slot's cached keys and values.
     const double weight_bytes = 2.0 * double(c.vocab * c.hidden +
@@ -225,19 +265,22 @@ int main(int argc, char** argv) {
     // A step of B one-token slots three ways: eager launches with fp32 logits to the host
     // (the engine before CUDA graphs), a replayed graph with logits to the host, and a
     // replayed graph with greedy ids picked on the device (greedy generate and eval).
-    // The floor: every weight byte and each slot's cached K/V read once at 4.8 TB/s.
+    // The floor: every weight byte and each slot's cached K/V read once at the bandwidth above.
     // Then sampled steps (generate at temperature > 0), graphs replayed: T 0.7 drawn on the
     // device, T 0.7 with top-p 0.95 on the device, and T 0.7 with logits to the host and the
-    // host's sampler (TALON_CUDA_SAMPLE=0, what every sampled step cost before).
-    std::printf("%6s %8s %10s %10s %10s %12s %10s %10s %8s %9s %9s %9s\n", "slots", "context", "eager ms", "graph ms",
-                "greedy ms", "greedy tok/s", "GB/s", "floor ms", "of floor", "T ms", "T+p ms", "host ms");
+    // host's sampler (TALON_CUDA_SAMPLE=0, what every sampled step cost before). Last, greedy
+    // steps chained on the device (Decoder::forward_steps): --steps of them in one call, each
+    // step's ids fed to the next there and read once at the end (greedy generate's path).
+    std::printf("%6s %8s %10s %10s %10s %12s %10s %10s %8s %9s %9s %9s %9s %8s\n", "slots", "context", "eager ms",
+                "graph ms", "greedy ms", "greedy tok/s", "GB/s", "floor ms", "of floor", "T ms", "T+p ms", "host ms",
+                "chain ms", "of floor");
     for (int B : steps > 0 ? batches : std::vector<int>{}) {
       std::vector<float> lg(size_t(B) * size_t(c.vocab));
       std::vector<int32_t> ids(static_cast<size_t>(B));
       std::vector<double> us(static_cast<size_t>(B));
-      double per[6] = {0, 0, 0, 0, 0, 0};
+      double per[7] = {0, 0, 0, 0, 0, 0, 0};
       uint64_t counter = 0;
-      for (int mode = 0; mode < 6; ++mode) {
+      for (int mode = 0; mode < 7; ++mode) {
         cuda::decoder_use_graphs(*dec, mode > 0);
         for (int s = 0; s < B; ++s) cuda::decoder_assume_length(*dec, s, context);
         SamplingParams sp;
@@ -258,6 +301,18 @@ int main(int argc, char** argv) {
             dec->forward(reqs, Capture{}, lg.data());
           for (int s = 0; s < B; ++s) dec->commit_all(s);
         };
+        if (mode == 6) {  // greedy steps chained on the device (forward_steps), `steps` in one call
+          std::vector<int> slots(static_cast<size_t>(B));
+          std::vector<int32_t> first(static_cast<size_t>(B));
+          for (int s = 0; s < B; ++s) slots[size_t(s)] = s, first[size_t(s)] = tok();
+          std::vector<int32_t> chain_ids(size_t(B) * size_t(steps));
+          dec->forward_steps(slots, first, 2, SamplingParams{}, nullptr, chain_ids.data());  // the graph
+          for (int s = 0; s < B; ++s) cuda::decoder_assume_length(*dec, s, context);
+          const double a = now();
+          dec->forward_steps(slots, first, steps, SamplingParams{}, nullptr, chain_ids.data());
+          per[mode] = (now() - a) / double(steps);
+          continue;
+        }
         step();
         step();
         const double a = now();
@@ -275,10 +330,11 @@ int main(int argc, char** argv) {
         }
       }
       const double bytes = step_weight_bytes(B) + double(B) * double(context + 2 + steps / 2) * kv_per_token;
-      const double floor_s = bytes / 4.8e12;
-      std::printf("%6d %8lld %10.3f %10.3f %10.3f %12.0f %10.0f %10.3f %7.0f%% %9.3f %9.3f %9.3f\n", B,
+      const double floor_s = bytes / bw;
+      std::printf("%6d %8lld %10.3f %10.3f %10.3f %12.0f %10.0f %10.3f %7.0f%% %9.3f %9.3f %9.3f %9.3f %7.0f%%\n", B,
                   (long long)context, per[0] * 1e3, per[1] * 1e3, per[2] * 1e3, B / per[2], bytes / per[2] / 1e9,
-                  floor_s * 1e3, 100 * floor_s / per[2], per[3] * 1e3, per[4] * 1e3, per[5] * 1e3);
+                  floor_s * 1e3, 100 * floor_s / per[2], per[3] * 1e3, per[4] * 1e3, per[5] * 1e3, per[6] * 1e3,
+                  100 * floor_s / per[6]);
     }
     cuda::decoder_use_graphs(*dec, true);
     if (!graph_layers.empty() && steps > 0) {

@@ -268,6 +268,9 @@ int main(int argc, char** argv) {
     const int64_t first_timed = warmup >= 1 ? warmup : untraced >= 4 ? 2 : 1;
     std::vector<double> times;
     double step_flops = 0;  // of the linear products enqueued in the last step
+    // the engine's counters run from its start; the settle steps above are left out of these
+    const int64_t row_steps0 = gpu->row_steps(), cudnn_batches0 = gpu->cudnn_batches();
+    int64_t row_steps_first = 0;  // of step 0 alone
     auto t_prev = std::chrono::steady_clock::now();
     for (int64_t st = 0; st < steps; ++st) {
       const double flops0 = gpu->product_flops();
@@ -308,6 +311,7 @@ int main(int argc, char** argv) {
       }
       if (st == 0) {
         cudaDeviceSynchronize();
+        row_steps_first = gpu->row_steps() - row_steps0;
         t_prev = std::chrono::steady_clock::now();
       }
       std::printf("step %lld: %.3f s, loss %.4f\n", (long long)st, dt, res[0].loss);
@@ -317,16 +321,17 @@ int main(int argc, char** argv) {
         for (auto m : mask) masked += m;
         std::printf("loss-masked rows %.1f%%; rows in step 0's loss (masked, target argmax in the draft vocab) %.1f%%\n",
                     100.0 * double(masked) / double(N), 100.0 * double(n0) / double(N));
-        if (gpu->row_steps() > 0)  // EAGLE-3 and P-EAGLE count them
-          std::printf("rows run through the draft's layer: %.1f%% of N x K (--gpu-row-cut leaves out the rows no "
-                      "later loss reads)\n",
-                      100.0 * double(gpu->row_steps()) / double(N * c.ttt_steps));
+        if (row_steps_first > 0)  // EAGLE-3 and P-EAGLE count them
+          std::printf(
+              "rows run through the draft's layer: %.1f%% of N x K (--gpu-row-cut leaves out the rows no "
+              "later loss reads)\n",
+              100.0 * double(row_steps_first) / double(N * c.ttt_steps));
       }
     }
     if (step_flops > 0)  // what the engine ran, cut rows left out (the per-token count below is the full work)
       std::printf("linear products run in the last step: %.2f TFLOP (%.1f GFLOP a token)\n", step_flops / 1e12,
                   step_flops / 1e9 / double(N));
-    std::printf("batches through cuDNN's attention: %lld of %lld\n", (long long)gpu->cudnn_batches(),
+    std::printf("batches through cuDNN's attention: %lld of %lld\n", (long long)(gpu->cudnn_batches() - cudnn_batches0),
                 (long long)steps);
     if (const ProductPlans pp = gpu->product_plans(); pp.families > 0)
       std::printf("products through cuBLASLt (%s): %lld shapes, %lld families, %lld decided (%lld of them on another "

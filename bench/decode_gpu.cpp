@@ -268,19 +268,16 @@ int main(int argc, char** argv) {
     // The floor: every weight byte and each slot's cached K/V read once at the bandwidth above.
     // Then sampled steps (generate at temperature > 0), graphs replayed: T 0.7 drawn on the
     // device, T 0.7 with top-p 0.95 on the device, and T 0.7 with logits to the host and the
-    // host's sampler (TALON_CUDA_SAMPLE=0, what every sampled step cost before). Last, greedy
-    // steps chained on the device (Decoder::forward_steps): --steps of them in one call, each
-    // step's ids fed to the next there and read once at the end (greedy generate's path).
-    std::printf("%6s %8s %10s %10s %10s %12s %10s %10s %8s %9s %9s %9s %9s %8s\n", "slots", "context", "eager ms",
-                "graph ms", "greedy ms", "greedy tok/s", "GB/s", "floor ms", "of floor", "T ms", "T+p ms", "host ms",
-                "chain ms", "of floor");
+    // host's sampler (TALON_CUDA_SAMPLE=0, what every sampled step cost before).
+    std::printf("%6s %8s %10s %10s %10s %12s %10s %10s %8s %9s %9s %9s\n", "slots", "context", "eager ms", "graph ms",
+                "greedy ms", "greedy tok/s", "GB/s", "floor ms", "of floor", "T ms", "T+p ms", "host ms");
     for (int B : steps > 0 ? batches : std::vector<int>{}) {
       std::vector<float> lg(size_t(B) * size_t(c.vocab));
       std::vector<int32_t> ids(static_cast<size_t>(B));
       std::vector<double> us(static_cast<size_t>(B));
-      double per[7] = {0, 0, 0, 0, 0, 0, 0};
+      double per[6] = {0, 0, 0, 0, 0, 0};
       uint64_t counter = 0;
-      for (int mode = 0; mode < 7; ++mode) {
+      for (int mode = 0; mode < 6; ++mode) {
         cuda::decoder_use_graphs(*dec, mode > 0);
         for (int s = 0; s < B; ++s) cuda::decoder_assume_length(*dec, s, context);
         SamplingParams sp;
@@ -301,18 +298,6 @@ int main(int argc, char** argv) {
             dec->forward(reqs, Capture{}, lg.data());
           for (int s = 0; s < B; ++s) dec->commit_all(s);
         };
-        if (mode == 6) {  // greedy steps chained on the device (forward_steps), `steps` in one call
-          std::vector<int> slots(static_cast<size_t>(B));
-          std::vector<int32_t> first(static_cast<size_t>(B));
-          for (int s = 0; s < B; ++s) slots[size_t(s)] = s, first[size_t(s)] = tok();
-          std::vector<int32_t> chain_ids(size_t(B) * size_t(steps));
-          dec->forward_steps(slots, first, 2, SamplingParams{}, nullptr, chain_ids.data());  // the graph
-          for (int s = 0; s < B; ++s) cuda::decoder_assume_length(*dec, s, context);
-          const double a = now();
-          dec->forward_steps(slots, first, steps, SamplingParams{}, nullptr, chain_ids.data());
-          per[mode] = (now() - a) / double(steps);
-          continue;
-        }
         step();
         step();
         const double a = now();
@@ -331,10 +316,9 @@ int main(int argc, char** argv) {
       }
       const double bytes = step_weight_bytes(B) + double(B) * double(context + 2 + steps / 2) * kv_per_token;
       const double floor_s = bytes / bw;
-      std::printf("%6d %8lld %10.3f %10.3f %10.3f %12.0f %10.0f %10.3f %7.0f%% %9.3f %9.3f %9.3f %9.3f %7.0f%%\n", B,
+      std::printf("%6d %8lld %10.3f %10.3f %10.3f %12.0f %10.0f %10.3f %7.0f%% %9.3f %9.3f %9.3f\n", B,
                   (long long)context, per[0] * 1e3, per[1] * 1e3, per[2] * 1e3, B / per[2], bytes / per[2] / 1e9,
-                  floor_s * 1e3, 100 * floor_s / per[2], per[3] * 1e3, per[4] * 1e3, per[5] * 1e3, per[6] * 1e3,
-                  100 * floor_s / per[6]);
+                  floor_s * 1e3, 100 * floor_s / per[2], per[3] * 1e3, per[4] * 1e3, per[5] * 1e3);
     }
     cuda::decoder_use_graphs(*dec, true);
     if (!graph_layers.empty() && steps > 0) {

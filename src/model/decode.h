@@ -74,17 +74,6 @@ class Decoder {
   virtual void forward_sample(const std::vector<DecodeRequest>& reqs, const Capture& capture, const SamplingParams& p,
                               const double* u, int32_t* ids);
 
-  // `steps` one-token steps of the slots `slots` (distinct, none with pending tokens), each
-  // committed: step 0 feeds first[i] to slots[i], every later step the token the step before
-  // picked for that slot. ids gets [steps, slots.size()], step-major: exactly what `steps`
-  // rounds of forward_sample (u: [steps, slots.size()] uniforms, step-major; nullptr with
-  // greedy parameters) and commit_all would give. The default runs those rounds; a decoder that
-  // picks on the device overrides it, feeding each step's picks to the next step there, so it
-  // launches step t + 1 before step t's ids are back and the ids come down once, at the end.
-  // The caller leaves room: every slot's length + steps stays within max_len.
-  virtual void forward_steps(const std::vector<int>& slots, const std::vector<int32_t>& first, int64_t steps,
-                             const SamplingParams& p, const double* u, int32_t* ids);
-
   // Speculative sampling of one drafted chain (spec/speculate.h). `req` is a chain: its pending
   // token, then k draft tokens, draft token j drawn from q[j] (a distribution over the target's
   // vocabulary). Runs the forward (captures as `forward`), then for i = 0, 1, ...: with p_i the
@@ -141,12 +130,6 @@ class Decoder {
 // Depth of each pending token of a request (0 for tokens that follow the prefix); throws
 // naming the index when parents is malformed (wrong length, parent >= own index, < -1).
 std::vector<int32_t> request_depths(const DecodeRequest& r);
-
-// Throws unless forward_steps can take these (naming the slot or count at fault): steps >= 1,
-// distinct slots in range, one first token each (in the vocabulary), room for `steps` more
-// tokens in each slot, and uniforms when sampling.
-void check_steps(const Decoder& d, const std::vector<int>& slots, const std::vector<int32_t>& first, int64_t steps,
-                 const SamplingParams& p, const double* u);
 
 // Throws unless forward_accept_chain can take these: sampling parameters (temperature > 0), a
 // chain (parents empty or each i - 1) with all logits, and one draft distribution per draft token.

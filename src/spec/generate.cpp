@@ -192,7 +192,6 @@ GenerateReport run_generate(const GenerateOptions& opt) {
   TALON_CHECK(opt.max_new_tokens > 0, "--max-new-tokens must be > 0 (got {})", opt.max_new_tokens);
   TALON_CHECK(opt.max_len > 1, "--max-len must be > 1 (got {})", opt.max_len);
   TALON_CHECK(opt.batch >= 0, "--batch must be >= 0 (got {})", opt.batch);
-  TALON_CHECK(opt.chain_steps >= 1, "--chain-steps must be >= 1 (got {})", opt.chain_steps);
   TALON_CHECK(opt.max_prefill_tokens > 0, "--max-prefill-tokens must be > 0 (got {})", opt.max_prefill_tokens);
   TALON_CHECK(opt.kv_cache_tokens >= 0, "--kv-cache-tokens must be >= 0 (got {})", opt.kv_cache_tokens);
   const ChatFormat forced = parse_chat_format(opt.format);
@@ -276,7 +275,6 @@ GenerateReport run_generate(const GenerateOptions& opt) {
   const std::vector<int32_t> eos = eos_ids(tok, opt.model);
   TALON_CHECK(!eos.empty(), "generate: the tokenizer names no end-of-sequence token; generation could not stop");
   const int batch = opt.batch > 0 ? opt.batch : (dev.cuda ? 256 : 8);
-  const int64_t chain_steps = opt.chain_steps;
   std::unique_ptr<Decoder> dec = make_decoder(*ckpt, dev, opt.tp, opt.ep, opt.share_gpus, batch, opt.max_len, opt.kv_cache_tokens);
   rep.cache_tokens = dec->cache_capacity();
 
@@ -411,36 +409,6 @@ GenerateReport run_generate(const GenerateOptions& opt) {
     return false;
   };
 
-  // A slot's new token, picked by a forward after which the slot held `length` tokens: kept,
-  // and where it ends the answer (eos, budget, cache end or a stop string) the turn ends and
-  // the slot is emptied.
-  auto take_token = [&](int s, int32_t t, int64_t length) {
-    Active& a = slots[size_t(s)];
-    a.gen.push_back(t);
-    const bool end = std::find(eos.begin(), eos.end(), t) != eos.end() || int64_t(a.gen.size()) >= a.max_new ||
-                     length + 1 >= dec->max_len() || hit_stop(a.gen);
-    if (!end) return;
-    const int64_t ci = a.conv;
-    ConvRun& r = runs[size_t(ci)];
-    r.messages.push_back(ojson{{"role", "assistant"}, {"content", answer_text(a.gen)}});
-    ++rep.turns;
-    a.conv = -1;
-    dec->reset(s);  // its pages go back to the cache now, not when the slot is reused
-    if (++r.seg < convs[size_t(ci)].segments.size()) {
-      queue.push_front(ci);
-    } else {
-      finish_conv(ci, nullptr);
-    }
-  };
-  auto after_forward = [&](int64_t produced, int64_t n_reqs) {
-    rep.new_tokens += produced;
-    const double secs = std::chrono::duration<double>(Clock::now() - t0).count();
-    progress.set_note(fmt::format("{:.0f} tok/s, {} running", double(rep.new_tokens) / std::max(secs, 1e-9), n_reqs));
-    if (std::chrono::duration<double>(Clock::now() - last_sync).count() >= opt.flush_seconds) {
-      journal.sync();
-      last_sync = Clock::now();
-    }
-  };
   std::optional<Staged> staged;  // the queue's head turn, prepared, waiting for a slot or cache room
   bool stopped = false;
   while (true) {
@@ -496,52 +464,8 @@ GenerateReport run_generate(const GenerateOptions& opt) {
       req_slot.push_back(s);
     }
     if (reqs.empty()) break;  // nothing running and nothing queued
-    const int64_t n_reqs = int64_t(reqs.size());
-    // Decode steps only (no prompt in this forward): up to chain_steps of them in one call,
-    // no further than the nearest answer budget or cache end, so that every step is one the
-    // step-by-step loop runs too (a sequence that ends inside the chain drops the rest).
-    int64_t chain = 1;
-    if (chain_steps > 1 &&
-        std::all_of(slots.begin(), slots.end(), [](const Active& a) { return a.conv < 0 || a.prefilled; })) {
-      chain = chain_steps;
-      for (int s : req_slot) {
-        const Active& a = slots[size_t(s)];
-        chain = std::min({chain, a.max_new - int64_t(a.gen.size()), dec->max_len() - dec->length(s) - 1});
-      }
-    }
-    if (chain > 1) {
-      std::vector<int32_t> first(size_t(n_reqs), 0), ids(size_t(n_reqs * chain), 0);
-      for (int64_t i = 0; i < n_reqs; ++i) first[size_t(i)] = reqs[size_t(i)].tokens[0];
-      if (!opt.sampling.greedy()) {
-        uniforms.assign(size_t(n_reqs * chain), 0.0);
-        for (int64_t t = 0; t < chain; ++t)
-          for (int64_t i = 0; i < n_reqs; ++i) {
-            const Active& a = slots[size_t(req_slot[size_t(i)])];
-            uniforms[size_t(t * n_reqs + i)] =
-                uniform01(opt.sampling.seed, a.stream, uint64_t(a.gen.size() + size_t(t)));
-          }
-      }
-      std::vector<int64_t> length0(static_cast<size_t>(n_reqs));
-      for (int64_t i = 0; i < n_reqs; ++i) length0[size_t(i)] = dec->length(req_slot[size_t(i)]);
-      dec->forward_steps(req_slot, first, chain, opt.sampling, opt.sampling.greedy() ? nullptr : uniforms.data(),
-                         ids.data());
-      int64_t produced = 0;
-      ++rep.chains;
-      rep.chained_steps += chain;
-      for (int64_t t = 0; t < chain; ++t)
-        for (int64_t i = 0; i < n_reqs; ++i) {
-          const int s = req_slot[size_t(i)];
-          if (slots[size_t(s)].conv < 0) {  // ended earlier in the chain
-            ++rep.dropped_chained_tokens;
-            continue;
-          }
-          ++produced;
-          take_token(s, ids[size_t(t * n_reqs + i)], length0[size_t(i)] + t + 1);
-        }
-      after_forward(produced, n_reqs);
-      continue;
-    }
     picked.resize(reqs.size());
+    const int64_t n_reqs = int64_t(reqs.size());
     if (opt.sampling.greedy()) {
       // Greedy: the decoder picks each slot's argmax where the logits are.
       dec->forward_greedy(reqs, Capture{}, picked.data());
@@ -567,10 +491,32 @@ GenerateReport run_generate(const GenerateOptions& opt) {
         if (!produces[i]) continue;
         a.prefilled = true;
       }
+      const int32_t t = picked[i];
+      a.gen.push_back(t);
       ++produced;
-      take_token(s, picked[i], dec->length(s));
+      const bool end = std::find(eos.begin(), eos.end(), t) != eos.end() || int64_t(a.gen.size()) >= a.max_new ||
+                       dec->length(s) + 1 >= dec->max_len() || hit_stop(a.gen);
+      if (!end) continue;
+      const int64_t ci = a.conv;
+      ConvRun& r = runs[size_t(ci)];
+      r.messages.push_back(ojson{{"role", "assistant"}, {"content", answer_text(a.gen)}});
+      ++rep.turns;
+      a.conv = -1;
+      dec->reset(s);  // its pages go back to the cache now, not when the slot is reused
+      if (++r.seg < convs[size_t(ci)].segments.size()) {
+        queue.push_front(ci);
+      } else {
+        finish_conv(ci, nullptr);
+      }
     }
-    after_forward(produced, n_reqs);
+    rep.new_tokens += produced;
+    const double secs = std::chrono::duration<double>(Clock::now() - t0).count();
+    progress.set_note(fmt::format("{:.0f} tok/s, {} running", double(rep.new_tokens) / std::max(secs, 1e-9),
+                                  reqs.size()));
+    if (std::chrono::duration<double>(Clock::now() - last_sync).count() >= opt.flush_seconds) {
+      journal.sync();
+      last_sync = Clock::now();
+    }
   }
   journal.sync();
   rep.conversations = n_convs;
@@ -616,21 +562,11 @@ GenerateReport run_generate(const GenerateOptions& opt) {
                      {"skipped_examples", skipped},
                      {"leading_assistant_turns_dropped", rep.leading_assistant_dropped},
                      {"turns_cut_by_max_len", rep.truncated_turns}}},
-                   {"kv_cache",
-                    {{"tokens", rep.cache_tokens},
-                     {"page_tokens", dec->page_rows()},
-                     {"slots", batch},
-                     {"peak_running", rep.peak_running},
-                     {"forwards_with_a_turn_waiting_for_room", rep.waits_for_cache}}},
-                   {"this_run",
-                    {{"turns", rep.turns},
-                     {"new_tokens", rep.new_tokens},
-                     {"seconds", rep.seconds},
-                     {"tokens_per_second", rep.tokens_per_second},
-                     {"chain_steps", chain_steps},
-                     {"chains", rep.chains},
-                     {"steps_in_chains", rep.chained_steps},
-                     {"dropped_chained_tokens", rep.dropped_chained_tokens}}}};
+                   {"kv_cache", {{"tokens", rep.cache_tokens}, {"page_tokens", dec->page_rows()},
+                                 {"slots", batch}, {"peak_running", rep.peak_running},
+                                 {"forwards_with_a_turn_waiting_for_room", rep.waits_for_cache}}},
+                   {"this_run", {{"turns", rep.turns}, {"new_tokens", rep.new_tokens}, {"seconds", rep.seconds},
+                                 {"tokens_per_second", rep.tokens_per_second}}}};
   write_file_atomic(opt.out / kManifest, manifest.dump(2) + "\n");
   rep.skipped = skipped_total;
   tlog::info("generate: {} conversations written to {} ({} skipped); this run {} turns, {} tokens in {} ({:.0f} tok/s)",

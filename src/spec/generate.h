@@ -43,7 +43,6 @@ struct GenerateOptions {
   int64_t max_len = 4096;         // prompt + answer tokens per turn (the KV cache per slot)
   int batch = 0;                  // concurrent sequences (0: 8 on CPU, 256 on GPU)
   int64_t max_prefill_tokens = 8192;  // prompt tokens per forward (longer prompts go in chunks)
-  int64_t chain_steps = 1;            // decode steps chained on the device per call (1: none chained)
   int64_t kv_cache_tokens = 0;    // the KV cache's token rows (0: batch x max_len, on a GPU what fits)
   std::vector<std::string> stop;  // stop strings (the answer is cut before them)
   int64_t limit = 0;              // first N conversations only (0: all)
@@ -61,8 +60,6 @@ struct GenerateReport {
   int64_t conversations = 0, resumed = 0, turns = 0, new_tokens = 0, prompt_tokens = 0;
   int64_t skipped = 0, leading_assistant_dropped = 0, truncated_turns = 0;
   int64_t cache_tokens = 0, peak_running = 0, waits_for_cache = 0;  // capacity, most turns at once, forwards a turn waited
-  // decode steps chained (--chain-steps): calls, steps in them, tokens computed past an answer's end
-  int64_t chains = 0, chained_steps = 0, dropped_chained_tokens = 0;
   double seconds = 0, tokens_per_second = 0;
   fs::path out;
 };

@@ -484,16 +484,6 @@ TEST_P(CudaDecode, GraphReplayAndDeviceArgmaxMatchEagerLaunches) {
   EXPECT_GT(sampled_rows, 20);
 }
 
-// Steps chained on the device (forward_steps: each step's ids fed to the next there, read once
-// at the end) give the ids and lengths that step-by-step forwards of a twin decoder give, bit
-// for bit: the same graphs run, fed from the device instead of the host.
-TEST_P(CudaDecode, StepsChainedOnTheDeviceEqualStepByStep) {
-  REQUIRE_GPU();
-  auto ck = open_checkpoint(golden_fixture(GetParam()));
-  auto a = make_cuda_decoder(*ck, 0, 3, 80), b = make_cuda_decoder(*ck, 0, 3, 80);
-  expect_steps_match_rounds(*a, *b, true);
-}
-
 INSTANTIATE_TEST_SUITE_P(Fixtures, CudaDecode,
                          ::testing::Values("llama_gqa", "llama_tied", "qwen2", "qwen3", "mistral"));
 // The DeepSeek family (cuda_deepseek_decoder.cpp: MLA absorbed over a latent cache, MoE):

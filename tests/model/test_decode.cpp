@@ -127,14 +127,6 @@ TEST_P(Decode, TreeNodesEqualForwardsOfTheirPaths) {
   EXPECT_LE(rel_err(lg.data(), full_forward(*model, ids, 0).logits.data(), size_t(c.vocab)), tol::kDecodeRel);
 }
 
-// forward_steps (the default: rounds of forward_sample and commit_all) feeds each step the ids
-// the step before picked, in the order of the slots given, and refuses malformed calls by name.
-TEST_P(Decode, StepsEqualTheirRounds) {
-  auto ck = open_checkpoint(golden_fixture(GetParam()));
-  auto a = make_cpu_decoder(*ck, 3, 80), b = make_cpu_decoder(*ck, 3, 80);
-  expect_steps_match_rounds(*a, *b, true);
-}
-
 INSTANTIATE_TEST_SUITE_P(Fixtures, Decode, ::testing::Values("llama_gqa", "qwen2", "qwen3", "mistral"));
 // MLA + MoE: the decoder caches the normalized latent and k_pe and attends in the absorbed
 // form; the reference is the expanded-form forward.

@@ -237,42 +237,6 @@ void Decoder::commit_all(int slot) {
   commit(slot, keep);
 }
 
-void Decoder::forward_steps(const std::vector<int>& slots, const std::vector<int32_t>& first, int64_t steps,
-                            const SamplingParams& p, const double* u, int32_t* ids) {
-  check_steps(*this, slots, first, steps, p, u);
-  const size_t B = slots.size();
-  std::vector<DecodeRequest> reqs(B);
-  for (size_t i = 0; i < B; ++i) reqs[i] = {slots[i], {first[i]}, {}, true};
-  for (int64_t t = 0; t < steps; ++t) {
-    int32_t* out = ids + size_t(t) * B;
-    forward_sample(reqs, Capture{}, p, p.greedy() ? nullptr : u + size_t(t) * B, out);
-    for (size_t i = 0; i < B; ++i) {
-      commit_all(slots[i]);
-      reqs[i].tokens[0] = out[i];
-    }
-  }
-}
-
-void check_steps(const Decoder& d, const std::vector<int>& slots, const std::vector<int32_t>& first, int64_t steps,
-                 const SamplingParams& p, const double* u) {
-  TALON_CHECK(steps >= 1, "decoder: forward_steps of {} steps (at least 1)", steps);
-  TALON_CHECK(!slots.empty() && slots.size() == first.size(), "decoder: forward_steps of {} slots with {} first tokens",
-              slots.size(), first.size());
-  TALON_CHECK(p.greedy() || u != nullptr, "decoder: forward_steps sampling at temperature {} without uniforms",
-              p.temperature);
-  std::vector<uint8_t> seen(size_t(d.n_slots()), 0);
-  for (size_t i = 0; i < slots.size(); ++i) {
-    const int s = slots[i];
-    TALON_CHECK(s >= 0 && s < d.n_slots(), "decoder: forward_steps slot {} outside [0, {})", s, d.n_slots());
-    TALON_CHECK(!seen[size_t(s)], "decoder: forward_steps names slot {} twice", s);
-    seen[size_t(s)] = 1;
-    TALON_CHECK(d.length(s) + steps <= d.max_len(), "decoder: slot {} holds {} tokens; {} more exceed max_len {}", s,
-                d.length(s), steps, d.max_len());
-    TALON_CHECK(first[i] >= 0 && first[i] < d.config().vocab,
-                "decoder: forward_steps first token {} of slot {} outside [0, {})", first[i], s, d.config().vocab);
-  }
-}
-
 int64_t logits_rows(const std::vector<DecodeRequest>& reqs) {
   int64_t n = 0;
   for (const DecodeRequest& r : reqs) n += r.all_logits ? int64_t(r.tokens.size()) : 1;

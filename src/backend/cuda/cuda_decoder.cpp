@@ -121,37 +121,6 @@ class CudaDecoder final : public Decoder, public cuda::DecoderControls {
     run(reqs, cap, nullptr, ids, &p, u);
   }
 
-  // Steps chained on the device: step t + 1's input ids are step t's picks, copied there (through
-  // feed_), so the host plans and launches step t + 1 while step t runs; each step stages its
-  // inputs in its own pinned block (the copies up are still in flight) and its ids come down
-  // into the step's part of out_h_, read once after the last step. The same graphs as
-  // forward_greedy / forward_sample, so the same ids bit for bit.
-  void forward_steps(const std::vector<int>& slots, const std::vector<int32_t>& first, int64_t steps,
-                     const SamplingParams& p, const double* u, int32_t* ids) override {
-    if (!p.greedy() && !device_sampling_) return Decoder::forward_steps(slots, first, steps, p, u, ids);
-    check_steps(*this, slots, first, steps, p, u);
-    dev_.activate();
-    const size_t B = slots.size();
-    if (!feed_ || feed_rows_ < int64_t(B)) {
-      CUDA_CHECK(cudaStreamSynchronize(dev_.stream()));
-      feed_arena_ = std::make_unique<DeviceArena>();
-      feed_ = feed_arena_->alloc<int32_t>(B);
-      feed_rows_ = int64_t(B);
-    }
-    while (chain_in_.size() < size_t(steps)) chain_in_.push_back(std::make_unique<cuda::PinnedBuffer>());
-    auto* out = reinterpret_cast<int32_t*>(out_h_.ensure(size_t(steps) * B * 4));
-    std::vector<DecodeRequest> reqs(B);
-    for (size_t i = 0; i < B; ++i) reqs[i] = {slots[i], {first[i]}, {}, true};
-    for (int64_t t = 0; t < steps; ++t) {
-      Chained ch{t > 0 ? feed_ : nullptr, feed_, chain_in_[size_t(t)].get(), out + size_t(t) * B};
-      run(reqs, Capture{}, nullptr, ids, p.greedy() ? nullptr : &p, p.greedy() ? nullptr : u + size_t(t) * B, false,
-          &ch);
-      for (int s : slots) commit_all(s);
-    }
-    CUDA_CHECK(cudaStreamSynchronize(dev_.stream()));
-    std::memcpy(ids, out, size_t(steps) * B * 4);
-  }
-
   ChainAcceptance forward_accept_chain(const DecodeRequest& req, const Capture& cap, const SamplingParams& p,
                                        const std::vector<std::vector<double>>& q, const double* u) override {
     if (!accepter_.on()) return Decoder::forward_accept_chain(req, cap, p, q, u);
@@ -242,18 +211,8 @@ class CudaDecoder final : public Decoder, public cuda::DecoderControls {
   // `sp`: drawn with the uniforms u, one a logits row), and captures down.
   // keep_logits: the bf16 logits rows stay in acts_->logits (forward_accept_chain), nothing comes
   // down but captures.
-  // A step of forward_steps: its input ids from `feed` (device, one a request) when set, its
-  // packed inputs staged in `stage`, its picks into `feed_out` (device) and `out` (pinned host)
-  // with no wait.
-  struct Chained {
-    const int32_t* feed;
-    int32_t* feed_out;
-    cuda::PinnedBuffer* stage;
-    int32_t* out;
-  };
   void run(const std::vector<DecodeRequest>& reqs, const Capture& cap, float* logits, int32_t* ids,
-           const SamplingParams* sp = nullptr, const double* u = nullptr, bool keep_logits = false,
-           const Chained* chained = nullptr) {
+           const SamplingParams* sp = nullptr, const double* u = nullptr, bool keep_logits = false) {
     dev_.activate();
     const ModelConfig& c = cfg_;
     const int64_t H = c.hidden, hd = c.head_dim, V = c.vocab, W = c.sliding_window;
@@ -286,7 +245,7 @@ class CudaDecoder final : public Decoder, public cuda::DecoderControls {
     Acts& a = *acts_;
 
     // The packed inputs: staged in pinned memory, one copy up.
-    uint8_t* hb = (chained ? *chained->stage : in_h_).ensure(lay.bytes());
+    uint8_t* hb = in_h_.ensure(lay.bytes());
     lay.in.stage(hb, batch, sampled ? sp : nullptr, u);
     if (flash) {
       std::memcpy(hb + lay.seq_start, seq_start.data(), seq_start.size() * 8);
@@ -297,9 +256,6 @@ class CudaDecoder final : public Decoder, public cuda::DecoderControls {
       std::memcpy(hb + lay.vtiles, plan.tiles.data(), size_t(n_vtiles) * sizeof(cuda::AttentionTile));
     }
     CUDA_CHECK(cudaMemcpyAsync(a.in, hb, lay.bytes(), cudaMemcpyHostToDevice, dev_.stream()));
-    if (chained && chained->feed)  // one token a request: the ids are the requests' in order
-      CUDA_CHECK(
-          cudaMemcpyAsync(a.in + lay.in.ids, chained->feed, size_t(N) * 4, cudaMemcpyDeviceToDevice, dev_.stream()));
     const auto* d_ids = reinterpret_cast<const int32_t*>(a.in + lay.in.ids);
     const auto* d_pos = reinterpret_cast<const int32_t*>(a.in + lay.in.pos);
     const auto* d_rows = reinterpret_cast<const DecodeRow*>(a.in + lay.in.rows);
@@ -376,15 +332,8 @@ class CudaDecoder final : public Decoder, public cuda::DecoderControls {
                             keep_logits ? 3 : sampled ? 2 : ids ? 1 : 0, int(cap.dtype), fmt::join(cap.layers, ",")),
                 st, device_work, !flash);
 
-    if (chained) {
-      TALON_CHECK(NL == N && N == int64_t(reqs.size()), "decoder: a chained step of {} rows for {} requests", N,
-                  reqs.size());
-      CUDA_CHECK(cudaMemcpyAsync(chained->feed_out, a.top1, size_t(NL) * 4, cudaMemcpyDeviceToDevice, st));
-      CUDA_CHECK(cudaMemcpyAsync(chained->out, a.top1, size_t(NL) * 4, cudaMemcpyDeviceToHost, st));
-    } else {
-      cuda::results_down(cap, a.cap, a.n_tokens, N, H, keep_logits ? 0 : NL, a.top1, ids, a.logits32, logits, V, out_h_,
-                         st);
-    }
+    cuda::results_down(cap, a.cap, a.n_tokens, N, H, keep_logits ? 0 : NL, a.top1, ids, a.logits32, logits, V, out_h_,
+                       st);
     slots_->ran(reqs, batch, pending_);
   }
 
@@ -397,8 +346,6 @@ class CudaDecoder final : public Decoder, public cuda::DecoderControls {
                   nc = grow(n_cap, &Acts::n_cap), ni = grow(in_bytes, &Acts::n_in);
     const ModelConfig& c = cfg_;
     const int64_t qd = w_.nh * c.head_dim, ld = qd + 2 * w_.nkv * c.head_dim;
-    // A chain of steps (forward_steps) may still run graphs and read these buffers.
-    CUDA_CHECK(cudaStreamSynchronize(dev_.stream()));
     graphs_.clear();
     acts_.reset();
     auto a = std::make_unique<Acts>();
@@ -441,11 +388,6 @@ class CudaDecoder final : public Decoder, public cuda::DecoderControls {
   bool filled_ = false;
   std::unique_ptr<Acts> acts_;
   cuda::PinnedBuffer in_h_, out_h_;  // staging of Acts::in; the greedy ids coming down
-  // forward_steps: a pinned staging block per step of a chain, and the picks fed to the next step
-  std::vector<std::unique_ptr<cuda::PinnedBuffer>> chain_in_;
-  std::unique_ptr<DeviceArena> feed_arena_;
-  int32_t* feed_ = nullptr;
-  int64_t feed_rows_ = 0;
   cuda::GraphCache graphs_;  // of run()'s device work, by shape
   bool merge_in_kernel_ = false;
   bool device_sampling_ = true;

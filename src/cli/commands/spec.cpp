@@ -76,11 +76,6 @@ CLI::App* add_generate_subcommand(CLI::App& app, spec::GenerateOptions& o) {
                 "Token rows of the KV cache the sequences share in pages (0: batch x max-len, on a GPU at most what "
                 "fits); a turn starts when its prompt + max-new-tokens fit beside the running ones")
       ->capture_default_str();
-  c->add_option("--chain-steps", o.chain_steps,
-                "Decode steps run back to back when no prompt is being prefilled, each step's tokens fed to the next "
-                "on the device and read once at the end (1: none); a sequence that ends inside a "
-                "chain has the rest of it computed and dropped, and new turns start after it")
-      ->capture_default_str();
   c->add_option("--stop", o.stop, "Stop string (repeatable); the answer is cut before it");
   c->add_option("--limit", o.limit, "Only the first N conversations (0: all)")->capture_default_str();
   c->add_option("--device", o.device, "cpu | cuda | cuda:N | cuda:N,M,... (with --tp)")->capture_default_str();

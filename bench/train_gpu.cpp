@@ -92,8 +92,6 @@ int main(int argc, char** argv) {
   app.add_option("--gpu-products", eng.products,
                  "auto | cublas | first | waves | timed (who picks each product's algorithm)")
       ->capture_default_str();
-  app.add_flag("--gpu-overlap-update", eng.overlap_update,
-               "the lm_head's AdamW update on a second stream, overlapping the next step's first products");
   app.add_flag("--gpu-profile", eng.profile, "GPU time per phase");
   app.add_flag("--resident", resident,
                "features in device memory (as the PyTorch peer keeps them), copied device to device; the "

@@ -236,9 +236,6 @@ int main(int argc, char** argv) {
         ->check(CLI::IsMember({"auto", "cublas", "first", "waves", "timed"}))
         ->capture_default_str()
         ->group(g);
-    cmd_tr->add_flag("--gpu-overlap-update", tr.gpu_engine.overlap_update,
-                     "The lm_head's AdamW update on a second stream, overlapping the next step's first products")
-        ->group(g);
     cmd_tr->add_flag("--gpu-profile", tr.gpu_engine.profile, "Log GPU time per phase at the end")->group(g);
   }
   cmd_tr->add_option("--noise", tr.noise, "Uniform noise amplitude added to the aux hidden states")->capture_default_str();

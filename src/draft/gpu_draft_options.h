@@ -69,11 +69,6 @@ struct GpuDraftOptions {
   // only (--gpu-products). Neither fixed rule measured faster than cublas; timed measured +2.5%
   // at 2048 tokens and the same at 4096 (docs/train.md).
   std::string products = "auto";
-  // The lm_head's AdamW update (~1.4 ms of the 8B draft's ~4.2 ms update) on a second stream,
-  // joined right before the next run's first lm_head product, so that it overlaps the next
-  // step's fc and layer forward (--gpu-overlap-update). The same arithmetic, so the same bits.
-  // Opt-in: not yet run on a GPU (docs/train.md, "Next steps").
-  bool overlap_update = false;
 };
 
 // The products' algorithms through cuBLASLt (GpuDraftOptions::products): the shapes planned;

@@ -1101,65 +1101,6 @@ TEST_P(GpuDraft, AdamWStepsMatchCpuAndAreDeterministic) {
   }
 }
 
-// The lm_head's AdamW update on a second stream (GpuDraftOptions::overlap_update), joined at the
-// next run's first lm_head product, computes what the in-order update computes: two trainers,
-// overlap off and on, through 5 optimizer steps of one batch and then of two micro-batches (the
-// second adds to the gradients, so it joins at its start), clipping on; the losses of every run,
-// the gradient norms, and at the end the weights and both moments are the same bits; with the
-// lm_head's gradient summed in the backward instead of the forward too.
-TEST_P(GpuDraft, OverlappedUpdateKeepsTheBits) {
-  REQUIRE_GPU();
-  Case cs(GetParam(), 101);
-  const auto batch = cs.batch();
-  train::OptimConfig oc;
-  oc.lr = 1e-3;
-  oc.weight_decay = 0.1;
-  oc.clip_norm = 0.05;
-  for (const bool lm_in_backward : {false, true}) {
-    SCOPED_TRACE(fmt::format("lm_head gradient in the {}", lm_in_backward ? "backward" : "forward"));
-    std::vector<std::unique_ptr<GpuDraftTrainer>> gpus;
-    for (const bool overlap : {false, true}) {
-      ScopedOpt o([&](GpuDraftOptions& e) {
-        e.products = "cublas";  // one algorithm per shape in both trainers
-        e.overlap_update = overlap;
-        e.lm_grad_in_backward = lm_in_backward;
-      });
-      gpus.push_back(make_gpu(cs, {0}, GpuMath::BF16, 64));
-      gpus.back()->set_weights(cs.w);
-    }
-    for (int step = 0; step < 10; ++step) {
-      std::vector<double> loss[2], norm(2);
-      for (int r = 0; r < 2; ++r) {
-        auto& gpu = gpus[size_t(r)];
-        if (step < 5) {
-          for (auto& x : gpu->run(batch, 0.25, true, true)) loss[r].push_back(x.loss);
-        } else {
-          std::vector<Sample> m1(batch.begin(), batch.begin() + 2), m2(batch.begin() + 2, batch.end());
-          for (auto& x : gpu->run(m1, 0.25, true, true)) loss[r].push_back(x.loss);
-          for (auto& x : gpu->run(m2, 0.25, true, false)) loss[r].push_back(x.loss);
-        }
-        norm[size_t(r)] = gpu->clip_grad_norm(oc.clip_norm);
-        gpu->adamw_step(oc, step);
-      }
-      EXPECT_EQ(loss[0], loss[1]) << "step " << step << ": the losses differ";
-      EXPECT_EQ(norm[0], norm[1]) << "step " << step << ": the gradient norms differ";
-    }
-    DraftWeights w0, w1;
-    gpus[0]->get_weights(w0);
-    gpus[1]->get_weights(w1);
-    auto a = w0.named(), b = w1.named(), init = cs.w.named();
-    for (size_t i = 0; i < a.size(); ++i) {
-      EXPECT_EQ(*a[i].second, *b[i].second) << a[i].first << " differs with the update overlapped";
-      EXPECT_NE(*a[i].second, *init[i].second) << a[i].first << " did not train";
-    }
-    std::vector<std::vector<float>> m0, v0, m1, v1;
-    gpus[0]->get_moments(m0, v0);
-    gpus[1]->get_moments(m1, v1);
-    EXPECT_EQ(m0, m1) << "first moments differ";
-    EXPECT_EQ(v0, v1) << "second moments differ";
-  }
-}
-
 // The engine's contract beside the trainer's (which calls prepare() and run() back to back):
 // prepare() queues step 0's fc product early, and weights set between prepare() and run() are
 // the ones run() uses, that product made again. The forward's statistics say which fc ran.

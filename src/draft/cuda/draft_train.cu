@@ -911,21 +911,6 @@ struct DraftEngine::Impl {
   // then sums the steps first to last. --gpu-lm-grad-in-backward recomputes them in
   // the backward instead, last step first like the CPU reference.
   bool lm_backward_in_forward = true;
-  // GpuDraftOptions::overlap_update: the lm_head's AdamW update on its own stream (`side`),
-  // joined (the main stream waits on `side_done`) right before the next use of the lm_head's
-  // weights, gradient or moments; `side_pending` until then.
-  cudaStream_t side = nullptr;
-  cudaEvent_t side_go = nullptr, side_done = nullptr;
-  bool side_pending = false;
-  void join_update() {
-    if (!side_pending) return;
-    CUDA_CHECK(cudaStreamWaitEvent(s, side_done, 0));
-    side_pending = false;
-  }
-  // The lm_head's range of G (its padding included).
-  std::pair<int64_t, int64_t> lm_range(int64_t total) const {
-    return {offs[LM], size_t(LM) + 1 < offs.size() ? offs[LM + 1] : total};
-  }
   // Activations only ever read as products' operands are stored as bf16 only (in their
   // buffers, which are allocated at half size): with bf16 operands, xin (unless
   // norm_before_residual, whose residual reads xin's second half), hm, and act, dga, dup.
@@ -1113,12 +1098,6 @@ struct DraftEngine::Impl {
     cudaSetDevice(device);
     cudaStreamSynchronize(s);
     if (copy_s) cudaStreamSynchronize(copy_s);
-    if (side) {
-      cudaStreamSynchronize(side);
-      cudaStreamDestroy(side);
-    }
-    if (side_go) cudaEventDestroy(side_go);
-    if (side_done) cudaEventDestroy(side_done);
     for (void* x : owned) cudaFree(x);
     free_scores();
     for (auto* c : twin_buf)
@@ -1998,11 +1977,6 @@ DraftEngine::DraftEngine(int device, const DraftDims& dd, DraftMath math, const 
   I.tmp = I.alloc<float>(size_t(R * H));
   I.act = I.alloc<float>(floats(R * Idim, I.bf16_operands));
   I.lm_backward_in_forward = !opt.lm_grad_in_backward;
-  if (opt.overlap_update && !I.d.peagle) {  // (P-EAGLE's lm_head is frozen: nothing to overlap)
-    CUDA_CHECK(cudaStreamCreateWithFlags(&I.side, cudaStreamNonBlocking));
-    CUDA_CHECK(cudaEventCreateWithFlags(&I.side_go, cudaEventDisableTiming));
-    CUDA_CHECK(cudaEventCreateWithFlags(&I.side_done, cudaEventDisableTiming));
-  }
   if (!I.lm_backward_in_forward) I.dfn = I.alloc<float>(size_t(R * H));  // else d fn goes over fn[k]
   // dact is only live inside the MLP's backward. Its memory also holds, when they fit: the
   // draft logits (each step's loss, before the MLP's backward; in the forward too), the
@@ -2121,7 +2095,6 @@ std::pair<float*, float*> DraftEngine::host_features() {
 }
 float* DraftEngine::grad_data() {
   CUDA_CHECK(cudaSetDevice(p_->device));
-  p_->join_update();
   p_->scale_grads();
   return p_->G;
 }
@@ -2130,40 +2103,34 @@ cudaStream_t DraftEngine::stream() const { return p_->s; }
 int DraftEngine::device() const { return p_->device; }
 void DraftEngine::zero_grads() {
   CUDA_CHECK(cudaSetDevice(p_->device));
-  p_->join_update();
   p_->grad_scale = 1.f;
   CUDA_CHECK(cudaMemsetAsync(p_->G, 0, size_t(grad_elems()) * 4, p_->s));
 }
 
 void DraftEngine::set_weights(const std::vector<const float*>& w) {
   CUDA_CHECK(cudaSetDevice(p_->device));
-  p_->join_update();
   copy_tensors(p_->W, p_->offs, p_->sizes, unconst(w), false, p_->s);
   p_->refresh_weight_copy();
   ++p_->weights_version;
 }
 void DraftEngine::get_weights(const std::vector<float*>& w) {
   CUDA_CHECK(cudaSetDevice(p_->device));
-  p_->join_update();
   CUDA_CHECK(cudaStreamSynchronize(p_->s));
   copy_tensors(p_->W, p_->offs, p_->sizes, w, true, p_->s);
 }
 void DraftEngine::get_grads(const std::vector<float*>& g) {
   CUDA_CHECK(cudaSetDevice(p_->device));
-  p_->join_update();
   p_->scale_grads();
   CUDA_CHECK(cudaStreamSynchronize(p_->s));
   copy_tensors(p_->G, p_->offs, p_->sizes, g, true, p_->s);
 }
 void DraftEngine::set_moments(const std::vector<const float*>& m, const std::vector<const float*>& v) {
   CUDA_CHECK(cudaSetDevice(p_->device));
-  p_->join_update();
   copy_tensors(p_->M, p_->offs, p_->sizes, unconst(m), false, p_->s);
   copy_tensors(p_->Vm, p_->offs, p_->sizes, unconst(v), false, p_->s);
 }
 void DraftEngine::get_moments(const std::vector<float*>& m, const std::vector<float*>& v) {
   CUDA_CHECK(cudaSetDevice(p_->device));
-  p_->join_update();
   CUDA_CHECK(cudaStreamSynchronize(p_->s));
   copy_tensors(p_->M, p_->offs, p_->sizes, m, true, p_->s);
   copy_tensors(p_->Vm, p_->offs, p_->sizes, v, true, p_->s);
@@ -2438,26 +2405,13 @@ void DraftEngine::run(const std::vector<float>& row_scale, bool backward, bool z
   const unsigned warps_blocks = nblocks(N * d.nh * 32, 256);
   const bool fused_lm = backward && I.lm_backward_in_forward;
   const int64_t total = grad_elems();
-  // With the lm_head's update in flight (overlap_update), a run that zeroes G and sums the
-  // lm_head's gradient in the forward leaves the lm_head's range of G alone until its first
-  // lm_head product; anything else (scaling G below among them) joins the update now.
-  bool lm_deferred = I.side_pending && fused_lm && zero_grads;
-  if (!lm_deferred) I.join_update();
   if (backward) {  // G is zeroed below, or this run adds to it: a pending clipping factor goes first
     if (zero_grads)
       I.grad_scale = 1.f;
     else
       I.scale_grads();
   }
-  const auto [lm_begin, lm_end] = I.lm_range(total);
-  if (fused_lm && zero_grads) {
-    if (lm_deferred) {
-      CUDA_CHECK(cudaMemsetAsync(I.G, 0, size_t(lm_begin) * 4, s));
-      CUDA_CHECK(cudaMemsetAsync(I.G + lm_end, 0, size_t(total - lm_end) * 4, s));
-    } else {
-      CUDA_CHECK(cudaMemsetAsync(I.G, 0, size_t(total) * 4, s));
-    }
-  }
+  if (fused_lm && zero_grads) CUDA_CHECK(cudaMemsetAsync(I.G, 0, size_t(total) * 4, s));
   // The loss kernel fills these for the rows that count only.
   CUDA_CHECK(cudaMemsetAsync(I.ce, 0, size_t(K * N) * 4, s));
   CUDA_CHECK(cudaMemsetAsync(I.hit, 0, size_t(K * N), s));
@@ -2534,11 +2488,6 @@ void DraftEngine::run(const std::vector<float>& row_scale, bool backward, bool z
       I.linear(g1, H, I.act, Id, I.w(DOWN), Np, Id, H, 1.f);  // g2, in place
     }
     I.rmsnorm(I.fn[size_t(k)], H, I.gs[size_t(k) + 1], H, I.w(NORM), H, d.eps, Np);
-    if (lm_deferred) {  // the lm_head's update done, its gradient range zeroed, then its products
-      I.join_update();
-      CUDA_CHECK(cudaMemsetAsync(I.G + lm_begin, 0, size_t(lm_end - lm_begin) * 4, s));
-      lm_deferred = false;
-    }
     // With fused_lm the loss gradient goes through the lm_head right away, d fn over fn[k]
     // (the products read the rows that count from their gathered copy).
     I.lm_head_step(k, fused_lm, I.fn[size_t(k)], "forward: draft logits and loss", "forward: lm_head backward");
@@ -2742,7 +2691,6 @@ std::vector<std::pair<std::string, double>> DraftEngine::profile() const { retur
 double DraftEngine::clip_grad_norm(double max_norm) {
   Impl& I = *p_;
   CUDA_CHECK(cudaSetDevice(I.device));
-  I.join_update();
   I.scale_grads();
   const int nt = int(I.sizes.size());  // P-EAGLE's frozen lm_head has a zero gradient
   for (int t = 0; t < nt; ++t) {
@@ -2771,27 +2719,14 @@ void DraftEngine::adamw(double lr, double beta1, double beta2, double eps, doubl
   CUDA_CHECK(cudaSetDevice(I.device));
   const double bc1 = 1.0 - std::pow(beta1, double(t_after)), bc2 = 1.0 - std::pow(beta2, double(t_after));
   ++I.weights_version;
-  I.join_update();  // (one update in flight at a time)
   for (int t = 0; t < int(I.sizes.size()); ++t) {
     if (I.d.peagle && t == LM) continue;  // frozen
     const float decay = decay_on[size_t(t)] ? float(1.0 - lr * weight_decay) : 1.0f;
     const int64_t n = I.sizes[size_t(t)], o = I.offs[size_t(t)];
     const AdamWArgs a{decay, float(lr / bc1), float(std::sqrt(bc2)), float(beta1), float(beta2), float(eps),
                       I.grad_scale};
-    // overlap_update: the lm_head's update on the side stream, after everything before it on
-    // the main one; the next run() joins it right before its first lm_head product.
-    const bool aside = I.side && t == LM;
-    if (aside) {
-      CUDA_CHECK(cudaEventRecord(I.side_go, I.s));
-      CUDA_CHECK(cudaStreamWaitEvent(I.side, I.side_go, 0));
-    }
-    adamw_update(I.W + o, I.M + o, I.Vm + o, I.G + o, n, a, I.bf16_operands ? I.Wb + o : nullptr,
-                 aside ? I.side : I.s);
+    adamw_update(I.W + o, I.M + o, I.Vm + o, I.G + o, n, a, I.bf16_operands ? I.Wb + o : nullptr, I.s);
     CUDA_LAUNCH_CHECK();
-    if (aside) {
-      CUDA_CHECK(cudaEventRecord(I.side_done, I.side));
-      I.side_pending = true;
-    }
   }
   // The gradients stay as they were (unclipped) with the factor still pending, as after any
   // clip_grad_norm(): get_grads() and further accumulation apply it first. The update is not

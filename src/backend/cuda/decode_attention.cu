@@ -368,10 +368,10 @@ __device__ __forceinline__ void attend_key_blocks(float (&o)[D / 8][4], float (&
 //   decoding, or a short chain): every warp takes all of them, against its own quarter of
 //   each key tile, and the four partial softmaxes merge at the end through shared memory.
 template <int D, int S, int B>
-__global__ void __launch_bounds__(kThreads, B) verify_attention_kernel(
-    float* part, const bf16* qkv, int64_t ld, const bf16* kc, const bf16* vc, const DecodeRow* rows,
-    const uint64_t* masks, const AttentionTile* tiles, int nh, int nkv, CacheMap cache, int n_splits, int split_len,
-    float scale_log2, bf16* out) {
+__global__ void __launch_bounds__(kThreads, B)
+    verify_attention_kernel(float* part, const bf16* qkv, int64_t ld, const bf16* kc, const bf16* vc,
+                            const DecodeRow* rows, const uint64_t* masks, const AttentionTile* tiles, int nh, int nkv,
+                            CacheMap cache, int n_splits, int split_len, float scale_log2, bf16* out) {
   allow_dependents();
   grid_dependency_wait();  // launched dependent (launch.cuh)
   constexpr int kM = kTileVectors, kKeys = kVerifyKeys, kWarps = kThreads / 32;
@@ -783,13 +783,15 @@ void decode_attention(bf16* out, float* part, const bf16* qkv, int64_t ld, const
         return true;
       }();
       (void)opted;
-      launch_dependent(kDependAttention, verify_attention_kernel<D, S, B>, tgrid, dim3(kThreads), smem, s, part, qkv, ld,
-                       kc, vc, rows, masks, work->tiles, int(nh), int(nkv), cache, int(n_splits), int(split_len),
+      launch_dependent(kDependAttention, verify_attention_kernel<D, S, B>, tgrid, dim3(kThreads), smem, s, part, qkv,
+                       ld, kc, vc, rows, masks, work->tiles, int(nh), int(nkv), cache, int(n_splits), int(split_len),
                        scale_log2, direct ? out : nullptr);
     };
     const bool three = verify_min_blocks() == 3;
-    if (hd == 64) three ? run(VerifyShape<64, kVerifyStages, 3>{}) : run(VerifyShape<64, kVerifyStages>{});
-    else three ? run(VerifyShape<128, kVerifyStages, 3>{}) : run(VerifyShape<128, kVerifyStages>{});
+    if (hd == 64)
+      three ? run(VerifyShape<64, kVerifyStages, 3>{}) : run(VerifyShape<64, kVerifyStages>{});
+    else
+      three ? run(VerifyShape<128, kVerifyStages, 3>{}) : run(VerifyShape<128, kVerifyStages>{});
   }
   if (counters || direct) return;
   launch_dependent(kDependCombine, decode_combine_kernel, dim3(unsigned(N * nh)), dim3(hd > 64 ? 128 : 64),

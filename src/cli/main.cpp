@@ -236,6 +236,11 @@ int main(int argc, char** argv) {
         ->check(CLI::IsMember({"auto", "cublas", "first", "waves", "timed"}))
         ->capture_default_str()
         ->group(g);
+    cmd_tr
+        ->add_flag("--gpu-fresh-grads", tr.gpu_engine.fresh_grads,
+                   "Each weight matrix's first gradient product of a step writes its gradient instead of adding "
+                   "to a zeroed one (no memset of the whole gradient)")
+        ->group(g);
     cmd_tr->add_flag("--gpu-profile", tr.gpu_engine.profile, "Log GPU time per phase at the end")->group(g);
   }
   cmd_tr->add_option("--noise", tr.noise, "Uniform noise amplitude added to the aux hidden states")->capture_default_str();

@@ -158,9 +158,12 @@ const std::string g_env_products = [] {
   const char* e = std::getenv("TALON_TEST_GPU_PRODUCTS");
   return std::string(e && *e ? e : "");
 }();
+// TALON_TEST_GPU_FRESH_GRADS=1 runs every test below with GpuDraftOptions::fresh_grads on.
 GpuDraftOptions g_eng = [] {
   GpuDraftOptions o;
   if (!g_env_products.empty()) o.products = g_env_products;
+  const char* f = std::getenv("TALON_TEST_GPU_FRESH_GRADS");
+  o.fresh_grads = f && std::string(f) == "1";
   return o;
 }();
 struct ScopedOpt {
@@ -1098,6 +1101,78 @@ TEST_P(GpuDraft, AdamWStepsMatchCpuAndAreDeterministic) {
       mx = std::max(mx, double(std::abs(adam.m()[i][j])));
     }
     EXPECT_LE(d, tol::kGpuTttGradRel * mx) << "first moment of tensor " << i;
+  }
+}
+
+// GpuDraftOptions::fresh_grads: no memset of the whole gradient; each weight matrix's first
+// product of a run writes its gradient (beta 0), the rest of G is zeroed as before. Three
+// trainers (off, on, on) with the lm_head's gradient in the forward and in the backward: the
+// first run's gradients of every tensor agree with the zeroed ones to the order of fp32 sums,
+// and then through 6 optimizer steps (one batch, then two micro-batches, the second adding to
+// the first) the losses and gradient norms agree; the two trainers with the option give the
+// same bits throughout, weights included.
+TEST_P(GpuDraft, FreshGradientsMatchZeroedOnes) {
+  REQUIRE_GPU();
+  Case cs(GetParam(), 103);
+  const auto batch = cs.batch();
+  train::OptimConfig oc;
+  oc.lr = 1e-3;
+  oc.weight_decay = 0.1;
+  oc.clip_norm = 0.05;
+  for (const bool lm_in_backward : {false, true}) {
+    SCOPED_TRACE(fmt::format("lm_head gradient in the {}", lm_in_backward ? "backward" : "forward"));
+    std::vector<std::unique_ptr<GpuDraftTrainer>> gpus;
+    for (const bool fresh : {false, true, true}) {
+      ScopedOpt o([&](GpuDraftOptions& e) {
+        e.fresh_grads = fresh;
+        e.lm_grad_in_backward = lm_in_backward;
+      });
+      gpus.push_back(make_gpu(cs, {0}, GpuMath::BF16, 64));
+      gpus.back()->set_weights(cs.w);
+    }
+    for (int step = 0; step < 6; ++step) {
+      std::vector<double> loss[3], norm(3);
+      for (int r = 0; r < 3; ++r) {
+        auto& gpu = gpus[size_t(r)];
+        if (step < 3) {
+          for (auto& x : gpu->run(batch, 0.25, true, true)) loss[r].push_back(x.loss);
+        } else {
+          std::vector<Sample> m1(batch.begin(), batch.begin() + 2), m2(batch.begin() + 2, batch.end());
+          for (auto& x : gpu->run(m1, 0.25, true, true)) loss[r].push_back(x.loss);
+          for (auto& x : gpu->run(m2, 0.25, true, false)) loss[r].push_back(x.loss);
+        }
+        if (step == 0 && r == 2) {  // the first run's gradients, before any clipping
+          DraftGrads g0(cs.w), g1(cs.w), g2(cs.w);
+          gpus[0]->get_grads(g0);
+          gpus[1]->get_grads(g1);
+          gpus[2]->get_grads(g2);
+          auto a = g0.named(), b = g1.named(), c = g2.named();
+          for (size_t i = 0; i < a.size(); ++i) {
+            double mx = 0;
+            for (double x : *a[i].second) mx = std::max(mx, std::abs(x));
+            EXPECT_GT(mx, 0.0) << a[i].first << ": no gradient to compare";
+            EXPECT_LE(rel_max_diff(*b[i].second, *a[i].second), 1e-4) << a[i].first;
+            EXPECT_EQ(*b[i].second, *c[i].second) << a[i].first << ": the two fresh trainers differ";
+          }
+        }
+      }
+      for (int r = 0; r < 3; ++r) norm[size_t(r)] = gpus[size_t(r)]->clip_grad_norm(oc.clip_norm);
+      for (auto& gpu : gpus) gpu->adamw_step(oc, step);
+      ASSERT_EQ(loss[0].size(), loss[1].size());
+      for (size_t i = 0; i < loss[0].size(); ++i)
+        EXPECT_NEAR(loss[1][i], loss[0][i], 1e-4 * std::max(1.0, std::abs(loss[0][i]))) << "step " << step;
+      EXPECT_NEAR(norm[1], norm[0], 1e-3 * norm[0]) << "step " << step;
+      EXPECT_EQ(loss[1], loss[2]) << "step " << step << ": the two fresh trainers' losses differ";
+      EXPECT_EQ(norm[1], norm[2]) << "step " << step;
+    }
+    DraftWeights w1, w2;
+    gpus[1]->get_weights(w1);
+    gpus[2]->get_weights(w2);
+    auto a = w1.named(), b = w2.named(), init = cs.w.named();
+    for (size_t i = 0; i < a.size(); ++i) {
+      EXPECT_EQ(*a[i].second, *b[i].second) << a[i].first << ": the two fresh trainers differ";
+      EXPECT_NE(*a[i].second, *init[i].second) << a[i].first << " did not train";
+    }
   }
 }
 

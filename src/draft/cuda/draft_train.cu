@@ -1224,6 +1224,86 @@ struct DraftEngine::Impl {
     }
     grad_scale = 1.f;
   }
+  // GpuDraftOptions::fresh_grads: per tensor, whether its range of G awaits this run's first
+  // product (its contents are stale until then); n_fresh of them.
+  bool fresh_grads = false;
+  std::vector<uint8_t> fresh;
+  int64_t n_fresh = 0;
+  // The tensors whose gradient only products write, each product a whole [O, K] matrix.
+  bool product_written(int t) const {
+    switch (t) {
+      case FC:
+      case WQ:
+      case WK:
+      case WV:
+      case WO:
+      case GATE:
+      case UP:
+      case DOWN:
+        return true;
+      case LM:
+        return !d.peagle;  // (P-EAGLE's lm_head is frozen: nothing writes it)
+      default:
+        return false;
+    }
+  }
+  // G for a run that starts the gradients anew: all of it zeroed, or with fresh_grads only the
+  // tensors that are not product_written (the others wait for their first product).
+  void start_grads(int64_t total) {
+    if (!fresh_grads) {
+      CUDA_CHECK(cudaMemsetAsync(G, 0, size_t(total) * 4, s));
+      return;
+    }
+    fresh.assign(sizes.size(), 0);
+    n_fresh = 0;
+    for (size_t t = 0; t < sizes.size(); ++t) {
+      if (product_written(int(t))) {
+        fresh[t] = 1;
+        ++n_fresh;
+      } else {
+        CUDA_CHECK(cudaMemsetAsync(G + offs[t], 0, size_t(sizes[t]) * 4, s));
+      }
+    }
+  }
+  // The end of a backward: the ranges no product wrote are zeroed.
+  void finish_grads() {
+    for (size_t t = 0; t < fresh.size() && n_fresh > 0; ++t)
+      if (fresh[t]) {
+        CUDA_CHECK(cudaMemsetAsync(G + offs[t], 0, size_t(sizes[t]) * 4, s));
+        fresh[t] = 0;
+        --n_fresh;
+      }
+    n_fresh = 0;
+  }
+  // The beta a product into C (column-major [m, n], ldc) should use: 0 where it is the first
+  // product into fresh tensors and writes all of them (every overlapping tensor fresh and
+  // inside the written range, C contiguous, k > 0); otherwise the given beta, after zeroing the
+  // overlapping fresh tensors it would add to.
+  float first_write(float* C, int64_t m, int64_t n, int64_t k, int64_t ldc, float beta) {
+    if (n_fresh == 0 || C < G || C >= G + w_total || m <= 0 || n <= 0) return beta;
+    const int64_t lo = C - G, hi = lo + (n - 1) * ldc + m;
+    bool whole = beta == 1.f && ldc == m && k > 0;
+    int covered = 0;
+    for (size_t t = 0; t < sizes.size(); ++t) {
+      const int64_t a = offs[t], b = offs[t] + sizes[t];
+      if (b <= lo || a >= hi) continue;
+      if (!fresh[t]) {
+        whole = false;
+        continue;
+      }
+      ++covered;
+      if (a < lo || b > hi) whole = false;
+    }
+    if (covered == 0) return beta;
+    for (size_t t = 0; t < sizes.size(); ++t) {
+      const int64_t a = offs[t], b = offs[t] + sizes[t];
+      if (b <= lo || a >= hi || !fresh[t]) continue;
+      if (!whole) CUDA_CHECK(cudaMemsetAsync(G + a, 0, size_t(sizes[t]) * 4, s));
+      fresh[t] = 0;
+      --n_fresh;
+    }
+    return whole ? 0.f : beta;
+  }
   // Column-major C[m, n] (ldc) = alpha op(A) op(B) + beta C, fp32 C; A and B through operand().
   void gemm(cublasOperation_t ta, cublasOperation_t tb, int64_t m, int64_t n, int64_t k, const float* A, int64_t lda,
             const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
@@ -1234,6 +1314,7 @@ struct DraftEngine::Impl {
   void gemm_raw(cublasOperation_t ta, cublasOperation_t tb, int64_t m, int64_t n, int64_t k, const void* a,
                 int64_t lda, const void* b, int64_t ldb, float beta, float* C, int64_t ldc) {
     const float alpha = 1.f;
+    beta = first_write(C, m, n, k, ldc, beta);
     product_flops += 2.0 * double(m) * double(n) * double(k);
     if (lt_products) return lt_products->run(ta, tb, m, n, k, a, lda, b, ldb, beta, C, CUDA_R_32F, ldc, s);
     CUBLAS_CHECK(cublasGemmEx(blas, ta, tb, int(m), int(n), int(k), &alpha, a, operand_type(), int(lda), b,
@@ -1977,6 +2058,7 @@ DraftEngine::DraftEngine(int device, const DraftDims& dd, DraftMath math, const 
   I.tmp = I.alloc<float>(size_t(R * H));
   I.act = I.alloc<float>(floats(R * Idim, I.bf16_operands));
   I.lm_backward_in_forward = !opt.lm_grad_in_backward;
+  I.fresh_grads = opt.fresh_grads;
   if (!I.lm_backward_in_forward) I.dfn = I.alloc<float>(size_t(R * H));  // else d fn goes over fn[k]
   // dact is only live inside the MLP's backward. Its memory also holds, when they fit: the
   // draft logits (each step's loss, before the MLP's backward; in the forward too), the
@@ -2104,6 +2186,8 @@ int DraftEngine::device() const { return p_->device; }
 void DraftEngine::zero_grads() {
   CUDA_CHECK(cudaSetDevice(p_->device));
   p_->grad_scale = 1.f;
+  p_->n_fresh = 0;  // all of G zeroed: nothing waits for a first product
+  std::fill(p_->fresh.begin(), p_->fresh.end(), uint8_t(0));
   CUDA_CHECK(cudaMemsetAsync(p_->G, 0, size_t(grad_elems()) * 4, p_->s));
 }
 
@@ -2411,7 +2495,8 @@ void DraftEngine::run(const std::vector<float>& row_scale, bool backward, bool z
     else
       I.scale_grads();
   }
-  if (fused_lm && zero_grads) CUDA_CHECK(cudaMemsetAsync(I.G, 0, size_t(total) * 4, s));
+  I.finish_grads();  // (a run cut short by an error may have left some)
+  if (fused_lm && zero_grads) I.start_grads(total);
   // The loss kernel fills these for the rows that count only.
   CUDA_CHECK(cudaMemsetAsync(I.ce, 0, size_t(K * N) * 4, s));
   CUDA_CHECK(cudaMemsetAsync(I.hit, 0, size_t(K * N), s));
@@ -2511,7 +2596,7 @@ void DraftEngine::run(const std::vector<float>& row_scale, bool backward, bool z
   }
 
   // Backward, last step first (as the CPU reference).
-  if (zero_grads && !fused_lm) CUDA_CHECK(cudaMemsetAsync(I.G, 0, size_t(total) * 4, s));
+  if (zero_grads && !fused_lm) I.start_grads(total);
   CUDA_CHECK(cudaMemsetAsync(I.dK, 0, size_t(K * I.R * kvd) * 4, s));
   CUDA_CHECK(cudaMemsetAsync(I.dV, 0, size_t(K * I.R * kvd) * 4, s));
   CUDA_CHECK(cudaMemsetAsync(I.dgn, 0, size_t(N * H) * 4, s));  // P-EAGLE: stays 0 (no recurrence)
@@ -2680,6 +2765,7 @@ void DraftEngine::run(const std::vector<float>& row_scale, bool backward, bool z
     add_rows_kernel<<<nblocks(H, 256), 256, 0, s>>>(me, me, H, nullptr, I.gemb, 1, H);
     CUDA_LAUNCH_CHECK();
   }
+  I.finish_grads();
   I.mark("end");
   CUDA_CHECK(cudaStreamSynchronize(s));
   I.take_stats(out, kn);

@@ -11,8 +11,9 @@
 //   graph ahead one graph a step, launched back to back, one wait at the end
 //   two graphs  the same with two executable copies launched in turn
 //   while loop  one launch: a while node runs the step's graph --steps times on the device
+//               (its kernels launched plainly even with --pdl)
 // The ideal is nodes x spin a step; each row gives ms a step and its excess over the ideal.
-//   talon_bench_graphs [--nodes 184,290] [--spin-us 3] [--blocks 132] [--steps 200]
+//   talon_bench_graphs [--nodes 184,290] [--spin-us 3] [--blocks 132] [--steps 200] [--pdl]
 #include <cuda_runtime.h>
 
 #include <CLI/CLI.hpp>
@@ -37,8 +38,12 @@ __device__ __forceinline__ unsigned long long global_ns() {
   return t;
 }
 
-// Spins for `ns` nanoseconds (the global timer), then block 0 bumps a counter.
+// Spins for `ns` nanoseconds (the global timer), then block 0 bumps a counter. Launched as a
+// programmatic dependent (--pdl), it lets the next kernel start early and waits for the one
+// before it first, as the decoder's kernels do.
 __global__ void spin_kernel(unsigned long long ns, int* counter) {
+  asm volatile("griddepcontrol.launch_dependents;");
+  asm volatile("griddepcontrol.wait;" ::: "memory");
   const unsigned long long t0 = global_ns();
   while (global_ns() - t0 < ns) {
   }
@@ -62,10 +67,12 @@ int main(int argc, char** argv) {
   std::vector<int> nodes{184, 290};
   double spin_us = 3.0;
   int blocks = 132, steps = 200;
+  bool pdl = false;
   app.add_option("--nodes", nodes, "kernels a step")->delimiter(',');
   app.add_option("--spin-us", spin_us, "each kernel's spin")->capture_default_str();
   app.add_option("--blocks", blocks, "each kernel's blocks")->capture_default_str();
   app.add_option("--steps", steps, "steps timed")->capture_default_str();
+  app.add_flag("--pdl", pdl, "launch the kernels as programmatic dependents (the decoder's launches)");
   CLI11_PARSE(app, argc, argv);
   cudaDeviceProp prop{};
   check(cudaGetDeviceProperties(&prop, 0), "device");
@@ -75,11 +82,23 @@ int main(int argc, char** argv) {
   check(cudaMalloc(&counter, sizeof(int)), "malloc");
   check(cudaMalloc(&left, sizeof(int)), "malloc");
   const auto ns = static_cast<unsigned long long>(spin_us * 1000.0);
-  std::printf("%s: kernels of %d blocks spinning %.1f us, %d steps\n", prop.name, blocks, spin_us, steps);
+  std::printf("%s: kernels of %d blocks spinning %.1f us, %d steps%s\n", prop.name, blocks, spin_us, steps,
+              pdl ? ", programmatic dependent launches" : "");
   std::printf("%6s %-12s %10s %10s %12s\n", "nodes", "way", "ms a step", "ideal ms", "excess us");
   for (int K : nodes) {
-    auto step = [&](cudaStream_t st) {
-      for (int i = 0; i < K; ++i) spin_kernel<<<blocks, 32, 0, st>>>(ns, counter);
+    auto step = [&](cudaStream_t st, bool dependent) {
+      for (int i = 0; i < K; ++i) {
+        cudaLaunchConfig_t cfg = {};
+        cfg.gridDim = dim3(unsigned(blocks));
+        cfg.blockDim = dim3(32);
+        cfg.stream = st;
+        cudaLaunchAttribute attr = {};
+        attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+        attr.val.programmaticStreamSerializationAllowed = 1;
+        cfg.attrs = &attr;
+        cfg.numAttrs = dependent ? 1 : 0;
+        check(cudaLaunchKernelEx(&cfg, spin_kernel, ns, counter), "launch");
+      }
     };
     auto capture = [&](const std::function<void()>& work) {
       cudaGraph_t g = nullptr;
@@ -91,7 +110,7 @@ int main(int argc, char** argv) {
       check(cudaGraphDestroy(g), "destroy");
       return e;
     };
-    cudaGraphExec_t one = capture([&] { step(s); }), two = capture([&] { step(s); });
+    cudaGraphExec_t one = capture([&] { step(s, pdl); }), two = capture([&] { step(s, pdl); });
     // The while loop: a graph holding one conditional node whose body is a step and the countdown.
     cudaGraph_t loop = nullptr;
     check(cudaGraphCreate(&loop, 0), "graph");
@@ -107,7 +126,7 @@ int main(int argc, char** argv) {
     cudaGraph_t body = np.conditional.phGraph_out[0];
     check(cudaStreamBeginCaptureToGraph(s, body, nullptr, nullptr, 0, cudaStreamCaptureModeThreadLocal),
           "capture the body");
-    step(s);
+    step(s, false);  // plain launches: whether a conditional body takes programmatic edges is untried
     countdown_kernel<<<1, 32, 0, s>>>(h, left);
     check(cudaStreamEndCapture(s, &body), "end the body");
     cudaGraphExec_t looped = nullptr;
@@ -124,7 +143,7 @@ int main(int argc, char** argv) {
       std::printf("%6d %-12s %10.3f %10.3f %12.1f\n", K, way, per * 1e3, ideal * 1e3, (per - ideal) * 1e6);
     };
     timed("eager", [&] {
-      for (int i = 0; i < steps; ++i) step(s);
+      for (int i = 0; i < steps; ++i) step(s, pdl);
     });
     timed("graph sync", [&] {
       for (int i = 0; i < steps; ++i) {
@@ -138,7 +157,7 @@ int main(int argc, char** argv) {
     timed("two graphs", [&] {
       for (int i = 0; i < steps; ++i) check(cudaGraphLaunch(i % 2 ? two : one, s), "launch");
     });
-    timed("while loop", [&] {
+    timed(pdl ? "while, plain" : "while loop", [&] {
       check(cudaMemcpyAsync(left, &steps, sizeof(int), cudaMemcpyHostToDevice, s), "steps up");
       check(cudaGraphLaunch(looped, s), "launch the loop");
     });

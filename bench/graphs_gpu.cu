@@ -74,6 +74,15 @@ int main(int argc, char** argv) {
   app.add_option("--steps", steps, "steps timed")->capture_default_str();
   app.add_flag("--pdl", pdl, "launch the kernels as programmatic dependents (the decoder's launches)");
   CLI11_PARSE(app, argc, argv);
+  if (steps < 1 || blocks < 1 || !(spin_us >= 0) || nodes.empty()) {
+    std::fprintf(stderr, "talon_bench_graphs: --steps and --blocks must be >= 1, --spin-us >= 0, --nodes given\n");
+    return 2;
+  }
+  for (int k : nodes)
+    if (k < 1) {
+      std::fprintf(stderr, "talon_bench_graphs: --nodes %d: each step needs at least one kernel\n", k);
+      return 2;
+    }
   cudaDeviceProp prop{};
   check(cudaGetDeviceProperties(&prop, 0), "device");
   cudaStream_t s;

@@ -1247,6 +1247,7 @@ struct DraftEngine::Impl {
         return false;
     }
   }
+  void zero_grad(size_t t) { CUDA_CHECK(cudaMemsetAsync(G + offs[t], 0, size_t(sizes[t]) * 4, s)); }
   // G for a run that starts the gradients anew: all of it zeroed, or with fresh_grads only the
   // tensors that are not product_written (the others wait for their first product).
   void start_grads(int64_t total) {
@@ -1261,17 +1262,17 @@ struct DraftEngine::Impl {
         fresh[t] = 1;
         ++n_fresh;
       } else {
-        CUDA_CHECK(cudaMemsetAsync(G + offs[t], 0, size_t(sizes[t]) * 4, s));
+        zero_grad(t);
       }
     }
   }
   // The end of a backward: the ranges no product wrote are zeroed.
   void finish_grads() {
-    for (size_t t = 0; t < fresh.size() && n_fresh > 0; ++t)
+    if (n_fresh == 0) return;
+    for (size_t t = 0; t < fresh.size(); ++t)
       if (fresh[t]) {
-        CUDA_CHECK(cudaMemsetAsync(G + offs[t], 0, size_t(sizes[t]) * 4, s));
+        zero_grad(t);
         fresh[t] = 0;
-        --n_fresh;
       }
     n_fresh = 0;
   }
@@ -1283,7 +1284,7 @@ struct DraftEngine::Impl {
     if (n_fresh == 0 || C < G || C >= G + w_total || m <= 0 || n <= 0) return beta;
     const int64_t lo = C - G, hi = lo + (n - 1) * ldc + m;
     bool whole = beta == 1.f && ldc == m && k > 0;
-    int covered = 0;
+    std::vector<size_t> hit;  // the overlapping fresh tensors
     for (size_t t = 0; t < sizes.size(); ++t) {
       const int64_t a = offs[t], b = offs[t] + sizes[t];
       if (b <= lo || a >= hi) continue;
@@ -1291,18 +1292,15 @@ struct DraftEngine::Impl {
         whole = false;
         continue;
       }
-      ++covered;
+      hit.push_back(t);
       if (a < lo || b > hi) whole = false;
     }
-    if (covered == 0) return beta;
-    for (size_t t = 0; t < sizes.size(); ++t) {
-      const int64_t a = offs[t], b = offs[t] + sizes[t];
-      if (b <= lo || a >= hi || !fresh[t]) continue;
-      if (!whole) CUDA_CHECK(cudaMemsetAsync(G + a, 0, size_t(sizes[t]) * 4, s));
+    for (size_t t : hit) {
+      if (!whole) zero_grad(t);
       fresh[t] = 0;
-      --n_fresh;
     }
-    return whole ? 0.f : beta;
+    n_fresh -= int64_t(hit.size());
+    return whole && !hit.empty() ? 0.f : beta;
   }
   // Column-major C[m, n] (ldc) = alpha op(A) op(B) + beta C, fp32 C; A and B through operand().
   void gemm(cublasOperation_t ta, cublasOperation_t tb, int64_t m, int64_t n, int64_t k, const float* A, int64_t lda,
@@ -2187,7 +2185,7 @@ void DraftEngine::zero_grads() {
   CUDA_CHECK(cudaSetDevice(p_->device));
   p_->grad_scale = 1.f;
   p_->n_fresh = 0;  // all of G zeroed: nothing waits for a first product
-  std::fill(p_->fresh.begin(), p_->fresh.end(), uint8_t(0));
+  p_->fresh.assign(p_->fresh.size(), 0);
   CUDA_CHECK(cudaMemsetAsync(p_->G, 0, size_t(grad_elems()) * 4, p_->s));
 }
 

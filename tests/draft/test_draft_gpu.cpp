@@ -1176,6 +1176,72 @@ TEST_P(GpuDraft, FreshGradientsMatchZeroedOnes) {
   }
 }
 
+// GpuDraftOptions::clip_on_device: clip_and_adamw_step() with the norm and clipping factor found
+// on the device gives the bits of clip_grad_norm() then adamw_step() on the host: losses,
+// norms and weights through 6 steps with clipping that engages (0.05), none (0) and one too
+// large to engage (1e9), and gradients that keep the factor pending afterwards (a micro-batch
+// that adds to them, and get_grads()).
+TEST_P(GpuDraft, ClipOnTheDeviceKeepsTheBits) {
+  REQUIRE_GPU();
+  Case cs(GetParam(), 107);
+  const auto batch = cs.batch();
+  train::OptimConfig oc;
+  oc.lr = 1e-3;
+  oc.weight_decay = 0.1;
+  std::vector<std::unique_ptr<GpuDraftTrainer>> gpus;
+  for (const bool dev : {false, true}) {
+    ScopedOpt o([&](GpuDraftOptions& e) { e.clip_on_device = dev; });
+    gpus.push_back(make_gpu(cs, {0}, GpuMath::BF16, 64));
+    gpus.back()->set_weights(cs.w);
+  }
+  bool clipped = false;
+  for (int step = 0; step < 6; ++step) {
+    oc.clip_norm = step == 2 ? 0.0 : step == 3 ? 1e9 : 0.05;
+    std::vector<double> loss[2], norm(2);
+    for (int r = 0; r < 2; ++r) {
+      auto& gpu = gpus[size_t(r)];
+      if (step < 4) {
+        for (auto& x : gpu->run(batch, 0.25, true, true)) loss[r].push_back(x.loss);
+      } else {  // the second micro-batch adds to the first
+        std::vector<Sample> m1(batch.begin(), batch.begin() + 2), m2(batch.begin() + 2, batch.end());
+        for (auto& x : gpu->run(m1, 0.25, true, true)) loss[r].push_back(x.loss);
+        for (auto& x : gpu->run(m2, 0.25, true, false)) loss[r].push_back(x.loss);
+      }
+      norm[size_t(r)] = gpu->clip_and_adamw_step(oc, step);
+      if (r == 0 && oc.clip_norm > 0 && norm[0] > oc.clip_norm) clipped = true;
+    }
+    EXPECT_EQ(loss[0], loss[1]) << "step " << step;
+    EXPECT_EQ(norm[0], norm[1]) << "step " << step;
+    EXPECT_GT(norm[0], 0.0) << "step " << step;
+    // Gradients after the update: the pending factor applied by both the same way.
+    if (step == 1 || step == 5) {
+      DraftGrads g0(cs.w), g1(cs.w);
+      gpus[0]->get_grads(g0);
+      gpus[1]->get_grads(g1);
+      auto a = g0.named(), b = g1.named();
+      for (size_t i = 0; i < a.size(); ++i) EXPECT_EQ(*a[i].second, *b[i].second) << a[i].first << " step " << step;
+    }
+    // Then a run that adds to them (the factor goes first), its results dropped.
+    if (step == 1) {
+      for (int r = 0; r < 2; ++r) gpus[size_t(r)]->run(batch, 0.25, true, false);
+      DraftGrads g0(cs.w), g1(cs.w);
+      gpus[0]->get_grads(g0);
+      gpus[1]->get_grads(g1);
+      auto a = g0.named(), b = g1.named();
+      for (size_t i = 0; i < a.size(); ++i) EXPECT_EQ(*a[i].second, *b[i].second) << a[i].first << " added to";
+    }
+  }
+  EXPECT_TRUE(clipped) << "no step's norm was above 0.05: the clipping factor went untested";
+  DraftWeights w0, w1;
+  gpus[0]->get_weights(w0);
+  gpus[1]->get_weights(w1);
+  auto a = w0.named(), b = w1.named(), init = cs.w.named();
+  for (size_t i = 0; i < a.size(); ++i) {
+    EXPECT_EQ(*a[i].second, *b[i].second) << a[i].first;
+    EXPECT_NE(*a[i].second, *init[i].second) << a[i].first << " did not train";
+  }
+}
+
 // The engine's contract beside the trainer's (which calls prepare() and run() back to back):
 // prepare() queues step 0's fc product early, and weights set between prepare() and run() are
 // the ones run() uses, that product made again. The forward's statistics say which fc ran.

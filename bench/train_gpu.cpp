@@ -94,8 +94,6 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_flag("--gpu-fresh-grads", eng.fresh_grads,
                "each weight matrix's first gradient product of a step writes it (no memset of the whole gradient)");
-  app.add_flag("--gpu-clip-on-device", eng.clip_on_device,
-               "the gradient norm and clipping factor found on the device, where the update reads the factor");
   app.add_flag("--gpu-profile", eng.profile, "GPU time per phase");
   app.add_flag("--resident", resident,
                "features in device memory (as the PyTorch peer keeps them), copied device to device; the "
@@ -244,7 +242,6 @@ int main(int argc, char** argv) {
       batch.push_back({ids.data() + s * seq, mask.data() + s * seq, aux_p + s * seq * 3 * c.H,
                        hid_p + s * seq * c.H, seq});
     train::OptimConfig oc;
-    oc.clip_norm = 0.5;
     // A step is timed from the previous step's return to its own: the optimizer's update is not
     // waited for (the host prepares the next batch meanwhile, as `talon train` does), so in the
     // steady state each interval holds one whole step of device work. The first step warms
@@ -260,7 +257,8 @@ int main(int argc, char** argv) {
       std::vector<uint64_t> seeds;
       for (int64_t s = 0; s < samples; ++s) seeds.push_back(9000000ull + uint64_t(settle) * 1000003ull + uint64_t(s));
       gpu->run(batch, 1.0 / double(samples), true, true, seeds);
-      gpu->clip_and_adamw_step(oc, settle);
+      gpu->clip_grad_norm(0.5);
+      gpu->adamw_step(oc, settle);
     }
     if (const ProductPlans pp = gpu->product_plans(); pp.families > 0)
       std::printf("%lld untimed steps first, while the timed product rule chose (%lld of %lld families left)\n",
@@ -284,7 +282,8 @@ int main(int argc, char** argv) {
       std::vector<uint64_t> seeds;
       for (int64_t s = 0; s < samples; ++s) seeds.push_back(uint64_t(st) * 1000003ull + uint64_t(s));
       const auto res = gpu->run(batch, 1.0 / double(samples), true, true, seeds);
-      gpu->clip_and_adamw_step(oc, st);
+      gpu->clip_grad_norm(0.5);
+      gpu->adamw_step(oc, st);
       const auto t1 = std::chrono::steady_clock::now();
       const double dt = std::chrono::duration<double>(t1 - t_prev).count();
       t_prev = t1;

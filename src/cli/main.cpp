@@ -241,11 +241,6 @@ int main(int argc, char** argv) {
                    "Each weight matrix's first gradient product of a step writes its gradient instead of adding "
                    "to a zeroed one (no memset of the whole gradient)")
         ->group(g);
-    cmd_tr
-        ->add_flag("--gpu-clip-on-device", tr.gpu_engine.clip_on_device,
-                   "The gradient norm and clipping factor found on the device, where the optimizer reads the "
-                   "factor: no wait for the host between them (the same bits)")
-        ->group(g);
     cmd_tr->add_flag("--gpu-profile", tr.gpu_engine.profile, "Log GPU time per phase at the end")->group(g);
   }
   cmd_tr->add_option("--noise", tr.noise, "Uniform noise amplitude added to the aux hidden states")->capture_default_str();

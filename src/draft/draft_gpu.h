@@ -65,13 +65,6 @@ class GpuDraftTrainer {
   // As train::clip_grad_norm and train::AdamW::step (t_before: updates already applied).
   virtual double clip_grad_norm(double max_norm) = 0;
   virtual void adamw_step(const train::OptimConfig& c, int64_t t_before) = 0;
-  // clip_grad_norm(c.clip_norm) then adamw_step(c, t_before), as one call (the same bits);
-  // returns the norm. With GpuDraftOptions::clip_on_device the host does not wait in between.
-  virtual double clip_and_adamw_step(const train::OptimConfig& c, int64_t t_before) {
-    const double norm = clip_grad_norm(c.clip_norm);
-    adamw_step(c, t_before);
-    return norm;
-  }
   virtual void zero_grads() = 0;
   // GPU milliseconds per phase (GpuDraftOptions::profile), of the first GPU.
   virtual std::vector<std::pair<std::string, double>> profile() const = 0;

@@ -78,12 +78,6 @@ struct GpuDraftOptions {
   // from the default's; reruns and resumes with the option stay bit-identical. Opt-in: not yet
   // run on a GPU (docs/train.md, "Next steps").
   bool fresh_grads = false;
-  // clip_and_adamw_step() finds the gradient norm and the clipping factor on the device, where
-  // the update reads the factor, and reads the norm back after queueing the update
-  // (--gpu-clip-on-device): the device goes from the gradient sums to the update without waiting
-  // for the host (~0.13 ms a step for the 8B draft on an H100). The same arithmetic in the same
-  // order, so the same bits. Opt-in: not yet run on a GPU (docs/train.md, "Next steps").
-  bool clip_on_device = false;
 };
 
 // The products' algorithms through cuBLASLt (GpuDraftOptions::products): the shapes planned;

@@ -1148,13 +1148,12 @@ class Trainer {
     }
     const double inv_b = 1.0 / double(batch.size());
     const std::vector<TttResult> res = run_samples(batch, mine, inv_b, true);
-    double gnorm = 0;
+    const double gnorm = dev_ ? dev_->clip_grad_norm(oc_.clip_norm) : clip_grad_norm(params_, oc_.clip_norm);
     const double lr = lr_at(oc_, step_);
     if (dev_) {
-      gnorm = dev_->clip_and_adamw_step(oc_, step_);
+      dev_->adamw_step(oc_, step_);
       adam_->set_step_count(step_ + 1);
     } else {
-      gnorm = clip_grad_norm(params_, oc_.clip_norm);
       adam_->step(params_);
     }
     const Summary m = summarize(res, width());

@@ -824,7 +824,7 @@ void DFlashEngine::adamw(double lr, double beta1, double beta2, double eps, doub
   for (int t = 0; t < I.t_lm(); ++t) {  // every tensor but the frozen lm_head (the last)
     const float decay = decay_on[size_t(t)] ? float(1.0 - lr * weight_decay) : 1.0f;
     const int64_t n = I.sizes[size_t(t)], o = I.offs[size_t(t)];
-    const AdamWArgs a{decay, float(lr / bc1), float(std::sqrt(bc2)), float(beta1), float(beta2), float(eps), 1.f, nullptr};
+    const AdamWArgs a{decay, float(lr / bc1), float(std::sqrt(bc2)), float(beta1), float(beta2), float(eps), 1.f};
     adamw_update(I.W + o, I.M + o, I.Vm + o, I.G + o, n, a, nullptr, I.s);
     CUDA_LAUNCH_CHECK();
   }

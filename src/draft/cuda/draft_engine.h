@@ -145,10 +145,6 @@ class DraftEngine {
   // t_after: the update's 1-based count (for the bias corrections).
   void adamw(double lr, double beta1, double beta2, double eps, double weight_decay, const std::vector<uint8_t>& decay,
              int64_t t_after);
-  // clip_grad_norm(max_norm) then adamw(...), the same bits, with the norm and factor found on
-  // the device (the update reads the factor there) and read back after the update is queued.
-  double clip_and_adamw(double max_norm, double lr, double beta1, double beta2, double eps, double weight_decay,
-                        const std::vector<uint8_t>& decay, int64_t t_after);
   size_t device_bytes() const;
   // The choices the options resolved to (which attention, where the embedding lives), for logs.
   std::string setup() const;

@@ -112,7 +112,7 @@ class CudaDraftTrainer final : public DeviceTrainer {
  public:
   CudaDraftTrainer(const DraftConfig& c, const TargetHead& tgt, const DraftVocab& vocab, int device, GpuMath math,
                    int64_t max_rows, const GpuDraftOptions& opt, const GpuFamily& fam)
-      : c_(c), max_rows_(max_rows), fam_(fam), peagle_(fam.drafter == "peagle"), clip_on_device_(opt.clip_on_device) {
+      : c_(c), max_rows_(max_rows), fam_(fam), peagle_(fam.drafter == "peagle") {
     TALON_CHECK(fam.drafter == "eagle3" || fam.drafter == "peagle",
                 "draft on GPU: drafter '{}' has no GPU trainer (eagle3, peagle and dflash do)", fam.drafter);
     TALON_CHECK(!peagle_ || (fam.mask_token >= 0 && fam.mask_token < c.V),
@@ -402,11 +402,6 @@ class CudaDraftTrainer final : public DeviceTrainer {
   void adamw_step(const train::OptimConfig& c, int64_t t_before) override {
     eng_->adamw(train::lr_at(c, t_before), c.beta1, c.beta2, c.eps, c.weight_decay, decay_, t_before + 1);
   }
-  double clip_and_adamw_step(const train::OptimConfig& c, int64_t t_before) override {
-    if (!clip_on_device_) return GpuDraftTrainer::clip_and_adamw_step(c, t_before);
-    return eng_->clip_and_adamw(c.clip_norm, train::lr_at(c, t_before), c.beta1, c.beta2, c.eps, c.weight_decay, decay_,
-                                t_before + 1);
-  }
   void zero_grads() override { eng_->zero_grads(); }
   std::vector<std::pair<std::string, double>> profile() const override { return eng_->profile(); }
   float* grad_data() override { return eng_->grad_data(); }
@@ -460,7 +455,6 @@ class CudaDraftTrainer final : public DeviceTrainer {
   int64_t max_rows_;
   GpuFamily fam_;
   bool peagle_;
-  bool clip_on_device_;  // GpuDraftOptions::clip_on_device
   std::unique_ptr<cuda::DraftEngine> eng_;
   std::vector<std::string> names_;  // the engine's tensors, in its order
   std::vector<uint8_t> decay_;
@@ -823,20 +817,6 @@ class DataParallelDraftTrainer final : public GpuDraftTrainer {
   }
   void adamw_step(const train::OptimConfig& c, int64_t t_before) override {
     each([&](int r) { ranks_[size_t(r)]->adamw_step(c, t_before); });
-  }
-  double clip_and_adamw_step(const train::OptimConfig& c, int64_t t_before) override {
-    std::vector<double> norms(ranks_.size());
-    each([&](int r) {
-      DeviceTrainer& e = *ranks_[size_t(r)];
-      const Nccl& x = Nccl::get();
-      x.check(x.all_reduce(e.grad_data(), e.grad_data(), size_t(e.grad_elems()), ncclFloat32, ncclSum,
-                           comms_[size_t(r)], e.stream()),
-              "all-reduce of the gradients");
-      norms[size_t(r)] = e.clip_and_adamw_step(c, t_before);
-    });
-    for (double v : norms)
-      TALON_CHECK(v == norms[0], "data parallel: the GPUs disagree on the gradient norm ({} vs {})", v, norms[0]);
-    return norms[0];
   }
   void zero_grads() override {
     each([&](int r) { ranks_[size_t(r)]->zero_grads(); });

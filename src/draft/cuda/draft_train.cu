@@ -1108,7 +1108,6 @@ struct DraftEngine::Impl {
     if (emb_stage) cudaFreeHost(emb_stage);
     if (stage) cudaFreeHost(stage);
     if (stats_host) cudaFreeHost(stats_host);
-    if (clip_host) cudaFreeHost(clip_host);
     if (host_embed) cudaFreeHost(host_embed);
     if (host_hidden) cudaFreeHost(host_hidden);
     for (auto& m : marks) cudaEventDestroy(m.second);
@@ -1224,45 +1223,6 @@ struct DraftEngine::Impl {
       CUDA_LAUNCH_CHECK();
     }
     grad_scale = 1.f;
-  }
-  // sumsq_kernel over every tensor's gradient into partial (kNormBlocks a tensor); returns the
-  // number of tensors (P-EAGLE's frozen lm_head has a zero gradient and is summed too).
-  int sumsq() {
-    const int nt = int(sizes.size());
-    for (int t = 0; t < nt; ++t) {
-      sumsq_kernel<<<kNormBlocks, 256, 0, s>>>(partial + t * kNormBlocks, g(t), sizes[size_t(t)]);
-      CUDA_LAUNCH_CHECK();
-    }
-    return nt;
-  }
-  // clip_and_adamw(): the norm (fp64) and factor (fp32) on the device, then in pinned memory;
-  // the factor also where the update reads it.
-  double* clip_d = nullptr;
-  float* clip_factor_d = nullptr;
-  uint8_t* clip_host = nullptr;
-  cudaEvent_t clip_done = nullptr;
-  // One AdamW update (train::AdamW::step) of every trainable tensor, the gradients read times
-  // the pending factor (grad_scale), or times *gscale_at where that is given.
-  void adamw(double lr, double beta1, double beta2, double eps, double weight_decay,
-             const std::vector<uint8_t>& decay_on, int64_t t_after, const float* gscale_at) {
-    if (decay_on.size() != sizes.size())
-      fail_msg("draft on GPU: " + std::to_string(decay_on.size()) + " weight-decay flags, expected " +
-               std::to_string(sizes.size()));
-    const double bc1 = 1.0 - std::pow(beta1, double(t_after)), bc2 = 1.0 - std::pow(beta2, double(t_after));
-    ++weights_version;
-    for (int t = 0; t < int(sizes.size()); ++t) {
-      if (d.peagle && t == LM) continue;  // frozen
-      const float decay = decay_on[size_t(t)] ? float(1.0 - lr * weight_decay) : 1.0f;
-      const int64_t n = sizes[size_t(t)], o = offs[size_t(t)];
-      const AdamWArgs a{decay,        float(lr / bc1), float(std::sqrt(bc2)), float(beta1), float(beta2), float(eps),
-                        grad_scale, gscale_at};
-      adamw_update(W + o, M + o, Vm + o, G + o, n, a, bf16_operands ? Wb + o : nullptr, s);
-      CUDA_LAUNCH_CHECK();
-    }
-    // The gradients stay as they were (unclipped) with the factor still pending, as after any
-    // clip_grad_norm(): get_grads() and further accumulation apply it first. The update is not
-    // waited for: the host goes on to the next batch meanwhile, and every later use of the
-    // weights is ordered after it on the stream (the copies to the host wait for it).
   }
   // GpuDraftOptions::fresh_grads: per tensor, whether its range of G awaits this run's first
   // product (its contents are stale until then); n_fresh of them.
@@ -1949,10 +1909,6 @@ DraftEngine::DraftEngine(int device, const DraftDims& dd, DraftMath math, const 
   I.M = I.alloc<float>(size_t(total));
   I.Vm = I.alloc<float>(size_t(total));
   I.partial = I.alloc<double>(I.sizes.size() * size_t(kNormBlocks));
-  I.clip_d = I.alloc<double>(2);
-  I.clip_factor_d = I.alloc<float>(1);
-  CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&I.clip_host), 16, cudaHostAllocDefault));
-  I.clip_done = I.dev->event(2);
   if (dd.peagle) {
     I.embed = I.W + I.offs[EMBED];
     I.gm = I.alloc<float>(size_t(R * H));
@@ -2820,7 +2776,11 @@ double DraftEngine::clip_grad_norm(double max_norm) {
   Impl& I = *p_;
   CUDA_CHECK(cudaSetDevice(I.device));
   I.scale_grads();
-  const int nt = I.sumsq();
+  const int nt = int(I.sizes.size());  // P-EAGLE's frozen lm_head has a zero gradient
+  for (int t = 0; t < nt; ++t) {
+    sumsq_kernel<<<kNormBlocks, 256, 0, I.s>>>(I.partial + t * kNormBlocks, I.g(t), I.sizes[size_t(t)]);
+    CUDA_LAUNCH_CHECK();
+  }
   std::vector<double> part(size_t(nt * kNormBlocks));
   CUDA_CHECK(cudaMemcpyAsync(part.data(), I.partial, part.size() * 8, cudaMemcpyDeviceToHost, I.s));
   CUDA_CHECK(cudaStreamSynchronize(I.s));
@@ -2837,33 +2797,25 @@ double DraftEngine::clip_grad_norm(double max_norm) {
 void DraftEngine::adamw(double lr, double beta1, double beta2, double eps, double weight_decay,
                         const std::vector<uint8_t>& decay_on, int64_t t_after) {
   Impl& I = *p_;
+  if (decay_on.size() != I.sizes.size())
+    fail_msg("draft on GPU: " + std::to_string(decay_on.size()) + " weight-decay flags, expected " +
+             std::to_string(I.sizes.size()));
   CUDA_CHECK(cudaSetDevice(I.device));
-  I.adamw(lr, beta1, beta2, eps, weight_decay, decay_on, t_after, nullptr);
-}
-
-double DraftEngine::clip_and_adamw(double max_norm, double lr, double beta1, double beta2, double eps,
-                                   double weight_decay, const std::vector<uint8_t>& decay_on, int64_t t_after) {
-  Impl& I = *p_;
-  CUDA_CHECK(cudaSetDevice(I.device));
-  I.scale_grads();
-  const int nt = I.sumsq();
-  // The norm and factor are found on the device, where the update reads the factor; the host
-  // reads them back after queueing the update, so the device goes on from the sums to the
-  // update without waiting for the host.
-  clip_coef_kernel<<<1, 32, 0, I.s>>>(I.partial, int64_t(nt) * kNormBlocks, max_norm, I.clip_d,
-                                       reinterpret_cast<float*>(I.clip_d + 1), I.clip_factor_d);
-  CUDA_LAUNCH_CHECK();
-  CUDA_CHECK(cudaMemcpyAsync(I.clip_host, I.clip_d, 16, cudaMemcpyDeviceToHost, I.s));
-  CUDA_CHECK(cudaEventRecord(I.clip_done, I.s));
-  I.adamw(lr, beta1, beta2, eps, weight_decay, decay_on, t_after, I.clip_factor_d);
-  CUDA_CHECK(cudaEventSynchronize(I.clip_done));
-  double norm = 0;
-  float factor = 1.f;
-  std::memcpy(&norm, I.clip_host, 8);
-  std::memcpy(&factor, I.clip_host + 8, 4);
-  // As after clip_grad_norm() then adamw(): the factor stays pending on the unclipped gradients.
-  I.grad_scale = factor;
-  return norm;
+  const double bc1 = 1.0 - std::pow(beta1, double(t_after)), bc2 = 1.0 - std::pow(beta2, double(t_after));
+  ++I.weights_version;
+  for (int t = 0; t < int(I.sizes.size()); ++t) {
+    if (I.d.peagle && t == LM) continue;  // frozen
+    const float decay = decay_on[size_t(t)] ? float(1.0 - lr * weight_decay) : 1.0f;
+    const int64_t n = I.sizes[size_t(t)], o = I.offs[size_t(t)];
+    const AdamWArgs a{decay, float(lr / bc1), float(std::sqrt(bc2)), float(beta1), float(beta2), float(eps),
+                      I.grad_scale};
+    adamw_update(I.W + o, I.M + o, I.Vm + o, I.G + o, n, a, I.bf16_operands ? I.Wb + o : nullptr, I.s);
+    CUDA_LAUNCH_CHECK();
+  }
+  // The gradients stay as they were (unclipped) with the factor still pending, as after any
+  // clip_grad_norm(): get_grads() and further accumulation apply it first. The update is not
+  // waited for: the host goes on to the next batch meanwhile, and every later use of the
+  // weights is ordered after it on the stream (the copies to the host wait for it).
 }
 
 }  // namespace talon::cuda

@@ -52,38 +52,15 @@ __global__ void sumsq_kernel(double* partial, const float* g, int64_t n) {
   if (threadIdx.x == 0) partial[blockIdx.x] = sh[0];
 }
 
-// The gradient norm and clipping factor from sumsq_kernel's partials, on the device: the
-// partials summed in their order by one thread in fp64 (the host's sum, so the same bits), then
-// norm = sqrt(sum) and factor = max_norm / (norm + 1e-6) where that is below 1, else 1 (no
-// clipping when max_norm <= 0). out_norm and out_factor may be mapped host memory.
-__global__ void clip_coef_kernel(const double* partial, int64_t n, double max_norm, double* out_norm,
-                                 float* out_factor, float* factor_dev) {
-  if (blockIdx.x != 0 || threadIdx.x != 0) return;
-  double ss = 0;
-  for (int64_t i = 0; i < n; ++i) ss += partial[i];
-  const double norm = sqrt(ss);
-  float f = 1.f;
-  if (max_norm > 0) {
-    const double coef = max_norm / (norm + 1e-6);
-    if (coef < 1.0) f = float(coef);
-  }
-  *factor_dev = f;
-  *out_norm = norm;
-  *out_factor = f;
-}
-
 __global__ void scale_kernel(float* x, float s, int64_t n) {
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i < n) x[i] *= s;
 }
 
 // One AdamW update of one value. The gradient is read times gscale (the clipping factor,
-// applied here instead of in a pass of its own: the same product, so the same bits). With
-// gscale_at set, the factor is read from there on the device instead (clip_coef_kernel's, so
-// the host need not wait for the norm between the gradient sums and the update).
+// applied here instead of in a pass of its own: the same product, so the same bits).
 struct AdamWArgs {
   float decay, step, sbc2, b1, b2, eps, gscale;
-  const float* gscale_at;
 };
 __device__ __forceinline__ float adamw_one(float& w, float& m, float& v, float g, const AdamWArgs& a) {
   const float gj = a.gscale == 1.f ? g : g * a.gscale;
@@ -107,7 +84,6 @@ __host__ __device__ inline bool adamw_vectors(const float* w, const float* m, co
 // too (the bits cast_bf16 gives). Each value's arithmetic is the same either way.
 __global__ void adamw_kernel(float* w, float* m, float* v, const float* g, int64_t n, AdamWArgs a, __nv_bfloat16* wb) {
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (a.gscale_at) a.gscale = *a.gscale_at;
   const int64_t n4 = adamw_vectors(w, m, v, g, wb) ? n / 4 : 0;
   if (i < n4) {
     float4 W = reinterpret_cast<float4*>(w)[i], M = reinterpret_cast<float4*>(m)[i];

@@ -92,8 +92,9 @@ int main(int argc, char** argv) {
   app.add_option("--gpu-products", eng.products,
                  "auto | cublas | first | waves | timed (who picks each product's algorithm)")
       ->capture_default_str();
-  app.add_flag("--gpu-fresh-grads", eng.fresh_grads,
-               "each weight matrix's first gradient product of a step writes it (no memset of the whole gradient)");
+  app.add_flag("--gpu-fresh-grads,!--gpu-zeroed-grads", eng.fresh_grads,
+               "each weight matrix's first gradient product of a step writes it (no memset of the whole "
+               "gradient; the default); --gpu-zeroed-grads zeroes the whole gradient first");
   app.add_flag("--gpu-profile", eng.profile, "GPU time per phase");
   app.add_flag("--resident", resident,
                "features in device memory (as the PyTorch peer keeps them), copied device to device; the "

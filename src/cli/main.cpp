@@ -237,9 +237,10 @@ int main(int argc, char** argv) {
         ->capture_default_str()
         ->group(g);
     cmd_tr
-        ->add_flag("--gpu-fresh-grads", tr.gpu_engine.fresh_grads,
+        ->add_flag("--gpu-fresh-grads,!--gpu-zeroed-grads", tr.gpu_engine.fresh_grads,
                    "Each weight matrix's first gradient product of a step writes its gradient instead of adding "
-                   "to a zeroed one (no memset of the whole gradient)")
+                   "to a zeroed one (no memset of the whole gradient; the default); --gpu-zeroed-grads zeroes "
+                   "the whole gradient first")
         ->group(g);
     cmd_tr->add_flag("--gpu-profile", tr.gpu_engine.profile, "Log GPU time per phase at the end")->group(g);
   }

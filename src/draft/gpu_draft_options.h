@@ -72,12 +72,13 @@ struct GpuDraftOptions {
   // A run that starts the gradients anew zeroes only the tensors something other than a product
   // writes (norm weights, P-EAGLE's mask rows and embedding); each weight matrix's first
   // gradient product of the run writes its range (beta 0) instead of adding to zeros, and a
-  // matrix no product wrote is zeroed at the run's end (--gpu-fresh-grads). Saves the memset of
-  // the whole gradient (1.7 GB, ~0.5 ms a step for the 8B draft on an H100). The first product
-  // may take another cuBLAS kernel than the accumulating one, so the sums' order may differ
-  // from the default's; reruns and resumes with the option stay bit-identical. Opt-in: not yet
-  // run on a GPU (docs/train.md, "Next steps").
-  bool fresh_grads = false;
+  // matrix no product wrote is zeroed at the run's end (--gpu-fresh-grads, the default). Saves
+  // the memset of the whole gradient (1.7 GB, ~0.5 ms a step for the 8B draft on an H100:
+  // +1.2-1.3% tokens/s, bench/RESULTS.md). The first product may take another cuBLAS kernel than
+  // an accumulating one, so the sums' order may differ from --gpu-zeroed-grads' (false: the
+  // whole gradient zeroed, every product adding to it); reruns and resumes stay bit-identical
+  // either way.
+  bool fresh_grads = true;
 };
 
 // The products' algorithms through cuBLASLt (GpuDraftOptions::products): the shapes planned;

@@ -158,12 +158,13 @@ const std::string g_env_products = [] {
   const char* e = std::getenv("TALON_TEST_GPU_PRODUCTS");
   return std::string(e && *e ? e : "");
 }();
-// TALON_TEST_GPU_FRESH_GRADS=1 runs every test below with GpuDraftOptions::fresh_grads on.
+// TALON_TEST_GPU_FRESH_GRADS=0 runs every test below with GpuDraftOptions::fresh_grads off (the
+// whole gradient zeroed before a run that starts it anew).
 GpuDraftOptions g_eng = [] {
   GpuDraftOptions o;
   if (!g_env_products.empty()) o.products = g_env_products;
   const char* f = std::getenv("TALON_TEST_GPU_FRESH_GRADS");
-  o.fresh_grads = f && std::string(f) == "1";
+  if (f && *f) o.fresh_grads = std::string(f) != "0";
   return o;
 }();
 struct ScopedOpt {

@@ -272,24 +272,13 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(
 constexpr int kPad = 8;  // bf16 elements of padding per shared row of the verify kernel
 constexpr int kVerifyKeys = 64;  // keys per tile of the verify kernel
 
-// Dynamic shared memory of verify_attention_kernel<D, S, B>: S stages of K and V tiles.
+// Dynamic shared memory of verify_attention_kernel<D, S>: S stages of K and V tiles.
 __host__ __device__ constexpr size_t verify_smem_bytes(int D, int S) { return size_t(2) * S * kVerifyKeys * (D + kPad) * 2; }
 
-template <int D_, int S_, int B_ = 0>
+template <int D_, int S_>
 struct VerifyShape {
-  static constexpr int D = D_, S = S_, B = B_;
+  static constexpr int D = D_, S = S_;
 };
-
-// Blocks of the verify kernel an SM must hold at once (its __launch_bounds__ minimum): 0 leaves
-// registers to the compiler (183 a thread at D = 128: two blocks an SM), 3 caps them at 168
-// (a few bytes spilled) so that three blocks fit. TALON_CUDA_VERIFY_BLOCKS=3 takes the latter.
-int verify_min_blocks() {
-  static const int b = [] {
-    const char* e = std::getenv("TALON_CUDA_VERIFY_BLOCKS");
-    return e && std::string(e) == "3" ? 3 : 0;
-  }();
-  return b;
-}
 
 // Key-tile stages of the verify kernel: double buffering. Three stages measured the same
 // on the H200 (8B shape, 256 slots at 2048: 25.9 ms a step either way).
@@ -367,11 +356,11 @@ __device__ __forceinline__ void attend_key_blocks(float (&o)[D / 8][4], float (&
 // * a tile of at most 16 vectors (a lone row's query heads of one kv head, as in batched
 //   decoding, or a short chain): every warp takes all of them, against its own quarter of
 //   each key tile, and the four partial softmaxes merge at the end through shared memory.
-template <int D, int S, int B>
-__global__ void __launch_bounds__(kThreads, B)
-    verify_attention_kernel(float* part, const bf16* qkv, int64_t ld, const bf16* kc, const bf16* vc,
-                            const DecodeRow* rows, const uint64_t* masks, const AttentionTile* tiles, int nh, int nkv,
-                            CacheMap cache, int n_splits, int split_len, float scale_log2, bf16* out) {
+template <int D, int S>
+__global__ void __launch_bounds__(kThreads) verify_attention_kernel(
+    float* part, const bf16* qkv, int64_t ld, const bf16* kc, const bf16* vc, const DecodeRow* rows,
+    const uint64_t* masks, const AttentionTile* tiles, int nh, int nkv, CacheMap cache, int n_splits, int split_len,
+    float scale_log2, bf16* out) {
   allow_dependents();
   grid_dependency_wait();  // launched dependent (launch.cuh)
   constexpr int kM = kTileVectors, kKeys = kVerifyKeys, kWarps = kThreads / 32;
@@ -773,25 +762,22 @@ void decode_attention(bf16* out, float* part, const bf16* qkv, int64_t ld, const
     const dim3 tgrid(unsigned(work->n_tiles), unsigned(nkv), unsigned(n_splits));
     const float scale_log2 = float(1.0 / std::sqrt(double(hd)) * double(kLog2e));
     auto run = [&](auto tag) {
-      constexpr int D = decltype(tag)::D, S = decltype(tag)::S, B = decltype(tag)::B;
+      constexpr int D = decltype(tag)::D, S = decltype(tag)::S;
       constexpr size_t smem = verify_smem_bytes(D, S);
       // Above 48 KiB a kernel must opt in: once per instantiation (not a stream operation,
       // so graph capture is unaffected).
       static const bool opted = [] {
-        CUDA_CHECK(cudaFuncSetAttribute(verify_attention_kernel<D, S, B>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+        CUDA_CHECK(cudaFuncSetAttribute(verify_attention_kernel<D, S>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         int(smem)));
         return true;
       }();
       (void)opted;
-      launch_dependent(kDependAttention, verify_attention_kernel<D, S, B>, tgrid, dim3(kThreads), smem, s, part, qkv,
-                       ld, kc, vc, rows, masks, work->tiles, int(nh), int(nkv), cache, int(n_splits), int(split_len),
+      launch_dependent(kDependAttention, verify_attention_kernel<D, S>, tgrid, dim3(kThreads), smem, s, part, qkv, ld,
+                       kc, vc, rows, masks, work->tiles, int(nh), int(nkv), cache, int(n_splits), int(split_len),
                        scale_log2, direct ? out : nullptr);
     };
-    const bool three = verify_min_blocks() == 3;
-    if (hd == 64)
-      three ? run(VerifyShape<64, kVerifyStages, 3>{}) : run(VerifyShape<64, kVerifyStages>{});
-    else
-      three ? run(VerifyShape<128, kVerifyStages, 3>{}) : run(VerifyShape<128, kVerifyStages>{});
+    if (hd == 64) run(VerifyShape<64, kVerifyStages>{});
+    else run(VerifyShape<128, kVerifyStages>{});
   }
   if (counters || direct) return;
   launch_dependent(kDependCombine, decode_combine_kernel, dim3(unsigned(N * nh)), dim3(hd > 64 ? 128 : 64),

@@ -3,12 +3,12 @@
 # the setting, then talon_bench_decode without and with it, alternating ROUNDS times, and a
 # table of greedy ms a step per slot count. Both arms run the same binary on the same machine.
 #   source scripts/gpu_carried.sh
-#   ENV=TALON_CUDA_VERIFY_BLOCKS=3 [SHAPE=llama3-8b] [CONTEXT=512] [BATCHES=1,32,256] [ROUNDS=2] \
+#   ENV=TALON_CUDA_SETTING=value [SHAPE=llama3-8b] [CONTEXT=512] [BATCHES=1,32,256] [ROUNDS=2] \
 #     [TESTS='*CudaDecodeAttention*:*CudaDecode*'] bash bench/decode_ab_gpu.sh
 # TESTS=0 skips the tests. Logs go to $OUT/decode_ab (the device machine) or a temporary folder.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-ENV=${ENV:?ENV: the setting to compare, e.g. TALON_CUDA_VERIFY_BLOCKS=3}
+ENV=${ENV:?ENV: the setting to compare, e.g. TALON_CUDA_FUSE_ROWS=1}
 SHAPE=${SHAPE:-llama3-8b}
 CONTEXT=${CONTEXT:-512}
 BATCHES=${BATCHES:-1,32,256}

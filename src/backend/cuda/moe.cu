@@ -24,9 +24,9 @@
 // ring of weights per warp and of activation rows per block), which the H100 measured ahead of
 // the tiles from 1 to 16,384 tokens of a Kimi-K2 layer. Other decode-sized calls (a few rows an
 // expert, where the weight bytes decide): bf16 and other int4 experts take the CUDA-core
-// decode-sized kernel (skinny_grouped_kernel). Opt-in (TALON_CUDA_MOE_WGMMA, not yet measured):
-// int4 group-32 and FP8 128-block experts on Hopper's warpgroup MMA (wgmma_grouped_kernel) from
-// a number of routed slots on. grouped_gemm chooses.
+// decode-sized kernel (skinny_grouped_kernel). FP8 128-block experts at every size, and int4
+// group-32 ones from 12,288 routed slots, take Hopper's warpgroup MMA (wgmma_grouped_kernel;
+// TALON_CUDA_MOE_WGMMA=n moves that bound, kWgmmaDefaultMinSlots* below). grouped_gemm chooses.
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 

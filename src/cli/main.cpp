@@ -242,6 +242,11 @@ int main(int argc, char** argv) {
                    "to a zeroed one (no memset of the whole gradient; the default); --gpu-zeroed-grads zeroes "
                    "the whole gradient first")
         ->group(g);
+    cmd_tr
+        ->add_flag("--gpu-diag-registers", tr.gpu_engine.diag_rows_in_registers,
+                   "The diagonal keys' attention merge and backward with their rows in registers, loaded ahead "
+                   "(the same bits; opt-in until measured)")
+        ->group(g);
     cmd_tr->add_flag("--gpu-profile", tr.gpu_engine.profile, "Log GPU time per phase at the end")->group(g);
   }
   cmd_tr->add_option("--noise", tr.noise, "Uniform noise amplitude added to the aux hidden states")->capture_default_str();

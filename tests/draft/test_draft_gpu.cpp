@@ -402,6 +402,43 @@ TEST_P(GpuDraft, FusedDiagonalBackwardMatchesTheSeparateKernels) {
   check_against_cpu(cs, GpuMath::BF16, tol::kGpuTttBf16LossRel, tol::kGpuTttBf16GradRel, 311);
 }
 
+// The diagonal keys' merge with every step's rows in registers and their backward with the next
+// step's rows loaded ahead (GpuDraftOptions::diag_rows_in_registers) compute the same bits as
+// the kernels before: losses and every gradient, after the fused kernels' and cuDNN's causal
+// part, head sizes 32, 48 (lanes past the head) and 128, and 4, 7 and 11 steps (the merge holds
+// four steps' rows or eight; past eight, its later steps take the old kernel).
+TEST_P(GpuDraft, DiagonalRowsInRegistersKeepTheBits) {
+  REQUIRE_GPU();
+  std::vector<std::string> routes = {"flash"};
+  if (talon::cuda::cudnn_sdpa_available(nullptr)) routes.push_back("cudnn");
+  for (int hd : {32, 48, 128})
+    for (int K : {4, 7, 11})
+      for (const std::string& route : routes) {
+        SCOPED_TRACE(fmt::format("head_dim {}, {} steps, {}", hd, K, route));
+        Case cs(GetParam(), 83, {150, 64, 7, 90}, hd);
+        cs.c.ttt_steps = K;
+        ScopedOpt att([&](GpuDraftOptions& o) { o.attention = route; });
+        GpuRun regs{{}, DraftGrads(cs.w)}, before{{}, DraftGrads(cs.w)};
+        {
+          ScopedOpt on([](GpuDraftOptions& o) { o.diag_rows_in_registers = true; });
+          regs = run_once(cs, GpuMath::BF16, 311);
+        }
+        {
+          ScopedOpt off([](GpuDraftOptions& o) { o.diag_rows_in_registers = false; });
+          before = run_once(cs, GpuMath::BF16, 311);
+        }
+        ASSERT_EQ(regs.loss.size(), before.loss.size());
+        for (size_t i = 0; i < regs.loss.size(); ++i) EXPECT_EQ(regs.loss[i], before.loss[i]) << "sample " << i;
+        auto gr = regs.g.named(), gb = before.g.named();
+        for (size_t i = 0; i < gr.size(); ++i) {
+          double mx = 0;
+          for (double x : *gb[i].second) mx = std::max(mx, std::abs(x));
+          EXPECT_GT(mx, 0.0) << gb[i].first << ": no gradient to compare";
+          EXPECT_EQ(*gr[i].second, *gb[i].second) << gr[i].first;
+        }
+      }
+}
+
 // One product for gate|up (forward and backward) and one each for the q|k|v backward
 // (GpuDraftOptions::fused_products) against a product per weight matrix: both against the CPU
 // reference, against each other within the tolerance of two routes on the same bf16 operands

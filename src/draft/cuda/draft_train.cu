@@ -505,8 +505,8 @@ __global__ void diag_dkv_kernel(float* dK, float* dV, const float* dsd, const fl
 // order), dK^j += sum_h ds q_h and dV^j += sum_h p dO_h (heads in order). The same arithmetic,
 // in the same order, as diag_probs, diag_dp, diag_accumulate and diag_dkv one after another,
 // with q, dO, dq, k^j and v^j read once. P: head dims a lane (hd <= 32 P); G: heads a group at
-// most.
-template <int P, int G>
+// most; PF: the next step's rows loaded ahead.
+template <int P, int G, bool PF>
 __global__ void diag_backward_kernel(float* dq, float* dK, float* dV, const float* lse, const float* dO, const float* D,
                                      AttnArgs a) {
   const int64_t gw = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
@@ -530,15 +530,49 @@ __global__ void diag_backward_kernel(float* dq, float* dK, float* dV, const floa
     L[g] = g < grp ? lse[n * a.nh + h] : 0.f;
     Dv[g] = g < grp ? D[n * a.nh + h] : 0.f;
   }
-  for (int j = 1; j <= a.k; ++j) {
-    const int64_t at = j * a.step_stride + n * kvd + kh * a.hd;
-    float kv[P], vv[P], dk[P], dv[P];
+  // PF: step j + 1's key and value rows and its dK / dV rows are loaded while step j computes
+  // (each warp owns its dK / dV rows, so reading them early is safe); the same arithmetic.
+  float kn[P], vn[P], dkn[P], dvn[P];
+  if (PF) {
+    const int64_t at = a.step_stride + n * kvd + kh * a.hd;
 #pragma unroll
     for (int i = 0; i < P; ++i) {
       const int d = lane + 32 * i;
-      kv[i] = d < a.hd ? a.keys[at + d] : 0.f;
-      vv[i] = d < a.hd ? a.vals[at + d] : 0.f;
+      const bool in = d < a.hd;
+      kn[i] = in ? a.keys[at + d] : 0.f;
+      vn[i] = in ? a.vals[at + d] : 0.f;
+      dkn[i] = in ? dK[at + d] : 0.f;
+      dvn[i] = in ? dV[at + d] : 0.f;
+    }
+  }
+  for (int j = 1; j <= a.k; ++j) {
+    const int64_t at = j * a.step_stride + n * kvd + kh * a.hd;
+    float kv[P], vv[P], dk[P], dv[P], dko[P], dvo[P];
+#pragma unroll
+    for (int i = 0; i < P; ++i) {
+      const int d = lane + 32 * i;
+      if (PF) {
+        kv[i] = kn[i];
+        vv[i] = vn[i];
+        dko[i] = dkn[i];
+        dvo[i] = dvn[i];
+      } else {
+        kv[i] = d < a.hd ? a.keys[at + d] : 0.f;
+        vv[i] = d < a.hd ? a.vals[at + d] : 0.f;
+      }
       dk[i] = dv[i] = 0.f;
+    }
+    if (PF && j < a.k) {
+      const int64_t an = at + a.step_stride;
+#pragma unroll
+      for (int i = 0; i < P; ++i) {
+        const int d = lane + 32 * i;
+        const bool in = d < a.hd;
+        kn[i] = in ? a.keys[an + d] : 0.f;
+        vn[i] = in ? a.vals[an + d] : 0.f;
+        dkn[i] = in ? dK[an + d] : 0.f;
+        dvn[i] = in ? dV[an + d] : 0.f;
+      }
     }
 #pragma unroll
     for (int g = 0; g < G; ++g) {
@@ -563,8 +597,13 @@ __global__ void diag_backward_kernel(float* dq, float* dK, float* dV, const floa
     for (int i = 0; i < P; ++i) {
       const int d = lane + 32 * i;
       if (d < a.hd) {
-        dK[at + d] += dk[i];
-        dV[at + d] += dv[i];
+        if (PF) {
+          dK[at + d] = dko[i] + dk[i];
+          dV[at + d] = dvo[i] + dv[i];
+        } else {
+          dK[at + d] += dk[i];
+          dV[at + d] += dv[i];
+        }
       }
     }
   }
@@ -626,6 +665,79 @@ __global__ void diag_merge_kernel(const OC* oc, float* out, __nv_bfloat16* out_b
       out_b[n * qd + h * a.hd + d] = __float2bfloat16_rn(acc);
     else
       out[n * qd + h * a.hd + d] = acc;
+  }
+  if (lane == 0) lse[gw] = L;
+}
+
+// diag_merge_kernel with a lane's P head dims (hd <= 32 P) of q, of the causal output and of the
+// k <= KM diagonal keys' and values' rows in registers, all loaded before the first is used: one
+// round of loads in flight a warp instead of one a key (the merge is bound by memory latency).
+// The same arithmetic in the same order (dot products over i, then j; z, L, the output's sum
+// over j), so the same bits.
+template <int P, int KM, class OC>
+__global__ void diag_merge_regs_kernel(const OC* oc, float* out, __nv_bfloat16* out_b, float* lse, float* sd,
+                                       AttnArgs a, int K) {
+  const int64_t gw = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
+  const int lane = threadIdx.x & 31;
+  if (gw >= a.N * a.nh || a.k == 0) return;
+  const int64_t n = gw / a.nh;
+  const int h = int(gw % a.nh), kh = h / (a.nh / a.nkv), k = a.k;
+  const int64_t qd = int64_t(a.nh) * a.hd, kvd = int64_t(a.nkv) * a.hd;
+  const int64_t qat = n * qd + h * a.hd, kvat = n * kvd + kh * a.hd;
+  float qv[P], ocv[P], kv[KM][P], vv[KM][P];
+#pragma unroll
+  for (int i = 0; i < P; ++i) {
+    const int d = lane + 32 * i;
+    qv[i] = d < a.hd ? q_at(a, qat + d) : 0.f;
+    ocv[i] = d < a.hd ? load_f(oc + qat + d) : 0.f;
+  }
+#pragma unroll
+  for (int j = 0; j < KM; ++j)
+#pragma unroll
+    for (int i = 0; i < P; ++i) {
+      const int d = lane + 32 * i;
+      const bool in = j < k && d < a.hd;
+      const int64_t at = int64_t(j + 1) * a.step_stride + kvat + d;
+      kv[j][i] = in ? a.keys[at] : 0.f;
+      vv[j][i] = in ? a.vals[at] : 0.f;
+    }
+  const float lc = lse[gw];
+  float sc[KM], m = lc;
+#pragma unroll
+  for (int j = 0; j < KM; ++j) {
+    if (j >= k) break;  // the same for the whole warp
+    float t = 0;
+#pragma unroll
+    for (int i = 0; i < P; ++i)
+      if (lane + 32 * i < a.hd) t += qv[i] * kv[j][i];
+    sc[j] = warp_sum(t) * a.scale;
+    if (lane == 0) sd[gw * K + j + 1] = sc[j];
+    m = fmaxf(m, sc[j]);
+  }
+  float z = expf(lc - m);
+#pragma unroll
+  for (int j = 0; j < KM; ++j) {
+    if (j >= k) break;
+    z += expf(sc[j] - m);
+  }
+  const float L = m + logf(z), wc = expf(lc - L);
+  float e[KM];
+#pragma unroll
+  for (int j = 0; j < KM; ++j) e[j] = j < k ? expf(sc[j] - L) : 0.f;
+#pragma unroll
+  for (int i = 0; i < P; ++i) {
+    const int d = lane + 32 * i;
+    if (d >= a.hd) break;
+    float acc = wc * ocv[i];
+#pragma unroll
+    for (int j = 0; j < KM; ++j) {
+      if (j >= k) break;
+      acc += e[j] * vv[j][i];
+    }
+    if (out_b)
+      out_b[qat + d] = __float2bfloat16_rn(acc);
+    else
+      out[qat + d] = acc;
   }
   if (lane == 0) lse[gw] = L;
 }
@@ -1033,6 +1145,7 @@ struct DraftEngine::Impl {
   // rows into them, cinv10_d step 1's gradient back.
   bool row_cut = false;
   bool fused_diag = true;  // GpuDraftOptions::fused_diag_backward
+  bool diag_regs = true;   // GpuDraftOptions::diag_rows_in_registers
   RowCut rc;
   int64_t N1 = 0, N0 = 0;  // kept rows (N without a cut); step 0's rows after its attention
   int64_t Nr = 0;  // rows of the part of the step being run (N; N1 after step 0; N0 after step 0's attention)
@@ -1613,6 +1726,27 @@ struct DraftEngine::Impl {
                         seq_start_d, tiles_d, n_tiles, N, int(d.nh), int(d.nkv), int(d.hd),
                         float(1.0 / std::sqrt(double(d.hd)))};
   }
+  // The diagonal keys of step a.k folded into the causal part (diag_merge_kernel): with the rows in
+  // registers where the head size (up to 128) and the step (up to 8) allow, unless diag_regs is
+  // off (GpuDraftOptions::diag_rows_in_registers).
+  template <class OC>
+  void diag_merge(const OC* oc, float* out, __nv_bfloat16* out_b, float* out_lse, const AttnArgs& a) {
+    const unsigned wb = nblocks(N * d.nh * 32, 256);
+    const int K = int(d.K);
+    const bool regs = diag_regs && a.k <= 8 && d.hd <= 128;
+    // (registers for 4 steps' rows where that is enough, so more warps fit an SM)
+    if (regs && a.k <= 4 && d.hd <= 64)
+      diag_merge_regs_kernel<2, 4><<<wb, 256, 0, s>>>(oc, out, out_b, out_lse, sd, a, K);
+    else if (regs && a.k <= 4)
+      diag_merge_regs_kernel<4, 4><<<wb, 256, 0, s>>>(oc, out, out_b, out_lse, sd, a, K);
+    else if (regs && d.hd <= 64)
+      diag_merge_regs_kernel<2, 8><<<wb, 256, 0, s>>>(oc, out, out_b, out_lse, sd, a, K);
+    else if (regs)
+      diag_merge_regs_kernel<4, 8><<<wb, 256, 0, s>>>(oc, out, out_b, out_lse, sd, a, K);
+    else
+      diag_merge_kernel<<<wb, 256, 0, s>>>(oc, out, out_b, out_lse, sd, a, K);
+    CUDA_LAUNCH_CHECK();
+  }
   void attention_forward(int k, float* out_att, float* out_lse) {
     const AttnArgs a = attn_args(k);
     const int64_t grp = d.nh / d.nkv, K = d.K;
@@ -1625,8 +1759,7 @@ struct DraftEngine::Impl {
       const TttFlashArgs fa = flash_args(k, nullptr);
       cudnn->forward(ob, out_lse, fa.q, fa.k0, fa.v0);
       if (k > 0) {
-        diag_merge_kernel<<<wb, 256, 0, s>>>(ob, out_att, ob, out_lse, sd, a, int(K));
-        CUDA_LAUNCH_CHECK();
+        diag_merge(ob, out_att, ob, out_lse, a);
       }
       return;
     }
@@ -1637,8 +1770,7 @@ struct DraftEngine::Impl {
       __nv_bfloat16* ob = qa_bf16 ? bf16_in(out_att) : nullptr;
       ttt_flash_forward(oc, out_lse, flash_args(k, nullptr), s);
       if (k > 0) {
-        diag_merge_kernel<<<wb, 256, 0, s>>>(oc, out_att, ob, out_lse, sd, a, int(K));
-        CUDA_LAUNCH_CHECK();
+        diag_merge(oc, out_att, ob, out_lse, a);
       } else if (ob) {
         cast_bf16(ob, oc, N * qd, s);
       }
@@ -1706,14 +1838,25 @@ struct DraftEngine::Impl {
     const int64_t grp = d.nh / d.nkv;
     const unsigned wb = nblocks(N * d.nkv * 32, 256);
     const float* lk = lse[size_t(k)];
-    if (d.hd <= 64 && grp <= 4)
-      diag_backward_kernel<2, 4><<<wb, 256, 0, s>>>(dq, dK, dV, lk, datt, D, a);
-    else if (d.hd <= 128 && grp <= 4)
-      diag_backward_kernel<4, 4><<<wb, 256, 0, s>>>(dq, dK, dV, lk, datt, D, a);
-    else if (d.hd <= 128 && grp <= 8)
-      diag_backward_kernel<4, 8><<<wb, 256, 0, s>>>(dq, dK, dV, lk, datt, D, a);
-    else
-      return false;
+    if (diag_regs) {
+      if (d.hd <= 64 && grp <= 4)
+        diag_backward_kernel<2, 4, true><<<wb, 256, 0, s>>>(dq, dK, dV, lk, datt, D, a);
+      else if (d.hd <= 128 && grp <= 4)
+        diag_backward_kernel<4, 4, true><<<wb, 256, 0, s>>>(dq, dK, dV, lk, datt, D, a);
+      else if (d.hd <= 128 && grp <= 8)
+        diag_backward_kernel<4, 8, true><<<wb, 256, 0, s>>>(dq, dK, dV, lk, datt, D, a);
+      else
+        return false;
+    } else {
+      if (d.hd <= 64 && grp <= 4)
+        diag_backward_kernel<2, 4, false><<<wb, 256, 0, s>>>(dq, dK, dV, lk, datt, D, a);
+      else if (d.hd <= 128 && grp <= 4)
+        diag_backward_kernel<4, 4, false><<<wb, 256, 0, s>>>(dq, dK, dV, lk, datt, D, a);
+      else if (d.hd <= 128 && grp <= 8)
+        diag_backward_kernel<4, 8, false><<<wb, 256, 0, s>>>(dq, dK, dV, lk, datt, D, a);
+      else
+        return false;
+    }
     CUDA_LAUNCH_CHECK();
     return true;
   }
@@ -2096,6 +2239,7 @@ DraftEngine::DraftEngine(int device, const DraftDims& dd, DraftMath math, const 
   }
   I.row_cut = opt.row_cut;
   I.fused_diag = opt.fused_diag_backward;
+  I.diag_regs = opt.diag_rows_in_registers;
   if (I.row_cut && K > 1) {
     I.crow_d = I.alloc<int32_t>(size_t(R));
     I.cinv_d = I.alloc<int32_t>(size_t(R));

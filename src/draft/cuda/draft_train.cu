@@ -702,7 +702,7 @@ __global__ void diag_merge_regs_kernel(const OC* oc, float* out, __nv_bfloat16* 
       vv[j][i] = in ? a.vals[at] : 0.f;
     }
   const float lc = lse[gw];
-  float sc[KM], m = lc;
+  float sc[KM] = {}, m = lc;
 #pragma unroll
   for (int j = 0; j < KM; ++j) {
     if (j >= k) break;  // the same for the whole warp
@@ -1145,7 +1145,7 @@ struct DraftEngine::Impl {
   // rows into them, cinv10_d step 1's gradient back.
   bool row_cut = false;
   bool fused_diag = true;  // GpuDraftOptions::fused_diag_backward
-  bool diag_regs = true;   // GpuDraftOptions::diag_rows_in_registers
+  bool diag_regs = false;  // GpuDraftOptions::diag_rows_in_registers
   RowCut rc;
   int64_t N1 = 0, N0 = 0;  // kept rows (N without a cut); step 0's rows after its attention
   int64_t Nr = 0;  // rows of the part of the step being run (N; N1 after step 0; N0 after step 0's attention)

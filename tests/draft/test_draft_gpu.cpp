@@ -302,6 +302,14 @@ GpuRun run_once(Case& cs, GpuMath math, int64_t max_rows) {
   return r;
 }
 
+// Two runs that must compute the same bits: every sample's loss and every gradient equal.
+void expect_same_bits(GpuRun& a, GpuRun& b) {
+  ASSERT_EQ(a.loss.size(), b.loss.size());
+  for (size_t i = 0; i < a.loss.size(); ++i) EXPECT_EQ(a.loss[i], b.loss[i]) << "sample " << i;
+  auto ga = a.g.named(), gb = b.g.named();
+  for (size_t i = 0; i < ga.size(); ++i) EXPECT_EQ(*ga[i].second, *gb[i].second) << ga[i].first;
+}
+
 // Two runs of one route (a, b) give the same bits (resume depends on it), and their losses and
 // gradients are within kGpuTttFusedVsBlocksRel of another route's on the same bf16 operands.
 void expect_repeatable_and_near(GpuRun& a, GpuRun& b, GpuRun& other) {
@@ -392,10 +400,7 @@ TEST_P(GpuDraft, FusedDiagonalBackwardMatchesTheSeparateKernels) {
         ScopedOpt off([](GpuDraftOptions& o) { o.fused_diag_backward = false; });
         apart = run_once(cs, GpuMath::BF16, 311);
       }
-      ASSERT_EQ(fused.loss.size(), apart.loss.size());
-      for (size_t i = 0; i < fused.loss.size(); ++i) EXPECT_EQ(fused.loss[i], apart.loss[i]) << "sample " << i;
-      auto gf = fused.g.named(), ga = apart.g.named();
-      for (size_t i = 0; i < gf.size(); ++i) EXPECT_EQ(*gf[i].second, *ga[i].second) << gf[i].first;
+      expect_same_bits(fused, apart);
     }
   Case cs(GetParam(), 80, {150, 64, 7, 90}, 64);
   ScopedOpt att([](GpuDraftOptions& o) { o.attention = "blocks"; });
@@ -427,14 +432,11 @@ TEST_P(GpuDraft, DiagonalRowsInRegistersKeepTheBits) {
           ScopedOpt off([](GpuDraftOptions& o) { o.diag_rows_in_registers = false; });
           before = run_once(cs, GpuMath::BF16, 311);
         }
-        ASSERT_EQ(regs.loss.size(), before.loss.size());
-        for (size_t i = 0; i < regs.loss.size(); ++i) EXPECT_EQ(regs.loss[i], before.loss[i]) << "sample " << i;
-        auto gr = regs.g.named(), gb = before.g.named();
-        for (size_t i = 0; i < gr.size(); ++i) {
+        expect_same_bits(regs, before);
+        for (auto& [name, g] : before.g.named()) {
           double mx = 0;
-          for (double x : *gb[i].second) mx = std::max(mx, std::abs(x));
-          EXPECT_GT(mx, 0.0) << gb[i].first << ": no gradient to compare";
-          EXPECT_EQ(*gr[i].second, *gb[i].second) << gr[i].first;
+          for (double x : *g) mx = std::max(mx, std::abs(x));
+          EXPECT_GT(mx, 0.0) << name << ": no gradient to compare";
         }
       }
 }

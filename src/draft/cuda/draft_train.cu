@@ -499,6 +499,22 @@ __global__ void diag_dkv_kernel(float* dK, float* dV, const float* dsd, const fl
     }
 }
 
+// One step's key, value, dK and dV rows at `at` (a lane's P head dims; 0 past the head), for
+// diag_backward_kernel's loads ahead.
+template <int P>
+__device__ __forceinline__ void diag_step_rows(const AttnArgs& a, const float* dK, const float* dV, int64_t at,
+                                               int lane, float* k, float* v, float* dk, float* dv) {
+#pragma unroll
+  for (int i = 0; i < P; ++i) {
+    const int d = lane + 32 * i;
+    const bool in = d < a.hd;
+    k[i] = in ? a.keys[at + d] : 0.f;
+    v[i] = in ? a.vals[at + d] : 0.f;
+    dk[i] = in ? dK[at + d] : 0.f;
+    dv[i] = in ? dV[at + d] : 0.f;
+  }
+}
+
 // The diagonal keys' backward of step k in one pass, one warp per (row, kv head): for each
 // j = 1..k and head h of the group, p = exp(scale q_h . k^j - lse_h) (the merged row's
 // probability of key j), dp = dO_h . v^j, ds = p (dp - D_h) scale; then dq_h += ds k^j (j in
@@ -533,18 +549,7 @@ __global__ void diag_backward_kernel(float* dq, float* dK, float* dV, const floa
   // PF: step j + 1's key and value rows and its dK / dV rows are loaded while step j computes
   // (each warp owns its dK / dV rows, so reading them early is safe); the same arithmetic.
   float kn[P], vn[P], dkn[P], dvn[P];
-  if (PF) {
-    const int64_t at = a.step_stride + n * kvd + kh * a.hd;
-#pragma unroll
-    for (int i = 0; i < P; ++i) {
-      const int d = lane + 32 * i;
-      const bool in = d < a.hd;
-      kn[i] = in ? a.keys[at + d] : 0.f;
-      vn[i] = in ? a.vals[at + d] : 0.f;
-      dkn[i] = in ? dK[at + d] : 0.f;
-      dvn[i] = in ? dV[at + d] : 0.f;
-    }
-  }
+  if (PF) diag_step_rows<P>(a, dK, dV, a.step_stride + n * kvd + kh * a.hd, lane, kn, vn, dkn, dvn);
   for (int j = 1; j <= a.k; ++j) {
     const int64_t at = j * a.step_stride + n * kvd + kh * a.hd;
     float kv[P], vv[P], dk[P], dv[P], dko[P], dvo[P];
@@ -562,18 +567,7 @@ __global__ void diag_backward_kernel(float* dq, float* dK, float* dV, const floa
       }
       dk[i] = dv[i] = 0.f;
     }
-    if (PF && j < a.k) {
-      const int64_t an = at + a.step_stride;
-#pragma unroll
-      for (int i = 0; i < P; ++i) {
-        const int d = lane + 32 * i;
-        const bool in = d < a.hd;
-        kn[i] = in ? a.keys[an + d] : 0.f;
-        vn[i] = in ? a.vals[an + d] : 0.f;
-        dkn[i] = in ? dK[an + d] : 0.f;
-        dvn[i] = in ? dV[an + d] : 0.f;
-      }
-    }
+    if (PF && j < a.k) diag_step_rows<P>(a, dK, dV, at + a.step_stride, lane, kn, vn, dkn, dvn);
 #pragma unroll
     for (int g = 0; g < G; ++g) {
       if (g >= grp) break;  // the same for the whole warp
@@ -1835,28 +1829,22 @@ struct DraftEngine::Impl {
   // group allow; false: the caller runs the separate kernels.
   bool diag_backward(int k, const AttnArgs& a) {
     if (!fused_diag) return false;
+    return diag_regs ? diag_backward_as<true>(k, a) : diag_backward_as<false>(k, a);
+  }
+  // PF: GpuDraftOptions::diag_rows_in_registers (the next step's rows loaded ahead).
+  template <bool PF>
+  bool diag_backward_as(int k, const AttnArgs& a) {
     const int64_t grp = d.nh / d.nkv;
     const unsigned wb = nblocks(N * d.nkv * 32, 256);
     const float* lk = lse[size_t(k)];
-    if (diag_regs) {
-      if (d.hd <= 64 && grp <= 4)
-        diag_backward_kernel<2, 4, true><<<wb, 256, 0, s>>>(dq, dK, dV, lk, datt, D, a);
-      else if (d.hd <= 128 && grp <= 4)
-        diag_backward_kernel<4, 4, true><<<wb, 256, 0, s>>>(dq, dK, dV, lk, datt, D, a);
-      else if (d.hd <= 128 && grp <= 8)
-        diag_backward_kernel<4, 8, true><<<wb, 256, 0, s>>>(dq, dK, dV, lk, datt, D, a);
-      else
-        return false;
-    } else {
-      if (d.hd <= 64 && grp <= 4)
-        diag_backward_kernel<2, 4, false><<<wb, 256, 0, s>>>(dq, dK, dV, lk, datt, D, a);
-      else if (d.hd <= 128 && grp <= 4)
-        diag_backward_kernel<4, 4, false><<<wb, 256, 0, s>>>(dq, dK, dV, lk, datt, D, a);
-      else if (d.hd <= 128 && grp <= 8)
-        diag_backward_kernel<4, 8, false><<<wb, 256, 0, s>>>(dq, dK, dV, lk, datt, D, a);
-      else
-        return false;
-    }
+    if (d.hd <= 64 && grp <= 4)
+      diag_backward_kernel<2, 4, PF><<<wb, 256, 0, s>>>(dq, dK, dV, lk, datt, D, a);
+    else if (d.hd <= 128 && grp <= 4)
+      diag_backward_kernel<4, 4, PF><<<wb, 256, 0, s>>>(dq, dK, dV, lk, datt, D, a);
+    else if (d.hd <= 128 && grp <= 8)
+      diag_backward_kernel<4, 8, PF><<<wb, 256, 0, s>>>(dq, dK, dV, lk, datt, D, a);
+    else
+      return false;
     CUDA_LAUNCH_CHECK();
     return true;
   }

@@ -348,6 +348,11 @@ __global__ void attn_dkv_kernel(float* dK, float* dV, const float* dO, const flo
 // step-0 keys, T x T); the diagonal keys of steps 1..k are K extra scores per (row, head)
 // in sd[(n*nh + h)*K + j]. P V, dP = dO V^T, dQ = dS K, dK += dS^T Q and dV += P^T dO are
 // cuBLAS products too; masking, softmax and the diagonal terms are the kernels below.
+//
+// The diagonal kernels write their multiply-adds out (__fmaf_rn, __fmul_rn): two kernels that
+// do the same arithmetic in the same order then give the same bits, where the compiler's own
+// contraction of a*b + c*d may fuse either product (it differed between the unrolled
+// diag_merge_regs_kernel and diag_merge_kernel).
 
 // scale * q_{n,h} . k^j_{n,kh}: the score of row n's diagonal key of step j, for head h;
 // called by the whole warp, every lane gets it.
@@ -356,7 +361,7 @@ __device__ __forceinline__ float diag_score(const AttnArgs& a, int64_t n, int h,
   const int64_t qd = int64_t(a.nh) * a.hd, kvd = int64_t(a.nkv) * a.hd;
   const float* kp = a.keys + j * a.step_stride + n * kvd + kh * a.hd;
   float s = 0;
-  for (int d = lane; d < a.hd; d += 32) s += q_at(a, n * qd + h * a.hd + d) * kp[d];
+  for (int d = lane; d < a.hd; d += 32) s = __fmaf_rn(q_at(a, n * qd + h * a.hd + d), kp[d], s);
   return warp_sum(s) * a.scale;
 }
 
@@ -434,7 +439,8 @@ __global__ void diag_accumulate_kernel(float* out, const float* pd, AttnArgs a, 
   const float* src = use_keys ? a.keys : a.vals;
   for (int d = lane; d < a.hd; d += 32) {
     float acc = out[n * qd + h * a.hd + d];
-    for (int j = 1; j <= a.k; ++j) acc += pd[gw * K + j] * src[j * a.step_stride + n * kvd + kh * a.hd + d];
+    for (int j = 1; j <= a.k; ++j)
+      acc = __fmaf_rn(pd[gw * K + j], src[j * a.step_stride + n * kvd + kh * a.hd + d], acc);
     out[n * qd + h * a.hd + d] = acc;
   }
 }
@@ -451,7 +457,7 @@ __global__ void diag_dp_kernel(float* dsd, const float* pd, const float* dO, con
   for (int j = 1; j <= a.k; ++j) {
     const float* vp = a.vals + j * a.step_stride + n * kvd + kh * a.hd;
     float s = 0;
-    for (int d = lane; d < a.hd; d += 32) s += dO[n * qd + h * a.hd + d] * vp[d];
+    for (int d = lane; d < a.hd; d += 32) s = __fmaf_rn(dO[n * qd + h * a.hd + d], vp[d], s);
     s = warp_sum(s);
     if (lane == 0) dsd[gw * K + j] = pd[gw * K + j] * (s - D[gw]) * a.scale;
   }
@@ -491,8 +497,8 @@ __global__ void diag_dkv_kernel(float* dK, float* dV, const float* dsd, const fl
       float dk = 0, dv = 0;
       for (int h = kh * grp; h < (kh + 1) * grp; ++h) {
         const int64_t w = (n * a.nh + h) * K + j;
-        dk += dsd[w] * q_at(a, n * qd + h * a.hd + d);
-        dv += pd[w] * dO[n * qd + h * a.hd + d];
+        dk = __fmaf_rn(dsd[w], q_at(a, n * qd + h * a.hd + d), dk);
+        dv = __fmaf_rn(pd[w], dO[n * qd + h * a.hd + d], dv);
       }
       dK[j * a.step_stride + n * kvd + kh * a.hd + d] += dk;
       dV[j * a.step_stride + n * kvd + kh * a.hd + d] += dv;
@@ -574,17 +580,17 @@ __global__ void diag_backward_kernel(float* dq, float* dK, float* dV, const floa
       float sc = 0.f, dp = 0.f;
 #pragma unroll
       for (int i = 0; i < P; ++i) {
-        sc += qv[g][i] * kv[i];
-        dp += ov[g][i] * vv[i];
+        sc = __fmaf_rn(qv[g][i], kv[i], sc);
+        dp = __fmaf_rn(ov[g][i], vv[i], dp);
       }
       sc = warp_sum(sc) * a.scale;
       dp = warp_sum(dp);
       const float p = expf(sc - L[g]), ds = p * (dp - Dv[g]) * a.scale;
 #pragma unroll
       for (int i = 0; i < P; ++i) {
-        acc[g][i] += ds * kv[i];
-        dk[i] += ds * qv[g][i];
-        dv[i] += p * ov[g][i];
+        acc[g][i] = __fmaf_rn(ds, kv[i], acc[g][i]);
+        dk[i] = __fmaf_rn(ds, qv[g][i], dk[i]);
+        dv[i] = __fmaf_rn(p, ov[g][i], dv[i]);
       }
     }
 #pragma unroll
@@ -652,9 +658,9 @@ __global__ void diag_merge_kernel(const OC* oc, float* out, __nv_bfloat16* out_b
   for (int j = 1; j <= a.k; ++j) z += expf(sd[gw * K + j] - m);
   const float L = m + logf(z), wc = expf(lc - L);
   for (int d = lane; d < a.hd; d += 32) {
-    float acc = wc * load_f(oc + n * qd + h * a.hd + d);
+    float acc = __fmul_rn(wc, load_f(oc + n * qd + h * a.hd + d));
     for (int j = 1; j <= a.k; ++j)
-      acc += expf(sd[gw * K + j] - L) * a.vals[j * a.step_stride + n * kvd + kh * a.hd + d];
+      acc = __fmaf_rn(expf(sd[gw * K + j] - L), a.vals[j * a.step_stride + n * kvd + kh * a.hd + d], acc);
     if (out_b)
       out_b[n * qd + h * a.hd + d] = __float2bfloat16_rn(acc);
     else
@@ -703,7 +709,7 @@ __global__ void diag_merge_regs_kernel(const OC* oc, float* out, __nv_bfloat16* 
     float t = 0;
 #pragma unroll
     for (int i = 0; i < P; ++i)
-      if (lane + 32 * i < a.hd) t += qv[i] * kv[j][i];
+      if (lane + 32 * i < a.hd) t = __fmaf_rn(qv[i], kv[j][i], t);
     sc[j] = warp_sum(t) * a.scale;
     if (lane == 0) sd[gw * K + j + 1] = sc[j];
     m = fmaxf(m, sc[j]);
@@ -722,11 +728,11 @@ __global__ void diag_merge_regs_kernel(const OC* oc, float* out, __nv_bfloat16* 
   for (int i = 0; i < P; ++i) {
     const int d = lane + 32 * i;
     if (d >= a.hd) break;
-    float acc = wc * ocv[i];
+    float acc = __fmul_rn(wc, ocv[i]);
 #pragma unroll
     for (int j = 0; j < KM; ++j) {
       if (j >= k) break;
-      acc += e[j] * vv[j][i];
+      acc = __fmaf_rn(e[j], vv[j][i], acc);
     }
     if (out_b)
       out_b[qat + d] = __float2bfloat16_rn(acc);

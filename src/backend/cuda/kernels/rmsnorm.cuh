@@ -8,6 +8,8 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstdlib>
+#include <string>
 #include <type_traits>
 
 #include "backend/cuda/kernels/convert.cuh"
@@ -53,7 +55,7 @@ __global__ void rmsnorm_forward_kernel(Y* y, NormRows ry, X* x, NormRows rx, con
   for (int64_t c = lane; c < C; c += step) store_as(yr + c, load_f(xr + c) * k * load_f(w + c));
 }
 
-// The backward of y = rmsnorm(x) * w (fp32), kNormBackRows rows a block:
+// The backward of y = rmsnorm(x) * w (fp32), G rows a block (kNormBackRows, or norm_back_rows()):
 //   dx[r, :] = res[r, :] + k*w*dy - x*k^3/C*sum(w*dy*x)   (res may be null, or dx itself; dx may
 //   be null), and the weight gradient's part of the block's rows, wpart[block, :] = the sum over
 //   those rows, in order, of dy*x*k (fp64). One pass writes dx and a small [groups, C] part
@@ -61,6 +63,16 @@ __global__ void rmsnorm_forward_kernel(Y* y, NormRows ry, X* x, NormRows rx, con
 //   once (one block-wide reduction for the group, many loads in flight); then each thread walks
 //   its columns through the group's rows, the weight part of a column in a register.
 constexpr int kNormBackRows = 8;
+// TALON_CUDA_NORM_BACK_ROWS=4: four rows a block instead (twice the blocks, for calls whose
+// blocks at eight rows fill the SMs unevenly; twice the weight parts). The scratch is sized for it.
+constexpr int kNormBackRowsMin = 4;
+inline int norm_back_rows() {
+  static const int g = [] {
+    const char* e = std::getenv("TALON_CUDA_NORM_BACK_ROWS");
+    return e && std::string(e) == "4" ? 4 : kNormBackRows;
+  }();
+  return g;
+}
 
 // V consecutive fp32 values of a row, loaded and stored at once (V = 4: float4, when every row
 // start is 16-byte aligned).
@@ -77,11 +89,10 @@ __device__ __forceinline__ void set_lane(NormVec<V>& v, int i, float f) {
   else v = f;
 }
 
-template <int V>
+template <int V, int G>
 __global__ void rmsnorm_backward_kernel(float* dx, int64_t lddx, const float* res, double* wpart, const float* dy,
                                         int64_t lddy, const float* x, int64_t ldx, const float* w, int64_t rows,
                                         int64_t C, float eps) {
-  constexpr int G = kNormBackRows;
   using Vec = NormVec<V>;
   __shared__ float part[2 * G][32];
   __shared__ float tot[2 * G];
@@ -168,7 +179,7 @@ void rmsnorm_forward(Y* y, NormRows ry, X* x, NormRows rx, const A* add, const W
 }
 
 // The groups of rows the backward's weight parts cover: wpart holds this many rows of C doubles.
-inline int64_t rmsnorm_backward_groups(int64_t rows) { return (rows + kNormBackRows - 1) / kNormBackRows; }
+inline int64_t rmsnorm_backward_groups(int64_t rows) { return (rows + kNormBackRowsMin - 1) / kNormBackRowsMin; }
 
 // dx (ld lddx; res, when given, has the same layout and may be dx) and dw += the weight
 // gradient; wpart: scratch of rmsnorm_backward_groups(rows) x C doubles.
@@ -176,16 +187,20 @@ inline void rmsnorm_backward(float* dx, int64_t lddx, const float* res, float* d
                              int64_t lddy, const float* x, int64_t ldx, const float* w, int64_t rows, int64_t C,
                              float eps, cudaStream_t s) {
   if (rows <= 0) return;
-  const int64_t groups = rmsnorm_backward_groups(rows);
+  const int G = norm_back_rows();
+  const int64_t groups = (rows + G - 1) / G;
   // float4 lanes where every row start and the width allow them (the trainer's [rows, 4096])
   auto aligned = [](const void* p, int64_t ld) { return p == nullptr || (uintptr_t(p) % 16 == 0 && ld % 4 == 0); };
   const unsigned threads = C <= 128 ? 128 : 256;
-  if (C % 4 == 0 && aligned(dx, lddx) && aligned(res, lddx) && aligned(dy, lddy) && aligned(x, ldx) && aligned(w, 0))
-    rmsnorm_backward_kernel<4><<<unsigned(groups), threads, 0, s>>>(dx, lddx, res, wpart, dy, lddy, x, ldx, w, rows, C,
-                                                                    eps);
+  auto launch = [&](auto kern) {
+    kern<<<unsigned(groups), threads, 0, s>>>(dx, lddx, res, wpart, dy, lddy, x, ldx, w, rows, C, eps);
+  };
+  const bool v4 =
+      C % 4 == 0 && aligned(dx, lddx) && aligned(res, lddx) && aligned(dy, lddy) && aligned(x, ldx) && aligned(w, 0);
+  if (G == 4)
+    v4 ? launch(rmsnorm_backward_kernel<4, 4>) : launch(rmsnorm_backward_kernel<1, 4>);
   else
-    rmsnorm_backward_kernel<1><<<unsigned(groups), threads, 0, s>>>(dx, lddx, res, wpart, dy, lddy, x, ldx, w, rows, C,
-                                                                    eps);
+    v4 ? launch(rmsnorm_backward_kernel<4, kNormBackRows>) : launch(rmsnorm_backward_kernel<1, kNormBackRows>);
   colsum_kernel<<<unsigned((C + 31) / 32), dim3(32, 8), 0, s>>>(dw, wpart, groups, C);  // the parts, in order
 }
 

@@ -62,14 +62,16 @@ __global__ void rmsnorm_forward_kernel(Y* y, NormRows ry, X* x, NormRows rx, con
 //   instead of a per-row weight matrix summed afterwards. The rows' sums come first, all at
 //   once (one block-wide reduction for the group, many loads in flight); then each thread walks
 //   its columns through the group's rows, the weight part of a column in a register.
-constexpr int kNormBackRows = 8;
-// TALON_CUDA_NORM_BACK_ROWS=4: four rows a block instead (twice the blocks, for calls whose
-// blocks at eight rows fill the SMs unevenly; twice the weight parts). The scratch is sized for it.
-constexpr int kNormBackRowsMin = 4;
+// Four rows a block: the trainer's ~1400-row calls then spread ~350 blocks over the SMs instead
+// of ~175 (some SMs two, most one), at twice the weight parts: 50.4 against 60.7 us a call in
+// the 8B draft's traced step (one H100). TALON_CUDA_NORM_BACK_ROWS=8: eight rows a block, as
+// before. The scratch (rmsnorm_backward_groups) is sized for four.
+constexpr int kNormBackRows = 4;
+constexpr int kNormBackRowsMax = 8;
 inline int norm_back_rows() {
   static const int g = [] {
     const char* e = std::getenv("TALON_CUDA_NORM_BACK_ROWS");
-    return e && std::string(e) == "4" ? 4 : kNormBackRows;
+    return e && std::string(e) == "8" ? kNormBackRowsMax : kNormBackRows;
   }();
   return g;
 }
@@ -179,7 +181,7 @@ void rmsnorm_forward(Y* y, NormRows ry, X* x, NormRows rx, const A* add, const W
 }
 
 // The groups of rows the backward's weight parts cover: wpart holds this many rows of C doubles.
-inline int64_t rmsnorm_backward_groups(int64_t rows) { return (rows + kNormBackRowsMin - 1) / kNormBackRowsMin; }
+inline int64_t rmsnorm_backward_groups(int64_t rows) { return (rows + kNormBackRows - 1) / kNormBackRows; }
 
 // dx (ld lddx; res, when given, has the same layout and may be dx) and dw += the weight
 // gradient; wpart: scratch of rmsnorm_backward_groups(rows) x C doubles.
@@ -197,10 +199,10 @@ inline void rmsnorm_backward(float* dx, int64_t lddx, const float* res, float* d
   };
   const bool v4 =
       C % 4 == 0 && aligned(dx, lddx) && aligned(res, lddx) && aligned(dy, lddy) && aligned(x, ldx) && aligned(w, 0);
-  if (G == 4)
-    v4 ? launch(rmsnorm_backward_kernel<4, 4>) : launch(rmsnorm_backward_kernel<1, 4>);
-  else
+  if (G == kNormBackRows)
     v4 ? launch(rmsnorm_backward_kernel<4, kNormBackRows>) : launch(rmsnorm_backward_kernel<1, kNormBackRows>);
+  else
+    v4 ? launch(rmsnorm_backward_kernel<4, kNormBackRowsMax>) : launch(rmsnorm_backward_kernel<1, kNormBackRowsMax>);
   colsum_kernel<<<unsigned((C + 31) / 32), dim3(32, 8), 0, s>>>(dw, wpart, groups, C);  // the parts, in order
 }
 

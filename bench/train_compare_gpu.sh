@@ -4,7 +4,7 @@
 # then the VARIANT run) and the PyTorch peer (bench/train_peer.py, which first checks itself
 # against the oracle), then a table of tokens/s, memory and ratios. Every log is kept under
 # $LOGS (default: $OUT/train_compare on the device machine, else a temporary folder).
-#   bash scripts/gpu_build.sh && [LOSS_SHARE=f] [VARIANT=staged|resident|cudnn|flash|device|allrows|fused|zeroed|diagregs|cublas|base|none] \
+#   bash scripts/gpu_build.sh && [LOSS_SHARE=f] [VARIANT=staged|resident|cudnn|flash|device|allrows|fused|zeroed|loaddiag|cublas|base|none] \
 #     bash bench/train_compare_gpu.sh [SHAPE] ["SEQS"] [SAMPLES] [PEER_COMPILE]
 # e.g. LOSS_SHARE=0.675 VARIANT=resident bash bench/train_compare_gpu.sh llama3-8b "2048 4096" 1 full
 set -uo pipefail
@@ -55,8 +55,9 @@ res_peer() { pick 's/.*(reserved \([0-9.]*\) GiB).*/\1/p' "$1"; }
 # --gpu-device-embeddings), allrows (every row through every step: --gpu-all-rows; the default
 # leaves out of the steps after the first the rows no later loss reads), fused (gate|up and q|k|v
 # backward as one product each: --gpu-fused-products), zeroed (the whole gradient memset before
-# a step: --gpu-zeroed-grads; the default writes each matrix's first product), diagregs (the
-# diagonal keys' kernels with their rows loaded ahead: --gpu-diag-registers), flash (the fused kernels
+# a step: --gpu-zeroed-grads; the default writes each matrix's first product), loaddiag (the
+# diagonal keys' kernels a load at a time, as before their rows went into registers:
+# --gpu-no-diag-registers), flash (the fused kernels
 # for every batch: --gpu-attention flash; the default, auto, takes cuDNN for the batches whose
 # workspace fits the memory lent to it), cublas (--gpu-products cublas: every product's
 # algorithm cuBLAS's own choice; the default, auto, takes the fastest cuBLASLt candidate with
@@ -72,14 +73,14 @@ case "$VARIANT" in
   allrows) vflag=(--gpu-all-rows) ;;
   fused) vflag=(--gpu-fused-products) ;;
   zeroed) vflag=(--gpu-zeroed-grads) ;;
-  diagregs) vflag=(--gpu-diag-registers) ;;
+  loaddiag) vflag=(--gpu-no-diag-registers) ;;
   cublas) vflag=(--gpu-products cublas) ;;
   base)
     vflag=()
     vbin=${BASE_BIN:?VARIANT=base needs BASE_BIN, another build of talon_bench_train}
     ;;
   none) vflag=() ;;
-  *) echo "VARIANT=$VARIANT: expected staged, resident, cudnn, flash, device, allrows, fused, zeroed, diagregs, cublas, base or none" >&2; exit 2 ;;
+  *) echo "VARIANT=$VARIANT: expected staged, resident, cudnn, flash, device, allrows, fused, zeroed, loaddiag, cublas, base or none" >&2; exit 2 ;;
 esac
 # On the device machine ($OUT set) the logs default to $OUT/train_compare, so that they come back
 # even when the command's printed output is longer than what the call returns.
@@ -111,4 +112,4 @@ for r in "${rows[@]}"; do
   set -- $r
   echo "| $1 x $SAMPLES | $2 | $3 | $4 | $(ratio "$2" "$4") ($(ratio "$3" "$4")) | $5 / $6 / $7 / $8 |"
 done
-[ -z "${LOGS:-}" ] && rm -rf "$log"
+if [ -z "${LOGS:-}" ]; then rm -rf "$log"; fi

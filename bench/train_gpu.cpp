@@ -95,8 +95,9 @@ int main(int argc, char** argv) {
   app.add_flag("--gpu-fresh-grads,!--gpu-zeroed-grads", eng.fresh_grads,
                "each weight matrix's first gradient product of a step writes it (no memset of the whole "
                "gradient; the default); --gpu-zeroed-grads zeroes the whole gradient first");
-  app.add_flag("--gpu-diag-registers", eng.diag_rows_in_registers,
-               "the diagonal keys' merge and backward with their rows in registers, loaded ahead");
+  app.add_flag("--gpu-diag-registers,!--gpu-no-diag-registers", eng.diag_rows_in_registers,
+               "the diagonal keys' merge and backward with their rows in registers, loaded ahead (the "
+               "default); --gpu-no-diag-registers: a load at a time");
   app.add_flag("--gpu-profile", eng.profile, "GPU time per phase");
   app.add_flag("--resident", resident,
                "features in device memory (as the PyTorch peer keeps them), copied device to device; the "

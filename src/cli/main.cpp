@@ -243,9 +243,9 @@ int main(int argc, char** argv) {
                    "the whole gradient first")
         ->group(g);
     cmd_tr
-        ->add_flag("--gpu-diag-registers", tr.gpu_engine.diag_rows_in_registers,
+        ->add_flag("--gpu-diag-registers,!--gpu-no-diag-registers", tr.gpu_engine.diag_rows_in_registers,
                    "The diagonal keys' attention merge and backward with their rows in registers, loaded ahead "
-                   "(the same bits; opt-in until measured)")
+                   "(the same bits; the default); --gpu-no-diag-registers: a load at a time")
         ->group(g);
     cmd_tr->add_flag("--gpu-profile", tr.gpu_engine.profile, "Log GPU time per phase at the end")->group(g);
   }

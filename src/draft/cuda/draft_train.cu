@@ -2530,30 +2530,16 @@ std::vector<uint8_t> DraftEngine::prepare(const DraftBatch& b) {
     });
     CUDA_LAUNCH_CHECK();
   }
-  // TALON_DRAFT_FC_AFTER_FLAGS=1: the flags (and entropies) come back first and step 0's fc
-  // product is queued after that wait, so that it runs while the host builds the row maps below
-  // instead of before them (the device idles while the host works otherwise). The same work, in
-  // the same order on the stream.
-  static const bool fc_after_flags = [] {
-    const char* e = std::getenv("TALON_DRAFT_FC_AFTER_FLAGS");
-    return e && std::string(e) == "1";
-  }();
-  std::vector<uint8_t> iv(static_cast<size_t>(N));
-  auto flags_back = [&] {
-    CUDA_CHECK(cudaMemcpyAsync(iv.data(), I.in_vocab, size_t(N), cudaMemcpyDeviceToHost, I.s));
-    if (I.ent) {
-      I.h_ent.resize(size_t(N));
-      CUDA_CHECK(cudaMemcpyAsync(I.h_ent.data(), I.ent, size_t(N) * 4, cudaMemcpyDeviceToHost, I.s));
-    }
-    CUDA_CHECK(cudaStreamSynchronize(I.s));
-  };
-  if (fc_after_flags) flags_back();
   I.mark("forward: products and norms");
-  I.fc_forward();  // queued ahead of the wait below, or after the flags' wait above
+  I.fc_forward();  // queued ahead of the wait below
   I.mark("end");
-  if (!fc_after_flags) flags_back();
-  else if (I.profiling)
-    CUDA_CHECK(cudaStreamSynchronize(I.s));  // for the phases' times
+  std::vector<uint8_t> iv(static_cast<size_t>(N));
+  CUDA_CHECK(cudaMemcpyAsync(iv.data(), I.in_vocab, size_t(N), cudaMemcpyDeviceToHost, I.s));
+  if (I.ent) {
+    I.h_ent.resize(size_t(N));
+    CUDA_CHECK(cudaMemcpyAsync(I.h_ent.data(), I.ent, size_t(N) * 4, cudaMemcpyDeviceToHost, I.s));
+  }
+  CUDA_CHECK(cudaStreamSynchronize(I.s));
   I.collect();
   // Each step's rows that count, for run() (uploaded on the stream run() uses).
   const int64_t K = I.d.K;

@@ -135,59 +135,64 @@ const std::vector<std::pair<int64_t, int64_t>> kNormShapes = {{1, 1}, {7, 33}, {
 TEST(CudaKernels, RmsNormForwardAndBackwardMatchOracle) {
   REQUIRE_GPU();
   const float eps = 1e-5f;
-  // Beyond the forward's widths: groups of rows (8 a block) with a short last one, 128-thread
-  // blocks, and the Kimi-K2 draft's width.
+  // Beyond the forward's widths: groups of rows (4 a block, the default, and 8) with a short
+  // last one, 128-thread blocks, and the Kimi-K2 draft's width.
   auto shapes = kNormShapes;
   shapes.insert(shapes.end(), {{19, 4096}, {16, 128}, {9, 7168}});
-  for (auto [N, C] : shapes) {
-    const size_t n = size_t(N * C);
-    auto x = randn(n, 11, 2.f), w = randn(size_t(C), 12), dy = randn(n, 13), res = randn(n, 14),
-         dw0 = randn(size_t(C), 15);
-    std::vector<double> ref(n), rdx(n), rdw(static_cast<size_t>(C)), row(static_cast<size_t>(C));
-    const auto xd = as_f64(x), wd = as_f64(w), dyd = as_f64(dy);
-    for (int64_t c = 0; c < C; ++c) rdw[size_t(c)] = dw0[size_t(c)];
-    for (int64_t r = 0; r < N; ++r) {
-      rms_oracle(ref.data() + r * C, xd.data() + r * C, wd.data(), C, eps);
-      rms_oracle_backward(rdx.data() + r * C, row.data(), dyd.data() + r * C, xd.data() + r * C, wd.data(), C, eps);
-      for (int64_t c = 0; c < C; ++c) {
-        rdx[size_t(r * C + c)] += res[size_t(r * C + c)];  // dx = res + the gradient
-        rdw[size_t(c)] += row[size_t(c)];
+  struct Reset {
+    ~Reset() { cuda::kernel::set_norm_back_rows(0); }
+  } reset;
+  for (int rows_a_block : {4, 8})
+    for (auto [N, C] : shapes) {
+      SCOPED_TRACE(std::to_string(rows_a_block) + " rows a backward block");
+      cuda::kernel::set_norm_back_rows(rows_a_block);
+      const size_t n = size_t(N * C);
+      auto x = randn(n, 11, 2.f), w = randn(size_t(C), 12), dy = randn(n, 13), res = randn(n, 14),
+           dw0 = randn(size_t(C), 15);
+      std::vector<double> ref(n), rdx(n), rdw(static_cast<size_t>(C)), row(static_cast<size_t>(C));
+      const auto xd = as_f64(x), wd = as_f64(w), dyd = as_f64(dy);
+      for (int64_t c = 0; c < C; ++c) rdw[size_t(c)] = dw0[size_t(c)];
+      for (int64_t r = 0; r < N; ++r) {
+        rms_oracle(ref.data() + r * C, xd.data() + r * C, wd.data(), C, eps);
+        rms_oracle_backward(rdx.data() + r * C, row.data(), dyd.data() + r * C, xd.data() + r * C, wd.data(), C, eps);
+        for (int64_t c = 0; c < C; ++c) {
+          rdx[size_t(r * C + c)] += res[size_t(r * C + c)];  // dx = res + the gradient
+          rdw[size_t(c)] += row[size_t(c)];
+        }
       }
+      const size_t parts = size_t(cuda::kernel::rmsnorm_backward_groups(N) * C);
+      Guarded<float> gx{n}, gw{size_t(C)}, gy{n}, gdy{n}, gres{n}, gdx{n}, gdx2{n}, gdw{size_t(C)}, gdw2{size_t(C)};
+      Guarded<double> gpart{parts};
+      Guarded<bf16> gyb{n};
+      gx.upload(x), gw.upload(w), gdy.upload(dy), gres.upload(res), gdx2.upload(res), gdw.upload(dw0), gdw2.upload(dw0);
+      cuda::kernel::rmsnorm_forward(gy.ptr(), gx.ptr(), gw.ptr(), N, C, eps, nullptr);
+      cuda::kernel::rmsnorm_forward(gyb.ptr(), gx.ptr(), gw.ptr(), N, C, eps, nullptr);
+      cuda::kernel::rmsnorm_backward(gdx.ptr(), gres.ptr(), gdw.ptr(), gpart.ptr(), gdy.ptr(), gx.ptr(), gw.ptr(), N, C,
+                                     eps, nullptr);
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      const auto rf = as_f32(ref), rdxf = as_f32(rdx), rdwf = as_f32(rdw);
+      const auto y = gy.download(), yb = to_f32(gyb.download()), dx = gdx.download(), dw = gdw.download();
+      EXPECT_LE(rel_err(y.data(), rf.data(), n), tol::kOpRel) << "forward N=" << N << " C=" << C;
+      EXPECT_LE(rel_err(yb.data(), rf.data(), n), tol::kCudaBf16Out) << "bf16 forward N=" << N << " C=" << C;
+      EXPECT_LE(rel_err(dx.data(), rdxf.data(), n), tol::kOpRel) << "dx N=" << N << " C=" << C;
+      EXPECT_LE(rel_err(dw.data(), rdwf.data(), size_t(C)), tol::kOpRel) << "dw N=" << N << " C=" << C;
+      EXPECT_TRUE(gy.guards_intact() && gyb.guards_intact() && gdx.guards_intact() && gdw.guards_intact() &&
+                  gpart.guards_intact());
+      // In place (res is dx: the gradient accumulates), and with dx null (the input norm's input
+      // is not trained): the same dx bits, and only the weight gradient written.
+      cuda::kernel::rmsnorm_backward(gdx2.ptr(), gdx2.ptr(), gdw2.ptr(), gpart.ptr(), gdy.ptr(), gx.ptr(), gw.ptr(), N,
+                                     C, eps, nullptr);
+      Guarded<float> gdw3{size_t(C)};
+      gdw3.upload(dw0);
+      cuda::kernel::rmsnorm_backward(nullptr, nullptr, gdw3.ptr(), gpart.ptr(), gdy.ptr(), gx.ptr(), gw.ptr(), N, C,
+                                     eps, nullptr);
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      const auto dx2 = gdx2.download(), dw2 = gdw2.download(), dw3 = gdw3.download();
+      EXPECT_EQ(0, std::memcmp(dx.data(), dx2.data(), n * sizeof(float))) << "in place N=" << N << " C=" << C;
+      EXPECT_EQ(0, std::memcmp(dw.data(), dw2.data(), size_t(C) * sizeof(float)));
+      EXPECT_EQ(0, std::memcmp(dw.data(), dw3.data(), size_t(C) * sizeof(float)));
+      EXPECT_TRUE(gdx2.guards_intact() && gdw3.guards_intact());
     }
-    const size_t parts = size_t(cuda::kernel::rmsnorm_backward_groups(N) * C);
-    Guarded<float> gx{n}, gw{size_t(C)}, gy{n}, gdy{n}, gres{n}, gdx{n}, gdx2{n}, gdw{size_t(C)}, gdw2{size_t(C)};
-    Guarded<double> gpart{parts};
-    Guarded<bf16> gyb{n};
-    gx.upload(x), gw.upload(w), gdy.upload(dy), gres.upload(res), gdx2.upload(res), gdw.upload(dw0),
-        gdw2.upload(dw0);
-    cuda::kernel::rmsnorm_forward(gy.ptr(), gx.ptr(), gw.ptr(), N, C, eps, nullptr);
-    cuda::kernel::rmsnorm_forward(gyb.ptr(), gx.ptr(), gw.ptr(), N, C, eps, nullptr);
-    cuda::kernel::rmsnorm_backward(gdx.ptr(), gres.ptr(), gdw.ptr(), gpart.ptr(), gdy.ptr(), gx.ptr(), gw.ptr(), N, C,
-                                   eps, nullptr);
-    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-    const auto rf = as_f32(ref), rdxf = as_f32(rdx), rdwf = as_f32(rdw);
-    const auto y = gy.download(), yb = to_f32(gyb.download()), dx = gdx.download(), dw = gdw.download();
-    EXPECT_LE(rel_err(y.data(), rf.data(), n), tol::kOpRel) << "forward N=" << N << " C=" << C;
-    EXPECT_LE(rel_err(yb.data(), rf.data(), n), tol::kCudaBf16Out) << "bf16 forward N=" << N << " C=" << C;
-    EXPECT_LE(rel_err(dx.data(), rdxf.data(), n), tol::kOpRel) << "dx N=" << N << " C=" << C;
-    EXPECT_LE(rel_err(dw.data(), rdwf.data(), size_t(C)), tol::kOpRel) << "dw N=" << N << " C=" << C;
-    EXPECT_TRUE(gy.guards_intact() && gyb.guards_intact() && gdx.guards_intact() && gdw.guards_intact() &&
-                gpart.guards_intact());
-    // In place (res is dx: the gradient accumulates), and with dx null (the input norm's input
-    // is not trained): the same dx bits, and only the weight gradient written.
-    cuda::kernel::rmsnorm_backward(gdx2.ptr(), gdx2.ptr(), gdw2.ptr(), gpart.ptr(), gdy.ptr(), gx.ptr(), gw.ptr(), N,
-                                   C, eps, nullptr);
-    Guarded<float> gdw3{size_t(C)};
-    gdw3.upload(dw0);
-    cuda::kernel::rmsnorm_backward(nullptr, nullptr, gdw3.ptr(), gpart.ptr(), gdy.ptr(), gx.ptr(), gw.ptr(), N, C, eps,
-                                   nullptr);
-    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-    const auto dx2 = gdx2.download(), dw2 = gdw2.download(), dw3 = gdw3.download();
-    EXPECT_EQ(0, std::memcmp(dx.data(), dx2.data(), n * sizeof(float))) << "in place N=" << N << " C=" << C;
-    EXPECT_EQ(0, std::memcmp(dw.data(), dw2.data(), size_t(C) * sizeof(float)));
-    EXPECT_EQ(0, std::memcmp(dw.data(), dw3.data(), size_t(C) * sizeof(float)));
-    EXPECT_TRUE(gdx2.guards_intact() && gdw3.guards_intact());
-  }
 }
 
 TEST(CudaKernels, RopeMatchesOracleInvertsAndKeepsItsInput) {

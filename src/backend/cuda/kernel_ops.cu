@@ -17,6 +17,7 @@ void rmsnorm_forward(bf16* y, const float* x, const float* w, int64_t N, int64_t
   CUDA_LAUNCH_CHECK();
 }
 int64_t rmsnorm_backward_groups(int64_t N) { return cuda::rmsnorm_backward_groups(N); }
+void set_norm_back_rows(int rows) { g_norm_back_rows.store(rows, std::memory_order_relaxed); }
 void rmsnorm_backward(float* dx, const float* res, float* dw, double* wpart, const float* dy, const float* x,
                       const float* w, int64_t N, int64_t C, float eps, cudaStream_t s) {
   cuda::rmsnorm_backward(dx, C, res, dw, wpart, dy, C, x, C, w, N, C, eps, s);

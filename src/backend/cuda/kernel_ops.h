@@ -20,6 +20,9 @@ void rmsnorm_forward(bf16* y, const float* x, const float* w, int64_t N, int64_t
 // dx[N, C] = res + the input gradient (res may be null or dx itself; dx may be null), dw[C] +=
 // the weight gradient; wpart: scratch of rmsnorm_backward_groups(N) x C doubles.
 int64_t rmsnorm_backward_groups(int64_t N);
+// The backward's rows a block for the calls that follow: 4 (the default) or 8 (as
+// TALON_CUDA_NORM_BACK_ROWS=8); 0: back to the environment's choice. For the op harness.
+void set_norm_back_rows(int rows);
 void rmsnorm_backward(float* dx, const float* res, float* dw, double* wpart, const float* dy, const float* x,
                       const float* w, int64_t N, int64_t C, float eps, cudaStream_t s);
 

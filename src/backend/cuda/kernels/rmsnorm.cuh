@@ -7,6 +7,7 @@
 #pragma once
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cstdint>
 #include <cstdlib>
 #include <string>
@@ -24,6 +25,11 @@ struct NormRows {
   int64_t ld = 0, per = 1, C = 0;
   __host__ __device__ int64_t at(int64_t r) const { return per == 1 ? r * ld : (r / per) * ld + (r % per) * C; }
 };
+
+// The RMSNorm backward's rows a block when set (4 or 8; kernel::set_norm_back_rows, for the op
+// harness), else 0: TALON_CUDA_NORM_BACK_ROWS decides (below). One variable for every
+// translation unit.
+inline std::atomic<int> g_norm_back_rows{0};
 
 namespace {
 
@@ -69,11 +75,12 @@ __global__ void rmsnorm_forward_kernel(Y* y, NormRows ry, X* x, NormRows rx, con
 constexpr int kNormBackRows = 4;
 constexpr int kNormBackRowsMax = 8;
 inline int norm_back_rows() {
-  static const int g = [] {
+  static const int from_env = [] {
     const char* e = std::getenv("TALON_CUDA_NORM_BACK_ROWS");
     return e && std::string(e) == "8" ? kNormBackRowsMax : kNormBackRows;
   }();
-  return g;
+  const int set = g_norm_back_rows.load(std::memory_order_relaxed);
+  return set == kNormBackRowsMax || set == kNormBackRows ? set : from_env;
 }
 
 // V consecutive fp32 values of a row, loaded and stored at once (V = 4: float4, when every row

@@ -18,6 +18,7 @@
 #include <tuple>
 
 #include "backend/cuda/cudnn_sdpa.h"
+#include "backend/cuda/ops.h"
 #include "draft/cuda/draft_engine.h"
 #include "tests/test_util.h"
 #include "tests/tolerances.h"
@@ -1211,6 +1212,57 @@ TEST_P(GpuDraft, FreshGradientsMatchZeroedOnes) {
     auto a = w1.named(), b = w2.named(), init = cs.w.named();
     for (size_t i = 0; i < a.size(); ++i) {
       EXPECT_EQ(*a[i].second, *b[i].second) << a[i].first << ": the two fresh trainers differ";
+      EXPECT_NE(*a[i].second, *init[i].second) << a[i].first << " did not train";
+    }
+  }
+}
+
+// The trainers' own kernels launched as programmatic dependents (kDependTrain in
+// TALON_CUDA_PDL: each may start while the kernel before it ends, and waits for it before it
+// touches memory) compute the same bits as ordinary launches: two trainers, one launching each
+// way, through four optimizer steps (forward, backward, gradient norm, AdamW), with the fused
+// kernels and with cuDNN's attention; losses, gradient norms and the weights are equal. A kernel
+// that read its predecessor's output before waiting would show up here as differing bits.
+TEST_P(GpuDraft, DependentLaunchesKeepTheBits) {
+  REQUIRE_GPU();
+  struct Restore {
+    ~Restore() { talon::cuda::set_dependent_launches(talon::cuda::kDependDefault); }
+  } restore;
+  std::vector<std::string> routes = {"flash"};
+  if (talon::cuda::cudnn_sdpa_available(nullptr)) routes.push_back("cudnn");
+  train::OptimConfig oc;
+  oc.lr = 1e-3;
+  oc.weight_decay = 0.1;
+  oc.clip_norm = 0.05;
+  for (const std::string& route : routes) {
+    SCOPED_TRACE(route);
+    Case cs(GetParam(), 107, {150, 64, 7, 90}, 128);
+    const auto batch = cs.batch();
+    ScopedOpt att([&](GpuDraftOptions& o) { o.attention = route; });
+    std::unique_ptr<GpuDraftTrainer> gpus[2] = {make_gpu(cs, {0}, GpuMath::BF16, 311),
+                                                make_gpu(cs, {0}, GpuMath::BF16, 311)};
+    const unsigned masks[2] = {talon::cuda::kDependDefault, talon::cuda::kDependDefault | talon::cuda::kDependTrain};
+    for (auto& g : gpus) g->set_weights(cs.w);
+    for (int step = 0; step < 4; ++step) {
+      std::vector<double> loss[2];
+      double norm[2] = {0, 0};
+      for (int r = 0; r < 2; ++r) {
+        talon::cuda::set_dependent_launches(masks[r]);
+        for (auto& x : gpus[r]->run(batch, 0.25, true, true)) loss[r].push_back(x.loss);
+        norm[r] = gpus[r]->clip_grad_norm(oc.clip_norm);
+        gpus[r]->adamw_step(oc, step);
+      }
+      EXPECT_EQ(loss[0], loss[1]) << "step " << step;
+      EXPECT_EQ(norm[0], norm[1]) << "step " << step;
+      EXPECT_GT(norm[0], 0.0);
+    }
+    talon::cuda::set_dependent_launches(talon::cuda::kDependDefault);
+    DraftWeights w0, w1;
+    gpus[0]->get_weights(w0);
+    gpus[1]->get_weights(w1);
+    auto a = w0.named(), b = w1.named(), init = cs.w.named();
+    for (size_t i = 0; i < a.size(); ++i) {
+      EXPECT_EQ(*a[i].second, *b[i].second) << a[i].first;
       EXPECT_NE(*a[i].second, *init[i].second) << a[i].first << " did not train";
     }
   }

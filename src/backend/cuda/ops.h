@@ -174,12 +174,16 @@ inline constexpr unsigned kDependRope = 4;        // RoPE + cache write, cache w
 inline constexpr unsigned kDependAttention = 8;   // decode and verify attention
 inline constexpr unsigned kDependCombine = 16;    // the key splits' combine
 inline constexpr unsigned kDependPick = 32;       // argmax, top-k, sampling
-inline constexpr unsigned kDependAll = 63;
-// Everything but the attention and its combine. Measured on an H100 (bench/RESULTS.md,
+// The draft trainers' own kernels (row moves, casts, the loss, the diagonal keys, the RMSNorm
+// and SwiGLU backward, the weight-part sums, the gradient norm's sums, AdamW). Opt-in
+// (TALON_CUDA_PDL=103, the default and this) until measured on a GPU.
+inline constexpr unsigned kDependTrain = 64;
+inline constexpr unsigned kDependAll = 127;
+// Everything but the attention and its combine (and the trainers' kernels). Measured on an H100 (bench/RESULTS.md,
 // 2026-12-06 fourth session; greedy ms, products only -> this -> all 63): the 8B step at context
 // 2048 5.99 -> 5.95-5.96 -> 5.90; SmolLM2 one token 0.663 -> 0.660 -> 0.678, its 4-token verify
 // 0.90 -> 0.90 -> 1.02 with the attention dependent.
-inline constexpr unsigned kDependDefault = kDependAll & ~(kDependAttention | kDependCombine);
+inline constexpr unsigned kDependDefault = kDependAll & ~(kDependAttention | kDependCombine | kDependTrain);
 bool dependent_launch_enabled(unsigned kind);
 void set_dependent_launches(unsigned mask);
 

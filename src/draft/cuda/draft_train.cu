@@ -151,6 +151,8 @@ __global__ void rows_scatter_kernel(float* out, const float* y, const int32_t* s
 // (src: each batch row's compacted row, -1 for a row left out).
 template <class X>
 __global__ void rows_move_kernel(X* out, const X* in, const int32_t* src, int64_t C) {
+  allow_dependents();
+  grid_dependency_wait();  // launched dependent with kDependTrain (launch.cuh)
   const int32_t j = src[blockIdx.x];
   X* o = out + int64_t(blockIdx.x) * C;
   const X* x = in + int64_t(j < 0 ? 0 : j) * C;
@@ -834,6 +836,8 @@ __global__ void loss_kernel(LT* logits, const PT* P, const int32_t* tgt_arg, con
                             const uint8_t* mask, const int32_t* pos, const int32_t* len, int64_t Vd, int k,
                             const int32_t* rows, int64_t row0, const float* row_scale, __nv_bfloat16* grad_b,
                             float* ce, uint8_t* hit, uint8_t* counts, const uint8_t* sel) {
+  allow_dependents();
+  grid_dependency_wait();  // launched dependent with kDependTrain (launch.cuh)
   __shared__ float shv[33], shz[33];
   __shared__ int64_t shi[33];
   const int64_t n = rows[row0 + blockIdx.x], tr = n + 1 + k;
@@ -1166,8 +1170,7 @@ struct DraftEngine::Impl {
   template <class X>
   void move_rows(X* out, const X* in, const int32_t* src, int64_t n, int64_t C) {
     if (n <= 0) return;
-    rows_move_kernel<X><<<unsigned(n), 256, 0, s>>>(out, in, src, C);
-    CUDA_LAUNCH_CHECK();
+    launch_dependent(kDependTrain, rows_move_kernel<X>, dim3(unsigned(n)), dim3(256), 0, s, out, in, src, C);
   }
   // Batch rows to the N1 kept rows, and back (zeros in the rows left out).
   void compact(float* out, const float* in, int64_t C) { move_rows(out, in, crow_d, N1, C); }
@@ -1625,10 +1628,12 @@ struct DraftEngine::Impl {
       // the field's trainers keep them under autocast.
       const auto loss = [&](auto* lg) {
         with_target_dist([&](auto* p) {
-          loss_kernel<<<unsigned(n), 512, 0, s>>>(lg, p, tgt_arg, in_vocab, mask, pos, len, Vd, k, rows, r0,
-                                                   grad ? rs + k * N : nullptr, whole ? lgb + r0 * Vd : nullptr,
-                                                   ce + k * N, hit + k * N, cnt + k * N,
-                                                   d.peagle ? sel + k * N : nullptr);
+          using PT = std::remove_cv_t<std::remove_pointer_t<decltype(p)>>;
+          using LT = std::remove_cv_t<std::remove_pointer_t<decltype(lg)>>;
+          launch_dependent(kDependTrain, loss_kernel<PT, LT>, dim3(unsigned(n)), dim3(512), 0, s, lg, p, tgt_arg,
+                           in_vocab, mask, pos, len, Vd, k, rows, r0, grad ? rs + k * N : nullptr,
+                           whole ? lgb + r0 * Vd : nullptr, ce + k * N, hit + k * N, cnt + k * N,
+                           d.peagle ? sel + k * N : nullptr);
         });
       };
       if (bf16_operands) {
@@ -1735,14 +1740,17 @@ struct DraftEngine::Impl {
     const int K = int(d.K);
     const bool regs = diag_regs && a.k <= 8 && d.hd <= 128;
     // (registers for 4 steps' rows where that is enough, so more warps fit an SM)
+    const auto go = [&](auto kernel) {
+      launch_dependent(kDependTrain, kernel, dim3(wb), dim3(256), 0, s, oc, out, out_b, out_lse, sd, a, K);
+    };
     if (regs && a.k <= 4 && d.hd <= 64)
-      diag_merge_regs_kernel<2, 4><<<wb, 256, 0, s>>>(oc, out, out_b, out_lse, sd, a, K);
+      go(diag_merge_regs_kernel<2, 4, OC>);
     else if (regs && a.k <= 4)
-      diag_merge_regs_kernel<4, 4><<<wb, 256, 0, s>>>(oc, out, out_b, out_lse, sd, a, K);
+      go(diag_merge_regs_kernel<4, 4, OC>);
     else if (regs && d.hd <= 64)
-      diag_merge_regs_kernel<2, 8><<<wb, 256, 0, s>>>(oc, out, out_b, out_lse, sd, a, K);
+      go(diag_merge_regs_kernel<2, 8, OC>);
     else if (regs)
-      diag_merge_regs_kernel<4, 8><<<wb, 256, 0, s>>>(oc, out, out_b, out_lse, sd, a, K);
+      go(diag_merge_regs_kernel<4, 8, OC>);
     else
       diag_merge_kernel<<<wb, 256, 0, s>>>(oc, out, out_b, out_lse, sd, a, K);
     CUDA_LAUNCH_CHECK();
@@ -1843,16 +1851,14 @@ struct DraftEngine::Impl {
     const int64_t grp = d.nh / d.nkv;
     const unsigned wb = nblocks(N * d.nkv * 32, 256);
     const float* lk = lse[size_t(k)];
-    if (d.hd <= 64 && grp <= 4)
-      diag_backward_kernel<2, 4, PF><<<wb, 256, 0, s>>>(dq, dK, dV, lk, datt, D, a);
-    else if (d.hd <= 128 && grp <= 4)
-      diag_backward_kernel<4, 4, PF><<<wb, 256, 0, s>>>(dq, dK, dV, lk, datt, D, a);
-    else if (d.hd <= 128 && grp <= 8)
-      diag_backward_kernel<4, 8, PF><<<wb, 256, 0, s>>>(dq, dK, dV, lk, datt, D, a);
-    else
-      return false;
-    CUDA_LAUNCH_CHECK();
-    return true;
+    const auto go = [&](auto kernel) {
+      launch_dependent(kDependTrain, kernel, dim3(wb), dim3(256), 0, s, dq, dK, dV, lk, datt, D, a);
+      return true;
+    };
+    if (d.hd <= 64 && grp <= 4) return go(diag_backward_kernel<2, 4, PF>);
+    if (d.hd <= 128 && grp <= 4) return go(diag_backward_kernel<4, 4, PF>);
+    if (d.hd <= 128 && grp <= 8) return go(diag_backward_kernel<4, 8, PF>);
+    return false;
   }
   // The score-buffer path of attention_backward's causal part (its twins made by the caller):
   // dq, dK0, dV0 through cuBLAS products, and sd left as the diagonal probabilities.
@@ -2916,8 +2922,8 @@ double DraftEngine::clip_grad_norm(double max_norm) {
   I.scale_grads();
   const int nt = int(I.sizes.size());  // P-EAGLE's frozen lm_head has a zero gradient
   for (int t = 0; t < nt; ++t) {
-    sumsq_kernel<<<kNormBlocks, 256, 0, I.s>>>(I.partial + t * kNormBlocks, I.g(t), I.sizes[size_t(t)]);
-    CUDA_LAUNCH_CHECK();
+    launch_dependent(kDependTrain, sumsq_kernel, dim3(kNormBlocks), dim3(256), 0, I.s, I.partial + t * kNormBlocks,
+                     I.g(t), I.sizes[size_t(t)]);
   }
   std::vector<double> part(size_t(nt * kNormBlocks));
   CUDA_CHECK(cudaMemcpyAsync(part.data(), I.partial, part.size() * 8, cudaMemcpyDeviceToHost, I.s));

@@ -12,6 +12,8 @@
 
 #include "backend/cuda/check.h"
 #include "backend/cuda/kernels/reduce.cuh"  // colsum_kernel
+#include "backend/cuda/launch.cuh"
+#include "backend/cuda/warp.cuh"
 
 namespace talon::cuda {
 namespace {
@@ -33,6 +35,8 @@ constexpr int kNormBlocks = 240;
 // partial[block] = the block's share of sum(g^2), in a fixed order. float4 loads where g is
 // 16-byte aligned (every tensor of the trainers' flat buffers is), the tail one by one.
 __global__ void sumsq_kernel(double* partial, const float* g, int64_t n) {
+  allow_dependents();
+  grid_dependency_wait();  // launched dependent with kDependTrain (launch.cuh)
   __shared__ double sh[256];
   double s = 0;
   const int64_t tid = int64_t(blockIdx.x) * blockDim.x + threadIdx.x, stride = int64_t(gridDim.x) * blockDim.x;
@@ -83,6 +87,8 @@ __host__ __device__ inline bool adamw_vectors(const float* w, const float* m, co
 // aligned (wb 8-byte), then the rest one a thread. With wb, the weights' bf16 copy is written
 // too (the bits cast_bf16 gives). Each value's arithmetic is the same either way.
 __global__ void adamw_kernel(float* w, float* m, float* v, const float* g, int64_t n, AdamWArgs a, __nv_bfloat16* wb) {
+  allow_dependents();
+  grid_dependency_wait();  // launched dependent with kDependTrain (launch.cuh)
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t n4 = adamw_vectors(w, m, v, g, wb) ? n / 4 : 0;
   if (i < n4) {
@@ -113,7 +119,7 @@ __global__ void adamw_kernel(float* w, float* m, float* v, const float* g, int64
 inline void adamw_update(float* w, float* m, float* v, const float* g, int64_t n, const AdamWArgs& a,
                          __nv_bfloat16* wb, cudaStream_t s) {
   const int64_t threads = adamw_vectors(w, m, v, g, wb) ? n / 4 + n % 4 : n;
-  adamw_kernel<<<nblocks(threads, 256), 256, 0, s>>>(w, m, v, g, n, a, wb);
+  launch_dependent(kDependTrain, adamw_kernel, dim3(nblocks(threads, 256)), dim3(256), 0, s, w, m, v, g, n, a, wb);
 }
 
 // Host arrays to or from the tensors of one flat buffer (tensor i at base + offs[i]), on the

@@ -9,6 +9,8 @@
 
 #include "backend/cuda/check.h"
 #include "backend/cuda/kernels/convert.cuh"
+#include "backend/cuda/launch.cuh"
+#include "backend/cuda/warp.cuh"
 
 namespace talon::cuda {
 namespace {
@@ -30,6 +32,8 @@ __device__ __forceinline__ uint2 pack4_bf16(float4 v) {
 
 // fp32 -> bf16, 4 values a thread (in 16-byte, out 8-byte aligned).
 __global__ void cast_bf16_x4_kernel(__nv_bfloat16* out, const float* in, int64_t n4) {
+  allow_dependents();
+  grid_dependency_wait();  // launched dependent with kDependTrain (launch.cuh)
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= n4) return;
   reinterpret_cast<uint2*>(out)[i] = pack4_bf16(reinterpret_cast<const float4*>(in)[i]);
@@ -43,8 +47,8 @@ void cast(Out* out, const In* in, int64_t n, cudaStream_t s) {
   if constexpr (std::is_same_v<Out, __nv_bfloat16> && std::is_same_v<In, float>) {
     if ((reinterpret_cast<uintptr_t>(in) % 16) == 0 && (reinterpret_cast<uintptr_t>(out) % 8) == 0 && n >= 4) {
       const int64_t n4 = n / 4;
-      cast_bf16_x4_kernel<<<unsigned((n4 + 255) / 256), 256, 0, s>>>(out, in, n4);
-      CUDA_LAUNCH_CHECK();
+      launch_dependent(kDependTrain, cast_bf16_x4_kernel, dim3(unsigned((n4 + 255) / 256)), dim3(256), 0, s, out, in,
+                       n4);
       done = n4 * 4;
     }
   }

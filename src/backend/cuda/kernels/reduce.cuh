@@ -57,6 +57,8 @@ __device__ __forceinline__ void block_argmax(float& v, int64_t& i, float* shv, i
 // every element.
 template <class T>
 __global__ void colsum_kernel(float* dw, const T* rows, int64_t N, int64_t C) {
+  allow_dependents();
+  grid_dependency_wait();  // launched dependent with kDependTrain (launch.cuh)
   __shared__ double part[8][33];
   const int64_t c = int64_t(blockIdx.x) * 32 + threadIdx.x;
   double s = 0;

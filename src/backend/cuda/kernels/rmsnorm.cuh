@@ -102,6 +102,8 @@ template <int V, int G>
 __global__ void rmsnorm_backward_kernel(float* dx, int64_t lddx, const float* res, double* wpart, const float* dy,
                                         int64_t lddy, const float* x, int64_t ldx, const float* w, int64_t rows,
                                         int64_t C, float eps) {
+  allow_dependents();
+  grid_dependency_wait();  // launched dependent with kDependTrain (launch.cuh)
   using Vec = NormVec<V>;
   __shared__ float part[2 * G][32];
   __shared__ float tot[2 * G];
@@ -202,7 +204,8 @@ inline void rmsnorm_backward(float* dx, int64_t lddx, const float* res, float* d
   auto aligned = [](const void* p, int64_t ld) { return p == nullptr || (uintptr_t(p) % 16 == 0 && ld % 4 == 0); };
   const unsigned threads = C <= 128 ? 128 : 256;
   auto launch = [&](auto kern) {
-    kern<<<unsigned(groups), threads, 0, s>>>(dx, lddx, res, wpart, dy, lddy, x, ldx, w, rows, C, eps);
+    launch_dependent(kDependTrain, kern, dim3(unsigned(groups)), dim3(threads), 0, s, dx, lddx, res, wpart, dy, lddy, x,
+                     ldx, w, rows, C, eps);
   };
   const bool v4 =
       C % 4 == 0 && aligned(dx, lddx) && aligned(res, lddx) && aligned(dy, lddy) && aligned(x, ldx) && aligned(w, 0);
@@ -210,7 +213,9 @@ inline void rmsnorm_backward(float* dx, int64_t lddx, const float* res, float* d
     v4 ? launch(rmsnorm_backward_kernel<4, kNormBackRows>) : launch(rmsnorm_backward_kernel<1, kNormBackRows>);
   else
     v4 ? launch(rmsnorm_backward_kernel<4, kNormBackRowsMax>) : launch(rmsnorm_backward_kernel<1, kNormBackRowsMax>);
-  colsum_kernel<<<unsigned((C + 31) / 32), dim3(32, 8), 0, s>>>(dw, wpart, groups, C);  // the parts, in order
+  // the parts, in order
+  launch_dependent(kDependTrain, colsum_kernel<double>, dim3(unsigned((C + 31) / 32)), dim3(32, 8), 0, s, dw,
+                   static_cast<const double*>(wpart), groups, C);
 }
 
 }  // namespace

@@ -91,6 +91,8 @@ __global__ void swiglu_forward_x8_kernel(__nv_bfloat16* act, const __nv_bfloat16
 __global__ void swiglu_backward_x8_kernel(__nv_bfloat16* dg, __nv_bfloat16* du, const float* dact,
                                           const __nv_bfloat16* g, const __nv_bfloat16* u, int64_t ld8, int64_t ldd8,
                                           int64_t N, int64_t I8) {
+  allow_dependents();
+  grid_dependency_wait();  // launched dependent with kDependTrain (launch.cuh)
   const int64_t v = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (v >= N * I8) return;
   const int64_t at = (v / I8) * ld8 + v % I8, to = (v / I8) * ldd8 + v % I8;
@@ -135,8 +137,8 @@ void launch_swiglu_backward(T* dg, T* du, const float* dact, const T* g, const T
   if (N <= 0 || I <= 0) return;
   if constexpr (std::is_same_v<T, __nv_bfloat16>) {
     if (swiglu_vec8(dg, du, dact, ldd, I) && swiglu_vec8(g, u, dact, ld, I)) {
-      swiglu_backward_x8_kernel<<<swiglu_blocks(N * I / 8), 256, 0, s>>>(dg, du, dact, g, u, ld / 8, ldd / 8, N, I / 8);
-      CUDA_LAUNCH_CHECK();
+      launch_dependent(kDependTrain, swiglu_backward_x8_kernel, dim3(swiglu_blocks(N * I / 8)), dim3(256), 0, s, dg, du,
+                       dact, g, u, ld / 8, ldd / 8, N, I / 8);
       return;
     }
   }

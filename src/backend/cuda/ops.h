@@ -179,10 +179,11 @@ inline constexpr unsigned kDependPick = 32;       // argmax, top-k, sampling
 // (TALON_CUDA_PDL=103, the default and this) until measured on a GPU.
 inline constexpr unsigned kDependTrain = 64;
 inline constexpr unsigned kDependAll = 127;
-// Everything but the attention and its combine (and the trainers' kernels). Measured on an H100 (bench/RESULTS.md,
-// 2026-12-06 fourth session; greedy ms, products only -> this -> all 63): the 8B step at context
-// 2048 5.99 -> 5.95-5.96 -> 5.90; SmolLM2 one token 0.663 -> 0.660 -> 0.678, its 4-token verify
-// 0.90 -> 0.90 -> 1.02 with the attention dependent.
+// Everything but the attention and its combine, and the trainers' kernels. Measured on an H100
+// (bench/RESULTS.md, 2026-12-06 fourth session; greedy ms, products only -> this -> all 63,
+// before kDependTrain existed): the 8B step at context 2048 5.99 -> 5.95-5.96 -> 5.90; SmolLM2
+// one token 0.663 -> 0.660 -> 0.678, its 4-token verify 0.90 -> 0.90 -> 1.02 with the attention
+// dependent.
 inline constexpr unsigned kDependDefault = kDependAll & ~(kDependAttention | kDependCombine | kDependTrain);
 bool dependent_launch_enabled(unsigned kind);
 void set_dependent_launches(unsigned mask);

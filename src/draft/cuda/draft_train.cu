@@ -1149,7 +1149,7 @@ struct DraftEngine::Impl {
   // rows into them, cinv10_d step 1's gradient back.
   bool row_cut = false;
   bool fused_diag = true;  // GpuDraftOptions::fused_diag_backward
-  bool diag_regs = true;  // GpuDraftOptions::diag_rows_in_registers
+  bool diag_regs = true;   // GpuDraftOptions::diag_rows_in_registers
   RowCut rc;
   int64_t N1 = 0, N0 = 0;  // kept rows (N without a cut); step 0's rows after its attention
   int64_t Nr = 0;  // rows of the part of the step being run (N; N1 after step 0; N0 after step 0's attention)

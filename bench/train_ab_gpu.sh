@@ -7,11 +7,19 @@
 #   FLAG=--gpu-fused-products [SEQS="2048 4096"] [ROUNDS=2] [SHAPE=llama3-8b] [LOSS_SHARE=0.675] \
 #     [TESTS='*GpuDraft*:CudaKernels.Swiglu*:CudaKernels.Casts*'] [ARGS="--steps 12"] \
 #     bash bench/train_ab_gpu.sh
-# ARGS go to both arms (FLAG may hold several words too).
+# ARGS go to both arms (FLAG may hold several words too). ENV_ON: environment settings of the
+# "with" arm only (e.g. ENV_ON="TALON_CUDA_PDL=103"); with ENV_ON, FLAG may be empty:
+#   FLAG= ENV_ON="TALON_CUDA_PDL=103" TESTS=0 bash bench/train_ab_gpu.sh
 # TESTS=0 skips the tests. Logs go to $OUT/train_ab (the device machine) or a temporary folder.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-FLAG=${FLAG:?FLAG: the talon_bench_train flag to compare, e.g. --gpu-fused-products}
+ENV_ON=${ENV_ON:-}
+FLAG=${FLAG-}
+if [ -z "$FLAG" ] && [ -z "$ENV_ON" ]; then
+  echo "FLAG (a talon_bench_train flag, e.g. --gpu-fused-products) or ENV_ON (e.g. TALON_CUDA_PDL=103) is needed" >&2
+  exit 2
+fi
+read -r -a envs_on <<< "$ENV_ON"
 SEQS=${SEQS:-"2048 4096"}
 ROUNDS=${ROUNDS:-2}
 SHAPE=${SHAPE:-llama3-8b}
@@ -38,7 +46,9 @@ for seq in $SEQS; do
       read -r -a flags <<< "$ARGS"
       if [ "$arm" = on ]; then read -r -a more <<< "$FLAG"; flags+=("${more[@]}"); fi
       f="$log/$arm-$seq-$r"
-      build/talon_bench_train --shape "$SHAPE" --seq "$seq" --samples 1 --loss-share "$LOSS_SHARE" "${flags[@]}" \
+      envs=()
+      if [ "$arm" = on ]; then envs=("${envs_on[@]}"); fi
+      env "${envs[@]}" build/talon_bench_train --shape "$SHAPE" --seq "$seq" --samples 1 --loss-share "$LOSS_SHARE" "${flags[@]}" \
         > "$f" 2>&1 || tail -3 "$f"
       if [ "$arm" = on ]; then b+=("$(tps "$f")"); else a+=("$(tps "$f")"); fi
     done
@@ -46,7 +56,7 @@ for seq in $SEQS; do
   rows+=("$seq|${a[*]}|${b[*]}|$(mem "$log/off-$seq-1") / $(mem "$log/on-$seq-1")")
 done
 echo
-echo "| seq x 1 | without $FLAG tok/s | with it tok/s | change (mean) | memory GiB (without / with) |"
+echo "| seq x 1 | without ${FLAG:+$FLAG }${ENV_ON} tok/s | with it tok/s | change (mean) | memory GiB (without / with) |"
 echo "|---|---|---|---|---|"
 for r in "${rows[@]}"; do
   IFS='|' read -r seq a b m <<< "$r"

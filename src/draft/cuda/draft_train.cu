@@ -533,6 +533,8 @@ __device__ __forceinline__ void diag_step_rows(const AttnArgs& a, const float* d
 template <int P, int G, bool PF>
 __global__ void diag_backward_kernel(float* dq, float* dK, float* dV, const float* lse, const float* dO, const float* D,
                                      AttnArgs a) {
+  allow_dependents();
+  grid_dependency_wait();  // launched dependent with kDependTrain (launch.cuh)
   const int64_t gw = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
   const int lane = threadIdx.x & 31;
   if (gw >= a.N * a.nkv || a.k == 0) return;
@@ -679,6 +681,8 @@ __global__ void diag_merge_kernel(const OC* oc, float* out, __nv_bfloat16* out_b
 template <int P, int KM, class OC>
 __global__ void diag_merge_regs_kernel(const OC* oc, float* out, __nv_bfloat16* out_b, float* lse, float* sd,
                                        AttnArgs a, int K) {
+  allow_dependents();
+  grid_dependency_wait();  // launched dependent with kDependTrain (launch.cuh)
   const int64_t gw = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
   const int lane = threadIdx.x & 31;
   if (gw >= a.N * a.nh || a.k == 0) return;
@@ -1751,9 +1755,10 @@ struct DraftEngine::Impl {
       go(diag_merge_regs_kernel<2, 8, OC>);
     else if (regs)
       go(diag_merge_regs_kernel<4, 8, OC>);
-    else
+    else {
       diag_merge_kernel<<<wb, 256, 0, s>>>(oc, out, out_b, out_lse, sd, a, K);
-    CUDA_LAUNCH_CHECK();
+      CUDA_LAUNCH_CHECK();
+    }
   }
   void attention_forward(int k, float* out_att, float* out_lse) {
     const AttnArgs a = attn_args(k);

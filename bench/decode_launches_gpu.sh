@@ -4,8 +4,9 @@
 # run twice in alternation so that the call's noise shows. CONFIGS: "name:mask ..."; default
 #   none      0    ordinary launches
 #   products  1    the skinny products only (the default before kDepend*)
-#   default   39   all but the attention and its combine (kDependDefault)
-#   all       63   every decode kernel (127 would add bit 64, the draft trainers' kernels)
+#   default   39   all but the attention and its combine (kDependDefault, 103, adds bit 64: the
+#                  draft trainers' kernels, none of them in decode)
+#   all       63   every decode kernel
 # Shapes: Llama-3.1-8B at context 2048 (EAGLE-3 draft, Vd 32000) and SmolLM2 at 512 (Vd 8192).
 #   source scripts/gpu_carried.sh; bash bench/decode_launches_gpu.sh    (logs go to $OUT)
 set -uo pipefail

@@ -1241,7 +1241,8 @@ TEST_P(GpuDraft, DependentLaunchesKeepTheBits) {
     ScopedOpt att([&](GpuDraftOptions& o) { o.attention = route; });
     std::unique_ptr<GpuDraftTrainer> gpus[2] = {make_gpu(cs, {0}, GpuMath::BF16, 311),
                                                 make_gpu(cs, {0}, GpuMath::BF16, 311)};
-    const unsigned masks[2] = {talon::cuda::kDependDefault, talon::cuda::kDependDefault | talon::cuda::kDependTrain};
+    const unsigned masks[2] = {talon::cuda::kDependDefault & ~talon::cuda::kDependTrain,
+                               talon::cuda::kDependDefault | talon::cuda::kDependTrain};
     for (auto& g : gpus) g->set_weights(cs.w);
     for (int step = 0; step < 4; ++step) {
       std::vector<double> loss[2];

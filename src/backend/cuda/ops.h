@@ -175,16 +175,18 @@ inline constexpr unsigned kDependAttention = 8;   // decode and verify attention
 inline constexpr unsigned kDependCombine = 16;    // the key splits' combine
 inline constexpr unsigned kDependPick = 32;       // argmax, top-k, sampling
 // The draft trainers' own kernels (row moves, casts, the loss, the diagonal keys, the RMSNorm
-// and SwiGLU backward, the weight-part sums, the gradient norm's sums, AdamW). Opt-in
-// (TALON_CUDA_PDL=103, the default and this) until measured on a GPU.
+// and SwiGLU backward, the weight-part sums, the gradient norm's sums and factor, AdamW).
+// Measured on an H100 (bench/RESULTS.md, 2026-12-07 sixth session; talon_bench_train, 8B draft
+// shape, two alternating rounds, TALON_CUDA_PDL=39 -> 103): 2048 tokens 36,087 / 36,121 ->
+// 36,530 / 36,576 tok/s, 4096 tokens 37,799 / 37,752 -> 37,605 / 38,072; the traced step's
+// idle 1.68 -> 1.37 ms in 602 -> 402 gaps.
 inline constexpr unsigned kDependTrain = 64;
 inline constexpr unsigned kDependAll = 127;
-// Everything but the attention and its combine, and the trainers' kernels. Measured on an H100
-// (bench/RESULTS.md, 2026-12-06 fourth session; greedy ms, products only -> this -> all 63,
-// before kDependTrain existed): the 8B step at context 2048 5.99 -> 5.95-5.96 -> 5.90; SmolLM2
-// one token 0.663 -> 0.660 -> 0.678, its 4-token verify 0.90 -> 0.90 -> 1.02 with the attention
-// dependent.
-inline constexpr unsigned kDependDefault = kDependAll & ~(kDependAttention | kDependCombine | kDependTrain);
+// Everything but the attention and its combine (103). Measured on an H100 (bench/RESULTS.md,
+// 2026-12-06 fourth session; greedy ms, products only -> this -> all 63, before kDependTrain
+// existed): the 8B step at context 2048 5.99 -> 5.95-5.96 -> 5.90; SmolLM2 one token 0.663 ->
+// 0.660 -> 0.678, its 4-token verify 0.90 -> 0.90 -> 1.02 with the attention dependent.
+inline constexpr unsigned kDependDefault = kDependAll & ~(kDependAttention | kDependCombine);
 bool dependent_launch_enabled(unsigned kind);
 void set_dependent_launches(unsigned mask);
 

@@ -75,6 +75,10 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   bool staged = false, resident = false;
   app.add_flag("--staged", staged, "features in ordinary (pageable) host memory");
+  bool whole_calls = false;
+  app.add_flag("--whole-calls", whole_calls,
+               "each step as run(), clip_grad_norm(), adamw_step(): two host syncs between the backward and the "
+               "update (the default runs and clips in halves, as `talon train` steps)");
   GpuDraftOptions eng;  // the engine's options, as `talon train --gpu-*` sets them
   app.add_flag("--gpu-batch-embeddings", eng.batch_embeddings,
                "target embedding on the host, batch rows uploaded (the default where it applies)");
@@ -260,9 +264,11 @@ int main(int argc, char** argv) {
       if (settle > 0 && (pp.families == 0 || pp.checking + pp.timing == 0)) break;
       std::vector<uint64_t> seeds;
       for (int64_t s = 0; s < samples; ++s) seeds.push_back(9000000ull + uint64_t(settle) * 1000003ull + uint64_t(s));
-      gpu->run(batch, 1.0 / double(samples), true, true, seeds);
-      gpu->clip_grad_norm(0.5);
+      gpu->run_start(batch, 1.0 / double(samples), true, true, seeds);
+      gpu->clip_grad_norm_start(0.5);
       gpu->adamw_step(oc, settle);
+      gpu->run_finish();
+      gpu->grad_norm();
     }
     if (const ProductPlans pp = gpu->product_plans(); pp.families > 0)
       std::printf("%lld untimed steps first, while the timed product rule chose (%lld of %lld families left)\n",
@@ -285,9 +291,18 @@ int main(int argc, char** argv) {
       }
       std::vector<uint64_t> seeds;
       for (int64_t s = 0; s < samples; ++s) seeds.push_back(uint64_t(st) * 1000003ull + uint64_t(s));
-      const auto res = gpu->run(batch, 1.0 / double(samples), true, true, seeds);
-      gpu->clip_grad_norm(0.5);
-      gpu->adamw_step(oc, st);
+      std::vector<TttResult> res;
+      if (whole_calls) {
+        res = gpu->run(batch, 1.0 / double(samples), true, true, seeds);
+        gpu->clip_grad_norm(0.5);
+        gpu->adamw_step(oc, st);
+      } else {
+        gpu->run_start(batch, 1.0 / double(samples), true, true, seeds);  // as `talon train` steps
+        gpu->clip_grad_norm_start(0.5);
+        gpu->adamw_step(oc, st);
+        res = gpu->run_finish();
+        gpu->grad_norm();
+      }
       const auto t1 = std::chrono::steady_clock::now();
       const double dt = std::chrono::duration<double>(t1 - t_prev).count();
       t_prev = t1;

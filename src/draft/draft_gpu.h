@@ -65,6 +65,19 @@ class GpuDraftTrainer {
   // As train::clip_grad_norm and train::AdamW::step (t_before: updates already applied).
   virtual double clip_grad_norm(double max_norm) = 0;
   virtual void adamw_step(const train::OptimConfig& c, int64_t t_before) = 0;
+  // run() and clip_grad_norm() in halves, so a training step holds no sync between its
+  // backward and its update: run_start(); clip_grad_norm_start(); adamw_step(); then
+  // run_finish() (run()'s results) and grad_norm() (clip_grad_norm()'s value) wait only for the
+  // statistics and the norm, while the device goes on with the update. Nothing else may run
+  // between run_start() and run_finish(). The same bits as the whole calls. By default (the
+  // trainers that have no halves) the first half does all the work.
+  virtual void run_start(const std::vector<Sample>& batch, double weight, bool backward, bool zero_grads,
+                         const std::vector<uint64_t>& seeds = {}) {
+    started_ = run(batch, weight, backward, zero_grads, seeds);
+  }
+  virtual std::vector<TttResult> run_finish() { return std::move(started_); }
+  virtual void clip_grad_norm_start(double max_norm) { norm_ = clip_grad_norm(max_norm); }
+  virtual double grad_norm() { return norm_; }
   virtual void zero_grads() = 0;
   // GPU milliseconds per phase (GpuDraftOptions::profile), of the first GPU.
   virtual std::vector<std::pair<std::string, double>> profile() const = 0;
@@ -81,6 +94,10 @@ class GpuDraftTrainer {
   virtual int64_t cudnn_batches() const { return 0; }
   // GpuDraftOptions::products first, waves or timed, GPU 0 (all zero with cublas).
   virtual ProductPlans product_plans() const { return {}; }
+
+ private:
+  std::vector<TttResult> started_;  // the default run_start()'s results
+  double norm_ = 0;                 // the default clip_grad_norm_start()'s value
 };
 
 // n floats of host memory, page-locked when `pinned` and the CUDA runtime can pin it (batches

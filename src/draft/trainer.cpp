@@ -6,6 +6,7 @@
 #include <chrono>
 #include <cstring>
 #include <cmath>
+#include <functional>
 #include <fstream>
 #include <future>
 #include <optional>
@@ -938,27 +939,40 @@ class Trainer {
     return opt_.seed * 0x9e3779b97f4a7c15ull + uint64_t(step_) * 1315423911ull + uint64_t(i);
   }
 
+  // With `meanwhile` (a step's clipping and update), the last micro-batch runs in halves
+  // (run_start, run_finish) with meanwhile() enqueued between them: the host then waits for
+  // the statistics while the device goes on, with no sync between the backward and the update.
   std::vector<TttResult> run_gpu(const std::vector<eagle3::Sample>& batch, const std::vector<int64_t>& mine,
-                                 double weight, bool backward) {
+                                 double weight, bool backward, const std::function<void()>& meanwhile = {}) {
     std::vector<TttResult> res(batch.size());
     std::vector<int64_t> lengths;
     for (auto& s : batch) lengths.push_back(s.T);
     std::vector<uint8_t> is_mine(batch.size(), 0);
     for (int64_t i : mine) is_mine[size_t(i)] = 1;
     bool first = true;
-    for (auto& m : micro_batches(lengths)) {
+    const std::vector<std::vector<int64_t>> micros = micro_batches(lengths);
+    std::vector<int64_t> started;  // the last micro-batch's samples, run_start()ed
+    for (size_t mi = 0; mi < micros.size(); ++mi) {
       std::vector<eagle3::Sample> micro;
       std::vector<int64_t> at;
       std::vector<uint64_t> seeds;
-      for (int64_t i : m)
+      for (int64_t i : micros[mi])
         if (is_mine[size_t(i)]) micro.push_back(batch[size_t(i)]), at.push_back(i), seeds.push_back(sample_seed(i));
-      if (!micro.empty()) {
+      if (!micro.empty() && meanwhile && mi + 1 == micros.size()) {
+        dev_->run_start(micro, weight, backward, first, seeds);
+        started = std::move(at);
+      } else if (!micro.empty()) {
         auto r = dev_->run(micro, weight, backward, first, seeds);
         for (size_t k = 0; k < at.size(); ++k) res[size_t(at[k])] = std::move(r[k]);
       } else if (backward && first) {
         dev_->zero_grads();
       }
       first = false;
+    }
+    if (meanwhile) meanwhile();
+    if (!started.empty()) {
+      auto r = dev_->run_finish();
+      for (size_t k = 0; k < started.size(); ++k) res[size_t(started[k])] = std::move(r[k]);
     }
     gather_results(res, mine, {}, nullptr);
     return res;
@@ -1147,15 +1161,21 @@ class Trainer {
       batch[size_t(b)].hidden = f.hidden;
     }
     const double inv_b = 1.0 / double(batch.size());
-    const std::vector<TttResult> res = run_samples(batch, mine, inv_b, true);
-    const double gnorm = dev_ ? dev_->clip_grad_norm(oc_.clip_norm) : clip_grad_norm(params_, oc_.clip_norm);
-    const double lr = lr_at(oc_, step_);
-    if (dev_) {
-      dev_->adamw_step(oc_, step_);
+    std::vector<TttResult> res;
+    double gnorm = 0;
+    if (dev_) {  // the update is enqueued before the host waits for the step's statistics
+      res = run_gpu(batch, mine, inv_b, true, [&] {
+        dev_->clip_grad_norm_start(oc_.clip_norm);
+        dev_->adamw_step(oc_, step_);
+      });
+      gnorm = dev_->grad_norm();
       adam_->set_step_count(step_ + 1);
     } else {
+      res = run_samples(batch, mine, inv_b, true);
+      gnorm = clip_grad_norm(params_, oc_.clip_norm);
       adam_->step(params_);
     }
+    const double lr = lr_at(oc_, step_);
     const Summary m = summarize(res, width());
     const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0_).count();
     const double tps = secs > 0 ? double(tokens_) / secs : 0.0;

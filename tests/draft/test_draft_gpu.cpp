@@ -1106,16 +1106,29 @@ TEST_P(GpuDraft, AdamWStepsMatchCpuAndAreDeterministic) {
       for (auto& g : *p.g) g *= 0.25;
     const double cn = train::clip_grad_norm(params, oc.clip_norm);
     adam.step(params);
-    for (auto& gpu : gpus) {
-      // Two micro-batches (budget 40 tokens): gradients accumulate across them.
+    for (size_t gi = 0; gi < gpus.size(); ++gi) {
+      auto& gpu = gpus[gi];
+      // Two micro-batches (budget 40 tokens): gradients accumulate across them. The second
+      // trainer runs the last one and the clipping in halves, the update enqueued in between
+      // (as `talon train` steps): the same bits as the first, which runs each call whole.
       std::vector<Sample> m1(batch.begin(), batch.begin() + 2), m2(batch.begin() + 2, batch.end());
-      double loss = 0;
+      double loss = 0, gn = 0;
       for (auto& r : gpu->run(m1, 0.25, true, true)) loss += r.loss / 4.0;
-      for (auto& r : gpu->run(m2, 0.25, true, false)) loss += r.loss / 4.0;
+      if (gi == 0) {
+        for (auto& r : gpu->run(m2, 0.25, true, false)) loss += r.loss / 4.0;
+        gn = gpu->clip_grad_norm(oc.clip_norm);
+        gpu->adamw_step(oc, step);
+      } else {
+        gpu->run_start(m2, 0.25, true, false);
+        gpu->clip_grad_norm_start(oc.clip_norm);
+        gpu->adamw_step(oc, step);
+        const auto r2 = gpu->run_finish();
+        ASSERT_EQ(r2.size(), m2.size());
+        for (auto& r : r2) loss += r.loss / 4.0;
+        gn = gpu->grad_norm();
+      }
       EXPECT_NEAR(loss, cpu_loss, tol::kGpuTttLossRel * std::max(1.0, cpu_loss)) << "step " << step;
-      const double gn = gpu->clip_grad_norm(oc.clip_norm);
       EXPECT_NEAR(gn, cn, tol::kGpuTttGradRel * cn) << "step " << step;
-      gpu->adamw_step(oc, step);
     }
   }
   DraftWeights g0, g1;
@@ -1352,10 +1365,18 @@ TEST(GpuDraftDataParallel, TwoGpusMatchOneAndAreDeterministic) {
       EXPECT_NEAR(ra[i].loss, r1[i].loss, tol::kGpuTttLossRel * std::max(1.0, r1[i].loss)) << "step " << step;
       EXPECT_EQ(ra[i].loss, rb[i].loss) << "step " << step << ": two data-parallel runs differ";
     }
-    const double g1 = one->clip_grad_norm(0.5), ga = dp1->clip_grad_norm(0.5), gb = dp2->clip_grad_norm(0.5);
+    const double g1 = one->clip_grad_norm(0.5), ga = dp1->clip_grad_norm(0.5);
+    for (auto* t : {one.get(), dp1.get()}) t->adamw_step(oc, step);
+    // The third in halves, its update enqueued before its results are read: the same bits.
+    dp2->run_start(batch, 0.25, true, true);
+    dp2->clip_grad_norm_start(0.5);
+    dp2->adamw_step(oc, step);
+    const auto rh = dp2->run_finish();
+    const double gb = dp2->grad_norm();
+    ASSERT_EQ(rh.size(), rb.size());
+    for (size_t i = 0; i < rb.size(); ++i) EXPECT_EQ(rh[i].loss, rb[i].loss) << "sample " << i << ", step " << step;
     EXPECT_NEAR(ga, g1, tol::kGpuTttGradRel * g1) << "step " << step;
     EXPECT_EQ(ga, gb);
-    for (auto* t : {one.get(), dp1.get(), dp2.get()}) t->adamw_step(oc, step);
   }
   DraftWeights w1, wa, wb;
   one->get_weights(w1);

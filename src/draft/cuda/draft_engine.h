@@ -138,9 +138,19 @@ class DraftEngine {
   const std::vector<float>& target_entropy() const;
   // All K steps over the prepared batch. With backward, also adds the gradient of
   // sum_rows row_scale[k*N + n] * ce_k[n] to the gradients (zeroed first when asked).
-  void run(const std::vector<float>& row_scale, bool backward, bool zero_grads, DraftRowStats& out);
+  // wait = false: returns once the work is enqueued, `out` untouched; finish_run() waits for it
+  // and fills `out` (nothing else may be prepared or run in between; the clipping and the
+  // update may be enqueued).
+  void run(const std::vector<float>& row_scale, bool backward, bool zero_grads, DraftRowStats& out,
+           bool wait = true);
+  void finish_run(DraftRowStats& out);
   // Global L2 norm of the gradients; scales them to max_norm when larger (max_norm > 0).
+  // clip_grad_norm_start() enqueues it (the factor stays on the device, the host does not
+  // wait); grad_norm() waits for the norm alone, so called after adamw() the device has the
+  // update to run meanwhile. clip_grad_norm() is the two together.
   double clip_grad_norm(double max_norm);
+  void clip_grad_norm_start(double max_norm);
+  double grad_norm();
   // One AdamW update as train::AdamW::step; decay[i]: weight decay applies to tensor i;
   // t_after: the update's 1-based count (for the bias corrections).
   void adamw(double lr, double beta1, double beta2, double eps, double weight_decay, const std::vector<uint8_t>& decay,

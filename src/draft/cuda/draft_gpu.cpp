@@ -1,7 +1,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
-
+#include <optional>
 #include <thread>
 
 #include "backend/cuda/check.h"
@@ -375,28 +375,79 @@ class CudaDraftTrainer final : public DeviceTrainer {
       r += s.T;
     }
     cuda::DraftRowStats st;
-    eng_->run(scale, backward, zero_grads, st);
-    TALON_CHECK(st.counts == counts, "draft on GPU: the device's positions that count disagree with the host's");
+    eng_->run(scale, backward, zero_grads, st, !defer_);
+    std::vector<int64_t> lengths;
+    for (const Sample& s : batch) lengths.push_back(s.T);
+    if (defer_) {  // run_start(): the results once run_finish() has the statistics
+      pending_ = Pending{std::move(lengths), N, std::move(counts)};
+      return {};
+    }
+    return results(lengths, N, counts, st);
+  }
 
-    std::vector<TttResult> out(batch.size());
-    r = 0;
-    for (size_t i = 0; i < batch.size(); ++i) {
-      const Sample& s = batch[i];
+  // Per-sample results from the engine's row statistics (the samples' lengths, N rows, the
+  // host's counts to check the device's against).
+  std::vector<TttResult> results(const std::vector<int64_t>& lengths, int64_t N, const std::vector<uint8_t>& counts,
+                                 const cuda::DraftRowStats& st) const {
+    TALON_CHECK(st.counts == counts, "draft on GPU: the device's positions that count disagree with the host's");
+    const int64_t K = c_.ttt_steps;
+    std::vector<TttResult> out(lengths.size());
+    int64_t r = 0;
+    for (size_t i = 0; i < lengths.size(); ++i) {
+      const int64_t T = lengths[i];
       TttResult& res = out[i];
-      std::vector<uint8_t> right(size_t(s.T), 1);
+      std::vector<uint8_t> right(size_t(T), 1);
       res.accept_len = 1;
       for (int64_t k = 0; k < K; ++k) {
         StepTally tally;
-        for (int64_t t = 0; t < s.T; ++t) {
+        for (int64_t t = 0; t < T; ++t) {
           const size_t j = size_t(k * N + r + t);
           tally.add(st.counts[j], st.hit[j], double(st.ce[j]), right[size_t(t)]);
         }
         add_step(res, tally, std::pow(c_.step_decay, double(k)));
       }
-      r += s.T;
+      r += T;
     }
     return out;
   }
+
+ public:
+  // EAGLE-3's run in halves (P-EAGLE: the default, whole in run_start()).
+  void run_start(const std::vector<Sample>& batch, double weight, bool backward, bool zero_grads,
+                 const std::vector<uint64_t>& seeds) override {
+    TALON_CHECK(!pending_, "draft on GPU: run_start() again before run_finish()");
+    if (peagle_) return GpuDraftTrainer::run_start(batch, weight, backward, zero_grads, seeds);
+    defer_ = true;
+    try {
+      (void)run(batch, weight, backward, zero_grads, seeds);
+    } catch (...) {
+      defer_ = false;
+      throw;
+    }
+    defer_ = false;
+  }
+  std::vector<TttResult> run_finish() override {
+    if (!pending_) return GpuDraftTrainer::run_finish();
+    const Pending p = std::move(*pending_);
+    pending_.reset();
+    cuda::DraftRowStats st;
+    eng_->finish_run(st);
+    return results(p.lengths, p.N, p.counts, st);
+  }
+  void clip_grad_norm_start(double max_norm) override { eng_->clip_grad_norm_start(max_norm); }
+  double grad_norm() override { return eng_->grad_norm(); }
+
+ private:
+  // run_start()'s batch, until run_finish().
+  struct Pending {
+    std::vector<int64_t> lengths;
+    int64_t N = 0;
+    std::vector<uint8_t> counts;
+  };
+  std::optional<Pending> pending_;
+  bool defer_ = false;
+
+ public:
 
   double clip_grad_norm(double max_norm) override { return eng_->clip_grad_norm(max_norm); }
   void adamw_step(const train::OptimConfig& c, int64_t t_before) override {
@@ -792,28 +843,74 @@ class DataParallelDraftTrainer final : public GpuDraftTrainer {
     }
     std::vector<std::vector<TttResult>> res(n);
     each([&](int r) {
-      if (!part[size_t(r)].empty())
-        res[size_t(r)] = ranks_[size_t(r)]->run(part[size_t(r)], weight, backward, zero_grads, part_seeds[size_t(r)]);
-      else if (backward && zero_grads)
-        ranks_[size_t(r)]->zero_grads();
+      DeviceTrainer& e = *ranks_[size_t(r)];
+      if (!part[size_t(r)].empty()) {
+        if (starting_)
+          e.run_start(part[size_t(r)], weight, backward, zero_grads, part_seeds[size_t(r)]);
+        else
+          res[size_t(r)] = e.run(part[size_t(r)], weight, backward, zero_grads, part_seeds[size_t(r)]);
+      } else if (backward && zero_grads) {
+        e.zero_grads();
+      }
     });
-    std::vector<TttResult> out(batch.size());
-    for (size_t i = 0; i < batch.size(); ++i) out[i] = std::move(res[i % n][i / n]);
+    if (starting_) {
+      started_parts_.clear();
+      for (auto& p : part) started_parts_.push_back(p.size());
+      started_n_ = batch.size();
+      return {};
+    }
+    return interleave(res, batch.size());
+  }
+  // Sample i went to GPU i mod n: back in the batch's order.
+  std::vector<TttResult> interleave(std::vector<std::vector<TttResult>>& res, size_t count) const {
+    const size_t n = ranks_.size();
+    std::vector<TttResult> out(count);
+    for (size_t i = 0; i < count; ++i) out[i] = std::move(res[i % n][i / n]);
     return out;
   }
-  double clip_grad_norm(double max_norm) override {
-    std::vector<double> norms(ranks_.size());
+  void run_start(const std::vector<Sample>& batch, double weight, bool backward, bool zero_grads,
+                 const std::vector<uint64_t>& seeds) override {
+    TALON_CHECK(started_n_ == 0, "data parallel: run_start() again before run_finish()");
+    starting_ = true;
+    try {
+      (void)run(batch, weight, backward, zero_grads, seeds);
+    } catch (...) {
+      starting_ = false;
+      throw;
+    }
+    starting_ = false;
+  }
+  std::vector<TttResult> run_finish() override {
+    std::vector<std::vector<TttResult>> res(ranks_.size());
+    each([&](int r) {
+      if (started_parts_[size_t(r)] > 0) res[size_t(r)] = ranks_[size_t(r)]->run_finish();
+    });
+    const size_t count = started_n_;
+    started_n_ = 0;
+    return interleave(res, count);
+  }
+  // The gradients summed over every GPU (NCCL), then each GPU's norm and factor (the same
+  // sums, so the same bits).
+  void clip_grad_norm_start(double max_norm) override {
     each([&](int r) {
       DeviceTrainer& e = *ranks_[size_t(r)];
       const Nccl& x = Nccl::get();
       x.check(x.all_reduce(e.grad_data(), e.grad_data(), size_t(e.grad_elems()), ncclFloat32, ncclSum,
                            comms_[size_t(r)], e.stream()),
               "all-reduce of the gradients");
-      norms[size_t(r)] = ranks_[size_t(r)]->clip_grad_norm(max_norm);
+      e.clip_grad_norm_start(max_norm);
     });
+  }
+  double grad_norm() override {
+    std::vector<double> norms(ranks_.size());
+    each([&](int r) { norms[size_t(r)] = ranks_[size_t(r)]->grad_norm(); });
     for (double v : norms)
       TALON_CHECK(v == norms[0], "data parallel: the GPUs disagree on the gradient norm ({} vs {})", v, norms[0]);
     return norms[0];
+  }
+  double clip_grad_norm(double max_norm) override {
+    clip_grad_norm_start(max_norm);
+    return grad_norm();
   }
   void adamw_step(const train::OptimConfig& c, int64_t t_before) override {
     each([&](int r) { ranks_[size_t(r)]->adamw_step(c, t_before); });
@@ -855,6 +952,11 @@ class DataParallelDraftTrainer final : public GpuDraftTrainer {
   std::vector<int> devices_;
   std::vector<std::unique_ptr<DeviceTrainer>> ranks_;
   std::vector<ncclComm_t> comms_;
+  // run_start(): run() starts each GPU's part; run_finish() collects them (started_parts_:
+  // samples a GPU; started_n_: the batch's, 0 when nothing is started).
+  bool starting_ = false;
+  std::vector<size_t> started_parts_;
+  size_t started_n_ = 0;
 };
 #endif
 

@@ -1102,6 +1102,18 @@ struct DraftEngine::Impl {
     std::memcpy(out.hit.data(), stats_host + kn * 4, kn);
     std::memcpy(out.counts.data(), stats_host + kn * 5, kn);
   }
+  // The end of run(): its statistics now (one sync), or once `ran` has passed (finish_run()).
+  void end_run(DraftRowStats& out, size_t kn, bool wait) {
+    if (!wait) {
+      CUDA_CHECK(cudaEventRecord(ran, s));
+      kn_pending = kn;
+      run_pending = true;
+      return;
+    }
+    CUDA_CHECK(cudaStreamSynchronize(s));
+    take_stats(out, kn);
+    collect();
+  }
   // --gpu-profile: GPU time per phase, from events between marks.
   bool profiling = false;
   std::vector<std::pair<std::string, cudaEvent_t>> marks;
@@ -1228,6 +1240,7 @@ struct DraftEngine::Impl {
     if (emb_stage) cudaFreeHost(emb_stage);
     if (stage) cudaFreeHost(stage);
     if (stats_host) cudaFreeHost(stats_host);
+    if (norm_host) cudaFreeHost(norm_host);
     if (host_embed) cudaFreeHost(host_embed);
     if (host_hidden) cudaFreeHost(host_hidden);
     for (auto& m : marks) cudaEventDestroy(m.second);
@@ -1321,10 +1334,21 @@ struct DraftEngine::Impl {
     if (!bf16_operands) return;
     cast_bf16(Wb, W, w_total, s);
   }
-  // The clipping factor clip_grad_norm() found, not yet applied to G: AdamW applies it as it
-  // reads the gradients; anything else that reads or adds to G applies it first (scale_grads),
-  // and zeroing G drops it.
-  float grad_scale = 1.f;
+  // The clipping factor clip_grad_norm_start() found, on the device (*dscale, 1 where no clip
+  // was needed), not yet applied to G while scale_pending: AdamW applies it as it reads the
+  // gradients; anything else that reads or adds to G applies it first (scale_grads), and
+  // zeroing G drops it. The norm goes to norm_host (mapped pinned memory) and `normed` is
+  // recorded after it, so the host reads it without holding the device.
+  float* dscale = nullptr;
+  bool scale_pending = false;
+  double* norm_host = nullptr;
+  cudaEvent_t normed = nullptr;
+  bool norm_started = false;
+  // run(..., wait = false): the run's statistics are read once `ran` has passed (finish_run());
+  // until then no other batch may start (kn_pending: their count).
+  cudaEvent_t ran = nullptr;
+  size_t kn_pending = 0;
+  bool run_pending = false;
   // Step 0's input, fc(aux) into gs[0], made by prepare() while the host builds the batch's row
   // maps (the device would idle there otherwise); run() makes it again if the weights changed
   // in between (weights_version counts their updates) or it was used already.
@@ -1337,12 +1361,12 @@ struct DraftEngine::Impl {
     fc_version = weights_version;
   }
   void scale_grads() {
-    if (grad_scale == 1.f) return;
+    if (!scale_pending) return;
     for (int t = 0; t < int(sizes.size()); ++t) {
-      scale_kernel<<<nblocks(sizes[size_t(t)], 256), 256, 0, s>>>(g(t), grad_scale, sizes[size_t(t)]);
+      scale_at_kernel<<<nblocks(sizes[size_t(t)], 256), 256, 0, s>>>(g(t), dscale, sizes[size_t(t)]);
       CUDA_LAUNCH_CHECK();
     }
-    grad_scale = 1.f;
+    scale_pending = false;
   }
   // GpuDraftOptions::fresh_grads: per tensor, whether its range of G awaits this run's first
   // product (its contents are stale until then); n_fresh of them.
@@ -1973,6 +1997,9 @@ DraftEngine::DraftEngine(int device, const DraftDims& dd, DraftMath math, const 
   I.staged = I.dev->event(1);
   const int64_t H = dd.H, V = dd.V, Vd = dd.Vd, R = max_rows, K = dd.K;
   CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&I.stats_host), size_t(K * R) * 6, cudaHostAllocDefault));
+  CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&I.norm_host), sizeof(double), cudaHostAllocMapped));
+  I.normed = I.dev->event(2);
+  I.ran = I.dev->event(3);
   // Uploads go on the engine's stream (ordered after the zeroing of their buffers), drained at
   // once: the host arrays are the caller's.
   auto up_bytes = [&](void* dst, const void* src, size_t bytes) {
@@ -2057,6 +2084,7 @@ DraftEngine::DraftEngine(int device, const DraftDims& dd, DraftMath math, const 
   I.M = I.alloc<float>(size_t(total));
   I.Vm = I.alloc<float>(size_t(total));
   I.partial = I.alloc<double>(I.sizes.size() * size_t(kNormBlocks));
+  I.dscale = I.alloc<float>(1);
   if (dd.peagle) {
     I.embed = I.W + I.offs[EMBED];
     I.gm = I.alloc<float>(size_t(R * H));
@@ -2332,7 +2360,7 @@ cudaStream_t DraftEngine::stream() const { return p_->s; }
 int DraftEngine::device() const { return p_->device; }
 void DraftEngine::zero_grads() {
   CUDA_CHECK(cudaSetDevice(p_->device));
-  p_->grad_scale = 1.f;
+  p_->scale_pending = false;
   p_->n_fresh = 0;  // all of G zeroed: nothing waits for a first product
   p_->fresh.assign(p_->fresh.size(), 0);
   CUDA_CHECK(cudaMemsetAsync(p_->G, 0, size_t(grad_elems()) * 4, p_->s));
@@ -2444,6 +2472,7 @@ std::vector<int32_t> target_rows(int64_t N, const uint8_t* mask, const int32_t* 
 std::vector<uint8_t> DraftEngine::prepare(const DraftBatch& b) {
   Impl& I = *p_;
   CUDA_CHECK(cudaSetDevice(I.device));
+  if (I.run_pending) fail_msg("draft on GPU: a batch was prepared before the last run's finish_run()");
   CUDA_CHECK(cudaEventSynchronize(I.aux_ready));  // the last batch's upload (run() waited for it)
   I.restart_staging();
   if (b.N > I.R || b.N <= 0)
@@ -2623,9 +2652,11 @@ std::vector<uint8_t> DraftEngine::prepare(const DraftBatch& b) {
 
 const std::vector<float>& DraftEngine::target_entropy() const { return p_->h_ent; }
 
-void DraftEngine::run(const std::vector<float>& row_scale, bool backward, bool zero_grads, DraftRowStats& out) {
+void DraftEngine::run(const std::vector<float>& row_scale, bool backward, bool zero_grads, DraftRowStats& out,
+                      bool wait) {
   Impl& I = *p_;
   CUDA_CHECK(cudaSetDevice(I.device));
+  if (I.run_pending) fail_msg("draft on GPU: run() again before the last run's finish_run()");
   const DraftDims& d = I.d;
   const int64_t N = I.N, H = d.H, Id = d.I, qd = I.qd, kvd = I.kvd, K = d.K;
   const cudaStream_t s = I.s;
@@ -2638,7 +2669,7 @@ void DraftEngine::run(const std::vector<float>& row_scale, bool backward, bool z
   const int64_t total = grad_elems();
   if (backward) {  // G is zeroed below, or this run adds to it: a pending clipping factor goes first
     if (zero_grads)
-      I.grad_scale = 1.f;
+      I.scale_pending = false;
     else
       I.scale_grads();
   }
@@ -2736,9 +2767,7 @@ void DraftEngine::run(const std::vector<float>& row_scale, bool backward, bool z
   CUDA_CHECK(cudaMemcpyAsync(I.stats_host + kn * 5, I.cnt, kn, cudaMemcpyDeviceToHost, s));
   if (!backward) {
     I.mark("end");
-    CUDA_CHECK(cudaStreamSynchronize(s));
-    I.take_stats(out, kn);
-    I.collect();
+    I.end_run(out, kn, wait);
     return;
   }
 
@@ -2914,14 +2943,22 @@ void DraftEngine::run(const std::vector<float>& row_scale, bool backward, bool z
   }
   I.finish_grads();
   I.mark("end");
-  CUDA_CHECK(cudaStreamSynchronize(s));
-  I.take_stats(out, kn);
+  I.end_run(out, kn, wait);
+}
+
+void DraftEngine::finish_run(DraftRowStats& out) {
+  Impl& I = *p_;
+  if (!I.run_pending) fail_msg("draft on GPU: finish_run() with no run started");
+  CUDA_CHECK(cudaSetDevice(I.device));
+  CUDA_CHECK(cudaEventSynchronize(I.ran));
+  I.run_pending = false;
+  I.take_stats(out, I.kn_pending);
   I.collect();
 }
 
 std::vector<std::pair<std::string, double>> DraftEngine::profile() const { return p_->prof_ms; }
 
-double DraftEngine::clip_grad_norm(double max_norm) {
+void DraftEngine::clip_grad_norm_start(double max_norm) {
   Impl& I = *p_;
   CUDA_CHECK(cudaSetDevice(I.device));
   I.scale_grads();
@@ -2930,17 +2967,24 @@ double DraftEngine::clip_grad_norm(double max_norm) {
     launch_dependent(kDependTrain, sumsq_kernel, dim3(kNormBlocks), dim3(256), 0, I.s, I.partial + t * kNormBlocks,
                      I.g(t), I.sizes[size_t(t)]);
   }
-  std::vector<double> part(size_t(nt * kNormBlocks));
-  CUDA_CHECK(cudaMemcpyAsync(part.data(), I.partial, part.size() * 8, cudaMemcpyDeviceToHost, I.s));
-  CUDA_CHECK(cudaStreamSynchronize(I.s));
-  double ss = 0;
-  for (double x : part) ss += x;
-  const double norm = std::sqrt(ss);
-  if (max_norm > 0) {
-    const double coef = max_norm / (norm + 1e-6);
-    if (coef < 1.0) I.grad_scale = float(coef);  // applied by adamw(), or by scale_grads() first
-  }
-  return norm;
+  launch_dependent(kDependTrain, norm_finish_kernel, dim3(1), dim3(256), 0, I.s, I.partial, nt * kNormBlocks,
+                   max_norm, I.norm_host, I.dscale);
+  CUDA_CHECK(cudaEventRecord(I.normed, I.s));
+  I.scale_pending = true;  // (1 where the norm is within max_norm: the same bits)
+  I.norm_started = true;
+}
+
+double DraftEngine::grad_norm() {
+  Impl& I = *p_;
+  if (!I.norm_started) fail_msg("draft on GPU: grad_norm() before any clip_grad_norm_start()");
+  CUDA_CHECK(cudaSetDevice(I.device));
+  CUDA_CHECK(cudaEventSynchronize(I.normed));
+  return *I.norm_host;
+}
+
+double DraftEngine::clip_grad_norm(double max_norm) {
+  clip_grad_norm_start(max_norm);
+  return grad_norm();
 }
 
 void DraftEngine::adamw(double lr, double beta1, double beta2, double eps, double weight_decay,
@@ -2956,8 +3000,8 @@ void DraftEngine::adamw(double lr, double beta1, double beta2, double eps, doubl
     if (I.d.peagle && t == LM) continue;  // frozen
     const float decay = decay_on[size_t(t)] ? float(1.0 - lr * weight_decay) : 1.0f;
     const int64_t n = I.sizes[size_t(t)], o = I.offs[size_t(t)];
-    const AdamWArgs a{decay, float(lr / bc1), float(std::sqrt(bc2)), float(beta1), float(beta2), float(eps),
-                      I.grad_scale};
+    const AdamWArgs a{decay, float(lr / bc1), float(std::sqrt(bc2)), float(beta1), float(beta2), float(eps), 1.f,
+                      I.scale_pending ? I.dscale : nullptr};
     adamw_update(I.W + o, I.M + o, I.Vm + o, I.G + o, n, a, I.bf16_operands ? I.Wb + o : nullptr, I.s);
     CUDA_LAUNCH_CHECK();
   }

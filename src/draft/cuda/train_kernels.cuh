@@ -56,15 +56,49 @@ __global__ void sumsq_kernel(double* partial, const float* g, int64_t n) {
   if (threadIdx.x == 0) partial[blockIdx.x] = sh[0];
 }
 
+// The global norm from sumsq_kernel's n partial sums (a fixed order: the same bits every run
+// and on every GPU given the same partials) into *norm, and the clipping factor into *scale:
+// max_norm / (norm + 1e-6) where that is below 1 (max_norm > 0), else 1. One block of 256.
+__global__ void norm_finish_kernel(const double* partial, int n, double max_norm, double* norm, float* scale) {
+  allow_dependents();
+  grid_dependency_wait();  // launched dependent with kDependTrain (launch.cuh)
+  __shared__ double sh[256];
+  double acc = 0;
+  for (int i = int(threadIdx.x); i < n; i += 256) acc += partial[i];
+  sh[threadIdx.x] = acc;
+  __syncthreads();
+  for (int o = 128; o > 0; o >>= 1) {
+    if (int(threadIdx.x) < o) sh[threadIdx.x] += sh[threadIdx.x + o];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) {
+    const double nr = sqrt(sh[0]);
+    float f = 1.f;
+    if (max_norm > 0) {
+      const double coef = max_norm / (nr + 1e-6);
+      if (coef < 1.0) f = float(coef);
+    }
+    *norm = nr;
+    *scale = f;
+  }
+}
+
 __global__ void scale_kernel(float* x, float s, int64_t n) {
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i < n) x[i] *= s;
 }
+// As scale_kernel, the factor read from the device (*s).
+__global__ void scale_at_kernel(float* x, const float* s, int64_t n) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < n) x[i] *= *s;
+}
 
 // One AdamW update of one value. The gradient is read times gscale (the clipping factor,
-// applied here instead of in a pass of its own: the same product, so the same bits).
+// applied here instead of in a pass of its own: the same product, so the same bits); where
+// gscale_at is set, the factor is read from there on the device instead.
 struct AdamWArgs {
   float decay, step, sbc2, b1, b2, eps, gscale;
+  const float* gscale_at = nullptr;
 };
 __device__ __forceinline__ float adamw_one(float& w, float& m, float& v, float g, const AdamWArgs& a) {
   const float gj = a.gscale == 1.f ? g : g * a.gscale;
@@ -86,9 +120,12 @@ __host__ __device__ inline bool adamw_vectors(const float* w, const float* m, co
 // AdamW over n values: four a thread (float4 loads and stores) where every array is 16-byte
 // aligned (wb 8-byte), then the rest one a thread. With wb, the weights' bf16 copy is written
 // too (the bits cast_bf16 gives). Each value's arithmetic is the same either way.
-__global__ void adamw_kernel(float* w, float* m, float* v, const float* g, int64_t n, AdamWArgs a, __nv_bfloat16* wb) {
+__global__ void adamw_kernel(float* w, float* m, float* v, const float* g, int64_t n, AdamWArgs args,
+                             __nv_bfloat16* wb) {
   allow_dependents();
   grid_dependency_wait();  // launched dependent with kDependTrain (launch.cuh)
+  AdamWArgs a = args;
+  if (a.gscale_at) a.gscale = *a.gscale_at;
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t n4 = adamw_vectors(w, m, v, g, wb) ? n / 4 : 0;
   if (i < n4) {

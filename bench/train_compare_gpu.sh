@@ -4,7 +4,7 @@
 # then the VARIANT run) and the PyTorch peer (bench/train_peer.py, which first checks itself
 # against the oracle), then a table of tokens/s, memory and ratios. Every log is kept under
 # $LOGS (default: $OUT/train_compare on the device machine, else a temporary folder).
-#   bash scripts/gpu_build.sh && [LOSS_SHARE=f] [VARIANT=staged|resident|cudnn|flash|device|allrows|fused|zeroed|loaddiag|cublas|base|none] \
+#   bash scripts/gpu_build.sh && [LOSS_SHARE=f] [VARIANT=staged|resident|cudnn|flash|device|allrows|fused|zeroed|loaddiag|headgroups|cublas|base|none] \
 #     bash bench/train_compare_gpu.sh [SHAPE] ["SEQS"] [SAMPLES] [PEER_COMPILE]
 # e.g. LOSS_SHARE=0.675 VARIANT=resident bash bench/train_compare_gpu.sh llama3-8b "2048 4096" 1 full
 set -uo pipefail
@@ -57,7 +57,8 @@ res_peer() { pick 's/.*(reserved \([0-9.]*\) GiB).*/\1/p' "$1"; }
 # backward as one product each: --gpu-fused-products), zeroed (the whole gradient memset before
 # a step: --gpu-zeroed-grads; the default writes each matrix's first product), loaddiag (the
 # diagonal keys' kernels a load at a time, as before their rows went into registers:
-# --gpu-no-diag-registers), flash (the fused kernels
+# --gpu-no-diag-registers), headgroups (cuDNN's backward in head groups where its workspace
+# would not fit the lent memory: --gpu-cudnn-head-groups), flash (the fused kernels
 # for every batch: --gpu-attention flash; the default, auto, takes cuDNN for the batches whose
 # workspace fits the memory lent to it), cublas (--gpu-products cublas: every product's
 # algorithm cuBLAS's own choice; the default, auto, takes the fastest cuBLASLt candidate with
@@ -74,6 +75,7 @@ case "$VARIANT" in
   fused) vflag=(--gpu-fused-products) ;;
   zeroed) vflag=(--gpu-zeroed-grads) ;;
   loaddiag) vflag=(--gpu-no-diag-registers) ;;
+  headgroups) vflag=(--gpu-cudnn-head-groups) ;;
   cublas) vflag=(--gpu-products cublas) ;;
   base)
     vflag=()

@@ -99,6 +99,8 @@ int main(int argc, char** argv) {
   app.add_flag("--gpu-fresh-grads,!--gpu-zeroed-grads", eng.fresh_grads,
                "each weight matrix's first gradient product of a step writes it (no memset of the whole "
                "gradient; the default); --gpu-zeroed-grads zeroes the whole gradient first");
+  app.add_flag("--gpu-cudnn-head-groups", eng.cudnn_head_groups,
+               "cuDNN's attention backward in head groups where its workspace would not fit the lent memory");
   app.add_flag("--gpu-diag-registers,!--gpu-no-diag-registers", eng.diag_rows_in_registers,
                "the diagonal keys' merge and backward with their rows in registers, loaded ahead (the "
                "default); --gpu-no-diag-registers: a load at a time");

@@ -247,6 +247,11 @@ int main(int argc, char** argv) {
                    "The diagonal keys' attention merge and backward with their rows in registers, loaded ahead "
                    "(the same bits; the default); --gpu-no-diag-registers: a load at a time")
         ->group(g);
+    cmd_tr
+        ->add_flag("--gpu-cudnn-head-groups", tr.gpu_engine.cudnn_head_groups,
+                   "cuDNN's attention backward in head groups where one over every head would need more "
+                   "workspace than the memory lent to it, so long samples go through cuDNN too (opt-in)")
+        ->group(g);
     cmd_tr->add_flag("--gpu-profile", tr.gpu_engine.profile, "Log GPU time per phase at the end")->group(g);
   }
   cmd_tr->add_option("--noise", tr.noise, "Uniform noise amplitude added to the aux hidden states")->capture_default_str();

@@ -85,6 +85,14 @@ struct GpuDraftOptions {
   // whole gradient zeroed, every product adding to it); reruns and resumes stay bit-identical
   // either way.
   bool fresh_grads = true;
+  // cuDNN's attention (auto or cudnn): its deterministic backward in head groups, the fewest
+  // whose workspace fits the memory lent to it, or cudnn_auto_bytes where that is set
+  // (CudnnSdpa::set_backward_limit), so that long
+  // samples go through cuDNN too instead of the fused kernels (auto) or a workspace of its own
+  // (cudnn). That backward takes samples x heads x S^2 x 2 bytes: 4 GiB for one sample of 8192
+  // rows of the 8B draft, against a lent block of ~1.3 GiB. Opt-in
+  // (--gpu-cudnn-head-groups) until measured on a GPU.
+  bool cudnn_head_groups = false;
 };
 
 // The products' algorithms through cuBLASLt (GpuDraftOptions::products): the shapes planned;

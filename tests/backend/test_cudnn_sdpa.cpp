@@ -321,6 +321,85 @@ TEST(CudnnSdpa, LentWorkspaceGivesTheSameBits) {
   cudaStreamDestroy(s);
 }
 
+// The backward in head groups (set_backward_limit): with a limit below every split's need, the
+// most groups the shape allows (whole GQA groups, four query heads or more each), one execution
+// each over strided views of the same buffers. dQ, dK, dV against the fp64 reference, with the
+// forward's statistics and with merged ones; the same bits on a second run; nothing written
+// outside the outputs; and a limit the whole backward fits keeps one group.
+void check_groups(int nh, int nkv, int hd, int want_groups) {
+  SCOPED_TRACE(fmt::format("{} heads, {} kv heads, head size {}", nh, nkv, hd));
+  const std::vector<int64_t> ss = {0, 1, 71, 200, 205, 405};
+  const int64_t N = ss.back(), qd = int64_t(nh) * hd, kvd = int64_t(nkv) * hd;
+  const double scale = 1.0 / std::sqrt(double(hd));
+  const auto q = randn(size_t(N * qd), 41, 1.f), k = randn(size_t(N * kvd), 42, 1.f),
+             v = randn(size_t(N * kvd), 43, 1.f), dO = randn(size_t(N * qd), 44, 1.f);
+  Guarded<__nv_bfloat16> gq(size_t(N * qd)), gk(size_t(N * kvd)), gv(size_t(N * kvd)), gdo(size_t(N * qd)),
+      go(size_t(N * qd)), gdq(size_t(N * qd)), gdk(size_t(N * kvd)), gdv(size_t(N * kvd));
+  Guarded<float> glse(size_t(N * nh)), glm(size_t(N * nh));
+  Guarded<int64_t> gss(ss.size());
+  gq.upload(to_bf16(q));
+  gk.upload(to_bf16(k));
+  gv.upload(to_bf16(v));
+  gdo.upload(to_bf16(dO));
+  gss.upload(ss);
+  cudaStream_t s;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), cudaSuccess);
+  {
+    cuda::CudnnSdpa att({nh, nkv, hd, float(scale), 512}, s);
+    const int64_t whole = att.workspace_bytes(5, 200);
+    att.set_backward_limit(whole);
+    EXPECT_EQ(att.backward_groups(5, 200), 1) << "the whole backward fits its own need";
+    att.set_backward_limit(1);
+    ASSERT_EQ(att.backward_groups(5, 200), want_groups);
+    if (want_groups > 1) {
+      EXPECT_LT(att.workspace_bytes(5, 200), whole) << "groups need less workspace";
+    }
+    att.set_batch(ss, gss.ptr());
+    att.forward(go.ptr(), glse.ptr(), gq.ptr(), gk.ptr(), gv.ptr());
+    att.backward(gdq.ptr(), gdk.ptr(), gdv.ptr(), gq.ptr(), gk.ptr(), gv.ptr(), go.ptr(), gdo.ptr(), glse.ptr());
+    ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+    const auto o = from_dev(go);
+    const auto lse = glse.download();
+    std::vector<double> o_d(o.begin(), o.end()), lse_d(lse.begin(), lse.end());
+    const Ref r1 = reference(ss, nh, nkv, hd, scale, q, k, v, dO, &lse_d, &o_d);
+    EXPECT_LE(rel_err(o, r1.o), kTol) << "forward output";
+    EXPECT_LE(rel_err(from_dev(gdq), r1.dq), kTol) << "dQ";
+    EXPECT_LE(rel_err(from_dev(gdk), r1.dk), kTol) << "dK";
+    EXPECT_LE(rel_err(from_dev(gdv), r1.dv), kTol) << "dV";
+    EXPECT_TRUE(gdq.guards_intact() && gdk.guards_intact() && gdv.guards_intact());
+
+    std::vector<float> lm(lse.size());
+    for (size_t i = 0; i < lse.size(); ++i) lm[i] = lse[i] + std::log1p(float(i % 5) * 0.4f);
+    glm.upload(lm);
+    att.backward(gdq.ptr(), gdk.ptr(), gdv.ptr(), gq.ptr(), gk.ptr(), gv.ptr(), go.ptr(), gdo.ptr(), glm.ptr());
+    ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+    std::vector<double> lm_d(lm.begin(), lm.end());
+    const Ref r2 = reference(ss, nh, nkv, hd, scale, q, k, v, dO, &lm_d, &o_d);
+    EXPECT_LE(rel_err(from_dev(gdq), r2.dq), kTol) << "dQ, merged statistics";
+    EXPECT_LE(rel_err(from_dev(gdk), r2.dk), kTol) << "dK, merged statistics";
+    EXPECT_LE(rel_err(from_dev(gdv), r2.dv), kTol) << "dV, merged statistics";
+    const auto dq1 = gdq.download(), dk1 = gdk.download(), dv1 = gdv.download();
+    att.backward(gdq.ptr(), gdk.ptr(), gdv.ptr(), gq.ptr(), gk.ptr(), gv.ptr(), go.ptr(), gdo.ptr(), glm.ptr());
+    ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+    const auto dq2 = gdq.download(), dk2 = gdk.download(), dv2 = gdv.download();
+    EXPECT_EQ(0, std::memcmp(dq1.data(), dq2.data(), dq1.size() * 2)) << "dQ differs between identical runs";
+    EXPECT_EQ(0, std::memcmp(dk1.data(), dk2.data(), dk1.size() * 2)) << "dK differs between identical runs";
+    EXPECT_EQ(0, std::memcmp(dv1.data(), dv2.data(), dv1.size() * 2)) << "dV differs between identical runs";
+    EXPECT_TRUE(gdq.guards_intact() && gdk.guards_intact() && gdv.guards_intact());
+  }
+  cudaStreamDestroy(s);
+}
+
+TEST(CudnnSdpa, BackwardInHeadGroupsMatchesFp64) {
+  REQUIRE_GPU();
+  if (!cuda::cudnn_sdpa_built()) GTEST_SKIP() << "built without the cuDNN frontend";
+  if (!cudnn_or_skip()) return;
+  check_groups(8, 2, 128, 2);   // a kv head and its 4 query heads a group
+  check_groups(16, 4, 64, 4);   // 4 groups of one kv head and 4 query heads
+  check_groups(16, 16, 64, 4);  // no GQA: 4 groups of 4 heads (no fewer than 4 query heads)
+  check_groups(4, 2, 64, 1);    // 2 query heads a group would be too few: the whole backward
+}
+
 TEST(CudnnSdpa, UnsupportedShapesAreRefusedWithTheNumbers) {
   REQUIRE_GPU();
   if (!cuda::cudnn_sdpa_built()) GTEST_SKIP() << "built without the cuDNN frontend";
@@ -374,6 +453,11 @@ TEST(CudnnSdpa, GraphsPassTheFrontendChecksForHopper) {
     mla.backward = false;
     EXPECT_EQ(cuda::cudnn_sdpa_validate(mla, 3, 4096), "") << "MLA 192/128 on the padded qkv buffer";
   }
+  // The backward over head groups (a G-th of the heads, the same strides; statistics a view of
+  // the full [rows, heads] array): the 8B draft's 32/8 heads in 2, 4 and 8 groups at 8192 rows.
+  for (int groups : {2, 4, 8})
+    EXPECT_EQ(cuda::cudnn_sdpa_validate({32, 8, 128, 0.088f, 8192}, 1, 8192, groups), "") << groups << " head groups";
+  EXPECT_NE(cuda::cudnn_sdpa_validate({32, 8, 128, 0.088f, 8192}, 1, 8192, 3), "") << "3 groups of 8 kv heads";
   const std::string bad = cuda::cudnn_sdpa_validate({8, 2, 264, 0.06f, 1024}, 2, 100);
   EXPECT_NE(bad.find("256"), std::string::npos) << "head size 264 passed cuDNN's checks: '" << bad << "'";
 }

@@ -49,13 +49,14 @@ struct Case {
   };
   std::vector<S> samples;
 
-  Case(bool nbr, uint32_t seed, std::vector<int> lengths = {13, 7, 22, 2}, int head_dim = 16, int inter = 96) {
+  Case(bool nbr, uint32_t seed, std::vector<int> lengths = {13, 7, 22, 2}, int head_dim = 16, int inter = 96,
+       int heads = 4, int kv_heads = 2) {
     std::mt19937 rng(seed);
     std::normal_distribution<float> nd(0.f, 1.f);
     c.H = 64;
     c.I = inter;
-    c.n_heads = 4;
-    c.n_kv_heads = 2;
+    c.n_heads = heads;
+    c.n_kv_heads = kv_heads;
     c.head_dim = head_dim;
     c.V = 211;
     c.Vd = 60;
@@ -583,6 +584,52 @@ TEST_P(GpuDraft, AutoAttentionTakesCudnnWhereItsWorkspaceFits) {
         EXPECT_EQ(*ga[i].second, *gw[i].second) << "batch " << b << ": " << ga[i].first;
     }
   }
+}
+
+// --gpu-cudnn-head-groups: where a bucket's backward over every head needs more workspace than
+// cuDNN may use (here cudnn_auto_bytes, set to half of it), auto still takes cuDNN, its backward
+// in two head groups (8 query heads over 2 kv heads: one kv head and its 4 query heads a group).
+// Against the CPU reference within the bf16 tolerances, against cuDNN's backward over every head
+// (--gpu-attention cudnn) within the fused kernels' tolerance, and bit-identical between runs.
+TEST_P(GpuDraft, CudnnBackwardInHeadGroupsMatchesReference) {
+  REQUIRE_GPU();
+  if (!talon::cuda::cudnn_sdpa_available()) GTEST_SKIP() << "cuDNN is not available";
+  constexpr int hd = 32;
+  constexpr int64_t R = 311;
+  Case cs(GetParam(), 88, {150, 64, 7, 90}, hd, 96, 8, 2);
+  talon::cuda::CudnnSdpa sdpa(talon::cuda::SdpaShape{8, 2, hd, float(1.0 / std::sqrt(double(hd))), R}, nullptr);
+  const int64_t whole = sdpa.workspace_bytes(4, 150);
+  ASSERT_EQ(sdpa.backward_groups(4, 150), 1);
+  sdpa.set_backward_limit(whole / 2);
+  ASSERT_EQ(sdpa.backward_groups(4, 150), 2) << "half the workspace: two head groups";
+  const int64_t grouped = sdpa.workspace_bytes(4, 150);
+  ASSERT_LE(grouped, whole / 2);
+  const auto go = [&](bool groups, int64_t* via_cudnn) {
+    ScopedOpt o([&](GpuDraftOptions& e) {
+      e.attention = groups ? "auto" : "cudnn";
+      e.cudnn_head_groups = groups;
+      e.cudnn_auto_bytes = groups ? grouped : -1;
+    });
+    auto gpu = make_gpu(cs, {0}, GpuMath::BF16, R);
+    gpu->set_weights(cs.w);
+    GpuRun r{{}, DraftGrads(cs.w)};
+    for (auto& x : gpu->run(cs.batch(), 0.25, true, true)) r.loss.push_back(x.loss);
+    gpu->get_grads(r.g);
+    if (via_cudnn) *via_cudnn = gpu->cudnn_batches();
+    return r;
+  };
+  {
+    ScopedOpt o([&](GpuDraftOptions& e) {
+      e.attention = "auto";
+      e.cudnn_head_groups = true;
+      e.cudnn_auto_bytes = grouped;
+    });
+    check_against_cpu(cs, GpuMath::BF16, tol::kGpuTttBf16LossRel, tol::kGpuTttBf16GradRel, R);
+  }
+  int64_t via = -1;
+  GpuRun a = go(true, &via), b = go(true, nullptr), all_heads = go(false, nullptr);
+  EXPECT_EQ(via, 1) << "the batch did not go through cuDNN";
+  expect_repeatable_and_near(a, b, all_heads);
 }
 
 // --gpu-batch-embeddings (the default with bf16 operands): the target's embedding stays on the

@@ -179,10 +179,13 @@ struct CudnnSdpa::Impl {
   cudaStream_t s = nullptr;
   cudnnHandle_t handle = nullptr;
   // One forward and one backward graph per (bucketed samples, bucketed longest sample).
+  // The backward over `groups` head groups (set_backward_limit), one execution each.
   struct Plans {
     std::shared_ptr<fe::graph::Graph> fwd, bwd;
     int64_t ws_fwd = 0, ws_bwd = 0;
+    int groups = 1;
   };
+  int64_t bwd_limit = 0;  // set_backward_limit (0: one backward over every head)
   std::map<std::pair<int64_t, int64_t>, Plans> plans;
   Plans* cur = nullptr;
   int64_t nb_pad = 0;
@@ -195,10 +198,11 @@ struct CudnnSdpa::Impl {
   int64_t ext_cap = 0;
   void* ws_use = nullptr;  // what the current plans execute with
 
-  Layout lq() const { return {sh.ld_q, sh.hd, sh.nh, sh.hd}; }
-  Layout lk() const { return {sh.ld_k, sh.hd, sh.nkv, sh.hd}; }
-  Layout lv() const { return {sh.ld_v, sh.hs_v, sh.nkv, sh.hd_v}; }
-  Layout lo() const { return {sh.ld_o, sh.hd_v, sh.nh, sh.hd_v}; }
+  // The layouts of one of G head groups (the same strides, a G-th of the heads).
+  Layout lq(int G = 1) const { return {sh.ld_q, sh.hd, sh.nh / G, sh.hd}; }
+  Layout lk(int G = 1) const { return {sh.ld_k, sh.hd, sh.nkv / G, sh.hd}; }
+  Layout lv(int G = 1) const { return {sh.ld_v, sh.hs_v, sh.nkv / G, sh.hd_v}; }
+  Layout lo(int G = 1) const { return {sh.ld_o, sh.hd_v, sh.nh / G, sh.hd_v}; }
   // A ragged [B, H, S, D] view of rows `l.ld` apart, heads `l.hs` apart.
   static fe::graph::Tensor_attributes ragged_attrs(const char* name, int64_t uid, int64_t B, int64_t S, Layout l,
                                                    const std::shared_ptr<fe::graph::Tensor_attributes>& offs) {
@@ -252,7 +256,7 @@ struct CudnnSdpa::Impl {
   struct Common {
     std::shared_ptr<fe::graph::Tensor_attributes> oq, ok, ov, oo, sq, skv, Q, K, V;
   };
-  Common common(fe::graph::Graph& g, int64_t B, int64_t S) {
+  Common common(fe::graph::Graph& g, int64_t B, int64_t S, int G = 1) {
     Common c;
     c.oq = index(g, "off_q", kOffQ, B + 1);
     c.ok = index(g, "off_k", kOffK, B + 1);
@@ -260,11 +264,12 @@ struct CudnnSdpa::Impl {
     c.oo = index(g, "off_o", kOffO, B + 1);
     c.sq = index(g, "seq_q", kSeqQ, B);
     c.skv = index(g, "seq_kv", kSeqKV, B);
-    c.Q = ragged(g, "Q", kQ, B, S, lq(), c.oq);
-    c.K = ragged(g, "K", kK, B, S, lk(), c.ok);
-    c.V = ragged(g, "V", kV, B, S, lv(), c.ov);
+    c.Q = ragged(g, "Q", kQ, B, S, lq(G), c.oq);
+    c.K = ragged(g, "K", kK, B, S, lk(G), c.ok);
+    c.V = ragged(g, "V", kV, B, S, lv(G), c.ov);
     return c;
   }
+  // The forward, and the backward over every head.
   Plans build(int64_t B, int64_t S) {
     const int64_t nh = sh.nh;
     Plans p;
@@ -294,15 +299,22 @@ struct CudnnSdpa::Impl {
       finish(*g, p.ws_fwd, "forward");
       p.fwd = g;
     }
-    if (sh.backward) {
+    if (sh.backward) build_backward(B, S, 1, p);
+    return p;
+  }
+  // p's backward over G head groups (G divides the kv heads: whole groups of query heads).
+  // Stats keep their row stride (nh); a group's view starts at its first head.
+  void build_backward(int64_t B, int64_t S, int G, Plans& p) {
+    const int64_t nh = sh.nh;
+    {
       auto g = new_graph();
-      const Common c = common(*g, B, S);
+      const Common c = common(*g, B, S, G);
       auto ost = index(*g, "off_stats", kOffStats, B + 1);
-      auto O = ragged(*g, "O", kO, B, S, lo(), c.oo), dO = ragged(*g, "dO", kDO, B, S, lo(), c.oo);
+      auto O = ragged(*g, "O", kO, B, S, lo(G), c.oo), dO = ragged(*g, "dO", kDO, B, S, lo(G), c.oo);
       auto Stats = g->tensor(fe::graph::Tensor_attributes()
                                  .set_name("Stats")
                                  .set_uid(kStats)
-                                 .set_dim({B, nh, S, 1})
+                                 .set_dim({B, nh / G, S, 1})
                                  .set_stride({S * nh, 1, nh, 1})
                                  .set_data_type(fe::DataType_t::FLOAT)
                                  .set_ragged_offset(ost));
@@ -318,13 +330,13 @@ struct CudnnSdpa::Impl {
                      .set_max_total_seq_len_kv(sh.max_rows)
                      .set_deterministic_algorithm(true);  // resume is bit-identical only with fixed sums
       auto [dQ, dK, dV] = g->sdpa_backward(c.Q, c.K, c.V, O, dO, Stats, opt);
-      as_output(*dQ, kDQ, B, S, lq(), c.oq);
-      as_output(*dK, kDK, B, S, lk(), c.ok);
-      as_output(*dV, kDV, B, S, lv(), c.ov);
+      as_output(*dQ, kDQ, B, S, lq(G), c.oq);
+      as_output(*dK, kDK, B, S, lk(G), c.ok);
+      as_output(*dV, kDV, B, S, lv(G), c.ov);
       finish(*g, p.ws_bwd, "backward");
       p.bwd = g;
+      p.groups = G;
     }
-    return p;
   }
   Plans& plans_for(int64_t nb, int64_t S) {
     auto it = plans.find({nb, S});
@@ -332,9 +344,21 @@ struct CudnnSdpa::Impl {
       tlog::debug("cuDNN fused attention: plans for {} samples of up to {} rows (head size {}, {}/{} heads)", nb, S,
                   sh.hd, sh.nh, sh.nkv);
       const int64_t before = device_free_bytes();
-      it = plans.emplace(std::make_pair(nb, S), build(nb, S)).first;
+      Plans p = build(nb, S);
+      // Under a limit, the fewest head groups (a power of two dividing the kv heads, four
+      // query heads or more each) whose backward's workspace fits it, where some do.
+      const int64_t all_heads = p.ws_bwd;
+      while (sh.backward && bwd_limit > 0 && p.ws_bwd > bwd_limit && sh.nkv % (2 * p.groups) == 0 &&
+             (sh.nh / (2 * p.groups)) % 4 == 0)  // (a group's statistics 16-byte aligned)
+        build_backward(nb, S, 2 * p.groups, p);
+      it = plans.emplace(std::make_pair(nb, S), std::move(p)).first;
       tlog::info("cuDNN fused attention: plans for {} samples of up to {} rows took {:.1f} MiB of device memory "
-                 "(workspace apart)", nb, S, double(before - device_free_bytes()) / (1 << 20));
+                 "(workspace apart){}", nb, S, double(before - device_free_bytes()) / (1 << 20),
+                 it->second.groups > 1
+                     ? fmt::format("; the backward in {} head groups, {:.1f} MiB of workspace instead of {:.1f}",
+                                   it->second.groups, double(it->second.ws_bwd) / (1 << 20),
+                                   double(all_heads) / (1 << 20))
+                     : std::string());
     }
     return it->second;
   }
@@ -361,13 +385,17 @@ struct CudnnSdpa::Impl {
   }
 };
 
-std::string cudnn_sdpa_validate(const SdpaShape& shape, int64_t n_samples, int64_t longest) {
+std::string cudnn_sdpa_validate(const SdpaShape& shape, int64_t n_samples, int64_t longest, int backward_groups) {
   if (!load_cudnn().ok) return load_cudnn().why;
   CudnnSdpa::Impl I;
   I.sh = resolved(shape);
   I.validate_only = true;
+  if (backward_groups < 1 || I.sh.nkv % backward_groups != 0)
+    return fmt::format("{} head groups do not divide {} kv heads", backward_groups, I.sh.nkv);
   try {
-    I.build(pow2_at_least(n_samples, 1), pow2_at_least(longest, 64));
+    const int64_t nb = pow2_at_least(n_samples, 1), S = pow2_at_least(longest, 64);
+    CudnnSdpa::Impl::Plans p = I.build(nb, S);
+    if (backward_groups > 1 && I.sh.backward) I.build_backward(nb, S, backward_groups, p);
   } catch (const std::exception& e) {
     return e.what();
   }
@@ -425,6 +453,20 @@ void CudnnSdpa::set_workspace(void* p, int64_t bytes) {
 }
 
 int64_t CudnnSdpa::bytes() const { return p_->ws_cap + (p_->off_cap + 1) * kOffsets * 4 + p_->off_cap * 4; }
+
+void CudnnSdpa::set_backward_limit(int64_t bytes) {
+  Impl& I = *p_;
+  if (bytes < 0) fail_msg("cuDNN fused attention: a backward workspace limit of " + std::to_string(bytes) + " bytes");
+  if (bytes == I.bwd_limit) return;
+  if (I.s) CUDA_CHECK(cudaStreamSynchronize(I.s));  // no plan of these still runs
+  I.bwd_limit = bytes;
+  I.plans.clear();
+  I.cur = nullptr;  // set_batch picks the plans again
+}
+
+int CudnnSdpa::backward_groups(int64_t n_samples, int64_t longest) {
+  return p_->plans_for(pow2_at_least(n_samples, 1), pow2_at_least(longest, 64)).groups;
+}
 int64_t CudnnSdpa::rows() const { return p_->sh.max_rows; }
 
 void CudnnSdpa::set_batch(const std::vector<int64_t>& seq_start, const int64_t* seq_start_d) {
@@ -488,22 +530,29 @@ void CudnnSdpa::backward(__nv_bfloat16* dq, __nv_bfloat16* dk, __nv_bfloat16* dv
   Impl& I = *p_;
   if (!I.sh.backward) fail_msg("cuDNN fused attention: backward on an instance made for the forward only");
   if (!I.cur) fail_msg("cuDNN fused attention: backward before set_batch");
-  std::unordered_map<int64_t, void*> pack = {{kQ, const_cast<__nv_bfloat16*>(q)},
-                                             {kK, const_cast<__nv_bfloat16*>(k)},
-                                             {kV, const_cast<__nv_bfloat16*>(v)},
-                                             {kO, const_cast<__nv_bfloat16*>(o)},
-                                             {kDO, const_cast<__nv_bfloat16*>(dO)},
-                                             {kStats, const_cast<float*>(lse)},
-                                             {kDQ, dq},
-                                             {kDK, dk},
-                                             {kDV, dv}};
-  I.execute(*I.cur->bwd, pack, "the backward");
+  // One execution a head group, each at its group's first heads (one group: the whole).
+  const int G = I.cur->groups;
+  const SdpaShape& sh = I.sh;
+  const int64_t qh = sh.nh / G, kh = sh.nkv / G;
+  for (int g = 0; g < G; ++g) {
+    const int64_t oq = g * qh * sh.hd, ok = g * kh * sh.hd, ov = g * kh * sh.hs_v, oo = g * qh * sh.hd_v;
+    std::unordered_map<int64_t, void*> pack = {{kQ, const_cast<__nv_bfloat16*>(q + oq)},
+                                               {kK, const_cast<__nv_bfloat16*>(k + ok)},
+                                               {kV, const_cast<__nv_bfloat16*>(v + ov)},
+                                               {kO, const_cast<__nv_bfloat16*>(o + oo)},
+                                               {kDO, const_cast<__nv_bfloat16*>(dO + oo)},
+                                               {kStats, const_cast<float*>(lse + g * qh)},
+                                               {kDQ, dq + oq},
+                                               {kDK, dk + ok},
+                                               {kDV, dv + ov}};
+    I.execute(*I.cur->bwd, pack, "the backward");
+  }
 }
 
 #else  // built without the cuDNN frontend
 
 bool cudnn_sdpa_built() { return false; }
-std::string cudnn_sdpa_validate(const SdpaShape&, int64_t, int64_t) { return "built without the cuDNN frontend"; }
+std::string cudnn_sdpa_validate(const SdpaShape&, int64_t, int64_t, int) { return "built without the cuDNN frontend"; }
 bool cudnn_sdpa_available(std::string* why) {
   if (why) *why = "this build has no cuDNN frontend (scripts/setup.sh fetches it; then reconfigure)";
   return false;
@@ -525,6 +574,8 @@ int64_t CudnnSdpa::workspace_bytes(int64_t, int64_t) { return 0; }
 void CudnnSdpa::set_workspace(void*, int64_t) {}
 int64_t CudnnSdpa::bytes() const { return 0; }
 int64_t CudnnSdpa::rows() const { return 0; }
+void CudnnSdpa::set_backward_limit(int64_t) {}
+int CudnnSdpa::backward_groups(int64_t, int64_t) { return 1; }
 void CudnnSdpa::set_batch(const std::vector<int64_t>&, const int64_t*) {}
 void CudnnSdpa::forward(__nv_bfloat16*, float*, const __nv_bfloat16*, const __nv_bfloat16*, const __nv_bfloat16*) {}
 void CudnnSdpa::backward(__nv_bfloat16*, __nv_bfloat16*, __nv_bfloat16*, const __nv_bfloat16*, const __nv_bfloat16*,

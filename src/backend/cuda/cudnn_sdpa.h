@@ -76,8 +76,9 @@ void prefill_set_batch(std::unique_ptr<CudnnSdpa>& sdpa, bool& off, const std::v
 // multiples of 8 up to 256, 32-bit offsets suffice), else why not.
 std::string cudnn_sdpa_unsupported(const SdpaShape& shape);
 // The cuDNN frontend's own checks of the forward and backward graphs for a batch of n_samples
-// samples of up to `longest` rows (no plans are built); "" when they pass, else the message.
-std::string cudnn_sdpa_validate(const SdpaShape& shape, int64_t n_samples, int64_t longest);
+// samples of up to `longest` rows (no plans are built), the backward also over backward_groups
+// head groups (CudnnSdpa::set_backward_limit); "" when they pass, else the message.
+std::string cudnn_sdpa_validate(const SdpaShape& shape, int64_t n_samples, int64_t longest, int backward_groups = 1);
 
 class CudnnSdpa {
  public:
@@ -106,6 +107,17 @@ class CudnnSdpa {
   // caller keeps idle whenever forward() or backward() runs, on the stream. Batches whose
   // plans need more take a workspace of its own, as without one lent. Call set_batch after.
   void set_workspace(void* p, int64_t bytes);
+  // The backward in head groups: for each bucket, the fewest groups (a power of two dividing
+  // the kv heads, so each group's query heads are whole GQA groups and each kv head's dK, dV
+  // come from one execution; four query heads or more a group) whose workspace is at most
+  // `bytes`, where some are; one
+  // execution a group, each over its heads' strided views. cuDNN's deterministic backward
+  // takes samples x heads x S^2 x 2 bytes, so G groups take a G-th. 0 (the default): one
+  // backward over every head. Drops the plans built so far; call set_batch after.
+  void set_backward_limit(int64_t bytes);
+  // The backward's head groups for a batch of n_samples samples of up to `longest` rows
+  // (building its plans if they were not).
+  int backward_groups(int64_t n_samples, int64_t longest);
   // Device bytes held (its own workspace and offsets; not a lent workspace).
   int64_t bytes() const;
   // The most rows a batch may have (SdpaShape::max_rows).

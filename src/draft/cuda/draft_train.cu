@@ -1166,6 +1166,7 @@ struct DraftEngine::Impl {
   bool row_cut = false;
   bool fused_diag = true;  // GpuDraftOptions::fused_diag_backward
   bool diag_regs = true;   // GpuDraftOptions::diag_rows_in_registers
+  bool head_groups = false;  // GpuDraftOptions::cudnn_head_groups (for setup())
   RowCut rc;
   int64_t N1 = 0, N0 = 0;  // kept rows (N without a cut); step 0's rows after its attention
   int64_t Nr = 0;  // rows of the part of the step being run (N; N1 after step 0; N0 after step 0's attention)
@@ -2210,6 +2211,12 @@ DraftEngine::DraftEngine(int device, const DraftDims& dd, DraftMath math, const 
       }
     }
     const int64_t size = ws > total && ws - total <= kMaxLentGrowth ? ws : total;
+    // GpuDraftOptions::cudnn_head_groups: buckets whose backward needs more than the block (or
+    // cudnn_auto_bytes, where set) split it over head groups instead.
+    if (I.cudnn && opt.cudnn_head_groups) {
+      I.cudnn->set_backward_limit(opt.cudnn_auto_bytes > 0 ? opt.cudnn_auto_bytes : size);
+      I.head_groups = true;
+    }
     auto* block = I.alloc<unsigned char>(size_t(size));
     float* at[6];
     int64_t o = 0;
@@ -2314,8 +2321,12 @@ std::string DraftEngine::setup() const {
   const std::string att = I.loop_attention    ? "fp32 warps"
                           : I.cudnn_auto      ? "cuDNN's fused attention for batches whose workspace fits " +
                                                     std::to_string((I.cudnn_cap + (1 << 20) - 1) >> 20) +
-                                                    " MiB, fused kernels for the others"
-                          : I.cudnn_attention ? "cuDNN's fused attention"
+                                                    " MiB" + (I.head_groups ? " (its backward in head groups)" : "") +
+                                                    ", fused kernels for the others"
+                          : I.cudnn_attention ? std::string("cuDNN's fused attention") +
+                                                    (I.head_groups ? " (its backward in head groups where the "
+                                                                     "lent workspace is short)"
+                                                                   : "")
                           : I.flash_attention ? "fused kernels"
                                               : "score-buffer products";
   const char* emb = I.d.peagle ? "trained on the device" : I.batch_embed ? "on the host, batch rows uploaded" : "on the device";

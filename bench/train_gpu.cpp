@@ -11,7 +11,9 @@
 //                     [--gpu-attention auto|flash|cudnn|blocks|loop] [--gpu-batch-embeddings]
 //                     [--gpu-device-embeddings] [--trace FILE]
 // --trace FILE: a CUPTI trace of the last step (not timed): the device's idle gaps, charged to the
-// host CUDA call that overlaps each most (backend/trace_gaps.h), and a Chrome trace in FILE.
+// host CUDA call that overlaps each most (backend/trace_gaps.h), and a Chrome trace in FILE. The
+// traced step starts with the device drained; --trace-warm starts the trace a step early and
+// keeps what runs from the traced step's start on, as a timed step sees it (two steps untimed).
 // --drafter peagle trains P-EAGLE with --ttt depths (COD ratio 0.7, floor 0.2), dflash the block
 // drafter; bench/train_peer_families.py is their peer (speculators' own model classes).
 #include <cuda_runtime.h>
@@ -20,9 +22,11 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <memory>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "backend/cuda/cupti_trace.h"
@@ -112,6 +116,10 @@ int main(int argc, char** argv) {
   app.add_option("--trace", trace_file,
                  "CUPTI trace of the last step: the device's idle gaps and what the host did in them, and a Chrome "
                  "trace (JSON) in this file");
+  bool trace_warm = false;
+  app.add_flag("--trace-warm", trace_warm,
+               "--trace: start the trace a step early, without draining the device, and keep what runs from the "
+               "traced step's start on (the interval a timed step measures); neither step is timed");
   CLI11_PARSE(app, argc, argv);
   try {
     DraftConfig c;
@@ -276,7 +284,7 @@ int main(int argc, char** argv) {
       std::printf("%lld untimed steps first, while the timed product rule chose (%lld of %lld families left)\n",
                   (long long)settle, (long long)(pp.checking + pp.timing), (long long)pp.families);
     cudaDeviceSynchronize();
-    const int64_t untraced = trace_file.empty() ? steps : steps - 1;
+    const int64_t untraced = trace_file.empty() ? steps : trace_warm ? steps - 2 : steps - 1;
     const int64_t first_timed = warmup >= 1 ? warmup : untraced >= 4 ? 2 : 1;
     std::vector<double> times;
     double step_flops = 0;  // of the linear products enqueued in the last step
@@ -284,13 +292,16 @@ int main(int argc, char** argv) {
     const int64_t row_steps0 = gpu->row_steps(), cudnn_batches0 = gpu->cudnn_batches();
     int64_t row_steps_first = 0;  // of step 0 alone
     auto t_prev = std::chrono::steady_clock::now();
+    std::unique_ptr<cuda::CuptiTrace> trace;
+    uint64_t trace_from = 0;  // --trace-warm: the traced step's start on CUPTI's clock
     for (int64_t st = 0; st < steps; ++st) {
       const double flops0 = gpu->product_flops();
-      std::unique_ptr<cuda::CuptiTrace> trace;
-      if (st >= untraced) {
-        cudaDeviceSynchronize();
+      if (st == untraced) {  // drained first, unless the trace starts a step early (--trace-warm)
+        if (!trace_warm) cudaDeviceSynchronize();
         trace = std::make_unique<cuda::CuptiTrace>();
       }
+      const bool traced = trace && st == steps - 1;
+      if (traced && trace_warm) trace_from = cuda::CuptiTrace::now();
       std::vector<uint64_t> seeds;
       for (int64_t s = 0; s < samples; ++s) seeds.push_back(uint64_t(st) * 1000003ull + uint64_t(s));
       std::vector<TttResult> res;
@@ -309,9 +320,21 @@ int main(int argc, char** argv) {
       const double dt = std::chrono::duration<double>(t1 - t_prev).count();
       t_prev = t1;
       step_flops = gpu->product_flops() - flops0;
-      if (trace) {  // not among the timed steps: tracing slows the host down
+      if (traced) {  // not among the timed steps: tracing slows the host down
         cudaDeviceSynchronize();
-        const std::vector<TraceEvent> ev = trace->stop();
+        std::vector<TraceEvent> ev = trace->stop();
+        trace.reset();
+        if (trace_warm) {
+          ev = events_from(ev, trace_from);
+          uint64_t first = UINT64_MAX;
+          for (const TraceEvent& e : ev)
+            if (on_device(e.kind)) first = std::min(first, e.start);
+          const std::string at_start = first == UINT64_MAX   ? "ran nothing"
+                                       : first == trace_from ? "was busy when it began"
+                                                             : fmt::format("idled {:.1f} us before its first event",
+                                                                           double(first - trace_from) / 1e3);
+          std::printf("trace from the step's start (--trace-warm): the device %s\n", at_start.c_str());
+        }
         std::printf("trace of step %lld (%zu events):\n%s", (long long)st, ev.size(),
                     format_gap_report(analyze_gaps(ev)).c_str());
         // cuBLAS's kernels (nvjet, *gemm*), the attention's own left out: the products' rate.
@@ -327,7 +350,7 @@ int main(int argc, char** argv) {
           std::printf("traced products: %.1f ms of cuBLAS kernels for %.2f TFLOP: %.0f TFLOP/s\n", gemm_ns / 1e6,
                       step_flops / 1e12, step_flops / (gemm_ns * 1e-9) / 1e12);
         write_file_atomic(trace_file, chrome_trace_json(ev));
-      } else if (st >= first_timed) {
+      } else if (st >= first_timed && st < untraced) {
         times.push_back(dt);
       }
       if (st == 0) {
@@ -375,7 +398,7 @@ int main(int argc, char** argv) {
     const double layer = double(qd * 2 * H + 2 * kvd * 2 * H + H * qd + 3 * size_t(c.I) * H);
     const double lm = double(size_t(c.Vd) * H);
     const double per_tok = double(c.ttt_steps) * (6 * layer + 6 * lm) + 4 * double(H * 3 * H) + 2 * double(size_t(c.V) * H);
-    if (times.empty()) fail("--steps must exceed the steps left out (--warmup, at least 1), one more with --trace");
+    if (times.empty()) fail("--steps must exceed the steps left out (--warmup, at least 1), one more with --trace, two with --trace-warm");
     std::sort(times.begin(), times.end());
     const size_t nt = times.size();
     const double med = nt % 2 ? times[nt / 2] : 0.5 * (times[nt / 2 - 1] + times[nt / 2]);

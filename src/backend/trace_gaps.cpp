@@ -90,6 +90,16 @@ std::string format_gap_report(const GapReport& r) {
   return o;
 }
 
+std::vector<TraceEvent> events_from(const std::vector<TraceEvent>& events, uint64_t t0) {
+  std::vector<TraceEvent> out;
+  for (const TraceEvent& e : events) {
+    if (e.end < e.start || e.end <= t0) continue;
+    out.push_back(e);
+    out.back().start = std::max(e.start, t0);
+  }
+  return out;
+}
+
 std::string chrome_trace_json(const std::vector<TraceEvent>& events) {
   uint64_t t0 = UINT64_MAX;
   for (const auto& e : events)

@@ -43,6 +43,11 @@ struct GapReport {
 // least min_gap_ns in `gaps` (by_cause counts all).
 GapReport analyze_gaps(std::vector<TraceEvent> events, uint64_t min_gap_ns = 10'000, size_t keep = 20);
 
+// The events of an interval that starts at t0 (a trace begun earlier, so that the interval opens
+// with the device as busy as it was): those ending after t0, each starting at t0 at the earliest.
+// Malformed events (end < start) are dropped.
+std::vector<TraceEvent> events_from(const std::vector<TraceEvent>& events, uint64_t t0);
+
 // A readable summary: busy share, idle by cause, the longest gaps with their neighbours.
 std::string format_gap_report(const GapReport& r);
 

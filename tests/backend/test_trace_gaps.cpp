@@ -58,6 +58,33 @@ TEST(TraceGaps, GapsWithoutCudaCallsAreHostCode) {
   EXPECT_EQ(analyze_gaps({{K::HostCall, "cudaFree", 0, 5, 1, 0}}).device_events, 0);
 }
 
+TEST(TraceGaps, AnIntervalFromAMomentKeepsWhatRunsInIt) {
+  // Device: A [0,100] before t0 = 120; B [100,200] across it; C [300,400] after. Host: a launch
+  // [50,110] before t0, a sync [110,310] across it. A malformed event after t0 is dropped.
+  const std::vector<TraceEvent> ev = {{K::Kernel, "A", 0, 100, 7, 0},
+                                      {K::Kernel, "B", 100, 200, 7, 0},
+                                      {K::Kernel, "C", 300, 400, 7, 0},
+                                      {K::HostCall, "cudaLaunchKernel", 50, 110, 1, 0},
+                                      {K::HostCall, "cudaStreamSynchronize", 110, 310, 1, 0},
+                                      {K::Kernel, "bad", 500, 450, 7, 0}};
+  const std::vector<TraceEvent> in = events_from(ev, 120);
+  ASSERT_EQ(in.size(), 3u);
+  EXPECT_EQ(in[0].name, "B");
+  EXPECT_EQ(in[0].start, 120u);  // clipped to the interval
+  EXPECT_EQ(in[0].end, 200u);
+  EXPECT_EQ(in[1].name, "C");
+  EXPECT_EQ(in[1].start, 300u);
+  EXPECT_EQ(in[2].name, "cudaStreamSynchronize");
+  EXPECT_EQ(in[2].start, 120u);
+  // The interval's gaps: B's end to C's start, while the host waited.
+  const GapReport r = analyze_gaps(in, 0);
+  EXPECT_EQ(r.span_ns, 280u);
+  EXPECT_EQ(r.busy_ns, 180u);
+  EXPECT_EQ(r.idle_ns, 100u);
+  EXPECT_EQ(r.by_cause.at("cudaStreamSynchronize"), 100u);
+  EXPECT_TRUE(events_from(ev, 1000).empty());
+}
+
 TEST(TraceGaps, ChromeTraceHasEveryValidEventOnItsRow) {
   const std::vector<TraceEvent> ev = {{K::Kernel, "k", 1000, 3000, 7, 0},
                                       {K::HostCall, "cudaLaunchKernel", 500, 900, 42, 0},

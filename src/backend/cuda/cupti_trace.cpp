@@ -30,6 +30,7 @@ struct Api {
   decltype(&cuptiActivityGetNextRecord) next_record = nullptr;
   decltype(&cuptiGetCallbackName) callback_name = nullptr;
   decltype(&cuptiGetResultString) result_string = nullptr;
+  decltype(&cuptiGetTimestamp) timestamp = nullptr;
 };
 
 const Api& api() {
@@ -60,6 +61,7 @@ const Api& api() {
     sym(a.next_record, "cuptiActivityGetNextRecord");
     sym(a.callback_name, "cuptiGetCallbackName");
     sym(a.result_string, "cuptiGetResultString");
+    sym(a.timestamp, "cuptiGetTimestamp");
     a.ok = a.why.empty();
   });
   return a;
@@ -173,6 +175,12 @@ CuptiTrace::CuptiTrace() {
   running_ = true;
 }
 
+uint64_t CuptiTrace::now() {
+  uint64_t t = 0;
+  if (api().ok && api().timestamp(&t) != CUPTI_SUCCESS) t = 0;
+  return t;
+}
+
 std::vector<TraceEvent> CuptiTrace::stop() {
   if (!running_) return {};
   for (CUpti_ActivityKind k : kKinds) api().disable(k);
@@ -199,6 +207,7 @@ bool CuptiTrace::available(std::string* why) {
   return false;
 }
 CuptiTrace::CuptiTrace() { fail_msg("--trace: this build has no CUPTI headers (cupti.h)"); }
+uint64_t CuptiTrace::now() { return 0; }
 CuptiTrace::~CuptiTrace() = default;
 std::vector<TraceEvent> CuptiTrace::stop() { return {}; }
 

@@ -3,6 +3,7 @@
 // libcupti is opened at run time (TALON_CUPTI_LIB names it, else libcupti.so.13 / libcupti.so
 // from the loader's path), so nothing else depends on it.
 #pragma once
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <vector>
@@ -20,6 +21,8 @@ class CuptiTrace {
   ~CuptiTrace();
   CuptiTrace(const CuptiTrace&) = delete;
   CuptiTrace& operator=(const CuptiTrace&) = delete;
+  // CUPTI's clock now (ns; the events' timebase), 0 where CUPTI is not available.
+  static uint64_t now();
   // Stops recording (the device work is flushed first: call after synchronizing) and returns
   // the events, timestamps in ns on CUPTI's clock.
   std::vector<TraceEvent> stop();

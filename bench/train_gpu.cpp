@@ -398,7 +398,10 @@ int main(int argc, char** argv) {
     const double layer = double(qd * 2 * H + 2 * kvd * 2 * H + H * qd + 3 * size_t(c.I) * H);
     const double lm = double(size_t(c.Vd) * H);
     const double per_tok = double(c.ttt_steps) * (6 * layer + 6 * lm) + 4 * double(H * 3 * H) + 2 * double(size_t(c.V) * H);
-    if (times.empty()) fail("--steps must exceed the steps left out (--warmup, at least 1), one more with --trace, two with --trace-warm");
+    if (times.empty())
+      fail(
+          "--steps must exceed the steps left out (--warmup, at least 1), one more with --trace, two with "
+          "--trace-warm");
     std::sort(times.begin(), times.end());
     const size_t nt = times.size();
     const double med = nt % 2 ? times[nt / 2] : 0.5 * (times[nt / 2 - 1] + times[nt / 2]);

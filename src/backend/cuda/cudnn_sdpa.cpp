@@ -352,13 +352,14 @@ struct CudnnSdpa::Impl {
              (sh.nh / (2 * p.groups)) % 4 == 0)  // (a group's statistics 16-byte aligned)
         build_backward(nb, S, 2 * p.groups, p);
       it = plans.emplace(std::make_pair(nb, S), std::move(p)).first;
-      tlog::info("cuDNN fused attention: plans for {} samples of up to {} rows took {:.1f} MiB of device memory "
-                 "(workspace apart){}", nb, S, double(before - device_free_bytes()) / (1 << 20),
-                 it->second.groups > 1
-                     ? fmt::format("; the backward in {} head groups, {:.1f} MiB of workspace instead of {:.1f}",
-                                   it->second.groups, double(it->second.ws_bwd) / (1 << 20),
-                                   double(all_heads) / (1 << 20))
-                     : std::string());
+      tlog::info(
+          "cuDNN fused attention: plans for {} samples of up to {} rows took {:.1f} MiB of device memory "
+          "(workspace apart){}",
+          nb, S, double(before - device_free_bytes()) / (1 << 20),
+          it->second.groups > 1
+              ? fmt::format("; the backward in {} head groups, {:.1f} MiB of workspace instead of {:.1f}",
+                            it->second.groups, double(it->second.ws_bwd) / (1 << 20), double(all_heads) / (1 << 20))
+              : std::string());
     }
     return it->second;
   }

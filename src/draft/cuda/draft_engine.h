@@ -141,8 +141,7 @@ class DraftEngine {
   // wait = false: returns once the work is enqueued, `out` untouched; finish_run() waits for it
   // and fills `out` (nothing else may be prepared or run in between; the clipping and the
   // update may be enqueued).
-  void run(const std::vector<float>& row_scale, bool backward, bool zero_grads, DraftRowStats& out,
-           bool wait = true);
+  void run(const std::vector<float>& row_scale, bool backward, bool zero_grads, DraftRowStats& out, bool wait = true);
   void finish_run(DraftRowStats& out);
   // Global L2 norm of the gradients; scales them to max_norm when larger (max_norm > 0).
   // clip_grad_norm_start() enqueues it (the factor stays on the device, the host does not

@@ -448,7 +448,6 @@ class CudaDraftTrainer final : public DeviceTrainer {
   bool defer_ = false;
 
  public:
-
   double clip_grad_norm(double max_norm) override { return eng_->clip_grad_norm(max_norm); }
   void adamw_step(const train::OptimConfig& c, int64_t t_before) override {
     eng_->adamw(train::lr_at(c, t_before), c.beta1, c.beta2, c.eps, c.weight_decay, decay_, t_before + 1);

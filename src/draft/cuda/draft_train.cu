@@ -2318,17 +2318,17 @@ bool is_device_memory(const void* p) { return memory_type(p) == cudaMemoryTypeDe
 size_t DraftEngine::device_bytes() const { return p_->bytes; }
 std::string DraftEngine::setup() const {
   const Impl& I = *p_;
-  const std::string att = I.loop_attention    ? "fp32 warps"
-                          : I.cudnn_auto      ? "cuDNN's fused attention for batches whose workspace fits " +
-                                                    std::to_string((I.cudnn_cap + (1 << 20) - 1) >> 20) +
-                                                    " MiB" + (I.head_groups ? " (its backward in head groups)" : "") +
-                                                    ", fused kernels for the others"
-                          : I.cudnn_attention ? std::string("cuDNN's fused attention") +
-                                                    (I.head_groups ? " (its backward in head groups where the "
-                                                                     "lent workspace is short)"
-                                                                   : "")
-                          : I.flash_attention ? "fused kernels"
-                                              : "score-buffer products";
+  const std::string att =
+      I.loop_attention ? "fp32 warps"
+      : I.cudnn_auto   ? "cuDNN's fused attention for batches whose workspace fits " +
+                           std::to_string((I.cudnn_cap + (1 << 20) - 1) >> 20) + " MiB" +
+                           (I.head_groups ? " (its backward in head groups)" : "") + ", fused kernels for the others"
+      : I.cudnn_attention
+          ? std::string("cuDNN's fused attention") + (I.head_groups ? " (its backward in head groups where the "
+                                                                      "lent workspace is short)"
+                                                                    : "")
+      : I.flash_attention ? "fused kernels"
+                          : "score-buffer products";
   const char* emb = I.d.peagle ? "trained on the device" : I.batch_embed ? "on the host, batch rows uploaded" : "on the device";
   return "attention: " + att + "; embedding " + emb;
 }
@@ -2978,8 +2978,8 @@ void DraftEngine::clip_grad_norm_start(double max_norm) {
     launch_dependent(kDependTrain, sumsq_kernel, dim3(kNormBlocks), dim3(256), 0, I.s, I.partial + t * kNormBlocks,
                      I.g(t), I.sizes[size_t(t)]);
   }
-  launch_dependent(kDependTrain, norm_finish_kernel, dim3(1), dim3(256), 0, I.s, I.partial, nt * kNormBlocks,
-                   max_norm, I.norm_host, I.dscale);
+  launch_dependent(kDependTrain, norm_finish_kernel, dim3(1), dim3(256), 0, I.s, I.partial, nt * kNormBlocks, max_norm,
+                   I.norm_host, I.dscale);
   CUDA_CHECK(cudaEventRecord(I.normed, I.s));
   I.scale_pending = true;  // (1 where the norm is within max_norm: the same bits)
   I.norm_started = true;
@@ -3011,8 +3011,8 @@ void DraftEngine::adamw(double lr, double beta1, double beta2, double eps, doubl
     if (I.d.peagle && t == LM) continue;  // frozen
     const float decay = decay_on[size_t(t)] ? float(1.0 - lr * weight_decay) : 1.0f;
     const int64_t n = I.sizes[size_t(t)], o = I.offs[size_t(t)];
-    const AdamWArgs a{decay, float(lr / bc1), float(std::sqrt(bc2)), float(beta1), float(beta2), float(eps), 1.f,
-                      I.scale_pending ? I.dscale : nullptr};
+    const float* at = I.scale_pending ? I.dscale : nullptr;  // the clipping factor, on the device
+    const AdamWArgs a{decay, float(lr / bc1), float(std::sqrt(bc2)), float(beta1), float(beta2), float(eps), 1.f, at};
     adamw_update(I.W + o, I.M + o, I.Vm + o, I.G + o, n, a, I.bf16_operands ? I.Wb + o : nullptr, I.s);
     CUDA_LAUNCH_CHECK();
   }

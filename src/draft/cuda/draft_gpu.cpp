@@ -880,6 +880,8 @@ class DataParallelDraftTrainer final : public GpuDraftTrainer {
     starting_ = false;
   }
   std::vector<TttResult> run_finish() override {
+    TALON_CHECK(started_n_ > 0 && started_parts_.size() == ranks_.size(),
+                "data parallel: run_finish() with no run_start() before it");
     std::vector<std::vector<TttResult>> res(ranks_.size());
     each([&](int r) {
       if (started_parts_[size_t(r)] > 0) res[size_t(r)] = ranks_[size_t(r)]->run_finish();

@@ -268,17 +268,30 @@ int main(int argc, char** argv) {
     // Before all of them: the timed product rule (--gpu-products auto, the default with bf16
     // operands, or timed) times its candidates in a run's first steps; those steps run untimed
     // until every family of products has its choice (at most 40).
+    // One optimizer step on the batch: in halves as `talon train` steps (the update enqueued
+    // before the results are read), or as three whole calls (--whole-calls).
+    const auto train_step = [&](const std::vector<uint64_t>& seeds, int64_t t) {
+      std::vector<TttResult> res;
+      if (whole_calls) {
+        res = gpu->run(batch, 1.0 / double(samples), true, true, seeds);
+        gpu->clip_grad_norm(0.5);
+        gpu->adamw_step(oc, t);
+      } else {
+        gpu->run_start(batch, 1.0 / double(samples), true, true, seeds);
+        gpu->clip_grad_norm_start(0.5);
+        gpu->adamw_step(oc, t);
+        res = gpu->run_finish();
+        gpu->grad_norm();
+      }
+      return res;
+    };
     int64_t settle = 0;
     for (; (eng.products == "auto" || eng.products == "timed") && settle < 40; ++settle) {
       const ProductPlans pp = gpu->product_plans();
       if (settle > 0 && (pp.families == 0 || pp.checking + pp.timing == 0)) break;
       std::vector<uint64_t> seeds;
       for (int64_t s = 0; s < samples; ++s) seeds.push_back(9000000ull + uint64_t(settle) * 1000003ull + uint64_t(s));
-      gpu->run_start(batch, 1.0 / double(samples), true, true, seeds);
-      gpu->clip_grad_norm_start(0.5);
-      gpu->adamw_step(oc, settle);
-      gpu->run_finish();
-      gpu->grad_norm();
+      train_step(seeds, settle);
     }
     if (const ProductPlans pp = gpu->product_plans(); pp.families > 0)
       std::printf("%lld untimed steps first, while the timed product rule chose (%lld of %lld families left)\n",
@@ -304,18 +317,7 @@ int main(int argc, char** argv) {
       if (traced && trace_warm) trace_from = cuda::CuptiTrace::now();
       std::vector<uint64_t> seeds;
       for (int64_t s = 0; s < samples; ++s) seeds.push_back(uint64_t(st) * 1000003ull + uint64_t(s));
-      std::vector<TttResult> res;
-      if (whole_calls) {
-        res = gpu->run(batch, 1.0 / double(samples), true, true, seeds);
-        gpu->clip_grad_norm(0.5);
-        gpu->adamw_step(oc, st);
-      } else {
-        gpu->run_start(batch, 1.0 / double(samples), true, true, seeds);  // as `talon train` steps
-        gpu->clip_grad_norm_start(0.5);
-        gpu->adamw_step(oc, st);
-        res = gpu->run_finish();
-        gpu->grad_norm();
-      }
+      const std::vector<TttResult> res = train_step(seeds, st);
       const auto t1 = std::chrono::steady_clock::now();
       const double dt = std::chrono::duration<double>(t1 - t_prev).count();
       t_prev = t1;

@@ -109,65 +109,96 @@ std::vector<float> from_dev(Guarded<__nv_bfloat16>& g) {
 // bf16 outputs: a few units of bf16 rounding over the row's largest value.
 constexpr double kTol = 2e-2;
 
+// The packed batch the backward checks run: samples of 1, 70, 129, 5 and 200 rows (ss), random
+// q, k, v and dO (seeds seed .. seed + 3) on the host and as bf16 on the device, and device
+// buffers (sentinel-guarded) for the output, the statistics (lse and a merged lm) and the
+// gradients.
+struct Batch {
+  std::vector<int64_t> ss = {0, 1, 71, 200, 205, 405};
+  int64_t N, qd, kvd;
+  double scale;
+  std::vector<float> q, k, v, dO;
+  Guarded<__nv_bfloat16> gq, gk, gv, gdo, go, gdq, gdk, gdv;
+  Guarded<float> glse, glm;
+  Guarded<int64_t> gss;
+  Batch(int nh, int nkv, int hd, uint32_t seed)
+      : N(ss.back()),
+        qd(int64_t(nh) * hd),
+        kvd(int64_t(nkv) * hd),
+        scale(1.0 / std::sqrt(double(hd))),
+        q(randn(size_t(N * qd), seed, 1.f)),
+        k(randn(size_t(N * kvd), seed + 1, 1.f)),
+        v(randn(size_t(N * kvd), seed + 2, 1.f)),
+        dO(randn(size_t(N * qd), seed + 3, 1.f)),
+        gq(size_t(N * qd)),
+        gk(size_t(N * kvd)),
+        gv(size_t(N * kvd)),
+        gdo(size_t(N * qd)),
+        go(size_t(N * qd)),
+        gdq(size_t(N * qd)),
+        gdk(size_t(N * kvd)),
+        gdv(size_t(N * kvd)),
+        glse(size_t(N * nh)),
+        glm(size_t(N * nh)),
+        gss(ss.size()) {
+    gq.upload(to_bf16(q));
+    gk.upload(to_bf16(k));
+    gv.upload(to_bf16(v));
+    gdo.upload(to_bf16(dO));
+    gss.upload(ss);
+  }
+};
+
 void check(int nh, int nkv, int hd) {
   SCOPED_TRACE(fmt::format("{} heads, {} kv heads, head size {}", nh, nkv, hd));
-  const std::vector<int64_t> ss = {0, 1, 71, 200, 205, 405};
-  const int64_t N = ss.back(), qd = int64_t(nh) * hd, kvd = int64_t(nkv) * hd;
-  const double scale = 1.0 / std::sqrt(double(hd));
-  const auto q = randn(size_t(N * qd), 11, 1.f), k = randn(size_t(N * kvd), 12, 1.f),
-             v = randn(size_t(N * kvd), 13, 1.f), dO = randn(size_t(N * qd), 14, 1.f);
-  Guarded<__nv_bfloat16> gq(size_t(N * qd)), gk(size_t(N * kvd)), gv(size_t(N * kvd)), gdo(size_t(N * qd)),
-      go(size_t(N * qd)), gdq(size_t(N * qd)), gdk(size_t(N * kvd)), gdv(size_t(N * kvd)), gom(size_t(N * qd));
-  Guarded<float> glse(size_t(N * nh)), glm(size_t(N * nh));
-  Guarded<int64_t> gss(ss.size());
-  gq.upload(to_bf16(q));
-  gk.upload(to_bf16(k));
-  gv.upload(to_bf16(v));
-  gdo.upload(to_bf16(dO));
-  gss.upload(ss);
+  Batch b(nh, nkv, hd, 11);
+  Guarded<__nv_bfloat16> gom(size_t(b.N * b.qd));
   cudaStream_t s;
   ASSERT_EQ(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), cudaSuccess);
   {
-    cuda::CudnnSdpa att({nh, nkv, hd, float(scale), 512}, s);
-    att.set_batch(ss, gss.ptr());
-    att.forward(go.ptr(), glse.ptr(), gq.ptr(), gk.ptr(), gv.ptr());
+    cuda::CudnnSdpa att({nh, nkv, hd, float(b.scale), 512}, s);
+    att.set_batch(b.ss, b.gss.ptr());
+    att.forward(b.go.ptr(), b.glse.ptr(), b.gq.ptr(), b.gk.ptr(), b.gv.ptr());
     ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
-    const Ref own = reference(ss, nh, nkv, hd, scale, q, k, v, dO, nullptr, nullptr);
-    const auto o = from_dev(go);
-    const auto lse = glse.download();
+    const Ref own = reference(b.ss, nh, nkv, hd, b.scale, b.q, b.k, b.v, b.dO, nullptr, nullptr);
+    const auto o = from_dev(b.go);
+    const auto lse = b.glse.download();
     EXPECT_LE(rel_err(o, own.o), kTol) << "forward output";
     double worst = 0;
     for (size_t i = 0; i < lse.size(); ++i) worst = std::max(worst, std::abs(double(lse[i]) - own.lse[i]));
     EXPECT_LE(worst, 2e-3) << "log-sum-exp (natural log of the scaled scores)";
-    EXPECT_TRUE(go.guards_intact() && glse.guards_intact());
+    EXPECT_TRUE(b.go.guards_intact() && b.glse.guards_intact());
 
     // Backward with its own statistics (dO against cuDNN's output, as the trainer does).
-    att.backward(gdq.ptr(), gdk.ptr(), gdv.ptr(), gq.ptr(), gk.ptr(), gv.ptr(), go.ptr(), gdo.ptr(), glse.ptr());
+    att.backward(b.gdq.ptr(), b.gdk.ptr(), b.gdv.ptr(), b.gq.ptr(), b.gk.ptr(), b.gv.ptr(), b.go.ptr(), b.gdo.ptr(),
+                 b.glse.ptr());
     ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
     std::vector<double> o_d(o.begin(), o.end()), lse_d(lse.begin(), lse.end());
-    const Ref r1 = reference(ss, nh, nkv, hd, scale, q, k, v, dO, &lse_d, &o_d);
-    EXPECT_LE(rel_err(from_dev(gdq), r1.dq), kTol) << "dQ";
-    EXPECT_LE(rel_err(from_dev(gdk), r1.dk), kTol) << "dK";
-    EXPECT_LE(rel_err(from_dev(gdv), r1.dv), kTol) << "dV";
-    EXPECT_TRUE(gdq.guards_intact() && gdk.guards_intact() && gdv.guards_intact());
+    const Ref r1 = reference(b.ss, nh, nkv, hd, b.scale, b.q, b.k, b.v, b.dO, &lse_d, &o_d);
+    EXPECT_LE(rel_err(from_dev(b.gdq), r1.dq), kTol) << "dQ";
+    EXPECT_LE(rel_err(from_dev(b.gdk), r1.dk), kTol) << "dK";
+    EXPECT_LE(rel_err(from_dev(b.gdv), r1.dv), kTol) << "dV";
+    EXPECT_TRUE(b.gdq.guards_intact() && b.gdk.guards_intact() && b.gdv.guards_intact());
 
     // Backward given a merged row: lse raised as if more keys had joined, and another output.
-    std::vector<float> lm(lse.size()), om = randn(size_t(N * qd), 15, 0.5f);
+    std::vector<float> lm(lse.size()), om = randn(size_t(b.N * b.qd), 15, 0.5f);
     for (size_t i = 0; i < lse.size(); ++i) lm[i] = lse[i] + std::log1p(float(i % 7) * 0.3f);
-    glm.upload(lm);
+    b.glm.upload(lm);
     gom.upload(to_bf16(om));
-    att.backward(gdq.ptr(), gdk.ptr(), gdv.ptr(), gq.ptr(), gk.ptr(), gv.ptr(), gom.ptr(), gdo.ptr(), glm.ptr());
+    att.backward(b.gdq.ptr(), b.gdk.ptr(), b.gdv.ptr(), b.gq.ptr(), b.gk.ptr(), b.gv.ptr(), gom.ptr(), b.gdo.ptr(),
+                 b.glm.ptr());
     ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
     std::vector<double> lm_d(lm.begin(), lm.end()), om_d(om.begin(), om.end());
-    const Ref r2 = reference(ss, nh, nkv, hd, scale, q, k, v, dO, &lm_d, &om_d);
-    EXPECT_LE(rel_err(from_dev(gdq), r2.dq), kTol) << "dQ, merged statistics";
-    EXPECT_LE(rel_err(from_dev(gdk), r2.dk), kTol) << "dK, merged statistics";
-    EXPECT_LE(rel_err(from_dev(gdv), r2.dv), kTol) << "dV, merged statistics";
+    const Ref r2 = reference(b.ss, nh, nkv, hd, b.scale, b.q, b.k, b.v, b.dO, &lm_d, &om_d);
+    EXPECT_LE(rel_err(from_dev(b.gdq), r2.dq), kTol) << "dQ, merged statistics";
+    EXPECT_LE(rel_err(from_dev(b.gdk), r2.dk), kTol) << "dK, merged statistics";
+    EXPECT_LE(rel_err(from_dev(b.gdv), r2.dv), kTol) << "dV, merged statistics";
     // The backward is deterministic: the same inputs give the same bits.
-    const auto dq1 = gdq.download(), dk1 = gdk.download();
-    att.backward(gdq.ptr(), gdk.ptr(), gdv.ptr(), gq.ptr(), gk.ptr(), gv.ptr(), gom.ptr(), gdo.ptr(), glm.ptr());
+    const auto dq1 = b.gdq.download(), dk1 = b.gdk.download();
+    att.backward(b.gdq.ptr(), b.gdk.ptr(), b.gdv.ptr(), b.gq.ptr(), b.gk.ptr(), b.gv.ptr(), gom.ptr(), b.gdo.ptr(),
+                 b.glm.ptr());
     ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
-    const auto dq2 = gdq.download(), dk2 = gdk.download();
+    const auto dq2 = b.gdq.download(), dk2 = b.gdk.download();
     EXPECT_EQ(0, std::memcmp(dq1.data(), dq2.data(), dq1.size() * 2)) << "dQ differs between identical runs";
     EXPECT_EQ(0, std::memcmp(dk1.data(), dk2.data(), dk1.size() * 2)) << "dK differs between identical runs";
 
@@ -176,11 +207,11 @@ void check(int nh, int nkv, int hd) {
     Guarded<int64_t> gone(one.size());
     gone.upload(one);
     att.set_batch(one, gone.ptr());
-    att.forward(go.ptr(), glse.ptr(), gq.ptr(), gk.ptr(), gv.ptr());
+    att.forward(b.go.ptr(), b.glse.ptr(), b.gq.ptr(), b.gk.ptr(), b.gv.ptr());
     ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
-    const Ref r3 = reference(one, nh, nkv, hd, scale, q, k, v, dO, nullptr, nullptr);
-    auto o3 = from_dev(go);
-    o3.resize(size_t(97 * qd));
+    const Ref r3 = reference(one, nh, nkv, hd, b.scale, b.q, b.k, b.v, b.dO, nullptr, nullptr);
+    auto o3 = from_dev(b.go);
+    o3.resize(size_t(97 * b.qd));
     EXPECT_LE(rel_err(o3, r3.o), kTol) << "one-sample batch";
   }
   cudaStreamDestroy(s);
@@ -328,24 +359,11 @@ TEST(CudnnSdpa, LentWorkspaceGivesTheSameBits) {
 // outside the outputs; and a limit the whole backward fits keeps one group.
 void check_groups(int nh, int nkv, int hd, int want_groups) {
   SCOPED_TRACE(fmt::format("{} heads, {} kv heads, head size {}", nh, nkv, hd));
-  const std::vector<int64_t> ss = {0, 1, 71, 200, 205, 405};
-  const int64_t N = ss.back(), qd = int64_t(nh) * hd, kvd = int64_t(nkv) * hd;
-  const double scale = 1.0 / std::sqrt(double(hd));
-  const auto q = randn(size_t(N * qd), 41, 1.f), k = randn(size_t(N * kvd), 42, 1.f),
-             v = randn(size_t(N * kvd), 43, 1.f), dO = randn(size_t(N * qd), 44, 1.f);
-  Guarded<__nv_bfloat16> gq(size_t(N * qd)), gk(size_t(N * kvd)), gv(size_t(N * kvd)), gdo(size_t(N * qd)),
-      go(size_t(N * qd)), gdq(size_t(N * qd)), gdk(size_t(N * kvd)), gdv(size_t(N * kvd));
-  Guarded<float> glse(size_t(N * nh)), glm(size_t(N * nh));
-  Guarded<int64_t> gss(ss.size());
-  gq.upload(to_bf16(q));
-  gk.upload(to_bf16(k));
-  gv.upload(to_bf16(v));
-  gdo.upload(to_bf16(dO));
-  gss.upload(ss);
+  Batch b(nh, nkv, hd, 41);
   cudaStream_t s;
   ASSERT_EQ(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), cudaSuccess);
   {
-    cuda::CudnnSdpa att({nh, nkv, hd, float(scale), 512}, s);
+    cuda::CudnnSdpa att({nh, nkv, hd, float(b.scale), 512}, s);
     const int64_t whole = att.workspace_bytes(5, 200);
     att.set_backward_limit(whole);
     EXPECT_EQ(att.backward_groups(5, 200), 1) << "the whole backward fits its own need";
@@ -354,38 +372,41 @@ void check_groups(int nh, int nkv, int hd, int want_groups) {
     if (want_groups > 1) {
       EXPECT_LT(att.workspace_bytes(5, 200), whole) << "groups need less workspace";
     }
-    att.set_batch(ss, gss.ptr());
-    att.forward(go.ptr(), glse.ptr(), gq.ptr(), gk.ptr(), gv.ptr());
-    att.backward(gdq.ptr(), gdk.ptr(), gdv.ptr(), gq.ptr(), gk.ptr(), gv.ptr(), go.ptr(), gdo.ptr(), glse.ptr());
+    att.set_batch(b.ss, b.gss.ptr());
+    att.forward(b.go.ptr(), b.glse.ptr(), b.gq.ptr(), b.gk.ptr(), b.gv.ptr());
+    att.backward(b.gdq.ptr(), b.gdk.ptr(), b.gdv.ptr(), b.gq.ptr(), b.gk.ptr(), b.gv.ptr(), b.go.ptr(), b.gdo.ptr(),
+                 b.glse.ptr());
     ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
-    const auto o = from_dev(go);
-    const auto lse = glse.download();
+    const auto o = from_dev(b.go);
+    const auto lse = b.glse.download();
     std::vector<double> o_d(o.begin(), o.end()), lse_d(lse.begin(), lse.end());
-    const Ref r1 = reference(ss, nh, nkv, hd, scale, q, k, v, dO, &lse_d, &o_d);
+    const Ref r1 = reference(b.ss, nh, nkv, hd, b.scale, b.q, b.k, b.v, b.dO, &lse_d, &o_d);
     EXPECT_LE(rel_err(o, r1.o), kTol) << "forward output";
-    EXPECT_LE(rel_err(from_dev(gdq), r1.dq), kTol) << "dQ";
-    EXPECT_LE(rel_err(from_dev(gdk), r1.dk), kTol) << "dK";
-    EXPECT_LE(rel_err(from_dev(gdv), r1.dv), kTol) << "dV";
-    EXPECT_TRUE(gdq.guards_intact() && gdk.guards_intact() && gdv.guards_intact());
+    EXPECT_LE(rel_err(from_dev(b.gdq), r1.dq), kTol) << "dQ";
+    EXPECT_LE(rel_err(from_dev(b.gdk), r1.dk), kTol) << "dK";
+    EXPECT_LE(rel_err(from_dev(b.gdv), r1.dv), kTol) << "dV";
+    EXPECT_TRUE(b.gdq.guards_intact() && b.gdk.guards_intact() && b.gdv.guards_intact());
 
     std::vector<float> lm(lse.size());
     for (size_t i = 0; i < lse.size(); ++i) lm[i] = lse[i] + std::log1p(float(i % 5) * 0.4f);
-    glm.upload(lm);
-    att.backward(gdq.ptr(), gdk.ptr(), gdv.ptr(), gq.ptr(), gk.ptr(), gv.ptr(), go.ptr(), gdo.ptr(), glm.ptr());
+    b.glm.upload(lm);
+    att.backward(b.gdq.ptr(), b.gdk.ptr(), b.gdv.ptr(), b.gq.ptr(), b.gk.ptr(), b.gv.ptr(), b.go.ptr(), b.gdo.ptr(),
+                 b.glm.ptr());
     ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
     std::vector<double> lm_d(lm.begin(), lm.end());
-    const Ref r2 = reference(ss, nh, nkv, hd, scale, q, k, v, dO, &lm_d, &o_d);
-    EXPECT_LE(rel_err(from_dev(gdq), r2.dq), kTol) << "dQ, merged statistics";
-    EXPECT_LE(rel_err(from_dev(gdk), r2.dk), kTol) << "dK, merged statistics";
-    EXPECT_LE(rel_err(from_dev(gdv), r2.dv), kTol) << "dV, merged statistics";
-    const auto dq1 = gdq.download(), dk1 = gdk.download(), dv1 = gdv.download();
-    att.backward(gdq.ptr(), gdk.ptr(), gdv.ptr(), gq.ptr(), gk.ptr(), gv.ptr(), go.ptr(), gdo.ptr(), glm.ptr());
+    const Ref r2 = reference(b.ss, nh, nkv, hd, b.scale, b.q, b.k, b.v, b.dO, &lm_d, &o_d);
+    EXPECT_LE(rel_err(from_dev(b.gdq), r2.dq), kTol) << "dQ, merged statistics";
+    EXPECT_LE(rel_err(from_dev(b.gdk), r2.dk), kTol) << "dK, merged statistics";
+    EXPECT_LE(rel_err(from_dev(b.gdv), r2.dv), kTol) << "dV, merged statistics";
+    const auto dq1 = b.gdq.download(), dk1 = b.gdk.download(), dv1 = b.gdv.download();
+    att.backward(b.gdq.ptr(), b.gdk.ptr(), b.gdv.ptr(), b.gq.ptr(), b.gk.ptr(), b.gv.ptr(), b.go.ptr(), b.gdo.ptr(),
+                 b.glm.ptr());
     ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
-    const auto dq2 = gdq.download(), dk2 = gdk.download(), dv2 = gdv.download();
+    const auto dq2 = b.gdq.download(), dk2 = b.gdk.download(), dv2 = b.gdv.download();
     EXPECT_EQ(0, std::memcmp(dq1.data(), dq2.data(), dq1.size() * 2)) << "dQ differs between identical runs";
     EXPECT_EQ(0, std::memcmp(dk1.data(), dk2.data(), dk1.size() * 2)) << "dK differs between identical runs";
     EXPECT_EQ(0, std::memcmp(dv1.data(), dv2.data(), dv1.size() * 2)) << "dV differs between identical runs";
-    EXPECT_TRUE(gdq.guards_intact() && gdk.guards_intact() && gdv.guards_intact());
+    EXPECT_TRUE(b.gdq.guards_intact() && b.gdk.guards_intact() && b.gdv.guards_intact());
   }
   cudaStreamDestroy(s);
 }

@@ -101,6 +101,16 @@ void take_moments(Engine& eng, const std::vector<int64_t>& sizes, const std::vec
 
 // One GPU's trainer, with what data parallel needs of it: the gradient buffer (every tensor,
 // padded), its length and the stream its work runs on.
+// `flag` set for the guard's scope (run_start(): run() then only starts its batch), cleared
+// however the scope ends.
+struct RaisedFlag {
+  bool& flag;
+  explicit RaisedFlag(bool& f) : flag(f) { flag = true; }
+  ~RaisedFlag() { flag = false; }
+  RaisedFlag(const RaisedFlag&) = delete;
+  RaisedFlag& operator=(const RaisedFlag&) = delete;
+};
+
 class DeviceTrainer : public GpuDraftTrainer {
  public:
   virtual float* grad_data() = 0;
@@ -417,14 +427,8 @@ class CudaDraftTrainer final : public DeviceTrainer {
                  const std::vector<uint64_t>& seeds) override {
     TALON_CHECK(!pending_, "draft on GPU: run_start() again before run_finish()");
     if (peagle_) return GpuDraftTrainer::run_start(batch, weight, backward, zero_grads, seeds);
-    defer_ = true;
-    try {
-      (void)run(batch, weight, backward, zero_grads, seeds);
-    } catch (...) {
-      defer_ = false;
-      throw;
-    }
-    defer_ = false;
+    const RaisedFlag deferring(defer_);
+    (void)run(batch, weight, backward, zero_grads, seeds);
   }
   std::vector<TttResult> run_finish() override {
     if (!pending_) return GpuDraftTrainer::run_finish();
@@ -870,14 +874,8 @@ class DataParallelDraftTrainer final : public GpuDraftTrainer {
   void run_start(const std::vector<Sample>& batch, double weight, bool backward, bool zero_grads,
                  const std::vector<uint64_t>& seeds) override {
     TALON_CHECK(started_n_ == 0, "data parallel: run_start() again before run_finish()");
-    starting_ = true;
-    try {
-      (void)run(batch, weight, backward, zero_grads, seeds);
-    } catch (...) {
-      starting_ = false;
-      throw;
-    }
-    starting_ = false;
+    const RaisedFlag starting(starting_);
+    (void)run(batch, weight, backward, zero_grads, seeds);
   }
   std::vector<TttResult> run_finish() override {
     TALON_CHECK(started_n_ > 0 && started_parts_.size() == ranks_.size(),

@@ -1107,7 +1107,6 @@ struct DraftEngine::Impl {
     if (!wait) {
       CUDA_CHECK(cudaEventRecord(ran, s));
       kn_pending = kn;
-      run_pending = true;
       return;
     }
     CUDA_CHECK(cudaStreamSynchronize(s));
@@ -1346,10 +1345,9 @@ struct DraftEngine::Impl {
   cudaEvent_t normed = nullptr;
   bool norm_started = false;
   // run(..., wait = false): the run's statistics are read once `ran` has passed (finish_run());
-  // until then no other batch may start (kn_pending: their count).
+  // until then no other batch may start (kn_pending: their count, K x N >= 1; 0: none pending).
   cudaEvent_t ran = nullptr;
   size_t kn_pending = 0;
-  bool run_pending = false;
   // Step 0's input, fc(aux) into gs[0], made by prepare() while the host builds the batch's row
   // maps (the device would idle there otherwise); run() makes it again if the weights changed
   // in between (weights_version counts their updates) or it was used already.
@@ -2483,7 +2481,7 @@ std::vector<int32_t> target_rows(int64_t N, const uint8_t* mask, const int32_t* 
 std::vector<uint8_t> DraftEngine::prepare(const DraftBatch& b) {
   Impl& I = *p_;
   CUDA_CHECK(cudaSetDevice(I.device));
-  if (I.run_pending) fail_msg("draft on GPU: a batch was prepared before the last run's finish_run()");
+  if (I.kn_pending) fail_msg("draft on GPU: a batch was prepared before the last run's finish_run()");
   CUDA_CHECK(cudaEventSynchronize(I.aux_ready));  // the last batch's upload (run() waited for it)
   I.restart_staging();
   if (b.N > I.R || b.N <= 0)
@@ -2667,7 +2665,7 @@ void DraftEngine::run(const std::vector<float>& row_scale, bool backward, bool z
                       bool wait) {
   Impl& I = *p_;
   CUDA_CHECK(cudaSetDevice(I.device));
-  if (I.run_pending) fail_msg("draft on GPU: run() again before the last run's finish_run()");
+  if (I.kn_pending) fail_msg("draft on GPU: run() again before the last run's finish_run()");
   const DraftDims& d = I.d;
   const int64_t N = I.N, H = d.H, Id = d.I, qd = I.qd, kvd = I.kvd, K = d.K;
   const cudaStream_t s = I.s;
@@ -2959,11 +2957,10 @@ void DraftEngine::run(const std::vector<float>& row_scale, bool backward, bool z
 
 void DraftEngine::finish_run(DraftRowStats& out) {
   Impl& I = *p_;
-  if (!I.run_pending) fail_msg("draft on GPU: finish_run() with no run started");
+  if (!I.kn_pending) fail_msg("draft on GPU: finish_run() with no run started");
   CUDA_CHECK(cudaSetDevice(I.device));
   CUDA_CHECK(cudaEventSynchronize(I.ran));
-  I.run_pending = false;
-  I.take_stats(out, I.kn_pending);
+  I.take_stats(out, std::exchange(I.kn_pending, size_t(0)));
   I.collect();
 }
 

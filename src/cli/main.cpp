@@ -248,6 +248,11 @@ int main(int argc, char** argv) {
                    "(the same bits; the default); --gpu-no-diag-registers: a load at a time")
         ->group(g);
     cmd_tr
+        ->add_flag("--gpu-fused-rope,!--gpu-separate-rope", tr.gpu_engine.fused_rope_rows,
+                   "RoPE, the row cut's moves and the bf16 casts of q, k, v (forward) and of their gradients "
+                   "(backward) in one kernel each (the same bits); --gpu-separate-rope: a kernel each")
+        ->group(g);
+    cmd_tr
         ->add_flag("--gpu-cudnn-head-groups", tr.gpu_engine.cudnn_head_groups,
                    "cuDNN's attention backward in head groups where one over every head would need more "
                    "workspace than the memory lent to it, so long samples go through cuDNN too (opt-in)")

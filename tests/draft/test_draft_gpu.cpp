@@ -443,6 +443,58 @@ TEST_P(GpuDraft, DiagonalRowsInRegistersKeepTheBits) {
       }
 }
 
+// RoPE, the row cut's moves and the bf16 casts of q, k, v and of their gradients in one kernel
+// each (GpuDraftOptions::fused_rope_rows) compute the same bits as the separate kernels: losses
+// and every gradient, on a batch laid out as chat data (rows cut after step 0: a sample without
+// loss rows, a long prompt, alternating turns) and without the cut, head sizes 16 and 128 (more
+// rotation pairs a row than a block's threads), the fused attention kernels and cuDNN's, and
+// with a product per matrix (only the forward's kernel then).
+TEST_P(GpuDraft, FusedRopeRowsKeepTheBits) {
+  REQUIRE_GPU();
+  std::vector<std::string> routes = {"flash"};
+  if (talon::cuda::cudnn_sdpa_available(nullptr)) routes.push_back("cudnn");
+  for (int hd : {16, 128})
+    for (bool cut : {true, false})
+      for (bool fused_products : {true, false})
+        for (const std::string& route : routes) {
+          SCOPED_TRACE(fmt::format("head_dim {}, row cut {}, fused products {}, {}", hd, cut, fused_products, route));
+          Case cs(GetParam(), 84, {13, 7, 30, 2, 17}, hd);
+          cs.favour_draft_vocab(0.3f);
+          for (auto& m : cs.samples[1].mask) m = 0;
+          for (size_t t = 0; t < 18; ++t) cs.samples[2].mask[t] = 0;
+          for (size_t t = 0; t < cs.samples[4].mask.size(); ++t) cs.samples[4].mask[t] = (t / 4) % 2;
+          ScopedOpt opt([&](GpuDraftOptions& o) {
+            o.attention = route;
+            o.row_cut = cut;
+            o.fused_products = fused_products;
+          });
+          GpuRun fused{{}, DraftGrads(cs.w)}, apart{{}, DraftGrads(cs.w)};
+          {
+            ScopedOpt on([](GpuDraftOptions& o) { o.fused_rope_rows = true; });
+            fused = run_once(cs, GpuMath::BF16, 311);
+          }
+          {
+            ScopedOpt off([](GpuDraftOptions& o) { o.fused_rope_rows = false; });
+            apart = run_once(cs, GpuMath::BF16, 311);
+          }
+          expect_same_bits(fused, apart);
+          for (auto& [name, g] : apart.g.named()) {
+            double mx = 0;
+            for (double x : *g) mx = std::max(mx, std::abs(x));
+            EXPECT_GT(mx, 0.0) << name << ": no gradient to compare";
+          }
+        }
+  // And against the CPU reference, with the cut.
+  Case cs(GetParam(), 85, {13, 7, 30, 2, 17}, 128);
+  cs.favour_draft_vocab(0.3f);
+  for (size_t t = 0; t < 18; ++t) cs.samples[2].mask[t] = 0;
+  ScopedOpt on([](GpuDraftOptions& o) {
+    o.fused_rope_rows = true;
+    o.row_cut = true;
+  });
+  check_against_cpu(cs, GpuMath::BF16, tol::kGpuTttBf16LossRel, tol::kGpuTttBf16GradRel, 80, 20);
+}
+
 // One product for gate|up (forward and backward) and one each for the q|k|v backward
 // (GpuDraftOptions::fused_products) against a product per weight matrix: both against the CPU
 // reference, against each other within the tolerance of two routes on the same bf16 operands

@@ -164,6 +164,82 @@ __global__ void rows_move_kernel(X* out, const X* in, const int32_t* src, int64_
   }
 }
 
+// RoPE of one row's pair (x[e], x[e + hd/2]) at angle sign * (p) * inv_freq[e], in the order
+// and precision of rope_kernel (fp64 angle and rotation, then fp32): the fused kernels below
+// give the bits of rope_kernel followed by row moves and casts.
+__device__ __forceinline__ void rope_pair(float a, float b, double sign, int32_t p, float inv_freq, float* ra,
+                                          float* rb) {
+  double sn, cs;
+  sincos(sign * double(p) * double(inv_freq), &sn, &cs);
+  const double x = a, y = b;
+  *ra = float(x * cs - y * sn);
+  *rb = float(y * cs + x * sn);
+}
+
+// The forward's q, k, v after their products, as the attention reads them: for batch row n
+// (a block), from row m = map ? map[n] : n of the products' outputs (zeros where m < 0):
+// q bf16 with RoPE, keys fp32 with RoPE, values fp32 (copied only when vc is given; without a
+// map kc may be ko itself, rotated in place). The bits of expand (move_rows), then rope_kernel
+// into q's bf16 copy and in place on the keys (GpuDraftOptions::fused_rope_rows).
+__global__ void qkv_rope_rows_kernel(__nv_bfloat16* qo, float* ko, float* vo, const float* qc, const float* kc,
+                                     const float* vc, const int32_t* map, const int32_t* pos, int offset,
+                                     const float* inv_freq, int nh, int nkv, int hd) {
+  allow_dependents();
+  grid_dependency_wait();  // launched dependent with kDependTrain (launch.cuh)
+  const int64_t n = blockIdx.x;
+  const int32_t m = map ? map[n] : int32_t(n);
+  const int half = hd / 2;
+  const int64_t qd = int64_t(nh) * hd, kvd = int64_t(nkv) * hd;
+  const int32_t p = pos[n] + offset;
+  for (int j = threadIdx.x; j < (nh + nkv) * half; j += blockDim.x) {
+    const int h = j / half, e = j % half;
+    const bool isq = h < nh;
+    const int64_t c = int64_t(isq ? h : h - nh) * hd + e;
+    const float* x = isq ? qc + int64_t(m) * qd + c : kc + int64_t(m) * kvd + c;
+    const float a = m < 0 ? 0.f : x[0], b = m < 0 ? 0.f : x[half];
+    float ra, rb;
+    rope_pair(a, b, 1.0, p, inv_freq[e], &ra, &rb);
+    if (isq) {
+      qo[n * qd + c] = __float2bfloat16_rn(ra);
+      qo[n * qd + c + half] = __float2bfloat16_rn(rb);
+    } else {
+      ko[n * kvd + c] = ra;
+      ko[n * kvd + c + half] = rb;
+    }
+  }
+  if (vc)
+    for (int64_t c = threadIdx.x; c < kvd; c += blockDim.x) vo[n * kvd + c] = m < 0 ? 0.f : vc[int64_t(m) * kvd + c];
+}
+
+// The q|k|v backward's operand in one pass: row i of out (bf16, rows of qd + 2 kvd) from batch
+// row n = src ? src[i] : i of dq and dK (each rotated back: RoPE with sign -1) and of dV. The
+// bits of rope_kernel in place on dq and dK, compact (move_rows) and cast_rows_bf16
+// (GpuDraftOptions::fused_rope_rows).
+__global__ void qkv_grad_rows_kernel(__nv_bfloat16* out, const float* dq, const float* dk, const float* dv,
+                                     const int32_t* src, const int32_t* pos, int offset, const float* inv_freq, int nh,
+                                     int nkv, int hd) {
+  allow_dependents();
+  grid_dependency_wait();  // launched dependent with kDependTrain (launch.cuh)
+  const int64_t i = blockIdx.x;
+  const int64_t n = src ? src[i] : i;
+  const int half = hd / 2;
+  const int64_t qd = int64_t(nh) * hd, kvd = int64_t(nkv) * hd;
+  __nv_bfloat16* o = out + i * (qd + 2 * kvd);
+  const int32_t p = pos[n] + offset;
+  for (int j = threadIdx.x; j < (nh + nkv) * half; j += blockDim.x) {
+    const int h = j / half, e = j % half;
+    const bool isq = h < nh;
+    const int64_t c = int64_t(isq ? h : h - nh) * hd + e;
+    const float* x = isq ? dq + n * qd + c : dk + n * kvd + c;
+    float ra, rb;
+    rope_pair(x[0], x[half], -1.0, p, inv_freq[e], &ra, &rb);
+    __nv_bfloat16* y = o + (isq ? 0 : qd) + c;
+    y[0] = __float2bfloat16_rn(ra);
+    y[half] = __float2bfloat16_rn(rb);
+  }
+  for (int64_t c = threadIdx.x; c < kvd; c += blockDim.x) o[qd + kvd + c] = __float2bfloat16_rn(dv[n * kvd + c]);
+}
+
 // out[n, :] = row[:] for n < N (C columns).
 __global__ void broadcast_row_kernel(float* out, const float* row, int64_t N, int64_t C) {
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -1165,6 +1241,7 @@ struct DraftEngine::Impl {
   bool row_cut = false;
   bool fused_diag = true;  // GpuDraftOptions::fused_diag_backward
   bool diag_regs = true;   // GpuDraftOptions::diag_rows_in_registers
+  bool fused_rope = false;  // GpuDraftOptions::fused_rope_rows
   bool head_groups = false;  // GpuDraftOptions::cudnn_head_groups (for setup())
   RowCut rc;
   int64_t N1 = 0, N0 = 0;  // kept rows (N without a cut); step 0's rows after its attention
@@ -2278,6 +2355,7 @@ DraftEngine::DraftEngine(int device, const DraftDims& dd, DraftMath math, const 
   I.row_cut = opt.row_cut;
   I.fused_diag = opt.fused_diag_backward;
   I.diag_regs = opt.diag_rows_in_registers;
+  I.fused_rope = opt.fused_rope_rows;
   if (I.row_cut && K > 1) {
     I.crow_d = I.alloc<int32_t>(size_t(R));
     I.cinv_d = I.alloc<int32_t>(size_t(R));
@@ -2722,20 +2800,27 @@ void DraftEngine::run(const std::vector<float>& row_scale, bool backward, bool z
       // datt, keys and values in this step's dK and dV, all idle in the forward) are expanded
       // into the batch layout the attention reads.
       float* qo = I.qa_bf16 ? I.dq : I.q[size_t(k)];
+      float *kc = cut ? I.dK + k * I.R * kvd : kk, *vc = cut ? I.dV + k * I.R * kvd : vv;
       I.linear(cut ? I.datt : qo, qd, xin, 2 * H, I.w(WQ), Nk, 2 * H, qd);
-      I.linear(cut ? I.dK + k * I.R * kvd : kk, kvd, xin, 2 * H, I.w(WK), Nk, 2 * H, kvd);
-      I.linear(cut ? I.dV + k * I.R * kvd : vv, kvd, xin, 2 * H, I.w(WV), Nk, 2 * H, kvd);
-      if (cut) {
-        I.expand(qo, I.datt, qd);
-        I.expand(kk, I.dK + k * I.R * kvd, kvd);
-        I.expand(vv, I.dV + k * I.R * kvd, kvd);
+      I.linear(kc, kvd, xin, 2 * H, I.w(WK), Nk, 2 * H, kvd);
+      I.linear(vc, kvd, xin, 2 * H, I.w(WV), Nk, 2 * H, kvd);
+      if (I.fused_rope && I.qa_bf16) {  // expand, RoPE and the queries' bf16 copy in one pass
+        launch_dependent(kDependTrain, qkv_rope_rows_kernel, dim3(unsigned(N)), dim3(256), 0, s,
+                         I.bf16_in(I.q[size_t(k)]), kk, vv, cut ? I.datt : qo, kc, cut ? vc : nullptr,
+                         cut ? I.cinv_d : nullptr, I.pos, k, I.inv, int(d.nh), int(d.nkv), int(d.hd));
+      } else {
+        if (cut) {
+          I.expand(qo, I.datt, qd);
+          I.expand(kk, kc, kvd);
+          I.expand(vv, vc, kvd);
+        }
+        if (I.qa_bf16)
+          I.rope(I.dq, d.nh, k, 1.0, I.bf16_in(I.q[size_t(k)]));
+        else
+          I.rope(I.q[size_t(k)], d.nh, k, 1.0);
+        I.rope(kk, d.nkv, k, 1.0);
       }
     }
-    if (I.qa_bf16)
-      I.rope(I.dq, d.nh, k, 1.0, I.bf16_in(I.q[size_t(k)]));
-    else
-      I.rope(I.q[size_t(k)], d.nh, k, 1.0);
-    I.rope(kk, d.nkv, k, 1.0);
     I.mark("forward: attention");
     if (I.loop_attention) {
       attn_forward_kernel<<<warps_blocks, 256, 0, s>>>(I.att[size_t(k)], I.lse[size_t(k)], I.attn_args(k));
@@ -2865,38 +2950,45 @@ void DraftEngine::run(const std::vector<float>& row_scale, bool backward, bool z
     I.mark("backward: products and norms");
     float* dKk = I.dK + k * I.R * kvd;
     float* dVk = I.dV + k * I.R * kvd;
-    I.rope(I.dq, d.nh, k, -1.0);
-    I.rope(dKk, d.nkv, k, -1.0);
-    // The gradients the products read: dq, dK and dV of step k, or with rows cut their kept rows,
-    // compacted into datt and into this step's keys and values (no step left reads them).
-    float* gq = I.dq;
-    if (cut) {
-      gq = I.datt;
-      I.compact(gq, I.dq, qd);
-      I.compact(I.keys + k * I.R * kvd, dKk, kvd);
-      I.compact(I.vals + k * I.R * kvd, dVk, kvd);
-      dKk = I.keys + k * I.R * kvd;
-      dVk = I.vals + k * I.R * kvd;
+    const int64_t C = qd + 2 * kvd;
+    __nv_bfloat16* const b = I.bf16_in(I.dga);  // with qkv_fused: [Nk, C], dq | dk | dv
+    if (I.qkv_fused && I.fused_rope) {  // RoPE back, the kept rows and the bf16 cast in one pass
+      launch_dependent(kDependTrain, qkv_grad_rows_kernel, dim3(unsigned(Nk)), dim3(256), 0, s, b, I.dq, dKk, dVk,
+                       cut ? I.crow_d : nullptr, I.pos, k, I.inv, int(d.nh), int(d.nkv), int(d.hd));
+    } else {
+      I.rope(I.dq, d.nh, k, -1.0);
+      I.rope(dKk, d.nkv, k, -1.0);
+      // The gradients the products read: dq, dK and dV of step k, or with rows cut their kept rows,
+      // compacted into datt and into this step's keys and values (no step left reads them).
+      float* gq = I.dq;
+      if (cut) {
+        gq = I.datt;
+        I.compact(gq, I.dq, qd);
+        I.compact(I.keys + k * I.R * kvd, dKk, kvd);
+        I.compact(I.vals + k * I.R * kvd, dVk, kvd);
+        dKk = I.keys + k * I.R * kvd;
+        dVk = I.vals + k * I.R * kvd;
+      }
+      if (I.qkv_fused) {
+        cast_rows_bf16(b, C, gq, qd, Nk, qd, s);
+        cast_rows_bf16(b + qd, C, dKk, kvd, Nk, kvd, s);
+        cast_rows_bf16(b + qd + kvd, C, dVk, kvd, Nk, kvd, s);
+      } else {
+        const Impl::Twin tq(I, gq, Nk * qd), tk(I, dKk, Nk * kvd), tv(I, dVk, Nk * kvd), tx = I.xin_twin(k);
+        I.linear_dx(I.dxin, 2 * H, gq, I.w(WQ), Nk, 2 * H, qd, 0.f);
+        I.linear_dx(I.dxin, 2 * H, dKk, I.w(WK), Nk, 2 * H, kvd, 1.f);
+        I.linear_dx(I.dxin, 2 * H, dVk, I.w(WV), Nk, 2 * H, kvd, 1.f);
+        I.linear_dw(I.g(WQ), gq, xin, 2 * H, Nk, 2 * H, qd);
+        I.linear_dw(I.g(WK), dKk, xin, 2 * H, Nk, 2 * H, kvd);
+        I.linear_dw(I.g(WV), dVk, xin, 2 * H, Nk, 2 * H, kvd);
+      }
     }
     if (I.qkv_fused) {
-      const int64_t C = qd + 2 * kvd;
-      __nv_bfloat16* b = I.bf16_in(I.dga);  // [Nk, C]: dq | dk | dv
-      cast_rows_bf16(b, C, gq, qd, Nk, qd, s);
-      cast_rows_bf16(b + qd, C, dKk, kvd, Nk, kvd, s);
-      cast_rows_bf16(b + qd + kvd, C, dVk, kvd, Nk, kvd, s);
       const Impl::Twin tx = I.xin_twin(k);
       I.gemm_raw(CUBLAS_OP_N, CUBLAS_OP_N, 2 * H, Nk, C, I.operand(I.w(WQ), C * 2 * H, 0), 2 * H, b, C, 0.f, I.dxin,
                  2 * H);
       I.gemm_raw(CUBLAS_OP_N, CUBLAS_OP_T, 2 * H, C, Nk, I.operand(xin, Nk * 2 * H, 0), 2 * H, b, C, 1.f, I.g(WQ),
                  2 * H);
-    } else {
-      const Impl::Twin tq(I, gq, Nk * qd), tk(I, dKk, Nk * kvd), tv(I, dVk, Nk * kvd), tx = I.xin_twin(k);
-      I.linear_dx(I.dxin, 2 * H, gq, I.w(WQ), Nk, 2 * H, qd, 0.f);
-      I.linear_dx(I.dxin, 2 * H, dKk, I.w(WK), Nk, 2 * H, kvd, 1.f);
-      I.linear_dx(I.dxin, 2 * H, dVk, I.w(WV), Nk, 2 * H, kvd, 1.f);
-      I.linear_dw(I.g(WQ), gq, xin, 2 * H, Nk, 2 * H, qd);
-      I.linear_dw(I.g(WK), dKk, xin, 2 * H, Nk, 2 * H, kvd);
-      I.linear_dw(I.g(WV), dVk, xin, 2 * H, Nk, 2 * H, kvd);
     }
     // xin = [in_ln(e), hidden_norm(g)]; r = g or hidden_norm(g).
     I.gather(k);

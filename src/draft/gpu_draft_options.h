@@ -59,10 +59,12 @@ struct GpuDraftOptions {
   // tokens/s at 2048 / 4096 tokens on an H100 (docs/train.md).
   bool diag_rows_in_registers = true;
   // With bf16 operands: the forward's q, k, v rows expanded, rotated (RoPE) and the queries
-  // cast to bf16 in one kernel, and the backward's dq, dk, dv rotated back, compacted to the
-  // kept rows and cast to the q|k|v product's bf16 operand in one (fused_products); five to
-  // seven launches and ~170 MB of fp32 traffic a step fewer at 2048 tokens (8B shape). The
-  // same bits as the separate kernels (false; --gpu-separate-rope).
+  // cast to bf16 in one kernel (at step 0 also the bf16 copies of the keys and values every
+  // later step attends to, made once instead of cast at each attention call), and the
+  // backward's dq, dk, dv rotated back, compacted to the kept rows and cast to the q|k|v
+  // product's bf16 operand in one (fused_products). Per TTT step at 2048 tokens (8B shape):
+  // about nine launches and ~200 MB of memory traffic fewer. The same bits as the separate
+  // kernels (false; --gpu-separate-rope).
   bool fused_rope_rows = false;
   // With bf16 operands (--gpu-fused-products, the default): the gate and up projections as one
   // product (forward) and one each for their backward (dhm, d[W_gate; W_up]), and one each for

@@ -444,7 +444,8 @@ TEST_P(GpuDraft, DiagonalRowsInRegistersKeepTheBits) {
 }
 
 // RoPE, the row cut's moves and the bf16 casts of q, k, v and of their gradients in one kernel
-// each (GpuDraftOptions::fused_rope_rows) compute the same bits as the separate kernels: losses
+// each, with step 0's keys and values kept as bf16 for every step's attention
+// (GpuDraftOptions::fused_rope_rows), compute the same bits as the separate kernels: losses
 // and every gradient, on a batch laid out as chat data (rows cut after step 0: a sample without
 // loss rows, a long prompt, alternating turns) and without the cut, head sizes 16 and 128 (more
 // rotation pairs a row than a block's threads), the fused attention kernels and cuDNN's, and

@@ -177,13 +177,15 @@ __device__ __forceinline__ void rope_pair(float a, float b, double sign, int32_t
 }
 
 // The forward's q, k, v after their products, as the attention reads them: for batch row n
-// (a block), from row m = map ? map[n] : n of the products' outputs (zeros where m < 0):
-// q bf16 with RoPE, keys fp32 with RoPE, values fp32 (copied only when vc is given; without a
-// map kc may be ko itself, rotated in place). The bits of expand (move_rows), then rope_kernel
-// into q's bf16 copy and in place on the keys (GpuDraftOptions::fused_rope_rows).
-__global__ void qkv_rope_rows_kernel(__nv_bfloat16* qo, float* ko, float* vo, const float* qc, const float* kc,
-                                     const float* vc, const int32_t* map, const int32_t* pos, int offset,
-                                     const float* inv_freq, int nh, int nkv, int hd) {
+// (a block), from row m = map ? map[n] : n of the products' outputs qc, kc, vc (zeros where
+// m < 0): q as bf16 with RoPE, keys fp32 with RoPE, values fp32 (copied unless vc is vo;
+// without a map kc may be ko, rotated in place), and where kb / vb are given (step 0, whose
+// keys and values every later step attends to), the keys' and values' bf16 copies too. The
+// bits of expand (move_rows), then rope_kernel into q's bf16 copy and in place on the keys,
+// then casts (GpuDraftOptions::fused_rope_rows).
+__global__ void qkv_rope_rows_kernel(__nv_bfloat16* qo, float* ko, float* vo, __nv_bfloat16* kb, __nv_bfloat16* vb,
+                                     const float* qc, const float* kc, const float* vc, const int32_t* map,
+                                     const int32_t* pos, int offset, const float* inv_freq, int nh, int nkv, int hd) {
   allow_dependents();
   grid_dependency_wait();  // launched dependent with kDependTrain (launch.cuh)
   const int64_t n = blockIdx.x;
@@ -205,10 +207,18 @@ __global__ void qkv_rope_rows_kernel(__nv_bfloat16* qo, float* ko, float* vo, co
     } else {
       ko[n * kvd + c] = ra;
       ko[n * kvd + c + half] = rb;
+      if (kb) {
+        kb[n * kvd + c] = __float2bfloat16_rn(ra);
+        kb[n * kvd + c + half] = __float2bfloat16_rn(rb);
+      }
     }
   }
-  if (vc)
-    for (int64_t c = threadIdx.x; c < kvd; c += blockDim.x) vo[n * kvd + c] = m < 0 ? 0.f : vc[int64_t(m) * kvd + c];
+  if (vc != vo || vb)
+    for (int64_t c = threadIdx.x; c < kvd; c += blockDim.x) {
+      const float v = m < 0 ? 0.f : vc[int64_t(m) * kvd + c];
+      if (vc != vo) vo[n * kvd + c] = v;
+      if (vb) vb[n * kvd + c] = __float2bfloat16_rn(v);
+    }
 }
 
 // The q|k|v backward's operand in one pass: row i of out (bf16, rows of qd + 2 kvd) from batch
@@ -1242,6 +1252,10 @@ struct DraftEngine::Impl {
   bool fused_diag = true;  // GpuDraftOptions::fused_diag_backward
   bool diag_regs = true;   // GpuDraftOptions::diag_rows_in_registers
   bool fused_rope = false;  // GpuDraftOptions::fused_rope_rows
+  // With fused_rope and bf16 queries: step 0's keys and values as bf16 (R x kvd each), written
+  // by its forward's qkv_rope_rows_kernel; the attention of every step reads them (kv0_twin)
+  // instead of casting the fp32 ones again at each call.
+  __nv_bfloat16 *kb0 = nullptr, *vb0 = nullptr;
   bool head_groups = false;  // GpuDraftOptions::cudnn_head_groups (for setup())
   RowCut rc;
   int64_t N1 = 0, N0 = 0;  // kept rows (N without a cut); step 0's rows after its attention
@@ -1668,6 +1682,11 @@ struct DraftEngine::Impl {
   }
   // The bf16 twins of step k's queries and attention output: their own storage when they are
   // stored as bf16 (make these before any cast twin of the same scope, see xin_twin), else casts.
+  // Step 0's keys or values (x: keys or vals) as the attention's operands read them: the copy
+  // step 0's forward wrote (b: kb0, vb0) or a cast.
+  Twin kv0_twin(float* x, const __nv_bfloat16* b) {
+    return b ? Twin(*this, x, N * (d.nkv * d.hd), b) : Twin(*this, x, N * (d.nkv * d.hd));
+  }
   Twin q_twin(int k) {
     float* x = q[size_t(k)];
     return qa_bf16 ? Twin(*this, x, N * qd, bf16_in(x)) : Twin(*this, x, N * qd);
@@ -1864,7 +1883,7 @@ struct DraftEngine::Impl {
     const AttnArgs a = attn_args(k);
     const int64_t grp = d.nh / d.nkv, K = d.K;
     const unsigned wb = nblocks(N * d.nh * 32, 256);
-    const Twin tq = q_twin(k), tk(*this, keys, N * kvd), tv(*this, vals, N * kvd);
+    const Twin tq = q_twin(k), tk = kv0_twin(keys, kb0), tv = kv0_twin(vals, vb0);
     if (cudnn_attention) {
       // cuDNN writes the causal part as bf16 straight into the output, which the merge then
       // overwrites element by element.
@@ -1915,7 +1934,7 @@ struct DraftEngine::Impl {
     const int64_t K = d.K;
     const unsigned wb = nblocks(N * d.nh * 32, 256);
     {
-      const Twin tq = q_twin(k), tk(*this, keys, N * kvd), tv(*this, vals, N * kvd), to(*this, datt, N * qd);
+      const Twin tq = q_twin(k), tk = kv0_twin(keys, kb0), tv = kv0_twin(vals, vb0), to(*this, datt, N * qd);
       if (cudnn_attention) {
         // The gradients of the causal part given the merged output and log-sum-exp (exact:
         // P = exp(S - lse) over the causal keys, D = rowsum(dO * O) of the whole row).
@@ -2356,6 +2375,10 @@ DraftEngine::DraftEngine(int device, const DraftDims& dd, DraftMath math, const 
   I.fused_diag = opt.fused_diag_backward;
   I.diag_regs = opt.diag_rows_in_registers;
   I.fused_rope = opt.fused_rope_rows;
+  if (I.fused_rope && I.qa_bf16 && I.bf16_operands) {
+    I.kb0 = I.alloc<__nv_bfloat16>(size_t(R * kvd));
+    I.vb0 = I.alloc<__nv_bfloat16>(size_t(R * kvd));
+  }
   if (I.row_cut && K > 1) {
     I.crow_d = I.alloc<int32_t>(size_t(R));
     I.cinv_d = I.alloc<int32_t>(size_t(R));
@@ -2806,8 +2829,9 @@ void DraftEngine::run(const std::vector<float>& row_scale, bool backward, bool z
       I.linear(vc, kvd, xin, 2 * H, I.w(WV), Nk, 2 * H, kvd);
       if (I.fused_rope && I.qa_bf16) {  // expand, RoPE and the queries' bf16 copy in one pass
         launch_dependent(kDependTrain, qkv_rope_rows_kernel, dim3(unsigned(N)), dim3(256), 0, s,
-                         I.bf16_in(I.q[size_t(k)]), kk, vv, cut ? I.datt : qo, kc, cut ? vc : nullptr,
-                         cut ? I.cinv_d : nullptr, I.pos, k, I.inv, int(d.nh), int(d.nkv), int(d.hd));
+                         I.bf16_in(I.q[size_t(k)]), kk, vv, k == 0 ? I.kb0 : nullptr, k == 0 ? I.vb0 : nullptr,
+                         cut ? I.datt : qo, kc, vc, cut ? I.cinv_d : nullptr, I.pos, k, I.inv, int(d.nh),
+                         int(d.nkv), int(d.hd));
       } else {
         if (cut) {
           I.expand(qo, I.datt, qd);

@@ -253,6 +253,11 @@ int main(int argc, char** argv) {
                    "(backward) in one kernel each (the same bits); --gpu-separate-rope: a kernel each")
         ->group(g);
     cmd_tr
+        ->add_flag("--gpu-qkv-forward,!--gpu-no-qkv-forward", tr.gpu_engine.qkv_forward_product,
+                   "With --gpu-fused-rope and fused products: the forward's q, k and v as one product (the "
+                   "default); --gpu-no-qkv-forward: three")
+        ->group(g);
+    cmd_tr
         ->add_flag("--gpu-cudnn-head-groups", tr.gpu_engine.cudnn_head_groups,
                    "cuDNN's attention backward in head groups where one over every head would need more "
                    "workspace than the memory lent to it, so long samples go through cuDNN too (opt-in)")

@@ -66,6 +66,10 @@ struct GpuDraftOptions {
   // about nine launches and ~200 MB of memory traffic fewer. The same bits as the separate
   // kernels (false; --gpu-separate-rope).
   bool fused_rope_rows = false;
+  // With fused_rope_rows and fused_products: the forward's q, k and v as one product too (its
+  // rows read by the fused RoPE kernel); the same arithmetic as three up to the order of fp32
+  // sums. false (--gpu-no-qkv-forward): three products.
+  bool qkv_forward_product = true;
   // With bf16 operands (--gpu-fused-products, the default): the gate and up projections as one
   // product (forward) and one each for their backward (dhm, d[W_gate; W_up]), and one each for
   // the q, k, v backward (dxin, d[W_q; W_k; W_v]); +1.0% / +0.5% / +1.5% tokens/s at 2048 /

@@ -468,6 +468,7 @@ TEST_P(GpuDraft, FusedRopeRowsKeepTheBits) {
             o.attention = route;
             o.row_cut = cut;
             o.fused_products = fused_products;
+            o.qkv_forward_product = false;  // three products either way (the bits of one differ)
           });
           GpuRun fused{{}, DraftGrads(cs.w)}, apart{{}, DraftGrads(cs.w)};
           {
@@ -485,15 +486,44 @@ TEST_P(GpuDraft, FusedRopeRowsKeepTheBits) {
             EXPECT_GT(mx, 0.0) << name << ": no gradient to compare";
           }
         }
-  // And against the CPU reference, with the cut.
-  Case cs(GetParam(), 85, {13, 7, 30, 2, 17}, 128);
-  cs.favour_draft_vocab(0.3f);
-  for (size_t t = 0; t < 18; ++t) cs.samples[2].mask[t] = 0;
-  ScopedOpt on([](GpuDraftOptions& o) {
-    o.fused_rope_rows = true;
-    o.row_cut = true;
-  });
-  check_against_cpu(cs, GpuMath::BF16, tol::kGpuTttBf16LossRel, tol::kGpuTttBf16GradRel, 80, 20);
+}
+
+// With the fused RoPE kernel the forward's q, k and v can be one product whose rows the kernel
+// reads (GpuDraftOptions::qkv_forward_product): against the CPU reference, bit-identical between
+// two runs (resume depends on it) and within the tolerance of two routes on the same bf16
+// operands of three products (only the order of fp32 sums differs); rows cut and not, head sizes
+// 16 (q|k|v rows wider than the MLP's, so the setup grows the buffer they go to) and 128, the
+// fused attention kernels and cuDNN's.
+TEST_P(GpuDraft, OneQkvForwardProductMatchesThree) {
+  REQUIRE_GPU();
+  std::vector<std::string> routes = {"flash"};
+  if (talon::cuda::cudnn_sdpa_available(nullptr)) routes.push_back("cudnn");
+  for (int hd : {16, 128})
+    for (bool cut : {true, false})
+      for (const std::string& route : routes) {
+        SCOPED_TRACE(fmt::format("head_dim {}, row cut {}, {}", hd, cut, route));
+        Case cs(GetParam(), 85, {13, 7, 30, 2, 17}, hd);
+        cs.favour_draft_vocab(0.3f);
+        for (size_t t = 0; t < 18; ++t) cs.samples[2].mask[t] = 0;
+        ScopedOpt opt([&](GpuDraftOptions& o) {
+          o.attention = route;
+          o.row_cut = cut;
+          o.fused_products = true;
+          o.fused_rope_rows = true;
+        });
+        GpuRun one{{}, DraftGrads(cs.w)}, again{{}, DraftGrads(cs.w)}, three{{}, DraftGrads(cs.w)};
+        {
+          ScopedOpt on([](GpuDraftOptions& o) { o.qkv_forward_product = true; });
+          check_against_cpu(cs, GpuMath::BF16, tol::kGpuTttBf16LossRel, tol::kGpuTttBf16GradRel, 80, 20);
+          one = run_once(cs, GpuMath::BF16, 311);
+          again = run_once(cs, GpuMath::BF16, 311);
+        }
+        {
+          ScopedOpt off([](GpuDraftOptions& o) { o.qkv_forward_product = false; });
+          three = run_once(cs, GpuMath::BF16, 311);
+        }
+        expect_repeatable_and_near(one, again, three);
+      }
 }
 
 // One product for gate|up (forward and backward) and one each for the q|k|v backward

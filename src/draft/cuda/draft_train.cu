@@ -178,14 +178,15 @@ __device__ __forceinline__ void rope_pair(float a, float b, double sign, int32_t
 
 // The forward's q, k, v after their products, as the attention reads them: for batch row n
 // (a block), from row m = map ? map[n] : n of the products' outputs qc, kc, vc (zeros where
-// m < 0): q as bf16 with RoPE, keys fp32 with RoPE, values fp32 (copied unless vc is vo;
+// m < 0; rows lq and lkv apart): q as bf16 with RoPE, keys fp32 with RoPE, values fp32 (copied unless vc is vo;
 // without a map kc may be ko, rotated in place), and where kb / vb are given (step 0, whose
 // keys and values every later step attends to), the keys' and values' bf16 copies too. The
 // bits of expand (move_rows), then rope_kernel into q's bf16 copy and in place on the keys,
 // then casts (GpuDraftOptions::fused_rope_rows).
 __global__ void qkv_rope_rows_kernel(__nv_bfloat16* qo, float* ko, float* vo, __nv_bfloat16* kb, __nv_bfloat16* vb,
-                                     const float* qc, const float* kc, const float* vc, const int32_t* map,
-                                     const int32_t* pos, int offset, const float* inv_freq, int nh, int nkv, int hd) {
+                                     const float* qc, const float* kc, const float* vc, int64_t lq, int64_t lkv,
+                                     const int32_t* map, const int32_t* pos, int offset, const float* inv_freq, int nh,
+                                     int nkv, int hd) {
   allow_dependents();
   grid_dependency_wait();  // launched dependent with kDependTrain (launch.cuh)
   const int64_t n = blockIdx.x;
@@ -197,7 +198,7 @@ __global__ void qkv_rope_rows_kernel(__nv_bfloat16* qo, float* ko, float* vo, __
     const int h = j / half, e = j % half;
     const bool isq = h < nh;
     const int64_t c = int64_t(isq ? h : h - nh) * hd + e;
-    const float* x = isq ? qc + int64_t(m) * qd + c : kc + int64_t(m) * kvd + c;
+    const float* x = isq ? qc + int64_t(m) * lq + c : kc + int64_t(m) * lkv + c;
     const float a = m < 0 ? 0.f : x[0], b = m < 0 ? 0.f : x[half];
     float ra, rb;
     rope_pair(a, b, 1.0, p, inv_freq[e], &ra, &rb);
@@ -215,7 +216,7 @@ __global__ void qkv_rope_rows_kernel(__nv_bfloat16* qo, float* ko, float* vo, __
   }
   if (vc != vo || vb)
     for (int64_t c = threadIdx.x; c < kvd; c += blockDim.x) {
-      const float v = m < 0 ? 0.f : vc[int64_t(m) * kvd + c];
+      const float v = m < 0 ? 0.f : vc[int64_t(m) * lkv + c];
       if (vc != vo) vo[n * kvd + c] = v;
       if (vb) vb[n * kvd + c] = __float2bfloat16_rn(v);
     }
@@ -1256,6 +1257,10 @@ struct DraftEngine::Impl {
   // by its forward's qkv_rope_rows_kernel; the attention of every step reads them (kv0_twin)
   // instead of casting the fp32 ones again at each call.
   __nv_bfloat16 *kb0 = nullptr, *vb0 = nullptr;
+  // The forward's q, k and v as one product (GpuDraftOptions::qkv_forward_product, with
+  // qkv_fused, fused_rope and bf16 queries): its rows go to dga's part, which the setup sizes
+  // for them, and qkv_rope_rows_kernel reads them from there.
+  bool qkv_forward = false;
   bool head_groups = false;  // GpuDraftOptions::cudnn_head_groups (for setup())
   RowCut rc;
   int64_t N1 = 0, N0 = 0;  // kept rows (N without a cut); step 0's rows after its attention
@@ -2285,7 +2290,9 @@ DraftEngine::DraftEngine(int device, const DraftDims& dd, DraftMath math, const 
     // values), also sized for dgate|dup rows of 2I and dq|dk|dv rows.
     const bool fuse = I.bf16_operands && opt.fused_products;
     const int64_t dup_at = (R * Idim + 63) / 64 * 64;
-    const int64_t gu_part = std::max(dup_at + R * Idim, R * (qd + 2 * kvd));
+    // (fp32 rows of qd + 2 kvd with the forward's q|k|v product: qkv_forward)
+    const int64_t gu_part =
+        std::max(dup_at + R * Idim, R * (qd + 2 * kvd) * (opt.fused_rope_rows && opt.qkv_forward_product ? 2 : 1));
     const int64_t parts[] = {
         bytes_of(R * H),
         I.bf16_operands ? bytes_of((R * Vd + 1) / 2) : 0,
@@ -2327,6 +2334,7 @@ DraftEngine::DraftEngine(int device, const DraftDims& dd, DraftMath math, const 
     I.qkv_fused = fuse && I.offs[WK] == I.offs[WQ] + I.sizes[WQ] && I.offs[WV] == I.offs[WK] + I.sizes[WK] &&
                   I.sizes[WQ] == qd * 2 * H && I.sizes[WK] == kvd * 2 * H;
     I.dhm = at[5];
+    I.qkv_forward = I.qkv_fused && opt.fused_rope_rows && opt.qkv_forward_product && I.qa_bf16;
     if (I.cudnn) I.cudnn->set_workspace(block, size);
     I.cudnn_cap = opt.cudnn_auto_bytes > 0 ? opt.cudnn_auto_bytes : size;
   }
@@ -2823,15 +2831,24 @@ void DraftEngine::run(const std::vector<float>& row_scale, bool backward, bool z
       // datt, keys and values in this step's dK and dV, all idle in the forward) are expanded
       // into the batch layout the attention reads.
       float* qo = I.qa_bf16 ? I.dq : I.q[size_t(k)];
-      float *kc = cut ? I.dK + k * I.R * kvd : kk, *vc = cut ? I.dV + k * I.R * kvd : vv;
-      I.linear(cut ? I.datt : qo, qd, xin, 2 * H, I.w(WQ), Nk, 2 * H, qd);
-      I.linear(kc, kvd, xin, 2 * H, I.w(WK), Nk, 2 * H, kvd);
-      I.linear(vc, kvd, xin, 2 * H, I.w(WV), Nk, 2 * H, kvd);
+      float *qc = cut ? I.datt : qo, *kc = cut ? I.dK + k * I.R * kvd : kk, *vc = cut ? I.dV + k * I.R * kvd : vv;
+      int64_t lq = qd, lkv = kvd;
+      if (I.qkv_forward) {  // one product, [Nk, qd + 2 kvd] into dga's part (idle until the MLP's backward)
+        lq = lkv = qd + 2 * kvd;
+        qc = I.dga;
+        kc = qc + qd;
+        vc = kc + kvd;
+        I.linear(qc, lq, xin, 2 * H, I.w(WQ), Nk, 2 * H, lq);
+      } else {
+        I.linear(qc, qd, xin, 2 * H, I.w(WQ), Nk, 2 * H, qd);
+        I.linear(kc, kvd, xin, 2 * H, I.w(WK), Nk, 2 * H, kvd);
+        I.linear(vc, kvd, xin, 2 * H, I.w(WV), Nk, 2 * H, kvd);
+      }
       if (I.fused_rope && I.qa_bf16) {  // expand, RoPE and the queries' bf16 copy in one pass
         launch_dependent(kDependTrain, qkv_rope_rows_kernel, dim3(unsigned(N)), dim3(256), 0, s,
-                         I.bf16_in(I.q[size_t(k)]), kk, vv, k == 0 ? I.kb0 : nullptr, k == 0 ? I.vb0 : nullptr,
-                         cut ? I.datt : qo, kc, vc, cut ? I.cinv_d : nullptr, I.pos, k, I.inv, int(d.nh),
-                         int(d.nkv), int(d.hd));
+                         I.bf16_in(I.q[size_t(k)]), kk, vv, k == 0 ? I.kb0 : nullptr, k == 0 ? I.vb0 : nullptr, qc,
+                         kc, vc, lq, lkv, cut ? I.cinv_d : nullptr, I.pos, k, I.inv, int(d.nh), int(d.nkv),
+                         int(d.hd));
       } else {
         if (cut) {
           I.expand(qo, I.datt, qd);

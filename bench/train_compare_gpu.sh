@@ -4,7 +4,7 @@
 # then the VARIANT run) and the PyTorch peer (bench/train_peer.py, which first checks itself
 # against the oracle), then a table of tokens/s, memory and ratios. Every log is kept under
 # $LOGS (default: $OUT/train_compare on the device machine, else a temporary folder).
-#   bash scripts/gpu_build.sh && [LOSS_SHARE=f] [VARIANT=staged|resident|cudnn|flash|device|allrows|fused|zeroed|loaddiag|headgroups|cublas|base|none] \
+#   bash scripts/gpu_build.sh && [LOSS_SHARE=f] [VARIANT=staged|resident|cudnn|flash|device|allrows|fused|zeroed|loaddiag|headgroups|rope|cublas|base|none] \
 #     bash bench/train_compare_gpu.sh [SHAPE] ["SEQS"] [SAMPLES] [PEER_COMPILE]
 # e.g. LOSS_SHARE=0.675 VARIANT=resident bash bench/train_compare_gpu.sh llama3-8b "2048 4096" 1 full
 set -uo pipefail
@@ -58,7 +58,9 @@ res_peer() { pick 's/.*(reserved \([0-9.]*\) GiB).*/\1/p' "$1"; }
 # a step: --gpu-zeroed-grads; the default writes each matrix's first product), loaddiag (the
 # diagonal keys' kernels a load at a time, as before their rows went into registers:
 # --gpu-no-diag-registers), headgroups (cuDNN's backward in head groups where its workspace
-# would not fit the lent memory: --gpu-cudnn-head-groups), flash (the fused kernels
+# would not fit the lent memory: --gpu-cudnn-head-groups), rope (RoPE, row moves and casts of
+# q, k, v and their gradients in one kernel each, and the forward's q|k|v as one product:
+# --gpu-fused-rope), flash (the fused kernels
 # for every batch: --gpu-attention flash; the default, auto, takes cuDNN for the batches whose
 # workspace fits the memory lent to it), cublas (--gpu-products cublas: every product's
 # algorithm cuBLAS's own choice; the default, auto, takes the fastest cuBLASLt candidate with
@@ -76,13 +78,14 @@ case "$VARIANT" in
   zeroed) vflag=(--gpu-zeroed-grads) ;;
   loaddiag) vflag=(--gpu-no-diag-registers) ;;
   headgroups) vflag=(--gpu-cudnn-head-groups) ;;
+  rope) vflag=(--gpu-fused-rope) ;;
   cublas) vflag=(--gpu-products cublas) ;;
   base)
     vflag=()
     vbin=${BASE_BIN:?VARIANT=base needs BASE_BIN, another build of talon_bench_train}
     ;;
   none) vflag=() ;;
-  *) echo "VARIANT=$VARIANT: expected staged, resident, cudnn, flash, device, allrows, fused, zeroed, loaddiag, cublas, base or none" >&2; exit 2 ;;
+  *) echo "VARIANT=$VARIANT: expected staged, resident, cudnn, flash, device, allrows, fused, zeroed, loaddiag, headgroups, rope, cublas, base or none" >&2; exit 2 ;;
 esac
 # On the device machine ($OUT set) the logs default to $OUT/train_compare, so that they come back
 # even when the command's printed output is longer than what the call returns.

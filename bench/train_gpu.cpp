@@ -106,7 +106,7 @@ int main(int argc, char** argv) {
   app.add_flag("--gpu-cudnn-head-groups", eng.cudnn_head_groups,
                "cuDNN's attention backward in head groups where its workspace would not fit the lent memory");
   app.add_flag("--gpu-fused-rope,!--gpu-separate-rope", eng.fused_rope_rows,
-               "RoPE, row moves and casts of q, k, v and their gradients in one kernel each");
+               "RoPE, row moves and casts of q, k, v and their gradients in one kernel each (the default)");
   app.add_flag("--gpu-qkv-forward,!--gpu-no-qkv-forward", eng.qkv_forward_product,
                "with --gpu-fused-rope and fused products: the forward's q, k, v as one product");
   app.add_flag("--gpu-diag-registers,!--gpu-no-diag-registers", eng.diag_rows_in_registers,

@@ -250,7 +250,7 @@ int main(int argc, char** argv) {
     cmd_tr
         ->add_flag("--gpu-fused-rope,!--gpu-separate-rope", tr.gpu_engine.fused_rope_rows,
                    "RoPE, the row cut's moves and the bf16 casts of q, k, v (forward) and of their gradients "
-                   "(backward) in one kernel each (the same bits); --gpu-separate-rope: a kernel each")
+                   "(backward) in one kernel each (the same bits; the default); --gpu-separate-rope: a kernel each")
         ->group(g);
     cmd_tr
         ->add_flag("--gpu-qkv-forward,!--gpu-no-qkv-forward", tr.gpu_engine.qkv_forward_product,

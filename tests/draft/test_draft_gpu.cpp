@@ -670,8 +670,10 @@ TEST_P(GpuDraft, AutoAttentionTakesCudnnWhereItsWorkspaceFits) {
 }
 
 // --gpu-cudnn-head-groups: where a bucket's backward over every head needs more workspace than
-// cuDNN may use (here cudnn_auto_bytes, set to half of it), auto still takes cuDNN, its backward
-// in two head groups (8 query heads over 2 kv heads: one kv head and its 4 query heads a group).
+// cuDNN may use (here cudnn_auto_bytes, set just below it), auto still takes cuDNN, its backward
+// in two head groups (8 query heads over 2 kv heads: one kv head and its 4 query heads a group),
+// whose workspace is smaller (not half: part of it does not scale with the heads; at this
+// shape, on an H100, 2.6 MiB against 4.6).
 // Against the CPU reference within the bf16 tolerances, against cuDNN's backward over every head
 // (--gpu-attention cudnn) within the fused kernels' tolerance, and bit-identical between runs.
 TEST_P(GpuDraft, CudnnBackwardInHeadGroupsMatchesReference) {
@@ -683,10 +685,10 @@ TEST_P(GpuDraft, CudnnBackwardInHeadGroupsMatchesReference) {
   talon::cuda::CudnnSdpa sdpa(talon::cuda::SdpaShape{8, 2, hd, float(1.0 / std::sqrt(double(hd))), R}, nullptr);
   const int64_t whole = sdpa.workspace_bytes(4, 150);
   ASSERT_EQ(sdpa.backward_groups(4, 150), 1);
-  sdpa.set_backward_limit(whole / 2);
-  ASSERT_EQ(sdpa.backward_groups(4, 150), 2) << "half the workspace: two head groups";
+  sdpa.set_backward_limit(whole - 1);
+  ASSERT_EQ(sdpa.backward_groups(4, 150), 2) << "less than the whole workspace: two head groups";
   const int64_t grouped = sdpa.workspace_bytes(4, 150);
-  ASSERT_LE(grouped, whole / 2);
+  ASSERT_LT(grouped, whole);
   const auto go = [&](bool groups, int64_t* via_cudnn) {
     ScopedOpt o([&](GpuDraftOptions& e) {
       e.attention = groups ? "auto" : "cudnn";

@@ -1252,7 +1252,7 @@ struct DraftEngine::Impl {
   bool row_cut = false;
   bool fused_diag = true;  // GpuDraftOptions::fused_diag_backward
   bool diag_regs = true;   // GpuDraftOptions::diag_rows_in_registers
-  bool fused_rope = false;  // GpuDraftOptions::fused_rope_rows
+  bool fused_rope = true;  // GpuDraftOptions::fused_rope_rows
   // With fused_rope and bf16 queries: step 0's keys and values as bf16 (R x kvd each), written
   // by its forward's qkv_rope_rows_kernel; the attention of every step reads them (kv0_twin)
   // instead of casting the fp32 ones again at each call.
@@ -2846,9 +2846,8 @@ void DraftEngine::run(const std::vector<float>& row_scale, bool backward, bool z
       }
       if (I.fused_rope && I.qa_bf16) {  // expand, RoPE and the queries' bf16 copy in one pass
         launch_dependent(kDependTrain, qkv_rope_rows_kernel, dim3(unsigned(N)), dim3(256), 0, s,
-                         I.bf16_in(I.q[size_t(k)]), kk, vv, k == 0 ? I.kb0 : nullptr, k == 0 ? I.vb0 : nullptr, qc,
-                         kc, vc, lq, lkv, cut ? I.cinv_d : nullptr, I.pos, k, I.inv, int(d.nh), int(d.nkv),
-                         int(d.hd));
+                         I.bf16_in(I.q[size_t(k)]), kk, vv, k == 0 ? I.kb0 : nullptr, k == 0 ? I.vb0 : nullptr, qc, kc,
+                         vc, lq, lkv, cut ? I.cinv_d : nullptr, I.pos, k, I.inv, int(d.nh), int(d.nkv), int(d.hd));
       } else {
         if (cut) {
           I.expand(qo, I.datt, qd);
@@ -2992,8 +2991,10 @@ void DraftEngine::run(const std::vector<float>& row_scale, bool backward, bool z
     float* dKk = I.dK + k * I.R * kvd;
     float* dVk = I.dV + k * I.R * kvd;
     const int64_t C = qd + 2 * kvd;
-    __nv_bfloat16* const b = I.bf16_in(I.dga);  // with qkv_fused: [Nk, C], dq | dk | dv
-    if (I.qkv_fused && I.fused_rope) {  // RoPE back, the kept rows and the bf16 cast in one pass
+    // With qkv_fused, b holds [Nk, C]: dq | dk | dv (with fused_rope rotated back, the kept rows
+    // and the bf16 cast in one pass).
+    __nv_bfloat16* const b = I.bf16_in(I.dga);
+    if (I.qkv_fused && I.fused_rope) {
       launch_dependent(kDependTrain, qkv_grad_rows_kernel, dim3(unsigned(Nk)), dim3(256), 0, s, b, I.dq, dKk, dVk,
                        cut ? I.crow_d : nullptr, I.pos, k, I.inv, int(d.nh), int(d.nkv), int(d.hd));
     } else {

@@ -178,11 +178,11 @@ __device__ __forceinline__ void rope_pair(float a, float b, double sign, int32_t
 
 // The forward's q, k, v after their products, as the attention reads them: for batch row n
 // (a block), from row m = map ? map[n] : n of the products' outputs qc, kc, vc (zeros where
-// m < 0; rows lq and lkv apart): q as bf16 with RoPE, keys fp32 with RoPE, values fp32 (copied unless vc is vo;
-// without a map kc may be ko, rotated in place), and where kb / vb are given (step 0, whose
-// keys and values every later step attends to), the keys' and values' bf16 copies too. The
-// bits of expand (move_rows), then rope_kernel into q's bf16 copy and in place on the keys,
-// then casts (GpuDraftOptions::fused_rope_rows).
+// m < 0; their rows lq and lkv apart): q as bf16 with RoPE, keys fp32 with RoPE, values fp32
+// (copied unless vc is vo; without a map kc may be ko, rotated in place), and where kb / vb
+// are given (step 0, whose keys and values every later step attends to), the keys' and values'
+// bf16 copies too. The bits of expand (move_rows), then rope_kernel into q's bf16 copy and in
+// place on the keys, then casts (GpuDraftOptions::fused_rope_rows).
 __global__ void qkv_rope_rows_kernel(__nv_bfloat16* qo, float* ko, float* vo, __nv_bfloat16* kb, __nv_bfloat16* vb,
                                      const float* qc, const float* kc, const float* vc, int64_t lq, int64_t lkv,
                                      const int32_t* map, const int32_t* pos, int offset, const float* inv_freq, int nh,
@@ -1685,13 +1685,13 @@ struct DraftEngine::Impl {
                     len,
                     qa_bf16 ? bf16_in(q[size_t(k)]) : nullptr};
   }
-  // The bf16 twins of step k's queries and attention output: their own storage when they are
-  // stored as bf16 (make these before any cast twin of the same scope, see xin_twin), else casts.
   // Step 0's keys or values (x: keys or vals) as the attention's operands read them: the copy
   // step 0's forward wrote (b: kb0, vb0) or a cast.
   Twin kv0_twin(float* x, const __nv_bfloat16* b) {
     return b ? Twin(*this, x, N * (d.nkv * d.hd), b) : Twin(*this, x, N * (d.nkv * d.hd));
   }
+  // The bf16 twins of step k's queries and attention output: their own storage when they are
+  // stored as bf16 (make these before any cast twin of the same scope, see xin_twin), else casts.
   Twin q_twin(int k) {
     float* x = q[size_t(k)];
     return qa_bf16 ? Twin(*this, x, N * qd, bf16_in(x)) : Twin(*this, x, N * qd);

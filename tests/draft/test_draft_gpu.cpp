@@ -104,6 +104,14 @@ struct Case {
   }
   // Shrinks the target lm_head rows of ids outside the draft vocab, so that the target's
   // argmax mostly lands in it (as with a trained target) and most loss-masked positions count.
+  // Loss masks laid out as chat data (needs five samples, the third of 18 tokens or more):
+  // sample 1 a prompt only, sample 2 a prompt of 18 tokens before its answer, sample 4
+  // alternating turns of four tokens.
+  void mask_as_chat() {
+    for (auto& m : samples[1].mask) m = 0;
+    for (size_t t = 0; t < 18; ++t) samples[2].mask[t] = 0;
+    for (size_t t = 0; t < samples[4].mask.size(); ++t) samples[4].mask[t] = (t / 4) % 2;
+  }
   void favour_draft_vocab(float scale) {
     const size_t H = size_t(c.H);
     for (size_t v = 0; v < size_t(c.V); ++v)
@@ -312,6 +320,26 @@ void expect_same_bits(GpuRun& a, GpuRun& b) {
   for (size_t i = 0; i < ga.size(); ++i) EXPECT_EQ(*ga[i].second, *gb[i].second) << ga[i].first;
 }
 
+// A GpuDraftOptions flag on and off computes the same bits (BF16, 311 rows), and no gradient
+// is all zeros (which would compare equal whatever the flag did).
+void expect_flag_keeps_bits(Case& cs, bool GpuDraftOptions::*flag) {
+  GpuRun on_run{{}, DraftGrads(cs.w)}, off_run{{}, DraftGrads(cs.w)};
+  {
+    ScopedOpt on([&](GpuDraftOptions& o) { o.*flag = true; });
+    on_run = run_once(cs, GpuMath::BF16, 311);
+  }
+  {
+    ScopedOpt off([&](GpuDraftOptions& o) { o.*flag = false; });
+    off_run = run_once(cs, GpuMath::BF16, 311);
+  }
+  expect_same_bits(on_run, off_run);
+  for (auto& [name, g] : off_run.g.named()) {
+    double mx = 0;
+    for (double x : *g) mx = std::max(mx, std::abs(x));
+    EXPECT_GT(mx, 0.0) << name << ": no gradient to compare";
+  }
+}
+
 // Two runs of one route (a, b) give the same bits (resume depends on it), and their losses and
 // gradients are within kGpuTttFusedVsBlocksRel of another route's on the same bf16 operands.
 void expect_repeatable_and_near(GpuRun& a, GpuRun& b, GpuRun& other) {
@@ -425,21 +453,7 @@ TEST_P(GpuDraft, DiagonalRowsInRegistersKeepTheBits) {
         Case cs(GetParam(), 83, {150, 64, 7, 90}, hd);
         cs.c.ttt_steps = K;
         ScopedOpt att([&](GpuDraftOptions& o) { o.attention = route; });
-        GpuRun regs{{}, DraftGrads(cs.w)}, before{{}, DraftGrads(cs.w)};
-        {
-          ScopedOpt on([](GpuDraftOptions& o) { o.diag_rows_in_registers = true; });
-          regs = run_once(cs, GpuMath::BF16, 311);
-        }
-        {
-          ScopedOpt off([](GpuDraftOptions& o) { o.diag_rows_in_registers = false; });
-          before = run_once(cs, GpuMath::BF16, 311);
-        }
-        expect_same_bits(regs, before);
-        for (auto& [name, g] : before.g.named()) {
-          double mx = 0;
-          for (double x : *g) mx = std::max(mx, std::abs(x));
-          EXPECT_GT(mx, 0.0) << name << ": no gradient to compare";
-        }
+        expect_flag_keeps_bits(cs, &GpuDraftOptions::diag_rows_in_registers);
       }
 }
 
@@ -461,30 +475,14 @@ TEST_P(GpuDraft, FusedRopeRowsKeepTheBits) {
           SCOPED_TRACE(fmt::format("head_dim {}, row cut {}, fused products {}, {}", hd, cut, fused_products, route));
           Case cs(GetParam(), 84, {13, 7, 30, 2, 17}, hd);
           cs.favour_draft_vocab(0.3f);
-          for (auto& m : cs.samples[1].mask) m = 0;
-          for (size_t t = 0; t < 18; ++t) cs.samples[2].mask[t] = 0;
-          for (size_t t = 0; t < cs.samples[4].mask.size(); ++t) cs.samples[4].mask[t] = (t / 4) % 2;
+          cs.mask_as_chat();
           ScopedOpt opt([&](GpuDraftOptions& o) {
             o.attention = route;
             o.row_cut = cut;
             o.fused_products = fused_products;
             o.qkv_forward_product = false;  // three products either way (the bits of one differ)
           });
-          GpuRun fused{{}, DraftGrads(cs.w)}, apart{{}, DraftGrads(cs.w)};
-          {
-            ScopedOpt on([](GpuDraftOptions& o) { o.fused_rope_rows = true; });
-            fused = run_once(cs, GpuMath::BF16, 311);
-          }
-          {
-            ScopedOpt off([](GpuDraftOptions& o) { o.fused_rope_rows = false; });
-            apart = run_once(cs, GpuMath::BF16, 311);
-          }
-          expect_same_bits(fused, apart);
-          for (auto& [name, g] : apart.g.named()) {
-            double mx = 0;
-            for (double x : *g) mx = std::max(mx, std::abs(x));
-            EXPECT_GT(mx, 0.0) << name << ": no gradient to compare";
-          }
+          expect_flag_keeps_bits(cs, &GpuDraftOptions::fused_rope_rows);
         }
 }
 
@@ -807,9 +805,7 @@ TEST_P(GpuDraft, SparseLossRowsMatchCpuReference) {
   REQUIRE_GPU();
   Case cs(GetParam(), 99, {13, 7, 30, 2, 17});
   cs.favour_draft_vocab(0.3f);
-  for (auto& m : cs.samples[1].mask) m = 0;                          // a prompt only
-  for (size_t t = 0; t < 18; ++t) cs.samples[2].mask[t] = 0;        // prompt, then the answer
-  for (size_t t = 0; t < cs.samples[4].mask.size(); ++t) cs.samples[4].mask[t] = (t / 4) % 2;  // turns
+  cs.mask_as_chat();
   for (int64_t rows : {3, 4096}) {
     SCOPED_TRACE(fmt::format("rows {}", rows));
     ScopedOpt e([&](GpuDraftOptions& o) { o.logit_rows = rows; });
@@ -832,9 +828,7 @@ TEST_P(GpuDraft, RowCutMatchesCpuReference) {
   REQUIRE_GPU();
   Case cs(GetParam(), 99, {13, 7, 30, 2, 17});
   cs.favour_draft_vocab(0.3f);
-  for (auto& m : cs.samples[1].mask) m = 0;
-  for (size_t t = 0; t < 18; ++t) cs.samples[2].mask[t] = 0;
-  for (size_t t = 0; t < cs.samples[4].mask.size(); ++t) cs.samples[4].mask[t] = (t / 4) % 2;
+  cs.mask_as_chat();
   ScopedOpt cut([](GpuDraftOptions& o) { o.row_cut = true; });
   check_against_cpu(cs, GpuMath::F32, tol::kGpuTttLossRel, tol::kGpuTttGradRel, 80, 20);
   check_against_cpu(cs, GpuMath::BF16, tol::kGpuTttBf16LossRel, tol::kGpuTttBf16GradRel, 80, 20);
